@@ -1,0 +1,79 @@
+"""Atomic, private file writes: results and checkpoints never appear half-written.
+
+Every writer goes to a temporary file in the destination folder and renames it into place
+(``os.replace`` is atomic on POSIX).  ``private=True`` creates the file with mode 0600: use it
+for per-example budgets and ε, which are personal data.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode: str = "w", private: bool = False) -> Iterator[io.IOBase]:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o600 if private else 0o644)
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path, data: Any, private: bool = False) -> Path:
+    with atomic_open(path, "w", private=private) as fh:
+        json.dump(data, fh, indent=2, sort_keys=False, default=_json_default)
+        fh.write("\n")
+    return Path(path)
+
+
+def write_npz(path, private: bool = False, **arrays) -> Path:
+    with atomic_open(path, "wb", private=private) as fh:
+        np.savez(fh, **arrays)
+    return Path(path)
+
+
+def write_csv(path, header: list[str], columns: list, private: bool = False) -> Path:
+    """Write equal-length columns as CSV (floats with full precision)."""
+    cols = [np.asarray(c) for c in columns]
+    n = len(cols[0]) if cols else 0
+    if any(len(c) != n for c in cols):
+        raise ValueError("all CSV columns must have the same length")
+    with atomic_open(path, "w", private=private) as fh:
+        fh.write(",".join(header) + "\n")
+        for row in zip(*cols):
+            fh.write(",".join(_fmt(v) for v in row) + "\n")
+    return Path(path)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, (float, np.floating)):
+        return repr(float(v))
+    if isinstance(v, (np.integer, np.bool_)):
+        return str(v.item())
+    return str(v)
+
+
+def _json_default(o):
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (np.floating, np.integer, np.bool_)):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot serialize {type(o).__name__}")
