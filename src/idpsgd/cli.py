@@ -38,8 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _flag(name: str) -> str:
-    base = name.split(" ")[0]
-    return "--" + base.replace("_", "-")
+    return "--" + name.replace("_", "-")
 
 
 def _emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None) -> None:
@@ -68,9 +67,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except InvalidParameterError as exc:
-        label = exc.name
-        sys.stderr.write(f"idpsgd {args.command}: error: {_flag(label)}{label[len(label.split(' ')[0]):]}"
-                         f"={exc.value!r} is invalid: {exc.allowed}\n")
+        sys.stderr.write(f"idpsgd {args.command}: error: {_flag(exc.name)}{str(exc)[len(exc.name):]}\n")
         return 2
     except (UnreachableTargetError, FileNotFoundError) as exc:
         sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from .accounting import (DEFAULT_ORDERS, calibrate_noise_multiplier, compute_rdp, epsilon_sgm,
                          rdp_to_epsilon)
+import numpy as np
+
 from .cli import arguments, command
-from .validation import check_delta, check_epsilon, check_noise_multiplier, check_sample_rate, check_steps
+from .validation import (InvalidParameterError, check_delta, check_epsilon, check_noise_multiplier,
+                         check_sample_rate, check_steps)
 
 
 def _accountant(p):
@@ -52,3 +55,95 @@ def noise_multiplier_cmd(args):
     sigma = calibrate_noise_multiplier(args.epsilon, delta, q, steps, args.accountant)
     achieved = float(epsilon_sgm(q, sigma, steps, delta, args.accountant))
     return {"noise_multiplier": float(sigma), "epsilon": achieved, "accountant": args.accountant}
+
+
+def budget_source_args(p, required=True):
+    """Flags that describe where per-example budgets come from (shared by assign and train)."""
+    p.add_argument("--budgets", help="comma-separated group budgets, e.g. 1,2,3 (with --fractions)")
+    p.add_argument("--fractions", help="comma-separated group fractions summing to 1")
+    p.add_argument("--budgets-per-class", help="per-class budgets, e.g. 0:1,1:2,2:3 (train only)")
+    p.add_argument("--budgets-file", help="CSV file with one row per example")
+    p.add_argument("--budget-column", default="epsilon", help="column of --budgets-file (default: epsilon)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random group assignment")
+
+
+def budgets_from_args(args, num_examples=None, labels=None):
+    from .assignment import Budgets, parse_class_map, parse_float_list
+
+    delta = check_delta(args.delta)
+    if args.budgets_file:
+        return Budgets.from_csv(args.budgets_file, args.budget_column, delta)
+    if args.budgets_per_class:
+        if labels is None:
+            raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
+                                        "needs labels: use it with 'idpsgd train'")
+        return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
+    if not args.budgets:
+        raise InvalidParameterError("budgets", None, "give --budgets with --fractions, "
+                                    "--budgets-per-class, or --budgets-file")
+    values, fractions = group_spec(args)
+    return Budgets.from_groups(values, fractions, num_examples, delta, seed=args.seed)
+
+
+def group_spec(args):
+    """(budgets, fractions) from --budgets/--fractions, validated."""
+    from .assignment import group_counts, parse_float_list
+
+    values = parse_float_list(args.budgets, "budgets")
+    check_epsilon(values, "budgets")
+    if len(set(values)) != len(values):
+        raise InvalidParameterError("budgets", values, "must be distinct (a group is a distinct budget)")
+    if args.fractions is None and len(values) != 1:
+        raise InvalidParameterError("fractions", None, "are required when there is more than one budget")
+    fractions = parse_float_list(args.fractions, "fractions") if args.fractions else [1.0]
+    group_counts(fractions, 1_000_000, values)  # validates count, positivity and sum
+    return values, fractions
+
+
+def _assign_args(p):
+    p.add_argument("--method", choices=["uniform", "sample", "scale"], required=True)
+    budget_source_args(p)
+    p.add_argument("--delta", type=float, required=True, help="global δ in (0, 1)")
+    p.add_argument("--sample-rate", type=float, required=True, help="requested (mean) sampling rate q")
+    p.add_argument("--steps", type=int, required=True, help="planned number of steps")
+    p.add_argument("--clip-norm", type=float, required=True, help="requested (mean) clip norm c")
+    p.add_argument("--num-examples", type=int,
+                   help="dataset size: group sizes by largest remainder (default: exact fractions)")
+    _accountant(p)
+
+
+def _assign_text(r):
+    lines = [f"method={r['method']} accountant={r['accountant']} noise_multiplier={r['noise_multiplier']:.6g} "
+             f"sample_rate={r['sample_rate']:.6g} clip_norm={r['clip_norm']:.6g}",
+             f"{'budget':>8} {'fraction':>9} {'sample_rate':>12} {'clip_norm':>10} {'sigma_eff':>10} {'epsilon':>9}"]
+    for g in r["groups"]:
+        lines.append(f"{g['budget']:>8.4g} {g['fraction']:>9.4f} {g['sample_rate']:>12.6f} "
+                     f"{g['clip_norm']:>10.5f} {g['noise_multiplier']:>10.5f} {g['epsilon']:>9.5f}")
+    return "\n".join(lines)
+
+
+@command("assign", "per-group DP-SGD parameters for individualized budgets (IDP-SGD Sample/Scale)")
+@arguments(_assign_args)
+def assign_cmd(args):
+    from .assignment import Budgets, assign
+
+    if args.budgets_per_class:
+        raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
+                                    "needs labels: use it with 'idpsgd train'")
+    weights = None
+    if args.budgets_file or args.num_examples:
+        budgets = budgets_from_args(args, args.num_examples)
+    else:  # no dataset size: the groups are weighted by their exact fractions
+        values, fractions = group_spec(args)
+        order = np.argsort(values)
+        budgets = Budgets.from_array(values, check_delta(args.delta))
+        weights = np.asarray(fractions)[order]
+    result = assign(budgets, args.method, args.sample_rate, args.steps, args.clip_norm,
+                    args.accountant, group_weights=weights).summary()
+    if weights is not None:  # no dataset size: groups are fractions, not counts
+        for g in result["groups"]:
+            g.pop("count")
+    return result
+
+
+assign_cmd._text = _assign_text

@@ -25,18 +25,22 @@ class UnreachableTargetError(ValueError):
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(_show(v) for v in value)
     arr = np.asarray(value)
     if arr.ndim == 0:
-        return repr(value.item() if hasattr(value, "item") else value)
+        v = value.item() if hasattr(value, "item") else value
+        return str(v) if isinstance(v, (int, float)) else repr(v)
     flat = arr.ravel()
     return f"array(shape={arr.shape}, min={flat.min() if flat.size else 'n/a'}, max={flat.max() if flat.size else 'n/a'})"
 
 
 def _bad_where(name: str, arr: np.ndarray, bad: np.ndarray, allowed: str) -> None:
     if np.any(bad):
-        first = arr.ravel()[np.flatnonzero(bad.ravel())[0]] if arr.ndim else arr
-        label = name if arr.ndim == 0 else f"{name} (e.g. {float(first)!r})"
-        raise InvalidParameterError(label, first if arr.ndim else arr.item(), allowed)
+        if arr.ndim == 0:
+            raise InvalidParameterError(name, arr.item(), allowed)
+        first = float(arr.ravel()[np.flatnonzero(bad.ravel())[0]])
+        raise InvalidParameterError(name, first, "every value " + allowed.removeprefix("every value "))
 
 
 def check_sample_rate(value, name: str = "sample_rate", allow_zero: bool = False) -> np.ndarray:

@@ -1,0 +1,138 @@
+"""Per-example privacy budgets: one ε per example and one global δ.
+
+Budgets come as (a) an array of ε values, (b) groups given as budgets with fractions, assigned
+at random with a seed and exact counts (largest remainder), (c) a per-class mapping applied to
+labels, or (d) a column of a CSV file.  Privacy groups are the distinct budget values (Boenisch
+et al. 2023, §3.1); they are derived, not stored.  Budgets are personal data: never log them.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..validation import InvalidParameterError, check_delta, check_epsilon
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-example ε (``epsilons``, float array) and the global δ."""
+
+    epsilons: np.ndarray
+    delta: float
+
+    def __post_init__(self):
+        eps = np.asarray(self.epsilons, dtype=float)
+        if eps.ndim != 1 or eps.size == 0:
+            raise InvalidParameterError("budgets", f"array of shape {eps.shape}", "must be a non-empty 1-D array")
+        check_epsilon(eps, "budgets")
+        object.__setattr__(self, "epsilons", eps)
+        object.__setattr__(self, "delta", check_delta(self.delta))
+
+    def __len__(self) -> int:
+        return self.epsilons.size
+
+    def __repr__(self) -> str:  # never print the per-example values
+        return f"Budgets(n={len(self)}, groups={self.values.size}, delta={self.delta})"
+
+    @property
+    def values(self) -> np.ndarray:
+        """The distinct budgets (privacy groups), ascending."""
+        return np.unique(self.epsilons)
+
+    def groups(self):
+        """(values, counts, group index of every example)."""
+        values, inverse, counts = np.unique(self.epsilons, return_inverse=True, return_counts=True)
+        return values, counts, inverse.ravel()
+
+    # --- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_array(cls, epsilons, delta: float) -> "Budgets":
+        return cls(np.asarray(epsilons, dtype=float), delta)
+
+    @classmethod
+    def from_groups(cls, budgets, fractions, num_examples: int, delta: float, seed: int = 0) -> "Budgets":
+        """Assign ``budgets`` to ``num_examples`` examples in exact proportions, at random (seeded)."""
+        counts = group_counts(fractions, num_examples, budgets)
+        eps = np.repeat(np.asarray(budgets, dtype=float), counts)
+        np.random.default_rng(seed).shuffle(eps)
+        return cls(eps, delta)
+
+    @classmethod
+    def from_class_map(cls, labels, mapping: dict, delta: float) -> "Budgets":
+        """Budget of each example from its label: ``mapping[label] = ε``."""
+        labels = np.asarray(labels)
+        missing = sorted(set(np.unique(labels).tolist()) - set(mapping))
+        if missing:
+            raise InvalidParameterError("budgets_per_class", mapping,
+                                        f"has no budget for class(es) {missing}; give one per class")
+        lut = {k: float(v) for k, v in mapping.items()}
+        return cls(np.array([lut[int(y)] if isinstance(y, (int, np.integer)) else lut[y] for y in labels.tolist()]),
+                   delta)
+
+    @classmethod
+    def from_csv(cls, path, column: str, delta: float) -> "Budgets":
+        """Budgets from one column of a CSV file with a header row (one row per example)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"budgets file not found: {path} (expected a CSV with a header "
+                                    f"row and a column {column!r})")
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            if reader.fieldnames is None or column not in reader.fieldnames:
+                raise InvalidParameterError("budget_column", column,
+                                            f"must be one of the CSV columns {reader.fieldnames}")
+            try:
+                values = [float(row[column]) for row in reader]
+            except ValueError as exc:
+                raise InvalidParameterError("budget_column", column, f"holds a non-numeric value ({exc})") from None
+        return cls(np.array(values), delta)
+
+
+def group_counts(fractions, num_examples: int, budgets=None) -> np.ndarray:
+    """Exact group sizes for ``fractions`` of ``num_examples`` by the largest-remainder method."""
+    fr = np.asarray(fractions, dtype=float)
+    if fr.ndim != 1 or fr.size == 0:
+        raise InvalidParameterError("fractions", fractions, "must be a non-empty list")
+    if budgets is not None and len(np.atleast_1d(budgets)) != fr.size:
+        raise InvalidParameterError("fractions", fractions,
+                                    f"must have one entry per budget ({len(np.atleast_1d(budgets))} budgets, "
+                                    f"{fr.size} fractions)")
+    if np.any(~(fr > 0)) or np.any(~np.isfinite(fr)):
+        raise InvalidParameterError("fractions", fractions, "every fraction must be > 0")
+    if abs(fr.sum() - 1) > 1e-6:
+        raise InvalidParameterError("fractions", fractions, f"must sum to 1 (within 1e-6); they sum to {fr.sum():.8g}")
+    n = int(num_examples)
+    if n < 1:
+        raise InvalidParameterError("num_examples", num_examples, "must be an integer >= 1")
+    raw = fr / fr.sum() * n
+    counts = np.floor(raw).astype(int)
+    order = np.argsort(-(raw - counts), kind="stable")
+    counts[order[: n - counts.sum()]] += 1
+    return counts
+
+
+def parse_float_list(text: str, name: str) -> list[float]:
+    try:
+        return [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError(name, text, "must be a comma-separated list of numbers") from None
+
+
+def parse_class_map(text: str) -> dict:
+    """``"0:1,1:2,2:3"`` → {0: 1.0, 1: 2.0, 2: 3.0} (labels as int where they look like ints)."""
+    out = {}
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        if ":" not in part:
+            raise InvalidParameterError("budgets_per_class", text, "must look like 'class:epsilon,class:epsilon,...'")
+        k, v = part.split(":", 1)
+        k = k.strip()
+        try:
+            out[int(k) if k.lstrip("-").isdigit() else k] = float(v)
+        except ValueError:
+            raise InvalidParameterError("budgets_per_class", text, "epsilons must be numbers") from None
+    return out
