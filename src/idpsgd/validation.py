@@ -89,6 +89,13 @@ def check_positive(value, name: str) -> float:
     return v
 
 
+def check_positive_array(value, name: str) -> np.ndarray:
+    """Every value > 0 and finite (returns a float array)."""
+    arr = np.asarray(value, dtype=float)
+    _bad_where(name, arr, ~((arr > 0) & np.isfinite(arr)), "must be > 0 and finite")
+    return arr
+
+
 def check_orders(orders) -> np.ndarray:
     arr = np.atleast_1d(np.asarray(orders, dtype=float))
     if arr.ndim != 1 or arr.size == 0:
