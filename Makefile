@@ -17,10 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/idpsgd epsilon --sample-rate 0.0256 --noise-multiplier 1.0 --steps 1000 --delta 1e-5
-	$(BIN)/idpsgd noise-multiplier --epsilon 1 --sample-rate 0.0256 --steps 1000 --delta 1e-5
-	$(BIN)/idpsgd assign --method sample --budgets 1,2,3 --fractions 0.34,0.43,0.23 --delta 1e-5 --sample-rate 0.0256 --steps 1000 --clip-norm 1.0
-	$(BIN)/idpsgd assign --method scale --budgets 1,2,3 --fractions 0.34,0.43,0.23 --delta 1e-5 --sample-rate 0.0256 --steps 1000 --clip-norm 1.0
+	$(BIN)/idpsgd demo --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

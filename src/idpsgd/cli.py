@@ -49,7 +49,7 @@ def _emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import commands  # noqa: F401  (registers the commands)
+    from . import commands, train_commands  # noqa: F401  (register the commands)
 
     parser = _Parser(prog="idpsgd", description="Individualized privacy for DP-SGD.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
     _help, _add, run = COMMANDS[args.command]

@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .validation import InvalidParameterError
+
 
 class DatasetFileError(FileNotFoundError):
     """A dataset file is missing or unreadable; the message names what is expected and where."""
@@ -55,7 +57,7 @@ def register(name):
 
 def load_dataset(name: str, data_dir=None, **kwargs) -> Dataset:
     if name not in LOADERS:
-        raise ValueError(f"dataset={name!r} is invalid: must be one of {sorted(LOADERS)}")
+        raise InvalidParameterError("dataset", name, f"must be one of {sorted(LOADERS)}")
     return LOADERS[name](Path(data_dir) if data_dir else None, **kwargs)
 
 

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .validation import InvalidParameterError
+
 MODELS: dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -28,7 +30,7 @@ def register(name: str):
 def create_model(name: str, input_shape: tuple, num_classes: int) -> nn.Module:
     """Build a registered model for inputs of ``input_shape`` (C, H, W) or (features,)."""
     if name not in MODELS:
-        raise ValueError(f"model={name!r} is invalid: must be one of {sorted(MODELS)}")
+        raise InvalidParameterError("model", name, f"must be one of {sorted(MODELS)}")
     return MODELS[name](tuple(input_shape), int(num_classes))
 
 

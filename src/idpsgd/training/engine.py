@@ -53,9 +53,9 @@ class TrainConfig:
 
     method: str = "sample"
     epochs: int = 30
-    batch_size: int = 64
-    lr: float = 0.5
-    momentum: float = 0.0
+    batch_size: int = 128
+    lr: float = 0.05
+    momentum: float = 0.9
     clip_norm: float = 1.0
     accountant: str = "rdp"
     model: str | None = None
@@ -181,7 +181,7 @@ class Trainer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook.*")
             warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
-            bar = tqdm(total=total, initial=min(self.step, total), disable=not self.config.progress,
+            bar = tqdm(total=total, initial=min(self.step, total), disable=None if self.config.progress else True,
                        desc=f"{self.plan.method}", unit="step", leave=False)
             while self.phase_idx < len(self.plan.phases) and not self.stopped_early:
                 self._run_phase(self.plan.phases[self.phase_idx], ds, bar)
