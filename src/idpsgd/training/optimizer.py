@@ -14,10 +14,12 @@ min(1, c_i / (‖g_i‖ + 1e-6)) instead of min(1, c / (‖g_i‖ + 1e-6)).  Noi
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _mark_as_processed
 
-from ..validation import check_noise_multiplier, check_positive, check_positive_array
+from ..validation import InvalidParameterError, check_positive, check_positive_array
 
 
 class IndividualizedDPOptimizer(DPOptimizer):
@@ -39,7 +41,9 @@ class IndividualizedDPOptimizer(DPOptimizer):
     def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float, clip_norms,
                  expected_batch_size: float, loss_reduction: str = "mean", generator=None,
                  secure_mode: bool = False, **kwargs):
-        check_noise_multiplier(noise_multiplier, allow_inf=False)
+        if not (float(noise_multiplier) >= 0 and math.isfinite(float(noise_multiplier))):
+            raise InvalidParameterError("noise_multiplier", noise_multiplier, "must be >= 0 and finite "
+                                        "(0 only for tests: no privacy)")
         check_positive(max_grad_norm, "max_grad_norm")
         check_positive(expected_batch_size, "expected_batch_size")
         clip = torch.as_tensor(check_positive_array(clip_norms, "clip_norms"), dtype=torch.float32).flatten()
