@@ -60,6 +60,104 @@ def bench_rdp():
     }
 
 
+def _digits_setup():
+    from idpsgd.assignment import Budgets
+    from idpsgd.data import load_dataset
+    from idpsgd.train_commands import DEMO_BUDGETS, DEMO_FRACTIONS
+
+    data = load_dataset("digits")
+    budgets = Budgets.from_groups([float(v) for v in DEMO_BUDGETS.split(",")],
+                                  [float(v) for v in DEMO_FRACTIONS.split(",")], len(data.y_train), 1e-5, seed=0)
+    return data, budgets
+
+
+def _opacus_epochs(data, sigma, cfg, epochs):
+    """Plain Opacus DP-SGD (PrivacyEngine, Poisson DataLoader) on the same model, data and loop."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from opacus import PrivacyEngine
+
+    from idpsgd.models import create_model
+    from idpsgd.training import evaluate
+
+    torch.manual_seed(cfg.seed)
+    model = create_model("digits_cnn", data.input_shape, data.num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.x_train, data.y_train),
+                                         batch_size=cfg.batch_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
+                                                          noise_multiplier=sigma, max_grad_norm=cfg.clip_norm)
+        t = time.perf_counter()
+        for _ in range(epochs):
+            for x, y in loader:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            evaluate(model, data.x_test, data.y_test, data.num_classes)
+    return time.perf_counter() - t
+
+
+@bench
+def bench_train_speed():
+    """Seconds per epoch on digits (digits_cnn, B=128): Sample and Scale (our whole loop: sampler,
+    per-example clipping, privacy filter, ledger, per-epoch evaluation) against plain Opacus
+    DP-SGD (PrivacyEngine with its Poisson DataLoader) with the same per-epoch evaluation."""
+    import torch
+
+    from idpsgd.training import TrainConfig, Trainer
+
+    torch.set_num_threads(2)
+    data, budgets = _digits_setup()
+    epochs, repeat = 10, 3
+    out = {"dataset": "digits", "epochs": epochs, "threads": torch.get_num_threads()}
+    for method in ("sample", "scale"):
+        best = float("inf")
+        for _ in range(repeat):
+            trainer = Trainer(data, budgets, TrainConfig(method=method, epochs=epochs, progress=False))
+            t = time.perf_counter()
+            trainer.run()
+            best = min(best, time.perf_counter() - t)
+        out[f"{method}_seconds_per_epoch"] = best / epochs
+        sigma = trainer.plan.phases[0].assignment.noise_multiplier
+    cfg = TrainConfig(epochs=epochs)
+    out["opacus_seconds_per_epoch"] = min(_opacus_epochs(data, sigma, cfg, epochs) for _ in range(repeat)) / epochs
+    for method in ("sample", "scale"):
+        out[f"{method}_ratio"] = out[f"{method}_seconds_per_epoch"] / out["opacus_seconds_per_epoch"]
+    out["target_ratio"] = 1.05
+    return out
+
+
+@bench
+def bench_demo_accuracy():
+    """Test accuracy on digits over 5 seeds for the demo's four runs (mean ± std)."""
+    from idpsgd.assignment import Budgets
+    from idpsgd.train_commands import DEMO_RUNS
+    from idpsgd.training import TrainConfig, train
+
+    data, _ = _digits_setup()
+    n = len(data.y_train)
+    seeds = range(5)
+    out = {"dataset": "digits", "seeds": list(seeds), "config": TrainConfig().__dict__ | {"progress": None}}
+    for label, method, budgets, fractions in DEMO_RUNS:
+        accs, spent = [], []
+        for seed in seeds:
+            if fractions:
+                b = Budgets.from_groups([float(v) for v in budgets.split(",")],
+                                        [float(v) for v in fractions.split(",")], n, 1e-5, seed=seed)
+            else:
+                b = Budgets.from_array([float(budgets)] * n, 1e-5)
+            report = train(data, b, TrainConfig(method=method, seed=seed, progress=False))
+            accs.append(report["test_accuracy"])
+            spent.append([g["epsilon_spent"] for g in report["groups"]])
+        out[label] = {"accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
+                      "accuracies": accs, "max_epsilon_spent_per_group": np.max(spent, axis=0).tolist()}
+    return out
+
+
 def main(argv):
     names = argv or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]

@@ -1,18 +1,35 @@
 """idpsgd — individualized privacy for DP-SGD.
 
-Assign a privacy budget per example and train to it (IDP-SGD Sample and Scale), account for the
-privacy each example actually received, and report it.  The accounting core
-(:mod:`idpsgd.accounting`) is numpy/scipy only; training needs torch and Opacus.
+Assign a privacy budget per example and train to it (IDP-SGD Sample and Scale, and the
+exclude / sequential baselines), account for the privacy each example actually received, and
+report it.  The accounting core (:mod:`idpsgd.accounting`) and assignment are numpy/scipy only;
+the training API (torch, Opacus) is imported lazily on first use.
 """
 from .accounting import (DEFAULT_ORDERS, RdpLedger, SampledGaussianEvent, calibrate_noise_multiplier,
                          calibrate_sample_rate, compute_rdp, epsilon_sgm, pld_epsilon, rdp_epsilon,
                          rdp_to_delta, rdp_to_epsilon)
+from .assignment import Assignment, Budgets, assign
 from .validation import InvalidParameterError, UnreachableTargetError
 
 __version__ = "0.1.0"
 
+_LAZY = {  # name -> module (torch-dependent, imported on first access)
+    "TrainConfig": "training", "Trainer": "training", "train": "training", "build_plan": "training",
+    "make_private_individualized": "training", "IndividualizedDPOptimizer": "training",
+    "PoissonSampler": "training", "load_dataset": "data", "Dataset": "data", "create_model": "models",
+    "MODELS": "models",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'idpsgd' has no attribute {name!r}")
+
+
 __all__ = [
-    "DEFAULT_ORDERS", "InvalidParameterError", "RdpLedger", "SampledGaussianEvent",
-    "UnreachableTargetError", "calibrate_noise_multiplier", "calibrate_sample_rate", "compute_rdp",
-    "epsilon_sgm", "pld_epsilon", "rdp_epsilon", "rdp_to_delta", "rdp_to_epsilon",
+    "Assignment", "Budgets", "DEFAULT_ORDERS", "InvalidParameterError", "RdpLedger", "SampledGaussianEvent",
+    "UnreachableTargetError", "assign", "calibrate_noise_multiplier", "calibrate_sample_rate", "compute_rdp",
+    "epsilon_sgm", "pld_epsilon", "rdp_epsilon", "rdp_to_delta", "rdp_to_epsilon", *_LAZY,
 ]
