@@ -18,3 +18,7 @@ __all__ = [
     "get_accountant", "pld_epsilon", "rdp_epsilon", "rdp_to_delta", "rdp_to_epsilon",
     "solve_monotone",
 ]
+from .individual import (ROUNDING, IndividualAccountant, RdpInterpolator, account_from_norms,  # noqa: E402
+                         round_sensitivities)
+
+__all__ += ["IndividualAccountant", "ROUNDING", "RdpInterpolator", "account_from_norms", "round_sensitivities"]
