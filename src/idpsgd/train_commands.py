@@ -41,6 +41,18 @@ def _train_args(p):
                    help="exclude: drop examples with budget below this (default: the second-smallest budget)")
     p.add_argument("--out", required=True, help="run folder: report.json, ledger.csv, model.pt, checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    g = p.add_argument_group("individual privacy accounting (Yu et al. 2023)")
+    g.add_argument("--individual-accounting", action="store_true",
+                   help="account for the ε every training example actually received")
+    g.add_argument("--refreshes-per-epoch", type=float, default=1.0,
+                   help="γ: gradient-norm refreshes per epoch (default 1)")
+    g.add_argument("--rounding", choices=["exact", "ceil", "nearest"], default="nearest",
+                   help="rounding of norms: nearest (the paper's), ceil (never below), exact (default nearest)")
+    g.add_argument("--rounding-step", type=float, help="rounding step r (default 0.01 x clip norm)")
+    g.add_argument("--individual-clipping", action="store_true",
+                   help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee")
+    g.add_argument("--validate-subset", type=int, default=1000,
+                   help="examples tracked exactly at every step to validate the estimates (default 1000; 0: off)")
 
 
 def _config(args, method):
@@ -49,7 +61,10 @@ def _config(args, method):
     return TrainConfig(method=method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                        momentum=args.momentum, clip_norm=args.clip_norm, accountant=args.accountant,
                        model=args.model, seed=args.seed, exclude_below=getattr(args, "exclude_below", None),
-                       progress=not args.no_progress)
+                       progress=not args.no_progress,
+                       **{k: getattr(args, k) for k in ("individual_accounting", "refreshes_per_epoch", "rounding",
+                                                         "rounding_step", "individual_clipping", "validate_subset")
+                          if hasattr(args, k)})
 
 
 def _load(args):
@@ -65,6 +80,17 @@ def _train_text(r):
     for g in r["groups"]:
         c = f"{g['clip_norm']:>10.4f}" if g["clip_norm"] is not None else f"{'excluded':>10}"
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {c} {g['epsilon_spent']:>10.4f}")
+    ip = r.get("individual_privacy")
+    if ip:
+        lines.append(f"individual epsilon ({ip['kind']}): mean {ip['mean']:.4f}, median {ip['quantiles']['0.5']:.4f}, "
+                     f"max {ip['max']:.4f}; worst case {ip['worst_case_epsilon']:.4f}; "
+                     f"{100 * ip['share_at_worst_case']:.1f}% at the worst case")
+        if "validation" in ip:
+            v = ip["validation"]
+            lines.append(f"validation on {v['examples']} examples tracked exactly: Pearson r "
+                         f"{v['pearson_r'] if v['pearson_r'] is None else round(v['pearson_r'], 4)}, "
+                         f"mean |error| {v['mean_abs_error']:.4f}, max |error| {v['max_abs_error']:.4f}")
+        lines.append(f"per-example values: {r['out']}/individual_epsilons.csv (personal data)")
     lines.append(f"report: {r['out']}/report.json")
     return "\n".join(lines)
 

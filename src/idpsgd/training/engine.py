@@ -62,9 +62,25 @@ class TrainConfig:
     seed: int = 0
     exclude_below: float | None = None
     progress: bool = True
+    # individual privacy accounting (Yu et al. 2023)
+    individual_accounting: bool = False
+    refreshes_per_epoch: float = 1.0
+    rounding: str = "nearest"
+    rounding_step: float | None = None
+    individual_clipping: bool = False
+    validate_subset: int = 1000
 
     def validate(self) -> "TrainConfig":
+        from ..accounting import ROUNDING
+
         check_positive(self.lr, "lr")
+        if self.rounding not in ROUNDING:
+            raise InvalidParameterError("rounding", self.rounding, f"must be one of {', '.join(ROUNDING)}")
+        if self.individual_clipping and not self.individual_accounting:
+            raise InvalidParameterError("individual_clipping", True, "needs individual accounting (--individual-accounting)")
+        if self.individual_accounting and self.method == "sequential":
+            raise InvalidParameterError("method", self.method, "individual accounting supports one-phase methods "
+                                        "(uniform, sample, scale, exclude)")
         if not 0 <= self.momentum < 1:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
         if self.accountant not in ("rdp", "pld"):
@@ -117,6 +133,8 @@ class Trainer:
         self.stopped_early = False
         self.history: list[dict] = []
         self.ledger_rows: list[list] = []
+        self.tracker = None            # IndividualTracker when config.individual_accounting
+        self._tracker_state = None
 
     # --- privacy bookkeeping -------------------------------------------------------------
     def _phase_groups(self, phase: Phase):
@@ -155,7 +173,8 @@ class Trainer:
                  "model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
                  "rng": self.rng.bit_generator.state, "noise": self.noise.get_state(),
                  "ledger": self.ledger.state_dict(), "group_events": self.group_events,
-                 "history": self.history, "ledger_rows": self.ledger_rows}
+                 "history": self.history, "ledger_rows": self.ledger_rows,
+                 "individual": self.tracker.state_dict() if self.tracker is not None else None}
         with atomic_open(self.out_dir / CHECKPOINT, "wb", private=True) as fh:
             torch.save(state, fh)
 
@@ -173,6 +192,7 @@ class Trainer:
         self.phase_idx, self.phase_epoch, self.step = state["phase_idx"], state["phase_epoch"], state["step"]
         self.stopped_early, self.history = state["stopped_early"], state["history"]
         self.ledger_rows = state["ledger_rows"]
+        self._tracker_state = state.get("individual")
 
     # --- the loop ------------------------------------------------------------------------
     def run(self) -> dict:
@@ -197,6 +217,16 @@ class Trainer:
             phase.assignment, seed=self.rng, noise_generator=self.noise,
             steps_per_epoch=phase.steps_per_epoch)
         self.model.train()
+        if self.config.individual_accounting and self.tracker is None:
+            from .individual import IndividualTracker
+            c = self.config
+            self.tracker = IndividualTracker(
+                phase.assignment, phase.steps_per_epoch, ds.x_train[phase.indices], ds.y_train[phase.indices],
+                refreshes_per_epoch=c.refreshes_per_epoch, rounding=c.rounding, rounding_step=c.rounding_step,
+                individual_clipping=c.individual_clipping, validate_subset=c.validate_subset, seed=c.seed)
+            if self._tracker_state is not None:
+                self.tracker.load_state_dict(self._tracker_state)
+            self.tracker.apply_clip_norms(optimizer)
         phase_steps = self.phase_epoch * phase.steps_per_epoch
         while self.phase_epoch < phase.epochs:
             losses = []
@@ -208,10 +238,14 @@ class Trainer:
                     self.stopped_early = True
                     log.warning("stopping before step %d: a privacy group would exceed its budget", self.step + 1)
                     break
+                if self.tracker is not None:
+                    self.tracker.before_step(self.model, optimizer, phase_steps)
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(self.model(x), y)
                 loss.backward()
                 optimizer.step()
+                if self.tracker is not None:
+                    self.tracker.after_step()
                 self.ledger.add(step_rdp)
                 self.ledger.steps += 1
                 for r, qq, ss in zip(rows, q, sig):
@@ -258,6 +292,12 @@ class Trainer:
                            "steps": int(sum(self.group_events[r].values())),
                            "epsilon_spent": float(spent[r]), "epsilon_rdp": float(rdp_spent[r])})
         sigmas = [p.assignment.noise_multiplier for p in plan.phases]
+        extra = {}
+        if self.tracker is not None:
+            phase = plan.phases[0]
+            extra["individual_privacy"] = self.tracker.finish(
+                self.model, self.budgets.delta, phase.indices, self.budgets.epsilons[phase.indices], self.out_dir,
+                ev["per_class_accuracy"], seed=self.config.seed)
         return {
             "method": plan.method, "dataset": ds.name, "model": self.model_name,
             "accountant": self.config.accountant, "guarantee": GUARANTEE, "delta": self.budgets.delta,
@@ -269,7 +309,7 @@ class Trainer:
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
                         "sample_rate": p.assignment.sample_rate, "noise_multiplier": p.assignment.noise_multiplier}
                        for p in plan.phases],
-            "groups": groups, "history": self.history,
+            "groups": groups, "history": self.history, **extra,
         }
 
     def write_outputs(self, report: dict) -> None:
