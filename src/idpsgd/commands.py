@@ -147,3 +147,54 @@ def assign_cmd(args):
 
 
 assign_cmd._text = _assign_text
+
+
+def _account_args(p):
+    p.add_argument("--norms", required=True,
+                   help="npz with 'norms' (refreshes x examples) and 'steps' (steps covered by each refresh)")
+    p.add_argument("--sample-rate", type=float, required=True, help="Poisson sampling rate q in (0, 1]")
+    p.add_argument("--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0")
+    p.add_argument("--clip-norm", type=float, required=True, help="clip norm C > 0")
+    p.add_argument("--delta", type=float, required=True, help="δ in (0, 1)")
+    p.add_argument("--rounding", choices=["exact", "ceil", "nearest"], default="nearest",
+                   help="rounding of norms (default nearest, step 0.01 C)")
+    p.add_argument("--rounding-step", type=float, help="rounding step r (default 0.01 x clip norm)")
+    p.add_argument("--out", help="folder for individual_epsilons.csv (default: the folder of --norms)")
+
+
+@command("account", "offline individual privacy accounting (Yu et al.) from recorded gradient norms")
+@arguments(_account_args)
+def account_cmd(args):
+    from pathlib import Path
+
+    from .accounting import account_from_norms
+    from .io import write_csv
+
+    path = Path(args.norms)
+    if not path.is_file():
+        raise FileNotFoundError(f"norms file not found: {path} (expected an npz with arrays 'norms' and 'steps')")
+    try:
+        with np.load(path) as data:
+            missing = [k for k in ("norms", "steps") if k not in data.files]
+            if missing:
+                raise InvalidParameterError("norms", str(path), f"the npz lacks {missing} (has {data.files})")
+            norms, steps = data["norms"], data["steps"]
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, InvalidParameterError):
+            raise
+        raise InvalidParameterError("norms", str(path), f"is not a readable npz file ({exc})") from None
+    q = float(check_sample_rate(args.sample_rate))
+    sigma = float(check_noise_multiplier(args.noise_multiplier, allow_inf=False))
+    delta = check_delta(args.delta)
+    norms = np.atleast_2d(norms)
+    if np.size(steps) not in (1, norms.shape[0]):
+        raise InvalidParameterError("steps", f"{np.size(steps)} values", f"need 1 or one per refresh ({norms.shape[0]})")
+    eps, worst = account_from_norms(norms, steps, q, sigma, args.clip_norm, delta, args.rounding, args.rounding_step)
+    out = Path(args.out) if args.out else path.parent
+    csv_path = write_csv(out / "individual_epsilons.csv", ["index", "epsilon", "worst_case_epsilon"],
+                         [np.arange(eps.size), eps, worst], private=True)
+    return {"epsilons": str(csv_path), "mean": float(eps.mean()), "max": float(eps.max()),
+            "quantiles": {f"{p:g}": float(np.quantile(eps, p)) for p in (0.1, 0.25, 0.5, 0.75, 0.9)},
+            "worst_case_epsilon": float(worst.max()), "examples": int(eps.size),
+            "steps": int(np.sum(np.broadcast_to(steps, (norms.shape[0],)))), "rounding": args.rounding,
+            "kind": "estimate" if args.rounding == "nearest" or np.any(np.asarray(steps) > 1) else "guarantee"}

@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from ..validation import InvalidParameterError, check_positive, check_positive_array, check_sample_rate
+from ..validation import InvalidParameterError, _bad_where, check_positive, check_positive_array, check_sample_rate
 from .conversion import rdp_to_epsilon
 from .ledger import RdpLedger
 from .rdp import DEFAULT_ORDERS, compute_rdp
@@ -45,8 +45,7 @@ def round_sensitivities(norms, clip_norms, rounding: str = "nearest", step: floa
     if rounding not in ROUNDING:
         raise InvalidParameterError("rounding", rounding, f"must be one of {', '.join(ROUNDING)}")
     norms = np.asarray(norms, dtype=float)
-    if np.any(~np.isfinite(norms)) or np.any(norms < 0):
-        raise InvalidParameterError("norms", norms, "every value must be >= 0 and finite")
+    _bad_where("norms", norms, ~(np.isfinite(norms) & (norms >= 0)), "must be >= 0 and finite")
     clip = np.broadcast_to(np.asarray(clip_norms, dtype=float), norms.shape)
     s = np.minimum(norms, clip)
     if rounding == "exact":
@@ -66,7 +65,7 @@ class RdpInterpolator:
     the grid's first value below it (monotone: an upper bound), and 0 at t = 0.
     """
 
-    def __init__(self, rates, t_max: float, orders=DEFAULT_ORDERS, h: float = 5e-4, span: float = 1e-5):
+    def __init__(self, rates, t_max: float, orders=DEFAULT_ORDERS, h: float = 5e-4, span: float = 1e-8):
         self.rates = np.atleast_1d(np.asarray(rates, dtype=float))
         lo, hi = np.log(t_max * span), np.log(t_max)
         n = int(np.ceil((hi - lo) / h)) + 1
@@ -170,7 +169,11 @@ class IndividualAccountant:
                 self._table = RdpInterpolator(self._rates, float(self.clip_norms.max()) / (self.sigma * self.c),
                                               self.ledger.orders)
             row, du, zero = self._table.locate(t, self._rate_index)
-            self._rows = (row, np.where(zero, 0.0, du), zero)
+            if not hasattr(self, "_worst"):  # exact per-step RDP at s = c_i caps the interpolation
+                pairs, self._worst_index = np.unique(np.stack([self.q, self.clip_norms]), axis=1, return_inverse=True)
+                self._worst = compute_rdp(pairs[0], self.sigma * self.c / pairs[1], self.ledger.orders)
+                self._worst_index = self._worst_index.ravel()
+            self._rows = (row, np.where(zero, 0.0, du), zero, self._worst_index)
             return
         # rounded sensitivities take few values: multiples of r and the clip norms themselves
         if self._table is None:
@@ -190,9 +193,10 @@ class IndividualAccountant:
 
     def _block(self, rows: slice) -> np.ndarray:
         if self.rounding == "exact":
-            row, du, zero = (a[rows] for a in self._rows)
+            row, du, zero, worst = (a[rows] for a in self._rows)
             out = self._table.values[row]
             out += du[:, None] * self._table.slopes[row]
+            np.minimum(out, self._worst[worst], out=out)   # s ≤ c_i: never above the worst case
             out[zero] = 0.0
             return out
         return self._table[1][self._rows[0][rows]]

@@ -1,0 +1,210 @@
+"""Individual privacy accounting (Yu et al. 2023): rounding, per-example RDP, release, training, CLI."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from idpsgd import InvalidParameterError
+from idpsgd.accounting import (DEFAULT_ORDERS, IndividualAccountant, RdpInterpolator, account_from_norms,
+                               compute_rdp, epsilon_sgm, rdp_to_epsilon, round_sensitivities)
+from idpsgd.accounting.release import analytic_gaussian_sigma, release_mean, release_quantile
+from idpsgd.cli import main
+
+DELTA = 1e-5
+
+
+def test_rounding_modes():
+    norms = np.array([0.0, 0.004, 0.006, 0.333, 0.9951, 2.0])
+    clip = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 0.55])
+    assert np.allclose(round_sensitivities(norms, clip, "exact"), [0, 0.004, 0.006, 0.333, 0.9951, 0.55])
+    assert np.allclose(round_sensitivities(norms, clip, "nearest", 0.01), [0.01, 0.01, 0.01, 0.33, 1.0, 0.55])
+    ceil = round_sensitivities(norms, clip, "ceil", 0.01)
+    assert np.allclose(ceil, [0, 0.01, 0.01, 0.34, 1.0, 0.55])
+    assert np.all(ceil >= np.minimum(norms, clip)) and np.all(ceil <= clip)
+    with pytest.raises(InvalidParameterError, match="rounding='up' is invalid"):
+        round_sensitivities(norms, clip, "up")
+    with pytest.raises(InvalidParameterError, match="norms=-1.0 is invalid"):
+        round_sensitivities([-1.0], 1.0)
+
+
+def test_interpolated_rdp_is_a_tight_upper_bound(rng):
+    for q, sigma in [(0.0819, 3.0), (0.01, 0.8), (0.3, 2.0), (1.0, 1.5)]:
+        table = RdpInterpolator([q], 1 / sigma)
+        t = (1 / sigma) * rng.uniform(0, 1, 400) ** 2
+        exact = compute_rdp(np.full(t.size, q), 1.0 / np.maximum(t, 1e-300), DEFAULT_ORDERS)  # effective σ = 1/t
+        got = table(t)
+        assert np.all(got >= exact * (1 - 1e-12))
+        eps_got = rdp_to_epsilon(got * 500, DEFAULT_ORDERS, DELTA)[0]
+        eps_exact = rdp_to_epsilon(exact * 500, DEFAULT_ORDERS, DELTA)[0]
+        assert np.all(eps_got >= eps_exact - 1e-12)
+        assert np.all(eps_got <= eps_exact * (1 + 2e-3) + 1e-6), (q, sigma, np.max((eps_got - eps_exact) / eps_exact))
+    assert np.all(table([0.0]) == 0)
+
+
+@pytest.mark.parametrize("rounding", ["exact", "ceil", "nearest"])
+def test_accountant_matches_direct_composition(rng, rounding):
+    n, c, sigma = 300, 1.5, 1.2
+    q = np.where(np.arange(n) < 100, 0.02, 0.08)
+    clip = np.where(np.arange(n) % 3 == 0, 1.0, c)
+    acc = IndividualAccountant(q, sigma, c, clip, rounding=rounding)
+    direct = np.zeros((n, DEFAULT_ORDERS.size))
+    for k in (3, 5, 1):
+        norms = rng.lognormal(-0.5, 1.0, n)
+        s = acc.update_norms(norms)
+        acc.add_steps(k)
+        with np.errstate(divide="ignore"):
+            direct += k * compute_rdp(q, np.where(s > 0, sigma * c / np.maximum(s, 1e-300), np.inf), DEFAULT_ORDERS)
+    assert acc.steps == 9 and acc.refreshes == 3
+    if rounding == "exact":
+        assert np.all(acc.rdp() >= direct * (1 - 1e-12)) and np.allclose(acc.rdp(), direct, rtol=2e-3, atol=1e-300)
+    else:
+        assert np.allclose(acc.rdp(), direct, rtol=1e-12)
+    eps, worst = acc.epsilon(DELTA), acc.worst_case_epsilon(DELTA)
+    assert np.all(eps <= worst + 1e-12)
+    state = acc.state_dict()
+    other = IndividualAccountant(q, sigma, c, clip, rounding=rounding)
+    other.load_state_dict(state)
+    assert np.array_equal(other.epsilon(DELTA), eps)
+
+
+def test_worst_case_and_zero_gradients():
+    n = 50
+    eps, worst = account_from_norms(np.full((4, n), 10.0), [25, 25, 25, 25], 0.05, 1.1, 1.0, DELTA, "exact")
+    assert np.allclose(eps, epsilon_sgm(0.05, 1.1, 100, DELTA), rtol=1e-9) and np.allclose(worst, eps, rtol=1e-9)
+    eps0, _ = account_from_norms(np.zeros((2, n)), 10, 0.05, 1.1, 1.0, DELTA, "exact")
+    assert np.all(eps0 == 0)
+    with pytest.raises(InvalidParameterError, match="2-D"):
+        account_from_norms(np.zeros(5), 1, 0.05, 1.1, 1.0, DELTA)
+
+
+def test_analytic_gaussian_and_private_release(rng):
+    from scipy.stats import norm
+    sigma = analytic_gaussian_sigma(1.0, 1e-5, 1.0)
+    assert sigma == pytest.approx(3.7306, abs=1e-3)       # Balle & Wang 2018
+    d = norm.cdf(0.5 / sigma - sigma) - np.e * norm.cdf(-0.5 / sigma - sigma)
+    assert d <= 1e-5 and d == pytest.approx(1e-5, rel=1e-5)
+    values = rng.uniform(0, 3, 20000)
+    m = release_mean(values, 3.0, 1.0, 1e-5, rng)
+    assert abs(m["value"] - values.mean()) < 6 * m["noise_std"] and m["noise_std"] < 0.01
+    med = release_quantile(values, 3.0, 0.5, 1.0, rng)
+    assert abs(med - np.median(values)) < 0.05
+
+
+# --- inside training ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def digits():
+    from idpsgd.data import load_dataset
+    return load_dataset("digits")
+
+
+def test_per_example_norms_match_autograd(digits):
+    from idpsgd.models import create_model
+    from idpsgd.training.norms import per_example_grad_norms
+    torch.manual_seed(0)
+    model = create_model("digits_cnn", digits.input_shape, 10)
+    x, y = digits.x_train[:7], digits.y_train[:7]
+    norms, losses = per_example_grad_norms(model, x, y, batch_size=3)
+    for i in range(7):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        loss.backward()
+        ref = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+        assert norms[i] == pytest.approx(float(ref), rel=1e-4) and losses[i] == pytest.approx(float(loss), rel=1e-5)
+    assert all(p.grad is None or True for p in model.parameters()) and model.training
+
+
+def _run(digits, out, **kw):
+    from idpsgd.assignment import Budgets
+    from idpsgd.training import TrainConfig, train
+    budgets = Budgets.from_array([3.0] * len(digits.y_train), DELTA)
+    cfg = TrainConfig(method="uniform", epochs=8, clip_norm=3.0, progress=False, individual_accounting=True,
+                      validate_subset=300, **kw)
+    return train(digits, budgets, cfg, out)
+
+
+def test_uniform_run_individual_epsilons(digits, tmp_path):
+    report = _run(digits, tmp_path)
+    ip = report["individual_privacy"]
+    assert ip["kind"] == "estimate" and ip["all_at_or_below_worst_case"]
+    assert ip["worst_case_epsilon"] == pytest.approx(report["groups"][0]["epsilon_spent"], rel=1e-9)
+    assert ip["max"] <= ip["worst_case_epsilon"] and ip["quantiles"]["0.1"] < 0.8 * ip["worst_case_epsilon"]
+    assert ip["pearson_r_log_loss"] > 0.3
+    v = ip["validation"]
+    assert v["examples"] == 300 and v["pearson_r"] > 0.95 and v["mean_abs_error"] < 0.15
+    rows = (tmp_path / "individual_epsilons.csv").read_text().splitlines()
+    assert rows[0] == "index,label,budget,epsilon,worst_case_epsilon,final_loss,correct" and len(rows) == 1438
+    for name in ("individual_epsilons.csv", "individual_privacy.json", "epsilon_histogram.png",
+                 "epsilon_vs_loss.png", "class_epsilon_vs_accuracy.png"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600
+    rel = ip["released"]
+    assert rel["total"] == {"epsilon": 0.1, "delta": DELTA} and "mean" in rel and len(rel["quantiles"]["values"]) == 5
+
+
+def test_individual_clipping_makes_a_guarantee(digits, tmp_path):
+    report = _run(digits, tmp_path, individual_clipping=True, rounding="ceil")
+    ip = report["individual_privacy"]
+    assert ip["kind"] == "guarantee"
+    saved = json.loads((tmp_path / "individual_privacy.json").read_text())
+    assert saved["validation"]["pearson_r"] > 0.95
+    # accounted at the clip thresholds, which bound the clipped norms: never below the exact values
+    import csv
+    with open(tmp_path / "individual_epsilons.csv") as fh:
+        eps = np.array([float(r["epsilon"]) for r in csv.DictReader(fh)])
+    assert np.all(eps <= ip["worst_case_epsilon"] + 1e-12)
+
+
+def test_individual_accounting_with_sample_and_resume(digits, tmp_path, monkeypatch):
+    from idpsgd.assignment import Budgets
+    from idpsgd.training import TrainConfig, Trainer, train
+    budgets = Budgets.from_groups([1, 3], [0.5, 0.5], len(digits.y_train), DELTA, seed=0)
+    cfg = TrainConfig(method="sample", epochs=2, progress=False, individual_accounting=True,
+                      refreshes_per_epoch=2, validate_subset=0)
+    full = train(digits, budgets, cfg, tmp_path / "full")
+    assert "validation" not in full["individual_privacy"]
+    import csv
+    with open(tmp_path / "full" / "individual_epsilons.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert all(float(r["epsilon"]) <= float(r["budget"]) for r in rows)
+    original = Trainer.save_checkpoint
+    calls = {"n": 0}
+
+    def crash(self):
+        original(self)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "save_checkpoint", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(digits, budgets, cfg, tmp_path / "cut")
+    monkeypatch.setattr(Trainer, "save_checkpoint", original)
+    resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
+    assert resumed["individual_privacy"]["mean"] == full["individual_privacy"]["mean"]
+    assert (tmp_path / "cut" / "individual_epsilons.csv").read_text() == (tmp_path / "full" / "individual_epsilons.csv").read_text()
+
+
+def test_config_errors():
+    from idpsgd.training import TrainConfig
+    with pytest.raises(InvalidParameterError, match="individual_clipping"):
+        TrainConfig(individual_clipping=True).validate()
+    with pytest.raises(InvalidParameterError, match="one-phase methods"):
+        TrainConfig(method="sequential", individual_accounting=True).validate()
+
+
+# --- offline CLI --------------------------------------------------------------------------------
+def test_account_cli(capsys, tmp_path, rng):
+    np.savez(tmp_path / "n.npz", norms=rng.lognormal(-1, 1, (5, 40)), steps=np.full(5, 10))
+    argv = ["account", "--norms", str(tmp_path / "n.npz"), "--sample-rate", "0.1", "--noise-multiplier", "1.5",
+            "--clip-norm", "1", "--delta", "1e-5", "--rounding", "exact"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"epsilons", "mean", "max", "quantiles", "worst_case_epsilon"} <= set(out)
+    assert out["max"] <= out["worst_case_epsilon"] and out["epsilons"] == str(tmp_path / "individual_epsilons.csv")
+    assert os.stat(out["epsilons"]).st_mode & 0o777 == 0o600
+    assert out["worst_case_epsilon"] == pytest.approx(float(epsilon_sgm(0.1, 1.5, 50, 1e-5)), rel=1e-9)
+    np.savez(tmp_path / "bad.npz", norms=np.ones((2, 3)))
+    assert main([*argv[:2], str(tmp_path / "bad.npz"), *argv[3:]]) == 2
+    assert "lacks ['steps']" in capsys.readouterr().err
+    assert main([*argv[:2], str(tmp_path / "none.npz"), *argv[3:]]) == 2
+    assert "norms file not found" in capsys.readouterr().err
