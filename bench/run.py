@@ -158,6 +158,51 @@ def bench_demo_accuracy():
     return out
 
 
+@bench
+def bench_individual_accounting():
+    """Individual accounting alone (Yu et al. §3.2 setting): 50,000 examples, q = 4096/50000,
+    σ = 3, 200 epochs, norms refreshed once per epoch (synthetic log-normal norms), exact mode;
+    nearest rounding (r = 0.01 C) beside it."""
+    from idpsgd.accounting import account_from_norms
+
+    rng = np.random.default_rng(0)
+    n, epochs, q = 50_000, 200, 4096 / 50_000
+    norms = rng.lognormal(-1.0, 1.0, (epochs, n))
+    steps = np.full(epochs, int(round(1 / q)))
+    out = {"examples": n, "epochs": epochs, "sample_rate": q, "noise_multiplier": 3.0, "target_seconds": 5.0}
+    for rounding in ("exact", "nearest"):
+        seconds, (eps, worst) = _timed(lambda: account_from_norms(norms, steps, q, 3.0, 1.0, 1e-5, rounding), repeat=2)
+        out[f"{rounding}_seconds"] = seconds
+        out[f"{rounding}_mean_epsilon"] = float(eps.mean())
+    out["worst_case_epsilon"] = float(worst.max())
+    return out
+
+
+@bench
+def bench_individual_overhead():
+    """Whole-run time on digits (uniform ε = 3, 30 epochs) with individual accounting (one norm
+    refresh per epoch, no validation subset, no output files) against the same run without it."""
+    import torch
+
+    from idpsgd.assignment import Budgets
+    from idpsgd.training import TrainConfig, Trainer
+
+    torch.set_num_threads(2)
+    data, _ = _digits_setup()
+    budgets = Budgets.from_array([3.0] * len(data.y_train), 1e-5)
+    out = {"dataset": "digits", "epochs": 30, "target_ratio": 1.5}
+    for label, extra in (("plain", {}), ("individual", {"individual_accounting": True, "validate_subset": 0})):
+        best = float("inf")
+        for _ in range(3):
+            trainer = Trainer(data, budgets, TrainConfig(method="uniform", progress=False, **extra))
+            t = time.perf_counter()
+            trainer.run()
+            best = min(best, time.perf_counter() - t)
+        out[f"{label}_seconds"] = best
+    out["ratio"] = out["individual_seconds"] / out["plain_seconds"]
+    return out
+
+
 def main(argv):
     names = argv or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]

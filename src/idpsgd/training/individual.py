@@ -129,7 +129,8 @@ class IndividualTracker:
             est = eps[self.subset]
             summary["validation"] = {"examples": int(self.subset.size), "pearson_r": _pearson(est, exact),
                                      "mean_abs_error": float(np.mean(np.abs(est - exact))),
-                                     "max_abs_error": float(np.max(np.abs(est - exact)))}
+                                     "max_abs_error": float(np.max(np.abs(est - exact))),
+                                     "min_estimate_minus_exact": float(np.min(est - exact))}
         summary["released"] = release_statistics(eps, worst_max, epsilon=release_epsilon, delta=delta, seed=seed)
         if out_dir is not None:
             write_csv(out_dir / "individual_epsilons.csv",
