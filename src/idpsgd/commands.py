@@ -64,6 +64,10 @@ def budget_source_args(p, required=True):
     p.add_argument("--budgets-per-class", help="per-class budgets, e.g. 0:1,1:2,2:3 (train only)")
     p.add_argument("--budgets-file", help="CSV file with one row per example")
     p.add_argument("--budget-column", default="epsilon", help="column of --budgets-file (default: epsilon)")
+    p.add_argument("--budget-distribution", choices=["exponential"],
+                   help="Heo et al. App. C.1: 20 budget groups in --range A,B, sizes skewed by --skew K")
+    p.add_argument("--skew", type=float, default=0.0, help="exponent k of the exponential distribution (default 0)")
+    p.add_argument("--range", help="A,B: budget range of --budget-distribution")
     p.add_argument("--seed", type=int, default=0, help="seed of the random group assignment")
 
 
@@ -73,6 +77,13 @@ def budgets_from_args(args, num_examples=None, labels=None):
     delta = check_delta(args.delta)
     if args.budgets_file:
         return Budgets.from_csv(args.budgets_file, args.budget_column, delta)
+    if getattr(args, "budget_distribution", None):
+        if num_examples is None:
+            raise InvalidParameterError("num_examples", None, "is needed with --budget-distribution")
+        bounds = parse_float_list(args.range or "", "range")
+        if len(bounds) != 2:
+            raise InvalidParameterError("range", args.range, "must be A,B (two numbers)")
+        return Budgets.from_exponential(num_examples, bounds[0], bounds[1], args.skew, delta, seed=args.seed)
     if args.budgets_per_class:
         if labels is None:
             raise InvalidParameterError("budgets_per_class", args.budgets_per_class,

@@ -32,15 +32,24 @@ def _hyper_args(p):
 
 
 def _train_args(p):
+    from .training.pdp import PDP_METHODS
     from .training.plans import METHODS
 
-    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--method", choices=METHODS + PDP_METHODS, required=True)
     budget_source_args(p)
     _hyper_args(p)
     p.add_argument("--exclude-below", type=float,
                    help="exclude: drop examples with budget below this (default: the second-smallest budget)")
     p.add_argument("--out", required=True, help="run folder: report.json, ledger.csv, model.pt, checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    h = p.add_argument_group("PDP-SGD and its baselines (Heo et al.)")
+    h.add_argument("--threshold-loss", choices=["fixed", "adaptive"], default="fixed",
+                   help="threshold loss: fixed weights (eq. 6) or adaptive (eq. 7) (default fixed)")
+    h.add_argument("--w1", type=float, help="weight of the unsampled waste in the fixed loss; w2 = 1 - w1 "
+                   "(default 0.7, adapdp 0.2)")
+    h.add_argument("--rounds", type=int, default=3, help="rounds of pdp-sgd and adapdp (default 3)")
+    h.add_argument("--noise-history", action="store_true",
+                   help="Alg. 4 literally: earlier rounds' accountant history counts against each round's target")
     g = p.add_argument_group("individual privacy accounting (Yu et al. 2023)")
     g.add_argument("--individual-accounting", action="store_true",
                    help="account for the ε every training example actually received")
@@ -63,7 +72,8 @@ def _config(args, method):
                        model=args.model, seed=args.seed, exclude_below=getattr(args, "exclude_below", None),
                        progress=not args.no_progress,
                        **{k: getattr(args, k) for k in ("individual_accounting", "refreshes_per_epoch", "rounding",
-                                                         "rounding_step", "individual_clipping", "validate_subset")
+                                                         "rounding_step", "individual_clipping", "validate_subset",
+                                                         "threshold_loss", "w1", "rounds", "noise_history")
                           if hasattr(args, k)})
 
 
@@ -73,7 +83,23 @@ def _load(args):
     return load_dataset(args.dataset, args.data_dir, label_column=args.label_column)
 
 
+def _pdp_text(r):
+    lines = [f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} after "
+             f"{r['steps']} steps in {len(r['rounds'])} round(s); threshold loss {r['threshold_loss']}",
+             f"{'round':>5} {'threshold':>9} {'sigma':>8} {'q':>8} {'E|D_R|':>8}"]
+    for x in r["rounds"]:
+        lines.append(f"{x['round']:>5} {x['threshold']:>9.4f} {x['noise_multiplier']:>8.4f} {x['sample_rate']:>8.5f} "
+                     f"{x['expected_sample_size']:>8.1f}")
+    lines.append(f"{'budget':>8} {'count':>6} {'eps_spent':>10} {'delta':>10}")
+    for g in r["groups"]:
+        lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['epsilon_spent']:>10.4f} {g['delta']:>10.3g}")
+    lines.append(f"per-example (epsilon, delta): {r['out']}/pdp_guarantees.csv; report: {r['out']}/report.json")
+    return "\n".join(lines)
+
+
 def _train_text(r):
+    if "rounds" in r:
+        return _pdp_text(r)
     lines = [f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} "
              f"after {r['steps']} steps" + (" (stopped by the privacy filter)" if r["stopped_early"] else ""),
              f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}"]

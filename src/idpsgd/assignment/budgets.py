@@ -61,6 +61,30 @@ class Budgets:
         return cls(eps, delta)
 
     @classmethod
+    def from_exponential(cls, num_examples: int, low: float, high: float, skew: float, delta: float,
+                         seed: int = 0, groups: int = 20) -> "Budgets":
+        """Heo et al. App. C.1: ``groups`` budgets evenly spaced in [low, high], group sizes ∝
+        c1·e^{k·x} + c2 with x the budget mapped onto the paper's range [0.5, 1].
+
+        The paper gives (c1, c2) = (2.098, −1.715) for k = −0.2 and (1.554, −1.715) for k = 0.2;
+        k = 0 is uniform; any other k uses the plain shape e^{k·x}.  Sizes by largest remainder,
+        assigned to examples at random (seeded).
+        """
+        low, high = float(low), float(high)
+        check_epsilon([low, high], "range")
+        if not high > low:
+            raise InvalidParameterError("range", f"{low:g},{high:g}", "must be A,B with 0 < A < B")
+        if int(groups) < 1:
+            raise InvalidParameterError("groups", groups, "must be an integer >= 1")
+        values = np.linspace(low, high, int(groups))
+        x = 0.5 + 0.5 * (values - low) / (high - low)
+        c1, c2 = {-0.2: (2.098, -1.715), 0.2: (1.554, -1.715)}.get(round(float(skew), 12), (1.0, 0.0))
+        weights = c1 * np.exp(float(skew) * x) + c2
+        if np.any(weights <= 0):
+            raise InvalidParameterError("skew", skew, "gives an empty group; use a skew in [-0.2, 0.2]")
+        return cls.from_groups(values, weights / weights.sum(), num_examples, delta, seed=seed)
+
+    @classmethod
     def from_class_map(cls, labels, mapping: dict, delta: float) -> "Budgets":
         """Budget of each example from its label: ``mapping[label] = ε``."""
         labels = np.asarray(labels)

@@ -69,6 +69,11 @@ class TrainConfig:
     rounding_step: float | None = None
     individual_clipping: bool = False
     validate_subset: int = 1000
+    # PDP-SGD and its baselines (Heo et al.)
+    threshold_loss: str = "fixed"
+    w1: float | None = None
+    rounds: int = 3
+    noise_history: bool = False
 
     def validate(self) -> "TrainConfig":
         from ..accounting import ROUNDING
@@ -78,6 +83,12 @@ class TrainConfig:
             raise InvalidParameterError("rounding", self.rounding, f"must be one of {', '.join(ROUNDING)}")
         if self.individual_clipping and not self.individual_accounting:
             raise InvalidParameterError("individual_clipping", True, "needs individual accounting (--individual-accounting)")
+        if self.threshold_loss not in ("fixed", "adaptive"):
+            raise InvalidParameterError("threshold_loss", self.threshold_loss, "must be fixed or adaptive")
+        from .pdp import PDP_METHODS
+        if self.individual_accounting and self.method in PDP_METHODS:
+            raise InvalidParameterError("method", self.method, "individual accounting supports the IDP-SGD "
+                                        "methods (uniform, sample, scale, exclude)")
         if self.individual_accounting and self.method == "sequential":
             raise InvalidParameterError("method", self.method, "individual accounting supports one-phase methods "
                                         "(uniform, sample, scale, exclude)")
@@ -335,6 +346,10 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
         resume: continue from ``out_dir/checkpoint.pt`` if it exists.
     """
     check_delta(budgets.delta)
+    from .pdp import PDP_METHODS, train_pdp
+    if config.method in PDP_METHODS:  # (Φ, Δ)-PDP methods: their own round structure, no checkpoints
+        config.validate()
+        return train_pdp(dataset, budgets, config, out_dir)
     trainer = Trainer(dataset, budgets, config, out_dir)
     ckpt = trainer.out_dir / CHECKPOINT if trainer.out_dir is not None else None
     if resume and ckpt is not None and ckpt.is_file():
