@@ -91,7 +91,7 @@ def budgets_from_args(args, num_examples=None, labels=None):
         return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
     if not args.budgets:
         raise InvalidParameterError("budgets", None, "give --budgets with --fractions, "
-                                    "--budgets-per-class, or --budgets-file")
+                                    "--budgets-per-class, --budgets-file, or --budget-distribution")
     values, fractions = group_spec(args)
     return Budgets.from_groups(values, fractions, num_examples, delta, seed=args.seed)
 
@@ -142,7 +142,7 @@ def assign_cmd(args):
         raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
                                     "needs labels: use it with 'idpsgd train'")
     weights = None
-    if args.budgets_file or args.num_examples:
+    if args.budgets_file or args.num_examples or args.budget_distribution:
         budgets = budgets_from_args(args, args.num_examples)
     else:  # no dataset size: the groups are weighted by their exact fractions
         values, fractions = group_spec(args)

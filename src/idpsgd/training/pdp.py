@@ -22,8 +22,8 @@ Our reading, where the paper is ambiguous or its bookkeeping is not backed by it
 3. **σ per round** (Alg. 4): calibrated so that the round's DP-SGD alone is (τ_R, δ)-DP, which is
    what Thm. 4.2 needs.  Alg. 4 composes the accountant history of earlier rounds into the target;
    ``noise_history=True`` reproduces that (more noise, still valid).
-4. Epochs per round (Alg. 1 leaves n and μ_R per round open): ``--epochs`` in the first round,
-   then E·(τ_R/τ_1)² — for a fixed rate, ε grows about like √steps/σ, so this keeps the noise
+4. Epochs per round (Alg. 1 leaves n and μ_R per round open): for pdp-sgd ``--epochs`` in the
+   first round, then E·(τ_R/τ_1)² (adapdp trains each fresh model for ``--epochs``) — for a fixed rate, ε grows about like √steps/σ, so this keeps the noise
    multiplier roughly constant across rounds; with a constant n the later, smaller thresholds
    need so much noise that they undo the first round (measured: 0.70 vs 0.82 after round 1).
    pdp-sgd's learning rate μ_R is scaled by τ_R/τ_1 for the same reason.
@@ -120,7 +120,8 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
         q = min(1.0, B / expected)
         spe = steps_per_epoch_for(q)
         first_tau = first_tau or tau
-        epochs = max(1, int(round(int(config.epochs) * min(1.0, tau / first_tau) ** 2)))
+        scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0   # adapdp: fresh models
+        epochs = max(1, int(round(int(config.epochs) * scale)))
         steps = epochs * spe
         sigma = _round_sigma(tau, delta, q, steps, config.accountant, events if config.noise_history else None)
         round_eps = float(epsilon_sgm(q, sigma, steps, delta, config.accountant))
