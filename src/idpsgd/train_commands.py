@@ -195,3 +195,66 @@ def demo_cmd(args):
 
 
 demo_cmd._text = _demo_text
+
+
+# --- per-instance DP (Thudi et al.) ---------------------------------------------------------
+def _per_instance_args(p):
+    _hyper_args(p)
+    p.set_defaults(clip_norm=10.0, lr=0.005)
+    p.add_argument("--points", help="comma-separated training indices of the target points")
+    p.add_argument("--num-points", type=int, help="or: this many random training points (seeded)")
+    p.add_argument("--runs", type=int, default=3, help="training runs from one initialisation (default 3)")
+    p.add_argument("--alpha", type=int, default=8, help="integer Rényi order (default 8)")
+    p.add_argument("--update-rule", choices=["sum", "mean"], default="sum", help="per-step analysis: "
+                   "Thm. 3.2 (sum, DP-SGD as implemented) or Thm. 3.6 (mean) (default sum)")
+    p.add_argument("--epsilon", type=float, default=8.0, help="data-independent ε of the training runs (default 8)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between recorded checkpoints (default: one epoch)")
+    p.add_argument("--samples", default="20,20", help="outer,inner mini-batch samples for Thm. 3.6 (default 20,20)")
+    p.add_argument("--p", type=float, help="Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4)")
+    p.add_argument("--unlearning-beta", type=float,
+                   help="NPIU threshold β (default: the data-independent RDP of training at α)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, runs and point choice")
+    p.add_argument("--out", required=True, help="folder for per_instance.csv/.json, per_instance_steps.csv, the plot")
+
+
+def _per_instance_text(s):
+    lines = [f"per-instance RDP at alpha={s['alpha']} ({s['update_rule']} rule, {s['runs']} runs, {s['steps']} steps; "
+             f"an estimate): data-independent baseline RDP {s['points'][0]['baseline_rdp']:.4g}",
+             f"{'point':>6} {'label':>5} {'correct':>7} {'rdp':>10} {'epsilon':>9} {'ratio':>7} {'late step ratio':>15}"]
+    for p in s["points"]:
+        lines.append(f"{p['point']:>6} {p['label']:>5} {p['correct_fraction']:>7.2f} {p['rdp']:>10.4g} "
+                     f"{p['epsilon']:>9.4g} {p['ratio_to_baseline']:>7.3f} {p['late_mean_step_ratio']:>15.3f}")
+    lines.append(f"{100 * s['share_points_below_baseline_late']:.0f}% of the points are below the baseline late in "
+                 f"training; unlearning (beta={s['unlearning']['beta']:.4g}): "
+                 + ", ".join(f"{r['point']}:{r['decision']}" for r in s["unlearning"]["requests"]))
+    return "\n".join(lines)
+
+
+@command("per-instance", "per-instance Rényi DP of DP-SGD for chosen points (Thudi et al.), with NPIU unlearning")
+@arguments(_per_instance_args)
+def per_instance_cmd(args):
+    import numpy as np
+
+    from .assignment import parse_float_list
+    from .training.per_instance import run_per_instance
+    from .validation import InvalidParameterError
+
+    data = _load(args)
+    if args.points:
+        points = [int(v) for v in parse_float_list(args.points, "points")]
+    elif args.num_points:
+        if not 1 <= args.num_points <= len(data.y_train):
+            raise InvalidParameterError("num_points", args.num_points, f"must be in [1, {len(data.y_train)}]")
+        points = np.sort(np.random.default_rng(args.seed).choice(len(data.y_train), args.num_points, replace=False))
+    else:
+        raise InvalidParameterError("points", None, "give --points I,J,... or --num-points K")
+    samples = [int(v) for v in parse_float_list(args.samples, "samples")]
+    if len(samples) != 2 or min(samples) < 1:
+        raise InvalidParameterError("samples", args.samples, "must be OUTER,INNER with both >= 1")
+    summary = run_per_instance(data, points, args.runs, args.alpha, args.update_rule, _config(args, "uniform"),
+                               args.epsilon, args.delta, args.checkpoint_every, tuple(samples), args.p,
+                               args.unlearning_beta, args.out)
+    return {**summary, "out": args.out}
+
+
+per_instance_cmd._text = _per_instance_text

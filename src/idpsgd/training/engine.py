@@ -74,6 +74,7 @@ class TrainConfig:
     w1: float | None = None
     rounds: int = 3
     noise_history: bool = False
+    init_seed: int | None = None   # model initialisation seed (default: seed); runs can share it
 
     def validate(self) -> "TrainConfig":
         from ..accounting import ROUNDING
@@ -132,7 +133,7 @@ class Trainer:
         self.plan: TrainingPlan = build_plan(budgets, config.method, config.batch_size, config.epochs,
                                              config.clip_norm, config.accountant, config.exclude_below)
         self.model_name = config.model or DEFAULT_MODEL.get(dataset.name, "mlp")
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.seed if config.init_seed is None else config.init_seed)
         self.model: torch.nn.Module = create_model(self.model_name, dataset.input_shape, dataset.num_classes)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr, momentum=config.momentum)
         self.rng = np.random.default_rng(config.seed)
@@ -144,6 +145,7 @@ class Trainer:
         self.stopped_early = False
         self.history: list[dict] = []
         self.ledger_rows: list[list] = []
+        self.step_hooks: list = []     # fn(trainer, model, phase_step) before every step (θ_t)
         self.tracker = None            # IndividualTracker when config.individual_accounting
         self._tracker_state = None
 
@@ -251,6 +253,8 @@ class Trainer:
                     break
                 if self.tracker is not None:
                     self.tracker.before_step(self.model, optimizer, phase_steps)
+                for hook in self.step_hooks:
+                    hook(self, self.model, phase_steps)
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(self.model(x), y)
                 loss.backward()

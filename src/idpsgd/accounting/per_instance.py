@@ -1,0 +1,193 @@
+"""Per-instance Rényi DP of DP-SGD (Thudi et al., "Gradients look alike", §3.1–3.2, §5.4).
+
+Per-instance DP bounds the distinguishability of training on X and on X' = X ∪ {x*} for one
+point x* and one dataset X — the distribution over training runs, not one trajectory.
+
+* :func:`sum_rule_step_rdp` — Thm. 3.2: the sampled Gaussian mechanism with the sum update rule
+  at integer order α, sensitivity ‖g(x*)‖ (clipped), noise std σ; it is our exact SGM RDP with
+  effective noise multiplier σ/‖g(x*)‖ (both directions).
+* :func:`mean_rule_bound` — Thm. 3.6 for any update rule (used for the mean rule): from sampled
+  mini-batch updates, (1/(α−1)) E_{outer} ln E_{α-tuples} exp(−Δ_{U,α}/(2σ²)) with
+  Δ_{U,α} = Σ_i‖μ_i‖² − (α−1)‖μ‖² − ‖Σ_i μ_i − (α−1)μ‖² (the exponent of the theorem's proof).
+* :func:`composition_orders`, :func:`composition_bound` — Thm. 3.3: the Hölder composition over
+  n steps with exponent p (default 3n, Fact 3.4), orders g_p^i(α) rounded up to integers (RDP
+  grows with the order, so this only loosens the bound), expectations estimated by means over
+  training runs.  g_p(a) = p/(p−1)·a − 1/(p−1), as derived in the theorem's proof (the statement
+  prints −1/p).
+* :func:`fact_3_5_samples` — how many runs estimate a per-step term to a precision (Hoeffding).
+* :func:`corollary_3_1` — the per-instance (ε, δ) form for one step, from Lemma A.1.
+* :func:`npiu_decisions` — §5.4's Naive Per-Instance Unlearning: keep or retrain per request.
+
+Bounds estimated from finitely many runs or mini-batches are **estimates** of the theorems'
+expectations, and are labelled so in reports.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..validation import InvalidParameterError, check_delta, check_sample_rate
+from .rdp import compute_rdp, logsumexp
+
+
+def _check_int_order(alpha) -> int:
+    a = float(alpha)
+    if a != int(a) or a < 2:
+        raise InvalidParameterError("alpha", alpha, "must be an integer >= 2 (Thm. 3.2/3.6 use integer orders)")
+    return int(a)
+
+
+def sum_rule_step_rdp(sample_rate, sensitivity, noise_std: float, alpha) -> np.ndarray:
+    """Thm. 3.2 at integer ``alpha`` for arrays of (q, ‖g(x*)‖) with noise std ``noise_std``."""
+    a = _check_int_order(alpha)
+    s = np.asarray(sensitivity, dtype=float)
+    if np.any(s < 0):
+        raise InvalidParameterError("sensitivity", s, "every value must be >= 0")
+    with np.errstate(divide="ignore"):
+        sigma_eff = np.where(s > 0, noise_std / np.where(s > 0, s, 1.0), np.inf)
+    q = np.broadcast_to(np.asarray(sample_rate, dtype=float), s.shape)
+    return compute_rdp(q.ravel(), sigma_eff.ravel(), [float(a)])[:, 0].reshape(s.shape)
+
+
+def tuple_exponents(gram_tt, gram_tw, norm_w, alpha: int) -> np.ndarray:
+    """Δ_{U,α} for tuples from inner products: ``gram_tt`` (..., α, α) among the tuple's updates,
+    ``gram_tw`` (..., α) with the second-argument update, ``norm_w`` (...) its squared norm."""
+    a = alpha
+    sq = np.trace(gram_tt, axis1=-2, axis2=-1)
+    total = gram_tt.sum(axis=(-2, -1)) - 2 * (a - 1) * gram_tw.sum(axis=-1) + (a - 1) ** 2 * norm_w
+    return sq - (a - 1) * norm_w - total
+
+
+def mean_rule_bound(mu_outer, mu_tuples, alpha, noise_std: float) -> float:
+    """Thm. 3.6 estimate from explicit updates: ``mu_outer`` (m, d) second-argument batch updates,
+    ``mu_tuples`` (m, k, α, d) α-tuples of first-argument batch updates for each of them."""
+    a = _check_int_order(alpha)
+    mu_outer, mu_tuples = np.asarray(mu_outer, float), np.asarray(mu_tuples, float)
+    gram_tt = np.einsum("mkid,mkjd->mkij", mu_tuples, mu_tuples)
+    gram_tw = np.einsum("mkid,md->mki", mu_tuples, mu_outer)
+    norm_w = np.einsum("md,md->m", mu_outer, mu_outer)[:, None]
+    delta = tuple_exponents(gram_tt, gram_tw, norm_w, a)
+    return exponents_to_bound(delta, a, noise_std)
+
+
+def exponents_to_bound(delta, alpha: int, noise_std: float) -> float:
+    """(1/(α−1)) mean_outer ln mean_inner exp(−Δ/(2σ²)) for Δ of shape (outer, inner)."""
+    z = -np.asarray(delta, float) / (2 * noise_std ** 2)
+    inner = logsumexp(z, axis=1) - math.log(z.shape[1])
+    return float(max(np.mean(inner), 0.0) / (alpha - 1))
+
+
+def composition_orders(alpha, p: float, n: int) -> np.ndarray:
+    """g_p^i(α) for i = 0 … n−1 (g_p^0(α) = α)."""
+    if not p > 1:
+        raise InvalidParameterError("p", p, "must be > 1")
+    out = np.empty(int(n))
+    a = float(alpha)
+    for i in range(int(n)):
+        out[i] = a
+        a = p / (p - 1) * a - 1 / (p - 1)
+    return out
+
+
+def composition_bound(step_rdp, alpha, p: float | None = None) -> dict:
+    """Thm. 3.3 from per-step divergences of R runs.
+
+    Args:
+        step_rdp: (runs, n) array; entry [r, t] is run r's per-step divergence of step t + 1
+            (chronological) at integer order ⌈g_p^{n−1−t}(α)⌉ (see :func:`step_orders`).
+        alpha: the composed order (> 1).
+        p: Hölder exponent (default 3n, Fact 3.4).
+
+    Returns ``bound`` (RDP at α) and ``contributions`` (n,) per step, chronological.
+    """
+    d = np.atleast_2d(np.asarray(step_rdp, dtype=float))
+    runs, n = d.shape
+    p = float(3 * n if p is None else p)
+    if not p > 1:
+        raise InvalidParameterError("p", p, "must be > 1")
+    g = composition_orders(alpha, p, n)            # g[i] for i = 0 … n−1; step t ↔ i = n−1−t
+    contrib = np.empty(n)
+    for t in range(n):
+        i = n - 1 - t
+        if i == n - 1:   # the first step: the initial model is fixed, no expectation
+            contrib[t] = ((p - 1) / p) ** (n - 1) * (g[i] - 1) * float(np.max(d[:, t]))
+        else:
+            log_w = i * math.log((p - 1) / p) - math.log(p)
+            z = p * (g[i] - 1) * d[:, t]
+            contrib[t] = math.exp(log_w) * (float(logsumexp(z)) - math.log(runs))
+    contrib /= (float(alpha) - 1)
+    return {"bound": float(contrib.sum()), "contributions": contrib, "p": p, "orders": g[::-1].copy()}
+
+
+def step_orders(alpha, n: int, p: float | None = None) -> np.ndarray:
+    """Integer order needed for each step (chronological): ⌈g_p^{n−1−t}(α)⌉."""
+    p = float(3 * n if p is None else p)
+    return np.ceil(composition_orders(alpha, p, n)[::-1] - 1e-12).astype(int)
+
+
+def fact_3_5_samples(alpha, step_rdp_alpha: float, step_rdp_2alpha: float, n: int, precision: float = 0.1,
+                     failure: float = 0.05) -> float:
+    """log10 of the runs l so that an empirical per-step term is within ``precision``·e^{3(α−1)ε} of its mean with
+    probability ≥ 1 − ``failure`` (Fact 3.5 with p = 3n; ε = n·ρ(α), ε' = n·ρ(2α) per-step RDP).
+
+    Hoeffding for f ∈ [0, e^{3(2α−1)ε'}]: l ≥ ln(2/J)/(2c²) · e^{6(2α−1)ε' − 6(α−1)ε}.  (The paper's
+    statement has the exponent's sign flipped relative to its own proof and drops the square of
+    the range; this is the bound Hoeffding gives.)
+    """
+    if not 0 < failure < 1 or not precision > 0:
+        raise InvalidParameterError("precision/failure", (precision, failure), "need c > 0 and J in (0, 1)")
+    eps, eps2 = n * step_rdp_alpha, n * step_rdp_2alpha
+    log_l = math.log(math.log(2 / failure) / (2 * precision ** 2)) + 6 * (2 * alpha - 1) * eps2 - 6 * (alpha - 1) * eps
+    return log_l / math.log(10)   # log10 of the number of runs (it can be astronomically large)
+
+
+def corollary_3_1(sample_rate: float, sensitivities, noise_std: float, delta: float, delta_prime: float,
+                  p: float) -> tuple[float, float]:
+    """Per-instance (ε', δ'') for one step of the sampled Gaussian mechanism, P(M(X')∈S) ≤ e^ε' P(M(X)∈S) + δ''.
+
+    From Lemma A.1 with a_p = q·(E e^{C Δ p})^{1/p}, C = √(2 ln(1.25/δ))/σ: splitting on whether
+    a_p Q^{1−1/p} exceeds δ' gives ε' = ln(a_p^{p/(p−1)} δ'^{−1/(p−1)} + 1 − q), δ'' = qδ + δ'.
+    (The printed corollary garbles these exponents; as p → ∞ this tends to the classical
+    ln(q e^{C·max Δ} + 1 − q).)
+    """
+    q = float(check_sample_rate(sample_rate))
+    delta, delta_prime = check_delta(delta), check_delta(delta_prime, "delta_prime")
+    if not p > 1:
+        raise InvalidParameterError("p", p, "must be > 1")
+    c = math.sqrt(2 * math.log(1.25 / delta)) / noise_std
+    s = np.asarray(sensitivities, dtype=float).ravel()
+    log_ap = math.log(q) + (float(logsumexp(c * s * p)) - math.log(s.size)) / p
+    log_term = p / (p - 1) * log_ap - math.log(delta_prime) / (p - 1)
+    eps = float(np.logaddexp(log_term, math.log1p(-q))) if q < 1 else log_term
+    return max(eps, 0.0), q * delta + delta_prime
+
+
+def npiu_decisions(divergence, alpha: float, beta: float) -> list[dict]:
+    """Naive Per-Instance Unlearning (Thudi et al. §5.4) for a sequence of deletion requests.
+
+    Args:
+        divergence: list (one per request t, in order) of functions ``order -> D_order(A(D^{t−1}) ‖
+            A(D^t))``, the per-instance divergence of the deleted point (may return inf).
+        alpha, beta: the unlearning guarantee D_α(R ‖ A(D^t)) ≤ β.
+
+    Keeps the current model when (a − ½)/(a − 1)·K_{t−1}(2a) + D_{2a−1}(t) ≤ β at a = α, where
+    K_{t−1} bounds the kept model's divergence from retraining (0 right after a retrain); this is
+    the weak triangle inequality the paper's proof uses (its algorithm prints (α−1)/(α−2)).
+    """
+    if not alpha > 1 or not beta >= 0:
+        raise InvalidParameterError("alpha/beta", (alpha, beta), "need alpha > 1 and beta >= 0")
+    decisions, kept_since = [], []      # requests since the last retrain (all kept)
+
+    def bound(requests, a):
+        if not requests:
+            return 0.0
+        *earlier, last = requests
+        return (a - 0.5) / (a - 1) * bound(earlier, 2 * a) + divergence[last](2 * a - 1)
+
+    for t in range(len(divergence)):
+        candidate = bound(kept_since + [t], float(alpha))
+        keep = bool(np.isfinite(candidate) and candidate <= beta)
+        decisions.append({"request": t, "decision": "keep" if keep else "retrain", "bound": float(candidate)})
+        kept_since = kept_since + [t] if keep else []
+    return decisions
