@@ -41,28 +41,23 @@ def per_example_clipped_grads(model, x, y, clip: float, batch_size: int = 256) -
     from opacus import GradSampleModule
     import torch.nn.functional as F
 
-    from .norms import _clear
+    from .norms import _clear, eval_mode_with_hooks
     gsm = model if isinstance(model, GradSampleModule) else GradSampleModule(model)
-    module = gsm._module
-    modes = {m: m.training for m in module.modules()}
-    module.eval()
-    for m in module.modules():
-        if any(p.requires_grad for p in m.parameters(recurse=False)):
-            m.training = True
     params = [p for p in gsm.parameters() if p.requires_grad]
     out = []
     try:
-        for i in range(0, len(x), batch_size):
-            xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-            _clear(gsm)
-            F.cross_entropy(gsm(xb), yb).backward()
-            g = torch.cat([p.grad_sample.reshape(len(xb), -1) for p in params], dim=1)
-            factor = (clip / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
-            out.append((g * factor[:, None]).detach())
+        with eval_mode_with_hooks(gsm._module):
+            for i in range(0, len(x), batch_size):
+                xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+                _clear(gsm)
+                F.cross_entropy(gsm(xb), yb).backward()
+                g = torch.cat([p.grad_sample.reshape(len(xb), -1) for p in params], dim=1)
+                factor = (clip / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
+                out.append((g * factor[:, None]).detach())
     finally:
-        for m, mode in modes.items():
-            m.training = mode
         _clear(gsm)
+        if gsm is not model:
+            gsm._close()
     return torch.cat(out).double()
 
 
