@@ -5,9 +5,9 @@ exclude / sequential baselines), account for the privacy each example actually r
 report it.  The accounting core (:mod:`idpsgd.accounting`) and assignment are numpy/scipy only;
 the training API (torch, Opacus) is imported lazily on first use.
 """
-from .accounting import (DEFAULT_ORDERS, RdpLedger, SampledGaussianEvent, calibrate_noise_multiplier,
-                         calibrate_sample_rate, compute_rdp, epsilon_sgm, pld_epsilon, rdp_epsilon,
-                         rdp_to_delta, rdp_to_epsilon)
+from .accounting import (DEFAULT_ORDERS, IndividualAccountant, RdpLedger, SampledGaussianEvent,
+                         account_from_norms, calibrate_noise_multiplier, calibrate_sample_rate, compute_rdp,
+                         epsilon_sgm, pld_epsilon, rdp_epsilon, rdp_to_delta, rdp_to_epsilon)
 from .assignment import Assignment, Budgets, assign
 from .validation import InvalidParameterError, UnreachableTargetError
 
@@ -17,7 +17,7 @@ _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "TrainConfig": "training", "Trainer": "training", "train": "training", "build_plan": "training",
     "make_private_individualized": "training", "IndividualizedDPOptimizer": "training",
     "PoissonSampler": "training", "load_dataset": "data", "Dataset": "data", "create_model": "models",
-    "MODELS": "models",
+    "MODELS": "models", "train_pdp": "training.pdp", "run_per_instance": "training.per_instance",
 }
 
 
@@ -29,7 +29,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Assignment", "Budgets", "DEFAULT_ORDERS", "InvalidParameterError", "RdpLedger", "SampledGaussianEvent",
+    "Assignment", "Budgets", "DEFAULT_ORDERS", "IndividualAccountant", "account_from_norms", "InvalidParameterError", "RdpLedger", "SampledGaussianEvent",
     "UnreachableTargetError", "assign", "calibrate_noise_multiplier", "calibrate_sample_rate", "compute_rdp",
     "epsilon_sgm", "pld_epsilon", "rdp_epsilon", "rdp_to_delta", "rdp_to_epsilon", *_LAZY,
 ]
