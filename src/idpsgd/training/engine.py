@@ -353,6 +353,8 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
     from .pdp import PDP_METHODS, train_pdp
     if config.method in PDP_METHODS:  # (Φ, Δ)-PDP methods: their own round structure, no checkpoints
         config.validate()
+        if resume:
+            raise InvalidParameterError("resume", True, f"{config.method} runs have no checkpoints to resume")
         return train_pdp(dataset, budgets, config, out_dir)
     trainer = Trainer(dataset, budgets, config, out_dir)
     ckpt = trainer.out_dir / CHECKPOINT if trainer.out_dir is not None else None

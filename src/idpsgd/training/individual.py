@@ -106,7 +106,7 @@ class IndividualTracker:
         was = module.training
         module.eval()
         with torch.no_grad():
-            out = module(self.x)
+            out = torch.cat([module(self.x[i:i + 1024]) for i in range(0, len(self.x), 1024)])
             loss = F.cross_entropy(out, self.y, reduction="none").double().numpy()
             correct = (out.argmax(1) == self.y).numpy()
         module.train(was)

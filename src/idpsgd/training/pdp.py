@@ -67,13 +67,15 @@ def _round_sigma(tau, delta, q, steps, accountant, history):
     return float(solve_monotone(eps, np.array([tau]), 1e-2, 1e6, increasing=False, rtol=1e-4)[0])
 
 
-def _predict(models_weights, x) -> torch.Tensor:
+def _predict(models_weights, x, batch_size: int = 1024) -> torch.Tensor:
+    """Weighted sum of the models' softmax outputs (in batches)."""
     probs = 0
     with torch.no_grad():
         for model, w in models_weights:
             m = getattr(model, "_module", model)
             m.eval()
-            probs = probs + w * F.softmax(m(x), dim=1)
+            probs = probs + w * torch.cat([F.softmax(m(x[i:i + batch_size]), dim=1)
+                                           for i in range(0, len(x), batch_size)])
     return probs
 
 
