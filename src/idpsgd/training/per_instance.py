@@ -131,6 +131,15 @@ def run_per_instance(dataset, points, runs: int = 3, alpha: int = 8, update_rule
     if points.size == 0 or points.min() < 0 or points.max() >= n_train or np.unique(points).size != points.size:
         raise InvalidParameterError("points", points.tolist(), f"must be distinct indices in [0, {n_train})")
     config = config or TrainConfig()
+    if update_rule == "mean":   # every clipped per-example gradient, and the pooled batch sums, in memory
+        from ..models import DEFAULT_MODEL, create_model
+        d = sum(p.numel() for p in create_model(config.model or DEFAULT_MODEL.get(dataset.name, "mlp"),
+                                                dataset.input_shape, dataset.num_classes).parameters())
+        pool = samples[0] * (1 + samples[1] * 2 * alpha)
+        need = 8 * d * (n_train + pool) / 2 ** 30
+        if need > 4:
+            raise InvalidParameterError("update_rule", "mean", f"needs about {need:.0f} GiB here ({n_train} examples x "
+                                        f"{d} parameters); use a smaller dataset or model, or --samples")
     budgets = Budgets.from_array(np.full(n_train, float(epsilon)), delta)
     x_pts, y_pts = dataset.x_train[points], dataset.y_train[points]
     sens, mean_fwd, mean_bwd, correct, steps_total, ckpts = [], [], [], [], None, None
