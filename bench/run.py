@@ -61,14 +61,16 @@ def bench_rdp():
 
 
 def _digits_setup():
-    from idpsgd.assignment import Budgets
     from idpsgd.data import load_dataset
-    from idpsgd.train_commands import DEMO_BUDGETS, DEMO_FRACTIONS
 
     data = load_dataset("digits")
-    budgets = Budgets.from_groups([float(v) for v in DEMO_BUDGETS.split(",")],
-                                  [float(v) for v in DEMO_FRACTIONS.split(",")], len(data.y_train), 1e-5, seed=0)
-    return data, budgets
+    return data, _demo_budgets(len(data.y_train), seed=0)
+
+
+def _demo_budgets(n, seed):
+    from idpsgd.train_commands import demo_budgets
+
+    return demo_budgets(n, 1e-5, seed)
 
 
 def _opacus_epochs(data, sigma, cfg, epochs):
@@ -146,8 +148,7 @@ def bench_demo_accuracy():
         accs, spent = [], []
         for seed in seeds:
             if fractions:
-                b = Budgets.from_groups([float(v) for v in budgets.split(",")],
-                                        [float(v) for v in fractions.split(",")], n, 1e-5, seed=seed)
+                b = _demo_budgets(n, seed)
             else:
                 b = Budgets.from_array([float(budgets)] * n, 1e-5)
             report = train(data, b, TrainConfig(method=method, seed=seed, progress=False))

@@ -156,9 +156,9 @@ def test_individual_clipping_makes_a_guarantee(digits, tmp_path):
     assert np.all(eps <= ip["worst_case_epsilon"] + 1e-12)
 
 
-def test_individual_accounting_with_sample_and_resume(digits, tmp_path, monkeypatch):
+def test_individual_accounting_with_sample_and_resume(digits, tmp_path, crash_after_first_checkpoint):
     from idpsgd.assignment import Budgets
-    from idpsgd.training import TrainConfig, Trainer, train
+    from idpsgd.training import TrainConfig, train
     budgets = Budgets.from_groups([1, 3], [0.5, 0.5], len(digits.y_train), DELTA, seed=0)
     cfg = TrainConfig(method="sample", epochs=2, progress=False, individual_accounting=True,
                       refreshes_per_epoch=2, validate_subset=0)
@@ -168,18 +168,8 @@ def test_individual_accounting_with_sample_and_resume(digits, tmp_path, monkeypa
     with open(tmp_path / "full" / "individual_epsilons.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert all(float(r["epsilon"]) <= float(r["budget"]) for r in rows)
-    original = Trainer.save_checkpoint
-    calls = {"n": 0}
-
-    def crash(self):
-        original(self)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(Trainer, "save_checkpoint", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_first_checkpoint():
         train(digits, budgets, cfg, tmp_path / "cut")
-    monkeypatch.setattr(Trainer, "save_checkpoint", original)
     resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
     assert resumed["individual_privacy"]["mean"] == full["individual_privacy"]["mean"]
     assert (tmp_path / "cut" / "individual_epsilons.csv").read_text() == (tmp_path / "full" / "individual_epsilons.csv").read_text()

@@ -117,25 +117,11 @@ def test_pld_accountant_run(digits, budgets):
         assert g["epsilon_rdp"] > g["epsilon_spent"]   # the RDP bound is looser
 
 
-class _Interrupt(Exception):
-    pass
-
-
-def test_resume_continues_exactly(digits, budgets, tmp_path, monkeypatch):
+def test_resume_continues_exactly(digits, budgets, tmp_path, crash_after_first_checkpoint):
     cfg = _cfg(method="scale", epochs=3)
     full = train(digits, budgets, cfg, tmp_path / "full")
-    calls = {"n": 0}
-    original = Trainer.save_checkpoint
-
-    def crash_after_first_epoch(self):
-        original(self)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise _Interrupt
-    monkeypatch.setattr(Trainer, "save_checkpoint", crash_after_first_epoch)
-    with pytest.raises(_Interrupt):
+    with crash_after_first_checkpoint():
         train(digits, budgets, cfg, tmp_path / "cut")
-    monkeypatch.setattr(Trainer, "save_checkpoint", original)
     resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
     assert resumed["history"] == full["history"] and resumed["groups"] == full["groups"]
     a = torch.load(tmp_path / "full" / "model.pt")

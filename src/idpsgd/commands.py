@@ -186,14 +186,13 @@ def account_cmd(args):
         raise FileNotFoundError(f"norms file not found: {path} (expected an npz with arrays 'norms' and 'steps')")
     try:
         with np.load(path) as data:
-            missing = [k for k in ("norms", "steps") if k not in data.files]
-            if missing:
-                raise InvalidParameterError("norms", str(path), f"the npz lacks {missing} (has {data.files})")
-            norms, steps = data["norms"], data["steps"]
+            arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
-        if isinstance(exc, InvalidParameterError):
-            raise
         raise InvalidParameterError("norms", str(path), f"is not a readable npz file ({exc})") from None
+    missing = [k for k in ("norms", "steps") if k not in arrays]
+    if missing:
+        raise InvalidParameterError("norms", str(path), f"the npz lacks {missing} (has {sorted(arrays)})")
+    norms, steps = arrays["norms"], arrays["steps"]
     q = float(check_sample_rate(args.sample_rate))
     sigma = float(check_noise_multiplier(args.noise_multiplier, allow_inf=False))
     delta = check_delta(args.delta)

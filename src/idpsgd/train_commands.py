@@ -141,6 +141,14 @@ DEMO_RUNS = (("uniform eps=1", "uniform", DEMO_BUDGETS, DEMO_FRACTIONS),
              ("uniform eps=3", "uniform", "3", None))
 
 
+def demo_budgets(n: int, delta: float, seed: int):
+    """The demo's budgets: 1/2/3 at 34/43/23 % of ``n`` examples, assigned at random (seeded)."""
+    from .assignment import Budgets, parse_float_list
+
+    return Budgets.from_groups(parse_float_list(DEMO_BUDGETS, "budgets"), parse_float_list(DEMO_FRACTIONS, "fractions"),
+                               n, delta, seed=seed)
+
+
 def _demo_args(p):
     _hyper_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of groups, sampling, noise and init (default 0)")
@@ -149,13 +157,12 @@ def _demo_args(p):
 
 def run_demo(args) -> dict:
     """Budgets 1/2/3 at 34/43/23 %: uniform at ε=1, Sample, Scale, and uniform at ε=3 (upper bound)."""
-    from .assignment import Budgets, parse_float_list
+    from .assignment import Budgets
     from .training import train
 
     data = _load(args)
     n = len(data.y_train)
-    grouped = Budgets.from_groups(parse_float_list(DEMO_BUDGETS, "budgets"), parse_float_list(DEMO_FRACTIONS, "fractions"), n,
-                                  args.delta, seed=args.seed)
+    grouped = demo_budgets(n, args.delta, args.seed)
     rows = []
     for label, method, budgets, fractions in DEMO_RUNS:
         b = grouped if fractions else Budgets.from_array([float(budgets)] * n, args.delta)

@@ -91,11 +91,15 @@ class RdpInterpolator:
         du = np.clip(np.where(np.isfinite(u), u - self.u[k], 0.0), 0.0, None)
         return np.asarray(rate_index) * self.n + k, du, t <= 0
 
-    def __call__(self, t, rate_index=0) -> np.ndarray:
-        row, du, zero = self.locate(t, rate_index)
-        out = self.values[row] + du[:, None] * self.slopes[row]
+    def evaluate(self, row, du, zero) -> np.ndarray:
+        """RDP rows at located points (see :meth:`locate`)."""
+        out = self.values[row]
+        out += du[:, None] * self.slopes[row]
         out[zero] = 0.0
         return out
+
+    def __call__(self, t, rate_index=0) -> np.ndarray:
+        return self.evaluate(*self.locate(t, rate_index))
 
 
 class IndividualAccountant:
@@ -133,6 +137,7 @@ class IndividualAccountant:
         self._rate_index = self._rate_index.ravel()
         self._table = None       # exact: RdpInterpolator; rounding: (candidates, values)
         self._rows = None        # per example: row into the table (and du for exact)
+        self._worst = self._worst_index = None   # exact mode: per-step RDP at s = c_i per (q_i, c_i)
 
     @property
     def num_examples(self) -> int:
@@ -169,7 +174,7 @@ class IndividualAccountant:
                 self._table = RdpInterpolator(self._rates, float(self.clip_norms.max()) / (self.sigma * self.c),
                                               self.ledger.orders)
             row, du, zero = self._table.locate(t, self._rate_index)
-            if not hasattr(self, "_worst"):  # exact per-step RDP at s = c_i caps the interpolation
+            if self._worst is None:  # exact per-step RDP at s = c_i caps the interpolation
                 pairs, self._worst_index = np.unique(np.stack([self.q, self.clip_norms]), axis=1, return_inverse=True)
                 self._worst = compute_rdp(pairs[0], self.sigma * self.c / pairs[1], self.ledger.orders)
                 self._worst_index = self._worst_index.ravel()
@@ -194,11 +199,9 @@ class IndividualAccountant:
     def _block(self, rows: slice) -> np.ndarray:
         if self.rounding == "exact":
             row, du, zero, worst = (a[rows] for a in self._rows)
-            out = self._table.values[row]
-            out += du[:, None] * self._table.slopes[row]
-            np.minimum(out, self._worst[worst], out=out)   # s ≤ c_i: never above the worst case
-            out[zero] = 0.0
-            return out
+            # s ≤ c_i: never above the worst case (zero rows stay 0)
+            out = self._table.evaluate(row, du, zero)
+            return np.minimum(out, self._worst[worst], out=out)
         return self._table[1][self._rows[0][rows]]
 
     def step_rdp(self) -> np.ndarray:

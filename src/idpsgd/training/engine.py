@@ -113,11 +113,15 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_class
             preds.append(out.argmax(1))
     model.train(was_training)
     pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+    return {**accuracies(pred, y, num_classes), "loss": loss / max(len(y), 1)}
+
+
+def accuracies(pred: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
+    """Accuracy and per-class accuracy (None for a class absent from ``y``) of predictions."""
     correct = (pred == y).numpy()
     labels = y.numpy()
     per_class = [float(correct[labels == k].mean()) if np.any(labels == k) else None for k in range(num_classes)]
-    return {"accuracy": float(correct.mean()) if len(y) else float("nan"), "per_class_accuracy": per_class,
-            "loss": loss / max(len(y), 1)}
+    return {"accuracy": float(correct.mean()) if len(y) else float("nan"), "per_class_accuracy": per_class}
 
 
 class Trainer:
@@ -140,7 +144,6 @@ class Trainer:
         self.noise = torch.Generator().manual_seed(config.seed)
         self.group_values, self.group_counts, self.group_of = budgets.groups()
         self.ledger = RdpLedger(self.group_values.size, DEFAULT_ORDERS)
-        self.group_events: list[dict] = [{} for _ in self.group_values]   # (q, σ_eff) -> steps
         self.phase_idx, self.phase_epoch, self.step = 0, 0, 0
         self.stopped_early = False
         self.history: list[dict] = []
@@ -161,12 +164,24 @@ class Trainer:
         eps, _ = rdp_to_epsilon(self.ledger.rdp + step_rdp, self.ledger.orders, self.budgets.delta)
         return bool(np.all(eps <= self.group_values)), eps
 
+    def group_events(self) -> list[list[SampledGaussianEvent]]:
+        """The SGM steps each group took, derived from the steps run so far: every phase before
+        the current one ran all its steps, the current one the rest of ``self.step``."""
+        events: list[list[SampledGaussianEvent]] = [[] for _ in self.group_values]
+        done = 0
+        for k, phase in enumerate(self.plan.phases[:self.phase_idx + 1]):
+            taken = phase.steps if k < self.phase_idx else self.step - done
+            done += taken
+            if taken > 0:
+                for r, q, s in zip(*self._phase_groups(phase)):
+                    events[r].append(SampledGaussianEvent(float(q), float(s), int(taken)))
+        return events
+
     def epsilon_spent(self) -> np.ndarray:
         """ε per group (ascending budgets) with the run's accountant."""
         if self.config.accountant == "rdp":
             return self.ledger.epsilon(self.budgets.delta)[0]
-        return np.array([pld_epsilon([SampledGaussianEvent(q, s, n) for (q, s), n in ev.items()],
-                                     self.budgets.delta) if ev else 0.0 for ev in self.group_events])
+        return np.array([pld_epsilon(ev, self.budgets.delta) if ev else 0.0 for ev in self.group_events()])
 
     # --- checkpoints ---------------------------------------------------------------------
     def _signature(self) -> dict:
@@ -185,7 +200,7 @@ class Trainer:
                  "step": self.step, "stopped_early": self.stopped_early,
                  "model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
                  "rng": self.rng.bit_generator.state, "noise": self.noise.get_state(),
-                 "ledger": self.ledger.state_dict(), "group_events": self.group_events,
+                 "ledger": self.ledger.state_dict(),
                  "history": self.history, "ledger_rows": self.ledger_rows,
                  "individual": self.tracker.state_dict() if self.tracker is not None else None}
         with atomic_open(self.out_dir / CHECKPOINT, "wb", private=True) as fh:
@@ -201,7 +216,6 @@ class Trainer:
         self.rng.bit_generator.state = state["rng"]
         self.noise.set_state(state["noise"])
         self.ledger.load_state_dict(state["ledger"])
-        self.group_events = state["group_events"]
         self.phase_idx, self.phase_epoch, self.step = state["phase_idx"], state["phase_epoch"], state["step"]
         self.stopped_early, self.history = state["stopped_early"], state["history"]
         self.ledger_rows = state["ledger_rows"]
@@ -263,9 +277,6 @@ class Trainer:
                     self.tracker.after_step()
                 self.ledger.add(step_rdp)
                 self.ledger.steps += 1
-                for r, qq, ss in zip(rows, q, sig):
-                    key = (float(qq), float(ss))
-                    self.group_events[r][key] = self.group_events[r].get(key, 0) + 1
                 self.step += 1
                 phase_steps += 1
                 if len(y):
@@ -298,13 +309,14 @@ class Trainer:
             rows, _, _ = self._phase_groups(phase)
             for r, g in zip(rows, phase.assignment.groups):
                 params[int(r)] = g
+        events = self.group_events()
         groups = []
         for r, (v, n) in enumerate(zip(self.group_values, self.group_counts)):
             g = params.get(r)
             groups.append({"budget": float(v), "count": int(n), "trained": g is not None,
                            "sample_rate": g.sample_rate if g else 0.0, "clip_norm": g.clip_norm if g else None,
                            "noise_multiplier": g.noise_multiplier if g else None,
-                           "steps": int(sum(self.group_events[r].values())),
+                           "steps": sum(e.count for e in events[r]),
                            "epsilon_spent": float(spent[r]), "epsilon_rdp": float(rdp_spent[r])})
         sigmas = [p.assignment.noise_multiplier for p in plan.phases]
         extra = {}

@@ -48,6 +48,7 @@ from ..data import Dataset
 from ..io import atomic_open, write_csv, write_json
 from ..models import DEFAULT_MODEL, create_model
 from ..validation import InvalidParameterError
+from .engine import accuracies
 from .private import make_private_individualized, steps_per_epoch_for
 
 log = logging.getLogger("idpsgd")
@@ -154,7 +155,8 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
                     F.cross_entropy(gsm(xb), yb).backward()
                     dp_opt.step()
                     total_steps += 1
-        acc = float((_predict([(model, 1.0)], dataset.x_test).argmax(1) == dataset.y_test).float().mean())
+        acc = accuracies(_predict([(model, 1.0)], dataset.x_test).argmax(1), dataset.y_test,
+                         dataset.num_classes)["accuracy"]
         rounds_info.append({"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
                             "expected_sample_size": expected, "epochs": epochs, "steps": steps, "epsilon_round": round_eps,
                             "test_accuracy_round_model": acc})
@@ -162,9 +164,8 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
             ensemble.append((model, tau * expected))
     final = ensemble if method == "adapdp" else [(model, 1.0)]
     wsum = sum(w for _, w in final)
-    pred = _predict([(m, w / wsum) for m, w in final], dataset.x_test).argmax(1)
-    correct = (pred == dataset.y_test).numpy()
-    labels = dataset.y_test.numpy()
+    test = accuracies(_predict([(m, w / wsum) for m, w in final], dataset.x_test).argmax(1), dataset.y_test,
+                      dataset.num_classes)
     eps_i, delta_i = compose(charges) if charges else (np.zeros(n), np.zeros(n))
     if np.any(eps_i > budgets.epsilons * (1 + 1e-12)):
         raise RuntimeError("internal error: a (Phi, Delta)-PDP charge exceeds a budget")
@@ -177,9 +178,7 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
     report = {
         "method": method, "dataset": dataset.name, "model": model_name, "accountant": config.accountant,
         "guarantee": GUARANTEE, "delta": delta,
-        "test_accuracy": float(correct.mean()),
-        "per_class_accuracy": [float(correct[labels == k].mean()) if np.any(labels == k) else None
-                               for k in range(dataset.num_classes)],
+        "test_accuracy": test["accuracy"], "per_class_accuracy": test["per_class_accuracy"],
         "noise_multiplier": [ri["noise_multiplier"] for ri in rounds_info],
         "steps": total_steps, "rounds": rounds_info, "threshold_loss": config.threshold_loss, "w1": w1,
         "epochs_per_round": config.epochs, "batch_size": B, "lr": config.lr, "clip_norm": c, "seed": config.seed,
