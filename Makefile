@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/idpsgd demo --out runs/demo
+	$(BIN)/idpsgd demo --seed 0 --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

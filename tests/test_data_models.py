@@ -31,7 +31,10 @@ def test_digits_is_deterministic_and_stratified():
     a, b = load_dataset("digits"), load_dataset("digits")
     assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
     assert a.x_train.shape == (1437, 1, 8, 8) and a.x_test.shape == (360, 1, 8, 8) and a.num_classes == 10
-    assert abs(float(a.x_train.mean())) < 1e-5          # standardized with training statistics
+    # default normalization 'none': pixels / 16 only (no statistic of the private training set)
+    assert float(a.x_train.min()) == 0.0 and float(a.x_train.max()) == 1.0
+    assert torch.equal(a.x_train * 16, torch.round(a.x_train * 16))
+    assert a.preprocessing["mode"] == "none" and a.preprocessing["epsilon"] == 0.0
     counts = np.bincount(a.y_test.numpy(), minlength=10)
     assert counts.min() >= 35                           # stratified: every class present
 
@@ -59,12 +62,18 @@ def test_idx_missing_and_corrupt_files_name_what_is_expected(tmp_path, rng):
 def test_cifar10_pickle_batches(tmp_path, rng):
     base = tmp_path / "cifar-10-batches-py"
     base.mkdir()
+    raw = {}
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        raw[name] = rng.integers(0, 256, (4, 3072), dtype=np.uint8)
         with open(base / name, "wb") as fh:
-            pickle.dump({b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": [0, 1, 2, 9]}, fh)
+            pickle.dump({b"data": raw[name], b"labels": [0, 1, 2, 9]}, fh)
     d = load_dataset("cifar10", tmp_path)
     assert d.x_train.shape == (20, 3, 32, 32) and d.x_test.shape == (4, 3, 32, 32)
-    assert torch.allclose(d.x_train.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)  # per channel
+    # standardized per channel with the published constants, not the training set's statistics
+    assert d.preprocessing["mode"] == "public"
+    mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2470, 0.2435, 0.2616])
+    expect = (raw["test_batch"].reshape(-1, 3, 32, 32) / 255.0 - mean[:, None, None]) / std[:, None, None]
+    assert np.allclose(d.x_test.numpy(), expect, atol=1e-5)
     (base / "data_batch_3").write_bytes(b"not a pickle")
     with pytest.raises(DatasetFileError, match="data_batch_3 is not a CIFAR-10 python batch"):
         load_dataset("cifar10", tmp_path)
@@ -98,7 +107,7 @@ def test_csv_tables(tmp_path):
     with pytest.raises(DatasetFileError, match="no column 'label'"):
         load_dataset("csv", tmp_path)
     (tmp_path / "train.csv").write_text("a,label\nx,1\n")
-    with pytest.raises(DatasetFileError, match="non-numeric"):
+    with pytest.raises(DatasetFileError, match="line 2, column 'a': 'x' is not a number"):
         load_dataset("csv", tmp_path)
 
 

@@ -99,29 +99,50 @@ def digits():
     return load_dataset("digits")
 
 
+def _autograd_norm(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return float(torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())))
+
+
 def test_per_example_norms_match_autograd(digits):
+    from torch.utils.data import TensorDataset
+
+    from idpsgd.engine.norms import example_batches, per_example_grad_norms
     from idpsgd.models import create_model
-    from idpsgd.training.norms import per_example_grad_norms
     torch.manual_seed(0)
     model = create_model("digits_cnn", digits.input_shape, 10)
     x, y = digits.x_train[:7], digits.y_train[:7]
-    norms, losses = per_example_grad_norms(model, x, y, batch_size=3)
+    norms, losses = per_example_grad_norms(model, example_batches(TensorDataset(x, y), range(7), batch_size=3))
     for i in range(7):
-        model.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
-        loss.backward()
-        ref = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
-        assert norms[i] == pytest.approx(float(ref), rel=1e-4) and losses[i] == pytest.approx(float(loss), rel=1e-5)
-    assert all(p.grad is None or True for p in model.parameters()) and model.training
+        assert losses[i] == pytest.approx(float(loss), rel=1e-5)
+        assert norms[i] == pytest.approx(_autograd_norm(model, loss), rel=1e-4)
+    assert model.training
+
+
+def test_per_example_norms_of_any_loss_on_dict_batches():
+    """A custom per-sample loss (squared error on a dict batch) gives the norms of its own gradients."""
+    from idpsgd.engine.norms import per_example_grad_norms
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    batch = {"f": torch.randn(5, 4), "t": torch.randn(5)}
+
+    def sq(module, b):
+        return (module(b["f"]).squeeze(1) - b["t"]) ** 2
+
+    norms, losses = per_example_grad_norms(model, [batch], per_sample_loss=sq)
+    for i in range(5):
+        loss = (model(batch["f"][i:i + 1]).squeeze(1) - batch["t"][i:i + 1]).pow(2).sum()
+        assert norms[i] == pytest.approx(_autograd_norm(model, loss), rel=1e-4)
 
 
 def _run(digits, out, **kw):
     from idpsgd.assignment import Budgets
-    from idpsgd.training import TrainConfig, train
+    from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
     budgets = Budgets.from_array([3.0] * len(digits.y_train), DELTA)
-    cfg = TrainConfig(method="uniform", epochs=8, clip_norm=3.0, progress=False, individual_accounting=True,
-                      validate_subset=300, **kw)
-    return train(digits, budgets, cfg, out)
+    cfg = TrainConfig(method="uniform", epochs=8, clip_norm=6.0, progress=False, seed=0)
+    return train(digits, budgets, cfg, out, individual=IndividualAccountingOptions(validate_subset=300, **kw))
 
 
 def test_uniform_run_individual_epsilons(digits, tmp_path):
@@ -158,29 +179,34 @@ def test_individual_clipping_makes_a_guarantee(digits, tmp_path):
 
 def test_individual_accounting_with_sample_and_resume(digits, tmp_path, crash_after_first_checkpoint):
     from idpsgd.assignment import Budgets
-    from idpsgd.training import TrainConfig, train
+    from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
     budgets = Budgets.from_groups([1, 3], [0.5, 0.5], len(digits.y_train), DELTA, seed=0)
-    cfg = TrainConfig(method="sample", epochs=2, progress=False, individual_accounting=True,
-                      refreshes_per_epoch=2, validate_subset=0)
-    full = train(digits, budgets, cfg, tmp_path / "full")
+    cfg = TrainConfig(method="sample", epochs=2, progress=False, seed=0)
+    opts = IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0)
+    full = train(digits, budgets, cfg, tmp_path / "full", individual=opts)
     assert "validation" not in full["individual_privacy"]
     import csv
     with open(tmp_path / "full" / "individual_epsilons.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert all(float(r["epsilon"]) <= float(r["budget"]) for r in rows)
     with crash_after_first_checkpoint():
-        train(digits, budgets, cfg, tmp_path / "cut")
-    resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
+        train(digits, budgets, cfg, tmp_path / "cut", individual=opts)
+    resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True, individual=opts)
     assert resumed["individual_privacy"]["mean"] == full["individual_privacy"]["mean"]
     assert (tmp_path / "cut" / "individual_epsilons.csv").read_text() == (tmp_path / "full" / "individual_epsilons.csv").read_text()
 
 
-def test_config_errors():
-    from idpsgd.training import TrainConfig
-    with pytest.raises(InvalidParameterError, match="individual_clipping"):
-        TrainConfig(individual_clipping=True).validate()
+def test_config_errors(digits):
+    from idpsgd.assignment import Budgets
+    from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
+    with pytest.raises(InvalidParameterError, match="rounding"):
+        IndividualAccountingOptions(rounding="up").validate()
+    with pytest.raises(InvalidParameterError, match="validate_subset"):
+        IndividualAccountingOptions(validate_subset=-1).validate()
+    b = Budgets.from_groups([1, 3], [0.5, 0.5], len(digits.y_train), DELTA, seed=0)
     with pytest.raises(InvalidParameterError, match="one-phase methods"):
-        TrainConfig(method="sequential", individual_accounting=True).validate()
+        train(digits, b, TrainConfig(method="sequential"), individual=IndividualAccountingOptions())
+    assert main(["train", "--method", "uniform", "--budgets", "3", "--individual-clipping", "--out", "/tmp/x"]) == 2
 
 
 # --- offline CLI --------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ __version__ = "0.1.0"
 
 _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "TrainConfig": "training", "Trainer": "training", "train": "training", "build_plan": "training",
-    "make_private_individualized": "training", "IndividualizedDPOptimizer": "training",
-    "PoissonSampler": "training", "load_dataset": "data", "Dataset": "data", "create_model": "models",
+    "IndividualAccountingOptions": "engine", "IndividualizedPrivacyEngine": "engine",
+    "IndividualizedDPOptimizer": "engine", "PoissonBatchSampler": "engine", "PrivacyBudgetExceeded": "engine",
+    "load_dataset": "data", "Dataset": "data", "create_model": "models",
     "MODELS": "models", "train_pdp": "training.pdp", "run_per_instance": "training.per_instance",
 }
 

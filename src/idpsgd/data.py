@@ -1,34 +1,45 @@
 """Datasets from local files in their standard formats (no network), as in-memory tensors.
 
 * ``digits`` — scikit-learn's bundled 8×8 digits (the default); a deterministic, stratified
-  80/20 train/test split (seed 0).
+  80/20 train/test split (seed 0: a public choice that depends on nothing but the labels' order).
 * ``mnist``, ``fashion-mnist`` — IDX files (``train-images-idx3-ubyte`` etc., gzipped or not).
-* ``cifar10`` — the python pickle batches (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``).
+* ``cifar10`` — the python pickle batches (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``),
+  read through a restricted unpickler: only numpy's array reconstruction is admitted, so a crafted
+  file cannot run code.
 * ``svhn`` — ``train_32x32.mat`` / ``test_32x32.mat`` (scipy.io.loadmat; label 10 means 0).
-* ``csv`` — ``train.csv`` (and optional ``test.csv``) with a label column (``--label-column``);
-  without a test file, a deterministic 80/20 split.
+* ``csv`` — ``train.csv`` (and optional ``test.csv``, same columns) with an integer label column
+  (``--label-column``); without a test file, a deterministic stratified 80/20 split.
 
-A missing or corrupt file raises an error that names the files expected and where.  Images are
-scaled to [0, 1] and standardized with the training set's per-channel mean and std.
+Every file is checked against its format (shapes, label ranges, finite numbers, counts): a bad
+file raises :class:`DatasetFileError`, one line naming the file, what is wrong and what is
+expected.  Pixels are scaled to [0, 1]; standardization is a separate, explicit choice that stays
+inside the privacy guarantee (:mod:`idpsgd.preprocessing`), recorded in ``Dataset.preprocessing``.
 """
 from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
+import importlib
+import io
+import json
+import math
 import pickle
 import struct
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
+from .preprocessing import normalize
 from .validation import InvalidParameterError
 
 
 class DatasetFileError(FileNotFoundError):
-    """A dataset file is missing or unreadable; the message names what is expected and where."""
+    """A dataset file is missing, unreadable or malformed; the message names the file and what is expected."""
 
 
 @dataclass
@@ -39,13 +50,52 @@ class Dataset:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int
+    #: how the inputs were normalized (:func:`idpsgd.preprocessing.normalize`): mode, mean, std,
+    #: source, and the (epsilon, delta) it cost every training example (0 unless ``private``).
+    preprocessing: dict = field(default_factory=dict)
 
     @property
     def input_shape(self) -> tuple:
         return tuple(self.x_train.shape[1:])
 
+    def fingerprint(self) -> str:
+        """Hex SHA-256 of the name, class count, preprocessing record and the four tensors (dtype, shape, bytes).
 
-LOADERS: dict[str, Callable[..., Dataset]] = {}
+        Equal fingerprints mean the same training and test data, transformed the same way (used to
+        refuse resuming a run on changed data).  It is a deterministic function of the private
+        training data: keep it in private files (mode 0600), never in a public report.
+        """
+        h = hashlib.sha256(b"idpsgd-dataset-fingerprint-v1\0")
+        meta = {"name": self.name, "num_classes": int(self.num_classes), "preprocessing": self.preprocessing}
+        h.update(json.dumps(meta, sort_keys=True, default=_json_plain).encode())
+        for key in ("x_train", "y_train", "x_test", "y_test"):
+            t = getattr(self, key).detach().cpu().contiguous()
+            h.update(f"\0{key}:{t.dtype}:{tuple(t.shape)}\0".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
+
+def _json_plain(v):
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    raise TypeError(f"not JSON-serializable: {type(v).__name__}")
+
+
+@dataclass
+class _Raw:
+    """What a reader returns: scaled inputs, integer labels, and how they were scaled."""
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    scaling: str
+    value_range: tuple | None     # public range of the scaled values (None: unknown, e.g. CSV)
+
+
+LOADERS: dict[str, Callable[..., _Raw]] = {}
 
 
 def register(name):
@@ -55,40 +105,92 @@ def register(name):
     return deco
 
 
-def load_dataset(name: str, data_dir=None, **kwargs) -> Dataset:
+def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_epsilon=None,
+                 normalization_delta=None, feature_range=None, label_column: str = "label",
+                 normalization_rng: np.random.Generator | None = None) -> Dataset:
+    """Read a dataset and normalize it inside the privacy guarantee.
+
+    ``normalization``: None (the dataset's default: ``public`` constants for mnist, fashion-mnist,
+    cifar10 and svhn, ``none`` for digits and csv), ``"none"``, ``"public"``, ``"private"`` (needs
+    ``normalization_epsilon`` and ``normalization_delta``; for csv also ``feature_range``), a
+    ``(mean, std)`` pair, or a ``Dataset.preprocessing`` record to re-apply (e.g. on resume).
+    ``normalization_rng`` is for tests only: by default private noise comes from OS entropy.
+    See :func:`idpsgd.preprocessing.normalize`.
+    """
     if name not in LOADERS:
         raise InvalidParameterError("dataset", name, f"must be one of {sorted(LOADERS)}")
-    return LOADERS[name](Path(data_dir) if data_dir else None, **kwargs)
+    if name != "csv" and label_column != "label":
+        raise InvalidParameterError("label_column", label_column, "only used with dataset csv")
+    if data_dir is not None and data_dir != "":
+        data_dir = Path(data_dir)
+        if name == "digits":
+            raise InvalidParameterError("data_dir", str(data_dir), "not used: dataset 'digits' is bundled "
+                                        "with scikit-learn")
+    else:
+        data_dir = None
+    raw = LOADERS[name](data_dir, **({"label_column": label_column} if name == "csv" else {}))
+    xtr, xte, record = normalize(name, raw.x_train, raw.x_test, normalization, scaling=raw.scaling,
+                                 value_range=raw.value_range, epsilon=normalization_epsilon,
+                                 delta=normalization_delta, feature_range=feature_range, rng=normalization_rng)
+    return Dataset(name, torch.from_numpy(np.ascontiguousarray(xtr)), torch.from_numpy(raw.y_train.astype(np.int64)),
+                   torch.from_numpy(np.ascontiguousarray(xte)), torch.from_numpy(raw.y_test.astype(np.int64)),
+                   int(raw.num_classes), record)
 
 
-def _finish(name, xtr, ytr, xte, yte, num_classes=None) -> Dataset:
-    xtr, xte = np.asarray(xtr, np.float32), np.asarray(xte, np.float32)
-    axes = tuple(i for i in range(xtr.ndim) if i != 1) if xtr.ndim == 4 else (0,)
-    mean, std = xtr.mean(axis=axes, keepdims=True), xtr.std(axis=axes, keepdims=True) + 1e-6
-    ytr, yte = np.asarray(ytr, np.int64), np.asarray(yte, np.int64)
-    k = int(num_classes or max(ytr.max(), yte.max() if yte.size else 0) + 1)
-    return Dataset(name, torch.from_numpy((xtr - mean) / std), torch.from_numpy(ytr),
-                   torch.from_numpy((xte - mean) / std), torch.from_numpy(yte), k)
+def _to_unit(x: np.ndarray, top: float) -> np.ndarray:
+    out = np.array(x, dtype=np.float32)          # a fresh float32 copy, divided in place
+    out /= np.float32(top)
+    return out
 
 
-def _split(n, labels, test_fraction=0.2, seed=0):
+def _check_labels(y: np.ndarray, k: int, where, what: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.dtype.kind not in "iu":
+        raise DatasetFileError(f"{where}: labels have type {y.dtype}; {what} labels are integers 0..{k - 1}")
+    bad = np.flatnonzero((y < 0) | (y >= k))
+    if bad.size:
+        raise DatasetFileError(f"{where}: label {int(y[bad[0]])} (at index {int(bad[0])}) is out of range; "
+                               f"{what} labels are 0..{k - 1}")
+    return y.astype(np.int64)
+
+
+def _split(n, labels, where, test_fraction=0.2, seed=0):
+    """Stratified train/test indices (public choice: fixed fraction and seed), or a clear error."""
     from sklearn.model_selection import train_test_split
-    return train_test_split(np.arange(n), test_size=test_fraction, random_state=seed, stratify=labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    n_test = math.ceil(test_fraction * n)
+    if counts.min() < 2:
+        raise DatasetFileError(f"{where}: class {classes[counts.argmin()]} has only 1 row; the stratified "
+                               f"{1 - test_fraction:.0%}/{test_fraction:.0%} train/test split needs at least 2 rows "
+                               "per class (add rows or give a test.csv)")
+    if n_test < len(classes) or n - n_test < len(classes):
+        raise DatasetFileError(f"{where}: {n} rows are too few for a stratified {test_fraction:.0%} test split "
+                               f"over {len(classes)} classes (each split needs every class; add rows or give a "
+                               "test.csv)")
+    try:
+        return train_test_split(np.arange(n), test_size=test_fraction, random_state=seed, stratify=labels)
+    except ValueError as exc:
+        raise DatasetFileError(f"{where}: the stratified train/test split failed ({exc})") from None
 
 
 @register("digits")
-def load_digits(data_dir=None, **_):
+def load_digits(data_dir=None):
     from sklearn.datasets import load_digits as sk_digits
     d = sk_digits()
-    x = (d.images / 16.0)[:, None, :, :]
-    tr, te = _split(len(x), d.target)
-    return _finish("digits", x[tr], d.target[tr], x[te], d.target[te], 10)
+    x = _to_unit(d.images[:, None, :, :], 16.0)
+    tr, te = _split(len(x), d.target, "scikit-learn digits")
+    return _Raw(x[tr], d.target[tr], x[te], d.target[te], 10, "pixel values / 16 (to [0, 1])", (0.0, 1.0))
 
 
 def _need_dir(data_dir, name, files):
     if data_dir is None:
         raise DatasetFileError(f"dataset {name!r} needs --data-dir: a folder with {', '.join(files)}")
     return data_dir
+
+
+# ---------------------------------------------------------------- IDX (MNIST, Fashion-MNIST)
+
+IDX_MAX_BYTES = 4 << 30      # a header claiming more is refused before anything is read
 
 
 def _find(data_dir: Path, stem: str, name: str, expected: list[str]) -> Path:
@@ -99,19 +201,40 @@ def _find(data_dir: Path, stem: str, name: str, expected: list[str]) -> Path:
                            f"(expected files: {', '.join(expected)})")
 
 
+def _read_exactly(fh, size: int) -> bytes:
+    parts, got = [], 0
+    while got < size:
+        part = fh.read(min(size - got, 1 << 26))
+        if not part:
+            raise ValueError(f"truncated: {got} of the {size} data bytes its header announces")
+        parts.append(part)
+        got += len(part)
+    if fh.read(1):
+        raise ValueError(f"more data than the {size} bytes its header announces")
+    return b"".join(parts)
+
+
 def read_idx(path: Path) -> np.ndarray:
-    """Read an IDX file (LeCun's MNIST format), gzipped or not."""
+    """Read an IDX file (LeCun's MNIST format: unsigned bytes), gzipped or not."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as fh:
-            raw = fh.read()
-        zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
-        if zero != 0 or dtype_code != 0x08:
-            raise ValueError("bad magic number")
-        dims = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-        data = np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim)
-        return data.reshape(dims)
-    except (OSError, ValueError, struct.error) as exc:
+            head = fh.read(4)
+            if len(head) < 4:
+                raise ValueError("empty file" if not head else "too short for an IDX header")
+            zero, dtype_code, ndim = struct.unpack(">HBB", head)
+            if zero != 0 or dtype_code != 0x08 or ndim == 0:
+                raise ValueError("bad magic number: expected unsigned-byte IDX data")
+            dims_raw = fh.read(4 * ndim)
+            if len(dims_raw) < 4 * ndim:
+                raise ValueError("truncated header")
+            dims = struct.unpack(">" + "I" * ndim, dims_raw)
+            size = math.prod(dims)
+            if size > IDX_MAX_BYTES:
+                raise ValueError(f"its header announces {size} bytes, more than this reader accepts ({IDX_MAX_BYTES})")
+            data = _read_exactly(fh, size)
+        return np.frombuffer(data, np.uint8).reshape(dims)
+    except (OSError, EOFError, ValueError, struct.error, zlib.error) as exc:
         raise DatasetFileError(f"{path} is not a valid IDX file ({exc})") from None
 
 
@@ -119,90 +242,261 @@ def _idx_dataset(name, data_dir):
     stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
              "t10k-labels-idx1-ubyte"]
     data_dir = _need_dir(data_dir, name, stems)
-    xtr, ytr, xte, yte = (read_idx(_find(data_dir, s, name, stems)) for s in stems)
-    if len(xtr) != len(ytr) or len(xte) != len(yte):
-        raise DatasetFileError(f"dataset {name!r} in {data_dir}: image and label counts differ")
-    return _finish(name, xtr[:, None] / 255.0, ytr, xte[:, None] / 255.0, yte, 10)
+    paths = [_find(data_dir, s, name, stems) for s in stems]
+    arrays = [read_idx(p) for p in paths]
+    for (xp, yp), (x, y) in zip((paths[:2], paths[2:]), (arrays[:2], arrays[2:])):
+        if x.ndim != 3 or x.shape[1:] != (28, 28):
+            raise DatasetFileError(f"{xp}: images of shape {x.shape[1:]} (array {x.shape}); {name} images are "
+                                   "28x28 (an IDX array of shape (count, 28, 28))")
+        if y.ndim != 1:
+            raise DatasetFileError(f"{yp}: labels of shape {y.shape}; expected a 1-D IDX array")
+        if len(x) != len(y):
+            raise DatasetFileError(f"{xp} holds {len(x)} images but {yp} holds {len(y)} labels")
+        if len(x) == 0:
+            raise DatasetFileError(f"{xp} holds no images")
+        _check_labels(y, 10, yp, name)
+    xtr, ytr, xte, yte = arrays
+    return _Raw(_to_unit(xtr[:, None], 255.0), ytr.astype(np.int64), _to_unit(xte[:, None], 255.0),
+                yte.astype(np.int64), 10, "pixel values / 255 (to [0, 1])", (0.0, 1.0))
 
 
 @register("mnist")
-def load_mnist(data_dir=None, **_):
+def load_mnist(data_dir=None):
     return _idx_dataset("mnist", data_dir)
 
 
 @register("fashion-mnist")
-def load_fashion_mnist(data_dir=None, **_):
+def load_fashion_mnist(data_dir=None):
     return _idx_dataset("fashion-mnist", data_dir)
 
 
+# ---------------------------------------------------------------- CIFAR-10 (restricted unpickling)
+
+def _numpy_attr(name: str, *modules: str):
+    for mod in modules:
+        try:
+            return getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"numpy has no {name} in {modules}")
+
+
+# (module, name) -> where numpy keeps it now.  Genuine CIFAR-10 batches (Python 2 cPickle of a dict
+# of byte strings, a list of ints and a uint8 array) reference only the first three; files re-saved
+# by Python 3 also use _frombuffer (numpy's protocol-5 reduction) or _codecs.encode (bytes below
+# protocol 3).  All build plain data; nothing else can be named, so nothing else can run.
+_RECONSTRUCT = ("_reconstruct", "numpy._core.multiarray", "numpy.core.multiarray")
+_FROMBUFFER = ("_frombuffer", "numpy._core.numeric", "numpy.core.numeric")
+CIFAR_PICKLE_GLOBALS: dict[tuple[str, str], tuple] = {
+    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy", "ndarray"): ("ndarray", "numpy"),
+    ("numpy", "dtype"): ("dtype", "numpy"),
+    ("numpy.core.numeric", "_frombuffer"): _FROMBUFFER,
+    ("numpy._core.numeric", "_frombuffer"): _FROMBUFFER,
+    ("_codecs", "encode"): ("encode", "_codecs"),
+}
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what CIFAR-10 batches contain (:data:`CIFAR_PICKLE_GLOBALS`); anything else is refused."""
+
+    def find_class(self, module, name):
+        where = CIFAR_PICKLE_GLOBALS.get((module, name))
+        if where is None:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return _numpy_attr(*where)
+
+
+def _get(d: dict, key: str):
+    return d[key.encode()] if key.encode() in d else d.get(key)
+
+
+def read_cifar_batch(p: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 python batch: images (n, 3, 32, 32) uint8 and labels (n,) int64."""
+    try:
+        with p.open("rb") as fh:
+            d = CifarUnpickler(fh, encoding="bytes").load()
+    except _RefusedGlobal as exc:
+        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch: it names {exc}, which CIFAR-10 batches "
+                               "never contain (refused without running it)") from None
+    except EOFError:
+        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch (empty or truncated file)") from None
+    except Exception as exc:  # noqa: BLE001  (any unpickling failure means a corrupt file)
+        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch ({type(exc).__name__}: {exc})") from None
+    if not isinstance(d, dict):
+        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch (holds a {type(d).__name__}, expected a dict)")
+    data, labels = _get(d, "data"), _get(d, "labels")
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        shown = f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise DatasetFileError(f"{p}: 'data' is a {shown}; a CIFAR-10 batch holds a uint8 array of shape (n, 3072)")
+    if isinstance(labels, list) and all(type(v) is int for v in labels):
+        labels = np.array(labels, dtype=np.int64)
+    if not isinstance(labels, np.ndarray) or labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise DatasetFileError(f"{p}: 'labels' must be a list of integers 0..9")
+    if len(labels) != len(data):
+        raise DatasetFileError(f"{p}: {len(data)} images but {len(labels)} labels")
+    return data.reshape(-1, 3, 32, 32), _check_labels(labels, 10, p, "CIFAR-10")
+
+
 @register("cifar10")
-def load_cifar10(data_dir=None, **_):
+def load_cifar10(data_dir=None):
     files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     data_dir = _need_dir(data_dir, "cifar10", files)
     base = data_dir / "cifar-10-batches-py" if (data_dir / "cifar-10-batches-py").is_dir() else data_dir
-
-    def read(f):
-        p = base / f
-        if not p.is_file():
+    for f in files:
+        if not (base / f).is_file():
             raise DatasetFileError(f"dataset 'cifar10': {f} not found in {base} (expected: {', '.join(files)})")
-        try:
-            with p.open("rb") as fh:
-                d = pickle.load(fh, encoding="bytes")
-            return np.asarray(d[b"data"], np.uint8).reshape(-1, 3, 32, 32), np.asarray(d[b"labels"])
-        except Exception as exc:  # noqa: BLE001  (any unpickling failure means a corrupt file)
-            raise DatasetFileError(f"{p} is not a CIFAR-10 python batch ({exc})") from None
+    parts = [read_cifar_batch(base / f) for f in files]
+    xtr = np.concatenate([p[0] for p in parts[:5]])
+    ytr = np.concatenate([p[1] for p in parts[:5]])
+    xte, yte = parts[5]
+    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])",
+                (0.0, 1.0))
 
-    parts = [read(f) for f in files[:5]]
-    xte, yte = read("test_batch")
-    xtr = np.concatenate([p[0] for p in parts]) / 255.0
-    ytr = np.concatenate([p[1] for p in parts])
-    return _finish("cifar10", xtr, ytr, xte / 255.0, yte, 10)
+
+# ---------------------------------------------------------------- SVHN
+
+def _read_svhn(p: Path) -> tuple[np.ndarray, np.ndarray]:
+    from scipy.io import loadmat
+    try:
+        m = loadmat(p)
+    except Exception as exc:  # noqa: BLE001  (scipy raises many types for a corrupt or foreign file)
+        raise DatasetFileError(f"{p} is not an SVHN .mat file ({type(exc).__name__}: {exc})") from None
+    x, y = m.get("X"), m.get("y")
+    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+        raise DatasetFileError(f"{p} is not an SVHN .mat file (expected arrays X and y)")
+    if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or x.dtype != np.uint8:
+        raise DatasetFileError(f"{p}: X is a {x.dtype} array of shape {x.shape}; SVHN's X is uint8 of shape "
+                               "(32, 32, 3, n)")
+    y = y.ravel()
+    if len(y) != x.shape[3]:
+        raise DatasetFileError(f"{p}: {x.shape[3]} images but {len(y)} labels")
+    if x.shape[3] == 0:
+        raise DatasetFileError(f"{p} holds no images")
+    if y.dtype.kind not in "iuf":
+        raise DatasetFileError(f"{p}: labels have type {y.dtype}; SVHN labels are integers 1..10 (10 means digit 0)")
+    yv = y.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(yv) | (yv != np.round(yv)) | (yv < 1) | (yv > 10))
+    if bad.size:
+        raise DatasetFileError(f"{p}: label {yv[bad[0]]:g} (at index {bad[0]}) is out of range; SVHN labels are "
+                               "integers 1..10 (10 means digit 0)")
+    y = yv.astype(np.int64)
+    return np.transpose(x, (3, 2, 0, 1)), y.astype(np.int64) % 10
 
 
 @register("svhn")
-def load_svhn(data_dir=None, **_):
-    from scipy.io import loadmat
+def load_svhn(data_dir=None):
     files = ["train_32x32.mat", "test_32x32.mat"]
     data_dir = _need_dir(data_dir, "svhn", files)
-    out = []
     for f in files:
-        p = data_dir / f
-        if not p.is_file():
+        if not (data_dir / f).is_file():
             raise DatasetFileError(f"dataset 'svhn': {f} not found in {data_dir} (expected: {', '.join(files)})")
-        try:
-            m = loadmat(p)
-            x = np.transpose(m["X"], (3, 2, 0, 1)) / 255.0
-            y = m["y"].ravel().astype(np.int64) % 10
-        except Exception as exc:  # noqa: BLE001
-            raise DatasetFileError(f"{p} is not an SVHN .mat file with X and y ({exc})") from None
-        out += [x, y]
-    return _finish("svhn", *out, 10)
+    (xtr, ytr), (xte, yte) = (_read_svhn(data_dir / f) for f in files)
+    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])",
+                (0.0, 1.0))
+
+
+# ---------------------------------------------------------------- CSV
+
+MAX_CSV_CLASSES = 10_000     # labels must lie in 0..MAX_CSV_CLASSES-1 (the model has one output per class)
+
+
+def _read_table(p: Path, label_column: str):
+    """Header, feature matrix (float32, finite) and integer labels of one CSV file."""
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise DatasetFileError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    if not raw.strip():
+        raise DatasetFileError(f"{p} is empty (expected a header line and data rows)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetFileError(f"{p} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows, lines = [], []
+    try:
+        header = [h.strip() for h in next(reader)]
+        for row in reader:
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue                                        # a blank line
+            if len(row) != len(header):
+                raise DatasetFileError(f"{p}, line {reader.line_num}: {len(row)} fields, but the header has "
+                                       f"{len(header)}")
+            rows.append(row)
+            lines.append(reader.line_num)
+    except csv.Error as exc:
+        raise DatasetFileError(f"{p}, line {reader.line_num}: not valid CSV ({exc})") from None
+    dupes = sorted({h for h in header if header.count(h) > 1})
+    if dupes:
+        raise DatasetFileError(f"{p}: column {dupes[0]!r} appears more than once in the header")
+    if label_column not in header:
+        raise DatasetFileError(f"{p}: no column {label_column!r} (columns: {', '.join(header)}; use --label-column)")
+    if len(header) < 2:
+        raise DatasetFileError(f"{p}: no feature columns besides the label column {label_column!r}")
+    if not rows:
+        raise DatasetFileError(f"{p} has a header but no data rows")
+    cells = np.array(rows, dtype=str)
+    try:
+        values = cells.astype(np.float64)
+    except ValueError:
+        values = None
+    if values is None:                                          # find the first bad cell, for the message
+        for i, row in enumerate(rows):
+            for j, c in enumerate(row):
+                try:
+                    float(c)
+                except ValueError:
+                    raise DatasetFileError(f"{p}, line {lines[i]}, column {header[j]!r}: {c!r} is not a number"
+                                           + (" (missing value)" if not c.strip() else "")) from None
+    li = header.index(label_column)
+    with np.errstate(over="ignore"):                            # beyond float32: inf, refused below
+        x = np.delete(values, li, axis=1).astype(np.float32)
+    feats = [h for h in header if h != label_column]
+    bad = np.argwhere(~np.isfinite(x))
+    if bad.size:
+        i, j = bad[0]
+        raise DatasetFileError(f"{p}, line {lines[i]}, column {feats[j]!r}: {rows[i][header.index(feats[j])]!r} is "
+                               "not a finite number (NaN, inf or beyond the float32 range)")
+    y = values[:, li]
+    bad = np.flatnonzero(~np.isfinite(y) | (y != np.floor(y)) | (y < 0) | (y >= MAX_CSV_CLASSES))
+    if bad.size:
+        i = bad[0]
+        raise DatasetFileError(f"{p}, line {lines[i]}, column {label_column!r}: {rows[i][li]!r} is not a class "
+                               f"label (labels are integers 0..{MAX_CSV_CLASSES - 1})")
+    return header, feats, x, y.astype(np.int64)
 
 
 @register("csv")
-def load_csv(data_dir=None, label_column: str = "label", **_):
+def load_csv(data_dir=None, label_column: str = "label"):
     data_dir = _need_dir(data_dir, "csv", ["train.csv", "test.csv (optional)"])
-
-    def read(p):
-        with p.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-        if not rows or label_column not in rows[0]:
-            raise DatasetFileError(f"{p}: no column {label_column!r} (use --label-column)")
-        feats = [k for k in rows[0] if k != label_column]
-        try:
-            x = np.array([[float(r[k]) for k in feats] for r in rows], np.float32)
-            y = np.array([int(float(r[label_column])) for r in rows])
-        except ValueError as exc:
-            raise DatasetFileError(f"{p}: non-numeric value ({exc})") from None
-        return x, y
-
     train = data_dir / "train.csv"
     if not train.is_file():
         raise DatasetFileError(f"dataset 'csv': train.csv not found in {data_dir} (expected train.csv "
                                f"and optionally test.csv, with a {label_column!r} column)")
-    x, y = read(train)
-    if (data_dir / "test.csv").is_file():
-        xte, yte = read(data_dir / "test.csv")
-        return _finish("csv", x, y, xte, yte)
-    tr, te = _split(len(x), y)
-    return _finish("csv", x[tr], y[tr], x[te], y[te])
+    _, feats, x, y = _read_table(train, label_column)
+    if len(x) < 2:
+        raise DatasetFileError(f"{train} has {len(x)} data row; training needs at least 2")
+    test = data_dir / "test.csv"
+    if test.is_file():
+        _, tfeats, xte, yte = _read_table(test, label_column)
+        if tfeats != feats:
+            if sorted(tfeats) != sorted(feats):
+                missing, extra = sorted(set(feats) - set(tfeats)), sorted(set(tfeats) - set(feats))
+                raise DatasetFileError(f"{test}: its columns differ from {train.name}'s"
+                                       + (f"; missing {', '.join(missing)}" if missing else "")
+                                       + (f"; extra {', '.join(extra)}" if extra else ""))
+            xte = xte[:, [tfeats.index(f) for f in feats]]      # same columns, other order
+        xtr, ytr = x, y
+    else:
+        tr, te = _split(len(x), y, train)
+        xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
+    k = int(max(ytr.max(), yte.max()) + 1)
+    if k < 2:
+        raise DatasetFileError(f"{train}: every label is 0; classification needs at least 2 classes")
+    return _Raw(xtr, ytr, xte, yte, k, "none (values as in the file)", None)

@@ -77,3 +77,49 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"cannot serialize {type(o).__name__}")
+
+
+def to_plain(obj):
+    """numpy arrays → tensors and numpy scalars → Python numbers, recursively (for ``torch.save``
+    files that load with ``weights_only=True``)."""
+    import torch
+
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def save_torch(path, state, private: bool = True) -> Path:
+    """``torch.save`` of ``state`` (made plain by :func:`to_plain`), atomically, mode 0600 by default."""
+    import torch
+
+    with atomic_open(path, "wb", private=private) as fh:
+        torch.save(to_plain(state), fh)
+    return Path(path)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, foreign or not loadable without running code."""
+
+
+def load_torch(path, what: str = "checkpoint"):
+    """Load a file written by :func:`save_torch` with ``weights_only=True`` (nothing in the file can
+    run code); any failure is one :class:`CheckpointError` line naming the file."""
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable idpsgd {what} ({first[:200]})") from None

@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,10 +28,42 @@ def register(name: str):
 
 
 def create_model(name: str, input_shape: tuple, num_classes: int) -> nn.Module:
-    """Build a registered model for inputs of ``input_shape`` (C, H, W) or (features,)."""
+    """Build a registered model for inputs of ``input_shape`` (C, H, W) or (features,).
+
+    A shape the architecture cannot take (too small for its convolutions and poolings, or not an
+    image) is an :class:`InvalidParameterError` naming the model and the shape, never a torch error.
+    """
     if name not in MODELS:
         raise InvalidParameterError("model", name, f"must be one of {sorted(MODELS)}")
-    return MODELS[name](tuple(input_shape), int(num_classes))
+    try:
+        shape = tuple(int(d) for d in input_shape)
+    except (TypeError, ValueError):
+        raise InvalidParameterError("input_shape", input_shape, "must be a tuple of positive integers") from None
+    if not shape or min(shape) < 1:
+        raise InvalidParameterError("input_shape", input_shape, "must be a tuple of positive integers")
+    if isinstance(num_classes, bool) or int(num_classes) != num_classes or int(num_classes) < 2:
+        raise InvalidParameterError("num_classes", num_classes, "must be an integer >= 2")
+    if name not in FLAT_INPUT_MODELS and len(shape) != 3:
+        raise InvalidParameterError("model", name, f"takes images (channels, height, width); the dataset's inputs "
+                                    f"have shape {shape} (use 'mlp' for tables)")
+    try:
+        return MODELS[name](shape, int(num_classes))
+    except (RuntimeError, ValueError) as exc:
+        need = _smallest_side(name, shape, num_classes)
+        allowed = (f"needs images of at least {need}x{need} pixels" if need
+                   else f"cannot take this input ({str(exc).splitlines()[0]})")
+        raise InvalidParameterError("model", name, f"{allowed}; the dataset's input shape is {shape}") from None
+
+
+def _smallest_side(name: str, shape: tuple, num_classes: int, limit: int = 256) -> int | None:
+    """The smallest square image side the model accepts with ``shape``'s channels (error messages only)."""
+    for side in range(max(shape[1:]) + 1, limit + 1):
+        try:
+            MODELS[name]((shape[0], side, side), int(num_classes))
+            return side
+        except (RuntimeError, ValueError):
+            continue
+    return None
 
 
 def _flat_size(body: nn.Module, input_shape) -> int:
@@ -54,7 +86,10 @@ def digits_cnn(input_shape, num_classes):
 
 @register("tramer_boneh_mnist")
 def tramer_boneh_mnist(input_shape, num_classes):
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=3), nn.Tanh(), nn.MaxPool2d(2, 1),
+    # Tramèr & Boneh 2021, MNIST CNN (their models.py: cfg [(16, 8, 2, 2), 'M', (32, 4, 2, 0), 'M'],
+    # MaxPool2d(2, stride=1), classifier Linear(32*4*4, 32) -> Tanh -> Linear(32, 10)); on 28x28:
+    # 28 -conv-> 13 -pool-> 12 -conv-> 5 -pool-> 4.
+    body = nn.Sequential(nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=2), nn.Tanh(), nn.MaxPool2d(2, 1),
                          nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1))
     n = _flat_size(body, input_shape)
     return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 32), nn.Tanh(), nn.Linear(32, num_classes))
@@ -125,6 +160,9 @@ def resnet20(input_shape, num_classes):
             cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
     return nn.Sequential(*layers)
+
+
+FLAT_INPUT_MODELS = {"mlp"}      # every other model takes (C, H, W) images
 
 
 @register("mlp")

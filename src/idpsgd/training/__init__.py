@@ -1,10 +1,8 @@
-"""Individualized DP-SGD training on Opacus: sampler, optimizer, plans (methods and baselines), loop."""
-from .engine import GUARANTEE, TrainConfig, Trainer, evaluate, train
-from .optimizer import IndividualizedDPOptimizer
+"""Training recipes on the engine: the ``train`` harness (plans: uniform/sample/scale and the
+exclude/sequential baselines), individual accounting reports, PDP-SGD rounds, per-instance runs."""
+from ..engine import GUARANTEE, IndividualAccountingOptions
+from .loop import TrainConfig, Trainer, evaluate, resolve_device, train
 from .plans import METHODS, Phase, TrainingPlan, build_plan
-from .private import make_private_individualized, steps_per_epoch_for
-from .sampler import IndexedLoader, PoissonSampler
 
-__all__ = ["GUARANTEE", "METHODS", "Phase", "TrainConfig", "Trainer", "TrainingPlan", "build_plan", "evaluate",
-           "train", "IndexedLoader", "IndividualizedDPOptimizer", "PoissonSampler", "make_private_individualized",
-           "steps_per_epoch_for"]
+__all__ = ["GUARANTEE", "IndividualAccountingOptions", "METHODS", "Phase", "TrainConfig", "Trainer", "TrainingPlan",
+           "build_plan", "evaluate", "resolve_device", "train"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..assignment import Assignment, Budgets, assign
 from ..validation import InvalidParameterError, check_positive
-from .private import steps_per_epoch_for
+from ..engine import steps_per_epoch_for
 
 METHODS = ("uniform", "sample", "scale", "exclude", "sequential")
 

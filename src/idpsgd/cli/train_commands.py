@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cli import arguments, command
-from .commands import _accountant, budget_source_args, budgets_from_args
-from .io import write_json
+from ..io import write_json
+from .budget_args import _accountant, _assignment_seed, budget_source_args, budgets_from_args, resolved_seed
+from .registry import arguments, command
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
 
 
 def _hyper_args(p):
-    from .training import TrainConfig
+    from ..training import TrainConfig
 
     d = TrainConfig()
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
@@ -28,12 +28,19 @@ def _hyper_args(p):
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
     p.add_argument("--label-column", default="label", help="label column of a csv dataset (default label)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", default=d.device, help="cpu, cuda, auto (cuda when available) or a torch device "
+                   f"such as cuda:1 (default {d.device})")
+    p.add_argument("--grad-sample-mode", choices=["hooks", "functorch", "ghost"], default=d.grad_sample_mode,
+                   help="per-sample gradients by Opacus hooks, functorch, or ghost clipping (norms only; less "
+                   f"memory) (default {d.grad_sample_mode})")
+    p.add_argument("--secure-mode", action="store_true", help="Opacus's secure mode: sampling and noise from OS "
+                   "entropy, secure noise sampling; refuses --seed")
     _accountant(p)
 
 
 def _train_args(p):
-    from .training.pdp import PDP_METHODS
-    from .training.plans import METHODS
+    from ..training.pdp import PDP_METHODS
+    from ..training.plans import METHODS
 
     p.add_argument("--method", choices=METHODS + PDP_METHODS, required=True)
     budget_source_args(p)
@@ -65,20 +72,33 @@ def _train_args(p):
 
 
 def _config(args, method):
-    from .training import TrainConfig
+    from ..training import TrainConfig
 
     return TrainConfig(method=method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                        momentum=args.momentum, clip_norm=args.clip_norm, accountant=args.accountant,
-                       model=args.model, seed=args.seed, exclude_below=getattr(args, "exclude_below", None),
+                       model=args.model, seed=resolved_seed(args), secure_mode=args.secure_mode, device=args.device,
+                       grad_sample_mode=args.grad_sample_mode, exclude_below=getattr(args, "exclude_below", None),
                        progress=not args.no_progress,
-                       **{k: getattr(args, k) for k in ("individual_accounting", "refreshes_per_epoch", "rounding",
-                                                         "rounding_step", "individual_clipping", "validate_subset",
-                                                         "threshold_loss", "w1", "rounds", "noise_history")
+                       **{k: getattr(args, k) for k in ("threshold_loss", "w1", "rounds", "noise_history")
                           if hasattr(args, k)})
 
 
+def _individual(args):
+    """Individual accounting options from the flags (None without --individual-accounting)."""
+    from ..engine import IndividualAccountingOptions
+    from ..validation import InvalidParameterError
+
+    if not getattr(args, "individual_accounting", False):
+        if getattr(args, "individual_clipping", False):
+            raise InvalidParameterError("individual_clipping", True, "needs --individual-accounting")
+        return None
+    return IndividualAccountingOptions(refreshes_per_epoch=args.refreshes_per_epoch, rounding=args.rounding,
+                                       rounding_step=args.rounding_step, individual_clipping=args.individual_clipping,
+                                       validate_subset=args.validate_subset)
+
+
 def _load(args):
-    from .data import load_dataset
+    from ..data import load_dataset
 
     return load_dataset(args.dataset, args.data_dir, label_column=args.label_column)
 
@@ -124,11 +144,12 @@ def _train_text(r):
 @command("train", "train a model with individualized privacy budgets (IDP-SGD) and report ε per group")
 @arguments(_train_args)
 def train_cmd(args):
-    from .training import train
+    from ..training import train
 
     data = _load(args)
     budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
-    report = train(data, budgets, _config(args, args.method), args.out, resume=args.resume)
+    report = train(data, budgets, _config(args, args.method), args.out, resume=args.resume,
+                   individual=_individual(args))
     return {**report, "out": str(Path(args.out))}
 
 
@@ -143,7 +164,7 @@ DEMO_RUNS = (("uniform eps=1", "uniform", DEMO_BUDGETS, DEMO_FRACTIONS),
 
 def demo_budgets(n: int, delta: float, seed: int):
     """The demo's budgets: 1/2/3 at 34/43/23 % of ``n`` examples, assigned at random (seeded)."""
-    from .assignment import Budgets, parse_float_list
+    from ..assignment import Budgets, parse_float_list
 
     return Budgets.from_groups(parse_float_list(DEMO_BUDGETS, "budgets"), parse_float_list(DEMO_FRACTIONS, "fractions"),
                                n, delta, seed=seed)
@@ -151,18 +172,19 @@ def demo_budgets(n: int, delta: float, seed: int):
 
 def _demo_args(p):
     _hyper_args(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of groups, sampling, noise and init (default 0)")
+    p.add_argument("--seed", type=int, help="seed of groups, sampling, noise and init (default: a fresh seed, "
+                   "recorded in summary.json)")
     p.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
 
 
 def run_demo(args) -> dict:
     """Budgets 1/2/3 at 34/43/23 %: uniform at ε=1, Sample, Scale, and uniform at ε=3 (upper bound)."""
-    from .assignment import Budgets
-    from .training import train
+    from ..assignment import Budgets
+    from ..training import train
 
     data = _load(args)
     n = len(data.y_train)
-    grouped = demo_budgets(n, args.delta, args.seed)
+    grouped = demo_budgets(n, args.delta, _assignment_seed(args))
     rows = []
     for label, method, budgets, fractions in DEMO_RUNS:
         b = grouped if fractions else Budgets.from_array([float(budgets)] * n, args.delta)
@@ -175,7 +197,8 @@ def run_demo(args) -> dict:
                      "groups": report["groups"] if fractions else None,
                      "epsilon_spent": spent, "out": str(out)})
     summary = {"dataset": data.name, "budgets": DEMO_BUDGETS, "fractions": DEMO_FRACTIONS, "delta": args.delta,
-               "accountant": args.accountant, "runs": rows}
+               "accountant": args.accountant, "seed": resolved_seed(args), "secure_mode": args.secure_mode,
+               "runs": rows}
     write_json(Path(args.out) / "summary.json", summary)
     return summary
 
@@ -202,66 +225,3 @@ def demo_cmd(args):
 
 
 demo_cmd._text = _demo_text
-
-
-# --- per-instance DP (Thudi et al.) ---------------------------------------------------------
-def _per_instance_args(p):
-    _hyper_args(p)
-    p.set_defaults(clip_norm=10.0, lr=0.005)
-    p.add_argument("--points", help="comma-separated training indices of the target points")
-    p.add_argument("--num-points", type=int, help="or: this many random training points (seeded)")
-    p.add_argument("--runs", type=int, default=3, help="training runs from one initialisation (default 3)")
-    p.add_argument("--alpha", type=int, default=8, help="integer Rényi order (default 8)")
-    p.add_argument("--update-rule", choices=["sum", "mean"], default="sum", help="per-step analysis: "
-                   "Thm. 3.2 (sum, DP-SGD as implemented) or Thm. 3.6 (mean) (default sum)")
-    p.add_argument("--epsilon", type=float, default=8.0, help="data-independent ε of the training runs (default 8)")
-    p.add_argument("--checkpoint-every", type=int, help="steps between recorded checkpoints (default: one epoch)")
-    p.add_argument("--samples", default="20,20", help="outer,inner mini-batch samples for Thm. 3.6 (default 20,20)")
-    p.add_argument("--p", type=float, help="Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4)")
-    p.add_argument("--unlearning-beta", type=float,
-                   help="NPIU threshold β (default: the data-independent RDP of training at α)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, runs and point choice")
-    p.add_argument("--out", required=True, help="folder for per_instance.csv/.json, per_instance_steps.csv, the plot")
-
-
-def _per_instance_text(s):
-    lines = [f"per-instance RDP at alpha={s['alpha']} ({s['update_rule']} rule, {s['runs']} runs, {s['steps']} steps; "
-             f"an estimate): data-independent baseline RDP {s['points'][0]['baseline_rdp']:.4g}",
-             f"{'point':>6} {'label':>5} {'correct':>7} {'rdp':>10} {'epsilon':>9} {'ratio':>7} {'late step ratio':>15}"]
-    for p in s["points"]:
-        lines.append(f"{p['point']:>6} {p['label']:>5} {p['correct_fraction']:>7.2f} {p['rdp']:>10.4g} "
-                     f"{p['epsilon']:>9.4g} {p['ratio_to_baseline']:>7.3f} {p['late_mean_step_ratio']:>15.3f}")
-    lines.append(f"{100 * s['share_points_below_baseline_late']:.0f}% of the points are below the baseline late in "
-                 f"training; unlearning (beta={s['unlearning']['beta']:.4g}): "
-                 + ", ".join(f"{r['point']}:{r['decision']}" for r in s["unlearning"]["requests"]))
-    return "\n".join(lines)
-
-
-@command("per-instance", "per-instance Rényi DP of DP-SGD for chosen points (Thudi et al.), with NPIU unlearning")
-@arguments(_per_instance_args)
-def per_instance_cmd(args):
-    import numpy as np
-
-    from .assignment import parse_float_list
-    from .training.per_instance import run_per_instance
-    from .validation import InvalidParameterError
-
-    data = _load(args)
-    if args.points:
-        points = [int(v) for v in parse_float_list(args.points, "points")]
-    elif args.num_points:
-        if not 1 <= args.num_points <= len(data.y_train):
-            raise InvalidParameterError("num_points", args.num_points, f"must be in [1, {len(data.y_train)}]")
-        points = np.sort(np.random.default_rng(args.seed).choice(len(data.y_train), args.num_points, replace=False))
-    else:
-        raise InvalidParameterError("points", None, "give --points I,J,... or --num-points K")
-    samples = [int(v) for v in parse_float_list(args.samples, "samples")]
-    if len(samples) != 2 or min(samples) < 1:
-        raise InvalidParameterError("samples", args.samples, "must be OUTER,INNER with both >= 1")
-    summary = run_per_instance(data, points, args.runs, args.alpha, args.update_rule, _config(args, "uniform"),
-                               args.epsilon, args.delta, args.checkpoint_every, tuple(samples), args.p,
-                               args.unlearning_beta, args.out)
-    return {**summary, "out": args.out}
-
-
-per_instance_cmd._text = _per_instance_text

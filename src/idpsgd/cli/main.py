@@ -7,49 +7,19 @@ argument, the value and what is allowed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Callable
 
-from .validation import InvalidParameterError, UnreachableTargetError
-
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
-
-
-def command(name: str, help: str):
-    """Register ``run(args) -> dict`` with an ``add(parser)`` attribute set by :func:`arguments`."""
-    def deco(run):
-        COMMANDS[name] = (help, getattr(run, "_add", lambda p: None), run)
-        return run
-    return deco
-
-
-def arguments(add: Callable[[argparse.ArgumentParser], None]):
-    def deco(run):
-        run._add = add
-        return run
-    return deco
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints usage as well by default)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None) -> None:
-    if as_json:
-        print(json.dumps(result, indent=2, default=float))
-    else:
-        print(text(result) if text else "\n".join(f"{k}: {v}" for k, v in result.items()))
+from ..validation import InvalidParameterError, UnreachableTargetError
+from .registry import COMMANDS, _emit, _flag, _Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import commands, train_commands  # noqa: F401  (register the commands)
+    from . import (  # noqa: F401  (register)
+        accounting_commands,
+        per_instance_command,
+        reproduce_command,
+        train_commands,
+    )
 
     parser = _Parser(prog="idpsgd", description="Individualized privacy for DP-SGD.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -1,4 +1,4 @@
-"""Per-example gradient norms (and losses) of training examples at the current model.
+"""Per-example gradient norms (and losses) of training examples at the current model, for any loss.
 
 Yu et al. 2023, Alg. 2 line 3: the batch gradient norms ‖g_i‖ at θ_t, with the model in eval
 mode and no optimizer step.  Computed in batches with Opacus's
@@ -19,8 +19,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from opacus import GradSampleModule
-from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample import AbstractGradSampleModule, GradSampleModuleFastGradientClipping
 
 
 def _clear(module: torch.nn.Module) -> None:
@@ -48,7 +47,7 @@ def eval_mode_with_hooks(module: torch.nn.Module):
 
 def _norm_module(model: torch.nn.Module):
     """(outer GradSampleModule or None, the cached ghost-norm module around the raw model)."""
-    outer = model if isinstance(model, GradSampleModule) else None
+    outer = model if isinstance(model, AbstractGradSampleModule) else None
     raw = outer._module if outer is not None else model
     fast = getattr(raw, "_idpsgd_norm_module", None)
     if fast is None:
@@ -67,9 +66,53 @@ def _norm_module(model: torch.nn.Module):
     return outer, raw, fast
 
 
-def per_example_grad_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256):
-    """(norms, losses): the L2 norm of each example's cross-entropy gradient, and the loss."""
+def default_per_sample_loss(module: torch.nn.Module, batch) -> torch.Tensor:
+    """Cross-entropy of each example for batches ``(inputs, targets, ...)``."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise TypeError("the default per-sample loss needs batches (inputs, targets, ...); for other batches "
+                        "give per_sample_loss(module, batch) -> a tensor of one loss per example")
+    return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
+
+
+def to_device(batch, device):
+    """Move every tensor of a (nested) batch to ``device``."""
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def example_batches(dataset, indices, collate_fn=None, batch_size: int = 256):
+    """Batches of ``dataset[indices]`` in order, collated as the training loader does (a
+    ``TensorDataset`` is sliced directly)."""
+    from torch.utils.data import TensorDataset
+    from torch.utils.data._utils.collate import default_collate
+
+    idx = np.asarray(indices, dtype=np.int64)
+    for start in range(0, idx.size, batch_size):
+        part = idx[start:start + batch_size]
+        if isinstance(dataset, TensorDataset):
+            t = torch.from_numpy(part)
+            yield tuple(x[t] for x in dataset.tensors)
+        else:
+            yield (collate_fn or default_collate)([dataset[int(i)] for i in part])
+
+
+def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None):
+    """(norms, losses): the L2 norm of each example's loss gradient at the current parameters, and the
+    loss, for every example of ``batches`` (an iterable of collated batches), as float64 numpy arrays.
+
+    ``per_sample_loss(module, batch)`` returns one loss per example (any loss; default: cross-entropy
+    of ``(inputs, targets)`` batches).  Batches are moved to the model's device.
+    """
+    loss_fn = per_sample_loss or default_per_sample_loss
     outer, raw, fast = _norm_module(model)
+    device = next(raw.parameters()).device
     norms, losses = [], []
     if outer is not None:
         outer.disable_hooks()
@@ -77,12 +120,13 @@ def per_example_grad_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
     try:
         with eval_mode_with_hooks(raw):
             _clear(raw)
-            for i in range(0, len(x), batch_size):
-                xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-                out = fast(xb)
-                F.cross_entropy(out, yb).backward()   # mean loss: Opacus rescales to per-example norms
-                norms.append(fast.get_norm_sample().detach())
-                losses.append(F.cross_entropy(out.detach(), yb, reduction="none"))
+            for batch in batches:
+                loss = loss_fn(fast, to_device(batch, device))
+                if loss.dim() != 1:
+                    raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")
+                loss.mean().backward()   # mean loss: Opacus rescales to per-example norms
+                norms.append(fast.get_norm_sample().detach().double().cpu())
+                losses.append(loss.detach().double().cpu())
                 _clear(raw)
     finally:
         fast.disable_hooks()
@@ -91,4 +135,4 @@ def per_example_grad_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
         _clear(raw)
     if not norms:
         return np.zeros(0), np.zeros(0)
-    return torch.cat(norms).double().numpy(), torch.cat(losses).double().numpy()
+    return torch.cat(norms).numpy(), torch.cat(losses).numpy()

@@ -1,0 +1,82 @@
+"""Flags that say where per-example budgets come from, shared by every command that takes budgets."""
+from __future__ import annotations
+
+from ..validation import InvalidParameterError, check_delta, check_epsilon
+
+
+def _accountant(p):
+    p.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
+                   help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD")
+
+
+def budget_source_args(p, required=True):
+    """Flags that describe where per-example budgets come from (shared by assign and train)."""
+    p.add_argument("--budgets", help="comma-separated group budgets, e.g. 1,2,3 (with --fractions)")
+    p.add_argument("--fractions", help="comma-separated group fractions summing to 1")
+    p.add_argument("--budgets-per-class", help="per-class budgets, e.g. 0:1,1:2,2:3 (train only)")
+    p.add_argument("--budgets-file", help="CSV file with one row per example")
+    p.add_argument("--budget-column", default="epsilon", help="column of --budgets-file (default: epsilon)")
+    p.add_argument("--budget-distribution", choices=["exponential"],
+                   help="Heo et al. App. C.1: 20 budget groups in --range A,B, sizes skewed by --skew K")
+    p.add_argument("--skew", type=float, default=0.0, help="exponent k of the exponential distribution (default 0)")
+    p.add_argument("--range", help="A,B: budget range of --budget-distribution")
+    p.add_argument("--seed", type=int, help="seed of every random choice (group assignment, sampling, noise, "
+                   "initialisation); default: a fresh seed, recorded in the report")
+
+
+def budgets_from_args(args, num_examples=None, labels=None):
+    from ..assignment import Budgets, parse_class_map, parse_float_list
+
+    delta = check_delta(args.delta)
+    if args.budgets_file:
+        return Budgets.from_csv(args.budgets_file, args.budget_column, delta)
+    if getattr(args, "budget_distribution", None):
+        if num_examples is None:
+            raise InvalidParameterError("num_examples", None, "is needed with --budget-distribution")
+        bounds = parse_float_list(args.range or "", "range")
+        if len(bounds) != 2:
+            raise InvalidParameterError("range", args.range, "must be A,B (two numbers)")
+        return Budgets.from_exponential(num_examples, bounds[0], bounds[1], args.skew, delta, seed=_assignment_seed(args))
+    if args.budgets_per_class:
+        if labels is None:
+            raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
+                                        "needs labels: use it with 'idpsgd train'")
+        return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
+    if not args.budgets:
+        raise InvalidParameterError("budgets", None, "give --budgets with --fractions, "
+                                    "--budgets-per-class, --budgets-file, or --budget-distribution")
+    values, fractions = group_spec(args)
+    return Budgets.from_groups(values, fractions, num_examples, delta, seed=_assignment_seed(args))
+
+
+def group_spec(args):
+    """(budgets, fractions) from --budgets/--fractions, validated."""
+    from ..assignment import group_counts, parse_float_list
+
+    values = parse_float_list(args.budgets, "budgets")
+    check_epsilon(values, "budgets")
+    if len(set(values)) != len(values):
+        raise InvalidParameterError("budgets", values, "must be distinct (a group is a distinct budget)")
+    if args.fractions is None and len(values) != 1:
+        raise InvalidParameterError("fractions", None, "are required when there is more than one budget")
+    fractions = parse_float_list(args.fractions, "fractions") if args.fractions else [1.0]
+    group_counts(fractions, 1_000_000, values)  # validates count, positivity and sum
+    return values, fractions
+
+
+def resolved_seed(args):
+    """The run's seed: ``--seed``, or a fresh one (drawn once per command and recorded); None in
+    secure mode, which refuses ``--seed``."""
+    from ..engine.randomness import resolve_seed
+
+    if not hasattr(args, "_resolved_seed"):
+        args._resolved_seed = resolve_seed(getattr(args, "seed", None), getattr(args, "secure_mode", False))
+    return args._resolved_seed
+
+
+def _assignment_seed(args):
+    """Seed of the random assignment of group budgets to examples (OS entropy in secure mode)."""
+    import secrets
+
+    seed = resolved_seed(args)
+    return secrets.randbits(63) if seed is None else seed

@@ -1,0 +1,44 @@
+"""The command registry: ``@command(name, help)`` and ``@arguments(add)`` register ``run(args) -> dict``.
+
+Command modules import this module (never :mod:`.main`), so registration points one way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
+
+
+def command(name: str, help: str):
+    """Register ``run(args) -> dict`` with an ``add(parser)`` attribute set by :func:`arguments`."""
+    def deco(run):
+        COMMANDS[name] = (help, getattr(run, "_add", lambda p: None), run)
+        return run
+    return deco
+
+
+def arguments(add: Callable[[argparse.ArgumentParser], None]):
+    def deco(run):
+        run._add = add
+        return run
+    return deco
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage as well by default)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, default=float))
+    else:
+        print(text(result) if text else "\n".join(f"{k}: {v}" for k, v in result.items()))

@@ -1,0 +1,203 @@
+"""The engine's privacy accountant: data-independent ε per privacy group, and its filter.
+
+The guarantee is *data-independent individual (ε_p, δ)-DP* for every example of privacy group p
+(Boenisch et al. 2023, eq. 3): at every step each example i is a Poisson-subsampled Gaussian
+mechanism with its rate q_i and effective noise multiplier σ·c/c_i (the product guide's one
+model of a DP-SGD step), charged whether or not it was sampled.  Examples that share a budget,
+a rate and a clip norm in every phase (a *path*) share their composition; a group's ε is the
+largest over its paths.  A phase is one ``make_private`` call (the sequential baseline has one per
+group; an example with q_i = 0 in a phase is not charged there).
+
+ε comes from the accountant the run was calibrated with — ``rdp`` (:func:`idpsgd.accounting.rdp_epsilon`)
+or ``pld`` (:func:`idpsgd.accounting.pld_epsilon`) — so the filter and the reported ε agree with
+the calibration.  The filter asks, before every step, whether one more step keeps every path of
+the phase within its budget.  ε grows with the number of steps of a phase, so the answer is the
+step count against the largest admissible count, found once per path by search and cached (a
+step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
+cheaply, for the per-step ledger).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..accounting import DEFAULT_ORDERS, SampledGaussianEvent, compute_rdp, pld_epsilon, rdp_epsilon, rdp_to_epsilon
+from ..assignment import Budgets
+from ..validation import InvalidParameterError, check_delta
+
+ACCOUNTANTS = ("rdp", "pld")
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """The privacy filter refused a step: it would take a privacy group over its budget."""
+
+
+def _epsilon(events, delta: float, accountant: str) -> float:
+    if not events:
+        return 0.0
+    if accountant == "rdp":
+        return float(rdp_epsilon(events, delta)[0])
+    return float(pld_epsilon(events, delta))
+
+
+class GroupAccountant:
+    """Per-group (and per-example, data-independent) ε of the steps taken so far.
+
+    Args:
+        budgets: per-example budgets ε_i and δ; the privacy groups are the distinct budgets.
+        accountant: ``rdp`` or ``pld``.
+    """
+
+    def __init__(self, budgets: Budgets, accountant: str = "rdp", orders=DEFAULT_ORDERS):
+        if accountant not in ACCOUNTANTS:
+            raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
+        self.budgets, self.accountant = budgets, accountant
+        self.values, self.counts, self.group_of = budgets.groups()
+        self.orders = np.asarray(orders, dtype=float)
+        self.phases: list[dict] = []
+        self._paths = None          # (path of every example, [per-path class index per phase])
+        self._ok: dict = {}         # (phase, path) -> largest phase step count known within budget
+        self._bad: dict = {}        # (phase, path) -> smallest phase step count known over budget
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.group_of.size)
+
+    @property
+    def steps(self) -> int:
+        return int(sum(p["steps"] for p in self.phases))
+
+    # --- phases ----------------------------------------------------------------------------
+    def begin_phase(self, sample_rates, clip_norms, noise_multiplier: float, max_grad_norm: float) -> None:
+        """Start a phase: example i has rate q_i and effective noise multiplier σ·c/c_i."""
+        q = np.asarray(sample_rates, dtype=float).ravel()
+        c = np.asarray(clip_norms, dtype=float).ravel()
+        if q.size != self.num_examples or c.size != self.num_examples:
+            raise InvalidParameterError("sample_rates", f"{q.size} rates and {c.size} clip norms",
+                                        f"need one per example ({self.num_examples})")
+        sig = float(noise_multiplier) * float(max_grad_norm) / c
+        active = q > 0
+        rows = np.stack([self.group_of[active].astype(float), q[active], sig[active]], axis=1)
+        classes, inv = (np.unique(rows, axis=0, return_inverse=True) if rows.size
+                        else (np.zeros((0, 3)), np.zeros(0, dtype=np.int64)))
+        class_of = np.full(self.num_examples, -1, dtype=np.int64)
+        class_of[active] = inv.ravel()
+        self.phases.append({"q": classes[:, 1].copy(), "sigma": classes[:, 2].copy(),
+                            "group": classes[:, 0].astype(np.int64), "class_of": class_of, "steps": 0,
+                            "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders) if len(classes)
+                            else np.zeros((0, self.orders.size))})
+        self._paths = None
+
+    def _require_phase(self) -> dict:
+        if not self.phases:
+            raise RuntimeError("no phase: call begin_phase (make_private) first")
+        return self.phases[-1]
+
+    def step(self) -> None:
+        """Charge one step of the current phase to every example with q_i > 0 in it."""
+        self._require_phase()["steps"] += 1
+
+    # --- paths and events ------------------------------------------------------------------
+    def paths(self):
+        """(path index per example, class index per phase for each path: array paths × phases)."""
+        if self._paths is None:
+            table = np.stack([p["class_of"] for p in self.phases], axis=1) if self.phases \
+                else np.full((self.num_examples, 0), -1)
+            uniq, inv = np.unique(np.concatenate([self.group_of[:, None], table], axis=1), axis=0, return_inverse=True)
+            self._paths = (inv.ravel(), uniq[:, 1:], uniq[:, 0].astype(np.int64))
+        return self._paths
+
+    def _events(self, path: int, extra_steps: int = 0, phase_steps=None) -> list[SampledGaussianEvent]:
+        _, table, _ = self.paths()
+        events = []
+        last = len(self.phases) - 1
+        for k, ph in enumerate(self.phases):
+            cls = table[path, k]
+            steps = ph["steps"] if phase_steps is None or k != last else phase_steps
+            steps += extra_steps if k == last else 0
+            if cls >= 0 and steps > 0:
+                events.append(SampledGaussianEvent(float(ph["q"][cls]), float(ph["sigma"][cls]), int(steps)))
+        return events
+
+    def path_epsilons(self, delta: float | None = None) -> np.ndarray:
+        delta = self.budgets.delta if delta is None else check_delta(delta)
+        _, table, _ = self.paths()
+        return np.array([_epsilon(self._events(p), delta, self.accountant) for p in range(table.shape[0])])
+
+    def get_epsilon(self, delta: float | None = None) -> np.ndarray:
+        """ε per privacy group (ascending budgets): the largest over the group's examples."""
+        path_of, _, path_group = self.paths()
+        eps = self.path_epsilons(delta)
+        out = np.zeros(self.values.size)
+        np.maximum.at(out, path_group, eps)
+        return out
+
+    def individual_epsilons(self, delta: float | None = None) -> np.ndarray:
+        """Data-independent ε of every example (its path's composition)."""
+        path_of, _, _ = self.paths()
+        return self.path_epsilons(delta)[path_of]
+
+    def grid_epsilon(self, delta: float | None = None) -> np.ndarray:
+        """Cheap per-group ε from the RDP at the fixed order grid (an upper bound, looser than
+        :meth:`get_epsilon` with the RDP accountant); for per-step ledgers."""
+        delta = self.budgets.delta if delta is None else check_delta(delta)
+        _, table, path_group = self.paths()
+        rdp = np.zeros((table.shape[0], self.orders.size))
+        for k, ph in enumerate(self.phases):
+            cls = table[:, k]
+            on = cls >= 0
+            rdp[on] += ph["steps"] * ph["step_rdp"][cls[on]]
+        eps = rdp_to_epsilon(rdp, self.orders, delta)[0]
+        out = np.zeros(self.values.size)
+        np.maximum.at(out, path_group, eps)
+        return out
+
+    # --- the filter ------------------------------------------------------------------------
+    def _within(self, phase: int, path: int, steps: int) -> bool:
+        key = (phase, path)
+        if steps <= self._ok.get(key, 0):
+            return True
+        if steps >= self._bad.get(key, np.iinfo(np.int64).max):
+            return False
+        _, _, path_group = self.paths()
+        eps = _epsilon(self._events(path, phase_steps=steps), self.budgets.delta, self.accountant)
+        if eps <= self.values[path_group[path]]:
+            self._ok[key] = steps
+            return True
+        self._bad[key] = steps
+        return False
+
+    def admissible_steps(self, phase_steps: int) -> bool:
+        """Would every example stay within its budget with ``phase_steps`` steps in this phase?"""
+        ph = self._require_phase()
+        k = len(self.phases) - 1
+        _, table, _ = self.paths()
+        active = np.flatnonzero(table[:, k] >= 0)
+        del ph
+        return all(self._within(k, int(p), int(phase_steps)) for p in active)
+
+    def can_step(self) -> bool:
+        """Whether one more step of the current phase keeps every group within its budget."""
+        return self.admissible_steps(self._require_phase()["steps"] + 1)
+
+    def prime(self, planned_steps: int) -> bool:
+        """Check a phase's planned step count once (the filter then admits those steps cheaply)."""
+        return self.admissible_steps(int(planned_steps))
+
+    # --- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"accountant": self.accountant, "phases": [
+            {"q": torch.from_numpy(p["q"]), "sigma": torch.from_numpy(p["sigma"]), "group": torch.from_numpy(p["group"]),
+             "class_of": torch.from_numpy(p["class_of"]), "steps": int(p["steps"])} for p in self.phases]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["accountant"] != self.accountant:
+            raise ValueError(f"accountant state is for {state['accountant']!r}, this accountant is {self.accountant!r}")
+        self.phases = []
+        for p in state["phases"]:
+            q, sig = np.asarray(p["q"], dtype=float), np.asarray(p["sigma"], dtype=float)
+            self.phases.append({"q": q, "sigma": sig, "group": np.asarray(p["group"], dtype=np.int64),
+                                "class_of": np.asarray(p["class_of"], dtype=np.int64), "steps": int(p["steps"]),
+                                "step_rdp": compute_rdp(q, sig, self.orders) if q.size
+                                else np.zeros((0, self.orders.size))})
+        self._paths, self._ok, self._bad = None, {}, {}

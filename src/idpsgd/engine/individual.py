@@ -1,0 +1,205 @@
+"""Individual privacy accounting on the engine (Yu et al. 2023, Alg. 2 and 3, §3.3).
+
+:class:`IndividualTracker` attaches to an :class:`~idpsgd.engine.IndividualizedPrivacyEngine` and,
+along the trajectory the model actually takes, composes every example's per-step RDP at its
+sensitivity min(c_i, ‖g_i(θ_t)‖): the gradient norms of all examples are refreshed every K steps
+(K = steps per epoch / γ, γ refreshes per epoch) with the user's own per-sample loss; optionally
+every example is then clipped at its latest (rounded) norm estimate (individual clipping, Alg. 3);
+a random validation subset is tracked exactly at every step (§3.3).  Norms at θ_t are computed
+right after step t−1's parameter update (the optimizer's post-step hook), i.e. before batch t's
+gradients are clipped — in ghost mode too.
+
+What the numbers are (:attr:`kind`):
+
+* **guarantee** — output-specific individual (ε_i, δ)-DP (Yu et al. Def. 4, Thm. 3.3): with
+  individual clipping (the accounted sensitivity bounds the clipped gradient at every step), or
+  with norms refreshed every step (K = 1) and rounding ``exact`` or ``ceil``;
+* **estimate** — otherwise: between refreshes a norm is taken from the last refresh, and
+  ``nearest`` rounding can round down.
+
+The engine reports each example's ε as the smaller of this and its data-independent ε.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..accounting import ROUNDING, IndividualAccountant
+from ..validation import InvalidParameterError, check_positive
+from .norms import example_batches, per_example_grad_norms
+
+DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
+
+
+@dataclass(frozen=True)
+class IndividualAccountingOptions:
+    """Options of individual accounting (Yu et al. 2023)."""
+
+    refreshes_per_epoch: float = 1.0     # γ: gradient-norm refreshes per epoch
+    rounding: str = "nearest"            # exact | ceil | nearest (Alg. 2)
+    rounding_step: float | None = None   # r (default 0.01 × the largest clip norm)
+    individual_clipping: bool = False    # Alg. 3: clip example i at its latest estimate
+    validate_subset: int = 1000          # examples tracked exactly at every step (0: none)
+    norm_batch_size: int = 256           # batch size of the norm passes
+
+    def validate(self) -> "IndividualAccountingOptions":
+        check_positive(self.refreshes_per_epoch, "refreshes_per_epoch")
+        if self.rounding not in ROUNDING:
+            raise InvalidParameterError("rounding", self.rounding, f"must be one of {', '.join(ROUNDING)}")
+        if self.rounding_step is not None:
+            check_positive(self.rounding_step, "rounding_step")
+        if int(self.validate_subset) != self.validate_subset or self.validate_subset < 0:
+            raise InvalidParameterError("validate_subset", self.validate_subset, "must be an integer >= 0")
+        if int(self.norm_batch_size) != self.norm_batch_size or self.norm_batch_size < 1:
+            raise InvalidParameterError("norm_batch_size", self.norm_batch_size, "must be an integer >= 1")
+        return self
+
+
+class IndividualTracker:
+    """Per-example accounting for one phase of an engine.
+
+    Args:
+        options: :class:`IndividualAccountingOptions`.
+        per_sample_loss: ``fn(module, batch) -> one loss per example`` (default: cross-entropy of
+            ``(inputs, targets, ...)`` batches); the norms are those of this loss's gradients.
+        seed: chooses the validation subset.
+    """
+
+    def __init__(self, options: IndividualAccountingOptions | None = None, per_sample_loss=None, seed: int = 0):
+        self.options = (options or IndividualAccountingOptions()).validate()
+        self.per_sample_loss = per_sample_loss
+        self.seed = 0 if seed is None else int(seed)
+        self.engine = None
+        self.accountant = self.exact = None
+        self.subset = np.zeros(0, dtype=np.int64)
+        self.every = 1
+        self.stale_steps = 0          # steps taken with norms that were due but not refreshed
+        self._due = False
+
+    # --- attachment ----------------------------------------------------------------------
+    def attach(self, engine) -> None:
+        """Called by ``make_private``: set up on the engine's (single) phase and hook the optimizer."""
+        if self.engine is not None and self.engine is engine and len(engine.accountant.phases) > 1:
+            raise InvalidParameterError("individual_accounting", True,
+                                        "supports one-phase runs (a second make_private on this engine)")
+        p = engine.parameters
+        n = p["sample_rates"].size
+        if self.accountant is None:
+            o = self.options
+            self.every = max(1, int(round(p["steps_per_epoch"] / float(o.refreshes_per_epoch))))
+            self.accountant = IndividualAccountant(p["sample_rates"], p["noise_multiplier"], p["max_grad_norm"],
+                                                   p["clip_norms"], rounding=o.rounding, rounding_step=o.rounding_step)
+            m = min(int(o.validate_subset), n)
+            self.subset = (np.sort(np.random.default_rng([self.seed, 1]).choice(n, m, replace=False)) if m
+                           else np.zeros(0, dtype=np.int64))
+            self.exact = (IndividualAccountant(p["sample_rates"][self.subset], p["noise_multiplier"],
+                                               p["max_grad_norm"], p["clip_norms"][self.subset], rounding="exact")
+                          if m else None)
+        self.engine = engine
+        engine.optimizer.post_step_hooks.append(self._after_step)
+        self._due = True
+        self._prepare_step()
+
+    @property
+    def kind(self) -> str:
+        exact_every_step = self.every == 1 and self.accountant.rounding in ("exact", "ceil") and not self.stale_steps
+        return "guarantee" if self.options.individual_clipping or exact_every_step else "estimate"
+
+    @property
+    def steps(self) -> int:
+        return self.accountant.steps
+
+    # --- norms ---------------------------------------------------------------------------
+    def grad_norms(self, indices=None):
+        """(norms, losses) of the given examples (default: all) at the current parameters."""
+        loader = self.engine.data_loader
+        n = self.accountant.num_examples
+        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
+        collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
+        return per_example_grad_norms(self.engine.module,
+                                      example_batches(loader.dataset, idx, collate, self.options.norm_batch_size),
+                                      self.per_sample_loss)
+
+    def _apply_clip_norms(self) -> None:
+        if self.options.individual_clipping and self.accountant.refreshes:
+            self.engine.clipping.set_clip_norms(self.accountant.sensitivity)
+
+    def _prepare_step(self) -> None:
+        """Norms at the current θ for the coming step: a refresh when due, the exact subset always."""
+        refreshed = None
+        if self.accountant.steps % self.every == 0:
+            refreshed, _ = self.grad_norms()
+            self.accountant.update_norms(refreshed)
+            self._apply_clip_norms()
+        if self.exact is not None:
+            norms = refreshed[self.subset] if refreshed is not None else self.grad_norms(self.subset)[0]
+            if self.options.individual_clipping:    # the clipped gradient's norm is at most Z_i
+                norms = np.minimum(norms, self.accountant.sensitivity[self.subset])
+            self.exact.update_norms(norms)
+        self._due = False
+
+    def _after_step(self, _optimizer) -> None:
+        if self._due:                  # this step ran on norms that should have been refreshed
+            self.stale_steps += 1
+        self.accountant.add_steps(1)
+        if self.exact is not None:
+            self.exact.add_steps(1)
+        self._due = True
+        planned = self.engine.parameters.get("steps")
+        if (planned is not None and self.engine.steps >= planned) or not self.engine.can_step():
+            return                     # no further step is planned: no norm pass for it
+        self._prepare_step()
+
+    # --- results -------------------------------------------------------------------------
+    def epsilons(self, delta: float) -> np.ndarray:
+        """Output-specific ε_i of every example (RDP of its trajectory)."""
+        return self.accountant.epsilon(delta)
+
+    def worst_case_epsilons(self, delta: float) -> np.ndarray:
+        return self.accountant.worst_case_epsilon(delta)
+
+    def validation(self, delta: float, estimates: np.ndarray) -> dict | None:
+        """Estimates vs exact per-step tracking on the validation subset (private statistics)."""
+        if self.exact is None:
+            return None
+        exact = self.exact.epsilon(delta)
+        est = np.asarray(estimates)[self.subset]
+        r = None
+        if est.size > 1 and np.std(est) > 0 and np.std(exact) > 0:
+            r = float(np.corrcoef(est, exact)[0, 1])
+        return {"examples": int(self.subset.size), "pearson_r": r,
+                "mean_abs_error": float(np.mean(np.abs(est - exact))),
+                "max_abs_error": float(np.max(np.abs(est - exact))),
+                "min_estimate_minus_exact": float(np.min(est - exact))}
+
+    def state_dict(self) -> dict:
+        return {"accountant": _tensors(self.accountant.state_dict()), "stale_steps": self.stale_steps,
+                "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accountant.load_state_dict(_arrays(state["accountant"]))
+        if self.exact is not None and state.get("exact") is not None:
+            self.exact.load_state_dict(_arrays(state["exact"]))
+        self.stale_steps = int(state.get("stale_steps", 0))
+        self._apply_clip_norms()
+
+
+def _tensors(obj):
+    """numpy arrays → tensors (checkpoints load with ``weights_only=True``)."""
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _arrays(obj):
+    if isinstance(obj, dict):
+        return {k: _arrays(v) for k, v in obj.items()}
+    if torch.is_tensor(obj):
+        return obj.numpy()
+    return obj

@@ -1,0 +1,153 @@
+"""Opacus ``DPOptimizer`` with per-example clip norms (IDP-SGD *Scale* and *Sample*).
+
+Boenisch et al. 2023, Alg. 3 with individualized parameters: the per-example gradient g_i is
+clipped to c_i (line 6; *Scale* gives each privacy group its own c_p, §3.4), the clipped
+gradients are summed, Gaussian noise of standard deviation σ·c is added (line 8; c is the
+reference clip norm, so group p meets effective noise multiplier σ·c/c_p), and the sum is divided
+by the expected batch size Σ_i q_i (*Sample* gives each group its own q_p, §3.3).
+
+Only the clip factor differs from Opacus: min(1, c_i / (‖g_i‖ + 1e-6)) instead of
+min(1, c / (‖g_i‖ + 1e-6)) (:class:`~idpsgd.engine.clipping.PerExampleClipping`).  Noise
+(``add_noise``, std ``noise_multiplier · max_grad_norm``) and normalisation (``scale_grad``, by
+``expected_batch_size``) are Opacus's own, with ``max_grad_norm = c`` and
+``expected_batch_size = Σ q_i``.  Two hooks make the optimizer privacy-aware:
+
+* ``guard`` runs once per logical step, right before the noise is drawn: the engine's privacy
+  filter, which raises to refuse a step that would exceed a budget (nothing is released then);
+* ``step_hook`` (Opacus's accounting hook) runs after the noisy gradient is formed: the engine's
+  accountant charges the step; ``post_step_hooks`` run after the parameter update (θ_{t+1}: the
+  individual accountant refreshes norms there).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+from ..validation import InvalidParameterError, check_positive
+from .clipping import PerExampleClipping
+from .randomness import reseed_secure
+
+
+class _PrivacyHooks:
+    """Guard before the noise, hooks after the update; shared by the plain and ghost optimizers."""
+
+    clipping: PerExampleClipping
+
+    def _init_privacy_hooks(self, clipping: PerExampleClipping) -> None:
+        self.clipping = clipping
+        self.guard: Callable[["_PrivacyHooks"], None] | None = None
+        self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
+        self._noised = False
+
+    @property
+    def clip_norms(self) -> torch.Tensor:
+        return self.clipping.clip_norms
+
+    @property
+    def last_norms(self) -> torch.Tensor | None:
+        """Per-example gradient norms (before clipping) of the last step's examples (private)."""
+        return self.clipping.last_norms
+
+    @property
+    def last_indices(self) -> torch.Tensor | None:
+        """Dataset indices of the last step's examples, in the order of :attr:`last_norms` (private)."""
+        return self.clipping.last_indices
+
+    def add_noise(self):
+        if self.guard is not None:
+            try:
+                self.guard(self)
+            except BaseException:
+                self.clipping.end_step()        # the refused step's examples are dropped
+                raise
+        if self.secure_mode:
+            reseed_secure(self.generator)
+        super().add_noise()
+        self._noised = True
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        if self._noised:
+            self._noised = False
+            self.clipping.end_step()
+            for hook in self.post_step_hooks:
+                hook(self)
+        return out
+
+
+def _check_noise(noise_multiplier, max_grad_norm, expected_batch_size):
+    if not (float(noise_multiplier) >= 0 and math.isfinite(float(noise_multiplier))):
+        raise InvalidParameterError("noise_multiplier", noise_multiplier, "must be >= 0 and finite "
+                                    "(0 only for tests: no privacy)")
+    check_positive(max_grad_norm, "max_grad_norm")
+    check_positive(expected_batch_size, "expected_batch_size")
+
+
+class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
+    """A ``DPOptimizer`` that clips example i at its own c_i (per-sample gradients materialised).
+
+    Args:
+        optimizer: the wrapped torch optimizer.
+        noise_multiplier: σ; the noise std is σ·``max_grad_norm``.
+        max_grad_norm: the reference clip norm c.
+        clipping: per-example clip norms and the queue of drawn indices.
+        expected_batch_size: Σ_i q_i (the noisy sum is divided by it).
+    """
+
+    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
+                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
+                 generator=None, secure_mode: bool = False, **kwargs):
+        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         generator=generator, secure_mode=secure_mode, **kwargs)
+        self._init_privacy_hooks(clipping)
+
+    def clip_and_accumulate(self):
+        """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
+        samples = self.grad_samples
+        if len(samples[0]) == 0:                  # empty Poisson batch: a noise-only step
+            norms = torch.zeros((0,), device=samples[0].device)
+        else:
+            per_param = [g.reshape(len(g), -1).norm(2, dim=-1) for g in samples]
+            device = per_param[0].device
+            norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+        factor = self.clipping.factors(norms)
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+
+
+class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFastGradientClipping):
+    """Ghost clipping (``grad_sample_mode="ghost"``): the module's per-example clip factors
+    min(1, c_i/‖g_i‖) rescale the per-sample losses of the second backward pass, so ``p.grad``
+    arrives clipped and summed; this optimizer adds the noise and divides by Σ q_i."""
+
+    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
+                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
+                 generator=None, secure_mode: bool = False, **kwargs):
+        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         generator=generator, secure_mode=secure_mode, **kwargs)
+        self._init_privacy_hooks(clipping)
+
+    def accumulate(self):
+        for p in self.params:   # an empty batch leaves p.grad None: it contributes zero
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        super().accumulate()
+
+
+OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer,
+              "ghost": IndividualizedDPOptimizerFastGradientClipping}

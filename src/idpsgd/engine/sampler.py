@@ -1,0 +1,192 @@
+"""Poisson sampling with per-example rates for any map-style ``Dataset`` and ``DataLoader``.
+
+IDP-SGD *Sample* (Boenisch et al. 2023, Alg. 1, Alg. 3 line 3 with per-point rates): at every
+step example i joins the batch independently with probability q_i.  Batches have random size —
+possibly zero, in which case the step is noise only, as in Opacus's ``DPDataLoader`` — and each
+example's privacy analysis is that of a Poisson-subsampled Gaussian mechanism with its own rate.
+
+The engine replaces the user's ``DataLoader``'s batch sampler by :class:`PoissonBatchSampler`
+and keeps everything else (dataset, ``collate_fn``, workers, pinning): the loader yields **the
+user's batches unchanged**.  The per-example clip norms need to know which examples a batch
+holds, so every batch's indices also go into a :class:`BatchIndexQueue`, a FIFO the optimizer
+(or the ghost-clipping module) reads from when it clips.  Batches reach the training loop in the
+order the sampler drew them (also with worker prefetching, which only draws ahead), and
+Opacus's ``BatchMemoryManager`` splits a logical batch into physical ones in order, so the k-th
+per-sample gradient clipped belongs to the k-th index in the queue.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from ..validation import InvalidParameterError, check_sample_rate
+
+
+class BatchIndexQueue:
+    """FIFO of the dataset indices of the batches drawn and not yet clipped."""
+
+    def __init__(self):
+        self._parts: collections.deque[np.ndarray] = collections.deque()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, indices: np.ndarray) -> None:
+        idx = np.asarray(indices, dtype=np.int64).ravel()
+        self._parts.append(idx)
+        self._size += idx.size
+
+    def pop(self, n: int) -> torch.Tensor:
+        """The next ``n`` indices (a batch, or a physical part of one under BatchMemoryManager)."""
+        n = int(n)
+        if n > self._size:
+            raise RuntimeError(f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
+                               "examples are waiting: every batch drawn from the private data loader must be "
+                               "followed by one backward pass and optimizer.step()")
+        out, need = [], n
+        while need:
+            head = self._parts[0]
+            take = head[:need]
+            out.append(take)
+            if take.size == head.size:
+                self._parts.popleft()
+            else:
+                self._parts[0] = head[need:]
+            need -= take.size
+        self._size -= n
+        return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, dtype=np.int64))
+
+    def clear(self) -> None:
+        self._parts.clear()
+        self._size = 0
+
+
+class PoissonBatchSampler(UniformWithReplacementSampler):
+    """Batch sampler drawing ``steps_per_epoch`` Poisson batches per pass, example i with rate q_i.
+
+    A subclass of Opacus's ``UniformWithReplacementSampler`` (so ``BatchMemoryManager`` knows the
+    expected batch size); ``sample_rate`` is the mean rate over the examples.
+
+    Args:
+        sample_rates: q_i for every example of the dataset, each in [0, 1] (0: never sampled).
+        steps_per_epoch: batches per pass over the data.
+        rng: source of uniforms (``numpy.random.Generator`` or the secure-mode source).
+        queue: where the indices of every drawn batch are pushed (read by the clipping code).
+    """
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue: BatchIndexQueue | None = None):
+        rates = np.asarray(sample_rates, dtype=float).ravel()
+        if rates.size == 0:
+            raise InvalidParameterError("sample_rates", "[]", "need at least one example")
+        check_sample_rate(rates, "sample_rates", allow_zero=True)
+        if int(steps_per_epoch) < 1:
+            raise InvalidParameterError("steps_per_epoch", steps_per_epoch, "must be an integer >= 1")
+        super().__init__(num_samples=rates.size, sample_rate=float(rates.mean()), steps=int(steps_per_epoch))
+        self.sample_rates = rates
+        self.rng = rng
+        self.queue = queue if queue is not None else BatchIndexQueue()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.steps
+
+    @property
+    def expected_batch_size(self) -> float:
+        return float(self.sample_rates.sum())
+
+    def sample(self) -> np.ndarray:
+        """One Poisson sample: the sorted indices i with U_i < q_i."""
+        return np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+
+    def __iter__(self):
+        self.queue.clear()            # batches drawn ahead in an abandoned pass are never trained on
+        for _ in range(self.steps):
+            idx = self.sample()
+            self.queue.push(idx)
+            yield idx.tolist()
+
+    def state_dict(self) -> dict:
+        state = getattr(getattr(self.rng, "bit_generator", None), "state", None)
+        return {"bit_generator": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("bit_generator") is not None and hasattr(self.rng, "bit_generator"):
+            self.rng.bit_generator.state = state["bit_generator"]
+
+
+class EmptyBatchCollate:
+    """Wraps a ``collate_fn`` so that an empty Poisson batch has the structure of a real one.
+
+    Tensors get a zero-length batch dimension; dicts, lists and tuples keep their keys and order
+    (as Opacus's ``CollateFnWithEmpty``).  The structure is learned from the first non-empty
+    batch; if the very first batch is empty, one item of the dataset is collated only to learn
+    the structure (its values are discarded, nothing of it reaches the model).
+    """
+
+    def __init__(self, collate_fn, dataset, batch_first: bool = True):
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.dataset = dataset
+        self.batch_first = batch_first
+        self._template = None
+
+    def __call__(self, batch):
+        if len(batch):
+            out = self.collate_fn(batch)
+            if self._template is None:
+                self._template = self._empty(out)
+            return out
+        if self._template is None:
+            self._template = self._empty(self.collate_fn([self.dataset[0]]))
+        return copy.deepcopy(self._template)
+
+    def _empty(self, sample: Any):
+        if torch.is_tensor(sample):
+            if sample.dim() == 0:
+                return sample.new_empty((0,))
+            shape = list(sample.shape)
+            shape[0 if self.batch_first or sample.dim() < 2 else 1] = 0
+            return sample.new_empty(shape)
+        if isinstance(sample, Mapping):
+            return type(sample)({k: self._empty(v) for k, v in sample.items()}) if type(sample) is not dict \
+                else {k: self._empty(v) for k, v in sample.items()}
+        if isinstance(sample, tuple) and hasattr(sample, "_fields"):       # namedtuple
+            return type(sample)(*(self._empty(v) for v in sample))
+        if isinstance(sample, (list, tuple)):
+            return type(sample)(self._empty(v) for v in sample)
+        if isinstance(sample, np.ndarray):
+            shape = list(sample.shape)
+            if shape:
+                shape[0] = 0
+            return np.empty(shape, dtype=sample.dtype)
+        raise TypeError(f"a batch holds a {type(sample).__name__}; empty Poisson batches can only be built for "
+                        "tensors, numpy arrays, dicts, lists and tuples of them (return those from collate_fn)")
+
+
+class PrivateDataLoader(DataLoader):
+    """The user's ``DataLoader`` with Poisson sampling at per-example rates (same dataset, collate,
+    workers, pinning, timeouts).  ``poisson_sampler`` is the :class:`PoissonBatchSampler`."""
+
+    def __init__(self, data_loader: DataLoader, sampler: PoissonBatchSampler, batch_first: bool = True):
+        collate = data_loader.collate_fn
+        if isinstance(collate, EmptyBatchCollate):
+            collate = collate.collate_fn
+        kwargs = {}
+        if data_loader.num_workers > 0:
+            kwargs = {"prefetch_factor": data_loader.prefetch_factor,
+                      "persistent_workers": data_loader.persistent_workers}
+        super().__init__(data_loader.dataset, batch_sampler=sampler,
+                         collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first),
+                         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+                         timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
+                         multiprocessing_context=data_loader.multiprocessing_context,
+                         generator=data_loader.generator, **kwargs)
+        self.poisson_sampler = sampler
+        self.sample_rate = sampler.sample_rate

@@ -1,0 +1,91 @@
+"""Wrapping a user's module for per-sample gradients (or ghost norms), as Opacus's ``make_private``.
+
+``grad_sample_mode``:
+
+* ``hooks`` — Opacus's ``GradSampleModule``: per-sample gradients from registered per-layer
+  samplers (functorch for layers without one);
+* ``functorch`` — the same module forced to compute every per-sample gradient with functorch;
+* ``ghost`` — fast gradient clipping (Li et al. 2022; Bu et al. 2023; Opacus's
+  ``GradSampleModuleFastGradientClipping``): per-example gradient *norms* without materialising
+  per-example gradients (ghost norms for Linear layers).  :class:`IndividualizedGhostModule`
+  returns the clip factors min(1, c_i/‖g_i‖) with each example's own c_i, which Opacus's loss
+  wrapper (``DPLossFastGradientClipping``) multiplies into the per-sample losses of a second
+  backward pass — the same update as clipping each per-sample gradient at c_i.
+"""
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.validators import ModuleValidator
+
+from ..validation import InvalidParameterError
+from .clipping import PerExampleClipping
+
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
+
+
+class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
+    """Ghost-clipping module whose clip factors use each example's own clip norm c_i."""
+
+    clipping: PerExampleClipping | None = None
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        norms = self.get_norm_sample()
+        if self.clipping is None:
+            raise RuntimeError("IndividualizedGhostModule has no per-example clip norms: use it through "
+                               "IndividualizedPrivacyEngine.make_private")
+        return self.clipping.factors(norms)
+
+
+def raw_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside Opacus wrappers (GradSampleModule, DPDDP)."""
+    while True:
+        if isinstance(module, AbstractGradSampleModule):
+            module = module._module
+        elif type(module).__name__ in ("DifferentiallyPrivateDistributedDataParallel", "DistributedDataParallel"):
+            module = module.module
+        else:
+            return module
+
+
+def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first: bool = True,
+                    loss_reduction: str = "mean") -> None:
+    """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects)."""
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise InvalidParameterError("grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
+    if not isinstance(module, torch.nn.Module):
+        raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
+    if isinstance(module, AbstractGradSampleModule):
+        if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
+            raise InvalidParameterError("module", type(module).__name__,
+                                        f"is already wrapped by Opacus for another mode; pass the plain nn.Module "
+                                        f"for grad_sample_mode={grad_sample_mode!r}")
+        return
+    errors = ModuleValidator.validate(module, strict=False)
+    if errors:
+        raise InvalidParameterError("module", type(module).__name__,
+                                    f"cannot be trained privately by Opacus: {errors[0]} "
+                                    "(opacus.validators.ModuleValidator.fix replaces e.g. BatchNorm by GroupNorm)")
+
+
+def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
+    want = IndividualizedGhostModule if grad_sample_mode == "ghost" else GradSampleModule
+    return (type(module) is want and module.batch_first == batch_first and module.loss_reduction == loss_reduction
+            and (grad_sample_mode == "ghost" or module.force_functorch == (grad_sample_mode == "functorch")))
+
+
+def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExampleClipping,
+                batch_first: bool = True, loss_reduction: str = "mean") -> AbstractGradSampleModule:
+    """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused)."""
+    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
+    if isinstance(module, AbstractGradSampleModule):
+        if grad_sample_mode == "ghost":
+            module.clipping = clipping
+        return module
+    if grad_sample_mode == "ghost":
+        wrapped = IndividualizedGhostModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                                            use_ghost_clipping=True)
+        wrapped.clipping = clipping
+        return wrapped
+    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
+                            force_functorch=grad_sample_mode == "functorch")
