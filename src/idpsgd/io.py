@@ -27,12 +27,32 @@ def atomic_open(path, mode: str = "w", private: bool = False) -> Iterator[io.IOB
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
+            fault_point(path.name)           # tests: a kill here leaves only the temporary file
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+_FAULT_COUNTS: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for the crash tests: with ``IDPSGD_TEST_KILL=NAME:N`` in the environment, the
+    process kills itself (SIGKILL) the N-th time it passes the point ``NAME`` (a file being written
+    atomically, or ``step`` in the training loop).  Inert otherwise."""
+    spec = os.environ.get("IDPSGD_TEST_KILL")
+    if not spec:
+        return
+    target, _, count = spec.rpartition(":")
+    if target != name:
+        return
+    _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    if str(_FAULT_COUNTS[name]) == count:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_json(path, data: Any, private: bool = False) -> Path:

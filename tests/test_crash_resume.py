@@ -1,0 +1,103 @@
+"""Runs that cannot be half-written: SIGKILL at several points, then --resume, gives exactly the
+uninterrupted run; checkpoints load without running code (weights_only=True)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from idpsgd.assignment import Budgets
+from idpsgd.cli import main
+from idpsgd.data import load_dataset
+from idpsgd.io import CheckpointError
+from idpsgd.training import TrainConfig, train
+
+ARGS = ["train", "--method", "sample", "--budgets", "1,2,3", "--fractions", "0.34,0.43,0.23", "--epochs", "3",
+        "--seed", "0", "--no-progress", "--individual-accounting", "--validate-subset", "50"]
+
+
+def _run(out, *extra, kill=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("IDPSGD_TEST_KILL", None)
+    if kill:
+        env["IDPSGD_TEST_KILL"] = kill
+    return subprocess.run([sys.executable, "-m", "idpsgd", *ARGS, "--out", str(out), *extra], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_sigkill_mid_epoch_and_during_the_checkpoint_write_then_resume_is_exact(tmp_path):
+    full = _run(tmp_path / "full")
+    assert full.returncode == 0, full.stderr
+    cut = tmp_path / "cut"
+    for kill in ("checkpoint.pt:2", "step:16", "individual_epsilons.csv:1"):   # in the write, mid-epoch, at the end
+        proc = _run(cut, "--resume", kill=kill)
+        assert proc.returncode == -9, (kill, proc.stderr)
+        assert not list(cut.glob("report.json")) or kill.startswith("individual")
+    done = _run(cut, "--resume")
+    assert done.returncode == 0, done.stderr
+    for name in ("private/ledger.csv", "private/individual_epsilons.csv", "private/history.json"):
+        assert (cut / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
+    reports = [json.loads((d / "report.json").read_text()) for d in (tmp_path / "full", cut)]
+    for r in reports:                 # the private release draws fresh OS entropy in every run, by design
+        del r["individual_privacy"]["released"]
+    assert reports[0] == reports[1]
+    a = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    b = torch.load(cut / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(cut.glob(".*.tmp")) and not list((cut / "private").glob(".*.tmp"))   # leftovers removed
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def test_a_crafted_checkpoint_runs_no_code_and_fails_in_one_line(tmp_path, capsys, digits):
+    marker = tmp_path / "pwned"
+    _Evil.marker = marker
+    run = tmp_path / "run"
+    (run / "private").mkdir(parents=True)
+    torch.save({"signature": _Evil()}, run / "private" / "checkpoint.pt")
+    budgets = Budgets.from_array([3.0] * len(digits.y_train), 1e-5)
+    with pytest.raises(CheckpointError, match="is not a readable idpsgd checkpoint"):
+        train(digits, budgets, TrainConfig(method="uniform", epochs=1, progress=False), run, resume=True)
+    assert not marker.exists()
+    assert main(["train", "--method", "uniform", "--budgets", "3", "--epochs", "1", "--no-progress",
+                 "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a readable idpsgd checkpoint" in err and len(err.splitlines()) == 1 and not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", None])
+def test_empty_truncated_or_foreign_checkpoints_are_clear_errors(tmp_path, capsys, content):
+    run = tmp_path / "run"
+    (run / "private").mkdir(parents=True)
+    ckpt = run / "private" / "checkpoint.pt"
+    if content is None:
+        torch.save({"weights": torch.zeros(3)}, ckpt)        # a loadable file of another program
+    else:
+        ckpt.write_bytes(content)
+    assert main(["train", "--method", "uniform", "--budgets", "3", "--epochs", "1", "--no-progress",
+                 "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ("checkpoint" in err) and "Traceback" not in err
+
+
+def test_changed_settings_or_data_are_named_on_resume(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--resume", "--lr", "0.1"]) == 2
+    assert "config.lr: 0.05 -> 0.1" in capsys.readouterr().err
+    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--clip-norm", "2"]) == 2   # no --resume
+    assert "already holds files of another run" in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--overwrite", "--clip-norm", "2"]) == 0
+    assert json.loads((out / "report.json").read_text())["clip_norm"] == 2.0 != report["clip_norm"]
