@@ -36,3 +36,12 @@ def crash_after_first_checkpoint(monkeypatch):
         finally:
             monkeypatch.setattr(Trainer, "save_checkpoint", original)
     return crashing
+
+
+def toy_classification(n: int, weight: float):
+    """``n`` standard-normal 6-feature points labelled by the sign of x0 + weight·x1 (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, 0] + weight * x[:, 1] > 0).long()

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import epsilon_sgm
+from conftest import toy_classification
 from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualizedPrivacyEngine, PrivacyBudgetExceeded
 
@@ -21,10 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(scope="module")
 def data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, 6, generator=g)
-    y = (x[:, 0] + 0.3 * x[:, 1] > 0).long()
-    return x, y
+    return toy_classification(N, 0.3)
 
 
 @pytest.fixture(scope="module")

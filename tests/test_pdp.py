@@ -8,8 +8,15 @@ import pytest
 
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import DEFAULT_ORDERS, compute_rdp, rdp_to_epsilon
-from idpsgd.accounting.pdp import (compose, irdp_to_pdp, sampling_guarantee, sampling_probabilities,
-                                   select_threshold, threshold_losses)
+from idpsgd.accounting.pdp import (
+    adaptive_weighted_loss,
+    compose,
+    irdp_to_pdp,
+    sampling_guarantee,
+    sampling_probabilities,
+    select_threshold,
+    threshold_losses,
+)
 from idpsgd.assignment import Budgets
 from idpsgd.cli import main
 
@@ -55,7 +62,10 @@ def test_threshold_losses_by_hand():
     tau = select_threshold(eps, "fixed", 0.7, 0.3)
     grid = np.linspace(0.5, 2.0, 5001)
     assert threshold_losses(eps, [tau], 0.7, 0.3)[2][0] <= threshold_losses(eps, grid, 0.7, 0.3)[2].min() + 1e-9
-    assert select_threshold(eps, "adaptive") == 0.5     # eq. 7 vanishes where a waste vanishes
+    tau_a = select_threshold(eps, "adaptive")           # our reading: the AM–GM equality point
+    wu, ws, _, la = threshold_losses(eps, [tau_a])
+    assert 0.5 < tau_a < 2.0 and wu[0] == pytest.approx(ws[0], rel=1e-9)
+    assert la[0] == pytest.approx(adaptive_weighted_loss(eps, [tau_a])[0], rel=1e-9)   # the bound is attained there
     assert select_threshold([0.0, 0.7, 0.7], "fixed") == 0.7
     with pytest.raises(InvalidParameterError, match="threshold_loss"):
         select_threshold(eps, "median")
@@ -84,48 +94,41 @@ def digits():
 def test_pdp_training_respects_every_budget(digits, method, tmp_path):
     from idpsgd.training import TrainConfig, train
     budgets = Budgets.from_exponential(len(digits.y_train), 1, 3, 0.0, DELTA, seed=0)
-    report = train(digits, budgets, TrainConfig(method=method, epochs=3, rounds=2, progress=False), tmp_path)
+    from idpsgd.training.pdp import PdpOptions
+    report = train(digits, budgets, TrainConfig(method=method, epochs=3, progress=False), tmp_path,
+                   pdp=PdpOptions(rounds=2))
     rounds = report["rounds"]
     assert len(rounds) == (1 if method == "pdp-sampling" else 2)
     for r in rounds:
         assert r["epsilon_round"] <= r["threshold"] * (1 + 1e-12)
     import csv
-    with open(tmp_path / "pdp_guarantees.csv") as fh:
+    with open(tmp_path / "private" / "pdp_guarantees.csv") as fh:
         rows = list(csv.DictReader(fh))
     eps = np.array([float(r["epsilon"]) for r in rows])
     dl = np.array([float(r["delta"]) for r in rows])
     bud = np.array([float(r["budget"]) for r in rows])
-    assert np.all(eps <= bud + 1e-12) and np.all(dl <= len(rounds) * DELTA * (1 + 1e-12))
-    assert os.stat(tmp_path / "pdp_guarantees.csv").st_mode & 0o777 == 0o600
+    assert np.all(eps <= bud + 1e-12) and np.all(dl <= DELTA * (1 + 1e-12))      # δ is the total by default
+    assert os.stat(tmp_path / "private" / "pdp_guarantees.csv").st_mode & 0o777 == 0o600
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["method"] == method and len(saved["groups"]) == 20
+    assert saved["max_delta"] == pytest.approx(dl.max()) and saved["delta_mode"] == "total"
     assert all(g["epsilon_spent"] <= g["budget"] + 1e-12 for g in saved["groups"])
     assert saved["models"] == (len(rounds) if method == "adapdp" else 1)
     # the strictest group (below the first threshold) spends its whole budget in the first round
     assert saved["groups"][0]["epsilon_spent"] == pytest.approx(1.0)
 
 
-def test_noise_history_is_more_conservative(digits):
-    from idpsgd.training import TrainConfig, train
-    budgets = Budgets.from_exponential(len(digits.y_train), 1, 3, 0.0, DELTA, seed=0)
-    a = train(digits, budgets, TrainConfig(method="pdp-sgd", epochs=2, rounds=2, progress=False))
-    b = train(digits, budgets, TrainConfig(method="pdp-sgd", epochs=2, rounds=2, progress=False, noise_history=True))
-    assert a["rounds"][0]["noise_multiplier"] == pytest.approx(b["rounds"][0]["noise_multiplier"], rel=1e-3)
-    assert b["rounds"][1]["noise_multiplier"] > a["rounds"][1]["noise_multiplier"]
-
-
 def test_pdp_cli(capsys, tmp_path):
     argv = ["train", "--method", "pdp-sgd", "--budget-distribution", "exponential", "--range", "1,3", "--skew",
-            "0.2", "--epochs", "2", "--rounds", "2", "--threshold-loss", "adaptive", "--out", str(tmp_path),
-            "--no-progress"]
-    assert main([*argv, "--json"]) == 0
+            "0.2", "--epochs", "2", "--rounds", "2", "--threshold-loss", "adaptive", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "a"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["threshold_loss"] == "adaptive" and out["rounds"][0]["threshold"] == pytest.approx(1.0)
-    assert main([*argv[:-1]]) == 0
+    assert out["threshold_loss"] == "adaptive" and 1.0 < out["rounds"][0]["threshold"] < 3.0
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     assert "pdp_guarantees.csv" in capsys.readouterr().out
     assert main(["train", "--method", "adapdp", "--budget-distribution", "exponential", "--range", "3",
-                 "--out", str(tmp_path)]) == 2
+                 "--out", str(tmp_path / "c")]) == 2
     assert "--range=" in capsys.readouterr().err
     assert main(["train", "--method", "pdp-sgd", "--budgets", "1,2", "--fractions", ".5,.5", "--w1", "2",
-                 "--out", str(tmp_path), "--no-progress"]) == 2
+                 "--out", str(tmp_path / "d"), "--no-progress"]) == 2
     assert "--w1=2.0 is invalid" in capsys.readouterr().err

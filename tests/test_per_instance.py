@@ -9,8 +9,16 @@ import torch
 from scipy.special import comb
 
 from idpsgd import InvalidParameterError
-from idpsgd.accounting.per_instance import (composition_bound, composition_orders, corollary_3_1, fact_3_5_samples,
-                                            mean_rule_bound, npiu_decisions, step_orders, sum_rule_step_rdp)
+from idpsgd.accounting.per_instance import (
+    composition_bound,
+    composition_orders,
+    corollary_3_1,
+    fact_3_5_samples,
+    mean_rule_bound,
+    npiu_decisions,
+    step_orders,
+    sum_rule_step_rdp,
+)
 from idpsgd.cli import main
 
 
@@ -38,6 +46,24 @@ def test_mean_rule_bound_known_cases(rng):
     sigma = 1.7
     gauss = 3 * float(v @ v) / (2 * sigma ** 2)                                   # D_α of N(v, σ²) vs N(0, σ²)
     assert mean_rule_bound(mu, shifted, 3, sigma) == pytest.approx(gauss, rel=1e-9)
+
+
+def test_gram_estimator_with_a_target_outside_the_pool(rng):
+    """x* from the test set: X = the pool, X' = pool + {x*}; rows after n_pool are never in pool batches."""
+    from idpsgd.training.per_instance import _MeanRuleEstimator
+    grads = torch.from_numpy(rng.normal(size=(21, 5)))         # 20 training examples, then x*
+    est = _MeanRuleEstimator(grads, 0.3, outer=3, inner=4, order=2, rng=np.random.default_rng(2), n_pool=20)
+    assert est.mask.shape[1] == 20
+    inc_t, inc_o = rng.random((3, 4, 2)) < 0.3, rng.random(3) < 0.3
+    g = grads.numpy()
+
+    def update(b, inc):
+        rows = list(np.flatnonzero(est.mask[b])) + ([20] if inc else [])
+        return g[rows].mean(axis=0) if rows else np.zeros(5)
+    outer = np.stack([update(b, inc_o[b]) for b in range(3)])
+    tb = 3 + np.arange(24).reshape(3, 4, 2)
+    tuples = np.stack([[[update(tb[o, k, i], inc_t[o, k, i]) for i in range(2)] for k in range(4)] for o in range(3)])
+    assert est.direction(20, 0.7, inc_t, inc_o) == pytest.approx(mean_rule_bound(outer, tuples, 2, 0.7), rel=1e-9)
 
 
 def test_gram_estimator_matches_explicit_updates(rng):
@@ -115,41 +141,73 @@ def digits():
     return load_dataset("digits")
 
 
-def test_runner_sum_rule(digits, tmp_path):
+def test_runner_sum_rule_both_directions(digits, tmp_path):
     from idpsgd.training import TrainConfig
     from idpsgd.training.per_instance import run_per_instance
-    cfg = TrainConfig(epochs=3, clip_norm=10.0, lr=0.005, progress=False)
-    s = run_per_instance(digits, [0, 5, 9], runs=2, alpha=4, config=cfg, epsilon=8.0, out_dir=tmp_path)
-    assert s["kind"] == "estimate" and s["steps"] == 33 and s["checkpoints"] == 3
+    cfg = TrainConfig(epochs=2, progress=False)          # the paper's C = 1, expected batch 128
+    s = run_per_instance(digits, [0, 5], runs=2, alpha=4, config=cfg, epsilon=10.0, out_dir=tmp_path)
+    assert s["kind"] == "estimate" and s["target_set"] == "test" and s["steps"] == 22 and s["checkpoints"] == 2
+    assert s["runs_trained"] == 2 * 3 and s["clip_norm"] == 1.0 and 0 <= s["test_accuracy"] <= 1
     for p in s["points"]:
-        assert 0 < p["rdp"] and p["baseline_rdp"] > 0 and 0 <= p["correct_fraction"] <= 1
-    rows = (tmp_path / "per_instance_steps.csv").read_text().splitlines()
-    assert len(rows) == 1 + 3 * 33
-    contrib = [float(r.split(",")[2]) for r in rows[1:34]]
-    assert sum(contrib) == pytest.approx(s["points"][0]["rdp"], rel=1e-9)
-    for name in ("per_instance.csv", "per_instance.json", "per_instance_steps.csv", "per_instance.png"):
-        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600
-    assert [r["point"] for r in s["unlearning"]["requests"]] == [0, 5, 9]
+        assert p["rdp"] == max(p["rdp_add"], p["rdp_remove"]) > 0
+        assert p["rdp_upper"] == max(p["rdp_add_upper"], p["rdp_remove_upper"]) >= p["rdp"] - 1e-12
+        assert p["baseline_rdp"] > 0 and 0 <= p["correct_fraction"] <= 1
+    import csv
+    with open(tmp_path / "private" / "per_instance.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 and all(float(r["rdp"]) == max(float(r["rdp_add"]), float(r["rdp_remove"])) for r in rows)
+    steps = (tmp_path / "private" / "per_instance_steps.csv").read_text().splitlines()
+    assert steps[0] == "point,step,contribution_add,contribution_remove,baseline,ratio_add,ratio_remove"
+    assert sum(float(r.split(",")[2]) for r in steps[1:23]) == pytest.approx(s["points"][0]["rdp_add"], rel=1e-9)
+    assert sum(float(r.split(",")[3]) for r in steps[1:23]) == pytest.approx(s["points"][0]["rdp_remove"], rel=1e-9)
+    saved = json.loads((tmp_path / "private" / "per_instance.json").read_text())
+    assert saved["test_accuracy"] == pytest.approx(s["test_accuracy"]) and len(saved["test_accuracy_runs"]) == 2
+    for name in ("per_instance.csv", "per_instance.json", "per_instance_steps.csv", "per_instance.png",
+                 "per_instance_stages.png"):
+        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+    assert [r["point"] for r in s["unlearning"]["requests"]] == [0, 5] and s["unlearning"]["direction"] == "add"
+
+
+def test_runner_train_targets_use_the_public_algorithm(digits):
+    from idpsgd.training import TrainConfig
+    from idpsgd.training.per_instance import run_per_instance
+    cfg = TrainConfig(epochs=1, clip_norm=10.0, lr=0.005, progress=False)
+    s = run_per_instance(digits, [3], runs=1, alpha=3, config=cfg, target_set="train")
+    p = s["points"][0]
+    assert s["target_set"] == "train" and s["runs_trained"] == 2
+    assert p["rdp"] == max(p["rdp_add"], p["rdp_remove"])
+    assert s["sample_rate"] == pytest.approx(128 / len(digits.y_train))   # q = B/N on X and on X \ {x*}
+    with pytest.raises(InvalidParameterError, match="points"):
+        run_per_instance(digits, [len(digits.y_test)], runs=1, config=cfg)
+    with pytest.raises(InvalidParameterError, match="target_set"):
+        run_per_instance(digits, [1], runs=1, config=cfg, target_set="validation")
 
 
 def test_runner_mean_rule(digits):
     from idpsgd.training import TrainConfig
     from idpsgd.training.per_instance import run_per_instance
-    cfg = TrainConfig(epochs=1, clip_norm=10.0, lr=0.005, progress=False)
-    s = run_per_instance(digits, [3], runs=1, alpha=2, update_rule="mean", config=cfg, epsilon=8.0,
-                         checkpoint_every=4, samples=(3, 3))
+    cfg = TrainConfig(epochs=1, progress=False)
+    s = run_per_instance(digits, [3], runs=1, alpha=2, update_rule="mean", config=cfg, checkpoint_every=4,
+                         samples=(3, 3))
     p = s["points"][0]
-    assert np.isfinite(p["rdp"]) and p["bound_forward"] >= 0 and p["bound_backward"] >= 0
-    assert p["rdp"] == pytest.approx(max(p["bound_forward"], p["bound_backward"]))
+    assert np.isfinite(p["rdp"]) and p["rdp_add"] >= 0 and p["rdp_remove"] >= 0
+    assert p["rdp"] == pytest.approx(max(p["rdp_add"], p["rdp_remove"])) and p["rdp_upper"] >= p["rdp"]
+    assert s["unlearning"] is None
 
 
 def test_per_instance_cli(capsys, tmp_path):
+    from idpsgd.cli import build_parser
+    args = build_parser().parse_args(["per-instance", "--num-points", "2", "--out", str(tmp_path)])
+    assert (args.clip_norm, args.batch_size, args.epsilon, args.alpha, args.target_set) == (1.0, 128, 10.0, 8, "test")
     argv = ["per-instance", "--points", "1,2", "--runs", "1", "--epochs", "1", "--alpha", "3", "--out", str(tmp_path),
             "--no-progress"]
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--json", "--show-private"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {"points", "unlearning", "steps", "alpha", "update_rule"} <= set(out)
-    assert main(argv) == 0 and "unlearning" in capsys.readouterr().out
+    assert {"steps", "alpha", "update_rule", "test_accuracy", "baseline_rdp"} <= set(out)
+    assert {"points", "unlearning", "median_ratio_to_baseline"} <= set(out["private"])
+    assert main([*argv, "--overwrite"]) == 0
+    text = capsys.readouterr().out
+    assert "rdp_add" in text and "unlearning" not in text and "median" not in text      # nothing private by default
     assert main(["per-instance", "--out", str(tmp_path)]) == 2
     assert "--points" in capsys.readouterr().err
     assert main([*argv[:2], "1,99999", *argv[3:]]) == 2

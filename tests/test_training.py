@@ -66,16 +66,21 @@ def test_outputs_ledger_csv_and_private_files(digits, budgets, tmp_path):
         assert {"budget", "count", "sample_rate", "clip_norm", "epsilon_spent"} <= set(g)
     assert saved["test_accuracy"] == report["test_accuracy"] and len(saved["per_class_accuracy"]) == 10
     assert sum(g["count"] for g in saved["groups"]) == len(digits.y_train)
-    with open(tmp_path / "ledger.csv") as fh:
+    with open(tmp_path / "private" / "ledger.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == report["steps"] and rows[-1]["step"] == str(report["steps"])
     for g in report["groups"]:
         col = [float(r[f"epsilon_rdp_budget_{g['budget']:g}"]) for r in rows]
         assert np.all(np.diff(col) > 0) and col[-1] == pytest.approx(g["epsilon_rdp"], rel=1e-12) \
             and col[-1] >= g["epsilon_spent"]
-    for name in (CHECKPOINT, "model.pt"):
-        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600
+    for name in (CHECKPOINT, "ledger.csv", "history.json"):
+        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+    for name in ("model.pt", "report.json", "report.html", "outputs.json"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o644
     assert len(report["history"]) == 2 and all(0 <= h["test_accuracy"] <= 1 for h in report["history"])
+    assert all("train_loss" not in h for h in saved["history"])            # training losses are private
+    assert "private" not in saved and set(saved["files"]) == set(json.loads((tmp_path / "outputs.json").read_text())[
+        "files"])
 
 
 def test_filter_stops_before_any_group_exceeds_its_budget(digits, budgets):

@@ -2,11 +2,12 @@
 module, optimizer, data loader and accountant of individualized DP-SGD (Boenisch et al. 2023) for
 any model, data and device; individual accounting (Yu et al. 2023) runs on it."""
 from .accountant import GroupAccountant, PrivacyBudgetExceeded
+from .filter import FilterOptions, IndividualFilter
 from .individual import IndividualAccountingOptions, IndividualTracker
 from .optimizer import IndividualizedDPOptimizer, IndividualizedDPOptimizerFastGradientClipping
 from .privacy_engine import GUARANTEE, IndividualizedPrivacyEngine, steps_per_epoch_for
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 
-__all__ = ["BatchIndexQueue", "GUARANTEE", "GroupAccountant", "IndividualAccountingOptions", "IndividualTracker",
+__all__ = ["BatchIndexQueue", "FilterOptions", "GUARANTEE", "GroupAccountant", "IndividualFilter", "IndividualAccountingOptions", "IndividualTracker",
            "IndividualizedDPOptimizer", "IndividualizedDPOptimizerFastGradientClipping", "IndividualizedPrivacyEngine",
            "PoissonBatchSampler", "PrivacyBudgetExceeded", "PrivateDataLoader", "steps_per_epoch_for"]

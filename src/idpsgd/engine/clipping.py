@@ -55,6 +55,11 @@ class PerExampleClipping:
         clip = self.clip_norms[idx].to(device=norms.device, dtype=norms.dtype)
         return (clip / (norms + 1e-6)).clamp(max=1.0)
 
+    @property
+    def pending_indices(self) -> list[torch.Tensor]:
+        """Indices of the examples clipped so far in the current logical step, in clipping order."""
+        return list(self._indices)
+
     def end_step(self) -> None:
         """Close the logical step: its norms and indices become ``last_norms``/``last_indices``."""
         if self._norms:

@@ -17,7 +17,11 @@ What the numbers are (:attr:`kind`):
 * **estimate** — otherwise: between refreshes a norm is taken from the last refresh, and
   ``nearest`` rounding can round down.
 
-The engine reports each example's ε as the smaller of this and its data-independent ε.
+Bounds (:meth:`IndividualTracker.report`): the example's RDP ε (adaptive-order conversion); with
+``accountant="pld"`` also its PLD ε — the composition of its steps at each rounded sensitivity
+level (:mod:`idpsgd.accounting.pld_individual`); and its data-independent ε from the engine's group
+accountant (the run's accountant, ≤ its budget by calibration).  The reported ε is the minimum of
+the valid bounds, with the name of the one that gave it; the engine reports the same minimum.
 """
 from __future__ import annotations
 
@@ -26,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..accounting import ROUNDING, IndividualAccountant
+from ..accounting import ROUNDING, IndividualAccountant, IndividualEpsilons
+from ..accounting.individual import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
-from .norms import example_batches, per_example_grad_norms
+from .distributed import sharded_grad_norms
 
 DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
 
@@ -43,11 +48,19 @@ class IndividualAccountingOptions:
     individual_clipping: bool = False    # Alg. 3: clip example i at its latest estimate
     validate_subset: int = 1000          # examples tracked exactly at every step (0: none)
     norm_batch_size: int = 256           # batch size of the norm passes
+    record_norms: bool = False           # keep every refresh's norms (for offline accounting; private)
+    accountant: str = "rdp"              # rdp: per-example RDP; pld: per-example PLD as well (rounded modes)
 
     def validate(self) -> "IndividualAccountingOptions":
         check_positive(self.refreshes_per_epoch, "refreshes_per_epoch")
         if self.rounding not in ROUNDING:
             raise InvalidParameterError("rounding", self.rounding, f"must be one of {', '.join(ROUNDING)}")
+        if self.accountant not in INDIVIDUAL_ACCOUNTANTS:
+            raise InvalidParameterError("accountant", self.accountant,
+                                        f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}")
+        if self.accountant == "pld" and self.rounding == "exact":
+            raise InvalidParameterError("rounding", self.rounding, "cannot be used with the pld accountant: "
+                                        "per-example PLD needs rounded sensitivity levels (use ceil or nearest)")
         if self.rounding_step is not None:
             check_positive(self.rounding_step, "rounding_step")
         if int(self.validate_subset) != self.validate_subset or self.validate_subset < 0:
@@ -76,6 +89,8 @@ class IndividualTracker:
         self.subset = np.zeros(0, dtype=np.int64)
         self.every = 1
         self.stale_steps = 0          # steps taken with norms that were due but not refreshed
+        self.recorded: list[np.ndarray] = []     # refreshed norms (record_norms)
+        self.recorded_steps: list[int] = []      # steps each recorded refresh covered
         self._due = False
 
     # --- attachment ----------------------------------------------------------------------
@@ -118,9 +133,8 @@ class IndividualTracker:
         n = self.accountant.num_examples
         idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        return per_example_grad_norms(self.engine.module,
-                                      example_batches(loader.dataset, idx, collate, self.options.norm_batch_size),
-                                      self.per_sample_loss)
+        return sharded_grad_norms(self.engine.module, loader.dataset, idx, collate, self.options.norm_batch_size,
+                                  self.per_sample_loss)     # sharded across ranks and all-gathered when distributed
 
     def _apply_clip_norms(self) -> None:
         if self.options.individual_clipping and self.accountant.refreshes:
@@ -132,6 +146,9 @@ class IndividualTracker:
         if self.accountant.steps % self.every == 0:
             refreshed, _ = self.grad_norms()
             self.accountant.update_norms(refreshed)
+            if self.options.record_norms:
+                self.recorded.append(refreshed.astype(np.float32))
+                self.recorded_steps.append(0)
             self._apply_clip_norms()
         if self.exact is not None:
             norms = refreshed[self.subset] if refreshed is not None else self.grad_norms(self.subset)[0]
@@ -144,6 +161,8 @@ class IndividualTracker:
         if self._due:                  # this step ran on norms that should have been refreshed
             self.stale_steps += 1
         self.accountant.add_steps(1)
+        if self.recorded_steps:
+            self.recorded_steps[-1] += 1
         if self.exact is not None:
             self.exact.add_steps(1)
         self._due = True
@@ -154,8 +173,19 @@ class IndividualTracker:
 
     # --- results -------------------------------------------------------------------------
     def epsilons(self, delta: float) -> np.ndarray:
-        """Output-specific ε_i of every example (RDP of its trajectory)."""
-        return self.accountant.epsilon(delta)
+        """Output-specific ε_i of every example: its RDP ε, and with ``accountant="pld"`` the
+        smaller of that and its PLD ε (both of its trajectory, both valid bounds)."""
+        return self.report(delta, cap=None).epsilon
+
+    def report(self, delta: float, cap="engine") -> IndividualEpsilons:
+        """Each example's ε as the minimum of its own bounds (RDP; PLD with ``accountant="pld"``)
+        and ``cap``, with the name of the bound that gave it (``rdp``, ``pld`` or ``cap``).
+
+        ``cap="engine"`` (default) is each example's data-independent ε from the engine's group
+        accountant — the run's accountant, ≤ its budget by calibration; ``None``: no cap."""
+        if isinstance(cap, str) and cap == "engine":
+            cap = self.engine.accountant.individual_epsilons(delta)
+        return self.accountant.report(delta, self.options.accountant, cap=cap)
 
     def worst_case_epsilons(self, delta: float) -> np.ndarray:
         return self.accountant.worst_case_epsilon(delta)
@@ -174,15 +204,29 @@ class IndividualTracker:
                 "max_abs_error": float(np.max(np.abs(est - exact))),
                 "min_estimate_minus_exact": float(np.min(est - exact))}
 
+    def norms_record(self) -> dict:
+        """What ``idpsgd account --norms`` reads: every refresh's norms and the steps it covered, with
+        the run's per-example rates and clip norms, σ and the reference clip norm (private data)."""
+        p = self.engine.parameters
+        return {"norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
+                "steps": np.asarray(self.recorded_steps, dtype=np.int64), "sample_rates": p["sample_rates"],
+                "clip_norms": p["clip_norms"], "noise_multiplier": np.float64(p["noise_multiplier"]),
+                "clip_norm": np.float64(p["max_grad_norm"]),
+                "rounding": np.str_(self.accountant.rounding),
+                "rounding_step": np.float64(self.accountant.rounding_step)}
+
     def state_dict(self) -> dict:
         return {"accountant": _tensors(self.accountant.state_dict()), "stale_steps": self.stale_steps,
-                "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None}
+                "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None,
+                "recorded": [torch.from_numpy(r) for r in self.recorded], "recorded_steps": list(self.recorded_steps)}
 
     def load_state_dict(self, state: dict) -> None:
         self.accountant.load_state_dict(_arrays(state["accountant"]))
         if self.exact is not None and state.get("exact") is not None:
             self.exact.load_state_dict(_arrays(state["exact"]))
         self.stale_steps = int(state.get("stale_steps", 0))
+        self.recorded = [np.asarray(r) for r in state.get("recorded", [])]
+        self.recorded_steps = [int(k) for k in state.get("recorded_steps", [])]
         self._apply_clip_norms()
 
 

@@ -37,6 +37,15 @@ class _PrivacyHooks:
 
     clipping: PerExampleClipping
 
+    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
+                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
+                 generator=None, secure_mode: bool = False, **kwargs):
+        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
+                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                         generator=generator, secure_mode=secure_mode, **kwargs)
+        self._init_privacy_hooks(clipping)
+
     def _init_privacy_hooks(self, clipping: PerExampleClipping) -> None:
         self.clipping = clipping
         self.guard: Callable[["_PrivacyHooks"], None] | None = None
@@ -98,15 +107,6 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         expected_batch_size: Σ_i q_i (the noisy sum is divided by it).
     """
 
-    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
-                 generator=None, secure_mode: bool = False, **kwargs):
-        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
-        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
-                         generator=generator, secure_mode=secure_mode, **kwargs)
-        self._init_privacy_hooks(clipping)
-
     def clip_and_accumulate(self):
         """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
         samples = self.grad_samples
@@ -132,15 +132,6 @@ class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFa
     """Ghost clipping (``grad_sample_mode="ghost"``): the module's per-example clip factors
     min(1, c_i/‖g_i‖) rescale the per-sample losses of the second backward pass, so ``p.grad``
     arrives clipped and summed; this optimizer adds the noise and divides by Σ q_i."""
-
-    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
-                 generator=None, secure_mode: bool = False, **kwargs):
-        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
-        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
-                         generator=generator, secure_mode=secure_mode, **kwargs)
-        self._init_privacy_hooks(clipping)
 
     def accumulate(self):
         for p in self.params:   # an empty batch leaves p.grad None: it contributes zero

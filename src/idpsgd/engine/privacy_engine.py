@@ -24,7 +24,9 @@ What it does (Boenisch et al. 2023, IDP-SGD, Alg. 1–3; the product guide's mod
   (:mod:`.optimizer`);
 * **accounting and filter** — every step is charged to every example with q_i > 0; before the
   noise of each step the filter refuses (``PrivacyBudgetExceeded``) a step that would take any
-  privacy group over its budget, or warns (``filter_action="warn"``) (:mod:`.accountant`).
+  privacy group over its budget, or warns (``filter_action="warn"``) (:mod:`.accountant`); or,
+  with ``privacy_filter="individual"``, each example leaves training when its own budget is spent
+  (individual Rényi filter, Feldman & Zrnic 2021; :mod:`.filter`).
 
 Privacy definition: data-independent individual (ε_p, δ)-DP for every example of privacy group p
 (Boenisch et al. eq. 3), with ε from the accountant the run was calibrated with.
@@ -41,13 +43,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..assignment import Budgets, assign
 from ..validation import InvalidParameterError, check_positive_array, check_sample_rate
 from .accountant import ACCOUNTANTS, GroupAccountant, PrivacyBudgetExceeded
+from . import distributed
 from .clipping import PerExampleClipping
 from .optimizer import OPTIMIZERS, _check_noise
 from .randomness import noise_generator as make_noise_generator, resolve_seed, sampler_rng
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 from .wrap import GRAD_SAMPLE_MODES, check_wrappable, raw_module, wrap_module
 
-FILTERS = ("group", None)
+FILTERS = ("group", "individual", None)   # individual: engine/filter.py (Feldman & Zrnic 2021)
 FILTER_ACTIONS = ("raise", "warn")
 METHODS = ("uniform", "sample", "scale")
 
@@ -94,6 +97,7 @@ class IndividualizedPrivacyEngine:
         self.clipping: PerExampleClipping | None = None
         self.parameters: dict | None = None      # the current phase's σ, c, q_i, c_i, planned steps
         self.individual = None                   # IndividualTracker when individual accounting is on
+        self.filter = None                       # IndividualFilter with privacy_filter="individual"
         self.privacy_filter, self.filter_action = "group", "raise"
         self._sampler_rng = None
         self._noise = None
@@ -113,13 +117,23 @@ class IndividualizedPrivacyEngine:
     def get_epsilon(self, delta: float | None = None) -> np.ndarray:
         """ε spent so far by each privacy group (ascending budgets), by the run's accountant."""
         self._require()
+        if self.filter is not None:   # individual filter: min(data-independent ε, the filter's guarantee)
+            return self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
+                                                     self.filter.guarantee_epsilons(delta)))
         return self.accountant.get_epsilon(delta)
+
+    def _filter_group_max(self, per_example: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.accountant.values.size)
+        np.maximum.at(out, self.accountant.group_of, per_example)
+        return out
 
     def get_individual_epsilons(self, delta: float | None = None) -> np.ndarray:
         """ε of every example: data-independent (its group's path); with individual accounting, the
         smaller of that and its output-specific ε (Yu et al. 2023), both valid bounds."""
         self._require()
         eps = self.accountant.individual_epsilons(delta)
+        if self.filter is not None:   # individual filter: its realized ε at each example's order (≤ budget)
+            return np.minimum(eps, self.filter.realized_epsilons(delta))
         if self.individual is not None:
             eps = np.minimum(eps, self.individual.epsilons(self.budgets.delta if delta is None else delta))
         return eps
@@ -144,6 +158,9 @@ class IndividualizedPrivacyEngine:
         example (default: cross-entropy of ``(inputs, targets)`` batches).  Returns the tracker."""
         from .individual import IndividualTracker
 
+        if self.filter is not None:
+            raise InvalidParameterError("individual_accounting", True, "cannot be combined with the individual "
+                                        "filter (the filter already accounts every example individually)")
         self.individual = IndividualTracker(options, per_sample_loss, self.seed if seed is None else seed)
         if self.accountant is not None:
             if self.steps:
@@ -156,18 +173,17 @@ class IndividualizedPrivacyEngine:
 
         Works with any loss: ``per_sample_loss(module, batch)`` returns one loss per example of a
         batch collated from the loader's dataset (default: cross-entropy of ``(inputs, targets)``)."""
-        from .norms import example_batches, per_example_grad_norms
-
         self._require()
         loader = self.data_loader
         idx = np.arange(len(loader.dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        return per_example_grad_norms(self.module, example_batches(loader.dataset, idx, collate, batch_size),
-                                      per_sample_loss)
+        return distributed.sharded_grad_norms(self.module, loader.dataset, idx, collate, batch_size, per_sample_loss)
 
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""
         self._require()
+        if self.filter is not None:
+            return self.filter.can_step()
         return self.privacy_filter is None or self.accountant.can_step()
 
     def _require(self):
@@ -222,7 +238,7 @@ class IndividualizedPrivacyEngine:
             steps: int | None = None, steps_per_epoch: int | None = None, target_delta: float | None = None,
             expected_batch_size: float | None = None, grad_sample_mode: str = "hooks", criterion=None,
             batch_first: bool = True, loss_reduction: str = "mean", privacy_filter: str | None = "group",
-            filter_action: str = "raise", noise_generator=None):
+            filter_action: str = "raise", noise_generator=None, filter_options=None, per_sample_loss=None):
         """Wrap for training with explicit per-example parameters (a phase of a recipe).
 
         Example i is sampled with ``sample_rates[i]`` (0: not in this phase, not charged) and
@@ -231,6 +247,11 @@ class IndividualizedPrivacyEngine:
         *public* normaliser).  Calling it again on the same engine starts a new phase whose steps
         compose with the earlier ones.  ``steps`` is the plan: it is checked against the budgets
         once, so the filter admits those steps cheaply.
+
+        ``privacy_filter="individual"`` attaches the individual Rényi filter (:mod:`.filter`; options
+        ``filter_options``, a :class:`~idpsgd.engine.filter.FilterOptions`; ``per_sample_loss(module,
+        batch)`` for its norm passes): ``steps`` is then the run's fixed length, and each example
+        leaves training when its own budget is spent.
         """
         budgets = self._budgets(budgets, target_delta)
         n = self._dataset_size(data_loader)
@@ -246,7 +267,10 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("grad_sample_mode", grad_sample_mode,
                                         f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
         if privacy_filter not in FILTERS:
-            raise InvalidParameterError("privacy_filter", privacy_filter, "must be 'group' or None")
+            raise InvalidParameterError("privacy_filter", privacy_filter, "must be 'group', 'individual' or None")
+        if self.filter is not None:
+            raise InvalidParameterError("privacy_filter", privacy_filter, "this engine's individual filter supports "
+                                        "one-phase runs; use a new IndividualizedPrivacyEngine")
         if filter_action not in FILTER_ACTIONS:
             raise InvalidParameterError("filter_action", filter_action, "must be 'raise' or 'warn'")
         if loss_reduction not in ("mean", "sum"):
@@ -255,6 +279,7 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("noise_generator", "a generator", "must not be given in secure mode")
         self._check_optimizer(module, optimizer)
         check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
+        ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)   # (rank, W) for DPDDP/DDP
         check_positive_array(c, "clip_norms")
         if self.budgets is not None and not np.array_equal(self.budgets.epsilons, budgets.epsilons):
             raise InvalidParameterError("budgets", repr(budgets), "differ from this engine's earlier phases; "
@@ -263,6 +288,10 @@ class IndividualizedPrivacyEngine:
         device = _device_of(module)
         _check_noise(noise_multiplier, max_grad_norm, float(q.sum()) if expected_batch_size is None
                      else expected_batch_size)
+        if privacy_filter == "individual":   # orders, RDP budgets, checks (engine/filter.py)
+            from .filter import prepare_filter
+            new_filter = prepare_filter(self, data_loader, filter_options, per_sample_loss, budgets, q, c,
+                                        noise_multiplier, max_grad_norm)
         # everything that can refuse the input is above; the engine's state changes from here on
         if self.accountant is None:
             self.budgets = budgets
@@ -278,17 +307,18 @@ class IndividualizedPrivacyEngine:
         wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
         wrapped.forbid_grad_accumulation()
         spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
-        sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue)
+        sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue) if ranks is None else \
+            distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
         loader = PrivateDataLoader(data_loader, sampler, batch_first)
         base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
         ebs = float(q.sum()) if expected_batch_size is None else float(expected_batch_size)
-        dp_opt = OPTIMIZERS[grad_sample_mode](
+        dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
             base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=self.clipping,
-            expected_batch_size=ebs, loss_reduction=loss_reduction, generator=self._noise,
-            secure_mode=self.secure_mode)
+            expected_batch_size=ebs / (1 if ranks is None else ranks[1]), loss_reduction=loss_reduction,
+            generator=self._noise, secure_mode=self.secure_mode)   # per rank Σq/W, as Opacus (engine/distributed.py)
 
         self.accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
-        if steps is not None and privacy_filter is not None:
+        if steps is not None and privacy_filter == "group":
             self.accountant.prime(int(steps))     # checked once; beyond the budget the filter stops the run
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
         dp_opt.guard = self._guard
@@ -299,6 +329,8 @@ class IndividualizedPrivacyEngine:
         self.module, self.optimizer, self.data_loader = wrapped, dp_opt, loader
         if self.individual is not None:
             self.individual.attach(self)
+        if privacy_filter == "individual":
+            self.filter = new_filter.attach(self)
         if grad_sample_mode == "ghost":
             from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
             crit = criterion if criterion is not None else torch.nn.CrossEntropyLoss(reduction=loss_reduction)
@@ -308,6 +340,8 @@ class IndividualizedPrivacyEngine:
 
     # --- the filter -----------------------------------------------------------------------
     def _guard(self, _optimizer) -> None:
+        if self.filter is not None:
+            return self.filter.guard(_optimizer)
         if self.privacy_filter is None or self.accountant.can_step():
             return
         eps_now = self.accountant.get_epsilon()
@@ -397,6 +431,8 @@ class IndividualizedPrivacyEngine:
             state["noise"] = self._noise.get_state()
         if self.individual is not None:
             state["individual"] = self.individual.state_dict()
+        if self.filter is not None:
+            state["filter"] = self.filter.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -412,6 +448,8 @@ class IndividualizedPrivacyEngine:
             self._noise.set_state(state["noise"])
         if self.individual is not None and state.get("individual") is not None:
             self.individual.load_state_dict(state["individual"])
+        if self.filter is not None:
+            self.filter.load_state_dict(state["filter"])
 
 
 __all__ = ["GUARANTEE", "IndividualizedPrivacyEngine", "PrivacyBudgetExceeded", "steps_per_epoch_for"]

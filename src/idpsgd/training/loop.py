@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,10 +37,12 @@ from tqdm import tqdm
 from ..analysis.metrics import accuracies, evaluate  # noqa: F401  (re-exported)
 from ..assignment import Budgets
 from ..data import Dataset
-from ..engine import GUARANTEE, IndividualizedPrivacyEngine
+from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
 from ..engine.randomness import resolve_seed
-from ..io import load_torch, save_torch, write_csv, write_json
+from ..engine.wrap import raw_module
+from ..io import fault_point, load_torch
+from ..runfolder import PRIVATE, RunFolder
 from ..models import DEFAULT_MODEL, create_model
 from ..validation import InvalidParameterError, check_delta, check_positive
 from .plans import Phase, TrainingPlan, build_plan
@@ -65,13 +67,17 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+#: Largest learning rate accepted (larger ones overflow float32 updates or diverge at once).
+MAX_LR = 1e4
+
+
 @dataclass
 class TrainConfig:
     """Hyperparameters of a run shared by every method (method-specific options live with the
     method: :class:`~idpsgd.engine.individual.IndividualAccountingOptions`, PDP options, ...)."""
 
     method: str = "sample"
-    epochs: int = 30
+    epochs: int = 20                 # uniform DP-SGD's best on digits (bench/bench_comparison.py)
     batch_size: int = 128
     lr: float = 0.05
     momentum: float = 0.9
@@ -85,14 +91,12 @@ class TrainConfig:
     exclude_below: float | None = None
     progress: bool = True
     init_seed: int | None = None     # model initialisation seed (default: seed); runs can share it
-    # PDP-SGD and its baselines (Heo et al.); read by training.pdp
-    threshold_loss: str = "fixed"
-    w1: float | None = None
-    rounds: int = 3
-    noise_history: bool = False
 
     def validate(self) -> "TrainConfig":
         check_positive(self.lr, "lr")
+        if not self.lr <= MAX_LR:
+            raise InvalidParameterError("lr", self.lr, f"must be at most {MAX_LR:g} (a larger step overflows the "
+                                        "parameters' float type)")
         if not 0 <= self.momentum < 1:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
         if self.accountant not in ("rdp", "pld"):
@@ -119,8 +123,11 @@ class Trainer:
 
     def __init__(self, dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None, *,
                  model: torch.nn.Module | None = None, criterion=None, optimizer_factory=None,
-                 individual: IndividualAccountingOptions | None = None):
+                 individual: IndividualAccountingOptions | None = None, release_epsilon: float = 0.5,
+                 expected_batch_size: float | None = None):
         self.config = config.validate()
+        self.expected_batch_size = expected_batch_size     # the noisy sum's public normaliser (default Σ q_i)
+        self.release_epsilon = check_positive(release_epsilon, "release_epsilon")
         if len(budgets) != len(dataset.y_train):
             raise InvalidParameterError("budgets", f"{len(budgets)} values",
                                         f"need one per training example ({len(dataset.y_train)})")
@@ -128,11 +135,19 @@ class Trainer:
             raise InvalidParameterError("method", config.method, "individual accounting supports one-phase methods "
                                         "(uniform, sample, scale, exclude)")
         self.dataset, self.budgets = dataset, budgets
-        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.run_folder = out_dir if isinstance(out_dir, RunFolder) or out_dir is None else RunFolder(out_dir)
+        self.out_dir = self.run_folder.path if self.run_folder is not None else None
+        pre = getattr(dataset, "preprocessing", None) or {}
+        self.preprocessing_cost = (float(pre.get("epsilon", 0.0)), float(pre.get("delta", 0.0)))
+        self.train_budgets = training_budgets(budgets, *self.preprocessing_cost)
         self.seed = resolve_seed(config.seed, config.secure_mode)
         self.device = resolve_device(config.device)
-        self.plan: TrainingPlan = build_plan(budgets, config.method, config.batch_size, config.epochs,
+        self.plan: TrainingPlan = build_plan(self.train_budgets, config.method, config.batch_size, config.epochs,
                                              config.clip_norm, config.accountant, config.exclude_below)
+        if individual is not None and individual.rounding != "exact" and individual.rounding_step is not None:
+            from ..accounting.individual import check_rounding_step   # refused before any work
+            check_rounding_step(individual.rounding_step,
+                                max(float(np.max(ph.assignment.clip_norms)) for ph in self.plan.phases))
         init = config.init_seed if config.init_seed is not None else self.seed
         torch.manual_seed(init if init is not None else torch.seed())
         if model is None:
@@ -142,7 +157,7 @@ class Trainer:
             if not isinstance(model, torch.nn.Module):
                 raise InvalidParameterError("model", type(model).__name__, "must be a torch.nn.Module")
             self.model_name = type(model).__name__
-        self.model: torch.nn.Module = model.to(self.device)
+        self.model: torch.nn.Module = distributed.wrap_model(model.to(self.device))   # DPDDP under torch.distributed
         self.criterion = criterion if criterion is not None else torch.nn.CrossEntropyLoss()
         if not hasattr(self.criterion, "reduction"):
             raise InvalidParameterError("criterion", type(self.criterion).__name__,
@@ -154,7 +169,8 @@ class Trainer:
         if individual is not None:
             self.engine.enable_individual_accounting(individual, per_sample_loss=self._per_sample_loss)
         self.loader = DataLoader(TensorDataset(dataset.x_train, dataset.y_train), batch_size=config.batch_size)
-        self.group_values, self.group_counts, self.group_of = budgets.groups()
+        self.group_values, self.group_counts, self.group_of = self.train_budgets.groups()
+        self.budget_values = budgets.values
         self.phase_idx, self.phase_epoch, self.step = 0, 0, 0
         self.stopped_early = False
         self.history: list[dict] = []
@@ -190,14 +206,19 @@ class Trainer:
         c[phase.indices] = a.clip_norms
         return q, c
 
+    def _phase_kwargs(self) -> dict:
+        """Extra arguments of ``make_private_with_parameters`` for every phase (a subclass's hook,
+        e.g. the individual filter)."""
+        return {}
+
     def _start_phase(self, phase: Phase):
         q, c = self._phase_arrays(phase)
         a = phase.assignment
         out = self.engine.make_private_with_parameters(
-            module=self.model, optimizer=self.optimizer, data_loader=self.loader, budgets=self.budgets,
+            module=self.model, optimizer=self.optimizer, data_loader=self.loader, budgets=self.train_budgets,
             sample_rates=q, clip_norms=c, noise_multiplier=a.noise_multiplier, max_grad_norm=a.clip_norm,
-            steps=phase.steps, steps_per_epoch=phase.steps_per_epoch,
-            grad_sample_mode=self.config.grad_sample_mode, criterion=self.criterion)
+            steps=phase.steps, steps_per_epoch=phase.steps_per_epoch, expected_batch_size=self.expected_batch_size,
+            grad_sample_mode=self.config.grad_sample_mode, criterion=self.criterion, **self._phase_kwargs())
         if self.config.grad_sample_mode == "ghost":
             self.model, self.dp_optimizer, self.loss_fn, self.private_loader = out
         else:
@@ -217,27 +238,36 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------
     def _signature(self) -> dict:
         digest = hashlib.sha256(np.ascontiguousarray(self.budgets.epsilons).tobytes()).hexdigest()
-        cfg = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("progress", "device")}
+        cfg = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in ("progress", "device", "epochs")}
         cfg["seed"] = self.seed
+        fingerprint = self.dataset.fingerprint() if hasattr(self.dataset, "fingerprint") else None
         return {"config": cfg, "dataset": self.dataset.name, "n": len(self.budgets),
-                "delta": self.budgets.delta, "budgets_sha256": digest, "model": self.model_name,
+                "delta": self.budgets.delta, "budgets_sha256": digest, "data_sha256": fingerprint,
+                "model": self.model_name, "planned_epochs": int(self.config.epochs),
+                "preprocessing": getattr(self.dataset, "preprocessing", None),
                 "individual": dataclasses.asdict(self.tracker.options) if self.tracker is not None else None}
 
     def _module(self) -> torch.nn.Module:
-        return getattr(self.model, "_module", self.model)
+        return raw_module(self.model)
 
     def save_checkpoint(self) -> None:
-        if self.out_dir is None:
+        if distributed.is_distributed() and self.engine.accountant is not None:   # every rank: the same ledger
+            distributed.check_replicated("privacy ledger", [self.step, self.engine.steps,
+                                                            *self.engine.accountant.grid_epsilon()])
+        if self.out_dir is None or not distributed.is_main_process():
             return
         state = {"signature": self._signature(), "phase_idx": self.phase_idx, "phase_epoch": self.phase_epoch,
                  "step": self.step, "stopped_early": self.stopped_early,
                  "model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
                  "engine": self.engine.state_dict() if self.engine.accountant is not None else None,
                  "history": self.history, "ledger_rows": self.ledger_rows}
-        save_torch(self.out_dir / CHECKPOINT, state)
+        self.run_folder.save_torch(CHECKPOINT, state, "private", "checkpoint: model, optimizer, engine (accountant, "
+                                   "sampler and noise states), history; resumable with --resume")
 
-    def load_checkpoint(self, path) -> None:
-        state = load_torch(path)
+    def load_checkpoint(self, state, path="checkpoint") -> None:
+        """Continue from a checkpoint's state (or a path to one)."""
+        if not isinstance(state, dict):
+            state = load_torch(state)
         if not isinstance(state, dict) or "signature" not in state:
             raise InvalidParameterError("resume", str(path), "is not an idpsgd training checkpoint")
         differences = signature_differences(state["signature"], self._signature())
@@ -257,7 +287,8 @@ class Trainer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Full backward hook.*")
             warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
-            bar = tqdm(total=total, initial=min(self.step, total), disable=None if self.config.progress else True,
+            show = self.config.progress and distributed.is_main_process()
+            bar = tqdm(total=total, initial=min(self.step, total), disable=None if show else True,
                        desc=f"{self.plan.method}", unit="step", leave=False)
             while self.phase_idx < len(self.plan.phases) and not self.stopped_early:
                 self._run_phase(self.plan.phases[self.phase_idx], bar)
@@ -285,11 +316,13 @@ class Trainer:
                 loss = self.loss_fn(self.model(x), y)
                 loss.backward()
                 self.dp_optimizer.step()
+                fault_point("step")
                 self.step += 1
                 phase_steps += 1
                 if len(y):
                     losses.append(float(loss.detach()))
-                self.ledger_rows.append([self.step, self.phase_idx, len(self.history) + 1, len(y),
+                real = self.dp_optimizer.last_global_batch_size if distributed.is_distributed() else len(y)
+                self.ledger_rows.append([self.step, self.phase_idx, len(self.history) + 1, real,
                                          *self.engine.accountant.grid_epsilon()])
                 bar.update(1)
             if self.stopped_early:
@@ -300,6 +333,9 @@ class Trainer:
                                  "train_loss": float(np.mean(losses)) if losses else None,
                                  "test_accuracy": ev["accuracy"]})
             bar.set_postfix(epoch=len(self.history), test_acc=f"{ev['accuracy']:.3f}")
+            if self.config.progress and not sys.stderr.isatty() and distributed.is_main_process():   # one line per epoch
+                print(f"idpsgd {self.plan.method}: epoch {len(self.history)}/{self.plan.epochs} (step {self.step}/"
+                      f"{self.plan.steps}): test accuracy {ev['accuracy']:.4f}", file=sys.stderr, flush=True)
             log.info("epoch %d (phase %d): test accuracy %.4f", len(self.history), self.phase_idx, ev["accuracy"])
             if self.phase_epoch < phase.epochs:
                 self.save_checkpoint()
@@ -323,20 +359,24 @@ class Trainer:
             steps[rows] += taken
             done += phase.steps
         groups = []
-        for r, (v, n) in enumerate(zip(self.group_values, self.group_counts)):
+        eps_pre, delta_pre = self.preprocessing_cost
+        for r, (v, n) in enumerate(zip(self.budget_values, self.group_counts)):
             g = params.get(r)
             groups.append({"budget": float(v), "count": int(n), "trained": g is not None,
                            "sample_rate": g.sample_rate if g else 0.0, "clip_norm": g.clip_norm if g else None,
                            "noise_multiplier": g.noise_multiplier if g else None, "steps": int(steps[r]),
-                           "epsilon_spent": float(spent[r]), "epsilon_rdp": float(rdp_spent[r])})
+                           "epsilon_spent": float(spent[r]) + eps_pre, "epsilon_training": float(spent[r]),
+                           "epsilon_rdp": float(rdp_spent[r]) + eps_pre,
+                           "delta": self.train_budgets.delta + delta_pre})
         sigmas = [p.assignment.noise_multiplier for p in plan.phases]
-        extra = {}
+        extra, private = {}, {}
         if self.tracker is not None:
             from .individual import individual_report
-            extra["individual_privacy"] = individual_report(self, ev["per_class_accuracy"])
+            released, exact = individual_report(self, ev["per_class_accuracy"], self.release_epsilon)
+            extra["individual_privacy"], private["individual_privacy"] = released, exact
         return {
             "method": plan.method, "dataset": ds.name, "model": self.model_name,
-            "accountant": self.config.accountant, "guarantee": GUARANTEE, "delta": self.budgets.delta,
+            "accountant": self.config.accountant, "guarantee": self.guarantee_text(extra), "delta": self.budgets.delta,
             "test_accuracy": ev["accuracy"], "per_class_accuracy": ev["per_class_accuracy"],
             "noise_multiplier": sigmas[0] if len(sigmas) == 1 else sigmas,
             "steps": self.step, "planned_steps": plan.steps, "stopped_early": self.stopped_early,
@@ -346,18 +386,90 @@ class Trainer:
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
                         "sample_rate": p.assignment.sample_rate, "noise_multiplier": p.assignment.noise_multiplier}
                        for p in plan.phases],
-            "groups": groups, "history": self.history, **extra,
+            "groups": groups, "history": [{k: v for k, v in h.items() if k != "train_loss"} for h in self.history],
+            "preprocessing": getattr(self.dataset, "preprocessing", None), "files": None,
+            **extra, "private": {"history": self.history, **private},
         }
 
-    def write_outputs(self, report: dict) -> None:
-        """report.json, ledger.csv (ε per group after every step) and model.pt in the run folder."""
-        if self.out_dir is None:
+    def set_epochs(self, epochs: int) -> None:
+        """Run a one-phase plan for ``epochs`` passes while keeping its calibration (σ, rates for the
+        planned epochs): extra steps happen only while the filter admits them."""
+        epochs = int(epochs)
+        if all(p.epochs == epochs for p in self.plan.phases):
             return
+        if len(self.plan.phases) != 1:
+            raise InvalidParameterError("epochs", epochs, "can change on resume for one-phase methods only, not "
+                                        f"{self.plan.method}")
+        if epochs < 1:
+            raise InvalidParameterError("epochs", epochs, "must be an integer >= 1")
+        done = self.plan.phases[0].epochs if self.phase_idx >= 1 else self.phase_epoch
+        self.plan = dataclasses.replace(self.plan, phases=(dataclasses.replace(self.plan.phases[0], epochs=epochs),))
+        if self.phase_idx >= 1 and epochs > done:            # a finished plan continues
+            self.phase_idx, self.phase_epoch = 0, done
+
+    def guarantee_text(self, extra: dict) -> str:
+        """The run's guarantee in words: the model's per group, plus what the preprocessing and the
+        released statistics add for every example."""
+        eps_pre, delta_pre = self.preprocessing_cost
+        text = (f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = "
+                f"{self.train_budgets.delta + delta_pre:g}")
+        if eps_pre:
+            text += (f" (including ({eps_pre:g}, {delta_pre:g}) spent by the private estimate of the "
+                     "normalization constants)")
+        rel = (extra.get("individual_privacy") or {}).get("released")
+        if rel:
+            text += (f"; released statistics: an additional ({rel['total']['epsilon']:g}, "
+                     f"{rel['total']['delta']:g})-DP for every example")
+        return text
+
+    def write_outputs(self, report: dict) -> None:
+        """Public: report.json, model.pt; private: ledger.csv (batch sizes, ε per group after every step)
+        and history.json (training losses)."""
+        if self.run_folder is None or not distributed.is_main_process():
+            return
+        rf = self.run_folder
         header = ["step", "phase", "epoch", "batch_size"] + [f"epsilon_rdp_budget_{v:g}" for v in self.group_values]
         cols = list(zip(*self.ledger_rows)) if self.ledger_rows else [[] for _ in header]
-        write_csv(self.out_dir / "ledger.csv", header, cols)
-        save_torch(self.out_dir / "model.pt", self._module().state_dict())
-        write_json(self.out_dir / "report.json", report)
+        rf.write_csv("ledger.csv", header, cols, "private", "every step's real Poisson batch size and each group's "
+                     "epsilon (RDP bound at the order grid) after it")
+        self.write_model_and_report(report, "test metrics, hyper-parameters, privately released statistics")
+
+    def write_model_and_report(self, report: dict, contents: str) -> None:
+        """Every run's last outputs: private history.json; public model.pt, report.json (``contents``
+        says what it holds beside the guarantee per group) and report.html."""
+        from ..analysis.report import write_report
+
+        rf = self.run_folder
+        rf.write_json("history.json", self.history, "private", "per epoch: training loss (on private batches, "
+                      "without noise) and test accuracy")
+        rf.save_torch("model.pt", self._module().state_dict(), "public", "the trained model's state_dict "
+                      "(load with torch.load(..., weights_only=True))")
+        about = f"the run's report: guarantee per group, {contents}"
+        rf.file("report.json", "public", about)
+        rf.file("report.html", "public", "the run's readable report")
+        report["files"] = {k: v["kind"] for k, v in rf.files().items()}
+        rf.write_json("report.json", public_report(report), "public", about)
+        write_report(rf)
+
+
+def training_budgets(budgets: Budgets, epsilon_pre: float, delta_pre: float) -> Budgets:
+    """The budgets left for training after a private preprocessing step spent (ε_pre, δ_pre) of every
+    example (basic composition)."""
+    if not epsilon_pre and not delta_pre:
+        return budgets
+    left = budgets.epsilons - epsilon_pre
+    if np.any(left <= 0):
+        raise InvalidParameterError("normalization_epsilon", epsilon_pre,
+                                    f"must be below the smallest budget {budgets.epsilons.min():g} (the private "
+                                    "normalization is charged to every example)")
+    if not budgets.delta - delta_pre > 0:
+        raise InvalidParameterError("normalization_delta", delta_pre, f"must be below --delta={budgets.delta:g}")
+    return Budgets(left, budgets.delta - delta_pre)
+
+
+def public_report(report: dict) -> dict:
+    """The report without its private section (what report.json and stdout show by default)."""
+    return {k: v for k, v in report.items() if k != "private"}
 
 
 def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -374,17 +486,24 @@ def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[
 
 def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None, resume: bool = False, *,
           model: torch.nn.Module | None = None, criterion=None, optimizer_factory=None,
-          individual: IndividualAccountingOptions | None = None) -> dict:
+          individual: IndividualAccountingOptions | None = None, overwrite: bool = False,
+          release_epsilon: float = 0.5, pdp=None) -> dict:
     """Train with individualized budgets; returns the report (also written to ``out_dir``).
 
     Args:
         dataset: the data (:func:`idpsgd.data.load_dataset`).
         budgets: one budget per training example and δ.
         config: method and hyperparameters.
-        out_dir: run folder for report.json, ledger.csv, model.pt and checkpoint.pt.
-        resume: continue from ``out_dir/checkpoint.pt`` if it exists.
+        out_dir: run folder (a path or :class:`~idpsgd.runfolder.RunFolder`): public report.json and
+            model.pt, private/ checkpoint.pt, ledger.csv, history.json, per-example files.
+        resume: continue from the folder's checkpoint if it exists (with the recorded seed when
+            ``config.seed`` is None; ``config.epochs`` may differ: the plan's calibration stays, the
+            filter guards every extra step).
         model, criterion, optimizer_factory: see :class:`Trainer`.
         individual: individual accounting options (Yu et al. 2023), or None.
+        overwrite: replace another run already in ``out_dir``.
+        release_epsilon: ε of the private release of individual-ε statistics.
+        pdp: :class:`~idpsgd.training.pdp.PdpOptions` of the PDP methods (default options).
     """
     check_delta(budgets.delta)
     from .pdp import PDP_METHODS, train_pdp
@@ -395,16 +514,25 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
         if individual is not None:
             raise InvalidParameterError("method", config.method, "individual accounting supports the IDP-SGD "
                                         "methods (uniform, sample, scale, exclude)")
-        return train_pdp(dataset, budgets, config, out_dir)
-    ckpt = Path(out_dir) / CHECKPOINT if out_dir is not None else None
-    if resume and ckpt is not None and ckpt.is_file() and config.seed is None and not config.secure_mode:
-        state = load_torch(ckpt)     # a run without --seed continues with the seed it recorded
-        saved = state.get("signature", {}).get("config", {}).get("seed") if isinstance(state, dict) else None
-        config = dataclasses.replace(config, seed=saved)
-    trainer = Trainer(dataset, budgets, config, out_dir, model=model, criterion=criterion,
-                      optimizer_factory=optimizer_factory, individual=individual)
-    if resume and ckpt is not None and ckpt.is_file():
-        trainer.load_checkpoint(ckpt)
+        folder = RunFolder(out_dir, overwrite=overwrite) if out_dir is not None and not isinstance(out_dir, RunFolder) \
+            else out_dir
+        return train_pdp(dataset, budgets, config, folder, options=pdp)
+    folder = out_dir if isinstance(out_dir, RunFolder) or out_dir is None else distributed.main_first(
+        lambda: RunFolder(out_dir, resume=resume, overwrite=overwrite), lambda: RunFolder(out_dir, resume=True))
+    ckpt = folder.path / PRIVATE / CHECKPOINT if folder is not None else None
+    state = load_torch(ckpt) if resume and ckpt is not None and ckpt.is_file() else None
+    epochs = config.epochs
+    if state is not None:
+        saved = state.get("signature", {}) if isinstance(state, dict) else {}
+        if config.seed is None and not config.secure_mode:   # a run without a seed continues with its recorded one
+            config = dataclasses.replace(config, seed=saved.get("config", {}).get("seed"))
+        if isinstance(saved.get("planned_epochs"), int):      # the calibration stays that of the original plan
+            config = dataclasses.replace(config, epochs=saved["planned_epochs"])
+    trainer = Trainer(dataset, budgets, config, folder, model=model, criterion=criterion,
+                      optimizer_factory=optimizer_factory, individual=individual, release_epsilon=release_epsilon)
+    if state is not None:
+        trainer.load_checkpoint(state, ckpt)
+        trainer.set_epochs(epochs)
         log.info("resumed from %s at step %d", ckpt, trainer.step)
     report = trainer.run()
     trainer.write_outputs(report)

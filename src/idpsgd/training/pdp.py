@@ -1,71 +1,188 @@
-"""PDP-SGD and its baselines (Heo et al., Alg. 1–2, App. B): personalized sampling before DP-SGD.
+"""PDP-SGD and its baselines (Heo et al., Alg. 1–2, 4, App. B): personalized sampling before DP-SGD.
 
 Each round R: pick a threshold τ_R from the remaining budgets (eq. 6 or 7), sample every
-example with π_{i,R} (eq. 4), run DP-SGD calibrated to (τ_R, δ)-DP on the sample, and charge the
-round's cost.  Methods:
+example with π_{i,R} (eq. 4), run DP-SGD on the sample with a noise multiplier calibrated for the
+round, and charge the round's cost.  Methods:
 
 * ``pdp-sgd`` (Alg. 1) — ``rounds`` rounds continuing one model;
 * ``pdp-sampling`` (App. B.1, Jorgensen et al.) — one round;
 * ``adapdp`` (App. B.2, Niu et al.) — ``rounds`` rounds, a fresh model per round, predictions
-  combined with weights τ_T·|D_T| (softmax outputs).
+  combined with weights τ_T·E|D_T| (softmax outputs).
 
-Our reading, where the paper is ambiguous or its bookkeeping is not backed by its theorems:
+The method's options are :class:`PdpOptions`.  Our reading, where the paper is ambiguous or its
+bookkeeping is not backed by its theorems:
 
 1. **Every example is charged every round**, sampled or not: by Thm. 4.2 round R is
-   (min(b_i, τ_R), π_{i,R} δ)-PDP for *every* user i (b_i its remaining budget).  Alg. 1 charges
+   (min(b_i, τ_R), π_{i,R} δ_R)-PDP for *every* user i (b_i its remaining budget).  Alg. 1 charges
    only the sampled examples; then the next round's sampling rates depend on the secret
-   sampling outcome, which Thm. 4.3 does not cover.  Totals follow Thm. 4.3: ε_i = Σ_R
-   min(b_{i,R}, τ_R) ≤ its budget, δ_i = Σ_R π_{i,R} δ ≤ rounds·δ.
+   sampling outcome, which Thm. 4.3 does not cover.
 2. **Round parameters are public**: the sampling rate q_R = B / E|D_R| (E|D_R| = Σ_i π_{i,R}), the
    steps and the normalisation of the noisy sum use the expected sample size, never |D_R|, and
-   AdaPDP's combination weights use E|D_T| instead of |D_T|.
-3. **σ per round** (Alg. 4): calibrated so that the round's DP-SGD alone is (τ_R, δ)-DP, which is
-   what Thm. 4.2 needs.  Alg. 4 composes the accountant history of earlier rounds into the target;
-   ``noise_history=True`` reproduces that (more noise, still valid).
-4. Epochs per round (Alg. 1 leaves n and μ_R per round open): for pdp-sgd ``--epochs`` in the
-   first round, then E·(τ_R/τ_1)² (adapdp trains each fresh model for ``--epochs``) — for a fixed rate, ε grows about like √steps/σ, so this keeps the noise
-   multiplier roughly constant across rounds; with a constant n the later, smaller thresholds
-   need so much noise that they undo the first round (measured: 0.70 vs 0.82 after round 1).
-   pdp-sgd's learning rate μ_R is scaled by τ_R/τ_1 for the same reason.
-5. loss_a (eq. 7) is 0 whenever one waste is 0, so its minimum is the smallest remaining budget:
-   with it, each round trains everyone left at the smallest remaining budget.
+   AdaPDP's combination weights use E|D_T| instead of |D_T|.  An empty sample still runs its
+   (noise-only) steps: skipping them would reveal that the sample was empty.
+3. **δ as the user asked** (``per_round_delta=False``, the default): ``budgets.delta`` is the total
+   per example; each round is calibrated at δ_R = δ/rounds, so δ_i = Σ_R π_{i,R} δ_R ≤ δ.  With
+   ``per_round_delta=True`` every round gets δ (the paper's Thm. 4.5: δ_i ≤ R_max·δ).  The report
+   states ``max_delta`` either way.
+4. **σ per round**: without ``noise_history``, calibrated so that the round's DP-SGD alone is
+   (τ_R, δ_R)-DP, which is what Thm. 4.2 needs; ε_i = Σ_R min(b_{i,R}, τ_R) (Thm. 4.3).
+   With ``noise_history`` (Alg. 4, our reading): σ_R is calibrated so that the accountant's
+   composition of rounds 1..R stays within the *cumulative* thresholds τ_1 + … + τ_R at δ
+   (Alg. 4 as printed targets τ_R alone, which is below what rounds 1..R−1 already spent: no σ
+   reaches it).  A round alone is then not (τ_R, δ)-DP, so the guarantee is not Thm. 4.2 per
+   round but :func:`~idpsgd.accounting.pdp.history_guarantee`: ε_i = ln Σ_m P_i(last round
+   sampled = m)·e^{E_m} ≤ its budget, δ_i = P_i(ever sampled)·δ ≤ δ.
+5. Epochs per round (Alg. 1 leaves n and μ_R per round open): for pdp-sgd ``epochs`` in the
+   first round, then E·(τ_R/τ_1)² (adapdp trains each fresh model for ``epochs``) — for a fixed
+   rate, ε grows about like √steps/σ, so this keeps the noise multiplier roughly constant across
+   rounds.  pdp-sgd's learning rate μ_R is scaled by τ_R/τ_1 for the same reason.
+6. ``threshold_loss="adaptive"`` (eq. 7) picks the AM–GM equality point waste_u = waste_s
+   (:func:`~idpsgd.accounting.pdp.adaptive_threshold`), strictly inside the remaining budgets.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..accounting import SampledGaussianEvent, calibrate_noise_multiplier, epsilon_sgm, rdp_epsilon, solve_monotone
-from ..accounting.pdp import compose, sampling_guarantee, sampling_probabilities, select_threshold
-from ..assignment import Assignment, Budgets, GroupParams
+from ..accounting import SampledGaussianEvent, epsilon_sgm
+from ..accounting.pdp import (
+    THRESHOLD_LOSSES,
+    calibrate_round_noise,
+    compose,
+    composed_epsilon,
+    history_guarantee,
+    sampling_guarantee,
+    sampling_probabilities,
+    select_threshold,
+)
+from ..analysis.metrics import accuracies
+from ..assignment import Budgets
 from ..data import Dataset
-from ..io import atomic_open, write_csv, write_json
+from ..engine import steps_per_epoch_for
 from ..models import DEFAULT_MODEL, create_model
-from ..validation import InvalidParameterError
-from .engine import accuracies
-from .private import make_private_individualized, steps_per_epoch_for
+from ..validation import InvalidParameterError, check_delta, check_positive
 
 log = logging.getLogger("idpsgd")
 
 PDP_METHODS = ("pdp-sgd", "pdp-sampling", "adapdp")
 DEFAULT_W1 = {"pdp-sgd": 0.7, "pdp-sampling": 0.7, "adapdp": 0.2}   # Heo et al. App. C.2
 GUARANTEE = ("(Phi, Delta)-personalized DP (Heo et al. Thm. 4.2-4.4): every example i gets "
-             "(epsilon_i, delta_i) with epsilon_i <= its budget and delta_i = sum over rounds of pi_i,R * delta")
+             "(epsilon_i, delta_i) with epsilon_i <= its budget; delta_i = sum over rounds of pi_i,R * delta_R")
+GUARANTEE_HISTORY = ("(Phi, Delta)-personalized DP with the rounds composed by the accountant (Alg. 4, our "
+                     "reading): epsilon_i = ln sum_m P_i(last round sampled = m) exp(E_m) <= its budget, "
+                     "delta_i = P_i(ever sampled) * delta")
 
 
-def _round_sigma(tau, delta, q, steps, accountant, history):
-    if not history:
-        return float(calibrate_noise_multiplier(tau, delta, q, steps, accountant))
-    # Alg. 4: the earlier rounds' events composed with this round's must stay within τ (RDP)
-    def eps(s, _idx):
-        return np.array([rdp_epsilon(history + [SampledGaussianEvent(q, float(s[0]), steps)], delta)[0]])
-    return float(solve_monotone(eps, np.array([tau]), 1e-2, 1e6, increasing=False, rtol=1e-4)[0])
+@dataclass(frozen=True)
+class PdpOptions:
+    """Options of PDP-SGD and its baselines (Heo et al.).
+
+    Attributes:
+        threshold_loss: ``fixed`` (eq. 6, weights w1, 1 − w1) or ``adaptive`` (eq. 7, our reading).
+        w1: weight of the unsampled waste in the fixed loss (default: 0.7, adapdp 0.2; App. C.2).
+        rounds: rounds of pdp-sgd and adapdp (pdp-sampling always runs one).
+        noise_history: calibrate σ_R on the composed history of rounds 1..R within the cumulative
+            thresholds (Alg. 4, our reading; see the module docstring).
+        per_round_delta: give every round the full δ (the paper's Thm. 4.5, δ_i ≤ rounds·δ) instead
+            of δ/rounds (δ_i ≤ δ, the default).  Moot with ``noise_history``: the composed history is
+            calibrated at δ and every example gets δ_i ≤ δ.
+    """
+
+    threshold_loss: str = "fixed"
+    w1: float | None = None
+    rounds: int = 3
+    noise_history: bool = False
+    per_round_delta: bool = False
+
+    def validate(self) -> PdpOptions:
+        if self.threshold_loss not in THRESHOLD_LOSSES:
+            raise InvalidParameterError("threshold_loss", self.threshold_loss, "must be fixed or adaptive")
+        if self.w1 is not None and not (0 <= float(self.w1) <= 1):
+            raise InvalidParameterError("w1", self.w1, "must be in [0, 1] (w2 = 1 - w1)")
+        if int(self.rounds) != self.rounds or int(self.rounds) < 1:
+            raise InvalidParameterError("rounds", self.rounds, "must be an integer >= 1")
+        return self
+
+    def weight(self, method: str) -> float:
+        return DEFAULT_W1[method] if self.w1 is None else float(self.w1)
+
+    @classmethod
+    def from_config(cls, config) -> PdpOptions:
+        """The options kept on a ``TrainConfig`` (until they move out of it)."""
+        d = cls()
+        return cls(**{k: getattr(config, k, getattr(d, k)) for k in
+                      ("threshold_loss", "w1", "rounds", "noise_history", "per_round_delta")})
+
+
+def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data, sampled, *, budgets: Budgets,
+                 noise_multiplier: float, sample_rate: float, clip_norm: float, steps: int, steps_per_epoch: int,
+                 expected_batch_size: float, seed: int | None, secure_mode: bool = False,
+                 noise_generator: torch.Generator | None = None, grad_sample_mode: str = "hooks",
+                 progress: bool = False, desc: str = "") -> torch.nn.Module:
+    """One round of DP-SGD on the sampled examples, through the engine, with explicit public parameters.
+
+    ``data`` = (x, y) is the whole training set; the examples in ``sampled`` get rate
+    ``sample_rate``, all others rate 0 (never drawn, not charged by the engine — the round's
+    privacy is accounted by Thm. 4.2/Alg. 4 above).  Every step clips at ``clip_norm``, adds noise
+    of std ``noise_multiplier``·``clip_norm`` and divides by ``expected_batch_size`` (public:
+    q·E|D_R|, never the realised size).  An empty sample runs noise-only steps.  Returns the model to
+    continue with (the engine's wrapper around ``model``).
+    """
+    from ..engine import IndividualizedPrivacyEngine
+    from ..engine.norms import to_device
+
+    x, y = data
+    device = next(model.parameters()).device
+    if len(sampled) == 0:   # the round still releases its noisy steps (the engine needs a rate > 0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for _ in range(int(steps)):
+            for p in params:
+                p.grad = torch.normal(0.0, noise_multiplier * clip_norm, p.shape, generator=noise_generator,
+                                      dtype=p.dtype, device=device) / expected_batch_size
+            optimizer.step()
+        return model
+    rates = np.zeros(len(y))
+    rates[sampled] = sample_rate
+    engine = IndividualizedPrivacyEngine(accountant="rdp", secure_mode=secure_mode, seed=seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+        out = engine.make_private_with_parameters(
+            module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
+            budgets=budgets, sample_rates=rates, clip_norms=np.full(len(y), clip_norm),
+            noise_multiplier=noise_multiplier, max_grad_norm=clip_norm, steps=int(steps),
+            steps_per_epoch=steps_per_epoch, expected_batch_size=float(expected_batch_size), privacy_filter=None,
+            noise_generator=None if secure_mode else noise_generator, grad_sample_mode=grad_sample_mode)
+        if grad_sample_mode == "ghost":
+            gsm, dp_opt, criterion, loader = out
+        else:
+            (gsm, dp_opt, loader), criterion = out, torch.nn.CrossEntropyLoss()
+        gsm.train()
+        bar = tqdm(total=int(steps), disable=None if progress else True, desc=desc, leave=False)
+        while engine.steps < steps:
+            for xb, yb in loader:
+                dp_opt.zero_grad(set_to_none=True)
+                criterion(gsm(to_device(xb, device)), to_device(yb, device)).backward()
+                dp_opt.step()
+                bar.update(1)
+                if engine.steps >= steps:
+                    break
+        bar.close()
+    return gsm
+
+
+@functools.lru_cache(maxsize=512)
+def _round_sigma(tau: float, delta: float, q: float, steps: int, accountant: str) -> float:
+    """σ making one round alone (τ, δ)-DP (cached: seeds of one budget distribution repeat it)."""
+    return calibrate_round_noise(tau, delta, q, steps, accountant)
 
 
 def _predict(models_weights, x, batch_size: int = 1024) -> torch.Tensor:
@@ -75,45 +192,79 @@ def _predict(models_weights, x, batch_size: int = 1024) -> torch.Tensor:
         for model, w in models_weights:
             m = getattr(model, "_module", model)
             m.eval()
-            probs = probs + w * torch.cat([F.softmax(m(x[i:i + batch_size]), dim=1)
+            device = next(m.parameters()).device
+            probs = probs + w * torch.cat([F.softmax(m(x[i:i + batch_size].to(device)), dim=1).cpu()
                                            for i in range(0, len(x), batch_size)])
     return probs
 
 
-def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
-    """Run ``config.method`` in :data:`PDP_METHODS`; returns the report (and writes it to ``out_dir``)."""
+def _check_hyper(config) -> None:
+    if int(config.batch_size) != config.batch_size or int(config.batch_size) < 1:
+        raise InvalidParameterError("batch_size", config.batch_size, "must be an integer >= 1")
+    if int(config.epochs) != config.epochs or int(config.epochs) < 1:
+        raise InvalidParameterError("epochs", config.epochs, "must be an integer >= 1")
+    check_positive(config.lr, "lr")
+    check_positive(config.clip_norm, "clip_norm")
+    if not 0 <= config.momentum < 1:
+        raise InvalidParameterError("momentum", config.momentum, "must be in [0, 1)")
+    if config.accountant not in ("rdp", "pld"):
+        raise InvalidParameterError("accountant", config.accountant, "must be rdp or pld")
+    # options of the shared config the PDP rounds cannot honour yet (they arrive with the engine)
+
+
+def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options: PdpOptions | None = None) -> dict:
+    """Run ``config.method`` in :data:`PDP_METHODS`; returns the report (and writes it to ``out_dir``).
+
+    Args:
+        dataset, budgets: the data and one budget per training example; ``budgets.delta`` is the
+            total δ per example unless ``options.per_round_delta``.
+        config: the shared hyperparameters (a ``TrainConfig``: method, epochs, batch_size, lr,
+            momentum, clip_norm, accountant, model, seed, progress).
+        options: the method's options (default: read from ``config``'s PDP fields).
+    """
     method = config.method
     if method not in PDP_METHODS:
         raise InvalidParameterError("method", method, f"must be one of {', '.join(PDP_METHODS)}")
-    if int(config.rounds) < 1:
-        raise InvalidParameterError("rounds", config.rounds, "must be an integer >= 1")
-    w1 = DEFAULT_W1[method] if config.w1 is None else float(config.w1)
-    if not 0 <= w1 <= 1:
-        raise InvalidParameterError("w1", w1, "must be in [0, 1] (w2 = 1 - w1)")
+    opts = (options or PdpOptions.from_config(config)).validate()
+    _check_hyper(config)
+    w1 = opts.weight(method)
     x, y, n = dataset.x_train, dataset.y_train, len(dataset.y_train)
     if len(budgets) != n:
         raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
-    delta, B, c = budgets.delta, int(config.batch_size), float(config.clip_norm)
-    rounds = 1 if method == "pdp-sampling" else int(config.rounds)
-    rng = np.random.default_rng(config.seed)
-    noise = torch.Generator().manual_seed(config.seed)
+    delta, B, c = check_delta(budgets.delta), int(config.batch_size), float(config.clip_norm)
+    rounds = 1 if method == "pdp-sampling" else int(opts.rounds)
+    history_mode = bool(opts.noise_history) and rounds > 1
+    # δ of each round's calibration: the composed history is calibrated at δ itself (δ_i ≤ δ);
+    # separate rounds at δ/rounds (default) or δ (per_round_delta, Thm. 4.5)
+    delta_round = delta if (history_mode or opts.per_round_delta) else delta / rounds
+    from ..engine.randomness import noise_generator as make_noise, resolve_seed, sampler_rng
+    from .loop import resolve_device
+    secure = bool(getattr(config, "secure_mode", False))
+    seed = resolve_seed(config.seed, secure)     # a fresh seed is drawn and recorded when none is given
+    device = resolve_device(getattr(config, "device", "cpu"))
+    rng = sampler_rng(seed, secure)              # the per-round personalized sampling (secret)
+    seeds = np.random.default_rng(seed) if not secure else None
+    noise = make_noise(device, seed, secure)
     model_name = config.model or DEFAULT_MODEL.get(dataset.name, "mlp")
 
     def new_model(k):
-        torch.manual_seed(config.seed + k)
-        m = create_model(model_name, dataset.input_shape, dataset.num_classes)
+        if seed is None:       # secure mode: the initialisation is not privacy-relevant, nor recorded
+            torch.seed()
+        else:
+            torch.manual_seed(seed + k)
+        m = create_model(model_name, dataset.input_shape, dataset.num_classes).to(device)
         return m, torch.optim.SGD(m.parameters(), lr=config.lr, momentum=config.momentum)
 
     model, opt = new_model(0)
     remaining = budgets.epsilons.copy()
-    charges, events, rounds_info, ensemble = [], [], [], []
+    charges, events, pis, composed, rounds_info, ensemble = [], [], [], [], [], []
     total_steps, t0 = 0, time.perf_counter()
-    first_tau = None
+    first_tau, cumulative = None, 0.0
     for r in range(rounds):
         active = remaining > 1e-9 * budgets.epsilons.max()
         if not active.any():
             break
-        tau = select_threshold(remaining[active], config.threshold_loss, w1, 1 - w1)
+        tau = select_threshold(remaining[active], opts.threshold_loss, w1, 1 - w1)
         b = np.where(active, remaining, 0.0)
         pi = sampling_probabilities(b, tau)
         expected = float(pi.sum())
@@ -124,73 +275,87 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None) -> dict:
         spe = steps_per_epoch_for(q)
         first_tau = first_tau or tau
         scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0   # adapdp: fresh models
-        epochs = max(1, int(round(int(config.epochs) * scale)))
+        epochs = max(1, round(int(config.epochs) * scale))
         steps = epochs * spe
-        sigma = _round_sigma(tau, delta, q, steps, config.accountant, events if config.noise_history else None)
-        round_eps = float(epsilon_sgm(q, sigma, steps, delta, config.accountant))
-        spent, dl = sampling_guarantee(b, tau, delta)           # Thm. 4.2, for every example
-        charges.append((spent, dl))
-        remaining = np.maximum(remaining - spent, 0.0)
+        cumulative += tau
+        if history_mode:
+            sigma = calibrate_round_noise(cumulative, delta, q, steps, config.accountant, events)
+        else:
+            sigma = _round_sigma(tau, delta_round, q, steps, config.accountant)
+        round_eps = float(epsilon_sgm(q, sigma, steps, delta_round, config.accountant))
         events.append(SampledGaussianEvent(q, sigma, steps))
+        info = {"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
+                "expected_sample_size": expected, "epochs": epochs, "steps": steps, "delta_round": delta_round,
+                "epsilon_round": round_eps}
+        if history_mode:
+            composed.append(composed_epsilon(events, delta, config.accountant))
+            info.update(cumulative_threshold=cumulative, epsilon_composed=composed[-1])
+        spent, dl = sampling_guarantee(b, tau, delta_round)      # Thm. 4.2, for every example
+        charges.append((spent, dl))
+        pis.append(pi)
+        remaining = np.maximum(remaining - spent, 0.0)
         sampled = np.flatnonzero(rng.random(n) < pi)             # secret: never reported
         if method == "adapdp" and r > 0:
             model, opt = new_model(r)
         elif r > 0:  # continuing one model: smaller steps as the thresholds shrink (μ_R of Alg. 1)
             for grp in opt.param_groups:
                 grp["lr"] = config.lr * min(1.0, tau / first_tau)
-        group = GroupParams(tau, int(sampled.size), 1.0, q, c, sigma, round_eps)
-        assignment = Assignment("uniform", config.accountant, sigma, q, c, steps, delta, (group,),
-                                np.zeros(sampled.size, dtype=np.int64))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Full backward hook.*")
-            gsm, dp_opt, loader = make_private_individualized(model, opt, (x[sampled], y[sampled]), assignment,
-                                                              seed=rng, noise_generator=noise, steps_per_epoch=spe)
-            dp_opt.expected_batch_size = q * expected            # public normalisation, not |D_R|
-            model = gsm
-            gsm.train()
-            for _epoch in tqdm(range(epochs), disable=None if config.progress else True,
-                               desc=f"{method} round {r + 1}", leave=False):
-                for xb, yb, _ in loader:
-                    dp_opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(gsm(xb), yb).backward()
-                    dp_opt.step()
-                    total_steps += 1
-        acc = accuracies(_predict([(model, 1.0)], dataset.x_test).argmax(1), dataset.y_test,
-                         dataset.num_classes)["accuracy"]
-        rounds_info.append({"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
-                            "expected_sample_size": expected, "epochs": epochs, "steps": steps, "epsilon_round": round_eps,
-                            "test_accuracy_round_model": acc})
+        model = run_dp_round(model, opt, (x, y), sampled, budgets=budgets, noise_multiplier=sigma, sample_rate=q,
+                             clip_norm=c, steps=steps, steps_per_epoch=spe, expected_batch_size=q * expected,
+                             seed=int(seeds.integers(2 ** 62)) if seeds is not None else None, secure_mode=secure,
+                             noise_generator=noise, grad_sample_mode=getattr(config, "grad_sample_mode", "hooks"),
+                             progress=config.progress, desc=f"{method} round {r + 1}")
+        total_steps += steps
+        info["test_accuracy_round_model"] = accuracies(_predict([(model, 1.0)], dataset.x_test).argmax(1),
+                                                       dataset.y_test, dataset.num_classes)["accuracy"]
+        rounds_info.append(info)
         if method == "adapdp":
             ensemble.append((model, tau * expected))
     final = ensemble if method == "adapdp" else [(model, 1.0)]
     wsum = sum(w for _, w in final)
     test = accuracies(_predict([(m, w / wsum) for m, w in final], dataset.x_test).argmax(1), dataset.y_test,
                       dataset.num_classes)
-    eps_i, delta_i = compose(charges) if charges else (np.zeros(n), np.zeros(n))
-    if np.any(eps_i > budgets.epsilons * (1 + 1e-12)):
-        raise RuntimeError("internal error: a (Phi, Delta)-PDP charge exceeds a budget")
+    if not charges:
+        eps_i, delta_i = np.zeros(n), np.zeros(n)
+    elif history_mode:
+        eps_i, delta_i = history_guarantee(np.stack(pis), composed, delta)
+    else:
+        eps_i, delta_i = compose(charges)
+    if np.any(eps_i > budgets.epsilons * (1 + 1e-9) + 1e-12):
+        raise RuntimeError("internal error: a (Phi, Delta)-PDP guarantee exceeds a budget")
     values, counts, inverse = budgets.groups()
     groups = [{"budget": float(v), "count": int(k), "epsilon_spent": float(eps_i[inverse == g].max()),
                "delta": float(delta_i[inverse == g].max()),
-               "mean_sampling_probability": [float(np.mean(sampling_probabilities(
-                   np.full(1, v), ri["threshold"]))) for ri in rounds_info]}
+               # π of the group's *remaining* budget in each round (all members share it)
+               "mean_sampling_probability": [float(np.mean(p[inverse == g])) for p in pis]}
               for g, (v, k) in enumerate(zip(values, counts))]
     report = {
         "method": method, "dataset": dataset.name, "model": model_name, "accountant": config.accountant,
-        "guarantee": GUARANTEE, "delta": delta,
+        "guarantee": GUARANTEE_HISTORY if history_mode else GUARANTEE, "delta": delta,
+        "delta_mode": "per-round" if opts.per_round_delta and not history_mode else "total",
+        "max_delta": float(delta_i.max()),
         "test_accuracy": test["accuracy"], "per_class_accuracy": test["per_class_accuracy"],
         "noise_multiplier": [ri["noise_multiplier"] for ri in rounds_info],
-        "steps": total_steps, "rounds": rounds_info, "threshold_loss": config.threshold_loss, "w1": w1,
-        "epochs_per_round": config.epochs, "batch_size": B, "lr": config.lr, "clip_norm": c, "seed": config.seed,
-        "wall_seconds": time.perf_counter() - t0, "models": len(final), "groups": groups,
-        "max_delta": float(delta_i.max()),
+        "steps": total_steps, "rounds": rounds_info, "threshold_loss": opts.threshold_loss, "w1": w1,
+        "noise_history": history_mode, "epochs_per_round": config.epochs, "batch_size": B, "lr": config.lr,
+        "clip_norm": c, "seed": seed, "wall_seconds": time.perf_counter() - t0, "models": len(final),
+        "groups": groups,
     }
+    report["secure_mode"] = secure
+    report["device"] = str(device)
     if out_dir is not None:
-        from pathlib import Path
-        out = Path(out_dir)
-        write_csv(out / "pdp_guarantees.csv", ["index", "label", "budget", "epsilon", "delta"],
-                  [np.arange(n), y.numpy(), budgets.epsilons, eps_i, delta_i], private=True)
-        with atomic_open(out / "model.pt", "wb", private=True) as fh:
-            torch.save([getattr(m, "_module", m).state_dict() for m, _ in final], fh)
-        write_json(out / "report.json", report)
+        from ..analysis.report import write_report
+        from ..runfolder import RunFolder
+        rf = out_dir if isinstance(out_dir, RunFolder) else RunFolder(out_dir, resume=True)
+        rf.write_csv("pdp_guarantees.csv", ["index", "label", "budget", "epsilon", "delta"],
+                     [np.arange(n), y.numpy(), budgets.epsilons, eps_i, delta_i], "private",
+                     "every example's (epsilon_i, delta_i) and budget (personal data)")
+        rf.save_torch("model.pt", [getattr(m, "_module", m).state_dict() for m, _ in final], "public",
+                      "the trained model(s): a list of state_dicts (adapdp: the ensemble, weights in report.json)")
+        rf.file("report.html", "public", "the run's readable report")
+        rf.file("report.json", "public", "the run's report")
+        report["files"] = {k: v["kind"] for k, v in rf.files().items()}
+        rf.write_json("report.json", report, "public", "the run's report: (Phi, Delta)-PDP guarantee per group, "
+                      "rounds, test metrics, hyper-parameters")
+        write_report(rf)
     return report

@@ -8,6 +8,10 @@
   DP-SGD on group p's examples only, at budget ε_p, with rate min(1, B/|G_p|) for ``epochs``
   passes over the group.  A group's data is used only in its own phase, so it spends ≤ ε_p
   (parallel composition over disjoint data; earlier phases are pre-processing of later ones).
+  Difference from the paper's run of E.2 (App. E.3): there σ is one tuned constant (2.5) and each
+  group trains until its budget is spent, so the step count varies per group; here every group
+  gets the same number of passes (``epochs``) and σ is calibrated per group to spend exactly its
+  budget.  Both spend each group's budget on its own data only; ours needs no σ tuning.
 
 Every phase's :class:`~idpsgd.assignment.Assignment` is calibrated so that each group in it
 spends at most its budget after the phase's planned steps.
@@ -50,6 +54,10 @@ class TrainingPlan:
     def steps(self) -> int:
         return sum(p.steps for p in self.phases)
 
+    @property
+    def epochs(self) -> int:
+        return sum(p.epochs for p in self.phases)
+
 
 def _phase(name, budgets: Budgets, indices, method, batch_size, epochs, clip_norm, accountant) -> Phase:
     sub = Budgets.from_array(budgets.epsilons[indices], budgets.delta)
@@ -88,6 +96,9 @@ def build_plan(budgets: Budgets, method: str, batch_size: int, epochs: int, clip
                 raise InvalidParameterError("budgets", values.tolist(),
                                             "exclude needs at least two privacy groups (or --exclude-below)")
             exclude_below = float(values[1])
+        if not exclude_below > values.min():
+            raise InvalidParameterError("exclude_below", exclude_below, f"must be above the smallest budget "
+                                        f"{values.min():g} (it would exclude no example; use --method uniform)")
         keep = np.flatnonzero(eps >= exclude_below)
         if keep.size == 0:
             raise InvalidParameterError("exclude_below", exclude_below,

@@ -1,0 +1,443 @@
+"""Distributed individualized DP-SGD on ``torch.distributed`` (data parallelism, Opacus's DPDDP path).
+
+Boenisch et al. 2023, Alg. 1/3 (IDP-SGD) run by W processes ("ranks") on one data set, with
+exactly the mechanism — and so exactly the privacy accounting — of one process:
+
+* **sampling** — the index set is sharded across ranks (rank r owns the examples i with
+  i mod W = r, as Opacus's ``DistributedUniformWithReplacementSampler`` with ``shuffle=False``);
+  at every step each rank keeps the examples *of its shard* with U_i < q_i.  Every example is
+  decided by exactly one rank with its own rate, so the union over ranks is one Poisson draw over
+  the whole data set.  In reproducible mode all ranks read the same seeded stream of n uniforms per
+  step, so the union is *the same draw* a single process with that seed makes; in secure mode
+  each rank draws its shard's uniforms from OS entropy.  Empty local batches are yielded (unlike
+  Opacus's distributed sampler, which skips them and can desynchronise the ranks' step counts).
+* **clipping, noise, normalisation** — each rank clips its examples at their c_i and sums them;
+  the Gaussian noise N(0, σ²c²) is added **once**, on rank 0 (Opacus's ``DistributedDPOptimizer``);
+  each rank divides by the per-rank expected batch size Σ_i q_i / W and the all-reduce averages over
+  the W ranks, so the update is (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process (with
+  ``loss_reduction="sum"`` neither division happens, as in Opacus).  The gradients are all-reduced
+  as one flat buffer (one collective per step), which also carries the global batch size.
+* **accounting** — identical deterministic bookkeeping on every rank: the per-group ledger
+  (:class:`~idpsgd.engine.accountant.GroupAccountant`) is charged once per step on each rank, from
+  data-independent quantities only, so every rank holds the single-process ledger and the privacy
+  filter decides identically everywhere (:func:`check_replicated` verifies it, e.g. at every
+  checkpoint).  The seed is rank 0's, broadcast.  Per-example gradient norms for individual
+  accounting and the individual filter are computed on disjoint shards and all-gathered
+  (:func:`sharded_grad_norms`), so every rank holds every example's norm.
+* **processes** — :func:`init_process_group` sets a timeout on every collective (a dying or stuck
+  rank gives an error, not a hang); :func:`launch` spawns W processes (gloo on CPU, NCCL on GPUs),
+  returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
+  are written by rank 0 only (:func:`is_main_process`), atomically (``idpsgd.io``).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+from opacus.grad_sample import AbstractGradSampleModule
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..validation import InvalidParameterError
+from .optimizer import IndividualizedDPOptimizer, IndividualizedDPOptimizerFastGradientClipping
+from .randomness import SecureUniform
+from .sampler import PoissonBatchSampler
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class DistributedTrainingError(RuntimeError):
+    """A rank of a distributed run failed (crashed, was killed, or timed out in a collective)."""
+
+
+# --- the process group ------------------------------------------------------------------------
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and without a process group): the rank that writes files."""
+    return rank_and_world()[0] == 0
+
+
+def default_backend(device) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """``torch.distributed.init_process_group`` from the ``env://`` variables (``torchrun`` sets them;
+    :func:`launch` too) with a timeout on every collective: a rank that dies or hangs makes the
+    others fail after at most ``timeout_s`` seconds instead of waiting forever."""
+    if not timeout_s > 0:
+        raise InvalidParameterError("timeout_s", timeout_s, "must be > 0 seconds")
+    if is_distributed():
+        return
+    if backend == "nccl":   # NCCL collectives honour the timeout only with asynchronous error handling
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(local_device("cuda"))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+
+
+def local_device(device) -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` for a CUDA device (one GPU per rank), else ``device``."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    local = int(os.environ.get("LOCAL_RANK", rank_and_world()[0]))
+    if local >= torch.cuda.device_count():
+        raise InvalidParameterError("nproc", local + 1, f"needs one GPU per process; {torch.cuda.device_count()} "
+                                    "visible here")
+    return torch.device("cuda", local)
+
+
+# --- the model ------------------------------------------------------------------------------
+def data_parallel_wrapper(module: torch.nn.Module):
+    """The ``DPDDP`` / ``DistributedDataParallel`` inside Opacus's grad-sample wrappers, or None."""
+    while isinstance(module, AbstractGradSampleModule):
+        module = module._module
+    return module if isinstance(module, (DPDDP, DDP)) else None
+
+
+def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``DPDDP(model)`` (rank 0's parameters broadcast to all ranks) when a process group is
+    initialised, the model itself otherwise."""
+    if not is_distributed() or data_parallel_wrapper(model) is not None:
+        return model
+    return DPDDP(model)
+
+
+def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter) -> tuple[int, int] | None:
+    """Checks of a data-parallel ``module`` for ``make_private`` (None for a plain module): the
+    process group exists, the combination is supported; rank 0's seed becomes every rank's."""
+    wrapper = data_parallel_wrapper(module)
+    if wrapper is None:
+        return None
+    name = type(wrapper).__name__
+    if not is_distributed():
+        raise InvalidParameterError("module", name, "needs an initialised torch.distributed process group "
+                                    "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)")
+    if isinstance(wrapper, DDP):
+        if grad_sample_mode == "ghost":
+            raise InvalidParameterError("module", name, "with grad_sample_mode='ghost' is not supported (DDP "
+                                        "all-reduces both backward passes of ghost clipping); wrap the model in "
+                                        "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead")
+        if privacy_filter == "individual" or engine.individual is not None:
+            raise InvalidParameterError("module", name, "individual accounting and the individual filter need "
+                                        "per-example norm passes without DDP's gradient all-reduce; wrap the model "
+                                        "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel")
+    if engine.accountant is None and not engine.secure_mode:      # one seed for the whole run: rank 0's
+        seed = broadcast_object(engine.seed)
+        if engine.individual is not None and engine.individual.seed == engine.seed:
+            engine.individual.seed = seed
+        engine.seed = seed
+    return rank_and_world()
+
+
+# --- sampling -------------------------------------------------------------------------------
+class DistributedPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson sampling at rates q_i of this rank's shard {i : i mod W = rank}.
+
+    In reproducible mode every rank draws the same n uniforms per step (the single-process stream)
+    and keeps its shard's i with U_i < q_i: the union over ranks is the single-process draw.  In
+    secure mode each rank draws its shard's uniforms from OS entropy."""
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue=None, rank: int = 0, world_size: int = 1):
+        super().__init__(sample_rates, steps_per_epoch, rng, queue)
+        if not 0 <= int(rank) < int(world_size):
+            raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.shard = np.arange(rank, self.sample_rates.size, world_size, dtype=np.int64)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """This rank's expected batch size Σ_{i in shard} q_i."""
+        return float(self.sample_rates[self.shard].sum())
+
+    def sample(self) -> np.ndarray:
+        rates = self.sample_rates[self.shard]
+        if isinstance(self.rng, SecureUniform):
+            u = self.rng.random(self.shard.size)
+        else:
+            u = self.rng.random(self.sample_rates.size)[self.shard]
+        return self.shard[u < rates]
+
+
+# --- the optimizer --------------------------------------------------------------------------
+class _RankZeroNoise:
+    """Noise on rank 0 only; one all-reduce of the flattened gradients (and the batch size) per step."""
+
+    last_global_batch_size: int | None = None
+
+    def _init_distributed(self) -> None:
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def add_noise(self):
+        if self.rank == 0:
+            return super().add_noise()     # the guard, then N(0, σ²c²) once for the whole step
+        if self.guard is not None:         # every rank holds the same ledger: the same decision
+            try:
+                self.guard(self)
+            except BaseException:
+                self.clipping.end_step()
+                raise
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            p.grad = p.summed_grad.view_as(p).clone()
+            _mark_as_processed(p.summed_grad)
+        self._noised = True
+
+    def pre_step(self, closure=None):
+        ok = super().pre_step(closure)
+        if ok:
+            self.reduce_gradients()
+        return ok
+
+    def reduce_gradients(self) -> None:
+        """Sum the ranks' gradients (÷ W with ``loss_reduction="mean"``: each rank divided by Σq/W)."""
+        params = [p for p in self.params if p.requires_grad and p.grad is not None]
+        local = sum(int(t.numel()) for t in self.clipping.pending_indices)
+        ref = params[0].grad if params else torch.zeros(0)
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [ref.new_tensor([float(local)])])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self.last_global_batch_size = int(round(float(flat[-1])))
+        if self.loss_reduction == "mean":
+            flat = flat[:-1] / self.world_size
+        offset = 0
+        for p in params:
+            k = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + k].view_as(p.grad))
+            offset += k
+
+
+class DistributedIndividualizedDPOptimizer(_RankZeroNoise, IndividualizedDPOptimizer):
+    """:class:`~idpsgd.engine.optimizer.IndividualizedDPOptimizer` for data parallelism (as Opacus's
+    ``DistributedDPOptimizer``): ``expected_batch_size`` is the per-rank Σ_i q_i / W."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._init_distributed()
+
+
+class DistributedIndividualizedDPOptimizerFastGradientClipping(_RankZeroNoise,
+                                                               IndividualizedDPOptimizerFastGradientClipping):
+    """Ghost clipping for data parallelism (as Opacus's ``DistributedDPOptimizerFastGradientClipping``)."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._init_distributed()
+
+
+OPTIMIZERS = {"hooks": DistributedIndividualizedDPOptimizer, "functorch": DistributedIndividualizedDPOptimizer,
+              "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping}
+
+
+# --- collectives ----------------------------------------------------------------------------
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank (identity without a process group)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
+    """Concatenation, in rank order, of every rank's 1-D float array (rank r holds ``sizes[r]`` values)."""
+    local = np.asarray(local, dtype=np.float64).ravel()
+    if not is_distributed():
+        return local
+    rank, world = rank_and_world()
+    if local.size != sizes[rank]:
+        raise RuntimeError(f"rank {rank} holds {local.size} values, expected {sizes[rank]}")
+    width = max(1, max(int(s) for s in sizes))
+    dev = _comm_device()
+    buf = torch.zeros(width, dtype=torch.float64, device=dev)
+    buf[:local.size] = torch.from_numpy(local).to(dev)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf)
+    return np.concatenate([o[:int(s)].cpu().numpy() for o, s in zip(out, sizes)])
+
+
+def sharded_grad_norms(module, dataset, indices, collate_fn, batch_size: int, per_sample_loss=None):
+    """(norms, losses) of ``indices`` (Yu et al. 2023, Alg. 2 line 3): each rank computes a contiguous
+    share and the shares are all-gathered, so every rank returns every example's values in order."""
+    from .norms import example_batches, per_example_grad_norms
+
+    idx = np.asarray(indices, dtype=np.int64)
+    if not is_distributed() or data_parallel_wrapper(module) is None:
+        return per_example_grad_norms(module, example_batches(dataset, idx, collate_fn, batch_size), per_sample_loss)
+    if isinstance(data_parallel_wrapper(module), DDP):
+        raise InvalidParameterError("module", "DistributedDataParallel", "per-example norm passes need "
+                                    "opacus.distributed.DifferentiallyPrivateDistributedDataParallel")
+    rank, world = rank_and_world()
+    parts = np.array_split(idx, world)
+    norms, losses = per_example_grad_norms(module, example_batches(dataset, parts[rank], collate_fn, batch_size),
+                                           per_sample_loss)
+    sizes = [p.size for p in parts]
+    return all_gather_arrays(norms, sizes), all_gather_arrays(losses, sizes)
+
+
+def main_first(on_main, on_others):
+    """``on_main()`` on rank 0 (e.g. create a run folder), then ``on_others()`` on the other ranks; an
+    error on rank 0 is raised on every rank.  Without a process group: ``on_main()``."""
+    if not is_distributed():
+        return on_main()
+    if dist.get_rank() == 0:
+        try:
+            out = on_main()
+        except Exception as exc:
+            broadcast_object(exc)
+            raise
+        broadcast_object(None)
+        return out
+    err = broadcast_object(None)
+    if err is not None:
+        raise err
+    return on_others()
+
+
+def check_replicated(name: str, values) -> None:
+    """Raise unless ``values`` (numbers) are bit-identical on every rank (the replicated ledger)."""
+    if not is_distributed():
+        return
+    arr = np.ascontiguousarray(np.asarray(values, dtype=np.float64).ravel())
+    digest = int.from_bytes(__import__("hashlib").sha256(arr.tobytes()).digest()[:7], "little")
+    dev = _comm_device()
+    mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+    both = mine.clone()
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)      # max of h and of -h: equal on all ranks iff min == max
+    if int(both[0]) != digest or int(both[1]) != -digest:
+        raise DistributedTrainingError(f"the {name} differs between ranks (rank {dist.get_rank()}); the run's "
+                                       "privacy bookkeeping would not be that of one process")
+
+
+# --- launching --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, args, kwargs, nproc, port, backend, timeout_s, folder):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    if rank:                                  # rank 0 speaks for the run
+        logging.getLogger("idpsgd").setLevel(logging.ERROR)
+    try:
+        init_process_group(backend, timeout_s)
+        out = fn(*args, **kwargs)
+        if rank == 0:
+            _dump(Path(folder) / "result.pkl", ("ok", out))
+    except BaseException as exc:
+        try:
+            _dump(Path(folder) / f"error{rank}.pkl", ("error", exc))
+        except Exception:   # an exception that cannot be pickled: its text
+            _dump(Path(folder) / f"error{rank}.pkl", ("error", DistributedTrainingError(
+                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        raise
+    finally:
+        if is_distributed():
+            dist.destroy_process_group()
+
+
+def _dump(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        pickle.dump(obj, fh)
+    os.replace(tmp, path)
+
+
+def _communication_error(exc: BaseException) -> bool:
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    text = str(exc).lower()
+    return isinstance(exc, kinds) or any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout"))
+
+
+def check_nproc(nproc, *, pdp: bool = False, individual_filter: bool = False) -> int:
+    """Refuse what a distributed ``idpsgd train --nproc N`` cannot honour (clear error)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, (int, np.integer)) or nproc < 1:
+        raise InvalidParameterError("nproc", nproc, "must be an integer >= 1")
+    if nproc > 1 and pdp:
+        raise InvalidParameterError("nproc", nproc, "PDP-SGD methods run in one process only (use --nproc 1)")
+    if nproc > 1 and individual_filter:
+        raise InvalidParameterError("nproc", nproc, "--filter individual runs in one process only (use --nproc 1)")
+    return int(nproc)
+
+
+def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Run ``fn(*args, **kwargs)`` on ``nproc`` spawned processes with a process group (gloo for CPU,
+    NCCL for CUDA: one GPU per rank) and return rank 0's result.
+
+    ``fn`` must be importable (a module-level function).  If a rank raises, its exception is
+    re-raised here (an :class:`~idpsgd.validation.InvalidParameterError` stays one, for the CLI);
+    if a rank dies without one (killed, ``os._exit``) or a collective times out, a
+    :class:`DistributedTrainingError` names the rank; the other ranks are stopped.
+    """
+    check_nproc(nproc)
+    backend = default_backend(device)
+    if backend == "nccl" and nproc > torch.cuda.device_count():
+        raise InvalidParameterError("nproc", nproc, f"needs one GPU per process; {torch.cuda.device_count()} visible")
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException, start_processes
+
+    with tempfile.TemporaryDirectory(prefix="idpsgd-dist-") as folder:
+        ctx = start_processes(_worker, args=(fn, tuple(args), dict(kwargs or {}), int(nproc), _free_port(), backend,
+                                             float(timeout_s), folder), nprocs=int(nproc), join=False,
+                              start_method="spawn")
+        try:
+            while not ctx.join():
+                pass
+        except (ProcessExitedException, ProcessRaisedException):
+            raise _failure(ctx, folder, nproc, timeout_s) from None
+        with open(Path(folder) / "result.pkl", "rb") as fh:
+            return pickle.load(fh)[1]
+
+
+def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:
+    """The error to raise for a failed run: a rank's own (non-communication) exception, else a
+    :class:`DistributedTrainingError` naming the rank that died and what the others reported."""
+    errors = {}
+    for path in sorted(Path(folder).glob("error*.pkl")):
+        with open(path, "rb") as fh:
+            errors[int(path.stem[5:])] = pickle.load(fh)[1]
+    root = [(r, e) for r, e in sorted(errors.items()) if not _communication_error(e)]
+    if root:
+        rank, err = root[0]
+        err.add_note(f"(raised on rank {rank} of {nproc})")
+        return err
+    codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
+    dead = [r for r, c in codes.items() if r not in errors and c not in (None, 0, -15)]  # -15: stopped by us
+    reported = "; ".join(f"rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+                         for r, e in sorted(errors.items()))
+    what = (", ".join(f"rank {r} of {nproc} exited with code {codes[r]} without a Python error (killed or crashed)"
+                      for r in dead) if dead else f"a rank of {nproc} failed in a collective")
+    return DistributedTrainingError(f"distributed run failed: {what}" + (f"; {reported}" if reported else "")
+                                    + f"; the other ranks were stopped (collective timeout {timeout_s:g} s)")
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DistributedIndividualizedDPOptimizer",
+           "DistributedIndividualizedDPOptimizerFastGradientClipping", "DistributedPoissonBatchSampler",
+           "DistributedTrainingError", "all_gather_arrays", "broadcast_object", "check_nproc", "check_replicated",
+           "data_parallel_wrapper", "init_process_group", "is_distributed", "is_main_process", "launch",
+           "local_device", "main_first", "rank_and_world", "sharded_grad_norms", "wrap_model"]

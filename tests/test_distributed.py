@@ -1,0 +1,181 @@
+"""Distributed individualized DP-SGD (engine/distributed.py): a 2-process gloo run on CPU is the
+single-process run — same Poisson draws (union over ranks), same per-group ε and step count, the
+same parameters (so the noise is added once and the sum is divided by Σ q_i) — and a rank that dies
+or hangs gives a clear error within the timeout."""
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from idpsgd.engine import distributed
+
+EPOCHS, BATCH = 1, 256
+
+
+def _trial(die_at=None, mark=None):
+    """A few Sample steps on digits through the Trainer; returns what the test compares (rank 0)."""
+    import torch.distributed as dist
+
+    from idpsgd.cli.train_commands import demo_budgets
+    from idpsgd.data import load_dataset
+    from idpsgd.training import TrainConfig, Trainer
+
+    torch.set_num_threads(1)
+    data = load_dataset("digits")
+    budgets = demo_budgets(len(data.y_train), 1e-5, 0)
+    trainer = Trainer(data, budgets, TrainConfig(method="sample", epochs=EPOCHS, batch_size=BATCH, seed=3,
+                                                 progress=False))
+    drawn, noise0 = [], {}
+
+    def record(tr, _model, _step):
+        opt = tr.dp_optimizer
+        noise0.setdefault("state", opt.generator.get_state().clone())
+        if tr.step:
+            drawn.append(opt.last_indices.numpy().copy())
+        rank = distributed.rank_and_world()[0]
+        if die_at is not None and tr.step == die_at and rank == 1:
+            with open(mark, "w") as fh:
+                fh.write(repr(time.time()))
+            os._exit(3)
+
+    trainer.step_hooks.append(record)
+    report = trainer.run()
+    drawn.append(trainer.dp_optimizer.last_indices.numpy().copy())
+    opt = trainer.dp_optimizer
+    out = {"eps": trainer.engine.get_epsilon(), "steps": trainer.engine.steps, "report_steps": report["steps"],
+           "ledger_sizes": [row[3] for row in trainer.ledger_rows], "ebs": opt.expected_batch_size,
+           "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
+           "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
+           "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"])}
+    if distributed.is_distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"drawn": drawn, "noise_drawn": out["noise_drawn"], "ebs": out["ebs"]})
+        out["per_rank"] = everyone
+        out["drawn"] = [np.sort(np.concatenate([r["drawn"][k] for r in everyone])) for k in range(len(drawn))]
+    else:
+        out["drawn"] = drawn
+    return out
+
+
+def test_two_gloo_processes_match_one_process():
+    single = _trial()
+    t = time.perf_counter()
+    two = distributed.launch(_trial, 2, timeout_s=60)
+    assert time.perf_counter() - t < 60
+    assert two["steps"] == single["steps"] == two["report_steps"] > 1
+    np.testing.assert_array_equal(two["eps"], single["eps"])           # the same per-group ledger
+    assert len(two["drawn"]) == len(single["drawn"])
+    for a, b in zip(two["drawn"], single["drawn"]):                    # the union is the single-process draw
+        np.testing.assert_array_equal(a, b)
+    ranks = two["per_rank"]
+    for r, rank in enumerate(ranks):                                   # each rank drew only its own shard
+        assert all(np.all(d % 2 == r) for d in rank["drawn"])
+        assert rank["ebs"] == pytest.approx(single["sum_q"] / 2)      # per-rank Σq/W, as Opacus
+    assert two["ledger_sizes"] == [len(d) for d in single["drawn"]]    # ledger: the global batch size
+    assert [r["noise_drawn"] for r in ranks] == [True, False]          # noise on rank 0 only: once
+    assert single["noise_drawn"]
+    for k, v in single["params"].items():                              # the same update: noise once, ÷ Σ q_i
+        torch.testing.assert_close(two["params"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dying_rank_gives_a_clear_error(tmp_path):
+    mark = tmp_path / "died"
+    with pytest.raises(distributed.DistributedTrainingError, match=r"rank 1 of 2 exited with code 3"):
+        distributed.launch(_trial, 2, kwargs={"die_at": 2, "mark": str(mark)}, timeout_s=30)
+    assert time.time() - float(mark.read_text()) < 30      # within the collective timeout of the death
+
+
+def _hang_on_rank_1(mark):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(300)                      # a stuck rank: rank 0's collective must time out
+    with open(mark, "w") as fh:
+        fh.write(repr(time.time()))
+    dist.all_reduce(torch.ones(3))
+
+
+def test_a_hanging_rank_times_out(tmp_path):
+    mark = tmp_path / "entered"
+    with pytest.raises(distributed.DistributedTrainingError, match=r"(?i)timed? ?out|timeout"):
+        distributed.launch(_hang_on_rank_1, 2, args=(str(mark),), timeout_s=3)
+    assert 2.5 < time.time() - float(mark.read_text()) < 30    # the 3 s timeout, not a hang
+
+
+def test_data_parallel_model_needs_a_process_group():
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+
+    from idpsgd import InvalidParameterError
+    from idpsgd.assignment import Budgets
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    model = torch.nn.Linear(3, 2)
+    wrapped = DPDDP.__new__(DPDDP)          # no process group: constructed without the broadcast
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 3), torch.zeros(8).long()),
+                                         batch_size=4)
+    with pytest.raises(InvalidParameterError, match="process group"):
+        IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(
+            module=wrapped, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            budgets=Budgets.from_array(np.ones(8), 1e-5), sample_rates=np.full(8, .5), clip_norms=np.ones(8),
+            noise_multiplier=1.0, max_grad_norm=1.0, steps=2)
+    with pytest.raises(InvalidParameterError, match="nproc"):
+        distributed.launch(_trial, 0)
+
+
+def _engine_trial(mode="ghost", data_parallel=True):
+    """The library path (as under torchrun): make_private on a DPDDP model, individual accounting on."""
+    from idpsgd.assignment import Budgets
+    from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
+    from idpsgd.engine.wrap import raw_module
+
+    torch.manual_seed(0)
+    n = 240
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    if data_parallel:
+        model = distributed.wrap_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
+    engine = IndividualizedPrivacyEngine(seed=7)
+    engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0,
+                                                                    rounding_step=0.1))
+    out = engine.make_private(module=model, optimizer=opt, data_loader=loader, method="sample", epochs=2,
+                              budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
+                              max_grad_norm=1.0, grad_sample_mode=mode)
+    model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], torch.nn.functional.cross_entropy, out[2])
+    for _ in range(2):
+        for xb, yb in loader:
+            opt.zero_grad()
+            crit(model(xb), yb).backward()
+            opt.step()
+    return {"eps": engine.get_epsilon(), "steps": engine.steps, "individual": engine.get_individual_epsilons(),
+            "params": [p.detach().clone() for p in raw_module(model).parameters()]}
+
+
+def test_ghost_clipping_and_individual_accounting_match_one_process():
+    """Ghost clipping on DPDDP, and individual accounting with norm passes sharded and all-gathered."""
+    single = _engine_trial(data_parallel=False)
+    two = distributed.launch(_engine_trial, 2, timeout_s=60)
+    assert two["steps"] == single["steps"] == 12
+    np.testing.assert_array_equal(two["eps"], single["eps"])
+    np.testing.assert_allclose(two["individual"], single["individual"], rtol=1e-6)
+    assert np.any(single["individual"] < single["eps"].max() - 1e-3)     # individual accounting is at work
+    for a, b in zip(two["params"], single["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "pdp-sgd", "--nproc", "2"], "PDP-SGD methods run in one process only"),
+    (["--method", "sample", "--nproc", "0"], "must be an integer >= 1"),
+])
+def test_cli_refuses_what_nproc_cannot_honour(tmp_path, capsys, argv, message):
+    from idpsgd.cli import main
+
+    assert main(["train", "--budgets", "1,2", "--fractions", ".5,.5", "--out", str(tmp_path / "run"), "--epochs", "1",
+                 "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
