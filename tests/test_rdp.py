@@ -11,7 +11,7 @@ from idpsgd.accounting import DEFAULT_ORDERS, compute_rdp
 from idpsgd.validation import InvalidParameterError
 
 
-def rdp_integral(q, sigma, alpha, dps=40):
+def rdp_integral(q, sigma, alpha, dps=30):
     """Ground truth: log E_{z~N(0,σ²)}[((1−q)+q e^{(2z−1)/(2σ²)})^α]/(α−1) by mpmath quadrature."""
     mp.mp.dps = dps
     q, s, a = mp.mpf(q), mp.mpf(sigma), mp.mpf(alpha)
@@ -41,11 +41,11 @@ def test_matches_numerical_integral(q, sigma, alpha):
 
 
 def test_matches_integral_at_random_points(rng):
-    for _ in range(25):
+    for _ in range(10):
         q = 10 ** rng.uniform(-5, -0.1)
         s = 10 ** rng.uniform(-0.5, 1.3)
         a = rng.uniform(1.05, 12) if rng.random() < 0.6 else float(rng.integers(2, 80))
-        assert compute_rdp(q, s, [a])[0] == pytest.approx(rdp_integral(q, s, a), rel=1e-8), (q, s, a)
+        assert compute_rdp(q, s, [a])[0] == pytest.approx(rdp_integral(q, s, a, dps=30), rel=1e-8), (q, s, a)
 
 
 def test_agrees_with_opacus_and_dp_accounting(rng):

@@ -23,12 +23,13 @@ is below 1e-4 at typical (q, σ).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..validation import InvalidParameterError, _bad_where, check_positive, check_positive_array, check_sample_rate
-from .conversion import rdp_to_epsilon
 from .ledger import RdpLedger
+from .orders import chord_refined_epsilon
 from .rdp import DEFAULT_ORDERS, compute_rdp
 
 ROUNDING = ("exact", "ceil", "nearest")
@@ -85,9 +86,10 @@ class RdpInterpolator:
             raise ValueError(f"t={float(np.max(t))} beyond the table's t_max={float(np.exp(self.u[-1]))}")
         with np.errstate(divide="ignore"):
             u = np.log(t)
-        k = np.clip(((u - self.u[0]) / self.h).astype(np.int64, copy=False) if u.size else u.astype(np.int64),
-                    0, self.n - 2)
-        k = np.where(np.isfinite(u), k, 0)
+        finite = np.isfinite(u)
+        pos = np.where(finite, (u - self.u[0]) / self.h, 0.0)
+        k = np.clip(pos, 0, self.n - 2).astype(np.int64)
+        k = np.where(finite, k, 0)
         du = np.clip(np.where(np.isfinite(u), u - self.u[k], 0.0), 0.0, None)
         return np.asarray(rate_index) * self.n + k, du, t <= 0
 
@@ -102,6 +104,57 @@ class RdpInterpolator:
         return self.evaluate(*self.locate(t, rate_index))
 
 
+#: Most rounded sensitivity levels (multiples of the rounding step up to the largest clip norm):
+#: the per-step RDP table holds levels × rates × orders values.
+MAX_ROUNDING_LEVELS = 100_000
+#: Largest per-example level-count table kept for PLD (examples × levels × 4 bytes).
+MAX_LEVEL_COUNT_BYTES = 2 * 2**30
+#: Accountants of :meth:`IndividualAccountant.report`.
+INDIVIDUAL_ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclass(frozen=True)
+class IndividualEpsilons:
+    """Per-example ε and which bound produced it.
+
+    ``epsilon[i]`` is the minimum of the valid bounds available for example i and
+    ``source[i]`` names the one that gave it: ``"rdp"`` (its own RDP, adaptive-order conversion),
+    ``"pld"`` (its own PLD) or ``"cap"`` (the data-independent per-example cap given by the
+    caller, e.g. its group's ε from the run's accountant).  The separate arrays are kept (``None``
+    where not computed); every number is an (ε, δ) upper bound at ``delta``.
+    """
+
+    epsilon: np.ndarray
+    source: np.ndarray
+    rdp: np.ndarray
+    pld: np.ndarray | None
+    cap: np.ndarray | None
+    delta: float
+
+    def counts(self) -> dict:
+        """How many examples each bound decided (for reports)."""
+        labels, n = np.unique(self.source, return_counts=True)
+        return {str(k): int(v) for k, v in zip(labels, n)}
+
+
+def combine_bounds(delta: float, rdp, pld=None, cap=None) -> IndividualEpsilons:
+    """Elementwise minimum of the available bounds, with the name of the one that won (ties: rdp, pld, cap)."""
+    rdp = np.asarray(rdp, dtype=float)
+    cols = [("rdp", rdp)]
+    if pld is not None:
+        cols.append(("pld", np.broadcast_to(np.asarray(pld, dtype=float), rdp.shape)))
+    if cap is not None:
+        cap = np.broadcast_to(np.asarray(cap, dtype=float), rdp.shape)
+        if np.any(np.isnan(cap)) or np.any(cap < 0):
+            raise InvalidParameterError("cap", cap, "every value must be >= 0 (an epsilon)")
+        cols.append(("cap", cap))
+    stack = np.stack([c for _, c in cols])
+    which = np.argmin(stack, axis=0)
+    labels = np.array([name for name, _ in cols])
+    return IndividualEpsilons(np.min(stack, axis=0), labels[which], rdp,
+                              None if pld is None else cols[1][1], cap, float(delta))
+
+
 class IndividualAccountant:
     """Per-example RDP along the trajectory (Yu et al. Alg. 2), vectorized over examples.
 
@@ -111,6 +164,11 @@ class IndividualAccountant:
         clip_norm: the reference clip norm c.
         clip_norms: c_i per example (default c); before the first refresh s_i = c_i (worst case).
         rounding, rounding_step: see :func:`round_sensitivities`.
+
+    Besides the per-example RDP ledger, rounded modes (``ceil``, ``nearest``) keep, per example,
+    how many steps it took at each rounded sensitivity level (``level_counts``): what its
+    per-example PLD (:meth:`pld_epsilon`) is computed from.  ``report`` returns the minimum of the
+    available bounds with their sources.
     """
 
     BLOCK = 4096
@@ -137,7 +195,21 @@ class IndividualAccountant:
         self._rate_index = self._rate_index.ravel()
         self._table = None       # exact: RdpInterpolator; rounding: (candidates, values)
         self._rows = None        # per example: row into the table (and du for exact)
+        self._level = None       # rounded modes: per example, its level (candidate) index
         self._worst = self._worst_index = None   # exact mode: per-step RDP at s = c_i per (q_i, c_i)
+        self._counts = None      # rounded modes: steps per example per level (int32)
+        self.levels = None
+        if rounding != "exact":
+            self.levels = _rounding_levels(self.clip_norms, self.rounding_step)
+            if n * self.levels.size * 4 <= MAX_LEVEL_COUNT_BYTES:
+                self._counts = np.zeros((n, self.levels.size), dtype=np.int32)
+
+    @property
+    def level_counts(self) -> np.ndarray | None:
+        """(examples × levels) steps each example took at each rounded sensitivity ``levels[l]``
+        (None in ``exact`` mode or when the table would be too large)."""
+        self._flush()
+        return self._counts
 
     @property
     def num_examples(self) -> int:
@@ -181,19 +253,17 @@ class IndividualAccountant:
             self._rows = (row, np.where(zero, 0.0, du), zero, self._worst_index)
             return
         # rounded sensitivities take few values: multiples of r and the clip norms themselves
+        cand = self.levels
         if self._table is None:
-            r, cmax = self.rounding_step, float(self.clip_norms.max())
-            cand = np.unique(np.concatenate([np.arange(int(np.ceil(cmax / r - 1e-12)) + 1) * r,
-                                             np.unique(self.clip_norms)]))
             with np.errstate(divide="ignore"):
                 sig = np.where(cand > 0, self.sigma * self.c / np.where(cand > 0, cand, 1.0), np.inf)
             values = compute_rdp(np.repeat(self._rates, cand.size), np.tile(sig, self._rates.size),
                                  self.ledger.orders)
             self._table = (cand, values)
-        cand, values = self._table
         idx = np.clip(np.searchsorted(cand, self.sensitivity - 1e-9 * self.rounding_step), 0, cand.size - 1)
         if np.any(np.abs(cand[idx] - self.sensitivity) > 1e-9 * self.rounding_step):
             raise RuntimeError("rounded sensitivity off the candidate grid")  # unreachable by construction
+        self._level = idx
         self._rows = (self._rate_index * cand.size + idx,)
 
     def _block(self, rows: slice) -> np.ndarray:
@@ -229,6 +299,8 @@ class IndividualAccountant:
         else:
             for start in starts:
                 work(start)
+        if self._counts is not None:
+            self._counts[np.arange(self.num_examples), self._level] += self._pending
         self.ledger.steps += self._pending
         self._pending = 0
 
@@ -236,34 +308,133 @@ class IndividualAccountant:
         self._flush()
         return self.ledger.rdp
 
-    def epsilon(self, delta: float) -> np.ndarray:
-        """ε_i per example at δ (improved RDP conversion)."""
-        self._flush()
-        return self.ledger.epsilon(delta)[0]
+    # --- ε ---------------------------------------------------------------------------------
+    def epsilon(self, delta: float, refine: bool = True) -> np.ndarray:
+        """ε_i per example at δ by RDP (improved conversion).
 
-    def worst_case_epsilon(self, delta: float, steps: int | None = None) -> np.ndarray:
-        """Data-independent ε per example: every step at sensitivity c_i (the worst case)."""
+        ``refine`` (default) also converts at orders between the grid orders through the chord
+        bound of the convex (α − 1)·r(α) (:func:`~idpsgd.accounting.orders.chord_refined_epsilon`),
+        and caps each ε by the example's data-independent ε (:meth:`worst_case_epsilon`, exact
+        adaptive orders; every accounted sensitivity is ≤ c_i): never above the grid's ε, and a
+        valid bound.
+        """
+        self._flush()
+        if not refine:
+            return self.ledger.epsilon(delta, refine=False)[0]
+        eps = chord_refined_epsilon(self.ledger.rdp, self.ledger.orders, delta)[0]
+        return np.minimum(eps, self.worst_case_epsilon(delta))
+
+    def pld_epsilon(self, delta: float, discretization: float | None = None) -> np.ndarray:
+        """ε_i per example by PLD of its level history (:mod:`.pld_individual`).
+
+        Needs a rounding mode with levels (``ceil`` or ``nearest``) and the level counts (kept
+        whenever examples × levels × 4 bytes ≤ ``MAX_LEVEL_COUNT_BYTES``).
+        """
+        from .pld_individual import INDIVIDUAL_PLD_DISCRETIZATION, individual_pld_epsilon
+
+        if self.rounding == "exact":
+            raise InvalidParameterError("rounding", "exact", "cannot be used with the pld accountant: per-example "
+                                        "PLD needs rounded sensitivity levels (use ceil or nearest)")
+        if self._counts is None:
+            raise InvalidParameterError("rounding_step", self.rounding_step,
+                                        f"gives {self.levels.size} levels for {self.num_examples} examples: the "
+                                        f"per-example level counts would exceed {MAX_LEVEL_COUNT_BYTES / 2**30:g} GiB; "
+                                        "use a larger rounding step for the pld accountant")
+        self._flush()
+        d = discretization or INDIVIDUAL_PLD_DISCRETIZATION
+        with np.errstate(divide="ignore"):
+            sig = np.where(self.levels > 0, self.sigma * self.c / np.where(self.levels > 0, self.levels, 1.0), np.inf)
+        out = np.zeros(self.num_examples)
+        for j, rate in enumerate(self._rates):
+            rows = np.flatnonzero(self._rate_index == j)
+            cnt = self._counts[rows]
+            used = np.flatnonzero(cnt.any(axis=0))
+            if rows.size == 0 or used.size == 0 or rate == 0:
+                continue
+            out[rows] = individual_pld_epsilon(cnt[:, used], np.full(used.size, rate), sig[used], delta, d)
+        return out
+
+    def worst_case_epsilon(self, delta: float, steps: int | None = None, accountant: str = "rdp") -> np.ndarray:
+        """Data-independent ε per example: every step at sensitivity c_i (the worst case).
+
+        ``rdp``: adaptive orders (exactly :func:`~idpsgd.accounting.epsilon_sgm`); ``pld``:
+        dp_accounting's PLD.  Computed once per distinct (q_i, c_i).
+        """
+        from .accountants import epsilon_sgm
+
         steps = self.steps if steps is None else int(steps)
-        rdp = compute_rdp(self.q, self.sigma * self.c / self.clip_norms, self.ledger.orders, steps=steps)
-        return rdp_to_epsilon(rdp, self.ledger.orders, delta)[0]
+        pairs, inverse = np.unique(np.stack([self.q, self.clip_norms]), axis=1, return_inverse=True)
+        if steps == 0:
+            return np.zeros(self.num_examples)
+        eps = np.atleast_1d(epsilon_sgm(pairs[0], self.sigma * self.c / pairs[1], steps, delta, accountant))
+        return eps[inverse.ravel()]
+
+    def report(self, delta: float, accountant: str = "rdp", cap=None,
+               pld_discretization: float | None = None) -> IndividualEpsilons:
+        """Each example's ε as the minimum of the valid bounds available, with its source.
+
+        Args:
+            delta: δ of every bound.
+            accountant: ``rdp`` (its RDP ε) or ``pld`` (its RDP and its PLD ε; PLD needs a rounded
+                mode).
+            cap: optional data-independent per-example bound (e.g. its group's ε from the run's
+                accountant, which is ≤ its budget by calibration): scalar or one per example.
+        """
+        if accountant not in INDIVIDUAL_ACCOUNTANTS:
+            raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}")
+        if cap is not None:
+            cap = np.broadcast_to(np.asarray(cap, dtype=float), (self.num_examples,))
+        pld = self.pld_epsilon(delta, pld_discretization) if accountant == "pld" else None
+        return combine_bounds(delta, self.epsilon(delta), pld, cap)
 
     def state_dict(self) -> dict:
         self._flush()
-        return {"ledger": self.ledger.state_dict(), "sensitivity": self.sensitivity.copy(),
-                "refreshes": self.refreshes}
+        state = {"ledger": self.ledger.state_dict(), "sensitivity": self.sensitivity.copy(),
+                 "refreshes": self.refreshes}
+        if self._counts is not None:
+            state["level_counts"] = self._counts.copy()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.ledger.load_state_dict(state["ledger"])
         self.sensitivity = np.asarray(state["sensitivity"], dtype=float)
         self.refreshes = int(state["refreshes"])
         self._pending, self._rows = 0, None
+        if "level_counts" in state and state["level_counts"] is not None:
+            counts = np.asarray(state["level_counts"])
+            if self.levels is None or counts.shape != (self.num_examples, self.levels.size):
+                raise ValueError(f"level_counts of shape {counts.shape} do not match this accountant")
+            self._counts = counts.astype(np.int32).copy()
+        else:
+            self._counts = None          # an older state without them: PLD is unavailable
+
+
+def check_rounding_step(step: float, clip_norm_max: float) -> float:
+    """Refuse a rounding step that gives more than :data:`MAX_ROUNDING_LEVELS` levels up to the clip
+    norm (the per-step RDP table would not fit in memory); returns the number of levels."""
+    count = float(clip_norm_max) / check_positive(step, "rounding_step")
+    if not count <= MAX_ROUNDING_LEVELS:
+        raise InvalidParameterError("rounding_step", step, f"gives {count:.3g} sensitivity levels up to the clip norm "
+                                    f"{clip_norm_max:g} (limit {MAX_ROUNDING_LEVELS}); use a step >= "
+                                    f"{clip_norm_max / MAX_ROUNDING_LEVELS:.3g}")
+    return count
+
+
+def _rounding_levels(clip_norms, step: float) -> np.ndarray:
+    """The rounded sensitivity levels: multiples of ``step`` up to the largest clip norm, and the clip norms."""
+    count = check_rounding_step(step, float(np.max(clip_norms)))
+    return np.unique(np.concatenate([np.arange(int(np.ceil(count - 1e-12)) + 1) * step, np.unique(clip_norms)]))
 
 
 def account_from_norms(norms, steps, sample_rate, noise_multiplier: float, clip_norm: float, delta: float,
-                       rounding: str = "nearest", rounding_step: float | None = None, clip_norms=None):
+                       rounding: str = "nearest", rounding_step: float | None = None, clip_norms=None,
+                       accountant: str = "rdp", report: bool = False):
     """Offline accounting: ``norms`` (refreshes × examples), ``steps[j]`` steps covered by refresh j.
 
-    Returns ``(epsilons, worst_case_epsilons)`` per example.
+    Returns ``(epsilons, worst_case_epsilons)`` per example, the worst case (data-independent) by
+    the accountant asked for; each ε is the minimum of the example's RDP ε, its PLD ε (``pld``)
+    and that worst case.  With ``report=True`` the first item is the :class:`IndividualEpsilons`
+    saying which bound produced each number.
     """
     norms = np.asarray(norms, dtype=float)
     if norms.ndim != 2:
@@ -271,10 +442,17 @@ def account_from_norms(norms, steps, sample_rate, noise_multiplier: float, clip_
     steps = np.broadcast_to(np.asarray(steps), (norms.shape[0],))
     if np.any(steps < 0) or np.any(steps != np.round(steps)):
         raise InvalidParameterError("steps", steps, "must be integers >= 0, one per refresh")
+    if accountant not in INDIVIDUAL_ACCOUNTANTS:
+        raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}")
+    if accountant != "rdp" and rounding == "exact":
+        raise InvalidParameterError("rounding", "exact", "cannot be used with the pld accountant: per-example "
+                                    "PLD needs rounded sensitivity levels (use ceil or nearest)")
     acc = IndividualAccountant(sample_rate, noise_multiplier, clip_norm,
                                clip_norms if clip_norms is not None else np.full(norms.shape[1], clip_norm),
                                rounding=rounding, rounding_step=rounding_step)
     for row, k in zip(norms, steps):
         acc.update_norms(row)
         acc.add_steps(int(k))
-    return acc.epsilon(delta), acc.worst_case_epsilon(delta)
+    worst = acc.worst_case_epsilon(delta, accountant=accountant)
+    result = acc.report(delta, accountant, cap=worst if accountant == "pld" else None)
+    return (result, worst) if report else (result.epsilon, worst)

@@ -14,6 +14,7 @@ import numpy as np
 from ..io import write_npz
 from ..validation import check_orders
 from .conversion import rdp_to_epsilon
+from .orders import chord_refined_epsilon
 from .rdp import DEFAULT_ORDERS, compute_rdp
 
 
@@ -62,8 +63,15 @@ class RdpLedger:
         self.add(compute_rdp(sample_rate, noise_multiplier, self.orders), indices, counts)
         self.steps += 1
 
-    def epsilon(self, delta: float):
-        """(ε, best order) per example for a δ, by the improved RDP conversion."""
+    def epsilon(self, delta: float, refine: bool = True):
+        """(ε, order) per example for a δ, by the improved RDP conversion.
+
+        ``refine`` (default) also converts between the grid orders through the chord bound of the
+        convex (α − 1)·r(α) (:func:`~idpsgd.accounting.orders.chord_refined_epsilon`): a valid
+        bound, never above the grid's; ``refine=False`` gives the grid's (ε, best grid order).
+        """
+        if refine and np.all(np.diff(self.orders) > 0):
+            return chord_refined_epsilon(self.rdp, self.orders, delta)
         return rdp_to_epsilon(self.rdp, self.orders, delta)
 
     def state_dict(self) -> dict:

@@ -14,7 +14,9 @@ point x* and one dataset X — the distribution over training runs, not one traj
   grows with the order, so this only loosens the bound), expectations estimated by means over
   training runs.  g_p(a) = p/(p−1)·a − 1/(p−1), as derived in the theorem's proof (the statement
   prints −1/p).
-* :func:`fact_3_5_samples` — how many runs estimate a per-step term to a precision (Hoeffding).
+* :func:`fact_3_5_samples` — how many runs estimate a per-step term to a precision (Hoeffding);
+  :func:`composition_bound` (``worst_step_rdp``) and :func:`exponents_to_upper` turn the same
+  Hoeffding argument into confidence upper bounds next to the plug-in estimates.
 * :func:`corollary_3_1` — the per-instance (ε, δ) form for one step, from Lemma A.1.
 * :func:`npiu_decisions` — §5.4's Naive Per-Instance Unlearning: keep or retrain per request.
 
@@ -72,10 +74,33 @@ def mean_rule_bound(mu_outer, mu_tuples, alpha, noise_std: float) -> float:
 
 
 def exponents_to_bound(delta, alpha: int, noise_std: float) -> float:
-    """(1/(α−1)) mean_outer ln mean_inner exp(−Δ/(2σ²)) for Δ of shape (outer, inner)."""
+    """(1/(α−1)) mean_outer ln mean_inner exp(−Δ/(2σ²)) for Δ of shape (outer, inner) (Thm. 3.6's
+    plug-in estimate: the log of a sample mean is biased low; see :func:`exponents_to_upper`)."""
     z = -np.asarray(delta, float) / (2 * noise_std ** 2)
     inner = logsumexp(z, axis=1) - math.log(z.shape[1])
     return float(max(np.mean(inner), 0.0) / (alpha - 1))
+
+
+def exponents_to_upper(delta, alpha: int, noise_std: float, outer_norms, clip: float, failure: float) -> float:
+    """A confidence upper bound on Thm. 3.6's right-hand side from the same samples (prob. ≥ 1 − ``failure``).
+
+    With every update of norm ≤ ``clip`` (a mean of clipped gradients), for an outer update μ_o
+    each inner value f = exp(−Δ/(2σ²)) lies in [0, exp(α(α−1)(c + ‖μ_o‖)²/(2σ²))] (−Δ is
+    largest when the α tuple updates all equal −c·μ_o/‖μ_o‖), and each outer value
+    Y_o = ln E_inner f/(α−1) in [−αc²/(2σ²(α−1)), α(2c)²/(2σ²)].  Hoeffding on the inner means
+    (failure/2 shared over the outer samples) and then on the outer mean (failure/2).
+    """
+    a = _check_int_order(alpha)
+    z = -np.asarray(delta, float) / (2 * noise_std ** 2)
+    outer, inner = z.shape
+    norms = np.asarray(outer_norms, float).ravel()
+    log_hi = a * (a - 1) * (clip + norms) ** 2 / (2 * noise_std ** 2)
+    r_in = hoeffding_radius(inner, failure / (2 * outer))
+    y = np.array([_log_mean_upper(z[o], float(log_hi[o]), None, r_in) for o in range(outer)]) / (a - 1)
+    lo = -a * clip ** 2 / (2 * noise_std ** 2 * (a - 1))
+    hi = a * (2 * clip) ** 2 / (2 * noise_std ** 2)
+    y_upper = float(np.mean(y)) + (hi - lo) * hoeffding_radius(outer, failure / 2)
+    return float(max(min(y_upper, hi), 0.0))
 
 
 def composition_orders(alpha, p: float, n: int) -> np.ndarray:
@@ -90,7 +115,34 @@ def composition_orders(alpha, p: float, n: int) -> np.ndarray:
     return out
 
 
-def composition_bound(step_rdp, alpha, p: float | None = None) -> dict:
+def hoeffding_radius(samples: int, failure: float) -> float:
+    """One-sided Hoeffding radius for a mean of ``samples`` i.i.d. values in an interval of width 1:
+    P(E f > mean + width·r) ≤ ``failure`` with r = √(ln(1/failure)/(2·samples))."""
+    if int(samples) < 1:
+        raise InvalidParameterError("samples", samples, "must be an integer >= 1")
+    if not 0 < failure < 1:
+        raise InvalidParameterError("failure", failure, "must be in (0, 1)")
+    return math.sqrt(math.log(1.0 / failure) / (2.0 * int(samples)))
+
+
+def _log_mean_upper(log_values, log_hi: float, log_lo: float | None, radius: float) -> float:
+    """ln of a Hoeffding upper confidence bound on E f from samples ln f ∈ [log_lo, log_hi] (log_lo
+    None: f ≥ 0), capped at the range's top: ln min(hi, mean + (hi − lo)·radius)."""
+    z = np.asarray(log_values, dtype=float).ravel()
+    log_mean = float(logsumexp(z)) - math.log(z.size)
+    if log_lo is None or log_lo == -math.inf:
+        log_width = log_hi
+    elif log_hi <= log_lo:
+        return min(log_mean, log_hi)
+    else:   # ln(hi − lo) = ln hi + ln(1 − e^{lo − hi})
+        log_width = log_hi + math.log(-math.expm1(log_lo - log_hi))
+    if radius <= 0:
+        return min(log_mean, log_hi)
+    return min(float(np.logaddexp(log_mean, log_width + math.log(radius))), log_hi)
+
+
+def composition_bound(step_rdp, alpha, p: float | None = None, worst_step_rdp=None,
+                      failure: float = 0.05) -> dict:
     """Thm. 3.3 from per-step divergences of R runs.
 
     Args:
@@ -98,8 +150,16 @@ def composition_bound(step_rdp, alpha, p: float | None = None) -> dict:
             (chronological) at integer order ⌈g_p^{n−1−t}(α)⌉ (see :func:`step_orders`).
         alpha: the composed order (> 1).
         p: Hölder exponent (default 3n, Fact 3.4).
+        worst_step_rdp: optional (n,) data-independent bound on every run's per-step divergence
+            at the same orders (e.g. Thm. 3.2 at sensitivity = clip norm).  With it, ``upper`` is a
+            confidence upper bound on the theorem's bound that holds with probability ≥
+            1 − ``failure`` over the sampled runs: each expectation E f_t, f_t = e^{p(g−1)D} ∈
+            [1, e^{p(g−1)·worst}], is replaced by Hoeffding's bound (Fact 3.5's argument), a union
+            bound over the n − 1 estimated steps.
+        failure: J, the probability that ``upper`` fails.
 
-    Returns ``bound`` (RDP at α) and ``contributions`` (n,) per step, chronological.
+    Returns ``bound`` (the plug-in estimate: the log of a sample mean is biased low), per-step
+    ``contributions`` (n,), and with ``worst_step_rdp`` also ``upper`` and ``contributions_upper``.
     """
     d = np.atleast_2d(np.asarray(step_rdp, dtype=float))
     runs, n = d.shape
@@ -107,17 +167,29 @@ def composition_bound(step_rdp, alpha, p: float | None = None) -> dict:
     if not p > 1:
         raise InvalidParameterError("p", p, "must be > 1")
     g = composition_orders(alpha, p, n)            # g[i] for i = 0 … n−1; step t ↔ i = n−1−t
+    worst = None if worst_step_rdp is None else np.broadcast_to(np.asarray(worst_step_rdp, float), (n,))
+    radius = hoeffding_radius(runs, failure / max(n - 1, 1)) if worst is not None else 0.0
     contrib = np.empty(n)
+    upper = np.empty(n) if worst is not None else None
     for t in range(n):
         i = n - 1 - t
         if i == n - 1:   # the first step: the initial model is fixed, no expectation
             contrib[t] = ((p - 1) / p) ** (n - 1) * (g[i] - 1) * float(np.max(d[:, t]))
+            if upper is not None:
+                upper[t] = contrib[t]
         else:
             log_w = i * math.log((p - 1) / p) - math.log(p)
             z = p * (g[i] - 1) * d[:, t]
             contrib[t] = math.exp(log_w) * (float(logsumexp(z)) - math.log(runs))
+            if upper is not None:
+                log_hi = p * (g[i] - 1) * max(float(worst[t]), float(np.max(d[:, t])))
+                upper[t] = math.exp(log_w) * _log_mean_upper(z, log_hi, 0.0, radius)
     contrib /= (float(alpha) - 1)
-    return {"bound": float(contrib.sum()), "contributions": contrib, "p": p, "orders": g[::-1].copy()}
+    out = {"bound": float(contrib.sum()), "contributions": contrib, "p": p, "orders": g[::-1].copy()}
+    if upper is not None:
+        upper /= (float(alpha) - 1)
+        out.update(upper=float(upper.sum()), contributions_upper=upper, failure=float(failure))
+    return out
 
 
 def step_orders(alpha, n: int, p: float | None = None) -> np.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 from numpy.polynomial.hermite_e import hermegauss
 from scipy.special import gammaln, gammasgn, log_ndtr
 
-from ..validation import check_noise_multiplier, check_orders, check_sample_rate
+from ..validation import InvalidParameterError, check_noise_multiplier, check_orders, check_sample_rate
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,63 @@ def compute_rdp(sample_rate, noise_multiplier, orders=DEFAULT_ORDERS, steps=1) -
     return rdp * (steps_arr[..., None] if steps_arr.ndim else steps_arr)
 
 
+def compute_rdp_pointwise(sample_rate, noise_multiplier, orders) -> np.ndarray:
+    """RDP of one SGM step where every element has its own order: arrays (q, σ, α) broadcast.
+
+    The same exact evaluations as :func:`compute_rdp`, vectorized over elements whose orders
+    differ (used by the adaptive-order search, :mod:`.orders`).  Distinct triples are evaluated once.
+
+    >>> float(compute_rdp_pointwise(1.0, 2.0, 3.0))   # plain Gaussian: α/(2σ²)
+    0.375
+    """
+    q = check_sample_rate(sample_rate, allow_zero=True)
+    sigma = check_noise_multiplier(noise_multiplier)
+    alpha = np.asarray(orders, dtype=float)
+    if not np.all((alpha > 1) & np.isfinite(alpha)):
+        bad = alpha[~((alpha > 1) & np.isfinite(alpha))].ravel()[0]
+        raise InvalidParameterError("orders", float(bad), "every order must be > 1 and finite")
+    q, sigma, alpha = np.broadcast_arrays(q, sigma, alpha)
+    shape = q.shape
+    if q.size == 0:
+        return np.zeros(shape)
+    qf, sf, af = q.ravel(), sigma.ravel(), alpha.ravel()
+    order = np.lexsort((af, sf, qf))
+    qs, ss, as_ = qf[order], sf[order], af[order]
+    new = np.ones(order.size, dtype=bool)
+    new[1:] = (qs[1:] != qs[:-1]) | (ss[1:] != ss[:-1]) | (as_[1:] != as_[:-1])
+    group = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    values = _rdp_unique_triples(qs[first], ss[first], as_[first])
+    out = np.empty(order.size)
+    out[order] = values[group]
+    return out.reshape(shape)
+
+
+def _rdp_unique_triples(q: np.ndarray, sigma: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    out = np.zeros(q.size)
+    full = (q == 1) & np.isfinite(sigma)
+    out[full] = alpha[full] / (2 * sigma[full] ** 2)
+    sub = (q > 0) & (q < 1) & np.isfinite(sigma)
+    if not sub.any():
+        return out
+    idx = np.flatnonzero(sub)
+    idx = idx[np.lexsort((alpha[idx], q[idx], sigma[idx]))]
+    workers = min(os.cpu_count() or 1, 8) if idx.size >= 2000 else 1
+    size = min(_BATCH, -(-idx.size // workers))
+    batches = [idx[start:start + size] for start in range(0, idx.size, size)]
+
+    def run(b):
+        out[b] = _rdp_batch(q[b], sigma[b], alpha[b])
+
+    if len(batches) > 1:
+        with ThreadPoolExecutor(min(os.cpu_count() or 1, 8)) as pool:
+            list(pool.map(run, batches))
+    else:
+        for b in batches:
+            run(b)
+    return out
+
+
 def _rdp_unique_pairs(q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> np.ndarray:
     out = np.zeros((q.size, alphas.size))
     full = (q == 1) & np.isfinite(sigma)
@@ -119,22 +176,29 @@ def _rdp_unique_pairs(q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> n
     return out
 
 
-def _rdp_batch(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarray:
+def _rdp_batch(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
+    """RDP per element; ``alpha`` a scalar or one order per element."""
+    alpha = np.broadcast_to(np.asarray(alpha, dtype=float), q.shape)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # σ → 0 overflows to inf
+        return _rdp_batch_inner(q, sigma, alpha)
+
+
+def _rdp_batch_inner(q: np.ndarray, sigma: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     log_am1 = np.empty(q.size)
-    gh = alpha <= 2 * sigma**2
-    integer = float(alpha).is_integer()
-    if integer and alpha <= _GH_NODES.size:
-        gh[:] = False  # the exact sum is as cheap as quadrature here
+    integer = alpha == np.round(alpha)
+    # the exact sum is as cheap as quadrature for small integer orders
+    gh = (alpha <= 2 * sigma**2) & ~(integer & (alpha <= _GH_NODES.size))
     if gh.any():
-        log_am1[gh] = _log_am1_quadrature(q[gh], sigma[gh], alpha)
-    rest = ~gh
-    if rest.any():
-        if integer:
-            log_am1[rest] = _log_am1_binomial(q[rest], sigma[rest], int(alpha))
-        else:
-            log_am1[rest] = _log_am1_series(q[rest], sigma[rest], alpha)
+        log_am1[gh] = _log_am1_quadrature(q[gh], sigma[gh], alpha[gh])
+    binom = ~gh & integer
+    if binom.any():
+        log_am1[binom] = _log_am1_binomial(q[binom], sigma[binom], alpha[binom])
+    series = ~gh & ~integer
+    if series.any():
+        log_am1[series] = _log_am1_series(q[series], sigma[series], alpha[series])
     # log A = log(1 + (A − 1)), precise even when A − 1 is tiny.
-    return np.maximum(np.logaddexp(0.0, log_am1) / (alpha - 1), 0.0)
+    out = np.maximum(np.logaddexp(0.0, log_am1) / (alpha - 1), 0.0)
+    return np.where(np.isnan(out), np.inf, out)  # only where the RDP overflows (σ → 0)
 
 
 def _log_expm1(y: np.ndarray) -> np.ndarray:
@@ -143,62 +207,74 @@ def _log_expm1(y: np.ndarray) -> np.ndarray:
         return y + np.log(-np.expm1(-y))
 
 
-def _log_am1_binomial(q: np.ndarray, sigma: np.ndarray, n: int) -> np.ndarray:
-    """log(A_n − 1) for integer n ≥ 2 by the positive-term binomial sum."""
+def _log_am1_binomial(q: np.ndarray, sigma: np.ndarray, n) -> np.ndarray:
+    """log(A_n − 1) for integer n ≥ 2 (scalar or one per element) by the positive-term binomial sum."""
+    nn = np.broadcast_to(np.asarray(n, dtype=float), q.shape)[:, None]
     logq, log1mq = np.log(q)[:, None], np.log1p(-q)[:, None]
     inv2s2 = (0.5 / sigma**2)[:, None]
-    lg_n = gammaln(n + 1)
+    lg_n = gammaln(nn + 1)
 
-    def terms(k: np.ndarray) -> np.ndarray:
-        logc = lg_n - gammaln(k + 1) - gammaln(n - k + 1)
-        return logc + k * logq + (n - k) * log1mq + _log_expm1(k * (k - 1) * inv2s2)
+    def terms(k: np.ndarray, rows=slice(None)) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            nr = nn[rows]
+            logc = lg_n[rows] - gammaln(k + 1) - gammaln(np.maximum(nr - k, 0) + 1)
+            t = logc + k * logq[rows] + (nr - k) * log1mq[rows] + _log_expm1(k * (k - 1) * inv2s2[rows])
+        return np.where(k <= nr, t, -np.inf)
 
-    ks = np.arange(2, n + 1, dtype=float)
-    if ks.size <= 2 * _CHUNK:
-        return logsumexp(terms(ks), axis=1)
+    n_max = int(nn.max())
+    if n_max - 1 <= 2 * _CHUNK:
+        return logsumexp(terms(np.arange(2, n_max + 1, dtype=float)[None, :]), axis=1)
     # Running sum seeded with the two ends and the binomial mode, then chunk by chunk.
-    mode = np.clip(np.round(n * q), 2, n)
-    seed = np.unique(np.concatenate([[2.0, float(n)], np.unique(mode)]))
-    total = logsumexp(terms(seed), axis=1)
-    done = np.zeros(n + 1, dtype=bool)
-    done[seed.astype(int)] = True
-    half = n / 2.0
-    for a in range(2, n + 1, _CHUNK):
-        b = min(a + _CHUNK - 1, n)
+    mode = np.clip(np.round(nn * q[:, None]), 2, nn)
+    seed = np.concatenate([np.full_like(nn, 2.0), nn, mode], axis=1)
+    valid = np.ones(seed.shape, dtype=bool)
+    valid[:, 1] = nn[:, 0] != 2
+    valid[:, 2] = (mode[:, 0] != 2) & (mode[:, 0] != nn[:, 0])
+    total = logsumexp(np.where(valid, terms(seed), -np.inf), axis=1)
+    half = np.floor(nn[:, 0] / 2.0)
+    for a in range(2, n_max + 1, _CHUNK):
+        b = np.minimum(a + _CHUNK - 1, nn[:, 0])
+        live = b >= a
         # Upper bound of every term in [a, b]: each of the three parts at its own maximum.
-        kc = float(np.clip(math.floor(half), a, b))
-        bound = (lg_n - gammaln(kc + 1) - gammaln(n - kc + 1)
-                 + np.maximum(a * logq + (n - a) * log1mq, b * logq + (n - b) * log1mq)
-                 + _log_expm1(b * (b - 1) * inv2s2))[:, 0]
-        if np.all(bound + math.log(b - a + 1) < total - _NEGLIGIBLE):
+        kc = np.clip(half, a, np.maximum(b, a))
+        with np.errstate(invalid="ignore", over="ignore"):
+            bound = (lg_n[:, 0] - gammaln(kc + 1) - gammaln(nn[:, 0] - kc + 1)
+                     + np.maximum(a * logq[:, 0] + (nn[:, 0] - a) * log1mq[:, 0],
+                                  b * logq[:, 0] + (nn[:, 0] - b) * log1mq[:, 0])
+                     + _log_expm1(b * (b - 1) * inv2s2[:, 0]))
+        need = live & ~(bound + np.log(np.maximum(b - a + 1, 1)) < total - _NEGLIGIBLE)
+        rows = np.flatnonzero(need)
+        if rows.size == 0:
             continue
-        k = np.arange(a, b + 1, dtype=float)
-        k = k[~done[a:b + 1]]
-        if k.size:
-            total = np.logaddexp(total, logsumexp(terms(k), axis=1))
+        k = np.arange(a, a + _CHUNK, dtype=float)[None, :]
+        t = terms(k, rows)
+        t = np.where((k == seed[rows, 0:1]) | ((k == seed[rows, 1:2]) & valid[rows, 1:2])
+                     | ((k == seed[rows, 2:3]) & valid[rows, 2:3]), -np.inf, t)
+        total[rows] = np.logaddexp(total[rows], logsumexp(t, axis=1))
     return total
 
 
-def _log_phi2(alpha: float, y: np.ndarray) -> np.ndarray:
+def _log_phi2(alpha, y: np.ndarray) -> np.ndarray:
     """log((1+y)^α − 1 − αy) ≥ 0-argument, for y > −1, without cancellation for small |y|."""
+    alpha = np.broadcast_to(np.asarray(alpha, dtype=float), y.shape)
     ay = alpha * y
     small = np.abs(ay) < 0.02
     out = np.empty_like(y)
     if small.any():
-        ys = y[small]
+        ys, al = y[small], alpha[small]
         # Horner form of Σ_{k=2}^{12} C(α,k) y^{k−2}; |αy| < 0.02 makes the rest < 1e-17.
-        coefs = [alpha * (alpha - 1) / 2.0]
+        coefs = [al * (al - 1) / 2.0]
         for k in range(2, 12):
-            coefs.append(coefs[-1] * (alpha - k) / (k + 1))
-        poly = np.full_like(ys, coefs[-1])
+            coefs.append(coefs[-1] * (al - k) / (k + 1))
+        poly = coefs[-1].copy()
         for c in reversed(coefs[:-1]):
             poly = poly * ys + c
         with np.errstate(divide="ignore"):
             out[small] = 2 * np.log(np.abs(ys)) + np.log(poly)
     big = ~small
     if big.any():
-        yb, ayb = y[big], ay[big]
-        t = alpha * np.log1p(yb)
+        yb, ayb, ab = y[big], ay[big], alpha[big]
+        t = ab * np.log1p(yb)
         with np.errstate(over="ignore", invalid="ignore"):
             direct = np.log(np.expm1(np.minimum(t, 50)) - ayb)
             huge = t + np.log1p(-(1 + ayb) * np.exp(-np.maximum(t, 50)))
@@ -206,8 +282,9 @@ def _log_phi2(alpha: float, y: np.ndarray) -> np.ndarray:
     return out
 
 
-def _log_am1_quadrature(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarray:
-    """log(A_α − 1) by Laplace-centred Gauss–Hermite quadrature; requires α ≤ 2σ²."""
+def _log_am1_quadrature(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
+    """log(A_α − 1) by Laplace-centred Gauss–Hermite quadrature; requires α ≤ 2σ² (α per element)."""
+    alpha = np.broadcast_to(np.asarray(alpha, dtype=float), q.shape)
     logit_q = np.log(q) - np.log1p(-q)
     u_max = alpha / sigma
     u = np.minimum(alpha * q / sigma, u_max)
@@ -227,7 +304,7 @@ def _log_am1_quadrature(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.nd
              - 0.5 * nodes**2 + 0.5 * _GH_NODES[None, :] ** 2)
     x = nodes / sigma[:, None] - 0.5 / sigma[:, None] ** 2
     y = q[:, None] * np.expm1(x)
-    return logsumexp(log_w + _log_phi2(alpha, y), axis=1)
+    return logsumexp(log_w + _log_phi2(alpha[:, None], y), axis=1)
 
 
 def logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -246,16 +323,16 @@ def _log_erfc(x: np.ndarray) -> np.ndarray:
     return math.log(2) + log_ndtr(-x * math.sqrt(2))
 
 
-def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarray:
-    """log(A_α − 1) for fractional α by Mironov et al.'s signed series (§3.3)."""
+def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
+    """log(A_α − 1) for fractional α (scalar or per element) by Mironov et al.'s signed series (§3.3)."""
+    alpha = np.broadcast_to(np.asarray(alpha, dtype=float), q.shape)
     logq, log1mq = np.log(q)[:, None], np.log1p(-q)[:, None]
     s2 = (sigma**2)[:, None]
     z0 = s2 * (log1mq - logq) + 0.5
     rt2s = math.sqrt(2) * sigma[:, None]
     # Past this index neither half of the series can grow again (erfc cut-offs passed).
-    i_safe = np.ceil(np.maximum.reduce([np.full(q.size, alpha), z0[:, 0], alpha - z0[:, 0]])
-                     + 10 * sigma + 2)
-    lg_a = gammaln(alpha + 1)
+    i_safe = np.ceil(np.maximum.reduce([alpha, z0[:, 0], alpha - z0[:, 0]]) + 10 * sigma + 2)
+    lg_a = gammaln(alpha + 1)[:, None]
     pos = np.full(q.size, -np.inf)
     neg = np.full(q.size, -np.inf)
     last = np.full(q.size, -np.inf)
@@ -263,11 +340,19 @@ def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarra
     i0 = 0
     i_cap = int(i_safe.max()) + _SERIES_EXTRA_TERMS
     while active.size and i0 < i_cap:
-        i = np.arange(i0, i0 + _CHUNK, dtype=float)[None, :]
-        j = alpha - i
-        logc = lg_a - gammaln(i + 1) - gammaln(j + 1)
-        sign = gammasgn(j + 1)
+        # a short first chunk (most series converge there), then 64s; fixed boundaries keep
+        # every row's result independent of the batch it is evaluated in
+        chunk = _CHUNK if i0 else 32
+        i = np.arange(i0, i0 + chunk, dtype=float)[None, :]
         a = active
+        j = alpha[a][:, None] - i
+        # log|C(α, i)| and its sign: the chunk's first term by log-gamma, the rest by the ratio
+        # C(α, i)/C(α, i−1) = (α − i + 1)/i (a cumulative sum: cheaper than log-gamma per term)
+        first = lg_a[a] - gammaln(i[:, :1] + 1) - gammaln(j[:, :1] + 1)
+        ratio = j[:, :-1] / i[:, 1:]                       # (α − i + 1)/i for the chunk's later terms
+        logc = np.concatenate([first, first + np.cumsum(np.log(np.abs(ratio)), axis=1)], axis=1)
+        flips = np.concatenate([gammasgn(j[:, :1] + 1) < 0, ratio < 0], axis=1)
+        sign = np.where(np.cumsum(flips, axis=1) % 2 == 1, -1.0, 1.0)
         log_s0 = (logc + i * logq[a] + j * log1mq[a] + (i * i - i) / (2 * s2[a])
                   + math.log(0.5) + _log_erfc((i - z0[a]) / rt2s[a]))
         log_s1 = (logc + j * logq[a] + i * log1mq[a] + (j * j - j) / (2 * s2[a])
@@ -279,14 +364,14 @@ def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarra
         last[a] = np.maximum(log_s0[:, -1], log_s1[:, -1])
         with np.errstate(invalid="ignore", divide="ignore"):  # running log(A − 1); NaN while ≤ 0
             total = pos[a] + np.log1p(-np.exp(np.logaddexp(0.0, neg[a]) - pos[a]))
-        converged = ((i0 + _CHUNK > i_safe[a])
+        converged = ((i0 + chunk > i_safe[a])
                      & (log_s0[:, -1] <= log_s0[:, -2]) & (log_s1[:, -1] <= log_s1[:, -2])
                      & (last[a] < total - _SERIES_TOL))
         active = a[~converged]
-        i0 += _CHUNK
+        i0 += chunk
     if active.size:
         log.debug("RDP series hit its term cap for %d (q, sigma) pairs at order %g; "
-                    "the alternating tail is bounded by its last term", active.size, alpha)
+                    "the alternating tail is bounded by its last term", active.size, float(alpha.max()))
     # Past i_safe both halves alternate with decreasing size, so each remainder is at most its
     # last term: adding both keeps the result an upper bound of A.
     pos = np.logaddexp(pos, last + math.log(2))

@@ -56,6 +56,11 @@ class Budgets:
     def from_groups(cls, budgets, fractions, num_examples: int, delta: float, seed: int = 0) -> "Budgets":
         """Assign ``budgets`` to ``num_examples`` examples in exact proportions, at random (seeded)."""
         counts = group_counts(fractions, num_examples, budgets)
+        if np.any(counts == 0):
+            empty = [float(b) for b, c in zip(np.atleast_1d(budgets), counts) if c == 0]
+            raise InvalidParameterError("num_examples", num_examples,
+                                        f"leaves no example for budget(s) {', '.join(f'{b:g}' for b in empty)}; "
+                                        "every group needs at least one example")
         eps = np.repeat(np.asarray(budgets, dtype=float), counts)
         np.random.default_rng(seed).shuffle(eps)
         return cls(eps, delta)
@@ -71,6 +76,8 @@ class Budgets:
         assigned to examples at random (seeded).
         """
         low, high = float(low), float(high)
+        if not np.isfinite(float(skew)):
+            raise InvalidParameterError("skew", skew, "must be a finite number (e.g. -0.2, 0 or 0.2)")
         check_epsilon([low, high], "range")
         if not high > low:
             raise InvalidParameterError("range", f"{low:g},{high:g}", "must be A,B with 0 < A < B")
@@ -103,16 +110,32 @@ class Budgets:
         if not path.is_file():
             raise FileNotFoundError(f"budgets file not found: {path} (expected a CSV with a header "
                                     f"row and a column {column!r})")
-        with path.open(newline="") as fh:
-            reader = csv.DictReader(fh)
-            if reader.fieldnames is None or column not in reader.fieldnames:
-                raise InvalidParameterError("budget_column", column,
-                                            f"must be one of the CSV columns {reader.fieldnames}")
-            try:
-                values = [float(row[column]) for row in reader]
-            except ValueError as exc:
-                raise InvalidParameterError("budget_column", column, f"holds a non-numeric value ({exc})") from None
-        return cls(np.array(values), delta)
+        try:
+            with path.open(newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                if reader.fieldnames is None or column not in reader.fieldnames:
+                    raise InvalidParameterError("budget_column", column,
+                                                f"must be one of the CSV columns {reader.fieldnames}")
+                values = []
+                for row_no, row in enumerate(reader, start=2):
+                    try:
+                        values.append(float(row[column]))
+                    except (TypeError, ValueError):
+                        raise InvalidParameterError(
+                            "budgets_file", str(path), f"row {row_no} has a missing or non-numeric value "
+                            f"{row.get(column)!r} in column {column!r}") from None
+        except UnicodeDecodeError as exc:
+            raise InvalidParameterError("budgets_file", str(path), f"is not UTF-8 text ({exc.reason} at byte "
+                                        f"{exc.start})") from None
+        if not values:
+            raise InvalidParameterError("budgets_file", str(path), "has no data rows")
+        arr = np.array(values)
+        bad = ~(np.isfinite(arr) & (arr > 0))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidParameterError("budgets_file", str(path), f"row {i + 2} has budget {arr[i]!r} in column "
+                                        f"{column!r}; every budget must be > 0 and finite")
+        return cls(arr, delta)
 
 
 def group_counts(fractions, num_examples: int, budgets=None) -> np.ndarray:

@@ -26,8 +26,8 @@ from typing import Callable
 import numpy as np
 
 from ..accounting import calibrate_noise_multiplier, calibrate_sample_rate, epsilon_sgm, solve_monotone
-from ..accounting.calibration import RTOL
-from ..validation import (InvalidParameterError, check_positive, check_sample_rate, check_steps)
+from ..accounting.calibration import RTOL, SIGMA_RANGE, sample_rates_rdp
+from ..validation import InvalidParameterError, UnreachableTargetError, check_positive, check_sample_rate, check_steps
 from .budgets import Budgets
 
 
@@ -100,30 +100,114 @@ class _Problem:
 
 
 def _uniform(p: _Problem):
-    sigma = float(calibrate_noise_multiplier(p.values.min(), p.delta, p.q, p.steps, p.accountant))
+    sigma = float(calibrate_noise_multiplier(p.values.min(), p.delta, p.q, p.steps, p.accountant, name="budgets"))
     n = p.values.size
     return sigma, np.full(n, p.q), np.full(n, p.c), np.full(n, sigma)
 
 
-def _sample(p: _Problem):
-    def rates(sigma):
-        return np.atleast_1d(calibrate_sample_rate(p.values, p.delta, sigma, p.steps, p.accountant))
+class _SampleRates:
+    """q_p(σ) for every group, remembered per σ so that each new σ is bracketed by its neighbours.
 
-    # σ between the uniform calibrations for the largest budget (all q_p ≤ q) and the smallest
-    # (all q_p ≥ q); the weighted mean rate increases with σ.
-    lo = float(calibrate_noise_multiplier(p.values.max(), p.delta, p.q, p.steps, p.accountant))
-    hi = float(calibrate_noise_multiplier(p.values.min(), p.delta, p.q, p.steps, p.accountant))
-    if p.values.size == 1 or np.isclose(lo, hi, rtol=1e-12):
-        return _uniform(p)  # one budget: Sample is standard DP-SGD
-    sigma = float(solve_monotone(lambda s, idx: np.atleast_1d(p.weights @ rates(float(s[0]))),
-                                     np.array([p.q]), lo, hi, increasing=True, rtol=RTOL / 10)[0])
-    q_p = rates(sigma)
+    The rates are solved much tighter (RDP 1e-7, PLD 1e-6) than the mean-rate search (1e-5), so
+    the mean rate is a smooth function of σ for that search.
+    """
+
+    def _rates(self, sigma, bracket, hint, guess):
+        p = self.p
+        if p.accountant == "rdp":
+            return sample_rates_rdp(p.values, p.delta, sigma, p.steps, rtol=1e-7, bracket=bracket, hint=hint,
+                                    verify=False, x_guess=guess)
+        rates = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, p.accountant, rtol=1e-6, name="budgets",
+                                      bracket=bracket)
+        return rates, np.full(p.values.size, -1)
+
+    def __init__(self, p: _Problem):
+        self.p = p
+        self.sigmas: list[float] = []
+        self.rates: list[np.ndarray] = []
+        self.index: list[np.ndarray] = []
+        self.anchors: dict[float, float] = {}   # σ → the budget whose rate at σ is exactly q
+
+    def __call__(self, sigma: float) -> np.ndarray:
+        p = self.p
+        s = np.asarray(self.sigmas)
+        below = np.flatnonzero(s <= sigma)
+        above = np.flatnonzero(s >= sigma)
+        bracket = hint = guess = None
+        if below.size and above.size:   # q_p(σ) increases with σ
+            i, j = below[np.argmax(s[below])], above[np.argmin(s[above])]
+            bracket = (self.rates[i] * (1 - 1e-6), np.minimum(self.rates[j] * (1 + 1e-3), 1.0))
+            hint = self.index[i]
+        elif sigma in self.anchors:     # ε grows about linearly in q: a first guess
+            guess = np.minimum(p.q * p.values / self.anchors[sigma], 1.0)
+        elif self.sigmas:
+            near = int(np.argmin(np.abs(np.log(s / sigma))))
+            hint, guess = self.index[near], self.rates[near]
+        try:
+            rates, k = self._rates(sigma, bracket, hint, guess)
+        except UnreachableTargetError:
+            if bracket is None:
+                raise
+            rates, k = self._rates(sigma, None, hint, guess)
+        self.sigmas.append(float(sigma))
+        self.rates.append(np.atleast_1d(rates))
+        self.index.append(np.atleast_1d(k))
+        return self.rates[-1]
+
+
+def _sample(p: _Problem):
+    """One σ, per-group q_p with Σ_p w_p q_p = q (Boenisch et al. Alg. 1; see the module doc).
+
+    The weighted mean rate m(σ) = Σ_p w_p q_p(σ) increases with σ.  Its search bracket: below,
+    σ_lo calibrated for the largest budget at q (every q_p ≤ q, so m ≤ q); above, the smaller of
+    σ calibrated for the smallest budget at q (every q_p ≥ q) and σ_cap, at which the largest
+    budget is spent at q_p = 1 (beyond it that group would need a rate above 1).  "Unreachable"
+    only when m(upper end) < q: then no σ gives the mean rate with every q_p ≤ 1.
+    """
     n = p.values.size
+    if n == 1:
+        return _uniform(p)  # one budget: Sample is standard DP-SGD
+    lo = float(calibrate_noise_multiplier(p.values.max(), p.delta, p.q, p.steps, p.accountant, name="budgets"))
+    hi = float(calibrate_noise_multiplier(p.values.min(), p.delta, p.q, p.steps, p.accountant, name="budgets"))
+    if np.isclose(lo, hi, rtol=1e-12):
+        return _uniform(p)
+    if p.q < 1:
+        try:
+            # tight (rtol 1e-8 < the rates' 1e-7): at σ ≤ cap the largest budget's rate is ≤ 1
+            cap = float(calibrate_noise_multiplier(p.values.max(), p.delta, 1.0, p.steps, p.accountant,
+                                                   rtol=1e-8, name="budgets"))
+        except UnreachableTargetError:
+            cap = SIGMA_RANGE[1]       # the largest budget is not spent even at q = 1 within the σ range
+        hi = min(hi, cap)
+    rates = _SampleRates(p)
+    rates.anchors = {lo: float(p.values.max()), hi: float(p.values.min())}
+
+    def mean_rate(s, idx):
+        return np.atleast_1d(p.weights @ rates(float(np.ravel(s)[0])))
+
+    top = float(mean_rate(np.array([hi]), None)[0])
+    if top < p.q * (1 - RTOL / 10):
+        raise UnreachableTargetError(
+            f"sample_rate={p.q:g} is unreachable with method sample: even at noise_multiplier={hi:.6g}, where the "
+            f"largest budget ({p.values.max():g}) is spent with sampling rate 1, the groups' weighted mean rate is "
+            f"only {top:.6g}; use a smaller sample rate or the scale method")
+    sigma = float(solve_monotone(mean_rate, np.array([p.q]), lo, hi, increasing=True, rtol=RTOL / 10,
+                                 name="sample_rate", what="noise_multiplier")[0])
+    if p.accountant == "rdp":       # final rates with the full order search (verified)
+        near = rates(sigma)
+        try:
+            q_p = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, name="budgets",
+                                        bracket=(near * (1 - 1e-3), np.minimum(near * (1 + 1e-3), 1.0)))
+        except UnreachableTargetError:
+            q_p = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, name="budgets")
+        q_p = np.atleast_1d(q_p)
+    else:
+        q_p = rates(sigma)
     return sigma, q_p, np.full(n, p.c), np.full(n, sigma)
 
 
 def _scale(p: _Problem):
-    sig_p = np.atleast_1d(calibrate_noise_multiplier(p.values, p.delta, p.q, p.steps, p.accountant))
+    sig_p = np.atleast_1d(calibrate_noise_multiplier(p.values, p.delta, p.q, p.steps, p.accountant, name="budgets"))
     sigma_scale = float(1.0 / np.sum(p.weights / sig_p))   # App. C.2, eq. (10)
     c_p = p.c * sigma_scale / sig_p
     return sigma_scale, np.full(p.values.size, p.q), c_p, sig_p
