@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-slow bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,10 +17,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/idpsgd demo --seed 0 --out runs/demo
+	$(BIN)/idpsgd demo --seed 0 --overwrite --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the long end-to-end versions (deselected by default in pyproject.toml)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

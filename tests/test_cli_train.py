@@ -20,7 +20,8 @@ def test_train_json_and_report_file(capsys, tmp_path):
     assert out["out"] == str(tmp_path) and saved["method"] == "scale" and saved["dataset"] == "digits"
     assert [g["count"] for g in saved["groups"]] == [489, 618, 330]      # largest remainder of 1437
     assert all(g["epsilon_spent"] <= g["budget"] for g in saved["groups"])
-    assert (tmp_path / "ledger.csv").is_file()
+    assert (tmp_path / "private" / "ledger.csv").is_file() and (tmp_path / "report.html").is_file()
+    assert "private" not in out
 
 
 def test_train_text_budgets_per_class_and_file(capsys, tmp_path):
@@ -55,7 +56,7 @@ def test_train_errors_are_one_line(capsys, tmp_path, argv, needle):
 
 
 def test_demo_prints_one_table(capsys, tmp_path):
-    assert main(["demo", "--out", str(tmp_path), "--epochs", "1", "--no-progress"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--epochs", "1", "--no-progress", "--seed", "0"]) == 0
     text = capsys.readouterr().out
     for run in ("uniform eps=1", "sample", "scale", "uniform eps=3"):
         assert run in text
@@ -63,3 +64,26 @@ def test_demo_prints_one_table(capsys, tmp_path):
     assert [r["run"] for r in summary["runs"]] == ["uniform eps=1", "sample", "scale", "uniform eps=3"]
     for r in summary["runs"][:3]:
         assert all(g["epsilon_spent"] <= g["budget"] for g in r["groups"])
+
+
+def test_train_with_the_individual_filter(capsys, tmp_path):
+    out = run_json(capsys, "train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5",
+                   "--filter", "individual", "--filter-extend", "1.5", "--seed", "0", "--out", str(tmp_path), *FAST)
+    assert out["filter"]["run_steps"] == 2 * out["filter"]["calibrated_steps"]      # ceil(1.5 x 1 epoch) = 2
+    assert all(g["epsilon_spent"] <= g["budget"] + 1e-9 for g in out["groups"]) and "private" not in out
+    assert (tmp_path / "private" / "filter_epsilons.csv").is_file()
+    assert "Rényi filter" in (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--individual-accounting"], "--individual-accounting"),
+    (["--accountant", "pld"], "--accountant='pld'"),
+    (["--method", "pdp-sgd"], "--method='pdp-sgd'"),
+])
+def test_train_filter_refuses_what_it_cannot_honour(capsys, tmp_path, extra, needle):
+    argv = ["train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", "--filter", "individual",
+            "--out", str(tmp_path / "run"), *FAST, *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run" / "report.json").exists()

@@ -19,6 +19,7 @@ _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "IndividualizedDPOptimizer": "engine", "PoissonBatchSampler": "engine", "PrivacyBudgetExceeded": "engine",
     "load_dataset": "data", "Dataset": "data", "create_model": "models",
     "MODELS": "models", "train_pdp": "training.pdp", "run_per_instance": "training.per_instance",
+    "FilterOptions": "engine", "train_filtered": "training.filtered",
 }
 
 

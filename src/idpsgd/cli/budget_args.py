@@ -29,7 +29,11 @@ def budgets_from_args(args, num_examples=None, labels=None):
 
     delta = check_delta(args.delta)
     if args.budgets_file:
-        return Budgets.from_csv(args.budgets_file, args.budget_column, delta)
+        budgets = Budgets.from_csv(_budgets_file(args.budgets_file, args.budget_column), args.budget_column, delta)
+        if num_examples is not None and len(budgets) != num_examples:
+            raise InvalidParameterError("budgets_file", args.budgets_file, f"has {len(budgets)} budget rows; "
+                                        f"it needs one per training example ({num_examples})")
+        return budgets
     if getattr(args, "budget_distribution", None):
         if num_examples is None:
             raise InvalidParameterError("num_examples", None, "is needed with --budget-distribution")
@@ -41,7 +45,11 @@ def budgets_from_args(args, num_examples=None, labels=None):
         if labels is None:
             raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
                                         "needs labels: use it with 'idpsgd train'")
-        return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
+        try:
+            return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
+        except InvalidParameterError as exc:   # name the flag as typed, with the text the user gave
+            detail = "" if exc.name == "budgets_per_class" else f" ({exc.name}={exc.value!r})"
+            raise InvalidParameterError("budgets_per_class", args.budgets_per_class, exc.allowed + detail) from None
     if not args.budgets:
         raise InvalidParameterError("budgets", None, "give --budgets with --fractions, "
                                     "--budgets-per-class, --budgets-file, or --budget-distribution")
@@ -49,11 +57,28 @@ def budgets_from_args(args, num_examples=None, labels=None):
     return Budgets.from_groups(values, fractions, num_examples, delta, seed=_assignment_seed(args))
 
 
+def _budgets_file(path, column):
+    """``--budgets-file`` checked before it is read: an existing, non-empty file."""
+    from pathlib import Path
+
+    p = Path(path)
+    expected = f"(expected a CSV file with a header row and a column {column!r})"
+    if not p.exists():
+        raise InvalidParameterError("budgets_file", str(path), f"not found {expected}")
+    if not p.is_file():
+        raise InvalidParameterError("budgets_file", str(path), f"is not a file {expected}")
+    if p.stat().st_size == 0:
+        raise InvalidParameterError("budgets_file", str(path), f"is empty {expected}")
+    return p
+
+
 def group_spec(args):
     """(budgets, fractions) from --budgets/--fractions, validated."""
     from ..assignment import group_counts, parse_float_list
 
     values = parse_float_list(args.budgets, "budgets")
+    if not values:
+        raise InvalidParameterError("budgets", args.budgets, "must be a comma-separated list of budgets, e.g. 1,2,3")
     check_epsilon(values, "budgets")
     if len(set(values)) != len(values):
         raise InvalidParameterError("budgets", values, "must be distinct (a group is a distinct budget)")

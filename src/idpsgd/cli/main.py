@@ -7,26 +7,90 @@ argument, the value and what is allowed.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
+from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError
 from .registry import COMMANDS, _emit, _flag, _Parser
+
+_NUMBER = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
+_ARGPARSE_ERRORS = (   # argparse's wording -> ours: "--flag=value is invalid: what is allowed"
+    (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid float value: (?P<value>.*)$"), "must be a number"),
+    (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid int value: (?P<value>.*)$"), "must be an integer"),
+    (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid choice: (?P<value>'.*?') \(choose from (?P<allowed>.*)\)$"),
+     "must be one of {allowed}"),
+)
+
+
+class _CliParser(_Parser):
+    """One error line naming the flag as typed and its value; ``--lr -1e-3`` and ``--budgets -1,2``
+    read as values (argparse takes only plain negative numbers such as ``-1`` for values)."""
+
+    def _parse_optional(self, arg_string):
+        if _NUMBER.match(arg_string):     # no flag of ours starts with a digit: a negative value
+            return None
+        return super()._parse_optional(arg_string)
+
+    def error(self, message):
+        for pattern, allowed in _ARGPARSE_ERRORS:
+            m = pattern.match(message)
+            if m:
+                choices = m.groupdict().get("allowed")
+                message = f"{m['flag']}={m['value']} is invalid: " + allowed.format(
+                    allowed=choices.replace("'", "") if choices else "")
+                break
+        else:
+            m = re.match(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: expected one argument$", message)
+            if m:
+                message = f"{m['flag']} needs a value"
+        super().error(message)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help texts show the defaults the parser really uses: a help without a stated default gets
+    ``(default %(default)s)``, filled in by argparse from the action's default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default %(default)s)"
+
+
+def _flagged_message(message: str, args) -> str:
+    """``budgets=1e-09 cannot be met ...`` -> ``--budgets=1e-09 cannot be met ...`` when ``budgets`` is a flag."""
+    m = re.match(r"^(\w+)=", message)
+    if m and hasattr(args, m[1]) and not message.startswith("--"):
+        return _flag(m[1]) + message[len(m[1]):]
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import (  # noqa: F401  (register)
         accounting_commands,
+        audit_command,
         per_instance_command,
+        report_command,
         reproduce_command,
         train_commands,
     )
 
-    parser = _Parser(prog="idpsgd", description="Individualized privacy for DP-SGD.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from .. import __version__
+
+    parser = _CliParser(prog="idpsgd", formatter_class=_HelpFormatter, description="Individualized privacy for DP-SGD: assign a privacy budget per "
+                     "example, train to it, account for and audit the privacy each example received.")
+    parser.add_argument("--version", action="version", version=f"idpsgd {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_CliParser, metavar="COMMAND")
+    parser.positionals = {}   # command -> its positional arguments (named without "--" in errors)
     for name, (help_text, add, _run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         add(p)
+        parser.positionals[name] = {a.dest for a in p._actions if not a.option_strings}
         p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        p.add_argument("--show-private", action="store_true",
+                       help="also print private values (exact statistics of per-example data); they are not "
+                       "covered by the privacy guarantee")
     return parser
 
 
@@ -35,16 +99,28 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:                     # `idpsgd` alone: the list of commands
+        parser.print_help(sys.stderr)
+        return 2
+    from ..data import DatasetFileError
+
     _help, _add, run = COMMANDS[args.command]
     try:
         result = run(args)
     except InvalidParameterError as exc:
-        sys.stderr.write(f"idpsgd {args.command}: error: {_flag(exc.name)}{str(exc)[len(exc.name):]}\n")
+        shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
+        sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name):]}\n")
         return 2
-    except (UnreachableTargetError, FileNotFoundError) as exc:
-        sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")
+    except DatasetFileError as exc:           # names the file; the flag that led there is --data-dir
+        where = f"--data-dir={args.data_dir!r}: " if getattr(args, "data_dir", None) else ""
+        sys.stderr.write(f"idpsgd {args.command}: error: {where}{exc}\n")
+        return 2
+    except (UnreachableTargetError, FileNotFoundError, CheckpointError) as exc:
+        sys.stderr.write(f"idpsgd {args.command}: error: {_flagged_message(str(exc), args)}\n")
         return 2
     if result is not None:
+        if not getattr(args, "show_private", False):
+            result = {k: v for k, v in result.items() if k != "private"}
         text = getattr(run, "_text", None)
         _emit(result, getattr(args, "json", False), text)
     return 0

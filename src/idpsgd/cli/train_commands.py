@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import write_json
 from .budget_args import _accountant, _assignment_seed, budget_source_args, budgets_from_args, resolved_seed
+from .filter_args import add_filter_arguments, filter_options_from_args
+from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
@@ -27,6 +28,14 @@ def _hyper_args(p):
                    help="digits (bundled), mnist, fashion-mnist, cifar10, svhn or csv (default digits)")
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
     p.add_argument("--label-column", default="label", help="label column of a csv dataset (default label)")
+    n = p.add_argument_group("input normalization (inside the privacy guarantee)")
+    n.add_argument("--normalization", help="none, public (published constants: mnist, fashion-mnist, cifar10, svhn), "
+                   "private (a DP estimate charged to every example's budget) or MEAN,STD (default: public where "
+                   "published constants exist, else none)")
+    n.add_argument("--normalization-epsilon", type=float, help="ε of the private mean/std estimate (with private)")
+    n.add_argument("--normalization-delta", type=float, help="δ of the private mean/std estimate (with private; "
+                   "charged on top of the training δ)")
+    n.add_argument("--feature-range", help="A,B: public value range of csv features (with private)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", default=d.device, help="cpu, cuda, auto (cuda when available) or a torch device "
                    f"such as cuda:1 (default {d.device})")
@@ -47,16 +56,16 @@ def _train_args(p):
     _hyper_args(p)
     p.add_argument("--exclude-below", type=float,
                    help="exclude: drop examples with budget below this (default: the second-smallest budget)")
-    p.add_argument("--out", required=True, help="run folder: report.json, ledger.csv, model.pt, checkpoint.pt")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    h = p.add_argument_group("PDP-SGD and its baselines (Heo et al.)")
-    h.add_argument("--threshold-loss", choices=["fixed", "adaptive"], default="fixed",
-                   help="threshold loss: fixed weights (eq. 6) or adaptive (eq. 7) (default fixed)")
-    h.add_argument("--w1", type=float, help="weight of the unsampled waste in the fixed loss; w2 = 1 - w1 "
-                   "(default 0.7, adapdp 0.2)")
-    h.add_argument("--rounds", type=int, default=3, help="rounds of pdp-sgd and adapdp (default 3)")
-    h.add_argument("--noise-history", action="store_true",
-                   help="Alg. 4 literally: earlier rounds' accountant history counts against each round's target")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel processes on this machine (gloo on CPU, "
+                   "NCCL with one GPU each on cuda); the same privacy accounting as one process (default 1)")
+    p.add_argument("--out", required=True, help="run folder: public report.json, report.html, model.pt; private/ "
+                   "(mode 0600): checkpoint, ledger, per-example files")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
+    p.add_argument("--release-epsilon", type=float, default=0.5, help="ε of the private release of individual-ε "
+                   "statistics (mean and quantiles), charged to every example (default 0.5)")
+    add_pdp_arguments(p.add_argument_group("PDP-SGD and its baselines (Heo et al.)"))
+    add_filter_arguments(p.add_argument_group("individual Rényi filter (Feldman & Zrnic 2021; Boenisch et al. §5)"))
     g = p.add_argument_group("individual privacy accounting (Yu et al. 2023)")
     g.add_argument("--individual-accounting", action="store_true",
                    help="account for the ε every training example actually received")
@@ -69,6 +78,11 @@ def _train_args(p):
                    help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee")
     g.add_argument("--validate-subset", type=int, default=1000,
                    help="examples tracked exactly at every step to validate the estimates (default 1000; 0: off)")
+    g.add_argument("--individual-accountant", choices=["rdp", "pld"], default="rdp",
+                   help="per-example bound: rdp, or pld (its PLD as well; needs --rounding ceil or nearest); each "
+                        "example's ε is the smallest of its bounds and its group's (default rdp)")
+    g.add_argument("--save-norms", action="store_true", help="write OUT/private/norms.npz: every refresh's gradient "
+                   "norms, the file 'idpsgd account --norms' reads")
 
 
 def _config(args, method):
@@ -78,9 +92,7 @@ def _config(args, method):
                        momentum=args.momentum, clip_norm=args.clip_norm, accountant=args.accountant,
                        model=args.model, seed=resolved_seed(args), secure_mode=args.secure_mode, device=args.device,
                        grad_sample_mode=args.grad_sample_mode, exclude_below=getattr(args, "exclude_below", None),
-                       progress=not args.no_progress,
-                       **{k: getattr(args, k) for k in ("threshold_loss", "w1", "rounds", "noise_history")
-                          if hasattr(args, k)})
+                       progress=not args.no_progress)
 
 
 def _individual(args):
@@ -89,18 +101,44 @@ def _individual(args):
     from ..validation import InvalidParameterError
 
     if not getattr(args, "individual_accounting", False):
-        if getattr(args, "individual_clipping", False):
-            raise InvalidParameterError("individual_clipping", True, "needs --individual-accounting")
+        for flag in ("individual_clipping", "save_norms"):
+            if getattr(args, flag, False):
+                raise InvalidParameterError(flag, True, "needs --individual-accounting")
         return None
     return IndividualAccountingOptions(refreshes_per_epoch=args.refreshes_per_epoch, rounding=args.rounding,
                                        rounding_step=args.rounding_step, individual_clipping=args.individual_clipping,
-                                       validate_subset=args.validate_subset)
+                                       validate_subset=args.validate_subset, record_norms=args.save_norms,
+                                       accountant=args.individual_accountant)
 
 
-def _load(args):
+def _load(args, folder=None):
+    """The dataset; a resumed run re-applies the normalization record of its checkpoint (the same
+    privately estimated constants, charged once)."""
     from ..data import load_dataset
+    from ..preprocessing import parse_feature_range, parse_normalization
 
-    return load_dataset(args.dataset, args.data_dir, label_column=args.label_column)
+    normalization = parse_normalization(args.normalization) if args.normalization else None
+    if getattr(args, "resume", False) and folder is not None and normalization == "private":
+        record = saved_signature(folder).get("preprocessing")
+        if isinstance(record, dict):
+            normalization = record
+    return load_dataset(args.dataset, args.data_dir, label_column=args.label_column, normalization=normalization,
+                        normalization_epsilon=args.normalization_epsilon, normalization_delta=args.normalization_delta,
+                        feature_range=parse_feature_range(args.feature_range) if args.feature_range else None)
+
+
+def saved_signature(folder) -> dict:
+    """The settings recorded in a run folder's checkpoint ({} without one)."""
+    from ..io import load_torch
+    from ..runfolder import PRIVATE
+    from ..training.loop import CHECKPOINT
+
+    ckpt = folder.path / PRIVATE / CHECKPOINT
+    if not ckpt.is_file():
+        return {}
+    state = load_torch(ckpt)
+    signature = state.get("signature") if isinstance(state, dict) else None
+    return signature if isinstance(signature, dict) else {}
 
 
 def _pdp_text(r):
@@ -113,7 +151,7 @@ def _pdp_text(r):
     lines.append(f"{'budget':>8} {'count':>6} {'eps_spent':>10} {'delta':>10}")
     for g in r["groups"]:
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['epsilon_spent']:>10.4f} {g['delta']:>10.3g}")
-    lines.append(f"per-example (epsilon, delta): {r['out']}/pdp_guarantees.csv; report: {r['out']}/report.json")
+    lines.append(f"per-example (epsilon, delta): {r['out']}/private/pdp_guarantees.csv (personal data); report: {r['out']}/report.json")
     return "\n".join(lines)
 
 
@@ -128,15 +166,21 @@ def _train_text(r):
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {c} {g['epsilon_spent']:>10.4f}")
     ip = r.get("individual_privacy")
     if ip:
-        lines.append(f"individual epsilon ({ip['kind']}): mean {ip['mean']:.4f}, median {ip['quantiles']['0.5']:.4f}, "
-                     f"max {ip['max']:.4f}; worst case {ip['worst_case_epsilon']:.4f}; "
-                     f"{100 * ip['share_at_worst_case']:.1f}% at the worst case")
-        if "validation" in ip:
-            v = ip["validation"]
-            lines.append(f"validation on {v['examples']} examples tracked exactly: Pearson r "
-                         f"{v['pearson_r'] if v['pearson_r'] is None else round(v['pearson_r'], 4)}, "
-                         f"mean |error| {v['mean_abs_error']:.4f}, max |error| {v['max_abs_error']:.4f}")
-        lines.append(f"per-example values: {r['out']}/individual_epsilons.csv (personal data)")
+        rel = ip["released"]
+        qs = ", ".join(f"{k}: {v:.3f}" for k, v in rel["quantiles"]["values"].items())
+        lines.append(f"individual epsilon ({ip['kind']}), privately released with epsilon {rel['total']['epsilon']:g}: "
+                     f"mean {rel['mean']['value']:.3f}; quantiles {qs}")
+        exact = (r.get("private") or {}).get("individual_privacy")
+        if exact:
+            lines.append(f"[private] exact: mean {exact['mean']:.4f}, median {exact['quantiles']['0.5']:.4f}, "
+                         f"max {exact['max']:.4f}; worst case {exact['worst_case_epsilon']:.4f}; "
+                         f"{100 * exact['share_at_worst_case']:.1f}% at the worst case")
+            if "validation" in exact:
+                v = exact["validation"]
+                lines.append(f"[private] validation on {v['examples']} examples tracked exactly: Pearson r "
+                             f"{v['pearson_r'] if v['pearson_r'] is None else round(v['pearson_r'], 4)}, "
+                             f"mean |error| {v['mean_abs_error']:.4f}, max |error| {v['max_abs_error']:.4f}")
+        lines.append(f"per-example values: {r['out']}/private/individual_epsilons.csv (personal data)")
     lines.append(f"report: {r['out']}/report.json")
     return "\n".join(lines)
 
@@ -144,12 +188,45 @@ def _train_text(r):
 @command("train", "train a model with individualized privacy budgets (IDP-SGD) and report ε per group")
 @arguments(_train_args)
 def train_cmd(args):
+    from ..runfolder import RunFolder
     from ..training import train
+    from ..training.filtered import check_filter_config, train_filtered
+    from ..training.pdp import PDP_METHODS
+    from ..validation import InvalidParameterError
 
-    data = _load(args)
-    budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
-    report = train(data, budgets, _config(args, args.method), args.out, resume=args.resume,
-                   individual=_individual(args))
+    individual = _individual(args)
+    filter_options = filter_options_from_args(args)
+    if filter_options is not None and individual is not None:
+        raise InvalidParameterError("individual_accounting", True, "cannot be combined with --filter individual "
+                                    "(the filter does its own per-example accounting; see filter_epsilons.csv)")
+    pdp = pdp_options_from_args(args)
+    folder = RunFolder(args.out, resume=args.resume, overwrite=args.overwrite)
+    if args.resume and args.seed is None and not args.secure_mode:   # continue with the recorded seed
+        recorded = saved_signature(folder).get("config", {}).get("seed")
+        if recorded is not None:
+            args._resolved_seed = recorded
+    try:
+        config = _config(args, args.method)
+        if filter_options is not None:
+            check_filter_config(config, filter_options)
+        data = _load(args, folder)
+        budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
+        if args.nproc != 1:   # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
+            from ..engine.distributed import check_nproc, launch
+            from ..training.loop import resolve_device
+
+            check_nproc(args.nproc, pdp=args.method in PDP_METHODS, individual_filter=filter_options is not None)
+            report = launch(train, args.nproc, (data, budgets, config, folder), dict(
+                resume=args.resume, individual=individual, release_epsilon=args.release_epsilon),
+                device=resolve_device(config.device))
+        elif filter_options is not None:
+            report = train_filtered(data, budgets, config, filter_options, folder, resume=args.resume)
+        else:
+            report = train(data, budgets, config, folder, resume=args.resume, individual=individual,
+                           release_epsilon=args.release_epsilon, pdp=pdp)
+    except BaseException:
+        folder.discard_if_unused()
+        raise
     return {**report, "out": str(Path(args.out))}
 
 
@@ -175,6 +252,7 @@ def _demo_args(p):
     p.add_argument("--seed", type=int, help="seed of groups, sampling, noise and init (default: a fresh seed, "
                    "recorded in summary.json)")
     p.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier demo in --out")
 
 
 def run_demo(args) -> dict:
@@ -182,6 +260,9 @@ def run_demo(args) -> dict:
     from ..assignment import Budgets
     from ..training import train
 
+    from ..runfolder import RunFolder
+
+    top = RunFolder(args.out, overwrite=args.overwrite)
     data = _load(args)
     n = len(data.y_train)
     grouped = demo_budgets(n, args.delta, _assignment_seed(args))
@@ -189,7 +270,7 @@ def run_demo(args) -> dict:
     for label, method, budgets, fractions in DEMO_RUNS:
         b = grouped if fractions else Budgets.from_array([float(budgets)] * n, args.delta)
         out = Path(args.out) / label.replace(" ", "_").replace("=", "")
-        report = train(data, b, _config(args, method), out)
+        report = train(data, b, _config(args, method), out, overwrite=True)
         # the ε=3 run trains everyone at 3: show it against the demo's groups for comparison
         spent = {g["budget"]: g["epsilon_spent"] for g in report["groups"]}
         rows.append({"run": label, "method": method, "test_accuracy": report["test_accuracy"],
@@ -199,7 +280,7 @@ def run_demo(args) -> dict:
     summary = {"dataset": data.name, "budgets": DEMO_BUDGETS, "fractions": DEMO_FRACTIONS, "delta": args.delta,
                "accountant": args.accountant, "seed": resolved_seed(args), "secure_mode": args.secure_mode,
                "runs": rows}
-    write_json(Path(args.out) / "summary.json", summary)
+    top.write_json("summary.json", summary, "public", "the demo's four runs: test accuracy and epsilon per group")
     return summary
 
 

@@ -1,0 +1,138 @@
+"""The ``per-instance`` command: per-instance Rényi DP of DP-SGD in both directions (Thudi et al.)."""
+from __future__ import annotations
+
+from .registry import arguments, command
+from .train_commands import _config, _hyper_args, _load
+
+
+
+def _defaults() -> dict:
+    """The defaults of :func:`~idpsgd.training.per_instance.run_per_instance` (the paper's ε = 10, α = 8, ...):
+    the flags and their help texts take them from there."""
+    import inspect
+
+    from ..training.per_instance import run_per_instance
+
+    return {k: v.default for k, v in inspect.signature(run_per_instance).parameters.items()}
+
+
+def _per_instance_args(p):
+    d = _defaults()
+    _hyper_args(p)     # the paper's settings are the training defaults: --clip-norm 1, --batch-size 128
+    p.add_argument("--target-set", choices=["test", "train"], default=d["target_set"],
+                   help="where the target points x* come from: test (X = the training set, X' = X + {x*}; "
+                        "Fig. 1a) or train (X' = the training set, X = X' - {x*}; Fig. 1c) (default %(default)s)")
+    p.add_argument("--points", help="comma-separated indices of the target points in --target-set")
+    p.add_argument("--num-points", type=int, help="or: this many random points of --target-set (seeded)")
+    p.add_argument("--runs", type=int, default=d["runs"], help="training runs per chain: on the training set, and "
+                   "on each target's X or X' (default %(default)s)")
+    p.add_argument("--alpha", type=int, default=d["alpha"], help="integer Rényi order (default %(default)s)")
+    p.add_argument("--update-rule", choices=["sum", "mean"], default=d["update_rule"],
+                   help="the rule the runs are trained with and analysed for: sum (DP-SGD as implemented; "
+                        "Thm. 3.2) or mean (mean of the realised batch plus noise; Thm. 3.6) (default %(default)s)")
+    p.add_argument("--epsilon", type=float, default=d["epsilon"],
+                   help="data-independent ε the runs' noise is calibrated to (default %(default)g)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between recorded checkpoints (default: one epoch)")
+    p.add_argument("--samples", default=",".join(str(v) for v in d["samples"]),
+                   help="outer,inner mini-batch samples for Thm. 3.6 (default %(default)s)")
+    p.add_argument("--p", type=float, help="Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4)")
+    p.add_argument("--failure", type=float, default=d["failure"],
+                   help="J: each point's confidence upper bound holds with probability >= 1 - J (default %(default)s)")
+    p.add_argument("--unlearning-beta", type=float,
+                   help="NPIU threshold β (default: the data-independent RDP of training at α)")
+    p.add_argument("--seed", type=int, help="seed of the initialisation, runs and point choice (default: a fresh "
+                   "seed, recorded in per_instance.json)")
+    p.add_argument("--out", required=True, help="folder: private/ per_instance.csv/.json, per_instance_steps.csv and "
+                   "the plots (all private, mode 0600)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis in --out")
+
+
+#: Keys of the result that are public: settings, test metrics and the data-independent baseline. The
+#: per-point estimates and every statistic of them stay private (``--show-private`` prints them).
+PUBLIC_KEYS = ("kind", "definition", "alpha", "update_rule", "target_set", "runs", "runs_trained", "steps", "clip_norm",
+               "training_epsilon", "test_accuracy", "baseline_rdp", "failure", "seed", "secure_mode", "out")
+
+
+def _per_instance_text(s):
+    lines = [(f"per-instance RDP at alpha={s['alpha']} ({s['update_rule']} rule, targets from the {s['target_set']} "
+              f"set, {s['runs']} runs per chain ({s['runs_trained']} trained), {s['steps']} steps; estimates): clip "
+              f"norm {s['clip_norm']:g}, training epsilon {s['training_epsilon']:g}, test accuracy "
+              f"{s['test_accuracy']:.4f}; data-independent RDP at alpha: {s['baseline_rdp']:.4g}")]
+    p = s.get("private")
+    if p:
+        lines.append(f"[private] ratio of the per-instance RDP max(add, remove) to the data-independent one over "
+                     f"{len(p['points'])} points: median {p['median_ratio_to_baseline']:.3f}, 10th percentile "
+                     f"{p['p10_ratio_to_baseline']:.3f}; confidence upper bound (prob. >= {1 - s['failure']:g} per "
+                     f"point): median {p['median_upper_ratio_to_baseline']:.3f}; "
+                     f"{100 * p['share_points_below_baseline_late']:.0f}% of the points below the baseline late in "
+                     "training")
+        unl = p.get("unlearning")
+        if unl:
+            keep = sum(r["decision"] == "keep" for r in unl["requests"])
+            lines.append(f"[private] unlearning (beta={unl['beta']:.4g}): {keep} of {len(unl['requests'])} requests "
+                         "keep the model")
+    lines.append(f"per point: {s['out']}/private/per_instance.csv (rdp_add, rdp_remove, rdp, *_upper; private, mode "
+                 "0600); summary and plots in the same folder (--show-private prints the summary)")
+    return "\n".join(lines)
+
+
+def _integers(text: str, name: str, allowed: str) -> list[int]:
+    """``"0,5,17"`` -> [0, 5, 17]; anything but comma-separated integers is refused (``1.5``, ``nan``)."""
+    from ..validation import InvalidParameterError
+
+    try:
+        return [int(v.strip()) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise InvalidParameterError(name, text, allowed if allowed.startswith("must") else "must be " + allowed) \
+            from None
+
+
+@command("per-instance", "per-instance Rényi DP of DP-SGD in both directions for chosen points (Thudi et al.), "
+                         "with NPIU unlearning")
+@arguments(_per_instance_args)
+def per_instance_cmd(args):
+    import numpy as np
+
+    from ..training.per_instance import run_per_instance
+    from ..validation import InvalidParameterError, check_epsilon, check_positive
+
+    from ..runfolder import RunFolder
+    from .budget_args import resolved_seed
+
+    check_epsilon(args.epsilon, "epsilon")          # the flags first: nothing is read or written before
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise InvalidParameterError("checkpoint_every", args.checkpoint_every, "must be an integer >= 1")
+    if args.unlearning_beta is not None:
+        check_positive(args.unlearning_beta, "unlearning_beta")
+    if args.points is not None:
+        points = _integers(args.points, "points", "comma-separated indices (integers >= 0), e.g. 0,5,17")
+        if not points or min(points) < 0:
+            raise InvalidParameterError("points", args.points, "must be comma-separated indices (integers >= 0)")
+    elif args.num_points is not None:
+        if args.num_points < 1:
+            raise InvalidParameterError("num_points", args.num_points, "must be an integer >= 1")
+    else:
+        raise InvalidParameterError("points", None, "give --points I,J,... or --num-points K")
+    samples = _integers(args.samples, "samples", "must be OUTER,INNER: two integers >= 1")
+    if len(samples) != 2 or min(samples) < 1:
+        raise InvalidParameterError("samples", args.samples, "must be OUTER,INNER: two integers >= 1")
+    data = _load(args)
+    size = len(data.y_test) if args.target_set == "test" else len(data.y_train)
+    if args.points is None:
+        if not 1 <= args.num_points <= size:
+            raise InvalidParameterError("num_points", args.num_points, f"must be in [1, {size}]")
+        choice = np.random.default_rng(resolved_seed(args) if not args.secure_mode else None)
+        points = np.sort(choice.choice(size, args.num_points, replace=False))
+    elif max(points) >= size:
+        raise InvalidParameterError("points", args.points, f"must be indices in [0, {size - 1}] of the "
+                                    f"{args.target_set} set")
+    folder = RunFolder(args.out, overwrite=args.overwrite)
+    summary = run_per_instance(data, points, args.runs, args.alpha, args.update_rule, _config(args, "uniform"),
+                               args.epsilon, args.delta, args.checkpoint_every, tuple(samples), args.p,
+                               args.unlearning_beta, folder, target_set=args.target_set, failure=args.failure)
+    summary = {**summary, "out": args.out}
+    return {**{k: summary[k] for k in PUBLIC_KEYS if k in summary},
+            "private": {k: v for k, v in summary.items() if k not in PUBLIC_KEYS}}
+
+
+per_instance_cmd._text = _per_instance_text
