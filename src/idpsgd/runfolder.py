@@ -45,6 +45,7 @@ class RunFolder:
             raise InvalidParameterError(flag, "" if path is None else str(path), "must name a folder for the run")
         self.path = Path(path)
         self.flag = flag
+        self.created = not self.path.exists()
         self._check(resume, overwrite)
         self.manifest: dict[str, dict] = self._read_manifest() if resume else {}
 
@@ -71,6 +72,13 @@ class RunFolder:
                 raise InvalidParameterError(self.flag, str(p), "already holds files of another run; use --resume to "
                                             "continue it, --overwrite to replace it, or a new folder")
             self.clear()
+
+    def discard_if_unused(self) -> None:
+        """Remove the folder again if this run created it and wrote nothing into it (a refused run
+        leaves no empty folder behind)."""
+        if self.created and not self.manifest and self.path.is_dir() and not any((self.path / PRIVATE).iterdir()) \
+                and all(q.name == PRIVATE for q in self.path.iterdir()):
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def clean_temporary(self) -> None:
         """Remove temporary files left by atomic writes that were killed."""
