@@ -17,6 +17,8 @@ sys.path.insert(0, str(HERE))
 
 from common import BENCHES  # noqa: E402
 
+from idpsgd.io import write_json
+
 for _module in sorted(HERE.glob("bench_*.py")):
     importlib.import_module(_module.stem)
 
@@ -30,10 +32,7 @@ def main(argv):
     for name in names:
         result = {"benchmark": name, "machine": platform.platform(), "python": platform.python_version(),
                   **BENCHES[name]()}
-        path = RESULTS / f"{name}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        write_json(RESULTS / f"{name}.json", result)     # atomic (idpsgd.io)
         print(json.dumps(result, indent=2))
 
 
