@@ -233,9 +233,6 @@ def test_stdout_holds_no_private_value(runs, name):
     assert not leaks, f"{name} prints private values without --show-private: {leaks}\n{stdout}"
 
 
-@pytest.mark.xfail(strict=True, reason="per-instance prints exact statistics of the per-point RDP (median and 10th "
-                   "percentile ratio, share below the baseline, unlearning decisions) that its run folder keeps "
-                   "private (cli/per_instance_command.py:_per_instance_text)")
 def test_per_instance_stdout_holds_no_private_value(runs):
     folder, stdout, argv = runs["per-instance"]
     assert not private_on_stdout(folder, stdout, argv)
@@ -266,9 +263,6 @@ def test_report_command_adds_only_declared_files(runs):
     assert not _kinds_problems(folder)
 
 
-@pytest.mark.xfail(strict=True, reason="account prints the exact mean, max and quantiles of the per-example epsilon "
-                   "(cli/accounting_commands.py account_cmd's result) and writes individual_epsilons.csv outside any "
-                   "manifest (into --out's top level, or over the run's own private/individual_epsilons.csv)")
 def test_account_keeps_per_example_values_private(runs, tmp_path):
     folder = runs["individual"][0]
     out = tmp_path / "account"

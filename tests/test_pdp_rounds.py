@@ -178,9 +178,10 @@ def test_reproduce_heo_table1_small(digits, tmp_path, capsys):
     fake = {"dataset": "digits",
             "fig4_accuracy_vs_w1": {"0.0": {"0.3": {"mean": 0.5, "std": 0.1}, "0.7": {"mean": 0.6, "std": 0.0}}},
             "fig5_accuracy_vs_interval": {"fixed": {"0.1": {"mean": 0.4, "std": 0.0}, "0.5": {"mean": 0.6, "std": 0.1}}}}
-    assert _plots(tmp_path, fake) == ["fig4_w1.png", "fig5_interval.png"]
-    assert (tmp_path / "fig4_w1.png").read_bytes()[:4] == b"\x89PNG"
-    assert main(["reproduce", "heo-table1", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    from idpsgd.runfolder import RunFolder
+    assert _plots(RunFolder(tmp_path / "figs"), fake) == ["fig4_w1.png", "fig5_interval.png"]
+    assert (tmp_path / "figs" / "fig4_w1.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["reproduce", "heo-table1", "--seeds", "0", "--out", str(tmp_path / "cli")]) == 2
     assert "--seeds=0 is invalid" in capsys.readouterr().err
 
 
@@ -204,7 +205,7 @@ def test_an_empty_round_still_releases_its_noisy_steps():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
-    out = run_dp_round(model, opt, (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), noise_multiplier=1.0,
-                       sample_rate=0.5, clip_norm=1.0, steps=3, steps_per_epoch=2, expected_batch_size=4.0,
-                       sampler_rng=np.random.default_rng(0), noise_generator=gen)
+    out = run_dp_round(model, opt, (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), np.zeros(0, dtype=int),
+                       budgets=None, noise_multiplier=1.0, sample_rate=0.5, clip_norm=1.0, steps=3, steps_per_epoch=2,
+                       expected_batch_size=4.0, seed=0, noise_generator=gen)
     assert out is model and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -47,12 +47,6 @@ def _per_instance_args(p):
     p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis in --out")
 
 
-#: Keys of the result that are public: settings, test metrics and the data-independent baseline. The
-#: per-point estimates and every statistic of them stay private (``--show-private`` prints them).
-PUBLIC_KEYS = ("kind", "definition", "alpha", "update_rule", "target_set", "runs", "runs_trained", "steps", "clip_norm",
-               "training_epsilon", "test_accuracy", "baseline_rdp", "failure", "seed", "secure_mode", "out")
-
-
 def _per_instance_text(s):
     lines = [(f"per-instance RDP at alpha={s['alpha']} ({s['update_rule']} rule, targets from the {s['target_set']} "
               f"set, {s['runs']} runs per chain ({s['runs_trained']} trained), {s['steps']} steps; estimates): clip "
@@ -93,7 +87,7 @@ def _integers(text: str, name: str, allowed: str) -> list[int]:
 def per_instance_cmd(args):
     import numpy as np
 
-    from ..training.per_instance import run_per_instance
+    from ..training.per_instance import public_summary, run_per_instance
     from ..validation import InvalidParameterError, check_epsilon, check_positive
 
     from ..runfolder import RunFolder
@@ -130,9 +124,8 @@ def per_instance_cmd(args):
     summary = run_per_instance(data, points, args.runs, args.alpha, args.update_rule, _config(args, "uniform"),
                                args.epsilon, args.delta, args.checkpoint_every, tuple(samples), args.p,
                                args.unlearning_beta, folder, target_set=args.target_set, failure=args.failure)
-    summary = {**summary, "out": args.out}
-    return {**{k: summary[k] for k in PUBLIC_KEYS if k in summary},
-            "private": {k: v for k, v in summary.items() if k not in PUBLIC_KEYS}}
+    public = public_summary(summary)
+    return {**public, "out": args.out, "private": {k: v for k, v in summary.items() if k not in public}}
 
 
 per_instance_cmd._text = _per_instance_text

@@ -18,7 +18,6 @@ per-example.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -165,7 +164,8 @@ def _markdown(r) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(out: Path, r) -> list[str]:
+def _plots(out, r) -> list[str]:
+    """Fig. 4 and Fig. 5 into the run folder ``out`` (a :class:`~idpsgd.runfolder.RunFolder`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -464,6 +464,8 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
                      "every step's per-instance contribution per point (estimates)")
         rf.write_json("per_instance.json", summary, "private", "the per-instance analysis: settings, per-point "
                       "estimates, NPIU decisions, test accuracy")
+        rf.write_json("settings.json", public_summary(summary), "public", "the analysis' settings, the runs' test "
+                      "accuracy and the data-independent RDP baseline (no per-point value)")
         summary["plots"] = [_plot_steps(rf, per_step_ratio, n), _plot_stages(rf, stage_values, ckpts, update_rule)]
     return summary
 
@@ -519,3 +521,17 @@ def _plot_stages(out, values: dict, ckpts, update_rule: str) -> str:
     axes[0].set_ylabel("points")
     axes[0].legend(fontsize=7)
     return _save(fig, out, "per_instance_stages.png", "distribution of per-step guarantees per stage (Fig. 2/4)")
+
+
+#: Keys of the summary that are public: settings, test metrics of the DP-trained runs and the
+#: data-independent baseline.  The per-point estimates and every statistic of them stay private.
+PUBLIC_KEYS = ("kind", "definition", "alpha", "update_rule", "target_set", "runs", "runs_trained", "steps",
+               "clip_norm", "sample_rate", "batch_size", "noise_multiplier", "lr", "epochs", "training_epsilon",
+               "delta", "test_accuracy", "test_accuracy_runs", "baseline_rdp", "baseline_step_rdp", "failure",
+               "seed", "secure_mode")
+
+
+def public_summary(summary: dict) -> dict:
+    """The public part of a :func:`run_per_instance` summary (see :data:`PUBLIC_KEYS`)."""
+    return {k: summary[k] for k in PUBLIC_KEYS if k in summary}
+
