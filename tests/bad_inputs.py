@@ -236,6 +236,7 @@ CASES = [
     ("train", "--budgets-per-class 0:1", "--budgets-per-class='0:1'"),   # classes 1..9 missing
     ("train", "--budgets-per-class 0:x", "--budgets-per-class='0:x'"),
     ("train", "--budgets-per-class 0:-1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1", "--budgets-per-class"),
+    ("train", "--budgets-per-class 0:1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1,11:2", "no training example has"),
     ("train", "--budget-distribution exponential --range 0.5", "--range='0.5'"),
     ("train", "--budget-distribution exponential --range 0.5,1 --skew nan", "--skew=nan"),
     # --- train: data --------------------------------------------------------------------------

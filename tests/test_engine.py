@@ -323,3 +323,69 @@ def test_trains_on_cuda(data, budgets):
         opt.step()
         assert opt.last_norms is None or opt.last_norms.device.type == "cuda"
     assert engine.steps == 5 and all(p.is_cuda for p in model.parameters())
+
+
+def _private(data, budgets, **kw):
+    x, y = data
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = IndividualizedPrivacyEngine(**kw)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                             batch_size=24), budgets=budgets, method="scale", epochs=2,
+                                             max_grad_norm=1.0)
+    return engine, model, opt, loader
+
+
+def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
+    from idpsgd.engine.sampler import BatchMismatchError
+
+    engine, model, opt, loader = _private(data, budgets, seed=0)
+    it = iter(loader)
+    next(it)
+    xb, yb = next(it)                      # two batches drawn, the second trained: clip norms would be the first's
+    before = _params(model)
+    F.cross_entropy(model(xb), yb).backward()
+    with pytest.raises(BatchMismatchError, match="drawn batch"):
+        opt.step()
+    assert engine.steps == 0 and torch.equal(before, _params(model))
+    opt.zero_grad()
+    xb, yb = next(it)                      # one batch, one example dropped
+    F.cross_entropy(model(xb[1:]), yb[1:]).backward()
+    with pytest.raises(BatchMismatchError, match="part of a drawn batch"):
+        opt.step()
+    assert engine.steps == 0
+    opt.zero_grad()
+    xb, yb = next(it)                      # and the right use still works afterwards
+    F.cross_entropy(model(xb), yb).backward()
+    opt.step()
+    assert engine.steps == 1
+
+
+def test_secure_noise_never_comes_from_a_seeded_torch_generator(data, budgets):
+    from idpsgd.engine.randomness import OsEntropyNormal, gaussian_like
+
+    engine, model, opt, loader = _private(data, budgets, secure_mode=True)
+    try:
+        import torchcsprng  # noqa: F401
+    except ImportError:
+        assert isinstance(opt.generator, OsEntropyNormal)
+    z = gaussian_like(2.0, torch.zeros(200_000), OsEntropyNormal(), True)
+    assert abs(float(z.mean())) < 0.03 and abs(float(z.std()) - 2.0) < 0.03
+    w = gaussian_like(2.0, torch.zeros(200_000), OsEntropyNormal(), True)
+    assert not torch.equal(z, w)
+    for xb, yb in loader:                  # a secure step runs and is charged
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        break
+    assert engine.steps == 1
+
+
+def test_a_saved_state_is_refused_by_an_engine_with_other_parameters(data, budgets):
+    engine, model, opt, loader = _private(data, budgets, seed=0)
+    state = engine.state_dict()
+    other, *_ = _private(data, Budgets.from_groups([2.0, 5.0], [0.5, 0.5], N, DELTA, seed=0), seed=0)
+    with pytest.raises(ValueError, match="other sampling rates"):
+        other.load_state_dict(state)
+    same, *_ = _private(data, budgets, seed=0)
+    same.load_state_dict(state)

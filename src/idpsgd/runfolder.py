@@ -114,7 +114,11 @@ class RunFolder:
         rel = f"{PRIVATE}/{name}" if kind == "private" else name
         self.manifest[rel] = {"kind": kind, "description": description}
         self._write_manifest()
-        return self.path / rel
+        path = self.path / rel
+        if kind == "private" and path.parent != self.path / PRIVATE:     # sub-folders of private/: 0700 too
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path.parent, 0o700)
+        return path
 
     def _write_manifest(self) -> None:
         write_json(self.path / MANIFEST, {

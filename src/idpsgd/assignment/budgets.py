@@ -99,6 +99,10 @@ class Budgets:
         if missing:
             raise InvalidParameterError("budgets_per_class", mapping,
                                         f"has no budget for class(es) {missing}; give one per class")
+        unknown = sorted(set(mapping) - set(np.unique(labels).tolist()), key=str)
+        if unknown:
+            raise InvalidParameterError("budgets_per_class", mapping,
+                                        f"names class(es) {unknown} that no training example has")
         lut = {k: float(v) for k, v in mapping.items()}
         return cls(np.array([lut[int(y)] if isinstance(y, (int, np.integer)) else lut[y] for y in labels.tolist()]),
                    delta)

@@ -10,6 +10,8 @@ interrupted audit resumes without retraining it.
 """
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import hashlib
 import shutil
@@ -75,6 +77,7 @@ def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config,
     if scratch is None:
         raise InvalidParameterError("scratch", None, "a PDP audit needs a private scratch folder")
     scratch.mkdir(parents=True, exist_ok=True)
+    os.chmod(scratch, 0o700)                     # private models
     tmp = Path(tempfile.mkdtemp(dir=scratch, prefix="run-"))
     try:
         report = train(sub, sub_budgets, config, tmp, overwrite=True, pdp=pdp)

@@ -193,11 +193,24 @@ class GroupAccountant:
     def load_state_dict(self, state: dict) -> None:
         if state["accountant"] != self.accountant:
             raise ValueError(f"accountant state is for {state['accountant']!r}, this accountant is {self.accountant!r}")
-        self.phases = []
+        def arr(v, dtype):
+            return np.asarray(torch.as_tensor(v).cpu().numpy(), dtype=dtype)
+
+        current = self.phases[-1] if self.phases else None
+        phases = []
         for p in state["phases"]:
-            q, sig = np.asarray(p["q"], dtype=float), np.asarray(p["sigma"], dtype=float)
-            self.phases.append({"q": q, "sigma": sig, "group": np.asarray(p["group"], dtype=np.int64),
-                                "class_of": np.asarray(p["class_of"], dtype=np.int64), "steps": int(p["steps"]),
-                                "step_rdp": compute_rdp(q, sig, self.orders) if q.size
-                                else np.zeros((0, self.orders.size))})
+            q, sig = arr(p["q"], float), arr(p["sigma"], float)
+            phases.append({"q": q, "sigma": sig, "group": arr(p["group"], np.int64),
+                           "class_of": arr(p["class_of"], np.int64), "steps": int(p["steps"]),
+                           "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size))})
+        if current is not None:      # the state must continue the phase make_private set up, not another one
+            last = phases[-1] if phases else None
+            same = last is not None and all(
+                last[k].shape == current[k].shape and np.array_equal(last[k], current[k])
+                for k in ("q", "sigma", "group", "class_of"))
+            if not same:
+                raise ValueError("the saved accountant state is for other sampling rates, clip norms, noise or "
+                                 "examples than the phase make_private set up; load it into an engine set up with "
+                                 "the same parameters")
+        self.phases = phases
         self._paths, self._ok, self._bad = None, {}, {}

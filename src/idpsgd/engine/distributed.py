@@ -191,12 +191,13 @@ class _RankZeroNoise:
     def add_noise(self):
         if self.rank == 0:
             return super().add_noise()     # the guard, then N(0, σ²c²) once for the whole step
-        if self.guard is not None:         # every rank holds the same ledger: the same decision
-            try:
+        try:
+            self.clipping.queue.finish_step()   # this rank's share of the drawn batch, whole
+            if self.guard is not None:          # every rank holds the same ledger: the same decision
                 self.guard(self)
-            except BaseException:
-                self.clipping.end_step()
-                raise
+        except BaseException:
+            self.clipping.end_step()
+            raise
         for p in self.params:
             _check_processed_flag(p.summed_grad)
             p.grad = p.summed_grad.view_as(p).clone()

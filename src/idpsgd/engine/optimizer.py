@@ -29,7 +29,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from ..validation import InvalidParameterError, check_positive
 from .clipping import PerExampleClipping
-from .randomness import reseed_secure
+from .randomness import gaussian_like
 
 
 class _PrivacyHooks:
@@ -67,15 +67,19 @@ class _PrivacyHooks:
         return self.clipping.last_indices
 
     def add_noise(self):
-        if self.guard is not None:
-            try:
+        try:
+            self.clipping.queue.finish_step()       # exactly the drawn batch(es), whole
+            if self.guard is not None:
                 self.guard(self)
-            except BaseException:
-                self.clipping.end_step()        # the refused step's examples are dropped
-                raise
-        if self.secure_mode:
-            reseed_secure(self.generator)
-        super().add_noise()
+        except BaseException:                       # a refused step: its examples are dropped and its
+            self.clipping.end_step()                # raw (unclipped, un-noised) gradients cleared
+            self.zero_grad(set_to_none=True)
+            raise
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:                   # Opacus's add_noise, with the noise source of our mode
+            _check_processed_flag(p.summed_grad)
+            p.grad = (p.summed_grad + gaussian_like(std, p.summed_grad, self.generator, self.secure_mode)).view_as(p)
+            _mark_as_processed(p.summed_grad)
         self._noised = True
 
     def step(self, closure=None):

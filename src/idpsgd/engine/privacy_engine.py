@@ -302,7 +302,7 @@ class IndividualizedPrivacyEngine:
         elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
             self._noise = make_noise_generator(device, self.seed, self.secure_mode)
 
-        queue = BatchIndexQueue()
+        queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)   # workers prefetch batches
         self.clipping = PerExampleClipping(c, queue)
         wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
         wrapped.forbid_grad_accumulation()

@@ -6,13 +6,13 @@ Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
   given seed replays a run exactly; without a seed a fresh one is drawn from OS entropy and
   *recorded* (``engine.seed``, and the report), so the run can be replayed.
 * **secure** — a seed is refused (privacy beats replay).  Poisson sampling draws its uniforms
-  straight from the operating system's CSPRNG (``os.urandom``); the noise generator is seeded
-  from OS entropy and re-seeded from it before every step, and the noise itself is drawn as
+  straight from the operating system's CSPRNG (``os.urandom``); the noise is drawn as
   Opacus does in secure mode (the sum of four normals halved, after a discarded draw: robust to
   the floating-point attacks of Mironov 2012 / Haney et al. 2022, see
-  ``opacus.optimizers.optimizer._generate_noise``).  PyTorch has no cryptographic normal
-  sampler; when ``torchcsprng`` is installed its ``/dev/urandom`` generator is used instead,
-  exactly as Opacus does.  Nothing about a secure run's randomness is written anywhere.
+  ``opacus.optimizers.optimizer._generate_noise``).  When ``torchcsprng`` is installed its
+  ``/dev/urandom`` generator draws the normals, exactly as Opacus does; otherwise they come from
+  ``os.urandom`` through :class:`OsEntropyNormal` — never from a seeded PyTorch generator.
+  Nothing about a secure run's randomness is written anywhere.
 """
 from __future__ import annotations
 
@@ -52,23 +52,49 @@ def sampler_rng(seed: int | None, secure_mode: bool):
     return SecureUniform() if secure_mode else np.random.default_rng(seed)
 
 
+class OsEntropyNormal:
+    """Gaussian noise from ``os.urandom`` (the OS CSPRNG), for secure mode without ``torchcsprng``.
+
+    PyTorch's own generators are not cryptographic (and a CPU generator keeps only 32 bits of its
+    seed), so secure mode never uses them for noise.  Normals come from Box–Muller on 53-bit
+    uniforms read from ``os.urandom``, in float64; :func:`gaussian_like` then applies Opacus's
+    defence against floating-point attacks (the sum of four draws, halved).
+    """
+
+    def normal(self, shape) -> torch.Tensor:
+        n = int(np.prod(shape)) if len(shape) else 1
+        m = (n + 1) // 2
+        u = SecureUniform().random(2 * m).reshape(2, m)
+        r = np.sqrt(-2.0 * np.log1p(-u[0]))          # 1 - u in (0, 1]: log is finite
+        z = np.concatenate([r * np.cos(2 * np.pi * u[1]), r * np.sin(2 * np.pi * u[1])])[:n]
+        return torch.from_numpy(z).reshape(tuple(shape))
+
+
 def noise_generator(device, seed: int | None, secure_mode: bool):
-    """A torch generator on ``device`` for the Gaussian noise."""
+    """The source of the Gaussian noise on ``device``: a seeded ``torch.Generator``; in secure mode
+    ``torchcsprng``'s ``/dev/urandom`` generator when installed (as Opacus), else
+    :class:`OsEntropyNormal` — never a seeded PyTorch generator."""
     device = torch.device(device)
     if secure_mode:
         try:
             import torchcsprng as csprng  # noqa: PLC0415  (optional, as in Opacus)
             return csprng.create_random_device_generator("/dev/urandom")
         except ImportError:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(secrets.randbits(64))
-            return gen
+            return OsEntropyNormal()
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed))
     return gen
 
 
-def reseed_secure(generator) -> None:
-    """Re-seed a (non-csprng) secure-mode noise generator from OS entropy before a step."""
-    if isinstance(generator, torch.Generator):
-        generator.manual_seed(secrets.randbits(64))
+def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:
+    """N(0, std²) noise shaped like ``reference`` on its device and dtype: Opacus's
+    ``_generate_noise`` with a torch generator, or OS-entropy normals (four draws summed and
+    halved, Opacus's secure-mode construction) with :class:`OsEntropyNormal`."""
+    if isinstance(generator, OsEntropyNormal):
+        if std == 0:
+            return torch.zeros_like(reference)
+        z = sum(generator.normal(reference.shape) for _ in range(4)) / 2
+        return (std * z).to(device=reference.device, dtype=reference.dtype)
+    from opacus.optimizers.optimizer import _generate_noise
+
+    return _generate_noise(std=std, reference=reference, generator=generator, secure_mode=secure_mode)

@@ -29,12 +29,25 @@ from torch.utils.data._utils.collate import default_collate
 from ..validation import InvalidParameterError, check_sample_rate
 
 
-class BatchIndexQueue:
-    """FIFO of the dataset indices of the batches drawn and not yet clipped."""
+class BatchMismatchError(RuntimeError):
+    """The examples clipped in a step are not exactly one whole drawn batch (their clip norms and
+    accounting would belong to other examples): the step is refused before any noise."""
 
-    def __init__(self):
+
+class BatchIndexQueue:
+    """FIFO of the dataset indices of the batches drawn and not yet clipped.
+
+    ``strict`` (a loader without worker processes, which draws one batch per ``next``): every
+    optimizer step must consume exactly the one batch drawn since the previous step, whole.
+    Otherwise (workers prefetch batches): every step must consume whole batches.
+    """
+
+    def __init__(self, strict: bool = True):
         self._parts: collections.deque[np.ndarray] = collections.deque()
         self._size = 0
+        self._partial = False       # the head batch was partly consumed by this step
+        self._consumed = 0          # indices consumed by this step
+        self.strict = strict
 
     def __len__(self) -> int:
         return self._size
@@ -48,9 +61,9 @@ class BatchIndexQueue:
         """The next ``n`` indices (a batch, or a physical part of one under BatchMemoryManager)."""
         n = int(n)
         if n > self._size:
-            raise RuntimeError(f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
-                               "examples are waiting: every batch drawn from the private data loader must be "
-                               "followed by one backward pass and optimizer.step()")
+            raise BatchMismatchError(f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
+                                     "examples are waiting: every batch drawn from the private data loader must be "
+                                     "followed by one backward pass and optimizer.step()")
         out, need = [], n
         while need:
             head = self._parts[0]
@@ -58,15 +71,36 @@ class BatchIndexQueue:
             out.append(take)
             if take.size == head.size:
                 self._parts.popleft()
+                self._partial = False
             else:
                 self._parts[0] = head[need:]
+                self._partial = True
             need -= take.size
         self._size -= n
+        self._consumed += n
         return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, dtype=np.int64))
+
+    def finish_step(self) -> None:
+        """Before the noise of a step: check it consumed whole drawn batches (exactly the one drawn
+        batch when ``strict``); raise :class:`BatchMismatchError` (and forget the pending
+        batches) otherwise."""
+        consumed, partial = self._consumed, self._partial
+        self._consumed, self._partial = 0, False
+        if consumed == 0 and self._parts and self._parts[0].size == 0:
+            self._parts.popleft()                  # an empty Poisson batch: a noise-only step
+        waiting = len(self._parts)
+        if partial or (self.strict and waiting):
+            self.clear()
+            what = "only part of a drawn batch" if partial else f"a batch while {waiting} drawn batch(es) wait"
+            raise BatchMismatchError(f"this step trained on {what}: train on every batch the private data loader "
+                                     "yields, whole and in order, with one optimizer.step() per batch (its "
+                                     "examples' clip norms and privacy accounting depend on it); the step was not "
+                                     "taken")
 
     def clear(self) -> None:
         self._parts.clear()
         self._size = 0
+        self._consumed, self._partial = 0, False
 
 
 class PoissonBatchSampler(UniformWithReplacementSampler):

@@ -139,6 +139,7 @@ def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
     """
     from ..engine import IndividualizedPrivacyEngine
     from ..engine.norms import to_device
+    from ..engine.randomness import gaussian_like
 
     x, y = data
     device = next(model.parameters()).device
@@ -146,8 +147,8 @@ def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
         params = [p for p in model.parameters() if p.requires_grad]
         for _ in range(int(steps)):
             for p in params:
-                p.grad = torch.normal(0.0, noise_multiplier * clip_norm, p.shape, generator=noise_generator,
-                                      dtype=p.dtype, device=device) / expected_batch_size
+                p.grad = gaussian_like(noise_multiplier * clip_norm, p.detach(), noise_generator,
+                                       secure_mode) / expected_batch_size
             optimizer.step()
         return model
     rates = np.zeros(len(y))
