@@ -49,9 +49,32 @@ QUANTILE_GRID = 2000
 MEAN_SENSITIVITY = math.sqrt(2.0)
 
 
-def secure_rng() -> np.random.Generator:
-    """A numpy generator seeded from OS entropy (128 bits from :mod:`secrets`)."""
-    return np.random.default_rng(secrets.randbits(128))
+class OsEntropyRng:
+    """The release's randomness straight from the OS CSPRNG (:mod:`secrets`), never a seeded PRNG.
+
+    ``normal``: Box–Muller on 53-bit uniforms, four draws summed and halved (Opacus's secure-mode
+    defence against floating-point attacks on the Gaussian mechanism); ``choice``: inverse CDF at
+    a 53-bit uniform.  The same interface as the ``numpy.random.Generator`` methods it replaces.
+    """
+
+    @staticmethod
+    def _uniforms(k: int) -> np.ndarray:
+        raw = np.frombuffer(secrets.token_bytes(8 * k), dtype=np.uint64)
+        return (raw >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+    def normal(self, loc: float = 0.0, scale: float = 1.0) -> float:
+        u = self._uniforms(8).reshape(2, 4)
+        z = np.sqrt(-2.0 * np.log1p(-u[0])) * np.cos(2.0 * np.pi * u[1])
+        return float(loc + scale * z.sum() / 2.0)
+
+    def choice(self, n: int, p) -> int:
+        cdf = np.cumsum(np.asarray(p, dtype=float))
+        return int(min(np.searchsorted(cdf, self._uniforms(1)[0] * cdf[-1], side="right"), int(n) - 1))
+
+
+def secure_rng() -> OsEntropyRng:
+    """The release's source of randomness: the OS CSPRNG (:class:`OsEntropyRng`)."""
+    return OsEntropyRng()
 
 
 def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
@@ -97,7 +120,7 @@ def _clipped(values, upper):
     return np.clip(v, 0.0, check_positive(upper, "upper"))
 
 
-def release_mean(values, upper: float, epsilon: float, delta: float, rng: np.random.Generator | None = None) -> dict:
+def release_mean(values, upper: float, epsilon: float, delta: float, rng=None) -> dict:
     """(ε, δ)-DP mean of values clipped to [0, upper] from a noisy sum and a noisy count (module doc)."""
     v = _clipped(values, upper)
     sigma = analytic_gaussian_sigma(epsilon, delta, MEAN_SENSITIVITY)
@@ -116,7 +139,7 @@ def release_mean(values, upper: float, epsilon: float, delta: float, rng: np.ran
 
 
 def release_quantile(values, upper: float, quantile: float, epsilon: float,
-                     rng: np.random.Generator | None = None, grid: int | None = None) -> float:
+                     rng=None, grid: int | None = None) -> float:
     """One quantile by the exponential mechanism (Smith 2011) over a public grid of [0, upper]: ε-DP.
 
     Candidates x are ``grid`` + 1 evenly spaced points of [0, upper] (public); the utility is
@@ -146,7 +169,7 @@ def quantile_sensitivity(quantile: float) -> float:
 
 
 def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EPSILON, delta: float = 1e-5,
-                       quantiles=QUANTILES, rng: np.random.Generator | None = None, seed=None) -> dict:
+                       quantiles=QUANTILES, rng=None, seed=None) -> dict:
     """Mean (``MEAN_SHARE`` of ε, with δ) and quantiles (the rest, split evenly), privately released.
 
     The noise comes from OS entropy; ``rng`` is for tests only.  ``seed`` is accepted for
@@ -160,7 +183,7 @@ def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EP
     delta = check_delta(delta)
     qs_levels = tuple(float(q) for q in quantiles)
     rng = secure_rng() if rng is None else rng
-    eps_mean = epsilon * MEAN_SHARE if qs_levels else epsilon 
+    eps_mean = epsilon * MEAN_SHARE if qs_levels else epsilon
     mean = release_mean(values, upper, eps_mean, delta, rng)
     each = (epsilon - eps_mean) / max(len(qs_levels), 1)
     raw = [release_quantile(values, upper, q, each, rng) for q in qs_levels]
@@ -171,5 +194,5 @@ def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EP
             "quantiles": {"values": qs, "epsilon": epsilon - eps_mean, "delta": 0.0,
                           "epsilon_per_quantile": each, "mechanism": "exponential mechanism (Smith 2011), "
                           "sorted after release"},
-            "noise_source": "OS entropy (secrets)",
+            "noise_source": "OS entropy (secrets): Box-Muller normals, four summed and halved; inverse-CDF choice",
             "total": {"epsilon": float(epsilon), "delta": float(delta)}}
