@@ -55,7 +55,7 @@ def rdp_epsilon(events: Sequence[SampledGaussianEvent], delta: float, orders=DEF
     """(ε, order) of the composition of ``events`` by RDP.
 
     By default the order is adaptive: the best of the order universe of ``orders`` (grid,
-    integers and a 0.54 %-spaced lattice, :mod:`.orders`) found by a search started at the
+    integers and a lattice spaced by 2^(1/64) − 1 ≈ 1.1 %, :mod:`.orders`) found by a search started at the
     grid's best order; every value is exact at its order, so ε is a valid bound and never
     above the grid's.  ``refine=False`` returns the grid's (ε, order).
     """

@@ -124,6 +124,9 @@ def solve_monotone(f: Callable[[np.ndarray, np.ndarray], np.ndarray], target, lo
 def _unreachable(name, target, what, x_feasible_end, x_other_end, f_a, f_b, increasing):
     lo_x, hi_x = sorted([float(x_feasible_end), float(x_other_end)])
     lo_f, hi_f = sorted([float(f_a), float(f_b)])
+    if lo_x == hi_x:      # the search narrowed to one end of its range
+        raise UnreachableTargetError(f"{name}={float(target):.6g} is unreachable: the reachable epsilon ends at "
+                                     f"{lo_f:.6g}, at {what}={lo_x:g}, for these parameters")
     raise UnreachableTargetError(
         f"{name}={float(target):.6g} is unreachable: with {what} in [{lo_x:g}, {hi_x:g}] the reachable "
         f"epsilon is [{lo_f:.6g}, {hi_f:.6g}] for these parameters")
