@@ -179,3 +179,25 @@ def test_cli_refuses_what_nproc_cannot_honour(tmp_path, capsys, argv, message):
     assert main(["train", "--budgets", "1,2", "--fractions", ".5,.5", "--out", str(tmp_path / "run"), "--epochs", "1",
                  "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rank_reports_are_read_without_unpickling_code(tmp_path):
+    """The ranks' result and error files load with weights_only: a crafted file runs nothing."""
+    import os
+    import pickle
+
+    from idpsgd.engine.distributed import _load_error, _rebuild, _save_error
+    from idpsgd.validation import InvalidParameterError
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    with open(tmp_path / "error1.pt", "wb") as fh:
+        pickle.dump(("error", Evil()), fh)
+    record = _load_error(tmp_path / "error1.pt")
+    assert not marker.exists() and record["type"] == "CheckpointError"
+    _save_error(tmp_path / "error0.pt", InvalidParameterError("lr", -1.0, "must be > 0"))
+    err = _rebuild(_load_error(tmp_path / "error0.pt"))
+    assert isinstance(err, InvalidParameterError) and str(err) == str(InvalidParameterError("lr", -1.0, "must be > 0"))

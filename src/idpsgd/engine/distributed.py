@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
 import socket
 import tempfile
 import traceback
@@ -48,10 +47,12 @@ from opacus.grad_sample import AbstractGradSampleModule
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..validation import InvalidParameterError
+from ..io import CheckpointError, load_torch, save_torch
+from ..validation import InvalidParameterError, UnreachableTargetError
+from .accountant import PrivacyBudgetExceeded
 from .optimizer import IndividualizedDPOptimizer, IndividualizedDPOptimizerFastGradientClipping
 from .randomness import SecureUniform
-from .sampler import PoissonBatchSampler
+from .sampler import BatchMismatchError, PoissonBatchSampler
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -350,24 +351,68 @@ def _worker(rank, fn, args, kwargs, nproc, port, backend, timeout_s, folder):
         init_process_group(backend, timeout_s)
         out = fn(*args, **kwargs)
         if rank == 0:
-            _dump(Path(folder) / "result.pkl", ("ok", out))
+            save_torch(Path(folder) / "result.pt", {"result": _tag_arrays(out)})
     except BaseException as exc:
-        try:
-            _dump(Path(folder) / f"error{rank}.pkl", ("error", exc))
-        except Exception:   # an exception that cannot be pickled: its text
-            _dump(Path(folder) / f"error{rank}.pkl", ("error", DistributedTrainingError(
-                f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+        _save_error(Path(folder) / f"error{rank}.pt", exc)
         raise
     finally:
         if is_distributed():
             dist.destroy_process_group()
 
 
-def _dump(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        pickle.dump(obj, fh)
-    os.replace(tmp, path)
+def _tag_arrays(obj):
+    """numpy arrays marked so that :func:`_untag_arrays` gives them back as arrays (not tensors)
+    after a ``weights_only`` round trip through :func:`~idpsgd.io.save_torch`."""
+    if isinstance(obj, dict):
+        return {k: _tag_arrays(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tag_arrays(v) for v in obj)
+    return {"__ndarray__": obj} if isinstance(obj, np.ndarray) else obj
+
+
+def _untag_arrays(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__ndarray__"}:
+            return obj["__ndarray__"].numpy()
+        return {k: _untag_arrays(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_untag_arrays(v) for v in obj)
+    return obj
+
+
+#: Errors a rank reports that are rebuilt as themselves in the launching process; any other
+#: becomes a :class:`DistributedTrainingError` carrying its type and message.
+_REBUILT = {c.__name__: c for c in (UnreachableTargetError, PrivacyBudgetExceeded, BatchMismatchError, CheckpointError,
+                                    FileNotFoundError, ValueError, RuntimeError, MemoryError, KeyboardInterrupt)}
+
+
+def _save_error(path: Path, exc: BaseException) -> None:
+    """A rank's error as plain data (type, message, the fields of an InvalidParameterError), in a
+    file that loads with ``weights_only=True``: nothing read back from the run's files can run code."""
+    record = {"type": type(exc).__name__, "message": str(exc), "communication": _communication_error(exc),
+              "traceback": traceback.format_exc()}
+    if isinstance(exc, InvalidParameterError):
+        record.update(name=exc.name, value=exc.value, allowed=exc.allowed)
+    try:
+        save_torch(path, record)
+    except Exception:   # a value torch cannot save: its text
+        save_torch(path, {**record, "value": str(record.get("value"))})
+
+
+def _load_error(path: Path) -> dict:
+    try:
+        record = load_torch(path, "distributed error report")
+    except CheckpointError as exc:
+        record = {"type": "CheckpointError", "message": str(exc), "communication": False}
+    return record if isinstance(record, dict) else {"type": "?", "message": repr(record), "communication": False}
+
+
+def _rebuild(record: dict) -> BaseException:
+    if "allowed" in record:
+        return InvalidParameterError(record["name"], record["value"], record["allowed"])
+    cls = _REBUILT.get(record["type"])
+    return cls(record["message"]) if cls is not None else \
+        DistributedTrainingError(f"{record['type']}: {record['message']}")
 
 
 def _communication_error(exc: BaseException) -> bool:
@@ -411,25 +456,22 @@ def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: flo
                 pass
         except (ProcessExitedException, ProcessRaisedException):
             raise _failure(ctx, folder, nproc, timeout_s) from None
-        with open(Path(folder) / "result.pkl", "rb") as fh:
-            return pickle.load(fh)[1]
+        return _untag_arrays(load_torch(Path(folder) / "result.pt", "distributed result")["result"])
 
 
 def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:
     """The error to raise for a failed run: a rank's own (non-communication) exception, else a
     :class:`DistributedTrainingError` naming the rank that died and what the others reported."""
-    errors = {}
-    for path in sorted(Path(folder).glob("error*.pkl")):
-        with open(path, "rb") as fh:
-            errors[int(path.stem[5:])] = pickle.load(fh)[1]
-    root = [(r, e) for r, e in sorted(errors.items()) if not _communication_error(e)]
+    errors = {int(path.stem[5:]): _load_error(path) for path in sorted(Path(folder).glob("error*.pt"))}
+    root = [(r, e) for r, e in sorted(errors.items()) if not e["communication"]]
     if root:
-        rank, err = root[0]
+        rank, record = root[0]
+        err = _rebuild(record)
         err.add_note(f"(raised on rank {rank} of {nproc})")
         return err
     codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
     dead = [r for r, c in codes.items() if r not in errors and c not in (None, 0, -15)]  # -15: stopped by us
-    reported = "; ".join(f"rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    reported = "; ".join(f"rank {r}: {e['type']}: {(e['message'].splitlines() or [''])[0][:300]}"
                          for r, e in sorted(errors.items()))
     what = (", ".join(f"rank {r} of {nproc} exited with code {codes[r]} without a Python error (killed or crashed)"
                       for r in dead) if dead else f"a rank of {nproc} failed in a collective")
