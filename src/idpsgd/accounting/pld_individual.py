@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +44,7 @@ from scipy import fft as sfft
 
 from ..validation import InvalidParameterError, check_delta, check_positive
 from .accountants import PLD_MAX_POINTS, _single_pmf_points
+from .rdp import run_in_threads
 
 #: Default loss discretization of per-example PLDs (coarser than the scalar default 1e-3: per-example
 #: PLDs are many; the discretization stays pessimistic — see the bench for the effect on ε).
@@ -333,11 +333,5 @@ def _direction_epsilon(counts, pmfs: _LevelPmfs, delta, discretization, workers)
         eps[rows] = np.where(left > 0, _epsilon_from_pmf(pmf, t_lo[rows], inf_mass[rows], np.maximum(left, 1e-300),
                                                            discretization), np.inf)
 
-    w = workers if workers is not None else min(2, os.cpu_count() or 1)
-    if w > 1 and len(chunks) > 1:
-        with ThreadPoolExecutor(w) as pool:
-            list(pool.map(run, chunks))
-    else:
-        for ch in chunks:
-            run(ch)
+    run_in_threads(run, chunks, workers if workers is not None else min(2, os.cpu_count() or 1))
     return eps

@@ -166,14 +166,20 @@ def _rdp_unique_pairs(q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> n
         out[b, j] = _rdp_batch(q[b], sigma[b], float(alphas[j]))
 
     # numpy releases the GIL inside its loops, so threads use every core for large jobs.
-    workers = min(os.cpu_count() or 1, 8) if idx.size * alphas.size >= 20_000 else 1
-    if workers > 1:
+    run_in_threads(run, tasks, min(os.cpu_count() or 1, 8) if idx.size * alphas.size >= 20_000 else 1)
+    return out
+
+
+def run_in_threads(fn, tasks, workers: int) -> None:
+    """``fn(task)`` for every task, on ``workers`` threads (numpy releases the GIL in its loops), or
+    in this thread when ``workers`` ≤ 1 or there is a single task."""
+    tasks = list(tasks)
+    if workers > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(run, tasks))
+            list(pool.map(fn, tasks))
     else:
         for task in tasks:
-            run(task)
-    return out
+            fn(task)
 
 
 def _rdp_batch(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:

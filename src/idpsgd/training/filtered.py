@@ -31,7 +31,6 @@ realized ε at its filter order, its RDP spent and the step it was dropped), ``f
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 
 import numpy as np
@@ -39,12 +38,9 @@ import numpy as np
 from ..assignment import Budgets
 from ..data import Dataset
 from ..engine.filter import DEFINITION, FilterOptions
-from ..io import load_torch
-from ..runfolder import PRIVATE, RunFolder
 from ..validation import InvalidParameterError, check_delta
-from .loop import CHECKPOINT, TrainConfig, Trainer
+from .loop import TrainConfig, Trainer, run_in_folder
 
-log = logging.getLogger("idpsgd")
 
 #: Calibrations the filtered recipes accept (one phase over all examples).
 FILTER_METHODS = ("uniform", "sample", "scale")
@@ -207,21 +203,9 @@ def train_filtered(dataset: Dataset, budgets: Budgets, config: TrainConfig, opti
     """
     check_delta(budgets.delta)
     options = check_filter_config(config, options)
-    folder = out_dir if isinstance(out_dir, RunFolder) or out_dir is None else \
-        RunFolder(out_dir, resume=resume, overwrite=overwrite)
-    ckpt = folder.path / PRIVATE / CHECKPOINT if folder is not None else None
-    state = load_torch(ckpt) if resume and ckpt is not None and ckpt.is_file() else None
-    if state is not None and config.seed is None and not config.secure_mode:   # continue with the recorded seed
-        saved = state.get("signature", {}) if isinstance(state, dict) else {}
-        config = dataclasses.replace(config, seed=saved.get("config", {}).get("seed"))
-    trainer = FilteredTrainer(dataset, budgets, config, options, folder, model=model, criterion=criterion,
-                              optimizer_factory=optimizer_factory)
-    if state is not None:
-        trainer.load_checkpoint(state, ckpt)
-        log.info("resumed from %s at step %d", ckpt, trainer.step)
-    report = trainer.run()
-    trainer.write_outputs(report)
-    return report
+    return run_in_folder(lambda cfg, folder: FilteredTrainer(dataset, budgets, cfg, options, folder, model=model,
+                                                              criterion=criterion, optimizer_factory=optimizer_factory),
+                         config, out_dir, resume=resume, overwrite=overwrite, keep_plan=False)
 
 
 __all__ = ["FILTER_METHODS", "FilterOptions", "FilteredTrainer", "active_figure", "check_filter_config",

@@ -517,6 +517,21 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
         folder = RunFolder(out_dir, overwrite=overwrite) if out_dir is not None and not isinstance(out_dir, RunFolder) \
             else out_dir
         return train_pdp(dataset, budgets, config, folder, options=pdp)
+    return run_in_folder(lambda cfg, folder: Trainer(dataset, budgets, cfg, folder, model=model, criterion=criterion,
+                                                      optimizer_factory=optimizer_factory, individual=individual,
+                                                      release_epsilon=release_epsilon),
+                         config, out_dir, resume=resume, overwrite=overwrite)
+
+
+def run_in_folder(build, config: TrainConfig, out_dir, *, resume: bool, overwrite: bool,
+                  keep_plan: bool = True) -> dict:
+    """Open the run folder, restore its checkpoint when resuming, run the trainer ``build(config,
+    folder)`` makes and write its outputs; returns the report.
+
+    On resume, a run without a seed continues with its recorded one; with ``keep_plan`` the
+    calibration stays that of the original plan (its ``planned_epochs``) and the run is then
+    extended to ``config.epochs`` (the filter guards every extra step).
+    """
     folder = out_dir if isinstance(out_dir, RunFolder) or out_dir is None else distributed.main_first(
         lambda: RunFolder(out_dir, resume=resume, overwrite=overwrite), lambda: RunFolder(out_dir, resume=True))
     ckpt = folder.path / PRIVATE / CHECKPOINT if folder is not None else None
@@ -526,13 +541,13 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
         saved = state.get("signature", {}) if isinstance(state, dict) else {}
         if config.seed is None and not config.secure_mode:   # a run without a seed continues with its recorded one
             config = dataclasses.replace(config, seed=saved.get("config", {}).get("seed"))
-        if isinstance(saved.get("planned_epochs"), int):      # the calibration stays that of the original plan
+        if keep_plan and isinstance(saved.get("planned_epochs"), int):   # the original plan's calibration stays
             config = dataclasses.replace(config, epochs=saved["planned_epochs"])
-    trainer = Trainer(dataset, budgets, config, folder, model=model, criterion=criterion,
-                      optimizer_factory=optimizer_factory, individual=individual, release_epsilon=release_epsilon)
+    trainer = build(config, folder)
     if state is not None:
         trainer.load_checkpoint(state, ckpt)
-        trainer.set_epochs(epochs)
+        if keep_plan:
+            trainer.set_epochs(epochs)
         log.info("resumed from %s at step %d", ckpt, trainer.step)
     report = trainer.run()
     trainer.write_outputs(report)
