@@ -111,15 +111,15 @@ def _individual(args):
                                        accountant=args.individual_accountant)
 
 
-def _load(args, folder=None):
-    """The dataset; a resumed run re-applies the normalization record of its checkpoint (the same
-    privately estimated constants, charged once)."""
+def _load(args, saved: dict | None = None):
+    """The dataset; a resumed run re-applies the normalization record of its checkpoint's
+    signature ``saved`` (the same privately estimated constants, charged once)."""
     from ..data import load_dataset
     from ..preprocessing import parse_feature_range, parse_normalization
 
     normalization = parse_normalization(args.normalization) if args.normalization else None
-    if getattr(args, "resume", False) and folder is not None and normalization == "private":
-        record = saved_signature(folder).get("preprocessing")
+    if saved and normalization == "private":
+        record = saved.get("preprocessing")
         if isinstance(record, dict):
             normalization = record
     return load_dataset(args.dataset, args.data_dir, label_column=args.label_column, normalization=normalization,
@@ -201,15 +201,16 @@ def train_cmd(args):
                                     "(the filter does its own per-example accounting; see filter_epsilons.csv)")
     pdp = pdp_options_from_args(args)
     folder = RunFolder(args.out, resume=args.resume, overwrite=args.overwrite)
+    saved = saved_signature(folder) if args.resume else {}
     if args.resume and args.seed is None and not args.secure_mode:   # continue with the recorded seed
-        recorded = saved_signature(folder).get("config", {}).get("seed")
+        recorded = saved.get("config", {}).get("seed")
         if recorded is not None:
             args._resolved_seed = recorded
     try:
         config = _config(args, args.method)
         if filter_options is not None:
             check_filter_config(config, filter_options)
-        data = _load(args, folder)
+        data = _load(args, saved)
         budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
         if args.nproc != 1:   # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
