@@ -7,8 +7,17 @@
   read through a restricted unpickler: only numpy's array reconstruction is admitted, so a crafted
   file cannot run code.
 * ``svhn`` — ``train_32x32.mat`` / ``test_32x32.mat`` (scipy.io.loadmat; label 10 means 0).
-* ``csv`` — ``train.csv`` (and optional ``test.csv``, same columns) with an integer label column
-  (``--label-column``); without a test file, a deterministic stratified 80/20 split.
+* ``csv`` — ``train.csv`` (and optional ``test.csv`` with the same feature columns) with an
+  integer label column (``--label-column``).  The model's inputs are the *feature columns*:
+  ``feature_columns`` if given, else every column but the label, the ``drop_columns``, the budget
+  column (``budget_column``: per-example budgets are never model inputs) and identifier columns
+  (:func:`is_id_column`: a pandas index or a column named like ``id``; a value unique to its row
+  can only memorise, never generalise).  ``Dataset.source`` lists the feature columns and why each
+  other column was left out.  Without a test file, a deterministic stratified 80/20 split of the
+  rows (seed 0); training and test rows keep the file's order, and ``Dataset.split`` records which
+  data rows train and which test.  The split is a function of the labels, so the record is
+  private (the run folder keeps it in ``private/data_split.csv``, mode 0600); it is what aligns
+  per-row budgets of ``train.csv`` with the rows that train.
 
 Every file is checked against its format (shapes, label ranges, finite numbers, counts): a bad
 file raises :class:`DatasetFileError`, one line naming the file, what is wrong and what is
@@ -26,6 +35,7 @@ import json
 import math
 import pickle
 import struct
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +63,11 @@ class Dataset:
     #: how the inputs were normalized (:func:`idpsgd.preprocessing.normalize`): mode, mean, std,
     #: source, and the (epsilon, delta) it cost every training example (0 unless ``private``).
     preprocessing: dict = field(default_factory=dict)
+    #: how the files were read (public: file names, feature columns, excluded columns and why).
+    source: dict = field(default_factory=dict)
+    #: csv without test.csv: the hidden split, ``{"rows": data rows of train.csv, "train_rows",
+    #: "test_rows"}`` (0-based data-row indices, ascending).  A function of the labels: private.
+    split: dict | None = field(default=None, repr=False)
 
     @property
     def input_shape(self) -> tuple:
@@ -93,6 +108,8 @@ class _Raw:
     num_classes: int
     scaling: str
     value_range: tuple | None     # public range of the scaled values (None: unknown, e.g. CSV)
+    source: dict = field(default_factory=dict)   # how the files were read (public)
+    split: dict | None = None                    # csv without test.csv: the hidden split (private)
 
 
 LOADERS: dict[str, Callable[..., _Raw]] = {}
@@ -107,6 +124,7 @@ def register(name):
 
 def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_epsilon=None,
                  normalization_delta=None, feature_range=None, label_column: str = "label",
+                 feature_columns=None, drop_columns=None, budget_column: str | None = None,
                  normalization_rng: np.random.Generator | None = None) -> Dataset:
     """Read a dataset and normalize it inside the privacy guarantee.
 
@@ -116,11 +134,18 @@ def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_
     ``(mean, std)`` pair, or a ``Dataset.preprocessing`` record to re-apply (e.g. on resume).
     ``normalization_rng`` is for tests only: by default private noise comes from OS entropy.
     See :func:`idpsgd.preprocessing.normalize`.
+
+    csv only: ``feature_columns`` (the model's inputs, in this order) or ``drop_columns`` (columns
+    that are not inputs), as lists or comma-separated text; ``budget_column``, a column of budgets
+    that is never an input (see the module doc).
     """
     if name not in LOADERS:
         raise InvalidParameterError("dataset", name, f"must be one of {sorted(LOADERS)}")
     if name != "csv" and label_column != "label":
         raise InvalidParameterError("label_column", label_column, "only used with dataset csv")
+    for flag, value in (("feature_columns", feature_columns), ("drop_columns", drop_columns)):
+        if name != "csv" and value:
+            raise InvalidParameterError(flag, value, "only used with dataset csv")
     if data_dir is not None and data_dir != "":
         data_dir = Path(data_dir)
         if name == "digits":
@@ -128,13 +153,28 @@ def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_
                                         "with scikit-learn")
     else:
         data_dir = None
-    raw = LOADERS[name](data_dir, **({"label_column": label_column} if name == "csv" else {}))
+    csv_args = {"label_column": label_column, "feature_columns": _names(feature_columns, "feature_columns"),
+                "drop_columns": _names(drop_columns, "drop_columns"), "budget_column": budget_column}
+    raw = LOADERS[name](data_dir, **(csv_args if name == "csv" else {}))
     xtr, xte, record = normalize(name, raw.x_train, raw.x_test, normalization, scaling=raw.scaling,
                                  value_range=raw.value_range, epsilon=normalization_epsilon,
                                  delta=normalization_delta, feature_range=feature_range, rng=normalization_rng)
     return Dataset(name, torch.from_numpy(np.ascontiguousarray(xtr)), torch.from_numpy(raw.y_train.astype(np.int64)),
                    torch.from_numpy(np.ascontiguousarray(xte)), torch.from_numpy(raw.y_test.astype(np.int64)),
-                   int(raw.num_classes), record)
+                   int(raw.num_classes), record, dict(raw.source), raw.split)
+
+
+def _names(value, flag: str) -> list[str] | None:
+    """Column names from a list or comma-separated text (None: not given)."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    if not names or any(not n for n in names):
+        raise InvalidParameterError(flag, value, "must be comma-separated column names, e.g. age,income")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise InvalidParameterError(flag, value, f"names column {dupes[0]!r} twice")
+    return names
 
 
 def _to_unit(x: np.ndarray, top: float) -> np.ndarray:
@@ -406,8 +446,64 @@ def load_svhn(data_dir=None):
 MAX_CSV_CLASSES = 10_000     # labels must lie in 0..MAX_CSV_CLASSES-1 (the model has one output per class)
 
 
-def _read_table(p: Path, label_column: str):
-    """Header, feature matrix (float32, finite) and integer labels of one CSV file."""
+#: Column names (case-insensitive) taken as row identifiers and never used as features unless
+#: named in ``feature_columns``; also pandas' written index ("" or "Unnamed: 0").
+ID_COLUMNS = frozenset({"", "id", "index", "row", "row_id", "rowid", "row_number", "example_id", "sample_id",
+                        "record_id", "uid", "uuid"})
+
+
+def is_id_column(name: str) -> bool:
+    """Whether a column name marks a row identifier (pandas' index ``""`` / ``Unnamed: k``, ``id``,
+    ``index``, ``row_id``, ...): unique per row by construction, so as a model input it can only
+    memorise individual rows (a privacy risk) and never generalise."""
+    n = name.strip().lower()
+    return n in ID_COLUMNS or n.startswith("unnamed:")
+
+
+def choose_columns(header: list[str], label_column: str, feature_columns=None, drop_columns=None,
+                   budget_column: str | None = None, where="train.csv") -> tuple[list[str], dict[str, str]]:
+    """(feature columns in order, {excluded column: why}) of a CSV header."""
+    others = [h for h in header if h != label_column]
+    if feature_columns is not None and drop_columns is not None:
+        raise InvalidParameterError("drop_columns", ",".join(drop_columns), "give either feature_columns or "
+                                    "drop_columns, not both")
+    if feature_columns is not None:
+        for c in feature_columns:
+            if c == label_column:
+                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"includes the label "
+                                            f"column {label_column!r}")
+            if budget_column is not None and c == budget_column:
+                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"includes the budget "
+                                            f"column {budget_column!r}: budgets are never model inputs")
+            if c not in header:
+                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"names column {c!r}, "
+                                            f"which {where} lacks (columns: {', '.join(header)})")
+        return list(feature_columns), {h: "not in feature_columns" for h in others if h not in feature_columns}
+    excluded = {}
+    for c in drop_columns or []:
+        if c not in header:
+            raise InvalidParameterError("drop_columns", ",".join(drop_columns), f"names column {c!r}, which {where} "
+                                        f"lacks (columns: {', '.join(header)})")
+        if c == label_column:
+            raise InvalidParameterError("drop_columns", ",".join(drop_columns), f"includes the label column "
+                                        f"{label_column!r}")
+        excluded[c] = "dropped (drop_columns)"
+    for h in others:
+        if h in excluded:
+            continue
+        if budget_column is not None and h == budget_column:
+            excluded[h] = "budget column (budgets are never model inputs)"
+        elif is_id_column(h):
+            excluded[h] = "row identifier (a value unique to its row can only memorise)"
+    feats = [h for h in others if h not in excluded]
+    if not feats:
+        raise DatasetFileError(f"{where}: no feature columns besides the label column {label_column!r}"
+                               + (f" (left out: {', '.join(excluded)})" if excluded else ""))
+    return feats, excluded
+
+
+def _read_rows(p: Path):
+    """(header, rows, file line of each row) of one CSV file, checked for shape and encoding."""
     try:
         raw = p.read_bytes()
     except OSError as exc:
@@ -435,68 +531,94 @@ def _read_table(p: Path, label_column: str):
     dupes = sorted({h for h in header if header.count(h) > 1})
     if dupes:
         raise DatasetFileError(f"{p}: column {dupes[0]!r} appears more than once in the header")
+    return header, rows, lines
+
+
+def _read_table(p: Path, label_column: str, feats=None, **choose):
+    """Header, feature columns, excluded columns, feature matrix (float32, finite) and integer labels
+    of one CSV file; ``feats`` fixes the feature columns (the test file takes the training file's),
+    else they are chosen by :func:`choose_columns` with ``choose``."""
+    header, rows, lines = _read_rows(p)
     if label_column not in header:
         raise DatasetFileError(f"{p}: no column {label_column!r} (columns: {', '.join(header)}; use --label-column)")
     if len(header) < 2:
         raise DatasetFileError(f"{p}: no feature columns besides the label column {label_column!r}")
     if not rows:
         raise DatasetFileError(f"{p} has a header but no data rows")
-    cells = np.array(rows, dtype=str)
+    excluded = {}
+    if feats is None:
+        feats, excluded = choose_columns(header, label_column, where=p.name, **choose)
+    used = [header.index(label_column)] + [header.index(f) for f in feats]
+    cells = np.array([[row[j] for j in used] for row in rows], dtype=str)
     try:
         values = cells.astype(np.float64)
     except ValueError:
         values = None
     if values is None:                                          # find the first bad cell, for the message
         for i, row in enumerate(rows):
-            for j, c in enumerate(row):
+            for j in used:
+                c = row[j]
                 try:
                     float(c)
                 except ValueError:
                     raise DatasetFileError(f"{p}, line {lines[i]}, column {header[j]!r}: {c!r} is not a number"
                                            + (" (missing value)" if not c.strip() else "")) from None
-    li = header.index(label_column)
     with np.errstate(over="ignore"):                            # beyond float32: inf, refused below
-        x = np.delete(values, li, axis=1).astype(np.float32)
-    feats = [h for h in header if h != label_column]
+        x = values[:, 1:].astype(np.float32)
     bad = np.argwhere(~np.isfinite(x))
     if bad.size:
         i, j = bad[0]
         raise DatasetFileError(f"{p}, line {lines[i]}, column {feats[j]!r}: {rows[i][header.index(feats[j])]!r} is "
                                "not a finite number (NaN, inf or beyond the float32 range)")
-    y = values[:, li]
+    y = values[:, 0]
+    li = header.index(label_column)
     bad = np.flatnonzero(~np.isfinite(y) | (y != np.floor(y)) | (y < 0) | (y >= MAX_CSV_CLASSES))
     if bad.size:
         i = bad[0]
         raise DatasetFileError(f"{p}, line {lines[i]}, column {label_column!r}: {rows[i][li]!r} is not a class "
                                f"label (labels are integers 0..{MAX_CSV_CLASSES - 1})")
-    return header, feats, x, y.astype(np.int64)
+    return header, feats, excluded, x, y.astype(np.int64)
 
 
 @register("csv")
-def load_csv(data_dir=None, label_column: str = "label"):
+def load_csv(data_dir=None, label_column: str = "label", feature_columns=None, drop_columns=None,
+             budget_column: str | None = None):
     data_dir = _need_dir(data_dir, "csv", ["train.csv", "test.csv (optional)"])
     train = data_dir / "train.csv"
     if not train.is_file():
         raise DatasetFileError(f"dataset 'csv': train.csv not found in {data_dir} (expected train.csv "
                                f"and optionally test.csv, with a {label_column!r} column)")
-    _, feats, x, y = _read_table(train, label_column)
+    header, feats, excluded, x, y = _read_table(train, label_column, feature_columns=feature_columns,
+                                                drop_columns=drop_columns, budget_column=budget_column)
     if len(x) < 2:
         raise DatasetFileError(f"{train} has {len(x)} data row; training needs at least 2")
+    auto = {k: v for k, v in excluded.items() if not v.startswith(("dropped", "not in"))}
+    if auto:
+        warnings.warn(f"{train.name}: not used as features: " + "; ".join(f"{k!r} ({v})" for k, v in auto.items())
+                      + " (choose the inputs with --feature-columns / --drop-columns)", UserWarning, stacklevel=3)
+    source = {"format": "csv", "train_file": train.name, "label_column": label_column, "feature_columns": feats,
+              "excluded_columns": excluded}
     test = data_dir / "test.csv"
+    split = None
     if test.is_file():
-        _, tfeats, xte, yte = _read_table(test, label_column)
-        if tfeats != feats:
-            if sorted(tfeats) != sorted(feats):
-                missing, extra = sorted(set(feats) - set(tfeats)), sorted(set(tfeats) - set(feats))
-                raise DatasetFileError(f"{test}: its columns differ from {train.name}'s"
-                                       + (f"; missing {', '.join(missing)}" if missing else "")
-                                       + (f"; extra {', '.join(extra)}" if extra else ""))
-            xte = xte[:, [tfeats.index(f) for f in feats]]      # same columns, other order
+        theader = _read_rows(test)[0]
+        missing = [f for f in [*feats, label_column] if f not in theader]
+        extra = sorted(set(theader) - set(header))
+        if missing or extra:
+            raise DatasetFileError(f"{test}: its columns differ from {train.name}'s"
+                                   + (f"; missing {', '.join(missing)}" if missing else "")
+                                   + (f"; extra {', '.join(extra)}" if extra else ""))
+        _, _, _, xte, yte = _read_table(test, label_column, feats=feats)   # the same columns, in train's order
         xtr, ytr = x, y
+        source["test"] = test.name
     else:
         tr, te = _split(len(x), y, train)
+        tr, te = np.sort(tr), np.sort(te)                       # both keep train.csv's row order
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
+        split = {"rows": int(len(x)), "train_rows": tr.astype(np.int64), "test_rows": te.astype(np.int64)}
+        source["test"] = ("hidden stratified 80/20 split of train.csv's rows (seed 0); training rows in file order; "
+                          "which rows train: private/data_split.csv")
     k = int(max(ytr.max(), yte.max()) + 1)
     if k < 2:
         raise DatasetFileError(f"{train}: every label is 0; classification needs at least 2 classes")
-    return _Raw(xtr, ytr, xte, yte, k, "none (values as in the file)", None)
+    return _Raw(xtr, ytr, xte, yte, k, "none (values as in the file)", None, source, split)

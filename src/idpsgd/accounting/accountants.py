@@ -20,6 +20,7 @@ from ..validation import InvalidParameterError, UnreachableTargetError, check_de
 from .conversion import rdp_to_epsilon
 from .events import SampledGaussianEvent
 from .orders import CachedRdp, search_orders, sgm_rdp_at
+from .prv import prv_epsilon
 from .rdp import DEFAULT_ORDERS, compute_rdp
 
 #: PLD discretization of the privacy loss.  dp_accounting defaults to 1e-4; 1e-3 is 10-30x faster
@@ -180,6 +181,7 @@ def _rdp(events, delta):
 ACCOUNTANTS: dict[str, Callable[[Sequence[SampledGaussianEvent], float], float]] = {
     "rdp": _rdp,
     "pld": pld_epsilon,
+    "prv": prv_epsilon,      # Gopi et al. 2021 via Opacus's PRV code, its upper bound (.prv)
 }
 
 
@@ -291,6 +293,12 @@ def _steps_epsilon_fn(events_before, q, sigma, delta, accountant):
                 memo[t] = float(res.epsilon[0])
             return memo[t]
         return eps_at
+    if accountant == "prv":
+        def eps_prv(t: int) -> float:
+            if t not in memo:
+                memo[t] = prv_epsilon([*events_before, SampledGaussianEvent(q, sigma, t)], delta)
+            return memo[t]
+        return eps_prv
 
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 

@@ -1,6 +1,6 @@
 """Individualized privacy assignment: budgets → per-example (q_i, c_i) and σ (Boenisch et al.)."""
 from .budgets import Budgets, group_counts, parse_class_map, parse_float_list
-from .methods import METHODS, Assignment, GroupParams, assign
+from .methods import METHODS, Assignment, GroupParams, SparseSamplingWarning, assign, sparse_sampling
 
-__all__ = ["Assignment", "Budgets", "GroupParams", "METHODS", "assign", "group_counts",
-           "parse_class_map", "parse_float_list"]
+__all__ = ["Assignment", "Budgets", "GroupParams", "METHODS", "SparseSamplingWarning", "assign", "group_counts",
+           "parse_class_map", "parse_float_list", "sparse_sampling"]

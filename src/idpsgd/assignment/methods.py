@@ -20,6 +20,7 @@ as a sampled Gaussian mechanism with that group's (q_p, σ_p).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -215,10 +216,46 @@ def _scale(p: _Problem):
 
 METHODS: dict[str, Callable[[_Problem], tuple]] = {"uniform": _uniform, "sample": _sample, "scale": _scale}
 
+#: A group whose examples are expected to be sampled fewer times than FEW_DRAWS over the whole plan
+#: (q_p × planned steps) and at a rate below SPARSE_RATIO × the mean rate barely trains while the
+#: others do: :func:`assign` warns (Sample with a wide spread of budgets gives the strictest group
+#: q_p ≈ 0; Boenisch et al. §3.3).
+FEW_DRAWS = 1.0
+SPARSE_RATIO = 0.1
+
+
+class SparseSamplingWarning(UserWarning):
+    """Some privacy group's examples are expected to be sampled less than once in the whole run,
+    far less often than the average example."""
+
+
+def sparse_sampling(assignment: Assignment) -> str | None:
+    """The warning text when some group's examples are expected to be sampled fewer than
+    :data:`FEW_DRAWS` times over the planned steps and at a rate below :data:`SPARSE_RATIO` × the
+    mean rate (the expected count q_p × steps of every group is listed), else None.  Public values
+    only: budgets, rates and the planned steps."""
+    draws = [(g.budget, g.sample_rate * assignment.steps) for g in assignment.groups]
+    few = [g.budget for g in assignment.groups
+           if g.sample_rate * assignment.steps < FEW_DRAWS and g.sample_rate < SPARSE_RATIO * assignment.sample_rate]
+    if not few:
+        return None
+    shown = draws if len(draws) <= 10 else [(b, d) for b, d in draws if b in few][:10]
+    table = ", ".join(f"budget {b:g}: {d:.3g}" for b, d in shown) + (
+        "" if len(draws) <= 10 else f"{', ...' if len(few) > 10 else ''}; the other groups "
+        f"{min(d for b, d in draws if b not in few):.3g} to {max(d for _, d in draws):.3g}")
+    return (f"method {assignment.method}: the examples of budget(s) {', '.join(f'{b:g}' for b in few)} are expected "
+            f"to be sampled fewer than {FEW_DRAWS:g} time(s) in the {assignment.steps} planned steps, less than "
+            f"{SPARSE_RATIO:g} x as often as the average example, so they barely train (expected times each example "
+            f"is sampled, q_p x steps: {table}); use method 'scale' (every group sampled at the mean rate, clip norms "
+            "per group) or a narrower spread of budgets")
+
 
 def assign(budgets: Budgets, method: str, sample_rate: float, steps: int, clip_norm: float,
            accountant: str = "rdp", group_weights=None) -> Assignment:
     """Derive an :class:`Assignment` for ``budgets`` with the named method.
+
+    Warns :class:`SparseSamplingWarning` when a group's examples are expected to be sampled less
+    than once in the planned steps (:func:`sparse_sampling`).
 
     Args:
         budgets: per-example budgets and δ.
@@ -241,4 +278,8 @@ def assign(budgets: Budgets, method: str, sample_rate: float, steps: int, clip_n
     eps = np.atleast_1d(epsilon_sgm(q_p, sig_eff, steps, budgets.delta, accountant))
     groups = tuple(GroupParams(float(v), int(n), float(w), float(a), float(b), float(s), float(e))
                    for v, n, w, a, b, s, e in zip(values, counts, weights, q_p, c_p, sig_eff, eps))
-    return Assignment(method, accountant, float(sigma), q, c, steps, budgets.delta, groups, inverse)
+    out = Assignment(method, accountant, float(sigma), q, c, steps, budgets.delta, groups, inverse)
+    note = sparse_sampling(out)
+    if note:
+        warnings.warn(note, SparseSamplingWarning, stacklevel=2)
+    return out

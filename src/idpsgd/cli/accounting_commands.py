@@ -46,7 +46,7 @@ def epsilon_cmd(args):
         eps, order = rdp_epsilon([SampledGaussianEvent(q, s, steps)], delta)   # adaptive orders
         out.update(epsilon=float(eps), order=float(order))
     else:
-        out.update(epsilon=float(epsilon_sgm(q, s, steps, delta, "pld")))
+        out.update(epsilon=float(epsilon_sgm(q, s, steps, delta, args.accountant)))
     return {"epsilon": out.pop("epsilon"), **out}
 
 

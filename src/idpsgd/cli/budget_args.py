@@ -5,8 +5,9 @@ from ..validation import InvalidParameterError, check_delta, check_epsilon
 
 
 def _accountant(p):
-    p.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
-                   help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD")
+    p.add_argument("--accountant", choices=["rdp", "pld", "prv"], default="rdp",
+                   help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD; prv: Opacus's PRV "
+                   "accountant (its default; ε is its upper error bound) (default rdp)")
 
 
 def budget_source_args(p, required=True):
@@ -24,15 +25,21 @@ def budget_source_args(p, required=True):
                    "initialisation); default: a fresh seed, recorded in the report")
 
 
-def budgets_from_args(args, num_examples=None, labels=None):
+def budgets_from_args(args, num_examples=None, labels=None, split=None):
+    """The per-example budgets the flags describe.  ``split`` (``Dataset.split``: a csv dataset's
+    hidden train/test split) maps a budgets file with one row per data row of train.csv to the rows
+    that train; a file with one row per training example is taken in training order."""
     from ..assignment import Budgets, parse_class_map, parse_float_list
 
     delta = check_delta(args.delta)
     if args.budgets_file:
         budgets = Budgets.from_csv(_budgets_file(args.budgets_file, args.budget_column), args.budget_column, delta)
+        if split is not None and len(budgets) == split["rows"] != num_examples:
+            return Budgets(budgets.epsilons[split["train_rows"]], delta)     # train.csv's rows -> training rows
         if num_examples is not None and len(budgets) != num_examples:
+            rows = f" or one per data row of train.csv ({split['rows']})" if split is not None else ""
             raise InvalidParameterError("budgets_file", args.budgets_file, f"has {len(budgets)} budget rows; "
-                                        f"it needs one per training example ({num_examples})")
+                                        f"it needs one per training example ({num_examples}){rows}")
         return budgets
     if getattr(args, "budget_distribution", None):
         if num_examples is None:

@@ -28,6 +28,10 @@ def _hyper_args(p):
                    help="digits (bundled), mnist, fashion-mnist, cifar10, svhn or csv (default digits)")
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
     p.add_argument("--label-column", default="label", help="label column of a csv dataset (default label)")
+    p.add_argument("--feature-columns", help="A,B,...: the csv columns that are model inputs (default: every column "
+                   "but the label, the budget column (--budget-column) and row identifiers such as id; see --drop-columns)")
+    p.add_argument("--drop-columns", help="A,B,...: csv columns that are not model inputs (default: none beyond the "
+                   "budget column and row identifiers, which are always left out)")
     n = p.add_argument_group("input normalization (inside the privacy guarantee)")
     n.add_argument("--normalization", help="none, public (published constants: mnist, fashion-mnist, cifar10, svhn), "
                    "private (a DP estimate charged to every example's budget) or MEAN,STD (default: public where "
@@ -124,7 +128,9 @@ def _load(args, saved: dict | None = None):
             normalization = record
     return load_dataset(args.dataset, args.data_dir, label_column=args.label_column, normalization=normalization,
                         normalization_epsilon=args.normalization_epsilon, normalization_delta=args.normalization_delta,
-                        feature_range=parse_feature_range(args.feature_range) if args.feature_range else None)
+                        feature_range=parse_feature_range(args.feature_range) if args.feature_range else None,
+                        feature_columns=args.feature_columns, drop_columns=args.drop_columns,
+                        budget_column=getattr(args, "budget_column", None))
 
 
 def saved_signature(folder) -> dict:
@@ -211,7 +217,7 @@ def train_cmd(args):
         if filter_options is not None:
             check_filter_config(config, filter_options)
         data = _load(args, saved)
-        budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
+        budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
         if args.nproc != 1:   # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.loop import resolve_device

@@ -8,9 +8,14 @@ a rate and a clip norm in every phase (a *path*) share their composition; a grou
 largest over its paths.  A phase is one ``make_private`` call (the sequential baseline has one per
 group; an example with q_i = 0 in a phase is not charged there).
 
-ε comes from the accountant the run was calibrated with — ``rdp`` (:func:`idpsgd.accounting.rdp_epsilon`)
-or ``pld`` (:func:`idpsgd.accounting.pld_epsilon`) — so the filter and the reported ε agree with
-the calibration.  The filter asks, before every step, whether one more step keeps every path of
+ε comes from the accountant the run was calibrated with — ``rdp`` (:func:`idpsgd.accounting.rdp_epsilon`),
+``pld`` (:func:`idpsgd.accounting.pld_epsilon`) or ``prv`` (:func:`idpsgd.accounting.prv.prv_epsilon`:
+Gopi et al. 2021, Opacus 1.6's default, its upper bound eps_upper) — so the filter and the reported ε
+agree with the calibration.  Without budgets (Opacus's ``make_private(noise_multiplier=...)``) there
+is one group with no budget: ε is accounted and reported, nothing is filtered.
+
+:class:`GroupEpsilons` is what ``get_epsilon`` returns: the per-group array, which formats and
+converts as one number (the loosest group's ε, the one bound that holds for every example).  The filter asks, before every step, whether one more step keeps every path of
 the phase within its budget.  ε grows with the number of steps of a phase, so the answer is the
 step count against the largest admissible count, found once per path by search and cached (a
 step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
@@ -22,14 +27,16 @@ import numpy as np
 import torch
 
 from ..accounting import DEFAULT_ORDERS, SampledGaussianEvent, compute_rdp, pld_epsilon, rdp_epsilon, rdp_to_epsilon
+from ..accounting.prv import prv_epsilon
 from ..assignment import Budgets
 from ..validation import InvalidParameterError, check_delta
 
-ACCOUNTANTS = ("rdp", "pld")
+ACCOUNTANTS = ("rdp", "pld", "prv")
 
 
 class PrivacyBudgetExceeded(RuntimeError):
-    """The privacy filter refused a step: it would take a privacy group over its budget."""
+    """The privacy filter refused a step, or ``make_private`` a plan: it would take a privacy group
+    over its budget."""
 
 
 def _epsilon(events, delta: float, accountant: str) -> float:
@@ -37,22 +44,97 @@ def _epsilon(events, delta: float, accountant: str) -> float:
         return 0.0
     if accountant == "rdp":
         return float(rdp_epsilon(events, delta)[0])
+    if accountant == "prv":
+        return float(prv_epsilon(events, delta))
     return float(pld_epsilon(events, delta))
+
+
+class GroupEpsilons(np.ndarray):
+    """ε of every privacy group (ascending budgets), as returned by ``engine.get_epsilon``.
+
+    **As an array** (indexing, slicing, comparisons, ``np.asarray``, arithmetic: plain numpy
+    results) it is the ε of each group.  **As one number** — ``float(eps)``, ``f"{eps:.2f}"``,
+    ``"%.2f" % eps``, as Opacus users print ``engine.get_epsilon(delta)`` — it is the *largest*
+    group's ε, the loosest one.  That is the safe reading: every example of group p is
+    (ε_p, δ)-DP and ε_p ≤ max_p ε_p, so the maximum is the one ε that bounds every example;
+    the strictest group's ε would overstate the privacy of every other group.  With one budget
+    (Opacus's setting) both readings coincide.  ``repr`` shows the table; :attr:`loosest` /
+    :attr:`strictest` name the two ends explicitly.
+
+    Attributes: ``budgets`` (the groups' budgets; inf without budgets), ``counts`` (examples per
+    group), ``delta``, ``accountant``, ``steps`` (the step count the values are for).
+    """
+
+    def __new__(cls, epsilons, budgets, counts, delta, accountant: str, steps: int):
+        obj = np.asarray(epsilons, dtype=float).reshape(-1).view(cls)
+        obj.budgets = np.asarray(budgets, dtype=float)
+        obj.counts = np.asarray(counts, dtype=np.int64)
+        obj.delta, obj.accountant, obj.steps = delta, accountant, int(steps)
+        return obj
+
+    def __array_finalize__(self, obj):
+        for k in ("budgets", "counts", "delta", "accountant", "steps"):
+            setattr(self, k, getattr(obj, k, None))
+
+    def __array_wrap__(self, arr, context=None, return_scalar=False):   # ufunc results are plain arrays
+        arr = np.asarray(arr)
+        return arr[()] if return_scalar else arr
+
+    def __getitem__(self, key):                                       # so are items and slices
+        return np.asarray(self)[key]
+
+    def __reduce__(self):                                             # pickles (and deep copies) as an array
+        return (np.array, (np.asarray(self).copy(),))
+
+    @property
+    def loosest(self) -> float:
+        """The largest group ε (what ``float(eps)`` gives): a bound for every example."""
+        return float(np.asarray(self).max()) if self.size else 0.0
+
+    @property
+    def strictest(self) -> float:
+        """The smallest group ε (the strictest group's; a bound for that group only)."""
+        return float(np.asarray(self).min()) if self.size else 0.0
+
+    def __float__(self) -> float:
+        return self.loosest
+
+    def __format__(self, spec: str) -> str:
+        return format(self.loosest, spec) if spec else str(self)
+
+    def __repr__(self) -> str:
+        head = (f"GroupEpsilons({self.accountant}, delta={self.delta:g}, after {self.steps} steps; as a number "
+                f"{self.loosest:.6g}, the loosest group's)")
+        rows = [f"  {'budget':>10} {'examples':>9} {'epsilon':>10}"]
+        for b, n, e in zip(self.budgets if self.budgets is not None else [], self.counts if self.counts is not None
+                           else [], np.asarray(self)):
+            rows.append(f"  {'-' if not np.isfinite(b) else format(b, '.4g'):>10} {int(n):>9d} {e:>10.4f}")
+        return "\n".join([head, *rows])
 
 
 class GroupAccountant:
     """Per-group (and per-example, data-independent) ε of the steps taken so far.
 
     Args:
-        budgets: per-example budgets ε_i and δ; the privacy groups are the distinct budgets.
-        accountant: ``rdp`` or ``pld``.
+        budgets: per-example budgets ε_i and δ; the privacy groups are the distinct budgets.  None:
+            one group without a budget (``num_examples`` examples; ``delta`` the default δ, or None:
+            every ε query names its δ).
+        accountant: ``rdp``, ``pld`` or ``prv``.
     """
 
-    def __init__(self, budgets: Budgets, accountant: str = "rdp", orders=DEFAULT_ORDERS):
+    def __init__(self, budgets: Budgets | None, accountant: str = "rdp", orders=DEFAULT_ORDERS, *,
+                 num_examples: int | None = None, delta: float | None = None):
         if accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.budgets, self.accountant = budgets, accountant
-        self.values, self.counts, self.group_of = budgets.groups()
+        if budgets is not None:
+            self.values, self.counts, self.group_of = budgets.groups()
+            self.delta = budgets.delta
+        else:        # no budgets (one σ, as Opacus's make_private): one group, nothing to filter
+            n = int(num_examples)
+            self.values, self.counts = np.array([np.inf]), np.array([n])
+            self.group_of = np.zeros(n, dtype=np.int64)
+            self.delta = None if delta is None else check_delta(delta)
         self.orders = np.asarray(orders, dtype=float)
         self.phases: list[dict] = []
         self._paths = None          # (path of every example, [per-path class index per phase])
@@ -87,6 +169,19 @@ class GroupAccountant:
                             "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders) if len(classes)
                             else np.zeros((0, self.orders.size))})
         self._paths = None
+        k = len(self.phases) - 1        # the filter's cache of this phase index belongs to this phase only
+        self._ok = {key: v for key, v in self._ok.items() if key[0] != k}
+        self._bad = {key: v for key, v in self._bad.items() if key[0] != k}
+
+    def discard_phase(self) -> None:
+        """Undo the last :meth:`begin_phase` (before any step of it): a set-up that was refused."""
+        if not self.phases or self.phases[-1]["steps"]:
+            raise RuntimeError("only a phase without steps can be discarded")
+        k = len(self.phases) - 1
+        self.phases.pop()
+        self._paths = None
+        self._ok = {key: v for key, v in self._ok.items() if key[0] != k}
+        self._bad = {key: v for key, v in self._bad.items() if key[0] != k}
 
     def _require_phase(self) -> dict:
         if not self.phases:
@@ -119,17 +214,45 @@ class GroupAccountant:
                 events.append(SampledGaussianEvent(float(ph["q"][cls]), float(ph["sigma"][cls]), int(steps)))
         return events
 
-    def path_epsilons(self, delta: float | None = None) -> np.ndarray:
-        delta = self.budgets.delta if delta is None else check_delta(delta)
-        _, table, _ = self.paths()
-        return np.array([_epsilon(self._events(p), delta, self.accountant) for p in range(table.shape[0])])
+    def _delta(self, delta: float | None) -> float:
+        if delta is not None:
+            return check_delta(delta)
+        if self.delta is None:
+            raise InvalidParameterError("delta", None, "is required: this engine has no budgets (nor target_delta) "
+                                        "to take it from; pass get_epsilon(delta)")
+        return self.delta
 
-    def get_epsilon(self, delta: float | None = None) -> np.ndarray:
-        """ε per privacy group (ascending budgets): the largest over the group's examples."""
+    def path_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
+        delta = self._delta(delta)
+        _, table, _ = self.paths()
+        return np.array([_epsilon(self._events(p, extra_steps), delta, self.accountant) for p in range(table.shape[0])])
+
+    def get_epsilon(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
+        """ε per privacy group (ascending budgets): the largest over the group's examples; with
+        ``extra_steps``, after that many more steps of the current phase (a plan, not a spend)."""
         path_of, _, path_group = self.paths()
-        eps = self.path_epsilons(delta)
+        eps = self.path_epsilons(delta, extra_steps)
         out = np.zeros(self.values.size)
         np.maximum.at(out, path_group, eps)
+        return out
+
+    def group_history(self) -> list[list[tuple[float, float, int]]]:
+        """Per group (ascending budgets), the SGM events composing its ε, in Opacus's history form
+        ``(noise_multiplier, sample_rate, steps)``, one per phase that charged the group.
+
+        A group whose examples share one path (every ``make_private`` method) gets exactly its
+        composition.  Examples of one group with different rates or clip norms in a phase (explicit
+        per-example parameters) are covered by the phase's largest rate with its smallest effective
+        noise multiplier, which dominates each of them (the SGM's ε grows with q and falls with σ).
+        """
+        out: list[list[tuple[float, float, int]]] = [[] for _ in range(self.values.size)]
+        for ph in self.phases:
+            if not ph["steps"]:
+                continue
+            for g in range(self.values.size):
+                on = ph["group"] == g
+                if np.any(on):
+                    out[g].append((float(ph["sigma"][on].min()), float(ph["q"][on].max()), int(ph["steps"])))
         return out
 
     def individual_epsilons(self, delta: float | None = None) -> np.ndarray:
@@ -140,7 +263,7 @@ class GroupAccountant:
     def grid_epsilon(self, delta: float | None = None) -> np.ndarray:
         """Cheap per-group ε from the RDP at the fixed order grid (an upper bound, looser than
         :meth:`get_epsilon` with the RDP accountant); for per-step ledgers."""
-        delta = self.budgets.delta if delta is None else check_delta(delta)
+        delta = self._delta(delta)
         _, table, path_group = self.paths()
         rdp = np.zeros((table.shape[0], self.orders.size))
         for k, ph in enumerate(self.phases):
@@ -160,7 +283,9 @@ class GroupAccountant:
         if steps >= self._bad.get(key, np.iinfo(np.int64).max):
             return False
         _, _, path_group = self.paths()
-        eps = _epsilon(self._events(path, phase_steps=steps), self.budgets.delta, self.accountant)
+        if not np.isfinite(self.values[path_group[path]]):    # no budget: every step is within it
+            return True
+        eps = _epsilon(self._events(path, phase_steps=steps), self.delta, self.accountant)
         if eps <= self.values[path_group[path]]:
             self._ok[key] = steps
             return True
@@ -183,6 +308,20 @@ class GroupAccountant:
     def prime(self, planned_steps: int) -> bool:
         """Check a phase's planned step count once (the filter then admits those steps cheaply)."""
         return self.admissible_steps(int(planned_steps))
+
+    def max_admissible_steps(self, upper: int) -> int:
+        """The largest step count ≤ ``upper`` of the current phase that keeps every group within its
+        budget (0 if not even one step fits); binary search on the filter's monotone test."""
+        lo, hi = 0, int(upper)
+        if self.admissible_steps(hi):
+            return hi
+        while hi - lo > 1:                 # admissible(lo), not admissible(hi)
+            mid = (lo + hi) // 2
+            if self.admissible_steps(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

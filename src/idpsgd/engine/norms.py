@@ -19,7 +19,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from opacus.grad_sample import AbstractGradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.grad_sample import AbstractGradSampleModule
 
 
 def _clear(module: torch.nn.Module) -> None:
@@ -88,19 +88,24 @@ def to_device(batch, device):
 
 
 def example_batches(dataset, indices, collate_fn=None, batch_size: int = 256):
-    """Batches of ``dataset[indices]`` in order, collated as the training loader does (a
-    ``TensorDataset`` is sliced directly)."""
+    """Batches of ``dataset[indices]`` in order, collated exactly as the training loader collates
+    them: ``collate_fn`` (the loader's; default ``default_collate``) over the dataset's items, so a
+    collate that normalises, transforms or builds dicts gives the norm passes the inputs the model
+    trains on.  Only a ``TensorDataset`` with the default collate is sliced directly (the same
+    tensors ``default_collate`` would stack, as the same list)."""
     from torch.utils.data import TensorDataset
     from torch.utils.data._utils.collate import default_collate
 
+    collate = default_collate if collate_fn is None else collate_fn
+    sliced = isinstance(dataset, TensorDataset) and collate is default_collate
     idx = np.asarray(indices, dtype=np.int64)
     for start in range(0, idx.size, batch_size):
         part = idx[start:start + batch_size]
-        if isinstance(dataset, TensorDataset):
+        if sliced:
             t = torch.from_numpy(part)
-            yield tuple(x[t] for x in dataset.tensors)
+            yield [x[t] for x in dataset.tensors]
         else:
-            yield (collate_fn or default_collate)([dataset[int(i)] for i in part])
+            yield collate([dataset[int(i)] for i in part])
 
 
 def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None):

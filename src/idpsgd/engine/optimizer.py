@@ -93,9 +93,9 @@ class _PrivacyHooks:
 
 
 def _check_noise(noise_multiplier, max_grad_norm, expected_batch_size):
-    if not (float(noise_multiplier) >= 0 and math.isfinite(float(noise_multiplier))):
-        raise InvalidParameterError("noise_multiplier", noise_multiplier, "must be >= 0 and finite "
-                                    "(0 only for tests: no privacy)")
+    if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
+        raise InvalidParameterError("noise_multiplier", noise_multiplier, "must be > 0 and finite "
+                                    "(0 adds no noise: no privacy)")
     check_positive(max_grad_norm, "max_grad_norm")
     check_positive(expected_batch_size, "expected_batch_size")
 

@@ -30,10 +30,21 @@ What it does (Boenisch et al. 2023, IDP-SGD, Alg. 1–3; the product guide's mod
 
 Privacy definition: data-independent individual (ε_p, δ)-DP for every example of privacy group p
 (Boenisch et al. eq. 3), with ε from the accountant the run was calibrated with.
+
+**Opacus 1.6's API** on the same engine, so that a port changes the import and the class name:
+``make_private_with_epsilon(module=, optimizer=, data_loader=, target_epsilon=, target_delta=,
+epochs=, max_grad_norm=)`` (one budget; add ``budgets=`` for per-example budgets),
+``make_private(noise_multiplier=, max_grad_norm=)`` (one σ, no budget: accounted, not filtered),
+``get_epsilon(delta)`` (a :class:`~.accountant.GroupEpsilons`: per group, and one float — the
+loosest group's — when formatted), ``accountant="prv"`` and ``save_checkpoint`` /
+``load_checkpoint``.  Opacus keywords the engine cannot honour (``poisson_sampling=False``,
+``clipping="per_layer"``/``"adaptive"``, ``wrap_model=False``, ``rand_on_empty=True``, noise or
+clip schedulers) are refused with an error that says why.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 
 import numpy as np
@@ -67,6 +78,28 @@ def steps_per_epoch_for(sample_rates) -> int:
     return max(1, int(round(active.sum() / total))) if total > 0 else 1
 
 
+#: Opacus keywords and the one value of each that the engine can honour (why, for the error).
+OPACUS_ONLY = {
+    "poisson_sampling": (True, "the engine always draws Poisson batches with per-example rates; the privacy "
+                               "accounting (Opacus's too) assumes them"),
+    "clipping": ("flat", "each example is clipped at one flat norm c_i over all parameters (per-layer and "
+                         "adaptive clipping are not supported)"),
+    "wrap_model": (True, "the module is always wrapped (GradSampleModule); use the returned module"),
+    "rand_on_empty": (False, "an empty Poisson batch keeps your batch structure with zero rows"),
+}
+
+
+def _check_opacus_options(**given) -> None:
+    """Refuse Opacus keywords the engine cannot honour (one line saying why)."""
+    for name, (allowed, why) in OPACUS_ONLY.items():
+        if name in given and given[name] != allowed:
+            raise InvalidParameterError(name, given[name], f"only {allowed!r} is supported: {why}")
+    for name in ("noise_scheduler", "grad_clip_scheduler"):
+        if given.get(name) is not None:
+            raise InvalidParameterError(name, type(given[name]).__name__, "is not supported: the engine's plan "
+                                        "fixes σ and the clip norms for its budgets (leave it out)")
+
+
 def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -77,12 +110,14 @@ class IndividualizedPrivacyEngine:
     """Individualized DP-SGD for any model, data loader and device.
 
     Args:
-        accountant: ``rdp`` (Rényi DP, adaptive orders) or ``pld`` (privacy loss distributions
-            through dp_accounting); used for calibration, the filter and the reported ε.
+        accountant: ``rdp`` (Rényi DP, adaptive orders), ``pld`` (privacy loss distributions
+            through dp_accounting) or ``prv`` (privacy random variables, Gopi et al. 2021, Opacus's
+            default; its upper bound); used for calibration, the filter and the reported ε.
         secure_mode: Opacus's secure mode: sampling and noise from OS entropy, secure noise
             sampling; a seed is refused.
         seed: seeds the Poisson sampler and the noise; ``None`` draws a fresh seed from OS entropy
-            and records it as :attr:`seed` (so a run can be replayed).
+            and records it as :attr:`seed` (so a run can be replayed; :meth:`load_checkpoint` then
+            continues with the checkpoint's seed).
     """
 
     def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False, seed: int | None = None):
@@ -91,6 +126,7 @@ class IndividualizedPrivacyEngine:
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
         self.seed = resolve_seed(seed, self.secure_mode)
+        self._seed_given = seed is not None       # a drawn seed yields to a checkpoint's on load
         self.accountant: GroupAccountant | None = None
         self.budgets: Budgets | None = None
         self.module = self.optimizer = self.data_loader = self.criterion = None
@@ -114,13 +150,44 @@ class IndividualizedPrivacyEngine:
         """The privacy groups' budgets, ascending (the order of :meth:`get_epsilon`)."""
         return self.accountant.values if self.accountant is not None else np.zeros(0)
 
-    def get_epsilon(self, delta: float | None = None) -> np.ndarray:
-        """ε spent so far by each privacy group (ascending budgets), by the run's accountant."""
+    def get_epsilon(self, delta: float | None = None, *, steps: int | None = None) -> GroupEpsilons:
+        """ε spent so far by each privacy group (ascending budgets), by the run's accountant.
+
+        Returns a :class:`~.accountant.GroupEpsilons`: a numpy array of the groups' ε that
+        formats and converts as one number, the loosest group's (``f"{eps:.2f}"``, ``float(eps)``
+        as with Opacus; the one ε that bounds every example).  ``delta`` defaults to the budgets'.
+
+        ``steps``: the ε each group *would* have after ``steps`` logical steps in all (the current
+        phase continued to that count; no training, nothing charged) — Opacus users' "accountant
+        copy stepped ahead".  With the individual filter it is the data-independent ε (an upper
+        bound of the filter's).
+        """
         self._require()
-        if self.filter is not None:   # individual filter: min(data-independent ε, the filter's guarantee)
-            return self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
-                                                     self.filter.guarantee_epsilons(delta)))
-        return self.accountant.get_epsilon(delta)
+        delta = self._delta(delta)
+        if steps is not None:
+            if int(steps) != steps or int(steps) < self.steps:
+                raise InvalidParameterError("steps", steps, f"must be an integer >= the {self.steps} steps taken")
+            eps = self.accountant.get_epsilon(delta, extra_steps=int(steps) - self.steps)
+        elif self.filter is not None:   # individual filter: min(data-independent ε, the filter's guarantee)
+            eps = self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
+                                                    self.filter.guarantee_epsilons(delta)))
+        else:
+            eps = self.accountant.get_epsilon(delta)
+        return GroupEpsilons(eps, self.accountant.values, self.accountant.counts, delta, self.accountant_name,
+                             self.steps if steps is None else int(steps))
+
+    @property
+    def history(self) -> list[list[tuple[float, float, int]]]:
+        """Per privacy group (ascending budgets), the composition behind its ε in Opacus's history
+        form: a list of ``(noise_multiplier, sample_rate, steps)``, one per phase (σ the group's
+        effective noise multiplier σ·c/c_p).  ``opacus.accountants.PRVAccountant().history =
+        engine.history[g]`` reproduces group g's ε by Opacus (see
+        :meth:`~.accountant.GroupAccountant.group_history`)."""
+        self._require()
+        return self.accountant.group_history()
+
+    def _delta(self, delta):
+        return self.accountant._delta(delta)
 
     def _filter_group_max(self, per_example: np.ndarray) -> np.ndarray:
         out = np.zeros(self.accountant.values.size)
@@ -162,6 +229,7 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("individual_accounting", True, "cannot be combined with the individual "
                                         "filter (the filter already accounts every example individually)")
         self.individual = IndividualTracker(options, per_sample_loss, self.seed if seed is None else seed)
+        self._individual_seed_follows = seed is None and not self._seed_given   # re-drawn from a loaded seed
         if self.accountant is not None:
             if self.steps:
                 raise RuntimeError("enable individual accounting before the first step")
@@ -192,10 +260,21 @@ class IndividualizedPrivacyEngine:
 
     # --- make_private ---------------------------------------------------------------------
     def make_private(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     budgets, method: str = "sample", target_delta: float | None = None,
+                     budgets=None, method: str | None = None, target_delta: float | None = None,
                      epochs: int | None = None, steps: int | None = None, max_grad_norm: float = 1.0,
-                     sample_rate: float | None = None, **kwargs):
-        """Calibrate per-example rates/clip norms and σ for ``budgets``, then wrap for training.
+                     sample_rate: float | None = None, noise_multiplier: float | None = None,
+                     criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, clipping: str = "flat", noise_generator=None,
+                     grad_sample_mode: str = "hooks", wrap_model: bool = True, rand_on_empty: bool = False,
+                     **kwargs):
+        """Wrap for training: calibrated to per-example ``budgets``, or with one ``noise_multiplier``.
+
+        **With budgets** (idpsgd): per-example rates / clip norms and σ are calibrated so that each
+        group spends its budget exactly at the planned length.  **With ``noise_multiplier``**
+        (Opacus's ``make_private``): every example has that σ, the rate ``sample_rate`` and the clip
+        norm ``max_grad_norm``; without budgets nothing is filtered (ε is accounted and reported,
+        ``get_epsilon(delta)`` needs δ unless ``target_delta`` is given), with budgets the filter
+        keeps every group within its budget.
 
         Args:
             module, optimizer, data_loader: as for Opacus's ``make_private``; the loader may be over
@@ -203,34 +282,115 @@ class IndividualizedPrivacyEngine:
             budgets: a :class:`~idpsgd.assignment.Budgets`, or an array of per-example ε with
                 ``target_delta``; one per example of ``data_loader.dataset``.
             method: ``uniform`` (every example at the smallest budget), ``sample`` (per-group
-                rates, one σ) or ``scale`` (per-group clip norms) (Boenisch et al. §3).
+                rates, one σ; the default) or ``scale`` (per-group clip norms) (Boenisch et al. §3);
+                only with budgets and without ``noise_multiplier``.
             epochs / steps: the planned length (one of them); the calibration spends each group's
-                budget exactly at that many steps.
+                budget exactly at that many steps (optional with ``noise_multiplier``: a plan the
+                filter checks at set-up).
             max_grad_norm: the (mean) clip norm c.
             sample_rate: the mean sampling rate; default ``data_loader.batch_size / len(dataset)``.
-            **kwargs: see :meth:`make_private_with_parameters` (``grad_sample_mode``, ``criterion``,
-                ``privacy_filter``, ``filter_action``, ``noise_generator``, ...).
+            noise_multiplier: σ for every example (Opacus's ``make_private``).
+            criterion, batch_first, loss_reduction, noise_generator, grad_sample_mode: as Opacus.
+            poisson_sampling, clipping, wrap_model, rand_on_empty: Opacus's keywords; only their
+                defaults (True, "flat", True, False) can be honoured, the others are refused.
+            **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
+                ``filter_action``, ``filter_options``, ``per_sample_loss``, ...).
 
         Returns:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
             with ``grad_sample_mode="ghost"`` (as Opacus).
         """
-        if method not in METHODS:
-            raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
-        budgets = self._budgets(budgets, target_delta)
+        _check_opacus_options(poisson_sampling=poisson_sampling, clipping=clipping, wrap_model=wrap_model,
+                              rand_on_empty=rand_on_empty, **kwargs)
+        opts = dict(criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
+                    noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
         n = self._dataset_size(data_loader)
         q = self._sample_rate(data_loader, n, sample_rate)
         spe = steps_per_epoch_for(q)
+        if noise_multiplier is not None:                         # Opacus's make_private: one σ for everyone
+            if method is not None:
+                raise InvalidParameterError("method", method, "is calibrated from budgets; with noise_multiplier "
+                                            "every example has the one σ, rate and clip norm (leave method out)")
+            planned = None if epochs is None and steps is None else self._planned_steps(epochs, steps, spe)
+            if budgets is None:
+                if opts.get("privacy_filter", None) is not None:
+                    raise InvalidParameterError("privacy_filter", opts["privacy_filter"], "needs budgets to filter "
+                                                "against; give budgets= (or leave privacy_filter out)")
+                opts["privacy_filter"] = None
+            else:
+                budgets = self._budgets(budgets, target_delta, n)
+            check_positive(max_grad_norm, "max_grad_norm")
+            return self.make_private_with_parameters(
+                module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+                target_delta=target_delta if budgets is None else None, sample_rates=np.full(n, q),
+                clip_norms=np.full(n, float(max_grad_norm)), noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm, steps=planned, steps_per_epoch=spe, **opts)
+        method = "sample" if method is None else method
+        if method not in METHODS:
+            raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
+        if budgets is None:
+            raise InvalidParameterError("budgets", None, "give per-example budgets (a Budgets or an array with "
+                                        "target_delta), or noise_multiplier= for one σ (Opacus's make_private), or "
+                                        "use make_private_with_epsilon for one target epsilon")
+        budgets = self._budgets(budgets, target_delta, n)
         planned = self._planned_steps(epochs, steps, spe)
-        if len(budgets) != n:
-            raise InvalidParameterError("budgets", f"{len(budgets)} values",
-                                        f"need one per example of the data loader's dataset ({n})")
         a = assign(budgets, method, q, planned, max_grad_norm, self.accountant_name)
         self.assignment = a
         return self.make_private_with_parameters(
             module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
             sample_rates=a.sample_rates, clip_norms=a.clip_norms, noise_multiplier=a.noise_multiplier,
-            max_grad_norm=a.clip_norm, steps=planned, steps_per_epoch=spe, **kwargs)
+            max_grad_norm=a.clip_norm, steps=planned, steps_per_epoch=spe, **opts)
+
+    def make_private_with_epsilon(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float | None = None,
+                                  target_delta: float | None = None, epochs: int | None = None,
+                                  max_grad_norm: float, budgets=None, method: str | None = None,
+                                  steps: int | None = None, sample_rate: float | None = None,
+                                  epsilon_tolerance: float | None = None, criterion=None, batch_first: bool = True,
+                                  loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
+                                  noise_generator=None, grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                                  **kwargs):
+        """Opacus's ``make_private_with_epsilon``: calibrate σ so that training for ``epochs`` spends
+        ``(target_epsilon, target_delta)`` — and, with ``budgets=``, per-example budgets instead.
+
+        Without ``budgets`` every example has the budget ``target_epsilon`` (one group, standard
+        DP-SGD; σ calibrated by the engine's accountant to ε in [(1 − 1e-4)·target, target], never
+        above it).  With ``budgets`` (a :class:`~idpsgd.assignment.Budgets` or per-example array)
+        the run is individualized (``method``, default ``sample``) and ``target_epsilon`` may be
+        left out; if given it must be at least the largest budget (no example may get more than it).
+
+        Differences from Opacus, by design: the sampling rate is ``batch_size / len(dataset)``
+        (Opacus: ``1 / len(data_loader)``), ``steps=`` may replace ``epochs``, and the privacy filter
+        refuses any step beyond the budgets.  ``epsilon_tolerance`` (Opacus's search tolerance) is
+        honoured when it is at least the calibration's 1e-4·target (always met), refused below.
+        Everything else as :meth:`make_private`.
+        """
+        n = self._dataset_size(data_loader)
+        if budgets is None:
+            if target_epsilon is None:
+                raise InvalidParameterError("target_epsilon", None, "is required (or give per-example budgets=)")
+            if target_delta is None:
+                raise InvalidParameterError("target_delta", None, "is required with target_epsilon")
+            eps = check_epsilon(target_epsilon, "target_epsilon")
+            budgets = Budgets.from_array(np.full(n, float(eps)), target_delta)
+            method = "uniform" if method is None else method
+        else:
+            budgets = self._budgets(budgets, target_delta, n)
+            if target_epsilon is not None and float(target_epsilon) < float(budgets.epsilons.max()) * (1 - 1e-12):
+                raise InvalidParameterError("target_epsilon", target_epsilon, f"is below the largest budget "
+                                            f"{budgets.epsilons.max():g}: with budgets= every example spends its own "
+                                            "budget, so target_epsilon (if given) must be >= every budget")
+        if epsilon_tolerance is not None:
+            tol = float(epsilon_tolerance)
+            if not tol >= 1e-4 * float(budgets.epsilons.max()):
+                raise InvalidParameterError("epsilon_tolerance", epsilon_tolerance, "must be >= 1e-4 x the target "
+                                            "(the calibration lands within [(1 - 1e-4) target, target])")
+        return self.make_private(
+            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
+            epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate, criterion=criterion,
+            batch_first=batch_first, loss_reduction=loss_reduction, poisson_sampling=poisson_sampling,
+            clipping=clipping, noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
+            wrap_model=wrap_model, **kwargs)
 
     def make_private_with_parameters(
             self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -252,12 +412,19 @@ class IndividualizedPrivacyEngine:
         ``filter_options``, a :class:`~idpsgd.engine.filter.FilterOptions`; ``per_sample_loss(module,
         batch)`` for its norm passes): ``steps`` is then the run's fixed length, and each example
         leaves training when its own budget is spent.
+
+        ``budgets=None`` (with ``privacy_filter=None``): one σ without budgets, as Opacus — ε is
+        accounted (``target_delta`` the default δ of :meth:`get_epsilon`), nothing is filtered.
+        The plan (``steps``, or one step without it) is checked against the budgets, including what
+        earlier phases spent: a plan that would take a group over its budget is refused here
+        (:class:`PrivacyBudgetExceeded`, or a warning with ``filter_action="warn"``).
+        ``noise_multiplier`` must be > 0 (σ = 0 is no privacy; it is refused).
         """
-        budgets = self._budgets(budgets, target_delta)
         n = self._dataset_size(data_loader)
+        budgets = self._budgets(budgets, target_delta, n, allow_none=True)
         q = check_sample_rate(np.asarray(sample_rates, dtype=float).ravel(), "sample_rates", allow_zero=True)
         c = np.asarray(clip_norms, dtype=float).ravel()
-        for name, arr in (("budgets", budgets.epsilons), ("sample_rates", q), ("clip_norms", c)):
+        for name, arr in (("sample_rates", q), ("clip_norms", c)):
             if arr.size != n:
                 raise InvalidParameterError(name, f"{arr.size} values",
                                             f"need one per example of the data loader's dataset ({n})")
@@ -268,6 +435,9 @@ class IndividualizedPrivacyEngine:
                                         f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
         if privacy_filter not in FILTERS:
             raise InvalidParameterError("privacy_filter", privacy_filter, "must be 'group', 'individual' or None")
+        if budgets is None and privacy_filter is not None:
+            raise InvalidParameterError("privacy_filter", privacy_filter, "needs budgets to filter against; give "
+                                        "budgets= or privacy_filter=None")
         if self.filter is not None:
             raise InvalidParameterError("privacy_filter", privacy_filter, "this engine's individual filter supports "
                                         "one-phase runs; use a new IndividualizedPrivacyEngine")
@@ -281,7 +451,9 @@ class IndividualizedPrivacyEngine:
         check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
         ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)   # (rank, W) for DPDDP/DDP
         check_positive_array(c, "clip_norms")
-        if self.budgets is not None and not np.array_equal(self.budgets.epsilons, budgets.epsilons):
+        if self.accountant is not None and (
+                (self.budgets is None) != (budgets is None)
+                or (budgets is not None and not np.array_equal(self.budgets.epsilons, budgets.epsilons))):
             raise InvalidParameterError("budgets", repr(budgets), "differ from this engine's earlier phases; "
                                         "use a new IndividualizedPrivacyEngine for other budgets")
 
@@ -292,10 +464,19 @@ class IndividualizedPrivacyEngine:
             from .filter import prepare_filter
             new_filter = prepare_filter(self, data_loader, filter_options, per_sample_loss, budgets, q, c,
                                         noise_multiplier, max_grad_norm)
+        accountant = self.accountant if self.accountant is not None else GroupAccountant(
+            budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None)
+        accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
+        if privacy_filter == "group":      # the plan against the budgets, earlier phases included: here, not at step 1
+            try:
+                self._check_plan(accountant, steps, filter_action)
+            except BaseException:
+                accountant.discard_phase()
+                raise
         # everything that can refuse the input is above; the engine's state changes from here on
         if self.accountant is None:
             self.budgets = budgets
-            self.accountant = GroupAccountant(budgets, self.accountant_name)
+            self.accountant = accountant
             self._sampler_rng = sampler_rng(self.seed, self.secure_mode)
         if noise_generator is not None:
             self._noise = noise_generator
@@ -339,6 +520,25 @@ class IndividualizedPrivacyEngine:
         return wrapped, dp_opt, loader
 
     # --- the filter -----------------------------------------------------------------------
+    @staticmethod
+    def _check_plan(accountant: GroupAccountant, steps, filter_action: str) -> None:
+        """Refuse (or warn about) a phase whose plan — ``steps``, or one step without a plan — would
+        take a group over its budget given what the earlier phases spent; the admitted steps are then
+        cached, so the filter passes them cheaply."""
+        planned = 1 if steps is None else int(steps)
+        if accountant.prime(planned):
+            return
+        fits = accountant.max_admissible_steps(planned)
+        before = accountant.get_epsilon(extra_steps=0)
+        what = (f"the plan of {planned} steps" if steps is not None else "a step")
+        msg = (f"{what} would take a privacy group over its budget (budgets {accountant.values.tolist()}, spent "
+               f"before this phase {np.round(before, 4).tolist()}); at most {fits} steps of this phase fit")
+        if filter_action == "raise":
+            raise PrivacyBudgetExceeded(msg + ": plan at most that many steps (steps=/epochs=), add noise, or use "
+                                        "a new IndividualizedPrivacyEngine for a new run")
+        warnings.warn(msg + "; continuing because filter_action='warn' (the reported epsilon will exceed the budget)",
+                      RuntimeWarning, stacklevel=4)
+
     def _guard(self, _optimizer) -> None:
         if self.filter is not None:
             return self.filter.guard(_optimizer)
@@ -356,16 +556,27 @@ class IndividualizedPrivacyEngine:
 
     # --- checks -----------------------------------------------------------------------------
     @staticmethod
-    def _budgets(budgets, target_delta) -> Budgets:
+    def _budgets(budgets, target_delta, n: int | None = None, allow_none: bool = False) -> Budgets | None:
+        if budgets is None:
+            if allow_none:
+                return None
+            raise InvalidParameterError("budgets", None, "give a Budgets object or an array of per-example epsilons")
         if isinstance(budgets, Budgets):
             if target_delta is not None and float(target_delta) != budgets.delta:
                 raise InvalidParameterError("target_delta", target_delta, f"differs from budgets.delta={budgets.delta}")
-            return budgets
-        if budgets is None:
-            raise InvalidParameterError("budgets", None, "give a Budgets object or an array of per-example epsilons")
-        if target_delta is None:
-            raise InvalidParameterError("target_delta", None, "is required when budgets is an array")
-        return Budgets.from_array(np.asarray(budgets, dtype=float), target_delta)
+        else:
+            if target_delta is None:
+                raise InvalidParameterError("target_delta", None, "is required when budgets is an array")
+            budgets = Budgets.from_array(np.asarray(budgets, dtype=float).ravel(), target_delta)
+        if n is not None and len(budgets) != n:
+            hint = ""
+            if len(budgets) < n and budgets.values.size == len(budgets) and len(budgets) <= 20:
+                shown = ", ".join(f"{v:g}" for v in budgets.epsilons)
+                hint = (f"; for one budget per privacy group use Budgets.from_groups([{shown}], fractions, {n}, "
+                        "delta) (or Budgets.from_class_map / from_csv)")
+            raise InvalidParameterError("budgets", f"{len(budgets)} values",
+                                        f"need one per example of the data loader's dataset ({n}){hint}")
+        return budgets
 
     @staticmethod
     def _dataset_size(data_loader) -> int:
@@ -421,11 +632,19 @@ class IndividualizedPrivacyEngine:
                                         "module.parameters()")
 
     # --- checkpoints ----------------------------------------------------------------------
+    def _plan(self) -> dict:
+        p = self.parameters
+        return {"steps": p["steps"], "steps_per_epoch": p["steps_per_epoch"],
+                "noise_multiplier": p["noise_multiplier"], "max_grad_norm": p["max_grad_norm"],
+                "sample_rate": float(np.mean(p["sample_rates"])), "expected_batch_size": p["expected_batch_size"]}
+
     def state_dict(self) -> dict:
-        """Accountant, sampler and noise-generator states (plain types and tensors; in secure mode the
-        generators' states are not saved: a resumed secure run draws fresh entropy)."""
+        """Seed, accountant, sampler and noise-generator states and the phase's plan (plain types and
+        tensors; in secure mode the generators' states are not saved: a resumed secure run draws
+        fresh entropy)."""
         self._require()
-        state = {"seed": self.seed, "secure_mode": self.secure_mode, "accountant": self.accountant.state_dict()}
+        state = {"seed": self.seed, "secure_mode": self.secure_mode, "accountant": self.accountant.state_dict(),
+                 "accountant_name": self.accountant_name, "plan": self._plan()}
         if not self.secure_mode:
             state["sampler"] = self.data_loader.poisson_sampler.state_dict()
             state["noise"] = self._noise.get_state()
@@ -436,13 +655,31 @@ class IndividualizedPrivacyEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore after :meth:`make_private` for the same phase (as at saving time)."""
+        """Restore after :meth:`make_private` set up the same phase as at saving time.
+
+        An engine created with ``seed=None`` continues with the state's seed (the sampler and noise
+        generators are restored from the state either way); one created with another explicit seed,
+        or set up with another plan (other epochs, batch size, clip norm, budgets), is refused with
+        what to change.  Nothing is changed when the state is refused."""
         self._require()
         if bool(state.get("secure_mode")) != self.secure_mode:
-            raise ValueError("the state was saved with another secure_mode")
-        if not self.secure_mode and state.get("seed") != self.seed:
-            raise ValueError(f"the state was saved by an engine with seed {state.get('seed')}, this one has {self.seed}")
-        self.accountant.load_state_dict(state["accountant"])
+            raise ValueError(f"the state was saved with secure_mode={bool(state.get('secure_mode'))}: create the "
+                             f"engine with secure_mode={bool(state.get('secure_mode'))} to resume it")
+        saved_seed = state.get("seed")
+        if not self.secure_mode and saved_seed != self.seed and self._seed_given:
+            raise ValueError(f"the state was saved by an engine with seed {saved_seed}, this one was created with "
+                             f"seed {self.seed}: create it with seed={saved_seed}, or with seed=None (the "
+                             "checkpoint's seed is then used)")
+        saved_name = state.get("accountant_name", state["accountant"].get("accountant"))
+        if saved_name != self.accountant_name:
+            raise ValueError(f"the state was saved with accountant={saved_name!r}, this engine uses "
+                             f"{self.accountant_name!r}: create it with accountant={saved_name!r} to resume")
+        try:
+            self.accountant.load_state_dict(state["accountant"])
+        except ValueError:
+            raise ValueError(self._plan_mismatch(state.get("plan"))) from None
+        if not self.secure_mode and saved_seed != self.seed:
+            self._adopt_seed(int(saved_seed))
         if not self.secure_mode:
             self.data_loader.poisson_sampler.load_state_dict(state["sampler"])
             self._noise.set_state(state["noise"])
@@ -451,5 +688,89 @@ class IndividualizedPrivacyEngine:
         if self.filter is not None:
             self.filter.load_state_dict(state["filter"])
 
+    def _plan_mismatch(self, saved: dict | None) -> str:
+        now = self._plan()
 
-__all__ = ["GUARANTEE", "IndividualizedPrivacyEngine", "PrivacyBudgetExceeded", "steps_per_epoch_for"]
+        def show(p):
+            return (f"{p['steps']} planned steps ({p['steps_per_epoch']} per epoch), noise multiplier "
+                    f"{p['noise_multiplier']:.6g}, mean sample rate {p['sample_rate']:.6g}, clip norm "
+                    f"{p['max_grad_norm']:g}")
+        what = (f" (saved: {show(saved)}; now: {show(now)})"
+                if isinstance(saved, dict) and saved.get("steps_per_epoch") is not None else "")
+        return ("cannot resume: the saved state is for other sampling rates, clip norms, noise or examples than the "
+                f"phase make_private set up{what}. Set up make_private exactly as the run that saved it (the same "
+                "budgets, epochs or steps, batch size and max_grad_norm); to train longer than its plan, keep its "
+                "epochs: the privacy filter then admits further steps only while every budget holds")
+
+    def _adopt_seed(self, seed: int) -> None:
+        """Continue with a checkpoint's seed (this engine's own seed was drawn, not given)."""
+        self.seed = seed
+        t = self.individual
+        if t is not None and getattr(self, "_individual_seed_follows", False) and t.seed != seed:
+            from .individual import IndividualTracker     # its validation subset is drawn from the seed
+            if t._after_step in self.optimizer.post_step_hooks:
+                self.optimizer.post_step_hooks.remove(t._after_step)
+            self.individual = IndividualTracker(t.options, t.per_sample_loss, seed)
+            self.individual.attach(self)
+
+    def save_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                        noise_scheduler=None, grad_clip_scheduler=None, checkpoint_dict: dict | None = None,
+                        module_state_dict_kwargs: dict | None = None, torch_save_kwargs: dict | None = None) -> None:
+        """Opacus's ``save_checkpoint``: the module's and optimizer's states and the engine's state
+        (:meth:`state_dict`: seed, accountant, sampler and noise generators, individual accounting
+        or filter) in one file, written atomically with mode 0600 (it holds training state) and
+        loadable with ``weights_only=True``.  ``checkpoint_dict``: your own entries (plain types and
+        tensors), returned by :meth:`load_checkpoint`.  The module is saved unwrapped, so it loads
+        into the wrapped or the plain module."""
+        from ..io import save_torch
+
+        self._require()
+        _check_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
+        if torch_save_kwargs:
+            raise InvalidParameterError("torch_save_kwargs", sorted(torch_save_kwargs), "are not supported: the "
+                                        "checkpoint is written by idpsgd.io.save_torch (atomic, mode 0600)")
+        ckpt = dict(checkpoint_dict or {})
+        ckpt["module_state_dict"] = raw_module(module).state_dict(**(module_state_dict_kwargs or {}))
+        if optimizer is not None:
+            ckpt["optimizer_state_dict"] = optimizer.state_dict()
+        ckpt["privacy_engine_state_dict"] = self.state_dict()
+        save_torch(_checkpoint_path(path), ckpt, private=True)
+
+    def load_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                        noise_scheduler=None, grad_clip_scheduler=None, module_load_dict_kwargs: dict | None = None,
+                        torch_load_kwargs: dict | None = None) -> dict:
+        """Opacus's ``load_checkpoint``, after :meth:`make_private` set up the run as when it was
+        saved: restores the engine (with the checkpoint's seed when this engine was created with
+        ``seed=None``), the module and the optimizer; returns the rest of the checkpoint (your
+        ``checkpoint_dict`` entries).  Loads with ``weights_only=True``: nothing in the file can run
+        code.  A checkpoint of another plan or seed is refused before anything changes."""
+        from ..io import CheckpointError, load_torch
+
+        self._require()
+        _check_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
+        if torch_load_kwargs:
+            raise InvalidParameterError("torch_load_kwargs", sorted(torch_load_kwargs), "are not supported: the "
+                                        "checkpoint loads with weights_only=True onto the CPU, then into the module")
+        path = _checkpoint_path(path)
+        ckpt = load_torch(path)
+        if not isinstance(ckpt, dict) or "privacy_engine_state_dict" not in ckpt or "module_state_dict" not in ckpt:
+            raise CheckpointError(f"{path} is not an idpsgd engine checkpoint (write it with engine.save_checkpoint)")
+        self.load_state_dict(ckpt.pop("privacy_engine_state_dict"))
+        raw_module(module).load_state_dict(ckpt.pop("module_state_dict"), **(module_load_dict_kwargs or {}))
+        opt_state = ckpt.pop("optimizer_state_dict", None)
+        if optimizer is not None and opt_state:
+            optimizer.load_state_dict(opt_state)
+        elif (optimizer is not None) != bool(opt_state):
+            warnings.warn(f"the checkpoint {'has' if opt_state else 'has no'} optimizer state but optimizer is "
+                          f"{'not ' if optimizer is None else ''}given", UserWarning, stacklevel=2)
+        return ckpt
+
+
+def _checkpoint_path(path):
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidParameterError("path", type(path).__name__, "must be a file path (checkpoints are written "
+                                    "atomically, so file objects are not supported)")
+    return path
+
+
+__all__ = ["GUARANTEE", "GroupEpsilons", "IndividualizedPrivacyEngine", "PrivacyBudgetExceeded", "steps_per_epoch_for"]

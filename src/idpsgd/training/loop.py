@@ -44,6 +44,7 @@ from ..engine.wrap import raw_module
 from ..io import fault_point, load_torch
 from ..runfolder import PRIVATE, RunFolder
 from ..models import DEFAULT_MODEL, create_model
+from .map_data import MapStyleData, as_training_data, num_train
 from ..validation import InvalidParameterError, check_delta, check_positive
 from .plans import Phase, TrainingPlan, build_plan
 
@@ -119,18 +120,26 @@ class Trainer:
         criterion: the loss, an ``nn.Module`` with a ``reduction`` attribute (default cross-entropy).
         optimizer_factory: ``fn(parameters) -> torch.optim.Optimizer`` (default SGD(lr, momentum)).
         individual: individual accounting options (Yu et al. 2023), or None.
+        plan: a :class:`~idpsgd.training.plans.TrainingPlan` for this run's method and training
+            budgets, made by the caller (e.g. the audit's one plan for every model); default: the
+            plan calibrated for this data (:func:`~idpsgd.training.plans.build_plan`).  Either
+            way the engine checks the planned steps against the budgets before the first step.
     """
 
     def __init__(self, dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None, *,
                  model: torch.nn.Module | None = None, criterion=None, optimizer_factory=None,
                  individual: IndividualAccountingOptions | None = None, release_epsilon: float = 0.5,
-                 expected_batch_size: float | None = None):
+                 expected_batch_size: float | None = None, plan: TrainingPlan | None = None):
         self.config = config.validate()
         self.expected_batch_size = expected_batch_size     # the noisy sum's public normaliser (default Σ q_i)
         self.release_epsilon = check_positive(release_epsilon, "release_epsilon")
-        if len(budgets) != len(dataset.y_train):
+        dataset = as_training_data(dataset)          # an idpsgd Dataset, or a MapStyleData over torch Datasets
+        n_train = num_train(dataset)
+        if len(budgets) != n_train:
+            hint = (f"; for one budget per privacy group use Budgets.from_groups(budgets, fractions, {n_train}, delta)"
+                    if len(budgets) < n_train and budgets.values.size == len(budgets) else "")
             raise InvalidParameterError("budgets", f"{len(budgets)} values",
-                                        f"need one per training example ({len(dataset.y_train)})")
+                                        f"need one per training example ({n_train}){hint}")
         if individual is not None and config.method == "sequential":
             raise InvalidParameterError("method", config.method, "individual accounting supports one-phase methods "
                                         "(uniform, sample, scale, exclude)")
@@ -142,8 +151,13 @@ class Trainer:
         self.train_budgets = training_budgets(budgets, *self.preprocessing_cost)
         self.seed = resolve_seed(config.seed, config.secure_mode)
         self.device = resolve_device(config.device)
-        self.plan: TrainingPlan = build_plan(self.train_budgets, config.method, config.batch_size, config.epochs,
-                                             config.clip_norm, config.accountant, config.exclude_below)
+        if plan is not None and (plan.method != config.method or len(plan.budgets) != len(self.train_budgets)
+                                 or not np.array_equal(plan.budgets.epsilons, self.train_budgets.epsilons)):
+            raise InvalidParameterError("plan", plan.method, f"must be a {config.method} plan for this run's "
+                                        f"{len(self.train_budgets)} training budgets")
+        self.plan: TrainingPlan = plan if plan is not None else build_plan(
+            self.train_budgets, config.method, config.batch_size, config.epochs, config.clip_norm, config.accountant,
+            config.exclude_below)
         if individual is not None and individual.rounding != "exact" and individual.rounding_step is not None:
             from ..accounting.individual import check_rounding_step   # refused before any work
             check_rounding_step(individual.rounding_step,
@@ -168,7 +182,8 @@ class Trainer:
                                                   seed=self.seed)
         if individual is not None:
             self.engine.enable_individual_accounting(individual, per_sample_loss=self._per_sample_loss)
-        self.loader = DataLoader(TensorDataset(dataset.x_train, dataset.y_train), batch_size=config.batch_size)
+        self.loader = (dataset.train_loader(config.batch_size) if isinstance(dataset, MapStyleData) else
+                       DataLoader(TensorDataset(dataset.x_train, dataset.y_train), batch_size=config.batch_size))
         self.group_values, self.group_counts, self.group_of = self.train_budgets.groups()
         self.budget_values = budgets.values
         self.phase_idx, self.phase_epoch, self.step = 0, 0, 0
@@ -214,11 +229,15 @@ class Trainer:
     def _start_phase(self, phase: Phase):
         q, c = self._phase_arrays(phase)
         a = phase.assignment
+        kwargs = self._phase_kwargs()
+        # the engine refuses a plan beyond the budgets at set-up: a run extended on resume plans its
+        # calibrated steps, and the group filter admits the extra ones only while every budget holds
+        planned = phase.steps if kwargs.get("privacy_filter", "group") != "group" else min(phase.steps, a.steps)
         out = self.engine.make_private_with_parameters(
             module=self.model, optimizer=self.optimizer, data_loader=self.loader, budgets=self.train_budgets,
             sample_rates=q, clip_norms=c, noise_multiplier=a.noise_multiplier, max_grad_norm=a.clip_norm,
-            steps=phase.steps, steps_per_epoch=phase.steps_per_epoch, expected_batch_size=self.expected_batch_size,
-            grad_sample_mode=self.config.grad_sample_mode, criterion=self.criterion, **self._phase_kwargs())
+            steps=planned, steps_per_epoch=phase.steps_per_epoch, expected_batch_size=self.expected_batch_size,
+            grad_sample_mode=self.config.grad_sample_mode, criterion=self.criterion, **kwargs)
         if self.config.grad_sample_mode == "ghost":
             self.model, self.dp_optimizer, self.loss_fn, self.private_loader = out
         else:
@@ -328,7 +347,7 @@ class Trainer:
             if self.stopped_early:
                 break
             self.phase_epoch += 1
-            ev = evaluate(self.model, ds.x_test, ds.y_test, ds.num_classes)
+            ev = self.evaluate()
             self.history.append({"epoch": len(self.history) + 1, "phase": self.phase_idx, "step": self.step,
                                  "train_loss": float(np.mean(losses)) if losses else None,
                                  "test_accuracy": ev["accuracy"]})
@@ -346,7 +365,7 @@ class Trainer:
     # --- the report ----------------------------------------------------------------------
     def report(self) -> dict:
         ds, plan = self.dataset, self.plan
-        ev = evaluate(self.model, ds.x_test, ds.y_test, ds.num_classes)
+        ev = self.evaluate()
         spent = self.epsilon_spent()
         rdp_spent = self.engine.accountant.grid_epsilon() if self.engine.accountant is not None else spent
         params, steps = {}, np.zeros(self.group_values.size, dtype=np.int64)
@@ -442,6 +461,16 @@ class Trainer:
         rf = self.run_folder
         rf.write_json("history.json", self.history, "private", "per epoch: training loss (on private batches, "
                       "without noise) and test accuracy")
+        split = getattr(self.dataset, "split", None)
+        if split:       # csv without test.csv: which rows of train.csv train (a function of the labels: private)
+            rows = np.concatenate([split["train_rows"], split["test_rows"]])
+            kind = ["train"] * len(split["train_rows"]) + ["test"] * len(split["test_rows"])
+            index = np.concatenate([np.arange(len(split["train_rows"])), np.arange(len(split["test_rows"]))])
+            order = np.argsort(rows, kind="stable")
+            rf.write_csv("data_split.csv", ["row", "split", "index"],
+                         [rows[order], [kind[i] for i in order], index[order]], "private",
+                         "the hidden stratified 80/20 split of train.csv: for each data row (0-based, header "
+                         "excluded) whether it trains or tests and its index there (training index = budget order)")
         rf.save_torch("model.pt", self._module().state_dict(), "public", "the trained model's state_dict "
                       "(load with torch.load(..., weights_only=True))")
         about = f"the run's report: guarantee per group, {contents}"
@@ -484,14 +513,20 @@ def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[
     return out
 
 
-def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None, resume: bool = False, *,
+def train(dataset, budgets: Budgets, config: TrainConfig, out_dir=None, resume: bool = False, *,
           model: torch.nn.Module | None = None, criterion=None, optimizer_factory=None,
           individual: IndividualAccountingOptions | None = None, overwrite: bool = False,
-          release_epsilon: float = 0.5, pdp=None) -> dict:
+          release_epsilon: float = 0.5, pdp=None, test_dataset=None, num_classes: int | None = None,
+          fingerprint: str | None = None) -> dict:
     """Train with individualized budgets; returns the report (also written to ``out_dir``).
 
     Args:
-        dataset: the data (:func:`idpsgd.data.load_dataset`).
+        dataset: the data: an :class:`idpsgd.data.Dataset` (:func:`idpsgd.data.load_dataset`), or
+            any map-style torch ``Dataset`` of ``(input, label)`` items (the training set; then
+            ``test_dataset`` and ``num_classes`` are required, see :mod:`.map_data`).
+        test_dataset, num_classes, fingerprint: with a torch ``Dataset`` only: the test set, the
+            number of classes, and optionally the data's identity for ``resume`` (default: a hash
+            of every item).
         budgets: one budget per training example and δ.
         config: method and hyperparameters.
         out_dir: run folder (a path or :class:`~idpsgd.runfolder.RunFolder`): public report.json and
@@ -507,6 +542,16 @@ def train(dataset: Dataset, budgets: Budgets, config: TrainConfig, out_dir=None,
     """
     check_delta(budgets.delta)
     from .pdp import PDP_METHODS, train_pdp
+    dataset = as_training_data(dataset, test_dataset, num_classes, fingerprint=fingerprint)
+    if isinstance(dataset, MapStyleData):
+        if config.method in PDP_METHODS:
+            raise InvalidParameterError("method", config.method, "needs an idpsgd.data.Dataset (in-memory tensors); "
+                                        "with a torch Dataset use uniform, sample, scale, exclude or sequential")
+        if individual is not None:
+            raise InvalidParameterError("individual", "IndividualAccountingOptions", "in idpsgd.train needs an "
+                                        "idpsgd.data.Dataset (its report evaluates every training example in "
+                                        "memory); with a torch Dataset call engine.enable_individual_accounting "
+                                        "on your own loop")
     if config.method in PDP_METHODS:  # (Φ, Δ)-PDP methods: their own round structure, no checkpoints
         config.validate()
         if resume:
