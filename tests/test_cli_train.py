@@ -22,6 +22,10 @@ def test_train_json_and_report_file(capsys, tmp_path):
     assert all(g["epsilon_spent"] <= g["budget"] for g in saved["groups"])
     assert (tmp_path / "private" / "ledger.csv").is_file() and (tmp_path / "report.html").is_file()
     assert "private" not in out
+    # book-keeping by default; the report says which layer takes which path (digits CNN: no fallback)
+    assert saved["grad_sample_mode"] == "bk"
+    assert set(saved["layer_paths"].values()) <= {"ghost norm", "per-sample gradient"}
+    assert "per-example gradient norms (bk): " in (tmp_path / "report.html").read_text()
 
 
 def test_train_text_budgets_per_class_and_file(capsys, tmp_path):

@@ -120,6 +120,7 @@ def test_unknown_dataset_and_model():
 
 SHAPES = {"digits_cnn": (1, 8, 8), "tramer_boneh_mnist": (1, 28, 28), "tramer_boneh_cifar10": (3, 32, 32),
           "lenet5": (1, 28, 28), "heo_svhn": (3, 32, 32), "heo_mnist": (1, 28, 28), "resnet20": (3, 32, 32),
+          "wrn16_4": (3, 16, 16),
           "mlp": (7,)}
 
 

@@ -126,46 +126,56 @@ def test_data_parallel_model_needs_a_process_group():
         distributed.launch(_trial, 0)
 
 
-def _engine_trial(mode="ghost", data_parallel=True):
-    """The library path (as under torchrun): make_private on a DPDDP model, individual accounting on."""
+def _engine_trial(data_parallel=True, modes=("ghost", "bk")):
+    """The library path (as under torchrun): make_private on a DPDDP model, individual accounting on;
+    one run per grad_sample_mode (ghost clipping, book-keeping)."""
     from idpsgd.assignment import Budgets
     from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
     from idpsgd.engine.wrap import raw_module
 
-    torch.manual_seed(0)
-    n = 240
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    if data_parallel:
-        model = distributed.wrap_model(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
-    engine = IndividualizedPrivacyEngine(seed=7)
-    engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0,
-                                                                    rounding_step=0.1))
-    out = engine.make_private(module=model, optimizer=opt, data_loader=loader, method="sample", epochs=2,
-                              budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
-                              max_grad_norm=1.0, grad_sample_mode=mode)
-    model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], torch.nn.functional.cross_entropy, out[2])
-    for _ in range(2):
-        for xb, yb in loader:
-            opt.zero_grad()
-            crit(model(xb), yb).backward()
-            opt.step()
-    return {"eps": engine.get_epsilon(), "steps": engine.steps, "individual": engine.get_individual_epsilons(),
-            "params": [p.detach().clone() for p in raw_module(model).parameters()]}
+    results = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        n = 240
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(n, 10, generator=g), torch.randint(0, 3, (n,), generator=g)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        if data_parallel:
+            model = distributed.wrap_model(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
+        engine = IndividualizedPrivacyEngine(seed=7)
+        engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0,
+                                                                        rounding_step=0.1))
+        out = engine.make_private(module=model, optimizer=opt, data_loader=loader, method="sample", epochs=2,
+                                  budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
+                                  max_grad_norm=1.0, grad_sample_mode=mode)
+        model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], torch.nn.functional.cross_entropy,
+                                                                 out[2])
+        for _ in range(2):
+            for xb, yb in loader:
+                opt.zero_grad()
+                crit(model(xb), yb).backward()
+                opt.step()
+        results[mode] = {"eps": engine.get_epsilon(), "steps": engine.steps,
+                         "individual": engine.get_individual_epsilons(),
+                         "params": [p.detach().clone() for p in raw_module(model).parameters()]}
+    return results
 
 
-def test_ghost_clipping_and_individual_accounting_match_one_process():
-    """Ghost clipping on DPDDP, and individual accounting with norm passes sharded and all-gathered."""
+def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_process():
+    """Ghost clipping and book-keeping on DPDDP, and individual accounting with norm passes sharded and
+    all-gathered: two processes give the single-process run."""
     single = _engine_trial(data_parallel=False)
     two = distributed.launch(_engine_trial, 2, timeout_s=60)
-    assert two["steps"] == single["steps"] == 12
-    np.testing.assert_array_equal(two["eps"], single["eps"])
-    np.testing.assert_allclose(two["individual"], single["individual"], rtol=1e-6)
-    assert np.any(single["individual"] < single["eps"].max() - 1e-3)     # individual accounting is at work
-    for a, b in zip(two["params"], single["params"]):
+    for mode in ("ghost", "bk"):
+        assert two[mode]["steps"] == single[mode]["steps"] == 12
+        np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
+        np.testing.assert_allclose(two[mode]["individual"], single[mode]["individual"], rtol=1e-6)
+        assert np.any(single[mode]["individual"] < single[mode]["eps"].max() - 1e-3)   # individual accounting works
+        for a, b in zip(two[mode]["params"], single[mode]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(single["bk"]["params"], single["ghost"]["params"]):      # the same update either way
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

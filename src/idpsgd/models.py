@@ -6,7 +6,12 @@
 * ``lenet5`` — LeNet-5 with tanh and average pooling (used by Thudi et al.).
 * ``heo_svhn`` / ``heo_mnist`` — the PDP-SGD CNNs (Heo et al., App. C.2, Tables 4–5).
 * ``resnet20`` — ResNet-20 (He et al. 2016) with GroupNorm instead of BatchNorm (Yu et al.).
+* ``wrn16_4`` — WideResNet-16-4 with GroupNorm (De et al. 2022's CIFAR-10 model; :func:`wide_resnet`
+  builds other depths and widths).
 * ``mlp`` — a two-layer perceptron for tabular (CSV) data.
+
+:class:`TransformerClassifier` (not in the registry: it takes token ids, which no bundled dataset
+has) is a small transformer-encoder text classifier for the library and the benchmarks.
 """
 from __future__ import annotations
 
@@ -160,6 +165,101 @@ def resnet20(input_shape, num_classes):
             cin = cout
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
     return nn.Sequential(*layers)
+
+
+class _WideBlock(nn.Module):
+    """Pre-activation wide residual block (Zagoruyko & Komodakis 2016) with GroupNorm."""
+
+    def __init__(self, cin, cout, stride, groups):
+        super().__init__()
+        self.gn1 = nn.GroupNorm(min(groups, cin), cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.gn2 = nn.GroupNorm(min(groups, cout), cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.short = None if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride, bias=False)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        h = self.act(self.gn1(x))
+        out = self.conv2(self.act(self.gn2(self.conv1(h))))
+        return out + (x if self.short is None else self.short(h))
+
+
+def wide_resnet(input_shape, num_classes, depth: int = 16, width: int = 4, groups: int = 16) -> nn.Sequential:
+    """WRN-depth-width (Zagoruyko & Komodakis 2016) with GroupNorm of ``groups`` groups instead of
+    BatchNorm, as De et al. 2022 train on CIFAR-10 with DP-SGD (they add weight standardisation,
+    which this model leaves out: plain convolutions)."""
+    if (depth - 4) % 6 or depth < 10:
+        raise InvalidParameterError("depth", depth, "must be 6k + 4 >= 10 (10, 16, 22, 28, ...)")
+    blocks = (depth - 4) // 6
+    layers, cin = [nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False)], 16
+    for stage, cout in enumerate((16 * width, 32 * width, 64 * width)):
+        for b in range(blocks):
+            layers.append(_WideBlock(cin, cout, 2 if stage and not b else 1, groups))
+            cin = cout
+    layers += [nn.GroupNorm(min(groups, cin), cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+               nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+@register("wrn16_4")
+def wrn16_4(input_shape, num_classes):
+    return wide_resnet(input_shape, num_classes, 16, 4)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention on batch-first (B, T, d) inputs, built from ``nn.Linear`` layers (so
+    Opacus's per-sample gradients and the book-keeping rules cover it).  Not Opacus's
+    ``DPMultiheadAttention``: with ``batch_first=True`` that layer (Opacus 1.6) merges the heads back
+    in the wrong order and computes another function than ``nn.MultiheadAttention``."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise InvalidParameterError("heads", heads, f"must divide the model dimension {dim}")
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+
+        def split(y):
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        h = torch.nn.functional.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        return self.out(h.transpose(1, 2).reshape(b, t, d))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LayerNorm transformer-encoder block: x + attention(LN(x)), then + MLP(LN(·))."""
+
+    def __init__(self, dim: int, heads: int, ff_dim: int):
+        super().__init__()
+        self.norm1, self.attention = nn.LayerNorm(dim), SelfAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, ff_dim), nn.GELU(), nn.Linear(ff_dim, dim))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerClassifier(nn.Module):
+    """Token ids (B, T) → class logits: token and position embeddings, ``layers`` pre-LayerNorm
+    encoder blocks (:class:`EncoderBlock`), a final LayerNorm, mean pooling and a linear head."""
+
+    def __init__(self, vocab_size: int, num_classes: int, *, max_length: int = 128, dim: int = 128, heads: int = 4,
+                 layers: int = 2, ff_dim: int = 256, padding_idx: int | None = None):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
+        self.positions = nn.Embedding(max_length, dim)
+        self.encoder = nn.Sequential(*[EncoderBlock(dim, heads, ff_dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)   # contiguous (Opacus views it)
+        h = self.encoder(self.tokens(ids) + self.positions(pos))
+        return self.head(self.norm(h).mean(1))
 
 
 FLAT_INPUT_MODELS = {"mlp"}      # every other model takes (C, H, W) images

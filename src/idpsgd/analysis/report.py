@@ -135,6 +135,11 @@ def render(run_dir, include_private: bool = False) -> str:
              f"{r.get('steps')} steps of {r.get('planned_steps', r.get('steps'))} planned"
              + (" — <span class='bad'>stopped early by the privacy filter</span>" if r.get("stopped_early") else "")
              + f"; seed {e(str(r.get('seed')))}{' (secure randomness)' if r.get('secure_mode') else ''}</p>"]
+    if r.get("layer_paths"):
+        from ..engine.bookkeeping import summarize_paths
+
+        parts.append(f"<p class='note'>per-example gradient norms ({e(str(r.get('grad_sample_mode')))}): "
+                     f"{e(summarize_paths(r['layer_paths']))}</p>")
     parts.append("<h2>Guarantee</h2>")
     parts.append(f"<p>{e(str(r.get('guarantee', '')))}</p>")
     groups = r.get("groups") or []

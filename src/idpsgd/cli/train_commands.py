@@ -43,9 +43,10 @@ def _hyper_args(p):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", default=d.device, help="cpu, cuda, auto (cuda when available) or a torch device "
                    f"such as cuda:1 (default {d.device})")
-    p.add_argument("--grad-sample-mode", choices=["hooks", "functorch", "ghost"], default=d.grad_sample_mode,
-                   help="per-sample gradients by Opacus hooks, functorch, or ghost clipping (norms only; less "
-                   f"memory) (default {d.grad_sample_mode})")
+    p.add_argument("--grad-sample-mode", choices=["bk", "hooks", "functorch", "ghost"], default=d.grad_sample_mode,
+                   help="bk: book-keeping (one backward pass; ghost norms or per-sample gradients per layer, "
+                   "near non-private cost); hooks / functorch: Opacus's per-sample gradients; ghost: Opacus's "
+                   f"fast gradient clipping (two backward passes) (default {d.grad_sample_mode})")
     p.add_argument("--secure-mode", action="store_true", help="Opacus's secure mode: sampling and noise from OS "
                    "entropy, secure noise sampling; refuses --seed")
     _accountant(p)

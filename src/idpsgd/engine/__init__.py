@@ -1,13 +1,15 @@
 """The individualized privacy engine (torch + Opacus): :class:`IndividualizedPrivacyEngine` owns the
 module, optimizer, data loader and accountant of individualized DP-SGD (Boenisch et al. 2023) for
 any model, data and device; individual accounting (Yu et al. 2023) runs on it."""
-from .accountant import GroupAccountant, PrivacyBudgetExceeded
+from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from .filter import FilterOptions, IndividualFilter
 from .individual import IndividualAccountingOptions, IndividualTracker
-from .optimizer import IndividualizedDPOptimizer, IndividualizedDPOptimizerFastGradientClipping
+from .bookkeeping import BookKeeper, BookKeepingModule
+from .optimizer import (IndividualizedDPOptimizer, IndividualizedDPOptimizerBookKeeping,
+                        IndividualizedDPOptimizerFastGradientClipping)
 from .privacy_engine import GUARANTEE, IndividualizedPrivacyEngine, steps_per_epoch_for
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 
-__all__ = ["BatchIndexQueue", "FilterOptions", "GUARANTEE", "GroupAccountant", "IndividualFilter", "IndividualAccountingOptions", "IndividualTracker",
+__all__ = ["BatchIndexQueue", "BookKeeper", "BookKeepingModule", "IndividualizedDPOptimizerBookKeeping", "FilterOptions", "GUARANTEE", "GroupAccountant", "GroupEpsilons", "IndividualFilter", "IndividualAccountingOptions", "IndividualTracker",
            "IndividualizedDPOptimizer", "IndividualizedDPOptimizerFastGradientClipping", "IndividualizedPrivacyEngine",
            "PoissonBatchSampler", "PrivacyBudgetExceeded", "PrivateDataLoader", "steps_per_epoch_for"]

@@ -50,7 +50,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..io import CheckpointError, load_torch, save_torch
 from ..validation import InvalidParameterError, UnreachableTargetError
 from .accountant import PrivacyBudgetExceeded
-from .optimizer import IndividualizedDPOptimizer, IndividualizedDPOptimizerFastGradientClipping
+from .optimizer import (IndividualizedDPOptimizer, IndividualizedDPOptimizerBookKeeping,
+                        IndividualizedDPOptimizerFastGradientClipping)
 from .randomness import SecureUniform
 from .sampler import BatchMismatchError, PoissonBatchSampler
 
@@ -135,9 +136,10 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
         raise InvalidParameterError("module", name, "needs an initialised torch.distributed process group "
                                     "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)")
     if isinstance(wrapper, DDP):
-        if grad_sample_mode == "ghost":
-            raise InvalidParameterError("module", name, "with grad_sample_mode='ghost' is not supported (DDP "
-                                        "all-reduces both backward passes of ghost clipping); wrap the model in "
+        if grad_sample_mode in ("ghost", "bk"):
+            raise InvalidParameterError("module", name, f"with grad_sample_mode={grad_sample_mode!r} is not supported "
+                                        "(DDP all-reduces autograd's summed gradients, which ghost clipping forms twice "
+                                        "and book-keeping never forms); wrap the model in "
                                         "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead")
         if privacy_filter == "individual" or engine.individual is not None:
             raise InvalidParameterError("module", name, "individual accounting and the individual filter need "
@@ -246,8 +248,18 @@ class DistributedIndividualizedDPOptimizerFastGradientClipping(_RankZeroNoise,
         self._init_distributed()
 
 
+class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, IndividualizedDPOptimizerBookKeeping):
+    """Book-keeping clipping (``grad_sample_mode="bk"``) for data parallelism: each rank forms its
+    examples' clipped sum from its own backward pass; noise on rank 0; one all-reduce."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._init_distributed()
+
+
 OPTIMIZERS = {"hooks": DistributedIndividualizedDPOptimizer, "functorch": DistributedIndividualizedDPOptimizer,
-              "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping}
+              "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
+              "bk": DistributedIndividualizedDPOptimizerBookKeeping}
 
 
 # --- collectives ----------------------------------------------------------------------------
@@ -479,7 +491,7 @@ def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:
                                     + f"; the other ranks were stopped (collective timeout {timeout_s:g} s)")
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistributedIndividualizedDPOptimizer",
+__all__ = ["DEFAULT_TIMEOUT_S", "DistributedIndividualizedDPOptimizer", "DistributedIndividualizedDPOptimizerBookKeeping",
            "DistributedIndividualizedDPOptimizerFastGradientClipping", "DistributedPoissonBatchSampler",
            "DistributedTrainingError", "all_gather_arrays", "broadcast_object", "check_nproc", "check_replicated",
            "data_parallel_wrapper", "init_process_group", "is_distributed", "is_main_process", "launch",

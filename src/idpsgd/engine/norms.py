@@ -1,16 +1,15 @@
 """Per-example gradient norms (and losses) of training examples at the current model, for any loss.
 
 Yu et al. 2023, Alg. 2 line 3: the batch gradient norms ‖g_i‖ at θ_t, with the model in eval
-mode and no optimizer step.  Computed in batches with Opacus's
-``GradSampleModuleFastGradientClipping`` (ghost norms: for Linear layers ‖a_i‖·‖b_i‖ without
-materialising per-example gradients; per-example gradients for the other layers), about twice
-as fast as materialising every per-example gradient.  The norm module is attached once to the
-model and its hooks are enabled only here; a training ``GradSampleModule`` around the same model
-has its hooks disabled meanwhile.  Opacus only captures activations of modules in training mode,
-so the model is put in eval mode and only the modules that own trainable parameters (Linear,
-Conv, GroupNorm, …: layers that behave the same in both modes) are switched back to training
-mode; dropout and the like stay in eval mode.  ``.grad`` and Opacus's per-parameter fields are
-cleared afterwards.
+mode and no optimizer step.  Computed in batches by the model's book-keeper
+(:mod:`.bookkeeping`, the machinery of ``grad_sample_mode="bk"``): one backward pass per batch,
+ghost norms or per-sample gradients per layer by shape (Bu, Mao & Xu 2022), and no summed
+gradient — about the cost of one non-private training epoch over the examples.  Layers no
+book-keeping rule covers take Opacus's per-sample gradient (they must own trainable parameters
+that behave the same in training mode: Opacus only captures activations of modules in training
+mode, so those modules — and only those — are switched back to training mode; dropout and the like
+stay in eval mode).  A training wrapper of Opacus around the same model has its hooks disabled
+meanwhile; ``.grad`` and Opacus's per-parameter fields are cleared afterwards.
 """
 from __future__ import annotations
 
@@ -45,25 +44,29 @@ def eval_mode_with_hooks(module: torch.nn.Module):
             m.training = mode
 
 
-def _norm_module(model: torch.nn.Module):
-    """(outer GradSampleModule or None, the cached ghost-norm module around the raw model)."""
+@contextlib.contextmanager
+def _norm_pass(model: torch.nn.Module):
+    """(the module to call, its book-keeper) with the keeper recording per-example sums ("sum" loss
+    reduction) and any Opacus training wrapper's hooks off."""
+    from .bookkeeping import BookKeeper
+    from .wrap import raw_module
+
     outer = model if isinstance(model, AbstractGradSampleModule) else None
-    raw = outer._module if outer is not None else model
-    fast = getattr(raw, "_idpsgd_norm_module", None)
-    if fast is None:
-        # Opacus refuses a second hook set on one model through this marker attribute; the norm
-        # module keeps its own hook list, and the marker is restored for the training wrapper.
-        marker = raw.__dict__.pop("autograd_grad_sample_hooks", None)
-        try:
-            fast = GradSampleModuleFastGradientClipping(raw, batch_first=True, loss_reduction="mean",
-                                                        use_ghost_clipping=True)
-        finally:
-            raw.__dict__.pop("autograd_grad_sample_hooks", None)
-            if marker is not None:
-                raw.autograd_grad_sample_hooks = marker
-        fast.disable_hooks()
-        object.__setattr__(raw, "_idpsgd_norm_module", fast)   # not a registered submodule
-    return outer, raw, fast
+    raw = raw_module(model)
+    keeper = BookKeeper.attach(raw)
+    saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation
+    outer_hooks = getattr(outer, "hooks_enabled", None)
+    if outer is not None and not hasattr(outer, "keeper"):
+        outer.disable_hooks()
+    keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = True, "sum", False
+    keeper.clear()
+    try:
+        yield raw, keeper
+    finally:
+        keeper.clear()
+        keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = saved
+        if outer is not None and outer_hooks:
+            outer.enable_hooks()
 
 
 def default_per_sample_loss(module: torch.nn.Module, batch) -> torch.Tensor:
@@ -116,28 +119,22 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
     of ``(inputs, targets)`` batches).  Batches are moved to the model's device.
     """
     loss_fn = per_sample_loss or default_per_sample_loss
-    outer, raw, fast = _norm_module(model)
-    device = next(raw.parameters()).device
     norms, losses = [], []
-    if outer is not None:
-        outer.disable_hooks()
-    fast.enable_hooks()
-    try:
+    with _norm_pass(model) as (raw, keeper):
+        device = next(raw.parameters()).device
         with eval_mode_with_hooks(raw):
             _clear(raw)
             for batch in batches:
-                loss = loss_fn(fast, to_device(batch, device))
+                loss = loss_fn(raw, to_device(batch, device))
                 if loss.dim() != 1:
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")
-                loss.mean().backward()   # mean loss: Opacus rescales to per-example norms
-                norms.append(fast.get_norm_sample().detach().double().cpu())
+                if loss.numel():
+                    loss.sum().backward()        # "sum": each example's own loss gradient
+                    norms.append(keeper.norms().detach().double().cpu())
                 losses.append(loss.detach().double().cpu())
+                keeper.clear()
                 _clear(raw)
-    finally:
-        fast.disable_hooks()
-        if outer is not None:
-            outer.enable_hooks()
         _clear(raw)
     if not norms:
-        return np.zeros(0), np.zeros(0)
+        return np.zeros(0), np.zeros(sum(x.numel() for x in losses))
     return torch.cat(norms).numpy(), torch.cat(losses).numpy()

@@ -144,5 +144,39 @@ class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFa
         super().accumulate()
 
 
+class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradientClipping):
+    """Book-keeping clipping (``grad_sample_mode="bk"``, :mod:`.bookkeeping`): after the one backward
+    pass, the per-example norms come from the model's book-keeper, the clip factors
+    min(1, c_i/‖g_i‖) from :class:`~.clipping.PerExampleClipping`, and the clipped sum Σ_i w_i g_i
+    from the kept layer inputs and output gradients; this optimizer adds it to ``p.summed_grad``
+    (several physical batches accumulate under ``BatchMemoryManager``), then adds the noise and
+    divides by Σ q_i as the other modes do."""
+
+    keeper = None        # the model's BookKeeper (set by the engine)
+
+    def zero_grad(self, set_to_none: bool = False):
+        self.keeper.clear()          # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
+        super().zero_grad(set_to_none)
+
+    def accumulate(self):
+        keeper = self.keeper
+        try:
+            norms = keeper.norms()
+        except BaseException:
+            keeper.clear()
+            raise
+        sums = keeper.clipped_sum(self.clipping.factors(norms))
+        keeper.clear()
+        for p in self.params:
+            g = sums.get(p)
+            if g is None:
+                g = torch.zeros_like(p)
+            p.grad = None                # a fallback layer's un-clipped autograd sum is discarded
+            if p.summed_grad is not None:
+                p.summed_grad.add_(g.to(p.summed_grad.dtype))
+            else:
+                p.summed_grad = g.to(p.dtype)
+
+
 OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer,
-              "ghost": IndividualizedDPOptimizerFastGradientClipping}
+              "ghost": IndividualizedDPOptimizerFastGradientClipping, "bk": IndividualizedDPOptimizerBookKeeping}

@@ -19,9 +19,10 @@ What it does (Boenisch et al. 2023, IDP-SGD, Alg. 1–3; the product guide's mod
   for one budget; or explicit per-example parameters (:meth:`make_private_with_parameters`);
 * **sampling** — the loader's batch sampler becomes a Poisson sampler with per-example rates
   (:mod:`.sampler`); empty batches keep the structure of the user's batches;
-* **clipping and noise** — example i is clipped at c_i (per-sample gradients, or ghost clipping
-  with ``grad_sample_mode="ghost"``), the noise has std σ·c and the sum is divided by Σ q_i
-  (:mod:`.optimizer`);
+* **clipping and noise** — example i is clipped at c_i (Opacus's per-sample gradients with
+  ``grad_sample_mode="hooks"``/``"functorch"``; Opacus's two-pass ghost clipping with ``"ghost"``;
+  book-keeping with ghost norms in one backward pass with ``"bk"``, :mod:`.bookkeeping`, the
+  cheapest), the noise has std σ·c and the sum is divided by Σ q_i (:mod:`.optimizer`);
 * **accounting and filter** — every step is charged to every example with q_i > 0; before the
   noise of each step the filter refuses (``PrivacyBudgetExceeded``) a step that would take any
   privacy group over its budget, or warns (``filter_action="warn"``) (:mod:`.accountant`); or,
@@ -52,14 +53,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets, assign
-from ..validation import InvalidParameterError, check_positive_array, check_sample_rate
-from .accountant import ACCOUNTANTS, GroupAccountant, PrivacyBudgetExceeded
+from ..validation import InvalidParameterError, check_epsilon, check_positive, check_positive_array, check_sample_rate
+from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from . import distributed
 from .clipping import PerExampleClipping
 from .optimizer import OPTIMIZERS, _check_noise
 from .randomness import noise_generator as make_noise_generator, resolve_seed, sampler_rng
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .wrap import GRAD_SAMPLE_MODES, check_wrappable, raw_module, wrap_module
+from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
 
 FILTERS = ("group", "individual", None)   # individual: engine/filter.py (Feldman & Zrnic 2021)
 FILTER_ACTIONS = ("raise", "warn")
@@ -202,8 +203,16 @@ class IndividualizedPrivacyEngine:
         if self.filter is not None:   # individual filter: its realized ε at each example's order (≤ budget)
             return np.minimum(eps, self.filter.realized_epsilons(delta))
         if self.individual is not None:
-            eps = np.minimum(eps, self.individual.epsilons(self.budgets.delta if delta is None else delta))
+            eps = np.minimum(eps, self.individual.epsilons(self._delta(delta)))
         return eps
+
+    @property
+    def layer_paths(self) -> dict[str, str]:
+        """Layer name → how its per-example gradient norms are computed in this phase: with
+        ``grad_sample_mode="bk"`` a ghost norm, a per-sample gradient, or Opacus's per-sample gradient
+        for a layer no book-keeping rule covers (:mod:`.bookkeeping`); in the other modes Opacus's."""
+        self._require()
+        return layer_paths(self.module, self.parameters["grad_sample_mode"])
 
     def privacy_groups(self, delta: float | None = None) -> list[dict]:
         """Per group: budget, examples, and the current phase's rate, clip norm and effective σ."""
@@ -498,11 +507,10 @@ class IndividualizedPrivacyEngine:
             expected_batch_size=ebs / (1 if ranks is None else ranks[1]), loss_reduction=loss_reduction,
             generator=self._noise, secure_mode=self.secure_mode)   # per rank Σq/W, as Opacus (engine/distributed.py)
 
-        self.accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
-        if steps is not None and privacy_filter == "group":
-            self.accountant.prime(int(steps))     # checked once; beyond the budget the filter stops the run
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
         dp_opt.guard = self._guard
+        if grad_sample_mode == "bk":
+            dp_opt.keeper = wrapped.keeper      # book-keeping: the clipped sum comes from the model's keeper
         dp_opt.attach_step_hook(lambda _opt: self.accountant.step())
         self.parameters = {"sample_rates": q, "clip_norms": c, "noise_multiplier": float(noise_multiplier),
                            "max_grad_norm": float(max_grad_norm), "steps": None if steps is None else int(steps),

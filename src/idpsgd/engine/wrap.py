@@ -10,7 +10,13 @@
   per-example gradients (ghost norms for Linear layers).  :class:`IndividualizedGhostModule`
   returns the clip factors min(1, c_i/‖g_i‖) with each example's own c_i, which Opacus's loss
   wrapper (``DPLossFastGradientClipping``) multiplies into the per-sample losses of a second
-  backward pass — the same update as clipping each per-sample gradient at c_i.
+  backward pass — the same update as clipping each per-sample gradient at c_i;
+* ``bk`` — book-keeping (Bu et al. 2023) with mixed ghost norms (Bu, Mao & Xu 2022) for Linear,
+  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm (:mod:`.bookkeeping`): one backward
+  pass, per-example norms without per-example gradients where the ghost norm is cheaper, and the
+  clipped sum formed from each layer's kept input and output gradient; other layers take Opacus's
+  per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
+  loop (no criterion wrapper).
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule, GradS
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
+from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
 from .clipping import PerExampleClipping
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "bk")
 
 
 class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
@@ -66,12 +73,15 @@ def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first:
         raise InvalidParameterError("module", type(module).__name__,
                                     f"cannot be trained privately by Opacus: {errors[0]} "
                                     "(opacus.validators.ModuleValidator.fix replaces e.g. BatchNorm by GroupNorm)")
+    if grad_sample_mode == "bk":
+        check_batch_first(batch_first)
+        plan_layers(raw_module(module))
 
 
 def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = IndividualizedGhostModule if grad_sample_mode == "ghost" else GradSampleModule
+    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule}.get(grad_sample_mode, GradSampleModule)
     return (type(module) is want and module.batch_first == batch_first and module.loss_reduction == loss_reduction
-            and (grad_sample_mode == "ghost" or module.force_functorch == (grad_sample_mode == "functorch")))
+            and (grad_sample_mode in ("ghost", "bk") or module.force_functorch == (grad_sample_mode == "functorch")))
 
 
 def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExampleClipping,
@@ -81,7 +91,12 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
     if isinstance(module, AbstractGradSampleModule):
         if grad_sample_mode == "ghost":
             module.clipping = clipping
+        if grad_sample_mode == "bk":
+            module.keeper.loss_reduction, module.keeper.active = loss_reduction, True
         return module
+    if grad_sample_mode == "bk":
+        return BookKeepingModule(module, keeper=BookKeeper.attach(raw_module(module)), batch_first=batch_first,
+                                 loss_reduction=loss_reduction)
     if grad_sample_mode == "ghost":
         wrapped = IndividualizedGhostModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
                                             use_ghost_clipping=True)
@@ -89,3 +104,14 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
         return wrapped
     return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
                             force_functorch=grad_sample_mode == "functorch")
+
+
+def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str) -> dict[str, str]:
+    """Layer name → how its per-example norms are computed (see ``IndividualizedPrivacyEngine.layer_paths``)."""
+    if grad_sample_mode == "bk":
+        return wrapped.keeper.paths
+    what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
+            "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
+                     "two backward passes)"}[grad_sample_mode]
+    return {name or type(m).__name__: what for name, m in raw_module(wrapped).named_modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))}

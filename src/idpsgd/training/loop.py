@@ -88,7 +88,7 @@ class TrainConfig:
     seed: int | None = None          # None: a fresh seed, recorded in the report
     secure_mode: bool = False
     device: str = "cpu"
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "bk"     # book-keeping: near non-private cost (engine/bookkeeping.py)
     exclude_below: float | None = None
     progress: bool = True
     init_seed: int | None = None     # model initialisation seed (default: seed); runs can share it
@@ -100,10 +100,13 @@ class TrainConfig:
                                         "parameters' float type)")
         if not 0 <= self.momentum < 1:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
-        if self.accountant not in ("rdp", "pld"):
-            raise InvalidParameterError("accountant", self.accountant, "must be rdp or pld")
-        if self.grad_sample_mode not in ("hooks", "functorch", "ghost"):
-            raise InvalidParameterError("grad_sample_mode", self.grad_sample_mode, "must be hooks, functorch or ghost")
+        if self.accountant not in ("rdp", "pld", "prv"):
+            raise InvalidParameterError("accountant", self.accountant, "must be rdp, pld or prv")
+        from ..engine.wrap import GRAD_SAMPLE_MODES
+
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise InvalidParameterError("grad_sample_mode", self.grad_sample_mode,
+                                        f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
         resolve_device(self.device)
         return self
 
@@ -402,13 +405,31 @@ class Trainer:
             "epochs": self.config.epochs, "batch_size": self.config.batch_size, "lr": self.config.lr,
             "clip_norm": self.config.clip_norm, "seed": self.seed, "secure_mode": self.config.secure_mode,
             "device": str(self.device), "grad_sample_mode": self.config.grad_sample_mode,
+            "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
                         "sample_rate": p.assignment.sample_rate, "noise_multiplier": p.assignment.noise_multiplier}
                        for p in plan.phases],
             "groups": groups, "history": [{k: v for k, v in h.items() if k != "train_loss"} for h in self.history],
-            "preprocessing": getattr(self.dataset, "preprocessing", None), "files": None,
+            "preprocessing": getattr(self.dataset, "preprocessing", None),
+            **({"data": ds.source} if getattr(ds, "source", None) else {}),
+            **({"warnings": notes} if (notes := self.notes()) else {}), "files": None,
             **extra, "private": {"history": self.history, **private},
         }
+
+    def evaluate(self) -> dict:
+        """Test metrics of the current model (accuracy, per-class accuracy, loss)."""
+        ds = self.dataset
+        if isinstance(ds, MapStyleData):
+            return ds.evaluate(self.model)
+        return evaluate(self.model, ds.x_test, ds.y_test, ds.num_classes)
+
+    def notes(self) -> list[str]:
+        """Public warnings about the plan (also on stderr when the plan was made): groups whose
+        examples are expected to be sampled less than once (Sample with a wide spread of budgets)."""
+        from ..assignment import sparse_sampling
+
+        return [f"phase {p.name}: {n}" if len(self.plan.phases) > 1 else n
+                for p in self.plan.phases if (n := sparse_sampling(p.assignment))]
 
     def set_epochs(self, epochs: int) -> None:
         """Run a one-phase plan for ``epochs`` passes while keeping its calibration (σ, rates for the
