@@ -94,9 +94,10 @@ def epsilon_from_counts(tp: int, positives: int, fp: int, negatives: int, delta:
         fp: non-members guessed "in" (false positives) out of ``negatives`` non-members.
         delta: the δ of the guarantee under audit.
 
-    Returns ``lower`` (the ``confidence`` lower bound on ε), ``estimate`` (the point value from
-    the observed rates), ``upper`` (the value at the other ends of the intervals: the ε this test
-    could show at most; None when infinite), the intervals and the counts.
+    Returns ``lower`` (the ``confidence`` lower bound on ε: what the audit states), ``estimate``
+    (the point value from the observed rates), ``largest_showable`` (the value at the other ends
+    of the intervals: the largest ε this test could show with these counts — not an upper bound
+    on the mechanism's ε, which no audit gives; None when infinite), the intervals and the counts.
     """
     delta = check_delta(delta)
     tp, positives, fp, negatives = int(tp), int(positives), int(fp), int(negatives)
@@ -106,9 +107,9 @@ def epsilon_from_counts(tp: int, positives: int, fp: int, negatives: int, delta:
     fpr_lo, fpr_hi = clopper_pearson(fp, negatives, confidence)
     lower = float(epsilon_lower_bound_counts(tp, positives, fp, negatives, delta, confidence))
     est = float(epsilon_from_rates(tp / positives, fp / negatives, delta))
-    upper = float(np.maximum(0.0, np.maximum(_log_ratio(tpr_hi, fpr_lo, delta), _log_ratio(1 - fpr_lo, 1 - tpr_hi, delta))))
+    most = float(np.maximum(0.0, np.maximum(_log_ratio(tpr_hi, fpr_lo, delta), _log_ratio(1 - fpr_lo, 1 - tpr_hi, delta))))
     return {"lower": lower, "estimate": est if math.isfinite(est) else None,
-            "upper": upper if math.isfinite(upper) else None, "confidence": float(confidence),
+            "largest_showable": most if math.isfinite(most) else None, "confidence": float(confidence),
             "tpr": tp / positives, "tpr_interval": [float(tpr_lo), float(tpr_hi)],
             "fpr": fp / negatives, "fpr_interval": [float(fpr_lo), float(fpr_hi)],
             "true_positives": tp, "members": positives, "false_positives": fp, "non_members": negatives}

@@ -1,7 +1,9 @@
 """The audit's outputs: ``audit.json``, ``audit_scores.csv``, ``roc_by_group.png``, and its text.
 
 Through :class:`~idpsgd.runfolder.RunFolder`: ``audit.json`` (per group: budget, reported ε, AUC,
-TPR at low FPR with counts, the ε lower bound with its interval, tests between groups) and
+TPR at low FPR with counts, the ε lower bound with its estimate and the largest ε the test could
+show, the one-run bound on the same guesses, the verdict's Bonferroni level, tests between
+groups, the one plan every model ran) and
 ``roc_by_group.png`` are public aggregates for the data protection officer; the per-example
 scores ``audit_scores.csv`` are private (``private/``, mode 0600), as are the audit's models and
 settings.  Aggregates are not covered by the DP guarantees either (``disclosure`` in
@@ -148,8 +150,8 @@ def _banner(r: dict) -> list[str]:
             "the accounting or the implementation is wrong"]
 
 
-def _pct(f: float) -> str:
-    return f"{100 * f:g}%"
+def _pct(f: float, digits: int = 6) -> str:
+    return f"{100 * f:.{digits}g}%"
 
 
 def audit_text(r: dict) -> str:
@@ -167,24 +169,34 @@ def _membership_text(r: dict) -> str:
              f"{r['model']}); {r['shadow_models']} shadow models; target: {r['target']['members']} of "
              f"{r['target']['examples']} examples, test accuracy {_num(r['target']['test_accuracy'])}"),
              (f"{'budget':>7} {'reported eps':>12} {'AUC':>6} {'AUC loo' if loo else '':>7}{heads} "
-             f"{'eps estimate [95% CI]':>26} {'audit':>7}")]
+             f"{'eps lower':>9} {'estimate':>8} {'test max':>8} {'one-run':>7} {'audit':>7}")]
     for row in [*r["groups"], r["all"]]:
         a = row["attacks"][primary]
         name = "all" if row["budget"] is None else f"{row['budget']:g}"
-        b = a.get("epsilon_lower_bound")
-        bound = "n/a" if not b else (f"{_num(b['estimate'], '{:.2f}').replace('n/a', 'inf')} "
-                                     f"[{b['lower']:.2f}, {_num(b['upper'], '{:.2f}').replace('n/a', 'inf')}]")
+        b, o = a.get("epsilon_lower_bound"), a.get("one_run_bound")
+        est, most = (("n/a", "n/a") if not b else
+                     (_num(b["estimate"], "{:.2f}").replace("n/a", "inf"),
+                      _num(b["largest_showable"], "{:.2f}").replace("n/a", "inf")))
         tprs = a["tpr_at_fpr"] if a.get("auc") is not None else [None] * len(fprs)
         cells = "".join(f" {(_tpr(t) if t else 'n/a'):>20}" for t in tprs)
         lines.append(f"{name:>7} {_num(row['reported_epsilon']):>12} {_num(a.get('auc')):>6} "
-                     f"{_num(a.get('auc_leave_one_out')) if loo else '':>7}{cells} {bound:>26} {row['verdict']:>7}")
+                     f"{_num(a.get('auc_leave_one_out')) if loo else '':>7}{cells} "
+                     f"{_num(b['lower'] if b else None, '{:.2f}'):>9} {est:>8} {most:>8} "
+                     f"{_num(o['epsilon'] if o else None, '{:.2f}'):>7} {row['verdict']:>7}")
         if row.get("secondary_exceeding"):
             lines.append(f"        warning: the bound of {', '.join(row['secondary_exceeding'])} exceeds the reported "
                          "epsilon")
+    mult = r["multiplicity"]
     lines.append(("  AUC: on the target; AUC loo: pooled over the shadow models' leave-one-out scores; " if loo else
-                  "  AUC: on the target; ") + "*: FPR below 1/non-members (no false positive allowed); eps: "
-                 "Clopper-Pearson, threshold chosen " + ("on the shadow models" if loo else "on a random half (bound on "
-                 "the other half)") + "; FAILED if the lower end exceeds the reported epsilon")
+                  "  AUC: on the target; ") + "*: FPR below 1/non-members (no false positive allowed)")
+    lines.append(f"  eps lower: Clopper-Pearson lower bound (threshold chosen "
+                 + ("on the shadow models" if loo else "on a random half, bound on the other half")
+                 + "); estimate: at the observed rates; test max: the largest eps this test could show with these "
+                 "counts (not an upper bound on eps); one-run: Steinke et al.'s bound on the same guesses (rigorous: "
+                 "no independence between examples assumed)")
+    lines.append(f"  audit: FAILED if either lower bound exceeds the reported epsilon; every bound at "
+                 f"{_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's {mult['tests']} tests: "
+                 f"{_pct(mult['confidence'])} jointly)")
     others = [n for n in r["groups"][0]["attacks"] if n != primary] if r["groups"] else []
     for n in others:
         cells = []
@@ -220,12 +232,16 @@ def _one_run_text(r: dict) -> str:
              f"{r['canaries_per_group']} {r['canary_kind']} canaries per group, each included with probability 1/2; "
              f"test accuracy {_num(r['target']['test_accuracy'])}"),
              (f"{'budget':>7} {'reported eps':>12} {'canaries':>8} {'guesses':>7} {'correct':>7} "
-             f"{'eps lower bound (95%)':>21} {'ceiling':>7} {'audit':>7}")]
+             f"{'eps lower bound':>15} {'ceiling':>7} {'audit':>7}")]
     for row in [*r["groups"], r["all"]]:
         o = row["one_run"]
         name = "all" if row["budget"] is None else f"{row['budget']:g}"
         lines.append(f"{name:>7} {_num(row['reported_epsilon']):>12} {row['canaries']:>8} {o['guesses']:>7} "
-                     f"{o['correct']:>7} {o['epsilon']:>21.3f} {o['ceiling']:>7.2f} {row['verdict']:>7}")
+                     f"{o['correct']:>7} {o['epsilon']:>15.3f} {o['ceiling']:>7.2f} {row['verdict']:>7}")
+    mult = r["multiplicity"]
+    lines.append(f"  every bound at {_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's "
+                 f"{mult['tests']} tests: {_pct(mult['confidence'])} jointly); FAILED if a bound exceeds the reported "
+                 "epsilon")
     lines.append("  loose by design: valid for this run's mechanism, but m canaries cannot certify more than the "
                  "ceiling, and a black-box score of the final model sees far less than the analysis allows")
     lines.append(f"audit: {r['files']['audit']} (aggregates of membership scores: not covered by the DP guarantees); "

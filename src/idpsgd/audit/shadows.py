@@ -2,11 +2,25 @@
 
 Every model of an audit — the shadows and the target — is trained exactly as ``idpsgd train``
 trains (same method, budgets, hyper-parameters), on a subset of the training examples:
-:class:`~idpsgd.training.Trainer` for uniform, Sample and Scale; :func:`~idpsgd.training.train`
-(which runs :func:`~idpsgd.training.pdp.train_pdp`) for PDP-SGD, whose single model is read back
-from the ``model.pt`` it writes.  A finished model is saved atomically (its membership mask,
+:class:`~idpsgd.training.Trainer` for uniform, Sample and Scale; :func:`~idpsgd.training.pdp.train_pdp`
+for PDP-SGD, whose single model is read back from the ``model.pt`` it writes.  A finished model is saved atomically (its membership mask,
 per-example φ and loss on all examples, the weights and the guarantees its run reported), so an
 interrupted audit resumes without retraining it.
+
+**One plan for every model** (:class:`SharedPlan`).  The models train on subsets of different
+sizes (the target includes every example with probability 1/2).  Calibrated per subset, the
+steps per epoch round(n_sub/B) would split them into two populations (on digits 150 and 180
+steps at 30 epochs, with different σ), and the public parameters of a model would depend on
+how many examples it holds — on the membership the attack guesses.  So the plan is calibrated
+once, before any model trains, for the expected subset (half of every privacy group: the group
+weights of the whole data, rate q = B/(N/2)), and every model runs it: the same σ, the same
+per-group q_p and c_p, the same number of steps and the same normaliser of the noisy sum (B).
+Each example's guarantee depends only on its own (q_p, c_p/c, σ, T), so every group still
+spends at most its budget in every model (the engine's filter checks the planned steps against
+the budgets of each model's own examples; :func:`check_model_report` checks the reports).  For
+PDP-SGD the rounds' public parameters (τ_R, q_R = B/E|D_R|, epochs, σ_R) are planned once with
+E|D_R| of the expected half (:func:`~idpsgd.training.pdp.plan_rounds`); every example's
+sampling probability and charge follow from its own budget and the thresholds.
 """
 from __future__ import annotations
 
@@ -52,35 +66,162 @@ def subset(dataset: Dataset, indices: np.ndarray, labels: np.ndarray | None = No
                    dataset.num_classes, dataset.preprocessing)
 
 
+@dataclass(frozen=True)
+class SharedPlan:
+    """The one plan every model of an audit runs (see the module docstring).
+
+    ``reference`` is the :class:`~idpsgd.assignment.Assignment` calibrated for the expected
+    subset (uniform, Sample, Scale) or the list of PDP rounds
+    (:func:`~idpsgd.training.pdp.plan_rounds`); ``train_budgets`` the budgets left for training
+    of all N examples (after a private preprocessing step's cost); ``expected_examples`` the
+    expected number of examples of a model, for which the plan is calibrated."""
+
+    method: str
+    train_budgets: Budgets
+    reference: object
+    epochs: int
+    steps_per_epoch: int
+    expected_batch_size: float
+    expected_examples: float
+
+    @property
+    def steps(self) -> int:
+        if self.method in PDP_AUDIT_METHODS:
+            return int(sum(r["steps"] for r in self.reference))
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def noise_multiplier(self):
+        """σ (one phase) or the rounds' σ_R (PDP), as the runs' reports state it."""
+        if self.method in PDP_AUDIT_METHODS:
+            return [float(r["noise_multiplier"]) for r in self.reference]
+        return float(self.reference.noise_multiplier)
+
+    def for_subset(self, indices: np.ndarray):
+        """The plan of a run on the examples ``indices``: a :class:`~idpsgd.training.plans.TrainingPlan`
+        (one phase with this plan's σ, per-example q_i and c_i, steps) or the PDP rounds."""
+        if self.method in PDP_AUDIT_METHODS:
+            return self.reference
+        from ..training.plans import Phase, TrainingPlan
+
+        idx = np.asarray(indices, dtype=np.int64)
+        ref = self.reference
+        present, inverse, counts = np.unique(np.asarray(ref.example_group)[idx], return_inverse=True,
+                                             return_counts=True)
+        groups = tuple(dataclasses.replace(ref.groups[g], count=int(k), fraction=float(k) / idx.size)
+                       for g, k in zip(present, counts))
+        assignment = dataclasses.replace(ref, groups=groups, example_group=inverse.astype(np.int64))
+        sub = Budgets(self.train_budgets.epsilons[idx], self.train_budgets.delta)
+        phase = Phase("all", np.arange(idx.size, dtype=np.int64), assignment, self.epochs, self.steps_per_epoch)
+        return TrainingPlan(self.method, sub, (phase,))
+
+    def signature(self) -> dict:
+        """What a resumed audit's models must have run (steps and σ, to 10 digits)."""
+        sig = self.noise_multiplier
+        sig = [float(f"{s:.10g}") for s in sig] if isinstance(sig, list) else float(f"{sig:.10g}")
+        return {"steps": self.steps, "noise_multiplier": sig, "expected_examples": float(f"{self.expected_examples:.10g}")}
+
+    def summary(self) -> dict:
+        """The plan's public parameters (hyper-parameters: audit.json)."""
+        out = {"calibrated_for": f"the expected model: {self.expected_examples:.1f} examples, each privacy group in "
+                                 "its expected share (calibrated once; every model of the audit runs this plan)",
+               "steps": self.steps, "noise_multiplier": self.noise_multiplier,
+               "expected_batch_size": self.expected_batch_size}
+        if self.method in PDP_AUDIT_METHODS:
+            out["rounds"] = [{k: r[k] for k in ("round", "threshold", "sample_rate", "expected_sample_size", "epochs",
+                                                 "steps", "noise_multiplier")} for r in self.reference]
+        else:
+            out.update(steps_per_epoch=self.steps_per_epoch, sample_rate=float(self.reference.sample_rate),
+                       groups=[{"budget": g.budget, "sample_rate": g.sample_rate, "clip_norm": g.clip_norm,
+                                "noise_multiplier": g.noise_multiplier, "epsilon": g.epsilon}
+                               for g in self.reference.groups])
+        return out
+
+
+def shared_plan(dataset: Dataset, budgets: Budgets, config, inclusion, pdp=None) -> SharedPlan:
+    """Calibrate the audit's one plan for the expected model: example i is in a model with
+    probability ``inclusion[i]`` (1/2 for LiRA; for the one-run audit 1 outside the canaries),
+    so the rate is q = B / Σ_i inclusion[i] and the groups weigh by their expected counts
+    (Sample's σ and Scale's σ_scale depend on them).  Raises what calibration raises (e.g.
+    :class:`~idpsgd.validation.UnreachableTargetError`), before any model trains."""
+    from ..assignment import assign
+    from ..engine import steps_per_epoch_for
+    from ..training.loop import training_budgets
+
+    n = len(dataset.y_train)
+    p = np.broadcast_to(np.asarray(inclusion, float), (n,))
+    size = float(p.sum())
+    if config.method in PDP_AUDIT_METHODS:
+        from ..training.pdp import plan_rounds
+
+        rounds = plan_rounds(budgets, config, pdp, population=p)
+        if not rounds:
+            raise InvalidParameterError("budgets", budgets.values.tolist(), "leave no PDP round to train (the expected "
+                                        "sample of every round is below one example)")
+        return SharedPlan(config.method, budgets, rounds, int(config.epochs), int(rounds[0]["steps_per_epoch"]),
+                          float(rounds[0]["sample_rate"] * rounds[0]["expected_sample_size"]), size)
+    if int(config.batch_size) > size:
+        raise InvalidParameterError("batch_size", config.batch_size, f"must be <= {size:g}, the expected number of "
+                                    f"training examples of an audit model (of the {n} examples)")
+    pre = getattr(dataset, "preprocessing", None) or {}
+    train_budgets = training_budgets(budgets, float(pre.get("epsilon", 0.0)), float(pre.get("delta", 0.0)))
+    _, _, group_of = train_budgets.groups()
+    weights = np.bincount(group_of, weights=p) / size
+    q = int(config.batch_size) / size
+    spe = steps_per_epoch_for(q)
+    reference = assign(train_budgets, config.method, q, int(config.epochs) * spe, float(config.clip_norm),
+                       config.accountant, group_weights=weights)
+    return SharedPlan(config.method, train_budgets, reference, int(config.epochs), spe,
+                      float(p @ reference.sample_rates), size)
+
+
+def check_model_report(report: dict, plan: SharedPlan, name: str) -> None:
+    """Every model ran the plan (its steps and σ) and spent at most each group's budget; an
+    internal error otherwise (the audit would compare unlike models, or a guarantee is broken)."""
+    if int(report["steps"]) != plan.steps or not np.allclose(report["noise_multiplier"], plan.noise_multiplier,
+                                                              rtol=1e-12, atol=0):
+        raise RuntimeError(f"internal error: audit model {name} trained {report['steps']} steps with noise multiplier "
+                           f"{report['noise_multiplier']}, not the plan's {plan.steps} and {plan.noise_multiplier}")
+    for g in report["groups"]:
+        if float(g["epsilon_spent"]) > float(g["budget"]) * (1 + 1e-9) + 1e-12:
+            raise RuntimeError(f"internal error: audit model {name} spent epsilon {g['epsilon_spent']} on the group "
+                               f"with budget {g['budget']}")
+
+
 @dataclass
 class TrainedModel:
     model: torch.nn.Module
     report: dict
 
 
-def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config, *, labels=None,
-                scratch: Path | None = None, pdp=None) -> TrainedModel:
-    """Train one model of the audit on the examples ``indices`` with their budgets.
+def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config, *, plan: SharedPlan,
+                labels=None, scratch: Path | None = None, pdp=None) -> TrainedModel:
+    """Train one model of the audit on the examples ``indices`` with their budgets, running the
+    audit's one ``plan``.
 
     ``scratch`` is a private folder for the files a PDP run writes (removed afterwards); ``pdp``
     the :class:`~idpsgd.training.pdp.PdpOptions` of a PDP run."""
-    from ..training import Trainer, train
+    from ..runfolder import RunFolder
+    from ..training import Trainer
+    from ..training.pdp import train_pdp
 
     sub = subset(dataset, indices, labels)
     sub_budgets = Budgets(budgets.epsilons[np.asarray(indices)], budgets.delta)
     if config.method in TRAINER_METHODS:
-        trainer = Trainer(sub, sub_budgets, config)
+        trainer = Trainer(sub, sub_budgets, config, plan=plan.for_subset(indices),
+                          expected_batch_size=plan.expected_batch_size)
         report = trainer.run()
         model = getattr(trainer.model, "_module", trainer.model)
         return TrainedModel(model.eval(), report)
-    # PDP-SGD: through the harness's `train`, reading its model back from the run folder
+    # PDP-SGD: the run writes its model.pt into a private scratch folder, read back from there
     if scratch is None:
         raise InvalidParameterError("scratch", None, "a PDP audit needs a private scratch folder")
     scratch.mkdir(parents=True, exist_ok=True)
     os.chmod(scratch, 0o700)                     # private models
     tmp = Path(tempfile.mkdtemp(dir=scratch, prefix="run-"))
     try:
-        report = train(sub, sub_budgets, config, tmp, overwrite=True, pdp=pdp)
+        report = train_pdp(sub, sub_budgets, config, RunFolder(tmp, overwrite=True), options=pdp,
+                           plan=plan.for_subset(indices))
         model = _load_pdp_model(tmp, report, sub)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -38,8 +38,9 @@ def _audit_args(p):
     a.add_argument("--canaries", type=int, help=f"one-run: canaries per privacy group (default {DEFAULT_CANARIES})")
     a.add_argument("--canary-kind", choices=CANARY_KINDS, default="mislabeled",
                    help="one-run canaries: training examples with a wrong label, or as they are (default mislabeled)")
-    a.add_argument("--confidence", type=float, default=0.95, help="confidence of every interval and bound "
-                   "(default 0.95)")
+    a.add_argument("--confidence", type=float, default=0.95, help="family-wise confidence of the verdict: each of "
+                   "its bounds is taken at 1 - (1 - confidence)/tests (Bonferroni over the groups, all data and the "
+                   "two bounds per row) (default 0.95)")
     a.add_argument("--fpr", default=",".join(f"{f:g}" for f in FPRS),
                    help="comma-separated false positive rates in (0, 1) at which TPR is reported (default "
                         f"{','.join(f'{f:g}' for f in FPRS)})")

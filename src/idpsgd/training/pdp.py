@@ -213,7 +213,68 @@ def _check_hyper(config) -> None:
     # options of the shared config the PDP rounds cannot honour yet (they arrive with the engine)
 
 
-def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options: PdpOptions | None = None) -> dict:
+def plan_rounds(budgets: Budgets, config, options: PdpOptions | None = None, *, population=1.0) -> list[dict]:
+    """The public parameters of every round of ``config.method``: threshold τ_R, rate q_R =
+    B / E|D_R|, epochs, steps, σ_R, δ_R (and, with ``noise_history``, the composed ε).
+
+    They follow from the budgets alone, never from the secret sampling: every example is charged
+    every round (reading 1), so the remaining budgets after each round are known in advance.
+    ``population`` is each example's probability of being in the run (a number or one per
+    example; E|D_R| = Σ_i population_i·π_i,R): a plan made once for the expected subset (the
+    audit's models, each on about half of the examples: 0.5) and run on any subset
+    (:func:`train_pdp`'s ``plan``) gives every run the same public parameters.
+    """
+    method = config.method
+    opts = (options or PdpOptions.from_config(config)).validate()
+    _check_hyper(config)
+    w1 = opts.weight(method)
+    delta, B = check_delta(budgets.delta), int(config.batch_size)
+    rounds = 1 if method == "pdp-sampling" else int(opts.rounds)
+    history_mode = bool(opts.noise_history) and rounds > 1
+    # δ of each round's calibration: the composed history is calibrated at δ itself (δ_i ≤ δ);
+    # separate rounds at δ/rounds (default) or δ (per_round_delta, Thm. 4.5)
+    delta_round = delta if (history_mode or opts.per_round_delta) else delta / rounds
+    remaining = budgets.epsilons.copy()
+    plan, events = [], []
+    first_tau, cumulative = None, 0.0
+    for r in range(rounds):
+        active = remaining > 1e-9 * budgets.epsilons.max()
+        if not active.any():
+            break
+        tau = select_threshold(remaining[active], opts.threshold_loss, w1, 1 - w1)
+        b = np.where(active, remaining, 0.0)
+        pi = sampling_probabilities(b, tau)
+        expected = float(np.sum(pi * population))
+        if expected < 1:
+            log.warning("round %d: expected sample size %.2f < 1; stopping", r + 1, expected)
+            break
+        q = min(1.0, B / expected)
+        spe = steps_per_epoch_for(q)
+        first_tau = first_tau or tau
+        scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0   # adapdp: fresh models
+        epochs = max(1, round(int(config.epochs) * scale))
+        steps = epochs * spe
+        cumulative += tau
+        if history_mode:
+            sigma = calibrate_round_noise(cumulative, delta, q, steps, config.accountant, events)
+        else:
+            sigma = _round_sigma(tau, delta_round, q, steps, config.accountant)
+        round_eps = float(epsilon_sgm(q, sigma, steps, delta_round, config.accountant))
+        events.append(SampledGaussianEvent(q, sigma, steps))
+        info = {"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
+                "expected_sample_size": expected, "epochs": epochs, "steps": steps, "steps_per_epoch": spe,
+                "delta_round": delta_round, "epsilon_round": round_eps}
+        if history_mode:
+            info.update(cumulative_threshold=cumulative, epsilon_composed=composed_epsilon(events, delta,
+                                                                                           config.accountant))
+        plan.append(info)
+        spent, _ = sampling_guarantee(b, tau, delta_round)      # Thm. 4.2, for every example
+        remaining = np.maximum(remaining - spent, 0.0)
+    return plan
+
+
+def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options: PdpOptions | None = None, *,
+              plan: list[dict] | None = None) -> dict:
     """Run ``config.method`` in :data:`PDP_METHODS`; returns the report (and writes it to ``out_dir``).
 
     Args:
@@ -222,22 +283,28 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
         config: the shared hyperparameters (a ``TrainConfig``: method, epochs, batch_size, lr,
             momentum, clip_norm, accountant, model, seed, progress).
         options: the method's options (default: read from ``config``'s PDP fields).
+        plan: the rounds' public parameters (:func:`plan_rounds`), made by the caller for another
+            population (e.g. the audit's one plan for every model); default: planned for this data.
+            Every example's sampling probability and charge follow from its own budget and the
+            plan's thresholds; the guarantee is checked against its budget either way.
     """
     method = config.method
     if method not in PDP_METHODS:
         raise InvalidParameterError("method", method, f"must be one of {', '.join(PDP_METHODS)}")
     opts = (options or PdpOptions.from_config(config)).validate()
     _check_hyper(config)
-    w1 = opts.weight(method)
     x, y, n = dataset.x_train, dataset.y_train, len(dataset.y_train)
     if len(budgets) != n:
         raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
     delta, B, c = check_delta(budgets.delta), int(config.batch_size), float(config.clip_norm)
+    w1 = opts.weight(method)
     rounds = 1 if method == "pdp-sampling" else int(opts.rounds)
     history_mode = bool(opts.noise_history) and rounds > 1
-    # δ of each round's calibration: the composed history is calibrated at δ itself (δ_i ≤ δ);
-    # separate rounds at δ/rounds (default) or δ (per_round_delta, Thm. 4.5)
-    delta_round = delta if (history_mode or opts.per_round_delta) else delta / rounds
+    if plan is None:
+        plan = plan_rounds(budgets, config, opts)
+    elif len(plan) > rounds or any(not isinstance(p, dict) or ("epsilon_composed" in p) != history_mode for p in plan):
+        raise InvalidParameterError("plan", f"{len(plan)} rounds", f"must be a plan of at most {rounds} {method} "
+                                    "rounds with these options (plan_rounds)")
     from ..engine.randomness import noise_generator as make_noise, resolve_seed, sampler_rng
     from .loop import resolve_device
     secure = bool(getattr(config, "secure_mode", False))
@@ -258,40 +325,19 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
 
     model, opt = new_model(0)
     remaining = budgets.epsilons.copy()
-    charges, events, pis, composed, rounds_info, ensemble = [], [], [], [], [], []
+    charges, pis, composed, rounds_info, ensemble = [], [], [], [], []
     total_steps, t0 = 0, time.perf_counter()
-    first_tau, cumulative = None, 0.0
-    for r in range(rounds):
+    first_tau = plan[0]["threshold"] if plan else None
+    for r, round_plan in enumerate(plan):
+        info = {k: v for k, v in round_plan.items() if k != "steps_per_epoch"}
+        tau, q, sigma, steps, expected = (round_plan[k] for k in ("threshold", "sample_rate", "noise_multiplier",
+                                                                   "steps", "expected_sample_size"))
         active = remaining > 1e-9 * budgets.epsilons.max()
-        if not active.any():
-            break
-        tau = select_threshold(remaining[active], opts.threshold_loss, w1, 1 - w1)
         b = np.where(active, remaining, 0.0)
         pi = sampling_probabilities(b, tau)
-        expected = float(pi.sum())
-        if expected < 1:
-            log.warning("round %d: expected sample size %.2f < 1; stopping", r + 1, expected)
-            break
-        q = min(1.0, B / expected)
-        spe = steps_per_epoch_for(q)
-        first_tau = first_tau or tau
-        scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0   # adapdp: fresh models
-        epochs = max(1, round(int(config.epochs) * scale))
-        steps = epochs * spe
-        cumulative += tau
         if history_mode:
-            sigma = calibrate_round_noise(cumulative, delta, q, steps, config.accountant, events)
-        else:
-            sigma = _round_sigma(tau, delta_round, q, steps, config.accountant)
-        round_eps = float(epsilon_sgm(q, sigma, steps, delta_round, config.accountant))
-        events.append(SampledGaussianEvent(q, sigma, steps))
-        info = {"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
-                "expected_sample_size": expected, "epochs": epochs, "steps": steps, "delta_round": delta_round,
-                "epsilon_round": round_eps}
-        if history_mode:
-            composed.append(composed_epsilon(events, delta, config.accountant))
-            info.update(cumulative_threshold=cumulative, epsilon_composed=composed[-1])
-        spent, dl = sampling_guarantee(b, tau, delta_round)      # Thm. 4.2, for every example
+            composed.append(round_plan["epsilon_composed"])
+        spent, dl = sampling_guarantee(b, tau, round_plan["delta_round"])      # Thm. 4.2, for every example
         charges.append((spent, dl))
         pis.append(pi)
         remaining = np.maximum(remaining - spent, 0.0)
@@ -302,7 +348,8 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
             for grp in opt.param_groups:
                 grp["lr"] = config.lr * min(1.0, tau / first_tau)
         model = run_dp_round(model, opt, (x, y), sampled, budgets=budgets, noise_multiplier=sigma, sample_rate=q,
-                             clip_norm=c, steps=steps, steps_per_epoch=spe, expected_batch_size=q * expected,
+                             clip_norm=c, steps=steps, steps_per_epoch=round_plan["steps_per_epoch"],
+                             expected_batch_size=q * expected,
                              seed=int(seeds.integers(2 ** 62)) if seeds is not None else None, secure_mode=secure,
                              noise_generator=noise, grad_sample_mode=getattr(config, "grad_sample_mode", "hooks"),
                              progress=config.progress, desc=f"{method} round {r + 1}")
