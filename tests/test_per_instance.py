@@ -33,8 +33,31 @@ def thm_3_2(q, delta_norm, sigma, alpha):
 def test_sum_rule_is_theorem_3_2(q, norm, sigma, alpha):
     assert float(sum_rule_step_rdp(q, norm, sigma, alpha)) == pytest.approx(thm_3_2(q, norm, sigma, alpha), rel=1e-9,
                                                                              abs=1e-15)
-    with pytest.raises(InvalidParameterError, match="alpha=2.5 is invalid"):
-        sum_rule_step_rdp(q, norm, sigma, 2.5)
+    with pytest.raises(InvalidParameterError, match="alpha=1 is invalid"):
+        sum_rule_step_rdp(q, norm, sigma, 1)
+
+
+def _divergence_by_quadrature(log_p, log_q, alpha, lo, hi):
+    from scipy.integrate import quad
+    val, _ = quad(lambda x: math.exp(alpha * log_p(x) + (1 - alpha) * log_q(x)), lo, hi, limit=400, epsabs=0,
+                  epsrel=1e-10)
+    return math.log(val) / (alpha - 1)
+
+
+@pytest.mark.parametrize("q,norm,sigma,alpha", [(0.05, 0.7, 0.8, 2.5), (0.002, 1.0, 0.48, 1.7), (0.2, 0.4, 1.0, 3.3)])
+def test_sum_rule_at_real_orders(q, norm, sigma, alpha):
+    """Thm. 3.2's reduction holds at real orders: the bound is the divergence of (1−q)N(0,σ²) + qN(s,σ²)
+    from N(0,σ²) (by quadrature), which also bounds the reverse divergence (Mironov et al. Thm. 5)."""
+    from scipy.stats import norm as gauss
+    mix = lambda x: np.logaddexp(math.log1p(-q) + gauss.logpdf(x, 0, sigma),         # noqa: E731
+                                 math.log(q) + gauss.logpdf(x, norm, sigma))
+    base = lambda x: gauss.logpdf(x, 0, sigma)                                           # noqa: E731
+    lo, hi = -20 * sigma, norm + 20 * sigma * alpha
+    value = float(sum_rule_step_rdp(q, norm, sigma, alpha))
+    assert value == pytest.approx(_divergence_by_quadrature(mix, base, alpha, lo, hi), rel=1e-6)
+    assert _divergence_by_quadrature(base, mix, alpha, lo, hi) <= value * (1 + 1e-9)
+    below = float(sum_rule_step_rdp(q, norm, sigma, math.floor(alpha))) if math.floor(alpha) > 1 else 0.0
+    assert below <= value <= float(sum_rule_step_rdp(q, norm, sigma, math.ceil(alpha)))   # monotone in the order
 
 
 def test_mean_rule_bound_known_cases(rng):
@@ -198,7 +221,8 @@ def test_runner_mean_rule(digits):
 def test_per_instance_cli(capsys, tmp_path):
     from idpsgd.cli import build_parser
     args = build_parser().parse_args(["per-instance", "--num-points", "2", "--out", str(tmp_path)])
-    assert (args.clip_norm, args.batch_size, args.epsilon, args.alpha, args.target_set) == (1.0, 128, 10.0, 8, "test")
+    assert (args.clip_norm, args.batch_size, args.epsilon, args.alpha, args.target_set) == (1.0, 128, 10.0, None, "test")
+    assert build_parser().parse_args(["per-instance", "--alpha", "2.5", "--out", str(tmp_path)]).alpha == 2.5
     argv = ["per-instance", "--points", "1,2", "--runs", "1", "--epochs", "1", "--alpha", "3", "--out", str(tmp_path),
             "--no-progress"]
     assert main([*argv, "--json", "--show-private"]) == 0
@@ -212,3 +236,204 @@ def test_per_instance_cli(capsys, tmp_path):
     assert "--points" in capsys.readouterr().err
     assert main([*argv[:2], "1,99999", *argv[3:]]) == 2
     assert "--points=" in capsys.readouterr().err
+
+
+# --- issue 25: many runs at once, the paper's regime, the reproduce experiment --------------------
+def _small_cnn():
+    from torch import nn
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Conv2d(4, 6, 3, stride=1),
+                         nn.ReLU(), nn.AvgPool2d(2, 1), nn.Flatten(), nn.Linear(6, 5))
+
+
+def _images(rng, n=12):
+    x = torch.from_numpy(rng.normal(size=(n, 1, 8, 8))).float()
+    y = torch.from_numpy(rng.integers(0, 5, n))
+    return x, y
+
+
+def test_parallel_runs_per_example_gradients(rng):
+    """Per-example norms and the clipped sum of the stacked runs equal plain autograd on each run's model."""
+    import copy
+
+    from idpsgd.training.per_instance_runs import ParallelRuns, supports
+    from idpsgd.models import create_model
+    model = _small_cnn()
+    x, y = _images(rng)
+    assert supports(model) and supports(create_model("lenet5", (1, 28, 28), 10))
+    assert not supports(create_model("resnet20", (3, 32, 32), 10))
+    pr = ParallelRuns(model, x, y, np.ones((3, 12), bool), 0.5, 1.0, 0.7, 6.0, 0.1, 0.0, seed=0)
+    for _ in range(2):
+        pr.step()                                              # the runs drift apart
+    runs, rows = np.repeat(np.arange(3), 4), np.tile([0, 3, 5, 11], 3)
+    norms = pr.grad_norms(runs, rows)
+    for m in range(3):
+        ref = copy.deepcopy(model)
+        params = [v[m] for p in pr.params for v in p.values()]
+        with torch.no_grad():
+            for mine, theirs in zip(ref.parameters(), params):
+                mine.copy_(theirs)
+        for i, j in enumerate([0, 3, 5, 11]):
+            ref.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x[j:j + 1]), y[j:j + 1]).backward()
+            g = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            assert norms[4 * m + i] == pytest.approx(float(g.norm()), rel=1e-5)
+    assert not np.allclose(norms[:4], norms[4:8])
+
+
+@pytest.mark.parametrize("layout", [0.0, math.inf])               # flat (gathered weights), padded blocks
+def test_parallel_runs_step_is_dp_sgd(rng, layout):
+    """With σ = 0 one step of run m is θ − η·Σ_batch clip_C(g)/normaliser; momentum as torch.optim.SGD; the
+    batches are Poisson draws from the run's own members only."""
+    import copy
+
+    from idpsgd.training.per_instance_runs import ParallelRuns
+    model = _small_cnn()
+    x, y = _images(rng)
+    members = np.ones((2, 12), bool)
+    members[1, :6] = False                                       # run 1 trains on rows 6..11 only
+    pr = ParallelRuns(model, x, y, members, 0.5, 0.0, 0.3, 4.0, 0.2, 0.9, seed=1)
+    pr.padding_limit = layout
+    refs = [copy.deepcopy(model) for _ in range(2)]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.2, momentum=0.9) for r in refs]
+    for _ in range(3):
+        pr.step()
+        for m, (ref, opt) in enumerate(zip(refs, opts)):
+            batch = pr.last_batches[m].numpy()
+            assert members[m, batch].all()
+            opt.zero_grad()
+            total = [torch.zeros_like(p) for p in ref.parameters()]
+            for j in batch:
+                grads = torch.autograd.grad(torch.nn.functional.cross_entropy(ref(x[j:j + 1]), y[j:j + 1]),
+                                            list(ref.parameters()))
+                norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+                for t, g in zip(total, grads):
+                    t += g * min(1.0, 0.3 / (norm + 1e-6))
+            for p, t in zip(ref.parameters(), total):
+                p.grad = t / 4.0
+            opt.step()
+    for m, ref in enumerate(refs):
+        mine = torch.cat([v[m].reshape(-1) for p in pr.params for v in p.values()])
+        theirs = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+        assert torch.allclose(mine, theirs, atol=1e-5)
+    sizes = []
+    pr2 = ParallelRuns(model, x, y, members, 0.25, 1.0, 0.3, 3.0, 0.0, 0.0, seed=2)
+    for _ in range(400):
+        pr2._draw()
+        sizes.append([len(b) for b in pr2.last_batches])
+    assert np.mean(sizes, axis=0) == pytest.approx([3.0, 1.5], rel=0.1)   # q·|members|
+
+
+def test_parallel_engine_starts_where_the_trainer_starts(digits):
+    """Both engines train from the same initialisation: the first recorded sensitivities (before any step) agree."""
+    from idpsgd.training import TrainConfig
+    from idpsgd.training.per_instance import _trainer_chains
+    from idpsgd.training.per_instance_runs import parallel_chains
+    from idpsgd.models import create_model
+    from idpsgd.training.plans import build_plan
+    from idpsgd.assignment import Budgets
+    cfg = TrainConfig(epochs=1, batch_size=64, model="mlp", seed=5, progress=False)
+    budgets = Budgets.from_array(np.full(len(digits.y_train), 10.0), 1e-5)
+    plan = build_plan(budgets, "uniform", 64, 1, 1.0)
+    a = plan.phases[0].assignment
+    pts = np.array([2, 7])
+    x, y = digits.x_test[pts], digits.y_test[pts]
+    chains, _, _ = _trainer_chains(digits, budgets, plan, cfg, x, y, pts, "test", 1, 2.0, None, 1000, "sum",
+                                   (1, 1), 0.05, "remove", 10.0, 1e-5)
+    torch.manual_seed(5)
+    model = create_model("mlp", digits.input_shape, digits.num_classes)
+    res = parallel_chains(digits, x, y, pts, "test", 1, model, a.sample_rate, a.noise_multiplier, 1.0,
+                          a.expected_batch_size, plan.steps, 1000, 0.05, 0.9, 5)
+    assert np.allclose(chains["remove"]["sens"][0, 0], res["shared"]["sens"][0, 0], rtol=1e-4)
+    assert np.allclose(chains["add"]["sens"][0, 0], res["own"]["sens"][0, 0], rtol=1e-4)
+
+
+def test_runner_reports_ratios_baselines_and_guarantees(digits, tmp_path):
+    """Issue 25: per-step ratio statistics, the same-composition baseline, min(per-instance, data-independent)."""
+    import csv
+
+    from idpsgd.accounting.per_instance import best_order
+    from idpsgd.training import TrainConfig
+    from idpsgd.training.per_instance import run_per_instance
+    cfg = TrainConfig(epochs=1, batch_size=16, lr=0.03, momentum=0.0, model="mlp", seed=1, progress=False)
+    s = run_per_instance(digits, [0, 4, 8], runs=2, config=cfg, checkpoint_every=3, out_dir=tmp_path, figures=False)
+    assert s["engine"] == "parallel" and s["checkpoint_every"] == 3 and "same composition" in s["alpha_rule"]
+    assert s["best_order_data_independent"] == best_order(s["sample_rate"], s["noise_multiplier"], s["steps"], 1e-5)
+    assert 1 < s["alpha"] <= s["best_order_data_independent"]          # best_composition_order: not a fixed 8
+    assert not (tmp_path / "private" / "per_instance.png").exists()
+    assert s["data_independent_epsilon"] <= 10.0 * (1 + 1e-6)
+    assert s["same_composition_rdp"] >= s["baseline_rdp"]
+    with open(tmp_path / "private" / "per_instance.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    steps = np.loadtxt(tmp_path / "private" / "per_instance_steps.csv", delimiter=",", skiprows=1)
+    for r, p in zip(rows, s["points"]):
+        f = {k: float(v) for k, v in r.items()}
+        assert f["ratio_to_same_composition"] == pytest.approx(f["rdp"] / s["same_composition_rdp"], rel=1e-9)
+        assert f["guarantee_rdp"] == pytest.approx(min(f["rdp_upper"], f["baseline_rdp"]), rel=1e-9)
+        assert f["guarantee_epsilon"] <= s["data_independent_epsilon"] + 1e-9
+        assert f["estimate_min_epsilon"] <= f["guarantee_epsilon"] + 1e-9
+        mine = steps[steps[:, 0] == f["point"]]
+        assert f["step_ratio_add_mean"] == pytest.approx(mine[:, 5].mean(), rel=1e-9)
+        assert f["step_ratio_remove_p10"] == pytest.approx(np.percentile(mine[:, 6], 10), rel=1e-9)
+        assert f["step_ratio_add_late_mean"] == pytest.approx(mine[s["steps"] // 2:, 5].mean(), rel=1e-9)
+        assert 0 <= f["late_thm32_ratio_add"] <= 1 + 1e-9          # Thm. 3.2 alone never exceeds the baseline
+    curves = np.loadtxt(tmp_path / "private" / "per_instance_curves.csv", delimiter=",", skiprows=1)
+    ratio_add = np.stack([steps[steps[:, 0] == p["point"], 5] for p in s["points"]])
+    assert np.allclose(curves[:, 1], ratio_add.mean(axis=0)) and np.allclose(curves[:, 2], np.percentile(ratio_add, 10, 0))
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert "points" not in settings and "curves" not in settings and settings["alpha"] == s["alpha"]
+    assert os.stat(tmp_path / "private" / "per_instance_curves.csv").st_mode & 0o777 == 0o600
+    fixed = run_per_instance(digits, [0], runs=1, alpha=8, config=cfg, checkpoint_every=3)
+    assert fixed["alpha"] == 8 and fixed["alpha_rule"] == "given" and fixed["baseline_rdp"] > 100 * s["baseline_rdp"]
+
+
+def _thudi(tmp_path, *extra):
+    from idpsgd.cli import main
+    return main(["reproduce", "thudi-figure1", "--out", str(tmp_path), "--no-progress", *extra])
+
+
+def test_thudi_figure1_smoke(tmp_path, capsys):
+    """`idpsgd reproduce thudi-figure1`, tiny: the public JSON has no per-point value; the figure, the curves and
+    the per-instance files are private (0600)."""
+    assert _thudi(tmp_path, "--seeds", "1", "--points", "2", "--epochs", "1", "--batch-size", "64",
+                  "--checkpoint-every", "5", "--epsilons", "2,10") == 0
+    text = capsys.readouterr().out
+    assert "thudi_figure1.png" in text and "[private]" not in text and "Paper (MNIST" in text
+    from test_output_kinds import _kinds_problems, private_on_stdout
+    assert not _kinds_problems(tmp_path) and not private_on_stdout(tmp_path, text, [])
+    public = json.loads((tmp_path / "thudi_figure1.json").read_text())
+    assert public["experiment"] == "thudi-figure1" and public["epsilons"] == [2.0, 10.0]
+    assert public["batch_size"] == 64 and public["model"] == "mlp" and len(public["per_epsilon"]) == 2
+    assert all("points" not in pe and "curves" not in pe for pe in public["per_epsilon"])
+    assert "private" not in public and public["load_average_before"] is not None
+    assert public["per_epsilon"][0]["noise_multiplier"] > public["per_epsilon"][1]["noise_multiplier"]
+    private = json.loads((tmp_path / "private" / "thudi_figure1_private.json").read_text())
+    curves = private["per_epsilon"][1]["curves"]
+    steps = public["per_epsilon"][1]["steps"]
+    assert len(curves["add"]["mean"]) == len(curves["remove"]["p10"]) == steps
+    for name in ("thudi_figure1.png", "thudi_figure1_private.json", "thudi_figure1.md", "eps10_per_instance.csv",
+                 "eps2_per_instance_curves.csv", "eps10_per_instance_steps.csv"):
+        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+    assert (tmp_path / "eps10_settings.json").exists()
+    assert _thudi(tmp_path, "--overwrite", "--alpha", "1") == 2
+    assert "--alpha='1' is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_thudi_figure1_in_the_papers_regime(tmp_path):
+    """The paper's q ≈ 0.002 on digits (a batch of 3), both directions, every step's own sensitivity."""
+    from idpsgd.data import load_dataset
+    from idpsgd.experiments.thudi import run_thudi_figure1, write_thudi_figure1
+    from idpsgd.runfolder import RunFolder
+    out = RunFolder(tmp_path / "t")
+    r = run_thudi_figure1(load_dataset("digits"), seeds=2, points=4, epochs=2, progress=False, out=out)
+    files = write_thudi_figure1(out, r)
+    pe, pv = r["per_epsilon"][0], r["private"]["per_epsilon"][0]
+    assert r["batch_size"] == 3 and pe["steps"] == 2 * 479 and pe["alpha"] < 3 and pe["checkpoint_every"] == 1
+    assert pe["baseline_rdp"] == pytest.approx(pe["steps"] * pe["baseline_step_rdp"])
+    assert pe["same_composition_rdp"] >= pe["baseline_rdp"]
+    for dn in ("add", "remove"):
+        mean, p10 = np.asarray(pv["curves"][dn]["mean"]), np.asarray(pv["curves"][dn]["p10"])
+        assert np.all(p10 <= mean + 1e-12) and np.all(mean > 0)
+        assert pv["median_late_thm32_ratio"][dn] <= 1 + 1e-9
+    assert "private/thudi_figure1.png" in files

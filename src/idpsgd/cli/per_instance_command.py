@@ -26,13 +26,17 @@ def _per_instance_args(p):
     p.add_argument("--num-points", type=int, help="or: this many random points of --target-set (seeded)")
     p.add_argument("--runs", type=int, default=d["runs"], help="training runs per chain: on the training set, and "
                    "on each target's X or X' (default %(default)s)")
-    p.add_argument("--alpha", type=int, default=d["alpha"], help="integer Rényi order (default %(default)s)")
+    p.add_argument("--alpha", type=float, default=d["alpha"],
+                   help="Rényi order of the guarantee (default: the order at which the data-independent epsilon "
+                        "of the composition the analysis uses, Thm. 3.3 at sensitivity C, is smallest; an integer "
+                        "for --update-rule mean; the paper: 8)")
     p.add_argument("--update-rule", choices=["sum", "mean"], default=d["update_rule"],
                    help="the rule the runs are trained with and analysed for: sum (DP-SGD as implemented; "
                         "Thm. 3.2) or mean (mean of the realised batch plus noise; Thm. 3.6) (default %(default)s)")
     p.add_argument("--epsilon", type=float, default=d["epsilon"],
                    help="data-independent ε the runs' noise is calibrated to (default %(default)g)")
-    p.add_argument("--checkpoint-every", type=int, help="steps between recorded checkpoints (default: one epoch)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between measurements of the targets' gradient norms "
+                   "(default: one epoch; 1: every step's own value)")
     p.add_argument("--samples", default=",".join(str(v) for v in d["samples"]),
                    help="outer,inner mini-batch samples for Thm. 3.6 (default %(default)s)")
     p.add_argument("--p", type=float, help="Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4)")
@@ -48,25 +52,33 @@ def _per_instance_args(p):
 
 
 def _per_instance_text(s):
-    lines = [(f"per-instance RDP at alpha={s['alpha']} ({s['update_rule']} rule, targets from the {s['target_set']} "
-              f"set, {s['runs']} runs per chain ({s['runs_trained']} trained), {s['steps']} steps; estimates): clip "
-              f"norm {s['clip_norm']:g}, training epsilon {s['training_epsilon']:g}, test accuracy "
-              f"{s['test_accuracy']:.4f}; data-independent RDP at alpha: {s['baseline_rdp']:.4g}")]
+    lines = [(f"per-instance RDP at alpha={s['alpha']:.4g} ({s['alpha_rule']}; {s['update_rule']} rule, targets from "
+              f"the {s['target_set']} set, {s['runs']} runs per chain ({s['runs_trained']} trained), {s['steps']} "
+              f"steps, q {s['sample_rate']:.4g}, sigma {s['noise_multiplier']:.4g}; estimates): clip norm "
+              f"{s['clip_norm']:g}, training epsilon {s['training_epsilon']:g}, test accuracy {s['test_accuracy']:.4f}; "
+              f"data-independent RDP at alpha {s['baseline_rdp']:.4g} (epsilon {s['baseline_epsilon_at_alpha']:.4g}; "
+              f"at the best order {s['data_independent_epsilon']:.4g}); the same composition (Thm. 3.3) at "
+              f"sensitivity C: {s['same_composition_rdp']:.4g}")]
     p = s.get("private")
     if p:
         lines.append(f"[private] ratio of the per-instance RDP max(add, remove) to the data-independent one over "
                      f"{len(p['points'])} points: median {p['median_ratio_to_baseline']:.3f}, 10th percentile "
-                     f"{p['p10_ratio_to_baseline']:.3f}; confidence upper bound (prob. >= {1 - s['failure']:g} per "
-                     f"point): median {p['median_upper_ratio_to_baseline']:.3f}; "
-                     f"{100 * p['share_points_below_baseline_late']:.0f}% of the points below the baseline late in "
-                     "training")
+                     f"{p['p10_ratio_to_baseline']:.3f}; to the same composition: median "
+                     f"{p['median_ratio_to_same_composition']:.3f}; confidence upper bound (prob. >= "
+                     f"{1 - s['failure']:g} per point): median {p['median_upper_ratio_to_baseline']:.3f}")
+        lines.append(f"[private] per-step contribution / per-step baseline in the second half of training (median over "
+                     f"points): add {p['median_late_step_ratio_add']:.3g}, remove "
+                     f"{p['median_late_step_ratio_remove']:.3g}; {100 * p['share_points_below_baseline_late']:.0f}% "
+                     f"of the points below 1; guarantee min(per-instance bound, data-independent) below the "
+                     f"data-independent epsilon for {100 * p['share_guarantee_below_data_independent']:.0f}% of them")
         unl = p.get("unlearning")
         if unl:
             keep = sum(r["decision"] == "keep" for r in unl["requests"])
             lines.append(f"[private] unlearning (beta={unl['beta']:.4g}): {keep} of {len(unl['requests'])} requests "
                          "keep the model")
-    lines.append(f"per point: {s['out']}/private/per_instance.csv (rdp_add, rdp_remove, rdp, *_upper; private, mode "
-                 "0600); summary and plots in the same folder (--show-private prints the summary)")
+    lines.append(f"per point: {s['out']}/private/per_instance.csv (rdp_add, rdp_remove, rdp, *_upper, "
+                 "same-composition ratio, guarantee, per-step ratio statistics; private, mode 0600); Fig. 1 curves, "
+                 "summary and plots in the same folder (--show-private prints the summary)")
     return "\n".join(lines)
 
 
@@ -94,6 +106,12 @@ def per_instance_cmd(args):
     from .budget_args import resolved_seed
 
     check_epsilon(args.epsilon, "epsilon")          # the flags first: nothing is read or written before
+    if args.alpha is not None:
+        import math
+        if not (args.alpha > 1 and math.isfinite(args.alpha)):
+            raise InvalidParameterError("alpha", args.alpha, "must be a Rényi order > 1 (e.g. 8)")
+        if args.update_rule == "mean" and args.alpha != int(args.alpha):
+            raise InvalidParameterError("alpha", args.alpha, "must be an integer >= 2 for --update-rule mean (Thm. 3.6)")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise InvalidParameterError("checkpoint_every", args.checkpoint_every, "must be an integer >= 1")
     if args.unlearning_beta is not None:
@@ -125,7 +143,7 @@ def per_instance_cmd(args):
                                args.epsilon, args.delta, args.checkpoint_every, tuple(samples), args.p,
                                args.unlearning_beta, folder, target_set=args.target_set, failure=args.failure)
     public = public_summary(summary)
-    return {**public, "out": args.out, "private": {k: v for k, v in summary.items() if k not in public}}
+    return {**public, "out": args.out, "private": {k: v for k, v in summary.items() if k not in public and k != "curves"}}
 
 
 per_instance_cmd._text = _per_instance_text

@@ -18,20 +18,42 @@ from one initialisation; sampling and noise differ per run.
 Before every ``checkpoint_every``-th step each run records, for its targets,
 
 * ``sum`` rule (DP-SGD as implemented): the clipped gradient norm ‖g(x*)‖; the per-step
-  divergence is Thm. 3.2 at each step's composition order (it bounds both directions);
+  divergence is Thm. 3.2 at each step's composition order (it bounds both directions), at real
+  orders (Thm. 3.3's orders rounded up onto a 1.1 % lattice instead of to integers) and with ‖g(x*)‖
+  rounded up to a fine grid (:class:`~idpsgd.accounting.per_instance.SumRuleTable`; rounding up
+  keeps every per-step value a bound);
 * ``mean`` rule: Thm. 3.6 estimated from ``samples`` = (outer, inner) sampled mini-batches of
   every training example's clipped gradient, in the direction of the run's chain (runs on X':
   D(M(X') ‖ M(X)); runs on X: D(M(X) ‖ M(X'))), noise std σc/(qN), at the largest order the
   checkpoint's steps need.  These runs are *trained with the mean rule*: each update is the mean
   of the realised batch's clipped gradients plus N(0, (σc/(qN))²) — the mechanism analysed.
 
-A checkpoint's value stands for the steps up to the next one.  Per point the report has
-``rdp_add`` = D(Train(X') ‖ Train(X)) (chain X'), ``rdp_remove`` = D(Train(X) ‖ Train(X')) (chain
-X) and ``rdp`` = their maximum.  These are **plug-in estimates** (the log of a sample mean is biased
-low); ``*_upper`` are confidence upper bounds from the same samples (Hoeffding, Fact 3.5's
-argument, with the data-independent per-step bound as the range), each holding with probability
-≥ 1 − ``failure`` per point.  NPIU (§5.4, sum rule) treats the points, in order, as deletion
-requests and uses the add direction, D(A(D ∪ {x*}) ‖ A(D)).
+A checkpoint's value stands for the steps up to the next one (``checkpoint_every=1``: every step's
+own value).  Per point the report has
+
+* ``rdp_add`` = D(Train(X') ‖ Train(X)) (chain X'), ``rdp_remove`` = D(Train(X) ‖ Train(X')) (chain
+  X) and ``rdp`` = their maximum: **plug-in estimates** of Thm. 3.3's bound (its expectations over
+  training runs replaced by means over ``runs`` runs; the log of a sample mean is biased low) —
+  estimates, not bounds;
+* ``*_upper``: confidence upper bounds on Thm. 3.3's bound from the same runs (Hoeffding, Fact 3.5's
+  argument, with the data-independent per-step bound as the range), each holding with probability
+  ≥ 1 − ``failure`` per point — bounds; with few runs they sit near the worst case;
+* the **per-step ratios** (Fig. 1a–c): step t's contribution to Thm. 3.3's sum divided by the
+  data-independent per-step RDP at α (Mironov et al. §3.3, sensitivity C), per direction — their
+  mean, 10th percentile and late-training (second half) mean over the steps; and
+  ``late_thm32_ratio_*``: Thm. 3.2 alone at α and the measured sensitivities (mean over the runs)
+  over the same baseline, i.e. the per-step ratio without the composition's order growth and
+  L_p norm over runs (it tells which of the two keeps a ratio above 1);
+* ``same_composition_rdp``: Thm. 3.3 with sensitivity C at every step (data-independent, the same
+  for every point) and ``ratio_to_same_composition`` = rdp over it: the data-dependent effect alone;
+* ``guarantee_rdp`` = min(``rdp_upper``, the data-independent RDP n·ρ_α(C)) and ``guarantee_epsilon``
+  = min(``epsilon_upper``, the run's data-independent ε at its best order): both terms are valid
+  (the first with probability ≥ 1 − ``failure``), so the stated guarantee is never worse than
+  DP-SGD's own; ``estimate_min_epsilon`` is the same with the plug-in estimate (an estimate).
+
+ε values convert RDP at α with the library's conversion (Balle et al. 2020 Thm. 21).  NPIU (§5.4,
+sum rule) treats the points, in order, as deletion requests and uses the add direction,
+D(A(D ∪ {x*}) ‖ A(D)).
 """
 from __future__ import annotations
 
@@ -41,50 +63,64 @@ import math
 import numpy as np
 import torch
 
-from ..accounting import compute_rdp
+from ..accounting import compute_rdp, epsilon_sgm
 from ..accounting.per_instance import (
+    best_composition_order,
+    best_order,
     composition_bound,
     corollary_3_1,
+    epsilon_at_order,
     exponents_to_bound,
     exponents_to_upper,
     fact_3_5_samples,
     npiu_decisions,
+    same_composition_rdp,
+    SumRuleTable,
     step_orders,
-    sum_rule_step_rdp,
     tuple_exponents,
 )
 from ..assignment import Budgets
 from ..engine.norms import per_example_grad_norms
+from ..models import DEFAULT_MODEL, create_model
 from ..validation import InvalidParameterError
-from .loop import TrainConfig, Trainer
+from .loop import TrainConfig, Trainer, training_budgets
+from .per_instance_outputs import PUBLIC_KEYS, public_summary  # noqa: F401  (re-exported)
+from .per_instance_runs import parallel_chains, supports
+from .plans import build_plan
 
 TARGET_SETS = ("test", "train")
 UPDATE_RULES = ("sum", "mean")
 
 
 def per_example_clipped_grads(model, x, y, clip: float, batch_size: int = 256) -> torch.Tensor:
-    """(n × d) per-example gradients clipped to ``clip`` (through Opacus hooks, eval mode)."""
-    import torch.nn.functional as F
-    from opacus import GradSampleModule
+    """(n × d) per-example gradients of the cross-entropy, clipped to ``clip`` (Opacus's factor
+    min(1, C/(‖g‖ + 1e-6))), at the model's current parameters in eval mode.
 
-    from ..engine.norms import _clear, eval_mode_with_hooks
-    gsm = model if isinstance(model, GradSampleModule) else GradSampleModule(model)
-    params = [p for p in gsm.parameters() if p.requires_grad]
-    device = params[0].device
+    Computed with ``torch.func`` on a copy of the user's module (inside any Opacus or engine wrapper),
+    so the training engine's hooks and per-step book-keeping never see these extra passes.
+    """
+    import copy
+
+    from torch.func import functional_call, grad, vmap
+
+    from ..engine.wrap import raw_module
+
+    net = copy.deepcopy(raw_module(model)).eval()
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+    buffers = {k: v.detach() for k, v in net.named_buffers()}
+    device = next(iter(params.values())).device
+
+    def loss_one(p, xi, yi):
+        return torch.nn.functional.cross_entropy(functional_call(net, {**p, **buffers}, (xi.unsqueeze(0),)),
+                                                 yi.unsqueeze(0))
+
+    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
     out = []
-    try:
-        with eval_mode_with_hooks(gsm._module):
-            for i in range(0, len(x), batch_size):
-                xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-                _clear(gsm)
-                F.cross_entropy(gsm(xb), yb).backward()
-                g = torch.cat([p.grad_sample.reshape(len(xb), -1) for p in params], dim=1)
-                factor = (clip / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
-                out.append((g * factor[:, None]).detach().cpu())
-    finally:
-        _clear(gsm)
-        if gsm is not model:
-            gsm._close()
+    for i in range(0, len(x), batch_size):
+        g = per_example(params, x[i:i + batch_size].to(device), y[i:i + batch_size].to(device))
+        g = torch.cat([t.reshape(t.shape[0], -1) for t in g.values()], dim=1)
+        factor = (clip / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
+        out.append((g * factor[:, None]).detach().cpu())
     return torch.cat(out).double()
 
 
@@ -170,48 +206,85 @@ def _public_plan(plan, n_examples: int, delta: float):
                                phases=(dataclasses.replace(phase, indices=np.arange(n_examples), assignment=a),))
 
 
-def _install_mean_rule(optimizer: torch.optim.Optimizer, normaliser: float):
+class _Handles:
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _install_mean_rule(optimizer: torch.optim.Optimizer, normaliser: float, module: torch.nn.Module):
     """Make the DP-SGD update the mean rule: mean of the realised batch's clipped gradients + N(0, (σc/(qN))²).
 
-    Opacus's DP optimizer leaves p.grad = (Σ clipped + noise)/(qN) and the clipped sum in
-    p.summed_grad before it calls the wrapped optimizer's ``step``; this pre-hook on the wrapped
-    optimizer replaces the sum's share Σ/(qN) by Σ/|B| (|B| the realised batch size, from the
-    per-sample gradients; an empty batch contributes 0).  Returns the hook's handle.
+    The DP optimizer leaves p.grad = (Σ clipped + noise)/(qN) and the clipped sum in p.summed_grad
+    before it calls the wrapped optimizer's ``step`` (every ``grad_sample_mode``); this pre-hook on the
+    wrapped optimizer replaces the sum's share Σ/(qN) by Σ/|B|, with |B| the realised batch size that
+    a forward pre-hook on ``module`` (the user's module) recorded in training mode (an empty batch
+    contributes 0).  Returns a handle whose ``remove()`` takes both hooks off.
     """
+    from ..engine.wrap import raw_module
+
+    seen: dict = {}
+
+    def forward_pre_hook(mod, args):
+        if mod.training and args and torch.is_tensor(args[0]):
+            seen["size"] = int(args[0].shape[0])
+
     def pre_hook(opt, _args, _kwargs):
+        size = seen.pop("size", None)
+        if size is None:
+            raise RuntimeError("mean-rule training: no training forward pass before the parameter update")
+        share = (1.0 / size if size else 0.0) - 1.0 / normaliser
         for group in opt.param_groups:
             for p in group["params"]:
-                summed, gs = getattr(p, "summed_grad", None), getattr(p, "grad_sample", None)
-                if p.grad is None or summed is None or gs is None:
-                    raise RuntimeError("mean-rule training needs the DP optimizer's per-sample gradients "
-                                       "(p.summed_grad, p.grad_sample) at the parameter update")
-                size = sum(len(t) for t in gs) if isinstance(gs, (list, tuple)) else len(gs)
-                share = (1.0 / size if size else 0.0) - 1.0 / normaliser
+                summed = getattr(p, "summed_grad", None)
+                if p.grad is None or summed is None:
+                    raise RuntimeError("mean-rule training needs the DP optimizer's clipped sum (p.summed_grad) at "
+                                       "the parameter update")
                 p.grad.add_(summed.view_as(p.grad), alpha=share)
-    return optimizer.register_step_pre_hook(pre_hook)
+    return _Handles(raw_module(module).register_forward_pre_hook(forward_pre_hook),
+                    optimizer.register_step_pre_hook(pre_hook))
 
 
-def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update_rule: str = "sum",
+def run_per_instance(dataset, points=None, runs: int = 3, alpha: float | None = None, update_rule: str = "sum",
                      config: TrainConfig | None = None, epsilon: float = 10.0, delta: float = 1e-5,
                      checkpoint_every: int | None = None, samples=(20, 20), p: float | None = None,
                      unlearning_beta: float | None = None, out_dir=None, target_set: str = "test",
-                     failure: float = 0.05) -> dict:
+                     failure: float = 0.05, file_prefix: str = "", figures: bool = True) -> dict:
     """Train runs on X and X' = X ∪ {x*} and bound the per-instance RDP of each target in both directions.
 
     Args:
         dataset: the data; ``points`` are indices into its test set (``target_set="test"``) or
             training set (``"train"``).
         runs: runs per chain (the shared dataset, and each target's modified one).
-        alpha: integer Rényi order (the paper's 8).
+        alpha: Rényi order of the per-instance guarantee.  ``None`` (default): the order at which the
+            data-independent ε of the composition the analysis uses — Thm. 3.3 with sensitivity C at
+            every step — is smallest (:func:`~idpsgd.accounting.per_instance.best_composition_order`;
+            an integer for the mean rule), not a fixed order: at the paper's settings (q ≈ 0.002,
+            ε = 10, σ ≈ 0.48) order 8 is far past the sampled Gaussian's phase transition (the run's
+            RDP at order 8 is about 5·10⁴), and at ε = 1 even the run's own best order (11.6,
+            reported as ``best_order_data_independent``) pushes the composition's higher orders past
+            it.  The paper's α = 8 stays available.  The sum rule takes real orders (Thm. 3.2 holds
+            at every real α > 1); the mean rule integers (Thm. 3.6).
         update_rule: ``sum`` (DP-SGD as implemented; Thm. 3.2) or ``mean`` (trained and analysed
             with the mean rule; Thm. 3.6).
         config: training hyperparameters (the paper's: clip norm 1, expected batch 128).
         epsilon, delta: the data-independent (ε, δ) the runs' noise is calibrated to (paper: ε = 10).
-        checkpoint_every: steps between recorded checkpoints (default one epoch).
+        checkpoint_every: steps between recorded sensitivities (default one epoch); a checkpoint's
+            value stands for the steps up to the next one (1: every step's own value).
         samples: (outer, inner) mini-batch samples for Thm. 3.6.
         p: Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4).
         failure: J of the confidence upper bounds (each point's ``rdp_upper`` holds w.p. ≥ 1 − J).
-        out_dir: folder for per_instance.csv/.json, per_instance_steps.csv and the plots (all 0600).
+        out_dir: folder for per_instance.csv/.json, per_instance_steps.csv, per_instance_curves.csv
+            and the plots (all private, 0600) and settings.json (public).
+        file_prefix: put before every file name (several analyses in one folder).
+        figures: with ``out_dir``, also draw per_instance.png (Fig. 1) and per_instance_stages.png (Fig. 2/4).
+
+    Sum-rule runs of a plain ``nn.Sequential`` model train together
+    (:class:`~idpsgd.training.per_instance_runs.ParallelRuns`); the mean rule and other
+    architectures train one :class:`~idpsgd.training.loop.Trainer` per run (the same algorithm).
     """
     if update_rule not in UPDATE_RULES:
         raise InvalidParameterError("update_rule", update_rule, "must be sum or mean")
@@ -219,13 +292,19 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
         raise InvalidParameterError("target_set", target_set, "must be test or train")
     if int(runs) != runs or int(runs) < 1:
         raise InvalidParameterError("runs", runs, "must be an integer >= 1")
-    if float(alpha) != int(alpha) or int(alpha) < 2:
-        raise InvalidParameterError("alpha", alpha, "must be an integer >= 2")
+    if alpha is not None:
+        a = float(alpha)
+        if update_rule == "mean" and (a != int(a) or a < 2):
+            raise InvalidParameterError("alpha", alpha, "must be an integer >= 2 for the mean rule (Thm. 3.6)")
+        if not (a > 1 and math.isfinite(a)):
+            raise InvalidParameterError("alpha", alpha, "must be a Rényi order > 1")
     if not 0 < failure < 1:
         raise InvalidParameterError("failure", failure, "must be in (0, 1)")
     if len(samples) != 2 or min(int(v) for v in samples) < 1:
         raise InvalidParameterError("samples", samples, "must be (outer, inner) with both >= 1")
-    alpha, runs = int(alpha), int(runs)
+    if checkpoint_every is not None and (int(checkpoint_every) != checkpoint_every or int(checkpoint_every) < 1):
+        raise InvalidParameterError("checkpoint_every", checkpoint_every, "must be an integer >= 1")
+    runs = int(runs)
     x_set, y_set = (dataset.x_test, dataset.y_test) if target_set == "test" else (dataset.x_train, dataset.y_train)
     points = np.asarray([] if points is None else points, dtype=np.int64)
     if points.size == 0 or points.min() < 0 or points.max() >= len(y_set) or np.unique(points).size != points.size:
@@ -238,44 +317,84 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
     if update_rule == "mean" and getattr(config, "grad_sample_mode", "hooks") == "ghost":
         raise InvalidParameterError("grad_sample_mode", "ghost", "the mean rule needs materialised per-sample "
                                     "gradients (hooks or functorch)")
+    config.validate()
     from ..engine.randomness import resolve_seed
     seed = resolve_seed(config.seed, False)     # a fresh seed is drawn and recorded when none is given
     config = dataclasses.replace(config, seed=seed)
     n_train = len(dataset.y_train)
+    model_name = config.model or DEFAULT_MODEL.get(dataset.name, "mlp")
     if update_rule == "mean":   # every clipped per-example gradient, and the pooled batch sums, in memory
-        from ..models import DEFAULT_MODEL, create_model
-        d = sum(v.numel() for v in create_model(config.model or DEFAULT_MODEL.get(dataset.name, "mlp"),
-                                                dataset.input_shape, dataset.num_classes).parameters())
-        pool = samples[0] * (1 + samples[1] * 2 * alpha)
+        d = sum(v.numel() for v in create_model(model_name, dataset.input_shape, dataset.num_classes).parameters())
+        pool = samples[0] * (1 + samples[1] * 2 * int(alpha if alpha is not None else 8))
         need = 8 * d * (n_train + points.size + pool) / 2 ** 30
         if need > 4:
             raise InvalidParameterError("update_rule", "mean", f"needs about {need:.0f} GiB here ({n_train} examples x "
                                         f"{d} parameters); use a smaller dataset or model, or --samples")
+    # the public algorithm: one plan (q, σ, C, steps) for X and X'
+    pre = getattr(dataset, "preprocessing", None) or {}
+    budgets = training_budgets(Budgets.from_array(np.full(n_train, float(epsilon)), delta),
+                               float(pre.get("epsilon", 0.0)), float(pre.get("delta", 0.0)))
+    plan = build_plan(budgets, "uniform", config.batch_size, config.epochs, config.clip_norm, config.accountant)
+    assignment = plan.phases[0].assignment
+    q, c, sigma, n = float(assignment.sample_rate), float(assignment.clip_norm), float(assignment.noise_multiplier), \
+        int(plan.steps)
+    normaliser = float(assignment.expected_batch_size)
+    every = int(checkpoint_every or plan.phases[0].steps_per_epoch)
+    integer = update_rule == "mean"
+    alpha_rule = "given"
+    plain_best = best_order(q, sigma, n, budgets.delta, integer=integer)
+    if alpha is None:
+        alpha = best_composition_order(q, sigma, n, budgets.delta, p, integer=integer)
+        alpha_rule = (("the integer order" if integer else "the order") + " minimising the data-independent epsilon "
+                      "of Thm. 3.3 at sensitivity C (the same composition)")
+    alpha = float(alpha)
+    if integer:
+        alpha = float(int(alpha))
     x_pts, y_pts = x_set[points], y_set[points]
-    budgets = Budgets.from_array(np.full(n_train, float(epsilon)), delta)
-    # the shared chain: the training set (X for test targets, X' for training targets)
-    shared_dir = "remove" if target_set == "test" else "add"
+    shared_dir = "remove" if target_set == "test" else "add"       # the shared chain: the training set
     other_dir = "add" if shared_dir == "remove" else "remove"
-    plan = None
-    state = {}
+    torch.manual_seed(seed)                                      # the shared initialisation (as the Trainer's)
+    model = create_model(model_name, dataset.input_shape, dataset.num_classes)
+    if update_rule == "sum" and supports(model):
+        from .loop import resolve_device
+        res = parallel_chains(dataset, x_pts, y_pts, points, target_set, runs, model, q, sigma, c, normaliser, n,
+                              every, config.lr, config.momentum, seed, resolve_device(config.device), config.progress)
+        ckpts = res["checkpoints"]
+        expand = np.searchsorted(ckpts, np.arange(n), side="right") - 1       # checkpoint standing for each step
+        chains = {shared_dir: {"sens": res["shared"]["sens"][:, expand, :], "correct": res["shared"]["correct"]},
+                  other_dir: {"sens": res["own"]["sens"][:, expand, :], "correct": res["own"]["correct"]}}
+        test_acc, engine = res["test_accuracy_runs"], "parallel"
+    else:
+        chains, test_acc, ckpts = _trainer_chains(dataset, budgets, plan, config, x_pts, y_pts, points, target_set,
+                                                  runs, alpha, p, every, update_rule, samples, failure, shared_dir,
+                                                  epsilon, delta)
+        engine = "trainer"
+    return _analyse(dict(
+        chains=chains, test_acc=test_acc, ckpts=ckpts, q=q, c=c, sigma=sigma, n=n, normaliser=normaliser,
+        alpha=alpha, alpha_rule=alpha_rule, plain_best=plain_best, integer=integer, p=p, update_rule=update_rule,
+        points=points,
+        y_pts=y_pts, runs=runs, delta=budgets.delta, failure=failure, epsilon=epsilon, config=config, seed=seed,
+        target_set=target_set, samples=samples, unlearning_beta=unlearning_beta, engine=engine, model=model_name,
+        every=every, accountant=config.accountant), out_dir, file_prefix, figures)
+
+
+def _trainer_chains(dataset, budgets, plan, config, x_pts, y_pts, points, target_set, runs, alpha, p, every,
+                    update_rule, samples, failure, shared_dir, epsilon, delta):
+    """One :class:`Trainer` per run (the mean rule, and architectures :class:`ParallelRuns` does not take)."""
+    n_train = len(dataset.y_train)
+    other_dir = "add" if shared_dir == "remove" else "remove"
+    assignment = plan.phases[0].assignment
+    q, c, sigma, n = assignment.sample_rate, assignment.clip_norm, assignment.noise_multiplier, plan.steps
+    normaliser = assignment.expected_batch_size
+    orders = step_orders(alpha, n, p, integer=True)
 
     def one_run(data, run_idx, targets, direction):
-        nonlocal plan
         cfg = dataclasses.replace(config, method="uniform", seed=config.seed + 7919 * (run_idx + 1),
                                   init_seed=config.seed, progress=False)
-        b = budgets if len(data.y_train) == n_train else Budgets.from_array(np.full(len(data.y_train),
-                                                                                   float(epsilon)), delta)
+        b = Budgets.from_array(np.full(len(data.y_train), float(epsilon)), delta)      # before any preprocessing
         trainer = Trainer(data, b, cfg)
-        if plan is None:
-            plan = trainer.plan
-        trainer.plan = _public_plan(plan, len(data.y_train), delta)
-        a = plan.phases[0].assignment
-        q, c, sigma, n = a.sample_rate, a.clip_norm, a.noise_multiplier, plan.steps
-        normaliser = a.expected_batch_size
+        trainer.plan = _public_plan(plan, len(data.y_train), budgets.delta)   # the one public plan of X and X'
         trainer.expected_batch_size = normaliser   # the public q·N on X and X' alike (not Σ q_i of this run's data)
-        every = int(checkpoint_every or plan.phases[0].steps_per_epoch)
-        orders = step_orders(alpha, n, p)
-        state.update(q=q, c=c, sigma=sigma, n=n, every=every, normaliser=normaliser)
         rec_t, rec_s, rec_m = [], [], []
         rng = np.random.default_rng([config.seed, run_idx, 17, int(targets[0]), direction == "add"])
         xt, yt = x_pts[targets], y_pts[targets]
@@ -300,7 +419,7 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
                 rec_m.append([est.bound(int(r), sigma * c / normaliser, direction, c,
                                         failure / 4 / (runs * checkpoints)) for r in rows])
 
-        handle = _install_mean_rule(trainer.optimizer, normaliser) if update_rule == "mean" else None
+        handle = _install_mean_rule(trainer.optimizer, normaliser, trainer.model) if update_rule == "mean" else None
         trainer.step_hooks.append(hook)
         try:
             report = trainer.run()
@@ -333,70 +452,94 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
             keep[j] = False
             data_k = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
         own.append([one_run(data_k, r, np.array([k]), other_dir) for r in range(runs)])
-
-    q, c, sigma, n, normaliser = state["q"], state["c"], state["sigma"], state["n"], state["normaliser"]
-    chains = {shared_dir: {key: np.stack([run[key] for run in shared])
-                           for key in shared[0] if key not in ("checkpoints", "test_accuracy")}}
+    skip = ("checkpoints", "test_accuracy")
+    chains = {shared_dir: {key: np.stack([run[key] for run in shared]) for key in shared[0] if key not in skip}}
     chains[other_dir] = {key: np.stack([np.concatenate([run[key] for run in [own[k][r] for k in k_all]], axis=-1)
                                         for r in range(runs)])
-                         for key in own[0][0] if key not in ("checkpoints", "test_accuracy")}
-    ckpts = shared[0]["checkpoints"]
-    orders_needed = step_orders(alpha, n, p)
-    sum_base_step = float(np.ravel(compute_rdp(q, sigma, [float(alpha)]))[0])
+                         for key in own[0][0] if key not in skip}
+    return chains, [run["test_accuracy"] for run in shared], shared[0]["checkpoints"]
+
+
+def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
+    """Thm. 3.2/3.6 per step and Thm. 3.3 per point from the chains' recordings; the report and its files."""
+    chains, q, c, sigma, n = s["chains"], s["q"], s["c"], s["sigma"], s["n"]
+    alpha, p, integer, update_rule, runs = s["alpha"], s["p"], s["integer"], s["update_rule"], s["runs"]
+    points, y_pts, delta, failure, normaliser = s["points"], s["y_pts"], s["delta"], s["failure"], s["normaliser"]
+    ckpts = s["ckpts"]
     mean_sigma_eff = sigma / normaliser          # mean rule: noise σc/(qN), worst sensitivity c
     base_sigma = sigma if update_rule == "sum" else mean_sigma_eff
-    base_step = float(np.ravel(compute_rdp(q, base_sigma, [float(alpha)]))[0])
-    worst_by_order = {int(o): float(np.ravel(compute_rdp(q, base_sigma, [float(o)]))[0])
-                      for o in np.unique(orders_needed)}
+    rdp_cache: dict = {}
+
+    def worst_rdp(orders) -> np.ndarray:
+        """The data-independent per-step bound ρ_o(C) at each of ``orders`` (cached)."""
+        need = [float(o) for o in np.unique(orders) if float(o) not in rdp_cache]
+        if need:
+            rdp_cache.update(zip(need, np.ravel(compute_rdp(q, base_sigma, need))))
+        return np.array([rdp_cache[float(o)] for o in np.ravel(orders)])
+
+    base_step = float(worst_rdp([alpha])[0])              # Mironov et al. §3.3: one step at α, sensitivity C
+    thm32 = SumRuleTable(q, sigma * c, c)                 # Thm. 3.2, sensitivities rounded up to a fine grid
+    sum_base_step = float(np.ravel(compute_rdp(q, sigma, [alpha]))[0])
 
     def step_divergences(direction, k, order=alpha):
         """(runs, n) per-step divergences of point k on its chain, at the orders Thm. 3.3 needs."""
-        o = step_orders(order, n, p)
+        o = step_orders(order, n, p, integer)
         ch = chains[direction]
         if update_rule == "sum":
-            s = ch["sens"][:, :, k]
-            d = np.empty_like(s)
+            sens = ch["sens"][:, :, k]
+            d = np.empty_like(sens)
             for val in np.unique(o):
                 cols = o == val
-                d[:, cols] = sum_rule_step_rdp(q, s[:, cols], sigma * c, int(val))
+                d[:, cols] = thm32(sens[:, cols], float(val))
             return d, d
-        worst = np.array([worst_by_order.get(int(v), float(np.ravel(compute_rdp(q, base_sigma, [float(v)]))[0]))
-                          for v in o])
-        return ch["mean_est"][:, :, k], np.minimum(ch["mean_upper"][:, :, k], worst[None, :])
+        return ch["mean_est"][:, :, k], np.minimum(ch["mean_upper"][:, :, k], worst_rdp(o)[None, :])
 
     def bound(direction, k, order=alpha):
         d, d_up = step_divergences(direction, k, order)
-        o = step_orders(order, n, p)
-        worst = np.array([worst_by_order.get(int(v), float(np.ravel(compute_rdp(q, base_sigma, [float(v)]))[0]))
-                          for v in o])
+        worst = worst_rdp(step_orders(order, n, p, integer))
         est = composition_bound(d, order, p)
         comp_failure = failure / 2 if update_rule == "sum" else failure / 4
         up = composition_bound(d_up, order, p, worst_step_rdp=worst, failure=comp_failure)
         return est, up
 
-    per_point, step_rows, per_step_ratio = [], [], {"add": [], "remove": []}
+    same = same_composition_rdp(q, base_sigma, alpha, n, p, integer)
+    base = n * base_step                                  # the data-independent RDP of the run at α
+    data_independent_eps = float(epsilon_sgm(q, base_sigma, n, delta, s["accountant"]))
+    base_eps = float(epsilon_at_order(base, alpha, delta))
     late = slice(n // 2, n)
-    base = n * base_step
-    log_term = math.log(1 / delta) / (alpha - 1)
+    per_point, step_rows, ratios_by_dir, thm32_by_dir = [], [], {"add": [], "remove": []}, {"add": [], "remove": []}
     for k, j in enumerate(points):
         res = {dn: bound(dn, k) for dn in ("add", "remove")}
         rdp_add, rdp_remove = res["add"][0]["bound"], res["remove"][0]["bound"]
         up_add, up_remove = res["add"][1]["upper"], res["remove"][1]["upper"]
         rdp, rdp_up = max(rdp_add, rdp_remove), max(up_add, up_remove)
         ratios = {dn: res[dn][0]["contributions"] / base_step for dn in res}
+        stats = {}
         for dn, ratio in ratios.items():
-            per_step_ratio[dn].append(ratio)
+            ratios_by_dir[dn].append(ratio)
+            stats.update({f"step_ratio_{dn}_mean": float(np.mean(ratio)),
+                          f"step_ratio_{dn}_p10": float(np.percentile(ratio, 10)),
+                          f"step_ratio_{dn}_late_mean": float(np.mean(ratio[late]))})
+            if update_rule == "sum":   # Thm. 3.2 at α and the measured sensitivity, mean over the runs (no composition)
+                alone = thm32(chains[dn]["sens"][:, late, k], alpha).mean(axis=0) / base_step
+                thm32_by_dir[dn].append(float(np.mean(alone)))
+                stats[f"late_thm32_ratio_{dn}"] = float(np.mean(alone))
         step_ratio = np.maximum(ratios["add"], ratios["remove"])
         cor = (corollary_3_1(q, chains["add"]["sens"][:, -1, k], sigma * c, delta, delta, 2.0 * n)
                if update_rule == "sum" else None)
+        eps_est, eps_up = (float(v) for v in epsilon_at_order([rdp, rdp_up], alpha, delta))
         per_point.append({
             "point": int(j), "label": int(y_pts[k]),
             "correct_fraction": float(np.mean(chains["add"]["correct"][:, k])),
             "rdp_add": rdp_add, "rdp_remove": rdp_remove, "rdp": rdp,
             "rdp_add_upper": up_add, "rdp_remove_upper": up_remove, "rdp_upper": rdp_up,
-            "epsilon": rdp + log_term, "epsilon_upper": rdp_up + log_term,
-            "baseline_rdp": base, "baseline_epsilon": base + log_term,
+            "epsilon": eps_est, "epsilon_upper": eps_up,
+            "baseline_rdp": base, "baseline_epsilon": base_eps,
             "ratio_to_baseline": rdp / base, "ratio_upper_to_baseline": rdp_up / base,
+            "same_composition_rdp": same["rdp"], "ratio_to_same_composition": rdp / same["rdp"],
+            "guarantee_rdp": min(rdp_up, base), "guarantee_epsilon": min(eps_up, data_independent_eps),
+            "estimate_min_epsilon": min(eps_est, data_independent_eps),
+            **stats,
             "late_mean_step_ratio": float(np.mean(step_ratio[late])),
             "late_share_steps_below_baseline": float(np.mean(step_ratio[late] < 1)),
             "corollary_3_1_last_step": {"epsilon": cor[0], "delta": cor[1]} if cor else None})
@@ -410,27 +553,49 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
         ch = chains[dn]
         at_ckpt = ch["sens"][:, ckpts, :] if update_rule == "sum" else ch["mean_est"][:, ckpts, :]
         if update_rule == "sum":
-            at_ckpt = sum_rule_step_rdp(q, at_ckpt, sigma * c, alpha)
+            at_ckpt = thm32(at_ckpt, alpha)
         stage_values[dn] = at_ckpt.mean(axis=0) / base_step                        # (checkpoints, points)
+    curves = {dn: {"mean": np.mean(ratios_by_dir[dn], axis=0), "p10": np.percentile(ratios_by_dir[dn], 10, axis=0)}
+              for dn in ratios_by_dir}
+
+    def median(key):
+        return float(np.median([pp[key] for pp in per_point]))
 
     ratios_all = np.array([pp["ratio_to_baseline"] for pp in per_point])
-    test_acc = [run["test_accuracy"] for run in shared]
+    config, test_acc = s["config"], s["test_acc"]
+    late_orders = step_orders(alpha, n, p, integer)[late]
     summary = {
         "kind": "estimate",
         "definition": "per-instance Renyi DP of DP-SGD: max(D(Train(X')||Train(X)), D(Train(X)||Train(X'))) with "
                       "X' = X + {x*} (Thudi et al. Thm. 3.2/3.6 per step, Thm. 3.3 composition; expectations "
                       "estimated over runs on each chain; *_upper: Hoeffding confidence upper bounds)",
-        "target_set": target_set, "update_rule": update_rule, "alpha": alpha,
+        "target_set": s["target_set"], "update_rule": update_rule, "alpha": alpha, "alpha_rule": s["alpha_rule"],
+        "best_order_data_independent": s["plain_best"],
         "p": float(3 * n if p is None else p), "runs": runs, "runs_trained": runs * (1 + points.size), "steps": n,
-        "checkpoints": int(ckpts.size), "sample_rate": q, "batch_size": config.batch_size, "noise_multiplier": sigma,
-        "clip_norm": c, "lr": config.lr, "epochs": config.epochs, "seed": seed,
-        "training_epsilon": float(epsilon), "training_epsilon_rule": "sum (the calibration of the noise)",
-        "delta": delta, "failure": failure, "samples": list(samples) if update_rule == "mean" else None,
-        "test_accuracy": float(np.mean(test_acc)), "test_accuracy_runs": test_acc,
-        "baseline_step_rdp": base_step, "baseline_rdp": base,
+        "checkpoints": int(ckpts.size), "checkpoint_every": s["every"], "sample_rate": q,
+        "batch_size": config.batch_size, "noise_multiplier": sigma, "clip_norm": c, "lr": config.lr,
+        "momentum": config.momentum, "epochs": config.epochs, "model": s["model"], "seed": s["seed"],
+        "engine": s["engine"], "training_epsilon": float(s["epsilon"]),
+        "training_epsilon_rule": "sum (the calibration of the noise)",
+        "delta": delta, "failure": failure, "samples": list(s["samples"]) if update_rule == "mean" else None,
+        "test_accuracy": float(np.mean(test_acc)), "test_accuracy_runs": list(test_acc),
+        "baseline_step_rdp": base_step, "baseline_rdp": base, "baseline_epsilon_at_alpha": base_eps,
+        "data_independent_epsilon": data_independent_eps,
+        "same_composition_rdp": same["rdp"], "same_composition_epsilon": float(epsilon_at_order(same["rdp"], alpha,
+                                                                                                delta)),
+        "same_composition_late_step_ratio": float(
+            np.mean(worst_rdp(late_orders)) / base_step),
         "median_ratio_to_baseline": float(np.median(ratios_all)),
         "p10_ratio_to_baseline": float(np.percentile(ratios_all, 10)),
-        "median_upper_ratio_to_baseline": float(np.median([pp["ratio_upper_to_baseline"] for pp in per_point])),
+        "median_ratio_to_same_composition": median("ratio_to_same_composition"),
+        "median_upper_ratio_to_baseline": median("ratio_upper_to_baseline"),
+        "median_late_step_ratio": median("late_mean_step_ratio"),
+        "median_late_step_ratio_add": median("step_ratio_add_late_mean"),
+        "median_late_step_ratio_remove": median("step_ratio_remove_late_mean"),
+        "median_late_thm32_ratio": ({dn: float(np.median(v)) for dn, v in thm32_by_dir.items()}
+                                    if update_rule == "sum" else None),
+        "share_guarantee_below_data_independent": float(np.mean([pp["guarantee_epsilon"] < data_independent_eps
+                                                                 for pp in per_point])),
         "fact_3_5_log10_runs_for_10pct": fact_3_5_samples(alpha, sum_base_step, float(np.ravel(compute_rdp(
             q, sigma, [2.0 * alpha]))[0]), n, 0.1, 0.05),
         "share_points_below_baseline_late": float(np.mean([pp["late_mean_step_ratio"] < 1 for pp in per_point])),
@@ -442,96 +607,16 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: int = 8, update
         "incorrect_mean_ratio": float(ratios_all[~correct_mask].mean()) if (~correct_mask).any() else None,
         "correct": int(correct_mask.sum()), "incorrect": int((~correct_mask).sum())}
     if update_rule == "sum":
-        beta = float(unlearning_beta if unlearning_beta is not None else n * sum_base_step)
-        divergence = [lambda order, k=k: bound("add", k, math.ceil(order))[0]["bound"]
-                      for k in range(points.size)]
+        beta = float(s["unlearning_beta"] if s["unlearning_beta"] is not None else base)
+        divergence = [lambda order, k=k: bound("add", k, order)[0]["bound"] for k in range(points.size)]
         summary["unlearning"] = {"beta": beta, "alpha": alpha, "direction": "add", "requests": [
             {**d, "point": int(points[d["request"]])} for d in npiu_decisions(divergence, alpha, beta)]}
     else:
         summary["unlearning"] = None   # NPIU's divergences at doubled orders come from Thm. 3.2 (sum rule)
+    summary["curves"] = {dn: {key: v.tolist() for key, v in cv.items()} for dn, cv in curves.items()}
     if out_dir is not None:
-        from ..runfolder import RunFolder
-        rf = out_dir if isinstance(out_dir, RunFolder) else RunFolder(out_dir, resume=True)
-        keys = ["point", "label", "correct_fraction", "rdp_add", "rdp_remove", "rdp", "rdp_add_upper",
-                "rdp_remove_upper", "rdp_upper", "epsilon", "epsilon_upper", "baseline_rdp", "baseline_epsilon",
-                "ratio_to_baseline", "ratio_upper_to_baseline", "late_mean_step_ratio",
-                "late_share_steps_below_baseline"]
-        rf.write_csv("per_instance.csv", keys, [[pp[kk] for pp in per_point] for kk in keys], "private",
-                     "per point: per-instance RDP estimates in both directions, upper bounds, ratios (estimates)")
-        cols = list(zip(*step_rows))
-        rf.write_csv("per_instance_steps.csv", ["point", "step", "contribution_add", "contribution_remove",
-                                                "baseline", "ratio_add", "ratio_remove"], cols, "private",
-                     "every step's per-instance contribution per point (estimates)")
-        rf.write_json("per_instance.json", summary, "private", "the per-instance analysis: settings, per-point "
-                      "estimates, NPIU decisions, test accuracy")
-        rf.write_json("settings.json", public_summary(summary), "public", "the analysis' settings, the runs' test "
-                      "accuracy and the data-independent RDP baseline (no per-point value)")
-        summary["plots"] = [_plot_steps(rf, per_step_ratio, n), _plot_stages(rf, stage_values, ckpts, update_rule)]
+        from .per_instance_outputs import write_outputs
+        summary["plots"] = write_outputs(out_dir, summary, step_rows, curves, stage_values, ckpts, file_prefix,
+                                         figures)
     return summary
-
-
-def _save(fig, rf, name: str, description: str) -> str:
-    return rf.save_figure(name, fig, "private", description).name
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _plot_steps(out, ratios: dict, n: int) -> str:
-    """Fig. 1a/1c (mean over points) and Fig. 1b (10th percentile) of the per-step contribution / baseline."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-    steps = np.arange(1, n + 1)
-    for dn, color in (("add", "tab:blue"), ("remove", "tab:orange")):
-        arr = np.maximum(np.asarray(ratios[dn]), 1e-12)
-        label = "D(Train(X')||Train(X))" if dn == "add" else "D(Train(X)||Train(X'))"
-        axes[0].plot(steps, arr.mean(axis=0), color=color, lw=1.2, label=label)
-        axes[1].plot(steps, np.percentile(arr, 10, axis=0), color=color, lw=1.2, label=label)
-    for ax, title in zip(axes, ("mean over points (Fig. 1a, 1c)", "10th percentile over points (Fig. 1b)")):
-        ax.axhline(1.0, color="tab:red", ls="--", label="data-independent baseline")
-        ax.set_yscale("log")
-        ax.set_xlabel("training step")
-        ax.set_title(title, fontsize=9)
-    axes[0].set_ylabel("per-step contribution / baseline (estimate)")
-    axes[0].legend(fontsize=7)
-    return _save(fig, out, "per_instance.png", "per-step contribution / baseline over training (Fig. 1)")
-
-
-def _plot_stages(out, values: dict, ckpts, update_rule: str) -> str:
-    """Fig. 2 (sum rule) / Fig. 4 (mean rule): distribution over points of the per-step guarantee at α,
-    relative to the baseline, at the first, middle and last checkpoint (log axis)."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-    stages = {"initial": 0, "middle": len(ckpts) // 2, "final": len(ckpts) - 1}
-    for ax, dn in zip(axes, ("add", "remove")):
-        v = np.maximum(values[dn], 1e-12)
-        lo, hi = float(np.log10(v.min())), float(np.log10(max(v.max(), 1.0)))
-        bins = np.logspace(lo - 0.1, hi + 0.1, 30)
-        for name, i in stages.items():
-            ax.hist(v[i], bins=bins, alpha=0.5, label=f"{name} (step {int(ckpts[i]) + 1})")
-        ax.axvline(1.0, color="tab:purple", ls="--", label="data-independent baseline")
-        ax.set_xscale("log")
-        ax.set_xlabel("per-step guarantee / baseline")
-        ax.set_title(("D(M(X')||M(X))" if dn == "add" else "D(M(X)||M(X'))")
-                     + f", {update_rule} rule (Thm. {'3.2' if update_rule == 'sum' else '3.6'})", fontsize=9)
-    axes[0].set_ylabel("points")
-    axes[0].legend(fontsize=7)
-    return _save(fig, out, "per_instance_stages.png", "distribution of per-step guarantees per stage (Fig. 2/4)")
-
-
-#: Keys of the summary that are public: settings, test metrics of the DP-trained runs and the
-#: data-independent baseline.  The per-point estimates and every statistic of them stay private.
-PUBLIC_KEYS = ("kind", "definition", "alpha", "update_rule", "target_set", "runs", "runs_trained", "steps",
-               "clip_norm", "sample_rate", "batch_size", "noise_multiplier", "lr", "epochs", "training_epsilon",
-               "delta", "test_accuracy", "test_accuracy_runs", "baseline_rdp", "baseline_step_rdp", "failure",
-               "seed", "secure_mode")
-
-
-def public_summary(summary: dict) -> dict:
-    """The public part of a :func:`run_per_instance` summary (see :data:`PUBLIC_KEYS`)."""
-    return {k: summary[k] for k in PUBLIC_KEYS if k in summary}
 
