@@ -167,7 +167,7 @@ def test_pdp_arguments_make_options():
 
 
 def test_reproduce_heo_table1_small(digits, tmp_path, capsys):
-    from idpsgd.cli.reproduce_command import _markdown, _plots, run_heo_table1
+    from idpsgd.experiments.heo import _markdown, _plots, run_heo_table1
     r = run_heo_table1(digits, seeds=1, epochs=1, rounds=1, figures=False, progress=False)
     assert [row["skew"] for row in r["table"]] == [-0.2, 0.0, 0.2] and r["runs"] == 13
     for row in r["table"]:

@@ -12,7 +12,7 @@ import sys
 
 from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError
-from .registry import COMMANDS, _emit, _flag, _Parser
+from .registry import COMMANDS, _emit, _flag, _Parser, add_output_flags
 
 _NUMBER = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 _ARGPARSE_ERRORS = (   # argparse's wording -> ours: "--flag=value is invalid: what is allowed"
@@ -87,10 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         add(p)
         parser.positionals[name] = {a.dest for a in p._actions if not a.option_strings}
-        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-        p.add_argument("--show-private", action="store_true",
-                       help="also print private values (exact statistics of per-example data); they are not "
-                       "covered by the privacy guarantee")
+        add_output_flags(p)
     return parser
 
 

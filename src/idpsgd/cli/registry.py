@@ -33,6 +33,15 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def add_output_flags(p: argparse.ArgumentParser, default=False) -> None:
+    """``--json`` and ``--show-private``: every command's parser gets them; a sub-command's parser with
+    ``default=argparse.SUPPRESS`` (so that the flags work before and after the sub-command's name)."""
+    p.add_argument("--json", action="store_true", default=default, help="print machine-readable JSON")
+    p.add_argument("--show-private", action="store_true", default=default,
+                   help="also print private values (exact statistics of per-example data); they are not "
+                   "covered by the privacy guarantee")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -1,223 +1,127 @@
-"""``idpsgd reproduce heo-table1``: Heo et al.'s experiments (Table 1, Fig. 4, Fig. 5) as one command.
+"""``idpsgd reproduce NAME``: one paper's headline experiment as one command.
 
-* **Table 1** — test accuracy (mean ± std over seeds) of uniform DP-SGD at the smallest budget,
-  DP-SGD + Sampling (``pdp-sampling``, App. B.1), DP-SGD + AdaPDP (``adapdp``, App. B.2) and
-  PDP-SGD with loss_f (w1 = 0.7) and loss_a, for budgets from App. C.1's exponential distribution
-  (20 groups in [0.5, 1], k ∈ {−0.2, 0, 0.2}).  Uniform DP-SGD at min ε = 0.5 does not depend on k
-  (one run per seed, shown in every row, as in the paper).
-* **Fig. 4** — PDP-SGD (loss_f) accuracy against w1 ∈ {0.3, …, 0.9} for each k.
-* **Fig. 5** — PDP-SGD (loss_f and loss_a) accuracy against the interval a of the budget range
-  [0.5, 0.5 + a], a ∈ {0.1, …, 0.9}, k = 0 (test accuracy only: training-set accuracy is a
-  statistic of the private data and is not released).
-
-Every run's (ε_i, δ_i) stays within its budget (checked by the training code); δ is the total per
-example (each PDP round gets δ/rounds).  Writes ``heo_table1.json`` (every run's accuracy and the
-summaries), ``heo_table1.md`` (the table), ``fig4_w1.png`` and ``fig5_interval.png``; nothing
-per-example.
+A thin dispatcher over :data:`idpsgd.experiments.EXPERIMENTS`: each experiment gets a sub-command
+with the common flags (``--dataset``, ``--data-dir``, ``--model``, ``--out``, ``--overwrite``,
+``--no-progress``) and its own options, whose defaults are its run function's defaults.  The
+command checks every option, opens the run folder, loads the data, runs the experiment and lets it
+write its files (public or private, :class:`~idpsgd.runfolder.RunFolder`).
 """
 from __future__ import annotations
 
-import time
+import argparse
 
-import numpy as np
+from ..experiments import load
+from .registry import add_output_flags, arguments, command
 
-from ..io import atomic_open
-from .registry import arguments, command
 
-EXPERIMENTS = ("heo-table1",)
-DEFAULT_EPOCHS = 10
-#: Heo et al. App. C.2's CNNs (Tables 4-5); digits keeps its own small CNN
-PAPER_MODELS = {"mnist": "heo_mnist", "fashion-mnist": "heo_mnist", "svhn": "heo_svhn"}
-SKEWS = (-0.2, 0.0, 0.2)
-RANGE = (0.5, 1.0)
-W1_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-INTERVALS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-#: (column label, method, threshold loss); w1 is the method's default (App. C.2) unless given
-COLUMNS = (("DP-SGD (min eps)", "uniform", None), ("Sampling", "pdp-sampling", "fixed"),
-           ("AdaPDP", "adapdp", "fixed"), ("PDP-SGD loss_f", "pdp-sgd", "fixed"),
-           ("PDP-SGD loss_a", "pdp-sgd", "adaptive"))
-#: Heo et al. Table 1 on MNIST, for the ordering (the extracted table keeps one of three rows for AdaPDP and loss_f)
-PAPER_MNIST = ("Paper, MNIST (Table 1, accuracy %): DP-SGD 90.42 ± 2.78 (every k); Sampling 92.57 / 92.50 / 92.48 "
-               "(k = -0.2 / 0 / 0.2); AdaPDP 92.78 ± 0.53 (one k); PDP-SGD loss_f 95.19 ± 0.27 (one k); PDP-SGD "
-               "loss_a 94.54 / 95.05 / 94.86.  Ordering: DP-SGD < Sampling ≈ AdaPDP < PDP-SGD (loss_f ≈ loss_a).")
+def _flag(option) -> str:
+    return "--" + option.name.replace("_", "-")
+
+
+def _add_option(p: argparse.ArgumentParser, option, default) -> None:
+    if isinstance(default, bool):
+        if default:     # --no-NAME switches a default-on part off
+            p.add_argument("--no-" + option.name.replace("_", "-"), dest="no_" + option.name, action="store_true",
+                           help=option.help)
+        else:
+            p.add_argument(_flag(option), action="store_true", help=option.help)
+        return
+    kind = option.type or (type(default) if default is not None else str)
+    p.add_argument(_flag(option), type=kind, default=default, help=option.help)
+
+
+def _datasets_help(exp) -> str:
+    named = [d for d in exp.paper_models if d != "digits"]
+    listed = ", ".join(["digits (bundled)", *named[:-1]]) + (f" or {named[-1]}" if named else "")
+    return f"{listed} (default %(default)s)"
+
+
+def _model_help(exp) -> str:
+    if exp.model_help:
+        return exp.model_help
+    if not exp.paper_models:
+        return "model name (default: the library's model for the dataset)"
+    paper = ", ".join(f"{m} for {d}" for d, m in exp.paper_models.items())
+    return f"model name (default: the paper's model: {paper}; the library's model for the dataset otherwise)"
+
+
+def _experiment_parser(p: argparse.ArgumentParser, exp) -> None:
+    defaults = exp.defaults()
+    p.add_argument("--dataset", default="digits", help=_datasets_help(exp))
+    p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
+    p.add_argument("--model", help=_model_help(exp))
+    for option in exp.options:
+        _add_option(p, option, defaults[option.name])
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help=exp.out_help)
+    p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
+    add_output_flags(p, default=argparse.SUPPRESS)    # the command's parser sets the defaults
 
 
 def _reproduce_args(p):
-    import inspect
-
-    d = {k: v.default for k, v in inspect.signature(run_heo_table1).parameters.items()}   # one source of defaults
-    p.add_argument("experiment", choices=EXPERIMENTS, help="heo-table1: Heo et al. Table 1, Fig. 4 and Fig. 5")
-    p.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist or svhn "
-                   "(default %(default)s)")
-    p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
-    p.add_argument("--model", help="model name (default: the paper's CNN for mnist, fashion-mnist and svhn "
-                   "(App. C.2), digits_cnn for digits)")
-    p.add_argument("--seeds", type=int, default=d["seeds"], help="seeds 0..N-1 per configuration (default %(default)s)")
-    p.add_argument("--epochs", type=int, default=d["epochs"],
-                   help="epochs of DP-SGD, of PDP-SGD's first round and of each AdaPDP model (default "
-                        "%(default)s: at budgets <= 1 on digits, more epochs mean more noise per step)")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="expected batch size (default %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"], help="learning rate (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=d["rounds"], help="rounds of PDP-SGD and AdaPDP (default %(default)s)")
-    p.add_argument("--delta", type=float, default=d["delta"], help="total delta per example (default %(default)g)")
-    p.add_argument("--no-figures", action="store_true", help="only Table 1 (skip the runs of Fig. 4 and Fig. 5)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", required=True, help="folder for heo_table1.json/.md, fig4_w1.png, fig5_interval.png")
-    p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True, parser_class=type(p))
+    for exp in load().values():
+        e = sub.add_parser(exp.name, help=exp.help, description=exp.description or exp.help,
+                           formatter_class=p.formatter_class)
+        _experiment_parser(e, exp)
 
 
-def _check(args):
-    from ..validation import InvalidParameterError, check_delta
-
-    if int(args.seeds) < 1:
-        raise InvalidParameterError("seeds", args.seeds, "must be an integer >= 1")
-    for name in ("epochs", "batch_size", "rounds"):
-        if int(getattr(args, name)) < 1:
-            raise InvalidParameterError(name, getattr(args, name), "must be an integer >= 1")
-    if not args.lr > 0:
-        raise InvalidParameterError("lr", args.lr, "must be > 0")
-    check_delta(args.delta)
-
-
-def _mean_std(values) -> dict:
-    v = np.asarray(values, dtype=float)
-    return {"mean": float(v.mean()), "std": float(v.std()), "runs": v.tolist()}
+def _options(args, exp) -> dict:
+    """The run function's keywords from ``args``, each checked."""
+    defaults = exp.defaults()
+    kwargs = {}
+    for option in exp.options:
+        default = defaults[option.name]
+        value = (not getattr(args, "no_" + option.name)) if default is True else getattr(args, option.name)
+        if option.check is not None:
+            option.check(option.name, value)
+        kwargs[option.name] = value
+    return kwargs
 
 
-def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_size: int = 128, lr: float = 0.05,
-                   rounds: int = 3, delta: float = 1e-5, figures: bool = True, progress: bool = True,
-                   model: str | None = None) -> dict:
-    """Run Table 1 (and Figs. 4–5 with ``figures``) on ``data``; returns every accuracy and the summaries."""
-    from tqdm import tqdm
+def _check_model(name) -> None:
+    from ..models import MODELS
+    from ..validation import InvalidParameterError
 
-    from ..assignment import Budgets
-    from ..training import TrainConfig, train
-    from ..training.pdp import PdpOptions, train_pdp
-
-    n = len(data.y_train)
-    jobs = []   # (key, seed, method, loss, w1, k, (low, high))
-    for s in range(seeds):
-        jobs.append((("table", "DP-SGD (min eps)", None), s, "uniform", None, None, 0.0, RANGE))
-        for k in SKEWS:
-            for label, method, loss in COLUMNS[1:]:
-                jobs.append((("table", label, k), s, method, loss, None, k, RANGE))
-        if figures:
-            for k in SKEWS:
-                for w1 in W1_GRID:
-                    if w1 != 0.7:
-                        jobs.append((("fig4", w1, k), s, "pdp-sgd", "fixed", w1, k, RANGE))
-            for a in INTERVALS:
-                if a != 0.5:
-                    for loss in ("fixed", "adaptive"):
-                        jobs.append((("fig5", a, loss), s, "pdp-sgd", loss, None, 0.0, (0.5, 0.5 + a)))
-    acc: dict = {}
-    t0 = time.perf_counter()
-    for key, s, method, loss, w1, k, (low, high) in tqdm(jobs, disable=None if progress else True,
-                                                         desc="heo-table1", unit="run"):
-        budgets = Budgets.from_exponential(n, low, high, k, delta, seed=s)
-        cfg = TrainConfig(method=method, epochs=epochs, batch_size=batch_size, lr=lr, seed=s, progress=False,
-                          model=model or PAPER_MODELS.get(data.name))
-        if method == "uniform":
-            report = train(data, budgets, cfg)
-        else:
-            report = train_pdp(data, budgets, cfg, options=PdpOptions(threshold_loss=loss, w1=w1, rounds=rounds))
-            if report["max_delta"] > delta * (1 + 1e-12):
-                raise RuntimeError("internal error: a PDP run exceeded the total delta")
-        if any(g["epsilon_spent"] > g["budget"] * (1 + 1e-9) for g in report["groups"]):
-            raise RuntimeError("internal error: a run exceeded a budget")
-        acc.setdefault(key, []).append(report["test_accuracy"])
-    seconds = time.perf_counter() - t0
-
-    table = []
-    for k in SKEWS:
-        row = {"skew": k}
-        for label, _, _ in COLUMNS:
-            key = ("table", label, None) if label == "DP-SGD (min eps)" else ("table", label, k)
-            row[label] = _mean_std(acc[key])
-        table.append(row)
-    out = {"experiment": "heo-table1", "dataset": data.name, "model": model or PAPER_MODELS.get(data.name) or "default",
-           "seeds": int(seeds), "epochs": int(epochs),
-           "batch_size": int(batch_size), "lr": float(lr), "rounds": int(rounds), "delta": float(delta),
-           "budget_range": list(RANGE), "skews": list(SKEWS), "columns": [c[0] for c in COLUMNS],
-           "table": table, "seconds": seconds, "runs": len(jobs)}
-    if figures:
-        fig4 = {str(k): {str(w): _mean_std(acc[("table", "PDP-SGD loss_f", k)] if w == 0.7 else acc[("fig4", w, k)])
-                         for w in W1_GRID} for k in SKEWS}
-        fig5 = {loss: {str(a): _mean_std(acc[("table", "PDP-SGD loss_f" if loss == "fixed" else "PDP-SGD loss_a", 0.0)]
-                                         if a == 0.5 else acc[("fig5", a, loss)]) for a in INTERVALS}
-                for loss in ("fixed", "adaptive")}
-        out["fig4_accuracy_vs_w1"] = fig4
-        out["fig5_accuracy_vs_interval"] = fig5
-    return out
+    if name is not None and name not in MODELS:
+        raise InvalidParameterError("model", name, f"must be one of {sorted(MODELS)}")
 
 
-def _markdown(r) -> str:
-    cols = r["columns"]
-    lines = [(f"Heo et al. Table 1 on {r['dataset']}: test accuracy (%), mean ± std over {r['seeds']} seed(s); "
-              f"budgets: 20 groups in [{r['budget_range'][0]:g}, {r['budget_range'][1]:g}] (App. C.1), "
-              f"delta {r['delta']:g} in total per example, {r['epochs']} epochs, {r['rounds']} rounds"),
-             "", "| k | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for row in r["table"]:
-        cells = [f"{100 * row[c]['mean']:.1f} ± {100 * row[c]['std']:.1f}" for c in cols]
-        lines.append(f"| {row['skew']:g} | " + " | ".join(cells) + " |")
-    lines += ["", PAPER_MNIST]
-    return "\n".join(lines) + "\n"
+def _help_text() -> str:
+    return f"reproduce a paper's headline experiment: {', '.join(load())} (see idpsgd reproduce --help)"
 
 
-def _plots(out, r) -> list[str]:
-    """Fig. 4 and Fig. 5 into the run folder ``out`` (a :class:`~idpsgd.runfolder.RunFolder`)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for k, series in r["fig4_accuracy_vs_w1"].items():
-        w = [float(v) for v in series]
-        m = np.array([series[v]["mean"] for v in series])
-        s = np.array([series[v]["std"] for v in series])
-        ax.errorbar(w, 100 * m, yerr=100 * s, marker="o", capsize=3, label=f"k = {float(k):g}")
-    ax.set_xlabel("w1 (loss_f; w2 = 1 - w1)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"PDP-SGD on {r['dataset']}: accuracy vs w1 (Fig. 4)")
-    ax.legend(fontsize=8)
-    written.append(out.save_figure("fig4_w1.png", fig, "public", "accuracy vs w1 (Fig. 4)").name)
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for loss, series in r["fig5_accuracy_vs_interval"].items():
-        a = [float(v) for v in series]
-        m = np.array([series[v]["mean"] for v in series])
-        s = np.array([series[v]["std"] for v in series])
-        ax.errorbar(a, 100 * m, yerr=100 * s, marker="o", capsize=3,
-                    label="loss_f (w1 = 0.7)" if loss == "fixed" else "loss_a")
-    ax.set_xlabel("interval a: budgets in [0.5, 0.5 + a] (k = 0)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"PDP-SGD on {r['dataset']}: accuracy vs the ε interval (Fig. 5)")
-    ax.legend(fontsize=8)
-    written.append(out.save_figure("fig5_interval.png", fig, "public", "accuracy vs the budget interval (Fig. 5)").name)
-    return written
-
-
-@command("reproduce", "reproduce a paper's experiments: heo-table1 (Heo et al. Table 1, Fig. 4, Fig. 5)")
+@command("reproduce", _help_text())
 @arguments(_reproduce_args)
 def reproduce_cmd(args):
     from ..data import load_dataset
     from ..runfolder import RunFolder
 
-    _check(args)
+    exp = load()[args.experiment]
+    kwargs = _options(args, exp)
+    _check_model(args.model)
     out = RunFolder(args.out, overwrite=args.overwrite)
-    data = load_dataset(args.dataset, args.data_dir)
-    r = run_heo_table1(data, args.seeds, args.epochs, args.batch_size, args.lr, args.rounds, args.delta,
-                       figures=not args.no_figures, progress=not args.no_progress, model=args.model)
-    out.write_json("heo_table1.json", r, "public", "test accuracy (mean, std over seeds) of every method and setting")
-    with atomic_open(out.file("heo_table1.md", "public", "the table as markdown"), "w") as fh:
-        fh.write(_markdown(r))
-    files = ["heo_table1.json", "heo_table1.md"] + ([] if args.no_figures else _plots(out, r))
-    return {**r, "out": str(out.path), "files": files}
+    try:
+        data = load_dataset(args.dataset, args.data_dir)
+        if exp.takes_folder():
+            kwargs["out"] = out
+        r = exp.run(data, model=args.model, progress=not args.no_progress, **kwargs)
+    except BaseException:
+        out.discard_if_unused()
+        raise
+    files = exp.write(out, r)
+    result = {"experiment": exp.name, **{k: v for k, v in r.items() if k != "private"}, "out": str(out.path),
+              "files": files}
+    if isinstance(r.get("private"), dict):      # shown with --show-private; per-example arrays only in files
+        result["private"] = {k: v for k, v in r["private"].items() if k != "per_example"}
+    return result
 
 
 def _text(r) -> str:
-    return _markdown(r) + f"\n{r['runs']} runs in {r['seconds']:.0f} s; files in {r['out']}: {', '.join(r['files'])}"
+    exp = load()[r["experiment"]]
+    if exp.text is not None:
+        return exp.text(r)
+    return "\n".join(f"{k}: {v}" for k, v in r.items())
 
 
 reproduce_cmd._text = _text
