@@ -255,6 +255,15 @@ CASES = [
     ("train", CSV + "csv_latin1", "--data-dir={tmp}/csv_latin1"),
     ("train", CSV + "csv_no_train", "--data-dir={tmp}/csv_no_train"),
     ("train", CSV + "csv_good --label-column y", "--data-dir={tmp}/csv_good"),
+    ("train", CSV + "csv_good --feature-columns a,zz", "--feature-columns='a,zz'"),      # no column zz
+    ("train", CSV + "csv_good --feature-columns a,label", "--feature-columns='a,label'"),  # the label
+    ("train", CSV + "csv_good --feature-columns a,,b", "--feature-columns='a,,b'"),      # an empty name
+    ("train", CSV + "csv_good --feature-columns a,a", "--feature-columns='a,a'"),        # twice
+    ("train", CSV + "csv_good --drop-columns zz", "--drop-columns='zz'"),
+    ("train", CSV + "csv_good --drop-columns label", "--drop-columns='label'"),
+    ("train", CSV + "csv_good --feature-columns a --drop-columns b", "--drop-columns='b'"),   # not both
+    ("train", "--feature-columns a", "--feature-columns='a'"),                       # only for csv
+    ("train", "--drop-columns a", "--drop-columns='a'"),                             # only for csv
     ("train", CSV + "csv_text_cell", "--data-dir={tmp}/csv_text_cell"),
     ("train", "--dataset mnist --data-dir {tmp}/mnist_label_10", "--data-dir={tmp}/mnist_label_10"),
     ("train", "--dataset mnist --data-dir {tmp}/mnist_truncated", "--data-dir={tmp}/mnist_truncated"),
@@ -346,7 +355,10 @@ CASES = [
     ("per-instance", "--runs -1", "--runs=-1"),
     ("per-instance", "--alpha 1", "--alpha=1"),
     ("per-instance", "--alpha 0", "--alpha=0"),
-    ("per-instance", "--alpha 1.5", "--alpha='1.5'"),
+    ("per-instance", "--alpha nan", "--alpha=nan"),
+    ("per-instance", "--alpha inf", "--alpha=inf"),
+    ("per-instance", "--alpha x", "--alpha='x'"),
+    ("per-instance", "--update-rule mean --alpha 2.5", "--alpha=2.5"),     # Thm. 3.6 needs an integer order
     ("per-instance", "--update-rule foo", "--update-rule='foo'"),
     ("per-instance", "--target-set foo", "--target-set='foo'"),
     ("per-instance", "--checkpoint-every 0", "--checkpoint-every=0"),
@@ -385,6 +397,51 @@ CASES = [
     ("reproduce", "--model foo", "--model='foo'"),
     ("reproduce", "--out {tmp}/afile", "--out='{tmp}/afile'"),
     ("reproduce", "--out ''", "--out=''"),
+    # boenisch-table2 / boenisch-table3 / yu-figure (issue 25)
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --seeds 0", "--seeds=0"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --setups 50-50", "--setups='50-50'"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --setups 34-43-23,34-43-23", "--setups='34-43-23,34-43-23'"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --epochs 0", "--epochs=0"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --batch-size -1", "--batch-size=-1"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --lr nan", "--lr=nan"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --clip-norm 0", "--clip-norm=0"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --delta 0", "--delta=0"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --device foo", "--device='foo'"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --model foo", "--model='foo'"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --dataset mnist", "--data-dir"),
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --rounds 2", "--rounds"),          # heo-table1's flag only
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --seeds 0", "--seeds=0"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --epsilon 0", "--epsilon=0"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --epsilon 2 --epsilon-high 1", "--epsilon-high=1"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --calibrated-steps 0", "--calibrated-steps=0"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --extend -1", "--extend=-1"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --momentum 1", "--momentum=1"),
+    ("!reproduce", "boenisch-table3 --out {tmp}/rep --lr inf", "--lr=inf"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --seeds 0", "--seeds=0"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --epsilon -1", "--epsilon=-1"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --refreshes-per-epoch 0", "--refreshes-per-epoch=0"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --validate-subset -1", "--validate-subset=-1"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --release-epsilon 0", "--release-epsilon=0"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --class-release-epsilon nan", "--class-release-epsilon=nan"),
+    ("!reproduce", "yu-figure --out {tmp}/rep --clip-norm abc", "--clip-norm='abc'"),
+    ("!reproduce", "yu-figure --out {tmp}/afile", "--out='{tmp}/afile'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --seeds 0", "--seeds=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --points 0", "--points=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --points 100000", "--points=100000"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --epsilons 0", "--epsilons='0'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --epsilons 1,x", "--epsilons='1,x'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --alpha 1", "--alpha='1'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --alpha foo", "--alpha='foo'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --batch-size 0", "--batch-size=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --epochs 0", "--epochs=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --lr -1", "--lr=-1"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --momentum 1", "--momentum=1"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --clip-norm 0", "--clip-norm=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --delta 1", "--delta=1"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --checkpoint-every 0", "--checkpoint-every=0"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --target-set foo", "--target-set='foo'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --device foo", "--device='foo'"),
+    ("!reproduce", "thudi-figure1 --out {tmp}/rep --dataset mnist", "--data-dir"),
 
     # --- report -------------------------------------------------------------------------------
     ("report", "{tmp}/nowhere", "{tmp}/nowhere"),
@@ -400,6 +457,8 @@ CASES = [
     ("audit", "--confidence 1.5", "--confidence=1.5"),
     ("audit", "--out {tmp}/afile", "--out='{tmp}/afile'"),
     ("audit", "--budgets 0,2", "--budgets=0"),
+    ("audit", "--batch-size 1000", "--batch-size=1000"),     # above the expected model's 718.5 examples
+    ("audit", "--budgets 0.001,2", "--budgets=0.001"),       # the one plan cannot be calibrated (no folder left)
 ]
 
 

@@ -21,7 +21,16 @@ from idpsgd.cli.main import build_parser
 from idpsgd.cli.registry import COMMANDS
 
 PARSER = build_parser()
-SUBPARSERS = next(a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _subparsers(parser) -> dict:
+    action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return dict(action.choices) if action else {}
+
+
+COMMAND_PARSERS = _subparsers(PARSER)
+#: every command's parser, and every sub-command's ("reproduce heo-table1")
+SUBPARSERS = {**COMMAND_PARSERS, **{f"{c} {s}": q for c, p in COMMAND_PARSERS.items() for s, q in _subparsers(p).items()}}
 TRAINING = ("train", "demo", "per-instance", "audit")
 
 
@@ -61,7 +70,7 @@ def test_help_states_the_default_argparse_uses(command, dest):
 
 
 def test_every_command_is_checked():
-    assert set(SUBPARSERS) == set(COMMANDS)
+    assert set(COMMAND_PARSERS) == set(COMMANDS)
     assert len(CASES) >= 50
 
 
@@ -77,7 +86,7 @@ def _library_defaults():
     """(commands, dest, library default, where) for every flag that feeds a library default."""
     from idpsgd.accounting import account_from_norms, calibrate_noise_multiplier, epsilon_sgm
     from idpsgd.assignment import assign
-    from idpsgd.cli.reproduce_command import run_heo_table1
+    from idpsgd.experiments import load
     from idpsgd.engine import IndividualAccountingOptions
     from idpsgd.engine.filter import FilterOptions
     from idpsgd.training import TrainConfig, train
@@ -94,9 +103,10 @@ def _library_defaults():
                  "target_set", "failure"):
         rows.append((("per-instance",), name, pi[name], f"run_per_instance({name}=)"))
     rows.append((("per-instance",), "samples", ",".join(map(str, pi["samples"])), "run_per_instance(samples=)"))
-    heo = _signature_defaults(run_heo_table1)
-    for name in ("seeds", "epochs", "batch_size", "lr", "rounds", "delta", "model"):
-        rows.append((("reproduce",), name, heo[name], f"run_heo_table1({name}=)"))
+    for exp in load().values():        # every experiment's options (and --model) default to its run function's
+        run = _signature_defaults(exp.run)
+        for name in [o.name for o in exp.options if not isinstance(run[o.name], bool)] + ["model"]:
+            rows.append(((f"reproduce {exp.name}",), name, run[name], f"{exp.run.__name__}({name}=)"))
     rows.append((("train",), "release_epsilon", _signature_defaults(train)["release_epsilon"], "train(release_epsilon=)"))
     ind = _dataclass_defaults(IndividualAccountingOptions)
     for name in ("refreshes_per_epoch", "rounding", "rounding_step", "validate_subset"):

@@ -291,6 +291,15 @@ def test_more_commands_folders_and_stdout(tmp_path):
         # digits: 20 budget groups need more than the CSV's 240 examples
         "reproduce": ["reproduce", "heo-table1", "--seeds", "1", "--epochs", "1", "--rounds", "2", "--no-figures",
                       "--no-progress"],
+        # issue 25: the other papers' experiments (per-example figures and exact statistics in private/)
+        "reproduce-boenisch-table2": ["reproduce", "boenisch-table2", *data, "--seeds", "1", "--epochs", "1",
+                                      "--batch-size", "32", "--setups", "34-43-23", "--no-progress"],
+        "reproduce-boenisch-table3": ["reproduce", "boenisch-table3", *data, "--seeds", "1", "--calibrated-steps", "3",
+                                      "--no-progress"],
+        "reproduce-yu-figure": ["reproduce", "yu-figure", *data, "--seeds", "1", "--epochs", "1", "--batch-size", "32",
+                                "--validate-subset", "10", "--no-progress"],
+        "reproduce-thudi-figure1": ["reproduce", "thudi-figure1", *data, "--seeds", "1", "--points", "3", "--epochs",
+                                    "1", "--no-progress"],
         "audit": ["audit", "--method", "sample", *BUDGETS, *data, *FAST, "--attack", "loss"],
     }
     failures = []

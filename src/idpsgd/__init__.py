@@ -19,7 +19,10 @@ _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "IndividualizedDPOptimizer": "engine", "PoissonBatchSampler": "engine", "PrivacyBudgetExceeded": "engine",
     "load_dataset": "data", "Dataset": "data", "create_model": "models",
     "MODELS": "models", "train_pdp": "training.pdp", "run_per_instance": "training.per_instance",
-    "FilterOptions": "engine", "train_filtered": "training.filtered",
+    "FilterOptions": "engine", "train_filtered": "training.filtered", "GroupEpsilons": "engine",
+    "run_heo_table1": "experiments.heo", "run_boenisch_table2": "experiments.boenisch",
+    "run_boenisch_table3": "experiments.boenisch", "run_yu_figure": "experiments.yu",
+    "run_thudi_figure1": "experiments.thudi", "ParallelRuns": "training.per_instance_runs",
 }
 
 
@@ -28,6 +31,11 @@ def __getattr__(name):
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'idpsgd' has no attribute {name!r}")
+
+
+def __dir__():
+    """The module's names, the lazily imported ones included (``dir(idpsgd)``, tab completion)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
