@@ -144,6 +144,39 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
             steps=10_000, filter_action="warn")
 
 
+def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeypatch):
+    """A make_private that fails after the accountant began its phase (here: wrapping the module) leaves
+    no 0-step phase in the ledger, and a fresh engine no accountant; the next set-up works."""
+    import idpsgd.engine.privacy_engine as pe
+    x, y = data
+    budgets = _two_groups()
+    loader = DataLoader(TensorDataset(x, y), batch_size=24)
+    engine = IndividualizedPrivacyEngine(seed=0)
+    real = pe.wrap_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("wrapping failed")
+
+    monkeypatch.setattr(pe, "wrap_module", failing)
+    m = _model()
+    with pytest.raises(RuntimeError, match="wrapping failed"):
+        engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader,
+                            budgets=budgets, method="uniform", steps=6)
+    assert engine.accountant is None and engine.budgets is None
+    monkeypatch.setattr(pe, "wrap_module", real)
+    model, opt, private = engine.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                              data_loader=loader, budgets=budgets, method="uniform", steps=6)
+    _train_steps(model, opt, private, 2)
+    p = engine.parameters
+    monkeypatch.setattr(pe, "wrap_module", failing)
+    with pytest.raises(RuntimeError, match="wrapping failed"):
+        engine.make_private_with_parameters(module=model, optimizer=opt, data_loader=loader, budgets=budgets,
+                                            sample_rates=p["sample_rates"], clip_norms=p["clip_norms"],
+                                            noise_multiplier=p["noise_multiplier"], max_grad_norm=p["max_grad_norm"],
+                                            steps=2)
+    assert len(engine.accountant.phases) == 1 and engine.steps == 2
+
+
 def test_noise_multiplier_zero_is_refused_at_once(data):
     """Bug 3: σ = 0 (no privacy) is refused by every entry point, before anything is set up."""
     from idpsgd.engine import IndividualizedDPOptimizer

@@ -476,36 +476,39 @@ class IndividualizedPrivacyEngine:
         accountant = self.accountant if self.accountant is not None else GroupAccountant(
             budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None)
         accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
-        if privacy_filter == "group":      # the plan against the budgets, earlier phases included: here, not at step 1
-            try:
+        fresh = self.accountant is None
+        try:
+            if privacy_filter == "group":  # the plan against the budgets, earlier phases included: here, not at step 1
                 self._check_plan(accountant, steps, filter_action)
-            except BaseException:
-                accountant.discard_phase()
-                raise
-        # everything that can refuse the input is above; the engine's state changes from here on
-        if self.accountant is None:
-            self.budgets = budgets
-            self.accountant = accountant
-            self._sampler_rng = sampler_rng(self.seed, self.secure_mode)
-        if noise_generator is not None:
-            self._noise = noise_generator
-        elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
-            self._noise = make_noise_generator(device, self.seed, self.secure_mode)
+            # the engine's state changes from here on (undone below if the set-up fails)
+            if self.accountant is None:
+                self.budgets = budgets
+                self.accountant = accountant
+                self._sampler_rng = sampler_rng(self.seed, self.secure_mode)
+            if noise_generator is not None:
+                self._noise = noise_generator
+            elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
+                self._noise = make_noise_generator(device, self.seed, self.secure_mode)
 
-        queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)   # workers prefetch batches
-        self.clipping = PerExampleClipping(c, queue)
-        wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
-        wrapped.forbid_grad_accumulation()
-        spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
-        sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue) if ranks is None else \
-            distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
-        loader = PrivateDataLoader(data_loader, sampler, batch_first)
-        base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
-        ebs = float(q.sum()) if expected_batch_size is None else float(expected_batch_size)
-        dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
-            base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=self.clipping,
-            expected_batch_size=ebs / (1 if ranks is None else ranks[1]), loss_reduction=loss_reduction,
-            generator=self._noise, secure_mode=self.secure_mode)   # per rank Σq/W, as Opacus (engine/distributed.py)
+            queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)   # workers prefetch batches
+            self.clipping = PerExampleClipping(c, queue)
+            wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
+            wrapped.forbid_grad_accumulation()
+            spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
+            sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue) if ranks is None else \
+                distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
+            loader = PrivateDataLoader(data_loader, sampler, batch_first)
+            base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
+            ebs = float(q.sum()) if expected_batch_size is None else float(expected_batch_size)
+            dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
+                base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=self.clipping,
+                expected_batch_size=ebs / (1 if ranks is None else ranks[1]), loss_reduction=loss_reduction,
+                generator=self._noise, secure_mode=self.secure_mode)   # per rank Σq/W, as Opacus (engine/distributed.py)
+        except BaseException:              # a refused or failed set-up leaves no phase (and no new accountant)
+            accountant.discard_phase()
+            if fresh:
+                self.budgets = self.accountant = None
+            raise
 
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
         dp_opt.guard = self._guard
