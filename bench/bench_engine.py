@@ -127,7 +127,7 @@ def _private(spec, model, optimizer, loader, n):
                                            noise_multiplier=sigma, max_grad_norm=CLIP, poisson_sampling=True,
                                            grad_sample_mode=mode, criterion=nn.CrossEntropyLoss())
         if mode == "ghost":
-            return (*out[:3], out[3], None, sigma)
+            return (*out, None, sigma)
         return out[0], out[1], nn.CrossEntropyLoss(), out[2], None, sigma
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=spec["seed"])
     mode = "bk" if config in ("ours_bk", "refresh_bk") else "hooks"
@@ -146,7 +146,7 @@ def _refresh_before(model, x, y):
     import torch.nn.functional as F
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-    from idpsgd.engine.norms import eval_mode_with_hooks
+    from idpsgd.engine.norms import _clear, eval_mode_with_hooks
 
     fast = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
                                                 use_ghost_clipping=True)
@@ -157,10 +157,7 @@ def _refresh_before(model, x, y):
             for s in range(0, len(y), REFRESH_BATCH):
                 F.cross_entropy(fast(x[s:s + REFRESH_BATCH]), y[s:s + REFRESH_BATCH]).backward()
                 out.append(fast.get_norm_sample().detach())
-                for p in model.parameters():
-                    p.grad, p.grad_sample = None, None
-                    if hasattr(p, "_norm_sample"):
-                        p._norm_sample = None
+                _clear(model)
         return torch.cat(out)
     return run
 
@@ -264,7 +261,7 @@ def run_isolated(spec: dict, probe: bool = False) -> dict:
 
 
 # --- the comparison ---------------------------------------------------------------------------
-def _runs(model: str, batch_sizes) -> list[tuple[str, int]]:
+def _runs(batch_sizes) -> list[tuple[str, int]]:
     """(configuration, batch size) pairs of one round: every training configuration at every batch
     size, the refreshes (and their non-private reference) at the refresh batch size."""
     runs = [(c, b) for b in batch_sizes for c in TRAINING]
@@ -281,7 +278,7 @@ def measure_model(model: str, sizes: dict, batch_sizes, *, device: str, repeats:
                   isolate: bool = True, memory: bool = True, log=print) -> dict:
     """Interleaved timing rounds, memory probes at every batch size, medians and ratios for one model."""
     runner = run_isolated if isolate else run_config
-    runs = _runs(model, batch_sizes)
+    runs = _runs(batch_sizes)
     raw: dict[str, list] = {_key(c, b): [] for c, b in runs}
     loads = []
     for rnd in range(repeats):

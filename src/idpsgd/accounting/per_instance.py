@@ -119,10 +119,6 @@ class SumRuleTable:
                                         "norms)")
         return np.searchsorted(self.grid, np.minimum(s, self.clip), side="left")   # the first grid point >= s
 
-    def rounded(self, sensitivity) -> np.ndarray:
-        """The grid points the sensitivities are rounded up to."""
-        return self.grid[self._index(sensitivity)]
-
     def __call__(self, sensitivity, order) -> np.ndarray:
         """Thm. 3.2 at ``order`` for the sensitivities rounded up to the grid."""
         return self._values(float(_check_order(order)), self._index(sensitivity))
@@ -313,7 +309,6 @@ def same_composition_rdp(sample_rate: float, noise_multiplier: float, alpha, n: 
     """
     orders = step_orders(alpha, n, p, integer)
     uniq, inv = np.unique(orders, return_inverse=True)
-    from .rdp import compute_rdp
     per_order = np.ravel(compute_rdp(float(sample_rate), float(noise_multiplier), [float(o) for o in uniq]))
     worst = per_order[inv]
     res = composition_bound(worst[None, :], alpha, p)
@@ -329,7 +324,6 @@ def best_order(sample_rate: float, noise_multiplier: float, steps: int, delta: f
     """
     from .conversion import rdp_to_epsilon
     from .orders import search_orders, sgm_rdp_at
-    from .rdp import compute_rdp
 
     delta = check_delta(delta)
     if not integer:
@@ -355,7 +349,6 @@ def best_composition_order(sample_rate: float, noise_multiplier: float, steps: i
     point's neighbours, each stage exact over its candidates (a candidate whose plain ε, a lower bound,
     is above the best composition ε found is skipped); every evaluated ε is a valid bound at its order.
     """
-    from .rdp import compute_rdp
 
     delta = check_delta(delta)
 

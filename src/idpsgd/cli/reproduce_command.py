@@ -11,23 +11,19 @@ from __future__ import annotations
 import argparse
 
 from ..experiments import load
-from .registry import add_output_flags, arguments, command
-
-
-def _flag(option) -> str:
-    return "--" + option.name.replace("_", "-")
+from .registry import _flag, add_output_flags, arguments, command
 
 
 def _add_option(p: argparse.ArgumentParser, option, default) -> None:
     if isinstance(default, bool):
         if default:     # --no-NAME switches a default-on part off
-            p.add_argument("--no-" + option.name.replace("_", "-"), dest="no_" + option.name, action="store_true",
+            p.add_argument("--no-" + _flag(option.name)[2:], dest="no_" + option.name, action="store_true",
                            help=option.help)
         else:
-            p.add_argument(_flag(option), action="store_true", help=option.help)
+            p.add_argument(_flag(option.name), action="store_true", help=option.help)
         return
     kind = option.type or (type(default) if default is not None else str)
-    p.add_argument(_flag(option), type=kind, default=default, help=option.help)
+    p.add_argument(_flag(option.name), type=kind, default=default, help=option.help)
 
 
 def _datasets_help(exp) -> str:

@@ -168,17 +168,17 @@ class GroupAccountant:
                             "group": classes[:, 0].astype(np.int64), "class_of": class_of, "steps": 0,
                             "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders) if len(classes)
                             else np.zeros((0, self.orders.size))})
-        self._paths = None
-        k = len(self.phases) - 1        # the filter's cache of this phase index belongs to this phase only
-        self._ok = {key: v for key, v in self._ok.items() if key[0] != k}
-        self._bad = {key: v for key, v in self._bad.items() if key[0] != k}
+        self._forget_phase(len(self.phases) - 1)
 
     def discard_phase(self) -> None:
         """Undo the last :meth:`begin_phase` (before any step of it): a set-up that was refused."""
         if not self.phases or self.phases[-1]["steps"]:
             raise RuntimeError("only a phase without steps can be discarded")
-        k = len(self.phases) - 1
         self.phases.pop()
+        self._forget_phase(len(self.phases))
+
+    def _forget_phase(self, k: int) -> None:
+        """Drop the cached paths and the filter's cache of phase index ``k`` (it belongs to one phase only)."""
         self._paths = None
         self._ok = {key: v for key, v in self._ok.items() if key[0] != k}
         self._bad = {key: v for key, v in self._bad.items() if key[0] != k}

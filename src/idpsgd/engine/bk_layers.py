@@ -63,7 +63,6 @@ def _gram_norm_sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class Rule:
     """A layer type's book-keeping formulas (stateless; see the module docstring)."""
 
-    name = "?"
     #: ghost-capable (keeps (a, b) when the ghost norm is cheaper) or always per-sample
     ghost_capable = False
 
@@ -119,7 +118,6 @@ def _own_forward(module, base) -> bool:
 class LinearRule(Rule):
     """``nn.Linear`` on (B, d) or (B, *, d) inputs: positions T = product of the middle dimensions."""
 
-    name = "linear"
     ghost_capable = True
 
     @staticmethod
@@ -195,7 +193,6 @@ class ConvRule(Rule):
     ordinary differentiable ``F.pad``, exactly as ``nn.ConvNd.forward`` does; the kept input is then
     the padded one."""
 
-    name = "conv"
     ghost_capable = True
 
     @staticmethod
@@ -331,7 +328,6 @@ class EmbeddingRule(Rule):
     ``scale_grad_by_freq`` (a gradient that couples the examples of a batch) and ``sparse`` are not
     covered."""
 
-    name = "embedding"
     ghost_capable = True
 
     @staticmethod
@@ -394,7 +390,6 @@ class GroupNormRule(_AffineNormRule):
     ``track_running_stats=False`` (instance normalisation is group normalisation with one group per
     channel: the same statistics per example and channel)."""
 
-    name = "groupnorm"
 
     @staticmethod
     def covers(module):
@@ -441,7 +436,6 @@ class GroupNormRule(_AffineNormRule):
 class LayerNormRule(_AffineNormRule):
     """``nn.LayerNorm`` with ``elementwise_affine=True`` on (B, *, normalized_shape) inputs."""
 
-    name = "layernorm"
 
     @staticmethod
     def covers(module):

@@ -113,6 +113,7 @@ class _Layer:
     def __init__(self, keeper: "BookKeeper", name: str, module: nn.Module, rule):
         self.keeper, self.name, self.module, self.rule = keeper, name, module, rule
         self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        self.per_sample_size = sum(int(p.numel()) for p in self.params.values())   # numbers per example
         self.paths_taken: set[str] = set()
         self.clear()
 
@@ -143,7 +144,7 @@ class _Layer:
             return
         if self.rule.ghost_capable and self.rule.prefers_ghost(self.module, [(saved, g)]):
             self.uses.append((saved, g.detach()))
-        elif self.rule.ghost_capable and self._kept_size(saved, g) < self._per_sample_size():
+        elif self.rule.ghost_capable and self._kept_size(saved, g) < self.per_sample_size:
             self.deferred.append((saved, g.detach()))   # the per-sample gradients are larger: form them at the end
         else:
             _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
@@ -152,9 +153,6 @@ class _Layer:
     def _kept_size(saved, g) -> int:
         """Numbers per example of a use's input and output gradient."""
         return sum(int(t[0].numel()) for t in saved) + int(g[0].numel())
-
-    def _per_sample_size(self) -> int:
-        return sum(int(p.numel()) for p in self.params.values())
 
     def norm_sq(self) -> torch.Tensor:
         """Σ over this layer's parameters of ‖g_i‖² (un-scaled output gradients); settles the path."""
@@ -165,15 +163,13 @@ class _Layer:
             for saved, g in self.uses:          # mixed shapes, or several uses past the ghost break-even
                 _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
             self.uses = []
-        total = None
-        if self.uses:
-            total = self.rule.ghost_norm_sq(self.module, self.uses)
+        if self.uses:                           # settled above: ghost uses, or per-sample gradients, not both
             self.paths_taken.add(GHOST)
+            return self.rule.ghost_norm_sq(self.module, self.uses)
         if self.grad_sample:
-            per = sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
-            total = per if total is None else total + per
             self.paths_taken.add(PER_SAMPLE)
-        return total
+            return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
+        return None
 
     def clipped_sum(self, w: torch.Tensor) -> dict:
         out = self.rule.ghost_clipped_sum(self.module, self.uses, w) if self.uses else {}
@@ -197,8 +193,8 @@ class _FallbackUnit:
             self.sampler = ft_compute_per_sample_gradient
         named = module.named_parameters() if whole else module.named_parameters(recurse=False)
         self.params = {n: p for n, p in named if p.requires_grad}
+        self._names = {id(p): n for n, p in self.params.items()}
         self.activations: list = []
-        self.paths_taken: set[str] = set()
         self.handles = [module.register_forward_hook(self._capture),
                         module.register_full_backward_hook(self._backward)]
         self.clear()
@@ -227,15 +223,13 @@ class _FallbackUnit:
         activations = self.activations.pop()
         if self.batch == 0:
             return
-        by_id = {id(p): n for n, p in self.params.items()}
         for p, gs in self.sampler(module, activations, g).items():
-            if id(p) in by_id:
-                _add_into(self.grad_sample, {by_id[id(p)]: gs})
+            if id(p) in self._names:
+                _add_into(self.grad_sample, {self._names[id(p)]: gs})
 
     def norm_sq(self):
         if not self.grad_sample:
             return None
-        self.paths_taken.add(FALLBACK)
         return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
 
     def clipped_sum(self, w: torch.Tensor) -> dict:
@@ -352,9 +346,6 @@ class BookKeeper:
     @property
     def parts(self):
         return [*self.layers, *self.units]
-
-    def covered_parameters(self) -> list[nn.Parameter]:
-        return [p for part in self.parts for p in part.params.values()]
 
     def _recorded(self):
         if self._leaked:

@@ -188,6 +188,10 @@ class _RankZeroNoise:
 
     last_global_batch_size: int | None = None
 
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._init_distributed()
+
     def _init_distributed(self) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
@@ -234,27 +238,15 @@ class DistributedIndividualizedDPOptimizer(_RankZeroNoise, IndividualizedDPOptim
     """:class:`~idpsgd.engine.optimizer.IndividualizedDPOptimizer` for data parallelism (as Opacus's
     ``DistributedDPOptimizer``): ``expected_batch_size`` is the per-rank Σ_i q_i / W."""
 
-    def __init__(self, optimizer, **kwargs):
-        super().__init__(optimizer, **kwargs)
-        self._init_distributed()
-
 
 class DistributedIndividualizedDPOptimizerFastGradientClipping(_RankZeroNoise,
                                                                IndividualizedDPOptimizerFastGradientClipping):
     """Ghost clipping for data parallelism (as Opacus's ``DistributedDPOptimizerFastGradientClipping``)."""
 
-    def __init__(self, optimizer, **kwargs):
-        super().__init__(optimizer, **kwargs)
-        self._init_distributed()
-
 
 class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, IndividualizedDPOptimizerBookKeeping):
     """Book-keeping clipping (``grad_sample_mode="bk"``) for data parallelism: each rank forms its
     examples' clipped sum from its own backward pass; noise on rank 0; one all-reduce."""
-
-    def __init__(self, optimizer, **kwargs):
-        super().__init__(optimizer, **kwargs)
-        self._init_distributed()
 
 
 OPTIMIZERS = {"hooks": DistributedIndividualizedDPOptimizer, "functorch": DistributedIndividualizedDPOptimizer,

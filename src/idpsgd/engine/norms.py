@@ -136,5 +136,5 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                 _clear(raw)
         _clear(raw)
     if not norms:
-        return np.zeros(0), np.zeros(sum(x.numel() for x in losses))
+        return np.zeros(0), np.zeros(0)
     return torch.cat(norms).numpy(), torch.cat(losses).numpy()

@@ -109,7 +109,7 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
 def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str) -> dict[str, str]:
     """Layer name → how its per-example norms are computed (see ``IndividualizedPrivacyEngine.layer_paths``)."""
     if grad_sample_mode == "bk":
-        return wrapped.keeper.paths
+        return wrapped.layer_paths
     what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
             "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
                      "two backward passes)"}[grad_sample_mode]

@@ -53,12 +53,6 @@ def valid_delta(name: str, value) -> None:
     check_delta(value, name)
 
 
-def open_fraction(name: str, value) -> None:
-    """A number in (0, 1)."""
-    if not 0 < float(value) < 1:
-        raise InvalidParameterError(name, value, "must be in (0, 1)")
-
-
 @dataclass(frozen=True)
 class Option:
     """One keyword ``name`` of an experiment's ``run`` as a flag (``--name``, ``--no-name`` for a

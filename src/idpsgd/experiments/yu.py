@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from ..io import atomic_open
+from ..training.individual import _pearson
 from .registry import Experiment, Option, at_least_one, at_least_zero, positive, register, valid_delta
 from .summary import mean_std, percent
 
@@ -50,13 +51,6 @@ PAPER_MNIST = ("Paper, MNIST (Table 2, non-private): mean ε 0.686, quantiles 0.
                "larger mean ε than the one with the highest ('automobile').")
 #: the paper's models (ResNet-20 with GroupNorm; CIFAR-10 used WRN16-4, not in the registry)
 PAPER_MODELS = {"mnist": "resnet20", "cifar10": "resnet20"}
-
-
-def _pearson(a, b) -> float | None:
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.size < 2 or np.std(a) == 0 or np.std(b) == 0:
-        return None
-    return float(np.corrcoef(a, b)[0, 1])
 
 
 def per_example(trainer) -> dict:

@@ -124,7 +124,6 @@ class ParallelRuns:
         self.normaliser, self.lr, self.mu = float(normaliser), float(lr), float(momentum)
         self.sampling = torch.Generator().manual_seed(int(seed) * 2 + 1)
         self.noise = torch.Generator().manual_seed(int(seed) * 2 + 2)
-        self.steps_done = 0
         self.last_batches: list[torch.Tensor] = []
         self.padding_limit = 1.5
 
@@ -308,7 +307,6 @@ class ParallelRuns:
                     g = (s[n] + self.sigma * self.clip * z) / self.normaliser
                     bufs[n].mul_(self.mu).add_(g)
                     v.sub_(self.lr * bufs[n])
-        self.steps_done += 1
 
     # --- measurements --------------------------------------------------------------------
     def grad_norms(self, runs, rows) -> np.ndarray:
