@@ -392,9 +392,8 @@ def _trainer_chains(dataset, budgets, plan, config, x_pts, y_pts, points, target
         cfg = dataclasses.replace(config, method="uniform", seed=config.seed + 7919 * (run_idx + 1),
                                   init_seed=config.seed, progress=False)
         b = Budgets.from_array(np.full(len(data.y_train), float(epsilon)), delta)      # before any preprocessing
-        trainer = Trainer(data, b, cfg)
-        trainer.plan = _public_plan(plan, len(data.y_train), budgets.delta)   # the one public plan of X and X'
-        trainer.expected_batch_size = normaliser   # the public q·N on X and X' alike (not Σ q_i of this run's data)
+        trainer = Trainer(data, b, cfg, plan=_public_plan(plan, len(data.y_train), budgets.delta),  # one public
+                          expected_batch_size=normaliser)   # plan of X and X'; the public q·N on X and X' alike
         rec_t, rec_s, rec_m = [], [], []
         rng = np.random.default_rng([config.seed, run_idx, 17, int(targets[0]), direction == "add"])
         xt, yt = x_pts[targets], y_pts[targets]
