@@ -55,7 +55,7 @@ def _brute_force(model, x, y):
     for i in range(len(x)):
         model.zero_grad()
         nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
     return torch.stack(rows)
 
 

@@ -107,6 +107,8 @@ def broadcast(shared: "SharedTensor", rank: int) -> torch.Tensor:
     if rank == 0:
         raise _refusal("a scalar", shared)
     view = plain.reshape(padded)
+    if batch == 0 and padded[0] == 0:           # an empty batch: nothing to attribute
+        return view
     if padded[0] == 1:
         return _Broadcast.apply(view, batch, (plain, shared._roots))
     if padded[0] == batch and view.stride(0) == 0:
@@ -180,9 +182,11 @@ class SharedTensor(torch.Tensor):
             results = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
             if not results:                     # metadata, comparisons, detach(), no_grad: nothing to attribute
                 return out
-            if any(t.requires_grad or (t.dim() > 0 and t.shape[0] == first._batch) for t in partners):
-                raise _refusal("an operand together with the batch (or with another tensor that requires a "
-                               "gradient)", first, func)
+            if any(t.dim() > 0 and t.shape[0] == first._batch for t in partners):
+                raise _refusal("an operand together with the batch", first, func)
+            if any(t.requires_grad for t in partners):
+                raise _refusal("an operand together with a tensor that requires a gradient but has no batch "
+                               "dimension (a reduction over the batch, or another module's parameter)", first, func)
             roots = {}
             for s in shared:
                 for root, src in s._roots:

@@ -25,10 +25,24 @@ Embedding with ``scale_grad_by_freq``) is a *fallback unit*: Opacus's per-sample
 layer only (its registered grad sampler, or functorch for the whole custom module), kept like a
 per-sample layer.  :attr:`BookKeeper.paths` says which layer takes which path.
 
-Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside its
-layer's forward (weight tying across layers, a functional call on ``layer.weight``) would receive an
-un-clipped autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
-parameters shared between layers (their per-example norm needs cross terms).
+Three structures of Hugging Face models are book-kept exactly as well:
+
+* **tied parameters** — one parameter in several covered layers (GPT-2's ``wte``/``lm_head``): each
+  layer keeps its own record, the per-example norm adds the cross terms 2⟨G_i^(l), G_i^(m)⟩
+  (:mod:`.bk_tied`), the clipped sum adds the layers' contributions;
+* **inputs shared by the batch** — a covered layer fed an input of batch size 1 while the step has B
+  examples (BERT's and GPT-2's position embeddings, looked up with ``position_ids`` of shape (1, T)):
+  its output is tracked as a batch-independent value, and its per-example output gradients are
+  taken where that value meets the batch (:mod:`.bk_shared`);
+* **parameters used directly in forward** — a module no rule covers, with trainable submodules and
+  parameters shaped to broadcast over the batch (ViT's class token and position embedding): a
+  *direct unit* (:class:`_DirectUnit`) tracks them through its forward the same way; its submodules
+  keep their own rules.
+
+Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside the
+covered layers' forwards (a functional call on ``layer.weight``) would receive an un-clipped
+autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
+parameters shared between a covered layer and a fallback or direct unit.
 """
 from __future__ import annotations
 
@@ -130,7 +144,9 @@ class _BookKeptForward:
         roots = ()
         if isinstance(x, SharedTensor):
             x, roots, batch = x._plain, x._roots, x._batch
-            if batch != 1 and x.dim() > 0 and x.shape[0] == batch and x.stride(0) == 0:
+            if batch == 0 and x.dim() > 0 and x.shape[0] == 0:        # an empty batch: nothing to attribute
+                return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+            if x.dim() > 0 and x.shape[0] == batch and x.stride(0) == 0:
                 x, expand = x.narrow(0, 0, 1), True          # rows of one value (an expand to the batch)
             elif x.dim() == 0 or x.shape[0] != 1:
                 raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
@@ -372,14 +388,18 @@ class _DirectForward:
 
 
 def _unit_kind(module: nn.Module, rule):
-    """How a module owning trainable parameters is book-kept: its rule, ``DIRECT_UNIT`` (no rule, no Opacus
-    grad sampler, trainable submodules: own parameters tracked through its forward), or None (a
-    fallback unit: Opacus's grad sampler, or functorch over the whole module when it has no trainable
-    submodules)."""
+    """How a module owning trainable parameters is book-kept: its rule; ``DIRECT_UNIT`` when no rule and no
+    Opacus grad sampler covers it, it has trainable submodules (functorch over the whole module would
+    take them off their own rules), and each own trainable parameter has a leading dimension of 1 —
+    shaped to broadcast over the batch, as ViT's class token (1, 1, d) and position embedding
+    (1, N, d): own parameters tracked through its forward; else None (a fallback unit: Opacus's grad
+    sampler, or functorch over the whole module, which any forward of independent examples allows)."""
     if rule is not None or type(module) in GradSampleModule.GRAD_SAMPLERS:
         return rule
-    own = {id(p) for p in module.parameters(recurse=False)}
-    if any(p.requires_grad and id(p) not in own for p in module.parameters()):
+    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    mine = {id(p) for p in module.parameters(recurse=False)}
+    if (all(p.dim() > 0 and p.shape[0] == 1 for p in own)
+            and any(p.requires_grad and id(p) not in mine for p in module.parameters())):
         return DIRECT_UNIT
     return None
 
