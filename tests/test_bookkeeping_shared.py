@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_bookkeeping import _brute_force, _check_equal, _data, _private
 from torch import nn
 
 from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
 from idpsgd.engine.norms import per_example_grad_norms
-from test_bookkeeping import N, _brute_force, _check_equal, _data, _private
 
 T, D, C = 5, 4, 3
 
@@ -194,7 +194,7 @@ def test_a_submodule_called_outside_the_model_is_refused():
     would be attributed to no example, and is refused at the step."""
     torch.manual_seed(0)
     model = Classifier(Tokens()).double()
-    x, y = _data((4, 3))
+    x = _data((4, 3))[0]
     keeper = BookKeeper.attach(model)
     keeper.active = True
     model.embeddings(x).sum().backward()
@@ -203,7 +203,7 @@ def test_a_submodule_called_outside_the_model_is_refused():
     positions = Positions("add").double()
     keeper = BookKeeper.attach(positions)
     keeper.active = True
-    ids, _ = _data((T,), ids=11)
+    ids = _data((T,), ids=11)[0]
     (positions.tok(ids) + positions.pos(torch.arange(T).unsqueeze(0))).sum().backward()
     with pytest.raises(ValueError, match=r"different batch sizes \[1, 12\].*inside the model's forward"):
         keeper.norms()

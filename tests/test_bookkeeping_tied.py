@@ -4,11 +4,11 @@ ghost × per-sample, per-sample gradients formed), and one engine step equals Op
 import numpy as np
 import pytest
 import torch
+from test_bookkeeping import N, _check_equal, _data, _private, _step
 from torch import nn
 
 from idpsgd.engine.bk_tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
 from idpsgd.engine.bookkeeping import GHOST, PER_SAMPLE, BookKeeper, plan_layers
-from test_bookkeeping import N, _check_equal, _data, _private, _step
 
 
 class TiedLM(nn.Module):

@@ -11,7 +11,7 @@ the book-keeper tracks batch-independent values through the forward:
 
 * a **source** is the output of a covered layer whose input has batch size 1 while the step has B
   examples (B ≠ 1), or a trainable parameter of a module no rule covers, substituted during that
-  module's own forward (:class:`DirectParameter`);
+  module's own forward (:func:`parameter_use`; a *direct unit* of :mod:`.bookkeeping`);
 * every value computed from sources without touching the batch stays batch-independent (a
   :class:`SharedTensor`: a subclass whose ``__torch_function__`` sees each operation on it);
 * where a batch-independent value v meets the batch — an elementwise ``+ - * /``, ``torch.where``,
@@ -97,15 +97,15 @@ class _Broadcast(torch.autograd.Function):
         return g.sum(0, keepdim=True), None, None
 
 
-def broadcast(shared: "SharedTensor", rank: int) -> torch.Tensor:
+def broadcast(shared: SharedTensor, rank: int) -> torch.Tensor:
     """The batch-independent value ``shared`` broadcast to the batch: a (B, …) tensor whose rows are its
     value, with the leading dimensions padded to ``rank`` (that of the operation where it meets the
     batch).  Refused unless its (padded) leading dimension is 1, or B with all rows one value by
     construction (stride 0: an ``expand`` to the batch, as ViT's class token)."""
     plain, batch = shared._plain, shared._batch
-    padded = (1,) * (rank - plain.dim()) + tuple(plain.shape)
     if rank == 0:
         raise _refusal("a scalar", shared)
+    padded = (1,) * (rank - plain.dim()) + tuple(plain.shape)
     view = plain.reshape(padded)
     if batch == 0 and padded[0] == 0:           # an empty batch: nothing to attribute
         return view
@@ -117,7 +117,7 @@ def broadcast(shared: "SharedTensor", rank: int) -> torch.Tensor:
     raise _refusal(f"an operand of shape {tuple(plain.shape)} aligned row by row with the batch", shared)
 
 
-def _refusal(what: str, shared: "SharedTensor", op=None) -> RuntimeError:
+def _refusal(what: str, shared: SharedTensor, op=None) -> RuntimeError:
     where = f" in {getattr(op, '__name__', op)}" if op is not None else ""
     return RuntimeError(
         f"grad_sample_mode='bk': a value shared by the batch (from {_describe(shared._roots)}) is used as {what}"
@@ -154,7 +154,7 @@ class SharedTensor(torch.Tensor):
     the batch and batch-independent otherwise."""
 
     @staticmethod
-    def wrap(plain: torch.Tensor, roots, batch: int) -> "SharedTensor":
+    def wrap(plain: torch.Tensor, roots, batch: int) -> SharedTensor:
         shared = plain.as_subclass(SharedTensor)
         shared._plain, shared._roots, shared._batch = plain, tuple(roots), batch
         return shared
@@ -174,6 +174,9 @@ class SharedTensor(torch.Tensor):
             partners = [x for x, orig in zip(plain, flat) if torch.is_tensor(x) and not isinstance(orig, SharedTensor)]
             rank = _meeting_rank(func, args, kwargs, [x for x in plain if torch.is_tensor(x)])
             if rank is not None and any(_batch_first(t, rank, first._batch) for t in partners):
+                if func in CAT and any(s._plain.shape[0] != s._batch for s in shared):
+                    a, k = tree_unflatten(plain, spec)      # sizes that differ in the batch dimension: torch's error
+                    return func(*a, **k)
                 met = [broadcast(x, rank) if isinstance(x, SharedTensor) else x for x in flat]
                 a, k = tree_unflatten(met, spec)
                 return func(*a, **k)
@@ -227,7 +230,7 @@ class _ParameterUse(torch.autograd.Function):
 
 
 def parameter_use(param: torch.Tensor, name: str, batch: int, sink) -> torch.Tensor:
-    """The tensor a module's forward uses for ``param`` (:class:`DirectParameter`): batch-independent
+    """The tensor a module's forward uses for ``param`` (a direct unit's, :mod:`.bookkeeping`): batch-independent
     (B ≠ 1) or, for a batch of one example, the parameter whose gradient is collected as it is."""
     if batch == 1:
         return _ParameterUse.apply(param, Source(name, 1, sink))

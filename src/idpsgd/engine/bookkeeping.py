@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import torch
 from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
-from torch.utils._pytree import tree_flatten
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ..validation import InvalidParameterError
 from .bk_layers import _add_into, rule_for
@@ -374,7 +374,7 @@ class _DirectForward:
         own = module._parameters
         saved = {n: own[n] for n in unit.params}
         try:
-            for n, p in saved.items():
+            for n, p in unit.params.items():
                 own[n] = parameter_use(p, f"{unit.name}.{n}", batch, unit.sink(n))
             return type(module).forward(module, *args, **kwargs)
         finally:
@@ -638,13 +638,10 @@ class _BatchHook:
         self.keeper, self.enter = keeper, enter
 
     def __call__(self, module, args, *rest):
-        if self.keeper is None:
-            return None
-        if self.enter:
+        if self.keeper is not None and self.enter:
             self.keeper._enter(module, args, rest[0])
-        else:
+        elif self.keeper is not None:
             self.keeper._exit()
-        return None
 
     def __deepcopy__(self, memo):
         return _BatchHook(None, self.enter)
