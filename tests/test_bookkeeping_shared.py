@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_bookkeeping import _brute_force, _check_equal, _data, _private
+from test_bookkeeping import N, _brute_force, _check_equal, _data, _private
 from torch import nn
 
 from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
@@ -187,6 +187,22 @@ def test_uses_that_cannot_be_attributed_are_refused(how, match):
     with pytest.raises(RuntimeError, match=match):
         model(x)
     assert keeper.step_batch is None                     # the forward's batch is forgotten after the error
+
+
+def test_a_batch_one_input_computed_from_the_batch_is_refused():
+    class Mixing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+            self.head = nn.Linear(D, C)
+
+        def forward(self, x):
+            return self.head(x + self.lin(x.mean(0, keepdim=True)))       # couples the examples
+
+    keeper = BookKeeper.attach(Mixing().double())
+    keeper.active = True
+    with pytest.raises(RuntimeError, match="layer 'lin' got an input of batch size 1 that requires a gradient"):
+        keeper.model(torch.randn(N, D, dtype=torch.float64, requires_grad=True))
 
 
 def test_a_submodule_called_outside_the_model_is_refused():

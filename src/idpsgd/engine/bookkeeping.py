@@ -152,6 +152,11 @@ class _BookKeptForward:
                 raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
                                    f"{tuple(x.shape)} computed from values shared by the batch, without a batch "
                                    f"dimension of 1; {BK_HINT}")
+        elif x.requires_grad:
+            raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
+                               f"requires a gradient while the step has {batch} examples: it is computed from the "
+                               "batch (a reduction over examples couples their gradients) or from a parameter "
+                               "outside the layers book-keeping tracks; per-example gradients are undefined there")
         source = Source(layer.name, batch)
         out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
         shared = SharedTensor.wrap(out, ((out, source),), batch)
