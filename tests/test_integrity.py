@@ -369,6 +369,8 @@ def test_parametrized_weight_norm_is_trained_by_book_keeping():
     engine, *rest = _private(model, "bk", x, y, noise_multiplier=1e-9)
     assert engine.layer_paths["0"] == FALLBACK
     _train(engine, *rest)
+    trained = engine.clipping.last_norms.numpy()[np.argsort(engine.clipping.last_indices.numpy())]
+    np.testing.assert_allclose(trained, expect, rtol=1e-10)          # the step clipped the true norms
     for name in ("0.parametrizations.weight.original0", "0.parametrizations.weight.original1"):
         assert (dict(model.named_parameters())[name] - before[name]).abs().max() > 1e-4, name   # trained
 
