@@ -266,9 +266,9 @@ def test_the_check_snapshots_at_the_first_forward_of_a_logical_step():
             return self.lin(x)
 
     engine, module, optimizer, loss, loader = _private(_model(FirstBatchWrite), "hooks")
-    with pytest.raises(UnnoisedWriteError, match="'lin.bias'"):
-        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory:
-            _train(engine, module, optimizer, loss, memory)
+    with (pytest.raises(UnnoisedWriteError, match="'lin.bias'"),
+          BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory):
+        _train(engine, module, optimizer, loss, memory)
     assert FirstBatchWrite.calls >= 2 and engine.steps == 0
 
 

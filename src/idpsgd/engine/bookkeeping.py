@@ -46,7 +46,6 @@ import torch
 from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
-
 from torch.nn.utils import parametrize
 
 from ..validation import InvalidParameterError

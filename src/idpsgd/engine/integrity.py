@@ -129,7 +129,7 @@ class _Snapshot:
     fingerprint: dict | None
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool) -> "_Snapshot":
+    def take(cls, module: nn.Module, fingerprint: bool) -> _Snapshot:
         names, tensors, index = {}, [], {}
         for name, (kind, t) in released_tensors(module).items():
             if id(t) not in index:
@@ -198,7 +198,7 @@ def _owner(module: nn.Module, name: str) -> str:
 class _SnapshotHook:
     """The forward pre-hook on the model's root module (a copied or pickled model gets an inert one)."""
 
-    def __init__(self, guard: "WriteGuard"):
+    def __init__(self, guard: WriteGuard):
         self.guard = guard
 
     def __call__(self, _module, _args):
@@ -233,7 +233,7 @@ class WriteGuard:
         self._handle = model.register_forward_pre_hook(_SnapshotHook(self))
 
     @classmethod
-    def attach(cls, model: nn.Module) -> "WriteGuard":
+    def attach(cls, model: nn.Module) -> WriteGuard:
         """The model's guard, created on first use (a plain attribute, not a submodule)."""
         guard = model.__dict__.get("_idpsgd_write_guard")
         if guard is None:
