@@ -122,7 +122,7 @@ def test_layer_paths(name):
     assert all(type(modules[n]).__name__ in PENDING and rule_for(modules[n]) is None for n in fallback), fallback
     if name in ("gpt2", "llama_tied"):
         embeddings = "transformer.wte" if name == "gpt2" else "model.embed_tokens"
-        assert f"tied with {embeddings!r}" in paths["lm_head"]
+        assert f"tied with {embeddings!r}" in paths["lm_head"] and "cross term" not in paths["lm_head"]
     if name == "vit":
         assert paths["vit.embeddings"] == DIRECT
 
@@ -152,6 +152,9 @@ def test_scale_training_with_budgets_equals_hooks_and_functorch(name):
     model = _build(name)
     kind = MODELS[name][1]
     after, engine = _train(model, kind, "bk")
+    if name in ("gpt2", "llama_tied"):             # the rule is public, how the cross term was computed private
+        assert "cross term: ghost" in engine.layer_paths_taken["lm_head"]
+        assert "cross term" not in engine.layer_paths["lm_head"]
     eps = engine.get_epsilon()                           # each group within its budget, ε = 1 below ε = 8
     assert list(eps.budgets) == [1.0, 8.0] and 0 < eps[0] < eps[1] and np.all(eps <= eps.budgets)
     before = [p.detach() for p in model.parameters()]
