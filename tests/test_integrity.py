@@ -1,9 +1,9 @@
 """The released model holds only what the noisy step wrote (issue 29, items 2, 5, 6).
 
-* un-noised writes to parameters or persistent buffers during a step's forward/backward pass, or
-  during a per-example norm pass, are refused in every grad_sample_mode — Embedding(max_norm) at
-  make_private and at the norm pass's entry, the others when they happen — and the step is not
-  taken (no noise drawn, nothing charged); non-persistent buffers and writes between steps are fine;
+* un-noised writes to parameters, buffers (persistent or not) or extra state during a step's
+  forward/backward pass, or during a per-example norm pass, are refused in every grad_sample_mode —
+  Embedding(max_norm) at make_private and at the norm pass's entry, the others when they happen —
+  and the step is not taken (no noise drawn, nothing charged); writes between steps are fine;
 * the public layer paths are a function of the model only (the paths taken depend on the batch's
   shapes and are private);
 * book-keeping leaves no trainable parameter with noise only (eval-mode fallback layers,
@@ -217,26 +217,143 @@ def test_a_write_only_in_eval_mode_is_refused_by_individual_accountings_norm_pas
         _private(model, "hooks", individual=True)                # its first norm pass at make_private
 
 
+class _PreviousBatch(_NoGradWrite):
+    """Keeps the previous batch's mean input in a non-persistent buffer and adds it to the next inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("prev", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        out = self.lin(x + self.prev)
+        self.prev = x.detach().mean(0)
+        return out
+
+
+def test_a_non_persistent_buffer_written_in_forward_couples_steps():
+    """Why non-persistent buffers are refused too: the next step's per-example gradient of an example
+    depends on the examples of the previous batch (its influence there is not bounded by its c_j)."""
+    grads = []
+    for shift in (0.0, 10.0):                    # two previous batches differing in one example
+        model = _model(_PreviousBatch)
+        x, _ = _data()
+        x[3] += shift
+        model(x)                                 # the previous step's forward
+        F.cross_entropy(model(_data(1)[0][:1]), torch.tensor([1])).backward()
+        grads.append(model.lin.weight.grad.clone())
+    assert not torch.allclose(*grads)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_non_persistent_buffers_and_writes_between_steps_are_allowed(mode):
-    for cls in (_Counter, _RunningMean):
-        model = _model(cls, False)                               # not in state_dict: not released
-        engine, *rest = _private(model, mode)
-        _train(engine, *rest, steps=2)
-        assert engine.steps == 2 and "count" not in model.state_dict() and "mean" not in model.state_dict()
-    model = _model(nn.Linear, 4, 2)
+def test_a_non_persistent_buffer_written_in_forward_is_refused(mode):
+    for cls, what in ((lambda: _Counter(False), r"non-persistent buffer 'count' .* written in place"),
+                      (lambda: _RunningMean(False), r"non-persistent buffer 'mean' .* replaced"),
+                      (_PreviousBatch, r"non-persistent buffer 'prev' .* replaced")):
+        engine, *rest = _private(_model(cls), mode)
+        with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
+            _train(engine, *rest)
+        assert engine.steps == 0
+    with pytest.raises(UnnoisedWriteError, match=r"non-persistent buffer 'prev'.*norm pass was stopped"):
+        per_example_grad_norms(_model(_PreviousBatch), [_data()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_between_steps_are_allowed(mode):
+    model = nn.Sequential(_model(nn.Linear, 4, 2))
+    model.register_buffer("unused", torch.zeros(3), persistent=False)     # buffers the forward leaves alone
     saved = copy.deepcopy(model.state_dict())
     engine, *rest = _private(model, mode)
 
     def between():                         # the user's writes after each step: a projection, a reload
         with torch.no_grad():
-            model.weight.clamp_(-0.3, 0.3)
-        model.bias.data.mul_(0.5)
+            model[0].weight.clamp_(-0.3, 0.3)
+        model[0].bias.data.mul_(0.5)
+        model.unused.add_(1)
         if engine.steps == 2:
             model.load_state_dict(saved)
     _train(engine, *rest, steps=3, between=between)
     assert engine.steps == 3
-    engine.load_checkpoint  # noqa: B018  (exists: engine.load_checkpoint writes between steps too)
+
+
+class _ExtraState(_NoGradWrite):
+    """Keeps a statistic of the batch in its extra state (state_dict's '_extra_state')."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0.0
+
+    def get_extra_state(self):
+        return {"largest": self.largest}
+
+    def set_extra_state(self, state):
+        self.largest = state["largest"]
+
+    def forward(self, x):
+        self.largest = max(self.largest, float(x.abs().max()))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_extra_state_changed_in_forward_is_refused(mode):
+    assert "_extra_state" in _model(_ExtraState).state_dict()           # released with model.pt
+    engine, *rest = _private(_model(_ExtraState), mode)
+    with pytest.raises(UnnoisedWriteError, match=r"extra state '_extra_state' \(module '\(root\)', _ExtraState\)"):
+        _train(engine, *rest)
+    with pytest.raises(UnnoisedWriteError, match="extra state '_extra_state'.*norm pass was stopped"):
+        per_example_grad_norms(_model(_ExtraState), [_data()])
+
+
+def test_extra_state_left_alone_trains():
+    class Constant(_ExtraState):
+        def forward(self, x):
+            return self.lin(x)
+
+    engine, *rest = _private(_model(Constant), "bk")
+    _train(engine, *rest, steps=2)
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_write_in_a_forward_pre_hook_registered_before_make_private_is_refused(mode):
+    """The snapshot is the first of the model's forward pre-hooks, not after the user's."""
+    def record(module, args):             # e.g. input statistics kept by a hook, in state_dict
+        module.seen.add_(args[0].detach().mean(0))
+
+    class Plain(_NoGradWrite):
+        def forward(self, x):                                           # no write in the forward itself
+            return self.lin(x)
+
+    model = _model(Plain)
+    model.register_buffer("seen", torch.zeros(4))
+    model.register_forward_pre_hook(record)
+    engine, *rest = _private(model, mode)
+    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'seen' \(module '\(root\)', Plain\) was "
+                                                 "written in place"):
+        _train(engine, *rest)
+
+
+class _SmallDataWrite(nn.Module):
+    """A tiny `.data` write to one entry of a large frozen float32 table (below the rounding of its norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(50_000, 64).requires_grad_(False)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.table.weight.data[7, 0] += 1e-3 * float(x[0, 0] > -10)
+        return self.lin(x)
+
+
+def test_a_small_data_write_to_a_large_float32_table_is_refused():
+    table = _model(_SmallDataWrite).table.weight.detach()
+    before = torch.linalg.vector_norm(table)
+    table[7, 0] += 1e-3
+    assert torch.equal(torch.linalg.vector_norm(table), before)        # a float32 norm does not see it
+    for mode in ("hooks", "bk"):
+        engine, *rest = _private(_model(_SmallDataWrite), mode)
+        with pytest.raises(UnnoisedWriteError, match=r"parameter 'table.weight'.*through .data"):
+            _train(engine, *rest)
 
 
 def test_the_engines_checkpoint_loads_between_steps(tmp_path):
@@ -408,3 +525,4 @@ def test_the_norm_pass_plans_a_layer_unfrozen_since_anew():
     again, _ = per_example_grad_norms(model, [(x, y)])
     np.testing.assert_allclose(again, _brute_force_norms(model, x, y), rtol=1e-10)
     assert BookKeeper.attach(model).rules == {"0": BY_SHAPES, "2": BY_SHAPES}
+
