@@ -526,3 +526,32 @@ def test_the_norm_pass_plans_a_layer_unfrozen_since_anew():
     np.testing.assert_allclose(again, _brute_force_norms(model, x, y), rtol=1e-10)
     assert BookKeeper.attach(model).rules == {"0": BY_SHAPES, "2": BY_SHAPES}
 
+
+# --- a trainable parameter outside the noisy optimizer -------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainable_parameter_left_out_of_the_optimizer_is_refused(mode):
+    """Its gradient stays in .grad un-noised after each step (hooks: the un-clipped sum; ghost: the clipped
+    sum without noise); a second optimizer applying it would write the released model between steps,
+    which the write check allows.  Refused at make_private; parameter groups and frozen layers are fine."""
+    def fresh():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+    model = fresh()
+    x, y = _data()
+    kwargs = {"data_loader": DataLoader(TensorDataset(x, y), batch_size=N), "budgets": np.full(N, 1e3),
+              "target_delta": 1e-5, "sample_rates": np.ones(N), "clip_norms": np.ones(N), "max_grad_norm": 1.0,
+              "grad_sample_mode": mode, "privacy_filter": None, "noise_multiplier": 1.0}
+    engine = IndividualizedPrivacyEngine(seed=0)
+    with pytest.raises(InvalidParameterError, match=r"leaves out the module's trainable parameter\(s\) '2.weight', "
+                                                    r"'2.bias'.*freeze them"):
+        engine.make_private_with_parameters(module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.5),
+                                            **kwargs)
+    model = fresh()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}]
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
+        groups, lr=0.5), **kwargs)
+    model = fresh()
+    model[2].requires_grad_(False)
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
+        model[0].parameters(), lr=0.5), **kwargs)

@@ -669,6 +669,19 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("optimizer", type(optimizer).__name__,
                                         f"has {foreign} parameter(s) that are not the module's; build it over "
                                         "module.parameters()")
+        # a trainable parameter outside the noisy optimizer keeps an un-noised gradient in .grad after each
+        # step (the un-clipped sum in hooks/functorch mode, the clipped sum without noise in ghost mode);
+        # another optimizer that applies it writes the released model between steps, unseen (.integrity)
+        mine = {id(p) for p in params}
+        left = [n for n, p in raw_module(module).named_parameters() if p.requires_grad and id(p) not in mine]
+        if left:
+            shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            raise InvalidParameterError(
+                "optimizer", type(optimizer).__name__,
+                f"leaves out the module's trainable parameter(s) {shown}: their gradients would be formed without "
+                "noise, and an update that applies them (a second optimizer) would write the released model "
+                "outside the privacy accounting; build the optimizer over every trainable parameter (parameter "
+                "groups for other learning rates) or freeze them (requires_grad_(False))")
 
     # --- checkpoints ----------------------------------------------------------------------
     def _plan(self) -> dict:
