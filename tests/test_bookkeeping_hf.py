@@ -163,3 +163,34 @@ def test_scale_training_with_budgets_equals_hooks_and_functorch(name):
         ref, _ = _train(model, kind, mode, expand_positions=kind != "image")
         for a, b in zip(after, ref):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_shared_value_leaves_the_models_forward(name):
+    """The batch-independent values book-keeping tracks (SharedTensor) stay inside the forward: outputs,
+    hidden states, attentions and the key/value cache are plain tensors."""
+    from idpsgd.engine.bk_shared import SharedTensor
+
+    def tensors(obj, seen):
+        if isinstance(obj, torch.Tensor):
+            seen.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                tensors(item, seen)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                tensors(item, seen)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module):
+            tensors(vars(obj), seen)
+        return seen
+
+    model = _build(name)
+    BookKeeper.attach(model).active = True
+    kind = MODELS[name][1]
+    x, _ = _data(kind)
+    extra = {"pixel_values": x} if kind == "image" else {"input_ids": x}
+    if kind == "lm":
+        extra["use_cache"] = True
+    out = model(**extra, output_hidden_states=True, output_attentions=True)
+    found = tensors(out.to_tuple(), [])
+    assert len(found) > 3 and not any(isinstance(t, SharedTensor) for t in found)
