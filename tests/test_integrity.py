@@ -555,3 +555,61 @@ def test_a_trainable_parameter_left_out_of_the_optimizer_is_refused(mode):
     model[2].requires_grad_(False)
     IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
         model[0].parameters(), lr=0.5), **kwargs)
+
+
+# --- more review attacks (refused before; kept as regression tests) ----------------------------------------
+class _WriteInBackward(torch.autograd.Function):
+    """The identity, whose backward writes a buffer from the output gradient (i.e. from the batch)."""
+
+    @staticmethod
+    def forward(ctx, x, buf):
+        ctx.buf = buf
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.buf.add_(g.abs().sum())
+        return g, None
+
+
+class _BackwardWrite(_NoGradWrite):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        return _WriteInBackward.apply(self.lin(x), self.seen)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_write_in_the_backward_pass_is_refused(mode):
+    """Ghost mode runs two backward passes, bk one: the write is found before the noise in each."""
+    engine, *rest = _private(_model(_BackwardWrite), mode)
+    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'seen'.*The step was not taken"):
+        _train(engine, *rest)
+    assert engine.steps == 0
+
+
+def test_a_write_in_forward_is_refused_by_the_individual_filters_norm_pass():
+    for mode in ("hooks", "bk"):
+        with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'count'.*norm pass was stopped"):
+            _private(_model(_Counter), mode, privacy_filter="individual")
+
+
+def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
+    """With BatchMemoryManager (several forwards per logical step) the parameters are read for the value
+    fingerprint once at the first forward and once before the noise, not per physical batch."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    from idpsgd.engine import integrity
+
+    reads = []
+    original = integrity._fingerprint
+    monkeypatch.setattr(integrity, "_fingerprint", lambda tensors: reads.append(1) or original(tensors))
+    forwards = []
+    model = _model(nn.Linear, 4, 2)
+    model.register_forward_pre_hook(lambda m, args: forwards.append(1))
+    engine, module, optimizer, loss, loader = _private(model, "bk")
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory:
+        _train(engine, module, optimizer, loss, memory, steps=2)
+    assert engine.steps == 2 and len(forwards) >= 2 * 3 and len(reads) == 2 * 2

@@ -173,11 +173,11 @@ class _BookKeptForward:
                                "outside the layers book-keeping tracks; per-example gradients are undefined there")
         elif x.is_floating_point() or x.is_complex():
             raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got a floating-point input of batch size "
-                               f"1 while the step has {batch} examples; book-keeping shares an untracked input with "
-                               "the batch only for indices (an Embedding's position ids): a floating-point one may be "
-                               "a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
+                               "1 while the step's batch has more examples; book-keeping shares an untracked input "
+                               "with the batch only for indices (an Embedding's position ids): a floating-point one may "
+                               "be a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
                                "examples' gradients beyond their clip norms. If it is a constant, expand it to the "
-                               f"batch (x.expand({batch}, ...)); {BK_HINT}")
+                               f"batch (x.expand(batch_size, ...)); {BK_HINT}")
         source = Source(layer.name, batch)
         out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
         shared = SharedTensor.wrap(out, ((out, source),), batch)
