@@ -613,3 +613,52 @@ def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory:
         _train(engine, module, optimizer, loss, memory, steps=2)
     assert engine.steps == 2 and len(forwards) >= 2 * 3 and len(reads) == 2 * 2
+
+
+def _unfreeze_refused_step(engine, module, optimizer, loss, loader, model, *, write=False):
+    """One step refused because a layer was unfrozen after make_private (in bk: by the book-keeper, before
+    the guard), then the layer frozen again."""
+    model[2].requires_grad_(True)
+    hook = model.register_forward_hook(lambda m, args, out: m.seen.add_(1.0) and None) if write else None
+    try:                                         # (the hook: a write in this step's forward)
+        with pytest.raises((RuntimeError, ValueError)) as refusal:
+            _train(engine, module, optimizer, loss, loader)
+    finally:
+        model[2].requires_grad_(False)
+        if hook is not None:
+            hook.remove()
+    return refusal.value
+
+
+def _frozen_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model[2].requires_grad_(False)
+    model.register_buffer("seen", torch.zeros(()))
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_between_steps_after_a_refused_step_are_allowed(mode):
+    """Before, a step refused outside the guard left the previous snapshot in place: a projection after it
+    was taken for a write in the next step, and the model was marked for good."""
+    model = _frozen_head()
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)
+    _unfreeze_refused_step(engine, module, optimizer, loss, loader, model)
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.3, 0.3)
+    _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_write_in_a_step_refused_before_the_guard_is_still_found(mode):
+    model = _frozen_head()
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)
+    refusal = _unfreeze_refused_step(engine, module, optimizer, loss, loader, model, write=True)
+    assert isinstance(refusal, UnnoisedWriteError) and "persistent buffer 'seen'" in str(refusal)
+    with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
+        _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 1

@@ -16,7 +16,8 @@ min(1, c / (‖g_i‖ + 1e-6)) (:class:`~idpsgd.engine.clipping.PerExampleClippi
   filter, which raises to refuse a step that would exceed a budget (nothing is released then);
 * ``step_hook`` (Opacus's accounting hook) runs after the noisy gradient is formed: the engine's
   accountant charges the step; ``post_step_hooks`` run after the parameter update (θ_{t+1}: the
-  individual accountant refreshes norms there).
+  individual accountant refreshes norms there); ``refusal_hooks`` run when ``step()`` raises (a
+  refused step, wherever it was refused), before the error propagates.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class _PrivacyHooks:
         self.clipping = clipping
         self.guard: Callable[["_PrivacyHooks"], None] | None = None
         self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
+        self.refusal_hooks: list[Callable[["_PrivacyHooks"], None]] = []
         self._noised = False
 
     @property
@@ -83,7 +85,13 @@ class _PrivacyHooks:
         self._noised = True
 
     def step(self, closure=None):
-        out = super().step(closure)
+        try:
+            out = super().step(closure)
+        except BaseException:
+            self._noised = False
+            for hook in self.refusal_hooks:
+                hook(self)
+            raise
         if self._noised:
             self._noised = False
             self.clipping.end_step()

@@ -528,6 +528,7 @@ class IndividualizedPrivacyEngine:
         self._writes, self._trainable = WriteGuard.attach(raw), trainable_names(raw)
         self._writes.arm()
         dp_opt.post_step_hooks.append(lambda _opt: self._writes.arm())
+        dp_opt.refusal_hooks.append(self._after_refusal)
         dp_opt.guard = self._guard
         if grad_sample_mode == "bk":
             dp_opt.keeper = wrapped.keeper      # book-keeping: the clipped sum comes from the model's keeper
@@ -572,11 +573,16 @@ class IndividualizedPrivacyEngine:
         parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
         self._writes.check()
         check_no_new_trainable(raw_module(self.module), self._trainable, self.parameters["grad_sample_mode"])
-        try:
-            self._admit(_optimizer)
-        except BaseException:          # a refused step: the next call of the model starts the next one
+        self._admit(_optimizer)
+
+    def _after_refusal(self, _optimizer) -> None:
+        """A step refused anywhere in ``optimizer.step()`` (the guard, the book-keeper, Opacus): its
+        forward/backward pass is checked for writes (it may have been refused before the guard
+        compared), then the next call of the model starts the next step — so writes between steps
+        after a refused step are not taken for writes in it."""
+        if self._writes.tainted is None:
+            self._writes.check()
             self._writes.arm()
-            raise
 
     def _admit(self, _optimizer) -> None:
         if self.filter is not None:
