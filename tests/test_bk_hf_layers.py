@@ -282,10 +282,11 @@ class _Image(nn.Module):
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.gn = nn.GroupNorm(2, 8)
         self.conv2 = nn.Conv2d(8, 4, 3, stride=2)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
         self.head = nn.Linear(36, 3)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.conv2(torch.relu(self.gn(self.conv(x))))).flatten(1))
+        return self.head(torch.tanh(self.inorm(self.conv2(torch.relu(self.gn(self.conv(x)))))).flatten(1))
 
 
 def _tokens():

@@ -81,6 +81,7 @@ _PROBES = {     # each layer's own operation on one-element tensors of the input
     "conv2d": lambda x, w: F.conv2d(x.new_ones(1, 1, 1, 1), w.new_ones(1, 1, 1, 1)),
     "layer_norm": lambda x, w: F.layer_norm(x.new_ones(1, 2), (2,), w.new_ones(2), w.new_ones(2)),
     "group_norm": lambda x, w: F.group_norm(x.new_ones(1, 2, 1), 1, w.new_ones(2), w.new_ones(2)),
+    "instance_norm": lambda x, w: F.instance_norm(x.new_ones(1, 1, 2), weight=w.new_ones(1), bias=w.new_ones(1)),
 }
 
 
@@ -522,7 +523,7 @@ class GroupNormRule(_AffineNormRule):
         return module.num_groups if isinstance(module, nn.GroupNorm) else module.num_features
 
     def prepare(self, module, x):
-        return autocast_input(x, "group_norm", module.weight)
+        return autocast_input(x, "group_norm" if isinstance(module, nn.GroupNorm) else "instance_norm", module.weight)
 
     def forward(self, module, x):
         if x.dim() < 2 or (not isinstance(module, nn.GroupNorm) and x.dim() != module._get_no_batch_dim() + 1):
