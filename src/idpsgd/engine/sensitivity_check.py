@@ -17,8 +17,10 @@ in every ``grad_sample_mode``); its clipped norm is ‖g_i‖·min(1, c_i/(‖g_
   for that very step), sampled examples whose training norm ‖g_i‖ differed from the norm pass's by
   more than the tolerance: the norm pass is not the training computation (another loss, dropout or
   other train-mode randomness, random augmentation in the collate, ...);
-* the largest ratio clipped/charged and the largest relative mismatch (private statistics; both
-  against max(value, :data:`ATOL`/:data:`RTOL`·c_max), so norms near 0 do not blow them up);
+* the largest ratio clipped/charged (against max(charge, :data:`ATOL`·c_max)) and the largest
+  relative mismatch (against max(norm, :data:`ATOL`/:data:`RTOL`·c_max), the norm below which the
+  absolute tolerance dominates) — private statistics, floored so that norms near 0 do not blow
+  them up;
 * ``steps`` — logical steps seen (an empty Poisson batch is checked vacuously).
 
 What the check can establish, and what it cannot: unsampled examples' gradients are not computed
@@ -41,12 +43,13 @@ import torch
 
 #: Relative float tolerance of the comparisons: the same norm computed by the training step and by
 #: the norm pass (other batch composition, ghost norms vs per-sample gradients, float32) differs by
-#: far less (measured ≤ 5e-7 relative in every grad_sample_mode, on MLPs, a CNN and a
-#: token-sequence model; docs-notes/i29-labels.md).  Float error is relative to the norm (a norm of
-#: 1e-19 differed by 6e-24), so the absolute part only covers norms near 0.
+#: far less: measured ≤ 5e-7 relative in every grad_sample_mode on MLPs, a CNN and a token-sequence
+#: model, 3.5e-6 on the README's model with label smoothing and momentum (docs-notes/i29-labels.md).
 RTOL = 1e-4
-#: Absolute tolerance, as a fraction of the largest clip norm (norms near 0).
-ATOL = 1e-6
+#: Absolute tolerance, as a fraction of the largest clip norm: float32 gradients of a nearly
+#: saturated loss (p ≈ target) lose ~1e-7 absolute per logit, so small norms carry an absolute
+#: error of order 1e-7..1e-6 · c (measured: 2.8e-7 at c = 1 on the README's model).
+ATOL = 1e-5
 
 
 def dropout_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -74,7 +77,7 @@ class SensitivityCheck:
 
     def __init__(self, clip_norm_max: float):
         self.atol = ATOL * float(clip_norm_max)
-        self.floor = self.atol / RTOL         # ratios are taken against max(value, floor): tiny norms
+        self.floor = self.atol / RTOL         # relative differences are taken against max(norm, floor)
         self.counts = dict.fromkeys(self.FIELDS, 0)
         self.maxima = dict.fromkeys(self.MAXIMA, 0.0)
         self.dropout: list[str] = []          # dropout modules seen active at some step (public: architecture)
@@ -95,7 +98,7 @@ class SensitivityCheck:
             clipped = raw * np.minimum(1.0, clip / (raw + 1e-6))      # Opacus's factor, as the step applied it
             over = clipped > z * (1 + RTOL) + self.atol
             step["examples"], step["exceeded"] = int(raw.size), int(over.sum())
-            top["max_ratio"] = float(np.max(clipped / np.maximum(z, self.floor)))
+            top["max_ratio"] = float(np.max(clipped / np.maximum(z, self.atol)))
             if pass_norms is not None:
                 ref = _take(pass_norms, idx)
                 diff = np.abs(raw - ref)
