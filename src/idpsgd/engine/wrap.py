@@ -12,7 +12,8 @@
   wrapper (``DPLossFastGradientClipping``) multiplies into the per-sample losses of a second
   backward pass — the same update as clipping each per-sample gradient at c_i;
 * ``bk`` — book-keeping (Bu et al. 2023) with mixed ghost norms (Bu, Mao & Xu 2022) for Linear,
-  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm (:mod:`.bookkeeping`): one backward
+  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm, transformers' Conv1D and RMSNorm forms
+  (:mod:`.bookkeeping`, :mod:`.bk_layers`): one backward
   pass, per-example norms without per-example gradients where the ghost norm is cheaper, and the
   clipped sum formed from each layer's kept input and output gradient; other layers take Opacus's
   per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
@@ -42,6 +43,12 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
         if self.clipping is None:
             raise RuntimeError("IndividualizedGhostModule has no per-example clip norms: use it through "
                                "IndividualizedPrivacyEngine.make_private")
+        if not bool(torch.isfinite(norms).all()):
+            # the second backward pass multiplies each example's loss by its factor: 0 · inf is nan, in
+            # every parameter (book-keeping leaves such an example out instead)
+            raise RuntimeError("an example's gradient overflowed (inf/nan, half precision): "
+                               "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
+                               "grad_sample_mode='bk', or bfloat16 autocast")
         return self.clipping.factors(norms)
 
 
