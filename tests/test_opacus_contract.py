@@ -293,3 +293,59 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
     theirs = get_noise_multiplier(target_epsilon=5.0, target_delta=DELTA, sample_rate=0.25, epochs=2, accountant="prv")
     assert cal.parameters["steps"] == 8 and sigma == pytest.approx(theirs, rel=0.02) and sigma >= theirs * 0.995
     assert 0.9999 * 5.0 <= cal.get_epsilon(steps=8) <= 5.0
+
+
+# --- the refusal table: every entry is what the engine raises for that option ------------------------------
+def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
+    """The Opacus-suite harness counts a failure as *refused* only when its error matches
+    ``REFUSALS``; each entry must match the engine's own error for that option (no drift), and an
+    unrelated error matches none."""
+    from idpsgd.engine.opacus_compat import REFUSALS, refusal_for
+    from idpsgd.engine.randomness import resolve_seed
+
+    x, y = _data()
+
+    def make(**kw):
+        engine = kw.pop("engine", None) or IndividualizedPrivacyEngine()
+        model = kw.pop("model", None) or _linear()
+        args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    data_loader=DataLoader(TensorDataset(x, y), batch_size=30), noise_multiplier=1.0,
+                    max_grad_norm=1.0)
+        args.update(kw)
+        return engine.make_private(**args)
+
+    engine, model, opt, loader = _private()
+    triggers = {
+        "poisson_sampling=False": lambda: make(poisson_sampling=False),
+        'clipping="per_layer" / "adaptive"': lambda: make(clipping="adaptive"),
+        "wrap_model=False": lambda: make(wrap_model=False),
+        "rand_on_empty=True": lambda: make(rand_on_empty=True),
+        "noise_multiplier=0": lambda: make(noise_multiplier=0.0),
+        "noise_scheduler= / grad_clip_scheduler=": lambda: engine.save_checkpoint(
+            path=tmp_path / "c.pt", module=model, noise_scheduler=object()),
+        "torch_save_kwargs= / torch_load_kwargs=": lambda: engine.load_checkpoint(
+            path=tmp_path / "c.pt", module=model, torch_load_kwargs={"mmap": True}),
+        "secure_mode=True with a seed or noise_generator": lambda: resolve_seed(3, True),
+        "a step or plan beyond a budget": lambda: make(budgets=Budgets.from_array(np.full(100, 0.01), DELTA),
+                                                       steps=50),
+    }
+    batch_option = next(r.option for r in REFUSALS if r.error.__name__ == "BatchMismatchError")
+    assert set(triggers) | {batch_option} == {r.option for r in REFUSALS}
+    for option, trigger in triggers.items():
+        with pytest.raises(Exception) as info:
+            trigger()
+        found = refusal_for(info.value)
+        assert found is not None and found.option == option, (option, str(info.value))
+    # per-sample gradients that are not one per drawn example (as with batch-second data and batch_first=True)
+    e2 = IndividualizedPrivacyEngine(seed=0)
+    seq = nn.Sequential(nn.Linear(5, 2))
+    seq, o2, l2 = e2.make_private(module=seq, optimizer=torch.optim.SGD(seq.parameters(), lr=0.1),
+                                  data_loader=DataLoader(TensorDataset(x, y), batch_size=30), noise_multiplier=1.0,
+                                  max_grad_norm=1.0)
+    xb, yb = next(iter(l2))
+    with pytest.raises(Exception) as info:
+        o2.zero_grad()
+        F.cross_entropy(seq(xb.T.reshape(-1, 5)[: max(1, len(xb) // 2)]), yb[: max(1, len(xb) // 2)]).backward()
+        o2.step()
+    assert refusal_for(info.value).option == batch_option and "batch_first" in str(info.value)
+    assert refusal_for(ValueError("Module parameters are different than optimizer Parameters")) is None

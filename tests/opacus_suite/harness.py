@@ -150,6 +150,7 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED if unexplained else pytest.ExitCode.OK
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counts, unexplained = getattr(config, "_opacus_suite", (TALLY.counts(), []))
     tr = terminalreporter

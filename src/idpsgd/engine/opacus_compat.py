@@ -20,6 +20,7 @@ from opacus.validators.errors import UnsupportedModuleError as _OpacusUnsupporte
 
 from ..validation import InvalidParameterError
 from .accountant import PrivacyBudgetExceeded
+from .sampler import BatchMismatchError
 
 
 class UnsupportedModuleError(InvalidParameterError, _OpacusUnsupportedModuleError):
@@ -85,6 +86,11 @@ SAVE_KWARGS = ("checkpoints are written atomically with mode 0600 (they hold the
                "arguments would undo that")
 SECURE_SEED = ("secure_mode=True draws every privacy-relevant random number from OS entropy; a seed or a noise "
                "generator would make the sampling or the noise predictable")
+WHOLE_BATCHES = ("each example's clip norm and its privacy charge belong to the Poisson batch it was drawn in: a "
+                 "step must train on the drawn batch, whole, with one per-sample gradient per example; per-sample "
+                 "gradients of other units (batch_first=True on batch-second data: positions instead of examples, "
+                 "which Opacus clips and accounts as if they were examples), a partial batch or several batches "
+                 "in one step are refused before the noise")
 BUDGET = ("the privacy filter refuses the step (or, at make_private, the plan) that would take a privacy group "
           "over its budget, before its noise is drawn (filter_action='warn' warns instead); Opacus would train "
           "on and report the larger epsilon")
@@ -101,6 +107,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("torch_save_kwargs= / torch_load_kwargs=", SAVE_KWARGS, r"^torch_(save|load)_kwargs=.* is invalid"),
     Refusal("secure_mode=True with a seed or noise_generator", SECURE_SEED,
             r"^(seed|noise_generator)=.* is invalid: must not be given in secure mode"),
+    Refusal("per-sample gradients that are not the drawn batch's examples (wrong batch_first, partial batches)",
+            WHOLE_BATCHES, r"(trained on only part of a drawn batch|trained on a batch while|per-sample gradients "
+                           r"but only \d+ drawn examples)", BatchMismatchError),
     Refusal("a step or plan beyond a budget", BUDGET, r"would take a privacy group over its budget",
             PrivacyBudgetExceeded),
 )
