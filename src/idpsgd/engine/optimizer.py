@@ -235,5 +235,5 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 p.summed_grad = g.to(p.dtype)
 
 
-OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer,
+OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer, "ew": IndividualizedDPOptimizer,
               "ghost": IndividualizedDPOptimizerFastGradientClipping, "bk": IndividualizedDPOptimizerBookKeeping}

@@ -5,6 +5,10 @@
 * ``hooks`` — Opacus's ``GradSampleModule``: per-sample gradients from registered per-layer
   samplers (functorch for layers without one);
 * ``functorch`` — the same module forced to compute every per-sample gradient with functorch;
+* ``ew`` — Opacus's ``GradSampleModuleExpandedWeights``: per-sample gradients from PyTorch's
+  ExpandedWeights (``torch.nn.utils._per_sample_grad``), batch-first inputs only; a layer
+  ExpandedWeights does not support raises PyTorch's ``RuntimeError`` in the forward pass, as with
+  Opacus.  The clipping, noise and accounting are those of ``hooks``;
 * ``ghost`` — fast gradient clipping (Li et al. 2022; Bu et al. 2023; Opacus's
   ``GradSampleModuleFastGradientClipping``): per-example gradient *norms* without materialising
   per-example gradients (ghost norms for Linear layers).  :class:`IndividualizedGhostModule`
@@ -22,15 +26,17 @@
 from __future__ import annotations
 
 import torch
-from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.grad_sample import (AbstractGradSampleModule, GradSampleModule, GradSampleModuleExpandedWeights,
+                                GradSampleModuleFastGradientClipping)
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
 from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
+from .opacus_compat import UnsupportedModuleError
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "bk")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 
 
 class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
@@ -79,18 +85,23 @@ def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first:
         return
     errors = ModuleValidator.validate(module, strict=False)
     if errors:
-        raise InvalidParameterError("module", type(module).__name__,
-                                    f"cannot be trained privately by Opacus: {errors[0]} "
-                                    "(opacus.validators.ModuleValidator.fix replaces e.g. BatchNorm by GroupNorm)")
+        raise UnsupportedModuleError("module", type(module).__name__,
+                                     f"cannot be trained privately by Opacus: {errors[0]} (IndividualizedPrivacyEngine."
+                                     "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
+                                     "BatchNorm by GroupNorm)")
+    if grad_sample_mode == "ew" and not batch_first:
+        raise InvalidParameterError("batch_first", batch_first, "must be True with grad_sample_mode='ew' (PyTorch's "
+                                    "ExpandedWeights takes the batch size from the first dimension)")
     if grad_sample_mode == "bk":
         check_batch_first(batch_first)
         plan_layers(raw_module(module))
 
 
 def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule}.get(grad_sample_mode, GradSampleModule)
+    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule,
+            "ew": GradSampleModuleExpandedWeights}.get(grad_sample_mode, GradSampleModule)
     return (type(module) is want and module.batch_first == batch_first and module.loss_reduction == loss_reduction
-            and (grad_sample_mode in ("ghost", "bk") or module.force_functorch == (grad_sample_mode == "functorch")))
+            and (grad_sample_mode in ("ghost", "bk", "ew") or module.force_functorch == (grad_sample_mode == "functorch")))
 
 
 def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExampleClipping,
@@ -112,6 +123,8 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
                                             use_ghost_clipping=True)
         wrapped.clipping = clipping
         return wrapped
+    if grad_sample_mode == "ew":
+        return GradSampleModuleExpandedWeights(module, batch_first=batch_first, loss_reduction=loss_reduction)
     return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
                             force_functorch=grad_sample_mode == "functorch")
 
@@ -123,6 +136,7 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
     if grad_sample_mode == "bk":
         return wrapped.layer_paths if taken else wrapped.layer_path_rules
     what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
+            "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
             "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
                      "two backward passes)"}[grad_sample_mode]
     return {name or type(m).__name__: what for name, m in raw_module(wrapped).named_modules()
