@@ -37,7 +37,7 @@ def _data(seed=0):
 def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
     """(engine, module, optimizer, loss function, loader): every example in every batch (q = 1)."""
     x, y = _data() if x is None else (x, y)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     if individual:
         engine.enable_individual_accounting()
     out = engine.make_private_with_parameters(
@@ -662,3 +662,4 @@ def test_a_write_in_a_step_refused_before_the_guard_is_still_found(mode):
     with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
         _train(engine, module, optimizer, loss, loader)
     assert engine.steps == 1
+
