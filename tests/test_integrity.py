@@ -663,3 +663,17 @@ def test_a_write_in_a_step_refused_before_the_guard_is_still_found(mode):
         _train(engine, module, optimizer, loss, loader)
     assert engine.steps == 1
 
+
+def test_writes_are_refused_in_expanded_weights_mode_and_its_norm_passes_run():
+    """grad_sample_mode="ew" (PyTorch's ExpandedWeights; a no_grad in-place write to a parameter fails in
+    PyTorch there).  Before, its norm passes (individual accounting, the individual filter) failed with
+    AttributeError: the wrapper has no hooks to disable."""
+    for cls, what in ((_DataWrite, "through .data"), (_Counter, "persistent buffer 'count'"),
+                      (_PreviousBatch, "non-persistent buffer 'prev'"), (_ExtraState, "extra state")):
+        engine, *rest = _private(_model(cls), "ew")
+        with pytest.raises(UnnoisedWriteError, match=what):
+            _train(engine, *rest)
+    for kwargs in ({"individual": True}, {"privacy_filter": "individual"}):
+        engine, *rest = _private(_model(nn.Sequential, nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), "ew", **kwargs)
+        _train(engine, *rest, steps=2)
+        assert engine.steps == 2 and engine.per_example_grad_norms()[0].shape == (N,)
