@@ -38,9 +38,12 @@ dimension is B.  With B = 1 nothing is tracked (the one example's gradient is th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+_HALF = (torch.float16, torch.bfloat16)
 BK_HINT = ("give the input a batch dimension of the step's batch size (e.g. position_ids expanded to (B, T)), "
            "or use grad_sample_mode='hooks'")
 
@@ -55,7 +58,8 @@ class Source:
         self.total = self.mass = None
 
     def add(self, g: torch.Tensor) -> None:
-        total, mass = g.sum(0), g.abs().sum(0)
+        wide = g.float() if g.dtype in _HALF else g          # half precision: the sums in float32
+        total, mass = wide.sum(0), wide.abs().sum(0)
         self.total = total if self.total is None else self.total + total
         self.mass = mass if self.mass is None else self.mass + mass
         if self.sink is not None:
@@ -65,7 +69,8 @@ class Source:
 
 
 #: the relative discrepancy (to the per-example gradients' absolute sum) above which part of a summed
-#: gradient is taken to have bypassed the tracking (float rounding of the two sums is far below it)
+#: gradient is taken to have bypassed the tracking (float rounding of the two sums is far below it; in
+#: half precision, 8 units of rounding of the gradient's type are added)
 INCOMPLETE = 1e-4
 
 
@@ -74,12 +79,14 @@ def check_complete(source: Source, g: torch.Tensor) -> None:
     per-example gradients its source collected where it met the batch: part of it came through an
     operation ``__torch_function__`` does not see (``h[...] = v``, a custom ``autograd.Function``) and
     would be left out of every example's gradient, silently."""
-    if g is None:
+    if g is None or not g.numel():
         return
     total = source.total.reshape(g.shape) if source.total is not None else torch.zeros_like(g)
     mass = float(source.mass.max()) if source.mass is not None else 0.0
-    gap = float((g - total.to(g.dtype)).abs().max()) if g.numel() else 0.0
-    if gap > INCOMPLETE * mass + torch.finfo(g.dtype).tiny:
+    gap = float((g.to(total.dtype) - total).abs().max())
+    if not (math.isfinite(gap) and math.isfinite(mass)):   # an overflow (autocast): those examples are left out
+        return
+    if gap > (INCOMPLETE + 8 * torch.finfo(g.dtype).eps * (g.dtype in _HALF)) * mass + torch.finfo(g.dtype).tiny:
         raise RuntimeError(
             f"grad_sample_mode='bk': part of the gradient of a value shared by the batch (from {source.name!r}) "
             "reached it through an operation book-keeping does not track (e.g. an assignment h[...] = value into a "
