@@ -58,7 +58,7 @@ from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudg
 from . import distributed
 from .clipping import PerExampleClipping
 from .optimizer import OPTIMIZERS, _check_noise
-from .randomness import noise_generator as make_noise_generator, resolve_seed, sampler_rng
+from .randomness import SECURE_RNG_WARNING, noise_generator as make_noise_generator, resolve_seed, sampler_rng
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
 
@@ -118,7 +118,12 @@ class IndividualizedPrivacyEngine:
             sampling; a seed is refused.
         seed: seeds the Poisson sampler and the noise; ``None`` draws a fresh seed from OS entropy
             and records it as :attr:`seed` (so a run can be replayed; :meth:`load_checkpoint` then
-            continues with the checkpoint's seed).
+            continues with the checkpoint's seed).  The seed is secret: with it, anyone who knows
+            every record but one can replay the run and compare with the released model.
+
+    Without ``secure_mode`` the engine warns once (a ``UserWarning``, as Opacus's
+    ``PrivacyEngine``): fine for experiments; a model meant for release must be trained with
+    ``secure_mode=True``.
     """
 
     def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False, seed: int | None = None):
@@ -127,6 +132,8 @@ class IndividualizedPrivacyEngine:
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
         self.seed = resolve_seed(seed, self.secure_mode)
+        if not self.secure_mode and distributed.is_main_process():
+            warnings.warn(SECURE_RNG_WARNING, UserWarning, stacklevel=2)
         self._seed_given = seed is not None       # a drawn seed yields to a checkpoint's on load
         self.accountant: GroupAccountant | None = None
         self.budgets: Budgets | None = None
