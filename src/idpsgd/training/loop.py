@@ -406,7 +406,7 @@ class Trainer:
             "clip_norm": self.config.clip_norm, "secure_mode": self.config.secure_mode,
             "randomness": randomness_note(self.config.secure_mode, f"{PRIVATE}/{SEED_FILE}" if self.run_folder else None),
             "device": str(self.device), "grad_sample_mode": self.config.grad_sample_mode,
-            "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},
+            "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},   # the rule
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
                         "sample_rate": p.assignment.sample_rate, "noise_multiplier": p.assignment.noise_multiplier}
                        for p in plan.phases],
@@ -414,7 +414,9 @@ class Trainer:
             "preprocessing": getattr(self.dataset, "preprocessing", None),
             **({"data": ds.source} if getattr(ds, "source", None) else {}),
             **({"warnings": notes} if (notes := self.notes()) else {}), "files": None,
-            **extra, "private": {"history": self.history, **self.seeds(), **private},
+            **extra, "private": {"history": self.history, **self.seeds(), **private,   # paths taken: batch shapes
+                                 "layer_paths_taken": (self.engine.layer_paths_taken
+                                                       if self.engine.accountant is not None else {})},
         }
 
     def seeds(self) -> dict:
