@@ -6,8 +6,8 @@ Everything a run writes is either
   released statistics, test-set metrics, hyper-parameters, plots of those (mode 0644, at the top
   of the folder); or
 * **private** — not covered: per-example budgets and ε, exact statistics of them, real batch
-  sizes, training losses, gradient norms, checkpoints, membership scores (mode 0600, in the
-  ``private/`` subfolder).
+  sizes, training losses, gradient norms, checkpoints, membership scores, the seed (mode 0600, in
+  the ``private/`` subfolder; the seed in ``private/seed.json``, :meth:`RunFolder.record_seed`).
 
 Writers name the kind; :class:`RunFolder` places and protects the file, and records it in the
 folder's manifest ``outputs.json`` (public: it lists names, kinds and descriptions only).  The
@@ -28,6 +28,7 @@ from .validation import InvalidParameterError
 MANIFEST = "outputs.json"
 PRIVATE = "private"
 KINDS = ("public", "private")
+SEED_FILE = "seed.json"
 
 
 class RunFolder:
@@ -138,6 +139,12 @@ class RunFolder:
 
     def save_torch(self, name: str, state, kind: str, description: str) -> Path:
         return save_torch(self.file(name, kind, description), state, private=kind == "private")
+
+    def record_seed(self, seed: int, about: str, name: str = SEED_FILE, **extra) -> Path:
+        """Write the run's seed to ``private/<name>`` (mode 0600): it replays the sampling and the noise,
+        so it is as secret as the data and never goes into a public file."""
+        return self.write_json(name, {"seed": int(seed), **extra, "about": about}, "private",
+                               "the seed (it replays the run's sampling and noise: never publish it)")
 
     def save_figure(self, name: str, fig, kind: str, description: str) -> Path:
         import matplotlib.pyplot as plt
