@@ -787,9 +787,10 @@ class IndividualizedPrivacyEngine:
                              f"engine with secure_mode={bool(state.get('secure_mode'))} to resume it")
         saved_seed = state.get("seed")
         if not self.secure_mode and saved_seed != self.seed and self._seed_given:
-            raise ValueError(f"the state was saved by an engine with seed {saved_seed}, this one was created with "
-                             f"seed {self.seed}: create it with seed={saved_seed}, or with seed=None (the "
-                             "checkpoint's seed is then used)")
+            raise ValueError("the state was saved by an engine with another seed than the one this engine was "
+                             "created with: create it with the run's seed, or with seed=None (the checkpoint's "
+                             "seed is then used). The seeds are not printed: a seed replays the run's randomness "
+                             "and is private")
         saved_name = state.get("accountant_name", state["accountant"].get("accountant"))
         if saved_name != self.accountant_name:
             raise ValueError(f"the state was saved with accountant={saved_name!r}, this engine uses "
