@@ -72,10 +72,10 @@ def _budgets(args, data, class_ids):
 
 def _text(r):
     m = r.get("test_metrics") or {}
-    shown = ", ".join(f"{k.removeprefix('test_')} {v:.4g}" for k, v in m.items()
-                      if k in ("test_perplexity", "test_accuracy", "test_loss"))
+    shown = ", ".join(f"test {k.removeprefix('test_')} {m[k]:.4g}" for k in ("test_accuracy", "test_perplexity",
+                                                                            "test_loss") if m.get(k) is not None)
     lines = [f"finetune ({r['method']}, {r['task']}) of {r['model']} on {r['dataset']}: {r['steps']} steps"
-             + (" (stopped by the privacy filter)" if r["stopped_early"] else "") + (f"; test {shown}" if shown else ""),
+             + (" (stopped by the privacy filter)" if r["stopped_early"] else "") + (f"; {shown}" if shown else ""),
              f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}"]
     for g in r["groups"]:
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {g['clip_norm']:>10.4f} "

@@ -177,6 +177,9 @@ def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: Te
     if eval_data is not None and (eval_data.labels is None) != (train.labels is None):
         raise InvalidParameterError("eval_data", eval_data.source.get("file"), "must have the label column exactly "
                                     "when the training data has one")
+    if options.batch_size > len(train):
+        raise InvalidParameterError("batch_size", options.batch_size, f"must be <= the {len(train)} training rows "
+                                    "(it is the expected Poisson batch size)")
     folder = check_model_folder(model_dir)
     if options.device == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", "cuda", "no CUDA device is available here; use cpu or auto")

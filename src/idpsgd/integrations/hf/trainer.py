@@ -242,10 +242,7 @@ class IndividualizedTrainer(Trainer):
                             num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory, **extra)
         n = len(ds)
         rate = self.expected_batch_size / n
-        per_epoch = steps_per_epoch_for(rate)
-        planned = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
-        if planned < 1:
-            raise InvalidParameterError("num_train_epochs", a.num_train_epochs, "plans no step")
+        planned = self.planned_steps_for(steps_per_epoch_for(rate))
         self.create_optimizer()
         self.model.train()                     # from_pretrained returns a model in eval mode
         _, self.dp_optimizer, private = self.engine.make_private(
@@ -255,6 +252,15 @@ class IndividualizedTrainer(Trainer):
         self.optimizer = self.dp_optimizer
         self.planned_steps = planned
         return private
+
+    def planned_steps_for(self, per_epoch: int) -> int:
+        """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
+        ``per_epoch`` steps (rounded up, as the Trainer counts them)."""
+        a = self.args
+        planned = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
+        if planned < 1:
+            raise InvalidParameterError("num_train_epochs", a.num_train_epochs, "plans no step")
+        return planned
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One logical batch: its physical parts' clipped gradients accumulate in the engine's
