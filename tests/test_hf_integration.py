@@ -217,11 +217,23 @@ def test_the_filter_stops_the_run_before_a_step_beyond_the_budgets(tok, tmp_path
     assert r["stopped_early"] and all(g["epsilon_spent"] <= g["budget"] for g in r["groups"])
 
 
-def test_a_classifier_with_an_array_of_budgets_and_hooks(tok, tmp_path):
-    """Sequence classification (per-example cross-entropy), budgets as an array, Opacus hooks mode;
-    accuracy and per-class accuracy in the report."""
+_BERT_XFAIL = pytest.mark.xfail(strict=False, reason="book-keeping of BERT's position embeddings broadcast from "
+                               "batch 1: issue 30 item 2 (branch i30-engine); remove this mark once merged")
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "hooks"), pytest.param("bert", "bk", marks=_BERT_XFAIL)])
+def test_a_classifier_with_an_array_of_budgets(tok, tmp_path, arch, mode):
+    """Sequence classification (per-example cross-entropy), budgets as an array; accuracy and per-class
+    accuracy in the report."""
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(_llama_config(tok, num_labels=2))
+    if arch == "llama":
+        model = LlamaForSequenceClassification(_llama_config(tok, num_labels=2))
+    else:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        model = BertForSequenceClassification(BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=32,
+                                                         max_position_embeddings=32, num_labels=2))
     lines = _lines(40, seed=4)
     enc = tok(lines, truncation=True, max_length=16)
     data = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
@@ -233,7 +245,7 @@ def test_a_classifier_with_an_array_of_budgets_and_hooks(tok, tmp_path):
                               eval_dataset=data.select(range(30, 40)), processing_class=tok,
                               data_collator=DataCollatorWithPadding(tok),
                               privacy=PrivacyArguments(budgets=budgets, delta=1e-5, method="sample",
-                                                       grad_sample_mode="hooks", seed=1))
+                                                       grad_sample_mode=mode, seed=1))
     t.train()
     r = t.report
     assert r["task"] == "sequence_classification" and 0 <= r["test_accuracy"] <= 1
