@@ -176,8 +176,9 @@ def test_gradient_accumulation_is_physical_batches_of_one_step(tok, tmp_path):
     results, seen = {}, []
     for name, (per_device, accum) in {"one": (8, 1), "parts": (2, 4)}.items():
         model = copy.deepcopy(model0)
-        model.model.embed_tokens.register_forward_pre_hook(
-            lambda m, a: seen.append(a[0].shape[0]) if torch.is_grad_enabled() and name == "parts" else None)
+        if name == "parts":
+            model.model.embed_tokens.register_forward_pre_hook(
+                lambda m, a: seen.append(a[0].shape[0]) if torch.is_grad_enabled() else None)
         t = _trainer(tok, model, train, tmp_path / name, per_device_train_batch_size=per_device,
                      gradient_accumulation_steps=accum, num_train_epochs=2, optim="sgd")
         t.train()
@@ -444,6 +445,7 @@ def test_example_script_runs_as_a_command(tmp_path):
     """The example as users run it (a fresh process, the tiny setting from the environment)."""
     env = {**os.environ, "IDPSGD_EXAMPLE_TINY": "1", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_finetune_gpt2.py"), "--lora-r", "2", "--out",
-                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600)
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "group with budget 1" in proc.stdout and "test perplexity" in proc.stdout

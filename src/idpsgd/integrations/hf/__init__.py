@@ -34,4 +34,5 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = sorted(_LAZY)
+__all__ = ["FinetuneOptions", "IndividualizedTrainer", "PerExampleLoss", "PrivacyArguments", "TextData",
+           "check_training_arguments", "finetune", "load_text_data"]

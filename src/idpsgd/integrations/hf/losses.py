@@ -113,7 +113,7 @@ class PerExampleLoss:
         self.shift, self.family = TASKS[task]
 
     @classmethod
-    def for_model(cls, model) -> "PerExampleLoss":
+    def for_model(cls, model) -> PerExampleLoss:
         """The loss of ``model``'s task; refused (with what to do) when the task is unknown."""
         task = task_of(model)
         if task is None:

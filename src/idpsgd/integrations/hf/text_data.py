@@ -167,7 +167,7 @@ def label_ids(train_labels: list, eval_labels: list | None, label2id: dict | Non
             raise InvalidParameterError("label_column", unknown[0], f"is not a class of the model (its classes: "
                                         f"{', '.join(sorted(mapping))})")
     else:
-        classes = sorted(set(str(v) for v in train_labels))
+        classes = sorted({str(v) for v in train_labels})
         if len(classes) < 2:
             raise InvalidParameterError("label_column", classes[0], "classification needs at least 2 classes")
         mapping = {c: i for i, c in enumerate(classes)}
