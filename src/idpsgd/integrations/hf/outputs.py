@@ -110,7 +110,8 @@ def build_report(trainer) -> dict:
                     "sample_rate": float(np.mean(p["sample_rates"])), "noise_multiplier": p["noise_multiplier"]}],
         "groups": groups, "history": history, **({"data": trainer.data_source} if trainer.data_source else {}),
         "files": None,
-        "private": {"seed": engine.seed, "history": trainer.private_logs},
+        "private": {"seed": engine.seed, "history": trainer.private_logs,
+                    "layer_paths_taken": trainer.layer_paths_taken},   # depend on the batches' shapes
     }
 
 

@@ -218,7 +218,8 @@ class IndividualizedTrainer(Trainer):
         self.last_batch_size = 0
         self.ledger_rows: list[list] = []       # private: step, real batch size, ε per group
         self.private_logs: list[dict] = []      # private: training losses and other uncovered values
-        self.layer_paths: dict = {}
+        self.layer_paths: dict = {}             # public: the static rule per layer
+        self.layer_paths_taken: dict = {}       # private: the paths taken (depend on the batches' shapes)
         self.report: dict | None = None
 
     # --- the private step ---------------------------------------------------------------------
@@ -351,7 +352,7 @@ class IndividualizedTrainer(Trainer):
         module = self.engine.module
         if module is not None:
             if self.engine.accountant is not None and not self.layer_paths:
-                self.layer_paths = self.engine.layer_paths
+                self.layer_paths, self.layer_paths_taken = self.engine.layer_paths, self.engine.layer_paths_taken
             module.remove_hooks()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -366,6 +367,6 @@ class IndividualizedTrainer(Trainer):
         """Write the run folder: public model/, report.json, report.html; private/ per-example budgets
         and ε, ledger, private logs, the privacy seed.  Returns the report (with its private part)."""
         from .outputs import write_run
-        self.layer_paths = self.engine.layer_paths
+        self.layer_paths, self.layer_paths_taken = self.engine.layer_paths, self.engine.layer_paths_taken
         self.report = write_run(self)
         return self.report
