@@ -55,7 +55,7 @@ def _brute_force(model, x, y):
     for i in range(len(x)):
         model.zero_grad()
         nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
     return torch.stack(rows)
 
 
@@ -299,8 +299,8 @@ def test_batch_memory_manager_accumulates_physical_batches():
 
 def test_refusals_are_clear():
     lin = nn.Linear(4, 4)
-    tied = nn.Sequential(lin, nn.Tanh(), nn.Linear(4, 4))
-    tied[2].weight = lin.weight                       # weight tying: cross terms in the per-example norm
+    tied = nn.Sequential(lin, nn.Tanh(), _Scaled(4))
+    tied[2].scale = lin.bias              # tied between a covered layer and a fallback unit (tests/test_bookkeeping_tied.py)
     with pytest.raises(InvalidParameterError, match="shared by"):
         plan_layers(tied)
     model = _seq(nn.Linear(4, 3))

@@ -126,9 +126,10 @@ def test_data_parallel_model_needs_a_process_group():
         distributed.launch(_trial, 0)
 
 
-def _engine_trial(data_parallel=True, modes=("ghost", "bk")):
-    """The library path (as under torchrun): make_private on a DPDDP model, individual accounting on;
-    one run per grad_sample_mode (ghost clipping, book-keeping)."""
+def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
+    """The library path (as under torchrun): make_private on a DPDDP model, individual accounting on
+    (norms twice an epoch, or with ``every_step`` every step with ceil rounding); one run per
+    grad_sample_mode (ghost clipping, book-keeping)."""
     from idpsgd.assignment import Budgets
     from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
     from idpsgd.engine.wrap import raw_module
@@ -145,8 +146,9 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk")):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
         engine = IndividualizedPrivacyEngine(seed=7)
-        engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0,
-                                                                        rounding_step=0.1))
+        engine.enable_individual_accounting(IndividualAccountingOptions(
+            refreshes_per_epoch=6 if every_step else 2, validate_subset=0, rounding_step=0.1,
+            rounding="ceil" if every_step else "nearest"))
         out = engine.make_private(module=model, optimizer=opt, data_loader=loader, method="sample", epochs=2,
                                   budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
                                   max_grad_norm=1.0, grad_sample_mode=mode)
@@ -158,7 +160,9 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk")):
                 crit(model(xb), yb).backward()
                 opt.step()
         results[mode] = {"eps": engine.get_epsilon(), "steps": engine.steps,
-                         "individual": engine.get_individual_epsilons(),
+                         "individual": engine.individual.epsilons(1e-5), "kind": engine.individual.kind,
+                         "check": engine.individual.sensitivity_check(),
+                         "bounds": engine.get_individual_epsilons(),
                          "params": [p.detach().clone() for p in raw_module(model).parameters()]}
     return results
 
@@ -173,10 +177,24 @@ def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_proc
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
         np.testing.assert_allclose(two[mode]["individual"], single[mode]["individual"], rtol=1e-6)
         assert np.any(single[mode]["individual"] < single[mode]["eps"].max() - 1e-3)   # individual accounting works
+        assert two[mode]["kind"] == single[mode]["kind"] == "estimate"        # norms twice an epoch, nearest
+        np.testing.assert_array_equal(two[mode]["bounds"], single[mode]["bounds"])   # data-independent then
         for a, b in zip(two[mode]["params"], single[mode]["params"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for a, b in zip(single["bk"]["params"], single["ghost"]["params"]):      # the same update either way
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_sensitivity_check_is_reduced_over_ranks():
+    """Norms every step (ceil): each rank checks its own sampled examples and the counts are summed over
+    the ranks every step, so both ranks agree and the two-process record is the single-process one."""
+    single = _engine_trial(data_parallel=False, modes=("bk",), every_step=True)["bk"]
+    two = distributed.launch(_engine_trial, 2, kwargs={"modes": ("bk",), "every_step": True}, timeout_s=60)["bk"]
+    assert two["kind"] == single["kind"] == "guarantee"
+    for key in ("steps", "examples", "compared", "exceeded", "mismatched"):
+        assert two["check"][key] == single["check"][key], key
+    assert single["check"]["examples"] > 0 and single["check"]["compared"] == single["check"]["examples"]
+    np.testing.assert_allclose(two["bounds"], single["bounds"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -456,6 +456,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
     _train_steps(m2, o2, l2, 5)
     assert torch.equal(_params(m2), _params(model))
     assert np.array_equal(fresh.get_individual_epsilons(), engine.get_individual_epsilons())
+    assert np.array_equal(fresh.individual.epsilons(DELTA), engine.individual.epsilons(DELTA))   # the estimates
 
 
 # --- item 9: Sample with a wide spread says its strict group barely trains ------------------------

@@ -426,6 +426,44 @@ def _rounding_levels(clip_norms, step: float) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(int(np.ceil(count - 1e-12)) + 1) * step, np.unique(clip_norms)]))
 
 
+def offline_kind(recorded_kind: str | None, individual_clipping: bool, recorded_rounding: str | None,
+                 recorded_step: float | None, rounding: str, rounding_step: float | None, steps,
+                 overridden: bool = False) -> tuple[str, str]:
+    """(kind, reason) of offline accounting from recorded norms (:func:`account_from_norms`).
+
+    A norms file holds the norm passes' values, not what training clipped; only the run that wrote
+    it knows whether they bounded training's clipped norms (:mod:`idpsgd.engine.individual`), and
+    records it (``kind``; ``idpsgd train --save-norms``).  The offline ε are a **guarantee** only when
+    that record says ``guarantee``, the run's own rates, σ and clip norms are used
+    (``overridden=False``) and
+
+    * the run clipped individually (Yu et al. Alg. 3) and the offline rounding and step are the
+      recorded ones (the charges are then the run's clip thresholds); or
+    * it did not, and every refresh covered one step with rounding ``exact`` or ``ceil`` (never
+      below the checked norm).
+
+    Otherwise an **estimate**.
+    """
+    steps = np.asarray(steps)
+    if recorded_kind != "guarantee":
+        return "estimate", ("the norms file does not record a run whose individual accounting was a guarantee "
+                            "(its norms were not checked against training's clipped norms)")
+    if overridden:
+        return "estimate", "the sample rate, noise multiplier or clip norm replaces the recorded run's"
+    if individual_clipping:
+        same_step = (recorded_step is not None and rounding_step is not None
+                     and abs(float(rounding_step) - float(recorded_step)) <= 1e-12 * float(recorded_step))
+        if rounding == recorded_rounding and (rounding == "exact" or same_step):
+            return "guarantee", "the run clipped every example at these sensitivities (individual clipping)"
+        return "estimate", ("the run clipped at its recorded rounding; another rounding or step charges other "
+                            "sensitivities than the clip thresholds")
+    if rounding in ("exact", "ceil") and np.all(steps == 1):
+        return "guarantee", (f"norms of every step, checked against training's clipped norms by the run, with "
+                             f"{rounding} rounding")
+    return "estimate", ("a refresh covers several steps, or nearest rounding can round a sensitivity below the "
+                        "norm")
+
+
 def account_from_norms(norms, steps, sample_rate, noise_multiplier: float, clip_norm: float, delta: float,
                        rounding: str = "nearest", rounding_step: float | None = None, clip_norms=None,
                        accountant: str = "rdp", report: bool = False):

@@ -182,7 +182,9 @@ def render(run_dir, include_private: bool = False) -> str:
         rel = ip["released"]
         parts.append("<h2>Individual privacy (Yu et al. 2023)</h2>")
         parts.append(f"<p>Each example's ε is the smaller of its output-specific ε ({e(ip['kind'])}: "
-                     f"{e(ip['definition'])}) and its data-independent ε. Only privately released statistics are "
+                     f"{e(ip['definition'])}) and its data-independent ε"
+                     + (f" — {e(ip['kind'])} because {e(ip['kind_reason'])}" if ip.get("kind_reason") else "")
+                     + ". Only privately released statistics are "
                      f"shown here: released with (ε, δ) = ({rel['total']['epsilon']:g}, {rel['total']['delta']:g}), "
                      f"which every example pays on top of the model's guarantee.</p>")
         qs = rel["quantiles"]["values"]

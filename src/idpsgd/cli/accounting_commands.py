@@ -134,7 +134,8 @@ def _account_args(p):
                    help="npz with 'norms' (refreshes x examples) and 'steps' (steps covered by each refresh); "
                         "optional 'sample_rates', 'clip_norms' (per example), 'noise_multiplier', 'clip_norm', "
                         "'rounding', 'rounding_step' (as 'idpsgd train --save-norms' writes them to "
-                        "OUT/private/norms.npz) fill in the flags below")
+                        "OUT/private/norms.npz) fill in the flags below; the result is a guarantee only for a file "
+                        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters")
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q in (0, 1] (default: the file's)")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier σ > 0 (default: the file's)")
     p.add_argument("--clip-norm", type=float, help="clip norm C > 0 (default: the file's)")
@@ -190,6 +191,16 @@ def read_norms_file(path):
         if mode.dtype.kind != "U" or mode.size != 1 or str(mode.ravel()[0]) not in ("exact", "ceil", "nearest"):
             raise InvalidParameterError("norms", str(path), "array 'rounding' must be one of exact, ceil, nearest")
         extras["rounding"] = str(mode.ravel()[0])
+    if "accounting_kind" in arrays:
+        kind = arrays["accounting_kind"]
+        if kind.dtype.kind != "U" or kind.size != 1 or str(kind.ravel()[0]) not in ("guarantee", "estimate"):
+            raise InvalidParameterError("norms", str(path), "array 'accounting_kind' must be guarantee or estimate")
+        extras["accounting_kind"] = str(kind.ravel()[0])
+    if "individual_clipping" in arrays:
+        ic = arrays["individual_clipping"]
+        if ic.dtype != np.bool_ or ic.size != 1:
+            raise InvalidParameterError("norms", str(path), "array 'individual_clipping' must be one boolean")
+        extras["individual_clipping"] = bool(ic.ravel()[0])
     for key, arr in (("norms", norms), ("steps", steps)):
         if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
             raise InvalidParameterError("norms", str(path), f"array '{key}' must be numeric (it has dtype {arr.dtype})")
@@ -226,6 +237,7 @@ def read_norms_file(path):
 def account_cmd(args):
 
     from ..accounting import account_from_norms
+    from ..accounting.individual import DEFAULT_ROUNDING_FRACTION, offline_kind
     from ..runfolder import RunFolder
 
     delta = check_delta(args.delta)
@@ -263,6 +275,13 @@ def account_cmd(args):
     report, worst = account_from_norms(norms, steps, q, sigma, clip, delta, rounding, rounding_step,
                                        clip_norms=clip_norms, accountant=args.accountant, report=True)
     eps = report.epsilon
+    recorded_step = float(np.ravel(extras["rounding_step"])[0]) if "rounding_step" in extras else None
+    step_used = (rounding_step if rounding_step is not None
+                 else DEFAULT_ROUNDING_FRACTION * float(np.max(clip_norms if clip_norms is not None else clip)))
+    kind, reason = offline_kind(extras.get("accounting_kind"), extras.get("individual_clipping", False), extras.get("rounding"),
+                                recorded_step, rounding, step_used, steps,
+                                overridden=any(getattr(args, k) is not None
+                                               for k in ("sample_rate", "noise_multiplier", "clip_norm")))
     header = ["index", "epsilon", "source", "rdp_epsilon"] + (["pld_epsilon"] if report.pld is not None else []) \
         + ["worst_case_epsilon"]
     cols = [np.arange(eps.size), eps, report.source, report.rdp] + ([report.pld] if report.pld is not None else []) \
@@ -278,7 +297,7 @@ def account_cmd(args):
               "worst_case_epsilon": float(worst.max()),
               "worst_case_accountant": "pld" if args.accountant == "pld" else "rdp",
               "examples": int(eps.size), "steps": int(steps.sum()), "rounding": rounding,
-              "kind": "estimate" if rounding == "nearest" or np.any(steps > 1) else "guarantee"}
+              "kind": kind, "kind_reason": reason}
     folder.write_json("account.json", {k: v for k, v in result.items() if k != "private"}, "public",
                       "settings of the offline accounting and the data-independent worst-case epsilon")
     return result

@@ -36,12 +36,15 @@ def _per_instance_args(p):
     p.add_argument("--epsilon", type=float, default=d["epsilon"],
                    help="data-independent ε the runs' noise is calibrated to (default %(default)g)")
     p.add_argument("--checkpoint-every", type=int, help="steps between measurements of the targets' gradient norms "
-                   "(default: one epoch; 1: every step's own value)")
+                   "(default: one epoch; 1: every step's own value, needed for the *_upper values and the "
+                   "per-point guarantee to be confidence bounds; otherwise they are estimates and the "
+                   "data-independent bound)")
     p.add_argument("--samples", default=",".join(str(v) for v in d["samples"]),
                    help="outer,inner mini-batch samples for Thm. 3.6 (default %(default)s)")
     p.add_argument("--p", type=float, help="Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4)")
     p.add_argument("--failure", type=float, default=d["failure"],
-                   help="J: each point's confidence upper bound holds with probability >= 1 - J (default %(default)s)")
+                   help="J: each point's confidence upper bound holds with probability >= 1 - J for that point (no "
+                        "union bound over the points) (default %(default)s)")
     p.add_argument("--unlearning-beta", type=float,
                    help="NPIU threshold β (default: the data-independent RDP of training at α)")
     p.add_argument("--seed", type=int, help="seed of the initialisation, runs and point choice (default: a fresh "
@@ -64,12 +67,17 @@ def _per_instance_text(s):
         lines.append(f"[private] ratio of the per-instance RDP max(add, remove) to the data-independent one over "
                      f"{len(p['points'])} points: median {p['median_ratio_to_baseline']:.3f}, 10th percentile "
                      f"{p['p10_ratio_to_baseline']:.3f}; to the same composition: median "
-                     f"{p['median_ratio_to_same_composition']:.3f}; confidence upper bound (prob. >= "
-                     f"{1 - s['failure']:g} per point): median {p['median_upper_ratio_to_baseline']:.3f}")
+                     f"{p['median_ratio_to_same_composition']:.3f}; "
+                     + (f"confidence upper bound (prob. >= {1 - s['failure']:g} per point, no union bound over the "
+                        f"points): median {p['median_upper_ratio_to_baseline']:.3f}"
+                        if s.get("upper_kind") == "confidence upper bound" else
+                        f"upper value (an estimate: sensitivities measured every {s['checkpoint_every']} steps; "
+                        f"--checkpoint-every 1 makes it a confidence bound): median "
+                        f"{p['median_upper_ratio_to_baseline']:.3f}"))
         lines.append(f"[private] per-step contribution / per-step baseline in the second half of training (median over "
                      f"points): add {p['median_late_step_ratio_add']:.3g}, remove "
                      f"{p['median_late_step_ratio_remove']:.3g}; {100 * p['share_points_below_baseline_late']:.0f}% "
-                     f"of the points below 1; guarantee min(per-instance bound, data-independent) below the "
+                     f"of the points below 1; guarantee ({s.get('guarantee_rule', '')}) below the "
                      f"data-independent epsilon for {100 * p['share_guarantee_below_data_independent']:.0f}% of them")
         unl = p.get("unlearning")
         if unl:

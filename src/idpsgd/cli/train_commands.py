@@ -80,7 +80,9 @@ def _train_args(p):
                    help="rounding of norms: nearest (the paper's), ceil (never below), exact (default nearest)")
     g.add_argument("--rounding-step", type=float, help="rounding step r (default 0.01 x clip norm)")
     g.add_argument("--individual-clipping", action="store_true",
-                   help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee")
+                   help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee (without it, "
+                        "a guarantee needs --refreshes-per-epoch = steps per epoch, --rounding exact or ceil, and "
+                        "training's norms equal to the norm pass's at every step, which is checked)")
     g.add_argument("--validate-subset", type=int, default=1000,
                    help="examples tracked exactly at every step to validate the estimates (default 1000; 0: off)")
     g.add_argument("--individual-accountant", choices=["rdp", "pld"], default="rdp",
@@ -177,11 +179,20 @@ def _train_text(r):
         qs = ", ".join(f"{k}: {v:.3f}" for k, v in rel["quantiles"]["values"].items())
         lines.append(f"individual epsilon ({ip['kind']}), privately released with epsilon {rel['total']['epsilon']:g}: "
                      f"mean {rel['mean']['value']:.3f}; quantiles {qs}")
+        if ip.get("kind_reason"):
+            lines.append(f"  {ip['kind']}: {ip['kind_reason']}")
         exact = (r.get("private") or {}).get("individual_privacy")
         if exact:
             lines.append(f"[private] exact: mean {exact['mean']:.4f}, median {exact['quantiles']['0.5']:.4f}, "
                          f"max {exact['max']:.4f}; worst case {exact['worst_case_epsilon']:.4f}; "
                          f"{100 * exact['share_at_worst_case']:.1f}% at the worst case")
+            chk = exact.get("sensitivity_check")
+            if chk:
+                lines.append(f"[private] sensitivity check: {chk['examples']} trained examples over {chk['steps']} "
+                             f"steps; {chk['exceeded']} clipped norms above their charged sensitivity (largest ratio "
+                             f"{chk['max_ratio']:.4g}); {chk['mismatched']} of {chk['compared']} norms compared "
+                             f"differed from the norm pass (largest relative difference "
+                             f"{chk['max_relative_mismatch']:.3g})")
             if "validation" in exact:
                 v = exact["validation"]
                 lines.append(f"[private] validation on {v['examples']} examples tracked exactly: Pearson r "

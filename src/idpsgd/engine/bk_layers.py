@@ -65,6 +65,9 @@ class Rule:
 
     #: ghost-capable (keeps (a, b) when the ghost norm is cheaper) or always per-sample
     ghost_capable = False
+    #: a ghost-capable layer that always takes the ghost norm (its ``per_sample``, if any, serves only
+    #: the cross terms of tied parameters, :mod:`.bk_tied`)
+    always_ghost = False
     #: the names of the layer's own parameters the rule trains (any other trainable parameter the
     #: layer owns is refused by the planner: it would get noise only)
     parameters: tuple[str, ...] = ("weight", "bias")
@@ -169,6 +172,17 @@ class LinearRule(Rule):
         if _trainable(module, "bias"):
             bias = b.sum(1)
             out = out + (bias * bias).sum(1)
+        return out
+
+    def ghost_inner(self, module, uses, name, m):
+        """⟨G_i, M_i⟩ for explicit per-example tensors M (B, *shape) of parameter ``name``: Σ_t b_tᵀ M a_t
+        (weight) or Σ_t b_t·M (bias) from the kept factors (for tied parameters, :mod:`.bk_tied`)."""
+        a, b = self._cat(uses)
+        if name == "bias":
+            return (b.sum(1) * m).sum(1)
+        out = a.new_zeros(a.shape[0])
+        for s in _chunks(a.shape[0], a.shape[1] * a.shape[2]):
+            out[s] = (torch.matmul(b[s], m[s]) * a[s]).sum((1, 2))
         return out
 
     def ghost_clipped_sum(self, module, uses, w):
@@ -333,6 +347,7 @@ class EmbeddingRule(Rule):
     the forward, an un-noised write to the released model)."""
 
     ghost_capable = True
+    always_ghost = True
     parameters = ("weight",)
 
     @staticmethod
@@ -365,6 +380,21 @@ class EmbeddingRule(Rule):
         rows = b.new_zeros((uniq.numel(), b.shape[-1])).index_add_(0, inv, b.reshape(-1, b.shape[-1]))
         return b.new_zeros(n).index_add_(0, torch.div(uniq, module.num_embeddings, rounding_mode="floor"),
                                          (rows * rows).sum(1))
+
+    def per_sample(self, module, saved, g):
+        """G_i (B, V, d): row v of example i is the sum of its output gradients at token v (used where a
+        tied parameter's cross term has no ghost rule, a chunk of examples at a time)."""
+        ids, b = self._flat(module, [(saved, g)])
+        n, v = ids.shape[0], module.num_embeddings
+        key = (torch.arange(n, device=ids.device).unsqueeze(1) * v + ids).reshape(-1)
+        rows = b.new_zeros((n * v, b.shape[-1])).index_add_(0, key, b.reshape(-1, b.shape[-1]))
+        return {"weight": rows.view(n, v, -1)}
+
+    def ghost_inner(self, module, uses, name, m):
+        """⟨G_i, M_i⟩ = Σ_t e_t·M_i[x_t] for explicit per-example tensors M (B, V, d) (tied parameters)."""
+        ids, b = self._flat(module, uses)
+        picked = torch.gather(m, 1, ids.unsqueeze(-1).expand(-1, -1, m.shape[-1]))
+        return (picked * b).sum((1, 2))
 
     def ghost_clipped_sum(self, module, uses, w):
         ids, b = self._flat(module, uses)

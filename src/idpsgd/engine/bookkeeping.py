@@ -35,10 +35,24 @@ there) or whose sampler gave no per-sample gradient for a trainable parameter is
 step; a parameter made trainable after planning is planned anew by the next norm pass (and refused
 by the engine's step until ``make_private`` is called again).
 
-Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside its
-layer's forward (weight tying across layers, a functional call on ``layer.weight``) would receive an
-un-clipped autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
-parameters shared between layers (their per-example norm needs cross terms).
+Three structures of Hugging Face models are book-kept exactly as well:
+
+* **tied parameters** — one parameter in several covered layers (GPT-2's ``wte``/``lm_head``): each
+  layer keeps its own record, the per-example norm adds the cross terms 2⟨G_i^(l), G_i^(m)⟩
+  (:mod:`.bk_tied`), the clipped sum adds the layers' contributions;
+* **inputs shared by the batch** — a covered layer fed an input of batch size 1 while the step has B
+  examples (BERT's and GPT-2's position embeddings, looked up with ``position_ids`` of shape (1, T)):
+  its output is tracked as a batch-independent value, and its per-example output gradients are
+  taken where that value meets the batch (:mod:`.bk_shared`);
+* **parameters used directly in forward** — a module no rule covers, with trainable submodules and
+  parameters shaped to broadcast over the batch (ViT's class token and position embedding): a
+  *direct unit* (:class:`_DirectUnit`) tracks them through its forward the same way; its submodules
+  keep their own rules.
+
+Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside the
+covered layers' forwards (a functional call on ``layer.weight``) would receive an un-clipped
+autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
+parameters shared between a covered layer and a fallback or direct unit.
 """
 from __future__ import annotations
 
@@ -47,11 +61,17 @@ from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_flatten
 
 from ..validation import InvalidParameterError
 from .bk_layers import Rule, _add_into, rule_for
+from .bk_shared import BK_HINT, SharedTensor, Source, distribute, parameter_use
+from .bk_tied import cross_term
 
 GHOST, PER_SAMPLE, FALLBACK = "ghost norm", "per-sample gradient", "Opacus per-sample gradient (fallback)"
+DIRECT = "per-sample gradient (parameters used in forward)"
+#: plan_layers' kind for a module whose own parameters are used directly in its forward (:class:`_DirectUnit`)
+DIRECT_UNIT = "direct"
 #: the public rule of a layer that takes the ghost norm or the per-sample gradient by its shapes
 BY_SHAPES = f"{GHOST} or {PER_SAMPLE}, by the layer's input shapes in each step (ghost when 2T² < d·p)"
 ACCUMULATION_ERROR = ("Poisson sampling is not compatible with gradient accumulation: call optimizer.step() after "
@@ -64,20 +84,46 @@ class _BookKeptOp(torch.autograd.Function):
     gradient to the layer's :class:`_Layer` record."""
 
     @staticmethod
-    def forward(ctx, layer, x, *params):
+    def forward(ctx, layer, shared, x, *params):
         out, saved = layer.rule.forward(layer.module, x)
-        ctx.layer = layer
+        ctx.layer, ctx.shared = layer, shared
         ctx.save_for_backward(*saved)
         layer.pending += 1
         return out
 
     @staticmethod
     def backward(ctx, g):
-        layer = ctx.layer
+        layer, shared = ctx.layer, ctx.shared
         saved = ctx.saved_tensors
-        gx = layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[1])
-        layer.record(saved, g)
-        return (None, gx) + (None,) * (len(ctx.needs_input_grad) - 2)
+        rest = (None,) * (len(ctx.needs_input_grad) - 3)
+        if shared is None:
+            gx = layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])
+            layer.record(saved, g)
+            return (None, None, gx) + rest
+        # a batch-1 input while the step has B examples: the per-example output gradients came from
+        # where the output met the batch (bk_shared); the input is the same for every example
+        ctx.shared = None
+        batch, source = shared.source.batch, shared.source
+        gb = source.grad.reshape((batch,) + tuple(g.shape[1:])) if source.grad is not None else \
+            g.new_zeros((batch,) + tuple(g.shape[1:]))
+        saved_b = tuple(t.expand((batch,) + tuple(t.shape[1:])) if t.dim() and t.shape[0] == 1 else t for t in saved)
+        layer.record(saved_b, gb)
+        if not shared.roots:
+            return (None, None, layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])) + rest
+        gx = layer.rule.backward_input(layer.module, tuple(t.contiguous() for t in saved_b), gb, True)
+        if gx is None:
+            return (None, None, None) + rest
+        distribute(shared.input, shared.roots, gx.reshape((batch,) + tuple(shared.input.shape)))
+        return (None, None, gx.sum(0, keepdim=True)) + rest
+
+
+class _SharedUse:
+    """A covered layer's forward on an input shared by the batch: its output's :class:`~.bk_shared.Source`,
+    and the input's sources when the input is itself batch-independent (per-example input gradients
+    go to them)."""
+
+    def __init__(self, source: Source, input_tensor, roots):
+        self.source, self.input, self.roots = source, input_tensor, roots
 
 
 class _BookKeptForward:
@@ -97,7 +143,37 @@ class _BookKeptForward:
             raise RuntimeError("grad_sample_mode='bk' does not support autocast (mixed precision); use "
                                "grad_sample_mode='hooks', or train in one precision")
         x = layer.rule.prepare(module, x)
-        return _BookKeptOp.apply(layer, x, *layer.params.values())
+        batch = layer.keeper.step_batch
+        if isinstance(x, SharedTensor) or (batch not in (None, 1) and torch.is_tensor(x) and x.dim() > 0
+                                           and x.shape[0] == 1):
+            return self._shared(x, batch)
+        return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+
+    def _shared(self, x, batch):
+        """The layer on an input shared by the batch (batch size 1, or batch-independent): a source of
+        per-example gradients (:mod:`.bk_shared`), its output batch-independent."""
+        layer = self.layer
+        expand = False
+        roots = ()
+        if isinstance(x, SharedTensor):
+            x, roots, batch = x._plain, x._roots, x._batch
+            if batch == 0 and x.dim() > 0 and x.shape[0] == 0:        # an empty batch: nothing to attribute
+                return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+            if x.dim() > 0 and x.shape[0] == batch and x.stride(0) == 0:
+                x, expand = x.narrow(0, 0, 1), True          # rows of one value (an expand to the batch)
+            elif x.dim() == 0 or x.shape[0] != 1:
+                raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
+                                   f"{tuple(x.shape)} computed from values shared by the batch, without a batch "
+                                   f"dimension of 1; {BK_HINT}")
+        elif x.requires_grad:
+            raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
+                               f"requires a gradient while the step has {batch} examples: it is computed from the "
+                               "batch (a reduction over examples couples their gradients) or from a parameter "
+                               "outside the layers book-keeping tracks; per-example gradients are undefined there")
+        source = Source(layer.name, batch)
+        out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
+        shared = SharedTensor.wrap(out, ((out, source),), batch)
+        return shared.expand((batch,) + tuple(out.shape[1:])) if expand else shared
 
     def __deepcopy__(self, memo):
         return _PlainForward(memo.get(id(self.layer.module), self.layer.module))
@@ -128,6 +204,7 @@ class _Layer:
         self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         self.per_sample_size = sum(int(p.numel()) for p in self.params.values())   # numbers per example
         self.paths_taken: set[str] = set()
+        self.cross_taken: dict[str, set[str]] = {}      # tied parameter's other layer -> how its cross term was computed
         self.clear()
 
     def clear(self) -> None:
@@ -272,6 +349,96 @@ class _FallbackUnit:
             delattr(self.module, "ft_compute_sample_grad")
 
 
+class _DirectUnit:
+    """A module no rule covers, with trainable submodules, whose own parameters its forward uses directly
+    (ViT's class token and position embedding, added to and concatenated with activations): during
+    that forward each own parameter is replaced by a batch-independent value (:mod:`.bk_shared`)
+    whose per-example gradients are collected where it meets the batch.  Its submodules are layers
+    of their own.  A use the book-keeper cannot attribute is refused in the forward."""
+
+    def __init__(self, keeper: "BookKeeper", name: str, module: nn.Module):
+        self.keeper, self.name, self.module = keeper, name, module
+        self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        module.forward = _DirectForward(self)
+        self.clear()
+
+    def clear(self) -> None:
+        self.grad_sample: dict = {}
+        self.batch: int | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self.batch is not None
+
+    def sink(self, name: str):
+        def add(g):
+            n = int(g.shape[0])
+            if self.batch is not None and n != self.batch:
+                raise ValueError(f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
+                                 f"optimizer.step(); {ACCUMULATION_ERROR}")
+            self.batch = n
+            _add_into(self.grad_sample, {name: g.reshape((n,) + tuple(self.params[name].shape))})
+        return add
+
+    def norm_sq(self):
+        if not self.grad_sample or not self.batch:
+            return None
+        return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
+
+    def clipped_sum(self, w: torch.Tensor) -> dict:
+        return {self.params[n]: torch.einsum("b,b...->...", w.to(gs.dtype), gs) for n, gs in self.grad_sample.items()}
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+class _DirectForward:
+    """A :class:`_DirectUnit` module's ``forward``: its own trainable parameters replaced, for the call, by
+    the tensors :func:`~.bk_shared.parameter_use` gives (plain forward when the keeper is inactive,
+    gradients are off, or the call is not inside the model's forward)."""
+
+    def __init__(self, unit: _DirectUnit):
+        self.unit = unit
+
+    def __call__(self, *args, **kwargs):
+        unit = self.unit
+        module = unit.module
+        batch = unit.keeper.step_batch
+        if batch is None or not (unit.keeper.active and torch.is_grad_enabled()):
+            return type(module).forward(module, *args, **kwargs)
+        own = module._parameters
+        saved = {n: own[n] for n in unit.params}
+        try:
+            for n, p in unit.params.items():
+                own[n] = parameter_use(p, f"{unit.name}.{n}", batch, unit.sink(n))
+            return type(module).forward(module, *args, **kwargs)
+        finally:
+            own.update(saved)
+
+    def __deepcopy__(self, memo):
+        return _PlainForward(memo.get(id(self.unit.module), self.unit.module))
+
+    def __reduce__(self):
+        return _PlainForward, (self.unit.module,)
+
+
+def _unit_kind(module: nn.Module, rule):
+    """How a module owning trainable parameters is book-kept: its rule; ``DIRECT_UNIT`` when no rule and no
+    Opacus grad sampler covers it, it has trainable submodules (functorch over the whole module would
+    take them off their own rules), and each own trainable parameter has a leading dimension of 1 —
+    shaped to broadcast over the batch, as ViT's class token (1, 1, d) and position embedding
+    (1, N, d): own parameters tracked through its forward; else None (a fallback unit: Opacus's grad
+    sampler, or functorch over the whole module, which any forward of independent examples allows)."""
+    if rule is not None or type(module) in GradSampleModule.GRAD_SAMPLERS:
+        return rule
+    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    mine = {id(p) for p in module.parameters(recurse=False)}
+    if (all(p.dim() > 0 and p.shape[0] == 1 for p in own)
+            and any(p.requires_grad and id(p) not in mine for p in module.parameters())):
+        return DIRECT_UNIT
+    return None
+
+
 def _check_rule_parameters(name: str, module: nn.Module, rule) -> None:
     extra = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and n not in rule.parameters]
     if extra:
@@ -283,23 +450,20 @@ def _check_rule_parameters(name: str, module: nn.Module, rule) -> None:
             "freeze them")
 
 
-def _unit_params(module: nn.Module, rule) -> tuple[list, bool]:
-    """(trainable parameters a layer or fallback unit owns, whether it owns its whole subtree)."""
-    if rule is None and type(module) not in GradSampleModule.GRAD_SAMPLERS:
-        return [p for p in module.parameters() if p.requires_grad], True       # functorch: the whole module
-    return [p for p in module.parameters(recurse=False) if p.requires_grad], False
-
-
 def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
-    """(name, module, rule or None for a fallback unit) for every module owning trainable parameters,
-    as Opacus's ``GradSampleModule`` walks a model; a module with a parametrization
-    (``torch.nn.utils.parametrize``, e.g. ``parametrizations.weight_norm``: its parameters live in
-    ``parametrizations.<name>.original*``) is one fallback unit with its whole subtree.  Refuses
-    parameters shared by two of them, and a covered layer owning a trainable parameter its rule does
-    not train (it would get noise only)."""
-    plan, owner = [], {}
+    """(name, module, rule, ``DIRECT_UNIT`` or None for a fallback unit) for every module owning trainable
+    parameters, as Opacus's ``GradSampleModule`` walks a model (a module reached twice is planned
+    once); a module with a parametrization (``torch.nn.utils.parametrize``, e.g.
+    ``parametrizations.weight_norm``: its parameters live in ``parametrizations.<name>.original*``)
+    is one fallback unit with its whole subtree.  A parameter shared by covered layers is tied (cross
+    terms, :mod:`.bk_tied`); one shared with any other unit is refused, as is a covered layer owning
+    a trainable parameter its rule does not train (it would get noise only)."""
+    plan, owner, seen = [], {}, set()
 
     def walk(module, prefix):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         parametrized = parametrize.is_parametrized(module)
         if (any(p.requires_grad for p in module.parameters(recurse=False))
                 or (parametrized and any(p.requires_grad for p in module.parameters()))):
@@ -307,15 +471,20 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
             name = prefix or type(module).__name__
             if rule is not None:
                 _check_rule_parameters(name, module, rule)
-            params, whole = _unit_params(module, rule)
+            kind = None if parametrized else _unit_kind(module, rule)
+            whole = kind is None and type(module) not in GradSampleModule.GRAD_SAMPLERS
+            params = module.parameters(recurse=whole)
+            covered = kind is not None and kind != DIRECT_UNIT
             for p in params:
-                if id(p) in owner:
+                if not p.requires_grad:
+                    continue
+                if id(p) in owner and not (covered and owner[id(p)][1]):
                     raise InvalidParameterError(
-                        "module", f"a parameter shared by {owner[id(p)]!r} and {name!r}",
-                        "grad_sample_mode='bk' needs every parameter in one layer (shared weights need cross "
-                        "terms in the per-example norm); use grad_sample_mode='hooks'")
-                owner[id(p)] = name
-            plan.append((name, module, rule))
+                        "module", f"a parameter shared by {owner[id(p)][0]!r} and {name!r}",
+                        "grad_sample_mode='bk' ties parameters only between layers it covers (Linear, Embedding, "
+                        "...); use grad_sample_mode='hooks'")
+                owner.setdefault(id(p), (name, covered))
+            plan.append((name, module, kind))
             if whole:
                 return
         for child_name, child in module.named_children():
@@ -342,6 +511,9 @@ class BookKeeper:
         self.forbid_accumulation = False
         self.layers: list[_Layer] = []
         self.units: list[_FallbackUnit] = []
+        self.direct: list[_DirectUnit] = []
+        self.tied: list[list[tuple[_Layer, str]]] = []     # (layer, parameter name) of each tied parameter's uses
+        self._batches: list[int | None] = []                # the batch size of each model forward in progress
         self._leaked: set[str] = set()
         self._handles = []
         self._plan()
@@ -352,15 +524,28 @@ class BookKeeper:
     def _plan(self) -> None:
         self.planned = self._trainable()        # the trainable parameters the plan covers
         try:
-            for name, module, rule in plan_layers(self.model):
-                if rule is None:
+            uses: dict[int, list] = {}
+            for name, module, kind in plan_layers(self.model):
+                if kind is None:
                     self.units.append(_FallbackUnit(self, name, module))
                     continue
-                layer = _Layer(self, name, module, rule)
-                self.layers.append(layer)
-                module.forward = _BookKeptForward(layer)
-                for pname, p in layer.params.items():
-                    self._handles.append(p.register_hook(self._leak_hook(f"{name}.{pname}")))
+                if kind == DIRECT_UNIT:
+                    unit = _DirectUnit(self, name, module)
+                    self.direct.append(unit)
+                    params = unit.params
+                else:
+                    layer = _Layer(self, name, module, kind)
+                    self.layers.append(layer)
+                    module.forward = _BookKeptForward(layer)
+                    params = layer.params
+                    for pname, p in params.items():
+                        uses.setdefault(id(p), []).append((layer, pname))
+                for pname, p in params.items():
+                    if len(uses.get(id(p), ())) <= 1:       # one leak hook per parameter
+                        self._handles.append(p.register_hook(self._leak_hook(f"{name}.{pname}")))
+            self.tied = [group for group in uses.values() if len(group) > 1]
+            self._handles.append(self.model.register_forward_pre_hook(_BatchHook(self, True), with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(_BatchHook(self, False), always_call=True))
         except BaseException:
             self.detach()
             raise
@@ -368,11 +553,11 @@ class BookKeeper:
     def _unplan(self) -> None:
         for layer in self.layers:
             layer.module.__dict__.pop("forward", None)
-        for unit in self.units:
+        for unit in [*self.units, *self.direct]:
             unit.remove()
         for h in self._handles:
             h.remove()
-        self.layers, self.units, self._handles = [], [], []
+        self.layers, self.units, self.direct, self.tied, self._handles = [], [], [], [], []
 
     def refresh(self) -> None:
         """Plan the model anew if its trainable parameters changed since it was planned (a layer
@@ -400,6 +585,23 @@ class BookKeeper:
     def __reduce__(self):
         return type(None), ()
 
+    @property
+    def step_batch(self) -> int | None:
+        """The batch size of the model forward in progress: the leading dimension of its first tensor
+        argument (batch-first), None outside the model's forward."""
+        return self._batches[-1] if self._batches else None
+
+    def _enter(self, _module, args, kwargs):
+        batch = None
+        if self.active and torch.is_grad_enabled():
+            first = next((t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0), None)
+            batch = None if first is None else int(first.shape[0])
+        self._batches.append(batch)
+
+    def _exit(self, *_):
+        if self._batches:
+            self._batches.pop()
+
     def _leak_hook(self, qualified: str):
         def hook(grad):        # a covered parameter's autograd gradient is None unless it was used elsewhere
             if grad is not None and self.active:
@@ -415,15 +617,16 @@ class BookKeeper:
     # --- one backward pass --------------------------------------------------------------------
     @property
     def parts(self):
-        return [*self.layers, *self.units]
+        return [*self.layers, *self.units, *self.direct]
 
     def _recorded(self):
         if self._leaked:
             names = sorted(self._leaked)
             self.clear()
-            raise RuntimeError(f"parameter(s) {', '.join(names)} received an un-clipped gradient outside their "
-                               "layer's forward (weight tying or a functional use of layer.weight): "
-                               "grad_sample_mode='bk' cannot clip it; use grad_sample_mode='hooks'")
+            raise RuntimeError(f"parameter(s) {', '.join(names)} received an un-clipped gradient outside the "
+                               "forward of the layers book-keeping covers (a functional use of layer.weight, or a "
+                               "module called outside the model's forward): grad_sample_mode='bk' cannot clip it; "
+                               "use grad_sample_mode='hooks'")
         untrained = [f"layer {u.name!r} ({type(u.module).__name__}) {u.untrained}" for u in self.units if u.untrained]
         if untrained:
             self.clear()
@@ -438,7 +641,10 @@ class BookKeeper:
         batches = {p.batch for p in parts}
         if len(batches) > 1:
             self.clear()
-            raise ValueError(f"layers saw different batch sizes {sorted(batches)} in one step; {ACCUMULATION_ERROR}")
+            shared = (" (a layer fed an input of batch size 1, shared by the batch, is book-kept only inside the "
+                      "model's forward, whose first tensor argument has the batch size)") if 1 in batches else ""
+            raise ValueError(f"layers saw different batch sizes {sorted(batches)} in one step{shared}; "
+                             f"{ACCUMULATION_ERROR}")
         return parts, (batches.pop() if batches else None)
 
     def scale(self, batch: int) -> float:
@@ -461,6 +667,14 @@ class BookKeeper:
             sq = part.norm_sq()
             if sq is not None:
                 total = sq if total is None else total + sq
+        for group in self.tied:            # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
+            for k, (x, name_x) in enumerate(group):
+                for y, name_y in group[k + 1:]:
+                    cross, how = cross_term(x, name_x, y, name_y, batch)
+                    if cross is not None:
+                        total = total + 2 * cross
+                        x.cross_taken.setdefault(y.name, set()).add(how)
+                        y.cross_taken.setdefault(x.name, set()).add(how)
         return total.clamp_min(0).sqrt() * self.scale(batch)
 
     @torch.no_grad()
@@ -472,7 +686,7 @@ class BookKeeper:
         if batch:
             w = factors * self.scale(batch)
             for part in parts:
-                out.update(part.clipped_sum(w))
+                _add_into(out, part.clipped_sum(w))      # a tied parameter: the sum of its layers' contributions
         return out
 
     def clear(self) -> None:
@@ -485,9 +699,12 @@ class BookKeeper:
     def rules(self) -> dict[str, str]:
         """Layer name → how its per-example norms are computed, as a function of the model only
         (public): a ghost-capable layer that can also form per-sample gradients (Linear,
-        convolutions) takes either by its input shapes in each step (:data:`BY_SHAPES`)."""
-        out = {layer.name: _static_path(layer.rule) for layer in self.layers}
+        convolutions) takes either by its input shapes in each step (:data:`BY_SHAPES`); a tied
+        parameter's layers name each other."""
+        out = {layer.name: _static_path(layer.rule) + "".join(f"; tied with {other!r}" for other in self._ties(layer))
+               for layer in self.layers}
         out.update({unit.name: FALLBACK for unit in self.units})
+        out.update({unit.name: DIRECT for unit in self.direct})
         return out
 
     @property
@@ -498,16 +715,44 @@ class BookKeeper:
         out = self.rules
         for layer in self.layers:
             if layer.paths_taken:
-                out[layer.name] = " and ".join(sorted(layer.paths_taken))
+                out[layer.name] = " and ".join(sorted(layer.paths_taken)) + "".join(
+                    f"; tied with {other!r}" + (f" (cross term: {' and '.join(sorted(layer.cross_taken[other]))})"
+                                                if layer.cross_taken.get(other) else "")
+                    for other in self._ties(layer))
         return out
+
+    def _ties(self, layer: _Layer) -> list[str]:
+        """The other layers that share a parameter with ``layer``."""
+        return [other.name for group in self.tied if any(x is layer for x, _ in group)
+                for other, _ in group if other is not layer]
 
 
 def _static_path(rule) -> str:
     if not rule.ghost_capable:
         return PER_SAMPLE
-    if type(rule).per_sample is Rule.per_sample:      # no per-sample gradients: always the ghost norm
+    if rule.always_ghost or type(rule).per_sample is Rule.per_sample:     # never the per-sample path
         return GHOST
     return BY_SHAPES
+
+
+class _BatchHook:
+    """The model's forward pre-hook (``enter``) and hook: the keeper's :attr:`BookKeeper.step_batch`.  A
+    deep copy (or a pickle) of the model gets a hook that does nothing."""
+
+    def __init__(self, keeper: BookKeeper | None, enter: bool):
+        self.keeper, self.enter = keeper, enter
+
+    def __call__(self, module, args, *rest):
+        if self.keeper is not None and self.enter:
+            self.keeper._enter(module, args, rest[0])
+        elif self.keeper is not None:
+            self.keeper._exit()
+
+    def __deepcopy__(self, memo):
+        return _BatchHook(None, self.enter)
+
+    def __reduce__(self):
+        return _BatchHook, (None, self.enter)
 
 
 def summarize_paths(paths: dict[str, str]) -> str:

@@ -9,19 +9,37 @@ a random validation subset is tracked exactly at every step (§3.3).  Norms at �
 right after step t−1's parameter update (the optimizer's post-step hook), i.e. before batch t's
 gradients are clipped — in ghost mode too.
 
-What the numbers are (:attr:`kind`):
+What the numbers are (:attr:`kind`, with :attr:`kind_reason`):
 
-* **guarantee** — output-specific individual (ε_i, δ)-DP (Yu et al. Def. 4, Thm. 3.3): with
-  individual clipping (the accounted sensitivity bounds the clipped gradient at every step), or
-  with norms refreshed every step (K = 1) and rounding ``exact`` or ``ceil``;
-* **estimate** — otherwise: between refreshes a norm is taken from the last refresh, and
-  ``nearest`` rounding can round down.
+* **guarantee** — output-specific individual (ε_i, δ)-DP (Yu et al. Def. 4, Thm. 3.3): every
+  example's charged sensitivity Z_i,t bounds the clipped gradient training adds for it at θ_{t−1}
+  (sampled or not), because it is
+
+  - **enforced** — individual clipping (Alg. 3): example i is clipped at Z_i,t itself; or
+  - **checked** — norms refreshed every step (K = 1) with rounding ``exact`` or ``ceil``, no step on
+    stale norms, no dropout module active in training, and at every step every sampled example's
+    training gradient norm ‖g_i‖ equal to the norm pass's at the same parameters (relative
+    tolerance 1e-4, :mod:`.sensitivity_check`) — the norm pass is then the training computation
+    (same loss, no train-mode-only randomness), so its norms of the unsampled examples are the
+    ones training would clip;
+
+  and in both cases no sampled example's clipped norm above its charge (checked at every step);
+* **estimate** — otherwise: between refreshes (K > 1) a norm is taken from the last refresh,
+  ``nearest`` rounding can round down, and a norm pass that is not the training computation (a
+  ``per_sample_loss`` other than the training loss, dropout, random augmentation) charges
+  sensitivities that training's clipped norms exceed.
+
+The check's record (:meth:`IndividualTracker.sensitivity_check`: sampled examples checked, how many
+exceeded their charge and by how much at most, how many norms differed from the norm pass) is a
+statistic of the gradient norms: private.
 
 Bounds (:meth:`IndividualTracker.report`): the example's RDP ε (adaptive-order conversion); with
 ``accountant="pld"`` also its PLD ε — the composition of its steps at each rounded sensitivity
 level (:mod:`idpsgd.accounting.pld_individual`); and its data-independent ε from the engine's group
 accountant (the run's accountant, ≤ its budget by calibration).  The reported ε is the minimum of
-the valid bounds, with the name of the one that gave it; the engine reports the same minimum.
+these, with the name of the one that gave it — a guarantee or an estimate as :attr:`kind` says.
+:meth:`~idpsgd.engine.IndividualizedPrivacyEngine.get_individual_epsilons` returns this minimum only
+for a guarantee, and the data-independent ε otherwise.
 """
 from __future__ import annotations
 
@@ -34,6 +52,8 @@ from ..accounting import ROUNDING, IndividualAccountant, IndividualEpsilons
 from ..accounting.individual import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
 from .distributed import sharded_grad_norms
+from .sensitivity_check import RTOL, SensitivityCheck, active_dropout, dropout_modules
+from .wrap import raw_module
 
 DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
 
@@ -91,6 +111,9 @@ class IndividualTracker:
         self.stale_steps = 0          # steps taken with norms that were due but not refreshed
         self.recorded: list[np.ndarray] = []     # refreshed norms (record_norms)
         self.recorded_steps: list[int] = []      # steps each recorded refresh covered
+        self.check: SensitivityCheck | None = None
+        self._pass_norms = None       # the last norm pass's raw norms (private) ...
+        self._pass_at = -1            # ... computed for this step index (at its parameters)
         self._due = False
 
     # --- attachment ----------------------------------------------------------------------
@@ -112,15 +135,65 @@ class IndividualTracker:
             self.exact = (IndividualAccountant(p["sample_rates"][self.subset], p["noise_multiplier"],
                                                p["max_grad_norm"], p["clip_norms"][self.subset], rounding="exact")
                           if m else None)
+            self.check = SensitivityCheck(float(p["clip_norms"].max()))
         self.engine = engine
+        self._dropouts = dropout_modules(raw_module(engine.module))
         engine.optimizer.post_step_hooks.append(self._after_step)
         self._due = True
         self._prepare_step()
 
     @property
     def kind(self) -> str:
-        exact_every_step = self.every == 1 and self.accountant.rounding in ("exact", "ceil") and not self.stale_steps
-        return "guarantee" if self.options.individual_clipping or exact_every_step else "estimate"
+        """``guarantee`` or ``estimate`` (the rule: the module doc; why: :attr:`kind_reason`)."""
+        return self._verdict()[0]
+
+    @property
+    def kind_reason(self) -> str:
+        """Why the ε are a guarantee or an estimate (depends on the options, the architecture and
+        whether the check passed; no statistic of the norms)."""
+        return self._verdict()[1]
+
+    def _verdict(self) -> tuple[str, str]:
+        """(kind, reason): every reason that makes the ε an estimate, joined; or why they are a guarantee."""
+        c, o = self.check.counts, self.options
+        broken = []               # the charges are not known to bound training's clipped norms
+        if c["steps"] < self.accountant.steps:
+            broken.append("steps taken before a checkpoint without the sensitivity check were not checked against "
+                          "training's clipped norms")
+        if c["exceeded"]:
+            broken.append("a trained example's clipped gradient norm exceeded the sensitivity it was charged at")
+        if o.individual_clipping and not broken:
+            return "guarantee", ("individual clipping (Yu et al. Alg. 3): every example is clipped at the "
+                                 "sensitivity it is charged at")
+        if self.every > 1:
+            broken.append(f"norms refreshed every {self.every} steps: between refreshes a sensitivity is taken from "
+                          "the last refresh (Yu et al. Alg. 2, K > 1)")
+        if self.accountant.rounding == "nearest":
+            broken.append("nearest rounding can round a sensitivity below the gradient norm")
+        if self.stale_steps:
+            broken.append("some steps ran on norms that were due for a refresh")
+        if self.check.dropout:
+            broken.append(f"dropout active in training ({', '.join(self.check.dropout)}): a sampled example's "
+                          "gradient is random and the norm pass's (eval mode) does not bound it")
+        if c["compared"] < c["examples"] and self.every == 1 and not self.stale_steps:
+            broken.append("some trained examples' norms were not compared with a norm pass at their step")
+        if c["mismatched"]:
+            broken.append("training's per-example gradient norms differed from the norm pass's: per_sample_loss is "
+                          "not the training loss, or training has randomness the norm pass does not (dropout, "
+                          "random augmentation)")
+        if broken:
+            return "estimate", "; ".join(broken)
+        return "guarantee", (f"norms refreshed every step ({self.accountant.rounding} rounding) and every trained "
+                             "example's gradient norm equal to the norm pass's at every step (relative tolerance "
+                             f"{RTOL:g}): the charged sensitivities bound the clipped norms")
+
+    def sensitivity_check(self) -> dict:
+        """The check's record (private: statistics of the gradient norms): logical ``steps`` checked,
+        sampled ``examples`` checked, how many ``exceeded`` their charged sensitivity and the
+        ``max_ratio`` clipped/charged, how many were ``compared`` with a norm pass at the same
+        parameters and how many ``mismatched`` (``max_relative_mismatch``), active ``dropout``
+        modules, and the tolerances."""
+        return self.check.summary()
 
     @property
     def steps(self) -> int:
@@ -146,6 +219,7 @@ class IndividualTracker:
         if self.accountant.steps % self.every == 0:
             refreshed, _ = self.grad_norms()
             self.accountant.update_norms(refreshed)
+            self._pass_norms, self._pass_at = refreshed, self.accountant.steps
             if self.options.record_norms:
                 self.recorded.append(refreshed.astype(np.float32))
                 self.recorded_steps.append(0)
@@ -157,9 +231,10 @@ class IndividualTracker:
             self.exact.update_norms(norms)
         self._due = False
 
-    def _after_step(self, _optimizer) -> None:
+    def _after_step(self, optimizer) -> None:
         if self._due:                  # this step ran on norms that should have been refreshed
             self.stale_steps += 1
+        self._check(optimizer)
         self.accountant.add_steps(1)
         if self.recorded_steps:
             self.recorded_steps[-1] += 1
@@ -171,10 +246,18 @@ class IndividualTracker:
             return                     # no further step is planned: no norm pass for it
         self._prepare_step()
 
+    def _check(self, optimizer) -> None:
+        """The step just taken: its sampled examples' training norms against their charges and, when
+        the norms were refreshed at this step's parameters, against the norm pass."""
+        fresh = self._pass_at == self.accountant.steps and not self._due
+        self.check.note_dropout(active_dropout(self._dropouts))
+        self.check.observe(optimizer.last_norms, optimizer.last_indices, optimizer.clip_norms,
+                           self.accountant.sensitivity, self._pass_norms if fresh else None)
+
     # --- results -------------------------------------------------------------------------
     def epsilons(self, delta: float) -> np.ndarray:
         """Output-specific ε_i of every example: its RDP ε, and with ``accountant="pld"`` the
-        smaller of that and its PLD ε (both of its trajectory, both valid bounds)."""
+        smaller of that and its PLD ε — a guarantee or an estimate as :attr:`kind` says."""
         return self.report(delta, cap=None).epsilon
 
     def report(self, delta: float, cap="engine") -> IndividualEpsilons:
@@ -182,7 +265,8 @@ class IndividualTracker:
         and ``cap``, with the name of the bound that gave it (``rdp``, ``pld`` or ``cap``).
 
         ``cap="engine"`` (default) is each example's data-independent ε from the engine's group
-        accountant — the run's accountant, ≤ its budget by calibration; ``None``: no cap."""
+        accountant — the run's accountant, ≤ its budget by calibration; ``None``: no cap.  A
+        guarantee or an estimate as :attr:`kind` says (capped by a bound either way)."""
         if isinstance(cap, str) and cap == "engine":
             cap = self.engine.accountant.individual_epsilons(delta)
         return self.accountant.report(delta, self.options.accountant, cap=cap)
@@ -213,10 +297,13 @@ class IndividualTracker:
                 "clip_norms": p["clip_norms"], "noise_multiplier": np.float64(p["noise_multiplier"]),
                 "clip_norm": np.float64(p["max_grad_norm"]),
                 "rounding": np.str_(self.accountant.rounding),
-                "rounding_step": np.float64(self.accountant.rounding_step)}
+                "rounding_step": np.float64(self.accountant.rounding_step),
+                "accounting_kind": np.str_(self.kind), "individual_clipping": np.bool_(self.options.individual_clipping)}
 
     def state_dict(self) -> dict:
         return {"accountant": _tensors(self.accountant.state_dict()), "stale_steps": self.stale_steps,
+                "check": self.check.state_dict(), "pass_at": self._pass_at,
+                "pass_norms": None if self._pass_norms is None else torch.from_numpy(np.asarray(self._pass_norms)),
                 "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None,
                 "recorded": [torch.from_numpy(r) for r in self.recorded], "recorded_steps": list(self.recorded_steps)}
 
@@ -225,6 +312,10 @@ class IndividualTracker:
         if self.exact is not None and state.get("exact") is not None:
             self.exact.load_state_dict(_arrays(state["exact"]))
         self.stale_steps = int(state.get("stale_steps", 0))
+        self.check.load_state_dict(state.get("check"))
+        saved = state.get("pass_norms")
+        self._pass_norms = None if saved is None else np.asarray(saved, dtype=np.float64)
+        self._pass_at = int(state.get("pass_at", -1)) if saved is not None else -1
         self.recorded = [np.asarray(r) for r in state.get("recorded", [])]
         self.recorded_steps = [int(k) for k in state.get("recorded_steps", [])]
         self._apply_clip_norms()

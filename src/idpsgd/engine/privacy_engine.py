@@ -198,13 +198,21 @@ class IndividualizedPrivacyEngine:
         return out
 
     def get_individual_epsilons(self, delta: float | None = None) -> np.ndarray:
-        """ε of every example: data-independent (its group's path); with individual accounting, the
-        smaller of that and its output-specific ε (Yu et al. 2023), both valid bounds."""
+        """ε of every example, each a valid (ε, δ) bound: its data-independent ε (its group's path);
+        with the individual filter, the smaller of that and the filter's realized ε; with individual
+        accounting (Yu et al. 2023) whose ``engine.individual.kind`` is ``"guarantee"`` (the charged
+        sensitivities enforced by individual clipping or checked against training's clipped norms at
+        every step, :mod:`.individual`), the smaller of that and the output-specific ε.
+
+        When individual accounting's ``kind`` is ``"estimate"`` the output-specific ε bounds nothing,
+        so it is not mixed in: this returns the data-independent ε, and the estimates are
+        ``engine.individual.epsilons(delta)`` (or ``engine.individual.report(delta)``), labelled by
+        ``engine.individual.kind`` and ``engine.individual.kind_reason``."""
         self._require()
         eps = self.accountant.individual_epsilons(delta)
         if self.filter is not None:   # individual filter: its realized ε at each example's order (≤ budget)
             return np.minimum(eps, self.filter.realized_epsilons(delta))
-        if self.individual is not None:
+        if self.individual is not None and self.individual.kind == "guarantee":
             eps = np.minimum(eps, self.individual.epsilons(self._delta(delta)))
         return eps
 

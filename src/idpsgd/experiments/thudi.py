@@ -13,7 +13,10 @@ D(Train(X)‖Train(X')) (runs on X; Fig. 1c).
 Every value is an **estimate** (Thm. 3.3's expectations over training runs replaced by means over
 ``seeds`` runs, the paper's "10 trials"); the per-instance analysis' files next to it hold the
 Hoeffding upper bounds, the same-composition baseline and the per-point guarantee
-min(per-instance bound, data-independent bound) (:func:`~idpsgd.training.per_instance.run_per_instance`).
+min(per-instance bound, data-independent bound) (:func:`~idpsgd.training.per_instance.run_per_instance`)
+— confidence bounds (probability ≥ 1 − J per point, no union bound over the points) with the
+default ``checkpoint_every=1``; with sparser measurements the upper values are estimates and the
+guarantee is the data-independent bound (``upper_kind`` in each public ``per_epsilon`` entry).
 
 α: by default the order at which the data-independent ε of Thm. 3.3 at sensitivity C (the
 composition the analysis uses; its per-step orders grow to 1 + 1.4·(α − 1)) is smallest: 2.19 at
@@ -177,7 +180,11 @@ def thudi_markdown(r, show_private: bool = False) -> str:
     lines = [f"Thudi et al. Fig. 1 on {r['dataset']} ({r['model']}): q = {r['sample_rate']:.5f} (expected batch "
              f"{r['batch_size']}), {r['epochs']} epochs, C = {r['clip_norm']:g}, lr {r['lr']:g}, momentum "
              f"{r['momentum']:g}, {r['seeds']} runs per chain, {r['points']} {r['target_set']}-set points, sensitivity "
-             f"recorded every {r['checkpoint_every']} step(s)", "",
+             f"recorded every {r['checkpoint_every']} step(s)"
+             + (" (per-point upper values and guarantees in the analysis files: confidence bounds, probability "
+                ">= 1 - J per point, no union bound over the points)" if r["checkpoint_every"] == 1 else
+                " (per-point upper values: estimates, the sensitivity of the steps between measurements is "
+                "reused; per-point guarantee: the data-independent bound)"), "",
              "| eps | sigma | steps | alpha | test accuracy (%) | per-step baseline RDP | data-independent RDP at "
              "alpha | same-composition RDP |", "|---|---|---|---|---|---|---|---|"]
     for pe in r["per_epsilon"]:
@@ -262,7 +269,8 @@ register(Experiment(
         Option("clip_norm", "clip norm C (the paper: 1)", positive),
         Option("delta", "delta", valid_delta),
         Option("checkpoint_every", "steps between measurements of the targets' gradient norms (1: every step's own "
-               "value)", _check_checkpoint),
+               "value, needed for the per-point upper values and guarantees to be confidence bounds)",
+               _check_checkpoint),
         Option("target_set", "test (Fig. 1a/1b: X' = X + {x*}) or train (Fig. 1c: X = X' - {x*})", _check_target_set),
         Option("device", "cpu, cuda, auto or a torch device"),
     ),

@@ -3,9 +3,15 @@
 The accounting itself runs on the engine (:class:`idpsgd.engine.IndividualTracker`); this module
 turns it into the run's outputs: every example's ε — the minimum of its output-specific RDP ε, its
 output-specific PLD ε (individual accountant ``pld``) and its data-independent ε from the run's
-accountant, all valid bounds, with the name of the one that gave it — the per-example CSV (personal data, mode 0600), the
-summary with the validation against exact tracking, the privately released statistics, and the
-plots.
+accountant, with the name of the one that gave it — the per-example CSV (personal data, mode 0600),
+the summary with the validation against exact tracking and the sensitivity check, the privately
+released statistics, and the plots.
+
+``kind`` says what the output-specific numbers are (the tracker's rule, :mod:`idpsgd.engine.individual`):
+a **guarantee** when the charged sensitivities were enforced (individual clipping) or checked against
+training's clipped norms at every step, else an **estimate** (then each example's ε is an estimate
+capped by its data-independent bound); ``kind_reason`` says why (public: it depends on the options,
+the architecture and whether the check passed); the check's statistics are private.
 """
 from __future__ import annotations
 
@@ -70,13 +76,15 @@ def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) 
                               + f" and its data-independent epsilon ({engine.accountant.accountant}); "
                               "'source' names the bound that gave it"}
     public = {
-        "kind": tracker.kind, "definition": DEFINITION, "delta": trainer.budgets.delta, "examples": int(eps.size),
+        "kind": tracker.kind, "kind_reason": tracker.kind_reason, "definition": DEFINITION,
+        "delta": trainer.budgets.delta, "examples": int(eps.size),
         "rounding": a.rounding, "rounding_step": a.rounding_step, "refresh_every_steps": tracker.every,
         "individual_clipping": tracker.options.individual_clipping, "accountants": accountants,
         "released": release_statistics(eps, upper, epsilon=release_epsilon, delta=trainer.budgets.delta),
     }
     exact = {
         "kind": tracker.kind, "refreshes": a.refreshes, "steps": a.steps, "stale_steps": tracker.stale_steps,
+        "sensitivity_check": tracker.sensitivity_check(),
         "mean": float(eps.mean()), "max": float(eps.max()), "min": float(eps.min()),
         "quantiles": {f"{q:g}": float(np.quantile(eps, q)) for q in QUANTILES},
         "source_counts": rep.counts(),
@@ -97,10 +105,12 @@ def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) 
                  ("epsilon", eps), ("source", rep.source), ("rdp_epsilon", rep.rdp + eps_pre)] + pld_cols
                 + [("worst_case_epsilon", worst), ("final_loss", loss), ("correct", correct.astype(int))])
         rf.write_csv("individual_epsilons.csv", [k for k, _ in cols], [v for _, v in cols], "private",
-                     "every example's individual epsilon (personal data; 'source': the bound that gave it: its own "
-                     "rdp or pld epsilon, or 'cap', its data-independent epsilon), its budget, final loss")
+                     f"every example's individual epsilon ({tracker.kind}; personal data; 'source': the bound that "
+                     "gave it: its own rdp or pld epsilon, or 'cap', its data-independent epsilon), its budget, "
+                     "final loss")
         rf.write_json("individual_privacy.json", {**public, **exact}, "private",
-                      "exact statistics of the individual epsilons and the validation against exact tracking")
+                      "exact statistics of the individual epsilons, the validation against exact tracking and "
+                      "the check of the charged sensitivities against training's clipped norms")
         if tracker.options.record_norms:
             rf.write_npz("norms.npz", "private", "every refresh's per-example gradient norms and the steps it "
                          "covered, with the run's rates, clip norms and sigma (input of 'idpsgd account')",

@@ -29,7 +29,18 @@ Before every ``checkpoint_every``-th step each run records, for its targets,
   of the realised batch's clipped gradients plus N(0, (σc/(qN))²) — the mechanism analysed.
 
 A checkpoint's value stands for the steps up to the next one (``checkpoint_every=1``: every step's
-own value).  Per point the report has
+own value).  Between checkpoints the sensitivity of a step is *not measured* but taken from the last
+checkpoint, so Thm. 3.3's per-step terms there are guesses: the ``*_upper`` values and the
+``guarantee_*`` fields are confidence bounds **only with** ``checkpoint_every=1`` (or a one-step
+run) — :func:`upper_kind` says which, in the summary as ``upper_kind`` — and with sparser
+checkpoints ``*_upper`` is an estimate and ``guarantee_*`` is the data-independent bound alone.
+
+The failure probability is **per point**: each point's confidence bounds hold with probability
+≥ 1 − ``failure`` for that point (a union over its two directions and, for the mean rule, its
+estimated steps); there is no union bound over the points — all of them hold at once with
+probability ≥ 1 − (points × ``failure``) (:data:`FAILURE_SCOPE`).
+
+Per point the report has
 
 * ``rdp_add`` = D(Train(X') ‖ Train(X)) (chain X'), ``rdp_remove`` = D(Train(X) ‖ Train(X')) (chain
   X) and ``rdp`` = their maximum: **plug-in estimates** of Thm. 3.3's bound (its expectations over
@@ -37,7 +48,8 @@ own value).  Per point the report has
   estimates, not bounds;
 * ``*_upper``: confidence upper bounds on Thm. 3.3's bound from the same runs (Hoeffding, Fact 3.5's
   argument, with the data-independent per-step bound as the range), each holding with probability
-  ≥ 1 − ``failure`` per point — bounds; with few runs they sit near the worst case;
+  ≥ 1 − ``failure`` per point — bounds with ``checkpoint_every=1``, estimates otherwise; with few
+  runs they sit near the worst case;
 * the **per-step ratios** (Fig. 1a–c): step t's contribution to Thm. 3.3's sum divided by the
   data-independent per-step RDP at α (Mironov et al. §3.3, sensitivity C), per direction — their
   mean, 10th percentile and late-training (second half) mean over the steps; and
@@ -47,9 +59,11 @@ own value).  Per point the report has
 * ``same_composition_rdp``: Thm. 3.3 with sensitivity C at every step (data-independent, the same
   for every point) and ``ratio_to_same_composition`` = rdp over it: the data-dependent effect alone;
 * ``guarantee_rdp`` = min(``rdp_upper``, the data-independent RDP n·ρ_α(C)) and ``guarantee_epsilon``
-  = min(``epsilon_upper``, the run's data-independent ε at its best order): both terms are valid
-  (the first with probability ≥ 1 − ``failure``), so the stated guarantee is never worse than
-  DP-SGD's own; ``estimate_min_epsilon`` is the same with the plug-in estimate (an estimate).
+  = min(``epsilon_upper``, the run's data-independent ε at its best order) with
+  ``checkpoint_every=1``: both terms are valid (the first with probability ≥ 1 − ``failure`` for
+  this point), so the stated guarantee is never worse than DP-SGD's own; with sparser checkpoints
+  only the data-independent terms (``guarantee_rule`` says which); ``estimate_min_epsilon`` is the
+  same minimum with the plug-in estimate (an estimate).
 
 ε values convert RDP at α with the library's conversion (Balle et al. 2020 Thm. 21).  NPIU (§5.4,
 sum rule) treats the points, in order, as deletion requests and uses the add direction,
@@ -90,6 +104,18 @@ from .plans import build_plan
 
 TARGET_SETS = ("test", "train")
 UPDATE_RULES = ("sum", "mean")
+#: What the ``failure`` probability of the confidence bounds covers (stated in every summary).
+FAILURE_SCOPE = ("per point: each point's confidence bounds (*_upper, guarantee_*) hold with probability >= "
+                 "1 - failure for that point; there is no union bound over the points (all of them at once: "
+                 ">= 1 - points x failure)")
+
+
+def upper_kind(checkpoint_every: int, steps: int) -> str:
+    """What the ``*_upper`` values are: ``"confidence upper bound"`` when every step's sensitivity was
+    measured (``checkpoint_every=1`` or a one-step run), else ``"estimate"`` (between checkpoints a
+    step reuses the last measured sensitivity, which need not bound its own)."""
+    return "confidence upper bound" if int(checkpoint_every) == 1 or int(steps) <= 1 else "estimate"
+
 
 
 def per_example_clipped_grads(model, x, y, clip: float, batch_size: int = 256) -> torch.Tensor:
@@ -273,10 +299,13 @@ def run_per_instance(dataset, points=None, runs: int = 3, alpha: float | None = 
         config: training hyperparameters (the paper's: clip norm 1, expected batch 128).
         epsilon, delta: the data-independent (ε, δ) the runs' noise is calibrated to (paper: ε = 10).
         checkpoint_every: steps between recorded sensitivities (default one epoch); a checkpoint's
-            value stands for the steps up to the next one (1: every step's own value).
+            value stands for the steps up to the next one (1: every step's own value — needed for
+            ``*_upper`` and ``guarantee_*`` to be confidence bounds; otherwise they are estimates and
+            the data-independent bound, see the module doc).
         samples: (outer, inner) mini-batch samples for Thm. 3.6.
         p: Hölder exponent of Thm. 3.3 (default 3n, Fact 3.4).
-        failure: J of the confidence upper bounds (each point's ``rdp_upper`` holds w.p. ≥ 1 − J).
+        failure: J of the confidence upper bounds (each point's ``rdp_upper`` holds w.p. ≥ 1 − J for
+            that point, with ``checkpoint_every=1``; no union bound over the points).
         out_dir: folder for per_instance.csv/.json, per_instance_steps.csv, per_instance_curves.csv
             and the plots (all private, 0600) and settings.json (public).
         file_prefix: put before every file name (several analyses in one folder).
@@ -506,6 +535,8 @@ def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
     data_independent_eps = float(epsilon_sgm(q, base_sigma, n, delta, s["accountant"]))
     base_eps = float(epsilon_at_order(base, alpha, delta))
     late = slice(n // 2, n)
+    bounds_kind = upper_kind(s["every"], n)
+    measured = bounds_kind != "estimate"     # every step's own sensitivity: *_upper are confidence bounds
     per_point, step_rows, ratios_by_dir, thm32_by_dir = [], [], {"add": [], "remove": []}, {"add": [], "remove": []}
     for k, j in enumerate(points):
         res = {dn: bound(dn, k) for dn in ("add", "remove")}
@@ -536,7 +567,8 @@ def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
             "baseline_rdp": base, "baseline_epsilon": base_eps,
             "ratio_to_baseline": rdp / base, "ratio_upper_to_baseline": rdp_up / base,
             "same_composition_rdp": same["rdp"], "ratio_to_same_composition": rdp / same["rdp"],
-            "guarantee_rdp": min(rdp_up, base), "guarantee_epsilon": min(eps_up, data_independent_eps),
+            "guarantee_rdp": min(rdp_up, base) if measured else base,
+            "guarantee_epsilon": min(eps_up, data_independent_eps) if measured else data_independent_eps,
             "estimate_min_epsilon": min(eps_est, data_independent_eps),
             **stats,
             "late_mean_step_ratio": float(np.mean(step_ratio[late])),
@@ -567,7 +599,15 @@ def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
         "kind": "estimate",
         "definition": "per-instance Renyi DP of DP-SGD: max(D(Train(X')||Train(X)), D(Train(X)||Train(X'))) with "
                       "X' = X + {x*} (Thudi et al. Thm. 3.2/3.6 per step, Thm. 3.3 composition; expectations "
-                      "estimated over runs on each chain; *_upper: Hoeffding confidence upper bounds)",
+                      "estimated over runs on each chain; *_upper: Hoeffding confidence upper bounds when every "
+                      "step's sensitivity is measured, else estimates)",
+        "upper_kind": bounds_kind,
+        "failure_scope": FAILURE_SCOPE,
+        "guarantee_rule": ("per point min(epsilon_upper, data_independent_epsilon): a confidence bound (probability "
+                           ">= 1 - failure per point)" if measured else
+                           f"data_independent_epsilon only: sensitivities were measured every {s['every']} steps and "
+                           "reused in between, so *_upper are estimates (checkpoint_every=1 makes them confidence "
+                           "bounds)"),
         "target_set": s["target_set"], "update_rule": update_rule, "alpha": alpha, "alpha_rule": s["alpha_rule"],
         "best_order_data_independent": s["plain_best"],
         "p": float(3 * n if p is None else p), "runs": runs, "runs_trained": runs * (1 + points.size), "steps": n,

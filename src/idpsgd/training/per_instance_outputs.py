@@ -21,7 +21,7 @@ CSV_KEYS = ("point", "label", "correct_fraction", "rdp_add", "rdp_remove", "rdp"
 
 #: Keys of the summary that are public: settings, test metrics of the DP-trained runs and the
 #: data-independent quantities.  The per-point estimates and every statistic of them stay private.
-PUBLIC_KEYS = ("kind", "definition", "alpha", "alpha_rule", "best_order_data_independent", "update_rule",
+PUBLIC_KEYS = ("kind", "definition", "upper_kind", "failure_scope", "guarantee_rule", "alpha", "alpha_rule", "best_order_data_independent", "update_rule",
                "target_set", "runs", "runs_trained",
                "steps", "checkpoint_every", "clip_norm", "sample_rate", "batch_size", "noise_multiplier", "lr",
                "momentum", "epochs", "model", "engine", "training_epsilon", "delta", "test_accuracy",
@@ -46,8 +46,9 @@ def write_outputs(out_dir, summary: dict, step_rows, curves: dict, stage_values:
     per_point = summary["points"]
     keys = [k for k in CSV_KEYS if k in per_point[0]]
     rf.write_csv(f"{prefix}per_instance.csv", keys, [[pp[k] for pp in per_point] for k in keys], "private",
-                 "per point: per-instance RDP estimates in both directions, upper bounds, the same-composition "
-                 "baseline, the min(per-instance, data-independent) guarantee, per-step ratio statistics")
+                 f"per point: per-instance RDP estimates in both directions, upper values "
+                 f"({summary.get('upper_kind', 'estimate')}s), the same-composition baseline, the guarantee "
+                 f"({summary.get('guarantee_rule', '')}), per-step ratio statistics")
     rf.write_csv(f"{prefix}per_instance_steps.csv", ["point", "step", "contribution_add", "contribution_remove",
                                                      "baseline", "ratio_add", "ratio_remove"],
                  list(zip(*step_rows)), "private", "every step's per-instance contribution per point (estimates)")

@@ -1,0 +1,179 @@
+"""Issue 29 item 3: individual accounting says "guarantee" only when the charged sensitivities are
+enforced (individual clipping, Yu et al. Alg. 3) or checked against training's clipped norms at every
+step; otherwise "estimate" (engine/sensitivity_check.py, engine/individual.py)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from idpsgd.assignment import Budgets
+from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
+
+N, STEPS_PER_EPOCH, DELTA = 120, 10, 1e-5
+
+
+def _mlp(dropout: float = 0.0):
+    layers = [nn.Linear(10, 16), nn.Tanh()] + ([nn.Dropout(dropout)] if dropout else []) + [nn.Linear(16, 3)]
+    return nn.Sequential(*layers)
+
+
+def _train(model, *, mode="hooks", steps=8, run=None, clip=1.0, train_loss=F.cross_entropy, per_sample_loss=None,
+           **options):
+    """An engine run planned for ``steps`` logical steps (``run`` of them taken, default all) with
+    individual accounting; returns the engine."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 10, generator=g), torch.randint(0, 3, (N,), generator=g)
+    opts = {"refreshes_per_epoch": STEPS_PER_EPOCH, "rounding": "ceil", "validate_subset": 0, **options}
+    engine = IndividualizedPrivacyEngine(seed=3)
+    engine.enable_individual_accounting(IndividualAccountingOptions(**opts), per_sample_loss=per_sample_loss)
+    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                              data_loader=DataLoader(TensorDataset(x, y), batch_size=N // STEPS_PER_EPOCH),
+                              budgets=Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0),
+                              method="sample", steps=steps, max_grad_norm=clip, grad_sample_mode=mode)
+    model, opt, loader = (out[0], out[1], out[3]) if mode == "ghost" else out
+    crit = out[2] if mode == "ghost" else train_loss
+    model.train()
+    done, run = 0, steps if run is None else run
+    while done < run:
+        for xb, yb in loader:
+            opt.zero_grad()
+            crit(model(xb), yb).backward()
+            opt.step()
+            done += 1
+            if done == run:
+                break
+    return engine
+
+
+def _ce(module, batch):
+    return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
+
+
+def test_dropout_makes_the_epsilons_an_estimate():
+    """Norms refreshed every step, ceil rounding — a guarantee before this fix — but dropout in training:
+    the eval-mode norm pass does not bound the random per-example gradient (the review's case: clipped
+    norms above the charged sensitivity), so "estimate", and get_individual_epsilons mixes nothing in."""
+    engine = _train(_mlp(dropout=0.3), clip=50.0)          # clip above every norm: charges are the norms
+    t = engine.individual
+    assert t.every == 1 and t.accountant.rounding == "ceil"
+    assert t.kind == "estimate" and "dropout active in training (2)" in t.kind_reason
+    chk = t.sensitivity_check()
+    assert chk["steps"] == 8 and chk["examples"] > 0 and chk["compared"] == chk["examples"]
+    assert chk["mismatched"] > 0 and chk["exceeded"] > 0 and chk["max_ratio"] > 1.01 and chk["dropout"] == ["2"]
+    np.testing.assert_array_equal(engine.get_individual_epsilons(), engine.accountant.individual_epsilons(DELTA))
+    assert np.any(t.epsilons(DELTA) < engine.accountant.individual_epsilons(DELTA) - 1e-3)   # the estimates
+
+
+def test_a_per_sample_loss_other_than_the_training_loss_makes_an_estimate():
+    """Training with label smoothing, norms of plain cross-entropy (the README example's set-up): the
+    norm pass is not the training computation."""
+    def smoothed(logits, labels):
+        return F.cross_entropy(logits, labels, label_smoothing=0.1)
+    engine = _train(_mlp(), clip=50.0, train_loss=smoothed, per_sample_loss=_ce)
+    t = engine.individual
+    chk = t.sensitivity_check()
+    assert t.kind == "estimate" and "per_sample_loss is not the training loss" in t.kind_reason
+    assert chk["mismatched"] == chk["compared"] > 0 and chk["max_relative_mismatch"] > 1e-3 and not chk["dropout"]
+
+
+def test_charges_below_the_clipped_norms_are_caught():
+    """A norm pass that under-states the norms (a per-sample loss scaled by 0.1): the clipped norms
+    exceed their charges (all but the zero gradients of saturated examples), by 10× at most."""
+    engine = _train(_mlp(), clip=50.0, rounding="exact", per_sample_loss=lambda m, b: 0.1 * _ce(m, b))
+    t = engine.individual
+    chk = t.sensitivity_check()
+    assert t.kind == "estimate" and "exceeded the sensitivity it was charged" in t.kind_reason
+    assert chk["examples"] // 2 < chk["exceeded"] == chk["mismatched"] and 9.0 < chk["max_ratio"] <= 10.0 + 1e-3
+
+
+def test_individual_clipping_is_a_guarantee_even_with_dropout():
+    """Alg. 3 enforces each charge (the example is clipped at it), whatever the gradient's randomness,
+    refresh interval or rounding."""
+    engine = _train(_mlp(dropout=0.3), clip=50.0, individual_clipping=True, rounding="nearest",
+                    refreshes_per_epoch=2)
+    t = engine.individual
+    chk = t.sensitivity_check()
+    assert t.every == 5 and t.kind == "guarantee" and "individual clipping" in t.kind_reason
+    assert chk["exceeded"] == 0 and chk["max_ratio"] <= 1 + 1e-6 and chk["dropout"] == ["2"]
+    np.testing.assert_array_equal(engine.get_individual_epsilons(),
+                                  np.minimum(engine.accountant.individual_epsilons(DELTA), t.epsilons(DELTA)))
+
+
+@pytest.mark.parametrize("mode,rounding", [("hooks", "exact"), ("ghost", "ceil"), ("bk", "ceil")])
+def test_a_deterministic_model_with_the_training_loss_every_step_is_a_guarantee(mode, rounding):
+    """Norms every step, exact/ceil rounding, the training loss, no train-mode randomness: every
+    trained example's norm equals the norm pass's (float tolerance) — a checked guarantee, and the
+    engine's per-example ε is the smaller of it and the data-independent bound."""
+    engine = _train(_mlp(), mode=mode, clip=50.0, rounding=rounding)
+    t = engine.individual
+    chk = t.sensitivity_check()
+    assert t.kind == "guarantee" and "equal to the norm pass's at every step" in t.kind_reason
+    assert chk["compared"] == chk["examples"] > 0 and chk["mismatched"] == chk["exceeded"] == 0
+    assert chk["max_relative_mismatch"] < 1e-5 and chk["max_ratio"] <= 1 + 1e-5
+    data_independent = engine.accountant.individual_epsilons(DELTA)
+    eps = engine.get_individual_epsilons()
+    np.testing.assert_array_equal(eps, np.minimum(data_independent, t.epsilons(DELTA)))
+    assert np.any(eps < data_independent - 1e-3)
+
+
+def test_refreshes_less_often_than_every_step_or_nearest_rounding_stay_estimates():
+    assert "every 5 steps" in _train(_mlp(), refreshes_per_epoch=2).individual.kind_reason
+    t = _train(_mlp(), rounding="nearest").individual
+    assert t.kind == "estimate" and "nearest rounding" in t.kind_reason
+
+
+def test_the_check_survives_a_checkpoint_and_an_older_one_counts_as_unchecked():
+    """state_dict carries the record and the last norm pass (the first step after a resume is checked
+    against it); a state from before the check leaves its steps unchecked: an estimate."""
+    engine = _train(_mlp(), run=4)
+    state = engine.individual.state_dict()
+    fresh = _train(_mlp(), run=0)
+    fresh.individual.load_state_dict(state)
+    assert fresh.individual.sensitivity_check() == engine.individual.sensitivity_check()
+    assert fresh.individual._pass_at == engine.individual._pass_at == 4 and fresh.individual.kind == "guarantee"
+    old = {k: v for k, v in state.items() if k not in ("check", "pass_norms", "pass_at")}
+    older = _train(_mlp(), run=0)
+    older.individual.load_state_dict(old)
+    assert older.individual.kind == "estimate" and "were not checked" in older.individual.kind_reason
+
+
+def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
+    """idpsgd.train with norms every step (ceil): a checked guarantee; report.json says why, the
+    check's statistics stay in private/; the norms file records the kind, so offline accounting
+    of it is a guarantee — and not with another clip norm, nor for a file without the record."""
+    from idpsgd.cli import main
+    from idpsgd.data import Dataset
+    from idpsgd.training import TrainConfig, train
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    data = Dataset("toy", x[:160], y[:160], x[160:], y[160:], 2)
+    budgets = Budgets.from_array(np.full(160, 3.0), DELTA)
+    cfg = TrainConfig(method="uniform", epochs=1, batch_size=20, clip_norm=6.0, progress=False, seed=0,
+                      model="mlp")
+    opts = IndividualAccountingOptions(refreshes_per_epoch=8, rounding="ceil", validate_subset=0, record_norms=True)
+    report = train(data, budgets, cfg, tmp_path / "run", individual=opts)
+    public = json.loads((tmp_path / "run" / "report.json").read_text())["individual_privacy"]
+    assert public["kind"] == "guarantee" and "norm pass" in public["kind_reason"]
+    assert "sensitivity_check" not in public
+    chk = report["private"]["individual_privacy"]["sensitivity_check"]
+    assert chk["steps"] == report["steps"] and chk["mismatched"] == chk["exceeded"] == 0 and chk["examples"] > 0
+    saved = json.loads((tmp_path / "run" / "private" / "individual_privacy.json").read_text())
+    assert saved["sensitivity_check"] == chk
+    norms = tmp_path / "run" / "private" / "norms.npz"
+    base = ["account", "--norms", str(norms), "--delta", str(DELTA), "--json"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "account.json").read_text())["kind"] == "guarantee"
+    assert main([*base, "--clip-norm", "6", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "account.json").read_text())["kind"] == "estimate"
+    with np.load(norms) as z:
+        np.savez(tmp_path / "bare.npz", **{k: z[k] for k in z.files if k not in ("accounting_kind", "individual_clipping")})
+    assert main([*base[:2], str(tmp_path / "bare.npz"), *base[3:], "--out", str(tmp_path / "c")]) == 0
+    out = json.loads((tmp_path / "c" / "account.json").read_text())
+    assert out["kind"] == "estimate" and "does not record" in out["kind_reason"]
