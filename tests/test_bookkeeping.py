@@ -24,7 +24,7 @@ N = 12
 
 def _private(model, x, y, mode, *, clips=None, rates=None, seed=3, **kwargs):
     """(engine, module, optimizer, loader) over all N examples, no budget filter (rates q = 1 by default)."""
-    engine = IndividualizedPrivacyEngine(seed=seed)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     module, optimizer, data = engine.make_private_with_parameters(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=N), budgets=np.full(N, 1e4), target_delta=1e-5,

@@ -44,7 +44,7 @@ def _trial(die_at=None, mark=None):
     report = trainer.run()
     drawn.append(trainer.dp_optimizer.last_indices.numpy().copy())
     opt = trainer.dp_optimizer
-    out = {"eps": trainer.engine.get_epsilon(), "steps": trainer.engine.steps, "report_steps": report["steps"],
+    out = {"eps": trainer.engine.get_epsilon().per_group, "steps": trainer.engine.steps, "report_steps": report["steps"],
            "ledger_sizes": [row[3] for row in trainer.ledger_rows], "ebs": opt.expected_batch_size,
            "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
            "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
@@ -118,7 +118,7 @@ def test_data_parallel_model_needs_a_process_group():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 3), torch.zeros(8).long()),
                                          batch_size=4)
     with pytest.raises(InvalidParameterError, match="process group"):
-        IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(
+        IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_parameters(
             module=wrapped, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
             budgets=Budgets.from_array(np.ones(8), 1e-5), sample_rates=np.full(8, .5), clip_norms=np.ones(8),
             noise_multiplier=1.0, max_grad_norm=1.0, steps=2)
@@ -145,7 +145,7 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
             model = distributed.wrap_model(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
-        engine = IndividualizedPrivacyEngine(seed=7)
+        engine = IndividualizedPrivacyEngine(accountant="rdp", seed=7)
         engine.enable_individual_accounting(IndividualAccountingOptions(
             refreshes_per_epoch=6 if every_step else 2, validate_subset=0, rounding_step=0.1,
             rounding="ceil" if every_step else "nearest"))
@@ -159,7 +159,7 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
                 opt.zero_grad()
                 crit(model(xb), yb).backward()
                 opt.step()
-        results[mode] = {"eps": engine.get_epsilon(), "steps": engine.steps,
+        results[mode] = {"eps": engine.get_epsilon().per_group, "steps": engine.steps,
                          "individual": engine.individual.epsilons(1e-5), "kind": engine.individual.kind,
                          "check": engine.individual.sensitivity_check(),
                          "bounds": engine.get_individual_epsilons(),

@@ -48,7 +48,7 @@ def _run(data, budgets, *, q, sigma, steps, spe, clip=1.0, options=None, lr=0.5,
     stop = steps if stop is None else stop
     x, y = data
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=seed)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     module, opt, loader = engine.make_private_with_parameters(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=loader, budgets=budgets,
@@ -121,7 +121,7 @@ def test_budgets_too_small_for_one_step_are_refused(data):
     with pytest.raises(InvalidParameterError, match="too small for even one step"):
         worst_case_orders(0.1, 0.5, [0.05], DELTA)
     b = Budgets.from_groups([0.05, 3.0], [0.5, 0.5], N, DELTA)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model = _model()
     with pytest.raises(InvalidParameterError, match="budgets=0.05 is invalid: .*too small for even one step"):
         engine.make_private_with_parameters(
@@ -164,12 +164,12 @@ def test_pld_accountant_workers_individual_accounting_and_second_phase_are_refus
                        "individual filter"):
         make(IndividualizedPrivacyEngine(accountant="pld", seed=0))
     with pytest.raises(InvalidParameterError, match="num_workers=2 is invalid: must be 0"):
-        make(IndividualizedPrivacyEngine(seed=0), DataLoader(TensorDataset(*data), batch_size=8, num_workers=2))
-    e = IndividualizedPrivacyEngine(seed=0)
+        make(IndividualizedPrivacyEngine(accountant="rdp", seed=0), DataLoader(TensorDataset(*data), batch_size=8, num_workers=2))
+    e = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     e.enable_individual_accounting(IndividualAccountingOptions(validate_subset=0))
     with pytest.raises(InvalidParameterError, match="individual_accounting=True is invalid: cannot be combined"):
         make(e)
-    e = IndividualizedPrivacyEngine(seed=0)
+    e = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     make(e)
     with pytest.raises(InvalidParameterError, match="cannot be combined"):
         e.enable_individual_accounting()
@@ -258,7 +258,7 @@ def test_no_example_ever_exceeds_its_rdp_budget(data):
         assert np.all(rdp <= f.rdp_budget)
     assert np.all(engine.get_individual_epsilons() <= budgets.epsilons)
     assert np.all(f.realized_epsilons() <= budgets.epsilons)
-    assert np.all(engine.get_epsilon() <= engine.group_budgets)
+    assert np.all(engine.get_epsilon().per_group <= engine.group_budgets)
     group = budgets.groups()[2]
     assert np.all(f.dropped_at[group == 0] > 0) and np.any(f.dropped_at[group == 1] > 0)   # budgets spent in the run
     # the realized ε is the RDP converted at each example's own order only
@@ -289,7 +289,7 @@ def test_guard_refuses_a_batch_with_a_dropped_example(data):
     budgets = Budgets.from_array(np.full(N, 2.0), DELTA)
     x, y = data
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     module, opt, loader = engine.make_private_with_parameters(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 1.0),
@@ -336,7 +336,7 @@ def test_engine_state_round_trip_continues_identically(data):
     model = _model()
     _raw(part.module)  # the first run's model at step 8
     model.load_state_dict(_raw(part.module).state_dict())
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     module, opt, loader = engine.make_private_with_parameters(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 0.3),
@@ -461,7 +461,7 @@ def test_ghost_clipping_takes_the_same_filter_decisions_as_per_sample_gradients(
     out = {}
     for mode in ("hooks", "ghost"):
         model = _model()
-        engine = IndividualizedPrivacyEngine(seed=0)
+        engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
         res = engine.make_private_with_parameters(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 0.3),

@@ -37,7 +37,7 @@ def _data(seed=0):
 def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
     """(engine, module, optimizer, loss function, loader): every example in every batch (q = 1)."""
     x, y = _data() if x is None else (x, y)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     if individual:
         engine.enable_individual_accounting()
     out = engine.make_private_with_parameters(

@@ -70,7 +70,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     budgets = Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0)
     model = _model()
     ref = _autograd_norms(model, (x - MEAN) * SCALE, y)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     tracker = engine.enable_individual_accounting(per_sample_loss=loss)
     model, opt, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -81,7 +81,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     first, _ = tracker.grad_norms(np.arange(10))            # the individual accountant's refresh pass
     assert np.allclose(first, ref[:10], rtol=1e-4)
 
-    filt = IndividualizedPrivacyEngine(seed=0)             # the individual filter's norm pass
+    filt = IndividualizedPrivacyEngine(accountant="rdp", seed=0)             # the individual filter's norm pass
     m2 = _model()
     filt.make_private_with_parameters(
         module=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.0),
@@ -115,7 +115,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     x, y = data
     budgets = _two_groups()
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     model, opt, private = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                               data_loader=loader, budgets=budgets, method="uniform", steps=6)
@@ -135,10 +135,10 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     fits = int(re.search(r"at most (\d+) steps", str(info.value)).group(1))
     assert fits > 6
     model, opt, private = engine.make_private_with_parameters(sample_rates=rest, steps=fits, **again)
-    assert engine.get_epsilon(steps=6 + fits)[1] <= 3.0 < engine.get_epsilon(steps=7 + fits)[1]
+    assert engine.get_epsilon(steps=6 + fits).per_group[1] <= 3.0 < engine.get_epsilon(steps=7 + fits).per_group[1]
     m = _model()
     with pytest.warns(RuntimeWarning, match="filter_action='warn'"):   # warn mode warns at set-up and goes on
-        IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(
+        IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_parameters(
             module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), data_loader=loader, budgets=budgets,
             sample_rates=np.full(N, 0.5), clip_norms=np.ones(N), noise_multiplier=1.0, max_grad_norm=1.0,
             steps=10_000, filter_action="warn")
@@ -151,7 +151,7 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
     x, y = data
     budgets = _two_groups()
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     real = pe.wrap_module
 
     def failing(*args, **kwargs):
@@ -187,7 +187,7 @@ def test_noise_multiplier_zero_is_refused_at_once(data):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     with pytest.raises(InvalidParameterError, match=r"noise_multiplier=0(\.0)? is invalid: must be > 0"):
         engine.make_private_with_parameters(module=model, optimizer=opt, data_loader=loader, budgets=_two_groups(),
                                             sample_rates=np.full(N, 0.1), clip_norms=np.ones(N), noise_multiplier=0.0,
@@ -226,7 +226,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         target_epsilon=2.0, target_delta=DELTA, epochs=2, max_grad_norm=1.0)
@@ -234,22 +234,23 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
         calibrate_noise_multiplier(2.0, DELTA, 0.1, 20), rel=1e-12)          # Opacus's σ for q = B/N, 20 steps
     _train_steps(model, opt, private, 20)
     eps = engine.get_epsilon(DELTA)
-    assert eps.shape == (1,) and 0.999 * 2.0 <= float(eps) <= 2.0
+    assert eps.per_group.shape == (1,) and 0.999 * 2.0 <= eps <= 2.0
     # per-example budgets: one extra argument; target_epsilon bounds every budget
     m2 = _model()
-    two = IndividualizedPrivacyEngine(seed=0)
+    two = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     per_example = torch.where(y == 1, 1.0, 3.0).numpy()
     m2, o2, l2 = two.make_private_with_epsilon(
         module=m2, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1), data_loader=loader, target_epsilon=3.0,
         target_delta=DELTA, epochs=2, max_grad_norm=1.0, budgets=per_example)
     _train_steps(m2, o2, l2, 20)
-    eps = two.get_epsilon()
-    assert np.allclose(eps.budgets, [1.0, 3.0]) and np.all(eps <= eps.budgets) and np.all(eps >= 0.999 * eps.budgets)
+    eps = two.get_epsilon().per_group
+    assert np.allclose(two.group_budgets, [1.0, 3.0]) and np.all(eps <= two.group_budgets) \
+        and np.all(eps >= 0.999 * two.group_budgets)
     rates = [g["sample_rate"] for g in two.privacy_groups()]
     assert rates[0] < 0.1 < rates[1]                                        # Sample: the default with budgets
     m3 = _model()
     with pytest.raises(InvalidParameterError, match=r"target_epsilon=2.0 is invalid: is below the largest budget 3"):
-        IndividualizedPrivacyEngine(seed=0).make_private_with_epsilon(
+        IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_epsilon(
             module=m3, optimizer=torch.optim.SGD(m3.parameters(), lr=0.1), data_loader=loader, target_epsilon=2.0,
             target_delta=DELTA, epochs=2, max_grad_norm=1.0, budgets=per_example)
 
@@ -261,7 +262,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
 
     x, y = data
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                               data_loader=DataLoader(TensorDataset(x, y), batch_size=24),
                                               noise_multiplier=1.1, max_grad_norm=0.7)
@@ -284,7 +285,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
     for change, message in bad:
         m = _model()
         with pytest.raises(InvalidParameterError, match=message):
-            IndividualizedPrivacyEngine(seed=0).make_private(
+            IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private(
                 module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                 data_loader=DataLoader(TensorDataset(x, y), batch_size=24), noise_multiplier=1.0, max_grad_norm=1.0,
                 **change)
@@ -296,7 +297,7 @@ def test_budgets_of_the_wrong_length_point_to_from_groups(data):
     with pytest.raises(InvalidParameterError, match=r"need one per example of the data loader's dataset \(240\); "
                                                     r"for one budget per privacy group use "
                                                     r"Budgets.from_groups\(\[1, 3, 8\], fractions, 240, delta\)"):
-        IndividualizedPrivacyEngine(seed=0).make_private_with_epsilon(
+        IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_epsilon(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(TensorDataset(x, y), batch_size=24), target_delta=DELTA, epochs=1,
             max_grad_norm=1.0, budgets=[1, 3, 8])
@@ -307,7 +308,7 @@ def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
     x, y = data
     budgets = _two_groups()
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                               data_loader=DataLoader(TensorDataset(x, y), batch_size=24),
                                               budgets=budgets, method="sample", epochs=2)
@@ -316,21 +317,21 @@ def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
     at_12 = engine.get_epsilon(steps=12)
     _train_steps(model, opt, private, 4)
     eps = engine.get_epsilon()
-    assert np.array_equal(np.asarray(at_12), np.asarray(eps))                # the projection is the spend
-    assert np.all(planned <= engine.group_budgets) and np.all(planned >= 0.999 * engine.group_budgets)
-    assert f"{eps:.3f}" == f"{eps.max():.3f}" and float(eps) == eps.loosest == eps.max() > eps.strictest
-    assert "%.2f" % eps == f"{eps.max():.2f}"
+    assert np.array_equal(at_12.per_group, eps.per_group) and at_12 == eps       # the projection is the spend
+    assert np.all(planned.per_group <= engine.group_budgets) and np.all(planned.per_group >= 0.999 * engine.group_budgets)
+    loosest = eps.per_group.max()
+    assert f"{eps:.3f}" == f"{loosest:.3f}" and float(eps) == eps.loosest == loosest > eps.strictest
+    assert "%.2f" % eps == f"{loosest:.2f}" and round(eps, 2) == round(float(loosest), 2) and eps <= 3.0
     text = repr(eps)
-    assert "as a number" in text and "budget" in text and "examples" in text and f"{eps[0]:.4f}" in text
-    assert isinstance(eps + 0, np.ndarray) and type(eps + 0) is np.ndarray and type(eps[:1]) is np.ndarray
-    assert np.asarray(eps).tolist() == list(eps) and bool(np.all(eps <= engine.group_budgets))
+    assert "as a number" in text and "budget" in text and "examples" in text and f"{eps.per_group[0]:.4f}" in text
+    assert type(eps + 0) is float and type(eps.per_group) is np.ndarray and eps.per_group.shape == (2,)
     # per-group history in Opacus's form reproduces each group's ε (here with our RDP)
     from idpsgd.accounting import SampledGaussianEvent, rdp_epsilon
 
     for g, events in enumerate(engine.history):
         assert len(events) == 1 and events[0][2] == 12
         ev = [SampledGaussianEvent(q, s, t) for s, q, t in events]
-        assert rdp_epsilon(ev, DELTA)[0] == pytest.approx(eps[g], rel=1e-12)
+        assert rdp_epsilon(ev, DELTA)[0] == pytest.approx(eps.per_group[g], rel=1e-12)
     with pytest.raises(InvalidParameterError, match="steps=3 is invalid"):
         engine.get_epsilon(steps=3)
 
@@ -362,7 +363,7 @@ def test_prv_accountant_matches_opacus_per_group(data):
     for g, history in enumerate(engine.history):
         acc = PRVAccountant()
         acc.history = list(history)
-        assert eps[g] == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
+        assert eps.per_group[g] == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
 
 
 @pytest.mark.slow
@@ -380,7 +381,7 @@ def test_prv_calibration_spends_each_budget_with_sample():
 def _ckpt_setup(data, seed, epochs=2, **kw):
     x, y = data
     model = _model()
-    engine = IndividualizedPrivacyEngine(seed=seed)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     model, opt, loader = engine.make_private_with_epsilon(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=24), target_epsilon=3.0, target_delta=DELTA,
@@ -402,13 +403,14 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_engine_without_a_seed(data, t
     _train_steps(model, opt, loader, 10)
     reference = _params(model)
 
-    fresh, m2, o2, l2 = _ckpt_setup(data, seed=None)          # a new process would draw another seed
-    assert fresh.seed != engine.seed
+    fresh, m2, o2, l2 = _ckpt_setup(data, seed=None)          # its seed is drawn at its first draw, or loaded
+    assert fresh.seed is None and isinstance(engine.seed, int)
     extra = fresh.load_checkpoint(path=path, module=m2, optimizer=o2)
-    assert extra == {"epoch": 1} and fresh.seed == engine.seed and fresh.steps == 10
+    assert set(extra) == {"epoch", "module_state_dict", "privacy_accountant_state_dict"} and extra["epoch"] == 1
+    assert fresh.seed == engine.seed and fresh.sampler_seed == engine.sampler_seed and fresh.steps == 10
     _train_steps(m2, o2, l2, 10)
     assert torch.equal(_params(m2), reference) and fresh.steps == engine.steps == 20
-    np.testing.assert_array_equal(fresh.get_epsilon(), engine.get_epsilon())
+    np.testing.assert_array_equal(fresh.get_epsilon().per_group, engine.get_epsilon().per_group)
 
     other, m3, o3, _ = _ckpt_setup(data, seed=7)               # an explicit other seed: refused, says what to do
     with pytest.raises(ValueError, match=rf"seed {engine.seed}, this one was created with seed 7: create it with "
@@ -422,7 +424,7 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_engine_without_a_seed(data, t
     from idpsgd.io import CheckpointError
 
     torch.save({"not": "ours"}, tmp_path / "foreign.pt")
-    with pytest.raises(CheckpointError, match="is not an idpsgd engine checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a privacy engine checkpoint"):
         fresh.load_checkpoint(path=tmp_path / "foreign.pt", module=m2)
     with pytest.raises(InvalidParameterError, match="noise_scheduler='object' is invalid: is not supported"):
         fresh.save_checkpoint(path=path, module=m2, noise_scheduler=object())
@@ -438,7 +440,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
     def setup():
         x, y = data
         model = _model()
-        engine = IndividualizedPrivacyEngine()
+        engine = IndividualizedPrivacyEngine(accountant="rdp")
         engine.enable_individual_accounting(opts)
         model, opt, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -664,5 +666,6 @@ def test_readme_opacus_script_runs_on_opacus_and_with_per_example_budgets(tmp_pa
     (tmp_path / "budgets").mkdir()
     ns, out = _run_block(budgets_code, tmp_path / "budgets", monkeypatch, capsys)
     eps = ns["engine"].get_epsilon()
-    assert np.allclose(eps.budgets, [1.0, 3.0]) and np.all(eps <= eps.budgets) and np.all(eps >= 0.999 * eps.budgets)
+    assert np.allclose(eps.budgets, [1.0, 3.0]) and np.all(eps.per_group <= eps.budgets) \
+        and np.all(eps.per_group >= 0.999 * eps.budgets)
     assert out.strip().splitlines()[-1] == f"resumed: epsilon = {float(eps):.2f}"

@@ -85,7 +85,7 @@ def test_mean_rule_training_divides_by_the_realised_batch():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     q, clip = 0.3, 0.5
-    engine = IndividualizedPrivacyEngine(seed=3)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
     gsm, dp_opt, loader = engine.make_private_with_parameters(
         module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
         budgets=Budgets.from_array(np.full(40, 100.0), 1e-5), sample_rates=np.full(40, q),

@@ -23,7 +23,7 @@ def test_bring_your_own_model_and_data():
     ns: dict = {}
     exec(compile(readme_block("byo"), "README.md:byo", "exec"), ns)
     engine, budgets = ns["engine"], ns["budgets"]
-    eps = np.asarray(engine.get_epsilon())
+    eps = engine.get_epsilon().per_group
     values = np.unique(budgets.epsilons)
     assert engine.steps > 0
     assert eps.shape == values.shape and np.all(eps <= values + 1e-9) and np.all(eps > 0.5 * values)

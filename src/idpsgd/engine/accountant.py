@@ -14,8 +14,12 @@ Gopi et al. 2021, Opacus 1.6's default, its upper bound eps_upper) — so the fi
 agree with the calibration.  Without budgets (Opacus's ``make_private(noise_multiplier=...)``) there
 is one group with no budget: ε is accounted and reported, nothing is filtered.
 
-:class:`GroupEpsilons` is what ``get_epsilon`` returns: the per-group array, which formats and
-converts as one number (the loosest group's ε, the one bound that holds for every example).  The filter asks, before every step, whether one more step keeps every path of
+:class:`GroupEpsilons` is what ``get_epsilon`` returns: a float — the loosest group's ε, the one
+bound that holds for every example — carrying every group's ε.  :class:`GroupAccountant` also has
+Opacus's accountant interface (``len``, ``history``, ``mechanism()``, ``get_epsilon(delta)``,
+``state_dict`` / ``load_state_dict``, an Opacus accountant's state included).
+
+The filter asks, before every step, whether one more step keeps every path of
 the phase within its budget.  ε grows with the number of steps of a phase, so the answer is the
 step count against the largest admissible count, found once per path by search and cached (a
 step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
@@ -49,65 +53,56 @@ def _epsilon(events, delta: float, accountant: str) -> float:
     return float(pld_epsilon(events, delta))
 
 
-class GroupEpsilons(np.ndarray):
-    """ε of every privacy group (ascending budgets), as returned by ``engine.get_epsilon``.
+class GroupEpsilons(float):
+    """ε spent, as returned by ``engine.get_epsilon`` and ``engine.accountant.get_epsilon``: **a float**
+    — the loosest privacy group's ε — that also carries every group's ε.
 
-    **As an array** (indexing, slicing, comparisons, ``np.asarray``, arithmetic: plain numpy
-    results) it is the ε of each group.  **As one number** — ``float(eps)``, ``f"{eps:.2f}"``,
-    ``"%.2f" % eps``, as Opacus users print ``engine.get_epsilon(delta)`` — it is the *largest*
-    group's ε, the loosest one.  That is the safe reading: every example of group p is
-    (ε_p, δ)-DP and ε_p ≤ max_p ε_p, so the maximum is the one ε that bounds every example;
-    the strictest group's ε would overstate the privacy of every other group.  With one budget
-    (Opacus's setting) both readings coincide.  ``repr`` shows the table; :attr:`loosest` /
-    :attr:`strictest` name the two ends explicitly.
+    **As a number** it is a plain Python float in every way (``round``, ``json.dumps``,
+    comparisons, arithmetic, ``f"{eps:.2f}"``, ``torch.tensor(eps)``, numpy), as Opacus's
+    ``get_epsilon`` returns.  Its value is the *largest* group's ε, the loosest one: every example
+    of group p is (ε_p, δ)-DP and ε_p ≤ max_p ε_p, so the maximum is the one ε that bounds every
+    example; the strictest group's ε would overstate the privacy of every other group.  With one
+    budget (Opacus's setting) it is simply the ε.
 
-    Attributes: ``budgets`` (the groups' budgets; inf without budgets), ``counts`` (examples per
-    group), ``delta``, ``accountant``, ``steps`` (the step count the values are for).
+    **Per group**: :attr:`per_group` is the numpy array of the groups' ε (ascending budgets, the
+    order of :attr:`budgets`); :attr:`loosest` / :attr:`strictest` name the two ends.  ``repr``
+    shows the table when there are several groups.  Arithmetic gives plain floats.
+
+    Attributes: ``per_group``, ``budgets`` (the groups' budgets; inf without budgets), ``counts``
+    (examples per group), ``delta``, ``accountant``, ``steps`` (the step count the values are for).
     """
 
     def __new__(cls, epsilons, budgets, counts, delta, accountant: str, steps: int):
-        obj = np.asarray(epsilons, dtype=float).reshape(-1).view(cls)
+        per_group = np.array(epsilons, dtype=float).reshape(-1)
+        obj = super().__new__(cls, float(per_group.max()) if per_group.size else 0.0)
+        per_group.setflags(write=False)
+        obj.per_group = per_group
         obj.budgets = np.asarray(budgets, dtype=float)
         obj.counts = np.asarray(counts, dtype=np.int64)
         obj.delta, obj.accountant, obj.steps = delta, accountant, int(steps)
         return obj
 
-    def __array_finalize__(self, obj):
-        for k in ("budgets", "counts", "delta", "accountant", "steps"):
-            setattr(self, k, getattr(obj, k, None))
-
-    def __array_wrap__(self, arr, context=None, return_scalar=False):   # ufunc results are plain arrays
-        arr = np.asarray(arr)
-        return arr[()] if return_scalar else arr
-
-    def __getitem__(self, key):                                       # so are items and slices
-        return np.asarray(self)[key]
-
-    def __reduce__(self):                                             # pickles (and deep copies) as an array
-        return (np.array, (np.asarray(self).copy(),))
+    def __reduce__(self):                                             # pickles and deep-copies whole
+        return (GroupEpsilons, (self.per_group.copy(), self.budgets, self.counts, self.delta, self.accountant,
+                                self.steps))
 
     @property
     def loosest(self) -> float:
-        """The largest group ε (what ``float(eps)`` gives): a bound for every example."""
-        return float(np.asarray(self).max()) if self.size else 0.0
+        """The largest group ε (the value of this float): a bound for every example."""
+        return float(self)
 
     @property
     def strictest(self) -> float:
         """The smallest group ε (the strictest group's; a bound for that group only)."""
-        return float(np.asarray(self).min()) if self.size else 0.0
-
-    def __float__(self) -> float:
-        return self.loosest
-
-    def __format__(self, spec: str) -> str:
-        return format(self.loosest, spec) if spec else str(self)
+        return float(self.per_group.min()) if self.per_group.size else 0.0
 
     def __repr__(self) -> str:
-        head = (f"GroupEpsilons({self.accountant}, delta={self.delta:g}, after {self.steps} steps; as a number "
-                f"{self.loosest:.6g}, the loosest group's)")
+        if self.per_group.size <= 1:
+            return float.__repr__(self)
+        head = (f"GroupEpsilons({float.__repr__(self)}: {self.accountant}, delta={self.delta:g}, after {self.steps} "
+                "steps; as a number the loosest group's)")
         rows = [f"  {'budget':>10} {'examples':>9} {'epsilon':>10}"]
-        for b, n, e in zip(self.budgets if self.budgets is not None else [], self.counts if self.counts is not None
-                           else [], np.asarray(self)):
+        for b, n, e in zip(self.budgets, self.counts, self.per_group):
             rows.append(f"  {'-' if not np.isfinite(b) else format(b, '.4g'):>10} {int(n):>9d} {e:>10.4f}")
         return "\n".join([head, *rows])
 
@@ -227,7 +222,7 @@ class GroupAccountant:
         _, table, _ = self.paths()
         return np.array([_epsilon(self._events(p, extra_steps), delta, self.accountant) for p in range(table.shape[0])])
 
-    def get_epsilon(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
+    def group_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
         """ε per privacy group (ascending budgets): the largest over the group's examples; with
         ``extra_steps``, after that many more steps of the current phase (a plan, not a spend)."""
         path_of, _, path_group = self.paths()
@@ -235,6 +230,32 @@ class GroupAccountant:
         out = np.zeros(self.values.size)
         np.maximum.at(out, path_group, eps)
         return out
+
+    # --- Opacus's accountant interface ---------------------------------------------------------
+    def get_epsilon(self, delta: float | None = None, extra_steps: int = 0) -> GroupEpsilons:
+        """Opacus's ``accountant.get_epsilon(delta)``: a float, the loosest group's ε (a
+        :class:`GroupEpsilons`, which also carries every group's); ``delta`` defaults to the budgets'."""
+        delta = self._delta(delta)
+        return GroupEpsilons(self.group_epsilons(delta, extra_steps), self.values, self.counts, delta,
+                             self.accountant, self.steps + int(extra_steps))
+
+    def mechanism(self) -> str:
+        """Opacus's name of the accounting mechanism: ``rdp``, ``prv`` or ``pld``."""
+        return self.accountant
+
+    def __len__(self) -> int:
+        """Opacus's ``len(accountant)``: the optimization steps accounted so far."""
+        return self.steps
+
+    def __bool__(self) -> bool:          # an accountant is an accountant, also before its first step
+        return True
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """Opacus's history, ``[(noise_multiplier, sample_rate, steps), ...]``: with one privacy group
+        (Opacus's setting) its composition; with several, the largest budget's group's (the loosest
+        when the groups are calibrated to their budgets; :meth:`group_history` has every group's)."""
+        return self.group_history()[-1]
 
     def group_history(self) -> list[list[tuple[float, float, int]]]:
         """Per group (ascending budgets), the SGM events composing its ε, in Opacus's history form
@@ -324,25 +345,34 @@ class GroupAccountant:
         return lo
 
     # --- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"accountant": self.accountant, "phases": [
-            {"q": torch.from_numpy(p["q"]), "sigma": torch.from_numpy(p["sigma"]), "group": torch.from_numpy(p["group"]),
-             "class_of": torch.from_numpy(p["class_of"]), "steps": int(p["steps"])} for p in self.phases]}
+    def state_dict(self, destination: dict | None = None) -> dict:
+        """Plain data (lists, numbers, strings: comparable with ``==``, loadable with
+        ``weights_only=True``): every phase's per-class rates, noise multipliers, groups and each
+        example's class, with Opacus's keys ``history`` and ``mechanism`` beside them."""
+        out = destination if destination is not None else {}
+        out.update({"history": self.history, "mechanism": self.accountant, "accountant": self.accountant,
+                    "phases": [{"q": p["q"].tolist(), "sigma": p["sigma"].tolist(), "group": p["group"].tolist(),
+                                "class_of": p["class_of"].tolist(), "steps": int(p["steps"])} for p in self.phases]})
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        if state["accountant"] != self.accountant:
-            raise ValueError(f"accountant state is for {state['accountant']!r}, this accountant is {self.accountant!r}")
-        def arr(v, dtype):
-            return np.asarray(torch.as_tensor(v).cpu().numpy(), dtype=dtype)
-
+        """Restore a state of :meth:`state_dict` (the same phase set up by ``make_private`` must be
+        the last one), or an **Opacus accountant's** state (``history`` and ``mechanism`` only):
+        its history becomes this accountant's earlier phases, every example at each entry's rate
+        and noise multiplier, continued by the current phase (merged into it when the last entry
+        has its rate and noise multiplier) — only without budgets, where every example shares one
+        rate and clip norm as in Opacus.  Nothing changes when the state is refused."""
+        if not isinstance(state, dict) or not ("phases" in state or "history" in state):
+            raise ValueError("the accountant state has neither idpsgd's phases nor Opacus's history: it cannot be "
+                             "loaded")
+        name = state.get("accountant", state.get("mechanism"))
+        if name != self.accountant:
+            raise ValueError(f"accountant state is for {name!r}, this accountant is {self.accountant!r}: create the "
+                             f"engine with accountant={name!r} to load it")
+        phases = (self._phases_from_state(state["phases"]) if "phases" in state
+                  else self._phases_from_history(state["history"]))
         current = self.phases[-1] if self.phases else None
-        phases = []
-        for p in state["phases"]:
-            q, sig = arr(p["q"], float), arr(p["sigma"], float)
-            phases.append({"q": q, "sigma": sig, "group": arr(p["group"], np.int64),
-                           "class_of": arr(p["class_of"], np.int64), "steps": int(p["steps"]),
-                           "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size))})
-        if current is not None:      # the state must continue the phase make_private set up, not another one
+        if current is not None and "phases" in state:   # must continue the phase make_private set up
             last = phases[-1] if phases else None
             same = last is not None and all(
                 last[k].shape == current[k].shape and np.array_equal(last[k], current[k])
@@ -353,3 +383,44 @@ class GroupAccountant:
                                  "the same parameters")
         self.phases = phases
         self._paths, self._ok, self._bad = None, {}, {}
+
+    def _phase(self, q, sig, group, class_of, steps: int) -> dict:
+        def arr(v, dtype):
+            return np.asarray(torch.as_tensor(v).cpu().numpy() if torch.is_tensor(v) else v, dtype=dtype).reshape(-1)
+
+        q, sig = arr(q, float), arr(sig, float)
+        return {"q": q, "sigma": sig, "group": arr(group, np.int64), "class_of": arr(class_of, np.int64),
+                "steps": int(steps),
+                "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size))}
+
+    def _phases_from_state(self, saved: list) -> list[dict]:
+        return [self._phase(p["q"], p["sigma"], p["group"], p["class_of"], p["steps"]) for p in saved]
+
+    def _phases_from_history(self, history) -> list[dict]:
+        """Opacus's history as phases (every example at each entry's rate and noise multiplier)."""
+        if self.budgets is not None or self.values.size != 1:
+            raise ValueError("an Opacus accountant state has one history for all examples; this engine has "
+                             "per-example budgets: load it into an engine set up with "
+                             "make_private(noise_multiplier=...) without budgets")
+        current = self.phases[-1] if self.phases else None
+        if current is not None and (current["q"].size != 1 or np.any(current["class_of"] != 0)):
+            raise ValueError("an Opacus accountant state is for one sampling rate and clip norm shared by every "
+                             "example; this engine's phase has several")
+        n = self.num_examples
+        out = []
+        for entry in history:
+            sigma, q, steps = (float(entry[0]), float(entry[1]), int(entry[2]))
+            if not (sigma > 0 and 0 < q <= 1 and steps >= 0):
+                raise ValueError(f"an Opacus history entry (noise_multiplier={sigma}, sample_rate={q}, steps={steps}) "
+                                 "is not a subsampled Gaussian mechanism the accountant can charge")
+            if out and out[-1]["q"][0] == q and out[-1]["sigma"][0] == sigma:
+                out[-1]["steps"] += steps
+            else:
+                out.append(self._phase([q], [sigma], [0], np.zeros(n), steps))
+        if current is not None:
+            if out and out[-1]["q"][0] == current["q"][0] and out[-1]["sigma"][0] == current["sigma"][0]:
+                current_steps = out.pop()["steps"]
+            else:
+                current_steps = 0
+            out.append(dict(current, steps=current_steps))
+        return out

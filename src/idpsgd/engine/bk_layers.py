@@ -33,6 +33,21 @@ kernel gives it), and — from the kept tensors of one backward pass, possibly s
 layer (weight sharing, an RNN cell) — ``prefers_ghost``, ``per_sample`` (G_i per parameter),
 ``ghost_norm_sq`` and ``ghost_clipped_sum``.  Per-sample results are exact; ghost results equal
 them up to floating-point rounding (tests/test_bookkeeping.py, float64).
+
+Layers of Hugging Face ``transformers`` models are matched by what their forward *does*, not by
+their names: transformers' ``Conv1D`` (GPT-2) and the weight-only normalisations (``LlamaRMSNorm``
+and its copies in other models, ``T5LayerNorm``, ``GemmaRMSNorm``, ...) are covered when their class's
+forward compiles to the same code as a verbatim copy kept here (:func:`_same_code`), so a model
+whose layer computes something else takes the fallback instead (tests/test_bk_hf_layers.py checks
+each rule against per-example autograd on the real classes).  transformers is never imported here.
+
+Mixed precision (``torch.autocast``): a rule's :meth:`Rule.prepare` casts the layer's input as
+autocast casts the input of the layer's own operation (:func:`autocast_input`, probed once per
+device and dtypes), the book-kept forward runs under the caller's autocast state and the input
+gradient under the same state, so outputs and input gradients are those of the module under
+autocast.  The kept inputs and output gradients stay in half precision (as autocast's own saved
+tensors); per-example norms and clipped sums are accumulated in float32 (:func:`_acc`): a
+half-precision clip factor or sum could round an example's contribution above its clip norm.
 """
 from __future__ import annotations
 
@@ -44,6 +59,60 @@ from torch import nn
 
 #: floats held at once by a chunk of per-example temporaries (unfolded patches, Gram matrices)
 CHUNK_FLOATS = 1 << 23
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ready for accumulation: float32 if it is half precision (kept under autocast), else as is."""
+    return t.float() if t.dtype in _HALF else t
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _HALF else dtype
+
+
+#: (operation, device type, autocast dtype, input dtype, weight dtype) -> the dtype autocast computes in
+_AUTOCAST_DTYPE: dict = {}
+_PROBES = {     # each layer's own operation on one-element tensors of the input's and the weight's dtypes
+    "linear": lambda x, w: F.linear(x.new_ones(1, 1), w.new_ones(1, 1)),
+    "addmm": lambda x, w: torch.addmm(w.new_ones(1), x.new_ones(1, 1), w.new_ones(1, 1)),
+    "conv1d": lambda x, w: F.conv1d(x.new_ones(1, 1, 1), w.new_ones(1, 1, 1)),
+    "conv2d": lambda x, w: F.conv2d(x.new_ones(1, 1, 1, 1), w.new_ones(1, 1, 1, 1)),
+    "layer_norm": lambda x, w: F.layer_norm(x.new_ones(1, 2), (2,), w.new_ones(2), w.new_ones(2)),
+    "group_norm": lambda x, w: F.group_norm(x.new_ones(1, 2, 1), 1, w.new_ones(2), w.new_ones(2)),
+    "instance_norm": lambda x, w: F.instance_norm(x.new_ones(1, 1, 2), weight=w.new_ones(1), bias=w.new_ones(1)),
+}
+
+
+def autocast_input(x: torch.Tensor, op: str, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` cast to the dtype ``torch.autocast`` runs ``op`` in for inputs like ``x`` and ``weight``
+    (unchanged outside autocast).  Autocast's lists differ by device (CPU keeps ``layer_norm`` in
+    the input's dtype, CUDA runs it in float32; both run ``linear`` in the autocast dtype), so the
+    dtype is read off the operation itself, once per (device, dtypes).  The cast is an ordinary
+    differentiable one, applied before the book-kept operation: autograd casts the input gradient
+    back, as autocast's own casts do."""
+    if not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        return x
+    device = x.device.type
+    key = (op, device, torch.get_autocast_dtype(device), x.dtype, weight.dtype)
+    dtype = _AUTOCAST_DTYPE.get(key)
+    if dtype is None:
+        with torch.no_grad():
+            dtype = _AUTOCAST_DTYPE[key] = _PROBES[op](x.detach(), weight.detach()).dtype
+    return x if dtype == x.dtype else x.to(dtype)
+
+
+def _same_code(fn, reference, names=("torch",)) -> bool:
+    """``fn`` compiles to the same code as ``reference`` (a verbatim copy of a known forward) and sees
+    the same objects under the global ``names`` it uses: it computes exactly what ``reference`` does."""
+    code, want = getattr(fn, "__code__", None), reference.__code__
+    if code is None or getattr(fn, "__closure__", None) or getattr(fn, "__defaults__", None) != reference.__defaults__:
+        return False
+    fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
+              "co_kwonlyargcount")
+    return (all(getattr(code, f) == getattr(want, f) for f in fields)
+            and all(fn.__globals__.get(n) is reference.__globals__[n] for n in names))
 
 
 def _chunks(n: int, per_example: int):
@@ -125,10 +194,17 @@ class LinearRule(Rule):
     """``nn.Linear`` on (B, d) or (B, *, d) inputs: positions T = product of the middle dimensions."""
 
     ghost_capable = True
+    #: the weight's layout: (out, in) as ``nn.Linear``, or (in, out) as transformers' ``Conv1D``
+    transposed = False
+    #: the operation autocast sees (:func:`autocast_input`)
+    amp_op = "linear"
 
     @staticmethod
     def covers(module):
         return _own_forward(module, nn.Linear)
+
+    def prepare(self, module, x):
+        return autocast_input(x, self.amp_op, module.weight)
 
     def forward(self, module, x):
         return F.linear(x, module.weight, module.bias), (x,)
@@ -142,17 +218,24 @@ class LinearRule(Rule):
         b = x.shape[0]
         return x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1])
 
+    def _weight_of(self, a, b):
+        """Σ over the rows of (a (n, d), b (n, p)) of the weight gradient in the weight's layout."""
+        return a.t() @ b if self.transposed else b.t() @ a
+
     def prefers_ghost(self, module, uses):
         if not _trainable(module, "weight"):
             return False
         t = sum(self._flat(s, g)[0].shape[1] for s, g in uses)
-        return 2 * t * t < module.in_features * module.out_features
+        return 2 * t * t < module.weight.numel()
 
     def per_sample(self, module, saved, g):
         a, b = self._flat(saved, g)
+        a, b = _acc(a), _acc(b)
         out = {}
         if _trainable(module, "weight"):
-            out["weight"] = torch.bmm(b.transpose(1, 2), a) if a.shape[1] > 1 else b[:, 0, :, None] * a[:, 0, None, :]
+            left, right = (a, b) if self.transposed else (b, a)
+            out["weight"] = (torch.bmm(left.transpose(1, 2), right) if a.shape[1] > 1
+                             else left[:, 0, :, None] * right[:, 0, None, :])
         if _trainable(module, "bias"):
             out["bias"] = b.sum(1)
         return out
@@ -166,18 +249,19 @@ class LinearRule(Rule):
     def ghost_norm_sq(self, module, uses):
         a, b = self._cat(uses)
         t = a.shape[1]
-        out = a.new_zeros(a.shape[0])
+        out = a.new_zeros(a.shape[0], dtype=_acc_dtype(a.dtype))
         for s in _chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2])):
-            out[s] = _gram_norm_sq(a[s], b[s])
+            out[s] = _gram_norm_sq(_acc(a[s]), _acc(b[s]))
         if _trainable(module, "bias"):
-            bias = b.sum(1)
+            bias = _acc(b).sum(1)
             out = out + (bias * bias).sum(1)
         return out
 
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ for explicit per-example tensors M (B, *shape) of parameter ``name``: Σ_t b_tᵀ M a_t
         (weight) or Σ_t b_t·M (bias) from the kept factors (for tied parameters, :mod:`.bk_tied`)."""
-        a, b = self._cat(uses)
+        a, b = (_acc(t) for t in self._cat(uses))
+        m = _acc(m).to(a.dtype)
         if name == "bias":
             return (b.sum(1) * m).sum(1)
         out = a.new_zeros(a.shape[0])
@@ -189,12 +273,45 @@ class LinearRule(Rule):
         out = {}
         for saved, g in uses:
             a, b = self._flat(saved, g)
-            bw = b * w.to(b.dtype).view(-1, 1, 1)
-            parts = {"weight": bw.reshape(-1, bw.shape[-1]).t() @ a.reshape(-1, a.shape[-1])}
-            if _trainable(module, "bias"):
-                parts["bias"] = bw.sum((0, 1))
-            _add_into(out, parts)
+            # half precision: float32 copies, a chunk of examples at a time
+            parts_of = _chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in _HALF else (slice(None),)
+            for s in parts_of:
+                bw = _acc(b[s]) * w[s].to(_acc_dtype(b.dtype)).view(-1, 1, 1)
+                parts = {"weight": self._weight_of(_acc(a[s]).reshape(-1, a.shape[-1]), bw.reshape(-1, bw.shape[-1]))}
+                if _trainable(module, "bias"):
+                    parts["bias"] = bw.sum((0, 1))
+                _add_into(out, parts)
         return out
+
+
+def _conv1d_forward(self, x):        # verbatim: transformers.pytorch_utils.Conv1D.forward
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+
+
+class Conv1DRule(LinearRule):
+    """transformers' ``Conv1D`` (GPT-2, GPT, ...): ``addmm(bias, x, W)`` with W stored (in, out), a
+    Linear with a transposed weight; matched by its forward's code (:func:`_same_code`), so
+    transformers is never imported.  The same ghost norm and clipped sum as :class:`LinearRule`,
+    the per-example gradients in the (in, out) layout."""
+
+    transposed = True
+    amp_op = "addmm"
+
+    @staticmethod
+    def covers(module):
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        return (isinstance(weight, nn.Parameter) and weight.dim() == 2 and isinstance(bias, nn.Parameter)
+                and _same_code(type(module).forward, _conv1d_forward))
+
+    def forward(self, module, x):
+        size_out = x.size()[:-1] + (module.nf,)
+        return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(size_out), (x,)
+
+    def backward_input(self, module, saved, g, need_input):
+        return torch.matmul(g, module.weight.t()) if need_input else None
 
 
 # --- Convolutions -------------------------------------------------------------------------------
@@ -235,6 +352,7 @@ class ConvRule(Rule):
         if x.dim() != nd + 2:
             raise ValueError(f"book-keeping needs batched inputs for {type(module).__name__}; got shape "
                              f"{tuple(x.shape)}")
+        x = autocast_input(x, f"conv{nd}d", module.weight)
         if module.padding_mode != "zeros":
             return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
         if module.padding == "same":
@@ -259,7 +377,7 @@ class ConvRule(Rule):
     def backward_input(self, module, saved, g, need_input):
         if not need_input:
             return None
-        return self._backward(module, saved[0], g, module.weight, module.groups, [True, False, False])[0]
+        return self._backward(module, saved[0], g, module.weight.to(g.dtype), module.groups, [True, False, False])[0]
 
     def _dims(self, module, g):
         """(groups, T, d, p) of one use."""
@@ -279,7 +397,7 @@ class ConvRule(Rule):
         if _trainable(module, "weight"):
             out["weight"] = self._per_sample_weight(module, saved[0], g)
         if _trainable(module, "bias"):
-            out["bias"] = g.sum(tuple(range(2, g.dim())))
+            out["bias"] = _acc(g).sum(tuple(range(2, g.dim())))
         return out
 
     def _per_sample_weight(self, module, x, g):
@@ -291,8 +409,8 @@ class ConvRule(Rule):
         step = max(1, min(32, CHUNK_FLOATS // max(1, per_example)))
         for start in range(0, n, step):
             k = min(step, n - start)
-            xs = x[start:start + k].reshape((1, k * x.shape[1]) + tuple(x.shape[2:]))
-            gs = g[start:start + k].reshape((1, k * g.shape[1]) + tuple(g.shape[2:]))
+            xs = _acc(x[start:start + k]).reshape((1, k * x.shape[1]) + tuple(x.shape[2:]))
+            gs = _acc(g[start:start + k]).reshape((1, k * g.shape[1]) + tuple(g.shape[2:]))
             wk = w.unsqueeze(0).expand((k,) + tuple(w.shape)).reshape((k * w.shape[0],) + tuple(w.shape[1:]))
             gw = self._backward(module, xs, gs, wk, k * module.groups, [False, True, False])[1]
             out[start:start + k] = gw.view((k,) + tuple(w.shape))
@@ -313,21 +431,21 @@ class ConvRule(Rule):
         groups, _, d, p = self._dims(module, uses[0][1])
         n = uses[0][1].shape[0]
         t_all = sum(self._dims(module, g)[1] for _, g in uses)
-        out = uses[0][1].new_zeros(n)
+        out = uses[0][1].new_zeros(n, dtype=_acc_dtype(uses[0][1].dtype))
         for s in _chunks(n, groups * (2 * t_all * t_all + t_all * (d + p))):
-            a = torch.cat([self._unfold(module, saved[0][s]) for saved, _ in uses], 2)
-            b = torch.cat([g[s].reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
+            a = torch.cat([self._unfold(module, _acc(saved[0][s])) for saved, _ in uses], 2)
+            b = torch.cat([_acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
             out[s] = _gram_norm_sq(a, b).sum(1)
         if _trainable(module, "bias"):
-            bias = sum(g.sum(tuple(range(2, g.dim()))) for _, g in uses)
+            bias = sum(_acc(g).sum(tuple(range(2, g.dim()))) for _, g in uses)
             out = out + (bias * bias).sum(1)
         return out
 
     def ghost_clipped_sum(self, module, uses, w):
         out = {}
         for saved, g in uses:
-            gw = g * w.to(g.dtype).view((-1,) + (1,) * (g.dim() - 1))
-            parts = {"weight": self._backward(module, saved[0], gw, module.weight, module.groups,
+            gw = _acc(g) * w.to(_acc_dtype(g.dtype)).view((-1,) + (1,) * (g.dim() - 1))
+            parts = {"weight": self._backward(module, _acc(saved[0]), gw, module.weight.to(gw.dtype), module.groups,
                                               [False, True, False])[1]}
             if _trainable(module, "bias"):
                 parts["bias"] = gw.sum((0,) + tuple(range(2, g.dim())))
@@ -367,7 +485,7 @@ class EmbeddingRule(Rule):
     def _flat(self, module, uses):
         """(ids (B, T), b (B, T, p)) over all uses, padding positions zeroed."""
         ids = torch.cat([s[0].reshape(s[0].shape[0], -1) for s, _ in uses], 1)
-        b = torch.cat([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in uses], 1)
+        b = torch.cat([_acc(g).reshape(g.shape[0], -1, g.shape[-1]) for _, g in uses], 1)
         if module.padding_idx is not None:
             b = b * (ids != module.padding_idx).unsqueeze(-1).to(b.dtype)
         return ids, b
@@ -393,13 +511,15 @@ class EmbeddingRule(Rule):
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ = Σ_t e_t·M_i[x_t] for explicit per-example tensors M (B, V, d) (tied parameters)."""
         ids, b = self._flat(module, uses)
+        b = _acc(b)
+        m = _acc(m).to(b.dtype)
         picked = torch.gather(m, 1, ids.unsqueeze(-1).expand(-1, -1, m.shape[-1]))
         return (picked * b).sum((1, 2))
 
     def ghost_clipped_sum(self, module, uses, w):
         ids, b = self._flat(module, uses)
         bw = (b * w.to(b.dtype).view(-1, 1, 1)).reshape(-1, b.shape[-1])
-        return {"weight": torch.zeros_like(module.weight).index_add_(0, ids.reshape(-1), bw)}
+        return {"weight": torch.zeros_like(module.weight, dtype=bw.dtype).index_add_(0, ids.reshape(-1), bw)}
 
 
 # --- Normalisation layers -----------------------------------------------------------------------
@@ -410,7 +530,8 @@ class _AffineNormRule(Rule):
     inverse standard deviation are kept for x̂)."""
 
     def per_sample(self, module, saved, g):
-        x, mean, rstd = saved
+        x, mean, rstd = (_acc(t) for t in saved)
+        g = _acc(g)
         xhat = self._xhat(module, x, mean, rstd)
         out = {}
         if _trainable(module, "weight"):
@@ -438,6 +559,9 @@ class GroupNormRule(_AffineNormRule):
     @staticmethod
     def _groups(module):
         return module.num_groups if isinstance(module, nn.GroupNorm) else module.num_features
+
+    def prepare(self, module, x):
+        return autocast_input(x, "group_norm" if isinstance(module, nn.GroupNorm) else "instance_norm", module.weight)
 
     def forward(self, module, x):
         if x.dim() < 2 or (not isinstance(module, nn.GroupNorm) and x.dim() != module._get_no_batch_dim() + 1):
@@ -476,6 +600,9 @@ class LayerNormRule(_AffineNormRule):
     def covers(module):
         return _own_forward(module, nn.LayerNorm) and module.elementwise_affine
 
+    def prepare(self, module, x):
+        return autocast_input(x, "layer_norm", module.weight)
+
     def forward(self, module, x):
         if x.dim() <= len(module.normalized_shape):
             raise ValueError(f"book-keeping needs batched inputs for LayerNorm; got shape {tuple(x.shape)}")
@@ -500,8 +627,186 @@ class LayerNormRule(_AffineNormRule):
         return t.sum(middle) if middle else t
 
 
+# --- Weight-only normalisations (RMSNorm and its Hugging Face forms) ----------------------------
+# Verbatim copies of transformers' forwards (compared by compiled code, :func:`_same_code`; never called).
+def _llama_rms_forward(self, hidden_states):      # LlamaRMSNorm and ~140 copies (Mistral, Qwen2/3, Phi-3, ...)
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _olmo_rms_forward(self, hidden_states):       # OlmoRMSNorm, Olmo2/3, GptOssRMSNorm, ... (cast after the scale)
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+
+
+def _t5_norm_forward(self, hidden_states):        # T5LayerNorm, LongT5, Switch Transformers, UDOP, Pix2Struct, ...
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    if self.weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(self.weight.dtype)
+
+    return self.weight * hidden_states
+
+
+def _gemma_rms_norm(self, x):                     # GemmaRMSNorm._norm (Gemma, Gemma 2/3, RecurrentGemma, ...)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _gemma_rms_forward(self, x):                  # GemmaRMSNorm.forward: y = k(x) (1 + w)
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+
+
+class _ScaleNorm:
+    """One form of weight-only normalisation y = combine(w, k(x)) with ∂y/∂w = k elementwise (before
+    a final cast): ``factor`` and ``combine`` are the form's forward split at the weight, op for op."""
+
+    references: tuple = ()        # (method name, verbatim copy) pairs the class's methods must match
+
+    def matches(self, module) -> bool:
+        cls = type(module)
+        return all(_same_code(getattr(cls, name, None), ref) for name, ref in self.references)
+
+    def forward(self, module, x, w):
+        return self.combine(module, w, self.factor(module, x), x)
+
+    def weight_grads(self, module, x, g):
+        """Each example's weight gradient (B, *weight.shape): autograd through ``combine`` with one copy
+        of the weight per example, so in the module's own dtypes and roundings (Gemma's is float32)."""
+        k = self.factor(module, x)
+        w = module.weight.detach()
+        view = (x.shape[0],) + (1,) * (k.dim() - 1 - w.dim()) + tuple(w.shape)
+        copies = w.expand(view).clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = self.combine(module, copies, k, x)
+        return torch.autograd.grad(out, copies, g)[0].reshape((x.shape[0],) + tuple(w.shape))
+
+
+class _LlamaRMS(_ScaleNorm):
+    references = (("forward", _llama_rms_forward),)
+
+    def factor(self, module, x):
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        return (h * torch.rsqrt(variance + module.variance_epsilon)).to(x.dtype)
+
+    def combine(self, module, w, k, x):
+        return w * k
+
+
+class _OlmoRMS(_LlamaRMS):
+    references = (("forward", _olmo_rms_forward),)
+
+    def factor(self, module, x):
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        return h * torch.rsqrt(variance + module.variance_epsilon)
+
+    def combine(self, module, w, k, x):
+        return (w * k).to(x.dtype)
+
+
+class _T5Norm(_LlamaRMS):
+    references = (("forward", _t5_norm_forward),)
+
+    def factor(self, module, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        h = x * torch.rsqrt(variance + module.variance_epsilon)
+        if module.weight.dtype in [torch.float16, torch.bfloat16]:
+            h = h.to(module.weight.dtype)
+        return h
+
+
+class _GemmaRMS(_ScaleNorm):
+    references = (("forward", _gemma_rms_forward), ("_norm", _gemma_rms_norm))
+
+    def factor(self, module, x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)
+
+    def combine(self, module, w, k, x):
+        return (k * (1.0 + w.float())).type_as(x)
+
+
+class _TorchRMS(_ScaleNorm):
+    """``nn.RMSNorm``: ``F.rms_norm(x, normalized_shape, w, eps)`` = rms_norm(x, ..., None, eps) ⊙ w."""
+
+    def matches(self, module):
+        return _own_forward(module, nn.RMSNorm) and module.elementwise_affine
+
+    def factor(self, module, x):
+        return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+    def forward(self, module, x, w):
+        return F.rms_norm(x, module.normalized_shape, w, module.eps)
+
+    def weight_grads(self, module, x, g):
+        prod = _acc(g) * _acc(self.factor(module, x))
+        middle = tuple(range(1, prod.dim() - module.weight.dim()))
+        return prod.sum(middle) if middle else prod
+
+
+_FORM_OF_CLASS: dict = {}
+
+
+class ScaleNormRule(Rule):
+    """Weight-only normalisations y = w ⊙ k(x) (RMSNorm: k(x) = x / rms(x), over the last dimensions):
+    ``nn.RMSNorm``, and transformers' ``LlamaRMSNorm`` (with its copies in other models),
+    ``OlmoRMSNorm`` (scale before the cast back), ``T5LayerNorm`` and ``GemmaRMSNorm``
+    (y = k(x) ⊙ (1 + w)), each recognised by its forward's code.  Example i's gradient is
+    Σ_positions k(x) ⊙ b — d numbers per example, always formed directly (autograd through the form's
+    last step with one copy of w per example: the module's own dtypes, e.g. Gemma's float32).  The
+    forward is the form's own sequence of operations (float32 inside, as the module); the input
+    gradient is autograd's on that same sequence, recomputed in the backward pass (an elementwise
+    forward more; exactly the module's input gradient)."""
+
+    parameters = ("weight",)
+    _torch = _TorchRMS()
+    _forms = (_LlamaRMS(), _OlmoRMS(), _T5Norm(), _GemmaRMS())
+
+    def form(self, module) -> _ScaleNorm | None:
+        if self._torch.matches(module):
+            return self._torch
+        cls = type(module)
+        if cls not in _FORM_OF_CLASS:            # code comparisons once per class
+            _FORM_OF_CLASS[cls] = next((f for f in self._forms if f.matches(module)), None)
+        return _FORM_OF_CLASS[cls]
+
+    def covers(self, module):
+        weight = getattr(module, "weight", None)
+        return isinstance(weight, nn.Parameter) and self.form(module) is not None
+
+    def forward(self, module, x):
+        if x.dim() < 2:
+            raise ValueError(f"book-keeping needs batched inputs for {type(module).__name__}; got shape "
+                             f"{tuple(x.shape)}")
+        return self.form(module).forward(module, x, module.weight), (x,)
+
+    def backward_input(self, module, saved, g, need_input):
+        if not need_input:
+            return None
+        with torch.enable_grad():
+            x = saved[0].detach().requires_grad_(True)
+            out = self.form(module).forward(module, x, module.weight.detach())
+        return torch.autograd.grad(out, x, g)[0]
+
+    def per_sample(self, module, saved, g):
+        if not _trainable(module, "weight"):
+            return {}
+        return {"weight": _acc(self.form(module).weight_grads(module, saved[0], g))}
+
+
 #: the rules in the order they are tried
-RULES: tuple[Rule, ...] = (LinearRule(), ConvRule(), EmbeddingRule(), GroupNormRule(), LayerNormRule())
+RULES: tuple[Rule, ...] = (LinearRule(), ConvRule(), EmbeddingRule(), GroupNormRule(), LayerNormRule(), Conv1DRule(),
+                           ScaleNormRule())
 
 
 def rule_for(module: nn.Module) -> Rule | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .bk_layers import CHUNK_FLOATS, EmbeddingRule, LinearRule, _chunks
+from .bk_layers import CHUNK_FLOATS, EmbeddingRule, LinearRule, _acc, _chunks
 
 GHOST_CROSS, INNER_CROSS, FORMED_CROSS = "ghost", "ghost × per-sample", "per-sample gradients formed"
 
@@ -34,12 +34,15 @@ GHOST_CROSS, INNER_CROSS, FORMED_CROSS = "ghost", "ghost × per-sample", "per-sa
 def _flat_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """⟨x_i, y_i⟩ for every example of two (B, ...) tensors."""
     n = x.shape[0]
+    x, y = _acc(x), _acc(y)
+    if x.dtype != y.dtype:
+        x, y = x.to(torch.promote_types(x.dtype, y.dtype)), y.to(torch.promote_types(x.dtype, y.dtype))
     return torch.bmm(x.reshape(n, 1, -1), y.reshape(n, -1, 1)).reshape(n)
 
 
 def _linear_linear(a_layer, b_layer):
-    a1, b1 = LinearRule()._cat(a_layer.uses)
-    a2, b2 = LinearRule()._cat(b_layer.uses)
+    a1, b1 = (_acc(t) for t in LinearRule()._cat(a_layer.uses))     # float32 for half precision (autocast)
+    a2, b2 = (_acc(t) for t in LinearRule()._cat(b_layer.uses))
     n, t1, t2 = a1.shape[0], a1.shape[1], a2.shape[1]
     out = a1.new_zeros(n)
     for s in _chunks(n, 2 * t1 * t2):
@@ -49,7 +52,8 @@ def _linear_linear(a_layer, b_layer):
 
 def _embedding_linear(e_layer, l_layer):
     ids, e = EmbeddingRule()._flat(e_layer.module, e_layer.uses)
-    h, b = LinearRule()._cat(l_layer.uses)
+    e = _acc(e)
+    h, b = (_acc(t).to(e.dtype) for t in LinearRule()._cat(l_layer.uses))
     n, t1, t2 = ids.shape[0], ids.shape[1], h.shape[1]
     out = e.new_zeros(n)
     for s in _chunks(n, 2 * t1 * t2):
@@ -62,6 +66,8 @@ def _embedding_linear(e_layer, l_layer):
 def _embedding_embedding(a_layer, b_layer):
     ids1, e1 = EmbeddingRule()._flat(a_layer.module, a_layer.uses)
     ids2, e2 = EmbeddingRule()._flat(b_layer.module, b_layer.uses)
+    e1 = _acc(e1)
+    e2 = _acc(e2).to(e1.dtype)
     n, t1, t2 = ids1.shape[0], ids1.shape[1], ids2.shape[1]
     out = e1.new_zeros(n)
     for s in _chunks(n, 2 * t1 * t2):

@@ -7,8 +7,9 @@ example (IDP-SGD *Scale*'s c_p, Boenisch et al. 2023 §3.4; individual clipping,
 Alg. 3):
 
 1. forward — every covered layer (:mod:`.bk_layers`: Linear, Conv1d/Conv2d, Embedding, GroupNorm,
-   InstanceNorm, LayerNorm) runs through :class:`_BookKeptOp`, which computes the layer's output
-   with PyTorch's own kernel and keeps its input;
+   InstanceNorm, LayerNorm, transformers' Conv1D, RMSNorm and its Hugging Face forms) runs through
+   :class:`_BookKeptOp`, which computes the layer's output with PyTorch's own kernel and keeps its
+   input (under ``torch.autocast`` as the module would: :func:`.bk_layers.autocast_input`);
 2. one backward pass — each covered layer passes the input gradient on (PyTorch's kernel) and keeps,
    instead of letting autograd form the summed weight gradient, either (input, output gradient)
    (ghost layers) or the per-example gradients (per-sample layers; whichever is cheaper for its
@@ -49,12 +50,18 @@ Three structures of Hugging Face models are book-kept exactly as well:
   *direct unit* (:class:`_DirectUnit`) tracks them through its forward the same way; its submodules
   keep their own rules.
 
+Mixed precision: norms and clipped sums are accumulated in float32; an example whose gradient
+overflowed contributes nothing (:meth:`BookKeeper.norms`); a ``torch.amp.GradScaler``'s scale is
+divided out before clipping (:meth:`~.optimizer._PrivacyHooks.loss_scale`).
+
 Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside the
 covered layers' forwards (a functional call on ``layer.weight``) would receive an un-clipped
 autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
 parameters shared between a covered layer and a fallback or direct unit.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
@@ -64,7 +71,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
 from ..validation import InvalidParameterError
-from .bk_layers import Rule, _add_into, rule_for
+from .bk_layers import Rule, _acc, _add_into, rule_for
 from .bk_shared import BK_HINT, SharedTensor, Source, distribute, parameter_use
 from .bk_tied import cross_term
 
@@ -85,8 +92,10 @@ class _BookKeptOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, shared, x, *params):
-        out, saved = layer.rule.forward(layer.module, x)
+        out, saved = layer.rule.forward(layer.module, x)     # under the caller's autocast state
         ctx.layer, ctx.shared = layer, shared
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.save_for_backward(*saved)
         layer.pending += 1
         return out
@@ -96,6 +105,13 @@ class _BookKeptOp(torch.autograd.Function):
         layer, shared = ctx.layer, ctx.shared
         saved = ctx.saved_tensors
         rest = (None,) * (len(ctx.needs_input_grad) - 3)
+        # the input gradient under the forward's autocast state (as torch.amp.custom_bwd): the module's own
+        with torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast else contextlib.nullcontext():
+            return _BookKeptOp._backward(ctx, layer, shared, saved, g, rest)
+
+    @staticmethod
+    def _backward(ctx, layer, shared, saved, g, rest):
+        layer.keeper.mark_for_grad_scaler()
         if shared is None:
             gx = layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])
             layer.record(saved, g)
@@ -139,10 +155,7 @@ class _BookKeptForward:
         module = layer.module
         if args or kwargs or not (layer.keeper.active and torch.is_grad_enabled()):
             return type(module).forward(module, x, *args, **kwargs)
-        if torch.is_tensor(x) and torch.is_autocast_enabled(x.device.type):
-            raise RuntimeError("grad_sample_mode='bk' does not support autocast (mixed precision); use "
-                               "grad_sample_mode='hooks', or train in one precision")
-        x = layer.rule.prepare(module, x)
+        x = layer.rule.prepare(module, x)         # (under autocast: the input cast as autocast casts it)
         batch = layer.keeper.step_batch
         if isinstance(x, SharedTensor) or (batch not in (None, 1) and torch.is_tensor(x) and x.dim() > 0
                                            and x.shape[0] == 1):
@@ -191,9 +204,22 @@ class _PlainForward:
 
 
 def _row_norms_sq(gs: torch.Tensor) -> torch.Tensor:
-    """‖G_i‖² of each example's gradient (B, ...), without a squared copy of G."""
-    flat = gs.reshape(gs.shape[0], 1, -1)
+    """‖G_i‖² of each example's gradient (B, ...), without a squared copy of G (float32 for half G)."""
+    flat = _acc(gs).reshape(gs.shape[0], 1, -1)
     return torch.bmm(flat, flat.transpose(1, 2)).reshape(-1)
+
+
+def _weighted_sum(w: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i G_i, accumulated in float32 for half G (the factors are never rounded to half precision)."""
+    gs = _acc(gs)
+    return torch.einsum("b,b...->...", w.to(gs.dtype), gs)
+
+
+def _drop_rows(t, mask: torch.Tensor):
+    """``t`` with the rows of the examples in ``mask`` zeroed (a copy; floating tensors of that batch only)."""
+    if not torch.is_tensor(t) or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != mask.shape[0]:
+        return t
+    return t.masked_fill(mask.view((-1,) + (1,) * (t.dim() - 1)), 0)
 
 
 class _Layer:
@@ -264,8 +290,13 @@ class _Layer:
     def clipped_sum(self, w: torch.Tensor) -> dict:
         out = self.rule.ghost_clipped_sum(self.module, self.uses, w) if self.uses else {}
         for name, gs in self.grad_sample.items():
-            _add_into(out, {name: torch.einsum("b,b...->...", w.to(gs.dtype), gs)})
+            _add_into(out, {name: _weighted_sum(w, gs)})
         return {self.params[k]: v for k, v in out.items() if k in self.params}
+
+    def drop(self, mask: torch.Tensor) -> None:
+        """Zero what this pass kept for the examples in ``mask`` (their gradients overflowed)."""
+        self.uses = [(tuple(_drop_rows(t, mask) for t in saved), _drop_rows(g, mask)) for saved, g in self.uses]
+        self.grad_sample = {k: _drop_rows(v, mask) for k, v in self.grad_sample.items()}
 
 
 class _FallbackUnit:
@@ -340,7 +371,10 @@ class _FallbackUnit:
         return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
 
     def clipped_sum(self, w: torch.Tensor) -> dict:
-        return {self.params[n]: torch.einsum("b,b...->...", w.to(gs.dtype), gs) for n, gs in self.grad_sample.items()}
+        return {self.params[n]: _weighted_sum(w, gs) for n, gs in self.grad_sample.items()}
+
+    def drop(self, mask: torch.Tensor) -> None:
+        self.grad_sample = {k: _drop_rows(v, mask) for k, v in self.grad_sample.items()}
 
     def remove(self) -> None:
         for h in self.handles:
@@ -386,7 +420,10 @@ class _DirectUnit:
         return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
 
     def clipped_sum(self, w: torch.Tensor) -> dict:
-        return {self.params[n]: torch.einsum("b,b...->...", w.to(gs.dtype), gs) for n, gs in self.grad_sample.items()}
+        return {self.params[n]: _weighted_sum(w, gs) for n, gs in self.grad_sample.items()}
+
+    def drop(self, mask: torch.Tensor) -> None:
+        self.grad_sample = {k: _drop_rows(v, mask) for k, v in self.grad_sample.items()}
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
@@ -516,6 +553,7 @@ class BookKeeper:
         self._batches: list[int | None] = []                # the batch size of each model forward in progress
         self._leaked: set[str] = set()
         self._handles = []
+        self._dropped: torch.Tensor | None = None
         self._plan()
 
     def _trainable(self) -> frozenset:
@@ -549,6 +587,8 @@ class BookKeeper:
         except BaseException:
             self.detach()
             raise
+        covered = [p for layer in self.layers for p in layer.params.values()]
+        self._marker = min(covered, key=lambda p: p.numel()) if covered else None
 
     def _unplan(self) -> None:
         for layer in self.layers:
@@ -615,6 +655,18 @@ class BookKeeper:
             del self.model.__dict__["_idpsgd_bookkeeper"]
 
     # --- one backward pass --------------------------------------------------------------------
+    def mark_for_grad_scaler(self) -> None:
+        """Give the smallest covered parameter a zero ``.grad`` after a book-kept backward pass.
+
+        ``torch.amp.GradScaler`` checks the optimizer's ``.grad`` tensors for inf/nan and refuses to
+        ``update()`` when it found none to check; covered parameters get no autograd gradient.  The
+        zeros are data-independent, so the scaler never sees an overflow of the private gradients
+        (its scale must not depend on them; the private optimizer handles overflowed examples,
+        :meth:`norms`).  Discarded by the optimizer step as every covered ``.grad``."""
+        marker = self._marker
+        if marker is not None and marker.grad is None:
+            marker.grad = torch.zeros_like(marker)
+
     @property
     def parts(self):
         return [*self.layers, *self.units, *self.direct]
@@ -647,14 +699,21 @@ class BookKeeper:
                              f"{ACCUMULATION_ERROR}")
         return parts, (batches.pop() if batches else None)
 
-    def scale(self, batch: int) -> float:
+    def scale(self, batch: int, loss_scale: float = 1.0) -> float:
         """Output gradients × scale = the per-example loss's gradients (Opacus's convention: a "mean"
-        loss is divided by the batch size)."""
-        return float(batch) if self.loss_reduction == "mean" else 1.0
+        loss is divided by the batch size; a ``GradScaler``'s scaled loss by its ``loss_scale``)."""
+        return (float(batch) if self.loss_reduction == "mean" else 1.0) / float(loss_scale)
 
     @torch.no_grad()
-    def norms(self) -> torch.Tensor:
-        """‖g_i‖ of every example of the current backward pass (in batch order)."""
+    def norms(self, loss_scale: float = 1.0) -> torch.Tensor:
+        """‖g_i‖ of every example of the current backward pass (in batch order), of the loss before
+        a ``GradScaler``'s scaling by ``loss_scale`` (so the scale changes no clipping decision).
+
+        An example whose kept gradients overflowed (inf/nan: half precision under autocast) has norm
+        inf; :meth:`clipped_sum` then leaves it out (its clip factor is 0), a function of that example
+        alone, so the step's sensitivity bound holds and the step is taken and charged as any step.
+        (Skipping the whole step, as ``GradScaler`` does, would reveal a data-dependent event that
+        no privacy guarantee covers.)"""
         parts, batch = self._recorded()
         if batch is None:
             raise RuntimeError("no per-example gradients were recorded: call loss.backward() on the model's "
@@ -675,16 +734,27 @@ class BookKeeper:
                         total = total + 2 * cross
                         x.cross_taken.setdefault(y.name, set()).add(how)
                         y.cross_taken.setdefault(x.name, set()).add(how)
-        return total.clamp_min(0).sqrt() * self.scale(batch)
+        norms = total.clamp_min(0).sqrt() * self.scale(batch, loss_scale)
+        finite = torch.isfinite(norms)
+        self._dropped = None
+        if not bool(finite.all()):
+            self._dropped = ~finite
+            norms = norms.masked_fill(self._dropped, float("inf"))
+        return norms
 
     @torch.no_grad()
-    def clipped_sum(self, factors: torch.Tensor) -> dict:
+    def clipped_sum(self, factors: torch.Tensor, loss_scale: float = 1.0) -> dict:
         """{parameter: Σ_i factors_i · g_i} over the current backward pass (zero for parameters that
-        received nothing); call after :meth:`norms`."""
+        received nothing; examples whose gradients overflowed left out); call after :meth:`norms`
+        with the same ``loss_scale``."""
         parts, batch = self._recorded()
         out = {}
         if batch:
-            w = factors * self.scale(batch)
+            w = factors * self.scale(batch, loss_scale)
+            if self._dropped is not None:
+                w = w.masked_fill(self._dropped, 0)
+                for part in parts:
+                    part.drop(self._dropped)
             for part in parts:
                 _add_into(out, part.clipped_sum(w))      # a tied parameter: the sum of its layers' contributions
         return out
@@ -694,6 +764,7 @@ class BookKeeper:
         for part in self.parts:
             part.clear()
         self._leaked = set()
+        self._dropped = None
 
     @property
     def rules(self) -> dict[str, str]:

@@ -46,14 +46,15 @@ class PerExampleClipping:
         self.clip_norms = new
 
     def factors(self, norms: torch.Tensor) -> torch.Tensor:
-        """min(1, c_i / (‖g_i‖ + 1e-6)) for the next ``len(norms)`` drawn examples."""
+        """min(1, c_i / (‖g_i‖ + 1e-6)) for the next ``len(norms)`` drawn examples; 0 for an example
+        whose gradient overflowed (a non-finite norm, half precision): it contributes nothing."""
         idx = self.queue.pop(norms.numel())
         self._norms.append(norms.detach())
         self._indices.append(idx)
         if norms.numel() == 0:
             return norms.new_zeros((0,))
         clip = self.clip_norms[idx].to(device=norms.device, dtype=norms.dtype)
-        return (clip / (norms + 1e-6)).clamp(max=1.0)
+        return torch.where(torch.isfinite(norms), (clip / (norms + 1e-6)).clamp(max=1.0), 0.0)
 
     @property
     def pending_indices(self) -> list[torch.Tensor]:

@@ -146,10 +146,10 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
                                         "per-example norm passes without DDP's gradient all-reduce; wrap the model "
                                         "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel")
     if engine.accountant is None and not engine.secure_mode:      # one seed for the whole run: rank 0's
-        seed = broadcast_object(engine.seed)
+        seed, sampler_seed = broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
         if engine.individual is not None and engine.individual.seed == engine.seed:
             engine.individual.seed = seed
-        engine.seed = seed
+        engine.seed, engine.sampler_seed = seed, sampler_seed
     return rank_and_world()
 
 
@@ -250,6 +250,7 @@ class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, Individual
 
 
 OPTIMIZERS = {"hooks": DistributedIndividualizedDPOptimizer, "functorch": DistributedIndividualizedDPOptimizer,
+              "ew": DistributedIndividualizedDPOptimizer,
               "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
               "bk": DistributedIndividualizedDPOptimizerBookKeeping}
 

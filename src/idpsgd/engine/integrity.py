@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
 
 from ..validation import InvalidParameterError
 
@@ -82,8 +83,8 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     for prefix, m in module.named_modules(remove_duplicate=True):
         dot = f"{prefix}." if prefix else ""
         for n, p in m._parameters.items():
-            if p is not None:
-                out[dot + n] = ("parameter", p)
+            if p is not None:   # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
+                out[dot + n] = ("parameter", p.orig_weight if isinstance(p, ExpandedWeight) else p)
         for n, b in m._buffers.items():
             if b is not None and n not in m._non_persistent_buffers_set:
                 out[dot + n] = ("persistent buffer", b)

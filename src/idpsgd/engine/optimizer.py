@@ -17,6 +17,13 @@ min(1, c / (‖g_i‖ + 1e-6)) (:class:`~idpsgd.engine.clipping.PerExampleClippi
 * ``step_hook`` (Opacus's accounting hook) runs after the noisy gradient is formed: the engine's
   accountant charges the step; ``post_step_hooks`` run after the parameter update (θ_{t+1}: the
   individual accountant refreshes norms there).
+
+Mixed precision: per-example norms and clipped sums are accumulated in float32; an example whose
+gradient overflowed (inf/nan) gets clip factor 0 (it contributes nothing; the step is taken and
+charged).  ``torch.amp.GradScaler`` is supported in book-keeping mode through the optimizer
+protocol of ``GradScaler.step`` (``_step_supports_amp_scaling``: the scaler hands its scale to
+:meth:`step`, which divides the per-example gradients by it before clipping) and refused in the
+other modes (see :meth:`_PrivacyHooks.loss_scale`).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from ..validation import InvalidParameterError, check_positive
+from .bk_layers import _acc_dtype
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
 
@@ -36,6 +44,8 @@ class _PrivacyHooks:
     """Guard before the noise, hooks after the update; shared by the plain and ghost optimizers."""
 
     clipping: PerExampleClipping
+    #: ``GradScaler.step(optimizer)`` calls :meth:`step` itself, with ``grad_scale``/``found_inf`` set
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
                  clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
@@ -51,6 +61,7 @@ class _PrivacyHooks:
         self.guard: Callable[["_PrivacyHooks"], None] | None = None
         self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
         self._noised = False
+        self._loss_scale = 1.0
 
     @property
     def clip_norms(self) -> torch.Tensor:
@@ -95,8 +106,39 @@ class _PrivacyHooks:
             _mark_as_processed(p.summed_grad)
         self._noised = True
 
+    def loss_scale(self) -> float:
+        """The factor the loss was multiplied by: 1, or the scale ``GradScaler.step(optimizer)`` hands
+        over (the amp-scaling optimizer protocol sets ``grad_scale`` and ``found_inf`` for the call).
+
+        The scaler's own overflow check sees no private gradient in book-keeping mode (covered
+        parameters have no autograd gradient; :meth:`~.bookkeeping.BookKeeper.mark_for_grad_scaler`),
+        so its scale depends on the step count only; overflowed examples are left out of the
+        clipped sum instead of skipping the step (:meth:`~.bookkeeping.BookKeeper.norms`)."""
+        if getattr(self, "found_inf", None) is None:     # not called by a GradScaler
+            return 1.0
+        error = self._grad_scaler_refusal()
+        if error is None and getattr(self, "grad_scale", None) is None:
+            error = ("scaler.unscale_(optimizer) was called before scaler.step(optimizer): the private optimizer "
+                     "divides the per-example gradients by the scale itself and cannot learn it afterwards; do not "
+                     "call unscale_ (per-example clipping replaces clip_grad_norm_)")
+        if error is not None:
+            self.clipping.end_step()
+            self.zero_grad(set_to_none=True)
+            raise RuntimeError(error)
+        return float(self.grad_scale)
+
+    def _grad_scaler_refusal(self) -> str | None:
+        return ("a torch.amp.GradScaler is supported with grad_sample_mode='bk' only: in this mode the scaler checks "
+                "the summed, un-clipped gradient for overflow and adapts its scale to it, so the scale (which decides "
+                "which examples overflow) would depend on the private data; use grad_sample_mode='bk', or bfloat16 "
+                "autocast without a GradScaler")
+
     def step(self, closure=None):
-        out = super().step(closure)
+        self._loss_scale = self.loss_scale()
+        try:
+            out = super().step(closure)
+        finally:
+            self._loss_scale = 1.0
         if self._noised:
             self._noised = False
             self.clipping.end_step()
@@ -138,14 +180,22 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         samples = self.grad_samples
         if len(samples[0]) == 0:                  # empty Poisson batch: a noise-only step
             norms = torch.zeros((0,), device=samples[0].device)
-        else:
-            per_param = [g.reshape(len(g), -1).norm(2, dim=-1) for g in samples]
+        else:                                     # (half-precision per-sample gradients: norms in float32)
+            per_param = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=-1, dtype=_acc_dtype(g.dtype))
+                         for g in samples]
             device = per_param[0].device
             norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
+        overflowed = ~torch.isfinite(norms)        # (half precision) norm inf, factor 0, rows zeroed: 0 · inf is nan
+        overflowed = overflowed if bool(overflowed.any()) else None
+        if overflowed is not None:
+            norms = norms.masked_fill(overflowed, float("inf"))
         factor = self.clipping.factors(norms)
         for p in self.params:
             _check_processed_flag(p.grad_sample)
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            if overflowed is not None:
+                grad_sample = grad_sample.masked_fill(
+                    overflowed.to(grad_sample.device).view((-1,) + (1,) * (grad_sample.dim() - 1)), 0)
             grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
             if p.summed_grad is not None:
                 p.summed_grad += grad
@@ -176,6 +226,13 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
 
     keeper = None        # the model's BookKeeper (set by the engine)
 
+    def _grad_scaler_refusal(self) -> str | None:
+        if not self.keeper.units:
+            return None
+        return (f"a torch.amp.GradScaler needs every trainable layer on a book-keeping rule: the fallback layers "
+                f"({', '.join(u.name for u in self.keeper.units)}) get autograd gradients, which the scaler would "
+                "check for overflow (a scale that depends on the private data); see the module's layer_paths")
+
     def zero_grad(self, set_to_none: bool = False):
         self.keeper.clear()          # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
         super().zero_grad(set_to_none)
@@ -190,11 +247,11 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 ref = self.params[0]
                 norms = torch.zeros(0, dtype=ref.dtype, device=ref.device)
             else:
-                norms = keeper.norms()
+                norms = keeper.norms(self._loss_scale)
         except BaseException:
             keeper.clear()
             raise
-        sums = keeper.clipped_sum(self.clipping.factors(norms))
+        sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
         keeper.clear()
         for p in self.params:
             g = sums.get(p)
@@ -207,5 +264,5 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 p.summed_grad = g.to(p.dtype)
 
 
-OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer,
+OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer, "ew": IndividualizedDPOptimizer,
               "ghost": IndividualizedDPOptimizerFastGradientClipping, "bk": IndividualizedDPOptimizerBookKeeping}

@@ -2,14 +2,14 @@
 
 One object owns the module, the optimizer, the data loader and the accountant, as in Opacus::
 
-    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
+    engine = IndividualizedPrivacyEngine(seed=0)
     model, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader,     # any map-style Dataset / collate_fn
         budgets=Budgets.from_groups([1, 2, 3], [.34, .43, .23], n, delta=1e-5),
         method="sample", epochs=30, max_grad_norm=1.0)
     for batch in loader:                 # the user's batches, unchanged
         optimizer.zero_grad(); loss_fn(model, batch).backward(); optimizer.step()
-    engine.get_epsilon()                 # ε per privacy group; engine.get_individual_epsilons() per example
+    engine.get_epsilon().per_group       # ε per privacy group; engine.get_individual_epsilons() per example
 
 What it does (Boenisch et al. 2023, IDP-SGD, Alg. 1–3; the product guide's model of a step):
 
@@ -32,15 +32,18 @@ What it does (Boenisch et al. 2023, IDP-SGD, Alg. 1–3; the product guide's mod
 Privacy definition: data-independent individual (ε_p, δ)-DP for every example of privacy group p
 (Boenisch et al. eq. 3), with ε from the accountant the run was calibrated with.
 
-**Opacus 1.6's API** on the same engine, so that a port changes the import and the class name:
-``make_private_with_epsilon(module=, optimizer=, data_loader=, target_epsilon=, target_delta=,
-epochs=, max_grad_norm=)`` (one budget; add ``budgets=`` for per-example budgets),
-``make_private(noise_multiplier=, max_grad_norm=)`` (one σ, no budget: accounted, not filtered),
-``get_epsilon(delta)`` (a :class:`~.accountant.GroupEpsilons`: per group, and one float — the
-loosest group's — when formatted), ``accountant="prv"`` and ``save_checkpoint`` /
-``load_checkpoint``.  Opacus keywords the engine cannot honour (``poisson_sampling=False``,
-``clipping="per_layer"``/``"adaptive"``, ``wrap_model=False``, ``rand_on_empty=True``, noise or
-clip schedulers) are refused with an error that says why.
+**Opacus 1.6's API** on the same engine, so that an Opacus script runs unchanged (its own test
+suite is the acceptance test: ``make test-opacus``): ``make_private_with_epsilon(module=,
+optimizer=, data_loader=, target_epsilon=, target_delta=, epochs=, max_grad_norm=)`` (one budget;
+add ``budgets=`` for per-example budgets), ``make_private(noise_multiplier=, max_grad_norm=)`` (one
+σ, no budget: accounted, not filtered), ``get_epsilon(delta)`` (a float — the loosest group's —
+carrying every group's, :class:`~.accountant.GroupEpsilons`), ``engine.accountant`` with Opacus's
+accountant interface, ``get_compatible_module`` / ``is_compatible`` / ``validate``,
+``grad_sample_mode="ew"``, ``save_checkpoint`` / ``load_checkpoint`` (file paths or file objects,
+Opacus's checkpoints too), Opacus's defaults (PRV accountant, sampling rate ``1/len(data_loader)``)
+and its randomness (without a seed the engine follows torch's RNG).  Opacus options the engine
+cannot honour are refused with an error that says why: the one table of them is
+:data:`~.opacus_compat.REFUSALS`.
 """
 from __future__ import annotations
 
@@ -58,8 +61,10 @@ from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudg
 from . import distributed
 from .clipping import PerExampleClipping
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
+from .opacus_compat import OPACUS_PARAMETER_MISMATCH, refuse_opacus_options
 from .optimizer import OPTIMIZERS, _check_noise
-from .randomness import noise_generator as make_noise_generator, resolve_seed, sampler_rng
+from .randomness import (DeferredGenerator, DeferredUniform, noise_generator as make_noise_generator, resolve_seed,
+                         sampler_rng, seed_from_torch)
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
 
@@ -80,28 +85,6 @@ def steps_per_epoch_for(sample_rates) -> int:
     return max(1, int(round(active.sum() / total))) if total > 0 else 1
 
 
-#: Opacus keywords and the one value of each that the engine can honour (why, for the error).
-OPACUS_ONLY = {
-    "poisson_sampling": (True, "the engine always draws Poisson batches with per-example rates; the privacy "
-                               "accounting (Opacus's too) assumes them"),
-    "clipping": ("flat", "each example is clipped at one flat norm c_i over all parameters (per-layer and "
-                         "adaptive clipping are not supported)"),
-    "wrap_model": (True, "the module is always wrapped (GradSampleModule); use the returned module"),
-    "rand_on_empty": (False, "an empty Poisson batch keeps your batch structure with zero rows"),
-}
-
-
-def _check_opacus_options(**given) -> None:
-    """Refuse Opacus keywords the engine cannot honour (one line saying why)."""
-    for name, (allowed, why) in OPACUS_ONLY.items():
-        if name in given and given[name] != allowed:
-            raise InvalidParameterError(name, given[name], f"only {allowed!r} is supported: {why}")
-    for name in ("noise_scheduler", "grad_clip_scheduler"):
-        if given.get(name) is not None:
-            raise InvalidParameterError(name, type(given[name]).__name__, "is not supported: the engine's plan "
-                                        "fixes σ and the clip norms for its budgets (leave it out)")
-
-
 def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -112,22 +95,32 @@ class IndividualizedPrivacyEngine:
     """Individualized DP-SGD for any model, data loader and device.
 
     Args:
-        accountant: ``rdp`` (Rényi DP, adaptive orders), ``pld`` (privacy loss distributions
-            through dp_accounting) or ``prv`` (privacy random variables, Gopi et al. 2021, Opacus's
-            default; its upper bound); used for calibration, the filter and the reported ε.
+        accountant: ``prv`` (privacy random variables, Gopi et al. 2021; its upper bound — the
+            default, as Opacus's), ``rdp`` (Rényi DP, adaptive orders; much faster calibration) or
+            ``pld`` (privacy loss distributions through dp_accounting); used for calibration, the
+            filter and the reported ε.
         secure_mode: Opacus's secure mode: sampling and noise from OS entropy, secure noise
             sampling; a seed is refused.
-        seed: seeds the Poisson sampler and the noise; ``None`` draws a fresh seed from OS entropy
-            and records it as :attr:`seed` (so a run can be replayed; :meth:`load_checkpoint` then
-            continues with the checkpoint's seed).
+        seed: seeds the Poisson sampler and the noise (a seed replays a run exactly).  ``None``
+            follows torch's RNG as Opacus does (:mod:`.randomness`): at the first draw the seed is
+            drawn from torch's global generator — the sampler's from the data loader's
+            ``generator`` when it has one — or from OS entropy if that generator was never seeded;
+            it is recorded privately as :attr:`seed` / :attr:`sampler_seed`, and
+            :meth:`load_checkpoint` continues with the checkpoint's.
+
+    Before the first draw (a batch or the noise) :attr:`seed` is None; with individual
+    accounting, the individual filter or several processes it is drawn at set-up.
     """
 
-    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False, seed: int | None = None):
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, seed: int | None = None):
         if accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
-        self.seed = resolve_seed(seed, self.secure_mode)
+        self._follow_torch = seed is None and not self.secure_mode    # seed drawn from torch at the first draw
+        self.seed = None if self._follow_torch else resolve_seed(seed, self.secure_mode)
+        self.sampler_seed = self.seed            # the Poisson sampler's (the loader generator's when followed)
+        self._loader_generator = None
         self._seed_given = seed is not None       # a drawn seed yields to a checkpoint's on load
         self.accountant: GroupAccountant | None = None
         self.budgets: Budgets | None = None
@@ -154,11 +147,10 @@ class IndividualizedPrivacyEngine:
         return self.accountant.values if self.accountant is not None else np.zeros(0)
 
     def get_epsilon(self, delta: float | None = None, *, steps: int | None = None) -> GroupEpsilons:
-        """ε spent so far by each privacy group (ascending budgets), by the run's accountant.
-
-        Returns a :class:`~.accountant.GroupEpsilons`: a numpy array of the groups' ε that
-        formats and converts as one number, the loosest group's (``f"{eps:.2f}"``, ``float(eps)``
-        as with Opacus; the one ε that bounds every example).  ``delta`` defaults to the budgets'.
+        """ε spent so far, by the run's accountant: **a float** (Opacus's ``get_epsilon(delta)``), the
+        loosest privacy group's — the one ε that bounds every example; with one budget simply the
+        ε — carrying every group's ε as ``.per_group`` (ascending budgets; a
+        :class:`~.accountant.GroupEpsilons`).  ``delta`` defaults to the budgets'.
 
         ``steps``: the ε each group *would* have after ``steps`` logical steps in all (the current
         phase continued to that count; no training, nothing charged) — Opacus users' "accountant
@@ -170,14 +162,14 @@ class IndividualizedPrivacyEngine:
         if steps is not None:
             if int(steps) != steps or int(steps) < self.steps:
                 raise InvalidParameterError("steps", steps, f"must be an integer >= the {self.steps} steps taken")
-            eps = self.accountant.get_epsilon(delta, extra_steps=int(steps) - self.steps)
-        elif self.filter is not None:   # individual filter: min(data-independent ε, the filter's guarantee)
-            eps = self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
-                                                    self.filter.guarantee_epsilons(delta)))
-        else:
-            eps = self.accountant.get_epsilon(delta)
+            return self.accountant.get_epsilon(delta, extra_steps=int(steps) - self.steps)
+        if self.filter is None:
+            return self.accountant.get_epsilon(delta)
+        # individual filter: min(data-independent ε, the filter's guarantee), per group
+        eps = self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
+                                                self.filter.guarantee_epsilons(delta)))
         return GroupEpsilons(eps, self.accountant.values, self.accountant.counts, delta, self.accountant_name,
-                             self.steps if steps is None else int(steps))
+                             self.steps)
 
     @property
     def history(self) -> list[list[tuple[float, float, int]]]:
@@ -238,7 +230,7 @@ class IndividualizedPrivacyEngine:
     def privacy_groups(self, delta: float | None = None) -> list[dict]:
         """Per group: budget, examples, and the current phase's rate, clip norm and effective σ."""
         self._require()
-        eps = self.get_epsilon(delta)
+        eps = self.get_epsilon(delta).per_group
         p = self.parameters
         out = []
         for g, (value, count) in enumerate(zip(self.accountant.values, self.accountant.counts)):
@@ -258,7 +250,7 @@ class IndividualizedPrivacyEngine:
         if self.filter is not None:
             raise InvalidParameterError("individual_accounting", True, "cannot be combined with the individual "
                                         "filter (the filter already accounts every example individually)")
-        self.individual = IndividualTracker(options, per_sample_loss, self.seed if seed is None else seed)
+        self.individual = IndividualTracker(options, per_sample_loss, self._draw_seed() if seed is None else seed)
         self._individual_seed_follows = seed is None and not self._seed_given   # re-drawn from a loaded seed
         if self.accountant is not None:
             if self.steps:
@@ -287,6 +279,29 @@ class IndividualizedPrivacyEngine:
     def _require(self):
         if self.accountant is None:
             raise RuntimeError("call make_private first")
+
+    def _draw_seed(self) -> int | None:
+        """The engine's seed; without one given (non-secure), drawn now from torch's global generator."""
+        if self.seed is None and self._follow_torch:
+            self.seed = seed_from_torch(None)
+        return self.seed
+
+    def _draw_sampler_seed(self) -> int | None:
+        """The Poisson sampler's seed: the engine's, or drawn now from the data loader's generator."""
+        if self.sampler_seed is None and self._follow_torch:
+            self.sampler_seed = (seed_from_torch(self._loader_generator) if self._loader_generator is not None
+                                 else self._draw_seed())
+        return self.sampler_seed
+
+    def _new_sampler_rng(self):
+        if self._follow_torch and self.sampler_seed is None:
+            return DeferredUniform(lambda: sampler_rng(self._draw_sampler_seed(), False))
+        return sampler_rng(self.sampler_seed, self.secure_mode)
+
+    def _new_noise_generator(self, device):
+        if self._follow_torch and self.seed is None:
+            return DeferredGenerator(lambda: make_noise_generator(device, self._draw_seed(), False), device)
+        return make_noise_generator(device, self.seed, self.secure_mode)
 
     # --- make_private ---------------------------------------------------------------------
     def make_private(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -318,7 +333,8 @@ class IndividualizedPrivacyEngine:
                 budget exactly at that many steps (optional with ``noise_multiplier``: a plan the
                 filter checks at set-up).
             max_grad_norm: the (mean) clip norm c.
-            sample_rate: the mean sampling rate; default ``data_loader.batch_size / len(dataset)``.
+            sample_rate: the mean sampling rate; default ``1 / len(data_loader)`` (Opacus's: an epoch is
+                ``len(data_loader)`` steps).
             noise_multiplier: σ for every example (Opacus's ``make_private``).
             criterion, batch_first, loss_reduction, noise_generator, grad_sample_mode: as Opacus.
             poisson_sampling, clipping, wrap_model, rand_on_empty: Opacus's keywords; only their
@@ -330,7 +346,7 @@ class IndividualizedPrivacyEngine:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
             with ``grad_sample_mode="ghost"`` (as Opacus).
         """
-        _check_opacus_options(poisson_sampling=poisson_sampling, clipping=clipping, wrap_model=wrap_model,
+        refuse_opacus_options(poisson_sampling=poisson_sampling, clipping=clipping, wrap_model=wrap_model,
                               rand_on_empty=rand_on_empty, **kwargs)
         opts = dict(criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
                     noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
@@ -389,9 +405,9 @@ class IndividualizedPrivacyEngine:
         the run is individualized (``method``, default ``sample``) and ``target_epsilon`` may be
         left out; if given it must be at least the largest budget (no example may get more than it).
 
-        Differences from Opacus, by design: the sampling rate is ``batch_size / len(dataset)``
-        (Opacus: ``1 / len(data_loader)``), ``steps=`` may replace ``epochs``, and the privacy filter
-        refuses any step beyond the budgets.  ``epsilon_tolerance`` (Opacus's search tolerance) is
+        Differences from Opacus, by design: the calibration lands within 1e-4·target below the
+        target (Opacus's search: within ``epsilon_tolerance`` = 0.01), ``steps=`` may replace
+        ``epochs``, and the privacy filter refuses any step beyond the budgets.  ``epsilon_tolerance`` (Opacus's search tolerance) is
         honoured when it is at least the calibration's 1e-4·target (always met), refused below.
         Everything else as :meth:`make_private`.
         """
@@ -479,6 +495,8 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("noise_generator", "a generator", "must not be given in secure mode")
         self._check_optimizer(module, optimizer)
         check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
+        if self._sampler_rng is None and self._follow_torch:
+            self._loader_generator = data_loader.generator      # the sampler follows it, as Opacus's DPDataLoader
         ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)   # (rank, W) for DPDDP/DDP
         check_positive_array(c, "clip_norms")
         if self.accountant is not None and (
@@ -505,11 +523,11 @@ class IndividualizedPrivacyEngine:
             if self.accountant is None:
                 self.budgets = budgets
                 self.accountant = accountant
-                self._sampler_rng = sampler_rng(self.seed, self.secure_mode)
+                self._sampler_rng = self._new_sampler_rng()
             if noise_generator is not None:
                 self._noise = noise_generator
             elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
-                self._noise = make_noise_generator(device, self.seed, self.secure_mode)
+                self._noise = self._new_noise_generator(device)
 
             queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)   # workers prefetch batches
             self.clipping = PerExampleClipping(c, queue)
@@ -565,7 +583,7 @@ class IndividualizedPrivacyEngine:
         if accountant.prime(planned):
             return
         fits = accountant.max_admissible_steps(planned)
-        before = accountant.get_epsilon(extra_steps=0)
+        before = accountant.group_epsilons(extra_steps=0)
         what = (f"the plan of {planned} steps" if steps is not None else "a step")
         msg = (f"{what} would take a privacy group over its budget (budgets {accountant.values.tolist()}, spent "
                f"before this phase {np.round(before, 4).tolist()}); at most {fits} steps of this phase fit")
@@ -591,7 +609,7 @@ class IndividualizedPrivacyEngine:
             return self.filter.guard(_optimizer)
         if self.privacy_filter is None or self.accountant.can_step():
             return
-        eps_now = self.accountant.get_epsilon()
+        eps_now = self.accountant.group_epsilons()
         msg = (f"privacy filter: step {self.steps + 1} would take a privacy group over its budget "
                f"(budgets {self.accountant.values.tolist()}, spent so far {np.round(eps_now, 4).tolist()})")
         if self.filter_action == "raise":
@@ -644,15 +662,19 @@ class IndividualizedPrivacyEngine:
 
     @staticmethod
     def _sample_rate(data_loader, n: int, sample_rate) -> float:
+        """The mean sampling rate: ``sample_rate``, else Opacus's ``1 / len(data_loader)`` (so an
+        epoch is ``len(data_loader)`` steps of expected size ``len(dataset) / len(data_loader)``)."""
         if sample_rate is not None:
             return float(check_sample_rate(sample_rate))
-        b = data_loader.batch_size
-        if b is None:
-            raise InvalidParameterError("sample_rate", None, "is required when the data loader has no batch_size "
-                                        "(a custom batch_sampler)")
-        if b > n:
-            raise InvalidParameterError("batch_size", b, f"must be <= the {n} examples of the dataset")
-        return b / n
+        try:
+            batches = len(data_loader)
+        except TypeError:
+            raise InvalidParameterError("sample_rate", None, "is required when the data loader has no length (a "
+                                        "batch_sampler without __len__)") from None
+        if batches < 1:
+            raise InvalidParameterError("data_loader", f"{batches} batches", "need at least one batch per epoch (a "
+                                        f"batch_size above the {n} examples with drop_last=True?)")
+        return 1.0 / batches
 
     @staticmethod
     def _planned_steps(epochs, steps, steps_per_epoch: int) -> int:
@@ -675,8 +697,49 @@ class IndividualizedPrivacyEngine:
         foreign = sum(id(p) not in owned for p in params)
         if foreign:
             raise InvalidParameterError("optimizer", type(optimizer).__name__,
-                                        f"has {foreign} parameter(s) that are not the module's; build it over "
-                                        "module.parameters()")
+                                        f"{OPACUS_PARAMETER_MISMATCH}: {foreign} of its parameter(s) are not the "
+                                        "module's; build it over module.parameters() (after get_compatible_module / "
+                                        "ModuleValidator.fix, which copy the module)")
+
+    # --- Opacus's module checks -------------------------------------------------------------
+    @classmethod
+    def get_compatible_module(cls, module: torch.nn.Module) -> torch.nn.Module:
+        """Opacus's ``PrivacyEngine.get_compatible_module``: a copy of ``module`` with the layers
+        Opacus cannot train privately replaced (``opacus.validators.ModuleValidator.fix``, e.g.
+        BatchNorm by GroupNorm), validated; raises :class:`~.opacus_compat.UnsupportedModuleError`
+        (Opacus's error type too) if it still cannot be trained.  Build the optimizer over the
+        returned module's parameters."""
+        from opacus.validators import ModuleValidator
+
+        if not isinstance(module, torch.nn.Module):
+            raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
+        fixed = ModuleValidator.fix(module)
+        cls._validate_module(fixed)
+        return fixed
+
+    def is_compatible(self, *, module: torch.nn.Module, optimizer=None, data_loader=None) -> bool:
+        """Opacus's ``is_compatible``: whether ``module`` can be trained privately (the optimizer and
+        data loader are checked by ``make_private``)."""
+        from opacus.validators import ModuleValidator
+
+        return ModuleValidator.is_valid(module)
+
+    def validate(self, *, module: torch.nn.Module, optimizer=None, data_loader=None) -> None:
+        """Opacus's ``validate``: raise :class:`~.opacus_compat.UnsupportedModuleError` (a subclass
+        of Opacus's and of :class:`~idpsgd.validation.InvalidParameterError`) listing every reason
+        ``module`` cannot be trained privately."""
+        self._validate_module(module)
+
+    @staticmethod
+    def _validate_module(module: torch.nn.Module) -> None:
+        from opacus.validators import ModuleValidator
+
+        from .opacus_compat import UnsupportedModuleError
+
+        errors = ModuleValidator.validate(module, strict=False)
+        if errors:
+            raise UnsupportedModuleError("module", type(module).__name__, "cannot be trained privately by Opacus: "
+                                         + "; ".join(str(e) for e in errors))
 
     # --- checkpoints ----------------------------------------------------------------------
     def _plan(self) -> dict:
@@ -690,7 +753,9 @@ class IndividualizedPrivacyEngine:
         tensors; in secure mode the generators' states are not saved: a resumed secure run draws
         fresh entropy)."""
         self._require()
-        state = {"seed": self.seed, "secure_mode": self.secure_mode, "accountant": self.accountant.state_dict(),
+        self._draw_sampler_seed(), self._draw_seed()          # a seed followed from torch is drawn by now
+        state = {"seed": self.seed, "sampler_seed": self.sampler_seed, "secure_mode": self.secure_mode,
+                 "accountant": self.accountant.state_dict(),
                  "accountant_name": self.accountant_name, "plan": self._plan()}
         if not self.secure_mode:
             state["sampler"] = self.data_loader.poisson_sampler.state_dict()
@@ -727,6 +792,8 @@ class IndividualizedPrivacyEngine:
             raise ValueError(self._plan_mismatch(state.get("plan"))) from None
         if not self.secure_mode and saved_seed != self.seed:
             self._adopt_seed(int(saved_seed))
+        if not self.secure_mode and not self._seed_given:
+            self.sampler_seed = state.get("sampler_seed", self.seed)
         if not self.secure_mode:
             self.data_loader.poisson_sampler.load_state_dict(state["sampler"])
             self._noise.set_state(state["noise"])
@@ -763,16 +830,16 @@ class IndividualizedPrivacyEngine:
     def save_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         noise_scheduler=None, grad_clip_scheduler=None, checkpoint_dict: dict | None = None,
                         module_state_dict_kwargs: dict | None = None, torch_save_kwargs: dict | None = None) -> None:
-        """Opacus's ``save_checkpoint``: the module's and optimizer's states and the engine's state
-        (:meth:`state_dict`: seed, accountant, sampler and noise generators, individual accounting
-        or filter) in one file, written atomically with mode 0600 (it holds training state) and
-        loadable with ``weights_only=True``.  ``checkpoint_dict``: your own entries (plain types and
-        tensors), returned by :meth:`load_checkpoint`.  The module is saved unwrapped, so it loads
-        into the wrapped or the plain module."""
-        from ..io import save_torch
-
+        """Opacus's ``save_checkpoint``, with Opacus's keys: ``module_state_dict`` (the module
+        unwrapped, so it loads into the wrapped or the plain module), ``optimizer_state_dict``,
+        ``privacy_accountant_state_dict`` (:meth:`GroupAccountant.state_dict`, Opacus's ``history``
+        and ``mechanism`` included), your ``checkpoint_dict`` entries (plain types and tensors), and
+        ``privacy_engine_state_dict``: the rest of :meth:`state_dict` (seed, sampler and noise
+        generators, individual accounting or filter).  ``path``: a file path — written atomically
+        with mode 0600, since it holds training state — or a binary file object (``io.BytesIO``, as
+        Opacus's ``BinaryIO``), written in place.  Loadable with ``weights_only=True``."""
         self._require()
-        _check_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
+        refuse_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
         if torch_save_kwargs:
             raise InvalidParameterError("torch_save_kwargs", sorted(torch_save_kwargs), "are not supported: the "
                                         "checkpoint is written by idpsgd.io.save_torch (atomic, mode 0600)")
@@ -780,44 +847,97 @@ class IndividualizedPrivacyEngine:
         ckpt["module_state_dict"] = raw_module(module).state_dict(**(module_state_dict_kwargs or {}))
         if optimizer is not None:
             ckpt["optimizer_state_dict"] = optimizer.state_dict()
-        ckpt["privacy_engine_state_dict"] = self.state_dict()
-        save_torch(_checkpoint_path(path), ckpt, private=True)
+        state = self.state_dict()
+        ckpt["privacy_accountant_state_dict"] = state.pop("accountant")
+        ckpt["privacy_engine_state_dict"] = state
+        _write_checkpoint(path, ckpt)
 
     def load_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         noise_scheduler=None, grad_clip_scheduler=None, module_load_dict_kwargs: dict | None = None,
                         torch_load_kwargs: dict | None = None) -> dict:
         """Opacus's ``load_checkpoint``, after :meth:`make_private` set up the run as when it was
         saved: restores the engine (with the checkpoint's seed when this engine was created with
-        ``seed=None``), the module and the optimizer; returns the rest of the checkpoint (your
-        ``checkpoint_dict`` entries).  Loads with ``weights_only=True``: nothing in the file can run
-        code.  A checkpoint of another plan or seed is refused before anything changes."""
-        from ..io import CheckpointError, load_torch
+        ``seed=None``), the module and the optimizer, and returns what Opacus returns — the
+        checkpoint without the optimizer's state: ``module_state_dict``,
+        ``privacy_accountant_state_dict`` and your ``checkpoint_dict`` entries.
+
+        Also loads a checkpoint written by **Opacus's** ``save_checkpoint`` into an engine set up
+        with ``make_private(noise_multiplier=...)`` (no budgets): its accountant history becomes the
+        earlier steps (:meth:`GroupAccountant.load_state_dict`); the sampler and noise continue from
+        this engine's generators (Opacus saves none).  ``path``: a file path or a binary file
+        object.  Loads with ``weights_only=True``: nothing in the file can run code.  A checkpoint
+        of another plan or seed is refused before anything changes."""
+        from ..io import CheckpointError
 
         self._require()
-        _check_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
+        refuse_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
         if torch_load_kwargs:
             raise InvalidParameterError("torch_load_kwargs", sorted(torch_load_kwargs), "are not supported: the "
                                         "checkpoint loads with weights_only=True onto the CPU, then into the module")
-        path = _checkpoint_path(path)
-        ckpt = load_torch(path)
-        if not isinstance(ckpt, dict) or "privacy_engine_state_dict" not in ckpt or "module_state_dict" not in ckpt:
-            raise CheckpointError(f"{path} is not an idpsgd engine checkpoint (write it with engine.save_checkpoint)")
-        self.load_state_dict(ckpt.pop("privacy_engine_state_dict"))
-        raw_module(module).load_state_dict(ckpt.pop("module_state_dict"), **(module_load_dict_kwargs or {}))
+        ckpt = _read_checkpoint(path)
+        name = path if isinstance(path, (str, os.PathLike)) else type(path).__name__
+        if not isinstance(ckpt, dict) or "module_state_dict" not in ckpt or not (
+                "privacy_engine_state_dict" in ckpt or "privacy_accountant_state_dict" in ckpt):
+            raise CheckpointError(f"{name} is not a privacy engine checkpoint (write it with engine.save_checkpoint "
+                                  "or Opacus's PrivacyEngine.save_checkpoint)")
+        state = ckpt.pop("privacy_engine_state_dict", None)
+        if state is not None:
+            state = dict(state)
+            state.setdefault("accountant", ckpt.get("privacy_accountant_state_dict"))   # older checkpoints: inside
+            self.load_state_dict(state)
+        else:                                                   # Opacus's checkpoint: its accountant history only
+            self.accountant.load_state_dict(ckpt["privacy_accountant_state_dict"])
+        raw_module(module).load_state_dict(_unwrapped(ckpt["module_state_dict"]), **(module_load_dict_kwargs or {}))
         opt_state = ckpt.pop("optimizer_state_dict", None)
         if optimizer is not None and opt_state:
             optimizer.load_state_dict(opt_state)
         elif (optimizer is not None) != bool(opt_state):
             warnings.warn(f"the checkpoint {'has' if opt_state else 'has no'} optimizer state but optimizer is "
                           f"{'not ' if optimizer is None else ''}given", UserWarning, stacklevel=2)
+        for key in ("noise_scheduler_state_dict", "grad_clip_scheduler_state_dict"):   # Opacus pops them too
+            ckpt.pop(key, None)
         return ckpt
 
 
-def _checkpoint_path(path):
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidParameterError("path", type(path).__name__, "must be a file path (checkpoints are written "
-                                    "atomically, so file objects are not supported)")
-    return path
+def _unwrapped(state: dict) -> dict:
+    """A module state dict without the ``_module.`` prefix of Opacus's wrapper (Opacus saves the
+    wrapped module's state; the engine's checkpoints hold the plain module's)."""
+    prefix = "_module."
+    if state and all(k.startswith(prefix) for k in state):
+        return type(state)((k[len(prefix):], v) for k, v in state.items())
+    return state
+
+
+def _write_checkpoint(path, ckpt: dict) -> None:
+    """A path: atomically, mode 0600 (:func:`idpsgd.io.save_torch`); a binary file object: in place."""
+    from ..io import save_torch, to_plain
+
+    if isinstance(path, (str, os.PathLike)):
+        save_torch(path, ckpt, private=True)
+    elif hasattr(path, "write"):
+        torch.save(to_plain(ckpt), path)
+    else:
+        raise InvalidParameterError("path", type(path).__name__, "must be a file path or a binary file object "
+                                    "(e.g. io.BytesIO)")
+
+
+def _read_checkpoint(path):
+    """Load with ``weights_only=True`` from a path (:func:`idpsgd.io.load_torch`) or a file object."""
+    import pickle
+
+    from ..io import CheckpointError, load_torch
+
+    if isinstance(path, (str, os.PathLike)):
+        return load_torch(path)
+    if not hasattr(path, "read"):
+        raise InvalidParameterError("path", type(path).__name__, "must be a file path or a binary file object "
+                                    "(e.g. io.BytesIO)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"the {type(path).__name__} does not hold a readable checkpoint ({first[:200]})") \
+            from None
 
 
 __all__ = ["GUARANTEE", "GroupEpsilons", "IndividualizedPrivacyEngine", "PrivacyBudgetExceeded", "steps_per_epoch_for"]

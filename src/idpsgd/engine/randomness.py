@@ -3,8 +3,16 @@
 Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
 
 * **reproducible** (default) — every draw comes from generators seeded by one integer seed.  A
-  given seed replays a run exactly; without a seed a fresh one is drawn from OS entropy and
-  *recorded* (``engine.seed``, and the report), so the run can be replayed.
+  given seed replays a run exactly.  Without a seed the engine follows **torch's RNG**, as
+  Opacus's non-secure mode does: at the first draw (the first batch, or the first noise) its seed
+  is drawn from torch's global generator — and the Poisson sampler's from the data loader's
+  ``generator`` when the loader has one — so ``torch.manual_seed(0)`` (or a seeded
+  ``DataLoader(generator=...)``) anywhere before training reproduces a run (:func:`seed_from_torch`,
+  :class:`Deferred`).  A torch generator that was never seeded runs torch's public default stream;
+  the seed is then drawn from OS entropy instead.  The seed used is recorded (``engine.seed``,
+  ``engine.sampler_seed``; private, never printed), so the run can be replayed.  Unlike Opacus, the
+  engine draws one seed from torch, not every number: re-seeding torch after the first draw does
+  not change the run's stream, and the engine consumes one number of the user's torch stream.
 * **secure** — a seed is refused (privacy beats replay).  Poisson sampling draws its uniforms
   straight from the operating system's CSPRNG (``os.urandom``); the noise is drawn as
   Opacus does in secure mode (the sum of four normals halved, after a discarded draw: robust to
@@ -45,6 +53,57 @@ class SecureUniform:
     def random(self, size: int) -> np.ndarray:
         raw = np.frombuffer(secrets.token_bytes(8 * int(size)), dtype=np.uint64)
         return (raw >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+#: ``initial_seed()`` of a torch generator that was never seeded: torch's public default stream, which
+#: anyone can replay, so the engine never takes its randomness from it.
+UNSEEDED = torch.Generator().initial_seed()
+
+
+def seed_from_torch(generator: torch.Generator | None = None) -> int:
+    """One 63-bit seed drawn from a torch generator (None: torch's global generator), or from OS
+    entropy when that generator was never seeded (its stream would be torch's public default)."""
+    g = torch.default_generator if generator is None else generator
+    if g.initial_seed() == UNSEEDED:
+        return secrets.randbits(63)
+    return int(torch.randint(0, 2 ** 63 - 1, (1,), generator=g, device=g.device, dtype=torch.int64))
+
+
+class Deferred:
+    """A source of randomness built at its first use by ``make()`` (the engine draws its seed then)."""
+
+    def __init__(self, make):
+        self._make, self._built = make, None
+
+    def resolve(self):
+        if self._built is None:
+            self._built = self._make()
+        return self._built
+
+
+class DeferredUniform(Deferred):
+    """The Poisson sampler's uniforms (``random(size)``), its generator built at the first draw."""
+
+    def random(self, size: int) -> np.ndarray:
+        return self.resolve().random(size)
+
+    @property
+    def bit_generator(self):
+        return self.resolve().bit_generator
+
+
+class DeferredGenerator(Deferred):
+    """The noise's ``torch.Generator`` on ``device``, built at the first noise draw."""
+
+    def __init__(self, make, device):
+        super().__init__(make)
+        self.device = torch.device(device)
+
+    def get_state(self) -> torch.Tensor:
+        return self.resolve().get_state()
+
+    def set_state(self, state) -> None:
+        self.resolve().set_state(state)
 
 
 def sampler_rng(seed: int | None, secure_mode: bool):
@@ -90,6 +149,8 @@ def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: b
     """N(0, std²) noise shaped like ``reference`` on its device and dtype: Opacus's
     ``_generate_noise`` with a torch generator, or OS-entropy normals (four draws summed and
     halved, Opacus's secure-mode construction) with :class:`OsEntropyNormal`."""
+    if isinstance(generator, Deferred):
+        generator = generator.resolve()
     if isinstance(generator, OsEntropyNormal):
         if std == 0:
             return torch.zeros_like(reference)

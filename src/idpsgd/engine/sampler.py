@@ -63,7 +63,8 @@ class BatchIndexQueue:
         if n > self._size:
             raise BatchMismatchError(f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
                                      "examples are waiting: every batch drawn from the private data loader must be "
-                                     "followed by one backward pass and optimizer.step()")
+                                     "followed by one backward pass and optimizer.step(), with one per-sample "
+                                     "gradient per example (is batch_first right for your data?)")
         out, need = [], n
         while need:
             head = self._parts[0]
@@ -99,7 +100,8 @@ class BatchIndexQueue:
             what = "only part of a drawn batch" if partial else f"a batch while {waiting} drawn batch(es) wait"
             raise BatchMismatchError(f"this step trained on {what}: train on every batch the private data loader "
                                      "yields, whole and in order, with one optimizer.step() per batch (its "
-                                     "examples' clip norms and privacy accounting depend on it); the step was not "
+                                     "examples' clip norms and privacy accounting depend on it), with one per-sample "
+                                     "gradient per example (is batch_first right for your data?); the step was not "
                                      "taken")
 
     def clear(self) -> None:

@@ -5,6 +5,10 @@
 * ``hooks`` — Opacus's ``GradSampleModule``: per-sample gradients from registered per-layer
   samplers (functorch for layers without one);
 * ``functorch`` — the same module forced to compute every per-sample gradient with functorch;
+* ``ew`` — Opacus's ``GradSampleModuleExpandedWeights``: per-sample gradients from PyTorch's
+  ExpandedWeights (``torch.nn.utils._per_sample_grad``), batch-first inputs only; a layer
+  ExpandedWeights does not support raises PyTorch's ``RuntimeError`` in the forward pass, as with
+  Opacus.  The clipping, noise and accounting are those of ``hooks``;
 * ``ghost`` — fast gradient clipping (Li et al. 2022; Bu et al. 2023; Opacus's
   ``GradSampleModuleFastGradientClipping``): per-example gradient *norms* without materialising
   per-example gradients (ghost norms for Linear layers).  :class:`IndividualizedGhostModule`
@@ -12,7 +16,8 @@
   wrapper (``DPLossFastGradientClipping``) multiplies into the per-sample losses of a second
   backward pass — the same update as clipping each per-sample gradient at c_i;
 * ``bk`` — book-keeping (Bu et al. 2023) with mixed ghost norms (Bu, Mao & Xu 2022) for Linear,
-  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm (:mod:`.bookkeeping`): one backward
+  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm, transformers' Conv1D and RMSNorm forms
+  (:mod:`.bookkeeping`, :mod:`.bk_layers`): one backward
   pass, per-example norms without per-example gradients where the ghost norm is cheaper, and the
   clipped sum formed from each layer's kept input and output gradient; other layers take Opacus's
   per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
@@ -21,15 +26,17 @@
 from __future__ import annotations
 
 import torch
-from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.grad_sample import (AbstractGradSampleModule, GradSampleModule, GradSampleModuleExpandedWeights,
+                                GradSampleModuleFastGradientClipping)
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
 from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
+from .opacus_compat import UnsupportedModuleError
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "bk")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 
 
 class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
@@ -42,6 +49,12 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
         if self.clipping is None:
             raise RuntimeError("IndividualizedGhostModule has no per-example clip norms: use it through "
                                "IndividualizedPrivacyEngine.make_private")
+        if not bool(torch.isfinite(norms).all()):
+            # the second backward pass multiplies each example's loss by its factor: 0 · inf is nan, in
+            # every parameter (book-keeping leaves such an example out instead)
+            raise RuntimeError("an example's gradient overflowed (inf/nan, half precision): "
+                               "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
+                               "grad_sample_mode='bk', or bfloat16 autocast")
         return self.clipping.factors(norms)
 
 
@@ -72,18 +85,23 @@ def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first:
         return
     errors = ModuleValidator.validate(module, strict=False)
     if errors:
-        raise InvalidParameterError("module", type(module).__name__,
-                                    f"cannot be trained privately by Opacus: {errors[0]} "
-                                    "(opacus.validators.ModuleValidator.fix replaces e.g. BatchNorm by GroupNorm)")
+        raise UnsupportedModuleError("module", type(module).__name__,
+                                     f"cannot be trained privately by Opacus: {errors[0]} (IndividualizedPrivacyEngine."
+                                     "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
+                                     "BatchNorm by GroupNorm)")
+    if grad_sample_mode == "ew" and not batch_first:
+        raise InvalidParameterError("batch_first", batch_first, "must be True with grad_sample_mode='ew' (PyTorch's "
+                                    "ExpandedWeights takes the batch size from the first dimension)")
     if grad_sample_mode == "bk":
         check_batch_first(batch_first)
         plan_layers(raw_module(module))
 
 
 def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule}.get(grad_sample_mode, GradSampleModule)
+    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule,
+            "ew": GradSampleModuleExpandedWeights}.get(grad_sample_mode, GradSampleModule)
     return (type(module) is want and module.batch_first == batch_first and module.loss_reduction == loss_reduction
-            and (grad_sample_mode in ("ghost", "bk") or module.force_functorch == (grad_sample_mode == "functorch")))
+            and (grad_sample_mode in ("ghost", "bk", "ew") or module.force_functorch == (grad_sample_mode == "functorch")))
 
 
 def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExampleClipping,
@@ -105,6 +123,8 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
                                             use_ghost_clipping=True)
         wrapped.clipping = clipping
         return wrapped
+    if grad_sample_mode == "ew":
+        return GradSampleModuleExpandedWeights(module, batch_first=batch_first, loss_reduction=loss_reduction)
     return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
                             force_functorch=grad_sample_mode == "functorch")
 
@@ -116,6 +136,7 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
     if grad_sample_mode == "bk":
         return wrapped.layer_paths if taken else wrapped.layer_path_rules
     what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
+            "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
             "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
                      "two backward passes)"}[grad_sample_mode]
     return {name or type(m).__name__: what for name, m in raw_module(wrapped).named_modules()

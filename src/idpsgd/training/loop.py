@@ -255,7 +255,7 @@ class Trainer:
         """ε per group (ascending budgets) with the run's accountant."""
         if self.engine.accountant is None:
             return np.zeros(self.group_values.size)
-        return self.engine.get_epsilon()
+        return self.engine.get_epsilon().per_group
 
     # --- checkpoints ---------------------------------------------------------------------
     def _signature(self) -> dict:
