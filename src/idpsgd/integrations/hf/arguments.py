@@ -74,8 +74,9 @@ def _value(x):
 
 #: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
 _REFUSED = (
-    ("fp16", bool, "mixed precision is not supported by the engine yet (issue 30, item 4): train in float32"),
-    ("bf16", bool, "mixed precision is not supported by the engine yet (issue 30, item 4): train in float32"),
+    ("fp16", bool, "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
+                   "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
+                   "(bfloat16 autocast, no scaler)"),
     ("gradient_checkpointing", bool, "recomputing activations in the backward pass is not supported by "
                                      "per-example clipping here"),
     ("activation_checkpointing", bool, "recomputing activations in the backward pass is not supported by "

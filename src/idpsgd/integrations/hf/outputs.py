@@ -93,7 +93,7 @@ def build_report(trainer) -> dict:
         "task": getattr(trainer.per_example_loss, "task", "custom per_example_loss"),
         "accountant": engine.accountant_name,
         "guarantee": f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
-        "delta": delta, "epsilon": float(np.max(eps)) if eps.size else 0.0,
+        "delta": delta, "epsilon": eps.loosest,
         "test_accuracy": metrics.get("test_accuracy"), "per_class_accuracy": metrics.get("per_class_accuracy", []),
         "test_metrics": metrics,
         "loss_convention": ("mean over the batch's examples of each example's own loss; per example: the mean over its "

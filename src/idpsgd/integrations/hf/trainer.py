@@ -43,10 +43,13 @@ What the Trainer's machinery becomes:
   ``report.html`` (guarantee per group, test metrics on ``eval_dataset``), and private/ (mode 0600:
   per-example budgets and ε, the privacy seed, training losses, real batch sizes).
 
-Refused, with the reason (:func:`~.arguments.check_training_arguments`): mixed precision (until the
-engine supports it), gradient checkpointing, compilation, intermediate checkpoints and resuming
-from them, multi-device training, ``auto_find_batch_size``, label smoothing, NEFTune, ``model_init``
-and ``compute_loss_func`` (give ``per_example_loss`` instead).
+``bf16=True`` runs the forward under bfloat16 autocast (accelerate's); the engine keeps
+per-example norms and clipped sums in float32 and the per-example loss is computed in float32.
+
+Refused, with the reason (:func:`~.arguments.check_training_arguments`): ``fp16`` (its GradScaler
+path through the physical batches), gradient checkpointing, compilation, intermediate checkpoints
+and resuming from them, multi-device training, ``auto_find_batch_size``, label smoothing, NEFTune,
+``model_init`` and ``compute_loss_func`` (give ``per_example_loss`` instead).
 
 Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
 et al. eq. 3), ε_p from the run's accountant.
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import math
+import secrets
 import warnings
 
 import numpy as np
@@ -114,6 +118,17 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
     return dataset, budgets
 
 
+def privacy_seed(privacy: PrivacyArguments) -> int | None:
+    """The engine's seed: the given one, or a fresh one from OS entropy (None in secure mode).
+
+    Never the engine's default of following torch's global RNG: the Trainer seeds that generator
+    with ``TrainingArguments.seed`` (public, 42 by default), so noise drawn from it could be
+    replayed by anyone."""
+    if privacy.secure_mode or privacy.seed is not None:
+        return privacy.seed
+    return secrets.randbits(63)
+
+
 def batch_size_of(inputs) -> int:
     """Rows of a collated batch (the first dimension of its tensors)."""
     for v in inputs.values():
@@ -134,7 +149,7 @@ def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     """``epsilon`` (the loosest group's ε, a bound for every example) and ``epsilon_group_<budget>``."""
     eps = engine.get_epsilon()
     out = {"epsilon": eps.loosest}
-    out.update({f"epsilon_group_{b:g}": float(e) for b, e in zip(engine.group_budgets, np.asarray(eps))})
+    out.update({f"epsilon_group_{b:g}": float(e) for b, e in zip(engine.group_budgets, eps.per_group)})
     return out
 
 
@@ -204,7 +219,7 @@ class IndividualizedTrainer(Trainer):
         inner = copy.copy(args)        # the Trainer's loop sees one batch per step (the engine splits it)
         inner.gradient_accumulation_steps = 1
         self.engine = IndividualizedPrivacyEngine(accountant=privacy.accountant, secure_mode=privacy.secure_mode,
-                                                  seed=privacy.seed)
+                                                  seed=privacy_seed(privacy))
         self.run_folder = RunFolder(args.output_dir, flag="output_dir", overwrite=privacy.overwrite)
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
