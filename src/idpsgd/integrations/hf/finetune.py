@@ -16,6 +16,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ...assignment import Budgets
 from ...validation import InvalidParameterError, check_positive
 from .arguments import PrivacyArguments
@@ -189,7 +191,10 @@ def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: Te
     if task == "sequence_classification":
         train_ids, eval_ids, id2label = label_ids(train.labels, eval_data.labels if eval_data else None,
                                                   model_label2id(folder))
-    init_seed = options.seed % 2**32 if options.seed is not None else secrets.randbits(32)
+    # the model's seed (new head, LoRA init, dropout): its own stream, derived from --seed by a hash so
+    # that nothing the model's randomness reveals leads back to the privacy seed
+    init_seed = (int(np.random.SeedSequence([options.seed, 1]).generate_state(1)[0]) if options.seed is not None
+                 else secrets.randbits(32))
     torch.manual_seed(init_seed)                 # a new classification head or LoRA adapter
     model = load_model(folder, task, id2label, tokenizer.pad_token_id)
     if options.lora_r:
