@@ -587,7 +587,7 @@ def test_gpt2_with_lora_trains_with_per_example_budgets():
     moved = {k for k, v in model.named_parameters() if not torch.equal(v, before[k])}
     assert moved and all("lora_" in k for k in moved)
     eps = engine.get_epsilon(1e-5)
-    assert list(eps.budgets) == [1.0, 8.0] and np.all(np.asarray(eps) <= eps.budgets + 1e-6)
+    assert list(eps.budgets) == [1.0, 8.0] and np.all(eps.per_group <= eps.budgets + 1e-6)
 
 
 @pytest.mark.parametrize("dtype", HALF[:1])

@@ -211,4 +211,4 @@ def test_bf16_autocast_norms_and_scale_step(name):
         break
     assert engine.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
     eps = engine.get_epsilon()
-    assert np.all(np.asarray(eps) <= eps.budgets)
+    assert np.all(eps.per_group <= eps.budgets)
