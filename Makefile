@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of PyTorch on these machines; the package itself only needs torch>=2.6.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -163,8 +163,13 @@ def render(run_dir, include_private: bool = False) -> str:
             if pre.get("epsilon") else ""
         parts.append(f"<p class='note'>Input normalization: {e(str(pre.get('mode')))} ({e(str(pre.get('source', '')))})"
                      f"{e(cost)}.</p>")
-    parts.append("<h2>Accuracy</h2>")
-    parts.append(f"<p>Test accuracy <b>{_fmt(r.get('test_accuracy'))}</b>.</p>")
+    metrics = {k: v for k, v in (r.get("test_metrics") or {}).items() if not isinstance(v, (list, dict))}
+    if r.get("test_accuracy") is None and metrics:        # e.g. a language model: loss and perplexity
+        parts.append("<h2>Test metrics</h2>")
+        parts.append(_table(["metric", "value"], [[e(k), _fmt(v)] for k, v in metrics.items()]))
+    else:
+        parts.append("<h2>Accuracy</h2>")
+        parts.append(f"<p>Test accuracy <b>{_fmt(r.get('test_accuracy'))}</b>.</p>")
     pca = r.get("per_class_accuracy") or []
     if pca:
         parts.append(_table(["class"] + [str(k) for k in range(len(pca))],

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import (  # noqa: F401  (register)
         accounting_commands,
         audit_command,
+        finetune_command,
         per_instance_command,
         report_command,
         reproduce_command,
