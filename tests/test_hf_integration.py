@@ -107,14 +107,16 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
     assert r["steps"] == r["planned_steps"] == 12 and not r["stopped_early"]
     assert r["task"] == "causal_lm" and r["test_metrics"]["test_perplexity"] > 1
     assert "seed" not in r and "private" not in r and r["grad_sample_mode"] == "bk"
+    assert r["secure_mode"] is False and "private/seed.json" in r["randomness"]
+    assert "seed 3" not in (out / "report.html").read_text()
     assert set(r["files"]) == {"model", "report.json", "report.html", "private/epsilons.csv",
-                               "private/ledger.csv", "private/history.json", "private/run.json"}
+                               "private/ledger.csv", "private/history.json", "private/seed.json"}
     for name in ("report.json", "report.html", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
         assert _mode(out / name) == 0o644, name
     assert _mode(out / "model") == 0o755 and _mode(out / "private") == 0o700
-    for name in ("epsilons.csv", "ledger.csv", "history.json", "run.json"):
+    for name in ("epsilons.csv", "ledger.csv", "history.json", "seed.json"):
         assert _mode(out / "private" / name) == 0o600, name
-    assert json.loads((out / "private" / "run.json").read_text())["seed"] == 3
+    assert json.loads((out / "private" / "seed.json").read_text())["seed"] == 3
     rows = np.genfromtxt(out / "private" / "epsilons.csv", delimiter=",", names=True)
     assert np.array_equal(rows["budget"], np.asarray(train["epsilon"])) and np.all(rows["epsilon"] <= rows["budget"])
     ledger = np.genfromtxt(out / "private" / "ledger.csv", delimiter=",", names=True)
@@ -142,7 +144,7 @@ def test_the_noise_never_follows_the_trainers_public_seed(tok, tmp_path):
         t.train()
         seeds.append(t.engine.seed)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        assert json.loads((tmp_path / f"r{k}" / "private" / "run.json").read_text())["seed"] == t.engine.seed
+        assert json.loads((tmp_path / f"r{k}" / "private" / "seed.json").read_text())["seed"] == t.engine.seed
     assert None not in seeds and seeds[0] != seeds[1]
     assert not torch.equal(params[0], params[1])
 

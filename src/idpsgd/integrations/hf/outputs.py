@@ -6,7 +6,7 @@ clip norm, effective noise multiplier and ε; hyper-parameters; test metrics on 
 ``eval_dataset``; the public log history) and ``report.html`` (:mod:`idpsgd.analysis.report`).
 Private (``private/``, mode 0600): ``epsilons.csv`` (each training example's budget and ε),
 ``ledger.csv`` (each step's real batch size and ε per group), ``history.json`` (training losses and
-other logged values the guarantee does not cover) and ``run.json`` (the privacy seed).
+other logged values the guarantee does not cover) and ``seed.json`` (the privacy seed).
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import torch
 
 from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE
+from ...engine.randomness import randomness_note
+from ...runfolder import PRIVATE, SEED_FILE
 from .losses import PerExampleLoss, base_model, token_losses, sequence_losses
 
 
@@ -105,6 +107,7 @@ def build_report(trainer) -> dict:
         "lr": args.learning_rate, "optimizer": str(getattr(args.optim, "value", args.optim)),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "weight_decay": args.weight_decay, "clip_norm": p["max_grad_norm"], "secure_mode": engine.secure_mode,
+        "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
         "grad_sample_mode": p["grad_sample_mode"], "layer_paths": trainer.layer_paths,
         "phases": [{"name": "all", "examples": len(trainer.budgets), "steps": engine.steps,
                     "sample_rate": float(np.mean(p["sample_rates"])), "noise_multiplier": p["noise_multiplier"]}],
@@ -146,7 +149,7 @@ def write_run(trainer) -> dict:
                  "epsilon (RDP bound at the order grid) after it")
     rf.write_json("history.json", trainer.private_logs, "private", "logged values the guarantee does not cover: "
                   "training losses on the private batches (before noise) and the like")
-    rf.write_json("run.json", {"seed": engine.seed, "secure_mode": engine.secure_mode}, "private",
+    rf.write_json(SEED_FILE, {"seed": engine.seed, "secure_mode": engine.secure_mode}, "private",
                   "the seed of the privacy randomness (Poisson sampling and noise): whoever knows it can remove the "
                   "noise")
     about = "the run's report: guarantee per group, test metrics, hyper-parameters"
