@@ -496,3 +496,21 @@ def test_example_script_runs_as_a_command(tmp_path):
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "group with budget 1" in proc.stdout and "test perplexity" in proc.stdout
+
+
+def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
+    """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``."""
+    from test_seed_private import S, mode_problems, seed_leaks
+
+    lines = _lines(24, seed=6)
+    train = _write_jsonl(tmp_path / "train.jsonl",
+                         [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(lines[:16])])
+    test = _write_jsonl(tmp_path / "test.jsonl", [{"text": s} for s in lines[16:]])
+    out = tmp_path / "run"
+    code, stdout, err = _run(["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test),
+                              "--method", "scale", "--epochs", "1", "--batch-size", "8", "--seed", str(S),
+                              "--out", str(out), "--json"],
+                             capsys)
+    assert code == 0, err
+    assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
+    assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []
