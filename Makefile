@@ -3,9 +3,10 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: demo test test-slow bench install lint clean
+.PHONY: demo test test-slow bench install docs lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +31,14 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
+# the documentation site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or API name; output in site/
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # ruff (configured in pyproject.toml): lint and the formatter's check, over the whole repository
 $(LINT_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[lint]'
@@ -40,4 +49,4 @@ lint: $(LINT_STAMP)
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) build dist site src/*.egg-info
