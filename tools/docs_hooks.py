@@ -43,8 +43,9 @@ def _help_text(parser: argparse.ArgumentParser) -> str:
 
 
 def cli_reference(parser: argparse.ArgumentParser | None = None, level: int = 2) -> str:
-    """Markdown: one section per command (and per sub-command, one level deeper) with its
-    one-line summary and its full ``--help`` text; commands in ``idpsgd --help`` order."""
+    """Markdown: one section per command (and per sub-command, one level deeper) with its full
+    ``--help`` text (and its one-line summary where the help text lacks it); commands in
+    ``idpsgd --help`` order."""
     if parser is None:
         from idpsgd.cli.main import build_parser
 
@@ -52,9 +53,10 @@ def cli_reference(parser: argparse.ArgumentParser | None = None, level: int = 2)
     parts = []
     for _name, summary, sub in _subcommands(parser):
         parts.append(f"{'#' * level} `{sub.prog}` {{#{sub.prog.replace(' ', '-')}}}\n")
-        if summary:
-            parts.append(f"{summary[0].upper()}{summary[1:]}.\n" if not summary.endswith(".") else f"{summary}\n")
-        parts.append(f"```text\n{_help_text(sub)}\n```\n")
+        text = _help_text(sub)
+        if summary and " ".join(summary.split()) not in " ".join(text.split()):
+            parts.append(f"{summary}\n")
+        parts.append(f"```text\n{text}\n```\n")
         if _subcommands(sub):
             parts.append(cli_reference(sub, level + 1))
     return "\n".join(parts)
