@@ -91,7 +91,7 @@ def _check_equal(model, x, y, *, opacus=True, reduction="mean"):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     before = [p.detach() for p in model.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(eng_params, before))     # the step moved something
-    return engine.layer_paths
+    return engine.layer_paths_taken
 
 
 def _data(shape, classes=3, seed=0, ids=None):
@@ -180,19 +180,19 @@ def test_instance_norm_1d_and_layer_norm():
 
 
 class _Bag(nn.Module):
-    def __init__(self, vocab=11, dim=5, padding_idx=None, max_norm=None):
+    def __init__(self, vocab=11, dim=5, padding_idx=None):
         super().__init__()
-        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx, max_norm=max_norm)
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
         self.out = nn.Linear(dim, 3)
 
     def forward(self, ids):
         return self.out(torch.tanh(self.emb(ids)).mean(1))
 
 
-@pytest.mark.parametrize("padding_idx,max_norm", [(None, None), (0, None), (None, 1.0)])
-def test_embedding(padding_idx, max_norm):
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embedding(padding_idx):          # max_norm is refused (tests/test_integrity.py)
     torch.manual_seed(0)
-    model = _Bag(padding_idx=padding_idx, max_norm=max_norm).double()
+    model = _Bag(padding_idx=padding_idx).double()
     x, y = _data((9,), ids=4)                # few distinct tokens: repeated tokens within an example
     # Opacus 1.6's embedding grad sampler ignores padding_idx (PyTorch's gradient is zero there): with a
     # padding index the reference is the example-by-example backward pass only

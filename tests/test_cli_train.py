@@ -4,6 +4,7 @@ import json
 import pytest
 
 from idpsgd.cli import main
+from idpsgd.engine.bookkeeping import BY_SHAPES
 
 FAST = ["--epochs", "1", "--no-progress"]
 
@@ -22,9 +23,11 @@ def test_train_json_and_report_file(capsys, tmp_path):
     assert all(g["epsilon_spent"] <= g["budget"] for g in saved["groups"])
     assert (tmp_path / "private" / "ledger.csv").is_file() and (tmp_path / "report.html").is_file()
     assert "private" not in out
-    # book-keeping by default; the report says which layer takes which path (digits CNN: no fallback)
+    # book-keeping by default; the report gives each layer's path rule, a function of the model only — not
+    # the path taken, which depends on the batches' shapes (issue 29 item 5) (digits CNN: no fallback)
     assert saved["grad_sample_mode"] == "bk"
-    assert set(saved["layer_paths"].values()) <= {"ghost norm", "per-sample gradient"}
+    assert set(saved["layer_paths"].values()) <= {BY_SHAPES, "ghost norm", "per-sample gradient"}
+    assert BY_SHAPES in saved["layer_paths"].values()
     assert "per-example gradient norms (bk): " in (tmp_path / "report.html").read_text()
 
 

@@ -65,6 +65,9 @@ class Rule:
 
     #: ghost-capable (keeps (a, b) when the ghost norm is cheaper) or always per-sample
     ghost_capable = False
+    #: the names of the layer's own parameters the rule trains (any other trainable parameter the
+    #: layer owns is refused by the planner: it would get noise only)
+    parameters: tuple[str, ...] = ("weight", "bias")
 
     @staticmethod
     def covers(module: nn.Module) -> bool:
@@ -324,19 +327,21 @@ class EmbeddingRule(Rule):
     v, Σ_{t: id_t = v} b_t, so ‖G_i‖² = Σ_v ‖Σ_{t: id_t = v} b_t‖² — formed by a scatter-add over the
     (example, token) pairs, cost ∝ T·p; positions at ``padding_idx`` contribute nothing, as in
     PyTorch's embedding backward.  The clipped sum is the same scatter-add with b_i scaled by w_i.
-    ``max_norm`` is honoured (PyTorch renormalises the rows in the forward; the gradient ignores it);
     ``scale_grad_by_freq`` (a gradient that couples the examples of a batch) and ``sparse`` are not
-    covered."""
+    covered; ``max_norm`` is not covered either, and the engine refuses it in every mode
+    (:func:`~.integrity.check_static_writes`: PyTorch renormalises the looked-up rows in place during
+    the forward, an un-noised write to the released model)."""
 
     ghost_capable = True
+    parameters = ("weight",)
 
     @staticmethod
     def covers(module):
-        return _own_forward(module, nn.Embedding) and not module.scale_grad_by_freq and not module.sparse
+        return (_own_forward(module, nn.Embedding) and not module.scale_grad_by_freq and not module.sparse
+                and module.max_norm is None)
 
     def forward(self, module, ids):
-        out = F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type)
-        return out, (ids,)
+        return F.embedding(ids, module.weight, module.padding_idx), (ids,)
 
     def backward_input(self, module, saved, g, need_input):
         return None

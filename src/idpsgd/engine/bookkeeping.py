@@ -21,9 +21,19 @@ Alg. 3):
    :class:`~.clipping.PerExampleClipping`, per layer from what step 2 kept.
 
 A layer with trainable parameters that no rule covers (e.g. ``nn.Conv3d``, a custom module, an
-Embedding with ``scale_grad_by_freq``) is a *fallback unit*: Opacus's per-sample gradient for that
-layer only (its registered grad sampler, or functorch for the whole custom module), kept like a
-per-sample layer.  :attr:`BookKeeper.paths` says which layer takes which path.
+Embedding with ``scale_grad_by_freq``, a layer with a parametrization such as
+``torch.nn.utils.parametrizations.weight_norm``) is a *fallback unit*: Opacus's per-sample gradient
+for that layer only (its registered grad sampler, or functorch for the whole module), kept like a
+per-sample layer.  :attr:`BookKeeper.rules` says which path each layer takes, as a function of the
+model only (public); :attr:`BookKeeper.paths` which it took (the ghost/per-sample choice of Linear
+and convolution layers depends on the batch's shapes, e.g. its longest sequence: private).
+
+No trainable parameter is left with noise only: a covered layer owning a trainable parameter its
+rule does not train (``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v``) is refused when the
+model is planned; a fallback unit that ran its forward in eval mode (Opacus captures no activations
+there) or whose sampler gave no per-sample gradient for a trainable parameter is refused at the
+step; a parameter made trainable after planning is planned anew by the next norm pass (and refused
+by the engine's step until ``make_private`` is called again).
 
 Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside its
 layer's forward (weight tying across layers, a functional call on ``layer.weight``) would receive an
@@ -36,11 +46,14 @@ import torch
 from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..validation import InvalidParameterError
-from .bk_layers import _add_into, rule_for
+from .bk_layers import Rule, _add_into, rule_for
 
 GHOST, PER_SAMPLE, FALLBACK = "ghost norm", "per-sample gradient", "Opacus per-sample gradient (fallback)"
+#: the public rule of a layer that takes the ghost norm or the per-sample gradient by its shapes
+BY_SHAPES = f"{GHOST} or {PER_SAMPLE}, by the layer's input shapes in each step (ghost when 2T² < d·p)"
 ACCUMULATION_ERROR = ("Poisson sampling is not compatible with gradient accumulation: call optimizer.step() after "
                       "every forward/backward pass, or use opacus.utils.batch_memory_manager.BatchMemoryManager")
 
@@ -203,17 +216,28 @@ class _FallbackUnit:
         self.grad_sample: dict = {}
         self.batch: int | None = None
         self.activations = []
+        self.eval_forwards = 0          # forwards in eval mode (no activations captured, as Opacus)
+        self.untrained: str | None = None
 
     @property
     def recorded(self) -> bool:
         return self.batch is not None
 
     def _capture(self, module, inputs, _output):
-        if self.keeper.active and torch.is_grad_enabled() and module.training:
-            self.activations.append([t.detach() if torch.is_tensor(t) else t for t in inputs])
+        if self.keeper.active and torch.is_grad_enabled():
+            if module.training:
+                self.activations.append([t.detach() if torch.is_tensor(t) else t for t in inputs])
+            else:
+                self.eval_forwards += 1
 
     def _backward(self, module, _grad_input, grad_output):
-        if not self.keeper.active or not self.activations:
+        if not self.keeper.active:
+            return
+        if not self.activations:
+            if self.eval_forwards and any(p.requires_grad for p in self.params.values()):
+                self.untrained = ("ran its forward in eval mode, so Opacus's per-sample gradient (fallback) captured "
+                                  "nothing and its parameters would receive noise only: call model.train() before "
+                                  "training (Opacus refuses this too), or freeze its parameters")
             return
         g = grad_output[0].detach()
         if self.batch is not None and g.shape[0] != self.batch:
@@ -223,9 +247,15 @@ class _FallbackUnit:
         activations = self.activations.pop()
         if self.batch == 0:
             return
+        got = set()
         for p, gs in self.sampler(module, activations, g).items():
             if id(p) in self._names:
+                got.add(self._names[id(p)])
                 _add_into(self.grad_sample, {self._names[id(p)]: gs})
+        missing = [n for n, p in self.params.items() if p.requires_grad and n not in got]
+        if missing:
+            self.untrained = (f"got no per-sample gradient from Opacus's grad sampler for {', '.join(missing)}: they "
+                              "would receive noise only; use grad_sample_mode='hooks'")
 
     def norm_sq(self):
         if not self.grad_sample:
@@ -242,6 +272,17 @@ class _FallbackUnit:
             delattr(self.module, "ft_compute_sample_grad")
 
 
+def _check_rule_parameters(name: str, module: nn.Module, rule) -> None:
+    extra = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and n not in rule.parameters]
+    if extra:
+        raise InvalidParameterError(
+            "module", f"layer {name!r} ({type(module).__name__}) with trainable parameter(s) {', '.join(extra)}",
+            f"grad_sample_mode='bk' trains only {', '.join(rule.parameters)} of this layer type, so they would "
+            "receive noise only (e.g. the deprecated torch.nn.utils.weight_norm's weight_g/weight_v: use "
+            "torch.nn.utils.parametrizations.weight_norm, which book-keeping trains as a fallback layer); or "
+            "freeze them")
+
+
 def _unit_params(module: nn.Module, rule) -> tuple[list, bool]:
     """(trainable parameters a layer or fallback unit owns, whether it owns its whole subtree)."""
     if rule is None and type(module) not in GradSampleModule.GRAD_SAMPLERS:
@@ -251,13 +292,21 @@ def _unit_params(module: nn.Module, rule) -> tuple[list, bool]:
 
 def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     """(name, module, rule or None for a fallback unit) for every module owning trainable parameters,
-    as Opacus's ``GradSampleModule`` walks a model; refuses parameters shared by two of them."""
+    as Opacus's ``GradSampleModule`` walks a model; a module with a parametrization
+    (``torch.nn.utils.parametrize``, e.g. ``parametrizations.weight_norm``: its parameters live in
+    ``parametrizations.<name>.original*``) is one fallback unit with its whole subtree.  Refuses
+    parameters shared by two of them, and a covered layer owning a trainable parameter its rule does
+    not train (it would get noise only)."""
     plan, owner = [], {}
 
     def walk(module, prefix):
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            rule = rule_for(module)
+        parametrized = parametrize.is_parametrized(module)
+        if (any(p.requires_grad for p in module.parameters(recurse=False))
+                or (parametrized and any(p.requires_grad for p in module.parameters()))):
+            rule = None if parametrized else rule_for(module)
             name = prefix or type(module).__name__
+            if rule is not None:
+                _check_rule_parameters(name, module, rule)
             params, whole = _unit_params(module, rule)
             for p in params:
                 if id(p) in owner:
@@ -295,8 +344,15 @@ class BookKeeper:
         self.units: list[_FallbackUnit] = []
         self._leaked: set[str] = set()
         self._handles = []
+        self._plan()
+
+    def _trainable(self) -> frozenset:
+        return frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
+
+    def _plan(self) -> None:
+        self.planned = self._trainable()        # the trainable parameters the plan covers
         try:
-            for name, module, rule in plan_layers(model):
+            for name, module, rule in plan_layers(self.model):
                 if rule is None:
                     self.units.append(_FallbackUnit(self, name, module))
                     continue
@@ -309,13 +365,33 @@ class BookKeeper:
             self.detach()
             raise
 
+    def _unplan(self) -> None:
+        for layer in self.layers:
+            layer.module.__dict__.pop("forward", None)
+        for unit in self.units:
+            unit.remove()
+        for h in self._handles:
+            h.remove()
+        self.layers, self.units, self._handles = [], [], []
+
+    def refresh(self) -> None:
+        """Plan the model anew if its trainable parameters changed since it was planned (a layer
+        unfrozen after the first norm pass would otherwise be left out of the norms)."""
+        if self._trainable() != self.planned:
+            self._unplan()
+            self._leaked = set()
+            self._plan()
+
     @classmethod
     def attach(cls, model: nn.Module) -> "BookKeeper":
-        """The model's book-keeper, created on first use (kept as a plain attribute, not a submodule)."""
+        """The model's book-keeper, created on first use (kept as a plain attribute, not a submodule);
+        planned anew when the model's trainable parameters changed."""
         keeper = model.__dict__.get("_idpsgd_bookkeeper")
         if keeper is None:
             keeper = cls(model)
             object.__setattr__(model, "_idpsgd_bookkeeper", keeper)
+        else:
+            keeper.refresh()
         return keeper
 
     def __deepcopy__(self, memo):      # a copied (or pickled) model gets its own book-keeper when it needs one
@@ -332,13 +408,7 @@ class BookKeeper:
 
     def detach(self) -> None:
         """Remove the forward overrides and hooks (the model is plain again)."""
-        for layer in self.layers:
-            layer.module.__dict__.pop("forward", None)
-        for unit in self.units:
-            unit.remove()
-        for h in self._handles:
-            h.remove()
-        self.layers, self.units, self._handles = [], [], []
+        self._unplan()
         if self.model.__dict__.get("_idpsgd_bookkeeper") is self:
             del self.model.__dict__["_idpsgd_bookkeeper"]
 
@@ -354,6 +424,16 @@ class BookKeeper:
             raise RuntimeError(f"parameter(s) {', '.join(names)} received an un-clipped gradient outside their "
                                "layer's forward (weight tying or a functional use of layer.weight): "
                                "grad_sample_mode='bk' cannot clip it; use grad_sample_mode='hooks'")
+        untrained = [f"layer {u.name!r} ({type(u.module).__name__}) {u.untrained}" for u in self.units if u.untrained]
+        if untrained:
+            self.clear()
+            raise RuntimeError("; ".join(untrained))
+        new = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in self.planned]
+        if new:
+            self.clear()
+            raise RuntimeError(f"parameter(s) {', '.join(new)} became trainable after book-keeping planned the model: "
+                               "they have no per-example gradient and would receive noise only; call make_private "
+                               "again after changing requires_grad")
         parts = [p for p in self.parts if p.recorded]
         batches = {p.batch for p in parts}
         if len(batches) > 1:
@@ -402,16 +482,32 @@ class BookKeeper:
         self._leaked = set()
 
     @property
-    def paths(self) -> dict[str, str]:
-        """Layer name → how its per-example norms are computed (after a step: the paths taken)."""
-        out = {}
-        for layer in self.layers:
-            taken = " and ".join(sorted(layer.paths_taken))
-            out[layer.name] = taken or (f"{GHOST} or {PER_SAMPLE} (by shapes)" if layer.rule.ghost_capable
-                                        else PER_SAMPLE)
-        for unit in self.units:
-            out[unit.name] = FALLBACK
+    def rules(self) -> dict[str, str]:
+        """Layer name → how its per-example norms are computed, as a function of the model only
+        (public): a ghost-capable layer that can also form per-sample gradients (Linear,
+        convolutions) takes either by its input shapes in each step (:data:`BY_SHAPES`)."""
+        out = {layer.name: _static_path(layer.rule) for layer in self.layers}
+        out.update({unit.name: FALLBACK for unit in self.units})
         return out
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Layer name → the paths its per-example norms took so far (:attr:`rules` for a layer that took
+        none yet).  Private: with inputs padded per batch, the ghost/per-sample choice depends on the
+        batch's longest sequence."""
+        out = self.rules
+        for layer in self.layers:
+            if layer.paths_taken:
+                out[layer.name] = " and ".join(sorted(layer.paths_taken))
+        return out
+
+
+def _static_path(rule) -> str:
+    if not rule.ghost_capable:
+        return PER_SAMPLE
+    if type(rule).per_sample is Rule.per_sample:      # no per-sample gradients: always the ghost norm
+        return GHOST
+    return BY_SHAPES
 
 
 def summarize_paths(paths: dict[str, str]) -> str:
@@ -437,7 +533,12 @@ class BookKeepingModule(AbstractGradSampleModule):
 
     @property
     def layer_paths(self) -> dict[str, str]:
+        """The paths the layers took (private; :attr:`layer_path_rules` for the public rule)."""
         return self.keeper.paths
+
+    @property
+    def layer_path_rules(self) -> dict[str, str]:
+        return self.keeper.rules
 
     def forbid_grad_accumulation(self):
         self.keeper.forbid_accumulation = True

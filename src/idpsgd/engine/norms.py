@@ -46,13 +46,19 @@ def eval_mode_with_hooks(module: torch.nn.Module):
 
 @contextlib.contextmanager
 def _norm_pass(model: torch.nn.Module):
-    """(the module to call, its book-keeper) with the keeper recording per-example sums ("sum" loss
-    reduction) and any Opacus training wrapper's hooks off."""
+    """(the module to call, its book-keeper, a check of the released tensors) with the keeper recording
+    per-example sums ("sum" loss reduction) and any Opacus training wrapper's hooks off.  A layer that
+    writes the model in its forward (Embedding(max_norm)) is refused at the entry, and any parameter
+    or persistent buffer the pass changes is refused by the check (:mod:`.integrity`): the pass runs
+    the forward over every example, those that never train included."""
     from .bookkeeping import BookKeeper
+    from .integrity import WriteGuard, check_static_writes
     from .wrap import raw_module
 
     outer = model if isinstance(model, AbstractGradSampleModule) else None
     raw = raw_module(model)
+    check_static_writes(raw)
+    guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
     saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation
     outer_hooks = getattr(outer, "hooks_enabled", None)
@@ -61,7 +67,8 @@ def _norm_pass(model: torch.nn.Module):
     keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = True, "sum", False
     keeper.clear()
     try:
-        yield raw, keeper
+        with guard.watch() as check_writes:
+            yield raw, keeper, check_writes
     finally:
         keeper.clear()
         keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = saved
@@ -116,11 +123,12 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
     loss, for every example of ``batches`` (an iterable of collated batches), as float64 numpy arrays.
 
     ``per_sample_loss(module, batch)`` returns one loss per example (any loss; default: cross-entropy
-    of ``(inputs, targets)`` batches).  Batches are moved to the model's device.
+    of ``(inputs, targets)`` batches).  Batches are moved to the model's device.  A model whose forward
+    writes a parameter or persistent buffer is refused (:class:`~.integrity.UnnoisedWriteError`).
     """
     loss_fn = per_sample_loss or default_per_sample_loss
     norms, losses = [], []
-    with _norm_pass(model) as (raw, keeper):
+    with _norm_pass(model) as (raw, keeper, check_writes):
         device = next(raw.parameters()).device
         with eval_mode_with_hooks(raw):
             _clear(raw)
@@ -134,6 +142,7 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                 losses.append(loss.detach().double().cpu())
                 keeper.clear()
                 _clear(raw)
+                check_writes()                   # nothing of the released model changed in this batch
         _clear(raw)
     if not norms:
         return np.zeros(0), np.zeros(0)

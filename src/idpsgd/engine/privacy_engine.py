@@ -57,6 +57,7 @@ from ..validation import InvalidParameterError, check_epsilon, check_positive, c
 from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from . import distributed
 from .clipping import PerExampleClipping
+from .integrity import WriteGuard, check_no_new_trainable, trainable_names
 from .optimizer import OPTIMIZERS, _check_noise
 from .randomness import noise_generator as make_noise_generator, resolve_seed, sampler_rng
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
@@ -139,6 +140,7 @@ class IndividualizedPrivacyEngine:
         self._sampler_rng = None
         self._noise = None
         self._warned = False
+        self._writes, self._trainable = None, {}      # set by make_private (.integrity)
 
     # --- public state ---------------------------------------------------------------------
     @property
@@ -208,11 +210,22 @@ class IndividualizedPrivacyEngine:
 
     @property
     def layer_paths(self) -> dict[str, str]:
-        """Layer name → how its per-example gradient norms are computed in this phase: with
-        ``grad_sample_mode="bk"`` a ghost norm, a per-sample gradient, or Opacus's per-sample gradient
-        for a layer no book-keeping rule covers (:mod:`.bookkeeping`); in the other modes Opacus's."""
+        """Layer name → how its per-example gradient norms are computed in this phase, as a function of
+        the model and ``grad_sample_mode`` only (public, safe to publish): with ``"bk"`` a ghost norm,
+        a per-sample gradient, either by the layer's input shapes in each step (Linear, convolutions;
+        :data:`~.bookkeeping.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
+        rule covers (:mod:`.bookkeeping`); in the other modes Opacus's.  The paths actually taken:
+        :attr:`layer_paths_taken`."""
         self._require()
         return layer_paths(self.module, self.parameters["grad_sample_mode"])
+
+    @property
+    def layer_paths_taken(self) -> dict[str, str]:
+        """Layer name → the paths its per-example norms took so far (with ``"bk"``; the other modes:
+        :attr:`layer_paths`).  Private: with inputs padded per batch, a Linear layer's ghost/per-sample
+        choice depends on the batch's longest sequence — keep it out of public outputs."""
+        self._require()
+        return layer_paths(self.module, self.parameters["grad_sample_mode"], taken=True)
 
     def privacy_groups(self, delta: float | None = None) -> list[dict]:
         """Per group: budget, examples, and the current phase's rate, clip norm and effective σ."""
@@ -511,6 +524,10 @@ class IndividualizedPrivacyEngine:
             raise
 
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
+        raw = raw_module(wrapped)                 # un-noised writes to the released model are refused (.integrity)
+        self._writes, self._trainable = WriteGuard.attach(raw), trainable_names(raw)
+        self._writes.arm()
+        dp_opt.post_step_hooks.append(lambda _opt: self._writes.arm())
         dp_opt.guard = self._guard
         if grad_sample_mode == "bk":
             dp_opt.keeper = wrapped.keeper      # book-keeping: the clipped sum comes from the model's keeper
@@ -551,6 +568,17 @@ class IndividualizedPrivacyEngine:
                       RuntimeWarning, stacklevel=4)
 
     def _guard(self, _optimizer) -> None:
+        """Before the noise of each logical step: refuse un-noised writes to the released model and
+        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
+        self._writes.check()
+        check_no_new_trainable(raw_module(self.module), self._trainable, self.parameters["grad_sample_mode"])
+        try:
+            self._admit(_optimizer)
+        except BaseException:          # a refused step: the next call of the model starts the next one
+            self._writes.arm()
+            raise
+
+    def _admit(self, _optimizer) -> None:
         if self.filter is not None:
             return self.filter.guard(_optimizer)
         if self.privacy_filter is None or self.accountant.can_step():

@@ -27,6 +27,7 @@ from opacus.validators import ModuleValidator
 from ..validation import InvalidParameterError
 from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
 from .clipping import PerExampleClipping
+from .integrity import check_static_writes
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ghost", "bk")
 
@@ -62,6 +63,7 @@ def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first:
         raise InvalidParameterError("grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
+    check_static_writes(raw_module(module))        # Embedding(max_norm): an in-place write in forward (.integrity)
     if isinstance(module, AbstractGradSampleModule):
         if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
             raise InvalidParameterError("module", type(module).__name__,
@@ -92,6 +94,7 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
         if grad_sample_mode == "ghost":
             module.clipping = clipping
         if grad_sample_mode == "bk":
+            module.keeper.refresh()           # parameters frozen or unfrozen since: planned anew
             module.keeper.loss_reduction, module.keeper.active = loss_reduction, True
         return module
     if grad_sample_mode == "bk":
@@ -106,10 +109,12 @@ def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExa
                             force_functorch=grad_sample_mode == "functorch")
 
 
-def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str) -> dict[str, str]:
-    """Layer name → how its per-example norms are computed (see ``IndividualizedPrivacyEngine.layer_paths``)."""
+def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = False) -> dict[str, str]:
+    """Layer name → how its per-example norms are computed: the public rule (a function of the model
+    and the mode), or with ``taken`` the paths the layers took (private in bk mode: see
+    ``IndividualizedPrivacyEngine.layer_paths``)."""
     if grad_sample_mode == "bk":
-        return wrapped.layer_paths
+        return wrapped.layer_paths if taken else wrapped.layer_path_rules
     what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
             "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
                      "two backward passes)"}[grad_sample_mode]

@@ -405,7 +405,7 @@ class Trainer:
             "epochs": self.config.epochs, "batch_size": self.config.batch_size, "lr": self.config.lr,
             "clip_norm": self.config.clip_norm, "seed": self.seed, "secure_mode": self.config.secure_mode,
             "device": str(self.device), "grad_sample_mode": self.config.grad_sample_mode,
-            "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},
+            "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},   # the rule
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
                         "sample_rate": p.assignment.sample_rate, "noise_multiplier": p.assignment.noise_multiplier}
                        for p in plan.phases],
@@ -413,7 +413,9 @@ class Trainer:
             "preprocessing": getattr(self.dataset, "preprocessing", None),
             **({"data": ds.source} if getattr(ds, "source", None) else {}),
             **({"warnings": notes} if (notes := self.notes()) else {}), "files": None,
-            **extra, "private": {"history": self.history, **private},
+            **extra, "private": {"history": self.history, **private,   # paths taken: depend on batch shapes
+                                 "layer_paths_taken": (self.engine.layer_paths_taken
+                                                       if self.engine.accountant is not None else {})},
         }
 
     def evaluate(self) -> dict:

@@ -1,0 +1,410 @@
+"""The released model holds only what the noisy step wrote (issue 29, items 2, 5, 6).
+
+* un-noised writes to parameters or persistent buffers during a step's forward/backward pass, or
+  during a per-example norm pass, are refused in every grad_sample_mode — Embedding(max_norm) at
+  make_private and at the norm pass's entry, the others when they happen — and the step is not
+  taken (no noise drawn, nothing charged); non-persistent buffers and writes between steps are fine;
+* the public layer paths are a function of the model only (the paths taken depend on the batch's
+  shapes and are private);
+* book-keeping leaves no trainable parameter with noise only (eval-mode fallback layers,
+  weight_norm, parameters unfrozen after planning).
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from idpsgd.engine import IndividualizedPrivacyEngine
+from idpsgd.engine.bookkeeping import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
+from idpsgd.engine.integrity import UnnoisedWriteError
+from idpsgd.engine.norms import per_example_grad_norms
+from idpsgd.validation import InvalidParameterError
+
+MODES = ("hooks", "functorch", "ghost", "bk")
+N = 8
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g)
+
+
+def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
+    """(engine, module, optimizer, loss function, loader): every example in every batch (q = 1)."""
+    x, y = _data() if x is None else (x, y)
+    engine = IndividualizedPrivacyEngine(seed=0)
+    if individual:
+        engine.enable_individual_accounting()
+    out = engine.make_private_with_parameters(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N), budgets=np.full(N, 1e3), target_delta=1e-5,
+        sample_rates=np.ones(N), clip_norms=np.ones(N), max_grad_norm=1.0, grad_sample_mode=mode,
+        **{"privacy_filter": None, "noise_multiplier": 1.0, **kwargs})
+    loss = out[2] if mode == "ghost" else F.cross_entropy
+    return engine, out[0], out[1], loss, out[-1]
+
+
+def _train(engine, module, optimizer, loss, loader, steps=1, between=None):
+    for _ in range(steps):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss(module(xb), yb).backward()
+            optimizer.step()
+            if between is not None:
+                between()
+
+
+def _noise_state(engine):
+    return engine._noise.get_state().clone()
+
+
+# --- models with writes ------------------------------------------------------------------------------------
+class _Tokens(nn.Module):
+    def __init__(self, max_norm=None, bag=False):
+        super().__init__()
+        self.emb = (nn.EmbeddingBag(11, 5, max_norm=max_norm, mode="mean") if bag
+                    else nn.Embedding(11, 5, max_norm=max_norm))
+        self.out = nn.Linear(5, 2)
+        self.bag = bag
+
+    def forward(self, ids):
+        h = self.emb(ids) if self.bag else self.emb(ids).mean(1)
+        return self.out(torch.tanh(h))
+
+
+class _NoGradWrite(nn.Module):
+    """Writes its parameter in place under no_grad, from the batch, before using it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(1 + 1e-2 * x.abs().mean())
+        return self.lin(x)
+
+
+class _DataWrite(_NoGradWrite):
+    """The same through .data (its own version counter: only the value fingerprint sees it)."""
+
+    def forward(self, x):
+        self.lin.weight.data.mul_(1 + 1e-2 * x.abs().mean())
+        return self.lin(x)
+
+
+class _Counter(_NoGradWrite):
+    """A persistent buffer counting forward calls (in place)."""
+
+    def __init__(self, persistent=True):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long), persistent=persistent)
+
+    def forward(self, x):
+        self.count += 1
+        return self.lin(x)
+
+
+class _RunningMean(_NoGradWrite):
+    """A running mean of the inputs (rebinding the buffer), persistent or not."""
+
+    def __init__(self, persistent=True):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4), persistent=persistent)
+
+    def forward(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return self.lin(x - self.mean)
+
+
+def _model(cls, *args, seed=0):
+    torch.manual_seed(seed)
+    return cls(*args)
+
+
+# --- item 2: Embedding(max_norm) ---------------------------------------------------------------------------
+def test_embedding_max_norm_writes_the_rows_of_the_batch():
+    """Why it is refused: the forward renormalises exactly the rows of the tokens in the batch."""
+    model = _model(_Tokens, 1.0)
+    with torch.no_grad():
+        model.emb.weight.mul_(4)
+    before = model.emb.weight.detach().clone()
+    model(torch.tensor([[7, 7, 2]]))
+    changed = torch.nonzero((model.emb.weight.detach() != before).any(1)).flatten().tolist()
+    assert changed == [2, 7]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bag", [False, True])
+def test_embedding_max_norm_is_refused_at_make_private_in_every_mode(mode, bag):
+    model = _model(_Tokens, 1.0, bag)
+    ids = torch.randint(0, 11, (N, 3))
+    with pytest.raises(InvalidParameterError, match=r"emb: Embedding(Bag)?\(max_norm=1\).*in place"):
+        _private(model, mode, ids, torch.zeros(N, dtype=torch.long))
+
+
+def test_embedding_max_norm_is_refused_by_the_norm_passes():
+    model = _model(_Tokens, 1.0)
+    before = model.emb.weight.detach().clone()
+    batch = (torch.randint(0, 11, (N, 3)), torch.zeros(N, dtype=torch.long))
+    with pytest.raises(InvalidParameterError, match=r"emb: Embedding\(max_norm=1\)"):
+        per_example_grad_norms(model, [batch])
+    assert torch.equal(model.emb.weight, before)        # refused before any forward
+
+
+def test_embedding_without_max_norm_trains_in_every_mode():
+    for mode in MODES:
+        model = _model(_Tokens)
+        engine, *rest = _private(model, mode, torch.randint(0, 11, (N, 3)), torch.zeros(N, dtype=torch.long))
+        _train(engine, *rest, steps=2)
+        assert engine.steps == 2
+
+
+# --- item 2: writes found at the step ----------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls,what", [
+    (_NoGradWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) was written in place"),
+    (_DataWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) had its values changed through .data"),
+    (_Counter, r"persistent buffer 'count' \(module '\(root\)', _Counter\) was written in place"),
+    (_RunningMean, r"persistent buffer 'mean' \(module '\(root\)', _RunningMean\) was replaced"),
+])
+def test_a_write_in_forward_refuses_the_step_in_every_mode(mode, cls, what):
+    model = _model(cls)
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    noise = _noise_state(engine)
+    with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
+        _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 0 and engine.accountant.steps == 0          # nothing charged
+    assert torch.equal(_noise_state(engine), noise)                    # no noise drawn
+    assert all(p.grad is None for p in model.parameters())             # nothing left to apply
+    # the model holds the write: every later step and norm pass is refused
+    with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
+        _train(engine, module, optimizer, loss, loader)
+    with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
+        engine.per_example_grad_norms()
+    assert engine.steps == 0
+
+
+@pytest.mark.parametrize("cls", [_NoGradWrite, _DataWrite, _Counter, _RunningMean])
+def test_a_write_in_forward_is_refused_by_the_norm_pass(cls):
+    model = _model(cls)
+    with pytest.raises(UnnoisedWriteError, match="during a per-example gradient norm pass.*norm pass was stopped"):
+        per_example_grad_norms(model, [_data()])
+
+
+def test_a_write_only_in_eval_mode_is_refused_by_individual_accountings_norm_pass():
+    """The norm passes run the model in eval mode over every example: they are checked on their own."""
+
+    class EvalCounter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(4))
+
+        def forward(self, x):
+            if not self.training:
+                self.seen += x.detach().abs().sum(0)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(EvalCounter(), nn.Linear(4, 2))
+    _train(*_private(copy.deepcopy(model), "hooks"), steps=2)      # training alone is fine
+    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer '0.seen' \(module '0', EvalCounter\)"):
+        _private(model, "hooks", individual=True)                # its first norm pass at make_private
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_persistent_buffers_and_writes_between_steps_are_allowed(mode):
+    for cls in (_Counter, _RunningMean):
+        model = _model(cls, False)                               # not in state_dict: not released
+        engine, *rest = _private(model, mode)
+        _train(engine, *rest, steps=2)
+        assert engine.steps == 2 and "count" not in model.state_dict() and "mean" not in model.state_dict()
+    model = _model(nn.Linear, 4, 2)
+    saved = copy.deepcopy(model.state_dict())
+    engine, *rest = _private(model, mode)
+
+    def between():                         # the user's writes after each step: a projection, a reload
+        with torch.no_grad():
+            model.weight.clamp_(-0.3, 0.3)
+        model.bias.data.mul_(0.5)
+        if engine.steps == 2:
+            model.load_state_dict(saved)
+    _train(engine, *rest, steps=3, between=between)
+    assert engine.steps == 3
+    engine.load_checkpoint  # noqa: B018  (exists: engine.load_checkpoint writes between steps too)
+
+
+def test_the_engines_checkpoint_loads_between_steps(tmp_path):
+    model = _model(nn.Linear, 4, 2)
+    engine, module, optimizer, loss, loader = _private(model, "bk")
+    _train(engine, module, optimizer, loss, loader)
+    engine.save_checkpoint(path=tmp_path / "c.pt", module=module, optimizer=optimizer)
+    _train(engine, module, optimizer, loss, loader)
+    engine2, module2, optimizer2, loss2, loader2 = _private(model, "bk")
+    engine2.load_checkpoint(path=tmp_path / "c.pt", module=module2, optimizer=optimizer2)
+    _train(engine2, module2, optimizer2, loss2, loader2)
+    assert engine2.steps == 2
+
+
+def test_the_check_snapshots_at_the_first_forward_of_a_logical_step():
+    """With BatchMemoryManager a logical step has several forwards: a write in the first is still found."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    class FirstBatchWrite(_NoGradWrite):
+        calls = 0
+
+        def forward(self, x):
+            FirstBatchWrite.calls += 1
+            if FirstBatchWrite.calls == 1:
+                with torch.no_grad():
+                    self.lin.bias.add_(x.mean())
+            return self.lin(x)
+
+    engine, module, optimizer, loss, loader = _private(_model(FirstBatchWrite), "hooks")
+    with (pytest.raises(UnnoisedWriteError, match="'lin.bias'"),
+          BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory):
+        _train(engine, module, optimizer, loss, memory)
+    assert FirstBatchWrite.calls >= 2 and engine.steps == 0
+
+
+# --- item 5: public layer paths ---------------------------------------------------------------------------
+class _Seq(nn.Module):
+    """A Linear over a padded sequence: T = the batch's longest sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)          # d·p = 12: ghost when 2T² < 12 (T ≤ 2), per-sample otherwise
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.proj(x)).sum(1))
+
+
+def _padded(longest):
+    g = torch.Generator().manual_seed(longest)
+    x = torch.randn(N, 5, 3, generator=g)
+    return x[:, :longest].contiguous(), torch.randint(0, 2, (N,), generator=g)
+
+
+def test_public_layer_paths_do_not_depend_on_the_batch_shapes():
+    runs = {}
+    for longest in (1, 5):                 # two datasets differing in their longest sequence only
+        engine, *rest = _private(_model(_Seq), "bk", *_padded(longest))
+        _train(engine, *rest)
+        runs[longest] = engine
+    assert runs[1].layer_paths == runs[5].layer_paths == {"proj": BY_SHAPES, "out": BY_SHAPES}
+    assert runs[1].layer_paths_taken["proj"] == GHOST and runs[5].layer_paths_taken["proj"] == PER_SAMPLE
+    for mode in ("hooks", "ghost"):
+        engine, *_ = _private(_model(_Seq), mode, *_padded(3))
+        assert engine.layer_paths == engine.layer_paths_taken and set(engine.layer_paths) == {"proj", "out"}
+
+
+def test_the_training_report_holds_the_rule_and_keeps_the_paths_taken_private(tmp_path):
+    from idpsgd.assignment import Budgets
+    from idpsgd.data import load_dataset
+    from idpsgd.training import TrainConfig, train
+
+    digits = load_dataset("digits")
+    budgets = Budgets.from_groups([1, 3], [0.5, 0.5], len(digits.y_train), 1e-5, seed=0)
+    report = train(digits, budgets, TrainConfig(epochs=1, batch_size=256, progress=False, seed=0), tmp_path)
+    rules = report["layer_paths"]
+    assert set(rules.values()) <= {BY_SHAPES, GHOST, PER_SAMPLE} and BY_SHAPES in rules.values()
+    taken = report["private"]["layer_paths_taken"]
+    assert set(taken) == set(rules) and set(taken.values()) <= {GHOST, PER_SAMPLE, f"{GHOST} and {PER_SAMPLE}"}
+    public = (tmp_path / "report.json").read_text()
+    assert "layer_paths_taken" not in public and BY_SHAPES.split(",")[0] in public
+
+
+# --- item 6: book-keeping leaves no trainable parameter with noise only ------------------------------------
+class _Cube(nn.Module):
+    """A Conv3d (no book-keeping rule: Opacus's per-sample gradient, a fallback unit) before a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 2)
+        self.out = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.out(self.conv(x.view(-1, 1, 2, 2, 1).expand(-1, 1, 2, 2, 2)).flatten(1))
+
+
+def test_a_fallback_layer_in_eval_mode_is_refused_in_bk():
+    model = _model(_Cube)
+    engine, module, optimizer, loss, loader = _private(model, "bk")
+    assert engine.layer_paths["conv"] == FALLBACK
+    model.conv.eval()                      # captured nothing: its parameters would get noise only
+    noise = _noise_state(engine)
+    with pytest.raises(RuntimeError, match=r"layer 'conv' \(Conv3d\) ran its forward in eval mode.*noise only"):
+        _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 0 and torch.equal(_noise_state(engine), noise)
+    model.train()
+    _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 1
+
+
+def _brute_force_norms(model, x, y):
+    out = []
+    for i in range(len(x)):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        out.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).norm())
+    model.zero_grad()
+    return torch.stack(out).double().numpy()
+
+
+def test_parametrized_weight_norm_is_trained_by_book_keeping():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = _data()
+    x = x.double()
+    expect = _brute_force_norms(model, x, y)
+    norms, _ = per_example_grad_norms(copy.deepcopy(model), [(x, y)])
+    np.testing.assert_allclose(norms, expect, rtol=1e-10)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *rest = _private(model, "bk", x, y, noise_multiplier=1e-9)
+    assert engine.layer_paths["0"] == FALLBACK
+    _train(engine, *rest)
+    trained = engine.clipping.last_norms.numpy()[np.argsort(engine.clipping.last_indices.numpy())]
+    np.testing.assert_allclose(trained, expect, rtol=1e-10)          # the step clipped the true norms
+    for name in ("0.parametrizations.weight.original0", "0.parametrizations.weight.original1"):
+        assert (dict(model.named_parameters())[name] - before[name]).abs().max() > 1e-4, name   # trained
+
+
+def test_deprecated_weight_norm_is_refused_by_book_keeping():
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):
+        layer = nn.utils.weight_norm(nn.Linear(4, 2))
+    with pytest.raises(InvalidParameterError, match=r"layer '0' \(Linear\).*weight_g, weight_v.*noise only"):
+        _private(nn.Sequential(layer), "bk")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_unfrozen_after_make_private_is_refused(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)
+    model[0].requires_grad_(True)          # ghost: outside the per-example norm; bk: noise only
+    with pytest.raises((RuntimeError, ValueError), match="became trainable|Per sample gradient is not initialized"):
+        _train(engine, module, optimizer, loss, loader)      # hooks, functorch: Opacus's own error
+    assert engine.steps == 1
+
+
+def test_the_norm_pass_plans_a_layer_unfrozen_since_anew():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = _data()
+    x = x.double()
+    model[0].requires_grad_(False)
+    first, _ = per_example_grad_norms(model, [(x, y)])
+    np.testing.assert_allclose(first, _brute_force_norms(model, x, y), rtol=1e-10)
+    model[0].requires_grad_(True)
+    again, _ = per_example_grad_norms(model, [(x, y)])
+    np.testing.assert_allclose(again, _brute_force_norms(model, x, y), rtol=1e-10)
+    assert BookKeeper.attach(model).rules == {"0": BY_SHAPES, "2": BY_SHAPES}
