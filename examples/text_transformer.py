@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +80,8 @@ def main() -> None:
     eps = engine.get_epsilon()
     for budget, spent in zip(eps.budgets, eps, strict=True):
         print(f"budget {budget:g}: epsilon spent {spent:.3f}")
-    paths = engine.layer_paths
-    print(f"{sum(v == 'ghost norm' for v in paths.values())} of {len(paths)} layers by ghost norms")
+    for rule, count in Counter(engine.layer_paths.values()).items():  # how each layer's norms are computed
+        print(f"{count} layers: {rule}")
 
 
 if __name__ == "__main__":
