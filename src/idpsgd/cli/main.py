@@ -1,7 +1,7 @@
 """Command-line interface: ``idpsgd <command> ...`` (also ``python -m idpsgd``).
 
 Each command is a few lines over a library function.  Command names, flags and JSON keys are a
-public contract (see README).  A bad argument exits with code 2 and prints one line naming the
+public contract (see docs/cli.md).  A bad argument exits with code 2 and prints one line naming the
 argument, the value and what is allowed.
 """
 from __future__ import annotations
