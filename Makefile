@@ -3,15 +3,17 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
+LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: demo test test-slow test-opacus test-opacus-baseline bench install clean
+.PHONY: demo test test-slow test-opacus test-opacus-baseline bench install docs lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of PyTorch on these machines; the package itself only needs torch>=2.6.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -47,5 +49,22 @@ test-opacus-baseline: $(OPACUS_SITE)/torchvision
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
+# the documentation site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or API name; output in site/
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# ruff (configured in pyproject.toml): lint and the formatter's check, over the whole repository
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[lint]'
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 clean:
-	rm -rf $(VENV) $(OPACUS_SITE) build dist src/*.egg-info
+	rm -rf $(VENV) $(OPACUS_SITE) build dist site src/*.egg-info

@@ -249,11 +249,13 @@ def run_config(spec: dict) -> dict:
     return result
 
 
-def run_isolated(spec: dict, probe: bool = False) -> dict:
+def run_isolated(spec: dict, probe: bool = False, script=None) -> dict:
     """:func:`run_config` in a fresh Python process (its ``ru_maxrss`` is this configuration's own);
-    ``probe``: with :data:`PROBE_ENV` (the memory probes)."""
+    ``probe``: with :data:`PROBE_ENV` (the memory probes).  ``script``: another benchmark with the
+    same ``--worker SPEC`` entry point (default this one)."""
     env = os.environ | {"PYTHONWARNINGS": "ignore"} | (PROBE_ENV if probe else {})
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+    script = Path(script or __file__).resolve()
+    proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)],
                           check=False, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed for {spec}:\n{proc.stderr[-3000:]}")

@@ -36,6 +36,7 @@ BASE = {
     "reproduce": "heo-table1 --seeds 1 --epochs 1 --out {tmp}/rep --no-progress --no-figures",
     "report": "",
     "audit": "--method sample --budgets 1,2 --fractions 0.5,0.5 --epochs 1 --out {tmp}/aud --no-progress",
+    "finetune": "--model {tmp}/hf_model --data {tmp}/texts.jsonl --method scale --epochs 1 --out {tmp}/ft",
 }
 
 CSV = "--dataset csv --data-dir {tmp}/"
@@ -459,6 +460,40 @@ CASES = [
     ("audit", "--budgets 0,2", "--budgets=0"),
     ("audit", "--batch-size 1000", "--batch-size=1000"),     # above the expected model's 718.5 examples
     ("audit", "--budgets 0.001,2", "--budgets=0.001"),       # the one plan cannot be calibrated (no folder left)
+    # --- finetune (checked before the model is loaded; the model folders are stand-ins) -----------
+    ("finetune", "--epochs 0", "--epochs=0"),
+    ("finetune", "--epochs nan", "--epochs=nan"),
+    ("finetune", "--batch-size 0", "--batch-size=0"),
+    ("finetune", "--batch-size 100", "--batch-size=100"),
+    ("finetune", "--batch-size 6 --physical-batch-size 4", "--physical-batch-size=4"),
+    ("finetune", "--physical-batch-size 0", "--physical-batch-size=0"),
+    ("finetune", "--lr -1", "--lr=-1"),
+    ("finetune", "--max-grad-norm 0", "--max-grad-norm=0"),
+    ("finetune", "--max-length 0", "--max-length=0"),
+    ("finetune", "--lora-r -1", "--lora-r=-1"),
+    ("finetune", "--weight-decay -1", "--weight-decay=-1"),
+    ("finetune", "--delta 0", "--delta=0"),
+    ("finetune", "--method exclude", "--method=exclude"),
+    ("finetune", "--device tpu", "--device=tpu"),
+    ("finetune", "--seed 1 --secure-mode", "--seed=1"),
+    ("!finetune", "--data {tmp}/texts.jsonl --method scale --out {tmp}/ft", "--model"),
+    ("finetune", "--model {tmp}/nope", "--model={tmp}/nope"),
+    ("finetune", "--model {tmp}/afile", "--model={tmp}/afile"),
+    ("finetune", "--model {tmp}/empty_dir", "no config.json"),
+    ("finetune", "--model {tmp}/hf_no_weights", "has no weights"),
+    ("finetune", "--model {tmp}/hf_no_tokenizer", "has no tokenizer"),
+    ("finetune", "--data {tmp}/nope.jsonl", "--data={tmp}/nope.jsonl"),
+    ("finetune", "--data {tmp}/afile", "--data={tmp}/afile"),
+    ("finetune", "--data {tmp}/budgets.csv", "no column text"),
+    ("finetune", "--data {tmp}/texts_bad_json.jsonl", "line 2: not valid JSON"),
+    ("finetune", "--data {tmp}/texts_bad_budget.jsonl", "column epsilon: lots is not a budget"),
+    ("finetune", "--data {tmp}/texts_empty_text.jsonl", "line 2, column text:   is not a non-empty text"),
+    ("finetune", "--data {tmp}/texts.jsonl --budgets 1,2 --fractions 0.5,0.5", "--budgets=1,2"),
+    ("finetune", "--data {tmp}/texts_plain.jsonl", "--budgets=None"),
+    ("finetune", "--data {tmp}/texts_plain.jsonl --budgets 1,2", "--fractions=None"),
+    ("finetune", "--text-column body", "no column body"),
+    ("finetune", "--label-column label", "no column label"),
+    ("finetune", "--eval-data {tmp}/nope.jsonl", "--eval-data={tmp}/nope.jsonl"),
 ]
 
 
@@ -522,6 +557,18 @@ def make_files(tmp: Path) -> Path:
         "empty_dir/.keep": "",
         "bad_report/report.json": "{ not json",
         "text.npz": "not an npz file",
+        "hf_model/config.json": "{}",                      # stand-ins: the cases stop before loading them
+        "hf_model/model.safetensors": "",
+        "hf_model/tokenizer.json": "{}",
+        "hf_no_weights/config.json": "{}",
+        "hf_no_weights/tokenizer.json": "{}",
+        "hf_no_tokenizer/config.json": "{}",
+        "hf_no_tokenizer/model.safetensors": "",
+        "texts.jsonl": "".join(f'{{"text": "a text {i}", "epsilon": {1 + i % 2}}}\n' for i in range(12)),
+        "texts_plain.jsonl": "".join(f'{{"text": "a text {i}"}}\n' for i in range(12)),
+        "texts_bad_json.jsonl": '{"text": "a", "epsilon": 1}\n{"text": \n',
+        "texts_bad_budget.jsonl": '{"text": "a", "epsilon": "lots"}\n',
+        "texts_empty_text.jsonl": '{"text": "a", "epsilon": 1}\n{"text": " ", "epsilon": 1}\n',
         "empty.npz": "",
     }
     for name, content in text.items():

@@ -61,6 +61,9 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys.modules["idpsgd.cli.main"], "build_parser", lambda: PARSER)     # speed: one parser for all cases
     monkeypatch.setattr(loop.Trainer, "_run_phase", _tripwire)
     monkeypatch.setattr(pdp, "run_dp_round", _tripwire)
+    if name == "finetune":
+        hf_trainer = pytest.importorskip("idpsgd.integrations.hf.trainer")
+        monkeypatch.setattr(hf_trainer.IndividualizedTrainer, "train", _tripwire)
     marker = make_files(tmp_path)
     monkeypatch.chdir(tmp_path)                      # `--out ""` must not write into the repository
     argv = _argv(command, arguments, tmp_path)

@@ -64,3 +64,30 @@ def test_bad_options_are_refused(bench_engine):
         bench_engine.main(["--quick", "--repeats", "0"])
     with pytest.raises(InvalidParameterError, match="batch_sizes"):
         bench_engine.main(["--quick", "--batch-sizes", "0"])
+
+
+def test_hf_bench_smoke(monkeypatch, tmp_path):
+    """bench/bench_hf.py --smoke: every configuration either has figures or says why it does not run; the
+    ratios are those of the medians; LoRA GPT-2 runs in bk with no fallback layer."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_hf
+
+    out = tmp_path / "hf_cost.json"
+    bench_hf.main(["--smoke", "--in-process", "--repeats", "1", "--models", "gpt2_lora,gpt2_lm", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["layers"] == 1 and "1 of" in saved["layers_note"]
+    for model in ("gpt2_lora", "gpt2_lm"):
+        configs = saved[model]["configs"]
+        assert set(configs) == set(bench_hf.CONFIGS)
+        for c in configs.values():
+            assert ("error" in c and c["error"]) or c["cpu_seconds_per_example_median"] > 0
+    lora = saved["gpt2_lora"]
+    assert "error" not in lora["configs"]["ours_bk"] and lora["configs"]["ours_bk"]["fallback_layers"] == []
+    runs = lora["runs"]
+    assert lora["ratios"]["ours_bk_time_vs_nonprivate"] == pytest.approx(
+        runs["ours_bk"][0]["cpu_seconds_per_example"] / runs["nonprivate"][0]["cpu_seconds_per_example"])
+    assert saved["verdict"]["gpt2_lora"]["runs"]
+    with pytest.raises(Exception, match="models"):
+        bench_hf.main(["--smoke", "--models", "gpt3"])

@@ -388,3 +388,46 @@ def test_a_saved_state_is_refused_by_an_engine_with_other_parameters(data, budge
         other.load_state_dict(state)
     same, *_ = _private(data, budgets, seed=0)
     same.load_state_dict(state)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_an_empty_batch_needs_no_backward_pass(data, mode):
+    """A model that cannot run on zero rows (Hugging Face transformers) skips the forward and backward
+    pass of an empty Poisson batch and calls step(): the same noise-only step, charged the same."""
+    x, y = data
+    runs = []
+    for skip in (False, True):
+        model = _model()
+        engine = IndividualizedPrivacyEngine(seed=5)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=1), noise_multiplier=1.0, max_grad_norm=1.0,
+            sample_rate=2e-3, target_delta=DELTA, grad_sample_mode=mode)     # mostly empty batches
+        sizes = []
+        for step, (xb, yb) in enumerate(loader):
+            opt.zero_grad()
+            if len(yb) or not skip:
+                F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            sizes.append(len(yb))
+            if step == 40:
+                break
+        runs.append((_params(model), engine.steps, sizes))
+    assert 0 in runs[0][2] and any(runs[0][2]) and runs[0][2] == runs[1][2]
+    assert runs[0][1] == runs[1][1] == 41
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0)
+
+
+def test_a_step_without_a_backward_pass_over_a_drawn_batch_is_refused(data):
+    x, y = data
+    model = _model()
+    engine = IndividualizedPrivacyEngine(seed=0)
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(TensorDataset(x, y), batch_size=24),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, target_delta=DELTA,
+                                             grad_sample_mode="bk")
+    xb, _ = next(iter(loader))
+    assert len(xb) > 0
+    with pytest.raises(RuntimeError, match="no per-example gradients were recorded"):
+        opt.step()
+    assert engine.steps == 0

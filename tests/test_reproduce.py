@@ -127,9 +127,12 @@ def test_boenisch_table2_tiny(tiny, tmp_path):
     assert all(g["epsilon_spent"] <= g["budget"] * (1 + 1e-9) for g in sample["groups"])
     assert "| 34%-43%-23% |" in table2_markdown(r)
     folder = RunFolder(tmp_path / "t2")
-    assert write_boenisch_table2(folder, r) == ["boenisch_table2.json", "boenisch_table2.md", "boenisch_table2.png"]
+    assert write_boenisch_table2(folder, r) == ["boenisch_table2.json", "boenisch_table2.md", "boenisch_table2.png",
+                                                "private/seed.json"]
     manifest = _manifest_ok(tmp_path / "t2")
-    assert all(e["kind"] == "public" for e in manifest.values())
+    assert all(e["kind"] == ("private" if k == "private/seed.json" else "public") for k, e in manifest.items())
+    assert json.loads((tmp_path / "t2" / "private" / "seed.json").read_text())["seed"] == r["private"]["seed"]
+    assert "seed" not in json.loads((tmp_path / "t2" / "boenisch_table2.json").read_text())
 
 
 def test_boenisch_table2_paper_settings_and_setups():

@@ -6,8 +6,8 @@ Everything a run writes is either
   released statistics, test-set metrics, hyper-parameters, plots of those (mode 0644, at the top
   of the folder); or
 * **private** — not covered: per-example budgets and ε, exact statistics of them, real batch
-  sizes, training losses, gradient norms, checkpoints, membership scores (mode 0600, in the
-  ``private/`` subfolder).
+  sizes, training losses, gradient norms, checkpoints, membership scores, the seed (mode 0600, in
+  the ``private/`` subfolder; the seed in ``private/seed.json``, :meth:`RunFolder.record_seed`).
 
 Writers name the kind; :class:`RunFolder` places and protects the file, and records it in the
 folder's manifest ``outputs.json`` (public: it lists names, kinds and descriptions only).  The
@@ -28,6 +28,7 @@ from .validation import InvalidParameterError
 MANIFEST = "outputs.json"
 PRIVATE = "private"
 KINDS = ("public", "private")
+SEED_FILE = "seed.json"
 
 
 class RunFolder:
@@ -85,13 +86,20 @@ class RunFolder:
         for folder in (self.path, self.path / PRIVATE):
             if folder.is_dir():
                 for tmp in folder.glob(".*.tmp"):
-                    tmp.unlink(missing_ok=True)
+                    if tmp.is_dir() and not tmp.is_symlink():      # an interrupted save_directory
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    else:
+                        tmp.unlink(missing_ok=True)
 
     def clear(self) -> None:
         """Remove the previous run's files (what its manifest lists, the private folder, known outputs)."""
         listed = set(self._read_manifest())
         for name in listed:
-            (self.path / name).unlink(missing_ok=True)
+            target = self.path / name
+            if target.is_dir() and not target.is_symlink():      # a folder of files (save_directory)
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
         shutil.rmtree(self.path / PRIVATE, ignore_errors=True)
         (self.path / PRIVATE).mkdir(mode=0o700)
         for q in self.path.iterdir():            # files of runs from before manifests existed
@@ -139,6 +147,12 @@ class RunFolder:
     def save_torch(self, name: str, state, kind: str, description: str) -> Path:
         return save_torch(self.file(name, kind, description), state, private=kind == "private")
 
+    def record_seed(self, seed: int, about: str, name: str = SEED_FILE, **extra) -> Path:
+        """Write the run's seed to ``private/<name>`` (mode 0600): it replays the sampling and the noise,
+        so it is as secret as the data and never goes into a public file."""
+        return self.write_json(name, {"seed": int(seed), **extra, "about": about}, "private",
+                               "the seed (it replays the run's sampling and noise: never publish it)")
+
     def save_figure(self, name: str, fig, kind: str, description: str) -> Path:
         import matplotlib.pyplot as plt
 
@@ -147,6 +161,36 @@ class RunFolder:
             fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
         plt.close(fig)
         return path
+
+    def save_directory(self, name: str, kind: str, description: str, write) -> Path:
+        """A folder of files that ``write(path)`` creates (e.g. a Hugging Face ``save_pretrained``),
+        placed atomically: written into a temporary folder beside it, then renamed into place (an
+        earlier folder of that name is replaced).  Public folders get mode 0755 and files 0644;
+        private ones 0700 and 0600.  The folder is one manifest entry."""
+        import tempfile
+
+        target = self.file(name, kind, description)
+        private = kind == "private"
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+        try:
+            write(tmp)
+            for root, dirs, files in os.walk(tmp):
+                for d in dirs:
+                    os.chmod(Path(root) / d, 0o700 if private else 0o755)
+                for f in files:
+                    os.chmod(Path(root) / f, 0o600 if private else 0o644)
+            os.chmod(tmp, 0o700 if private else 0o755)
+            old = None
+            if target.exists():
+                old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old.", suffix=".tmp"))
+                os.replace(target, old / "replaced")
+            os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
 
     def files(self, kind: str | None = None) -> dict[str, dict]:
         return {k: v for k, v in self.manifest.items() if kind is None or v["kind"] == kind}

@@ -134,7 +134,9 @@ def render(run_dir, include_private: bool = False) -> str:
              f"<p class='note'>model {e(str(r.get('model')))}, accountant {e(str(r.get('accountant')))}, "
              f"{r.get('steps')} steps of {r.get('planned_steps', r.get('steps'))} planned"
              + (" — <span class='bad'>stopped early by the privacy filter</span>" if r.get("stopped_early") else "")
-             + f"; seed {e(str(r.get('seed')))}{' (secure randomness)' if r.get('secure_mode') else ''}</p>"]
+             + f"; {'secure mode' if r.get('secure_mode') else 'not secure mode'}</p>"]
+    if r.get("randomness"):      # never the seed itself (an old report.json may still hold one: not shown)
+        parts.append(f"<p class='note'>Randomness: {e(str(r['randomness']))}</p>")
     if r.get("layer_paths"):
         from ..engine.bookkeeping import summarize_paths
 
@@ -161,8 +163,13 @@ def render(run_dir, include_private: bool = False) -> str:
             if pre.get("epsilon") else ""
         parts.append(f"<p class='note'>Input normalization: {e(str(pre.get('mode')))} ({e(str(pre.get('source', '')))})"
                      f"{e(cost)}.</p>")
-    parts.append("<h2>Accuracy</h2>")
-    parts.append(f"<p>Test accuracy <b>{_fmt(r.get('test_accuracy'))}</b>.</p>")
+    metrics = {k: v for k, v in (r.get("test_metrics") or {}).items() if not isinstance(v, (list, dict))}
+    if r.get("test_accuracy") is None and metrics:        # e.g. a language model: loss and perplexity
+        parts.append("<h2>Test metrics</h2>")
+        parts.append(_table(["metric", "value"], [[e(k), _fmt(v)] for k, v in metrics.items()]))
+    else:
+        parts.append("<h2>Accuracy</h2>")
+        parts.append(f"<p>Test accuracy <b>{_fmt(r.get('test_accuracy'))}</b>.</p>")
     pca = r.get("per_class_accuracy") or []
     if pca:
         parts.append(_table(["class"] + [str(k) for k in range(len(pca))],
@@ -225,6 +232,29 @@ def _private_section(run_dir: Path) -> str:
                      + "</div>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def move_public_seed(run_folder) -> bool:
+    """A ``report.json`` written before the seed became private holds it (``"seed"``): move it to
+    ``private/seed.json`` (mode 0600; an existing record is kept) and rewrite ``report.json`` without
+    it.  Returns whether anything moved."""
+    from ..engine.randomness import randomness_note
+    from ..runfolder import PRIVATE, SEED_FILE
+
+    path = run_folder.path / "report.json"
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(r, dict) or "seed" not in r:
+        return False
+    seed = r.pop("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not (run_folder.path / PRIVATE / SEED_FILE).is_file():
+        run_folder.record_seed(seed, "the run's seed, moved here from the public report.json of an earlier version")
+    r.setdefault("randomness", randomness_note(bool(r.get("secure_mode")), f"{PRIVATE}/{SEED_FILE}"))
+    run_folder.write_json("report.json", r, "public", run_folder.manifest.get("report.json", {}).get(
+        "description", "the run's report"))
+    return True
 
 
 def write_report(run_folder, include_private: bool = False) -> Path:

@@ -54,7 +54,7 @@ from tqdm import tqdm
 
 from ..assignment import Budgets
 from ..data import Dataset
-from ..engine.randomness import resolve_seed
+from ..engine.randomness import derive_seed, resolve_seed
 from ..runfolder import RunFolder
 from ..validation import InvalidParameterError, check_delta
 from . import bounds, lira
@@ -63,7 +63,6 @@ from .shadows import (
     check_method,
     check_model_report,
     config_settings,
-    derived_seed,
     model_outputs,
     reported_guarantees,
     settings_hash,
@@ -301,7 +300,7 @@ def run_audit(dataset: Dataset, budgets: Budgets, config, out_dir, options: Audi
 def _model_config(config, seed: int, *path: int):
     """The training config of one model: its own seed derived from the audit's, or none in secure
     mode (OS-entropy sampling and noise, as ``idpsgd train --secure-mode``)."""
-    return config if config.secure_mode else dataclasses.replace(config, seed=derived_seed(seed, *path))
+    return config if config.secure_mode else dataclasses.replace(config, seed=derive_seed(seed, *path))
 
 
 def _get_model(store, name, dataset, budgets, members, config, plan, labels=None, scratch=None, pdp=None):

@@ -267,12 +267,6 @@ def reported_guarantees(report: dict) -> dict:
     return out
 
 
-def derived_seed(seed: int, *path: int) -> int:
-    """A training seed for one model of the audit, derived from the audit's seed (< 2^63)."""
-    state = np.random.SeedSequence([int(seed), *map(int, path)]).generate_state(2, dtype=np.uint32)
-    return int((int(state[0]) << 31) ^ int(state[1]))
-
-
 class ModelStore:
     """The audit folder's finished models: ``private/models/<name>.pt``, each written atomically
     with the audit's settings hash (a file of another audit is refused)."""
@@ -304,7 +298,7 @@ class ModelStore:
 
 
 def _small_report(report: dict) -> dict:
-    keep = ("method", "model", "delta", "test_accuracy", "steps", "seed", "guarantee")
+    keep = ("method", "model", "delta", "test_accuracy", "steps", "guarantee")
     out = {k: report.get(k) for k in keep if k in report}
     out["noise_multiplier"] = report.get("noise_multiplier")
     out["groups"] = [{"budget": float(g["budget"]), "epsilon_spent": float(g["epsilon_spent"]),

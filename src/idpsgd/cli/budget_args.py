@@ -22,7 +22,8 @@ def budget_source_args(p, required=True):
     p.add_argument("--skew", type=float, default=0.0, help="exponent k of the exponential distribution (default 0)")
     p.add_argument("--range", help="A,B: budget range of --budget-distribution")
     p.add_argument("--seed", type=int, help="seed of every random choice (group assignment, sampling, noise, "
-                   "initialisation); default: a fresh seed, recorded in the report")
+                   "initialisation); default: a fresh seed. A run keeps it privately in OUT/private/ (mode 0600), "
+                   "never in a public file or on stdout: it would let anyone replay the run")
 
 
 def budgets_from_args(args, num_examples=None, labels=None, split=None):
@@ -97,8 +98,8 @@ def group_spec(args):
 
 
 def resolved_seed(args):
-    """The run's seed: ``--seed``, or a fresh one (drawn once per command and recorded); None in
-    secure mode, which refuses ``--seed``."""
+    """The run's seed: ``--seed``, or a fresh one (drawn once per command and recorded privately);
+    None in secure mode, which refuses ``--seed``."""
     from ..engine.randomness import resolve_seed
 
     if not hasattr(args, "_resolved_seed"):

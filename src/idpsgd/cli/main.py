@@ -1,14 +1,16 @@
 """Command-line interface: ``idpsgd <command> ...`` (also ``python -m idpsgd``).
 
 Each command is a few lines over a library function.  Command names, flags and JSON keys are a
-public contract (see README).  A bad argument exits with code 2 and prints one line naming the
+public contract (see docs/cli.md).  A bad argument exits with code 2 and prints one line naming the
 argument, the value and what is allowed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
+import warnings
 
 from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import (  # noqa: F401  (register)
         accounting_commands,
         audit_command,
+        finetune_command,
         per_instance_command,
         report_command,
         reproduce_command,
@@ -91,6 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _shown_once(prefix: str):
+    """Show warnings whose message starts with ``prefix`` once while the block runs: the engine warns
+    "Secure RNG turned off" once per engine (as Opacus), and a command may train many models (the
+    demo's four runs, an audit's shadow models, PDP rounds, an experiment's repetitions).  Filters
+    (``-W``, a test runner's) still decide first whether a warning is shown at all."""
+    original, shown = warnings.showwarning, False
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        nonlocal shown
+        if str(message).startswith(prefix):
+            if shown:
+                return
+            shown = True
+        original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
+
+
 def main(argv=None) -> int:
     import logging
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
@@ -103,7 +129,8 @@ def main(argv=None) -> int:
 
     _help, _add, run = COMMANDS[args.command]
     try:
-        result = run(args)
+        with _shown_once("Secure RNG turned off"):
+            result = run(args)
     except InvalidParameterError as exc:
         shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
         sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name):]}\n")

@@ -48,7 +48,7 @@ def _per_instance_args(p):
     p.add_argument("--unlearning-beta", type=float,
                    help="NPIU threshold β (default: the data-independent RDP of training at α)")
     p.add_argument("--seed", type=int, help="seed of the initialisation, runs and point choice (default: a fresh "
-                   "seed, recorded in per_instance.json)")
+                   "seed, recorded privately in OUT/private/seed.json, mode 0600)")
     p.add_argument("--out", required=True, help="folder: private/ per_instance.csv/.json, per_instance_steps.csv and "
                    "the plots (all private, mode 0600)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis in --out")

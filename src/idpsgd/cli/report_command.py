@@ -14,12 +14,14 @@ def _args(p):
 @command("report", "write the readable, self-contained HTML report of a run folder")
 @arguments(_args)
 def report_cmd(args):
-    from ..analysis.report import write_report
+    from ..analysis.report import move_public_seed, write_report
     from ..runfolder import RunFolder
 
     folder = RunFolder(args.dir, flag="dir", resume=True)
+    moved = move_public_seed(folder)       # a report.json of an earlier version held the seed
     path = write_report(folder, include_private=args.include_private)
-    return {"report": str(path), "private": args.include_private}
+    return {"report": str(path), "private": args.include_private,
+            **({"moved": "the seed, from report.json to private/seed.json"} if moved else {})}
 
 
-report_cmd._text = lambda r: f"report: {r['report']}"
+report_cmd._text = lambda r: f"report: {r['report']}" + (f" (moved {r['moved']})" if r.get("moved") else "")

@@ -269,7 +269,7 @@ def demo_budgets(n: int, delta: float, seed: int):
 def _demo_args(p):
     _hyper_args(p)
     p.add_argument("--seed", type=int, help="seed of groups, sampling, noise and init (default: a fresh seed, "
-                   "recorded in summary.json)")
+                   "recorded privately in OUT/private/seed.json, mode 0600; never in a public file)")
     p.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier demo in --out")
 
@@ -277,9 +277,9 @@ def _demo_args(p):
 def run_demo(args) -> dict:
     """Budgets 1/2/3 at 34/43/23 %: uniform at ε=1, Sample, Scale, and uniform at ε=3 (upper bound)."""
     from ..assignment import Budgets
-    from ..training import train
-
+    from ..engine.randomness import randomness_note
     from ..runfolder import RunFolder
+    from ..training import train
 
     top = RunFolder(args.out, overwrite=args.overwrite)
     data = _load(args)
@@ -296,11 +296,15 @@ def run_demo(args) -> dict:
                      "noise_multiplier": report["noise_multiplier"], "steps": report["steps"],
                      "groups": report["groups"] if fractions else None,
                      "epsilon_spent": spent, "out": str(out)})
+    seed = resolved_seed(args)
+    if seed is not None:
+        top.record_seed(seed, "the demo's seed: the budgets' assignment to examples and every run's sampling, noise "
+                        "and initialisation; demo --seed with it replays the demo")
     summary = {"dataset": data.name, "budgets": DEMO_BUDGETS, "fractions": DEMO_FRACTIONS, "delta": args.delta,
-               "accountant": args.accountant, "seed": resolved_seed(args), "secure_mode": args.secure_mode,
-               "runs": rows}
+               "accountant": args.accountant, "secure_mode": args.secure_mode,
+               "randomness": randomness_note(args.secure_mode, "private/seed.json"), "runs": rows}
     top.write_json("summary.json", summary, "public", "the demo's four runs: test accuracy and epsilon per group")
-    return summary
+    return {**summary, **({"private": {"seed": seed}} if seed is not None else {})}
 
 
 def _demo_text(s):

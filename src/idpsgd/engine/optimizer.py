@@ -79,6 +79,19 @@ class _PrivacyHooks:
         """Dataset indices of the last step's examples, in the order of :attr:`last_norms` (private)."""
         return self.clipping.last_indices
 
+    def _recorded_any(self) -> bool:
+        """Whether a backward pass of this step left per-example gradients (or norms) to clip."""
+        raise NotImplementedError
+
+    def _noise_only(self) -> bool:
+        """An empty Poisson batch was drawn and no backward pass ran on it: the step is noise only.
+
+        A model that cannot run on zero rows (Hugging Face transformers reshape by ``-1``) skips the
+        forward and backward pass of an empty batch and calls ``step()``: the step is then the one a
+        backward pass over zero rows gives — a zero clipped sum plus the noise, charged as every step.
+        (Skipping the step instead would reveal that the batch was empty.)"""
+        return self.clipping.queue.empty_batch_pending and not self._recorded_any()
+
     def add_noise(self):
         try:
             self.clipping.queue.finish_step()       # exactly the drawn batch(es), whole
@@ -160,6 +173,15 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         expected_batch_size: Σ_i q_i (the noisy sum is divided by it).
     """
 
+    def _recorded_any(self) -> bool:
+        return any(getattr(p, "grad_sample", None) is not None for p in self.params)
+
+    def pre_step(self, closure=None):
+        if self._noise_only():                    # an empty batch without a backward pass: zero rows
+            for p in self.params:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+        return super().pre_step(closure)
+
     def clip_and_accumulate(self):
         """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
         samples = self.grad_samples
@@ -222,10 +244,17 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
         self.keeper.clear()          # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
         super().zero_grad(set_to_none)
 
+    def _recorded_any(self) -> bool:
+        return any(part.recorded for part in self.keeper.parts)
+
     def accumulate(self):
         keeper = self.keeper
         try:
-            norms = keeper.norms(self._loss_scale)
+            if self._noise_only():              # an empty batch without a backward pass: no norms, zero sum
+                ref = self.params[0]
+                norms = torch.zeros(0, dtype=ref.dtype, device=ref.device)
+            else:
+                norms = keeper.norms(self._loss_scale)
         except BaseException:
             keeper.clear()
             raise

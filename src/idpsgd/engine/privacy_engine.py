@@ -63,8 +63,8 @@ from .clipping import PerExampleClipping
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
 from .opacus_compat import OPACUS_PARAMETER_MISMATCH, refuse_opacus_options
 from .optimizer import OPTIMIZERS, _check_noise
-from .randomness import (DeferredGenerator, DeferredUniform, noise_generator as make_noise_generator, resolve_seed,
-                         sampler_rng, seed_from_torch)
+from .randomness import (SECURE_RNG_WARNING, DeferredGenerator, DeferredUniform,
+                         noise_generator as make_noise_generator, resolve_seed, sampler_rng, seed_from_torch)
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
 
@@ -106,10 +106,16 @@ class IndividualizedPrivacyEngine:
             drawn from torch's global generator — the sampler's from the data loader's
             ``generator`` when it has one — or from OS entropy if that generator was never seeded;
             it is recorded privately as :attr:`seed` / :attr:`sampler_seed`, and
-            :meth:`load_checkpoint` continues with the checkpoint's.
+            :meth:`load_checkpoint` continues with the checkpoint's.  The seed is secret: with it,
+            anyone who knows every record but one can replay the run and compare with the
+            released model.
 
     Before the first draw (a batch or the noise) :attr:`seed` is None; with individual
     accounting, the individual filter or several processes it is drawn at set-up.
+
+    Without ``secure_mode`` the engine warns once (a ``UserWarning``, as Opacus's
+    ``PrivacyEngine``): fine for experiments; a model meant for release must be trained with
+    ``secure_mode=True``.
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, seed: int | None = None):
@@ -121,6 +127,8 @@ class IndividualizedPrivacyEngine:
         self.seed = None if self._follow_torch else resolve_seed(seed, self.secure_mode)
         self.sampler_seed = self.seed            # the Poisson sampler's (the loader generator's when followed)
         self._loader_generator = None
+        if not self.secure_mode and distributed.is_main_process():
+            warnings.warn(SECURE_RNG_WARNING, UserWarning, stacklevel=2)
         self._seed_given = seed is not None       # a drawn seed yields to a checkpoint's on load
         self.accountant: GroupAccountant | None = None
         self.budgets: Budgets | None = None
@@ -798,9 +806,10 @@ class IndividualizedPrivacyEngine:
                              f"engine with secure_mode={bool(state.get('secure_mode'))} to resume it")
         saved_seed = state.get("seed")
         if not self.secure_mode and saved_seed != self.seed and self._seed_given:
-            raise ValueError(f"the state was saved by an engine with seed {saved_seed}, this one was created with "
-                             f"seed {self.seed}: create it with seed={saved_seed}, or with seed=None (the "
-                             "checkpoint's seed is then used)")
+            raise ValueError("the state was saved by an engine with another seed than the one this engine was "
+                             "created with: create it with the run's seed, or with seed=None (the checkpoint's "
+                             "seed is then used). The seeds are not printed: a seed replays the run's randomness "
+                             "and is private")
         saved_name = state.get("accountant_name", state["accountant"].get("accountant"))
         if saved_name != self.accountant_name:
             raise ValueError(f"the state was saved with accountant={saved_name!r}, this engine uses "

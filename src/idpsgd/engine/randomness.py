@@ -10,9 +10,18 @@ Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
   ``DataLoader(generator=...)``) anywhere before training reproduces a run (:func:`seed_from_torch`,
   :class:`Deferred`).  A torch generator that was never seeded runs torch's public default stream;
   the seed is then drawn from OS entropy instead.  The seed used is recorded (``engine.seed``,
-  ``engine.sampler_seed``; private, never printed), so the run can be replayed.  Unlike Opacus, the
-  engine draws one seed from torch, not every number: re-seeding torch after the first draw does
-  not change the run's stream, and the engine consumes one number of the user's torch stream.
+  ``engine.sampler_seed``; private, never printed; a run folder keeps it in
+  ``private/seed.json``, mode 0600), so the run can be replayed.  Unlike Opacus, the engine draws
+  one seed from torch, not every number: re-seeding torch after the first draw does not change the
+  run's stream, and the engine consumes one number of the user's torch stream.
+  The seed is as secret as the data: with it and every record but one, anyone can replay the run
+  on both neighbouring data sets and compare with the released model (ε = ∞), so it never appears
+  in a public file or on stdout (:func:`randomness_note` is what the public reports say instead).
+  Every bit of the seed matters: the Poisson sampler is numpy's PCG64 seeded through
+  ``SeedSequence``, and a CPU noise generator gets its whole Mersenne-Twister state from
+  ``SeedSequence`` (:func:`seeded_generator`; ``torch.Generator.manual_seed`` alone keeps only 32
+  bits of a seed on CPU: at most 2^32 noise streams).  The model's initialisation
+  (``torch.manual_seed``) is not a privacy matter (the guarantee holds for any fixed start).
 * **secure** — a seed is refused (privacy beats replay).  Poisson sampling draws its uniforms
   straight from the operating system's CSPRNG (``os.urandom``); the noise is drawn as
   Opacus does in secure mode (the sum of four normals halved, after a discarded draw: robust to
@@ -45,6 +54,78 @@ def resolve_seed(seed, secure_mode: bool) -> int | None:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
         raise InvalidParameterError("seed", seed, "must be an integer >= 0 (or None for a fresh recorded seed)")
     return int(seed)
+
+
+def derive_seed(seed: int, *path: int) -> int:
+    """A seed for one part of a larger job (one model of an audit, one repetition of an experiment),
+    derived from the job's ``seed`` and the part's ``path`` through numpy's ``SeedSequence`` (< 2^63;
+    distinct paths give independent streams)."""
+    state = np.random.SeedSequence([int(seed), *map(int, path)]).generate_state(2, dtype=np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+def randomness_note(secure_mode: bool, where: str | None) -> str:
+    """What a public report says about a run's randomness instead of its seed: secure mode, or where
+    the seed is recorded privately (``where``, e.g. ``private/seed.json``), with the warning that a
+    model meant for release must be trained in secure mode."""
+    if secure_mode:
+        return ("secure mode: the Poisson sampling and the noise come from OS entropy (no seed exists; "
+                "the run cannot be replayed)")
+    return (f"not secure mode: the sampling, the noise and the initialisation come from one seed, recorded "
+            f"privately in {where or 'the private part of the result'} (never publish it: with the seed and every "
+            "record but one, anyone can replay the run and compare, which voids the guarantee); the generators "
+            "are not cryptographic, so a model meant for release must be trained in secure mode")
+
+
+SECURE_RNG_WARNING = ("Secure RNG turned off. This is perfectly fine for experimentation as it allows for much faster "
+                      "training performance, but remember to turn it on and retrain one last time before production "
+                      "with ``secure_mode`` turned on.")
+
+
+#: Byte layout of a CPU ``torch.Generator``'s state (ATen's ``CPUGeneratorImplState``): the initial
+#: seed (uint64), ``left`` and ``seeded`` (int32), ``next`` (uint64), then the 624 Mersenne-Twister
+#: words (one uint64 each), then the cached normal samples.
+_MT_WORDS, _MT_OFFSET = 624, 24
+
+
+def _mt_words(state: np.ndarray) -> np.ndarray:
+    return state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS].view(np.uint64)
+
+
+def _full_state_cpu_generator(seed: int) -> torch.Generator:
+    """A CPU generator whose whole Mersenne-Twister state comes from ``SeedSequence(seed)`` (as numpy's
+    ``MT19937(seed)``): every bit of ``seed`` changes the stream.  The state layout is checked against
+    ``manual_seed``'s documented initialisation first; an unknown layout is an error, never a silent
+    32-bit seed."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(1)
+    state = gen.get_state().numpy().copy()
+    words = _mt_words(state)
+    head = np.frombuffer(state[:_MT_OFFSET].tobytes(), dtype=np.dtype([("seed", "=u8"), ("left", "=i4"),
+                                                                         ("seeded", "=i4"), ("next", "=u8")]))[0]
+    expect_1 = (1812433253 * (1 ^ (1 >> 30)) + 1) & 0xFFFFFFFF
+    if state.size < _MT_OFFSET + 8 * _MT_WORDS or words[0] != 1 or words[1] != expect_1 or head["left"] != 1 \
+            or head["seeded"] != 1 or head["next"] != 0:
+        raise RuntimeError(f"torch {torch.__version__}: unknown CPU generator state layout; cannot seed the noise "
+                           "generator with every bit of the seed (use secure_mode=True, or report this)")
+    fresh = np.random.SeedSequence(int(seed)).generate_state(_MT_WORDS, dtype=np.uint32).astype(np.uint64)
+    fresh[0] = 0x80000000            # as numpy's MT19937: the state is never all zeros
+    words[:] = fresh
+    state[:8] = np.frombuffer(np.uint64(int(seed) % 2 ** 64).tobytes(), dtype=np.uint8)   # initial_seed()
+    gen.set_state(torch.from_numpy(state))      # left = 1, next = 0: the first draw twists the new state
+    return gen
+
+
+def seeded_generator(device, seed: int) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` whose stream depends on every bit of ``seed`` (< 2^64): on CPU
+    the whole Mersenne-Twister state from ``SeedSequence`` (:func:`_full_state_cpu_generator`), on
+    CUDA ``manual_seed`` (Philox takes the 64-bit seed whole)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _full_state_cpu_generator(seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
 
 
 class SecureUniform:
@@ -130,7 +211,8 @@ class OsEntropyNormal:
 
 
 def noise_generator(device, seed: int | None, secure_mode: bool):
-    """The source of the Gaussian noise on ``device``: a seeded ``torch.Generator``; in secure mode
+    """The source of the Gaussian noise on ``device``: a ``torch.Generator`` seeded with every bit of
+    ``seed`` (:func:`seeded_generator`); in secure mode
     ``torchcsprng``'s ``/dev/urandom`` generator when installed (as Opacus), else
     :class:`OsEntropyNormal` — never a seeded PyTorch generator."""
     device = torch.device(device)
@@ -140,9 +222,7 @@ def noise_generator(device, seed: int | None, secure_mode: bool):
             return csprng.create_random_device_generator("/dev/urandom")
         except ImportError:
             return OsEntropyNormal()
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    return gen
+    return seeded_generator(device, int(seed))
 
 
 def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:

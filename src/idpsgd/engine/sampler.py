@@ -81,6 +81,11 @@ class BatchIndexQueue:
         self._consumed += n
         return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, dtype=np.int64))
 
+    @property
+    def empty_batch_pending(self) -> bool:
+        """The next drawn batch is empty and this step clipped nothing yet (a noise-only step)."""
+        return self._consumed == 0 and bool(self._parts) and self._parts[0].size == 0
+
     def finish_step(self) -> None:
         """Before the noise of a step: check it consumed whole drawn batches (exactly the one drawn
         batch when ``strict``); raise :class:`BatchMismatchError` (and forget the pending

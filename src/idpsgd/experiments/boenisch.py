@@ -8,8 +8,9 @@ boenisch-table2`` / ``boenisch-table3``).
   §4.1 (it breaks the ε = 1 and 2 budgets).  As in the paper, DP-SGD's hyper-parameters (tuned for
   ε = 1) are reused for Sample and Scale: on mnist, svhn and cifar10 Table 4's (lr, B, epochs, C);
   on digits uniform ε = 1's best on the bench's grid (``bench/bench_comparison.py``, the
-  ``TrainConfig`` defaults).  Each seed fixes the random group assignment, the initialisation, the
-  sampling and the noise; every method sees the same groups for the same seed.  The
+  ``TrainConfig`` defaults).  Each repetition's seed (derived from the private base ``seed``) fixes
+  the random group assignment, the initialisation, the sampling and the noise; every method sees
+  the same groups in the same repetition.  The
   individualization parameters each method derived (Table 6: σ, per-group q or c) are recorded:
   they depend on the budgets, the fractions and n only (public).
 * **Table 3** (§5, App. D.5) — full-batch DP-GD with the individual Rényi filter (Feldman & Zrnic
@@ -22,7 +23,8 @@ boenisch-table2`` / ``boenisch-table3``).
   signal ∝ n); 10.33/10 is the paper's 0.31/0.30.  Softmax regression by default (same model,
   hyper-parameters and initialisation in all three columns).
 
-Public outputs: accuracies (test set), the per-group guarantees and hyper-parameters.  Table 3's
+Public outputs: accuracies (test set), the per-group guarantees and hyper-parameters; the base seed
+is private (``private/seed.json``).  Table 3's
 active examples per step (Fig. 3) and realized ε are statistics of private per-example values: they
 go to ``private/`` (mode 0600), never to the public files.
 """
@@ -33,8 +35,8 @@ import time
 import numpy as np
 
 from ..io import atomic_open
-from .registry import Experiment, Option, at_least_one, positive, register, valid_delta
-from .summary import mean_std, percent
+from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
+from .summary import mean_std, percent, randomness, record_seed, repetition_seeds
 
 # --- Table 2 ----------------------------------------------------------------------------------
 BUDGETS = (1.0, 2.0, 3.0)
@@ -104,9 +106,10 @@ def _check_budgets(report, budgets) -> None:
 def run_boenisch_table2(data, seeds: int = 5, setups: str = "34-43-23,54-37-9", epochs: int | None = None,
                         batch_size: int | None = None, lr: float | None = None, clip_norm: float | None = None,
                         delta: float = 1e-5, upper_bound: bool = True, device: str = "cpu",
-                        model: str | None = None, progress: bool = True) -> dict:
+                        model: str | None = None, progress: bool = True, seed: int | None = None) -> dict:
     """Boenisch et al. Table 2 on ``data``: DP-SGD at ε = 1, Sample and Scale (budgets 1/2/3 at each
-    setup's fractions) and, with ``upper_bound``, DP-SGD at ε = 3; ``seeds`` runs each."""
+    setup's fractions) and, with ``upper_bound``, DP-SGD at ε = 3; ``seeds`` runs each (repetition k
+    with a seed derived from the base ``seed``, kept under ``["private"]``)."""
     from tqdm import tqdm
 
     from ..assignment import Budgets
@@ -118,7 +121,8 @@ def run_boenisch_table2(data, seeds: int = 5, setups: str = "34-43-23,54-37-9", 
     given = [k for k, v in (("epochs", epochs), ("batch_size", batch_size), ("lr", lr), ("clip_norm", clip_norm))
              if v is not None]
     n = len(data.y_train)
-    jobs = []    # (column, setup or None, seed)
+    base, run_seeds = repetition_seeds(seed, seeds)
+    jobs = []    # (column, setup or None, repetition)
     for s in range(seeds):
         jobs.append(("DP-SGD (eps 1)", None, s))
         for name in names:
@@ -133,9 +137,9 @@ def run_boenisch_table2(data, seeds: int = 5, setups: str = "34-43-23,54-37-9", 
             eps = BUDGETS[0] if column.startswith("DP-SGD (eps 1") else BUDGETS[-1]
             budgets, method = Budgets.from_array(np.full(n, eps), delta), "uniform"
         else:
-            budgets = Budgets.from_groups(list(BUDGETS), list(SETUPS[setup]), n, delta, seed=s)
+            budgets = Budgets.from_groups(list(BUDGETS), list(SETUPS[setup]), n, delta, seed=run_seeds[s])
             method = column.lower()
-        cfg = TrainConfig(method=method, seed=s, progress=False, model=model, device=device, **hp)
+        cfg = TrainConfig(method=method, seed=run_seeds[s], progress=False, model=model, device=device, **hp)
         report = train(data, budgets, cfg)
         _check_budgets(report, budgets)
         acc.setdefault((column, setup), []).append(report["test_accuracy"])
@@ -163,7 +167,8 @@ def run_boenisch_table2(data, seeds: int = 5, setups: str = "34-43-23,54-37-9", 
             "hyper_parameters": ("the paper's Table 4 (standard DP-SGD at eps 1, reused for Sample and Scale)"
                                  if data.name in PAPER_SETTINGS else "uniform eps 1's best on digits "
                                  "(bench/bench_comparison.py; the TrainConfig defaults), reused for Sample and Scale")
-            + (f"; given: {', '.join(given)}" if given else "")}
+            + (f"; given: {', '.join(given)}" if given else ""), "randomness": randomness(),
+            "private": {"seed": base}}
 
 
 def table2_markdown(r) -> str:
@@ -218,11 +223,12 @@ def _table2_plot(out, r) -> str:
 def write_boenisch_table2(out, r) -> list[str]:
     """``boenisch_table2.json``, ``.md`` and ``.png``: all public (test accuracies, hyper-parameters,
     per-group guarantees and calibration)."""
-    out.write_json("boenisch_table2.json", r, "public", "test accuracy (mean, std over seeds) of every method and "
-                   "setup, hyper-parameters, each method's calibration and per-group guarantee")
+    out.write_json("boenisch_table2.json", {k: v for k, v in r.items() if k != "private"}, "public",
+                   "test accuracy (mean, std over repetitions) of every method and setup, hyper-parameters, each "
+                   "method's calibration and per-group guarantee")
     with atomic_open(out.file("boenisch_table2.md", "public", "Table 2 as markdown"), "w") as fh:
         fh.write(table2_markdown(r))
-    return ["boenisch_table2.json", "boenisch_table2.md", _table2_plot(out, r)]
+    return ["boenisch_table2.json", "boenisch_table2.md", _table2_plot(out, r), *record_seed(out, r)]
 
 
 def _table2_text(r) -> str:
@@ -266,7 +272,7 @@ def table3_epsilons(data_name: str, epsilon: float | None, epsilon_high: float |
 def run_boenisch_table3(data, seeds: int = 5, epsilon: float | None = None, epsilon_high: float | None = None,
                         delta: float = 1e-5, calibrated_steps: int = 20, extend: float = 2.0, clip_norm: float = 3.0,
                         lr: float = 0.5, momentum: float = 0.9, device: str = "cpu", model: str | None = None,
-                        progress: bool = True) -> dict:
+                        progress: bool = True, seed: int | None = None) -> dict:
     """Boenisch et al. Table 3 (and Fig. 3) on ``data``: full-batch DP-GD, its individual Rényi
     filter, and the filter with individualized assignment; ``seeds`` runs each.  Returns the public
     result; ``["private"]`` holds the active examples per step (Fig. 3) and realized ε statistics."""
@@ -281,6 +287,7 @@ def run_boenisch_table3(data, seeds: int = 5, epsilon: float | None = None, epsi
     eps, high = table3_epsilons(data.name, epsilon, epsilon_high)
     n = len(data.y_train)
     opts = FilterOptions(gd=True, extend=extend)
+    base, run_seeds = repetition_seeds(seed, seeds)
 
     def net(seed):
         if model is None:
@@ -295,18 +302,18 @@ def run_boenisch_table3(data, seeds: int = 5, epsilon: float | None = None, epsi
     figure = {}
     sigma = None
     t0 = time.perf_counter()
-    for seed in tqdm(range(seeds), disable=None if progress else True, desc="boenisch-table3", unit="seed"):
+    for k in tqdm(range(seeds), disable=None if progress else True, desc="boenisch-table3", unit="seed"):
         cfg = TrainConfig(method="uniform", epochs=calibrated_steps, batch_size=n, lr=lr, momentum=momentum,
-                          clip_norm=clip_norm, seed=seed, progress=False, device=device)
+                          clip_norm=clip_norm, seed=run_seeds[k], progress=False, device=device)
         uniform = Budgets.from_array(np.full(n, eps), delta)
-        halves = Budgets.from_groups([eps, high], [0.5, 0.5], n, delta, seed=seed)
-        vanilla = train(data, uniform, cfg, model=net(seed))
+        halves = Budgets.from_groups([eps, high], [0.5, 0.5], n, delta, seed=run_seeds[k])
+        vanilla = train(data, uniform, cfg, model=net(run_seeds[k]))
         _check_budgets(vanilla, uniform)
         acc["vanilla"].append(vanilla["test_accuracy"])
         runs["vanilla"].append({"steps": vanilla["steps"]})
         sigma = vanilla["noise_multiplier"]
         for label, budgets in (("accounting", uniform), ("accounting_assignment", halves)):
-            r = train_filtered(data, budgets, cfg, opts, model=net(seed))
+            r = train_filtered(data, budgets, cfg, opts, model=net(run_seeds[k]))
             f = r["private"]["filter"]
             if not (f["all_at_or_below_budget"] and f["all_rdp_within_budget"]):
                 raise RuntimeError("internal error: an example exceeded its budget under the filter")
@@ -315,17 +322,17 @@ def run_boenisch_table3(data, seeds: int = 5, epsilon: float | None = None, epsi
                                 "epsilon_spent": [g["epsilon_spent"] for g in r["groups"]]})
             private[label].append({"active_at_end": [g["active_at_end"] for g in f["groups"]],
                                    "max_realized_epsilon": [g["realized_epsilon_max"] for g in f["groups"]]})
-            if seed == 0:
+            if k == 0:
                 figure[label] = {"active_per_step": f["active_per_step"], "budgets": [g["budget"] for g in r["groups"]]}
     out = {"experiment": "boenisch-table3", "dataset": data.name,
            "model": model or f"softmax regression ({int(np.prod(data.input_shape))} -> {data.num_classes})",
            "seeds": int(seeds), "epsilon": eps, "epsilon_high": high, "delta": float(delta),
            "calibrated_steps": int(calibrated_steps), "extend": float(extend), "clip_norm": float(clip_norm),
            "lr": float(lr), "momentum": float(momentum), "noise_multiplier": sigma,
-           "seconds": time.perf_counter() - t0, "runs": 3 * int(seeds),
+           "seconds": time.perf_counter() - t0, "runs": 3 * int(seeds), "randomness": randomness(),
            "columns": {k: {"label": T3_LABELS[k], **mean_std(acc[k]), "runs_detail": runs[k]} for k in T3_COLUMNS},
            "private": {"about": "statistics of private per-example values (active examples, realized epsilon): "
-                                "not covered by the guarantee", "runs": private, "figure_seed0": figure}}
+                                "not covered by the guarantee", "runs": private, "figure_seed0": figure, "seed": base}}
     if data.name == "mnist":
         out["paper"] = {k: {"mean": m, "std": s} for k, (m, s) in zip(T3_COLUMNS, PAPER_TABLE3)}
     return out
@@ -368,11 +375,12 @@ def write_boenisch_table3(out, r) -> list[str]:
                                 f"(b) accounting + assignment, ε = {r['epsilon']:g} / {r['epsilon_high']:g}":
                                 (np.array(fig["accounting_assignment"]["active_per_step"]),
                                  fig["accounting_assignment"]["budgets"])},
-                               title=f"{r['dataset']}, DP-GD with individual Rényi filters, δ = {r['delta']:g} (seed 0)")
+                               title=f"{r['dataset']}, DP-GD with individual Rényi filters, δ = {r['delta']:g} "
+                                     "(repetition 0)")
         out.save_figure("fig3_active.png", figure, "private", "active examples over the steps (Fig. 3; counts of "
                         "private data)")
         files.append("private/fig3_active.png")
-    return files
+    return files + record_seed(out, r)
 
 
 def _table3_text(r) -> str:
@@ -385,7 +393,8 @@ register(Experiment(
     "boenisch-table2", "Boenisch et al. Table 2: Sample and Scale vs DP-SGD at eps 1 (budgets 1/2/3)",
     run_boenisch_table2, write_boenisch_table2,
     options=(
-        Option("seeds", "seeds 0..N-1 per method and setup (the paper: 10)", at_least_one),
+        Option("seeds", "repetitions per method and setup, each with its own seed derived from --seed (the paper: "
+               "10)", at_least_one),
         Option("setups", "privacy-group fractions of budgets 1/2/3, comma-separated: 34-43-23 (Alaggan et al.), "
                "54-37-9 (Niu et al.)", _check_setups),
         Option("epochs", "epochs (default: the paper's Table 4 for mnist 80, svhn 30, cifar10 30; digits 20)",
@@ -399,6 +408,7 @@ register(Experiment(
         Option("delta", "delta of every budget", valid_delta),
         Option("upper_bound", "skip DP-SGD at eps 3 for everyone (the unattainable upper bound)"),
         _DEVICE,
+        SEED,
     ),
     paper_models={"digits": "digits_cnn", **PAPER_MODELS}, text=_table2_text,
     out_help="folder for boenisch_table2.json/.md/.png",
@@ -409,7 +419,7 @@ register(Experiment(
     "boenisch-table3", "Boenisch et al. Table 3: DP-GD, + individual Rényi filter, + individualized assignment",
     run_boenisch_table3, write_boenisch_table3,
     options=(
-        Option("seeds", "seeds 0..N-1 per column", at_least_one),
+        Option("seeds", "repetitions per column, each with its own seed derived from --seed", at_least_one),
         Option("epsilon", "budget of every example (default: 10 on digits, the paper's 0.3 otherwise)",
                _check_optional(positive), type=float),
         Option("epsilon_high", "budget of the second half with individualized assignment (default: epsilon x "
@@ -421,6 +431,7 @@ register(Experiment(
         Option("lr", "learning rate", positive),
         Option("momentum", "momentum", _momentum),
         _DEVICE,
+        SEED,
     ),
     paper_models={"digits": "softmax regression", "mnist": "softmax regression"}, text=_table3_text,
     model_help="a registered model (default: softmax regression, flatten + one linear layer, on every dataset)",

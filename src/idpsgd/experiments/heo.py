@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 from ..io import atomic_open
-from .registry import Experiment, Option, at_least_one, positive, register, valid_delta
-from .summary import mean_std
+from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
+from .summary import mean_std, randomness, record_seed, repetition_seeds
 
 DEFAULT_EPOCHS = 10
 #: Heo et al. App. C.2's CNNs (Tables 4-5); digits keeps its own small CNN
@@ -44,8 +44,9 @@ PAPER_MNIST = ("Paper, MNIST (Table 1, accuracy %): DP-SGD 90.42 ± 2.78 (every 
 
 def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_size: int = 128, lr: float = 0.05,
                    rounds: int = 3, delta: float = 1e-5, figures: bool = True, progress: bool = True,
-                   model: str | None = None) -> dict:
-    """Run Table 1 (and Figs. 4–5 with ``figures``) on ``data``; returns every accuracy and the summaries."""
+                   model: str | None = None, seed: int | None = None) -> dict:
+    """Run Table 1 (and Figs. 4–5 with ``figures``) on ``data``; returns every accuracy and the summaries
+    (the base ``seed`` of the repetitions under ``["private"]``)."""
     from tqdm import tqdm
 
     from ..assignment import Budgets
@@ -53,7 +54,8 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
     from ..training.pdp import PdpOptions, train_pdp
 
     n = len(data.y_train)
-    jobs = []   # (key, seed, method, loss, w1, k, (low, high))
+    base, run_seeds = repetition_seeds(seed, seeds)
+    jobs = []   # (key, repetition, method, loss, w1, k, (low, high))
     for s in range(seeds):
         jobs.append((("table", "DP-SGD (min eps)", None), s, "uniform", None, None, 0.0, RANGE))
         for k in SKEWS:
@@ -72,8 +74,8 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
     t0 = time.perf_counter()
     for key, s, method, loss, w1, k, (low, high) in tqdm(jobs, disable=None if progress else True,
                                                          desc="heo-table1", unit="run"):
-        budgets = Budgets.from_exponential(n, low, high, k, delta, seed=s)
-        cfg = TrainConfig(method=method, epochs=epochs, batch_size=batch_size, lr=lr, seed=s, progress=False,
+        budgets = Budgets.from_exponential(n, low, high, k, delta, seed=run_seeds[s])
+        cfg = TrainConfig(method=method, epochs=epochs, batch_size=batch_size, lr=lr, seed=run_seeds[s], progress=False,
                           model=model or PAPER_MODELS.get(data.name))
         if method == "uniform":
             report = train(data, budgets, cfg)
@@ -97,7 +99,8 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
            "seeds": int(seeds), "epochs": int(epochs),
            "batch_size": int(batch_size), "lr": float(lr), "rounds": int(rounds), "delta": float(delta),
            "budget_range": list(RANGE), "skews": list(SKEWS), "columns": [c[0] for c in COLUMNS],
-           "table": table, "seconds": seconds, "runs": len(jobs)}
+           "table": table, "seconds": seconds, "runs": len(jobs), "randomness": randomness(),
+           "private": {"seed": base}}
     if figures:
         fig4 = {str(k): {str(w): mean_std(acc[("table", "PDP-SGD loss_f", k)] if w == 0.7 else acc[("fig4", w, k)])
                          for w in W1_GRID} for k in SKEWS}
@@ -161,10 +164,12 @@ def _plots(out, r) -> list[str]:
 def write_heo_table1(out, r) -> list[str]:
     """``heo_table1.json`` and ``.md`` (public: test accuracies and hyper-parameters), and the
     figures when ``r`` has them; returns the file names."""
-    out.write_json("heo_table1.json", r, "public", "test accuracy (mean, std over seeds) of every method and setting")
+    out.write_json("heo_table1.json", {k: v for k, v in r.items() if k != "private"}, "public",
+                   "test accuracy (mean, std over repetitions) of every method and setting")
     with atomic_open(out.file("heo_table1.md", "public", "the table as markdown"), "w") as fh:
         fh.write(_markdown(r))
-    return ["heo_table1.json", "heo_table1.md"] + (_plots(out, r) if "fig4_accuracy_vs_w1" in r else [])
+    return ["heo_table1.json", "heo_table1.md"] + (_plots(out, r) if "fig4_accuracy_vs_w1" in r else []) \
+        + record_seed(out, r)
 
 
 def _text(r) -> str:
@@ -174,7 +179,7 @@ def _text(r) -> str:
 register(Experiment(
     "heo-table1", "Heo et al. Table 1, Fig. 4 and Fig. 5", run_heo_table1, write_heo_table1,
     options=(
-        Option("seeds", "seeds 0..N-1 per configuration", at_least_one),
+        Option("seeds", "repetitions per configuration (each with its own seed, derived from --seed)", at_least_one),
         Option("epochs", "epochs of DP-SGD, of PDP-SGD's first round and of each AdaPDP model (default "
                "%(default)s: at budgets <= 1 on digits, more epochs mean more noise per step)", at_least_one),
         Option("batch_size", "expected batch size", at_least_one),
@@ -182,6 +187,7 @@ register(Experiment(
         Option("rounds", "rounds of PDP-SGD and AdaPDP", at_least_one),
         Option("delta", "total delta per example", valid_delta),
         Option("figures", "only Table 1 (skip the runs of Fig. 4 and Fig. 5)"),
+        SEED,
     ),
     paper_models=PAPER_MODELS, text=_text, out_help="folder for heo_table1.json/.md, fig4_w1.png, fig5_interval.png",
     description="Heo et al. (PDP-SGD): Table 1 (test accuracy of DP-SGD at the smallest budget, Sampling, AdaPDP, "

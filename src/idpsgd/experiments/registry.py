@@ -42,6 +42,12 @@ def at_least_zero(name: str, value) -> None:
         raise InvalidParameterError(name, value, "must be an integer >= 0")
 
 
+def optional_seed(name: str, value) -> None:
+    """None (a fresh seed) or an integer >= 0."""
+    if value is not None:
+        at_least_zero(name, value)
+
+
 def positive(name: str, value) -> None:
     """A finite number > 0 (learning rates, clip norms)."""
     if not (float(value) > 0 and math.isfinite(float(value))):
@@ -65,6 +71,11 @@ class Option:
     help: str
     check: Callable[[str, Any], None] | None = None
     type: Callable | None = None
+
+
+#: The ``seed`` option every experiment takes: the base of its repetitions' seeds (private).
+SEED = Option("seed", "base seed: repetition k trains with a seed derived from it (default: a fresh one); recorded "
+              "privately in OUT/private/seed.json (mode 0600), never in a public file", optional_seed, type=int)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ import time
 import numpy as np
 
 from ..validation import InvalidParameterError
-from .registry import Experiment, Option, at_least_one, positive, register, valid_delta
+from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
+from .summary import randomness, record_seed, repetition_seeds
 
 #: the paper's sampling rate (MNIST, expected batch 128 of 60,000)
 PAPER_SAMPLE_RATE = 128 / 60000
@@ -110,7 +111,7 @@ def run_thudi_figure1(data, seeds: int = 2, points: int = 20, epsilons: str = "1
                       batch_size: int | None = None, epochs: int = 10, lr: float = 0.03, momentum: float = 0.0,
                       clip_norm: float = 1.0, delta: float = 1e-5, checkpoint_every: int = 1,
                       target_set: str = "test", device: str = "cpu", model: str | None = None,
-                      progress: bool = True, out=None) -> dict:
+                      progress: bool = True, out=None, seed: int | None = None) -> dict:
     """Fig. 1 of Thudi et al. on ``data`` (module docstring); returns the public result, with the curves and
     statistics of per-point values under ``["private"]``.  ``out``: the run folder for the per-instance
     files (``eps<ε>_per_instance.csv`` ..., private; ``eps<ε>_settings.json``, public)."""
@@ -134,12 +135,13 @@ def run_thudi_figure1(data, seeds: int = 2, points: int = 20, epsilons: str = "1
         raise InvalidParameterError("points", points, f"must be at most the {size} examples of the {target_set} set")
     batch = int(batch_size) if batch_size is not None else max(1, round(PAPER_SAMPLE_RATE * n))
     model_name = model or PAPER_MODELS.get(data.name)
-    chosen = np.sort(np.random.default_rng(0).choice(size, int(points), replace=False))
+    chosen = np.sort(np.random.default_rng(0).choice(size, int(points), replace=False))   # a public choice
+    base, _ = repetition_seeds(seed, 0)        # every analysis: one initialisation and runs from this (private) seed
     load_before, t0 = _load(), time.perf_counter()
     public, private = [], []
     for eps in eps_list:
         cfg = TrainConfig(method="uniform", epochs=int(epochs), batch_size=batch, lr=float(lr), momentum=float(momentum),
-                          clip_norm=float(clip_norm), model=model_name, seed=0, progress=progress, device=device)
+                          clip_norm=float(clip_norm), model=model_name, seed=base, progress=progress, device=device)
         t = time.perf_counter()
         s = run_per_instance(data, chosen, runs=int(seeds), alpha=order, config=cfg, epsilon=float(eps),
                              delta=float(delta), checkpoint_every=int(checkpoint_every), out_dir=out,
@@ -169,9 +171,9 @@ def run_thudi_figure1(data, seeds: int = 2, points: int = 20, epsilons: str = "1
             "epochs": int(epochs), "lr": float(lr), "momentum": float(momentum), "clip_norm": float(clip_norm),
             "delta": float(delta), "checkpoint_every": int(checkpoint_every), "per_epsilon": public,
             "seconds": time.perf_counter() - t0, "load_average_before": load_before, "load_average_after": _load(),
-            "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(), "randomness": randomness(),
             "private": {"about": "statistics over the target points of their per-instance values (exact statistics "
-                                 "of private values; estimates of Thm. 3.3)", "per_epsilon": private}}
+                                 "of private values; estimates of Thm. 3.3)", "per_epsilon": private, "seed": base}}
 
 
 # --- outputs ------------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ def write_thudi_figure1(out, r) -> list[str]:
                      private=True) as fh:
         fh.write(thudi_markdown(r, show_private=True))
     return ["thudi_figure1.json", "private/thudi_figure1_private.json", "private/thudi_figure1.md",
-            f"private/{_figure(out, r)}"]
+            f"private/{_figure(out, r)}", *record_seed(out, r)]
 
 
 def _text(r) -> str:
@@ -273,6 +275,7 @@ register(Experiment(
                _check_checkpoint),
         Option("target_set", "test (Fig. 1a/1b: X' = X + {x*}) or train (Fig. 1c: X = X' - {x*})", _check_target_set),
         Option("device", "cpu, cuda, auto or a torch device"),
+        SEED,
     ),
     paper_models=PAPER_MODELS, text=_text,
     out_help="folder for thudi_figure1.json (public) and, in private/, the figure, the curves and the per-instance "

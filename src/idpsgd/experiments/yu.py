@@ -4,7 +4,8 @@
 DP-SGD at one target ε for every example (σ calibrated by the run's accountant), with individual
 accounting (Alg. 2: every example's gradient norm refreshed ``refreshes_per_epoch`` times per
 epoch — the paper's γ = 3 in §4 —, rounded to the nearest multiple of r = 0.01·C, per-example RDP,
-each ε the minimum of its own bound and the data-independent one).  Per seed:
+each ε the minimum of its own bound and the data-independent one).  Per repetition (each with a seed
+derived from the private base ``seed``):
 
 * **Fig. 1** — the distribution of the individual ε (an *estimate*: norms between refreshes are
   stale), against the worst case (the data-independent ε every example has);
@@ -41,8 +42,8 @@ import numpy as np
 
 from ..io import atomic_open
 from ..training.individual import _pearson
-from .registry import Experiment, Option, at_least_one, at_least_zero, positive, register, valid_delta
-from .summary import mean_std, percent
+from .registry import SEED, Experiment, Option, at_least_one, at_least_zero, positive, register, valid_delta
+from .summary import mean_std, percent, randomness, record_seed, repetition_seeds
 
 #: the paper's MNIST Table 2 (non-private statistics of the ε_i, MNIST, ResNet-20, 100 epochs)
 PAPER_MNIST = ("Paper, MNIST (Table 2, non-private): mean ε 0.686, quantiles 0.1/0.3/0.5/0.7/0.9: 0.236 / 0.318 / "
@@ -105,7 +106,7 @@ def run_yu_figure(data, seeds: int = 3, epsilon: float = 2.0, delta: float = 1e-
                   batch_size: int = 128, lr: float = 0.05, clip_norm: float = 2.0, refreshes_per_epoch: float = 3.0,
                   validate_subset: int = 200, individual_clipping: bool = True, release_epsilon: float = 0.5,
                   class_release_epsilon: float = 1.0, device: str = "cpu", model: str | None = None,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, seed: int | None = None) -> dict:
     """Yu et al.'s figures on ``data`` (module docstring); returns the public result, with the
     exact statistics under ``["private"]`` and the per-example arrays under
     ``["private"]["per_example"]`` (written to private files only)."""
@@ -123,11 +124,12 @@ def run_yu_figure(data, seeds: int = 3, epsilon: float = 2.0, delta: float = 1e-
     exact = {v: [] for v, _ in variants}
     arrays = {}
     t0 = time.perf_counter()
+    base, run_seeds = repetition_seeds(seed, seeds)
     jobs = [(s, v, ic) for s in range(seeds) for v, ic in variants]
     for s, variant, ic in tqdm(jobs, disable=None if progress else True, desc="yu-figure", unit="run"):
         budgets = Budgets.from_array(np.full(n, float(epsilon)), delta)
         cfg = TrainConfig(method="uniform", epochs=epochs, batch_size=batch_size, lr=lr, clip_norm=clip_norm,
-                          seed=s, progress=False, model=model, device=device)
+                          seed=run_seeds[s], progress=False, model=model, device=device)
         opts = IndividualAccountingOptions(refreshes_per_epoch=refreshes_per_epoch, rounding="nearest",
                                            individual_clipping=ic, validate_subset=validate_subset)
         trainer = Trainer(data, budgets, cfg, None, individual=opts, release_epsilon=release_epsilon)
@@ -141,14 +143,14 @@ def run_yu_figure(data, seeds: int = 3, epsilon: float = 2.0, delta: float = 1e-
         worst = float(pe["worst"].max())
         released = report["individual_privacy"]["released"]
         runs[variant].append({
-            "seed": s, "test_accuracy": report["test_accuracy"], "per_class_accuracy": report["per_class_accuracy"],
+            "run": s, "test_accuracy": report["test_accuracy"], "per_class_accuracy": report["per_class_accuracy"],
             "noise_multiplier": report["noise_multiplier"], "sample_rate": report["groups"][0]["sample_rate"],
             "steps": report["steps"], "worst_case_epsilon": worst, "kind": report["individual_privacy"]["kind"],
             "released": released,
             "released_class_mean_epsilon": _class_release(pe, data.num_classes, float(epsilon),
                                                           class_release_epsilon, delta)})
-        exact[variant].append({"seed": s, **_exact_statistics(pe, data.num_classes)})
-        arrays[f"{variant}_seed{s}"] = pe
+        exact[variant].append({"run": s, **_exact_statistics(pe, data.num_classes)})
+        arrays[f"{variant}_seed{s}"] = pe          # (k-th repetition; the name predates private seeds)
     seconds = time.perf_counter() - t0
     classes = list(range(data.num_classes))
     summary = {}
@@ -189,9 +191,9 @@ def run_yu_figure(data, seeds: int = 3, epsilon: float = 2.0, delta: float = 1e-
                                 f"{delta:g}), each class's mean at ({class_release_epsilon:g}, {delta:g}) (classes "
                                 "are disjoint: parallel composition); in total by basic composition"},
             "variants": [v for v, _ in variants], "summary": summary, "runs": runs,
-            "seconds": seconds, "trainings": len(jobs),
+            "seconds": seconds, "trainings": len(jobs), "randomness": randomness(),
             "private": {"about": "exact statistics of per-example values (not covered by the guarantee)",
-                        "statistics": exact, "per_example": arrays}}
+                        "statistics": exact, "per_example": arrays, "seed": base}}
 
 
 # --- outputs ------------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def _private_plots(out, r) -> list[str]:
     if ic is not None:
         ax.hist(ic["epsilon"], bins=bins, alpha=0.5, label="individual clipping (guarantee)")
     ax.axvline(worst, color="black", ls="--", lw=1.5, label="worst case")
-    ax.set_xlabel("individual ε (seed 0)")
+    ax.set_xlabel("individual ε (repetition 0)")
     ax.set_ylabel("examples")
     ax.legend(fontsize=8)
     files.append(out.save_figure("fig1_epsilon_histogram.png", fig, "private",
@@ -297,7 +299,7 @@ def _private_plots(out, r) -> list[str]:
     rr = _pearson(est["epsilon"], np.log(np.maximum(est["loss"], 1e-12)))
     ax.set_xlabel("final training loss (log scale)")
     ax.set_ylabel("individual ε (estimate)")
-    ax.set_title("ε vs loss (Fig. 5), seed 0" + (f": Pearson r (ε, log loss) = {rr:.2f}" if rr is not None else ""),
+    ax.set_title("ε vs loss (Fig. 5), repetition 0" + (f": Pearson r (ε, log loss) = {rr:.2f}" if rr is not None else ""),
                  fontsize=9)
     files.append(out.save_figure("fig5_epsilon_vs_loss.png", fig, "private",
                                  "individual epsilon vs final training loss (Fig. 5; per-example values)").name)
@@ -314,7 +316,7 @@ def _private_plots(out, r) -> list[str]:
         ax.plot([lo, worst], [lo, worst], color="black", lw=1)
         ax.set_xlabel("exact ε of its run (norms at every step, no rounding)")
         ax.set_ylabel("ε by Alg. 2 (refreshed, rounded norms)")
-        ax.set_title(f"estimate vs exact (Fig. 4), {est['subset'].size} examples, seed 0", fontsize=9)
+        ax.set_title(f"estimate vs exact (Fig. 4), {est['subset'].size} examples, repetition 0", fontsize=9)
         ax.legend(fontsize=8)
         files.append(out.save_figure("fig4_estimate_vs_exact.png", fig, "private",
                                      "estimated vs exact individual epsilons on the exact-tracked subset (Fig. 4)").name)
@@ -354,7 +356,7 @@ def write_yu_figure(out, r) -> list[str]:
                   "exact), worst case, final loss, correctness and label, per run (personal data)", **arrays)
     files += ["private/yu_figure_exact.json", "private/yu_per_example.npz"]
     files += [f"private/{f}" for f in _private_plots(out, r)]
-    return files
+    return files + record_seed(out, r)
 
 
 def _text(r) -> str:
@@ -366,7 +368,7 @@ register(Experiment(
     "yu-figure", "Yu et al. Figs. 1, 2, 4, 5: individual eps, eps vs loss, class eps vs accuracy, estimate vs exact",
     run_yu_figure, write_yu_figure,
     options=(
-        Option("seeds", "seeds 0..N-1", at_least_one),
+        Option("seeds", "repetitions, each with its own seed derived from --seed", at_least_one),
         Option("epsilon", "target (worst-case) epsilon of DP-SGD for every example", positive),
         Option("delta", "delta", valid_delta),
         Option("epochs", "epochs (the paper: 100 on MNIST)", at_least_one),
@@ -384,6 +386,7 @@ register(Experiment(
         Option("class_release_epsilon", "epsilon of each run's private release of every class's mean eps (classes "
                "are disjoint; digits has about 144 examples per class)", positive),
         Option("device", "cpu, cuda, auto or a torch device"),
+        SEED,
     ),
     paper_models={"digits": "digits_cnn", **PAPER_MODELS}, text=_text,
     out_help="folder for yu_figure.json/.md and the public figures; per-example figures in private/",

@@ -39,10 +39,10 @@ from ..assignment import Budgets
 from ..data import Dataset
 from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
-from ..engine.randomness import resolve_seed
+from ..engine.randomness import randomness_note, resolve_seed
 from ..engine.wrap import raw_module
 from ..io import fault_point, load_torch
-from ..runfolder import PRIVATE, RunFolder
+from ..runfolder import PRIVATE, SEED_FILE, RunFolder
 from ..models import DEFAULT_MODEL, create_model
 from .map_data import MapStyleData, as_training_data, num_train
 from ..validation import InvalidParameterError, check_delta, check_positive
@@ -85,7 +85,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     accountant: str = "rdp"
     model: str | None = None
-    seed: int | None = None          # None: a fresh seed, recorded in the report
+    seed: int | None = None          # None: a fresh seed, recorded privately (private/seed.json)
     secure_mode: bool = False
     device: str = "cpu"
     grad_sample_mode: str = "bk"     # book-keeping: near non-private cost (engine/bookkeeping.py)
@@ -403,7 +403,8 @@ class Trainer:
             "noise_multiplier": sigmas[0] if len(sigmas) == 1 else sigmas,
             "steps": self.step, "planned_steps": plan.steps, "stopped_early": self.stopped_early,
             "epochs": self.config.epochs, "batch_size": self.config.batch_size, "lr": self.config.lr,
-            "clip_norm": self.config.clip_norm, "seed": self.seed, "secure_mode": self.config.secure_mode,
+            "clip_norm": self.config.clip_norm, "secure_mode": self.config.secure_mode,
+            "randomness": randomness_note(self.config.secure_mode, f"{PRIVATE}/{SEED_FILE}" if self.run_folder else None),
             "device": str(self.device), "grad_sample_mode": self.config.grad_sample_mode,
             "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},   # the rule
             "phases": [{"name": p.name, "examples": int(p.indices.size), "steps": p.steps,
@@ -413,10 +414,18 @@ class Trainer:
             "preprocessing": getattr(self.dataset, "preprocessing", None),
             **({"data": ds.source} if getattr(ds, "source", None) else {}),
             **({"warnings": notes} if (notes := self.notes()) else {}), "files": None,
-            **extra, "private": {"history": self.history, **private,   # paths taken: depend on batch shapes
+            **extra, "private": {"history": self.history, **self.seeds(), **private,   # paths taken: batch shapes
                                  "layer_paths_taken": (self.engine.layer_paths_taken
                                                        if self.engine.accountant is not None else {})},
         }
+
+    def seeds(self) -> dict:
+        """The run's seed (and the initialisation's when it differs): private, never in a public file
+        (with it anyone who knows every record but one can replay the run); {} in secure mode."""
+        if self.seed is None:
+            return {}
+        init = self.config.init_seed
+        return {"seed": self.seed, **({"init_seed": init} if init is not None and init != self.seed else {})}
 
     def evaluate(self) -> dict:
         """Test metrics of the current model (accuracy, per-class accuracy, loss)."""
@@ -484,6 +493,9 @@ class Trainer:
         rf = self.run_folder
         rf.write_json("history.json", self.history, "private", "per epoch: training loss (on private batches, "
                       "without noise) and test accuracy")
+        if self.seeds():
+            rf.record_seed(about="the run's seed: the Poisson sampling, the noise and (unless init_seed is given) the "
+                           "initialisation; --seed with it replays the run", **self.seeds())
         split = getattr(self.dataset, "split", None)
         if split:       # csv without test.csv: which rows of train.csv train (a function of the labels: private)
             rows = np.concatenate([split["train_rows"], split["test_rows"]])
@@ -531,8 +543,9 @@ def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += signature_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}" if "sha256" not in key else f"{prefix}{key} differs")
+        elif a != b:     # hashes by name only, and seeds never (an error message is not a private file)
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}" if "sha256" not in key and "seed" not in key
+                       else f"{prefix}{key} differs")
     return out
 
 
@@ -553,10 +566,10 @@ def train(dataset, budgets: Budgets, config: TrainConfig, out_dir=None, resume: 
         budgets: one budget per training example and δ.
         config: method and hyperparameters.
         out_dir: run folder (a path or :class:`~idpsgd.runfolder.RunFolder`): public report.json and
-            model.pt, private/ checkpoint.pt, ledger.csv, history.json, per-example files.
-        resume: continue from the folder's checkpoint if it exists (with the recorded seed when
-            ``config.seed`` is None; ``config.epochs`` may differ: the plan's calibration stays, the
-            filter guards every extra step).
+            model.pt, private/ checkpoint.pt, ledger.csv, history.json, seed.json, per-example files.
+        resume: continue from the folder's checkpoint if it exists (with the seed the private
+            checkpoint recorded when ``config.seed`` is None; ``config.epochs`` may differ: the
+            plan's calibration stays, the filter guards every extra step).
         model, criterion, optimizer_factory: see :class:`Trainer`.
         individual: individual accounting options (Yu et al. 2023), or None.
         overwrite: replace another run already in ``out_dir``.

@@ -305,10 +305,10 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
     elif len(plan) > rounds or any(not isinstance(p, dict) or ("epsilon_composed" in p) != history_mode for p in plan):
         raise InvalidParameterError("plan", f"{len(plan)} rounds", f"must be a plan of at most {rounds} {method} "
                                     "rounds with these options (plan_rounds)")
-    from ..engine.randomness import noise_generator as make_noise, resolve_seed, sampler_rng
+    from ..engine.randomness import noise_generator as make_noise, randomness_note, resolve_seed, sampler_rng
     from .loop import resolve_device
     secure = bool(getattr(config, "secure_mode", False))
-    seed = resolve_seed(config.seed, secure)     # a fresh seed is drawn and recorded when none is given
+    seed = resolve_seed(config.seed, secure)     # a fresh seed is drawn and recorded (privately) when none is given
     device = resolve_device(getattr(config, "device", "cpu"))
     rng = sampler_rng(seed, secure)              # the per-round personalized sampling (secret)
     seeds = np.random.default_rng(seed) if not secure else None
@@ -386,10 +386,11 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
         "noise_multiplier": [ri["noise_multiplier"] for ri in rounds_info],
         "steps": total_steps, "rounds": rounds_info, "threshold_loss": opts.threshold_loss, "w1": w1,
         "noise_history": history_mode, "epochs_per_round": config.epochs, "batch_size": B, "lr": config.lr,
-        "clip_norm": c, "seed": seed, "wall_seconds": time.perf_counter() - t0, "models": len(final),
+        "clip_norm": c, "wall_seconds": time.perf_counter() - t0, "models": len(final),
         "groups": groups,
     }
     report["secure_mode"] = secure
+    report["randomness"] = randomness_note(secure, "private/seed.json" if out_dir is not None else None)
     report["device"] = str(device)
     if out_dir is not None:
         from ..analysis.report import write_report
@@ -398,6 +399,9 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
         rf.write_csv("pdp_guarantees.csv", ["index", "label", "budget", "epsilon", "delta"],
                      [np.arange(n), y.numpy(), budgets.epsilons, eps_i, delta_i], "private",
                      "every example's (epsilon_i, delta_i) and budget (personal data)")
+        if seed is not None:
+            rf.record_seed(seed, "the run's seed: the per-round sampling, every round's Poisson batches and noise, "
+                           "the initialisation; --seed with it replays the run")
         rf.save_torch("model.pt", [getattr(m, "_module", m).state_dict() for m, _ in final], "public",
                       "the trained model(s): a list of state_dicts (adapdp: the ensemble, weights in report.json)")
         rf.file("report.html", "public", "the run's readable report")
@@ -406,4 +410,6 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
         rf.write_json("report.json", report, "public", "the run's report: (Phi, Delta)-PDP guarantee per group, "
                       "rounds, test metrics, hyper-parameters")
         write_report(rf)
+    if seed is not None:
+        report["private"] = {"seed": seed}      # not in report.json; on stdout only with --show-private
     return report

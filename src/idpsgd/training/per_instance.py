@@ -95,6 +95,7 @@ from ..accounting.per_instance import (
 )
 from ..assignment import Budgets
 from ..engine.norms import per_example_grad_norms
+from ..engine.randomness import randomness_note
 from ..models import DEFAULT_MODEL, create_model
 from ..validation import InvalidParameterError
 from .loop import TrainConfig, Trainer, training_budgets
@@ -614,6 +615,8 @@ def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
         "checkpoints": int(ckpts.size), "checkpoint_every": s["every"], "sample_rate": q,
         "batch_size": config.batch_size, "noise_multiplier": sigma, "clip_norm": c, "lr": config.lr,
         "momentum": config.momentum, "epochs": config.epochs, "model": s["model"], "seed": s["seed"],
+        "secure_mode": False, "randomness": randomness_note(False, f"private/{file_prefix}seed.json" if out_dir is not None
+                                                            else None),
         "engine": s["engine"], "training_epsilon": float(s["epsilon"]),
         "training_epsilon_rule": "sum (the calibration of the noise)",
         "delta": delta, "failure": failure, "samples": list(s["samples"]) if update_rule == "mean" else None,

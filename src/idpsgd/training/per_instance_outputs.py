@@ -2,8 +2,9 @@
 
 Everything per point — the estimates, bounds, per-step contributions and every statistic over
 points of them (the Fig. 1 curves are exact means and percentiles of per-point values) — is
-private (``private/``, mode 0600).  Only ``settings.json`` is public: the analysis' settings, the
-runs' test accuracy and the data-independent quantities (:data:`PUBLIC_KEYS`).
+private (``private/``, mode 0600), and so is the seed (``private/seed.json``).  Only
+``settings.json`` is public: the analysis' settings, the runs' test accuracy and the
+data-independent quantities (:data:`PUBLIC_KEYS`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ PUBLIC_KEYS = ("kind", "definition", "upper_kind", "failure_scope", "guarantee_r
                "test_accuracy_runs", "baseline_rdp", "baseline_step_rdp", "baseline_epsilon_at_alpha",
                "data_independent_epsilon", "same_composition_rdp", "same_composition_epsilon",
                "same_composition_late_step_ratio", "failure",
-               "p", "seed", "secure_mode")
+               "p", "secure_mode", "randomness")    # never the seed: it is in private/seed.json
 
 
 def public_summary(summary: dict) -> dict:
@@ -58,6 +59,8 @@ def write_outputs(out_dir, summary: dict, step_rows, curves: dict, stage_values:
                  [list(range(1, n + 1)), curves["add"]["mean"], curves["add"]["p10"], curves["remove"]["mean"],
                   curves["remove"]["p10"]], "private",
                  "per step: mean and 10th percentile over the points of the contribution / per-step baseline (Fig. 1)")
+    rf.record_seed(summary["seed"], "the analysis' seed: the shared initialisation, every run's sampling and noise, "
+                   "the random point choice; --seed with it replays the analysis", name=f"{prefix}seed.json")
     rf.write_json(f"{prefix}per_instance.json", {k: v for k, v in summary.items() if k != "curves"}, "private",
                   "the per-instance analysis: settings, per-point estimates, NPIU decisions, test accuracy")
     rf.write_json(f"{prefix}settings.json", public_summary(summary), "public", "the analysis' settings, the runs' "

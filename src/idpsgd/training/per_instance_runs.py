@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.randomness import derive_seed, seeded_generator
 from ..validation import InvalidParameterError
 
 #: Element-wise activations (applied to the stacked batch as is).
@@ -122,8 +123,8 @@ class ParallelRuns:
         self.members = members
         self.q, self.sigma, self.clip = float(sample_rate), float(noise_multiplier), float(clip_norm)
         self.normaliser, self.lr, self.mu = float(normaliser), float(lr), float(momentum)
-        self.sampling = torch.Generator().manual_seed(int(seed) * 2 + 1)
-        self.noise = torch.Generator().manual_seed(int(seed) * 2 + 2)
+        self.sampling = seeded_generator("cpu", derive_seed(seed, 1))     # every bit of the seed counts
+        self.noise = seeded_generator("cpu", derive_seed(seed, 2))
         self.last_batches: list[torch.Tensor] = []
         self.padding_limit = 1.5
 

@@ -1,0 +1,129 @@
+"""What the private Trainer takes beyond Hugging Face's ``TrainingArguments``, and which of those
+arguments it honours, maps or refuses.
+
+:class:`PrivacyArguments` — the budgets and the engine's options.  :func:`check_training_arguments`
+— every ``TrainingArguments`` option the private run cannot honour is refused with the reason; the
+ones it maps are documented on :class:`~.trainer.IndividualizedTrainer`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...validation import InvalidParameterError
+
+METHODS = ("uniform", "sample", "scale")
+ACCOUNTANTS = ("rdp", "pld", "prv")
+#: the engine's modes the Trainer runs (one backward pass per physical batch, its own loss)
+GRAD_SAMPLE_MODES = ("bk", "hooks", "functorch")
+
+
+@dataclass(frozen=True)
+class PrivacyArguments:
+    """The private part of a fine-tuning run (Boenisch et al. 2023, IDP-SGD).
+
+    Args:
+        budgets: where each training example's ε comes from: the name of a column of the
+            ``datasets.Dataset`` (it is removed from the model's inputs), an array with one ε per
+            training example, or an :class:`idpsgd.Budgets` (which carries δ).
+        delta: the global δ (required unless ``budgets`` is a ``Budgets``).
+        method: ``uniform`` (everyone at the smallest budget), ``sample`` (per-group sampling rates)
+            or ``scale`` (per-group clip norms) (Boenisch et al. §3).
+        accountant: ``rdp``, ``pld`` or ``prv`` (calibration, filter and the reported ε).
+        grad_sample_mode: ``bk`` (book-keeping: one backward pass, near non-private cost), ``hooks``
+            or ``functorch`` (Opacus's per-sample gradients).  ``ghost`` is refused: its two backward
+            passes go through Opacus's loss wrapper, not the Trainer's step (``bk`` gives the same
+            update in one pass).
+        seed: seeds the privacy randomness — Poisson sampling and noise — and nothing else (the
+            model's initialisation and dropout follow ``TrainingArguments.seed`` as usual).  ``None``
+            (default): a fresh seed from OS entropy, recorded in the run folder's private part only —
+            a public seed (such as ``TrainingArguments.seed``'s default 42) would make the noise
+            predictable.
+        secure_mode: Opacus's secure mode (sampling and noise from OS entropy; refuses ``seed``).
+        overwrite: replace an earlier run in ``TrainingArguments.output_dir``.
+    """
+
+    budgets: Any
+    delta: float | None = None
+    method: str = "sample"
+    accountant: str = "rdp"
+    grad_sample_mode: str = "bk"
+    seed: int | None = None
+    secure_mode: bool = False
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(METHODS)}")
+        if self.accountant not in ACCOUNTANTS:
+            raise InvalidParameterError("accountant", self.accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
+        if self.grad_sample_mode == "ghost":
+            raise InvalidParameterError("grad_sample_mode", "ghost", "is not supported by the Trainer (its second "
+                                        "backward pass runs through Opacus's loss wrapper); use bk, the same update "
+                                        "in one backward pass")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise InvalidParameterError("grad_sample_mode", self.grad_sample_mode,
+                                        f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
+            raise InvalidParameterError("seed", self.seed, "must be an integer or None")
+
+
+def _value(x):
+    return getattr(x, "value", x)
+
+
+#: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
+_REFUSED = (
+    ("fp16", bool, "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
+                   "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
+                   "(bfloat16 autocast, no scaler)"),
+    ("gradient_checkpointing", bool, "recomputing activations in the backward pass is not supported by "
+                                     "per-example clipping here"),
+    ("activation_checkpointing", bool, "recomputing activations in the backward pass is not supported by "
+                                       "per-example clipping here"),
+    ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
+    ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
+    ("auto_find_batch_size", bool, "the batch size is part of the privacy calibration and cannot change "
+                                   "during the run"),
+    ("dataloader_drop_last", bool, "batches are Poisson samples with per-example rates (nothing to drop)"),
+    ("push_to_hub", bool, "the run folder holds private files; publish its public model folder yourself"),
+    ("load_best_model_at_end", bool, "choosing among checkpoints by a metric needs intermediate checkpoints "
+                                     "(save_strategy='no' here)"),
+    ("neftune_noise_alpha", lambda v: v is not None, "NEFTune's embedding noise is not part of the privacy "
+                                                     "analysis; leave it unset"),
+    ("label_smoothing_factor", lambda v: v != 0, "the per-example loss is the plain cross-entropy (label "
+                                                 "smoothing is not implemented per example)"),
+    ("save_strategy", lambda v: _value(v) != "no", "must be 'no': intermediate Hugging Face checkpoints hold "
+                                                   "neither the privacy engine's state (so a resumed run would be "
+                                                   "mis-accounted) nor only public values (training losses, RNG "
+                                                   "states); the model and report are written at the end of train()"),
+    ("include_num_input_tokens_seen", lambda v: _value(v) not in ("no", False, None),
+     "token counts of the private batches are not covered by the guarantee"),
+    ("train_sampling_strategy", lambda v: _value(v) != "random", "batches are Poisson samples with per-example "
+                                                                 "rates"),
+    ("deepspeed", lambda v: bool(v), "DeepSpeed is not supported; train on one device"),
+    ("fsdp", lambda v: bool(v), "FSDP is not supported; train on one device"),
+)
+
+
+def check_training_arguments(args) -> None:
+    """Refuse the ``TrainingArguments`` a private run cannot honour (one line: which, why)."""
+    if args is None or not hasattr(args, "per_device_train_batch_size"):
+        raise InvalidParameterError("args", type(args).__name__, "give transformers.TrainingArguments(output_dir="
+                                    "RUN_FOLDER, save_strategy='no', ...)")
+    for name, refused, why in _REFUSED:
+        if hasattr(args, name) and refused(getattr(args, name)):
+            raise InvalidParameterError(name, _value(getattr(args, name)), why)
+    if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
+        raise InvalidParameterError("world_size", max(args.world_size, args.n_gpu), "the Trainer runs on one device; "
+                                    "for several use the engine's distributed mode (torchrun) with your own loop")
+    if not args.max_grad_norm > 0:
+        raise InvalidParameterError("max_grad_norm", args.max_grad_norm, "must be > 0: it is every example's clip "
+                                    "norm (the reference clip norm c of Scale)")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or int(v) != v or v < 1:
+            raise InvalidParameterError(name, v, "must be an integer >= 1")
+    labels = args.label_names
+    if labels is not None and len(labels) != 1:
+        raise InvalidParameterError("label_names", labels, "the per-example loss takes one label field")

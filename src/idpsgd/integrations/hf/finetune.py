@@ -1,0 +1,226 @@
+"""Fine-tune a local Hugging Face model on a local text file with per-example budgets (``idpsgd
+finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
+
+* the model folder is what ``save_pretrained`` writes (``config.json`` and the weights) plus the
+  tokenizer's files; nothing is downloaded (``local_files_only=True``);
+* with a label column the model is loaded as a sequence classifier (a new classification head when
+  the folder holds a language model), without one as a causal language model;
+* texts are tokenized with the folder's tokenizer, truncated to ``max_length`` tokens and padded per
+  batch (a tokenizer without a padding token pads with its end-of-text token);
+* ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
+  on the frozen model; ``model/`` then holds the adapter.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...assignment import Budgets
+from ...validation import InvalidParameterError, check_positive
+from .arguments import PrivacyArguments
+from .text_data import TextData, label_ids
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """Hyper-parameters of :func:`finetune` (privacy: method, accountant, mode, seed; training: the rest)."""
+
+    method: str = "scale"
+    epochs: float = 3.0
+    batch_size: int = 16                 # expected (Poisson) batch size B
+    physical_batch_size: int | None = None   # at most this many examples per forward pass (default B)
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0           # every example's clip norm (the reference c of Scale)
+    max_length: int = 128
+    lora_r: int = 0
+    grad_sample_mode: str = "bk"
+    accountant: str = "rdp"
+    seed: int | None = None
+    secure_mode: bool = False
+    device: str = "cpu"
+    progress: bool = False
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_length"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < 1:
+                raise InvalidParameterError(name, v, "must be an integer >= 1")
+        pb = self.physical_batch_size
+        if pb is not None:
+            if isinstance(pb, bool) or int(pb) != pb or pb < 1:
+                raise InvalidParameterError("physical_batch_size", pb, "must be an integer >= 1")
+            if self.batch_size % pb:
+                raise InvalidParameterError("physical_batch_size", pb, f"must divide --batch-size={self.batch_size} "
+                                            "(the expected batch is that many physical batches' worth)")
+        if isinstance(self.lora_r, bool) or int(self.lora_r) != self.lora_r or self.lora_r < 0:
+            raise InvalidParameterError("lora_r", self.lora_r, "must be an integer >= 0 (0: full fine-tuning)")
+        check_positive(self.epochs, "epochs")
+        check_positive(self.lr, "lr")
+        check_positive(self.max_grad_norm, "max_grad_norm")
+        if not self.weight_decay >= 0:
+            raise InvalidParameterError("weight_decay", self.weight_decay, "must be >= 0")
+        if self.device not in DEVICES:
+            raise InvalidParameterError("device", self.device, f"must be one of {', '.join(DEVICES)}")
+
+
+def check_model_folder(path) -> Path:
+    """A local model folder: ``config.json``, weights and a tokenizer (refused with what is missing)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise InvalidParameterError("model", str(path), "not found: give a local folder as save_pretrained writes "
+                                    "it (config.json, model.safetensors, tokenizer files)" if not p.exists()
+                                    else "is not a folder (give the folder save_pretrained wrote)")
+    if not (p / "config.json").is_file():
+        raise InvalidParameterError("model", str(path), "is not a model folder: it has no config.json (save the "
+                                    "model with model.save_pretrained(folder))")
+    if not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise InvalidParameterError("model", str(path), f"has no weights ({' or '.join(WEIGHT_FILES[::2])})")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise InvalidParameterError("model", str(path), "has no tokenizer (tokenizer.json or tokenizer_config.json): "
+                                    "save it into the folder with tokenizer.save_pretrained(folder)")
+    return p
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def model_label2id(folder: Path) -> dict | None:
+    """The class names of the model's config (``label2id``), or None."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InvalidParameterError("model", str(folder), f"its config.json cannot be read ({_first_line(exc)})") \
+            from None
+    return getattr(config, "label2id", None)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise InvalidParameterError("model", str(folder), f"its tokenizer cannot be loaded ({_first_line(exc)})") \
+            from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise InvalidParameterError("model", str(folder), "its tokenizer has neither a padding token nor an "
+                                        "end-of-text token to pad with; set tokenizer.pad_token and save it again")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(folder: Path, task: str, id2label: dict | None, pad_token_id: int):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kwargs = {"local_files_only": True}
+    if task == "sequence_classification":
+        cls = AutoModelForSequenceClassification
+        kwargs.update(num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    else:
+        cls = AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        what = "a sequence classifier" if task == "sequence_classification" else "a causal language model"
+        raise InvalidParameterError("model", str(folder), f"cannot be loaded as {what} ({_first_line(exc)})") from None
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def with_lora(model, r: int, task: str):
+    from peft import LoraConfig, get_peft_model
+
+    kind = "SEQ_CLS" if task == "sequence_classification" else "CAUSAL_LM"
+    try:
+        return get_peft_model(model, LoraConfig(r=r, task_type=kind))
+    except ValueError as exc:
+        raise InvalidParameterError("lora_r", r, f"LoRA cannot be applied to this model ({_first_line(exc)})") from None
+
+
+def tokenize(data: TextData, tokenizer, max_length: int, ids: list | None):
+    import datasets
+
+    enc = tokenizer(data.texts, truncation=True, max_length=max_length)
+    columns = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if ids is not None:
+        columns["labels"] = ids
+    return datasets.Dataset.from_dict(columns)
+
+
+def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: TextData | None = None,
+             options: FinetuneOptions = FinetuneOptions(), overwrite: bool = False) -> dict:
+    """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
+    (also in the run folder ``out``: public model/, report.json, report.html; private/)."""
+    import torch
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from .trainer import IndividualizedTrainer
+
+    if not isinstance(budgets, Budgets) or len(budgets) != len(train):
+        raise InvalidParameterError("budgets", f"{len(budgets) if isinstance(budgets, Budgets) else budgets!r}",
+                                    f"need an idpsgd.Budgets with one budget per training row ({len(train)})")
+    if eval_data is not None and (eval_data.labels is None) != (train.labels is None):
+        raise InvalidParameterError("eval_data", eval_data.source.get("file"), "must have the label column exactly "
+                                    "when the training data has one")
+    if options.batch_size > len(train):
+        raise InvalidParameterError("batch_size", options.batch_size, f"must be <= the {len(train)} training rows "
+                                    "(it is the expected Poisson batch size)")
+    folder = check_model_folder(model_dir)
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device", "cuda", "no CUDA device is available here; use cpu or auto")
+    tokenizer = load_tokenizer(folder)
+    task = "causal_lm" if train.labels is None else "sequence_classification"
+    train_ids = eval_ids = id2label = None
+    if task == "sequence_classification":
+        train_ids, eval_ids, id2label = label_ids(train.labels, eval_data.labels if eval_data else None,
+                                                  model_label2id(folder))
+    # the model's seed (new head, LoRA init, dropout): its own stream, derived from --seed by a hash so
+    # that nothing the model's randomness reveals leads back to the privacy seed
+    init_seed = (int(np.random.SeedSequence([options.seed, 1]).generate_state(1)[0]) if options.seed is not None
+                 else secrets.randbits(32))
+    torch.manual_seed(init_seed)                 # a new classification head or LoRA adapter
+    model = load_model(folder, task, id2label, tokenizer.pad_token_id)
+    if options.lora_r:
+        model = with_lora(model, options.lora_r, task)
+    physical = options.physical_batch_size or options.batch_size
+    args = TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=physical,
+        gradient_accumulation_steps=options.batch_size // physical, num_train_epochs=options.epochs,
+        learning_rate=options.lr, weight_decay=options.weight_decay, max_grad_norm=options.max_grad_norm,
+        optim="adamw_torch", save_strategy="no", logging_strategy="epoch", report_to=[],
+        disable_tqdm=not options.progress, seed=init_seed, dataloader_pin_memory=False,
+        use_cpu=options.device == "cpu" or (options.device == "auto" and not torch.cuda.is_available()))
+    collator = (DataCollatorForLanguageModeling(tokenizer, mlm=False) if task == "causal_lm"
+                else DataCollatorWithPadding(tokenizer))
+    privacy = PrivacyArguments(budgets=budgets, method=options.method, accountant=options.accountant,
+                               grad_sample_mode=options.grad_sample_mode, seed=options.seed,
+                               secure_mode=options.secure_mode, overwrite=overwrite)
+    trainer = IndividualizedTrainer(
+        model=model, args=args, train_dataset=tokenize(train, tokenizer, options.max_length, train_ids),
+        eval_dataset=tokenize(eval_data, tokenizer, options.max_length, eval_ids) if eval_data else None,
+        processing_class=tokenizer, data_collator=collator, privacy=privacy,
+        dataset_name=train.source.get("file"), data_source={"train": train.source,
+                                                              **({"test": eval_data.source} if eval_data else {}),
+                                                              "max_length": options.max_length})
+    if not options.progress:                     # nothing on stdout but the command's own output
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+    trainer.train()
+    return trainer.report

@@ -1,0 +1,161 @@
+"""The run folder of a private fine-tuning run, in the ``train`` harness's report schema.
+
+Public (covered by the guarantee): ``model/`` (``save_pretrained`` of the model and its tokenizer:
+what the noisy steps wrote), ``report.json`` (the guarantee per privacy group with its sampling rate,
+clip norm, effective noise multiplier and ε; hyper-parameters; test metrics on the held-out
+``eval_dataset``; the public log history) and ``report.html`` (:mod:`idpsgd.analysis.report`).
+Private (``private/``, mode 0600): ``epsilons.csv`` (each training example's budget and ε),
+``ledger.csv`` (each step's real batch size and ε per group), ``history.json`` (training losses and
+other logged values the guarantee does not cover) and ``seed.json`` (the privacy seed).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ...analysis.metrics import accuracies
+from ...engine import GUARANTEE
+from ...engine.randomness import randomness_note
+from ...runfolder import PRIVATE, SEED_FILE
+from .losses import PerExampleLoss, base_model, token_losses, sequence_losses
+
+
+@torch.no_grad()
+def test_metrics(trainer) -> dict:
+    """Metrics of the trained model on ``trainer.eval_dataset`` (empty without one): for language
+    models the token-weighted cross-entropy and perplexity; for single-label classifiers accuracy and
+    per-class accuracy; otherwise the mean per-example loss."""
+    if trainer.eval_dataset is None:
+        return {}
+    model, fn, label = trainer.model, trainer.per_example_loss, trainer.label_name
+    was = model.training
+    model.eval()
+    tok_sum = tok_count = loss_sum = 0.0
+    examples, preds, ys = 0, [], []
+    try:
+        for batch in trainer.get_eval_dataloader():
+            batch = dict(trainer._prepare_inputs(batch))
+            labels = batch.pop(label)
+            out = model(**batch)
+            examples += int(labels.shape[0])
+            if isinstance(fn, PerExampleLoss) and fn.family == "token":
+                s, c = token_losses(out["logits"], labels, fn.shift)
+                tok_sum, tok_count = tok_sum + float(s.sum()), tok_count + float(c.sum())
+            elif isinstance(fn, PerExampleLoss):
+                loss_sum += float(sequence_losses(out["logits"], labels, fn.problem_type, fn.num_labels).sum())
+                if out["logits"].dim() == 2 and labels.dim() == 1 and not labels.dtype.is_floating_point:
+                    preds.append(out["logits"].argmax(-1).cpu())
+                    ys.append(labels.cpu())
+            else:
+                loss_sum += float(fn(out, labels).sum())
+    finally:
+        model.train(was)
+    if isinstance(fn, PerExampleLoss) and fn.family == "token":
+        loss = tok_sum / max(tok_count, 1.0)
+        metrics = {"test_loss": loss, "test_tokens": int(tok_count)}
+        if fn.task in ("causal_lm", "masked_lm"):
+            metrics["test_perplexity"] = math.exp(min(loss, 700.0))
+    else:
+        metrics = {"test_loss": loss_sum / max(examples, 1)}
+    metrics["test_examples"] = examples
+    if preds:
+        acc = accuracies(torch.cat(preds), torch.cat(ys), max(int(getattr(fn, "num_labels", 2)), 2))
+        metrics.update({"test_accuracy": acc["accuracy"], "per_class_accuracy": acc["per_class_accuracy"]})
+    return metrics
+
+
+def model_name(model) -> str:
+    """The model's class (its base class and adapter type for a PEFT model)."""
+    base = base_model(model)
+    name = type(base).__name__
+    if base is not model:
+        cfg = getattr(model, "peft_config", {}) or {}
+        kinds = sorted({str(getattr(c, "peft_type", "adapter")).split(".")[-1] for c in cfg.values()})
+        name += f" + {'/'.join(kinds) or 'adapter'}"
+    return name
+
+
+def build_report(trainer) -> dict:
+    """The run's report (``train`` harness schema; ``private`` holds what must not be published)."""
+    engine, args = trainer.engine, trainer.user_args
+    delta = trainer.budgets.delta
+    eps = engine.get_epsilon()
+    groups = []
+    for g in engine.privacy_groups():
+        groups.append({"budget": g["budget"], "count": g["count"], "trained": True, "sample_rate": g["sample_rate"],
+                       "clip_norm": g["clip_norm"], "noise_multiplier": g["noise_multiplier"], "steps": engine.steps,
+                       "epsilon_spent": g["epsilon"], "epsilon_training": g["epsilon"], "delta": delta})
+    p = engine.parameters
+    metrics = test_metrics(trainer)
+    history = [dict(h) for h in trainer.state.log_history]      # public by construction (trainer.log)
+    return {
+        "method": trainer.privacy.method, "dataset": trainer.dataset_name, "model": model_name(trainer.model),
+        "task": getattr(trainer.per_example_loss, "task", "custom per_example_loss"),
+        "accountant": engine.accountant_name,
+        "guarantee": f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
+        "delta": delta, "epsilon": eps.loosest,
+        "test_accuracy": metrics.get("test_accuracy"), "per_class_accuracy": metrics.get("per_class_accuracy", []),
+        "test_metrics": metrics,
+        "loss_convention": ("mean over the batch's examples of each example's own loss; per example: the mean over its "
+                 "labelled tokens (token-level tasks) or its loss (classification)"),
+        "noise_multiplier": p["noise_multiplier"], "steps": engine.steps, "planned_steps": trainer.planned_steps,
+        "stopped_early": trainer.stopped_early, "epochs": args.num_train_epochs if args.max_steps <= 0 else None,
+        "max_steps": args.max_steps if args.max_steps > 0 else None,
+        "batch_size": trainer.expected_batch_size, "physical_batch_size": trainer.physical_batch_size,
+        "lr": args.learning_rate, "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "weight_decay": args.weight_decay, "clip_norm": p["max_grad_norm"], "secure_mode": engine.secure_mode,
+        "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
+        "grad_sample_mode": p["grad_sample_mode"], "layer_paths": trainer.layer_paths,
+        "phases": [{"name": "all", "examples": len(trainer.budgets), "steps": engine.steps,
+                    "sample_rate": float(np.mean(p["sample_rates"])), "noise_multiplier": p["noise_multiplier"]}],
+        "groups": groups, "history": history, **({"data": trainer.data_source} if trainer.data_source else {}),
+        "files": None,
+        "private": {"seed": engine.seed, "history": trainer.private_logs,
+                    "layer_paths_taken": trainer.layer_paths_taken},   # depend on the batches' shapes
+    }
+
+
+def save_model_folder(trainer) -> None:
+    """``save_pretrained`` of the model and the tokenizer (processing class) into the run folder's
+    public ``model/``, atomically."""
+    model, tok = trainer.model, trainer.processing_class
+
+    def write(path):
+        model.save_pretrained(path)
+        if tok is not None and hasattr(tok, "save_pretrained"):
+            tok.save_pretrained(path)
+    trainer.run_folder.save_directory("model", "public", "the trained model (and its tokenizer) as save_pretrained "
+                                      "writes it: load with from_pretrained(folder)", write)
+
+
+def write_run(trainer) -> dict:
+    """Every output of the run (see the module docstring); returns the report."""
+    from ...analysis.report import write_report
+    from ...training.loop import public_report
+
+    rf, engine = trainer.run_folder, trainer.engine
+    report = build_report(trainer)
+    save_model_folder(trainer)
+    budgets = trainer.budgets
+    rf.write_csv("epsilons.csv", ["index", "budget", "epsilon"],
+                 [np.arange(len(budgets)), budgets.epsilons, engine.get_individual_epsilons()], "private",
+                 "each training example (in train_dataset order): its budget and the epsilon it received")
+    header = ["step", "batch_size"] + [f"epsilon_rdp_budget_{v:g}" for v in engine.group_budgets]
+    cols = list(zip(*trainer.ledger_rows)) if trainer.ledger_rows else [[] for _ in header]
+    rf.write_csv("ledger.csv", header, cols, "private", "every step's real Poisson batch size and each group's "
+                 "epsilon (RDP bound at the order grid) after it")
+    rf.write_json("history.json", trainer.private_logs, "private", "logged values the guarantee does not cover: "
+                  "training losses on the private batches (before noise) and the like")
+    rf.write_json(SEED_FILE, {"seed": engine.seed, "secure_mode": engine.secure_mode}, "private",
+                  "the seed of the privacy randomness (Poisson sampling and noise): whoever knows it can remove the "
+                  "noise")
+    about = "the run's report: guarantee per group, test metrics, hyper-parameters"
+    rf.file("report.json", "public", about)
+    rf.file("report.html", "public", "the run's readable report")
+    report["files"] = {k: v["kind"] for k, v in rf.files().items()}
+    rf.write_json("report.json", public_report(report), "public", about)
+    write_report(rf)
+    return report

@@ -1,0 +1,387 @@
+"""``IndividualizedTrainer``: Hugging Face's ``transformers.Trainer`` with a privacy budget per example.
+
+Individualized DP-SGD (Boenisch et al. 2023, IDP-SGD *Sample* / *Scale*, Alg. 1–3) on the
+Trainer people fine-tune with; anchor: dp-transformers' ``OpacusDPTrainer`` (Microsoft), here on
+:class:`~idpsgd.engine.IndividualizedPrivacyEngine`, which owns everything private::
+
+    trainer = IndividualizedTrainer(
+        model=model, args=TrainingArguments(output_dir="runs/ft", save_strategy="no", ...),
+        train_dataset=train,                      # a datasets.Dataset with a column "epsilon"
+        eval_dataset=test, processing_class=tokenizer, data_collator=collator,
+        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale"))
+    trainer.train()      # logs epsilon per group; writes the run folder runs/ft
+
+What the Trainer's machinery becomes:
+
+* **data** — the Trainer's own sampler and ``accelerate`` loader are not used: the engine's Poisson
+  sampler draws every batch with the examples' own rates (a ``DataLoader`` over the training set,
+  with the Trainer's collator and worker options, wrapped by ``make_private``); an empty batch is a
+  noise-only step (the model never sees zero rows);
+* **optimizer** — the one ``TrainingArguments`` describes (``optim``, ``learning_rate``,
+  ``weight_decay``, ...), wrapped by the engine's clipping optimizer; the ``lr_scheduler_type``
+  schedule acts on its learning rate as usual;
+* **batch size** — ``per_device_train_batch_size × gradient_accumulation_steps`` is the *expected*
+  logical batch size B (mean sampling rate B/n); a Poisson batch is processed in physical batches
+  of at most ``per_device_train_batch_size`` examples (their clipped gradients accumulate) and one
+  optimizer step is taken per logical batch, so ``global_step`` counts DP-SGD steps;
+* **length** — ``num_train_epochs`` (fractions allowed) or ``max_steps``: the planned steps the
+  budgets are calibrated for; the privacy filter refuses any step beyond the budgets and the run
+  stops (``stopped_early``) if one would exceed them;
+* **clipping** — ``max_grad_norm`` is every example's clip norm (the reference c of Scale); the
+  Trainer's own clipping of the summed gradient and its ``grad_norm`` log (a norm of the un-noised
+  gradient) are switched off;
+* **loss** — the mean over the batch's examples of each example's own loss (:mod:`.losses`): for
+  language models ℓ_i is the mean over example i's tokens, not the Hugging Face mean over all the
+  batch's tokens, whose per-example gradients depend on the other examples' lengths;
+* **logs** — ``epsilon`` (the loosest group's ε) and ``epsilon_group_<budget>`` join every log;
+  values that are not covered by the guarantee (training loss, token counts, FLOPs of the real
+  batches) are kept out of the logs and go to the run folder's private part;
+* **seed** — ``TrainingArguments.seed`` seeds the model as usual; the privacy randomness has its own
+  seed (:class:`~.arguments.PrivacyArguments`), private;
+* **outputs** — ``output_dir`` is a :class:`~idpsgd.runfolder.RunFolder`: at the end of ``train()``
+  the public ``model/`` (``save_pretrained`` of the model and tokenizer), ``report.json`` and
+  ``report.html`` (guarantee per group, test metrics on ``eval_dataset``), and private/ (mode 0600:
+  per-example budgets and ε, the privacy seed, training losses, real batch sizes).
+
+``bf16=True`` runs the forward under bfloat16 autocast (accelerate's); the engine keeps
+per-example norms and clipped sums in float32 and the per-example loss is computed in float32.
+
+Refused, with the reason (:func:`~.arguments.check_training_arguments`): ``fp16`` (its GradScaler
+path through the physical batches), gradient checkpointing, compilation, intermediate checkpoints
+and resuming from them, multi-device training, ``auto_find_batch_size``, label smoothing, NEFTune,
+``model_init`` and ``compute_loss_func`` (give ``per_example_loss`` instead).
+
+Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
+et al. eq. 3), ε_p from the run's accountant.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import secrets
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from ...assignment import Budgets
+from ...engine import IndividualizedPrivacyEngine, steps_per_epoch_for
+from ...runfolder import RunFolder
+from ...validation import InvalidParameterError
+from .arguments import PrivacyArguments, check_training_arguments
+from .losses import PerExampleLoss
+
+#: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*)
+PUBLIC_LOG_KEYS = frozenset({"learning_rate", "epoch", "train_runtime", "train_samples_per_second",
+                             "train_steps_per_second"})
+
+
+def resolve_budgets(privacy: PrivacyArguments, dataset):
+    """(training set without the budget column, :class:`~idpsgd.assignment.Budgets`)."""
+    b = privacy.budgets
+    if isinstance(b, str):
+        columns = getattr(dataset, "column_names", None)
+        if columns is None:
+            raise InvalidParameterError("budgets", b, "a column name needs a datasets.Dataset; give an array of "
+                                        "per-example epsilons (or an idpsgd.Budgets) for other datasets")
+        if b not in columns:
+            raise InvalidParameterError("budgets", b, f"is not a column of train_dataset (columns: "
+                                        f"{', '.join(columns)})")
+        try:
+            values = np.asarray(dataset[b], dtype=float)
+        except (TypeError, ValueError):
+            raise InvalidParameterError("budgets", b, "the column must hold numbers (each example's epsilon)") from None
+        dataset = dataset.remove_columns([b])          # private: never a model input, never collated
+    else:
+        values = b
+    if isinstance(values, Budgets):
+        if privacy.delta is not None and float(privacy.delta) != values.delta:
+            raise InvalidParameterError("delta", privacy.delta, f"differs from budgets.delta={values.delta}")
+        budgets = values
+    else:
+        if privacy.delta is None:
+            raise InvalidParameterError("delta", None, "is required (the global delta of the budgets)")
+        arr = np.asarray(values, dtype=float)
+        if arr.ndim != 1:
+            raise InvalidParameterError("budgets", f"array of shape {arr.shape}", "must hold one epsilon per "
+                                        "training example")
+        budgets = Budgets.from_array(arr, privacy.delta)
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise InvalidParameterError("train_dataset", type(dataset).__name__, "must be a map-style dataset with a "
+                                    "length (Poisson sampling picks examples by index)") from None
+    if len(budgets) != n:
+        raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
+    return dataset, budgets
+
+
+def privacy_seed(privacy: PrivacyArguments) -> int | None:
+    """The engine's seed: the given one, or a fresh one from OS entropy (None in secure mode).
+
+    Never the engine's default of following torch's global RNG: the Trainer seeds that generator
+    with ``TrainingArguments.seed`` (public, 42 by default), so noise drawn from it could be
+    replayed by anyone."""
+    if privacy.secure_mode or privacy.seed is not None:
+        return privacy.seed
+    return secrets.randbits(63)
+
+
+def batch_size_of(inputs) -> int:
+    """Rows of a collated batch (the first dimension of its tensors)."""
+    for v in inputs.values():
+        if torch.is_tensor(v) and v.dim() >= 1:
+            return int(v.shape[0])
+    raise ValueError("the batch holds no tensor with a batch dimension")
+
+
+def physical_batches(inputs, n: int, size: int) -> list:
+    """The batch as consecutive parts of at most ``size`` rows (tensors with ``n`` rows are sliced)."""
+    if n <= size:
+        return [inputs]
+    return [{k: v[s:s + size] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n else v
+             for k, v in inputs.items()} for s in range(0, n, size)]
+
+
+def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
+    """``epsilon`` (the loosest group's ε, a bound for every example) and ``epsilon_group_<budget>``."""
+    eps = engine.get_epsilon()
+    out = {"epsilon": eps.loosest}
+    out.update({f"epsilon_group_{b:g}": float(e) for b, e in zip(engine.group_budgets, eps.per_group)})
+    return out
+
+
+class _PrivacyCallback(TrainerCallback):
+    """After every DP-SGD step: the private ledger row, and a stop before a step the filter refuses."""
+
+    def __init__(self, trainer: "IndividualizedTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        t.ledger_rows.append([state.global_step, t.last_batch_size, *t.engine.accountant.grid_epsilon()])
+        if state.global_step < state.max_steps and not t.engine.can_step():
+            t.stopped_early = True
+            control.should_training_stop = True
+        return control
+
+
+class IndividualizedTrainer(Trainer):
+    """``transformers.Trainer`` for individualized DP-SGD (see the module docstring for what each
+    Trainer option becomes).
+
+    Args:
+        model, args, train_dataset, eval_dataset, data_collator, processing_class, callbacks,
+            optimizers, ...: as for ``transformers.Trainer`` (``args.output_dir`` is the run folder).
+        privacy: the budgets and the engine's options (:class:`~.arguments.PrivacyArguments`).
+        per_example_loss: ``fn(outputs, labels) -> (B,)`` one loss per example; default: the model's
+            task's (:class:`~.losses.PerExampleLoss`).
+        dataset_name: the training data's name in the report (default: its class name).
+        data_source: a public description of the data for the report (files, columns).
+    """
+
+    def __init__(self, model=None, args=None, train_dataset=None, *, privacy: PrivacyArguments,
+                 per_example_loss=None, dataset_name: str | None = None, data_source: dict | None = None,
+                 **kwargs):
+        if not isinstance(privacy, PrivacyArguments):
+            raise InvalidParameterError("privacy", type(privacy).__name__, "must be a PrivacyArguments")
+        check_training_arguments(args)
+        for name in ("model_init", "compute_loss_func"):
+            if kwargs.get(name) is not None:
+                why = ("the model is wrapped for per-example gradients once" if name == "model_init" else
+                       "give per_example_loss=fn(outputs, labels) returning one loss per example")
+                raise InvalidParameterError(name, type(kwargs[name]).__name__, f"is not supported: {why}")
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidParameterError("model", type(model).__name__, "must be a transformers model (nn.Module)")
+        if train_dataset is None:
+            raise InvalidParameterError("train_dataset", None, "is required: the examples the budgets belong to")
+        if isinstance(train_dataset, torch.utils.data.IterableDataset):
+            raise InvalidParameterError("train_dataset", type(train_dataset).__name__, "must be map-style (Poisson "
+                                        "sampling picks examples by index)")
+        train_dataset, self.budgets = resolve_budgets(privacy, train_dataset)
+        self.privacy = privacy
+        self.physical_batch_size = int(args.per_device_train_batch_size)
+        self.expected_batch_size = int(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        if self.expected_batch_size > len(self.budgets):
+            raise InvalidParameterError("per_device_train_batch_size", args.per_device_train_batch_size,
+                                        f"times gradient_accumulation_steps ({self.expected_batch_size}) is the expected "
+                                        f"batch size and must be <= the {len(self.budgets)} training examples")
+        if per_example_loss is not None and not callable(per_example_loss):
+            raise InvalidParameterError("per_example_loss", type(per_example_loss).__name__, "must be a function "
+                                        "(outputs, labels) -> one loss per example")
+        self.per_example_loss = per_example_loss if per_example_loss is not None else PerExampleLoss.for_model(model)
+        self.label_name = (args.label_names or ["labels"])[0]
+        self.dataset_name = dataset_name or type(train_dataset).__name__
+        self.data_source = data_source
+        self.user_args = args
+        inner = copy.copy(args)        # the Trainer's loop sees one batch per step (the engine splits it)
+        inner.gradient_accumulation_steps = 1
+        self.engine = IndividualizedPrivacyEngine(accountant=privacy.accountant, secure_mode=privacy.secure_mode,
+                                                  seed=privacy_seed(privacy))
+        self.run_folder = RunFolder(args.output_dir, flag="output_dir", overwrite=privacy.overwrite)
+        try:
+            super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
+        except BaseException:
+            self.run_folder.discard_if_unused()
+            raise
+        self.add_callback(_PrivacyCallback(self))
+        self.dp_optimizer = None
+        self.planned_steps: int | None = None
+        self.stopped_early = False
+        self.last_batch_size = 0
+        self.ledger_rows: list[list] = []       # private: step, real batch size, ε per group
+        self.private_logs: list[dict] = []      # private: training losses and other uncovered values
+        self.layer_paths: dict = {}             # public: the static rule per layer
+        self.layer_paths_taken: dict = {}       # private: the paths taken (depend on the batches' shapes)
+        self.report: dict | None = None
+
+    # --- the private step ---------------------------------------------------------------------
+    def get_train_dataloader(self):
+        """The engine's private loader (Poisson batches of expected size B), set up with the
+        optimizer and the calibration on first use."""
+        if self.dp_optimizer is not None:
+            raise RuntimeError("an IndividualizedTrainer trains once (its budgets are spent by that run); "
+                               "create a new one for a new run")
+        import datasets
+
+        ds, collate = self.train_dataset, self.data_collator
+        if isinstance(ds, datasets.Dataset):
+            ds = self._remove_unused_columns(ds, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        a = self.args
+        extra = {"prefetch_factor": a.dataloader_prefetch_factor,
+                 "persistent_workers": a.dataloader_persistent_workers} if a.dataloader_num_workers > 0 else {}
+        loader = DataLoader(ds, batch_size=self.expected_batch_size, collate_fn=collate,
+                            num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory, **extra)
+        n = len(ds)
+        rate = self.expected_batch_size / n
+        planned = self.planned_steps_for(steps_per_epoch_for(rate))
+        self.create_optimizer()
+        self.model.train()                     # from_pretrained returns a model in eval mode
+        _, self.dp_optimizer, private = self.engine.make_private(
+            module=self.model, optimizer=self.optimizer, data_loader=loader, budgets=self.budgets,
+            method=self.privacy.method, steps=planned, max_grad_norm=a.max_grad_norm, sample_rate=rate,
+            grad_sample_mode=self.privacy.grad_sample_mode, loss_reduction="mean")
+        self.optimizer = self.dp_optimizer
+        self.planned_steps = planned
+        return private
+
+    def planned_steps_for(self, per_epoch: int) -> int:
+        """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
+        ``per_epoch`` steps (rounded up, as the Trainer counts them)."""
+        a = self.args
+        planned = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
+        if planned < 1:
+            raise InvalidParameterError("num_train_epochs", a.num_train_epochs, "plans no step")
+        return planned
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One logical batch: its physical parts' clipped gradients accumulate in the engine's
+        optimizer (the Trainer then takes the noisy step); an empty batch runs no forward pass."""
+        opt = self.dp_optimizer
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        n = batch_size_of(inputs)
+        self.last_batch_size = n
+        opt.zero_grad(set_to_none=True)
+        if n == 0:                              # the step is noise only (engine: no backward pass needed)
+            return torch.zeros((), device=self.args.device)
+        parts = physical_batches(inputs, n, self.physical_batch_size)
+        total = torch.zeros((), device=self.args.device)
+        for k, part in enumerate(parts):
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, part)
+            self.accelerator.backward(loss)
+            total = total + loss.detach() * batch_size_of(part)
+            if k < len(parts) - 1:              # clip and keep this part's gradients, no step yet
+                opt.signal_skip_step(do_skip=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return total / n
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Training: the mean over the examples of each example's own loss (:mod:`.losses`);
+        evaluation: the model's own loss (as the Trainer computes it)."""
+        if not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if self.label_name not in inputs:
+            raise ValueError(f"the training batch has no {self.label_name!r} (its keys: {', '.join(inputs)}); the "
+                             "per-example loss needs labels (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False) "
+                             "for a causal LM)")
+        inputs = dict(inputs)
+        labels = inputs.pop(self.label_name)
+        outputs = model(**inputs)
+        losses = self.per_example_loss(outputs, labels)
+        if not torch.is_tensor(losses) or losses.shape != (labels.shape[0],):
+            raise ValueError(f"per_example_loss must return one loss per example, shape ({labels.shape[0]},); got "
+                             f"{tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__}")
+        loss = losses.mean()
+        return (loss, outputs) if return_outputs else loss
+
+    def _clip_grad_norm(self, model):       # each example is clipped by the engine; no clipping of the sum
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):   # the un-noised gradient's norm is not logged
+        return None
+
+    # --- logs -------------------------------------------------------------------------------------
+    def log(self, logs: dict, start_time=None) -> None:
+        """ε per group joins the logs; values the guarantee does not cover go to the private log."""
+        public = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS or k.startswith(("eval_", "test_"))}
+        private = {k: v for k, v in logs.items() if k not in public}
+        if private:
+            self.private_logs.append({"step": self.state.global_step, **private})
+        if self.engine.accountant is not None:
+            public.update(epsilon_logs(self.engine))
+        super().log(public, start_time)
+
+    # --- the run --------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """Train with the budgets, then write the run folder (:meth:`save_run`); returns the Trainer's
+        ``TrainOutput`` (its ``training_loss`` is private: on the private batches, before noise)."""
+        if resume_from_checkpoint not in (None, False):
+            raise InvalidParameterError("resume_from_checkpoint", resume_from_checkpoint, "is not supported: Hugging "
+                                        "Face checkpoints do not hold the privacy engine's state")
+        if trial is not None:
+            raise InvalidParameterError("trial", type(trial).__name__, "hyper-parameter search spends the budgets "
+                                        "once per trial; it is not supported")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+                warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+                out = super().train(**kwargs)
+            self.save_run()
+        except BaseException:
+            self.run_folder.discard_if_unused()
+            raise
+        finally:
+            self._release_model()
+        return out
+
+    def _release_model(self) -> None:
+        """Detach the engine's per-example machinery: the model is a plain model again."""
+        module = self.engine.module
+        if module is not None:
+            if self.engine.accountant is not None and not self.layer_paths:
+                self.layer_paths, self.layer_paths_taken = self.engine.layer_paths, self.engine.layer_paths_taken
+            module.remove_hooks()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``save_pretrained`` of the model (and tokenizer) into ``output_dir``; by default into the run
+        folder's public ``model/``."""
+        if output_dir is not None:
+            return super().save_model(output_dir, _internal_call)
+        from .outputs import save_model_folder
+        save_model_folder(self)
+
+    def save_run(self) -> dict:
+        """Write the run folder: public model/, report.json, report.html; private/ per-example budgets
+        and ε, ledger, private logs, the privacy seed.  Returns the report (with its private part)."""
+        from .outputs import write_run
+        self.layer_paths, self.layer_paths_taken = self.engine.layer_paths, self.engine.layer_paths_taken
+        self.report = write_run(self)
+        return self.report
