@@ -316,7 +316,7 @@ class UntrackedToken(Tokens):
         return e + self.position_embeddings[:, :e.shape[1]]
 
 
-@pytest.mark.parametrize("make,shape,ids,source", [
+@pytest.mark.parametrize(("make", "shape", "ids", "source"), [
     (lambda: Untracked("setitem"), (T,), 11, "'pos'"), (lambda: Untracked("function"), (T,), 11, "'pos'"),
     (lambda: Untracked("partly"), (T,), 11, "'pos'"),
     (lambda: Classifier(UntrackedToken()), (4, 3), None, "'embeddings.cls_token'")],

@@ -234,7 +234,7 @@ def _per_example_grads(model, x, y):
     for i in range(len(x)):
         grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params,
                                     allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]))
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]))
     return torch.stack(rows)
 
 
@@ -290,5 +290,5 @@ def test_tied_parameters_under_batch_memory_manager_equal_one_batch():
                     optimizer.step()
         assert engine.steps == 3
         results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

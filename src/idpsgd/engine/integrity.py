@@ -336,8 +336,8 @@ class WriteGuard:
         self.tainted = (
             f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released, "
             "and a write made by the forward or backward pass depends on the batch: it would be released without "
-            "noise and outside the privacy accounting (a buffer the forward writes and a later step reads, persistent or "
-            "not, makes later examples' gradients depend on this batch beyond their clip norms). Remove the write "
+            "noise and outside the privacy accounting (a buffer the forward writes and a later step reads, persistent "
+            "or not, makes later examples' gradients depend on this batch beyond their clip norms). Remove the write "
             "(leave out Embedding(max_norm); update no parameter, buffer or extra state in forward: no running "
             "statistics of the data); writes between steps (load_state_dict, a projection after optimizer.step()) "
             "are allowed. This model "

@@ -61,7 +61,7 @@ class _PrivacyHooks:
         self.clipping = clipping
         self.guard: Callable[["_PrivacyHooks"], None] | None = None
         self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
-        self.refusal_hooks: list[Callable[["_PrivacyHooks"], None]] = []
+        self.refusal_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self._noised = False
         self._loss_scale = 1.0
 
