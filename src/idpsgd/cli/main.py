@@ -7,7 +7,6 @@ argument, the value and what is allowed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import warnings
@@ -94,27 +93,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def _shown_once(prefix: str):
-    """Show warnings whose message starts with ``prefix`` once while the block runs: the engine warns
-    "Secure RNG turned off" once per engine (as Opacus), and a command may train many models (the
-    demo's four runs, an audit's shadow models, PDP rounds, an experiment's repetitions).  Filters
-    (``-W``, a test runner's) still decide first whether a warning is shown at all."""
-    original, shown = warnings.showwarning, False
+class _OnceAfterSuccess:
+    """Warnings whose message starts with ``prefix``, shown once and only when the command succeeds.
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        nonlocal shown
-        if str(message).startswith(prefix):
-            if shown:
-                return
-            shown = True
-        original(message, category, filename, lineno, file, line)
+    The engine warns "Secure RNG turned off" once per engine (as Opacus), and a command may train many
+    models (the demo's four runs, an audit's shadow models, PDP rounds, an experiment's repetitions):
+    the command shows it once, on one line, after its result — and not at all when it ends with an
+    error (a bad input's error stays the one line on stderr).  Filters (``-W``, a test runner's) still
+    decide first whether a warning is shown at all."""
 
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = original
+    def __init__(self, prefix: str):
+        self.prefix, self.held = prefix, None
+
+    def __enter__(self):
+        self.original = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not str(message).startswith(self.prefix):
+                return self.original(message, category, filename, lineno, file, line)
+            if self.held is None:
+                self.held = (message, category, filename, lineno, file)
+        warnings.showwarning = show
+        return self
+
+    def __exit__(self, *exc):
+        warnings.showwarning = self.original
+        return False
+
+    def show(self) -> None:
+        if self.held is not None:
+            message, category, filename, lineno, file = self.held
+            self.original(message, category, filename, lineno, file, "")    # "" : no source line
 
 
 def main(argv=None) -> int:
@@ -128,8 +137,9 @@ def main(argv=None) -> int:
     from ..data import DatasetFileError
 
     _help, _add, run = COMMANDS[args.command]
+    held = _OnceAfterSuccess("Secure RNG turned off")
     try:
-        with _shown_once("Secure RNG turned off"):
+        with held:
             result = run(args)
     except InvalidParameterError as exc:
         shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
@@ -142,6 +152,7 @@ def main(argv=None) -> int:
     except (UnreachableTargetError, FileNotFoundError, CheckpointError) as exc:
         sys.stderr.write(f"idpsgd {args.command}: error: {_flagged_message(str(exc), args)}\n")
         return 2
+    held.show()
     if result is not None:
         if not getattr(args, "show_private", False):
             result = {k: v for k, v in result.items() if k != "private"}
