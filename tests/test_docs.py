@@ -240,6 +240,19 @@ def test_cli_reference_covers_every_command_and_flag():
     assert page.count(hooks.CLI_MARKER) == 1
 
 
+def test_refusals_table_is_generated_from_the_engine():
+    """docs/opacus.md's table of refused Opacus options is REFUSALS itself, one row per entry."""
+    from idpsgd.engine.opacus_compat import REFUSALS
+
+    hooks = _hooks()
+    rows = hooks.refusals_table().strip().splitlines()[2:]
+    assert len(rows) == len(REFUSALS)
+    for row, refusal in zip(rows, REFUSALS):
+        assert f"`{refusal.error.__name__}`" in row and refusal.reason in row
+    page = (ROOT / "docs" / hooks.OPACUS_PAGE).read_text()
+    assert page.count(hooks.REFUSALS_MARKER) == 1
+
+
 def test_rst_roles_become_code_spans():
     pytest.importorskip("griffe")
     spec = importlib.util.spec_from_file_location("griffe_rst_roles", ROOT / "tools" / "griffe_rst_roles.py")
