@@ -183,15 +183,17 @@ def test_documented_benchmarks_exist_and_every_benchmark_is_documented():
     assert named == registered, (sorted(named - registered), sorted(registered - named))  # each bench documented
 
 
-OTHER_TOOLS_FLAGS = {"--nproc-per-node"}  # torchrun's
+OTHER_TOOLS_FLAGS = {"--nproc-per-node", "--no-deps", "--target"}  # torchrun's; pip's (make test-opacus)
+SCRIPTS = ("examples/*.py", "bench/*.py", "tests/opacus_suite/run.py")  # scripts the docs tell users to run
 
 
 def test_every_documented_flag_exists():
-    """Every ``--flag`` in the docs' code belongs to the CLI, an example or a benchmark script."""
+    """Every ``--flag`` in the docs' code belongs to the CLI, an example, a benchmark script or the
+    Opacus-suite runner (or to torchrun / pip, named in ``OTHER_TOOLS_FLAGS``)."""
     from idpsgd.cli.main import build_parser
 
     known = _flags(build_parser()) | OTHER_TOOLS_FLAGS
-    for script in [*(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+    for script in (path for pattern in SCRIPTS for path in ROOT.glob(pattern)):
         known |= set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', script.read_text(encoding="utf-8")))
     unknown, seen = [], 0
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
