@@ -78,7 +78,7 @@ def main() -> None:
         print(f"epoch {epoch + 1}: test accuracy {accuracy(model, test_set):.3f}")
 
     eps = engine.get_epsilon()
-    for budget, spent in zip(eps.budgets, eps, strict=True):
+    for budget, spent in zip(eps.budgets, eps.per_group, strict=True):
         print(f"budget {budget:g}: epsilon spent {spent:.3f}")
     for rule, count in Counter(engine.layer_paths.values()).items():  # how each layer's norms are computed
         print(f"{count} layers: {rule}")
