@@ -249,7 +249,7 @@ def test_refusals_table_is_generated_from_the_engine():
     hooks = _hooks()
     rows = hooks.refusals_table().strip().splitlines()[2:]
     assert len(rows) == len(REFUSALS)
-    for row, refusal in zip(rows, REFUSALS):
+    for row, refusal in zip(rows, REFUSALS, strict=True):
         assert f"`{refusal.error.__name__}`" in row and refusal.reason in row
     page = (ROOT / "docs" / hooks.OPACUS_PAGE).read_text()
     assert page.count(hooks.REFUSALS_MARKER) == 1
