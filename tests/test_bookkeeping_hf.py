@@ -212,3 +212,34 @@ def test_bf16_autocast_norms_and_scale_step(name):
     assert engine.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
     eps = engine.get_epsilon()
     assert np.all(eps.per_group <= eps.budgets)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_shared_value_leaves_the_models_forward(name):
+    """The batch-independent values book-keeping tracks (SharedTensor) stay inside the forward: outputs,
+    hidden states, attentions and the key/value cache are plain tensors."""
+    from idpsgd.engine.bk_shared import SharedTensor
+
+    def tensors(obj, seen):
+        if isinstance(obj, torch.Tensor):
+            seen.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                tensors(item, seen)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                tensors(item, seen)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module):
+            tensors(vars(obj), seen)
+        return seen
+
+    model = _build(name)
+    BookKeeper.attach(model).active = True
+    kind = MODELS[name][1]
+    x, _ = _data(kind)
+    extra = {"pixel_values": x} if kind == "image" else {"input_ids": x}
+    if kind == "lm":
+        extra["use_cache"] = True
+    out = model(**extra, output_hidden_states=True, output_attentions=True)
+    found = tensors(out.to_tuple(), [])
+    assert len(found) > 3 and not any(isinstance(t, SharedTensor) for t in found)

@@ -1,6 +1,8 @@
 """Book-keeping with tied parameters (one parameter in several covered layers): per-example norms and
 clipped sums equal per-example autograd in float64, with each pairwise cross-term rule (ghost,
 ghost × per-sample, per-sample gradients formed), and one engine step equals Opacus's hooks mode."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -202,3 +204,91 @@ def test_engine_layer_paths_name_the_tie():
     x, y = _data((3,), classes=40, ids=10)
     _, module, _, _ = _private(model, x, y, "bk")
     assert "tied with" in module.layer_paths["emb"]
+
+
+# --- review attacks ------------------------------------------------------------------------------------------
+class TinyGPT(nn.Module):
+    """GPT-2's structure in small: token embedding tied with the head, a position embedding looked up with
+    ids of batch 1 (shared by the batch) and tied with a second head over the positions, padding_idx."""
+
+    def __init__(self, vocab=13, dim=6, length=5):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim, padding_idx=0)
+        self.wpe = nn.Embedding(length, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.mid = nn.Linear(dim, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.pos_head = nn.Linear(dim, length, bias=False)
+        self.pos_head.weight = self.wpe.weight
+
+    def forward(self, ids):
+        pid = torch.arange(ids.shape[1]).unsqueeze(0)
+        h = torch.tanh(self.mid(self.ln(self.wte(ids) + self.wpe(pid))))
+        return self.lm_head(h).mean(1)[:, :3] + self.pos_head(h).mean(1)[:, :3]
+
+
+def _per_example_grads(model, x, y):
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(len(x)):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params,
+                                    allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_clip_norms_half_clipped_tied_and_shared(seed):
+    """Per-example norms and the clipped sum equal per-example autograd in float64 with random clip norms,
+    a random half of the examples clipped, on a model with two ties, one of them on the shared path."""
+    model = _model(TinyGPT)
+    x, y = _data((5,), ids=13, seed=seed)
+    x[:, -1] = 0                                          # padding positions
+    grads = _per_example_grads(model, x, y)
+    norms = grads.norm(dim=1)
+    g = torch.Generator().manual_seed(seed)
+    clipped = torch.randperm(N, generator=g)[:N // 2]
+    ratio = torch.rand(N, generator=g, dtype=torch.float64) * 2.0 + 1.1       # not clipped: c_i > ‖g_i‖
+    ratio[clipped] = torch.rand(N // 2, generator=g, dtype=torch.float64) * 0.8 + 0.1
+    clips = ratio * norms
+    keeper = BookKeeper.attach(model)
+    keeper.active, keeper.loss_reduction = True, "sum"
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    bk_norms = keeper.norms()
+    torch.testing.assert_close(bk_norms, norms, rtol=1e-10, atol=1e-12)
+    factors = (clips / (bk_norms + 1e-6)).clamp(max=1.0)
+    assert int((factors < 1).sum()) == N // 2
+    sums = keeper.clipped_sum(factors)
+    flat = torch.cat([sums.get(p, torch.zeros_like(p)).reshape(-1) for p in model.parameters() if p.requires_grad])
+    torch.testing.assert_close(flat, (factors[:, None] * grads).sum(0), rtol=1e-10, atol=1e-12)
+    paths = keeper.paths
+    assert "tied with 'lm_head'" in paths["wte"] and "tied with 'pos_head'" in paths["wpe"]
+    keeper.clear()
+    nn.functional.cross_entropy(model(x[:0]), y[:0], reduction="sum").backward()        # an empty batch
+    assert keeper.norms().shape == (0,) and keeper.clipped_sum(torch.zeros(0, dtype=torch.float64)) == {}
+
+
+def test_tied_parameters_under_batch_memory_manager_equal_one_batch():
+    """Several physical batches per logical step: the tied table's clipped sums accumulate to the one-batch
+    step (same seed: same batches, same noise)."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    x, y = _data((5,), ids=13)
+    results = []
+    for physical in (None, 5):
+        model = _model(TinyGPT)
+        engine, module, optimizer, loader = _private(model, x, y, "bk", clips=np.linspace(0.05, 2.0, N),
+                                                     rates=np.full(N, 0.7), steps=3)
+        for _ in range(3):
+            batches = (BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer)
+                       if physical else contextlib.nullcontext(loader))
+            with batches as data:
+                for xb, yb in data:
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(module(xb), yb).backward()
+                    optimizer.step()
+        assert engine.steps == 3
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -1,9 +1,9 @@
 """The released model holds only what the noisy step wrote (issue 29, items 2, 5, 6).
 
-* un-noised writes to parameters or persistent buffers during a step's forward/backward pass, or
-  during a per-example norm pass, are refused in every grad_sample_mode — Embedding(max_norm) at
-  make_private and at the norm pass's entry, the others when they happen — and the step is not
-  taken (no noise drawn, nothing charged); non-persistent buffers and writes between steps are fine;
+* un-noised writes to parameters, buffers (persistent or not) or extra state during a step's
+  forward/backward pass, or during a per-example norm pass, are refused in every grad_sample_mode —
+  Embedding(max_norm) at make_private and at the norm pass's entry, the others when they happen —
+  and the step is not taken (no noise drawn, nothing charged); writes between steps are fine;
 * the public layer paths are a function of the model only (the paths taken depend on the batch's
   shapes and are private);
 * book-keeping leaves no trainable parameter with noise only (eval-mode fallback layers,
@@ -217,26 +217,143 @@ def test_a_write_only_in_eval_mode_is_refused_by_individual_accountings_norm_pas
         _private(model, "hooks", individual=True)                # its first norm pass at make_private
 
 
+class _PreviousBatch(_NoGradWrite):
+    """Keeps the previous batch's mean input in a non-persistent buffer and adds it to the next inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("prev", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        out = self.lin(x + self.prev)
+        self.prev = x.detach().mean(0)
+        return out
+
+
+def test_a_non_persistent_buffer_written_in_forward_couples_steps():
+    """Why non-persistent buffers are refused too: the next step's per-example gradient of an example
+    depends on the examples of the previous batch (its influence there is not bounded by its c_j)."""
+    grads = []
+    for shift in (0.0, 10.0):                    # two previous batches differing in one example
+        model = _model(_PreviousBatch)
+        x, _ = _data()
+        x[3] += shift
+        model(x)                                 # the previous step's forward
+        F.cross_entropy(model(_data(1)[0][:1]), torch.tensor([1])).backward()
+        grads.append(model.lin.weight.grad.clone())
+    assert not torch.allclose(*grads)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_non_persistent_buffers_and_writes_between_steps_are_allowed(mode):
-    for cls in (_Counter, _RunningMean):
-        model = _model(cls, False)                               # not in state_dict: not released
-        engine, *rest = _private(model, mode)
-        _train(engine, *rest, steps=2)
-        assert engine.steps == 2 and "count" not in model.state_dict() and "mean" not in model.state_dict()
-    model = _model(nn.Linear, 4, 2)
+def test_a_non_persistent_buffer_written_in_forward_is_refused(mode):
+    for cls, what in ((lambda: _Counter(False), r"non-persistent buffer 'count' .* written in place"),
+                      (lambda: _RunningMean(False), r"non-persistent buffer 'mean' .* replaced"),
+                      (_PreviousBatch, r"non-persistent buffer 'prev' .* replaced")):
+        engine, *rest = _private(_model(cls), mode)
+        with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
+            _train(engine, *rest)
+        assert engine.steps == 0
+    with pytest.raises(UnnoisedWriteError, match=r"non-persistent buffer 'prev'.*norm pass was stopped"):
+        per_example_grad_norms(_model(_PreviousBatch), [_data()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_between_steps_are_allowed(mode):
+    model = nn.Sequential(_model(nn.Linear, 4, 2))
+    model.register_buffer("unused", torch.zeros(3), persistent=False)     # buffers the forward leaves alone
     saved = copy.deepcopy(model.state_dict())
     engine, *rest = _private(model, mode)
 
     def between():                         # the user's writes after each step: a projection, a reload
         with torch.no_grad():
-            model.weight.clamp_(-0.3, 0.3)
-        model.bias.data.mul_(0.5)
+            model[0].weight.clamp_(-0.3, 0.3)
+        model[0].bias.data.mul_(0.5)
+        model.unused.add_(1)
         if engine.steps == 2:
             model.load_state_dict(saved)
     _train(engine, *rest, steps=3, between=between)
     assert engine.steps == 3
-    engine.load_checkpoint  # noqa: B018  (exists: engine.load_checkpoint writes between steps too)
+
+
+class _ExtraState(_NoGradWrite):
+    """Keeps a statistic of the batch in its extra state (state_dict's '_extra_state')."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0.0
+
+    def get_extra_state(self):
+        return {"largest": self.largest}
+
+    def set_extra_state(self, state):
+        self.largest = state["largest"]
+
+    def forward(self, x):
+        self.largest = max(self.largest, float(x.abs().max()))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_extra_state_changed_in_forward_is_refused(mode):
+    assert "_extra_state" in _model(_ExtraState).state_dict()           # released with model.pt
+    engine, *rest = _private(_model(_ExtraState), mode)
+    with pytest.raises(UnnoisedWriteError, match=r"extra state '_extra_state' \(module '\(root\)', _ExtraState\)"):
+        _train(engine, *rest)
+    with pytest.raises(UnnoisedWriteError, match="extra state '_extra_state'.*norm pass was stopped"):
+        per_example_grad_norms(_model(_ExtraState), [_data()])
+
+
+def test_extra_state_left_alone_trains():
+    class Constant(_ExtraState):
+        def forward(self, x):
+            return self.lin(x)
+
+    engine, *rest = _private(_model(Constant), "bk")
+    _train(engine, *rest, steps=2)
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_write_in_a_forward_pre_hook_registered_before_make_private_is_refused(mode):
+    """The snapshot is the first of the model's forward pre-hooks, not after the user's."""
+    def record(module, args):             # e.g. input statistics kept by a hook, in state_dict
+        module.seen.add_(args[0].detach().mean(0))
+
+    class Plain(_NoGradWrite):
+        def forward(self, x):                                           # no write in the forward itself
+            return self.lin(x)
+
+    model = _model(Plain)
+    model.register_buffer("seen", torch.zeros(4))
+    model.register_forward_pre_hook(record)
+    engine, *rest = _private(model, mode)
+    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'seen' \(module '\(root\)', Plain\) was "
+                                                 "written in place"):
+        _train(engine, *rest)
+
+
+class _SmallDataWrite(nn.Module):
+    """A tiny `.data` write to one entry of a large frozen float32 table (below the rounding of its norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(50_000, 64).requires_grad_(False)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.table.weight.data[7, 0] += 1e-3 * float(x[0, 0] > -10)
+        return self.lin(x)
+
+
+def test_a_small_data_write_to_a_large_float32_table_is_refused():
+    table = _model(_SmallDataWrite).table.weight.detach()
+    before = torch.linalg.vector_norm(table)
+    table[7, 0] += 1e-3
+    assert torch.equal(torch.linalg.vector_norm(table), before)        # a float32 norm does not see it
+    for mode in ("hooks", "bk"):
+        engine, *rest = _private(_model(_SmallDataWrite), mode)
+        with pytest.raises(UnnoisedWriteError, match=r"parameter 'table.weight'.*through .data"):
+            _train(engine, *rest)
 
 
 def test_the_engines_checkpoint_loads_between_steps(tmp_path):
@@ -408,3 +525,155 @@ def test_the_norm_pass_plans_a_layer_unfrozen_since_anew():
     again, _ = per_example_grad_norms(model, [(x, y)])
     np.testing.assert_allclose(again, _brute_force_norms(model, x, y), rtol=1e-10)
     assert BookKeeper.attach(model).rules == {"0": BY_SHAPES, "2": BY_SHAPES}
+
+
+# --- a trainable parameter outside the noisy optimizer -------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainable_parameter_left_out_of_the_optimizer_is_refused(mode):
+    """Its gradient stays in .grad un-noised after each step (hooks: the un-clipped sum; ghost: the clipped
+    sum without noise); a second optimizer applying it would write the released model between steps,
+    which the write check allows.  Refused at make_private; parameter groups and frozen layers are fine."""
+    def fresh():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+    model = fresh()
+    x, y = _data()
+    kwargs = {"data_loader": DataLoader(TensorDataset(x, y), batch_size=N), "budgets": np.full(N, 1e3),
+              "target_delta": 1e-5, "sample_rates": np.ones(N), "clip_norms": np.ones(N), "max_grad_norm": 1.0,
+              "grad_sample_mode": mode, "privacy_filter": None, "noise_multiplier": 1.0}
+    engine = IndividualizedPrivacyEngine(seed=0)
+    with pytest.raises(InvalidParameterError, match=r"leaves out the module's trainable parameter\(s\) '2.weight', "
+                                                    r"'2.bias'.*freeze them"):
+        engine.make_private_with_parameters(module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.5),
+                                            **kwargs)
+    model = fresh()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}]
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
+        groups, lr=0.5), **kwargs)
+    model = fresh()
+    model[2].requires_grad_(False)
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
+        model[0].parameters(), lr=0.5), **kwargs)
+
+
+# --- more review attacks (refused before; kept as regression tests) ----------------------------------------
+class _WriteInBackward(torch.autograd.Function):
+    """The identity, whose backward writes a buffer from the output gradient (i.e. from the batch)."""
+
+    @staticmethod
+    def forward(ctx, x, buf):
+        ctx.buf = buf
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.buf.add_(g.abs().sum())
+        return g, None
+
+
+class _BackwardWrite(_NoGradWrite):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        return _WriteInBackward.apply(self.lin(x), self.seen)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_write_in_the_backward_pass_is_refused(mode):
+    """Ghost mode runs two backward passes, bk one: the write is found before the noise in each."""
+    engine, *rest = _private(_model(_BackwardWrite), mode)
+    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'seen'.*The step was not taken"):
+        _train(engine, *rest)
+    assert engine.steps == 0
+
+
+def test_a_write_in_forward_is_refused_by_the_individual_filters_norm_pass():
+    for mode in ("hooks", "bk"):
+        with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'count'.*norm pass was stopped"):
+            _private(_model(_Counter), mode, privacy_filter="individual")
+
+
+def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
+    """With BatchMemoryManager (several forwards per logical step) the parameters are read for the value
+    fingerprint once at the first forward and once before the noise, not per physical batch."""
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    from idpsgd.engine import integrity
+
+    reads = []
+    original = integrity._fingerprint
+    monkeypatch.setattr(integrity, "_fingerprint", lambda tensors: reads.append(1) or original(tensors))
+    forwards = []
+    model = _model(nn.Linear, 4, 2)
+    model.register_forward_pre_hook(lambda m, args: forwards.append(1))
+    engine, module, optimizer, loss, loader = _private(model, "bk")
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory:
+        _train(engine, module, optimizer, loss, memory, steps=2)
+    assert engine.steps == 2 and len(forwards) >= 2 * 3 and len(reads) == 2 * 2
+
+
+def _unfreeze_refused_step(engine, module, optimizer, loss, loader, model, *, write=False):
+    """One step refused because a layer was unfrozen after make_private (in bk: by the book-keeper, before
+    the guard), then the layer frozen again."""
+    model[2].requires_grad_(True)
+    hook = model.register_forward_hook(lambda m, args, out: m.seen.add_(1.0) and None) if write else None
+    try:                                         # (the hook: a write in this step's forward)
+        with pytest.raises((RuntimeError, ValueError)) as refusal:
+            _train(engine, module, optimizer, loss, loader)
+    finally:
+        model[2].requires_grad_(False)
+        if hook is not None:
+            hook.remove()
+    return refusal.value
+
+
+def _frozen_head():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model[2].requires_grad_(False)
+    model.register_buffer("seen", torch.zeros(()))
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_writes_between_steps_after_a_refused_step_are_allowed(mode):
+    """Before, a step refused outside the guard left the previous snapshot in place: a projection after it
+    was taken for a write in the next step, and the model was marked for good."""
+    model = _frozen_head()
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)
+    _unfreeze_refused_step(engine, module, optimizer, loss, loader, model)
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.3, 0.3)
+    _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 2
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_write_in_a_step_refused_before_the_guard_is_still_found(mode):
+    model = _frozen_head()
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)
+    refusal = _unfreeze_refused_step(engine, module, optimizer, loss, loader, model, write=True)
+    assert isinstance(refusal, UnnoisedWriteError) and "persistent buffer 'seen'" in str(refusal)
+    with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
+        _train(engine, module, optimizer, loss, loader)
+    assert engine.steps == 1
+
+
+def test_writes_are_refused_in_expanded_weights_mode_and_its_norm_passes_run():
+    """grad_sample_mode="ew" (PyTorch's ExpandedWeights; a no_grad in-place write to a parameter fails in
+    PyTorch there).  Before, its norm passes (individual accounting, the individual filter) failed with
+    AttributeError: the wrapper has no hooks to disable."""
+    for cls, what in ((_DataWrite, "through .data"), (_Counter, "persistent buffer 'count'"),
+                      (_PreviousBatch, "non-persistent buffer 'prev'"), (_ExtraState, "extra state")):
+        engine, *rest = _private(_model(cls), "ew")
+        with pytest.raises(UnnoisedWriteError, match=what):
+            _train(engine, *rest)
+    for kwargs in ({"individual": True}, {"privacy_filter": "individual"}):
+        engine, *rest = _private(_model(nn.Sequential, nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), "ew", **kwargs)
+        _train(engine, *rest, steps=2)
+        assert engine.steps == 2 and engine.per_example_grad_norms()[0].shape == (N,)

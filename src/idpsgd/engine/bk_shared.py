@@ -28,32 +28,70 @@ the book-keeper tracks batch-independent values through the forward:
 
 A batch-independent value used otherwise — combined with the batch by any other operation, or
 with a tensor that requires a gradient but is not batch-first — is refused with an error naming the
-operation: book-keeping could not attribute its gradient to examples.  The step's batch size B is
+operation: book-keeping could not attribute its gradient to examples.  A use that
+``__torch_function__`` does not see (an assignment ``h[...] = v`` into a batch tensor, a custom
+``autograd.Function``) is refused in the backward pass: there the summed gradient autograd gives a
+source must equal the sum of its per-example gradients (:func:`check_complete`).  The step's batch size B is
 the leading dimension of the first tensor argument of the model's forward (batch-first inputs); a
 tensor is taken as part of the batch when, aligned with the operation's result, its leading
 dimension is B.  With B = 1 nothing is tracked (the one example's gradient is the summed one).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+_HALF = (torch.float16, torch.bfloat16)
 BK_HINT = ("give the input a batch dimension of the step's batch size (e.g. position_ids expanded to (B, T)), "
            "or use grad_sample_mode='hooks'")
 
 
 class Source:
-    """Collects the per-example gradients (B, *shape) of one batch-independent value."""
+    """Collects the per-example gradients (B, *shape) of one batch-independent value (and, for
+    :func:`check_complete`, their sum and the sum of their absolute values)."""
 
     def __init__(self, name: str, batch: int, sink=None):
         self.name, self.batch, self.sink = name, batch, sink
         self.grad = None
+        self.total = self.mass = None
 
     def add(self, g: torch.Tensor) -> None:
+        wide = g.float() if g.dtype in _HALF else g          # half precision: the sums in float32
+        total, mass = wide.sum(0), wide.abs().sum(0)
+        self.total = total if self.total is None else self.total + total
+        self.mass = mass if self.mass is None else self.mass + mass
         if self.sink is not None:
             self.sink(g)
         else:
             self.grad = g if self.grad is None else self.grad + g
+
+
+#: the relative discrepancy (to the per-example gradients' absolute sum) above which part of a summed
+#: gradient is taken to have bypassed the tracking (float rounding of the two sums is far below it; in
+#: half precision, 8 units of rounding of the gradient's type are added)
+INCOMPLETE = 1e-4
+
+
+def check_complete(source: Source, g: torch.Tensor) -> None:
+    """Refuse when autograd's summed gradient ``g`` of a batch-independent value is not the sum of the
+    per-example gradients its source collected where it met the batch: part of it came through an
+    operation ``__torch_function__`` does not see (``h[...] = v``, a custom ``autograd.Function``) and
+    would be left out of every example's gradient, silently."""
+    if g is None or not g.numel():
+        return
+    total = source.total.reshape(g.shape) if source.total is not None else torch.zeros_like(g)
+    mass = float(source.mass.max()) if source.mass is not None else 0.0
+    gap = float((g.to(total.dtype) - total).abs().max())
+    if not (math.isfinite(gap) and math.isfinite(mass)):   # an overflow (autocast): those examples are left out
+        return
+    if gap > (INCOMPLETE + 8 * torch.finfo(g.dtype).eps * (g.dtype in _HALF)) * mass + torch.finfo(g.dtype).tiny:
+        raise RuntimeError(
+            f"grad_sample_mode='bk': part of the gradient of a value shared by the batch (from {source.name!r}) "
+            "reached it through an operation book-keeping does not track (e.g. an assignment h[...] = value into a "
+            "batch tensor, or a custom autograd.Function): its per-example gradients would be incomplete; combine "
+            f"it with the batch by +, -, *, /, torch.where, matmul or torch.cat instead, or {BK_HINT}")
 
 
 def _describe(roots) -> str:
@@ -215,24 +253,29 @@ def _meeting_rank(func, args, kwargs, tensors):
 class _ParameterUse(torch.autograd.Function):
     """A parameter as used by its module's forward: the identity, whose backward gives autograd nothing
     for the parameter (its per-example gradients are collected instead).  With a batch of one
-    example the summed gradient is that example's and is collected here."""
+    example the summed gradient is that example's and is collected here; with more, the per-example
+    gradients collected where the parameter met the batch must add up to it (:func:`check_complete`)."""
 
     @staticmethod
-    def forward(ctx, param, source):
-        ctx.source = source
+    def forward(ctx, param, source, shared):
+        ctx.source, ctx.shared = source, shared
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.source is not None:
             ctx.source.add(g.unsqueeze(0))
-        return None, None
+        else:
+            check_complete(ctx.shared, g)
+        ctx.source = ctx.shared = None
+        return None, None, None
 
 
 def parameter_use(param: torch.Tensor, name: str, batch: int, sink) -> torch.Tensor:
     """The tensor a module's forward uses for ``param`` (a direct unit's, :mod:`.bookkeeping`): batch-independent
     (B ≠ 1) or, for a batch of one example, the parameter whose gradient is collected as it is."""
     if batch == 1:
-        return _ParameterUse.apply(param, Source(name, 1, sink))
-    plain = _ParameterUse.apply(param, None)
-    return SharedTensor.wrap(plain, ((plain, Source(name, batch, sink)),), batch)
+        return _ParameterUse.apply(param, Source(name, 1, sink), None)
+    source = Source(name, batch, sink)
+    plain = _ParameterUse.apply(param, None, source)
+    return SharedTensor.wrap(plain, ((plain, source),), batch)

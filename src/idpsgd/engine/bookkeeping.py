@@ -72,7 +72,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..validation import InvalidParameterError
 from .bk_layers import Rule, _acc, _add_into, rule_for
-from .bk_shared import BK_HINT, SharedTensor, Source, distribute, parameter_use
+from .bk_shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use
 from .bk_tied import cross_term
 
 GHOST, PER_SAMPLE, FALLBACK = "ghost norm", "per-sample gradient", "Opacus per-sample gradient (fallback)"
@@ -120,6 +120,7 @@ class _BookKeptOp(torch.autograd.Function):
         # where the output met the batch (bk_shared); the input is the same for every example
         ctx.shared = None
         batch, source = shared.source.batch, shared.source
+        check_complete(source, g)                # no part of g came through an operation the tracking missed
         gb = source.grad.reshape((batch,) + tuple(g.shape[1:])) if source.grad is not None else \
             g.new_zeros((batch,) + tuple(g.shape[1:]))
         saved_b = tuple(t.expand((batch,) + tuple(t.shape[1:])) if t.dim() and t.shape[0] == 1 else t for t in saved)
@@ -183,6 +184,13 @@ class _BookKeptForward:
                                f"requires a gradient while the step has {batch} examples: it is computed from the "
                                "batch (a reduction over examples couples their gradients) or from a parameter "
                                "outside the layers book-keeping tracks; per-example gradients are undefined there")
+        elif x.is_floating_point() or x.is_complex():
+            raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got a floating-point input of batch size "
+                               "1 while the step's batch has more examples; book-keeping shares an untracked input "
+                               "with the batch only for indices (an Embedding's position ids): a floating-point one may "
+                               "be a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
+                               "examples' gradients beyond their clip norms. If it is a constant, expand it to the "
+                               f"batch (x.expand(batch_size, ...)); {BK_HINT}")
         source = Source(layer.name, batch)
         out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
         shared = SharedTensor.wrap(out, ((out, source),), batch)

@@ -15,8 +15,9 @@ Refused, in every ``grad_sample_mode`` and in the norm passes:
 * **statically** (:func:`check_static_writes`, at ``make_private`` and at the entry of every norm
   pass): ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``max_norm`` — PyTorch renormalises the
   looked-up rows of the weight in place during the forward;
-* **dynamically** (:class:`WriteGuard`): any parameter (trainable or frozen) or persistent buffer of
-  the model that changes between the first call of the model after a step (or after
+* **dynamically** (:class:`WriteGuard`): any parameter (trainable or frozen), buffer (persistent or
+  not) or module extra state (``get_extra_state()``, released in ``state_dict`` as ``_extra_state``)
+  of the model that changes between the first call of the model after a step (or after
   ``make_private``) and the next step's noise — an in-place write under ``torch.no_grad()``, a
   running statistic updated in forward (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a
   write through ``.data`` — and any that changes during a norm pass.  The step is then not taken
@@ -24,28 +25,42 @@ Refused, in every ``grad_sample_mode`` and in the norm passes:
   its module), and the model is marked: it holds the write, so every later step or norm pass on it
   is refused too (train a fresh model without the write).
 
-Allowed: non-persistent buffers (not released: ``register_buffer(..., persistent=False)``), and
-writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, a projection after
-``optimizer.step()`` — which do not go through the model's forward on the batch: the snapshot is
-taken at the model's first call after each step, after such writes.  (A loop that never calls the
-model's root module — only its submodules — is compared against the state right after the step,
-without the value fingerprint: writes between steps are then refused too, and ``.data`` writes
-are not seen.)  BatchNorm stays refused by Opacus's validator.
+Non-persistent buffers are not released, but a forward that writes one from the batch and reads it
+in a later step (a running mean of the inputs used to normalise them) makes every later example's
+gradient a function of earlier examples: example j's influence on a later step is then bounded by
+the sum of that step's clip norms, not by c_j, and the accountant charges j only for the steps
+that sampled it (Abadi et al. 2016's analysis assumes each step depends on the data only through
+its own batch and the previous noisy model).  The guard cannot tell whether a written buffer is
+read later, so writes to any buffer are refused.
+
+Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, a projection
+after ``optimizer.step()`` — which do not go through the model's forward on the batch: the snapshot
+is taken at the model's first call after each step (before the model's own forward pre-hooks), after
+such writes.  (A loop that never calls the model's root module — only its submodules — is compared
+against the state right after the step, without the value fingerprint: writes between steps are
+then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by Opacus's
+validator.
 
 How (cheap, no copy of the parameters): per tensor, its version counter (``t._version``, bumped by
 every in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its
 identity (a rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its
-name set (a tensor registered during the forward); and a value fingerprint — each tensor's
-Euclidean norm, one fused read of the parameters (``torch._foreach_norm``) — for writes through
-``p.data``, which has its own version counter that ``p`` does not see.  The fingerprint misses a
-``.data`` write that keeps a tensor's norm exactly (a permutation or sign flip of its entries).
-Cost per logical step: two reads of the parameters and persistent buffers (at the first forward
-and before the noise; the optimizer's update alone reads and writes them several times), one
-device synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
+name set (a tensor registered during the forward); and a value fingerprint for writes through
+``p.data``, which has its own version counter that ``p`` does not see: the exact integer sum of each
+tensor's bit patterns (one read per tensor; integer addition, so it is exact and independent of the
+reduction order on every device).  Any change of one entry changes it, however small (a Euclidean
+norm in float32 misses a change below its rounding: 1e-3 in one entry of a 50,000 × 64 table); it
+misses only changes whose bit-pattern differences cancel exactly, e.g. a permutation of entries or
+the sign flips of one positive and one negative entry.  Extra state is compared by a digest of its
+serialisation (``torch.save``), for the modules that define ``get_extra_state``.
+Cost per logical step: two reads of the parameters and buffers (at the first forward and before
+the noise; the optimizer's update alone reads and writes them several times), one device
+synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +69,12 @@ from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeigh
 
 from ..validation import InvalidParameterError
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: integer type of the same width, to read a tensor's bit patterns (8-byte types as pairs of int32)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 
 
 class UnnoisedWriteError(RuntimeError):
-    """A parameter or persistent buffer of the released model changed outside the optimizer's noisy
+    """A parameter, buffer or extra state of the model changed outside the optimizer's noisy
     step (during a training step's forward/backward pass, or during a per-example norm pass)."""
 
 
@@ -77,8 +93,9 @@ def check_static_writes(module: nn.Module) -> None:
 
 
 def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """Name → (kind, tensor) of what ``module.state_dict()`` releases: every parameter (trainable or
-    frozen) and every persistent buffer."""
+    """Name → (kind, tensor) of the model's state that the forward must not write: every parameter
+    (trainable or frozen) and every buffer — persistent ones are released by ``state_dict()``,
+    non-persistent ones carry the batch into later steps (module docstring)."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
     for prefix, m in module.named_modules(remove_duplicate=True):
         dot = f"{prefix}." if prefix else ""
@@ -86,8 +103,29 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
             if p is not None:   # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
                 out[dot + n] = ("parameter", p.orig_weight if isinstance(p, ExpandedWeight) else p)
         for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                out[dot + n] = ("persistent buffer", b)
+            if b is not None:
+                out[dot + n] = ("non-persistent buffer" if n in m._non_persistent_buffers_set
+                                else "persistent buffer", b)
+    return out
+
+
+def _extra_states(module: nn.Module) -> dict[str, bytes]:
+    """Name → digest of ``get_extra_state()`` for the modules that define it (``state_dict`` releases
+    it as ``<module>._extra_state``)."""
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=True):
+        if type(m).get_extra_state is nn.Module.get_extra_state:
+            continue
+        name = f"{prefix}._extra_state" if prefix else "_extra_state"
+        buffer = io.BytesIO()
+        try:
+            torch.save(m.get_extra_state(), buffer)
+        except Exception as e:
+            raise InvalidParameterError(
+                "module", f"{prefix or '(root)'}: {type(m).__name__}.get_extra_state()",
+                f"cannot be serialised to check that the forward leaves it unchanged ({type(e).__name__}: {e}); "
+                "state_dict releases it") from e
+        out[name] = hashlib.sha256(buffer.getvalue()).digest()
     return out
 
 
@@ -95,27 +133,27 @@ def _fingerprintable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_meta and not t.is_quantized and t.numel() > 0
 
 
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """The exact sum of the tensor's bit patterns read as integers (int64, no overflow below 2³²
+    entries): changed by any change of one entry."""
+    t = t.detach()
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    bits = _BITS[flat.element_size()]
+    return (flat if flat.dtype == bits else flat.view(bits)).sum(dtype=torch.int64)
+
+
 def _fingerprint(tensors: list[torch.Tensor]) -> dict:
-    """(device, dtype) → (indices, the tensors' Euclidean norms): one fused read per group."""
+    """device → (indices, the tensors' bit-pattern sums): one read per tensor, compared exactly."""
     groups: dict = {}
     for i, t in enumerate(tensors):
         if _fingerprintable(t):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-    out = {}
+            groups.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        for (device, dtype), idx in groups.items():
-            ts = [tensors[i].detach() for i in idx]
-            if dtype.is_floating_point or dtype.is_complex:
-                norms = (torch._foreach_norm(ts, 2, dtype=torch.float32) if dtype in _LOW_PRECISION
-                         else torch._foreach_norm(ts))
-            else:                                # integer / bool buffers (counters): small, cast to float64
-                norms = [t.to(torch.float64).norm() for t in ts]
-            out[(device, dtype)] = (idx, torch.stack(list(norms)))
-    return out
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a == b) | (torch.isnan(a) & torch.isnan(b))
+        return {device: (idx, torch.stack([_bit_sum(tensors[i]) for i in idx])) for device, idx in groups.items()}
 
 
 @dataclass
@@ -128,6 +166,7 @@ class _Snapshot:
     versions: list
     pointers: list
     fingerprint: dict | None
+    extra: dict           # name -> digest of a module's extra state
 
     @classmethod
     def take(cls, module: nn.Module, fingerprint: bool) -> _Snapshot:
@@ -138,7 +177,7 @@ class _Snapshot:
                 tensors.append(t)
             names[name] = (kind, index[id(t)])
         return cls(names, tensors, [t._version for t in tensors], [_pointer(t) for t in tensors],
-                   _fingerprint(tensors) if fingerprint else None)
+                   _fingerprint(tensors) if fingerprint else None, _extra_states(module))
 
     def changes(self, module: nn.Module) -> list[str]:
         """What changed since the snapshot, one phrase per parameter or buffer (empty: nothing)."""
@@ -163,6 +202,9 @@ class _Snapshot:
             elif _pointer(t) != self.pointers[i]:
                 written.add(i)
                 out.append(f"{kind} {name!r}{_owner(module, name)} had its storage replaced (t.data = ...)")
+        extra = _extra_states(module)
+        out += [f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
+                for name in sorted(set(extra) | set(self.extra)) if extra.get(name) != self.extra.get(name)]
         if self.fingerprint is not None and not out:
             now_fp = _fingerprint(self.tensors)
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
@@ -170,7 +212,7 @@ class _Snapshot:
                 after = now_fp.get(key)
                 if after is None or after[0] != idx:
                     continue
-                same = _same_values(before, after[1])
+                same = before == after[1]
                 if bool(same.all()):
                     continue
                 for j in torch.nonzero(~same).flatten().tolist():
@@ -231,7 +273,8 @@ class WriteGuard:
         self._state: _Snapshot | None = None
         self._armed = False
         self._suspended = 0
-        self._handle = model.register_forward_pre_hook(_SnapshotHook(self))
+        # first of the model's forward pre-hooks: a user's hook that writes the model runs after the snapshot
+        self._handle = model.register_forward_pre_hook(_SnapshotHook(self), prepend=True)
 
     @classmethod
     def attach(cls, model: nn.Module) -> WriteGuard:
@@ -293,9 +336,11 @@ class WriteGuard:
         self.tainted = (
             f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released, "
             "and a write made by the forward or backward pass depends on the batch: it would be released without "
-            "noise and outside the privacy accounting. Remove the write (leave out Embedding(max_norm); update no "
-            "parameter in forward; register a running statistic with register_buffer(..., persistent=False)); "
-            "writes between steps (load_state_dict, a projection after optimizer.step()) are allowed. This model "
+            "noise and outside the privacy accounting (a buffer the forward writes and a later step reads, persistent "
+            "or not, makes later examples' gradients depend on this batch beyond their clip norms). Remove the write "
+            "(leave out Embedding(max_norm); update no parameter, buffer or extra state in forward: no running "
+            "statistics of the data); writes between steps (load_state_dict, a projection after optimizer.step()) "
+            "are allowed. This model "
             "now holds the write and must not be released: further steps and norm passes on it are refused; "
             "train a fresh model")
         raise UnnoisedWriteError(f"{self.tainted}. {outcome}")

@@ -56,6 +56,8 @@ def _norm_pass(model: torch.nn.Module):
     from .wrap import raw_module
 
     outer = model if isinstance(model, AbstractGradSampleModule) else None
+    if not hasattr(outer, "disable_hooks"):     # grad_sample_mode="ew": no hooks (its forward is not called here)
+        outer = None
     raw = raw_module(model)
     check_static_writes(raw)
     guard = WriteGuard.attach(raw)

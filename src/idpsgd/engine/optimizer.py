@@ -16,7 +16,8 @@ min(1, c / (‖g_i‖ + 1e-6)) (:class:`~idpsgd.engine.clipping.PerExampleClippi
   filter, which raises to refuse a step that would exceed a budget (nothing is released then);
 * ``step_hook`` (Opacus's accounting hook) runs after the noisy gradient is formed: the engine's
   accountant charges the step; ``post_step_hooks`` run after the parameter update (θ_{t+1}: the
-  individual accountant refreshes norms there).
+  individual accountant refreshes norms there); ``refusal_hooks`` run when ``step()`` raises (a
+  refused step, wherever it was refused), before the error propagates.
 
 Mixed precision: per-example norms and clipped sums are accumulated in float32; an example whose
 gradient overflowed (inf/nan) gets clip factor 0 (it contributes nothing; the step is taken and
@@ -60,6 +61,7 @@ class _PrivacyHooks:
         self.clipping = clipping
         self.guard: Callable[["_PrivacyHooks"], None] | None = None
         self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
+        self.refusal_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self._noised = False
         self._loss_scale = 1.0
 
@@ -134,9 +136,14 @@ class _PrivacyHooks:
                 "autocast without a GradScaler")
 
     def step(self, closure=None):
-        self._loss_scale = self.loss_scale()
         try:
+            self._loss_scale = self.loss_scale()
             out = super().step(closure)
+        except BaseException:
+            self._noised = False
+            for hook in self.refusal_hooks:
+                hook(self)
+            raise
         finally:
             self._loss_scale = 1.0
         if self._noised:

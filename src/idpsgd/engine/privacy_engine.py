@@ -562,6 +562,7 @@ class IndividualizedPrivacyEngine:
         self._writes, self._trainable = WriteGuard.attach(raw), trainable_names(raw)
         self._writes.arm()
         dp_opt.post_step_hooks.append(lambda _opt: self._writes.arm())
+        dp_opt.refusal_hooks.append(self._after_refusal)
         dp_opt.guard = self._guard
         if grad_sample_mode == "bk":
             dp_opt.keeper = wrapped.keeper      # book-keeping: the clipped sum comes from the model's keeper
@@ -606,11 +607,16 @@ class IndividualizedPrivacyEngine:
         parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
         self._writes.check()
         check_no_new_trainable(raw_module(self.module), self._trainable, self.parameters["grad_sample_mode"])
-        try:
-            self._admit(_optimizer)
-        except BaseException:          # a refused step: the next call of the model starts the next one
+        self._admit(_optimizer)
+
+    def _after_refusal(self, _optimizer) -> None:
+        """A step refused anywhere in ``optimizer.step()`` (the guard, the book-keeper, Opacus): its
+        forward/backward pass is checked for writes (it may have been refused before the guard
+        compared), then the next call of the model starts the next step — so writes between steps
+        after a refused step are not taken for writes in it."""
+        if self._writes.tainted is None:
+            self._writes.check()
             self._writes.arm()
-            raise
 
     def _admit(self, _optimizer) -> None:
         if self.filter is not None:
@@ -708,6 +714,19 @@ class IndividualizedPrivacyEngine:
                                         f"{OPACUS_PARAMETER_MISMATCH}: {foreign} of its parameter(s) are not the "
                                         "module's; build it over module.parameters() (after get_compatible_module / "
                                         "ModuleValidator.fix, which copy the module)")
+        # a trainable parameter outside the noisy optimizer keeps an un-noised gradient in .grad after each
+        # step (the un-clipped sum in hooks/functorch mode, the clipped sum without noise in ghost mode);
+        # another optimizer that applies it writes the released model between steps, unseen (.integrity)
+        mine = {id(p) for p in params}
+        left = [n for n, p in raw_module(module).named_parameters() if p.requires_grad and id(p) not in mine]
+        if left:
+            shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            raise InvalidParameterError(
+                "optimizer", type(optimizer).__name__,
+                f"leaves out the module's trainable parameter(s) {shown}: their gradients would be formed without "
+                "noise, and an update that applies them (a second optimizer) would write the released model "
+                "outside the privacy accounting; build the optimizer over every trainable parameter (parameter "
+                "groups for other learning rates) or freeze them (requires_grad_(False))")
 
     # --- Opacus's module checks -------------------------------------------------------------
     @classmethod
