@@ -183,15 +183,17 @@ def test_documented_benchmarks_exist_and_every_benchmark_is_documented():
     assert named == registered, (sorted(named - registered), sorted(registered - named))  # each bench documented
 
 
-OTHER_TOOLS_FLAGS = {"--nproc-per-node"}  # torchrun's
+OTHER_TOOLS_FLAGS = {"--nproc-per-node", "--no-deps", "--target"}  # torchrun's; pip's (make test-opacus)
+SCRIPTS = ("examples/*.py", "bench/*.py", "tests/opacus_suite/run.py")  # scripts the docs tell users to run
 
 
 def test_every_documented_flag_exists():
-    """Every ``--flag`` in the docs' code belongs to the CLI, an example or a benchmark script."""
+    """Every ``--flag`` in the docs' code belongs to the CLI, an example, a benchmark script or the
+    Opacus-suite runner (or to torchrun / pip, named in ``OTHER_TOOLS_FLAGS``)."""
     from idpsgd.cli.main import build_parser
 
     known = _flags(build_parser()) | OTHER_TOOLS_FLAGS
-    for script in [*(ROOT / "examples").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+    for script in (path for pattern in SCRIPTS for path in ROOT.glob(pattern)):
         known |= set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', script.read_text(encoding="utf-8")))
     unknown, seen = [], 0
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
@@ -238,6 +240,19 @@ def test_cli_reference_covers_every_command_and_flag():
     assert seen >= 15  # the commands and the reproduce experiments
     page = (ROOT / "docs" / hooks.CLI_PAGE).read_text()
     assert page.count(hooks.CLI_MARKER) == 1
+
+
+def test_refusals_table_is_generated_from_the_engine():
+    """docs/opacus.md's table of refused Opacus options is REFUSALS itself, one row per entry."""
+    from idpsgd.engine.opacus_compat import REFUSALS
+
+    hooks = _hooks()
+    rows = hooks.refusals_table().strip().splitlines()[2:]
+    assert len(rows) == len(REFUSALS)
+    for row, refusal in zip(rows, REFUSALS, strict=True):
+        assert f"`{refusal.error.__name__}`" in row and refusal.reason in row
+    page = (ROOT / "docs" / hooks.OPACUS_PAGE).read_text()
+    assert page.count(hooks.REFUSALS_MARKER) == 1
 
 
 def test_rst_roles_become_code_spans():

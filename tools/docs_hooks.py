@@ -4,6 +4,9 @@
   (:func:`idpsgd.cli.main.build_parser`, every command and sub-command), so it cannot drift from
   the code: the page holds a ``<!-- cli-reference -->`` marker that :func:`on_page_markdown`
   replaces with each parser's ``--help`` text.
+* The table of refused Opacus options (``docs/opacus.md``) is generated from
+  :data:`idpsgd.engine.opacus_compat.REFUSALS`, the table the engine builds its refusal messages from:
+  the page's ``<!-- opacus-refusals -->`` marker is replaced by it.
 * The figures under ``bench/results/*.png`` are served as ``bench-results/NAME.png`` without a
   copy in ``docs/`` (:func:`on_files`).
 """
@@ -12,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_PAGE = "cli.md"
 CLI_MARKER = "<!-- cli-reference -->"
 HELP_WIDTH = 100  # columns of the rendered --help text (argparse reads $COLUMNS)
+OPACUS_PAGE = "opacus.md"
+REFUSALS_MARKER = "<!-- opacus-refusals -->"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
@@ -62,12 +68,33 @@ def cli_reference(parser: argparse.ArgumentParser | None = None, level: int = 2)
     return "\n".join(parts)
 
 
+def _option_cell(option: str) -> str:
+    """An option as code where it is code: ``a=1 / b=2`` whole, else each ``name=value`` token."""
+    tokens = option.split()
+    if all(t == "/" or "=" in t or t.startswith('"') for t in tokens):
+        return " / ".join(f"`{part.strip()}`" for part in option.split(" / "))
+    return " ".join(f"`{t}`" if re.fullmatch(r"\w+=\S*", t) else t for t in tokens)
+
+
+def refusals_table() -> str:
+    """Markdown: every entry of :data:`idpsgd.engine.opacus_compat.REFUSALS` (option, error, reason)."""
+    from idpsgd.engine.opacus_compat import REFUSALS
+
+    rows = ["| Opacus option | raises | why |", "| --- | --- | --- |"]
+    for r in REFUSALS:
+        reason = r.reason.replace("|", "\\|")
+        rows.append(f"| {_option_cell(r.option)} | `{r.error.__name__}` | {reason} |")
+    return "\n".join(rows) + "\n"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    if page.file.src_uri != CLI_PAGE:
-        return markdown
-    if markdown.count(CLI_MARKER) != 1:
-        raise ValueError(f"docs/{CLI_PAGE} must hold the marker {CLI_MARKER} exactly once")
-    return markdown.replace(CLI_MARKER, cli_reference())
+    for name, marker, render in ((CLI_PAGE, CLI_MARKER, cli_reference), (OPACUS_PAGE, REFUSALS_MARKER, refusals_table)):
+        if page.file.src_uri != name:
+            continue
+        if markdown.count(marker) != 1:
+            raise ValueError(f"docs/{name} must hold the marker {marker} exactly once")
+        markdown = markdown.replace(marker, render())
+    return markdown
 
 
 def on_files(files, config):

@@ -44,11 +44,11 @@ import torch
 #: Relative float tolerance of the comparisons: the same norm computed by the training step and by
 #: the norm pass (other batch composition, ghost norms vs per-sample gradients, float32) differs by
 #: far less: measured ≤ 5e-7 relative in every grad_sample_mode on MLPs, a CNN and a token-sequence
-#: model, 3.5e-6 on the README's model with label smoothing and momentum (docs-notes/i29-labels.md).
+#: model, 3.5e-6 on the Quick start's model with label smoothing and momentum (docs/individual-accounting.md).
 RTOL = 1e-4
 #: Absolute tolerance, as a fraction of the largest clip norm: float32 gradients of a nearly
 #: saturated loss (p ≈ target) lose ~1e-7 absolute per logit, so small norms carry an absolute
-#: error of order 1e-7..1e-6 · c (measured: 2.8e-7 at c = 1 on the README's model).
+#: error of order 1e-7..1e-6 · c (measured: 2.8e-7 at c = 1 on the Quick start's model).
 ATOL = 1e-5
 
 

@@ -173,8 +173,9 @@ class IndividualizedTrainer(Trainer):
     Trainer option becomes).
 
     Args:
-        model, args, train_dataset, eval_dataset, data_collator, processing_class, callbacks,
-            optimizers, ...: as for ``transformers.Trainer`` (``args.output_dir`` is the run folder).
+        model, args, train_dataset, **kwargs: as for ``transformers.Trainer`` (``eval_dataset``,
+            ``data_collator``, ``processing_class``, ``callbacks``, ``optimizers``, ...;
+            ``args.output_dir`` is the run folder).
         privacy: the budgets and the engine's options (:class:`~.arguments.PrivacyArguments`).
         per_example_loss: ``fn(outputs, labels) -> (B,)`` one loss per example; default: the model's
             task's (:class:`~.losses.PerExampleLoss`).
