@@ -1,4 +1,5 @@
 """Accounting benchmarks: vectorized RDP, individual accounting, ε tightness, per-example PLD."""
+
 from __future__ import annotations
 
 import time
@@ -30,9 +31,14 @@ def bench_rdp():
     opacus_seconds = time.perf_counter() - t
     ours_per_pair, theirs_per_pair = seconds / n, opacus_seconds / m
     return {
-        "pairs": n, "orders": int(DEFAULT_ORDERS.size), "seconds": seconds, "target_seconds": 1.0,
-        "opacus_pairs": m, "opacus_seconds": opacus_seconds,
-        "per_pair_us": ours_per_pair * 1e6, "opacus_per_pair_us": theirs_per_pair * 1e6,
+        "pairs": n,
+        "orders": int(DEFAULT_ORDERS.size),
+        "seconds": seconds,
+        "target_seconds": 1.0,
+        "opacus_pairs": m,
+        "opacus_seconds": opacus_seconds,
+        "per_pair_us": ours_per_pair * 1e6,
+        "opacus_per_pair_us": theirs_per_pair * 1e6,
         "speedup_per_pair": theirs_per_pair / ours_per_pair,
         "note": "Opacus's fractional series can under-estimate (see tests); ours is exact.",
     }
@@ -51,12 +57,13 @@ def bench_individual_accounting():
     steps = np.full(epochs, int(round(1 / q)))
     out = {"examples": n, "epochs": epochs, "sample_rate": q, "noise_multiplier": 3.0, "target_seconds": 5.0}
     for rounding in ("exact", "nearest"):
-        seconds, (eps, worst) = _timed(lambda: account_from_norms(norms, steps, q, 3.0, 1.0, 1e-5, rounding), repeat=2)
+        seconds, (eps, worst) = _timed(
+            lambda rounding=rounding: account_from_norms(norms, steps, q, 3.0, 1.0, 1e-5, rounding), repeat=2
+        )
         out[f"{rounding}_seconds"] = seconds
         out[f"{rounding}_mean_epsilon"] = float(eps.mean())
     out["worst_case_epsilon"] = float(worst.max())
     return out
-
 
 
 @bench
@@ -68,7 +75,7 @@ def bench_epsilon_tightness():
 
     from dp_accounting.rdp import rdp_privacy_accountant as dpa
 
-    from idpsgd.accounting import epsilon_sgm, pld_epsilon, rdp_epsilon, SampledGaussianEvent
+    from idpsgd.accounting import SampledGaussianEvent, epsilon_sgm, pld_epsilon, rdp_epsilon
 
     rng = np.random.default_rng(0)
     n, delta = 200, 1e-5
@@ -100,8 +107,11 @@ def bench_epsilon_tightness():
     ratio = ours / ref
     typical = (q * steps >= 1) & (pld >= 0.05)
     return {
-        "cases": n, "delta": delta, "target_max_ratio_to_dense_integer_rdp": 1.001,
-        "max_ratio_to_dense_integer_rdp": float(ratio.max()), "mean_ratio_to_dense_integer_rdp": float(ratio.mean()),
+        "cases": n,
+        "delta": delta,
+        "target_max_ratio_to_dense_integer_rdp": 1.001,
+        "max_ratio_to_dense_integer_rdp": float(ratio.max()),
+        "mean_ratio_to_dense_integer_rdp": float(ratio.mean()),
         "min_ratio_to_dense_integer_rdp": float(ratio.min()),
         "max_ratio_fixed_grid_to_dense_integer_rdp": float((grid / ref).max()),
         "mean_reduction_vs_fixed_grid": float(np.mean(1 - ours / grid)),
@@ -112,8 +122,9 @@ def bench_epsilon_tightness():
         "typical_min_ratio_to_pld": float(np.min(ours[typical] / pld[typical])),
         "typical_max_ratio_to_pld": float(np.max(ours[typical] / pld[typical])),
         "pld_note": "PLD (dp_accounting, discretization 1e-3) is far below RDP when q*T << 1 and above it "
-                    "for eps < ~0.05 (its grid resolution); 'typical' = q*T >= 1 and PLD eps >= 0.05",
-        "seconds_ours_200": ours_seconds, "seconds_dp_accounting_dense_200": ref_seconds,
+        "for eps < ~0.05 (its grid resolution); 'typical' = q*T >= 1 and PLD eps >= 0.05",
+        "seconds_ours_200": ours_seconds,
+        "seconds_dp_accounting_dense_200": ref_seconds,
         "seconds_pld_200": pld_seconds,
         "note": "dense integer grid = dp_accounting's RDP at every integer 2-256, within +-30% of our order, 512, 1024",
     }
@@ -151,17 +162,28 @@ def bench_individual_pld():
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     used_levels = int(np.count_nonzero(acc.level_counts.any(axis=0)))
     return {
-        "examples": n, "epochs": epochs, "steps": acc.steps, "levels": used_levels, "sample_rate": q,
-        "noise_multiplier": sigma, "delta": delta, "pld_discretization": 2e-3,
-        "pld_seconds": pld_seconds, "pld_cpu_seconds": pld_cpu, "target_seconds": 60.0,
+        "examples": n,
+        "epochs": epochs,
+        "steps": acc.steps,
+        "levels": used_levels,
+        "sample_rate": q,
+        "noise_multiplier": sigma,
+        "delta": delta,
+        "pld_discretization": 2e-3,
+        "pld_seconds": pld_seconds,
+        "pld_cpu_seconds": pld_cpu,
+        "target_seconds": 60.0,
         "load_average_at_start": load,
-        "process_max_rss_gb_before_pld": rss_before, "process_max_rss_gb": rss_after,
+        "process_max_rss_gb_before_pld": rss_before,
+        "process_max_rss_gb": rss_after,
         "target_memory_gb": 4.0,
         "rdp_accounting_seconds": rdp_seconds,
-        "mean_epsilon_rdp_grid": float(rdp_grid.mean()), "mean_epsilon_rdp": float(rdp.mean()),
+        "mean_epsilon_rdp_grid": float(rdp_grid.mean()),
+        "mean_epsilon_rdp": float(rdp.mean()),
         "mean_epsilon_pld": float(pld.mean()),
         "mean_reduction_pld_vs_rdp": float(np.mean(1 - pld / rdp)),
-        "max_epsilon_rdp": float(rdp.max()), "max_epsilon_pld": float(pld.max()),
+        "max_epsilon_rdp": float(rdp.max()),
+        "max_epsilon_pld": float(pld.max()),
         "share_pld_below_rdp": float(np.mean(pld <= rdp)),
         "mean_reduction_chord_vs_grid": float(np.mean(1 - rdp / rdp_grid)),
     }

@@ -5,6 +5,7 @@ README's power recipe (``RECIPE``: 40 epochs, lr 0.1; otherwise the `idpsgd trai
 clip 1, RDP), seed 0: the README's measured audit.  The results record the epochs, learning rate
 and clip norm the audit actually ran (from its own result), so the claim cannot drift from the run.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 from common import bench
 
 BUDGETS = ([1.0, 32.0], [0.5, 0.5])
-RECIPE = {"epochs": 40, "lr": 0.1}      # README, "Audit": the power recipe
+RECIPE = {"epochs": 40, "lr": 0.1}  # README, "Audit": the power recipe
 
 
 def _groups(result):
@@ -25,14 +26,24 @@ def _groups(result):
         if "attacks" in g:
             for name, a in g["attacks"].items():
                 b = a.get("epsilon_lower_bound")
-                row[name] = {"auc": a["auc"], "auc_leave_one_out": a.get("auc_leave_one_out"),
-                             "tpr_at_fpr": {f"{t['fpr']:g}": [t["tpr"], t["true_positives"], t["false_positives"]]
-                                            for t in a.get("tpr_at_fpr", [])},
-                             "epsilon_lower_bound": b["lower"] if b else None,
-                             "one_run_bound": a["one_run_bound"]["epsilon"] if a.get("one_run_bound") else None}
+                row[name] = {
+                    "auc": a["auc"],
+                    "auc_leave_one_out": a.get("auc_leave_one_out"),
+                    "tpr_at_fpr": {
+                        f"{t['fpr']:g}": [t["tpr"], t["true_positives"], t["false_positives"]]
+                        for t in a.get("tpr_at_fpr", [])
+                    },
+                    "epsilon_lower_bound": b["lower"] if b else None,
+                    "one_run_bound": a["one_run_bound"]["epsilon"] if a.get("one_run_bound") else None,
+                }
         else:
-            row.update(auc=g["auc"], epsilon_lower_bound=g["one_run"]["epsilon"], ceiling=g["one_run"]["ceiling"],
-                       guesses=g["one_run"]["guesses"], correct=g["one_run"]["correct"])
+            row.update(
+                auc=g["auc"],
+                epsilon_lower_bound=g["one_run"]["epsilon"],
+                ceiling=g["one_run"]["ceiling"],
+                guesses=g["one_run"]["guesses"],
+                correct=g["one_run"]["correct"],
+            )
         rows.append(row)
     return rows
 
@@ -47,8 +58,9 @@ def _audit(options, method="sample"):
     budgets = Budgets.from_groups(*BUDGETS, len(data.y_train), 1e-5, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         t, cpu = time.perf_counter(), time.process_time()
-        r = run_audit(data, budgets, TrainConfig(method=method, seed=0, progress=False, **RECIPE), Path(tmp) / "audit",
-                      options)
+        r = run_audit(
+            data, budgets, TrainConfig(method=method, seed=0, progress=False, **RECIPE), Path(tmp) / "audit", options
+        )
         seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     r["cpu_seconds"] = cpu
     return seconds, r
@@ -56,14 +68,22 @@ def _audit(options, method="sample"):
 
 def _setting(r):
     """What the audit ran (from its own result) and the one plan of its models."""
-    return {"epochs": r["epochs"], "lr": r["lr"], "clip_norm": r["clip_norm"], "batch_size": r["batch_size"],
-            "plan_steps": r["plan"]["steps"], "plan_noise_multiplier": r["plan"]["noise_multiplier"],
-            "cpu_seconds": r["cpu_seconds"], "load_average": list(os.getloadavg())}
+    return {
+        "epochs": r["epochs"],
+        "lr": r["lr"],
+        "clip_norm": r["clip_norm"],
+        "batch_size": r["batch_size"],
+        "plan_steps": r["plan"]["steps"],
+        "plan_noise_multiplier": r["plan"]["noise_multiplier"],
+        "cpu_seconds": r["cpu_seconds"],
+        "load_average": list(os.getloadavg()),
+    }
 
 
 def _tests(result):
-    return [{k: t[k] for k in ("groups", "population", "student_t", "student_p", "mann_whitney_p")}
-            for t in result["tests"]]
+    return [
+        {k: t[k] for k in ("groups", "population", "student_t", "student_p", "mann_whitney_p")} for t in result["tests"]
+    ]
 
 
 @bench
@@ -74,12 +94,24 @@ def bench_audit_lira():
     from idpsgd.audit import AuditOptions
 
     seconds, r = _audit(AuditOptions(attack="lira", shadow_models=16))
-    return {"dataset": "digits", "method": "sample", "budgets": "1,32 at 50/50 %", "shadow_models": 16,
-            **_setting(r), "models_trained": 17, "seconds": seconds, "seconds_per_model": seconds / 17,
-            "target_test_accuracy": r["target"]["test_accuracy"], "audit_passed": r["audit_passed"],
-            "groups": _groups(r), "tests": _tests(r),
-            "protection_tests": [{k: t[k] for k in ("groups", "mean_auc", "student_t", "student_p_b_higher",
-                                                     "wilcoxon_p_b_higher")} for t in r["protection_tests"]]}
+    return {
+        "dataset": "digits",
+        "method": "sample",
+        "budgets": "1,32 at 50/50 %",
+        "shadow_models": 16,
+        **_setting(r),
+        "models_trained": 17,
+        "seconds": seconds,
+        "seconds_per_model": seconds / 17,
+        "target_test_accuracy": r["target"]["test_accuracy"],
+        "audit_passed": r["audit_passed"],
+        "groups": _groups(r),
+        "tests": _tests(r),
+        "protection_tests": [
+            {k: t[k] for k in ("groups", "mean_auc", "student_t", "student_p_b_higher", "wilcoxon_p_b_higher")}
+            for t in r["protection_tests"]
+        ],
+    }
 
 
 @bench
@@ -90,6 +122,14 @@ def bench_audit_one_run():
     from idpsgd.audit import AuditOptions
 
     seconds, r = _audit(AuditOptions(attack="one-run", canaries=100))
-    return {"dataset": "digits", "method": "sample", "budgets": "1,32 at 50/50 %", "canaries_per_group": 100,
-            **_setting(r), "seconds": seconds, "target_test_accuracy": r["target"]["test_accuracy"],
-            "audit_passed": r["audit_passed"], "groups": _groups(r)}
+    return {
+        "dataset": "digits",
+        "method": "sample",
+        "budgets": "1,32 at 50/50 %",
+        "canaries_per_group": 100,
+        **_setting(r),
+        "seconds": seconds,
+        "target_test_accuracy": r["target"]["test_accuracy"],
+        "audit_passed": r["audit_passed"],
+        "groups": _groups(r),
+    }

@@ -27,6 +27,7 @@ Every run is :func:`idpsgd.training.train` — the library's own loop, no second
 finished run is written atomically to ``bench/results/comparison.json``; a rerun reuses the runs of
 an unfinished file with the same grid (``IDPSGD_BENCH_RESUME=1``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,14 +43,19 @@ from common import _demo_budgets, bench
 
 GRID_EPOCHS = (10, 20, 30)
 GRID_LR = (0.05, 0.1, 0.2)
-SEEDS = tuple(range(5))      # final evaluations
-TUNE_SEEDS_UNIFORM = 3       # uniform ε = 1 tunes on SEEDS[:3]
-TUNE_SEEDS = 1               # the other methods tune on SEEDS[:1]
+SEEDS = tuple(range(5))  # final evaluations
+TUNE_SEEDS_UNIFORM = 3  # uniform ε = 1 tunes on SEEDS[:3]
+TUNE_SEEDS = 1  # the other methods tune on SEEDS[:1]
 DELTA = 1e-5
 REFERENCE = "uniform eps=1"
 # label, method, budgets ("demo": 1/2/3 at 34/43/23 %, else one budget for everyone)
-RUNS = ((REFERENCE, "uniform", "demo"), ("sample", "sample", "demo"), ("scale", "scale", "demo"),
-        ("sequential", "sequential", "demo"), ("uniform eps=3", "uniform", 3.0))
+RUNS = (
+    (REFERENCE, "uniform", "demo"),
+    ("sample", "sample", "demo"),
+    ("scale", "scale", "demo"),
+    ("sequential", "sequential", "demo"),
+    ("uniform eps=3", "uniform", 3.0),
+)
 SPEC = {label: (method, spec) for label, method, spec in RUNS}
 RESULT = Path(__file__).resolve().parent / "results" / "comparison.json"
 
@@ -80,17 +86,25 @@ def _run(label, epochs, lr, seed) -> dict:
     budgets = _demo_budgets(n, seed) if spec == "demo" else Budgets.from_array([float(spec)] * n, DELTA)
     t = time.perf_counter()
     report = train(_DATA, budgets, TrainConfig(method=method, epochs=epochs, lr=lr, seed=seed, progress=False))
-    return {"accuracy": float(report["test_accuracy"]), "epsilon_spent": [g["epsilon_spent"] for g in report["groups"]],
-            "budgets": [g["budget"] for g in report["groups"]], "stopped_early": bool(report["stopped_early"]),
-            "seconds": time.perf_counter() - t}
+    return {
+        "accuracy": float(report["test_accuracy"]),
+        "epsilon_spent": [g["epsilon_spent"] for g in report["groups"]],
+        "budgets": [g["budget"] for g in report["groups"]],
+        "stopped_early": bool(report["stopped_early"]),
+        "seconds": time.perf_counter() - t,
+    }
 
 
 def _summary(rows: list[dict], seeds) -> dict:
     accs = [r["accuracy"] for r in rows]
-    return {"seeds": list(seeds), "accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
-            "accuracies": accs,
-            "max_epsilon_spent_per_group": np.max([r["epsilon_spent"] for r in rows], axis=0).tolist(),
-            "stopped_early": any(r["stopped_early"] for r in rows)}
+    return {
+        "seeds": list(seeds),
+        "accuracy_mean": float(np.mean(accs)),
+        "accuracy_std": float(np.std(accs)),
+        "accuracies": accs,
+        "max_epsilon_spent_per_group": np.max([r["epsilon_spent"] for r in rows], axis=0).tolist(),
+        "stopped_early": any(r["stopped_early"] for r in rows),
+    }
 
 
 def _tune_seeds(label):
@@ -129,12 +143,22 @@ def bench_comparison():
 
     workers = int(os.environ.get("IDPSGD_BENCH_WORKERS", "1"))
     grid = {"epochs": list(GRID_EPOCHS), "lr": list(GRID_LR)}
-    out = {"dataset": "digits", "budgets": "1,2,3", "fractions": "0.34,0.43,0.23", "delta": DELTA,
-           "fixed": {"batch_size": 128, "clip_norm": 1.0, "momentum": 0.9, "accountant": "rdp", "model": "digits_cnn"},
-           "grid": grid, "seeds": list(SEEDS), "tune_seeds": {label: list(_tune_seeds(label)) for label, _, _ in RUNS},
-           "selection": "highest mean test accuracy over the tune seeds (digits has no validation split); the tuning "
-                        "is not charged to any budget; tune seeds are among the evaluation seeds",
-           "workers": workers, "torch_threads_per_worker": 1, "complete": False, "runs": {}}
+    out = {
+        "dataset": "digits",
+        "budgets": "1,2,3",
+        "fractions": "0.34,0.43,0.23",
+        "delta": DELTA,
+        "fixed": {"batch_size": 128, "clip_norm": 1.0, "momentum": 0.9, "accountant": "rdp", "model": "digits_cnn"},
+        "grid": grid,
+        "seeds": list(SEEDS),
+        "tune_seeds": {label: list(_tune_seeds(label)) for label, _, _ in RUNS},
+        "selection": "highest mean test accuracy over the tune seeds (digits has no validation split); the tuning "
+        "is not charged to any budget; tune seeds are among the evaluation seeds",
+        "workers": workers,
+        "torch_threads_per_worker": 1,
+        "complete": False,
+        "runs": {},
+    }
     if os.environ.get("IDPSGD_BENCH_RESUME") and RESULT.is_file():
         old = json.loads(RESULT.read_text())
         if old.get("grid") == grid:
@@ -152,21 +176,29 @@ def bench_comparison():
     out["grids"], best = {}, {}
     for label, _, _ in RUNS:
         seeds = _tune_seeds(label)
-        out["grids"][label] = {f"epochs={e},lr={lr:g}": {k: v for k, v in pool.get(label, e, lr, seeds).items()
-                                                         if k in ("accuracy_mean", "accuracy_std")} for e, lr in cells}
+        out["grids"][label] = {
+            f"epochs={e},lr={lr:g}": {
+                k: v for k, v in pool.get(label, e, lr, seeds).items() if k in ("accuracy_mean", "accuracy_std")
+            }
+            for e, lr in cells
+        }
         best[label] = max(cells, key=lambda c: pool.get(label, *c, seeds)["accuracy_mean"])
     ref = best[REFERENCE]
     out["uniform_best"] = {"epochs": ref[0], "lr": ref[1]}
     # stage 2: uniform's best for everyone, then each method's own best, on every seed
-    pool.run_all([(label, *ref, s) for label, _, _ in RUNS for s in SEEDS]
-                 + [(label, *best[label], s) for label, _, _ in RUNS for s in SEEDS])
+    pool.run_all(
+        [(label, *ref, s) for label, _, _ in RUNS for s in SEEDS]
+        + [(label, *best[label], s) for label, _, _ in RUNS for s in SEEDS]
+    )
     out["methods"] = {}
     for label, method, spec in RUNS:
         own = best[label]
         out["methods"][label] = {
-            "method": method, "budgets": "1/2/3 (demo groups)" if spec == "demo" else f"{spec:g} for everyone",
+            "method": method,
+            "budgets": "1/2/3 (demo groups)" if spec == "demo" else f"{spec:g} for everyone",
             "own_best": {"epochs": own[0], "lr": own[1], **pool.get(label, *own, SEEDS)},
-            "at_uniform_best": {"epochs": ref[0], "lr": ref[1], **pool.get(label, *ref, SEEDS)}}
+            "at_uniform_best": {"epochs": ref[0], "lr": ref[1], **pool.get(label, *ref, SEEDS)},
+        }
     out["complete"] = True
     out["table"] = table(out)
     save()
@@ -178,10 +210,15 @@ def bench_comparison():
 def table(result: dict) -> str:
     """The markdown table of a comparison result (for the README)."""
     ub = result["uniform_best"]
-    lines = ["| method | own best (epochs, lr) | test accuracy at own best | test accuracy at uniform ε=1's best "
-             f"({ub['epochs']}, {ub['lr']:g}) |", "|---|---|---|---|"]
+    lines = [
+        "| method | own best (epochs, lr) | test accuracy at own best | test accuracy at uniform ε=1's best "
+        f"({ub['epochs']}, {ub['lr']:g}) |",
+        "|---|---|---|---|",
+    ]
     for label, m in result["methods"].items():
         o, u = m["own_best"], m["at_uniform_best"]
-        lines.append(f"| {label} | ({o['epochs']}, {o['lr']:g}) | {100 * o['accuracy_mean']:.1f} ± "
-                     f"{100 * o['accuracy_std']:.1f} % | {100 * u['accuracy_mean']:.1f} ± {100 * u['accuracy_std']:.1f} % |")
+        lines.append(
+            f"| {label} | ({o['epochs']}, {o['lr']:g}) | {100 * o['accuracy_mean']:.1f} ± "
+            f"{100 * o['accuracy_std']:.1f} % | {100 * u['accuracy_mean']:.1f} ± {100 * u['accuracy_std']:.1f} % |"
+        )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """Distributed training benchmark: 2 gloo processes vs 1 process on CPU (engine/distributed.py)."""
+
 from __future__ import annotations
 
 import os
@@ -38,10 +39,18 @@ def bench_distributed_speed():
     one = min(_epoch_seconds(EPOCHS, cores) for _ in range(2))
     one_single_thread = min(_epoch_seconds(EPOCHS, 1) for _ in range(2))
     two = min(launch(_epoch_seconds, 2, (EPOCHS, max(1, cores // 2)), timeout_s=300) for _ in range(2))
-    return {"dataset": "digits", "method": "sample", "epochs": EPOCHS, "cores": cores,
-            "one_process_seconds_per_epoch": one, "one_process_one_thread_seconds_per_epoch": one_single_thread,
-            "two_process_seconds_per_epoch": two, "ratio_two_over_one": two / one,
-            "ratio_two_over_one_single_thread": two / one_single_thread,
-            "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-            "note": "2 ranks on the same cores as 1 process: the ratio measures overhead, not scaling; with a "
-                    "load average above the core count the timings are dominated by other processes"}
+    return {
+        "dataset": "digits",
+        "method": "sample",
+        "epochs": EPOCHS,
+        "cores": cores,
+        "one_process_seconds_per_epoch": one,
+        "one_process_one_thread_seconds_per_epoch": one_single_thread,
+        "two_process_seconds_per_epoch": two,
+        "ratio_two_over_one": two / one,
+        "ratio_two_over_one_single_thread": two / one_single_thread,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "note": "2 ranks on the same cores as 1 process: the ratio measures overhead, not scaling; with a "
+        "load average above the core count the timings are dominated by other processes",
+    }

@@ -39,6 +39,7 @@ Usage::
                                  [--repeats 2] [--device cpu|cuda] [--quick] [--out PATH]
     python bench/run.py engine_cost           # the same with the defaults (CPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,14 +67,34 @@ REFRESH_BATCH = 256
 #: issue 23's targets: bk time and memory against non-private, a refresh against one epoch
 TARGETS = {"bk_time_vs_nonprivate": 1.25, "bk_peak_memory_vs_nonprivate": 1.2, "refresh_vs_epoch": 1.3}
 #: per model: examples, timed epochs per run, warm-up steps, memory-probe steps, model options
-FULL = {"cifar_cnn": {"n": 5000, "epochs": 1, "warmup_steps": 2, "probe_steps": 3},
-        "wrn16": {"n": 2048, "epochs": 1, "warmup_steps": 1, "probe_steps": 2, "width": 2},
-        "transformer": {"n": 4096, "epochs": 1, "warmup_steps": 2, "probe_steps": 3, "vocab": 10000,
-                        "length": 64, "dim": 128, "layers": 2}}
-QUICK = {"cifar_cnn": {"n": 96, "epochs": 1, "warmup_steps": 1, "probe_steps": 1},
-         "wrn16": {"n": 64, "epochs": 1, "warmup_steps": 1, "probe_steps": 1, "width": 1},
-         "transformer": {"n": 96, "epochs": 1, "warmup_steps": 1, "probe_steps": 1, "vocab": 100, "length": 16,
-                         "dim": 32, "layers": 1}}
+FULL = {
+    "cifar_cnn": {"n": 5000, "epochs": 1, "warmup_steps": 2, "probe_steps": 3},
+    "wrn16": {"n": 2048, "epochs": 1, "warmup_steps": 1, "probe_steps": 2, "width": 2},
+    "transformer": {
+        "n": 4096,
+        "epochs": 1,
+        "warmup_steps": 2,
+        "probe_steps": 3,
+        "vocab": 10000,
+        "length": 64,
+        "dim": 128,
+        "layers": 2,
+    },
+}
+QUICK = {
+    "cifar_cnn": {"n": 96, "epochs": 1, "warmup_steps": 1, "probe_steps": 1},
+    "wrn16": {"n": 64, "epochs": 1, "warmup_steps": 1, "probe_steps": 1, "width": 1},
+    "transformer": {
+        "n": 96,
+        "epochs": 1,
+        "warmup_steps": 1,
+        "probe_steps": 1,
+        "vocab": 100,
+        "length": 16,
+        "dim": 32,
+        "layers": 1,
+    },
+}
 #: glibc's dynamic mmap threshold keeps freed tensor memory in the heap, so ``ru_maxrss`` overstates
 #: (and scatters) the peak of live memory; the memory probes fix the threshold so that every block
 #: over 64 KiB is mapped and unmapped with its tensor.
@@ -91,8 +112,19 @@ def _data_and_model(spec: dict):
     if spec["model"] == "transformer":
         x = torch.randint(0, spec["vocab"], (n, spec["length"]), generator=g)
         y = torch.randint(0, 2, (n,), generator=g)
-        return x, y, TransformerClassifier(spec["vocab"], 2, max_length=spec["length"], dim=spec["dim"],
-                                           heads=4, layers=spec["layers"], ff_dim=2 * spec["dim"])
+        return (
+            x,
+            y,
+            TransformerClassifier(
+                spec["vocab"],
+                2,
+                max_length=spec["length"],
+                dim=spec["dim"],
+                heads=4,
+                layers=spec["layers"],
+                ff_dim=2 * spec["dim"],
+            ),
+        )
     x, y = torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
     if spec["model"] == "wrn16":
         return x, y, wide_resnet((3, 32, 32), 10, depth=16, width=spec["width"])
@@ -104,7 +136,7 @@ def _data_and_model(spec: dict):
 def _maxrss_mib() -> float:
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0     # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 def _private(spec, model, optimizer, loader, n):
@@ -115,17 +147,24 @@ def _private(spec, model, optimizer, loader, n):
     from idpsgd.cli.train_commands import demo_budgets
     from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
 
-    config, q = spec["config"], 1.0 / len(loader)       # Opacus's Poisson rate for this loader
+    config, q = spec["config"], 1.0 / len(loader)  # Opacus's Poisson rate for this loader
     budgets = demo_budgets(n, DELTA, spec["seed"])
-    planned = (spec["epochs"] + 1) * len(loader)        # the warm-up steps fit in the extra epoch
+    planned = (spec["epochs"] + 1) * len(loader)  # the warm-up steps fit in the extra epoch
     if config.startswith("opacus"):
         from opacus import PrivacyEngine
 
-        sigma = assign(budgets, "scale", q, planned, CLIP, "rdp").noise_multiplier     # ours' σ (Scale)
+        sigma = assign(budgets, "scale", q, planned, CLIP, "rdp").noise_multiplier  # ours' σ (Scale)
         mode = config.split("_")[1]
-        out = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                           noise_multiplier=sigma, max_grad_norm=CLIP, poisson_sampling=True,
-                                           grad_sample_mode=mode, criterion=nn.CrossEntropyLoss())
+        out = PrivacyEngine().make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=loader,
+            noise_multiplier=sigma,
+            max_grad_norm=CLIP,
+            poisson_sampling=True,
+            grad_sample_mode=mode,
+            criterion=nn.CrossEntropyLoss(),
+        )
         if mode == "ghost":
             return (*out, None, sigma)
         return out[0], out[1], nn.CrossEntropyLoss(), out[2], None, sigma
@@ -133,9 +172,17 @@ def _private(spec, model, optimizer, loader, n):
     mode = "bk" if config in ("ours_bk", "refresh_bk") else "hooks"
     if config == "refresh_bk":
         engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=1, validate_subset=0))
-    module, opt, data = engine.make_private(module=model, optimizer=optimizer, data_loader=loader, budgets=budgets,
-                                            method="scale", steps=planned, max_grad_norm=CLIP, sample_rate=q,
-                                            grad_sample_mode=mode)
+    module, opt, data = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        budgets=budgets,
+        method="scale",
+        steps=planned,
+        max_grad_norm=CLIP,
+        sample_rate=q,
+        grad_sample_mode=mode,
+    )
     return module, opt, nn.CrossEntropyLoss(), data, engine, engine.parameters["noise_multiplier"]
 
 
@@ -148,17 +195,17 @@ def _refresh_before(model, x, y):
 
     from idpsgd.engine.norms import _clear, eval_mode_with_hooks
 
-    fast = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
-                                                use_ghost_clipping=True)
+    fast = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean", use_ghost_clipping=True)
 
     def run():
         out = []
         with eval_mode_with_hooks(model):
             for s in range(0, len(y), REFRESH_BATCH):
-                F.cross_entropy(fast(x[s:s + REFRESH_BATCH]), y[s:s + REFRESH_BATCH]).backward()
+                F.cross_entropy(fast(x[s : s + REFRESH_BATCH]), y[s : s + REFRESH_BATCH]).backward()
                 out.append(fast.get_norm_sample().detach())
                 _clear(model)
         return torch.cat(out)
+
     return run
 
 
@@ -178,8 +225,12 @@ def run_config(spec: dict) -> dict:
     x, y = x.to(device), y.to(device)
     n = len(y)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = DataLoader(TensorDataset(x, y), batch_size=spec["batch_size"], shuffle=spec["config"] == "nonprivate",
-                        generator=torch.Generator().manual_seed(spec["seed"]))
+    loader = DataLoader(
+        TensorDataset(x, y),
+        batch_size=spec["batch_size"],
+        shuffle=spec["config"] == "nonprivate",
+        generator=torch.Generator().manual_seed(spec["seed"]),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, sigma = None, None
@@ -207,8 +258,10 @@ def run_config(spec: dict) -> dict:
         return steps, examples
 
     if spec["config"] == "refresh_bk":
+
         def refresh():
             return torch.as_tensor(engine.individual.grad_norms()[0])
+
     rss_setup = _maxrss_mib()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -216,7 +269,7 @@ def run_config(spec: dict) -> dict:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         if spec["config"].startswith("refresh"):
-            refresh()                                   # warm-up pass
+            refresh()  # warm-up pass
             sync()
             t, cpu = time.perf_counter(), time.process_time()
             for _ in range(max(1, spec["epochs"])):
@@ -224,8 +277,11 @@ def run_config(spec: dict) -> dict:
             sync()
             seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
             reps = max(1, spec["epochs"])
-            result = {"seconds_per_epoch": seconds / reps, "cpu_seconds_per_epoch": cpu / reps,
-                      "examples_per_epoch": int(norms.numel())}
+            result = {
+                "seconds_per_epoch": seconds / reps,
+                "cpu_seconds_per_epoch": cpu / reps,
+                "examples_per_epoch": int(norms.numel()),
+            }
         else:
             loop(spec["warmup_steps"] if spec["epochs"] else spec["probe_steps"])
             sync()
@@ -237,13 +293,16 @@ def run_config(spec: dict) -> dict:
             sync()
             seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
             ep = spec["epochs"]
-            result = {"seconds_per_epoch": seconds / ep if ep else None,
-                      "cpu_seconds_per_epoch": cpu / ep if ep else None,
-                      "steps_per_epoch": steps / ep if ep else None, "examples_per_epoch": examples / ep if ep else None}
+            result = {
+                "seconds_per_epoch": seconds / ep if ep else None,
+                "cpu_seconds_per_epoch": cpu / ep if ep else None,
+                "steps_per_epoch": steps / ep if ep else None,
+                "examples_per_epoch": examples / ep if ep else None,
+            }
     result.update({"noise_multiplier": sigma, "n": n, "rss_setup_mib": rss_setup, "rss_peak_mib": _maxrss_mib()})
     result["peak_training_mib"] = result["rss_peak_mib"] - rss_setup
     if engine is not None:
-        result["layer_paths"] = engine.layer_paths_taken      # the bench's synthetic data: not private
+        result["layer_paths"] = engine.layer_paths_taken  # the bench's synthetic data: not private
     if cuda:
         result["cuda_peak_training_mib"] = (torch.cuda.max_memory_allocated(device) - cuda_setup) / 2**20
     return result
@@ -255,8 +314,13 @@ def run_isolated(spec: dict, probe: bool = False, script=None) -> dict:
     same ``--worker SPEC`` entry point (default this one)."""
     env = os.environ | {"PYTHONWARNINGS": "ignore"} | (PROBE_ENV if probe else {})
     script = Path(script or __file__).resolve()
-    proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)],
-                          check=False, capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--worker", json.dumps(spec)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed for {spec}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -276,29 +340,54 @@ def _key(config: str, batch: int) -> str:
     return f"{config}@{batch}"
 
 
-def measure_model(model: str, sizes: dict, batch_sizes, *, device: str, repeats: int, threads: int,
-                  isolate: bool = True, memory: bool = True, log=print) -> dict:
+def measure_model(
+    model: str,
+    sizes: dict,
+    batch_sizes,
+    *,
+    device: str,
+    repeats: int,
+    threads: int,
+    isolate: bool = True,
+    memory: bool = True,
+    log=print,
+) -> dict:
     """Interleaved timing rounds, memory probes at every batch size, medians and ratios for one model."""
     runner = run_isolated if isolate else run_config
     runs = _runs(batch_sizes)
     raw: dict[str, list] = {_key(c, b): [] for c, b in runs}
     loads = []
     for rnd in range(repeats):
-        for config, batch in (runs if rnd % 2 == 0 else list(reversed(runs))):
-            spec = {"model": model, "config": config, "batch_size": batch, "device": device, "threads": threads,
-                    "seed": rnd, **sizes}
+        for config, batch in runs if rnd % 2 == 0 else list(reversed(runs)):
+            spec = {
+                "model": model,
+                "config": config,
+                "batch_size": batch,
+                "device": device,
+                "threads": threads,
+                "seed": rnd,
+                **sizes,
+            }
             before = os.getloadavg()[0]
             r = runner(spec)
             r["load_avg_1min"] = [before, os.getloadavg()[0]]
             loads += r["load_avg_1min"]
             raw[_key(config, batch)].append(r)
-            log(f"  {model} round {rnd + 1}/{repeats} {_key(config, batch):<22} {r['seconds_per_epoch']:8.3f} s/epoch "
-                f"(cpu {r['cpu_seconds_per_epoch']:8.3f})  load {before:.2f}")
+            log(
+                f"  {model} round {rnd + 1}/{repeats} {_key(config, batch):<22} {r['seconds_per_epoch']:8.3f} s/epoch "
+                f"(cpu {r['cpu_seconds_per_epoch']:8.3f})  load {before:.2f}"
+            )
     primary = "cpu_seconds_per_epoch" if device == "cpu" else "seconds_per_epoch"
     configs = {k: _summary(v) for k, v in raw.items()}
-    out = {"sizes": sizes, "batch_sizes": list(batch_sizes), "repeats": repeats, "judged_on": primary,
-           "configs": configs, "runs": raw,
-           "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}}
+    out = {
+        "sizes": sizes,
+        "batch_sizes": list(batch_sizes),
+        "repeats": repeats,
+        "judged_on": primary,
+        "configs": configs,
+        "runs": raw,
+        "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+    }
     if memory and isolate:
         out["memory"] = _memory_probes(model, sizes, batch_sizes, device, threads, log)
     out["ratios"] = _ratios(out, batch_sizes, primary, device)
@@ -306,9 +395,11 @@ def measure_model(model: str, sizes: dict, batch_sizes, *, device: str, repeats:
 
 
 def _summary(runs: list[dict]) -> dict:
-    out = {"seconds_per_epoch_median": statistics.median(r["seconds_per_epoch"] for r in runs),
-           "cpu_seconds_per_epoch_median": statistics.median(r["cpu_seconds_per_epoch"] for r in runs),
-           "examples_per_epoch_median": statistics.median(r["examples_per_epoch"] for r in runs)}
+    out = {
+        "seconds_per_epoch_median": statistics.median(r["seconds_per_epoch"] for r in runs),
+        "cpu_seconds_per_epoch_median": statistics.median(r["cpu_seconds_per_epoch"] for r in runs),
+        "examples_per_epoch_median": statistics.median(r["examples_per_epoch"] for r in runs),
+    }
     if runs[0].get("layer_paths"):
         out["layer_paths"] = runs[0]["layer_paths"]
     return out
@@ -318,16 +409,33 @@ def _memory_probes(model, sizes, batch_sizes, device, threads, log) -> dict:
     probes = {}
     for batch in batch_sizes:
         for config in TRAINING:
-            spec = {"model": model, "config": config, "batch_size": batch, "device": device, "threads": threads,
-                    "seed": 0, **sizes, "epochs": 0}
+            spec = {
+                "model": model,
+                "config": config,
+                "batch_size": batch,
+                "device": device,
+                "threads": threads,
+                "seed": 0,
+                **sizes,
+                "epochs": 0,
+            }
             r = run_isolated(spec, probe=True)
-            probes[_key(config, batch)] = {k: r[k] for k in ("rss_peak_mib", "rss_setup_mib", "peak_training_mib",
-                                                             "cuda_peak_training_mib") if k in r}
-            log(f"  {model} memory probe {_key(config, batch):<22} peak RSS {r['rss_peak_mib']:.0f} MiB "
-                f"(+{r['peak_training_mib']:.0f} above set-up)")
-    return {"steps": sizes["probe_steps"], "env": PROBE_ENV, "probes": probes,
-            "source": f"{sizes['probe_steps']} training steps in a fresh process per configuration, "
-                      + ("torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss")}
+            probes[_key(config, batch)] = {
+                k: r[k]
+                for k in ("rss_peak_mib", "rss_setup_mib", "peak_training_mib", "cuda_peak_training_mib")
+                if k in r
+            }
+            log(
+                f"  {model} memory probe {_key(config, batch):<22} peak RSS {r['rss_peak_mib']:.0f} MiB "
+                f"(+{r['peak_training_mib']:.0f} above set-up)"
+            )
+    return {
+        "steps": sizes["probe_steps"],
+        "env": PROBE_ENV,
+        "probes": probes,
+        "source": f"{sizes['probe_steps']} training steps in a fresh process per configuration, "
+        + ("torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss"),
+    }
 
 
 def _ratios(result: dict, batch_sizes, primary: str, device: str) -> dict:
@@ -336,20 +444,27 @@ def _ratios(result: dict, batch_sizes, primary: str, device: str) -> dict:
     for batch in batch_sizes:
         base = configs[_key("nonprivate", batch)][f"{primary}_median"]
         entry = {f"{c}_time_vs_nonprivate": configs[_key(c, batch)][f"{primary}_median"] / base for c in TRAINING[1:]}
-        entry["bk_vs_opacus_hooks_time"] = (configs[_key("ours_bk", batch)][f"{primary}_median"]
-                                            / configs[_key("opacus_hooks", batch)][f"{primary}_median"])
+        entry["bk_vs_opacus_hooks_time"] = (
+            configs[_key("ours_bk", batch)][f"{primary}_median"]
+            / configs[_key("opacus_hooks", batch)][f"{primary}_median"]
+        )
         if mem:
             key = "cuda_peak_training_mib" if device == "cuda" else "rss_peak_mib"
             np_mem = mem[_key("nonprivate", batch)][key]
             entry.update({f"{c}_peak_memory_vs_nonprivate": mem[_key(c, batch)][key] / np_mem for c in TRAINING[1:]})
             if device != "cuda":
                 np_train = mem[_key("nonprivate", batch)]["peak_training_mib"]
-                entry.update({f"{c}_training_memory_vs_nonprivate": mem[_key(c, batch)]["peak_training_mib"] / np_train
-                              for c in TRAINING[1:]})
+                entry.update(
+                    {
+                        f"{c}_training_memory_vs_nonprivate": mem[_key(c, batch)]["peak_training_mib"] / np_train
+                        for c in TRAINING[1:]
+                    }
+                )
         out[f"B={batch}"] = entry
     epoch = configs[_key("nonprivate", REFRESH_BATCH)][f"{primary}_median"]
-    out["refresh"] = {f"{c}_vs_nonprivate_epoch": configs[_key(c, REFRESH_BATCH)][f"{primary}_median"] / epoch
-                      for c in REFRESH}
+    out["refresh"] = {
+        f"{c}_vs_nonprivate_epoch": configs[_key(c, REFRESH_BATCH)][f"{primary}_median"] / epoch for c in REFRESH
+    }
     return out
 
 
@@ -362,24 +477,39 @@ def verdict(result: dict) -> dict:
     if cnn:
         r = cnn["ratios"]
         out["cifar_cnn_bk_time"] = {b: r[f"B={b}"]["ours_bk_time_vs_nonprivate"] for b in cnn["batch_sizes"]}
-        out["cifar_cnn_bk_time_ok"] = all(v <= TARGETS["bk_time_vs_nonprivate"]
-                                          for v in out["cifar_cnn_bk_time"].values())
+        out["cifar_cnn_bk_time_ok"] = all(
+            v <= TARGETS["bk_time_vs_nonprivate"] for v in out["cifar_cnn_bk_time"].values()
+        )
         big = f"B={max(cnn['batch_sizes'])}"
         if "ours_bk_peak_memory_vs_nonprivate" in r[big]:
             out["cifar_cnn_bk_peak_memory"] = r[big]["ours_bk_peak_memory_vs_nonprivate"]
-            out["cifar_cnn_bk_peak_memory_ok"] = out["cifar_cnn_bk_peak_memory"] <= TARGETS["bk_peak_memory_vs_nonprivate"]
+            out["cifar_cnn_bk_peak_memory_ok"] = (
+                out["cifar_cnn_bk_peak_memory"] <= TARGETS["bk_peak_memory_vs_nonprivate"]
+            )
     models = [m for m in FULL if m in result]
-    out["bk_vs_opacus_hooks"] = {m: {b: result[m]["ratios"][f"B={b}"]["bk_vs_opacus_hooks_time"]
-                                     for b in result[m]["batch_sizes"]} for m in models}
+    out["bk_vs_opacus_hooks"] = {
+        m: {b: result[m]["ratios"][f"B={b}"]["bk_vs_opacus_hooks_time"] for b in result[m]["batch_sizes"]}
+        for m in models
+    }
     out["bk_no_slower_than_opacus_hooks"] = all(v <= 1.0 for m in models for v in out["bk_vs_opacus_hooks"][m].values())
     out["refresh_bk_vs_epoch"] = {m: result[m]["ratios"]["refresh"]["refresh_bk_vs_nonprivate_epoch"] for m in models}
     out["refresh_ok"] = all(v <= TARGETS["refresh_vs_epoch"] for v in out["refresh_bk_vs_epoch"].values())
     return out
 
 
-def measure(*, device: str = "cpu", repeats: int = 2, threads: int = 1, quick: bool = False, isolate: bool = True,
-            memory: bool = True, models=tuple(FULL), batch_sizes=(256, 1024), wrn_width: int | None = None,
-            log=print) -> dict:
+def measure(
+    *,
+    device: str = "cpu",
+    repeats: int = 2,
+    threads: int = 1,
+    quick: bool = False,
+    isolate: bool = True,
+    memory: bool = True,
+    models=tuple(FULL),
+    batch_sizes=(256, 1024),
+    wrn_width: int | None = None,
+    log=print,
+) -> dict:
     """The whole benchmark; the dict written to ``engine_cost.json``."""
     import opacus
     import torch
@@ -390,16 +520,38 @@ def measure(*, device: str = "cpu", repeats: int = 2, threads: int = 1, quick: b
     if quick:
         batch_sizes = tuple(sorted({min(b, 32) for b in batch_sizes}))
     t0 = time.perf_counter()
-    out = {"device": device, "threads": threads, "repeats": repeats, "quick": quick, "isolated_processes": isolate,
-           "torch": torch.__version__, "opacus": opacus.__version__, "cpu_count": os.cpu_count(),
-           "targets": TARGETS, "clip_norm": CLIP, "delta": DELTA, "refresh_batch_size": REFRESH_BATCH,
-           "note": ("interleaved rounds (order reversed every other round), a fresh process per run; seconds per "
-                    "epoch cover the training loop only; the machine may be shared, see load_avg_1min per model")}
+    out = {
+        "device": device,
+        "threads": threads,
+        "repeats": repeats,
+        "quick": quick,
+        "isolated_processes": isolate,
+        "torch": torch.__version__,
+        "opacus": opacus.__version__,
+        "cpu_count": os.cpu_count(),
+        "targets": TARGETS,
+        "clip_norm": CLIP,
+        "delta": DELTA,
+        "refresh_batch_size": REFRESH_BATCH,
+        "note": (
+            "interleaved rounds (order reversed every other round), a fresh process per run; seconds per "
+            "epoch cover the training loop only; the machine may be shared, see load_avg_1min per model"
+        ),
+    }
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
     for model in models:
-        out[model] = measure_model(model, sizes[model], batch_sizes, device=device, repeats=repeats,
-                                   threads=threads, isolate=isolate, memory=memory, log=log)
+        out[model] = measure_model(
+            model,
+            sizes[model],
+            batch_sizes,
+            device=device,
+            repeats=repeats,
+            threads=threads,
+            isolate=isolate,
+            memory=memory,
+            log=log,
+        )
     out["verdict"] = verdict(out)
     out["wall_seconds"] = time.perf_counter() - t0
     return out
@@ -421,8 +573,10 @@ def table(result: dict) -> str:
         r = result[model]
         la = r["load_avg_1min"]
         lines.append(f"{model} n={r['sizes']['n']} ({r['judged_on']}, load avg {la['min']:.2f}-{la['max']:.2f})")
-        lines.append(f"  {'config':<14} {'B':>5} {'s/epoch':>9} {'cpu s/ep':>9} {'x nonpriv':>9} {'peak RSS':>9} "
-                     f"{'x nonpriv':>9}")
+        lines.append(
+            f"  {'config':<14} {'B':>5} {'s/epoch':>9} {'cpu s/ep':>9} {'x nonpriv':>9} {'peak RSS':>9} "
+            f"{'x nonpriv':>9}"
+        )
         mem = r.get("memory", {}).get("probes", {})
         for batch in r["batch_sizes"]:
             base = r["configs"][_key("nonprivate", batch)][f"{r['judged_on']}_median"]
@@ -430,16 +584,20 @@ def table(result: dict) -> str:
                 cfg = r["configs"][_key(c, batch)]
                 m = mem.get(_key(c, batch), {})
                 np_m = mem.get(_key("nonprivate", batch), {})
-                mem_txt = (f"{m['rss_peak_mib']:>9.0f} {m['rss_peak_mib'] / np_m['rss_peak_mib']:>9.2f}" if m else "")
+                mem_txt = f"{m['rss_peak_mib']:>9.0f} {m['rss_peak_mib'] / np_m['rss_peak_mib']:>9.2f}" if m else ""
                 ratio = cfg[r["judged_on"] + "_median"] / base
-                lines.append(f"  {c:<14} {batch:>5} {cfg['seconds_per_epoch_median']:>9.2f} "
-                             f"{cfg['cpu_seconds_per_epoch_median']:>9.2f} {ratio:>9.2f} {mem_txt}")
+                lines.append(
+                    f"  {c:<14} {batch:>5} {cfg['seconds_per_epoch_median']:>9.2f} "
+                    f"{cfg['cpu_seconds_per_epoch_median']:>9.2f} {ratio:>9.2f} {mem_txt}"
+                )
         for c in REFRESH:
             cfg = r["configs"][_key(c, REFRESH_BATCH)]
             ratio = r["ratios"]["refresh"][f"{c}_vs_nonprivate_epoch"]
-            lines.append(f"  {c:<14} {'':>5} {cfg['seconds_per_epoch_median']:>9.2f} "
-                         f"{cfg['cpu_seconds_per_epoch_median']:>9.2f} {ratio:>9.2f}   (one pass over all examples "
-                         f"vs one non-private epoch)")
+            lines.append(
+                f"  {c:<14} {'':>5} {cfg['seconds_per_epoch_median']:>9.2f} "
+                f"{cfg['cpu_seconds_per_epoch_median']:>9.2f} {ratio:>9.2f}   (one pass over all examples "
+                f"vs one non-private epoch)"
+            )
     if "verdict" in result:
         lines.append("verdict: " + json.dumps(result["verdict"]))
     return "\n".join(lines)
@@ -449,18 +607,32 @@ def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, or auto (cuda when available)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved timing rounds (default 2)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1: on a shared "
-                   "machine CPU seconds of one thread measure the work)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads per run (default 1: on a shared machine CPU seconds of one thread measure the work)",
+    )
     p.add_argument("--models", default=",".join(FULL), help=f"comma-separated subset of {','.join(FULL)}")
     p.add_argument("--batch-sizes", default="256,1024", help="comma-separated batch sizes (default 256,1024)")
-    p.add_argument("--wrn-width", type=int, default=None, help="width of the WideResNet-16 (default "
-                   f"{FULL['wrn16']['width']} on the CPU; De et al. use 4)")
+    p.add_argument(
+        "--wrn-width",
+        type=int,
+        default=None,
+        help=f"width of the WideResNet-16 (default {FULL['wrn16']['width']} on the CPU; De et al. use 4)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (not a measurement)")
-    p.add_argument("--in-process", action="store_true",
-                   help="run every configuration in this process (faster start; no memory probes)")
-    p.add_argument("--out", default=None, help=f"result JSON (default {RESULT_PATH.relative_to(HERE.parent)}; "
-                   "with --quick: none unless given)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every configuration in this process (faster start; no memory probes)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"result JSON (default {RESULT_PATH.relative_to(HERE.parent)}; with --quick: none unless given)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
@@ -494,11 +666,23 @@ def main(argv=None) -> dict | None:
         raise InvalidParameterError("batch_sizes", args.batch_sizes, "must be comma-separated integers >= 1")
     if args.wrn_width is not None and args.wrn_width < 1:
         raise InvalidParameterError("wrn_width", args.wrn_width, "must be an integer >= 1")
-    result = {"benchmark": "engine_cost", "machine": platform.platform(), "python": platform.python_version(),
-              **measure(device=device, repeats=args.repeats, threads=args.threads, quick=args.quick,
-                        isolate=not args.in_process, memory=not args.no_memory and not args.in_process,
-                        models=models, batch_sizes=batch_sizes, wrn_width=args.wrn_width,
-                        log=lambda s: print(s, file=sys.stderr))}
+    result = {
+        "benchmark": "engine_cost",
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        **measure(
+            device=device,
+            repeats=args.repeats,
+            threads=args.threads,
+            quick=args.quick,
+            isolate=not args.in_process,
+            memory=not args.no_memory and not args.in_process,
+            models=models,
+            batch_sizes=batch_sizes,
+            wrn_width=args.wrn_width,
+            log=lambda s: print(s, file=sys.stderr),
+        ),
+    }
     out = args.out if args.out is not None else (None if args.quick else RESULT_PATH)
     if out is not None:
         write_json(out, result)

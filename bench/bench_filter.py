@@ -1,5 +1,6 @@
 """Individual Rényi filter benchmarks: Boenisch et al. Table 3 / Fig. 3 on digits, and the filter's
 own per-step cost at MNIST scale."""
+
 from __future__ import annotations
 
 import time
@@ -9,8 +10,17 @@ import numpy as np
 
 from common import bench
 
-TABLE3 = {"epsilon": 10.0, "epsilon_high": 10.33, "delta": 1e-5, "calibrated_steps": 20, "extend": 2.0,
-          "clip_norm": 3.0, "lr": 0.5, "momentum": 0.9, "seeds": 5}
+TABLE3 = {
+    "epsilon": 10.0,
+    "epsilon_high": 10.33,
+    "delta": 1e-5,
+    "calibrated_steps": 20,
+    "extend": 2.0,
+    "clip_norm": 3.0,
+    "lr": 0.5,
+    "momentum": 0.9,
+    "seeds": 5,
+}
 
 
 @bench
@@ -35,19 +45,33 @@ def bench_filter_table3():
     torch.set_num_threads(2)
     c = TABLE3
     r = run_boenisch_table3(load_dataset("digits"), progress=False, **c)
-    out = {"dataset": "digits", "model": r["model"], "config": c, "noise_multiplier": r["noise_multiplier"],
-           "seconds": r["seconds"]}
+    out = {
+        "dataset": "digits",
+        "model": r["model"],
+        "config": c,
+        "noise_multiplier": r["noise_multiplier"],
+        "seconds": r["seconds"],
+    }
     for label, col in r["columns"].items():
         out[label] = {"accuracy_mean": col["mean"], "accuracy_std": col["std"], "accuracies": col["runs"]}
-        if label in r["private"]["runs"]:      # a benchmark on public digits: the filter's statistics too
-            out[label]["runs"] = [{**a, **b} for a, b in zip(col["runs_detail"], r["private"]["runs"][label])]
+        if label in r["private"]["runs"]:  # a benchmark on public digits: the filter's statistics too
+            out[label]["runs"] = [
+                {**a, **b} for a, b in zip(col["runs_detail"], r["private"]["runs"][label], strict=True)
+            ]
     fig = r["private"]["figure_seed0"]
-    figure = active_figure({f"(a) accounting, ε = {c['epsilon']:g}": (np.array(fig["accounting"]["active_per_step"]),
-                                                                      fig["accounting"]["budgets"]),
-                            f"(b) accounting + assignment, ε = {c['epsilon']:g} / {c['epsilon_high']:g}":
-                            (np.array(fig["accounting_assignment"]["active_per_step"]),
-                             fig["accounting_assignment"]["budgets"])},
-                           title=f"digits, DP-GD with individual Rényi filters, δ = {c['delta']:g} (seed 0)")
+    figure = active_figure(
+        {
+            f"(a) accounting, ε = {c['epsilon']:g}": (
+                np.array(fig["accounting"]["active_per_step"]),
+                fig["accounting"]["budgets"],
+            ),
+            f"(b) accounting + assignment, ε = {c['epsilon']:g} / {c['epsilon_high']:g}": (
+                np.array(fig["accounting_assignment"]["active_per_step"]),
+                fig["accounting_assignment"]["budgets"],
+            ),
+        },
+        title=f"digits, DP-GD with individual Rényi filters, δ = {c['delta']:g} (seed 0)",
+    )
     path = Path(__file__).resolve().parent / "results" / "filter_active.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120, bbox_inches="tight")
@@ -94,6 +118,12 @@ def bench_filter_bookkeeping():
         t = time.perf_counter()
         hook(None)
         (times_refresh if step % 234 == 0 else times_step).append(time.perf_counter() - t)
-    return {"examples": n, "groups": 3, "setup_seconds": setup, "step_seconds_median": float(np.median(times_step)),
-            "refresh_seconds_median": float(np.median(times_refresh)), "steps": f.steps,
-            "target": "per-step bookkeeping well below a DP-SGD step (~10 ms)"}
+    return {
+        "examples": n,
+        "groups": 3,
+        "setup_seconds": setup,
+        "step_seconds_median": float(np.median(times_step)),
+        "refresh_seconds_median": float(np.median(times_refresh)),
+        "steps": f.steps,
+        "target": "per-step bookkeeping well below a DP-SGD step (~10 ms)",
+    }

@@ -38,6 +38,7 @@ Usage::
                              [--seq-len 128] [--steps 4] [--repeats 2] [--device cpu|cuda] [--smoke]
     python bench/run.py hf_cost          # the same with the defaults (CPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from bench_engine import PROBE_ENV, _maxrss_mib, run_isolated  # noqa: E402
-from common import bench  # noqa: E402
+from bench_engine import PROBE_ENV, _maxrss_mib, run_isolated
+from common import bench
 
 RESULT_PATH = HERE / "results" / "hf_cost.json"
 MODELS = ("gpt2_lm", "bert_cls", "gpt2_lora")
@@ -62,10 +63,32 @@ CONFIGS = ("nonprivate", "ours_bk", "opacus_ghost")
 DELTA, CLIP = 1e-5, 1.0
 #: issue 30's goals: full fine-tuning ≤ 1.25× time and ≤ 1.2× memory of non-private, LoRA ≤ 1.1×
 TARGETS = {"full_time": 1.25, "full_memory": 1.2, "lora_time": 1.1, "lora_memory": 1.1}
-FULL = {"layers": 12, "width": 768, "heads": 12, "gpt2_vocab": 50257, "bert_vocab": 30522, "seq_len": 128,
-        "batch_size": 16, "steps": 4, "warmup_steps": 1, "probe_steps": 2, "lora_r": 8}
-SMOKE = {"layers": 1, "width": 32, "heads": 2, "gpt2_vocab": 101, "bert_vocab": 101, "seq_len": 16,
-         "batch_size": 8, "steps": 1, "warmup_steps": 1, "probe_steps": 1, "lora_r": 8}
+FULL = {
+    "layers": 12,
+    "width": 768,
+    "heads": 12,
+    "gpt2_vocab": 50257,
+    "bert_vocab": 30522,
+    "seq_len": 128,
+    "batch_size": 16,
+    "steps": 4,
+    "warmup_steps": 1,
+    "probe_steps": 2,
+    "lora_r": 8,
+}
+SMOKE = {
+    "layers": 1,
+    "width": 32,
+    "heads": 2,
+    "gpt2_vocab": 101,
+    "bert_vocab": 101,
+    "seq_len": 16,
+    "batch_size": 8,
+    "steps": 1,
+    "warmup_steps": 1,
+    "probe_steps": 1,
+    "lora_r": 8,
+}
 
 
 # --- one configuration (runs in a fresh subprocess) ---------------------------------------------
@@ -77,11 +100,26 @@ def build_model(spec: dict):
     torch.manual_seed(spec["seed"])
     d, layers, heads = spec["width"], spec["layers"], spec["heads"]
     if spec["model"] == "bert_cls":
-        return BertForSequenceClassification(BertConfig(
-            vocab_size=spec["bert_vocab"], hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-            intermediate_size=4 * d, max_position_embeddings=max(512, spec["seq_len"]), num_labels=2)), "cls"
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=spec["gpt2_vocab"], n_positions=max(1024, spec["seq_len"]),
-                                       n_embd=d, n_layer=layers, n_head=heads))
+        return BertForSequenceClassification(
+            BertConfig(
+                vocab_size=spec["bert_vocab"],
+                hidden_size=d,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                intermediate_size=4 * d,
+                max_position_embeddings=max(512, spec["seq_len"]),
+                num_labels=2,
+            )
+        ), "cls"
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=spec["gpt2_vocab"],
+            n_positions=max(1024, spec["seq_len"]),
+            n_embd=d,
+            n_layer=layers,
+            n_head=heads,
+        )
+    )
     if spec["model"] == "gpt2_lora":
         from peft import LoraConfig, get_peft_model
 
@@ -106,13 +144,16 @@ def _losses(task: str):
     from idpsgd.integrations.hf.losses import PerExampleLoss
 
     if task == "cls":
-        return (lambda m, x, y: F.cross_entropy(m(input_ids=x).logits, y),
-                lambda crit, m, x, y: crit(m(input_ids=x).logits, y))
+        return (
+            lambda m, x, y: F.cross_entropy(m(input_ids=x).logits, y),
+            lambda crit, m, x, y: crit(m(input_ids=x).logits, y),
+        )
     per_example = PerExampleLoss("causal_lm")
 
     def ghost(crit, m, x, y):
         logits = m(input_ids=x).logits[:, :-1]
         return crit(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1), shape=logits.shape[:2])
+
     return (lambda m, x, y: per_example(m(input_ids=x), y).mean()), ghost
 
 
@@ -134,8 +175,12 @@ def run_config(spec: dict) -> dict:
     n, b = len(x), spec["batch_size"]
     loss_fn, ghost_loss = _losses(task)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    loader = DataLoader(TensorDataset(x, y), batch_size=b, shuffle=spec["config"] == "nonprivate",
-                        generator=torch.Generator().manual_seed(spec["seed"]))
+    loader = DataLoader(
+        TensorDataset(x, y),
+        batch_size=b,
+        shuffle=spec["config"] == "nonprivate",
+        generator=torch.Generator().manual_seed(spec["seed"]),
+    )
     config, engine, sigma, criterion = spec["config"], None, None, None
     total_steps = spec["warmup_steps"] + max(spec["steps"], spec["probe_steps"])
     result = {"n": n, "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -151,8 +196,16 @@ def run_config(spec: dict) -> dict:
 
                     engine = IndividualizedPrivacyEngine(seed=spec["seed"])
                     model, optimizer, loader = engine.make_private(
-                        module=model, optimizer=optimizer, data_loader=loader, budgets=budgets, method="scale",
-                        steps=total_steps, max_grad_norm=CLIP, sample_rate=b / n, grad_sample_mode="bk")
+                        module=model,
+                        optimizer=optimizer,
+                        data_loader=loader,
+                        budgets=budgets,
+                        method="scale",
+                        steps=total_steps,
+                        max_grad_norm=CLIP,
+                        sample_rate=b / n,
+                        grad_sample_mode="bk",
+                    )
                     sigma = engine.parameters["noise_multiplier"]
                 else:
                     from opacus import PrivacyEngine
@@ -160,10 +213,16 @@ def run_config(spec: dict) -> dict:
 
                     sigma = assign(budgets, "scale", b / n, total_steps, CLIP, "rdp").noise_multiplier
                     model, optimizer, criterion, loader = PrivacyEngine().make_private(
-                        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
-                        max_grad_norm=CLIP, poisson_sampling=True, grad_sample_mode="ghost",
-                        criterion=nn.CrossEntropyLoss())
-    except Exception as exc:                     # this private mode refuses the model
+                        module=model,
+                        optimizer=optimizer,
+                        data_loader=loader,
+                        noise_multiplier=sigma,
+                        max_grad_norm=CLIP,
+                        poisson_sampling=True,
+                        grad_sample_mode="ghost",
+                        criterion=nn.CrossEntropyLoss(),
+                    )
+    except Exception as exc:  # this private mode refuses the model
         return {**result, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     cuda = device.type == "cuda"
 
@@ -185,9 +244,9 @@ def run_config(spec: dict) -> dict:
             if len(xb):
                 loss = ghost_loss(criterion, model, xb, yb) if criterion is not None else loss_fn(model, xb, yb)
                 loss.backward()
-            elif criterion is not None:           # Opacus cannot take an empty batch through the model
+            elif criterion is not None:  # Opacus cannot take an empty batch through the model
                 continue
-            optimizer.step()                     # ours: an empty batch is a noise-only step
+            optimizer.step()  # ours: an empty batch is a noise-only step
             examples += len(xb)
         return examples
 
@@ -207,10 +266,17 @@ def run_config(spec: dict) -> dict:
     except Exception as exc:
         return {**result, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     per = max(examples, 1)
-    result.update({"steps": spec["steps"], "examples": examples,
-                   "seconds_per_example": seconds / per if spec["steps"] else None,
-                   "cpu_seconds_per_example": cpu / per if spec["steps"] else None,
-                   "noise_multiplier": sigma, "rss_setup_mib": rss_setup, "rss_peak_mib": _maxrss_mib()})
+    result.update(
+        {
+            "steps": spec["steps"],
+            "examples": examples,
+            "seconds_per_example": seconds / per if spec["steps"] else None,
+            "cpu_seconds_per_example": cpu / per if spec["steps"] else None,
+            "noise_multiplier": sigma,
+            "rss_setup_mib": rss_setup,
+            "rss_peak_mib": _maxrss_mib(),
+        }
+    )
     result["peak_training_mib"] = result["rss_peak_mib"] - rss_setup
     if cuda:
         result["cuda_peak_training_mib"] = (torch.cuda.max_memory_allocated(device) - cuda_setup) / 2**20
@@ -224,15 +290,27 @@ def run_config(spec: dict) -> dict:
 
 
 # --- the comparison -----------------------------------------------------------------------------
-def measure_model(model: str, sizes: dict, *, device: str, repeats: int, threads: int, isolate: bool = True,
-                  memory: bool = True, log=print) -> dict:
+def measure_model(
+    model: str,
+    sizes: dict,
+    *,
+    device: str,
+    repeats: int,
+    threads: int,
+    isolate: bool = True,
+    memory: bool = True,
+    log=print,
+) -> dict:
     """Interleaved timing rounds, memory probes, medians and ratios for one model."""
-    runner = (lambda spec, probe=False: run_isolated(spec, probe, script=__file__)) if isolate else \
-        (lambda spec, probe=False: run_config(spec))
+    runner = (
+        (lambda spec, probe=False: run_isolated(spec, probe, script=__file__))
+        if isolate
+        else (lambda spec, probe=False: run_config(spec))
+    )
     raw: dict[str, list] = {c: [] for c in CONFIGS}
     loads = []
     for rnd in range(repeats):
-        for config in (CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS))):
+        for config in CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS)):
             spec = {"model": model, "config": config, "device": device, "threads": threads, "seed": rnd, **sizes}
             before = os.getloadavg()[0]
             r = runner(spec)
@@ -245,25 +323,56 @@ def measure_model(model: str, sizes: dict, *, device: str, repeats: int, threads
     configs = {}
     for c, runs in raw.items():
         ok = [r for r in runs if "error" not in r]
-        configs[c] = ({"error": runs[0]["error"]} if not ok else
-                      {"seconds_per_example_median": statistics.median(r["seconds_per_example"] for r in ok),
-                       "cpu_seconds_per_example_median": statistics.median(r["cpu_seconds_per_example"] for r in ok),
-                       **({"layer_paths": ok[0]["layer_paths"], "fallback_layers": ok[0]["fallback_layers"]}
-                          if "layer_paths" in ok[0] else {})})
-    out = {"sizes": sizes, "judged_on": primary, "configs": configs, "runs": raw,
-           "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}}
+        configs[c] = (
+            {"error": runs[0]["error"]}
+            if not ok
+            else {
+                "seconds_per_example_median": statistics.median(r["seconds_per_example"] for r in ok),
+                "cpu_seconds_per_example_median": statistics.median(r["cpu_seconds_per_example"] for r in ok),
+                **(
+                    {"layer_paths": ok[0]["layer_paths"], "fallback_layers": ok[0]["fallback_layers"]}
+                    if "layer_paths" in ok[0]
+                    else {}
+                ),
+            }
+        )
+    out = {
+        "sizes": sizes,
+        "judged_on": primary,
+        "configs": configs,
+        "runs": raw,
+        "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+    }
     if memory and isolate:
         probes = {}
         for config in CONFIGS:
             if "error" in configs[config]:
                 continue
-            r = run_isolated({"model": model, "config": config, "device": device, "threads": threads, "seed": 0,
-                              **sizes, "steps": 0}, probe=True, script=__file__)
-            probes[config] = {k: r[k] for k in ("rss_peak_mib", "rss_setup_mib", "peak_training_mib",
-                                                "cuda_peak_training_mib") if k in r}
+            r = run_isolated(
+                {
+                    "model": model,
+                    "config": config,
+                    "device": device,
+                    "threads": threads,
+                    "seed": 0,
+                    **sizes,
+                    "steps": 0,
+                },
+                probe=True,
+                script=__file__,
+            )
+            probes[config] = {
+                k: r[k]
+                for k in ("rss_peak_mib", "rss_setup_mib", "peak_training_mib", "cuda_peak_training_mib")
+                if k in r
+            }
             log(f"  {model} memory probe {config:<13} peak RSS {r['rss_peak_mib']:.0f} MiB")
-        out["memory"] = {"steps": sizes["probe_steps"], "env": PROBE_ENV, "probes": probes,
-                         "source": "torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss"}
+        out["memory"] = {
+            "steps": sizes["probe_steps"],
+            "env": PROBE_ENV,
+            "probes": probes,
+            "source": "torch.cuda.max_memory_allocated" if device == "cuda" else "ru_maxrss",
+        }
     out["ratios"] = ratios(out, device)
     return out
 
@@ -294,41 +403,75 @@ def verdict(result: dict) -> dict:
             continue
         r = result[model]["ratios"]
         lora = model == "gpt2_lora"
-        t_goal, m_goal = (TARGETS["lora_time"], TARGETS["lora_memory"]) if lora else \
-            (TARGETS["full_time"], TARGETS["full_memory"])
+        t_goal, m_goal = (
+            (TARGETS["lora_time"], TARGETS["lora_memory"]) if lora else (TARGETS["full_time"], TARGETS["full_memory"])
+        )
         t, m = r.get("ours_bk_time_vs_nonprivate"), r.get("ours_bk_peak_memory_vs_nonprivate")
-        out[model] = {"time": t, "time_ok": None if t is None else t <= t_goal,
-                      "memory": m, "memory_ok": None if m is None else m <= m_goal,
-                      "runs": "error" not in result[model]["configs"]["ours_bk"]}
+        out[model] = {
+            "time": t,
+            "time_ok": None if t is None else t <= t_goal,
+            "memory": m,
+            "memory_ok": None if m is None else m <= m_goal,
+            "runs": "error" not in result[model]["configs"]["ours_bk"],
+        }
     return out
 
 
-def measure(*, device: str = "cpu", repeats: int = 2, threads: int = 1, smoke: bool = False, isolate: bool = True,
-            memory: bool = True, models=MODELS, layers: int | None = None, batch_size: int | None = None,
-            seq_len: int | None = None, steps: int | None = None, log=print) -> dict:
+def measure(
+    *,
+    device: str = "cpu",
+    repeats: int = 2,
+    threads: int = 1,
+    smoke: bool = False,
+    isolate: bool = True,
+    memory: bool = True,
+    models=MODELS,
+    layers: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    steps: int | None = None,
+    log=print,
+) -> dict:
     """The whole benchmark; the dict written to ``hf_cost.json``."""
     import opacus
     import torch
     import transformers
 
     sizes = dict(SMOKE if smoke else FULL)
-    for k, v in (("layers", layers), ("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps)):
-        if v is not None:
-            sizes[k] = v
-    sizes["n"] = max(4 * sizes["batch_size"], 64)      # Poisson rate B/n; n only sets the rate
+    given = {"layers": layers, "batch_size": batch_size, "seq_len": seq_len, "steps": steps}
+    sizes.update({k: v for k, v in given.items() if v is not None})
+    sizes["n"] = max(4 * sizes["batch_size"], 64)  # Poisson rate B/n; n only sets the rate
     t0 = time.perf_counter()
-    out = {"device": device, "threads": threads, "repeats": repeats, "smoke": smoke, "isolated_processes": isolate,
-           "torch": torch.__version__, "opacus": opacus.__version__, "transformers": transformers.__version__,
-           "cpu_count": os.cpu_count(), "targets": TARGETS, "clip_norm": CLIP, "delta": DELTA,
-           "layers": sizes["layers"], "layers_note": (f"{sizes['layers']} of GPT-2 small's / BERT-base's 12 layers"
-                                                      if sizes["layers"] != 12 else "12 layers (full size)"),
-           "note": ("interleaved rounds (order reversed every other round), a fresh process per run; per-example "
-                    "times cover the training steps only; the machine may be shared, see load_avg_1min per model")}
+    out = {
+        "device": device,
+        "threads": threads,
+        "repeats": repeats,
+        "smoke": smoke,
+        "isolated_processes": isolate,
+        "torch": torch.__version__,
+        "opacus": opacus.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "targets": TARGETS,
+        "clip_norm": CLIP,
+        "delta": DELTA,
+        "layers": sizes["layers"],
+        "layers_note": (
+            f"{sizes['layers']} of GPT-2 small's / BERT-base's 12 layers"
+            if sizes["layers"] != 12
+            else "12 layers (full size)"
+        ),
+        "note": (
+            "interleaved rounds (order reversed every other round), a fresh process per run; per-example "
+            "times cover the training steps only; the machine may be shared, see load_avg_1min per model"
+        ),
+    }
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
     for model in models:
-        out[model] = measure_model(model, sizes, device=device, repeats=repeats, threads=threads, isolate=isolate,
-                                   memory=memory, log=log)
+        out[model] = measure_model(
+            model, sizes, device=device, repeats=repeats, threads=threads, isolate=isolate, memory=memory, log=log
+        )
     out["verdict"] = verdict(out)
     out["wall_seconds"] = time.perf_counter() - t0
     return out
@@ -348,8 +491,10 @@ def table(result: dict) -> str:
             continue
         r = result[model]
         s = r["sizes"]
-        lines.append(f"{model} (d={s['width']}, seq {s['seq_len']}, B={s['batch_size']}; {r['judged_on']}, load avg "
-                     f"{r['load_avg_1min']['min']:.2f}-{r['load_avg_1min']['max']:.2f})")
+        lines.append(
+            f"{model} (d={s['width']}, seq {s['seq_len']}, B={s['batch_size']}; {r['judged_on']}, load avg "
+            f"{r['load_avg_1min']['min']:.2f}-{r['load_avg_1min']['max']:.2f})"
+        )
         mem = r.get("memory", {}).get("probes", {})
         for c in CONFIGS:
             cfg = r["configs"][c]
@@ -359,9 +504,14 @@ def table(result: dict) -> str:
             m = mem.get(c, {})
             t = r["ratios"].get(f"{c}_time_vs_nonprivate", 1.0 if c == "nonprivate" else None)
             mr = r["ratios"].get(f"{c}_peak_memory_vs_nonprivate", 1.0 if c == "nonprivate" and m else None)
-            lines.append(f"  {c:<13} {1e3 * cfg[r['judged_on'] + '_median']:>9.2f} ms/example  x{t:.2f}"
-                         + (f"   peak {m.get('cuda_peak_training_mib', m.get('rss_peak_mib')):.0f} MiB  x{mr:.2f}"
-                            if m and mr is not None else ""))
+            lines.append(
+                f"  {c:<13} {1e3 * cfg[r['judged_on'] + '_median']:>9.2f} ms/example  x{t:.2f}"
+                + (
+                    f"   peak {m.get('cuda_peak_training_mib', m.get('rss_peak_mib')):.0f} MiB  x{mr:.2f}"
+                    if m and mr is not None
+                    else ""
+                )
+            )
     lines.append("verdict: " + json.dumps(result.get("verdict")))
     return "\n".join(lines)
 
@@ -378,10 +528,14 @@ def main(argv=None) -> dict | None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (default 1)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for smoke tests (not a measurement)")
-    p.add_argument("--in-process", action="store_true", help="run every configuration in this process (no memory "
-                   "probes)")
-    p.add_argument("--out", default=None, help=f"result JSON (default {RESULT_PATH.relative_to(HERE.parent)}; with "
-                   "--smoke: none unless given)")
+    p.add_argument(
+        "--in-process", action="store_true", help="run every configuration in this process (no memory probes)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"result JSON (default {RESULT_PATH.relative_to(HERE.parent)}; with --smoke: none unless given)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
@@ -409,11 +563,25 @@ def main(argv=None) -> dict | None:
             raise InvalidParameterError(name, v, "must be an integer >= 1")
     if args.seq_len is not None and args.seq_len < 2:
         raise InvalidParameterError("seq_len", args.seq_len, "must be >= 2 (a language model predicts the next token)")
-    result = {"benchmark": "hf_cost", "machine": platform.platform(), "python": platform.python_version(),
-              **measure(device=device, repeats=args.repeats, threads=args.threads, smoke=args.smoke,
-                        isolate=not args.in_process, memory=not args.no_memory and not args.in_process,
-                        models=models, layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len,
-                        steps=args.steps, log=lambda s: print(s, file=sys.stderr))}
+    result = {
+        "benchmark": "hf_cost",
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        **measure(
+            device=device,
+            repeats=args.repeats,
+            threads=args.threads,
+            smoke=args.smoke,
+            isolate=not args.in_process,
+            memory=not args.no_memory and not args.in_process,
+            models=models,
+            layers=args.layers,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            steps=args.steps,
+            log=lambda s: print(s, file=sys.stderr),
+        ),
+    }
     out = args.out if args.out is not None else (None if args.smoke else RESULT_PATH)
     if out is not None:
         write_json(out, result)

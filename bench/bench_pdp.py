@@ -1,9 +1,11 @@
 """PDP-SGD benchmarks (Heo et al.)."""
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
+
 from common import bench
 
 
@@ -17,10 +19,15 @@ def bench_pdp_comparison():
     from idpsgd.training import TrainConfig, train
 
     data = load_dataset("digits")
-    runs = {"uniform (eps=1)": {"method": "uniform"}, "pdp-sampling": {"method": "pdp-sampling"},
-            "adapdp": {"method": "adapdp"}, "pdp-sgd (loss_f)": {"method": "pdp-sgd"},
-            "pdp-sgd (loss_a)": {"method": "pdp-sgd", "threshold_loss": "adaptive"},
-            "sample": {"method": "sample"}, "scale": {"method": "scale"}}
+    runs = {
+        "uniform (eps=1)": {"method": "uniform"},
+        "pdp-sampling": {"method": "pdp-sampling"},
+        "adapdp": {"method": "adapdp"},
+        "pdp-sgd (loss_f)": {"method": "pdp-sgd"},
+        "pdp-sgd (loss_a)": {"method": "pdp-sgd", "threshold_loss": "adaptive"},
+        "sample": {"method": "sample"},
+        "scale": {"method": "scale"},
+    }
     out = {"dataset": "digits", "budgets": "exponential, 20 groups in [1, 3], k = 0", "seeds": 5, "rounds": 3}
     for label, kw in runs.items():
         accs, secs, steps = [], [], []
@@ -32,11 +39,13 @@ def bench_pdp_comparison():
             accs.append(report["test_accuracy"])
             steps.append(report["steps"])
             assert all(g["epsilon_spent"] <= g["budget"] + 1e-12 for g in report["groups"])
-        out[label] = {"accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
-                      "seconds_mean": float(np.mean(secs)), "iterations_mean": float(np.mean(steps))}
+        out[label] = {
+            "accuracy_mean": float(np.mean(accs)),
+            "accuracy_std": float(np.std(accs)),
+            "seconds_mean": float(np.mean(secs)),
+            "iterations_mean": float(np.mean(steps)),
+        }
     return out
-
-
 
 
 @bench
@@ -51,12 +60,21 @@ def bench_pdp_options():
     from idpsgd.training.pdp import PdpOptions, train_pdp
 
     data = load_dataset("digits")
-    runs = {"uniform (eps=0.5)": None, "pdp-sgd loss_f": PdpOptions(),
-            "pdp-sgd loss_a": PdpOptions(threshold_loss="adaptive"),
-            "pdp-sgd loss_f + history": PdpOptions(noise_history=True),
-            "pdp-sgd loss_a + history": PdpOptions(threshold_loss="adaptive", noise_history=True)}
-    out = {"dataset": "digits", "budgets": "exponential, 20 groups in [0.5, 1], k = 0", "epochs": 10, "seeds": 5,
-           "rounds": 3, "delta": 1e-5}
+    runs = {
+        "uniform (eps=0.5)": None,
+        "pdp-sgd loss_f": PdpOptions(),
+        "pdp-sgd loss_a": PdpOptions(threshold_loss="adaptive"),
+        "pdp-sgd loss_f + history": PdpOptions(noise_history=True),
+        "pdp-sgd loss_a + history": PdpOptions(threshold_loss="adaptive", noise_history=True),
+    }
+    out = {
+        "dataset": "digits",
+        "budgets": "exponential, 20 groups in [0.5, 1], k = 0",
+        "epochs": 10,
+        "seeds": 5,
+        "rounds": 3,
+        "delta": 1e-5,
+    }
     for label, opts in runs.items():
         accs, first, sigmas, max_delta, final_minus_first = [], [], [], [], []
         for seed in range(5):
@@ -69,8 +87,12 @@ def bench_pdp_options():
                 sigmas.append(r["noise_multiplier"])
                 max_delta.append(r["max_delta"])
                 final_minus_first.append(r["test_accuracy"] - r["rounds"][0]["test_accuracy_round_model"])
-        out[label] = {"accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
-                      "first_threshold": first[0] if first else None, "noise_multipliers": sigmas[0] if sigmas else None,
-                      "max_delta": max(max_delta) if max_delta else None,
-                      "final_minus_round1_accuracy_mean": float(np.mean(final_minus_first)) if final_minus_first else None}
+        out[label] = {
+            "accuracy_mean": float(np.mean(accs)),
+            "accuracy_std": float(np.std(accs)),
+            "first_threshold": first[0] if first else None,
+            "noise_multipliers": sigmas[0] if sigmas else None,
+            "max_delta": max(max_delta) if max_delta else None,
+            "final_minus_round1_accuracy_mean": float(np.mean(final_minus_first)) if final_minus_first else None,
+        }
     return out

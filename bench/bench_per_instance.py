@@ -1,5 +1,6 @@
 """Per-instance DP benchmarks (Thudi et al.): the clip-norm trade-off, the paper's regime, and the speed of
 training many runs at once."""
+
 from __future__ import annotations
 
 import time
@@ -26,22 +27,46 @@ def bench_per_instance_clip_sweep():
     rows = []
     for c in CLIP_NORMS:
         t = time.perf_counter()
-        s = run_per_instance(data, points, runs=2, alpha=8, config=TrainConfig(clip_norm=c, lr=0.05 / c, epochs=30,
-                                                                                progress=False), epsilon=10.0)
-        rows.append({"clip_norm": c, "lr": 0.05 / c, "test_accuracy": s["test_accuracy"],
-                     "median_ratio": s["median_ratio_to_baseline"], "p10_ratio": s["p10_ratio_to_baseline"],
-                     "median_upper_ratio": s["median_upper_ratio_to_baseline"],
-                     "share_points_below_baseline_late": s["share_points_below_baseline_late"],
-                     "seconds": time.perf_counter() - t})
-    return {"dataset": "digits", "alpha": 8, "epsilon": 10.0, "batch_size": 128, "epochs": 30, "points": 10,
-            "runs_per_chain": 2, "target_set": "test", "sweep": rows}
+        s = run_per_instance(
+            data,
+            points,
+            runs=2,
+            alpha=8,
+            config=TrainConfig(clip_norm=c, lr=0.05 / c, epochs=30, progress=False),
+            epsilon=10.0,
+        )
+        rows.append(
+            {
+                "clip_norm": c,
+                "lr": 0.05 / c,
+                "test_accuracy": s["test_accuracy"],
+                "median_ratio": s["median_ratio_to_baseline"],
+                "p10_ratio": s["p10_ratio_to_baseline"],
+                "median_upper_ratio": s["median_upper_ratio_to_baseline"],
+                "share_points_below_baseline_late": s["share_points_below_baseline_late"],
+                "seconds": time.perf_counter() - t,
+            }
+        )
+    return {
+        "dataset": "digits",
+        "alpha": 8,
+        "epsilon": 10.0,
+        "batch_size": 128,
+        "epochs": 30,
+        "points": 10,
+        "runs_per_chain": 2,
+        "target_set": "test",
+        "sweep": rows,
+    }
 
 
 #: (label, expected batch, alpha, model, lr, momentum): the settings of issue 25 and the paper's regime
-REGIMES = (("B=128, alpha=8 (the earlier README setting)", 128, 8.0, None, 0.05, 0.9),
-           ("B=128, auto alpha", 128, None, None, 0.05, 0.9),
-           ("B=3 (q=0.002), auto alpha, mlp", 3, None, "mlp", 0.03, 0.0),
-           ("B=3 (q=0.002), alpha=8, mlp", 3, 8.0, "mlp", 0.03, 0.0))
+REGIMES = (
+    ("B=128, alpha=8 (the earlier README setting)", 128, 8.0, None, 0.05, 0.9),
+    ("B=128, auto alpha", 128, None, None, 0.05, 0.9),
+    ("B=3 (q=0.002), auto alpha, mlp", 3, None, "mlp", 0.03, 0.0),
+    ("B=3 (q=0.002), alpha=8, mlp", 3, 8.0, "mlp", 0.03, 0.0),
+)
 
 
 @bench
@@ -65,17 +90,26 @@ def bench_per_instance_regimes():
         t = time.perf_counter()
         cfg = TrainConfig(batch_size=batch, epochs=10, lr=lr, momentum=momentum, model=model, seed=0, progress=False)
         s = run_per_instance(data, points, runs=2, alpha=alpha, config=cfg, epsilon=10.0, checkpoint_every=5)
-        rows.append({"regime": label, "alpha": s["alpha"], "sample_rate": s["sample_rate"],
-                     "noise_multiplier": s["noise_multiplier"], "steps": s["steps"],
-                     "test_accuracy": s["test_accuracy"], "baseline_step_rdp": s["baseline_step_rdp"],
-                     "data_independent_rdp_at_alpha": s["baseline_rdp"],
-                     "median_late_step_ratio_add": s["median_late_step_ratio_add"],
-                     "median_late_step_ratio_remove": s["median_late_step_ratio_remove"],
-                     "median_late_thm32_ratio": s["median_late_thm32_ratio"],
-                     "median_ratio_to_baseline": s["median_ratio_to_baseline"],
-                     "median_ratio_to_same_composition": s["median_ratio_to_same_composition"],
-                     "share_points_below_baseline_late": s["share_points_below_baseline_late"],
-                     "engine": s["engine"], "seconds": time.perf_counter() - t})
+        rows.append(
+            {
+                "regime": label,
+                "alpha": s["alpha"],
+                "sample_rate": s["sample_rate"],
+                "noise_multiplier": s["noise_multiplier"],
+                "steps": s["steps"],
+                "test_accuracy": s["test_accuracy"],
+                "baseline_step_rdp": s["baseline_step_rdp"],
+                "data_independent_rdp_at_alpha": s["baseline_rdp"],
+                "median_late_step_ratio_add": s["median_late_step_ratio_add"],
+                "median_late_step_ratio_remove": s["median_late_step_ratio_remove"],
+                "median_late_thm32_ratio": s["median_late_thm32_ratio"],
+                "median_ratio_to_baseline": s["median_ratio_to_baseline"],
+                "median_ratio_to_same_composition": s["median_ratio_to_same_composition"],
+                "share_points_below_baseline_late": s["share_points_below_baseline_late"],
+                "engine": s["engine"],
+                "seconds": time.perf_counter() - t,
+            }
+        )
     return {"dataset": "digits", "epsilon": 10.0, "epochs": 10, "points": 10, "runs_per_chain": 2, "regimes": rows}
 
 
@@ -94,18 +128,41 @@ def bench_per_instance_engines():
 
     data = load_dataset("digits")
     n = len(data.y_train)
-    cfg = TrainConfig(method="uniform", epochs=1, batch_size=3, lr=0.03, momentum=0.0, model="mlp", seed=0,
-                      progress=False, grad_sample_mode="hooks")
+    cfg = TrainConfig(
+        method="uniform",
+        epochs=1,
+        batch_size=3,
+        lr=0.03,
+        momentum=0.0,
+        model="mlp",
+        seed=0,
+        progress=False,
+        grad_sample_mode="hooks",
+    )
     trainer = Trainer(data, Budgets.from_array(np.full(n, 10.0), 1e-5), cfg)
     t = time.perf_counter()
     trainer.run()
     opacus = (time.perf_counter() - t) / trainer.plan.steps
     torch.manual_seed(0)
-    pr = ParallelRuns(create_model("mlp", data.input_shape, data.num_classes), data.x_train, data.y_train,
-                      np.ones((42, n), bool), 3 / n, 0.477, 1.0, 3.0, 0.03, 0.0, seed=0)
+    pr = ParallelRuns(
+        create_model("mlp", data.input_shape, data.num_classes),
+        data.x_train,
+        data.y_train,
+        np.ones((42, n), bool),
+        3 / n,
+        0.477,
+        1.0,
+        3.0,
+        0.03,
+        0.0,
+        seed=0,
+    )
     t = time.perf_counter()
     for _ in range(200):
         pr.step()
     parallel = (time.perf_counter() - t) / 200
-    return {"opacus_seconds_per_step_one_run": opacus, "parallel_seconds_per_step_42_runs": parallel,
-            "speed_up_per_run_step": 42 * opacus / parallel}
+    return {
+        "opacus_seconds_per_step_one_run": opacus,
+        "parallel_seconds_per_step_42_runs": parallel,
+        "speed_up_per_run_step": 42 * opacus / parallel,
+    }

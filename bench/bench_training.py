@@ -1,4 +1,5 @@
 """Training benchmarks: speed against Opacus, demo accuracy, individual-accounting overhead."""
+
 from __future__ import annotations
 
 import time
@@ -52,15 +53,16 @@ def bench_demo_accuracy():
     for label, method, budgets, fractions in DEMO_RUNS:
         accs, spent = [], []
         for seed in seeds:
-            if fractions:
-                b = _demo_budgets(n, seed)
-            else:
-                b = Budgets.from_array([float(budgets)] * n, 1e-5)
+            b = _demo_budgets(n, seed) if fractions else Budgets.from_array([float(budgets)] * n, 1e-05)
             report = train(data, b, TrainConfig(method=method, seed=seed, progress=False))
             accs.append(report["test_accuracy"])
             spent.append([g["epsilon_spent"] for g in report["groups"]])
-        out[label] = {"accuracy_mean": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
-                      "accuracies": accs, "max_epsilon_spent_per_group": np.max(spent, axis=0).tolist()}
+        out[label] = {
+            "accuracy_mean": float(np.mean(accs)),
+            "accuracy_std": float(np.std(accs)),
+            "accuracies": accs,
+            "max_epsilon_spent_per_group": np.max(spent, axis=0).tolist(),
+        }
     return out
 
 
@@ -79,7 +81,7 @@ def bench_individual_overhead():
     out = {"dataset": "digits", "epochs": 30, "target_ratio": 1.5, "repeats": 5}
     configs = (("plain", {}), ("individual", {"individual_accounting": True, "validate_subset": 0}))
     times = {label: [] for label, _ in configs}
-    for _ in range(5):          # interleaved, best of 5: this machine's timings drift by ~15 %
+    for _ in range(5):  # interleaved, best of 5: this machine's timings drift by ~15 %
         for label, extra in configs:
             trainer = Trainer(data, budgets, TrainConfig(method="uniform", progress=False, **extra))
             t = time.perf_counter()
@@ -89,5 +91,3 @@ def bench_individual_overhead():
         out[f"{label}_seconds"] = min(ts)
     out["ratio"] = out["individual_seconds"] / out["plain_seconds"]
     return out
-
-

@@ -1,8 +1,8 @@
 """Shared helpers of the benchmarks: the registry (``@bench``), timing and the digits set-up."""
+
 from __future__ import annotations
 
 import time
-
 
 BENCHES = {}
 
@@ -48,12 +48,14 @@ def _opacus_epochs(data, sigma, cfg, epochs):
     torch.manual_seed(cfg.seed)
     model = create_model("digits_cnn", data.input_shape, data.num_classes)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.x_train, data.y_train),
-                                         batch_size=cfg.batch_size)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data.x_train, data.y_train), batch_size=cfg.batch_size
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
-                                                          noise_multiplier=sigma, max_grad_norm=cfg.clip_norm)
+        model, opt, loader = PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma, max_grad_norm=cfg.clip_norm
+        )
         t = time.perf_counter()
         for _ in range(epochs):
             for x, y in loader:
@@ -62,5 +64,3 @@ def _opacus_epochs(data, sigma, cfg, epochs):
                 opt.step()
             evaluate(model, data.x_test, data.y_test, data.num_classes)
     return time.perf_counter() - t
-
-

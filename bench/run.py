@@ -3,6 +3,7 @@
 Usage: python bench/run.py [NAME ...]   (default: all).  Speed targets live here, not in tests.
 Every ``bench_*.py`` module in this folder registers its benchmarks with ``@bench`` (common.py).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,8 +16,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-from common import BENCHES  # noqa: E402
-
+from common import BENCHES
 from idpsgd.io import write_json
 
 for _module in sorted(HERE.glob("bench_*.py")):
@@ -30,9 +30,13 @@ def main(argv):
         sys.exit(f"unknown benchmark(s) {unknown}; available: {sorted(BENCHES)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in names:
-        result = {"benchmark": name, "machine": platform.platform(), "python": platform.python_version(),
-                  **BENCHES[name]()}
-        write_json(RESULTS / f"{name}.json", result)     # atomic (idpsgd.io)
+        result = {
+            "benchmark": name,
+            "machine": platform.platform(),
+            "python": platform.python_version(),
+            **BENCHES[name](),
+        }
+        write_json(RESULTS / f"{name}.json", result)  # atomic (idpsgd.io)
         print(json.dumps(result, indent=2))
 
 

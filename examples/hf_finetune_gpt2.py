@@ -17,6 +17,7 @@ that gives each group its own guarantee, through ``idpsgd.integrations.hf.Indivi
   the texts (a tokenizer trained on the private texts would).
 * ``--tiny`` (or ``IDPSGD_EXAMPLE_TINY=1``): a one-layer model on 64 texts, one epoch — seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,20 +28,49 @@ from pathlib import Path
 
 import numpy as np
 
-SUBJECTS = ["the nurse", "a patient", "my neighbour", "the doctor", "our teacher", "a student", "the driver",
-            "his sister", "the clerk", "a visitor"]
+SUBJECTS = [
+    "the nurse",
+    "a patient",
+    "my neighbour",
+    "the doctor",
+    "our teacher",
+    "a student",
+    "the driver",
+    "his sister",
+    "the clerk",
+    "a visitor",
+]
 VERBS = ["visited", "called", "left", "reached", "cleaned", "opened", "closed", "painted", "watched", "found"]
-OBJECTS = ["the clinic", "the old house", "a small shop", "the river bank", "the station", "a quiet park",
-           "the library", "the market", "a red car", "the school"]
-TIMES = ["on monday", "at noon", "in the evening", "last week", "before dawn", "after lunch", "on friday",
-         "in spring", "yesterday", "at night"]
+OBJECTS = [
+    "the clinic",
+    "the old house",
+    "a small shop",
+    "the river bank",
+    "the station",
+    "a quiet park",
+    "the library",
+    "the market",
+    "a red car",
+    "the school",
+]
+TIMES = [
+    "on monday",
+    "at noon",
+    "in the evening",
+    "last week",
+    "before dawn",
+    "after lunch",
+    "on friday",
+    "in spring",
+    "yesterday",
+    "at night",
+]
 
 
 def synthetic_texts(n: int, seed: int) -> list[str]:
     """Short sentences from a fixed grammar (the example's stand-in for personal texts)."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(part) for part in (SUBJECTS, VERBS, OBJECTS, TIMES)) + "."
-            for _ in range(n)]
+    return [" ".join(rng.choice(part) for part in (SUBJECTS, VERBS, OBJECTS, TIMES)) + "." for _ in range(n)]
 
 
 def read_texts(path: str) -> list[str]:
@@ -77,18 +107,29 @@ def main(argv=None) -> dict:
     p.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank (default 0: all weights)")
     p.add_argument("--epochs", type=float, help="passes over the data (default 3; tiny 1)")
     p.add_argument("--out", default="runs/hf_gpt2", help="run folder (default runs/hf_gpt2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data split, groups, model and noise (default 0; "
-                   "a real run leaves the privacy seed to OS entropy)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the data split, groups, model and noise (default 0; "
+        "a real run leaves the privacy seed to OS entropy)",
+    )
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (also IDPSGD_EXAMPLE_TINY=1)")
     args = p.parse_args(argv)
     tiny = args.tiny or os.environ.get("IDPSGD_EXAMPLE_TINY") == "1"
 
+    import datasets
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, GPT2Config,
-                              GPT2LMHeadModel, TrainingArguments)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        GPT2Config,
+        GPT2LMHeadModel,
+        TrainingArguments,
+    )
     from transformers.trainer_callback import PrinterCallback
 
-    import datasets
     from idpsgd import Budgets
     from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 
@@ -106,9 +147,18 @@ def main(argv=None) -> dict:
     else:
         tok = byte_level_tokenizer()
         layers, width, heads = (1, 16, 2) if tiny else (4, 128, 4)
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=max_length, n_layer=layers, n_embd=width,
-                                           n_head=heads, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                                           pad_token_id=tok.pad_token_id))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=len(tok),
+                n_positions=max_length,
+                n_layer=layers,
+                n_embd=width,
+                n_head=heads,
+                bos_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -121,26 +171,48 @@ def main(argv=None) -> dict:
     # two consent groups, half each, assigned at random: epsilon 1 and epsilon 8
     budgets = Budgets.from_groups([1.0, 8.0], [0.5, 0.5], len(train_texts), delta=1e-5, seed=args.seed)
     targs = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=8 if tiny else 32,
-        gradient_accumulation_steps=1 if tiny else 2, num_train_epochs=args.epochs or (1 if tiny else 3),
-        learning_rate=1e-2 if tiny else 2e-3, max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch",
-        save_strategy="no", logging_strategy="epoch", report_to=[], disable_tqdm=True, use_cpu=True, seed=args.seed)
+        output_dir=args.out,
+        per_device_train_batch_size=8 if tiny else 32,
+        gradient_accumulation_steps=1 if tiny else 2,
+        num_train_epochs=args.epochs or (1 if tiny else 3),
+        learning_rate=1e-2 if tiny else 2e-3,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        save_strategy="no",
+        logging_strategy="epoch",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=args.seed,
+    )
     trainer = IndividualizedTrainer(
-        model=model, args=targs, train_dataset=encode(train_texts), eval_dataset=encode(test_texts),
-        processing_class=tok, data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        model=model,
+        args=targs,
+        train_dataset=encode(train_texts),
+        eval_dataset=encode(test_texts),
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
         privacy=PrivacyArguments(budgets=budgets, method="scale", seed=args.seed, overwrite=True),
-        dataset_name=Path(args.data).name if args.data else "synthetic sentences")
+        dataset_name=Path(args.data).name if args.data else "synthetic sentences",
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     report = trainer.report
-    print(f"{report['model']}: {report['steps']} DP-SGD steps (Scale, expected batch {report['batch_size']}, "
-          f"clip norm {report['clip_norm']:g}, noise multiplier {report['noise_multiplier']:.3f})")
+    print(
+        f"{report['model']}: {report['steps']} DP-SGD steps (Scale, expected batch {report['batch_size']}, "
+        f"clip norm {report['clip_norm']:g}, noise multiplier {report['noise_multiplier']:.3f})"
+    )
     for g in report["groups"]:
-        print(f"  group with budget {g['budget']:g}: {g['count']} texts, epsilon spent {g['epsilon_spent']:.3f} "
-              f"(delta {g['delta']:g}), clip norm {g['clip_norm']:.3f}")
+        print(
+            f"  group with budget {g['budget']:g}: {g['count']} texts, epsilon spent {g['epsilon_spent']:.3f} "
+            f"(delta {g['delta']:g}), clip norm {g['clip_norm']:.3f}"
+        )
     ppl = report["test_metrics"]["test_perplexity"]
-    print(f"test perplexity {ppl:.2f} on {report['test_metrics']['test_examples']} held-out texts "
-          f"(uniform over the vocabulary: {len(tok)})")
+    print(
+        f"test perplexity {ppl:.2f} on {report['test_metrics']['test_examples']} held-out texts "
+        f"(uniform over the vocabulary: {len(tok)})"
+    )
     print(f"run folder: {args.out} (model/, report.html; private/ holds the per-example values)")
     if not math.isfinite(ppl):
         sys.exit("the test perplexity is not finite")

@@ -14,6 +14,7 @@ Each case is ``(command, arguments, needle)``:
 Every case must exit with code 2, print exactly one line on stderr, no traceback, and stop before any
 training step.  Commands that do not exist (yet) are skipped.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -27,9 +28,9 @@ BASE = {
     "epsilon": "--sample-rate 0.01 --noise-multiplier 1 --steps 10 --delta 1e-5",
     "noise-multiplier": "--epsilon 1 --sample-rate 0.01 --steps 100 --delta 1e-5",
     "assign": "--method sample --budgets 1,2 --fractions 0.5,0.5 --delta 1e-5 --sample-rate 0.01 --steps 100 "
-              "--clip-norm 1",
+    "--clip-norm 1",
     "account": "--norms {tmp}/norms.npz --sample-rate 0.01 --noise-multiplier 1 --clip-norm 1 --delta 1e-5 "
-               "--out {tmp}/acc --overwrite",
+    "--out {tmp}/acc --overwrite",
     "train": "--method sample --budgets 1,2 --fractions 0.5,0.5 --epochs 1 --out {tmp}/run --no-progress",
     "demo": "--epochs 1 --out {tmp}/demo --no-progress",
     "per-instance": "--points 0,1 --runs 1 --epochs 1 --out {tmp}/pi --no-progress",
@@ -45,8 +46,7 @@ CASES = [
     # --- unknown command / flag ---------------------------------------------------------------
     ("!", "frobnicate", "'frobnicate'"),
     ("epsilon", "--frobnicate 1", "--frobnicate"),
-    ("train", "--lr", "--lr"),                                           # flag without its value
-
+    ("train", "--lr", "--lr"),  # flag without its value
     # --- epsilon ------------------------------------------------------------------------------
     ("epsilon", "--sample-rate 0", "--sample-rate=0"),
     ("epsilon", "--sample-rate -0.1", "--sample-rate=-0.1"),
@@ -74,22 +74,20 @@ CASES = [
     ("epsilon", "--accountant pld --sample-rate 1 --noise-multiplier 0.001 --steps 100", "--noise-multiplier"),
     ("epsilon", "--accountant pld --steps 1000000000000", "--steps=1000000000000"),
     ("!epsilon", "--sample-rate 0.01 --steps 10 --delta 1e-5", "--noise-multiplier"),
-
     # --- noise-multiplier ---------------------------------------------------------------------
     ("noise-multiplier", "--epsilon 0", "--epsilon=0"),
     ("noise-multiplier", "--epsilon -1", "--epsilon=-1"),
     ("noise-multiplier", "--epsilon nan", "--epsilon=nan"),
     ("noise-multiplier", "--epsilon inf", "--epsilon=inf"),
     ("noise-multiplier", "--epsilon abc", "--epsilon='abc'"),
-    ("noise-multiplier", "--epsilon 1e6", "--epsilon=1e+06"),          # unreachable: σ would be < the bracket
-    ("noise-multiplier", "--epsilon 1e-9", "--epsilon=1e-09"),           # unreachable (σ explodes)
+    ("noise-multiplier", "--epsilon 1e6", "--epsilon=1e+06"),  # unreachable: σ would be < the bracket
+    ("noise-multiplier", "--epsilon 1e-9", "--epsilon=1e-09"),  # unreachable (σ explodes)
     ("noise-multiplier", "--epsilon 1e-9 --accountant pld", "--epsilon=1e-09"),
     ("noise-multiplier", "--sample-rate 0", "--sample-rate=0"),
     ("noise-multiplier", "--sample-rate 2", "--sample-rate=2"),
     ("noise-multiplier", "--steps 0", "--steps=0"),
     ("noise-multiplier", "--delta 1", "--delta=1"),
     ("noise-multiplier", "--delta 0", "--delta=0"),
-
     # --- assign -------------------------------------------------------------------------------
     ("assign", "--method foo", "--method='foo'"),
     ("assign", "--budgets 0,2", "--budgets=0"),
@@ -100,15 +98,18 @@ CASES = [
     ("assign", "--budgets 1,1", "--budgets=1"),
     ("assign", "--budgets a,b", "--budgets='a,b'"),
     ("assign", "--budgets ''", "--budgets"),
-    ("assign", "--budgets 1,2,3", "--fractions=0.5,0.5"),                 # mismatched lengths
+    ("assign", "--budgets 1,2,3", "--fractions=0.5,0.5"),  # mismatched lengths
     ("assign", "--fractions 0.5,0.6", "--fractions=0.5,0.6"),
     ("assign", "--fractions 0.5", "--fractions=0.5"),
     ("assign", "--fractions 1.5,-0.5", "--fractions=1.5,-0.5"),
     ("assign", "--fractions=1.5,-0.5", "--fractions=1.5,-0.5"),
     ("assign", "--fractions nan,0.5", "--fractions=nan,0.5"),
     ("assign", "--fractions 0,1", "--fractions=0.0,1.0"),
-    ("!assign", "--method sample --budgets 1,2 --delta 1e-5 --sample-rate 0.01 --steps 100 --clip-norm 1",
-     "--fractions"),
+    (
+        "!assign",
+        "--method sample --budgets 1,2 --delta 1e-5 --sample-rate 0.01 --steps 100 --clip-norm 1",
+        "--fractions",
+    ),
     ("assign", "--delta 1", "--delta=1"),
     ("assign", "--delta 0", "--delta=0"),
     ("assign", "--delta nan", "--delta=nan"),
@@ -125,7 +126,7 @@ CASES = [
     ("assign", "--num-examples -3", "--num-examples=-3"),
     ("assign", "--num-examples 1.5", "--num-examples='1.5'"),
     ("assign", "--budgets 1,2,3 --fractions 0.3,0.3,0.4 --num-examples 2", "--num-examples=2"),
-    ("assign", "--budgets 1e-6,2", "--budgets"),                          # unreachable ε
+    ("assign", "--budgets 1e-6,2", "--budgets"),  # unreachable ε
     ("assign", "--budgets-file {tmp}/missing.csv", "--budgets-file={tmp}/missing.csv"),
     ("assign", "--budgets-file {tmp}/empty.csv", "--budgets-file={tmp}/empty.csv"),
     ("assign", "--budgets-file {tmp}/header_only.csv", "--budgets-file='{tmp}/header_only.csv'"),
@@ -135,7 +136,7 @@ CASES = [
     ("assign", "--budgets-file {tmp}/missing_field.csv", "--budgets-file='{tmp}/missing_field.csv'"),
     ("assign", "--budgets-file {tmp}/latin1.csv", "--budgets-file='{tmp}/latin1.csv'"),
     ("assign", "--budgets-file {tmp}/budgets.csv --budget-column foo", "--budget-column='foo'"),
-    ("assign", "--budgets-file {tmp}", "--budgets-file={tmp}"),           # a folder
+    ("assign", "--budgets-file {tmp}", "--budgets-file={tmp}"),  # a folder
     ("assign", "--budget-distribution exponential --num-examples 100 --range 1", "--range='1'"),
     ("assign", "--budget-distribution exponential --num-examples 100 --range 2,1", "--range"),
     ("assign", "--budget-distribution exponential --num-examples 100 --range 0,1", "--range"),
@@ -147,7 +148,6 @@ CASES = [
     ("assign", "--accountant foo", "--accountant='foo'"),
     ("assign", "--num-examples 100 --seed -1", "--seed=-1"),
     ("assign", "--seed abc", "--seed='abc'"),
-
     # --- account ------------------------------------------------------------------------------
     ("account", "--norms {tmp}/missing.npz", "--norms={tmp}/missing.npz"),
     ("account", "--norms {tmp}/empty.npz", "--norms='{tmp}/empty.npz'"),
@@ -161,7 +161,7 @@ CASES = [
     ("account", "--norms {tmp}/zero_steps.npz", "--norms='{tmp}/zero_steps.npz'"),
     ("account", "--norms {tmp}/norms_3d.npz", "--norms='{tmp}/norms_3d.npz'"),
     ("account", "--norms {tmp}/pickled.npz", "--norms='{tmp}/pickled.npz'"),
-    ("account", "--norms {tmp}", "--norms={tmp}"),                        # a folder
+    ("account", "--norms {tmp}", "--norms={tmp}"),  # a folder
     ("account", "--sample-rate 0", "--sample-rate=0"),
     ("account", "--sample-rate 1.5", "--sample-rate=1.5"),
     ("account", "--noise-multiplier 0", "--noise-multiplier=0"),
@@ -181,7 +181,6 @@ CASES = [
     ("account", "--out {tmp}/afile/sub", "--out='{tmp}/afile/sub'"),
     ("account", "--out ''", "--out=''"),
     ("!account", "--norms {tmp}/norms.npz --delta 1e-5 --out {tmp}/acc2", "--sample-rate"),
-
     # --- train: hyperparameters ---------------------------------------------------------------
     ("train", "--epochs 0", "--epochs=0"),
     ("train", "--epochs -1", "--epochs=-1"),
@@ -211,7 +210,7 @@ CASES = [
     ("train", "--method exclude --exclude-below 0", "--exclude-below=0"),
     ("train", "--method exclude --exclude-below nan", "--exclude-below=nan"),
     ("train", "--model foo", "--model='foo'"),
-    ("train", "--model heo_svhn", "--model='heo_svhn'"),                  # too big for 8x8 images
+    ("train", "--model heo_svhn", "--model='heo_svhn'"),  # too big for 8x8 images
     ("train", "--device foo", "--device='foo'"),
     ("train", "--grad-sample-mode foo", "--grad-sample-mode='foo'"),
     ("train", "--accountant foo", "--accountant='foo'"),
@@ -228,13 +227,13 @@ CASES = [
     ("train", "--budgets nan,2", "--budgets=nan"),
     ("train", "--fractions 0.5,0.6", "--fractions=0.5,0.6"),
     ("train", "--fractions 0.2,0.3,0.5", "--fractions=0.2,0.3,0.5"),
-    ("train", "--budgets 1e-9,2", "--budgets"),                           # unreachable ε
+    ("train", "--budgets 1e-9,2", "--budgets"),  # unreachable ε
     ("!train", "--method sample --epochs 1 --out {tmp}/run", "--budgets"),
-    ("train", "--budgets-file {tmp}/budgets.csv", "--budgets-file='{tmp}/budgets.csv'"),   # wrong row count
+    ("train", "--budgets-file {tmp}/budgets.csv", "--budgets-file='{tmp}/budgets.csv'"),  # wrong row count
     ("train", "--budgets-file {tmp}/empty.csv", "--budgets-file={tmp}/empty.csv"),
     ("train", "--budgets-file {tmp}/nan_budget.csv", "--budgets-file='{tmp}/nan_budget.csv'"),
     ("train", "--budgets-file {tmp}/missing.csv", "--budgets-file={tmp}/missing.csv"),
-    ("train", "--budgets-per-class 0:1", "--budgets-per-class='0:1'"),   # classes 1..9 missing
+    ("train", "--budgets-per-class 0:1", "--budgets-per-class='0:1'"),  # classes 1..9 missing
     ("train", "--budgets-per-class 0:x", "--budgets-per-class='0:x'"),
     ("train", "--budgets-per-class 0:-1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1", "--budgets-per-class"),
     ("train", "--budgets-per-class 0:1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1,11:2", "no training example has"),
@@ -244,8 +243,8 @@ CASES = [
     ("train", "--dataset foo", "--dataset='foo'"),
     ("train", "--dataset mnist", "--data-dir"),
     ("train", "--dataset mnist --data-dir {tmp}/nowhere", "--data-dir={tmp}/nowhere"),
-    ("train", "--data-dir {tmp}", "--data-dir='{tmp}'"),                  # digits is bundled
-    ("train", "--label-column y", "--label-column='y'"),                  # only for csv
+    ("train", "--data-dir {tmp}", "--data-dir='{tmp}'"),  # digits is bundled
+    ("train", "--label-column y", "--label-column='y'"),  # only for csv
     ("train", CSV + "csv_ragged", "--data-dir={tmp}/csv_ragged"),
     ("train", CSV + "csv_one_member_class", "--data-dir={tmp}/csv_one_member_class"),
     ("train", CSV + "csv_one_row", "--data-dir={tmp}/csv_one_row"),
@@ -256,15 +255,15 @@ CASES = [
     ("train", CSV + "csv_latin1", "--data-dir={tmp}/csv_latin1"),
     ("train", CSV + "csv_no_train", "--data-dir={tmp}/csv_no_train"),
     ("train", CSV + "csv_good --label-column y", "--data-dir={tmp}/csv_good"),
-    ("train", CSV + "csv_good --feature-columns a,zz", "--feature-columns='a,zz'"),      # no column zz
+    ("train", CSV + "csv_good --feature-columns a,zz", "--feature-columns='a,zz'"),  # no column zz
     ("train", CSV + "csv_good --feature-columns a,label", "--feature-columns='a,label'"),  # the label
-    ("train", CSV + "csv_good --feature-columns a,,b", "--feature-columns='a,,b'"),      # an empty name
-    ("train", CSV + "csv_good --feature-columns a,a", "--feature-columns='a,a'"),        # twice
+    ("train", CSV + "csv_good --feature-columns a,,b", "--feature-columns='a,,b'"),  # an empty name
+    ("train", CSV + "csv_good --feature-columns a,a", "--feature-columns='a,a'"),  # twice
     ("train", CSV + "csv_good --drop-columns zz", "--drop-columns='zz'"),
     ("train", CSV + "csv_good --drop-columns label", "--drop-columns='label'"),
-    ("train", CSV + "csv_good --feature-columns a --drop-columns b", "--drop-columns='b'"),   # not both
-    ("train", "--feature-columns a", "--feature-columns='a'"),                       # only for csv
-    ("train", "--drop-columns a", "--drop-columns='a'"),                             # only for csv
+    ("train", CSV + "csv_good --feature-columns a --drop-columns b", "--drop-columns='b'"),  # not both
+    ("train", "--feature-columns a", "--feature-columns='a'"),  # only for csv
+    ("train", "--drop-columns a", "--drop-columns='a'"),  # only for csv
     ("train", CSV + "csv_text_cell", "--data-dir={tmp}/csv_text_cell"),
     ("train", "--dataset mnist --data-dir {tmp}/mnist_label_10", "--data-dir={tmp}/mnist_label_10"),
     ("train", "--dataset mnist --data-dir {tmp}/mnist_truncated", "--data-dir={tmp}/mnist_truncated"),
@@ -277,18 +276,24 @@ CASES = [
     ("train", "--normalization 0.5,0", "--normalization='0.5,0'"),
     ("train", "--normalization 0.5,nan", "--normalization='0.5,nan'"),
     ("train", "--normalization private", "--normalization-epsilon"),
-    ("train", "--normalization private --normalization-epsilon 0 --normalization-delta 1e-6",
-     "--normalization-epsilon=0"),
-    ("train", "--normalization private --normalization-epsilon 0.1 --normalization-delta 1",
-     "--normalization-delta=1"),
-    ("train", "--normalization-epsilon 0.1", "--normalization-epsilon=0.1"),   # without private
-    ("train", CSV + "csv_good --normalization private --normalization-epsilon 0.1 --normalization-delta 1e-6 "
-     "--feature-range 1,0", "--feature-range='1,0'"),
+    (
+        "train",
+        "--normalization private --normalization-epsilon 0 --normalization-delta 1e-6",
+        "--normalization-epsilon=0",
+    ),
+    ("train", "--normalization private --normalization-epsilon 0.1 --normalization-delta 1", "--normalization-delta=1"),
+    ("train", "--normalization-epsilon 0.1", "--normalization-epsilon=0.1"),  # without private
+    (
+        "train",
+        CSV + "csv_good --normalization private --normalization-epsilon 0.1 --normalization-delta 1e-6 "
+        "--feature-range 1,0",
+        "--feature-range='1,0'",
+    ),
     # --- train: output folder and resume ------------------------------------------------------
     ("train", "--out {tmp}/afile", "--out='{tmp}/afile'"),
     ("train", "--out {tmp}/afile/sub", "--out='{tmp}/afile/sub'"),
     ("train", "--out ''", "--out=''"),
-    ("train", "--out {tmp}/old_run", "--out='{tmp}/old_run'"),           # another run's folder
+    ("train", "--out {tmp}/old_run", "--out='{tmp}/old_run'"),  # another run's folder
     ("train", "--out {tmp}/ckpt_garbage --resume", "checkpoint.pt"),
     ("train", "--out {tmp}/ckpt_empty --resume", "checkpoint.pt"),
     ("train", "--out {tmp}/ckpt_foreign --resume", "checkpoint.pt"),
@@ -321,7 +326,6 @@ CASES = [
     ("train", "--filter individual --filter-extend 0.5", "--filter-extend=0.5"),
     ("train", "--filter individual --accountant pld", "--accountant='pld'"),
     ("train", "--filter foo", "--filter='foo'"),
-
     # --- demo ---------------------------------------------------------------------------------
     ("demo", "--seed -1", "--seed=-1"),
     ("demo", "--seed abc", "--seed='abc'"),
@@ -338,7 +342,6 @@ CASES = [
     ("demo", "--out ''", "--out=''"),
     ("demo", "--out {tmp}/old_run", "--out='{tmp}/old_run'"),
     ("demo", "--secure-mode --seed 3", "--seed=3"),
-
     # --- per-instance -------------------------------------------------------------------------
     ("per-instance", "--epsilon 0", "--epsilon=0"),
     ("per-instance", "--epsilon -1", "--epsilon=-1"),
@@ -359,7 +362,7 @@ CASES = [
     ("per-instance", "--alpha nan", "--alpha=nan"),
     ("per-instance", "--alpha inf", "--alpha=inf"),
     ("per-instance", "--alpha x", "--alpha='x'"),
-    ("per-instance", "--update-rule mean --alpha 2.5", "--alpha=2.5"),     # Thm. 3.6 needs an integer order
+    ("per-instance", "--update-rule mean --alpha 2.5", "--alpha=2.5"),  # Thm. 3.6 needs an integer order
     ("per-instance", "--update-rule foo", "--update-rule='foo'"),
     ("per-instance", "--target-set foo", "--target-set='foo'"),
     ("per-instance", "--checkpoint-every 0", "--checkpoint-every=0"),
@@ -381,7 +384,6 @@ CASES = [
     ("per-instance", "--lr -1", "--lr=-1"),
     ("per-instance", "--out {tmp}/afile", "--out='{tmp}/afile'"),
     ("per-instance", "--out ''", "--out=''"),
-
     # --- reproduce ----------------------------------------------------------------------------
     ("!reproduce", "foo --out {tmp}/rep", "'foo'"),
     ("reproduce", "--seeds 0", "--seeds=0"),
@@ -410,7 +412,7 @@ CASES = [
     ("!reproduce", "boenisch-table2 --out {tmp}/rep --device foo", "--device='foo'"),
     ("!reproduce", "boenisch-table2 --out {tmp}/rep --model foo", "--model='foo'"),
     ("!reproduce", "boenisch-table2 --out {tmp}/rep --dataset mnist", "--data-dir"),
-    ("!reproduce", "boenisch-table2 --out {tmp}/rep --rounds 2", "--rounds"),          # heo-table1's flag only
+    ("!reproduce", "boenisch-table2 --out {tmp}/rep --rounds 2", "--rounds"),  # heo-table1's flag only
     ("!reproduce", "boenisch-table3 --out {tmp}/rep --seeds 0", "--seeds=0"),
     ("!reproduce", "boenisch-table3 --out {tmp}/rep --epsilon 0", "--epsilon=0"),
     ("!reproduce", "boenisch-table3 --out {tmp}/rep --epsilon 2 --epsilon-high 1", "--epsilon-high=1"),
@@ -443,14 +445,12 @@ CASES = [
     ("!reproduce", "thudi-figure1 --out {tmp}/rep --target-set foo", "--target-set='foo'"),
     ("!reproduce", "thudi-figure1 --out {tmp}/rep --device foo", "--device='foo'"),
     ("!reproduce", "thudi-figure1 --out {tmp}/rep --dataset mnist", "--data-dir"),
-
     # --- report -------------------------------------------------------------------------------
     ("report", "{tmp}/nowhere", "{tmp}/nowhere"),
     ("report", "{tmp}/afile", "{tmp}/afile"),
     ("report", "{tmp}/empty_dir", "{tmp}/empty_dir"),
     ("report", "{tmp}/bad_report", "{tmp}/bad_report"),
     ("report", "''", "''"),
-
     # --- audit (only where the command exists) ------------------------------------------------
     ("audit", "--method foo", "--method='foo'"),
     ("audit", "--seed -1", "--seed=-1"),
@@ -458,8 +458,8 @@ CASES = [
     ("audit", "--confidence 1.5", "--confidence=1.5"),
     ("audit", "--out {tmp}/afile", "--out='{tmp}/afile'"),
     ("audit", "--budgets 0,2", "--budgets=0"),
-    ("audit", "--batch-size 1000", "--batch-size=1000"),     # above the expected model's 718.5 examples
-    ("audit", "--budgets 0.001,2", "--budgets=0.001"),       # the one plan cannot be calibrated (no folder left)
+    ("audit", "--batch-size 1000", "--batch-size=1000"),  # above the expected model's 718.5 examples
+    ("audit", "--budgets 0.001,2", "--budgets=0.001"),  # the one plan cannot be calibrated (no folder left)
     # --- finetune (checked before the model is loaded; the model folders are stand-ins) -----------
     ("finetune", "--epochs 0", "--epochs=0"),
     ("finetune", "--epochs nan", "--epochs=nan"),
@@ -499,6 +499,7 @@ CASES = [
 
 # --- the files the cases read ----------------------------------------------------------------
 
+
 def _idx(array: np.ndarray) -> bytes:
     a = np.asarray(array, dtype=np.uint8)
     return struct.pack(">HBB", 0, 8, a.ndim) + struct.pack(">" + "I" * a.ndim, *a.shape) + a.tobytes()
@@ -517,6 +518,7 @@ class _RunsCode:
 
     def __reduce__(self):
         import os
+
         return os.system, (f"touch {self.marker}",)
 
 
@@ -557,7 +559,7 @@ def make_files(tmp: Path) -> Path:
         "empty_dir/.keep": "",
         "bad_report/report.json": "{ not json",
         "text.npz": "not an npz file",
-        "hf_model/config.json": "{}",                      # stand-ins: the cases stop before loading them
+        "hf_model/config.json": "{}",  # stand-ins: the cases stop before loading them
         "hf_model/model.safetensors": "",
         "hf_model/tokenizer.json": "{}",
         "hf_no_weights/config.json": "{}",
@@ -587,13 +589,16 @@ def make_files(tmp: Path) -> Path:
     (tmp / "ckpt_crafted/private").mkdir(parents=True)
     (tmp / "ckpt_crafted/private/checkpoint.pt").write_bytes(crafted)
     import torch
+
     (tmp / "ckpt_foreign/private").mkdir(parents=True)
     torch.save({"weights": torch.zeros(3)}, tmp / "ckpt_foreign/private/checkpoint.pt")
     # MNIST-like IDX files: labels > 9; truncated images
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (20, 28, 28)), np.arange(20) % 10
-    for folder, bad_labels, bad_images in (("mnist_label_10", np.full(20, 10), _idx(images)),
-                                           ("mnist_truncated", labels, _idx(images)[:500])):
+    for folder, bad_labels, bad_images in (
+        ("mnist_label_10", np.full(20, 10), _idx(images)),
+        ("mnist_truncated", labels, _idx(images)[:500]),
+    ):
         d = tmp / folder
         d.mkdir()
         (d / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(bad_images))

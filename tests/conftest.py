@@ -29,12 +29,14 @@ def crash_after_first_checkpoint(monkeypatch):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise CheckpointCrash
+
         monkeypatch.setattr(Trainer, "save_checkpoint", crash)
         try:
             with pytest.raises(CheckpointCrash):
                 yield
         finally:
             monkeypatch.setattr(Trainer, "save_checkpoint", original)
+
     return crashing
 
 

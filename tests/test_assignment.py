@@ -1,4 +1,5 @@
 """Budgets and the Uniform / Sample / Scale assignments (Boenisch et al. 2023)."""
+
 import json
 
 import numpy as np
@@ -26,7 +27,7 @@ def independent_epsilons(q, sigma, steps, delta):
         warnings.simplefilter("ignore")
         rdp = dpa._compute_rdp_poisson_subsampled_gaussian(q, sigma, [order]) * steps
     rdp_eps = dpa.compute_epsilon([order], rdp, delta)[0]
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)   # pessimistic: a bound
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)  # pessimistic: a bound
     pld.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
     return rdp_eps, pld.get_epsilon(delta)
 
@@ -141,13 +142,16 @@ def test_class_map_and_csv(tmp_path):
         Budgets.from_csv(tmp_path / "missing.csv", "eps", DELTA)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(budgets=[1, 2], fractions=[0.5, 0.6]), "sum to 1"),
-    (dict(budgets=[1, 2], fractions=[1.0]), "one entry per budget"),
-    (dict(budgets=[1, 0], fractions=[0.5, 0.5]), "budgets"),
-    (dict(budgets=[1, np.inf], fractions=[0.5, 0.5]), "budgets"),
-    (dict(budgets=[1, 2], fractions=[1.2, -0.2]), "fraction"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(budgets=[1, 2], fractions=[0.5, 0.6]), "sum to 1"),
+        (dict(budgets=[1, 2], fractions=[1.0]), "one entry per budget"),
+        (dict(budgets=[1, 0], fractions=[0.5, 0.5]), "budgets"),
+        (dict(budgets=[1, np.inf], fractions=[0.5, 0.5]), "budgets"),
+        (dict(budgets=[1, 2], fractions=[1.2, -0.2]), "fraction"),
+    ],
+)
 def test_bad_budgets(kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
         Budgets.from_groups(num_examples=100, delta=DELTA, **kwargs)
@@ -156,8 +160,24 @@ def test_bad_budgets(kwargs, match):
 
 
 def test_assign_cli_contract(capsys, tmp_path):
-    argv = ["assign", "--method", "scale", "--budgets", "1,2,3", "--fractions", "0.34,0.43,0.23",
-            "--delta", "1e-5", "--sample-rate", "0.02", "--steps", "400", "--clip-norm", "1.0", "--json"]
+    argv = [
+        "assign",
+        "--method",
+        "scale",
+        "--budgets",
+        "1,2,3",
+        "--fractions",
+        "0.34,0.43,0.23",
+        "--delta",
+        "1e-5",
+        "--sample-rate",
+        "0.02",
+        "--steps",
+        "400",
+        "--clip-norm",
+        "1.0",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"method", "accountant", "noise_multiplier", "sample_rate", "clip_norm", "groups"} <= set(out)
@@ -166,8 +186,29 @@ def test_assign_cli_contract(capsys, tmp_path):
         assert {"budget", "fraction", "sample_rate", "clip_norm", "noise_multiplier", "epsilon"} <= set(g)
     f = tmp_path / "b.csv"
     f.write_text("eps\n" + "\n".join(["1"] * 30 + ["3"] * 70) + "\n")
-    assert main(["assign", "--method", "sample", "--budgets-file", str(f), "--budget-column", "eps",
-                 "--delta", "1e-5", "--sample-rate", "0.02", "--steps", "400", "--clip-norm", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "assign",
+                "--method",
+                "sample",
+                "--budgets-file",
+                str(f),
+                "--budget-column",
+                "eps",
+                "--delta",
+                "1e-5",
+                "--sample-rate",
+                "0.02",
+                "--steps",
+                "400",
+                "--clip-norm",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [g["count"] for g in out["groups"]] == [30, 70]
     bad = list(argv)

@@ -1,4 +1,6 @@
 """The audit: ε lower bounds on mechanisms with known ε, LiRA statistics, and `idpsgd audit` end to end."""
+
+import itertools
 import json
 import math
 import os
@@ -14,6 +16,7 @@ from idpsgd.audit.shadows import subset
 from idpsgd.validation import InvalidParameterError
 
 # ---------------------------------------------------------------- bounds on known mechanisms
+
 
 def _randomized_response(eps, n, rng):
     member = rng.random(n) < 0.5
@@ -34,8 +37,9 @@ def test_clopper_pearson_matches_scipys_exact_interval():
 @pytest.mark.parametrize("eps", [0.5, 1.0, 2.0])
 def test_lower_bound_on_randomized_response_comes_close_to_its_epsilon(eps, rng):
     member, guess = _randomized_response(eps, 400_000, rng)
-    b = bounds.epsilon_from_counts(int((guess & member).sum()), int(member.sum()), int((guess & ~member).sum()),
-                                   int((~member).sum()), 1e-6)
+    b = bounds.epsilon_from_counts(
+        int((guess & member).sum()), int(member.sum()), int((guess & ~member).sum()), int((~member).sum()), 1e-6
+    )
     assert eps - 0.05 < b["lower"] <= eps <= b["largest_showable"]
     assert b["estimate"] == pytest.approx(eps, abs=0.03)
 
@@ -47,7 +51,7 @@ def test_lower_bound_exceeds_the_truth_in_at_most_5_percent_of_audits(rng):
     tp, fp = (guess & member).sum(1), (guess & ~member).sum(1)
     lower = bounds.epsilon_lower_bound_counts(tp, member.sum(1), fp, (~member).sum(1), 1e-6)
     assert np.mean(lower > eps) <= 0.05
-    assert np.median(lower) > 0.6          # and it is not vacuous
+    assert np.median(lower) > 0.6  # and it is not vacuous
 
 
 def test_gaussian_mechanism_with_known_sensitivity(rng):
@@ -56,14 +60,16 @@ def test_gaussian_mechanism_with_known_sensitivity(rng):
     import dp_accounting
 
     eps, delta = 1.0, 1e-2
-    mu = 1.0 / dp_accounting.get_sigma_gaussian(eps, delta)     # sensitivity 1
+    mu = 1.0 / dp_accounting.get_sigma_gaussian(eps, delta)  # sensitivity 1
+
     def draw(n):
         member = rng.random(n) < 0.5
         return rng.normal(size=n) + mu * member, member
+
     sel_s, sel_in = draw(400_000)
     s, member = draw(2_000_000)
     t = bounds.choose_threshold(sel_s, sel_in, int(member.sum()), int((~member).sum()), delta)
-    assert t == pytest.approx(eps / mu + mu / 2, abs=0.3)     # the optimal test of the privacy profile
+    assert t == pytest.approx(eps / mu + mu / 2, abs=0.3)  # the optimal test of the privacy profile
     tp, fp = bounds.threshold_counts(s, member, [t])
     b = bounds.epsilon_from_counts(int(tp[0]), int(member.sum()), int(fp[0]), int((~member).sum()), delta)
     assert eps - 0.1 < b["lower"] <= eps
@@ -72,9 +78,9 @@ def test_gaussian_mechanism_with_known_sensitivity(rng):
 def test_tpr_at_fpr_counts():
     member = np.array([1, 1, 1, 0, 0, 0, 0, 0], bool)
     scores = np.array([9, 8, 1, 7, 2, 2, 0, -1], float)
-    r = bounds.tpr_at_fpr(scores, member, 0.2)      # ⌊0.2·5⌋ = 1 false positive allowed
+    r = bounds.tpr_at_fpr(scores, member, 0.2)  # ⌊0.2·5⌋ = 1 false positive allowed
     assert (r["true_positives"], r["false_positives"], r["tpr"], r["resolved"]) == (2, 1, 2 / 3, True)
-    r = bounds.tpr_at_fpr(scores, member, 0.01)     # none allowed: test "score > 7"
+    r = bounds.tpr_at_fpr(scores, member, 0.01)  # none allowed: test "score > 7"
     assert (r["true_positives"], r["false_positives"], r["resolved"]) == (2, 0, False)
 
 
@@ -89,7 +95,8 @@ def test_auc_and_tests_between_groups(rng):
     assert r["student_p_a_lower"] == pytest.approx(r["student_p"] / 2) and r["mann_whitney_p_a_lower"] < 1e-3
     assert bounds.compare_groups(b, a)["student_p_a_lower"] > 0.99
     assert bounds.auc(np.r_[a, b], np.r_[np.zeros(500), np.ones(600)]) == pytest.approx(
-        stats.mannwhitneyu(b, a).statistic / (500 * 600))
+        stats.mannwhitneyu(b, a).statistic / (500 * 600)
+    )
 
 
 def test_per_model_auc_comparison(rng):
@@ -105,6 +112,7 @@ def test_per_model_auc_comparison(rng):
 
 # ---------------------------------------------------------------- one-run bound (Steinke et al.)
 
+
 def _p_value_reference(m, r, v, eps, delta):
     """Steinke et al. App. D `p_value_DP_audit`, written as a plain loop."""
     q = 1 / (1 + math.exp(-eps))
@@ -117,10 +125,15 @@ def _p_value_reference(m, r, v, eps, delta):
 
 
 def test_one_run_p_value_matches_the_papers_procedure():
-    for m, r, v, eps, delta in [(1000, 100, 75, 0.5, 1e-4), (200, 40, 40, 2.0, 1e-5), (50, 10, 3, 0.1, 0.0),
-                                (10_000, 600, 420, 0.8, 1e-6)]:
-        assert bounds.one_run_p_value(m, r, v, eps, delta) == pytest.approx(_p_value_reference(m, r, v, eps, delta),
-                                                                            rel=1e-10, abs=1e-15)
+    for m, r, v, eps, delta in [
+        (1000, 100, 75, 0.5, 1e-4),
+        (200, 40, 40, 2.0, 1e-5),
+        (50, 10, 3, 0.1, 0.0),
+        (10_000, 600, 420, 0.8, 1e-6),
+    ]:
+        assert bounds.one_run_p_value(m, r, v, eps, delta) == pytest.approx(
+            _p_value_reference(m, r, v, eps, delta), rel=1e-10, abs=1e-15
+        )
 
 
 def test_one_run_bound_reproduces_the_papers_printed_values():
@@ -132,23 +145,23 @@ def test_one_run_bound_reproduces_the_papers_printed_values():
 def test_one_run_bound_on_randomized_response(rng):
     eps, m = 1.0, 20_000
     member, guess = _randomized_response(eps, m, rng)
-    score = guess + 1e-3 * rng.random(m)       # guess "in" for the top k: the RR answer, ties at random
+    score = guess + 1e-3 * rng.random(m)  # guess "in" for the top k: the RR answer, ties at random
     r = bounds.one_run_audit(score, member, delta=1e-6)
     assert 0.8 < r["epsilon"] <= eps
     assert r["ceiling"] > r["epsilon"]
-    assert bounds.one_run_audit(rng.random(m), member, 1e-6)["epsilon"] < 0.15   # no information: ~0
+    assert bounds.one_run_audit(rng.random(m), member, 1e-6)["epsilon"] < 0.15  # no information: ~0
 
 
 def test_one_run_bound_is_monotone():
     """More correct guesses: a larger bound; a larger δ or a higher confidence: a smaller one; the
     p-value grows with the ε under test (what the bisection relies on)."""
     eps_v = [bounds.one_run_epsilon(1000, 100, v, 1e-4) for v in range(50, 101, 5)]
-    assert eps_v[0] == 0.0 and all(x < y for x, y in zip(eps_v[1:], eps_v[2:]))
+    assert eps_v[0] == 0.0 and all(x < y for x, y in itertools.pairwise(eps_v[1:]))
     eps_d = [bounds.one_run_epsilon(1000, 100, 80, d) for d in (0.0, 1e-6, 1e-4, 1e-3)]
-    assert all(x >= y for x, y in zip(eps_d, eps_d[1:])) and eps_d[0] > eps_d[-1]
+    assert all(x >= y for x, y in itertools.pairwise(eps_d)) and eps_d[0] > eps_d[-1]
     assert bounds.one_run_epsilon(1000, 100, 80, 1e-4, 0.99) < bounds.one_run_epsilon(1000, 100, 80, 1e-4, 0.9)
     p = [bounds.one_run_p_value(1000, 100, 80, e, 1e-4) for e in np.linspace(0, 3, 31)]
-    assert all(x <= y for x, y in zip(p, p[1:]))
+    assert all(x <= y for x, y in itertools.pairwise(p))
     # with δ = 0 the bound solves P[Binomial(r, e^ε/(1 + e^ε)) ≥ v] = 5 % (the binomial tail, closed form)
     e0 = bounds.one_run_epsilon(1000, 100, 80, 0.0)
     assert stats.binom.sf(79, 100, 1 / (1 + math.exp(-e0))) == pytest.approx(0.05, rel=1e-5)
@@ -161,13 +174,14 @@ def test_one_run_ceiling_grows_with_the_number_of_canaries():
 
 # ---------------------------------------------------------------- LiRA statistics
 
+
 def test_logit_confidence_is_stable_and_correct():
     z = np.array([[2.0, 0.5, -1.0], [40.0, -40.0, 0.0]])
     y = np.array([1, 0])
     p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
     phi = lira.logit_confidence(z, y)
     assert phi[0] == pytest.approx(math.log(p[0, 1] / (1 - p[0, 1])))
-    assert np.isfinite(phi[1]) and phi[1] == pytest.approx(40.0, abs=1e-6)   # p = 1 - 4e-18: no log(0)
+    assert np.isfinite(phi[1]) and phi[1] == pytest.approx(40.0, abs=1e-6)  # p = 1 - 4e-18: no log(0)
 
 
 def test_shadow_design_puts_every_example_in_half_of_the_models(rng):
@@ -209,11 +223,11 @@ def test_leave_one_out_fits_equal_refitting_without_the_models(rng):
             ref = lira.fit_gaussians(shadow_phi[keep], design[keep], variance)
             for f in ("mu_in", "mu_out") + (("sd_in", "sd_out") if variance == "per-example" else ()):
                 np.testing.assert_allclose(getattr(loo, f)[j], getattr(ref, f), rtol=1e-9)
-        if variance == "fixed":     # the global variances of all the shadows
+        if variance == "fixed":  # the global variances of all the shadows
             full = lira.fit_gaussians(shadow_phi, design, "fixed")
             assert (loo.sd_in == full.sd_in).all() and (loo.sd_out == full.sd_out).all()
     partners = lira.leave_one_out_partners(design, rng)
-    assert (design[partners, np.arange(200)] != design).all()          # the other side: counts balanced
+    assert (design[partners, np.arange(200)] != design).all()  # the other side: counts balanced
     loo = lira.fit_gaussians_leave_one_out(shadow_phi, design, "per-example", partners)
     for j, i in [(0, 3), (2, 17), (7, 199)]:
         keep = ~np.isin(np.arange(8), [j, partners[j, i]])
@@ -228,10 +242,13 @@ def test_balanced_leave_one_out_scores_are_distributed_like_the_targets(rng):
     lowers their online scores (AUC below 0.5 with no signal at all); with them, no bias."""
     m, n = 16, 4000
     design = lira.shadow_design(m, n, rng)
-    phi = rng.normal(0, 2, n) + rng.normal(0, 0.5, (m, 1)) + rng.normal(0, 1, (m, n))   # no membership effect
+    phi = rng.normal(0, 2, n) + rng.normal(0, 0.5, (m, 1)) + rng.normal(0, 1, (m, n))  # no membership effect
     naive = lira.lira_scores(phi, lira.fit_gaussians_leave_one_out(phi, design, "fixed"))
     fair = lira.leave_one_out_scores(phi, -phi, design, "fixed", rng)["lira-online"]
-    auc = lambda s: np.mean([bounds.auc(s[j], design[j]) for j in range(m)])
+
+    def auc(s):
+        return np.mean([bounds.auc(s[j], design[j]) for j in range(m)])
+
     assert auc(naive) < 0.495 and abs(auc(fair) - 0.5) < 0.004
 
 
@@ -243,6 +260,7 @@ def test_lira_refuses_too_few_shadow_models():
 
 
 # ---------------------------------------------------------------- run_audit end to end (fast)
+
 
 @pytest.fixture(scope="module")
 def small():
@@ -278,8 +296,9 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
     def counting(*a, **k):
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt     # an interrupted audit: two shadows are finished
+            raise KeyboardInterrupt  # an interrupted audit: two shadows are finished
         return real(*a, **k)
+
     monkeypatch.setattr(runner, "train_model", counting)
     opts = AuditOptions(shadow_models=4)
     with pytest.raises(KeyboardInterrupt):
@@ -287,12 +306,12 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
     calls.clear()
     monkeypatch.setattr(runner, "train_model", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     r = run_audit(data, budgets, _config(), tmp_path / "a", opts, resume=True)
-    assert len(calls) == 3                          # shadows 2, 3 and the target; not 0 and 1 again
+    assert len(calls) == 3  # shadows 2, 3 and the target; not 0 and 1 again
     folder, private = tmp_path / "a", tmp_path / "a" / "private"
     for name in ("audit_scores.csv", "audit_settings.json", "models/shadow_000.pt", "models/target.pt"):
-        assert _mode(private / name) == 0o600                  # per-example scores, models: private
+        assert _mode(private / name) == 0o600  # per-example scores, models: private
     for name in ("audit.json", "roc_by_group.png"):
-        assert _mode(folder / name) == 0o644                   # aggregates per group: public
+        assert _mode(folder / name) == 0o644  # aggregates per group: public
     manifest = json.loads((folder / "outputs.json").read_text())["files"]
     assert manifest["audit.json"]["kind"] == "public" and manifest["private/audit_scores.csv"]["kind"] == "private"
     assert (folder / "roc_by_group.png").read_bytes()[:4] == b"\x89PNG"
@@ -309,13 +328,23 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
         b = a["epsilon_lower_bound"]
         assert b["true_positives"] <= b["members"] == row["members"]
         assert row["verdict"] in ("passed", "FAILED")
-    assert {(t["population"], tuple(t["groups"])) for t in r["tests"]} == {("all examples", (1.0, 8.0)),
-                                                                             ("members", (1.0, 8.0))}
+    assert {(t["population"], tuple(t["groups"])) for t in r["tests"]} == {
+        ("all examples", (1.0, 8.0)),
+        ("members", (1.0, 8.0)),
+    }
     (p,) = r["protection_tests"]
     assert p["groups"] == [1.0, 8.0] and p["models"] == 4 and 0 <= p["student_p_b_higher"] <= 1
     header = (private / "audit_scores.csv").read_text().splitlines()[0].split(",")
-    assert header == ["index", "label", "budget", "target_member", "lira_online_score", "lira_offline_score",
-                      "loss_score", "phi"]
+    assert header == [
+        "index",
+        "label",
+        "budget",
+        "target_member",
+        "lira_online_score",
+        "lira_offline_score",
+        "loss_score",
+        "phi",
+    ]
     _check_one_plan(private, r, budgets)
     # the verdict is corrected for its 6 tests (2 groups + all data, each Clopper-Pearson and one-run)
     assert r["multiplicity"]["tests"] == 6 and r["multiplicity"]["confidence_per_test"] == pytest.approx(1 - 0.05 / 6)
@@ -326,6 +355,7 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
         assert o["confidence"] == pytest.approx(1 - 0.05 / 6) and o["randomized"] == row["examples"]
         assert 0 <= o["epsilon"] <= o["ceiling"] and o["included"] == row["members"]
     from idpsgd.audit.report import audit_text
+
     text = audit_text(r)
     assert "eps lower" in text and "test max" in text and "one-run" in text and "CI" not in text
     assert "every bound at 99.17% (Bonferroni over the verdict's 6 tests: 95% jointly)" in text
@@ -350,7 +380,7 @@ def _check_one_plan(private, r, budgets):
     from idpsgd.io import load_torch
 
     models = [load_torch(q, "audit model") for q in sorted((private / "models").glob("*.pt"))]
-    assert len({int(np.asarray(m["members"]).sum()) for m in models}) > 1      # subsets of different sizes
+    assert len({int(np.asarray(m["members"]).sum()) for m in models}) > 1  # subsets of different sizes
     plan = r["plan"]
     assert {m["report"]["steps"] for m in models} == {plan["steps"]}
     assert {m["report"]["noise_multiplier"] for m in models} == {plan["noise_multiplier"]}
@@ -369,9 +399,15 @@ def test_pdp_audit_models_run_one_round_plan(small, tmp_path):
     from idpsgd.training.pdp import PdpOptions
 
     data, _ = small
-    budgets = Budgets.from_groups([1.0, 2.0, 3.0], [0.34, 0.43, 0.23], 240, 1e-5, seed=0)     # two rounds
-    r = run_audit(data, budgets, _config(method="pdp-sgd"), tmp_path / "p", AuditOptions(shadow_models=4),
-                  pdp=PdpOptions(rounds=2))
+    budgets = Budgets.from_groups([1.0, 2.0, 3.0], [0.34, 0.43, 0.23], 240, 1e-5, seed=0)  # two rounds
+    r = run_audit(
+        data,
+        budgets,
+        _config(method="pdp-sgd"),
+        tmp_path / "p",
+        AuditOptions(shadow_models=4),
+        pdp=PdpOptions(rounds=2),
+    )
     plan = r["plan"]
     assert len(plan["rounds"]) == 2 and plan["steps"] == sum(x["steps"] for x in plan["rounds"])
     models = [load_torch(q, "audit model") for q in sorted((tmp_path / "p" / "private" / "models").glob("*.pt"))]
@@ -410,7 +446,9 @@ def test_loss_audit_trains_only_the_target(small, tmp_path, method):
     assert r["method"] == method
     assert r["shadow_models"] == 0 and r["primary_attack"] == "loss"
     assert sorted(p.name for p in (tmp_path / "l" / "private" / "models").iterdir()) == ["target.pt"]
-    assert not (tmp_path / "l" / "private" / "scratch").exists() or not any((tmp_path / "l" / "private" / "scratch").iterdir())
+    assert not (tmp_path / "l" / "private" / "scratch").exists() or not any(
+        (tmp_path / "l" / "private" / "scratch").iterdir()
+    )
     assert "half" in r["threshold_selection"]
     assert all(set(row["attacks"]) == {"loss"} for row in r["groups"])
 
@@ -421,8 +459,9 @@ def test_one_run_audit(small, tmp_path, method):
     from idpsgd.training.pdp import PdpOptions
 
     pdp = PdpOptions(rounds=2) if method == "pdp-sgd" else None
-    r = run_audit(data, budgets, _config(method=method), tmp_path / method, AuditOptions(attack="one-run", canaries=30),
-                  pdp=pdp)
+    r = run_audit(
+        data, budgets, _config(method=method), tmp_path / method, AuditOptions(attack="one-run", canaries=30), pdp=pdp
+    )
     assert r["target"]["examples"] == 240 - 60 + r["target"]["canaries_included"]
     for row in r["groups"]:
         o = row["one_run"]
@@ -443,8 +482,13 @@ def test_attack_sees_an_overfit_model_and_not_a_tiny_epsilon_one(tmp_path):
     auc = {}
     for eps, epochs in [(1e5, 40), (0.05, 10)]:
         budgets = Budgets.from_groups([eps], [1.0], 200, 1e-5, seed=0)
-        r = run_audit(data, budgets, _config(epochs=epochs, batch_size=25, lr=0.1, clip_norm=20.0, seed=1),
-                      tmp_path / f"e{eps:g}", AuditOptions(attack="loss"))
+        r = run_audit(
+            data,
+            budgets,
+            _config(epochs=epochs, batch_size=25, lr=0.1, clip_norm=20.0, seed=1),
+            tmp_path / f"e{eps:g}",
+            AuditOptions(attack="loss"),
+        )
         a = r["all"]["attacks"]["loss"]
         auc[eps] = a["auc"]
         assert a["epsilon_lower_bound"]["lower"] <= r["all"]["reported_epsilon"] and r["audit_passed"]
@@ -462,8 +506,9 @@ def test_failed_audit_is_flagged_loudly(small, tmp_path, monkeypatch, caplog):
     data, budgets = small
     real = runner.reported_guarantees
     monkeypatch.setattr(runner, "reported_guarantees", lambda rep: {b: (1e-3, d) for b, (e, d) in real(rep).items()})
-    monkeypatch.setattr(bounds, "epsilon_lower_bound_counts",
-                        lambda *a, **k: np.full(np.shape(a[0]), 0.5))     # the bound the test is given
+    monkeypatch.setattr(
+        bounds, "epsilon_lower_bound_counts", lambda *a, **k: np.full(np.shape(a[0]), 0.5)
+    )  # the bound the test is given
     r = run_audit(data, budgets, _config(), tmp_path / "f", AuditOptions(attack="loss"))
     assert not r["audit_passed"] and set(r["failed_groups"]) == {1.0, 8.0, None}
     assert all(row["verdict"] == "FAILED" and "clopper-pearson" in row["failed_by"] for row in r["groups"])
@@ -491,8 +536,9 @@ def test_bad_input_is_refused_with_one_line(small, tmp_path):
     ]
     for kw, message in cases:
         with pytest.raises(InvalidParameterError, match=message) as exc:
-            run_audit(data, budgets, kw.get("config", _config()), tmp_path / "bad", kw.get("options"),
-                      pdp=kw.get("pdp"))
+            run_audit(
+                data, budgets, kw.get("config", _config()), tmp_path / "bad", kw.get("options"), pdp=kw.get("pdp")
+            )
         assert "\n" not in str(exc.value)
     other = tmp_path / "train_run"
     other.mkdir()
@@ -504,21 +550,46 @@ def test_bad_input_is_refused_with_one_line(small, tmp_path):
 def test_cli_audit(capsys, tmp_path):
     from idpsgd.cli.main import main
 
-    assert main(["audit", "--method", "adapdp", "--budgets", "1,2", "--fractions", "0.5,0.5",
-                 "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(
+            ["audit", "--method", "adapdp", "--budgets", "1,2", "--fractions", "0.5,0.5", "--out", str(tmp_path / "x")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("idpsgd audit: error: --method=") and err.count("\n") == 1
     base = ["audit", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", "--out", str(tmp_path / "b")]
-    for extra, message in [(["--fpr", "1.5"], "--fpr=1.5 is invalid"), (["--fpr", "x"], "--fpr='x' is invalid"),
-                           (["--shadow-models", "1"], "--shadow-models=1 is invalid"),
-                           (["--rounds", "5"], "--rounds=5 is invalid: only applies to --method pdp-sgd"),
-                           (["--secure-mode", "--seed", "1"], "--seed=1 is invalid: must not be given in secure mode")]:
+    for extra, message in [
+        (["--fpr", "1.5"], "--fpr=1.5 is invalid"),
+        (["--fpr", "x"], "--fpr='x' is invalid"),
+        (["--shadow-models", "1"], "--shadow-models=1 is invalid"),
+        (["--rounds", "5"], "--rounds=5 is invalid: only applies to --method pdp-sgd"),
+        (["--secure-mode", "--seed", "1"], "--seed=1 is invalid: must not be given in secure mode"),
+    ]:
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"idpsgd audit: error: {message}") and err.count("\n") == 1
-    assert not (tmp_path / "b").exists()            # refused before any folder is made
-    argv = ["audit", "--method", "scale", "--budgets", "1,3", "--fractions", "0.5,0.5", "--attack", "one-run",
-            "--canaries", "10", "--epochs", "1", "--seed", "0", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert not (tmp_path / "b").exists()  # refused before any folder is made
+    argv = [
+        "audit",
+        "--method",
+        "scale",
+        "--budgets",
+        "1,3",
+        "--fractions",
+        "0.5,0.5",
+        "--attack",
+        "one-run",
+        "--canaries",
+        "10",
+        "--epochs",
+        "1",
+        "--seed",
+        "0",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "one-run audit (Steinke et al. 2023)" in out and "loose by design" in out
@@ -534,8 +605,9 @@ def test_secure_mode_audit_runs_without_a_seed(small, tmp_path):
     """Secure mode: no seed is accepted; the models train with OS-entropy sampling and noise, the
     design's seed (the auditor's randomness) is drawn fresh and recorded privately for --resume."""
     data, budgets = small
-    r = run_audit(data, budgets, _config(seed=None, secure_mode=True), tmp_path / "s",
-                  AuditOptions(attack="one-run", canaries=10))
+    r = run_audit(
+        data, budgets, _config(seed=None, secure_mode=True), tmp_path / "s", AuditOptions(attack="one-run", canaries=10)
+    )
     settings = json.loads((tmp_path / "s" / "private" / "audit_settings.json").read_text())
     assert settings["config"]["secure_mode"] is True and r["private"]["seed"] == settings["seed"]
     assert "seed" not in json.loads((tmp_path / "s" / "audit.json").read_text())
@@ -543,6 +615,7 @@ def test_secure_mode_audit_runs_without_a_seed(small, tmp_path):
 
 
 # ---------------------------------------------------------------- the measured claim (slow)
+
 
 @pytest.mark.slow
 def test_weak_group_leaks_more_and_no_bound_exceeds_its_epsilon(tmp_path):
@@ -557,8 +630,13 @@ def test_weak_group_leaks_more_and_no_bound_exceeds_its_epsilon(tmp_path):
 
     data = load_dataset("digits")
     budgets = Budgets.from_groups([1.0, 32.0], [0.5, 0.5], len(data.y_train), 1e-5, seed=0)
-    r = run_audit(data, budgets, TrainConfig(method="sample", seed=0, lr=0.1, epochs=40, progress=False),
-                  tmp_path / "w", AuditOptions(shadow_models=16))
+    r = run_audit(
+        data,
+        budgets,
+        TrainConfig(method="sample", seed=0, lr=0.1, epochs=40, progress=False),
+        tmp_path / "w",
+        AuditOptions(shadow_models=16),
+    )
     (p,) = r["protection_tests"]
     assert p["groups"] == [1.0, 32.0] and p["mean_auc"][1] > p["mean_auc"][0] + 0.03, p
     assert p["student_p_b_higher"] < 1e-3 and p["wilcoxon_p_b_higher"] < 1e-3, p

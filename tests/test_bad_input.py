@@ -4,6 +4,7 @@ The cases are data: :mod:`tests.bad_inputs` (``CASES``).  Each runs the CLI in-p
 replaced by a tripwire, so a case that would start training (a silent wrong run) fails at once
 instead of training.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,12 +15,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bad_inputs import BASE, CASES, make_files  # noqa: E402
+from bad_inputs import BASE, CASES, make_files
+from idpsgd.cli.main import build_parser, main
+from idpsgd.cli.registry import COMMANDS
 
-from idpsgd.cli.main import build_parser, main  # noqa: E402
-from idpsgd.cli.registry import COMMANDS  # noqa: E402
-
-PARSER = build_parser()             # registers every command module; built once (main() reuses it below)
+PARSER = build_parser()  # registers every command module; built once (main() reuses it below)
 AVAILABLE = set(COMMANDS)
 
 
@@ -47,7 +47,7 @@ def test_table_is_large_and_covers_every_command():
     assert len(CASES) >= 150
     assert len({(c, a) for c, a, _ in CASES}) == len(CASES), "duplicate cases"
     covered = {c.lstrip("!") for c, _, _ in CASES}
-    assert AVAILABLE <= covered, f"commands without bad-input cases: {sorted(AVAILABLE - covered)}"
+    assert covered >= AVAILABLE, f"commands without bad-input cases: {sorted(AVAILABLE - covered)}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -58,26 +58,29 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
         pytest.skip(f"no command {name!r} (yet)")
     from idpsgd.training import loop, pdp
 
-    monkeypatch.setattr(sys.modules["idpsgd.cli.main"], "build_parser", lambda: PARSER)     # speed: one parser for all cases
+    monkeypatch.setattr(
+        sys.modules["idpsgd.cli.main"], "build_parser", lambda: PARSER
+    )  # speed: one parser for all cases
     monkeypatch.setattr(loop.Trainer, "_run_phase", _tripwire)
     monkeypatch.setattr(pdp, "run_dp_round", _tripwire)
     if name == "finetune":
         hf_trainer = pytest.importorskip("idpsgd.integrations.hf.trainer")
         monkeypatch.setattr(hf_trainer.IndividualizedTrainer, "train", _tripwire)
     marker = make_files(tmp_path)
-    monkeypatch.chdir(tmp_path)                      # `--out ""` must not write into the repository
+    monkeypatch.chdir(tmp_path)  # `--out ""` must not write into the repository
     argv = _argv(command, arguments, tmp_path)
     try:
         code = main(argv)
-    except SystemExit as exc:                        # argparse
+    except SystemExit as exc:  # argparse
         code = exc.code
     except TrainingStarted:
         pytest.fail(f"idpsgd {shlex.join(argv)}: training started (a silent wrong run)")
-    out, err = capsys.readouterr()
+    _out, err = capsys.readouterr()
     shown = f"idpsgd {shlex.join(argv)}\nexit {code}\nstderr: {err!r}"
     assert not marker.exists(), f"code from a crafted file ran:\n{shown}"
     assert code == 2, shown
     assert "Traceback" not in err, shown
     assert err.count("\n") == 1 and err.endswith("\n"), f"not one line:\n{shown}"
-    assert needle.replace("{tmp}", str(tmp_path)).replace("'", "") in err.replace("'", ""), \
+    assert needle.replace("{tmp}", str(tmp_path)).replace("'", "") in err.replace("'", ""), (
         f"expected {needle!r}:\n{shown}"
+    )

@@ -3,6 +3,7 @@
 Not a timing test: it checks that every configuration trains and every refresh covers all examples,
 that the private configurations are compared at the same batch size and σ, that the ratios are the
 ratios of the measured medians, and that the isolated worker reports its own memory high-water mark."""
+
 import json
 import statistics
 from pathlib import Path
@@ -22,17 +23,19 @@ def bench_engine(monkeypatch):
 
 def test_quick_mode_compares_like_with_like(bench_engine, tmp_path):
     out = tmp_path / "engine_cost.json"
-    bench_engine.main(["--quick", "--in-process", "--repeats", "1", "--models", "cifar_cnn", "--batch-sizes", "32",
-                       "--out", str(out)])
+    bench_engine.main(
+        ["--quick", "--in-process", "--repeats", "1", "--models", "cifar_cnn", "--batch-sizes", "32", "--out", str(out)]
+    )
     saved = json.loads(out.read_text())
     r = saved["cifar_cnn"]
     n = bench_engine.QUICK["cifar_cnn"]["n"]
-    keys = {f"{c}@32" for c in bench_engine.TRAINING} | {f"{c}@{bench_engine.REFRESH_BATCH}"
-                                                          for c in ("nonprivate", *bench_engine.REFRESH)}
+    keys = {f"{c}@32" for c in bench_engine.TRAINING} | {
+        f"{c}@{bench_engine.REFRESH_BATCH}" for c in ("nonprivate", *bench_engine.REFRESH)
+    }
     assert set(r["configs"]) == keys
-    for key, c in r["configs"].items():
+    for c in r["configs"].values():
         assert c["seconds_per_epoch_median"] > 0 and c["cpu_seconds_per_epoch_median"] > 0
-    for c in bench_engine.REFRESH:                        # a refresh covers every example once
+    for c in bench_engine.REFRESH:  # a refresh covers every example once
         assert r["configs"][f"{c}@{bench_engine.REFRESH_BATCH}"]["examples_per_epoch_median"] == n
     runs = r["runs"]
     sigma = runs["opacus_hooks@32"][0]["noise_multiplier"]
@@ -40,15 +43,25 @@ def test_quick_mode_compares_like_with_like(bench_engine, tmp_path):
     assert {len(runs[f"{c}@32"]) for c in bench_engine.TRAINING} == {1}
     assert "ghost norm" in r["configs"]["ours_bk@32"]["layer_paths"].values()
     ratio = r["ratios"]["B=32"]["ours_bk_time_vs_nonprivate"]
-    assert ratio == pytest.approx(statistics.median(x["cpu_seconds_per_epoch"] for x in runs["ours_bk@32"])
-                                  / statistics.median(x["cpu_seconds_per_epoch"] for x in runs["nonprivate@32"]))
+    assert ratio == pytest.approx(
+        statistics.median(x["cpu_seconds_per_epoch"] for x in runs["ours_bk@32"])
+        / statistics.median(x["cpu_seconds_per_epoch"] for x in runs["nonprivate@32"])
+    )
     assert saved["verdict"]["cifar_cnn_bk_time_ok"] == (ratio <= bench_engine.TARGETS["bk_time_vs_nonprivate"])
 
 
-@pytest.mark.slow      # a fresh Python process importing torch and opacus
+@pytest.mark.slow  # a fresh Python process importing torch and opacus
 def test_isolated_worker_reports_its_own_peak(bench_engine):
-    spec = {"model": "cifar_cnn", "config": "ours_bk", "batch_size": 16, "device": "cpu", "threads": 1, "seed": 0,
-            **bench_engine.QUICK["cifar_cnn"], "n": 32}
+    spec = {
+        "model": "cifar_cnn",
+        "config": "ours_bk",
+        "batch_size": 16,
+        "device": "cpu",
+        "threads": 1,
+        "seed": 0,
+        **bench_engine.QUICK["cifar_cnn"],
+        "n": 32,
+    }
     r = bench_engine.run_isolated(spec)
     assert r["steps_per_epoch"] == 2 and r["n"] == 32
     assert r["rss_peak_mib"] >= r["rss_setup_mib"] > 0
@@ -82,12 +95,13 @@ def test_hf_bench_smoke(monkeypatch, tmp_path):
         configs = saved[model]["configs"]
         assert set(configs) == set(bench_hf.CONFIGS)
         for c in configs.values():
-            assert ("error" in c and c["error"]) or c["cpu_seconds_per_example_median"] > 0
+            assert (c.get("error")) or c["cpu_seconds_per_example_median"] > 0
     lora = saved["gpt2_lora"]
     assert "error" not in lora["configs"]["ours_bk"] and lora["configs"]["ours_bk"]["fallback_layers"] == []
     runs = lora["runs"]
     assert lora["ratios"]["ours_bk_time_vs_nonprivate"] == pytest.approx(
-        runs["ours_bk"][0]["cpu_seconds_per_example"] / runs["nonprivate"][0]["cpu_seconds_per_example"])
+        runs["ours_bk"][0]["cpu_seconds_per_example"] / runs["nonprivate"][0]["cpu_seconds_per_example"]
+    )
     assert saved["verdict"]["gpt2_lora"]["runs"]
     with pytest.raises(Exception, match="models"):
         bench_hf.main(["--smoke", "--models", "gpt3"])

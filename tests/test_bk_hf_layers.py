@@ -13,6 +13,7 @@
 * LoRA (peft) and frozen bases: only trainable parameters are covered, frozen weights get no
   weight-gradient computation, and GPT-2 + LoRA trains with per-example budgets (Scale).
 """
+
 import copy
 
 import numpy as np
@@ -29,8 +30,8 @@ from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, p
 transformers = pytest.importorskip("transformers")
 from test_bookkeeping import N, _check_equal, _data  # the float64 harness of the other rules
 
-B = 6           # examples of the whole-model checks
-T = 5           # their sequence length
+B = 6  # examples of the whole-model checks
+T = 5  # their sequence length
 
 
 def _low_precision_supported(dtype) -> bool:
@@ -42,8 +43,10 @@ def _low_precision_supported(dtype) -> bool:
         return False
 
 
-HALF = [pytest.param(d, marks=pytest.mark.skipif(not _low_precision_supported(d), reason=f"no CPU autocast for {d}"))
-        for d in (torch.bfloat16, torch.float16)]
+HALF = [
+    pytest.param(d, marks=pytest.mark.skipif(not _low_precision_supported(d), reason=f"no CPU autocast for {d}"))
+    for d in (torch.bfloat16, torch.float16)
+]
 
 
 # --- the forms of the layers, from transformers itself ------------------------------------------
@@ -54,8 +57,15 @@ def _norm_classes():
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm
-    return {"llama": LlamaRMSNorm, "mistral": MistralRMSNorm, "qwen2": Qwen2RMSNorm, "gpt_oss": GptOssRMSNorm,
-            "t5": T5LayerNorm, "gemma": GemmaRMSNorm}
+
+    return {
+        "llama": LlamaRMSNorm,
+        "mistral": MistralRMSNorm,
+        "qwen2": Qwen2RMSNorm,
+        "gpt_oss": GptOssRMSNorm,
+        "t5": T5LayerNorm,
+        "gemma": GemmaRMSNorm,
+    }
 
 
 def _norm(kind, dim=6):
@@ -66,25 +76,28 @@ def _norm(kind, dim=6):
     else:
         layer = _norm_classes()[kind](dim, eps=1e-5)
     with torch.no_grad():
-        layer.weight.uniform_(0.5, 1.5)              # non-trivial scales (Gemma: 1 + w)
+        layer.weight.uniform_(0.5, 1.5)  # non-trivial scales (Gemma: 1 + w)
     return layer
 
 
 def _conv1d(nf, nx):
     from transformers.pytorch_utils import Conv1D
+
     layer = Conv1D(nf, nx)
     with torch.no_grad():
         layer.bias.uniform_(-0.5, 0.5)
     return layer
 
 
-@pytest.mark.parametrize("seq,hidden,expect", [((), 9, GHOST), ((7,), 4, PER_SAMPLE), ((2,), 30, GHOST)])
+@pytest.mark.parametrize(("seq", "hidden", "expect"), [((), 9, GHOST), ((7,), 4, PER_SAMPLE), ((2,), 30, GHOST)])
 def test_conv1d_rule(seq, hidden, expect):
     """GPT-2's Conv1D (a Linear with a transposed weight): ghost norm or per-sample gradient by shape."""
     torch.manual_seed(0)
-    model = nn.Sequential(_conv1d(hidden, 5), nn.Tanh(), nn.Flatten(), nn.Linear(hidden * int(np.prod(seq)), 3)).double()
+    model = nn.Sequential(
+        _conv1d(hidden, 5), nn.Tanh(), nn.Flatten(), nn.Linear(hidden * int(np.prod(seq)), 3)
+    ).double()
     assert isinstance(rule_for(model[0]), Conv1DRule)
-    paths = _check_equal(model, *_data(seq + (5,)))
+    paths = _check_equal(model, *_data((*seq, 5)))
     assert paths["0"] == expect
 
 
@@ -122,23 +135,31 @@ class _NotLlama(nn.Module):
 def test_layers_are_matched_by_what_they_compute_not_by_name():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    class RenamedLlamaRMSNorm(LlamaRMSNorm):      # same forward under another name: covered
+    class RenamedLlamaRMSNorm(LlamaRMSNorm):  # same forward under another name: covered
         pass
 
-    class LlamaRMSNormVariant(LlamaRMSNorm):      # Llama's name, another forward: not covered
+    class LlamaRMSNormVariant(LlamaRMSNorm):  # Llama's name, another forward: not covered
         forward = _NotLlama.forward
 
     assert isinstance(rule_for(RenamedLlamaRMSNorm(4)), ScaleNormRule)
     assert rule_for(LlamaRMSNormVariant(4)) is None and rule_for(_NotLlama(4)) is None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), _NotLlama(6), nn.Tanh(), nn.Flatten(), nn.Linear(24, 3)).double()
-    paths = _check_equal(model, *_data((4, 5)), reduction="sum")   # the fallback (Opacus's functorch) is exact too
+    paths = _check_equal(model, *_data((4, 5)), reduction="sum")  # the fallback (Opacus's functorch) is exact too
     assert paths["1"] == FALLBACK
 
 
 def _modules_under_test():
-    return [_conv1d(7, 6), _norm("llama"), _norm("gpt_oss"), _norm("t5"), _norm("gemma"), _norm("torch"),
-            nn.Linear(6, 6), nn.LayerNorm(6)]
+    return [
+        _conv1d(7, 6),
+        _norm("llama"),
+        _norm("gpt_oss"),
+        _norm("t5"),
+        _norm("gemma"),
+        _norm("torch"),
+        nn.Linear(6, 6),
+        nn.LayerNorm(6),
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -167,31 +188,79 @@ def test_book_kept_forward_and_input_gradient_are_the_modules(dtype):
 # --- whole Hugging Face models ------------------------------------------------------------------
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                                      tie_word_embeddings=False))
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=40,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                                        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False))
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _bert():
     from transformers import BertConfig, BertForSequenceClassification
-    return BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
-                                                    num_attention_heads=2, intermediate_size=24,
-                                                    max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0,
-                                                    attention_probs_dropout_prob=0.0))
+
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=40,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=24,
+            max_position_embeddings=16,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def _vit():
     from transformers import ViTConfig, ViTForImageClassification
-    return ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
-                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-                                               num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=24,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def _batch(kind, n=B, seed=0):
@@ -209,13 +278,13 @@ def _batch(kind, n=B, seed=0):
 
 def _per_example_loss(model, inputs, targets):
     logits = model(**inputs).logits
-    if logits.dim() == 3:               # a language model: next-token loss, averaged over each example's tokens
+    if logits.dim() == 3:  # a language model: next-token loss, averaged over each example's tokens
         return nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets[:, 1:], reduction="none").mean(1)
     return nn.functional.cross_entropy(logits, targets, reduction="none")
 
 
 def _slice(inputs, i):
-    return {k: v[i:i + 1] for k, v in inputs.items()}
+    return {k: v[i : i + 1] for k, v in inputs.items()}
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit}
@@ -242,7 +311,7 @@ def test_hf_model_per_example_norms_and_clipped_sum_equal_autograd(kind):
     rows = []
     for i in range(B):
         model.zero_grad()
-        _per_example_loss(model, _slice(inputs, i), targets[i:i + 1]).sum().backward()
+        _per_example_loss(model, _slice(inputs, i), targets[i : i + 1]).sum().backward()
         rows.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]))
     grads = torch.stack(rows)
     model.zero_grad()
@@ -251,7 +320,7 @@ def test_hf_model_per_example_norms_and_clipped_sum_equal_autograd(kind):
     _per_example_loss(model, inputs, targets).sum().backward()
     norms = keeper.norms()
     torch.testing.assert_close(norms, grads.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = (0.5 * grads.norm(dim=1).mean() / (norms + 1e-6)).clamp(max=1.0)    # about half clipped
+    factors = (0.5 * grads.norm(dim=1).mean() / (norms + 1e-6)).clamp(max=1.0)  # about half clipped
     sums = keeper.clipped_sum(factors)
     flat = torch.cat([sums.get(p, torch.zeros_like(p)).reshape(-1) for p in params])
     torch.testing.assert_close(flat, (factors[:, None] * grads).sum(0), rtol=1e-9, atol=1e-12)
@@ -306,13 +375,13 @@ def _reference_grads(model, x, y):
     rows = []
     for i in range(len(x)):
         model.zero_grad()
-        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     model.zero_grad()
     return torch.stack(rows)
 
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}       # relative, per-example norms vs float32
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative, per-example norms vs float32
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -351,8 +420,7 @@ def test_autocast_book_keeping_is_the_module_under_autocast(make, dtype):
     assert (flat - amp_grad).norm() <= TOL[dtype] * amp_grad.norm()
 
 
-def _run(model, x, y, mode, *, dtype=None, scaler=None, steps=1, clips=None, rates=None, reduction="mean",
-         **kwargs):
+def _run(model, x, y, mode, *, dtype=None, scaler=None, steps=1, clips=None, rates=None, reduction="mean", **kwargs):
     """``steps`` private steps over the N examples (q = 1 unless ``rates``), σ = 0.01, lr 0.5; returns
     (engine, trained copy of the model)."""
     import contextlib
@@ -360,13 +428,25 @@ def _run(model, x, y, mode, *, dtype=None, scaler=None, steps=1, clips=None, rat
     model = copy.deepcopy(model)
     engine = IndividualizedPrivacyEngine(seed=3)
     engine_model, opt, *rest = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=N), budgets=np.full(N, 1e4), target_delta=1e-5,
-        sample_rates=np.ones(N) if rates is None else rates, clip_norms=np.ones(N) if clips is None else clips,
-        noise_multiplier=0.01, max_grad_norm=1.0, grad_sample_mode=mode, privacy_filter=None,
-        loss_reduction=reduction, **kwargs)
-    criterion = rest[0] if mode == "ghost" else lambda out, target: nn.functional.cross_entropy(out, target,
-                                                                                                reduction=reduction)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
+        budgets=np.full(N, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(N) if rates is None else rates,
+        clip_norms=np.ones(N) if clips is None else clips,
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        privacy_filter=None,
+        loss_reduction=reduction,
+        **kwargs,
+    )
+    criterion = (
+        rest[0]
+        if mode == "ghost"
+        else lambda out, target: nn.functional.cross_entropy(out, target, reduction=reduction)
+    )
     for _ in range(steps):
         for xb, yb in rest[-1]:
             opt.zero_grad()
@@ -398,7 +478,7 @@ def test_autocast_training_step_in_every_mode(mode, dtype):
     update close to the float32 step's (same batch, same noise); parameters stay float32."""
     model, x, y = _tokens()
     ref = _reference_grads(model, x, y).norm(dim=1)
-    clips = np.where(np.arange(N) % 2 == 0, 0.5, 2.0) * ref.numpy()          # half the examples clipped
+    clips = np.where(np.arange(N) % 2 == 0, 0.5, 2.0) * ref.numpy()  # half the examples clipped
     eng32, m32 = _run(model, x, y, mode, clips=clips)
     engh, mh = _run(model, x, y, mode, dtype=dtype, clips=clips)
     torch.testing.assert_close(_norms_in_dataset_order(engh).float(), ref, rtol=TOL[dtype], atol=0)
@@ -420,10 +500,10 @@ def test_grad_scaler_changes_no_clipping_decision():
     clipped = torch.as_tensor(clips) < ref
     assert clipped.any() and not clipped.all()
     results = []
-    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)):
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)):
         engine, trained = _run(model, x, y, "bk", scaler=scaler, clips=clips, steps=2)
         results.append((_norms_in_dataset_order(engine), _flat(trained)))
-    assert scaler.get_scale() == 2.0 ** 12                   # grown after each of the two steps
+    assert scaler.get_scale() == 2.0**12  # grown after each of the two steps
     (n0, p0), (n1, p1) = results
     torch.testing.assert_close(n1, n0, rtol=1e-6, atol=0)
     torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
@@ -434,7 +514,7 @@ def test_grad_scaler_changes_no_clipping_decision():
         assert torch.equal(torch.as_tensor(clips) < norms, clipped)
 
 
-@pytest.mark.parametrize("mode,scaled", [("bk", False), ("bk", True), ("hooks", False)])
+@pytest.mark.parametrize(("mode", "scaled"), [("bk", False), ("bk", True), ("hooks", False)])
 def test_an_overflowed_example_is_left_out_and_the_step_is_charged(mode, scaled):
     """fp16: an example whose activations overflow (inf/nan gradient) contributes nothing; the step is
     taken, noised and charged, and equals the step without that example (same noise)."""
@@ -442,20 +522,22 @@ def test_an_overflowed_example_is_left_out_and_the_step_is_charged(mode, scaled)
         pytest.skip("no CPU autocast for float16")
     model, x, y = _image()
     x = x.clone()
-    x[3] *= 1e6                                            # beyond float16's range: inf after autocast's cast
+    x[3] *= 1e6  # beyond float16's range: inf after autocast's cast
     rates = np.ones(N)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
     # "sum" reduction: the output gradients do not depend on the batch size (12 here, 11 below)
-    engine, with_inf = _run(model, x, y, mode, dtype=torch.float16, scaler=scaler, expected_batch_size=N,
-                            reduction="sum")
+    engine, with_inf = _run(
+        model, x, y, mode, dtype=torch.float16, scaler=scaler, expected_batch_size=N, reduction="sum"
+    )
     norms = _norms_in_dataset_order(engine)
     assert torch.isinf(norms[3]) and torch.isfinite(np.delete(norms, 3)).all()
     assert torch.isfinite(_flat(with_inf)).all() and engine.steps == 1
     if scaled:
-        assert scaler.get_scale() == 2.0 ** 8             # no backoff: the scaler saw no private overflow
-    rates[3] = 1e-12                                       # the same run without example 3
-    engine_without, without = _run(model, x, y, mode, dtype=torch.float16, rates=rates, expected_batch_size=N,
-                                   reduction="sum")
+        assert scaler.get_scale() == 2.0**8  # no backoff: the scaler saw no private overflow
+    rates[3] = 1e-12  # the same run without example 3
+    engine_without, without = _run(
+        model, x, y, mode, dtype=torch.float16, rates=rates, expected_batch_size=N, reduction="sum"
+    )
     torch.testing.assert_close(np.delete(norms, 3), _norms_in_dataset_order(engine_without), rtol=1e-6, atol=0)
     torch.testing.assert_close(_flat(with_inf), _flat(without), rtol=1e-6, atol=1e-7)
 
@@ -466,7 +548,7 @@ def test_grad_scaler_refusals():
     model, x, y = _image()
     overflowing = x.clone()
     overflowing[3] *= 1e6
-    with pytest.raises(RuntimeError, match="'ghost' cannot leave it out"):     # ghost: no nan parameters either
+    with pytest.raises(RuntimeError, match="'ghost' cannot leave it out"):  # ghost: no nan parameters either
         _run(model, overflowing, y, "ghost", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="grad_sample_mode='bk' only"):
         _run(model, x, y, "hooks", dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
@@ -474,7 +556,7 @@ def test_grad_scaler_refusals():
     scaler = torch.amp.GradScaler("cpu")
     original = scaler.step
 
-    def unscale_first(opt, *args, **kwargs):        # as clip_grad_norm_ recipes do
+    def unscale_first(opt, *args, **kwargs):  # as clip_grad_norm_ recipes do
         scaler.unscale_(opt)
         return original(opt, *args, **kwargs)
 
@@ -482,7 +564,7 @@ def test_grad_scaler_refusals():
     with pytest.raises(RuntimeError, match="unscale_"):
         _run(model, x, y, "bk", dtype=torch.float16, scaler=scaler)
 
-    uncovered = nn.Sequential(nn.Conv3d(3, 2, 1), nn.Flatten(), nn.Linear(2 * 8 * 8, 3))   # Conv3d: fallback
+    uncovered = nn.Sequential(nn.Conv3d(3, 2, 1), nn.Flatten(), nn.Linear(2 * 8 * 8, 3))  # Conv3d: fallback
     with pytest.raises(RuntimeError, match="fallback layers"):
         _run(uncovered, x[:, :, None], y, "bk", dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
 
@@ -492,18 +574,23 @@ def _lora(kind, targets, r=4):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = MODELS[kind]()
-    return peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.1,
-                                                     fan_in_fan_out=kind == "gpt2"))
+    return peft.get_peft_model(
+        base,
+        peft.LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.1, fan_in_fan_out=kind == "gpt2"),
+    )
 
 
-@pytest.mark.parametrize("kind,targets", [("gpt2", ["c_attn", "c_fc"]), ("llama", ["q_proj", "v_proj", "down_proj"])])
+@pytest.mark.parametrize(
+    ("kind", "targets"), [("gpt2", ["c_attn", "c_fc"]), ("llama", ["q_proj", "v_proj", "down_proj"])]
+)
 def test_lora_covers_only_the_adapters(kind, targets):
     model = _lora(kind, targets)
     plan = plan_layers(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert plan and all(rule is not None for _, _, rule in plan)                 # no fallback
-    assert {f"{name}.{p}" for name, module, _ in plan for p, q in module.named_parameters(recurse=False)
-            if q.requires_grad} == trainable
+    assert plan and all(rule is not None for _, _, rule in plan)  # no fallback
+    assert {
+        f"{name}.{p}" for name, module, _ in plan for p, q in module.named_parameters(recurse=False) if q.requires_grad
+    } == trainable
     assert all(".lora_A." in name or ".lora_B." in name for name, _, _ in plan)
     keeper = BookKeeper.attach(model)
     assert all("forward" not in m.__dict__ for name, m in model.named_modules() if name.endswith("base_layer"))
@@ -522,39 +609,48 @@ class _ShapeLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.__name__.split(".")[0] in self.OPS:
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
                 if torch.is_tensor(t):
                     self.shapes.add(tuple(t.shape))
         return out
 
 
-@pytest.mark.parametrize("kind,targets", [("gpt2", ["c_attn", "c_proj", "c_fc"]), ("llama", ["q_proj", "o_proj"])])
+@pytest.mark.parametrize(("kind", "targets"), [("gpt2", ["c_attn", "c_proj", "c_fc"]), ("llama", ["q_proj", "o_proj"])])
 def test_frozen_weights_cost_no_weight_gradient(kind, targets):
     """A private bk step on a LoRA model: no matrix product anywhere in the backward pass or the step
     produces a tensor of a frozen weight's shape (autograd computes only the input gradient of a frozen
     layer), the frozen parameters get no .grad and do not move; the adapters do."""
     model = _lora(kind, targets).train()
     frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-    frozen_shapes = {tuple(p.shape) for p in frozen.values() if p.dim() == 2} | \
-                    {tuple(p.shape)[::-1] for p in frozen.values() if p.dim() == 2}
+    frozen_shapes = {tuple(p.shape) for p in frozen.values() if p.dim() == 2} | {
+        tuple(p.shape)[::-1] for p in frozen.values() if p.dim() == 2
+    }
     adapter_shapes = {tuple(p.shape) for p in model.parameters() if p.requires_grad}
-    assert not frozen_shapes & adapter_shapes                                   # distinguishable shapes
+    assert not frozen_shapes & adapter_shapes  # distinguishable shapes
     inputs, ids = _batch(kind, n=4)
     dataset = TensorDataset(inputs["input_ids"], ids)
     engine = IndividualizedPrivacyEngine(seed=0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     module, opt, loader = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
-        data_loader=DataLoader(dataset, batch_size=4), budgets=np.full(4, 1e4), target_delta=1e-5,
-        sample_rates=np.ones(4), clip_norms=np.ones(4), noise_multiplier=0.01, max_grad_norm=1.0,
-        grad_sample_mode="bk", privacy_filter=None)
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+        data_loader=DataLoader(dataset, batch_size=4),
+        budgets=np.full(4, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(4),
+        clip_norms=np.ones(4),
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        privacy_filter=None,
+    )
     xb, yb = next(iter(loader))
     log = _ShapeLog()
     with log:
         loss = _per_example_loss(module, {"input_ids": xb}, yb).mean()
         loss.backward()
         opt.step()
-    assert adapter_shapes & log.shapes                                          # the adapters' gradients
+    assert adapter_shapes & log.shapes  # the adapters' gradients
     assert not frozen_shapes & log.shapes, frozen_shapes & log.shapes
     assert all(p.grad is None for p in frozen.values())
     after = dict(model.named_parameters())
@@ -572,9 +668,16 @@ def test_gpt2_with_lora_trains_with_per_example_budgets():
     budgets = np.where(np.arange(n) < n // 2, 1.0, 8.0)
     engine = IndividualizedPrivacyEngine(seed=0)
     module, opt, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
-        data_loader=DataLoader(TensorDataset(ids, ids), batch_size=8), budgets=budgets, target_delta=1e-5,
-        method="scale", steps=3, max_grad_norm=1.0, grad_sample_mode="bk")
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+        data_loader=DataLoader(TensorDataset(ids, ids), batch_size=8),
+        budgets=budgets,
+        target_delta=1e-5,
+        method="scale",
+        steps=3,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+    )
     assert FALLBACK not in engine.layer_paths.values()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     while engine.steps < 3:
@@ -595,7 +698,7 @@ def test_llama_with_lora_under_bf16_autocast(dtype):
     """Llama + LoRA under bf16 autocast in bk: a step runs, and the per-example norms are within bf16
     tolerance of float32 autograd."""
     model = _lora("llama", ["q_proj", "v_proj"]).train()
-    for m in model.modules():            # no dropout: the float32 reference must see the same network
+    for m in model.modules():  # no dropout: the float32 reference must see the same network
         if isinstance(m, nn.Dropout):
             m.p = 0.0
     inputs, ids = _batch("llama", n=4)
@@ -603,7 +706,7 @@ def test_llama_with_lora_under_bf16_autocast(dtype):
     rows = []
     for i in range(4):
         model.zero_grad()
-        _per_example_loss(model, _slice(inputs, i), ids[i:i + 1]).sum().backward()
+        _per_example_loss(model, _slice(inputs, i), ids[i : i + 1]).sum().backward()
         rows.append(torch.cat([p.grad.reshape(-1) for p in params]))
     ref = torch.stack(rows).norm(dim=1)
     model.zero_grad()

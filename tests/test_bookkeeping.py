@@ -5,6 +5,7 @@ equal the norms of Opacus's per-sample gradients, and one private step with clip
 across examples (some examples clipped, some not) gives the same parameters as hooks mode — the same
 seed draws the same batch and the same noise, so the updates must agree to rounding.
 """
+
 import copy
 
 import numpy as np
@@ -26,10 +27,18 @@ def _private(model, x, y, mode, *, clips=None, rates=None, seed=3, **kwargs):
     """(engine, module, optimizer, loader) over all N examples, no budget filter (rates q = 1 by default)."""
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     module, optimizer, data = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=N), budgets=np.full(N, 1e4), target_delta=1e-5,
-        sample_rates=np.ones(N) if rates is None else rates, clip_norms=np.ones(N) if clips is None else clips,
-        noise_multiplier=0.01, max_grad_norm=1.0, grad_sample_mode=mode, **{"privacy_filter": None, **kwargs})
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
+        budgets=np.full(N, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(N) if rates is None else rates,
+        clip_norms=np.ones(N) if clips is None else clips,
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        **{"privacy_filter": None, **kwargs},
+    )
     return engine, module, optimizer, data
 
 
@@ -38,7 +47,7 @@ def _step(model, x, y, mode, clips, *, reduction="mean"):
     engine)."""
     model = copy.deepcopy(model)
     engine, module, optimizer, data = _private(model, x, y, mode, clips=clips, loss_reduction=reduction)
-    for _ in range(2):                  # two steps (the second after zero_grad of a noised gradient)
+    for _ in range(2):  # two steps (the second after zero_grad of a noised gradient)
         for xb, yb in data:
             optimizer.zero_grad()
             nn.functional.cross_entropy(module(xb), yb, reduction=reduction).backward()
@@ -54,7 +63,7 @@ def _brute_force(model, x, y):
     rows = []
     for i in range(len(x)):
         model.zero_grad()
-        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
     return torch.stack(rows)
 
@@ -87,17 +96,20 @@ def _check_equal(model, x, y, *, opacus=True, reduction="mean"):
     ref_norms, ref_params, _ = _step(model, x, y, "hooks", clips, reduction=reduction)
     eng_norms, eng_params, engine = _step(model, x, y, "bk", clips, reduction=reduction)
     np.testing.assert_allclose(eng_norms, ref_norms, rtol=1e-10, atol=1e-12)
-    for a, b in zip(eng_params, ref_params):
+    for a, b in zip(eng_params, ref_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     before = [p.detach() for p in model.parameters()]
-    assert any(not torch.equal(a, b) for a, b in zip(eng_params, before))     # the step moved something
+    assert any(not torch.equal(a, b) for a, b in zip(eng_params, before, strict=True))  # the step moved something
     return engine.layer_paths_taken
 
 
 def _data(shape, classes=3, seed=0, ids=None):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, ids, (N,) + shape, generator=g) if ids else torch.randn((N,) + shape, generator=g,
-                                                                                  dtype=torch.float64)
+    x = (
+        torch.randint(0, ids, (N, *shape), generator=g)
+        if ids
+        else torch.randn((N, *shape), generator=g, dtype=torch.float64)
+    )
     return x, torch.randint(0, classes, (N,), generator=g)
 
 
@@ -106,26 +118,34 @@ def _seq(*layers):
     return nn.Sequential(*layers).double()
 
 
-@pytest.mark.parametrize("in_shape,hidden,expect", [
-    ((5,), 7, GHOST),                       # (B, d): T = 1, always the ghost norm
-    ((6, 5), 7, PER_SAMPLE),                # (B, T, d) with 2T² = 72 > d·p = 35: per-sample gradient
-    ((2, 9), 64, GHOST),                    # 2T² = 8 < d·p = 576: ghost norm
-])
+@pytest.mark.parametrize(
+    ("in_shape", "hidden", "expect"),
+    [
+        ((5,), 7, GHOST),  # (B, d): T = 1, always the ghost norm
+        ((6, 5), 7, PER_SAMPLE),  # (B, T, d) with 2T² = 72 > d·p = 35: per-sample gradient
+        ((2, 9), 64, GHOST),  # 2T² = 8 < d·p = 576: ghost norm
+    ],
+)
 def test_linear(in_shape, hidden, expect):
-    model = _seq(nn.Linear(in_shape[-1], hidden), nn.Tanh(), nn.Flatten(), nn.Linear(hidden * int(np.prod(in_shape[:-1])), 3))
+    model = _seq(
+        nn.Linear(in_shape[-1], hidden), nn.Tanh(), nn.Flatten(), nn.Linear(hidden * int(np.prod(in_shape[:-1])), 3)
+    )
     paths = _check_equal(model, *_data(in_shape))
     assert paths["0"] == expect and paths["3"] == GHOST
 
 
-@pytest.mark.parametrize("conv", [
-    dict(in_channels=4, out_channels=6, kernel_size=3, padding=1),
-    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=2, dilation=2, groups=2),
-    dict(in_channels=4, out_channels=8, kernel_size=2, padding="same", bias=False),           # odd 'same' total
-    dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect", groups=4),
-    dict(in_channels=4, out_channels=6, kernel_size=(3, 2), padding=(2, 1), padding_mode="circular"),
-    dict(in_channels=4, out_channels=32, kernel_size=3, stride=3, padding=(1, 0)),             # ghost (T small)
-    dict(in_channels=4, out_channels=16, kernel_size=3, padding=1, size=5),  # per-sample, formed after the backward
-])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(in_channels=4, out_channels=6, kernel_size=3, padding=1),
+        dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=2, dilation=2, groups=2),
+        dict(in_channels=4, out_channels=8, kernel_size=2, padding="same", bias=False),  # odd 'same' total
+        dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect", groups=4),
+        dict(in_channels=4, out_channels=6, kernel_size=(3, 2), padding=(2, 1), padding_mode="circular"),
+        dict(in_channels=4, out_channels=32, kernel_size=3, stride=3, padding=(1, 0)),  # ghost (T small)
+        dict(in_channels=4, out_channels=16, kernel_size=3, padding=1, size=5),  # per-sample, formed after the backward
+    ],
+)
 def test_conv2d(conv):
     conv = dict(conv)
     size = conv.pop("size", 7)
@@ -135,7 +155,7 @@ def test_conv2d(conv):
     model = _seq(layer, nn.Tanh(), nn.Flatten(), nn.Linear(out.numel(), 3))
     # Opacus 1.6's conv grad sampler ignores padding_mode (it unfolds with zero padding): the reference
     # for reflect/circular/replicate padding is the example-by-example backward pass only
-    if size == 5:        # the per-sample gradients (576 numbers) are larger than input + output gradient (500)
+    if size == 5:  # the per-sample gradients (576 numbers) are larger than input + output gradient (500)
         keeper = BookKeeper.attach(model)
         keeper.active = True
         x, y = _data((4, size, size))
@@ -144,16 +164,30 @@ def test_conv2d(conv):
         keeper.detach()
     paths = _check_equal(model, *_data((4, size, size)), opacus=layer.padding_mode == "zeros")
     t = out.shape[2] * out.shape[3]
-    d, p = conv["in_channels"] // conv.get("groups", 1) * int(np.prod(layer.kernel_size)), conv["out_channels"] // conv.get("groups", 1)
+    d, p = (
+        conv["in_channels"] // conv.get("groups", 1) * int(np.prod(layer.kernel_size)),
+        conv["out_channels"] // conv.get("groups", 1),
+    )
     assert paths["0"] == (GHOST if 2 * t * t < d * p else PER_SAMPLE)
 
 
-@pytest.mark.parametrize("conv", [
-    dict(in_channels=3, out_channels=5, kernel_size=3, padding=1),
-    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, dilation=2, groups=2, padding_mode="replicate",
-         padding=1),
-    dict(in_channels=3, out_channels=64, kernel_size=5, stride=4),                                 # ghost
-])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(in_channels=3, out_channels=5, kernel_size=3, padding=1),
+        dict(
+            in_channels=4,
+            out_channels=6,
+            kernel_size=3,
+            stride=2,
+            dilation=2,
+            groups=2,
+            padding_mode="replicate",
+            padding=1,
+        ),
+        dict(in_channels=3, out_channels=64, kernel_size=5, stride=4),  # ghost
+    ],
+)
 def test_conv1d(conv):
     layer = nn.Conv1d(**conv)
     with torch.no_grad():
@@ -165,7 +199,7 @@ def test_conv1d(conv):
 @pytest.mark.parametrize("norm", [nn.GroupNorm(2, 6), nn.GroupNorm(6, 6), nn.InstanceNorm2d(6, affine=True)])
 def test_group_and_instance_norm(norm):
     model = _seq(nn.Conv2d(3, 6, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 3))
-    with torch.no_grad():        # non-trivial affine parameters
+    with torch.no_grad():  # non-trivial affine parameters
         norm.weight.uniform_(0.5, 1.5)
         norm.bias.uniform_(-0.5, 0.5)
     paths = _check_equal(model, *_data((3, 6, 6)))
@@ -173,8 +207,15 @@ def test_group_and_instance_norm(norm):
 
 
 def test_instance_norm_1d_and_layer_norm():
-    model = _seq(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, affine=True), nn.Tanh(), nn.LayerNorm([4, 6]),
-                 nn.Flatten(), nn.LayerNorm(24), nn.Linear(24, 3))
+    model = _seq(
+        nn.Conv1d(3, 4, 3),
+        nn.InstanceNorm1d(4, affine=True),
+        nn.Tanh(),
+        nn.LayerNorm([4, 6]),
+        nn.Flatten(),
+        nn.LayerNorm(24),
+        nn.Linear(24, 3),
+    )
     paths = _check_equal(model, *_data((3, 8)))
     assert paths["3"] == paths["5"] == PER_SAMPLE
 
@@ -190,10 +231,10 @@ class _Bag(nn.Module):
 
 
 @pytest.mark.parametrize("padding_idx", [None, 0])
-def test_embedding(padding_idx):          # max_norm is refused (tests/test_integrity.py)
+def test_embedding(padding_idx):  # max_norm is refused (tests/test_integrity.py)
     torch.manual_seed(0)
     model = _Bag(padding_idx=padding_idx).double()
-    x, y = _data((9,), ids=4)                # few distinct tokens: repeated tokens within an example
+    x, y = _data((9,), ids=4)  # few distinct tokens: repeated tokens within an example
     # Opacus 1.6's embedding grad sampler ignores padding_idx (PyTorch's gradient is zero there): with a
     # padding index the reference is the example-by-example backward pass only
     paths = _check_equal(model, x, y, opacus=padding_idx is None)
@@ -219,7 +260,7 @@ def test_uncovered_layers_take_opacus_per_sample_gradients():
 
 def test_frozen_weight_and_sum_reduction():
     model = _seq(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    model[0].weight.requires_grad_(False)            # only the bias of the first layer trains
+    model[0].weight.requires_grad_(False)  # only the bias of the first layer trains
     _check_equal(model, *_data((5,)), reduction="sum")
 
 
@@ -250,8 +291,9 @@ class _FixedEncoder(nn.Module):
         from opacus.validators import ModuleValidator
 
         self.tok = nn.Embedding(vocab, dim)
-        self.encoder = ModuleValidator.fix(nn.TransformerEncoderLayer(dim, 2, dim_feedforward=16, dropout=0.0,
-                                                                      batch_first=True))
+        self.encoder = ModuleValidator.fix(
+            nn.TransformerEncoderLayer(dim, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        )
         self.head = nn.Linear(dim, 3)
 
     def forward(self, ids):
@@ -293,14 +335,14 @@ def test_batch_memory_manager_accumulates_physical_batches():
                 if engine.steps == 1:
                     break
         results[mode] = [p.detach().clone() for p in m.parameters()]
-    for a, b in zip(results["bk"], results["hooks"]):
+    for a, b in zip(results["bk"], results["hooks"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_refusals_are_clear():
     lin = nn.Linear(4, 4)
     tied = nn.Sequential(lin, nn.Tanh(), _Scaled(4))
-    tied[2].scale = lin.bias              # tied between a covered layer and a fallback unit (tests/test_bookkeeping_tied.py)
+    tied[2].scale = lin.bias  # tied between a covered layer and a fallback unit (tests/test_bookkeeping_tied.py)
     with pytest.raises(InvalidParameterError, match="shared by"):
         plan_layers(tied)
     model = _seq(nn.Linear(4, 3))
@@ -311,6 +353,7 @@ def test_refusals_are_clear():
 
 def test_functional_use_of_a_covered_weight_is_refused():
     """A covered parameter that also receives an ordinary (un-clipped) gradient is never released."""
+
     class Leaky(nn.Module):
         def __init__(self):
             super().__init__()
@@ -329,7 +372,7 @@ def test_two_backward_passes_before_a_step_are_refused():
     torch.manual_seed(0)
     model = _seq(nn.Linear(4, 3))
     x, y = _data((4,))
-    _, module, opt, loader = _private(model, x, y, "bk")
+    _, module, _opt, loader = _private(model, x, y, "bk")
     xb, yb = next(iter(loader))
     nn.functional.cross_entropy(module(xb), yb).backward()
     with pytest.raises(ValueError, match="gradient accumulation"):
@@ -344,7 +387,7 @@ def test_deepcopy_and_detach_give_a_plain_model():
     keeper.active = True
     twin = copy.deepcopy(model)
     assert "_idpsgd_bookkeeper" not in twin.__dict__ or twin.__dict__["_idpsgd_bookkeeper"] is None
-    twin(x).sum().backward()                        # the copy trains as a plain model
+    twin(x).sum().backward()  # the copy trains as a plain model
     assert all(p.grad is not None for p in twin.parameters())
     keeper.detach()
     assert "forward" not in model[0].__dict__
@@ -364,11 +407,14 @@ def test_a_pickled_model_loads_plain(tmp_path):
     assert twin[0].weight.grad is not None
 
 
-@pytest.mark.parametrize("make,shape,ids", [
-    (_small_resnet, (3, 8, 8), None),
-    (lambda: TransformerClassifier(13, 3, max_length=7, dim=8, heads=2, layers=1, ff_dim=16).double(), (7,), 13),
-    (lambda: _seq(nn.Conv3d(2, 3, 2), nn.Flatten(), _Scaled(24), nn.Linear(24, 3)), (2, 3, 3, 3), None),
-])
+@pytest.mark.parametrize(
+    ("make", "shape", "ids"),
+    [
+        (_small_resnet, (3, 8, 8), None),
+        (lambda: TransformerClassifier(13, 3, max_length=7, dim=8, heads=2, layers=1, ff_dim=16).double(), (7,), 13),
+        (lambda: _seq(nn.Conv3d(2, 3, 2), nn.Flatten(), _Scaled(24), nn.Linear(24, 3)), (2, 3, 3, 3), None),
+    ],
+)
 def test_an_empty_batch_contributes_zero(make, shape, ids):
     """An empty Poisson batch: no norms, a zero clipped sum (the step is noise only)."""
     torch.manual_seed(0)
@@ -395,5 +441,5 @@ def test_an_empty_poisson_batch_is_a_noise_only_step_in_every_mode():
             nn.functional.cross_entropy(module(xb), yb).backward()
             opt.step()
         after[mode] = [p.detach().clone() for p in m.parameters()]
-    for a, b in zip(after["bk"], after["hooks"]):
+    for a, b in zip(after["bk"], after["hooks"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

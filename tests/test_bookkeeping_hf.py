@@ -6,6 +6,7 @@ Per-example norms and clipped sums equal per-example autograd; Scale training wi
 budgets runs in bk mode and each step equals Opacus's hooks and functorch modes (for GPT-2 and
 BERT, whose batch-1 position ids Opacus cannot handle, those get the ids expanded to the batch —
 the same model)."""
+
 import copy
 
 import numpy as np
@@ -23,29 +24,65 @@ N, B, T, V = 16, 8, 9, 97
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=V, n_positions=64, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=V,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _bert():
-    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=37,
-                                  vocab_size=V, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=V,
+        max_position_embeddings=64,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForSequenceClassification(cfg)
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                                   intermediate_size=37, vocab_size=V, max_position_embeddings=64,
-                                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=37,
+        vocab_size=V,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _vit():
-    cfg = transformers.ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=37,
-                                 image_size=16, patch_size=4, num_labels=3, hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0)
+    cfg = transformers.ViTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=37,
+        image_size=16,
+        patch_size=4,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.ViTForImageClassification(cfg)
 
 
@@ -92,7 +129,7 @@ def test_per_example_norms_and_clipped_sums_equal_autograd(name):
     rows = []
     for i in range(len(x)):
         ref.zero_grad()
-        _per_example_loss(ref, kind, x[i:i + 1], y[i:i + 1]).sum().backward()
+        _per_example_loss(ref, kind, x[i : i + 1], y[i : i + 1]).sum().backward()
         rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
     grads = torch.stack(rows)
     keeper = BookKeeper.attach(model)
@@ -115,9 +152,8 @@ def test_layer_paths(name):
     model = _build(name)
     keeper = BookKeeper.attach(model)
     paths = keeper.paths
-    modules = dict(model.named_modules())
     fallback = {n for n, path in paths.items() if path == FALLBACK}
-    assert not fallback, fallback          # every layer of the four models on a book-keeping rule (issue 30)
+    assert not fallback, fallback  # every layer of the four models on a book-keeping rule (issue 30)
     if name in ("gpt2", "llama_tied"):
         embeddings = "transformer.wte" if name == "gpt2" else "model.embed_tokens"
         assert f"tied with {embeddings!r}" in paths["lm_head"] and "cross term" not in paths["lm_head"]
@@ -132,9 +168,14 @@ def _train(model, kind, mode, *, expand_positions=False, steps=2):
     budgets = Budgets.from_array(np.where(np.arange(N) % 2 == 0, 1.0, 8.0), 1e-5)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
     module, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=B), budgets=budgets, method="scale", steps=steps,
-        grad_sample_mode=mode)
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+        budgets=budgets,
+        method="scale",
+        steps=steps,
+        grad_sample_mode=mode,
+    )
     for step, (xb, yb) in enumerate(loader):
         optimizer.zero_grad()
         _per_example_loss(module, kind, xb, yb, expand_positions=expand_positions).mean().backward()
@@ -150,17 +191,17 @@ def test_scale_training_with_budgets_equals_hooks_and_functorch(name):
     model = _build(name)
     kind = MODELS[name][1]
     after, engine = _train(model, kind, "bk")
-    if name in ("gpt2", "llama_tied"):             # the rule is public, how the cross term was computed private
+    if name in ("gpt2", "llama_tied"):  # the rule is public, how the cross term was computed private
         assert "cross term: ghost" in engine.layer_paths_taken["lm_head"]
         assert "cross term" not in engine.layer_paths["lm_head"]
-    eps = engine.get_epsilon()                           # each group within its budget, ε = 1 below ε = 8
+    eps = engine.get_epsilon()  # each group within its budget, ε = 1 below ε = 8
     assert list(eps.budgets) == [1.0, 8.0] and 0 < eps.per_group[0] < eps.per_group[1] == eps
     assert np.all(eps.per_group <= eps.budgets)
     before = [p.detach() for p in model.parameters()]
-    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
     for mode in ("hooks", "functorch"):
         ref, _ = _train(model, kind, mode, expand_positions=kind != "image")
-        for a, b in zip(after, ref):
+        for a, b in zip(after, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
@@ -180,7 +221,9 @@ def test_bf16_autocast_norms_and_scale_step(name):
     rows = []
     for i in range(len(x)):
         ref.zero_grad()
-        _per_example_loss(ref, kind, x[i:i + 1], y[i:i + 1].long() if kind == "image" else y[i:i + 1]).sum().backward()
+        _per_example_loss(
+            ref, kind, x[i : i + 1], y[i : i + 1].long() if kind == "image" else y[i : i + 1]
+        ).sum().backward()
         rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
     expected = torch.stack(rows).norm(dim=1)
     keeper = BookKeeper.attach(model)
@@ -199,9 +242,14 @@ def test_bf16_autocast_norms_and_scale_step(name):
         xs = xs.float()
     engine = IndividualizedPrivacyEngine(seed=3)
     module, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(xs, ys), batch_size=B), budgets=budgets, method="scale", steps=1,
-        grad_sample_mode="bk")
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(xs, ys), batch_size=B),
+        budgets=budgets,
+        method="scale",
+        steps=1,
+        grad_sample_mode="bk",
+    )
     for xb, yb in loader:
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):

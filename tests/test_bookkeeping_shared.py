@@ -3,6 +3,7 @@ embeddings looked up with position_ids of shape (1, T)) and parameters used dire
 forward (a class token and a position embedding).  Per-example norms and clipped sums equal
 per-example autograd in float64 however the shared value meets the batch; uses book-keeping cannot
 attribute are refused.  (Opacus's hooks fail on batch-1 inputs: the reference is autograd.)"""
+
 import copy
 import pickle
 
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_bookkeeping import N, _brute_force, _check_equal, _data, _private
 from torch import nn
 
 from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
 from idpsgd.engine.norms import per_example_grad_norms
+from test_bookkeeping import N, _brute_force, _check_equal, _data, _private
 
 T, D, C = 5, 4, 3
 
@@ -32,27 +33,27 @@ class Positions(nn.Module):
         self.head = nn.Linear(D, C)
 
     def forward(self, ids):
-        pid = torch.arange(ids.shape[1]).unsqueeze(0)            # (1, T), as BERT's and GPT-2's position_ids
+        pid = torch.arange(ids.shape[1]).unsqueeze(0)  # (1, T), as BERT's and GPT-2's position_ids
         h = self.tok(ids)
         pos = self.pos(pid)
         if self.how == "add":
             h = h + pos
-        elif self.how == "to_radd":                              # GPT-2: position_embeds.to(device) + ...
+        elif self.how == "to_radd":  # GPT-2: position_embeds.to(device) + ...
             h = pos.to(h.device) + h
-        elif self.how == "iadd":                                 # BERT (4.x): embeddings += position_embeddings
+        elif self.how == "iadd":  # BERT (4.x): embeddings += position_embeddings
             h = h * 1.0
             h += pos
         elif self.how == "mul":
             h = h * torch.tanh(pos)
         elif self.how == "where":
             h = torch.where(ids.unsqueeze(-1) > 3, h, pos)
-        elif self.how == "layer_norm":                           # a covered layer on the shared value
+        elif self.how == "layer_norm":  # a covered layer on the shared value
             h = h + self.norm(pos * 2.0)
-        elif self.how == "linear":                               # two covered layers in a chain
+        elif self.how == "linear":  # two covered layers in a chain
             h = h + self.proj(self.norm(pos))
-        elif self.how == "matmul":                               # learned queries against the batch
+        elif self.how == "matmul":  # learned queries against the batch
             h = torch.softmax(h @ self.proj(pos).transpose(1, 2), -1) @ h
-        elif self.how == "cat":                                  # a slice expanded to the batch, concatenated
+        elif self.how == "cat":  # a slice expanded to the batch, concatenated
             h = torch.cat([h, pos[:, :2].expand(ids.shape[0], -1, -1)], 1)
         return self.head(torch.tanh(self.norm(h))).mean(1)
 
@@ -76,10 +77,10 @@ class Tokens(nn.Module):
         self.position_embeddings = nn.Parameter(torch.randn(1, 5, D))
         self.patches = nn.Linear(3, D)
 
-    def forward(self, x):                                        # x (B, P, 3)
+    def forward(self, x):  # x (B, P, 3)
         e = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), self.patches(x)], 1)
         pos = self.position_embeddings
-        if self.interpolate:                                     # as ViT's interpolate_pos_encoding
+        if self.interpolate:  # as ViT's interpolate_pos_encoding
             grid = F.interpolate(pos[:, 1:].permute(0, 2, 1), size=e.shape[1] - 1, mode="linear")
             pos = torch.cat([pos[:, :1], grid.permute(0, 2, 1)], 1)
         return e + pos
@@ -96,11 +97,11 @@ class Classifier(nn.Module):
         return self.head(torch.tanh(self.norm(self.embeddings(x)))[:, 0])
 
 
-@pytest.mark.parametrize("patches,interpolate", [(4, False), (6, True)])
+@pytest.mark.parametrize(("patches", "interpolate"), [(4, False), (6, True)])
 def test_parameters_used_in_forward(patches, interpolate):
     torch.manual_seed(0)
     model = Classifier(Tokens(interpolate)).double()
-    paths = _check_equal(model, *_data((patches, 3)), opacus=not interpolate)    # hooks: functorch on Tokens
+    paths = _check_equal(model, *_data((patches, 3)), opacus=not interpolate)  # hooks: functorch on Tokens
     assert paths["embeddings"] == DIRECT and FALLBACK not in paths.values()
 
 
@@ -131,7 +132,7 @@ def test_a_module_whose_parameters_are_not_broadcast_shaped_keeps_the_functorch_
     class Scaled(Tokens):
         def __init__(self):
             super().__init__()
-            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))          # (D,): not shaped (1, ...)
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))  # (D,): not shaped (1, ...)
 
         def forward(self, x):
             return super().forward(x) * self.scale
@@ -141,8 +142,9 @@ def test_a_module_whose_parameters_are_not_broadcast_shaped_keeps_the_functorch_
     assert paths["embeddings"] == FALLBACK
 
 
-@pytest.mark.parametrize("make,shape,ids", [(lambda: Positions("linear"), (T,), 11),
-                                            (lambda: Classifier(Tokens()), (4, 3), None)])
+@pytest.mark.parametrize(
+    ("make", "shape", "ids"), [(lambda: Positions("linear"), (T,), 11), (lambda: Classifier(Tokens()), (4, 3), None)]
+)
 @pytest.mark.parametrize("batch", [1, 0])
 def test_batches_of_one_and_of_none(make, shape, ids, batch):
     """One example: nothing is shared (its gradient is the summed one); none: nothing to attribute."""
@@ -163,21 +165,26 @@ class Misuse(Positions):
     def forward(self, ids):
         pid = torch.arange(ids.shape[1]).unsqueeze(0)
         h, pos = self.tok(ids), self.pos(pid)
-        if self.how == "linear":                         # the shared value as another layer's weight
+        if self.how == "linear":  # the shared value as another layer's weight
             h = F.linear(h, pos[0, :D])
-        elif self.how == "gather":                       # rows picked per example
+        elif self.how == "gather":  # rows picked per example
             h = h + pos[0, ids[:, 0] % T].unsqueeze(1)
-        elif self.how == "batch_mean":                   # combined with a reduction over the batch
+        elif self.how == "batch_mean":  # combined with a reduction over the batch
             h = h + pos.sum() * h.mean()
-        elif self.how == "rows":                         # a (B, T, D) copy whose rows differ
+        elif self.how == "rows":  # a (B, T, D) copy whose rows differ
             h = h + pos.expand(ids.shape[0], -1, -1).cumsum(0)
         return self.head(h).mean(1)
 
 
-@pytest.mark.parametrize("how,match", [("linear", "together with the batch in linear"),
-                                       ("gather", "together with the batch in __getitem__"),
-                                       ("batch_mean", "requires a gradient but has no batch dimension"),
-                                       ("rows", "aligned row by row with the batch")])
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [
+        ("linear", "together with the batch in linear"),
+        ("gather", "together with the batch in __getitem__"),
+        ("batch_mean", "requires a gradient but has no batch dimension"),
+        ("rows", "aligned row by row with the batch"),
+    ],
+)
 def test_uses_that_cannot_be_attributed_are_refused(how, match):
     torch.manual_seed(0)
     model = Misuse(how).double()
@@ -186,7 +193,7 @@ def test_uses_that_cannot_be_attributed_are_refused(how, match):
     x, _ = _data((T,), ids=11)
     with pytest.raises(RuntimeError, match=match):
         model(x)
-    assert keeper.step_batch is None                     # the forward's batch is forgotten after the error
+    assert keeper.step_batch is None  # the forward's batch is forgotten after the error
 
 
 def test_a_batch_one_input_computed_from_the_batch_is_refused():
@@ -197,7 +204,7 @@ def test_a_batch_one_input_computed_from_the_batch_is_refused():
             self.head = nn.Linear(D, C)
 
         def forward(self, x):
-            return self.head(x + self.lin(x.mean(0, keepdim=True)))       # couples the examples
+            return self.head(x + self.lin(x.mean(0, keepdim=True)))  # couples the examples
 
     keeper = BookKeeper.attach(Mixing().double())
     keeper.active = True
@@ -232,7 +239,7 @@ def test_engine_step_and_norm_pass():
     x, y = _data((T,), ids=11)
     expected = _brute_force(model, x, y).norm(dim=1).numpy()
     engine, module, optimizer, loader = _private(copy.deepcopy(model), x, y, "bk")
-    for xb, yb in loader:                                    # q = 1: every example in the one batch
+    for xb, yb in loader:  # q = 1: every example in the one batch
         optimizer.zero_grad()
         F.cross_entropy(module(xb), yb).backward()
         optimizer.step()
@@ -275,8 +282,11 @@ def test_a_floating_point_batch_one_input_is_refused(how):
     keeper = BookKeeper.attach(BatchStatistic(how).double())
     keeper.active = True
     x, _ = _data((T, D))
-    with pytest.raises(RuntimeError, match=r"layer 'lin' got a floating-point input of batch size 1 while the step's "
-                                           r"batch has more examples.*expand it to the batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"layer 'lin' got a floating-point input of batch size 1 while the step's "
+        r"batch has more examples.*expand it to the batch",
+    ):
         keeper.model(x)
 
 
@@ -296,13 +306,13 @@ class Untracked(Positions):
     def forward(self, ids):
         h = self.tok(ids)
         pos = self.pos(torch.arange(ids.shape[1]).unsqueeze(0))
-        if self.how == "setitem":                        # assigned into a batch tensor
+        if self.how == "setitem":  # assigned into a batch tensor
             p = torch.zeros_like(h)
             p[:] = pos
             h = h + p
-        elif self.how == "function":                     # a custom autograd Function
+        elif self.how == "function":  # a custom autograd Function
             h = _AddFunction.apply(h, pos)
-        elif self.how == "partly":                       # one use tracked, one not
+        elif self.how == "partly":  # one use tracked, one not
             p = torch.zeros_like(h)
             p[:] = pos
             h = h + pos + p
@@ -312,15 +322,20 @@ class Untracked(Positions):
 class UntrackedToken(Tokens):
     def forward(self, x):
         e = torch.cat([torch.zeros_like(x[:, :1, :1]).expand(-1, -1, D), self.patches(x)], 1)
-        e[:, :1] = self.cls_token                         # a direct unit's parameter assigned into the batch
-        return e + self.position_embeddings[:, :e.shape[1]]
+        e[:, :1] = self.cls_token  # a direct unit's parameter assigned into the batch
+        return e + self.position_embeddings[:, : e.shape[1]]
 
 
-@pytest.mark.parametrize(("make", "shape", "ids", "source"), [
-    (lambda: Untracked("setitem"), (T,), 11, "'pos'"), (lambda: Untracked("function"), (T,), 11, "'pos'"),
-    (lambda: Untracked("partly"), (T,), 11, "'pos'"),
-    (lambda: Classifier(UntrackedToken()), (4, 3), None, "'embeddings.cls_token'")],
-    ids=["setitem", "function", "partly", "direct-unit"])
+@pytest.mark.parametrize(
+    ("make", "shape", "ids", "source"),
+    [
+        (lambda: Untracked("setitem"), (T,), 11, "'pos'"),
+        (lambda: Untracked("function"), (T,), 11, "'pos'"),
+        (lambda: Untracked("partly"), (T,), 11, "'pos'"),
+        (lambda: Classifier(UntrackedToken()), (4, 3), None, "'embeddings.cls_token'"),
+    ],
+    ids=["setitem", "function", "partly", "direct-unit"],
+)
 def test_a_gradient_that_bypasses_the_tracking_is_refused(make, shape, ids, source):
     """Before, the part that bypassed the tracking was silently left out of every example's gradient (the
     parameter got noise only for it)."""
@@ -329,8 +344,11 @@ def test_a_gradient_that_bypasses_the_tracking_is_refused(make, shape, ids, sour
     x, y = _data(shape, ids=ids)
     keeper = BookKeeper.attach(model)
     keeper.active, keeper.loss_reduction = True, "sum"
-    with pytest.raises(RuntimeError, match=rf"part of the gradient of a value shared by the batch \(from {source}\) "
-                                           "reached it through an operation book-keeping does not track"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"part of the gradient of a value shared by the batch \(from {source}\) "
+        "reached it through an operation book-keeping does not track",
+    ):
         F.cross_entropy(model(x), y, reduction="sum").backward()
 
 
@@ -347,15 +365,18 @@ class ScaledBank(Positions):
         return self.head(torch.tanh(self.tok(ids) + (pos * self.scales).sum(0, keepdim=True))).mean(1)
 
 
-@pytest.mark.xfail(strict=True, reason="batch-first by shape: a constant (K, ...) with K == B meeting a shared value "
-                   "is taken for the batch and the per-example gradients are misattributed (a privacy hole in the "
-                   "steps whose Poisson batch size equals K). Fix: know which tensors come from the forward's inputs "
-                   "(provenance), or refuse a B-row operand that is not derived from them")
+@pytest.mark.xfail(
+    strict=True,
+    reason="batch-first by shape: a constant (K, ...) with K == B meeting a shared value "
+    "is taken for the batch and the per-example gradients are misattributed (a privacy hole in the "
+    "steps whose Poisson batch size equals K). Fix: know which tensors come from the forward's inputs "
+    "(provenance), or refuse a B-row operand that is not derived from them",
+)
 def test_a_constant_whose_leading_dimension_equals_the_batch_is_not_taken_for_it():
     torch.manual_seed(0)
     model = ScaledBank().double()
     x, y = _data((T,), ids=11)
     try:
         _check_equal(model, x, y, opacus=False)
-    except RuntimeError:                                 # a refusal would be as good as exact attribution
+    except RuntimeError:  # a refusal would be as good as exact attribution
         return

@@ -1,16 +1,17 @@
 """Book-keeping with tied parameters (one parameter in several covered layers): per-example norms and
 clipped sums equal per-example autograd in float64, with each pairwise cross-term rule (ghost,
 ghost × per-sample, per-sample gradients formed), and one engine step equals Opacus's hooks mode."""
+
 import contextlib
 
 import numpy as np
 import pytest
 import torch
-from test_bookkeeping import N, _check_equal, _data, _private, _step
 from torch import nn
 
 from idpsgd.engine.bk_tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
 from idpsgd.engine.bookkeeping import GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from test_bookkeeping import N, _check_equal, _data, _private, _step
 
 
 class TiedLM(nn.Module):
@@ -39,14 +40,17 @@ def _cross_kinds(paths, name):
     return paths[name].split("cross term: ")[1:]
 
 
-@pytest.mark.parametrize("vocab,dim,length,head_path", [
-    (11, 5, 7, PER_SAMPLE),        # 2T² = 98 > V·d = 55: the head forms per-example gradients
-    (40, 8, 3, GHOST),             # 2T² = 18 < V·d = 320: ghost head, the Embedding × Linear ghost cross term
-])
-@pytest.mark.parametrize("bias,padding_idx", [(False, None), (True, 0)])
+@pytest.mark.parametrize(
+    ("vocab", "dim", "length", "head_path"),
+    [
+        (11, 5, 7, PER_SAMPLE),  # 2T² = 98 > V·d = 55: the head forms per-example gradients
+        (40, 8, 3, GHOST),  # 2T² = 18 < V·d = 320: ghost head, the Embedding × Linear ghost cross term
+    ],
+)
+@pytest.mark.parametrize(("bias", "padding_idx"), [(False, None), (True, 0)])
 def test_embedding_and_linear_head(vocab, dim, length, head_path, bias, padding_idx):
     model = _model(TiedLM, vocab, dim, bias=bias, padding_idx=padding_idx)
-    x, y = _data((length,), classes=vocab, ids=min(vocab, 6))      # few tokens: repeats within an example
+    x, y = _data((length,), classes=vocab, ids=min(vocab, 6))  # few tokens: repeats within an example
     if padding_idx is not None:
         x[:, 0] = padding_idx
     # Opacus 1.6 ignores padding_idx in its embedding sampler: with one, the reference is autograd only
@@ -72,11 +76,14 @@ class TiedLinear(nn.Module):
         return self.out(h.reshape(h.shape[0], -1, h.shape[-1]).mean(1))
 
 
-@pytest.mark.parametrize("shape,bias_tied,expect", [
-    ((6,), False, GHOST_CROSS),            # T = 1: both ghost
-    ((2, 12), True, GHOST_CROSS),          # ghost weights; the tied bias through formed per-example gradients
-    ((9, 3), False, FORMED_CROSS),         # 2T² > d²: both per-sample
-])
+@pytest.mark.parametrize(
+    ("shape", "bias_tied", "expect"),
+    [
+        ((6,), False, GHOST_CROSS),  # T = 1: both ghost
+        ((2, 12), True, GHOST_CROSS),  # ghost weights; the tied bias through formed per-example gradients
+        ((9, 3), False, FORMED_CROSS),  # 2T² > d²: both per-sample
+    ],
+)
 def test_linear_and_linear(shape, bias_tied, expect):
     model = _model(TiedLinear, shape[-1], first_bias_tied=bias_tied)
     paths = _check_equal(model, *_data(shape))
@@ -95,7 +102,7 @@ class MixedLinear(nn.Module):
         self.long.weight = self.short.weight
         self.out = nn.Linear(dim, 3)
 
-    def forward(self, x):                       # x (B, T, d)
+    def forward(self, x):  # x (B, T, d)
         return self.out(torch.tanh(self.short(x[:, 0])) + self.long(x).mean(1))
 
 
@@ -125,7 +132,7 @@ class TwoTables(nn.Module):
             self.n1.weight.uniform_(0.5, 1.5)
         self.out = nn.Linear(dim, 3)
 
-    def forward(self, ids):                     # first half encoder ids, second half decoder ids
+    def forward(self, ids):  # first half encoder ids, second half decoder ids
         t = ids.shape[1] // 2
         return self.out(self.n1(self.enc(ids[:, :t])).mean(1) * self.n2(self.dec(ids[:, t:])).mean(1))
 
@@ -157,7 +164,7 @@ def test_a_module_reached_twice_is_one_layer():
         def __init__(self):
             super().__init__()
             self.inner = nn.Linear(4, 4)
-            self.block = nn.Sequential(self.inner, nn.Tanh())   # the same module under two names
+            self.block = nn.Sequential(self.inner, nn.Tanh())  # the same module under two names
             self.out = nn.Linear(4, 3)
 
         def forward(self, x):
@@ -174,7 +181,7 @@ def test_a_tied_parameter_used_outside_the_covered_layers_is_refused():
     class Leaky(TiedLM):
         def forward(self, ids):
             h = torch.tanh(self.mid(self.emb(ids)))
-            return (self.heads[0](h) + h @ self.emb.weight.t()).mean(1)     # a functional use of the table
+            return (self.heads[0](h) + h @ self.emb.weight.t()).mean(1)  # a functional use of the table
 
     x, y = _data((4,), classes=11, ids=11)
     with pytest.raises(RuntimeError, match="un-clipped gradient outside"):
@@ -232,9 +239,14 @@ def _per_example_grads(model, x, y):
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for i in range(len(x)):
-        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params,
-                                    allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]))
+        grads = torch.autograd.grad(
+            nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params, allow_unused=True
+        )
+        rows.append(
+            torch.cat(
+                [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]
+            )
+        )
     return torch.stack(rows)
 
 
@@ -244,12 +256,12 @@ def test_random_clip_norms_half_clipped_tied_and_shared(seed):
     a random half of the examples clipped, on a model with two ties, one of them on the shared path."""
     model = _model(TinyGPT)
     x, y = _data((5,), ids=13, seed=seed)
-    x[:, -1] = 0                                          # padding positions
+    x[:, -1] = 0  # padding positions
     grads = _per_example_grads(model, x, y)
     norms = grads.norm(dim=1)
     g = torch.Generator().manual_seed(seed)
-    clipped = torch.randperm(N, generator=g)[:N // 2]
-    ratio = torch.rand(N, generator=g, dtype=torch.float64) * 2.0 + 1.1       # not clipped: c_i > ‖g_i‖
+    clipped = torch.randperm(N, generator=g)[: N // 2]
+    ratio = torch.rand(N, generator=g, dtype=torch.float64) * 2.0 + 1.1  # not clipped: c_i > ‖g_i‖
     ratio[clipped] = torch.rand(N // 2, generator=g, dtype=torch.float64) * 0.8 + 0.1
     clips = ratio * norms
     keeper = BookKeeper.attach(model)
@@ -265,7 +277,7 @@ def test_random_clip_norms_half_clipped_tied_and_shared(seed):
     paths = keeper.paths
     assert "tied with 'lm_head'" in paths["wte"] and "tied with 'pos_head'" in paths["wpe"]
     keeper.clear()
-    nn.functional.cross_entropy(model(x[:0]), y[:0], reduction="sum").backward()        # an empty batch
+    nn.functional.cross_entropy(model(x[:0]), y[:0], reduction="sum").backward()  # an empty batch
     assert keeper.norms().shape == (0,) and keeper.clipped_sum(torch.zeros(0, dtype=torch.float64)) == {}
 
 
@@ -278,11 +290,15 @@ def test_tied_parameters_under_batch_memory_manager_equal_one_batch():
     results = []
     for physical in (None, 5):
         model = _model(TinyGPT)
-        engine, module, optimizer, loader = _private(model, x, y, "bk", clips=np.linspace(0.05, 2.0, N),
-                                                     rates=np.full(N, 0.7), steps=3)
+        engine, module, optimizer, loader = _private(
+            model, x, y, "bk", clips=np.linspace(0.05, 2.0, N), rates=np.full(N, 0.7), steps=3
+        )
         for _ in range(3):
-            batches = (BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer)
-                       if physical else contextlib.nullcontext(loader))
+            batches = (
+                BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer)
+                if physical
+                else contextlib.nullcontext(loader)
+            )
             with batches as data:
                 for xb, yb in data:
                     optimizer.zero_grad()

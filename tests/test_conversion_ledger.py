@@ -1,4 +1,5 @@
 """RDP→(ε,δ) conversion against dp_accounting and Opacus; the per-example ledger."""
+
 import os
 
 import numpy as np
@@ -62,12 +63,14 @@ def test_ledger_accumulates_like_direct_composition(tmp_path):
     led.add_step(0.01, np.array([1.0, 2.0, 1.0, np.inf]))
     led.add_step(0.02, 1.5, indices=[0, 2])
     led.add(compute_rdp(0.05, 3.0, led.orders), indices=[1, 1], counts=np.array([2, 3]))
-    expected = np.stack([
-        compute_rdp(0.01, 1.0) + compute_rdp(0.02, 1.5),
-        compute_rdp(0.01, 2.0) + 5 * compute_rdp(0.05, 3.0),
-        compute_rdp(0.01, 1.0) + compute_rdp(0.02, 1.5),
-        np.zeros(DEFAULT_ORDERS.size),
-    ])
+    expected = np.stack(
+        [
+            compute_rdp(0.01, 1.0) + compute_rdp(0.02, 1.5),
+            compute_rdp(0.01, 2.0) + 5 * compute_rdp(0.05, 3.0),
+            compute_rdp(0.01, 1.0) + compute_rdp(0.02, 1.5),
+            np.zeros(DEFAULT_ORDERS.size),
+        ]
+    )
     np.testing.assert_allclose(led.rdp, expected, rtol=1e-13)
     eps, _ = led.epsilon(1e-5)
     assert eps[3] == 0 and eps[0] == eps[2] and eps[1] > 0

@@ -1,5 +1,6 @@
 """Runs that cannot be half-written: SIGKILL at several points, then --resume, gives exactly the
 uninterrupted run; checkpoints load without running code (weights_only=True)."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,21 @@ from idpsgd.data import load_dataset
 from idpsgd.io import CheckpointError
 from idpsgd.training import TrainConfig, train
 
-ARGS = ["train", "--method", "sample", "--budgets", "1,2,3", "--fractions", "0.34,0.43,0.23", "--epochs", "3",
-        "--seed", "0", "--no-progress", "--individual-accounting"]
+ARGS = [
+    "train",
+    "--method",
+    "sample",
+    "--budgets",
+    "1,2,3",
+    "--fractions",
+    "0.34,0.43,0.23",
+    "--epochs",
+    "3",
+    "--seed",
+    "0",
+    "--no-progress",
+    "--individual-accounting",
+]
 
 
 def _run(out, *extra, kill=None, validate="0"):
@@ -23,8 +37,13 @@ def _run(out, *extra, kill=None, validate="0"):
     env.pop("IDPSGD_TEST_KILL", None)
     if kill:
         env["IDPSGD_TEST_KILL"] = kill
-    return subprocess.run([sys.executable, "-m", "idpsgd", *ARGS, "--validate-subset", validate, "--out", str(out),
-                           *extra], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "idpsgd", *ARGS, "--validate-subset", validate, "--out", str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _kill_and_resume_is_exact(tmp_path, kills, validate):
@@ -40,20 +59,20 @@ def _kill_and_resume_is_exact(tmp_path, kills, validate):
     for name in ("private/ledger.csv", "private/individual_epsilons.csv", "private/history.json"):
         assert (cut / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
     reports = [json.loads((d / "report.json").read_text()) for d in (tmp_path / "full", cut)]
-    for r in reports:                 # the private release draws fresh OS entropy in every run, by design
+    for r in reports:  # the private release draws fresh OS entropy in every run, by design
         del r["individual_privacy"]["released"]
     assert reports[0] == reports[1]
     a = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     b = torch.load(cut / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not list(cut.glob(".*.tmp")) and not list((cut / "private").glob(".*.tmp"))   # leftovers removed
+    assert not list(cut.glob(".*.tmp")) and not list((cut / "private").glob(".*.tmp"))  # leftovers removed
 
 
 def test_sigkill_mid_epoch_and_during_the_checkpoint_write_then_resume_is_exact(tmp_path):
     _kill_and_resume_is_exact(tmp_path, ("checkpoint.pt:2", "step:16"), validate="0")
 
 
-@pytest.mark.slow     # the exactly tracked validation subset costs a fine RDP table in every run (~25 s each)
+@pytest.mark.slow  # the exactly tracked validation subset costs a fine RDP table in every run (~25 s each)
 def test_sigkill_at_every_point_with_the_validation_subset_then_resume_is_exact(tmp_path):
     _kill_and_resume_is_exact(tmp_path, ("checkpoint.pt:2", "step:16", "individual_epsilons.csv:1"), validate="50")
 
@@ -78,8 +97,24 @@ def test_a_crafted_checkpoint_runs_no_code_and_fails_in_one_line(tmp_path, capsy
     with pytest.raises(CheckpointError, match="is not a readable idpsgd checkpoint"):
         train(digits, budgets, TrainConfig(method="uniform", epochs=1, progress=False), run, resume=True)
     assert not marker.exists()
-    assert main(["train", "--method", "uniform", "--budgets", "3", "--epochs", "1", "--no-progress",
-                 "--out", str(run), "--resume"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "uniform",
+                "--budgets",
+                "3",
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--out",
+                str(run),
+                "--resume",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "is not a readable idpsgd checkpoint" in err and len(err.splitlines()) == 1 and not marker.exists()
 
@@ -90,11 +125,27 @@ def test_empty_truncated_or_foreign_checkpoints_are_clear_errors(tmp_path, capsy
     (run / "private").mkdir(parents=True)
     ckpt = run / "private" / "checkpoint.pt"
     if content is None:
-        torch.save({"weights": torch.zeros(3)}, ckpt)        # a loadable file of another program
+        torch.save({"weights": torch.zeros(3)}, ckpt)  # a loadable file of another program
     else:
         ckpt.write_bytes(content)
-    assert main(["train", "--method", "uniform", "--budgets", "3", "--epochs", "1", "--no-progress",
-                 "--out", str(run), "--resume"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "uniform",
+                "--budgets",
+                "3",
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--out",
+                str(run),
+                "--resume",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and ("checkpoint" in err) and "Traceback" not in err
 
@@ -105,7 +156,7 @@ def test_changed_settings_or_data_are_named_on_resume(tmp_path, capsys):
     capsys.readouterr()
     assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--resume", "--lr", "0.1"]) == 2
     assert "config.lr: 0.05 -> 0.1" in capsys.readouterr().err
-    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--clip-norm", "2"]) == 2   # no --resume
+    assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--clip-norm", "2"]) == 2  # no --resume
     assert "already holds files of another run" in capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--overwrite", "--clip-norm", "2"]) == 0

@@ -1,5 +1,6 @@
 """Issue 17 (no code runs from a data file; every bad data file is one clean line) and issue 16
 item 2 (normalization inside the guarantee), plus the models' shape checks and Dataset.fingerprint."""
+
 import gzip
 import io
 import math
@@ -36,18 +37,24 @@ def idx(arr, magic=b"\x00\x00\x08", dims=None) -> bytes:
 
 def mnist(n=12, m=6, labels=None, images=None, **override) -> dict:
     rng = np.random.default_rng(0)
-    files = {"train-images-idx3-ubyte": idx(rng.integers(0, 256, (n, 28, 28)) if images is None else images),
-             "train-labels-idx1-ubyte": idx(np.arange(n) % 10 if labels is None else labels),
-             "t10k-images-idx3-ubyte": idx(rng.integers(0, 256, (m, 28, 28))),
-             "t10k-labels-idx1-ubyte": idx(np.arange(m) % 10)}
+    files = {
+        "train-images-idx3-ubyte": idx(rng.integers(0, 256, (n, 28, 28)) if images is None else images),
+        "train-labels-idx1-ubyte": idx(np.arange(n) % 10 if labels is None else labels),
+        "t10k-images-idx3-ubyte": idx(rng.integers(0, 256, (m, 28, 28))),
+        "t10k-labels-idx1-ubyte": idx(np.arange(m) % 10),
+    }
     files.update(override)
     return files
 
 
 def cifar_batch(n=4, data=None, labels=None, **extra) -> bytes:
-    d = {b"batch_label": b"training batch", b"filenames": [b"x.png"] * n,
-         b"data": np.random.default_rng(1).integers(0, 256, (n, 3072), dtype=np.uint8) if data is None else data,
-         b"labels": [0, 1, 2, 9][:n] if labels is None else labels, **extra}
+    d = {
+        b"batch_label": b"training batch",
+        b"filenames": [b"x.png"] * n,
+        b"data": np.random.default_rng(1).integers(0, 256, (n, 3072), dtype=np.uint8) if data is None else data,
+        b"labels": [0, 1, 2, 9][:n] if labels is None else labels,
+        **extra,
+    }
     return pickle.dumps(d)
 
 
@@ -59,8 +66,10 @@ def cifar(**override) -> dict:
 
 
 def mat(x=None, y=None, n=5, drop=()) -> bytes:
-    d = {"X": np.random.default_rng(2).integers(0, 256, (32, 32, 3, n), dtype=np.uint8) if x is None else x,
-         "y": (np.arange(n) % 10 + 1).reshape(-1, 1).astype(np.uint8) if y is None else y}
+    d = {
+        "X": np.random.default_rng(2).integers(0, 256, (32, 32, 3, n), dtype=np.uint8) if x is None else x,
+        "y": (np.arange(n) % 10 + 1).reshape(-1, 1).astype(np.uint8) if y is None else y,
+    }
     buf = io.BytesIO()
     savemat(buf, {k: v for k, v in d.items() if k not in drop})
     return buf.getvalue()
@@ -94,77 +103,301 @@ def write(folder, files: dict):
 
 BAD_FILES = [
     # --- csv
-    ("csv ragged row", "csv", {"train.csv": csv_with("1,2,3,0")}, {}, r"train.csv, line 32: 4 fields, but the header has 3"),
+    (
+        "csv ragged row",
+        "csv",
+        {"train.csv": csv_with("1,2,3,0")},
+        {},
+        r"train.csv, line 32: 4 fields, but the header has 3",
+    ),
     ("csv short row", "csv", {"train.csv": csv_with("1,0")}, {}, r"train.csv, line 32: 2 fields, but the header has 3"),
-    ("csv missing value", "csv", {"train.csv": csv_with("1,,0")}, {}, r"line 32, column 'b': '' is not a number \(missing value\)"),
+    (
+        "csv missing value",
+        "csv",
+        {"train.csv": csv_with("1,,0")},
+        {},
+        r"line 32, column 'b': '' is not a number \(missing value\)",
+    ),
     ("csv non-numeric", "csv", {"train.csv": csv_with("1,x,0")}, {}, r"line 32, column 'b': 'x' is not a number"),
-    ("csv non-utf8", "csv", {"train.csv": CSV_OK.encode() + b"1,\xff\xfe,0\n"}, {}, r"train.csv is not UTF-8 text \(byte 0xff"),
+    (
+        "csv non-utf8",
+        "csv",
+        {"train.csv": CSV_OK.encode() + b"1,\xff\xfe,0\n"},
+        {},
+        r"train.csv is not UTF-8 text \(byte 0xff",
+    ),
     ("csv one-member class", "csv", {"train.csv": csv_with("5,5,7")}, {}, r"class 7 has only 1 row; the stratified"),
-    ("csv one row", "csv", {"train.csv": csv_with("1,2,0", base=False)}, {}, r"has 1 data row; training needs at least 2"),
-    ("csv too few rows for split", "csv", {"train.csv": csv_with("1,2,0", "1,2,0", "1,2,1", "1,2,1", base=False)}, {},
-     r"4 rows are too few for a stratified 20% test split over 2 classes"),
+    (
+        "csv one row",
+        "csv",
+        {"train.csv": csv_with("1,2,0", base=False)},
+        {},
+        r"has 1 data row; training needs at least 2",
+    ),
+    (
+        "csv too few rows for split",
+        "csv",
+        {"train.csv": csv_with("1,2,0", "1,2,0", "1,2,1", "1,2,1", base=False)},
+        {},
+        r"4 rows are too few for a stratified 20% test split over 2 classes",
+    ),
     ("csv nan feature", "csv", {"train.csv": csv_with("nan,2,0")}, {}, r"column 'a': 'nan' is not a finite number"),
     ("csv inf feature", "csv", {"train.csv": csv_with("1,-inf,0")}, {}, r"column 'b': '-inf' is not a finite number"),
     ("csv float32 overflow", "csv", {"train.csv": csv_with("1e39,2,0")}, {}, r"'1e39' is not a finite number"),
-    ("csv fractional label", "csv", {"train.csv": csv_with("1,2,1.5")}, {}, r"column 'label': '1.5' is not a class label"),
+    (
+        "csv fractional label",
+        "csv",
+        {"train.csv": csv_with("1,2,1.5")},
+        {},
+        r"column 'label': '1.5' is not a class label",
+    ),
     ("csv negative label", "csv", {"train.csv": csv_with("1,2,-1")}, {}, r"'-1' is not a class label"),
     ("csv text label", "csv", {"train.csv": csv_with("1,2,cat")}, {}, r"column 'label': 'cat' is not a number"),
     ("csv nan label", "csv", {"train.csv": csv_with("1,2,nan")}, {}, r"'nan' is not a class label"),
-    ("csv huge label", "csv", {"train.csv": csv_with("1,2,1e9")}, {}, r"'1e9' is not a class label \(labels are integers 0..9999\)"),
+    (
+        "csv huge label",
+        "csv",
+        {"train.csv": csv_with("1,2,1e9")},
+        {},
+        r"'1e9' is not a class label \(labels are integers 0..9999\)",
+    ),
     ("csv single class", "csv", {"train.csv": csv_with(*["1,2,0"] * 10, base=False)}, {}, r"at least 2 classes"),
     ("csv empty", "csv", {"train.csv": ""}, {}, r"train.csv is empty"),
     ("csv whitespace only", "csv", {"train.csv": "\n  \n"}, {}, r"train.csv is empty"),
     ("csv header only", "csv", {"train.csv": "a,b,label\n"}, {}, r"has a header but no data rows"),
-    ("csv no label column", "csv", {"train.csv": CSV_OK.replace("label", "target")}, {}, r"no column 'label' \(columns: a, b, target"),
+    (
+        "csv no label column",
+        "csv",
+        {"train.csv": CSV_OK.replace("label", "target")},
+        {},
+        r"no column 'label' \(columns: a, b, target",
+    ),
     ("csv label only", "csv", {"train.csv": "label\n0\n1\n"}, {}, r"no feature columns"),
-    ("csv duplicate column", "csv", {"train.csv": CSV_OK.replace("a,b,", "a,a,")}, {}, r"column 'a' appears more than once"),
-    ("csv test other columns", "csv", {"train.csv": CSV_OK, "test.csv": "a,c,label\n1,2,0\n"}, {},
-     r"test.csv: its columns differ from train.csv's; missing b; extra c"),
-    ("csv test nan", "csv", {"train.csv": CSV_OK, "test.csv": "a,b,label\n1,nan,0\n"}, {}, r"test.csv, line 2, column 'b'"),
+    (
+        "csv duplicate column",
+        "csv",
+        {"train.csv": CSV_OK.replace("a,b,", "a,a,")},
+        {},
+        r"column 'a' appears more than once",
+    ),
+    (
+        "csv test other columns",
+        "csv",
+        {"train.csv": CSV_OK, "test.csv": "a,c,label\n1,2,0\n"},
+        {},
+        r"test.csv: its columns differ from train.csv's; missing b; extra c",
+    ),
+    (
+        "csv test nan",
+        "csv",
+        {"train.csv": CSV_OK, "test.csv": "a,b,label\n1,nan,0\n"},
+        {},
+        r"test.csv, line 2, column 'b'",
+    ),
     ("csv test empty", "csv", {"train.csv": CSV_OK, "test.csv": ""}, {}, r"test.csv is empty"),
     ("csv missing train", "csv", {"test.csv": CSV_OK}, {}, r"train.csv not found in"),
     # --- mnist / fashion-mnist (IDX)
-    ("mnist label 10", "mnist", mnist(labels=[0] * 11 + [10]), {}, r"train-labels-idx1-ubyte: label 10 \(at index 11\) is out of range; mnist labels are 0..9"),
-    ("fashion label 255", "fashion-mnist", mnist(labels=[255] * 12), {}, r"label 255 \(at index 0\) is out of range; fashion-mnist"),
-    ("mnist count mismatch", "mnist", mnist(labels=np.arange(11) % 10), {}, r"holds 12 images but .*train-labels-idx1-ubyte holds 11 labels"),
-    ("mnist wrong dims", "mnist", mnist(images=np.zeros((12, 27, 28))), {}, r"images of shape \(27, 28\).*mnist images are 28x28"),
+    (
+        "mnist label 10",
+        "mnist",
+        mnist(labels=[0] * 11 + [10]),
+        {},
+        r"train-labels-idx1-ubyte: label 10 \(at index 11\) is out of range; mnist labels are 0..9",
+    ),
+    (
+        "fashion label 255",
+        "fashion-mnist",
+        mnist(labels=[255] * 12),
+        {},
+        r"label 255 \(at index 0\) is out of range; fashion-mnist",
+    ),
+    (
+        "mnist count mismatch",
+        "mnist",
+        mnist(labels=np.arange(11) % 10),
+        {},
+        r"holds 12 images but .*train-labels-idx1-ubyte holds 11 labels",
+    ),
+    (
+        "mnist wrong dims",
+        "mnist",
+        mnist(images=np.zeros((12, 27, 28))),
+        {},
+        r"images of shape \(27, 28\).*mnist images are 28x28",
+    ),
     ("mnist flat images", "mnist", mnist(images=np.zeros((12, 784))), {}, r"images of shape \(784,\)"),
     ("mnist 2-d labels", "mnist", mnist(labels=np.zeros((12, 1))), {}, r"labels of shape \(12, 1\); expected a 1-D"),
     ("mnist no images", "mnist", mnist(n=0, labels=np.zeros(0)), {}, r"holds no images"),
-    ("mnist empty file", "mnist", mnist(**{"t10k-labels-idx1-ubyte": b""}), {}, r"t10k-labels-idx1-ubyte is not a valid IDX file \(empty file\)"),
-    ("mnist truncated", "mnist", mnist(**{"t10k-images-idx3-ubyte": idx(np.zeros((6, 28, 28)))[:-5]}), {}, r"truncated: 4699 of the 4704"),
-    ("mnist trailing bytes", "mnist", mnist(**{"t10k-labels-idx1-ubyte": idx(np.arange(6)) + b"x"}), {}, r"more data than the 6 bytes"),
-    ("mnist bad magic", "mnist", mnist(**{"t10k-labels-idx1-ubyte": idx(np.arange(6), magic=b"\x00\x00\x0d")}), {}, r"bad magic number"),
-    ("mnist huge header", "mnist", mnist(**{"t10k-labels-idx1-ubyte": idx([], dims=(4_000_000_000, 4))}), {}, r"more than this reader accepts"),
-    ("mnist corrupt gzip", "mnist", {**{k + ".gz": gzip.compress(v) for k, v in mnist().items()},
-                                     "train-images-idx3-ubyte.gz": b"\x1f\x8b\x08garbage"}, {}, r"train-images-idx3-ubyte.gz is not a valid IDX file"),
-    ("mnist missing file", "mnist", {k: v for k, v in mnist().items() if "t10k-images" not in k}, {}, r"t10k-images-idx3-ubyte\[.gz\] not found"),
+    (
+        "mnist empty file",
+        "mnist",
+        mnist(**{"t10k-labels-idx1-ubyte": b""}),
+        {},
+        r"t10k-labels-idx1-ubyte is not a valid IDX file \(empty file\)",
+    ),
+    (
+        "mnist truncated",
+        "mnist",
+        mnist(**{"t10k-images-idx3-ubyte": idx(np.zeros((6, 28, 28)))[:-5]}),
+        {},
+        r"truncated: 4699 of the 4704",
+    ),
+    (
+        "mnist trailing bytes",
+        "mnist",
+        mnist(**{"t10k-labels-idx1-ubyte": idx(np.arange(6)) + b"x"}),
+        {},
+        r"more data than the 6 bytes",
+    ),
+    (
+        "mnist bad magic",
+        "mnist",
+        mnist(**{"t10k-labels-idx1-ubyte": idx(np.arange(6), magic=b"\x00\x00\x0d")}),
+        {},
+        r"bad magic number",
+    ),
+    (
+        "mnist huge header",
+        "mnist",
+        mnist(**{"t10k-labels-idx1-ubyte": idx([], dims=(4_000_000_000, 4))}),
+        {},
+        r"more than this reader accepts",
+    ),
+    (
+        "mnist corrupt gzip",
+        "mnist",
+        {
+            **{k + ".gz": gzip.compress(v) for k, v in mnist().items()},
+            "train-images-idx3-ubyte.gz": b"\x1f\x8b\x08garbage",
+        },
+        {},
+        r"train-images-idx3-ubyte.gz is not a valid IDX file",
+    ),
+    (
+        "mnist missing file",
+        "mnist",
+        {k: v for k, v in mnist().items() if "t10k-images" not in k},
+        {},
+        r"t10k-images-idx3-ubyte\[.gz\] not found",
+    ),
     # --- cifar10
-    ("cifar wrong shape", "cifar10", cifar(data_batch_2=cifar_batch(data=np.zeros((4, 3000), np.uint8))), {},
-     r"data_batch_2: 'data' is a uint8 array of shape \(4, 3000\)"),
-    ("cifar float data", "cifar10", cifar(test_batch=cifar_batch(data=np.zeros((4, 3072)))), {}, r"test_batch: 'data' is a float64 array"),
-    ("cifar label count", "cifar10", cifar(data_batch_1=cifar_batch(labels=[0, 1, 2])), {}, r"data_batch_1: 4 images but 3 labels"),
-    ("cifar label 10", "cifar10", cifar(data_batch_5=cifar_batch(labels=[0, 1, 10, 2])), {}, r"data_batch_5: label 10 \(at index 2\) is out of range"),
-    ("cifar float labels", "cifar10", cifar(data_batch_1=cifar_batch(labels=[0.5, 1, 2, 3])), {}, r"'labels' must be a list of integers 0..9"),
+    (
+        "cifar wrong shape",
+        "cifar10",
+        cifar(data_batch_2=cifar_batch(data=np.zeros((4, 3000), np.uint8))),
+        {},
+        r"data_batch_2: 'data' is a uint8 array of shape \(4, 3000\)",
+    ),
+    (
+        "cifar float data",
+        "cifar10",
+        cifar(test_batch=cifar_batch(data=np.zeros((4, 3072)))),
+        {},
+        r"test_batch: 'data' is a float64 array",
+    ),
+    (
+        "cifar label count",
+        "cifar10",
+        cifar(data_batch_1=cifar_batch(labels=[0, 1, 2])),
+        {},
+        r"data_batch_1: 4 images but 3 labels",
+    ),
+    (
+        "cifar label 10",
+        "cifar10",
+        cifar(data_batch_5=cifar_batch(labels=[0, 1, 10, 2])),
+        {},
+        r"data_batch_5: label 10 \(at index 2\) is out of range",
+    ),
+    (
+        "cifar float labels",
+        "cifar10",
+        cifar(data_batch_1=cifar_batch(labels=[0.5, 1, 2, 3])),
+        {},
+        r"'labels' must be a list of integers 0..9",
+    ),
     ("cifar not a dict", "cifar10", cifar(data_batch_1=pickle.dumps([1, 2, 3])), {}, r"holds a list, expected a dict"),
     ("cifar no data key", "cifar10", cifar(data_batch_1=pickle.dumps({b"labels": [1]})), {}, r"'data' is a NoneType"),
-    ("cifar empty file", "cifar10", cifar(data_batch_3=b""), {}, r"data_batch_3 is not a CIFAR-10 python batch \(empty or truncated"),
-    ("cifar truncated", "cifar10", cifar(data_batch_3=cifar_batch()[:-100]), {}, r"data_batch_3 is not a CIFAR-10 python batch"),
-    ("cifar garbage", "cifar10", cifar(data_batch_3=b"not a pickle"), {}, r"data_batch_3 is not a CIFAR-10 python batch"),
-    ("cifar foreign class", "cifar10", cifar(data_batch_4=pickle.dumps({b"data": io.BytesIO()})), {},
-     r"data_batch_4 is not a CIFAR-10 python batch: it names _io.BytesIO, which CIFAR-10 batches never contain"),
-    ("cifar missing batch", "cifar10", {k: v for k, v in cifar().items() if k != "data_batch_2"}, {}, r"data_batch_2 not found"),
+    (
+        "cifar empty file",
+        "cifar10",
+        cifar(data_batch_3=b""),
+        {},
+        r"data_batch_3 is not a CIFAR-10 python batch \(empty or truncated",
+    ),
+    (
+        "cifar truncated",
+        "cifar10",
+        cifar(data_batch_3=cifar_batch()[:-100]),
+        {},
+        r"data_batch_3 is not a CIFAR-10 python batch",
+    ),
+    (
+        "cifar garbage",
+        "cifar10",
+        cifar(data_batch_3=b"not a pickle"),
+        {},
+        r"data_batch_3 is not a CIFAR-10 python batch",
+    ),
+    (
+        "cifar foreign class",
+        "cifar10",
+        cifar(data_batch_4=pickle.dumps({b"data": io.BytesIO()})),
+        {},
+        r"data_batch_4 is not a CIFAR-10 python batch: it names _io.BytesIO, which CIFAR-10 batches never contain",
+    ),
+    (
+        "cifar missing batch",
+        "cifar10",
+        {k: v for k, v in cifar().items() if k != "data_batch_2"},
+        {},
+        r"data_batch_2 not found",
+    ),
     # --- svhn
-    ("svhn label 11", "svhn", svhn(**{"train_32x32.mat": mat(y=np.array([[1], [2], [11], [3], [4]], np.uint8))}), {},
-     r"train_32x32.mat: label 11 \(at index 2\) is out of range; SVHN labels are integers 1..10"),
-    ("svhn label 0", "svhn", svhn(**{"test_32x32.mat": mat(n=3, y=np.zeros((3, 1), np.uint8))}), {}, r"test_32x32.mat: label 0 \(at index 0\) is out of range"),
-    ("svhn fractional label", "svhn", svhn(**{"test_32x32.mat": mat(n=3, y=np.full((3, 1), 1.5))}), {}, r"label 1.5 \(at index 0\) is out of range"),
-    ("svhn wrong shape", "svhn", svhn(**{"train_32x32.mat": mat(x=np.zeros((32, 32, 1, 5), np.uint8))}), {},
-     r"X is a uint8 array of shape \(32, 32, 1, 5\); SVHN's X is uint8 of shape \(32, 32, 3, n\)"),
-    ("svhn count mismatch", "svhn", svhn(**{"train_32x32.mat": mat(y=np.ones((4, 1), np.uint8))}), {}, r"5 images but 4 labels"),
+    (
+        "svhn label 11",
+        "svhn",
+        svhn(**{"train_32x32.mat": mat(y=np.array([[1], [2], [11], [3], [4]], np.uint8))}),
+        {},
+        r"train_32x32.mat: label 11 \(at index 2\) is out of range; SVHN labels are integers 1..10",
+    ),
+    (
+        "svhn label 0",
+        "svhn",
+        svhn(**{"test_32x32.mat": mat(n=3, y=np.zeros((3, 1), np.uint8))}),
+        {},
+        r"test_32x32.mat: label 0 \(at index 0\) is out of range",
+    ),
+    (
+        "svhn fractional label",
+        "svhn",
+        svhn(**{"test_32x32.mat": mat(n=3, y=np.full((3, 1), 1.5))}),
+        {},
+        r"label 1.5 \(at index 0\) is out of range",
+    ),
+    (
+        "svhn wrong shape",
+        "svhn",
+        svhn(**{"train_32x32.mat": mat(x=np.zeros((32, 32, 1, 5), np.uint8))}),
+        {},
+        r"X is a uint8 array of shape \(32, 32, 1, 5\); SVHN's X is uint8 of shape \(32, 32, 3, n\)",
+    ),
+    (
+        "svhn count mismatch",
+        "svhn",
+        svhn(**{"train_32x32.mat": mat(y=np.ones((4, 1), np.uint8))}),
+        {},
+        r"5 images but 4 labels",
+    ),
     ("svhn missing y", "svhn", svhn(**{"train_32x32.mat": mat(drop=("y",))}), {}, r"expected arrays X and y"),
     ("svhn empty file", "svhn", svhn(**{"train_32x32.mat": b""}), {}, r"train_32x32.mat is not an SVHN .mat file"),
-    ("svhn garbage", "svhn", svhn(**{"test_32x32.mat": b"MATLAB 5.0 garbage" * 10}), {}, r"test_32x32.mat is not an SVHN .mat file"),
+    (
+        "svhn garbage",
+        "svhn",
+        svhn(**{"test_32x32.mat": b"MATLAB 5.0 garbage" * 10}),
+        {},
+        r"test_32x32.mat is not an SVHN .mat file",
+    ),
     # --- folders
     ("no data dir", "mnist", None, {}, r"dataset 'mnist' needs --data-dir"),
     ("data dir is a file", "csv", "FILE", {}, r"dataset 'csv': train.csv not found in .*/f \(expected train.csv"),
@@ -201,40 +434,111 @@ def test_the_table_builders_make_valid_files(tmp_path):
     folder.mkdir()
     write(folder, {"train.csv": CSV_OK, "test.csv": "b,label,a\n5,1,7\n"})
     d = load_dataset("csv", folder)
-    assert d.x_test.tolist() == [[7.0, 5.0]] and d.y_test.tolist() == [1]      # columns matched by name
+    assert d.x_test.tolist() == [[7.0, 5.0]] and d.y_test.tolist() == [1]  # columns matched by name
 
 
 BAD_PARAMETERS = [
     ("unknown dataset", "imagenet", {}, r"dataset='imagenet' is invalid: must be one of"),
-    ("unknown mode", "digits", {"normalization": "zscore"}, r"normalization='zscore' is invalid: must be 'none', 'public'"),
+    (
+        "unknown mode",
+        "digits",
+        {"normalization": "zscore"},
+        r"normalization='zscore' is invalid: must be 'none', 'public'",
+    ),
     ("mode number", "digits", {"normalization": 3}, r"normalization=3 is invalid"),
-    ("public digits", "digits", {"normalization": "public"}, r"normalization='public' is invalid: dataset 'digits' has no published"),
-    ("private no epsilon", "digits", {"normalization": "private", "normalization_delta": 1e-6},
-     r"normalization_epsilon=None is invalid: required with normalization='private'"),
-    ("private no delta", "digits", {"normalization": "private", "normalization_epsilon": 1.0},
-     r"normalization_delta=None is invalid: required"),
-    ("private epsilon 0", "digits", {"normalization": "private", "normalization_epsilon": 0, "normalization_delta": 1e-6},
-     r"normalization_epsilon=0.0 is invalid: must be > 0 and finite"),
-    ("private epsilon nan", "digits", {"normalization": "private", "normalization_epsilon": math.nan,
-                                       "normalization_delta": 1e-6}, r"normalization_epsilon=nan is invalid"),
-    ("private epsilon huge", "digits", {"normalization": "private", "normalization_epsilon": 1e300,
-                                        "normalization_delta": 1e-6}, r"normalization_epsilon=1e\+300 is invalid: cannot be calibrated"),
-    ("private delta 1", "digits", {"normalization": "private", "normalization_epsilon": 1, "normalization_delta": 1},
-     r"normalization_delta=1 is invalid: must be in \(0, 1\)"),
-    ("epsilon without private", "digits", {"normalization_epsilon": 1.0},
-     r"normalization_epsilon=1.0 is invalid: only used with normalization='private'"),
+    (
+        "public digits",
+        "digits",
+        {"normalization": "public"},
+        r"normalization='public' is invalid: dataset 'digits' has no published",
+    ),
+    (
+        "private no epsilon",
+        "digits",
+        {"normalization": "private", "normalization_delta": 1e-6},
+        r"normalization_epsilon=None is invalid: required with normalization='private'",
+    ),
+    (
+        "private no delta",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": 1.0},
+        r"normalization_delta=None is invalid: required",
+    ),
+    (
+        "private epsilon 0",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": 0, "normalization_delta": 1e-6},
+        r"normalization_epsilon=0.0 is invalid: must be > 0 and finite",
+    ),
+    (
+        "private epsilon nan",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": math.nan, "normalization_delta": 1e-6},
+        r"normalization_epsilon=nan is invalid",
+    ),
+    (
+        "private epsilon huge",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": 1e300, "normalization_delta": 1e-6},
+        r"normalization_epsilon=1e\+300 is invalid: cannot be calibrated",
+    ),
+    (
+        "private delta 1",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": 1, "normalization_delta": 1},
+        r"normalization_delta=1 is invalid: must be in \(0, 1\)",
+    ),
+    (
+        "epsilon without private",
+        "digits",
+        {"normalization_epsilon": 1.0},
+        r"normalization_epsilon=1.0 is invalid: only used with normalization='private'",
+    ),
     ("range without private", "digits", {"feature_range": (0, 1)}, r"feature_range=0,1 is invalid: only used with"),
-    ("range on images", "digits", {"normalization": "private", "normalization_epsilon": 1, "normalization_delta": 1e-6,
-                                   "feature_range": (0, 2)}, r"feature_range=0,2 is invalid: not used for 'digits'"),
+    (
+        "range on images",
+        "digits",
+        {"normalization": "private", "normalization_epsilon": 1, "normalization_delta": 1e-6, "feature_range": (0, 2)},
+        r"feature_range=0,2 is invalid: not used for 'digits'",
+    ),
     ("user std 0", "digits", {"normalization": (0.5, 0.0)}, r"normalization=0.5,0.0 is invalid: std must be > 0"),
-    ("user nan mean", "digits", {"normalization": (math.nan, 1.0)}, r"normalization=nan,1.0 is invalid: mean needs 1 or 1 finite"),
-    ("user per-channel mismatch", "digits", {"normalization": ((0.1, 0.2), (1, 1))}, r"mean needs 1 or 1 finite values"),
+    (
+        "user nan mean",
+        "digits",
+        {"normalization": (math.nan, 1.0)},
+        r"normalization=nan,1.0 is invalid: mean needs 1 or 1 finite",
+    ),
+    (
+        "user per-channel mismatch",
+        "digits",
+        {"normalization": ((0.1, 0.2), (1, 1))},
+        r"mean needs 1 or 1 finite values",
+    ),
     ("user text", "digits", {"normalization": ("a", "b")}, r"mean must be numbers"),
-    ("bad record", "digits", {"normalization": {"mode": "magic"}}, r"normalization=\"dict\(mode='magic'\)\" is invalid"),
-    ("record without cost", "digits", {"normalization": {"mode": "user", "mean": [0.1], "std": [1.0]}},
-     r"needs its recorded epsilon >= 0"),
-    ("label column on mnist", "mnist", {"label_column": "y"}, r"label_column='y' is invalid: only used with dataset csv"),
-    ("data dir for digits", "digits", {"data_dir": "/tmp"}, r"data_dir='/tmp' is invalid: not used: dataset 'digits' is bundled"),
+    (
+        "bad record",
+        "digits",
+        {"normalization": {"mode": "magic"}},
+        r"normalization=\"dict\(mode='magic'\)\" is invalid",
+    ),
+    (
+        "record without cost",
+        "digits",
+        {"normalization": {"mode": "user", "mean": [0.1], "std": [1.0]}},
+        r"needs its recorded epsilon >= 0",
+    ),
+    (
+        "label column on mnist",
+        "mnist",
+        {"label_column": "y"},
+        r"label_column='y' is invalid: only used with dataset csv",
+    ),
+    (
+        "data dir for digits",
+        "digits",
+        {"data_dir": "/tmp"},
+        r"data_dir='/tmp' is invalid: not used: dataset 'digits' is bundled",
+    ),
 ]
 
 
@@ -250,15 +554,35 @@ def test_bad_parameters_name_the_argument(case):
 
 def test_csv_private_normalization_needs_a_public_range(tmp_path):
     (tmp_path / "train.csv").write_text(CSV_OK)
-    with pytest.raises(InvalidParameterError, match=r"feature_range=None is invalid: required with "
-                                                    r"normalization='private' on csv data: a public range"):
+    with pytest.raises(
+        InvalidParameterError,
+        match=r"feature_range=None is invalid: required with "
+        r"normalization='private' on csv data: a public range",
+    ):
         load_dataset("csv", tmp_path, normalization="private", normalization_epsilon=1, normalization_delta=1e-6)
-    for bad, msg in (((1, 0), "needs low < high"), ((0, math.inf), "high needs 1 or 2 finite"), ("01", "must be a pair")):
+    for bad, msg in (
+        ((1, 0), "needs low < high"),
+        ((0, math.inf), "high needs 1 or 2 finite"),
+        ("01", "must be a pair"),
+    ):
         with pytest.raises(InvalidParameterError, match=msg):
-            load_dataset("csv", tmp_path, normalization="private", normalization_epsilon=1, normalization_delta=1e-6,
-                         feature_range=bad)
-    d = load_dataset("csv", tmp_path, normalization="private", normalization_epsilon=1, normalization_delta=1e-6,
-                     feature_range=(0, 30), normalization_rng=np.random.default_rng(0))
+            load_dataset(
+                "csv",
+                tmp_path,
+                normalization="private",
+                normalization_epsilon=1,
+                normalization_delta=1e-6,
+                feature_range=bad,
+            )
+    d = load_dataset(
+        "csv",
+        tmp_path,
+        normalization="private",
+        normalization_epsilon=1,
+        normalization_delta=1e-6,
+        feature_range=(0, 30),
+        normalization_rng=np.random.default_rng(0),
+    )
     assert d.preprocessing["per"] == "feature" and len(d.preprocessing["mean"]) == 2
     assert d.preprocessing["clip_range"] == [[0.0, 0.0], [30.0, 30.0]]
 
@@ -282,17 +606,23 @@ def _protocol0_inst(marker) -> bytes:
 @pytest.mark.parametrize("how", ["reduce-p0", "reduce-p2", "reduce-p5", "inst-p0", "nested-in-labels"])
 def test_a_crafted_cifar_batch_runs_no_code(tmp_path, how):
     marker = tmp_path / "pwned"
-    evil = {"reduce-p0": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=0),
-            "reduce-p2": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=2),
-            "reduce-p5": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=5),
-            "inst-p0": lambda: _protocol0_inst(marker),
-            "nested-in-labels": lambda: pickle.dumps({b"data": np.zeros((1, 3072), np.uint8),
-                                                      b"labels": [_RunsCode(marker)]})}[how]()
+    evil = {
+        "reduce-p0": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=0),
+        "reduce-p2": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=2),
+        "reduce-p5": lambda: pickle.dumps({b"data": _RunsCode(marker)}, protocol=5),
+        "inst-p0": lambda: _protocol0_inst(marker),
+        "nested-in-labels": lambda: pickle.dumps(
+            {b"data": np.zeros((1, 3072), np.uint8), b"labels": [_RunsCode(marker)]}
+        ),
+    }[how]()
     folder = tmp_path / "data"
     folder.mkdir()
     write(folder, cifar(data_batch_1=evil))
-    with pytest.raises(DatasetFileError, match=r"data_batch_1 is not a CIFAR-10 python batch: it names "
-                                               r"(posix|os|nt)\.system, which CIFAR-10 batches never contain") as err:
+    with pytest.raises(
+        DatasetFileError,
+        match=r"data_batch_1 is not a CIFAR-10 python batch: it names "
+        r"(posix|os|nt)\.system, which CIFAR-10 batches never contain",
+    ) as err:
         load_dataset("cifar10", folder)
     assert "\n" not in str(err.value)
     assert not marker.exists()
@@ -309,7 +639,9 @@ def _py2_cifar_pickle(data: np.ndarray, labels: list) -> bytes:
     P, out = pickle, bytearray(b"\x80\x02")
 
     def s(b):
-        out.extend(P.SHORT_BINSTRING + bytes([len(b)]) + b if len(b) < 256 else P.BINSTRING + struct.pack("<i", len(b)) + b)
+        out.extend(
+            P.SHORT_BINSTRING + bytes([len(b)]) + b if len(b) < 256 else P.BINSTRING + struct.pack("<i", len(b)) + b
+        )
 
     def i(v):
         out.extend(P.BININT + struct.pack("<i", v))
@@ -358,18 +690,22 @@ def test_genuine_and_resaved_cifar_batches_still_load(tmp_path, layout):
     import warnings
 
     rng = np.random.default_rng(3)
-    batches = {f: rng.integers(0, 256, (3, 3072), dtype=np.uint8) for f in
-               [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]}
+    batches = {
+        f: rng.integers(0, 256, (3, 3072), dtype=np.uint8)
+        for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    }
     labels = [3, 0, 9]
     for f, data in batches.items():
         if layout == "python2-genuine":
             content = _py2_cifar_pickle(data, labels)
         else:
-            content = pickle.dumps({b"batch_label": b"b", b"labels": labels, b"data": data,
-                                    b"filenames": [b"a.png"] * 3}, protocol=int(layout[-1]))
+            content = pickle.dumps(
+                {b"batch_label": b"b", b"labels": labels, b"data": data, b"filenames": [b"a.png"] * 3},
+                protocol=int(layout[-1]),
+            )
         (tmp_path / f).write_bytes(content)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")               # e.g. numpy.core deprecation: the mapping avoids it
+        warnings.simplefilter("error")  # e.g. numpy.core deprecation: the mapping avoids it
         d = load_dataset("cifar10", tmp_path, normalization="none")
     assert d.y_train.tolist() == labels * 5
     expect = np.concatenate([batches[f"data_batch_{i}"] for i in range(1, 6)]).reshape(-1, 3, 32, 32) / 255.0
@@ -383,7 +719,7 @@ def test_public_constants_are_applied_to_both_splits_per_channel(tmp_path):
     write(tmp_path, mnist())
     rawtr = np.frombuffer(mnist()["train-images-idx3-ubyte"][16:], np.uint8).reshape(12, 1, 28, 28) / 255.0
     rawte = np.frombuffer(mnist()["t10k-images-idx3-ubyte"][16:], np.uint8).reshape(6, 1, 28, 28) / 255.0
-    d = load_dataset("mnist", tmp_path)                              # the default for mnist: public
+    d = load_dataset("mnist", tmp_path)  # the default for mnist: public
     assert d.preprocessing["mode"] == "public" and d.preprocessing["mean"] == [0.1307]
     assert d.preprocessing["std"] == [0.3081] and "pytorch/examples" in d.preprocessing["source"]
     assert np.allclose(d.x_train.numpy(), (rawtr - 0.1307) / 0.3081, atol=1e-5)
@@ -392,7 +728,11 @@ def test_public_constants_are_applied_to_both_splits_per_channel(tmp_path):
     none = load_dataset("mnist", tmp_path, normalization="none")
     assert np.allclose(none.x_test.numpy(), rawte, atol=1e-7) and none.preprocessing["mode"] == "none"
     assert set(PUBLIC_CONSTANTS) == {"mnist", "fashion-mnist", "cifar10", "svhn"}
-    assert PUBLIC_CONSTANTS["fashion-mnist"]["mean"] == (0.2860,) and PUBLIC_CONSTANTS["svhn"]["std"] == (0.1980, 0.2010, 0.1970)
+    assert PUBLIC_CONSTANTS["fashion-mnist"]["mean"] == (0.2860,) and PUBLIC_CONSTANTS["svhn"]["std"] == (
+        0.1980,
+        0.2010,
+        0.1970,
+    )
 
 
 def test_user_constants_and_records_apply_exactly():
@@ -400,15 +740,20 @@ def test_user_constants_and_records_apply_exactly():
     d = load_dataset("digits", normalization=(0.3, 0.4))
     assert d.preprocessing["mode"] == "user" and d.preprocessing["mean"] == [0.3] and d.preprocessing["std"] == [0.4]
     assert torch.allclose(d.x_train, (base.x_train - 0.3) / 0.4) and torch.allclose(d.x_test, (base.x_test - 0.3) / 0.4)
-    again = load_dataset("digits", normalization=d.preprocessing)     # a record given back: identical data
+    again = load_dataset("digits", normalization=d.preprocessing)  # a record given back: identical data
     assert torch.equal(again.x_train, d.x_train) and again.fingerprint() == d.fingerprint()
 
 
 def test_private_estimate_is_charged_and_applied_to_both_splits():
-    base = load_dataset("digits")                        # pixels / 16
+    base = load_dataset("digits")  # pixels / 16
     eps, delta = 0.5, 1e-6
-    d = load_dataset("digits", normalization="private", normalization_epsilon=eps, normalization_delta=delta,
-                     normalization_rng=np.random.default_rng(7))
+    d = load_dataset(
+        "digits",
+        normalization="private",
+        normalization_epsilon=eps,
+        normalization_delta=delta,
+        normalization_rng=np.random.default_rng(7),
+    )
     rec = d.preprocessing
     assert rec["mode"] == "private" and rec["epsilon"] == eps and rec["delta"] == delta
     assert rec["clip_range"] == [[0.0], [1.0]]
@@ -419,10 +764,10 @@ def test_private_estimate_is_charged_and_applied_to_both_splits():
     m, s = rec["mean"][0], rec["std"][0]
     assert torch.allclose(d.x_train, (base.x_train - m) / s, atol=1e-6)
     assert torch.allclose(d.x_test, (base.x_test - m) / s, atol=1e-6)
-    replay = load_dataset("digits", normalization=rec)   # resume: the released constants re-applied, cost kept
+    replay = load_dataset("digits", normalization=rec)  # resume: the released constants re-applied, cost kept
     assert replay.fingerprint() == d.fingerprint() and replay.preprocessing["epsilon"] == eps
     fresh = load_dataset("digits", normalization="private", normalization_epsilon=eps, normalization_delta=delta)
-    assert fresh.preprocessing["mean"] != rec["mean"]    # default noise: OS entropy, not a fixed seed
+    assert fresh.preprocessing["mean"] != rec["mean"]  # default noise: OS entropy, not a fixed seed
 
 
 class _NoNoise:
@@ -437,7 +782,7 @@ def test_private_estimate_without_noise_is_the_exact_clipped_statistic(rng):
     clipped = np.clip(x.astype(np.float64), low, high)
     assert np.allclose(rec["mean"], clipped.mean(axis=0), atol=1e-9)
     assert np.allclose(rec["std"], clipped.std(axis=0), atol=1e-9)
-    img = rng.random((50, 3, 4, 4)).astype(np.float32)      # images: pooled over pixels, per channel
+    img = rng.random((50, 3, 4, 4)).astype(np.float32)  # images: pooled over pixels, per channel
     rec = private_mean_std(img, 0.0, 1.0, 1.0, 1e-6, rng=_NoNoise())
     assert np.allclose(rec["mean"], img.mean(axis=(0, 2, 3)), atol=1e-6)
     assert np.allclose(rec["std"], img.std(axis=(0, 2, 3)), atol=1e-6)
@@ -446,9 +791,10 @@ def test_private_estimate_without_noise_is_the_exact_clipped_statistic(rng):
 def test_private_estimate_is_close_at_reasonable_epsilon_and_its_noise_matches_the_recorded_cost(rng):
     n, width = 20000, 10.0
     x = rng.normal([3.0, 5.0], [1.0, 2.0], size=(n, 2)).astype(np.float32)
-    released = np.array([private_mean_std(x, 0.0, width, 1.0, 1e-6, rng=np.random.default_rng(s))["mean"]
-                         for s in range(300)])
-    assert np.all(np.abs(released - x.mean(axis=0)) < 0.05)          # ε = 1: close to the truth
+    released = np.array(
+        [private_mean_std(x, 0.0, width, 1.0, 1e-6, rng=np.random.default_rng(s))["mean"] for s in range(300)]
+    )
+    assert np.all(np.abs(released - x.mean(axis=0)) < 0.05)  # ε = 1: close to the truth
     rec = private_mean_std(x, 0.0, width, 1.0, 1e-6, rng=np.random.default_rng(0))
     # the spread of the released means is the recorded noise scale (σ in u units, × width / n)
     expected = rec["noise_std"] * width / n
@@ -463,9 +809,9 @@ def test_sensitivity_bounds_adding_or_removing_any_example(rng):
     worst = 0.0
     for extra in (np.zeros((1, k, 2, 2)), np.ones((1, k, 2, 2)), rng.random((1, k, 2, 2)), np.full((1, k, 2, 2), 7.0)):
         t1, t2 = moment_sums(np.concatenate([x, extra.astype(np.float32)]), low, high)
-        worst = max(worst, math.sqrt(np.sum((t1 - s1) ** 2) + np.sum((t2 - s2) ** 2) + 0.5 ** 2))
+        worst = max(worst, math.sqrt(np.sum((t1 - s1) ** 2) + np.sum((t2 - s2) ** 2) + 0.5**2))
     assert worst <= add_remove_sensitivity(k) + 1e-12
-    assert worst == pytest.approx(add_remove_sensitivity(k))           # reached at u = ±1/2
+    assert worst == pytest.approx(add_remove_sensitivity(k))  # reached at u = ±1/2
 
 
 def test_cli_parsers():
@@ -487,14 +833,14 @@ def test_fingerprint_identifies_data_and_preprocessing():
     a, b = load_dataset("digits"), load_dataset("digits")
     fp = a.fingerprint()
     assert len(fp) == 64 and int(fp, 16) >= 0 and fp == b.fingerprint()
-    b.x_train[5, 0, 3, 3] += 1 / 16                                  # one pixel of one example
+    b.x_train[5, 0, 3, 3] += 1 / 16  # one pixel of one example
     assert b.fingerprint() != fp
     c = load_dataset("digits")
-    c.y_test[0] = (c.y_test[0] + 1) % 10                             # one test label
+    c.y_test[0] = (c.y_test[0] + 1) % 10  # one test label
     assert c.fingerprint() != fp
-    assert load_dataset("digits", normalization=(0.0, 1.0)).fingerprint() != fp   # same tensors, other record
+    assert load_dataset("digits", normalization=(0.0, 1.0)).fingerprint() != fp  # same tensors, other record
     d = load_dataset("digits")
-    d.x_train = d.x_train.double()                                   # same values, other dtype
+    d.x_train = d.x_train.double()  # same values, other dtype
     assert d.fingerprint() != fp
 
 
@@ -512,27 +858,49 @@ def test_tramer_boneh_mnist_layer_shapes():
     for layer in model:
         x = layer(x)
         shapes.append(tuple(x.shape[1:]))
-    assert shapes == [(16, 13, 13), (16, 13, 13), (16, 12, 12), (32, 5, 5), (32, 5, 5), (32, 4, 4), (512,),
-                      (32,), (32,), (10,)]
+    assert shapes == [
+        (16, 13, 13),
+        (16, 13, 13),
+        (16, 12, 12),
+        (32, 5, 5),
+        (32, 5, 5),
+        (32, 4, 4),
+        (512,),
+        (32,),
+        (32,),
+        (10,),
+    ]
     assert sum(isinstance(m, torch.nn.Tanh) for m in model) == 3
 
 
 MODEL_MISFITS = [
-    ("tramer_boneh_mnist", (1, 8, 8), (r"model='tramer_boneh_mnist' is invalid: needs images of at least 16x16 "
-                                       r"pixels; the dataset's input shape is \(1, 8, 8\)")),
+    (
+        "tramer_boneh_mnist",
+        (1, 8, 8),
+        (
+            r"model='tramer_boneh_mnist' is invalid: needs images of at least 16x16 "
+            r"pixels; the dataset's input shape is \(1, 8, 8\)"
+        ),
+    ),
     ("lenet5", (1, 8, 8), r"model='lenet5' is invalid: needs images of at least 12x12 pixels"),
     ("heo_svhn", (3, 8, 8), r"model='heo_svhn' is invalid: needs images of at least 16x16"),
     ("heo_mnist", (1, 8, 8), r"model='heo_mnist' is invalid: needs images of at least"),
     ("digits_cnn", (1, 1, 1), r"model='digits_cnn' is invalid: needs images of at least 4x4"),
-    ("digits_cnn", (7,), (r"model='digits_cnn' is invalid: takes images \(channels, height, width\); the "
-                          r"dataset's inputs have shape \(7,\)")),
+    (
+        "digits_cnn",
+        (7,),
+        (
+            r"model='digits_cnn' is invalid: takes images \(channels, height, width\); the "
+            r"dataset's inputs have shape \(7,\)"
+        ),
+    ),
     ("resnet20", (20,), r"model='resnet20' is invalid: takes images"),
     ("mlp", (7,), None),
-    ("tramer_boneh_cifar10", (1, 8, 8), None),     # 8 -> 4 -> 2 -> 1: small, but it fits
+    ("tramer_boneh_cifar10", (1, 8, 8), None),  # 8 -> 4 -> 2 -> 1: small, but it fits
 ]
 
 
-@pytest.mark.parametrize("name,shape,pattern", MODEL_MISFITS, ids=[f"{c[0]}-{c[1]}" for c in MODEL_MISFITS])
+@pytest.mark.parametrize(("name", "shape", "pattern"), MODEL_MISFITS, ids=[f"{c[0]}-{c[1]}" for c in MODEL_MISFITS])
 def test_models_refuse_shapes_they_cannot_take(name, shape, pattern):
     if pattern is None:
         model = create_model(name, shape, 10)
@@ -543,10 +911,15 @@ def test_models_refuse_shapes_they_cannot_take(name, shape, pattern):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("shape,classes,pattern", [((1, 0, 8), 10, r"input_shape=.* is invalid"),
-                                                   (("a",), 10, r"input_shape=.* is invalid"),
-                                                   ((7,), 1, r"num_classes=1 is invalid: must be an integer >= 2"),
-                                                   ((7,), 2.5, r"num_classes=2.5 is invalid")])
+@pytest.mark.parametrize(
+    ("shape", "classes", "pattern"),
+    [
+        ((1, 0, 8), 10, r"input_shape=.* is invalid"),
+        (("a",), 10, r"input_shape=.* is invalid"),
+        ((7,), 1, r"num_classes=1 is invalid: must be an integer >= 2"),
+        ((7,), 2.5, r"num_classes=2.5 is invalid"),
+    ],
+)
 def test_model_arguments(shape, classes, pattern):
     with pytest.raises(InvalidParameterError, match=pattern):
         create_model("mlp", shape, classes)

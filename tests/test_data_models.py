@@ -1,4 +1,5 @@
 """Datasets from tiny files in each standard format, and the model registry."""
+
 import gzip
 import pickle
 import struct
@@ -36,7 +37,7 @@ def test_digits_is_deterministic_and_stratified():
     assert torch.equal(a.x_train * 16, torch.round(a.x_train * 16))
     assert a.preprocessing["mode"] == "none" and a.preprocessing["epsilon"] == 0.0
     counts = np.bincount(a.y_test.numpy(), minlength=10)
-    assert counts.min() >= 35                           # stratified: every class present
+    assert counts.min() >= 35  # stratified: every class present
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
@@ -85,11 +86,17 @@ def test_cifar10_pickle_batches(tmp_path, rng):
 
 def test_svhn_mat_files(tmp_path, rng):
     from scipy.io import savemat
+
     for name, k in (("train_32x32.mat", 5), ("test_32x32.mat", 3)):
-        savemat(tmp_path / name, {"X": rng.integers(0, 256, (32, 32, 3, k), dtype=np.uint8),
-                                  "y": np.array([[10], [1], [2], [3], [4]][:k], dtype=np.uint8)})
+        savemat(
+            tmp_path / name,
+            {
+                "X": rng.integers(0, 256, (32, 32, 3, k), dtype=np.uint8),
+                "y": np.array([[10], [1], [2], [3], [4]][:k], dtype=np.uint8),
+            },
+        )
     d = load_dataset("svhn", tmp_path)
-    assert d.x_train.shape == (5, 3, 32, 32) and d.y_train.tolist() == [0, 1, 2, 3, 4]   # 10 means 0
+    assert d.x_train.shape == (5, 3, 32, 32) and d.y_train.tolist() == [0, 1, 2, 3, 4]  # 10 means 0
     (tmp_path / "test_32x32.mat").unlink()
     with pytest.raises(DatasetFileError, match=r"test_32x32.mat not found .*expected: train_32x32.mat, test_32x32.mat"):
         load_dataset("svhn", tmp_path)
@@ -118,10 +125,17 @@ def test_unknown_dataset_and_model():
         create_model("vgg", (1, 8, 8), 10)
 
 
-SHAPES = {"digits_cnn": (1, 8, 8), "tramer_boneh_mnist": (1, 28, 28), "tramer_boneh_cifar10": (3, 32, 32),
-          "lenet5": (1, 28, 28), "heo_svhn": (3, 32, 32), "heo_mnist": (1, 28, 28), "resnet20": (3, 32, 32),
-          "wrn16_4": (3, 16, 16),
-          "mlp": (7,)}
+SHAPES = {
+    "digits_cnn": (1, 8, 8),
+    "tramer_boneh_mnist": (1, 28, 28),
+    "tramer_boneh_cifar10": (3, 32, 32),
+    "lenet5": (1, 28, 28),
+    "heo_svhn": (3, 32, 32),
+    "heo_mnist": (1, 28, 28),
+    "resnet20": (3, 32, 32),
+    "wrn16_4": (3, 16, 16),
+    "mlp": (7,),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -2,6 +2,7 @@
 single-process run — same Poisson draws (union over ranks), same per-group ε and step count, the
 same parameters (so the noise is added once and the sum is divided by Σ q_i) — and a rank that dies
 or hangs gives a clear error within the timeout."""
+
 import os
 import time
 
@@ -25,8 +26,9 @@ def _trial(die_at=None, mark=None):
     torch.set_num_threads(1)
     data = load_dataset("digits")
     budgets = demo_budgets(len(data.y_train), 1e-5, 0)
-    trainer = Trainer(data, budgets, TrainConfig(method="sample", epochs=EPOCHS, batch_size=BATCH, seed=3,
-                                                 progress=False))
+    trainer = Trainer(
+        data, budgets, TrainConfig(method="sample", epochs=EPOCHS, batch_size=BATCH, seed=3, progress=False)
+    )
     drawn, noise0 = [], {}
 
     def record(tr, _model, _step):
@@ -44,11 +46,16 @@ def _trial(die_at=None, mark=None):
     report = trainer.run()
     drawn.append(trainer.dp_optimizer.last_indices.numpy().copy())
     opt = trainer.dp_optimizer
-    out = {"eps": trainer.engine.get_epsilon().per_group, "steps": trainer.engine.steps, "report_steps": report["steps"],
-           "ledger_sizes": [row[3] for row in trainer.ledger_rows], "ebs": opt.expected_batch_size,
-           "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
-           "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
-           "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"])}
+    out = {
+        "eps": trainer.engine.get_epsilon().per_group,
+        "steps": trainer.engine.steps,
+        "report_steps": report["steps"],
+        "ledger_sizes": [row[3] for row in trainer.ledger_rows],
+        "ebs": opt.expected_batch_size,
+        "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
+        "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
+        "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"]),
+    }
     if distributed.is_distributed():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {"drawn": drawn, "noise_drawn": out["noise_drawn"], "ebs": out["ebs"]})
@@ -65,18 +72,18 @@ def test_two_gloo_processes_match_one_process():
     two = distributed.launch(_trial, 2, timeout_s=60)
     assert time.perf_counter() - t < 60
     assert two["steps"] == single["steps"] == two["report_steps"] > 1
-    np.testing.assert_array_equal(two["eps"], single["eps"])           # the same per-group ledger
+    np.testing.assert_array_equal(two["eps"], single["eps"])  # the same per-group ledger
     assert len(two["drawn"]) == len(single["drawn"])
-    for a, b in zip(two["drawn"], single["drawn"]):                    # the union is the single-process draw
+    for a, b in zip(two["drawn"], single["drawn"], strict=True):  # the union is the single-process draw
         np.testing.assert_array_equal(a, b)
     ranks = two["per_rank"]
-    for r, rank in enumerate(ranks):                                   # each rank drew only its own shard
+    for r, rank in enumerate(ranks):  # each rank drew only its own shard
         assert all(np.all(d % 2 == r) for d in rank["drawn"])
-        assert rank["ebs"] == pytest.approx(single["sum_q"] / 2)      # per-rank Σq/W, as Opacus
-    assert two["ledger_sizes"] == [len(d) for d in single["drawn"]]    # ledger: the global batch size
-    assert [r["noise_drawn"] for r in ranks] == [True, False]          # noise on rank 0 only: once
+        assert rank["ebs"] == pytest.approx(single["sum_q"] / 2)  # per-rank Σq/W, as Opacus
+    assert two["ledger_sizes"] == [len(d) for d in single["drawn"]]  # ledger: the global batch size
+    assert [r["noise_drawn"] for r in ranks] == [True, False]  # noise on rank 0 only: once
     assert single["noise_drawn"]
-    for k, v in single["params"].items():                              # the same update: noise once, ÷ Σ q_i
+    for k, v in single["params"].items():  # the same update: noise once, ÷ Σ q_i
         torch.testing.assert_close(two["params"][k], v, rtol=1e-4, atol=1e-5)
 
 
@@ -84,14 +91,14 @@ def test_a_dying_rank_gives_a_clear_error(tmp_path):
     mark = tmp_path / "died"
     with pytest.raises(distributed.DistributedTrainingError, match=r"rank 1 of 2 exited with code 3"):
         distributed.launch(_trial, 2, kwargs={"die_at": 2, "mark": str(mark)}, timeout_s=30)
-    assert time.time() - float(mark.read_text()) < 30      # within the collective timeout of the death
+    assert time.time() - float(mark.read_text()) < 30  # within the collective timeout of the death
 
 
 def _hang_on_rank_1(mark):
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        time.sleep(300)                      # a stuck rank: rank 0's collective must time out
+        time.sleep(300)  # a stuck rank: rank 0's collective must time out
     with open(mark, "w") as fh:
         fh.write(repr(time.time()))
     dist.all_reduce(torch.ones(3))
@@ -101,7 +108,7 @@ def test_a_hanging_rank_times_out(tmp_path):
     mark = tmp_path / "entered"
     with pytest.raises(distributed.DistributedTrainingError, match=r"(?i)timed? ?out|timeout"):
         distributed.launch(_hang_on_rank_1, 2, args=(str(mark),), timeout_s=3)
-    assert 2.5 < time.time() - float(mark.read_text()) < 30    # the 3 s timeout, not a hang
+    assert 2.5 < time.time() - float(mark.read_text()) < 30  # the 3 s timeout, not a hang
 
 
 def test_data_parallel_model_needs_a_process_group():
@@ -112,16 +119,24 @@ def test_data_parallel_model_needs_a_process_group():
     from idpsgd.engine import IndividualizedPrivacyEngine
 
     model = torch.nn.Linear(3, 2)
-    wrapped = DPDDP.__new__(DPDDP)          # no process group: constructed without the broadcast
+    wrapped = DPDDP.__new__(DPDDP)  # no process group: constructed without the broadcast
     torch.nn.Module.__init__(wrapped)
     wrapped.module = model
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 3), torch.zeros(8).long()),
-                                         batch_size=4)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(8, 3), torch.zeros(8).long()), batch_size=4
+    )
     with pytest.raises(InvalidParameterError, match="process group"):
         IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_parameters(
-            module=wrapped, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
-            budgets=Budgets.from_array(np.ones(8), 1e-5), sample_rates=np.full(8, .5), clip_norms=np.ones(8),
-            noise_multiplier=1.0, max_grad_norm=1.0, steps=2)
+            module=wrapped,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            budgets=Budgets.from_array(np.ones(8), 1e-5),
+            sample_rates=np.full(8, 0.5),
+            clip_norms=np.ones(8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            steps=2,
+        )
     with pytest.raises(InvalidParameterError, match="nproc"):
         distributed.launch(_trial, 0)
 
@@ -146,24 +161,41 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=7)
-        engine.enable_individual_accounting(IndividualAccountingOptions(
-            refreshes_per_epoch=6 if every_step else 2, validate_subset=0, rounding_step=0.1,
-            rounding="ceil" if every_step else "nearest"))
-        out = engine.make_private(module=model, optimizer=opt, data_loader=loader, method="sample", epochs=2,
-                                  budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
-                                  max_grad_norm=1.0, grad_sample_mode=mode)
-        model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], torch.nn.functional.cross_entropy,
-                                                                 out[2])
+        engine.enable_individual_accounting(
+            IndividualAccountingOptions(
+                refreshes_per_epoch=6 if every_step else 2,
+                validate_subset=0,
+                rounding_step=0.1,
+                rounding="ceil" if every_step else "nearest",
+            )
+        )
+        out = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            method="sample",
+            epochs=2,
+            budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, 1e-5, seed=0),
+            max_grad_norm=1.0,
+            grad_sample_mode=mode,
+        )
+        model, opt, crit, loader = (
+            out if mode == "ghost" else (out[0], out[1], torch.nn.functional.cross_entropy, out[2])
+        )
         for _ in range(2):
             for xb, yb in loader:
                 opt.zero_grad()
                 crit(model(xb), yb).backward()
                 opt.step()
-        results[mode] = {"eps": engine.get_epsilon().per_group, "steps": engine.steps,
-                         "individual": engine.individual.epsilons(1e-5), "kind": engine.individual.kind,
-                         "check": engine.individual.sensitivity_check(),
-                         "bounds": engine.get_individual_epsilons(),
-                         "params": [p.detach().clone() for p in raw_module(model).parameters()]}
+        results[mode] = {
+            "eps": engine.get_epsilon().per_group,
+            "steps": engine.steps,
+            "individual": engine.individual.epsilons(1e-5),
+            "kind": engine.individual.kind,
+            "check": engine.individual.sensitivity_check(),
+            "bounds": engine.get_individual_epsilons(),
+            "params": [p.detach().clone() for p in raw_module(model).parameters()],
+        }
     return results
 
 
@@ -176,12 +208,12 @@ def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_proc
         assert two[mode]["steps"] == single[mode]["steps"] == 12
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
         np.testing.assert_allclose(two[mode]["individual"], single[mode]["individual"], rtol=1e-6)
-        assert np.any(single[mode]["individual"] < single[mode]["eps"].max() - 1e-3)   # individual accounting works
-        assert two[mode]["kind"] == single[mode]["kind"] == "estimate"        # norms twice an epoch, nearest
-        np.testing.assert_array_equal(two[mode]["bounds"], single[mode]["bounds"])   # data-independent then
-        for a, b in zip(two[mode]["params"], single[mode]["params"]):
+        assert np.any(single[mode]["individual"] < single[mode]["eps"].max() - 1e-3)  # individual accounting works
+        assert two[mode]["kind"] == single[mode]["kind"] == "estimate"  # norms twice an epoch, nearest
+        np.testing.assert_array_equal(two[mode]["bounds"], single[mode]["bounds"])  # data-independent then
+        for a, b in zip(two[mode]["params"], single[mode]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    for a, b in zip(single["bk"]["params"], single["ghost"]["params"]):      # the same update either way
+    for a, b in zip(single["bk"]["params"], single["ghost"]["params"], strict=True):  # the same update either way
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -197,15 +229,34 @@ def test_the_sensitivity_check_is_reduced_over_ranks():
     np.testing.assert_allclose(two["bounds"], single["bounds"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "pdp-sgd", "--nproc", "2"], "PDP-SGD methods run in one process only"),
-    (["--method", "sample", "--nproc", "0"], "must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--method", "pdp-sgd", "--nproc", "2"], "PDP-SGD methods run in one process only"),
+        (["--method", "sample", "--nproc", "0"], "must be an integer >= 1"),
+    ],
+)
 def test_cli_refuses_what_nproc_cannot_honour(tmp_path, capsys, argv, message):
     from idpsgd.cli import main
 
-    assert main(["train", "--budgets", "1,2", "--fractions", ".5,.5", "--out", str(tmp_path / "run"), "--epochs", "1",
-                 "--no-progress", *argv]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--budgets",
+                "1,2",
+                "--fractions",
+                ".5,.5",
+                "--out",
+                str(tmp_path / "run"),
+                "--epochs",
+                "1",
+                "--no-progress",
+                *argv,
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
 
 
@@ -222,6 +273,7 @@ def test_rank_reports_are_read_without_unpickling_code(tmp_path):
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
+
     with open(tmp_path / "error1.pt", "wb") as fh:
         pickle.dump(("error", Evil()), fh)
     record = _load_error(tmp_path / "error1.pt")

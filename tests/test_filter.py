@@ -1,5 +1,6 @@
 """Individual Rényi filter (issue 13): Feldman & Zrnic's filter with individual budgets on the engine,
 full-batch DP-GD and Poisson-subsampled DP-SGD with individual clipping, against slow references."""
+
 import copy
 import math
 import os
@@ -13,9 +14,9 @@ from dp_accounting.rdp import rdp_privacy_accountant as dpa
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import max_steps_within, order_universe, rdp_to_epsilon
-from conftest import toy_classification
 from idpsgd.assignment import Budgets
 from idpsgd.data import Dataset
 from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine, PrivacyBudgetExceeded
@@ -41,8 +42,23 @@ def _raw(module):
     return getattr(module, "_module", module)
 
 
-def _run(data, budgets, *, q, sigma, steps, spe, clip=1.0, options=None, lr=0.5, seed=0, record=True,
-         privacy_filter="individual", stop=None, **kwargs):
+def _run(
+    data,
+    budgets,
+    *,
+    q,
+    sigma,
+    steps,
+    spe,
+    clip=1.0,
+    options=None,
+    lr=0.5,
+    seed=0,
+    record=True,
+    privacy_filter="individual",
+    stop=None,
+    **kwargs,
+):
     """Train ``stop`` (default: all ``steps``) of the ``steps`` planned with the filter; returns (engine, log of
     every step)."""
     stop = steps if stop is None else stop
@@ -51,23 +67,41 @@ def _run(data, budgets, *, q, sigma, steps, spe, clip=1.0, options=None, lr=0.5,
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     module, opt, loader = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=loader, budgets=budgets,
-        sample_rates=np.full(N, q), clip_norms=np.full(N, clip), noise_multiplier=sigma, max_grad_norm=clip,
-        steps=steps, steps_per_epoch=spe, privacy_filter=privacy_filter, filter_options=options, **kwargs)
-    log = {"theta": [copy.deepcopy(_raw(module).state_dict())], "batches": [], "rdp": [], "active": [],
-           "bounds": [engine.filter.bounds.copy()] if engine.filter is not None else []}
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        data_loader=loader,
+        budgets=budgets,
+        sample_rates=np.full(N, q),
+        clip_norms=np.full(N, clip),
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        steps=steps,
+        steps_per_epoch=spe,
+        privacy_filter=privacy_filter,
+        filter_options=options,
+        **kwargs,
+    )
+    log = {
+        "theta": [copy.deepcopy(_raw(module).state_dict())],
+        "batches": [],
+        "rdp": [],
+        "active": [],
+        "bounds": [engine.filter.bounds.copy()] if engine.filter is not None else [],
+    }
     f = engine.filter
 
     def record_step(optimizer):
-        log["batches"].append(optimizer.last_indices.numpy().copy() if optimizer.last_indices is not None
-                              else np.zeros(0, dtype=np.int64))
+        log["batches"].append(
+            optimizer.last_indices.numpy().copy() if optimizer.last_indices is not None else np.zeros(0, dtype=np.int64)
+        )
         log["theta"].append(copy.deepcopy(_raw(module).state_dict()))
         if f is not None:
             log["rdp"].append(f.rdp_spent.copy())
             log["active"].append(f.active.copy())
             log["bounds"].append(f.bounds.copy())
+
     if record:
-        opt.post_step_hooks.append(record_step)     # after the filter's own hook
+        opt.post_step_hooks.append(record_step)  # after the filter's own hook
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         while engine.steps < stop:
@@ -87,7 +121,7 @@ def _norms_at(state, x, y):
     out = []
     for i in range(len(x)):
         model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         out.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
     return np.array(out)
 
@@ -106,14 +140,14 @@ def test_rdp_budget_converts_back_to_at_most_the_budget_and_beats_the_classical_
             if b > 0:
                 back = float(rdp_to_epsilon(np.array([b]), [alpha], DELTA)[0])
                 assert back <= eps and back == pytest.approx(eps, abs=1e-10)
-            assert b > eps - math.log(1 / DELTA) / (alpha - 1)         # the improved conversion gives more room
+            assert b > eps - math.log(1 / DELTA) / (alpha - 1)  # the improved conversion gives more room
     assert float(conversion_cost(8.0, DELTA)) == pytest.approx(_budget_ref(0.0, 8.0) * -1, rel=1e-12)
 
 
 def test_default_order_for_gd_maximizes_budget_over_order_on_the_universe():
     u, _ = order_universe()
     for eps in (0.3, 1.0, 4.0):
-        ref = u[np.argmax([_budget_ref(eps, a) / a for a in u])]     # Gaussian: ρ ∝ α for every sensitivity
+        ref = u[np.argmax([_budget_ref(eps, a) / a for a in u])]  # Gaussian: ρ ∝ α for every sensitivity
         assert worst_case_orders(1.0, 70.0, [eps], DELTA)[0] == ref
 
 
@@ -125,46 +159,78 @@ def test_budgets_too_small_for_one_step_are_refused(data):
     model = _model()
     with pytest.raises(InvalidParameterError, match="budgets=0.05 is invalid: .*too small for even one step"):
         engine.make_private_with_parameters(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=DataLoader(TensorDataset(*data), batch_size=8), budgets=b, sample_rates=np.full(N, 0.2),
-            clip_norms=np.ones(N), noise_multiplier=0.5, max_grad_norm=1.0, steps=5, privacy_filter="individual")
-    assert engine.accountant is None and engine.filter is None       # refused before any state changed
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(*data), batch_size=8),
+            budgets=b,
+            sample_rates=np.full(N, 0.2),
+            clip_norms=np.ones(N),
+            noise_multiplier=0.5,
+            max_grad_norm=1.0,
+            steps=5,
+            privacy_filter="individual",
+        )
+    assert engine.accountant is None and engine.filter is None  # refused before any state changed
     # a fixed order whose conversion alone costs more than the budget
     with pytest.raises(InvalidParameterError, match="too small for even one step.*larger --filter-order"):
-        _run(data, Budgets.from_array(np.full(N, 0.5), DELTA), q=0.2, sigma=5.0, steps=2, spe=5,
-             options=FilterOptions(order=1.5), record=False)
+        _run(
+            data,
+            Budgets.from_array(np.full(N, 0.5), DELTA),
+            q=0.2,
+            sigma=5.0,
+            steps=2,
+            spe=5,
+            options=FilterOptions(order=1.5),
+            record=False,
+        )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"options": FilterOptions(order=1.0)}, "filter_order=1.0 is invalid"),
-    ({"options": FilterOptions(order=0.5)}, "filter_order=0.5 is invalid"),
-    ({"options": FilterOptions(extend=0.5)}, "filter_extend=0.5 is invalid"),
-    ({"options": FilterOptions(gd=True)}, "full-batch DP-GD .* needs every sampling rate 1"),
-    ({"options": "order 8"}, "filter_options='str' is invalid"),
-    ({"privacy_filter": "personal"}, "privacy_filter='personal' is invalid"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"options": FilterOptions(order=1.0)}, "filter_order=1.0 is invalid"),
+        ({"options": FilterOptions(order=0.5)}, "filter_order=0.5 is invalid"),
+        ({"options": FilterOptions(extend=0.5)}, "filter_extend=0.5 is invalid"),
+        ({"options": FilterOptions(gd=True)}, "full-batch DP-GD .* needs every sampling rate 1"),
+        ({"options": "order 8"}, "filter_options='str' is invalid"),
+        ({"privacy_filter": "personal"}, "privacy_filter='personal' is invalid"),
+    ],
+)
 def test_bad_filter_options_are_refused(data, kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
-        _run(data, Budgets.from_array(np.full(N, 2.0), DELTA), q=0.2, sigma=2.0, steps=3, spe=5, record=False,
-             **kwargs)
+        _run(data, Budgets.from_array(np.full(N, 2.0), DELTA), q=0.2, sigma=2.0, steps=3, spe=5, record=False, **kwargs)
 
 
 def test_pld_accountant_workers_individual_accounting_and_second_phase_are_refused(data):
     b = Budgets.from_array(np.full(N, 2.0), DELTA)
-    kw = {"budgets": b, "sample_rates": np.full(N, 0.2), "clip_norms": np.ones(N), "noise_multiplier": 2.0,
-          "max_grad_norm": 1.0, "steps": 3, "privacy_filter": "individual"}
+    kw = {
+        "budgets": b,
+        "sample_rates": np.full(N, 0.2),
+        "clip_norms": np.ones(N),
+        "noise_multiplier": 2.0,
+        "max_grad_norm": 1.0,
+        "steps": 3,
+        "privacy_filter": "individual",
+    }
 
     def make(engine, loader=None):
         model = _model()
         return engine.make_private_with_parameters(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=loader or DataLoader(TensorDataset(*data), batch_size=8), **kw)
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader or DataLoader(TensorDataset(*data), batch_size=8),
+            **kw,
+        )
 
-    with pytest.raises(InvalidParameterError, match="accountant='pld' is invalid: is not supported with the "
-                       "individual filter"):
+    with pytest.raises(
+        InvalidParameterError, match="accountant='pld' is invalid: is not supported with the individual filter"
+    ):
         make(IndividualizedPrivacyEngine(accountant="pld", seed=0))
     with pytest.raises(InvalidParameterError, match="num_workers=2 is invalid: must be 0"):
-        make(IndividualizedPrivacyEngine(accountant="rdp", seed=0), DataLoader(TensorDataset(*data), batch_size=8, num_workers=2))
+        make(
+            IndividualizedPrivacyEngine(accountant="rdp", seed=0),
+            DataLoader(TensorDataset(*data), batch_size=8, num_workers=2),
+        )
     e = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     e.enable_individual_accounting(IndividualAccountingOptions(validate_subset=0))
     with pytest.raises(InvalidParameterError, match="individual_accounting=True is invalid: cannot be combined"):
@@ -185,21 +251,20 @@ def test_gd_filter_matches_a_slow_reference(data):
     x, y = data
     budgets = Budgets.from_groups([1.0, 1.6], [0.5, 0.5], N, DELTA, seed=3)
     sigma, clip, steps = 8.0, 1.0, 18
-    engine, log = _run(data, budgets, q=1.0, sigma=sigma, steps=steps, spe=1, clip=clip,
-                       options=FilterOptions(gd=True))
+    engine, log = _run(data, budgets, q=1.0, sigma=sigma, steps=steps, spe=1, clip=clip, options=FilterOptions(gd=True))
     f = engine.filter
     u, _ = order_universe()
     orders = {e: u[np.argmax([_budget_ref(e, a) / a for a in u])] for e in (1.0, 1.6)}
     alpha = np.array([orders[e] for e in budgets.epsilons])
     np.testing.assert_array_equal(f.order, alpha)
-    budget = np.array([_budget_ref(e, a) for e, a in zip(budgets.epsilons, alpha)])
+    budget = np.array([_budget_ref(e, a) for e, a in zip(budgets.epsilons, alpha, strict=True)])
     acc, active, dropped = np.zeros(N), np.ones(N, dtype=bool), np.full(N, -1)
     for t in range(steps):
         norms = _norms_at(log["theta"][t], x, y)
         for i in range(N):
             if not active[i]:
                 continue
-            rho = alpha[i] * min(clip, norms[i]) ** 2 / (2 * sigma ** 2 * clip ** 2)
+            rho = alpha[i] * min(clip, norms[i]) ** 2 / (2 * sigma**2 * clip**2)
             if acc[i] + rho <= budget[i] - 1e-9:
                 acc[i] += rho
             else:
@@ -208,7 +273,7 @@ def test_gd_filter_matches_a_slow_reference(data):
         np.testing.assert_array_equal(np.sort(log["batches"][t]), np.flatnonzero(active))
         np.testing.assert_allclose(log["rdp"][t], acc, rtol=1e-5, atol=1e-9)
     np.testing.assert_array_equal(f.dropped_at, dropped)
-    assert 0 < (dropped > 0).sum() < N                    # the run really filtered, and not everyone
+    assert 0 < (dropped > 0).sum() < N  # the run really filtered, and not everyone
     assert np.all(f.realized_epsilons() <= budgets.epsilons)
 
 
@@ -220,14 +285,22 @@ def test_sgd_filter_matches_a_slow_reference(data):
     x, y = data
     budgets = Budgets.from_groups([2.0, 3.0], [0.5, 0.5], N, DELTA, seed=1)
     q, sigma, clip, spe, steps, r, alpha = 0.2, 2.0, 1.0, 5, 30, 0.01, 8.0
-    engine, log = _run(data, budgets, q=q, sigma=sigma, steps=steps, spe=spe, clip=clip,
-                       options=FilterOptions(order=alpha, rounding_step=r))
+    engine, log = _run(
+        data,
+        budgets,
+        q=q,
+        sigma=sigma,
+        steps=steps,
+        spe=spe,
+        clip=clip,
+        options=FilterOptions(order=alpha, rounding_step=r),
+    )
     f = engine.filter
     budget = np.array([_budget_ref(e, alpha) for e in budgets.epsilons])
     acc, active, dropped = np.zeros(N), np.ones(N, dtype=bool), np.full(N, -1)
     bounds = np.full(N, clip)
     for t in range(steps):
-        if t % spe == 0:                                  # a refresh: once per epoch
+        if t % spe == 0:  # a refresh: once per epoch
             norms = _norms_at(log["theta"][t], x, y)
             for i in np.flatnonzero(active):
                 bounds[i] = min(clip, math.ceil(norms[i] / r - 1e-12) * r)
@@ -240,11 +313,11 @@ def test_sgd_filter_matches_a_slow_reference(data):
                 acc[i] += rho
             else:
                 active[i], dropped[i] = False, t + 1
-        assert np.all(active[log["batches"][t]])           # a step never includes a dropped example
+        assert np.all(active[log["batches"][t]])  # a step never includes a dropped example
         np.testing.assert_allclose(log["rdp"][t], acc, rtol=1e-7, atol=1e-12)
     np.testing.assert_array_equal(f.dropped_at, dropped)
     assert 0 < (dropped > 0).sum() < N
-    assert (dropped > 0).sum() and np.max(dropped) > spe   # drops happen after the first refresh too
+    assert (dropped > 0).sum() and np.max(dropped) > spe  # drops happen after the first refresh too
 
 
 def test_no_example_ever_exceeds_its_rdp_budget(data):
@@ -260,7 +333,7 @@ def test_no_example_ever_exceeds_its_rdp_budget(data):
     assert np.all(f.realized_epsilons() <= budgets.epsilons)
     assert np.all(engine.get_epsilon().per_group <= engine.group_budgets)
     group = budgets.groups()[2]
-    assert np.all(f.dropped_at[group == 0] > 0) and np.any(f.dropped_at[group == 1] > 0)   # budgets spent in the run
+    assert np.all(f.dropped_at[group == 0] > 0) and np.any(f.dropped_at[group == 1] > 0)  # budgets spent in the run
     # the realized ε is the RDP converted at each example's own order only
     for a in np.unique(f.order):
         m = f.order == a
@@ -273,13 +346,13 @@ def test_dropped_examples_never_enter_a_batch_again(data):
     engine, log = _run(data, budgets, q=0.3, sigma=2.5, steps=40, spe=4)
     f = engine.filter
     dropped = f.dropped_at
-    assert 0 < (dropped > 0).sum()
+    assert (dropped > 0).sum() > 0
     seen_before_drop = 0
     for t, batch in enumerate(log["batches"], start=1):
         d = dropped[batch]
         assert np.all((d == -1) | (d > t)), f"step {t} holds a dropped example"
         seen_before_drop += int(np.sum(d > 0))
-    assert seen_before_drop > 0                           # dropped examples did train before their drop
+    assert seen_before_drop > 0  # dropped examples did train before their drop
     assert np.all(engine.data_loader.poisson_sampler.sample_rates[dropped > 0] == 0)
     assert np.all(engine.data_loader.poisson_sampler.sample_rates[dropped == -1] == 0.3)
 
@@ -291,39 +364,58 @@ def test_guard_refuses_a_batch_with_a_dropped_example(data):
     model = _model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     module, opt, loader = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 1.0),
-        clip_norms=np.ones(N), noise_multiplier=8.0, max_grad_norm=1.0, steps=5, steps_per_epoch=1,
-        privacy_filter="individual", filter_options=FilterOptions(gd=True))
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        budgets=budgets,
+        sample_rates=np.full(N, 1.0),
+        clip_norms=np.ones(N),
+        noise_multiplier=8.0,
+        max_grad_norm=1.0,
+        steps=5,
+        steps_per_epoch=1,
+        privacy_filter="individual",
+        filter_options=FilterOptions(gd=True),
+    )
     before = [p.detach().clone() for p in module.parameters()]
-    xb, yb = next(iter(loader))                           # drawn while everyone is active
-    engine.filter.active[5] = False                       # the filter drops example 5 afterwards
+    xb, yb = next(iter(loader))  # drawn while everyone is active
+    engine.filter.active[5] = False  # the filter drops example 5 afterwards
     opt.zero_grad()
     F.cross_entropy(module(xb), yb).backward()
     with pytest.raises(PrivacyBudgetExceeded, match="holds 1 example"):
         opt.step()
     assert engine.steps == 0 and engine.filter.steps == 0
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, module.parameters()))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, module.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("q, spe", [(1.0, 1), (0.1, 10)])
+@pytest.mark.parametrize(("q", "spe"), [(1.0, 1), (0.1, 10)])
 def test_all_budgets_equal_and_norms_at_the_clip_norm_stop_where_dp_sgd_stops(data, q, spe):
     """(c): every example is charged the worst case every step, so everyone is dropped at the same step:
     right after ordinary DP-SGD's last step — the RDP accountant's (max_steps_within) and the engine's
     group filter's stopping time."""
-    eps, sigma, clip = 2.0, (6.0 if q == 1 else 1.2), 1e-3        # every gradient norm is far above 1e-3
+    eps, sigma, clip = 2.0, (6.0 if q == 1 else 1.2), 1e-3  # every gradient norm is far above 1e-3
     budgets = Budgets.from_array(np.full(N, eps), DELTA)
     t_star = max_steps_within([], q, sigma, eps, DELTA)
     assert 3 <= t_star <= 60
-    engine, _ = _run(data, budgets, q=q, sigma=sigma, steps=t_star + 3, spe=spe, clip=clip, record=False,
-                     options=FilterOptions(gd=q == 1))
+    engine, _ = _run(
+        data,
+        budgets,
+        q=q,
+        sigma=sigma,
+        steps=t_star + 3,
+        spe=spe,
+        clip=clip,
+        record=False,
+        options=FilterOptions(gd=q == 1),
+    )
     f = engine.filter
     assert np.all(f.bounds == clip)
     np.testing.assert_array_equal(f.dropped_at, np.full(N, t_star + 1))
     assert [int(c.sum()) for c in f.active_counts()] == [N] * t_star + [0] * 3
-    group, _ = _run(data, budgets, q=q, sigma=sigma, steps=t_star, spe=spe, clip=clip, record=False,
-                    privacy_filter="group")
-    assert group.steps == t_star and not group.can_step()   # the group filter refuses step t* + 1
+    group, _ = _run(
+        data, budgets, q=q, sigma=sigma, steps=t_star, spe=spe, clip=clip, record=False, privacy_filter="group"
+    )
+    assert group.steps == t_star and not group.can_step()  # the group filter refuses step t* + 1
 
 
 def test_engine_state_round_trip_continues_identically(data):
@@ -338,10 +430,18 @@ def test_engine_state_round_trip_continues_identically(data):
     model.load_state_dict(_raw(part.module).state_dict())
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     module, opt, loader = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 0.3),
-        clip_norms=np.ones(N), noise_multiplier=2.5, max_grad_norm=1.0, steps=16, steps_per_epoch=4,
-        privacy_filter="individual")
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        budgets=budgets,
+        sample_rates=np.full(N, 0.3),
+        clip_norms=np.ones(N),
+        noise_multiplier=2.5,
+        max_grad_norm=1.0,
+        steps=16,
+        steps_per_epoch=4,
+        privacy_filter="individual",
+    )
     engine.load_state_dict(state)
     while engine.steps < 16:
         for xb, yb in loader:
@@ -353,7 +453,7 @@ def test_engine_state_round_trip_continues_identically(data):
     np.testing.assert_array_equal(engine.filter.dropped_at, full.filter.dropped_at)
     np.testing.assert_allclose(engine.filter.rdp_spent, full.filter.rdp_spent, rtol=1e-12)
     np.testing.assert_array_equal(engine.filter.active_counts(), full.filter.active_counts())
-    for a, b in zip(_raw(module).parameters(), _raw(full.module).parameters()):
+    for a, b in zip(_raw(module).parameters(), _raw(full.module).parameters(), strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -370,7 +470,7 @@ def _tiny_model():
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 2))
 
 
-@pytest.mark.parametrize("gd, method", [(True, "uniform"), (False, "sample")])
+@pytest.mark.parametrize(("gd", "method"), [(True, "uniform"), (False, "sample")])
 def test_train_filtered_writes_private_active_counts_and_epsilons(tmp_path, gd, method):
     ds = _tiny_dataset()
     budgets = Budgets.from_groups([2.0, 2.2], [0.5, 0.5], 60, DELTA, seed=0)
@@ -388,7 +488,7 @@ def test_train_filtered_writes_private_active_counts_and_epsilons(tmp_path, gd, 
     assert np.all(table["epsilon"] <= table["budget"]) and np.all(table["rdp_spent"] <= table["rdp_budget"])
     active = np.genfromtxt(run / "private" / "active.csv", delimiter=",", names=True)
     assert active.size == steps
-    for t, row in enumerate(np.atleast_1d(active), start=1):     # counts agree with the drop steps
+    for t, row in enumerate(np.atleast_1d(active), start=1):  # counts agree with the drop steps
         alive = (table["dropped_at_step"] == -1) | (table["dropped_at_step"] > t)
         assert row["active_total"] == alive.sum()
         assert row["active_budget_2"] == (alive & (table["budget"] == 2.0)).sum()
@@ -425,11 +525,11 @@ def test_train_filtered_resumes_exactly(tmp_path, crash_after_first_checkpoint):
     a = (tmp_path / "a" / "private" / "filter_epsilons.csv").read_text()
     b = (tmp_path / "b" / "private" / "filter_epsilons.csv").read_text()
     assert a == b
-    assert (tmp_path / "a" / "private" / "active.csv").read_text() == \
-        (tmp_path / "b" / "private" / "active.csv").read_text()
+    assert (tmp_path / "a" / "private" / "active.csv").read_text() == (
+        tmp_path / "b" / "private" / "active.csv"
+    ).read_text()
     with pytest.raises(InvalidParameterError, match="other settings"):
-        train_filtered(ds, budgets, cfg, FilterOptions(extend=3.0), tmp_path / "b", resume=True,
-                       model=_tiny_model())
+        train_filtered(ds, budgets, cfg, FilterOptions(extend=3.0), tmp_path / "b", resume=True, model=_tiny_model())
 
 
 # --- command-line options ---------------------------------------------------------------
@@ -442,8 +542,9 @@ def test_filter_arguments_parse_and_refuse_bad_values():
     p.add_argument("--accountant", default="rdp")
     add_filter_arguments(p.add_argument_group("filter"))
     assert filter_options_from_args(p.parse_args([])) is None
-    o = filter_options_from_args(p.parse_args(["--filter", "individual", "--filter-order", "8", "--gd",
-                                               "--filter-extend", "3"]))
+    o = filter_options_from_args(
+        p.parse_args(["--filter", "individual", "--filter-order", "8", "--gd", "--filter-extend", "3"])
+    )
     assert o == FilterOptions(order=8.0, gd=True, extend=3.0)
     with pytest.raises(InvalidParameterError, match="filter_order=1.0 is invalid"):
         filter_options_from_args(p.parse_args(["--filter", "individual", "--filter-order", "1"]))
@@ -463,10 +564,19 @@ def test_ghost_clipping_takes_the_same_filter_decisions_as_per_sample_gradients(
         model = _model()
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
         res = engine.make_private_with_parameters(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=8), budgets=budgets, sample_rates=np.full(N, 0.3),
-            clip_norms=np.ones(N), noise_multiplier=2.5, max_grad_norm=1.0, steps=12, steps_per_epoch=4,
-            grad_sample_mode=mode, privacy_filter="individual")
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            budgets=budgets,
+            sample_rates=np.full(N, 0.3),
+            clip_norms=np.ones(N),
+            noise_multiplier=2.5,
+            max_grad_norm=1.0,
+            steps=12,
+            steps_per_epoch=4,
+            grad_sample_mode=mode,
+            privacy_filter="individual",
+        )
         if mode == "ghost":
             module, opt, crit, loader = res
         else:
@@ -483,5 +593,5 @@ def test_ghost_clipping_takes_the_same_filter_decisions_as_per_sample_gradients(
     np.testing.assert_array_equal(a.filter.dropped_at, b.filter.dropped_at)
     assert (a.filter.dropped_at > 0).any()
     np.testing.assert_allclose(a.filter.rdp_spent, b.filter.rdp_spent, rtol=1e-6)
-    for u, v in zip(pa, pb):
+    for u, v in zip(pa, pb, strict=True):
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)

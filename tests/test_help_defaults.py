@@ -8,6 +8,7 @@ Two checks over every command's parser:
    (``TrainConfig``, ``run_per_instance``, ``run_heo_table1``, ``PdpOptions``, ...), so that the CLI
    and the library never disagree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,10 @@ def _subparsers(parser) -> dict:
 
 COMMAND_PARSERS = _subparsers(PARSER)
 #: every command's parser, and every sub-command's ("reproduce heo-table1")
-SUBPARSERS = {**COMMAND_PARSERS, **{f"{c} {s}": q for c, p in COMMAND_PARSERS.items() for s, q in _subparsers(p).items()}}
+SUBPARSERS = {
+    **COMMAND_PARSERS,
+    **{f"{c} {s}": q for c, p in COMMAND_PARSERS.items() for s, q in _subparsers(p).items()},
+}
 TRAINING = ("train", "demo", "per-instance", "audit")
 
 
@@ -59,14 +63,15 @@ def _same(token: str, default) -> bool:
 CASES = [(c, a.dest) for c in SUBPARSERS for a in _options(c) if _has_default(a)]
 
 
-@pytest.mark.parametrize("command,dest", CASES, ids=[f"{c}:{d}" for c, d in CASES])
+@pytest.mark.parametrize(("command", "dest"), CASES, ids=[f"{c}:{d}" for c, d in CASES])
 def test_help_states_the_default_argparse_uses(command, dest):
     parser = SUBPARSERS[command]
     action = next(a for a in _options(command) if a.dest == dest)
     text = _rendered_help(parser, action)
     stated = re.findall(r"default:?\s+([^\s;)]+)", text)
-    assert any(_same(t, action.default) for t in stated), \
+    assert any(_same(t, action.default) for t in stated), (
         f"idpsgd {command} {action.option_strings[0]}: default {action.default!r}, help says {stated}: {text!r}"
+    )
 
 
 def test_every_command_is_checked():
@@ -79,35 +84,58 @@ def _dataclass_defaults(cls) -> dict:
 
 
 def _signature_defaults(fn) -> dict:
-    return {k: v.default for k, v in inspect.signature(fn).parameters.items() if v.default is not inspect.Parameter.empty}
+    return {
+        k: v.default for k, v in inspect.signature(fn).parameters.items() if v.default is not inspect.Parameter.empty
+    }
 
 
 def _library_defaults():
     """(commands, dest, library default, where) for every flag that feeds a library default."""
     from idpsgd.accounting import account_from_norms, calibrate_noise_multiplier, epsilon_sgm
     from idpsgd.assignment import assign
-    from idpsgd.experiments import load
     from idpsgd.engine import IndividualAccountingOptions
     from idpsgd.engine.filter import FilterOptions
+    from idpsgd.experiments import load
     from idpsgd.training import TrainConfig, train
     from idpsgd.training.pdp import PdpOptions
     from idpsgd.training.per_instance import run_per_instance
 
     rows = []
     cfg = _dataclass_defaults(TrainConfig)
-    for name in ("epochs", "batch_size", "lr", "momentum", "clip_norm", "device", "grad_sample_mode", "accountant",
-                 "model"):
+    for name in (
+        "epochs",
+        "batch_size",
+        "lr",
+        "momentum",
+        "clip_norm",
+        "device",
+        "grad_sample_mode",
+        "accountant",
+        "model",
+    ):
         rows.append((TRAINING, name, cfg[name], f"TrainConfig.{name}"))
     pi = _signature_defaults(run_per_instance)
-    for name in ("runs", "alpha", "update_rule", "epsilon", "delta", "checkpoint_every", "p", "unlearning_beta",
-                 "target_set", "failure"):
+    for name in (
+        "runs",
+        "alpha",
+        "update_rule",
+        "epsilon",
+        "delta",
+        "checkpoint_every",
+        "p",
+        "unlearning_beta",
+        "target_set",
+        "failure",
+    ):
         rows.append((("per-instance",), name, pi[name], f"run_per_instance({name}=)"))
     rows.append((("per-instance",), "samples", ",".join(map(str, pi["samples"])), "run_per_instance(samples=)"))
-    for exp in load().values():        # every experiment's options (and --model) default to its run function's
+    for exp in load().values():  # every experiment's options (and --model) default to its run function's
         run = _signature_defaults(exp.run)
         for name in [o.name for o in exp.options if not isinstance(run[o.name], bool)] + ["model"]:
             rows.append(((f"reproduce {exp.name}",), name, run[name], f"{exp.run.__name__}({name}=)"))
-    rows.append((("train",), "release_epsilon", _signature_defaults(train)["release_epsilon"], "train(release_epsilon=)"))
+    rows.append(
+        (("train",), "release_epsilon", _signature_defaults(train)["release_epsilon"], "train(release_epsilon=)")
+    )
     ind = _dataclass_defaults(IndividualAccountingOptions)
     for name in ("refreshes_per_epoch", "rounding", "rounding_step", "validate_subset"):
         rows.append((("train",), name, ind[name], f"IndividualAccountingOptions.{name}"))
@@ -115,15 +143,33 @@ def _library_defaults():
     for name in ("threshold_loss", "w1", "rounds"):
         rows.append((("train",), name, pdp[name], f"PdpOptions.{name}"))
     flt = _dataclass_defaults(FilterOptions)
-    for dest, name in (("filter_order", "order"), ("filter_extend", "extend"),
-                       ("filter_refreshes_per_epoch", "refreshes_per_epoch"), ("filter_rounding_step", "rounding_step")):
+    for dest, name in (
+        ("filter_order", "order"),
+        ("filter_extend", "extend"),
+        ("filter_refreshes_per_epoch", "refreshes_per_epoch"),
+        ("filter_rounding_step", "rounding_step"),
+    ):
         rows.append((("train",), dest, flt[name], f"FilterOptions.{name}"))
     # (account's --rounding and --rounding-step default to what the norms file records)
-    rows.append((("account",), "accountant", _signature_defaults(account_from_norms)["accountant"],
-                 "account_from_norms(accountant=)"))
-    rows.append((("epsilon",), "accountant", _signature_defaults(epsilon_sgm)["accountant"], "epsilon_sgm(accountant=)"))
-    rows.append((("noise-multiplier",), "accountant", _signature_defaults(calibrate_noise_multiplier)["accountant"],
-                 "calibrate_noise_multiplier(accountant=)"))
+    rows.append(
+        (
+            ("account",),
+            "accountant",
+            _signature_defaults(account_from_norms)["accountant"],
+            "account_from_norms(accountant=)",
+        )
+    )
+    rows.append(
+        (("epsilon",), "accountant", _signature_defaults(epsilon_sgm)["accountant"], "epsilon_sgm(accountant=)")
+    )
+    rows.append(
+        (
+            ("noise-multiplier",),
+            "accountant",
+            _signature_defaults(calibrate_noise_multiplier)["accountant"],
+            "calibrate_noise_multiplier(accountant=)",
+        )
+    )
     rows.append((("assign",), "accountant", _signature_defaults(assign)["accountant"], "assign(accountant=)"))
     if "audit" in SUBPARSERS:
         from idpsgd.audit import AuditOptions
@@ -137,9 +183,11 @@ def _library_defaults():
 LIBRARY = _library_defaults()
 
 
-@pytest.mark.parametrize("command,dest,value,where", LIBRARY, ids=[f"{c}:{d}" for c, d, _, _ in LIBRARY])
+@pytest.mark.parametrize(("command", "dest", "value", "where"), LIBRARY, ids=[f"{c}:{d}" for c, d, _, _ in LIBRARY])
 def test_cli_defaults_are_the_library_defaults(command, dest, value, where):
     actions = {a.dest: a for a in _options(command)}
     assert dest in actions, f"idpsgd {command} has no option for {where}"
-    assert actions[dest].default == value, \
-        f"idpsgd {command} {actions[dest].option_strings[0]} defaults to {actions[dest].default!r}, {where} to {value!r}"
+    assert actions[dest].default == value, (
+        f"idpsgd {command} {actions[dest].option_strings[0]} defaults to {actions[dest].default!r}, "
+        f"{where} to {value!r}"
+    )

@@ -1,6 +1,7 @@
 """Hugging Face integration (issue 30, items 6 and 8): the private Trainer, the per-example loss
 convention, the ``finetune`` command, the example.  Tiny models built from configs and a word-level
 tokenizer trained here: no download."""
+
 import copy
 import json
 import os
@@ -16,18 +17,43 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-import datasets  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast,
-                          TrainingArguments)
+import datasets
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+    TrainingArguments,
+)
 
-from idpsgd import Budgets, InvalidParameterError  # noqa: E402
-from idpsgd.cli.main import main  # noqa: E402
-from idpsgd.integrations.hf import IndividualizedTrainer, PerExampleLoss, PrivacyArguments  # noqa: E402
+from idpsgd import Budgets, InvalidParameterError
+from idpsgd.cli.main import main
+from idpsgd.integrations.hf import IndividualizedTrainer, PerExampleLoss, PrivacyArguments
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
-WORDS = "the quick brown fox jumps over lazy dog a cat sat on mat privacy budget consent group".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "a",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "privacy",
+    "budget",
+    "consent",
+    "group",
+]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,9 +71,18 @@ def tok():
 
 
 def _llama_config(tok, **kw):
-    return LlamaConfig(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=False, pad_token_id=tok.pad_token_id, **kw)
+    return LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        **kw,
+    )
 
 
 def _llama(tok, seed=0):
@@ -58,22 +93,38 @@ def _llama(tok, seed=0):
 def _lm_data(tok, n, seed=0, budgets=(1.0, 8.0)):
     enc = tok(_lines(n, seed), truncation=True, max_length=16)
     eps = np.where(np.arange(n) % 2 == 0, budgets[0], budgets[1])
-    return datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                                       "epsilon": eps})
+    return datasets.Dataset.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "epsilon": eps}
+    )
 
 
 def _args(out, **kw):
-    base = dict(output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,
-                save_strategy="no", use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=2, seed=0)
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        save_strategy="no",
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=2,
+        seed=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
 def _trainer(tok, model, train, out, privacy=None, **kw):
     kwargs = {k: kw.pop(k) for k in ("eval_dataset", "per_example_loss") if k in kw}
-    return IndividualizedTrainer(model=model, args=_args(out, **kw), train_dataset=train, processing_class=tok,
-                                 data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-                                 privacy=privacy or PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale",
-                                                                     seed=3), **kwargs)
+    return IndividualizedTrainer(
+        model=model,
+        args=_args(out, **kw),
+        train_dataset=train,
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        privacy=privacy or PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3),
+        **kwargs,
+    )
 
 
 def _mode(path):
@@ -87,19 +138,27 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
     train, test = _lm_data(tok, 48), _lm_data(tok, 16, seed=1).remove_columns(["epsilon"])
     model = _llama(tok)
     out = tmp_path / "run"
-    t = _trainer(tok, model, train, out, eval_dataset=test, num_train_epochs=2, eval_strategy="epoch",
-                 remove_unused_columns=False)        # the budget column would reach forward() if it were kept
+    t = _trainer(
+        tok,
+        model,
+        train,
+        out,
+        eval_dataset=test,
+        num_train_epochs=2,
+        eval_strategy="epoch",
+        remove_unused_columns=False,
+    )  # the budget column would reach forward() if it were kept
     t.train()
     logs = t.state.log_history
     eps_logs = [h for h in logs if "epsilon" in h]
     assert eps_logs and all({"epsilon_group_1", "epsilon_group_8"} <= set(h) for h in eps_logs)
     assert any("eval_loss" in h for h in logs)
     private_keys = {"loss", "train_loss", "grad_norm", "total_flos", "num_input_tokens_seen"}
-    assert not any(private_keys & set(h) for h in logs)              # kept out of the Trainer's logs
-    assert any("loss" in h for h in t.private_logs)                 # ... and kept privately
+    assert not any(private_keys & set(h) for h in logs)  # kept out of the Trainer's logs
+    assert any("loss" in h for h in t.private_logs)  # ... and kept privately
     last = eps_logs[-1]
     assert last["epsilon_group_1"] <= 1.0 and last["epsilon_group_8"] <= 8.0
-    assert last["epsilon_group_1"] > 0.9 and last["epsilon_group_8"] > 7.2   # the plan spends the budgets
+    assert last["epsilon_group_1"] > 0.9 and last["epsilon_group_8"] > 7.2  # the plan spends the budgets
     assert last["epsilon"] == max(last["epsilon_group_1"], last["epsilon_group_8"])
     r = json.loads((out / "report.json").read_text())
     assert [g["budget"] for g in r["groups"]] == [1.0, 8.0] and [g["count"] for g in r["groups"]] == [24, 24]
@@ -109,8 +168,15 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
     assert "seed" not in r and "private" not in r and r["grad_sample_mode"] == "bk"
     assert r["secure_mode"] is False and "private/seed.json" in r["randomness"]
     assert "seed 3" not in (out / "report.html").read_text()
-    assert set(r["files"]) == {"model", "report.json", "report.html", "private/epsilons.csv",
-                               "private/ledger.csv", "private/history.json", "private/seed.json"}
+    assert set(r["files"]) == {
+        "model",
+        "report.json",
+        "report.html",
+        "private/epsilons.csv",
+        "private/ledger.csv",
+        "private/history.json",
+        "private/seed.json",
+    }
     for name in ("report.json", "report.html", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
         assert _mode(out / name) == 0o644, name
     assert _mode(out / "model") == 0o755 and _mode(out / "private") == 0o700
@@ -124,11 +190,11 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
     html = (out / "report.html").read_text()
     assert "perplexity" in html and "within budget" in html
     loaded = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
-    for (name, a), b in zip(t.model.state_dict().items(), loaded.state_dict().values()):
+    for (name, a), b in zip(t.model.state_dict().items(), loaded.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    assert not torch.equal(loaded.lm_head.weight, _llama(tok).lm_head.weight)        # it trained
+    assert not torch.equal(loaded.lm_head.weight, _llama(tok).lm_head.weight)  # it trained
     assert AutoTokenizer.from_pretrained(out / "model").vocab_size == tok.vocab_size
-    assert "_idpsgd_bookkeeper" not in t.model.__dict__                  # the model is plain again
+    assert "_idpsgd_bookkeeper" not in t.model.__dict__  # the model is plain again
     assert t.layer_paths and not any("fallback" in path for path in t.layer_paths.values())
 
 
@@ -139,8 +205,15 @@ def test_the_noise_never_follows_the_trainers_public_seed(tok, tmp_path):
     seeds, params = [], []
     for k in range(2):
         model = _llama(tok)
-        t = _trainer(tok, model, _lm_data(tok, 16), tmp_path / f"r{k}", max_steps=2, seed=42,
-                     privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale"))
+        t = _trainer(
+            tok,
+            model,
+            _lm_data(tok, 16),
+            tmp_path / f"r{k}",
+            max_steps=2,
+            seed=42,
+            privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale"),
+        )
         t.train()
         seeds.append(t.engine.seed)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -155,31 +228,45 @@ def test_each_examples_gradient_is_that_of_its_own_loss(tok, tmp_path):
     the norms equal per-example autograd and do not change when a long example joins the batch."""
     base = _lm_data(tok, 6, seed=2)
     long_one = tok(" ".join(["privacy budget"] * 7), truncation=True, max_length=16)
-    grown = datasets.concatenate_datasets([base, datasets.Dataset.from_dict(
-        {"input_ids": [long_one["input_ids"]], "attention_mask": [long_one["attention_mask"]], "epsilon": [8.0]})])
+    grown = datasets.concatenate_datasets(
+        [
+            base,
+            datasets.Dataset.from_dict(
+                {"input_ids": [long_one["input_ids"]], "attention_mask": [long_one["attention_mask"]], "epsilon": [8.0]}
+            ),
+        ]
+    )
     model0 = _llama(tok).double()
     collate = DataCollatorForLanguageModeling(tok, mlm=False)
     loss_fn = PerExampleLoss("causal_lm")
     batch = collate([{k: base[i][k] for k in ("input_ids", "attention_mask")} for i in range(len(base))])
-    assert len(set((batch["labels"] != -100).sum(1).tolist())) > 1     # lengths differ: HF's mean would matter
+    assert len(set((batch["labels"] != -100).sum(1).tolist())) > 1  # lengths differ: HF's mean would matter
     ref = []
     for i in range(len(base)):
         model0.zero_grad()
-        out = model0(input_ids=batch["input_ids"][i:i + 1], attention_mask=batch["attention_mask"][i:i + 1])
-        loss_fn(out, batch["labels"][i:i + 1]).sum().backward()
-        ref.append(torch.sqrt(sum((p.grad ** 2).sum() for p in model0.parameters())))
+        out = model0(input_ids=batch["input_ids"][i : i + 1], attention_mask=batch["attention_mask"][i : i + 1])
+        loss_fn(out, batch["labels"][i : i + 1]).sum().backward()
+        ref.append(torch.sqrt(sum((p.grad**2).sum() for p in model0.parameters())))
     ref = torch.stack(ref)
     norms = {}
     for name, data in (("base", base), ("grown", grown)):
-        t = _trainer(tok, copy.deepcopy(model0), data, tmp_path / name, per_device_train_batch_size=len(data),
-                     max_steps=1, optim="sgd", logging_steps=1)       # rate 1: every example in the batch
+        t = _trainer(
+            tok,
+            copy.deepcopy(model0),
+            data,
+            tmp_path / name,
+            per_device_train_batch_size=len(data),
+            max_steps=1,
+            optim="sgd",
+            logging_steps=1,
+        )  # rate 1: every example in the batch
         t.train()
         opt = t.dp_optimizer
         assert opt.last_indices.tolist() == list(range(len(data)))
         norms[name] = opt.last_norms.detach()
     # LlamaRMSNorm computes in float32 even in a float64 model: agreement to float32 rounding
     torch.testing.assert_close(norms["base"], ref, rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(norms["grown"][:len(base)], ref, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(norms["grown"][: len(base)], ref, rtol=1e-6, atol=1e-9)
     # the Hugging Face loss (mean over the batch's tokens) would scale example i's gradient by B·T_i/ΣT, which
     # the long example changes for every other example by far more than that tolerance:
     tokens = (batch["labels"] != -100).sum().item()
@@ -198,12 +285,25 @@ def test_gradient_accumulation_is_physical_batches_of_one_step(tok, tmp_path):
         model = copy.deepcopy(model0)
         if name == "parts":
             model.model.embed_tokens.register_forward_pre_hook(
-                lambda m, a: seen.append(a[0].shape[0]) if torch.is_grad_enabled() else None)
-        t = _trainer(tok, model, train, tmp_path / name, per_device_train_batch_size=per_device,
-                     gradient_accumulation_steps=accum, num_train_epochs=2, optim="sgd")
+                lambda m, a: seen.append(a[0].shape[0]) if torch.is_grad_enabled() else None
+            )
+        t = _trainer(
+            tok,
+            model,
+            train,
+            tmp_path / name,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accum,
+            num_train_epochs=2,
+            optim="sgd",
+        )
         t.train()
-        results[name] = (torch.cat([p.detach().flatten() for p in model.parameters()]), t.state.global_step,
-                         [row[1] for row in t.ledger_rows], t.report["groups"])
+        results[name] = (
+            torch.cat([p.detach().flatten() for p in model.parameters()]),
+            t.state.global_step,
+            [row[1] for row in t.ledger_rows],
+            t.report["groups"],
+        )
     assert results["one"][1] == results["parts"][1] == 8
     assert results["one"][2] == results["parts"][2] and max(results["one"][2]) > 2
     assert seen and max(seen) <= 2
@@ -222,10 +322,18 @@ def test_bf16_autocast(tok, tmp_path, mode):
         model = _llama(tok)
         if bf16:
             model.model.layers[0].self_attn.q_proj.register_forward_hook(
-                lambda m, i, o: dtypes.append(o.dtype) if torch.is_grad_enabled() else None)
-        t = _trainer(tok, model, train, tmp_path / f"{mode}{bf16}", per_device_train_batch_size=16, max_steps=1,
-                     bf16=bf16, privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=5,
-                                                         grad_sample_mode=mode))
+                lambda m, i, o: dtypes.append(o.dtype) if torch.is_grad_enabled() else None
+            )
+        t = _trainer(
+            tok,
+            model,
+            train,
+            tmp_path / f"{mode}{bf16}",
+            per_device_train_batch_size=16,
+            max_steps=1,
+            bf16=bf16,
+            privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=5, grad_sample_mode=mode),
+        )
         t.train()
         norms[bf16] = t.dp_optimizer.last_norms.detach().float()
         assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -246,20 +354,26 @@ def test_empty_poisson_batches_are_noise_only_steps(tok, tmp_path):
 def test_the_filter_stops_the_run_before_a_step_beyond_the_budgets(tok, tmp_path):
     """Should the Trainer want more steps than the budgets were calibrated for, the run stops before the
     step that would exceed them (the engine's filter), and the report says so."""
+
     class Short(IndividualizedTrainer):
         def planned_steps_for(self, per_epoch):
             return 3
 
-    t = Short(model=_llama(tok), args=_args(tmp_path / "run", num_train_epochs=2), train_dataset=_lm_data(tok, 32),
-              processing_class=tok, data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-              privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="sample", seed=0))
+    t = Short(
+        model=_llama(tok),
+        args=_args(tmp_path / "run", num_train_epochs=2),
+        train_dataset=_lm_data(tok, 32),
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="sample", seed=0),
+    )
     t.train()
     assert t.state.global_step == 3 == t.engine.steps and t.stopped_early
     r = json.loads((tmp_path / "run" / "report.json").read_text())
     assert r["stopped_early"] and all(g["epsilon_spent"] <= g["budget"] for g in r["groups"])
 
 
-@pytest.mark.parametrize("arch,mode", [("llama", "hooks"), ("bert", "bk")])
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "hooks"), ("bert", "bk")])
 def test_a_classifier_with_an_array_of_budgets(tok, tmp_path, arch, mode):
     """Sequence classification (per-example cross-entropy), budgets as an array; accuracy and per-class
     accuracy in the report."""
@@ -269,21 +383,38 @@ def test_a_classifier_with_an_array_of_budgets(tok, tmp_path, arch, mode):
     else:
         from transformers import BertConfig, BertForSequenceClassification
 
-        model = BertForSequenceClassification(BertConfig(vocab_size=tok.vocab_size, hidden_size=16, num_hidden_layers=1,
-                                                         num_attention_heads=2, intermediate_size=32,
-                                                         max_position_embeddings=32, num_labels=2))
+        model = BertForSequenceClassification(
+            BertConfig(
+                vocab_size=tok.vocab_size,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=32,
+                num_labels=2,
+            )
+        )
     lines = _lines(40, seed=4)
     enc = tok(lines, truncation=True, max_length=16)
-    data = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                                       "labels": [int("cat" in s) for s in lines]})
+    data = datasets.Dataset.from_dict(
+        {
+            "input_ids": enc["input_ids"],
+            "attention_mask": enc["attention_mask"],
+            "labels": [int("cat" in s) for s in lines],
+        }
+    )
     from transformers import DataCollatorWithPadding
 
     budgets = np.where(np.arange(30) < 10, 2.0, 6.0)
-    t = IndividualizedTrainer(model=model, args=_args(tmp_path / "run"), train_dataset=data.select(range(30)),
-                              eval_dataset=data.select(range(30, 40)), processing_class=tok,
-                              data_collator=DataCollatorWithPadding(tok),
-                              privacy=PrivacyArguments(budgets=budgets, delta=1e-5, method="sample",
-                                                       grad_sample_mode=mode, seed=1))
+    t = IndividualizedTrainer(
+        model=model,
+        args=_args(tmp_path / "run"),
+        train_dataset=data.select(range(30)),
+        eval_dataset=data.select(range(30, 40)),
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        privacy=PrivacyArguments(budgets=budgets, delta=1e-5, method="sample", grad_sample_mode=mode, seed=1),
+    )
     t.train()
     r = t.report
     assert r["task"] == "sequence_classification" and 0 <= r["test_accuracy"] <= 1
@@ -299,8 +430,18 @@ def test_gpt2_with_lora_trains_in_bk(tok, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tok.vocab_size, n_positions=32,
-                                      bos_token_id=2, eos_token_id=2, pad_token_id=0))
+    base = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            vocab_size=tok.vocab_size,
+            n_positions=32,
+            bos_token_id=2,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, task_type="CAUSAL_LM"))
     t = _trainer(tok, model, _lm_data(tok, 32), tmp_path / "run")
     t.train()
@@ -313,8 +454,18 @@ def _gpt2(tok):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tok.vocab_size, n_positions=32,
-                                      bos_token_id=2, eos_token_id=2, pad_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            vocab_size=tok.vocab_size,
+            n_positions=32,
+            bos_token_id=2,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -342,9 +493,14 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
 
     def make(privacy=good, data=train, model=None, **kw):
         extra = {k: kw.pop(k) for k in ("model_init", "compute_loss_func") if k in kw}
-        return IndividualizedTrainer(model=model or _llama(tok), args=_args(tmp_path / "r", **kw), train_dataset=data,
-                                     privacy=privacy, data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-                                     **extra)
+        return IndividualizedTrainer(
+            model=model or _llama(tok),
+            args=_args(tmp_path / "r", **kw),
+            train_dataset=data,
+            privacy=privacy,
+            data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+            **extra,
+        )
 
     cases = [
         (dict(fp16=True), "fp16=True is invalid: float16 needs a GradScaler"),
@@ -368,7 +524,7 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
         PrivacyArguments(budgets="epsilon", delta=1e-5, grad_sample_mode="ghost")
     with pytest.raises(InvalidParameterError, match="method='exclude' is invalid"):
         PrivacyArguments(budgets="epsilon", delta=1e-5, method="exclude")
-    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())   # refused runs leave nothing
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # refused runs leave nothing
     t = make(privacy=PrivacyArguments(budgets=Budgets.from_array(np.full(16, 4.0), 1e-5)))
     with pytest.raises(InvalidParameterError, match="resume_from_checkpoint"):
         t.train(resume_from_checkpoint=True)
@@ -399,18 +555,44 @@ def _run(argv, capsys):
 
 def test_finetune_jsonl_causal_lm_with_a_budget_column(model_dir, tmp_path, capsys):
     lines = _lines(40, seed=5)
-    train = _write_jsonl(tmp_path / "train.jsonl",
-                         [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(lines[:32])])
+    train = _write_jsonl(
+        tmp_path / "train.jsonl", [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(lines[:32])]
+    )
     test = _write_jsonl(tmp_path / "test.jsonl", [{"text": s} for s in lines[32:]])
     out = tmp_path / "run"
-    code, stdout, err = _run(["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test),
-                              "--method", "scale", "--epochs", "1", "--batch-size", "8", "--physical-batch-size", "4",
-                              "--lr", "1e-2", "--seed", "0", "--out", str(out), "--json"], capsys)
+    code, stdout, err = _run(
+        [
+            "finetune",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(test),
+            "--method",
+            "scale",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--physical-batch-size",
+            "4",
+            "--lr",
+            "1e-2",
+            "--seed",
+            "0",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
-    r = json.loads(stdout)                      # stdout is the command's JSON only
+    r = json.loads(stdout)  # stdout is the command's JSON only
     assert r["task"] == "causal_lm" and r["physical_batch_size"] == 4 and r["batch_size"] == 8
-    assert [g["budget"] for g in r["groups"]] == [1.0, 8.0] and all(g["epsilon_spent"] <= g["budget"]
-                                                                     for g in r["groups"])
+    assert [g["budget"] for g in r["groups"]] == [1.0, 8.0] and all(
+        g["epsilon_spent"] <= g["budget"] for g in r["groups"]
+    )
     assert r["data"]["train"]["budget_column"] == "epsilon" and r["test_metrics"]["test_perplexity"] > 1
     assert "private" not in r and "seed" not in r
     assert (out / "model" / "config.json").is_file() and (out / "private" / "epsilons.csv").is_file()
@@ -421,12 +603,34 @@ def test_finetune_csv_classifier_with_group_flags(model_dir, tmp_path, capsys):
     lines = _lines(40, seed=6)
     rows = ["text,label"] + [f"{s},{'pos' if 'cat' in s else 'neg'}" for s in lines]
     (tmp_path / "train.csv").write_text("\n".join(rows[:31]) + "\n")
-    (tmp_path / "test.csv").write_text("\n".join([rows[0]] + rows[31:]) + "\n")
+    (tmp_path / "test.csv").write_text("\n".join([rows[0], *rows[31:]]) + "\n")
     out = tmp_path / "run"
-    code, stdout, err = _run(["finetune", "--model", str(model_dir), "--data", str(tmp_path / "train.csv"),
-                              "--eval-data", str(tmp_path / "test.csv"), "--label-column", "label",
-                              "--method", "sample", "--budgets", "1,8", "--fractions", "0.5,0.5", "--epochs", "1",
-                              "--batch-size", "6", "--out", str(out)], capsys)
+    code, stdout, err = _run(
+        [
+            "finetune",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(tmp_path / "train.csv"),
+            "--eval-data",
+            str(tmp_path / "test.csv"),
+            "--label-column",
+            "label",
+            "--method",
+            "sample",
+            "--budgets",
+            "1,8",
+            "--fractions",
+            "0.5,0.5",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "6",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "finetune (sample, sequence_classification)" in stdout and "test accuracy" in stdout
     r = json.loads((out / "report.json").read_text())
@@ -450,11 +654,15 @@ def test_finetune_bad_inputs(model_dir, tmp_path, capsys):
         (["--model", str(model_dir), "--data", str(tmp_path / "d.txt")], "--data="),
         (["--model", str(model_dir), "--data", str(bad_eps)], "line 1, column 'epsilon': 'x' is not a budget"),
         (["--model", str(model_dir), "--data", str(no_text)], "no column 'text'"),
-        (["--model", str(model_dir), "--data", str(data), "--budgets", "1,2", "--fractions", ".5,.5"],
-         "give the budgets one way"),
+        (
+            ["--model", str(model_dir), "--data", str(data), "--budgets", "1,2", "--fractions", ".5,.5"],
+            "give the budgets one way",
+        ),
         (["--model", str(model_dir), "--data", str(plain)], "give each row's budget"),
-        (["--model", str(model_dir), "--data", str(data), "--batch-size", "6", "--physical-batch-size", "4"],
-         "--physical-batch-size=4 is invalid: must divide"),
+        (
+            ["--model", str(model_dir), "--data", str(data), "--batch-size", "6", "--physical-batch-size", "4"],
+            "--physical-batch-size=4 is invalid: must divide",
+        ),
         (["--model", str(model_dir), "--data", str(data), "--label-column", "label"], "no column 'label'"),
     ]
     for extra, match in cases:
@@ -491,9 +699,21 @@ def test_example_tiny_full_fine_tuning(tmp_path, capsys):
 def test_example_script_runs_as_a_command(tmp_path):
     """The example as users run it (a fresh process, the tiny setting from the environment)."""
     env = {**os.environ, "IDPSGD_EXAMPLE_TINY": "1", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_finetune_gpt2.py"), "--lora-r", "2", "--out",
-                           str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "hf_finetune_gpt2.py"),
+            "--lora-r",
+            "2",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "group with budget 1" in proc.stdout and "test perplexity" in proc.stdout
 
@@ -503,14 +723,34 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     from test_seed_private import S, mode_problems, seed_leaks
 
     lines = _lines(24, seed=6)
-    train = _write_jsonl(tmp_path / "train.jsonl",
-                         [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(lines[:16])])
+    train = _write_jsonl(
+        tmp_path / "train.jsonl", [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(lines[:16])]
+    )
     test = _write_jsonl(tmp_path / "test.jsonl", [{"text": s} for s in lines[16:]])
     out = tmp_path / "run"
-    code, stdout, err = _run(["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test),
-                              "--method", "scale", "--epochs", "1", "--batch-size", "8", "--seed", str(S),
-                              "--out", str(out), "--json"],
-                             capsys)
+    code, stdout, err = _run(
+        [
+            "finetune",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(train),
+            "--eval-data",
+            str(test),
+            "--method",
+            "scale",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--seed",
+            str(S),
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
     assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []

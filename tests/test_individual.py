@@ -1,4 +1,5 @@
 """Individual privacy accounting (Yu et al. 2023): rounding, per-example RDP, release, training, CLI."""
+
 import json
 import os
 
@@ -7,8 +8,16 @@ import pytest
 import torch
 
 from idpsgd import InvalidParameterError
-from idpsgd.accounting import (DEFAULT_ORDERS, IndividualAccountant, RdpInterpolator, account_from_norms,
-                               compute_rdp, epsilon_sgm, rdp_to_epsilon, round_sensitivities)
+from idpsgd.accounting import (
+    DEFAULT_ORDERS,
+    IndividualAccountant,
+    RdpInterpolator,
+    account_from_norms,
+    compute_rdp,
+    epsilon_sgm,
+    rdp_to_epsilon,
+    round_sensitivities,
+)
 from idpsgd.accounting.release import analytic_gaussian_sigma, release_mean, release_quantile
 from idpsgd.cli import main
 
@@ -29,8 +38,15 @@ def test_rounding_modes():
         round_sensitivities([-1.0], 1.0)
 
 
-@pytest.mark.parametrize("q,sigma", [(0.0819, 3.0), pytest.param(0.01, 0.8, marks=pytest.mark.slow),
-                                     pytest.param(0.3, 2.0, marks=pytest.mark.slow), (1.0, 1.5)])
+@pytest.mark.parametrize(
+    ("q", "sigma"),
+    [
+        (0.0819, 3.0),
+        pytest.param(0.01, 0.8, marks=pytest.mark.slow),
+        pytest.param(0.3, 2.0, marks=pytest.mark.slow),
+        (1.0, 1.5),
+    ],
+)
 def test_interpolated_rdp_is_a_tight_upper_bound(rng, q, sigma):
     """(each table is ~2 million exact RDP values: ~8 s of CPU; two cases run in the default suite)"""
     table = RdpInterpolator([q], 1 / sigma)
@@ -84,8 +100,9 @@ def test_worst_case_and_zero_gradients(rounding):
 
 def test_analytic_gaussian_and_private_release(rng):
     from scipy.stats import norm
+
     sigma = analytic_gaussian_sigma(1.0, 1e-5, 1.0)
-    assert sigma == pytest.approx(3.7306, abs=1e-3)       # Balle & Wang 2018
+    assert sigma == pytest.approx(3.7306, abs=1e-3)  # Balle & Wang 2018
     d = norm.cdf(0.5 / sigma - sigma) - np.e * norm.cdf(-0.5 / sigma - sigma)
     assert d <= 1e-5 and d == pytest.approx(1e-5, rel=1e-5)
     values = rng.uniform(0, 3, 20000)
@@ -99,13 +116,14 @@ def test_analytic_gaussian_and_private_release(rng):
 @pytest.fixture(scope="module")
 def digits():
     from idpsgd.data import load_dataset
+
     return load_dataset("digits")
 
 
 def _autograd_norm(model, loss):
     model.zero_grad()
     loss.backward()
-    return float(torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())))
+    return float(torch.sqrt(sum((p.grad**2).sum() for p in model.parameters())))
 
 
 def test_per_example_norms_match_autograd(digits):
@@ -113,12 +131,13 @@ def test_per_example_norms_match_autograd(digits):
 
     from idpsgd.engine.norms import example_batches, per_example_grad_norms
     from idpsgd.models import create_model
+
     torch.manual_seed(0)
     model = create_model("digits_cnn", digits.input_shape, 10)
     x, y = digits.x_train[:7], digits.y_train[:7]
     norms, losses = per_example_grad_norms(model, example_batches(TensorDataset(x, y), range(7), batch_size=3))
     for i in range(7):
-        loss = torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
         assert losses[i] == pytest.approx(float(loss), rel=1e-5)
         assert norms[i] == pytest.approx(_autograd_norm(model, loss), rel=1e-4)
     assert model.training
@@ -127,6 +146,7 @@ def test_per_example_norms_match_autograd(digits):
 def test_per_example_norms_of_any_loss_on_dict_batches():
     """A custom per-sample loss (squared error on a dict batch) gives the norms of its own gradients."""
     from idpsgd.engine.norms import per_example_grad_norms
+
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
     batch = {"f": torch.randn(5, 4), "t": torch.randn(5)}
@@ -134,50 +154,58 @@ def test_per_example_norms_of_any_loss_on_dict_batches():
     def sq(module, b):
         return (module(b["f"]).squeeze(1) - b["t"]) ** 2
 
-    norms, losses = per_example_grad_norms(model, [batch], per_sample_loss=sq)
+    norms, _losses = per_example_grad_norms(model, [batch], per_sample_loss=sq)
     for i in range(5):
-        loss = (model(batch["f"][i:i + 1]).squeeze(1) - batch["t"][i:i + 1]).pow(2).sum()
+        loss = (model(batch["f"][i : i + 1]).squeeze(1) - batch["t"][i : i + 1]).pow(2).sum()
         assert norms[i] == pytest.approx(_autograd_norm(model, loss), rel=1e-4)
 
 
 def _run(digits, out, epochs=8, validate_subset=300, **kw):
     from idpsgd.assignment import Budgets
     from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
+
     budgets = Budgets.from_array([3.0] * len(digits.y_train), DELTA)
     cfg = TrainConfig(method="uniform", epochs=epochs, clip_norm=6.0, progress=False, seed=0)
-    return train(digits, budgets, cfg, out, individual=IndividualAccountingOptions(validate_subset=validate_subset,
-                                                                                    **kw))
+    return train(
+        digits, budgets, cfg, out, individual=IndividualAccountingOptions(validate_subset=validate_subset, **kw)
+    )
 
 
 @pytest.fixture(scope="module")
 def small_digits(digits):
     """400 training examples of digits: the fast versions of the training tests."""
     import dataclasses
+
     return dataclasses.replace(digits, x_train=digits.x_train[:400], y_train=digits.y_train[:400])
 
 
 def _csv(path):
     import csv
+
     with open(path) as fh:
         rows = list(csv.DictReader(fh))
     return rows, {k: np.array([float(r[k]) for r in rows]) for k in rows[0] if k != "source"}
 
 
 @pytest.mark.parametrize("individual_accountant", ["rdp", "pld"])
-def test_reported_epsilon_is_the_minimum_of_the_bounds_and_never_above_the_budget(small_digits, tmp_path,
-                                                                                 individual_accountant):
+def test_reported_epsilon_is_the_minimum_of_the_bounds_and_never_above_the_budget(
+    small_digits, tmp_path, individual_accountant
+):
     """Issue 15: a run calibrated with PLD (budgets 1/2/3) reports, per example, the minimum of its own
     RDP ε, its own PLD ε (individual accountant pld) and its group's ε from the run's accountant —
     never above its budget (RDP alone can be: 1.10 / 2.21 / 3.33) — and says which bound gave it."""
     from idpsgd.assignment import Budgets
     from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
+
     n = len(small_digits.y_train)
     budgets = Budgets.from_groups([1.0, 2.0, 3.0], [0.3, 0.4, 0.3], n, DELTA, seed=0)
     cfg = TrainConfig(method="scale", epochs=1, clip_norm=6.0, accountant="pld", progress=False, seed=0)
     opts = IndividualAccountingOptions(validate_subset=20, rounding="ceil", accountant=individual_accountant)
     report = train(small_digits, budgets, cfg, tmp_path, individual=opts)
     rows, cols = _csv(tmp_path / "private" / "individual_epsilons.csv")
-    bounds = [cols["rdp_epsilon"], cols["worst_case_epsilon"]] + ([cols["pld_epsilon"]] if "pld_epsilon" in cols else [])
+    bounds = [cols["rdp_epsilon"], cols["worst_case_epsilon"]] + (
+        [cols["pld_epsilon"]] if "pld_epsilon" in cols else []
+    )
     assert ("pld_epsilon" in cols) == (individual_accountant == "pld")
     np.testing.assert_array_equal(cols["epsilon"], np.min(bounds, axis=0))
     assert np.all(cols["epsilon"] <= cols["budget"]) and np.all(cols["budget"] == budgets.epsilons)
@@ -215,11 +243,18 @@ def test_uniform_run_individual_epsilons(digits, tmp_path):
     rows = (tmp_path / "private" / "individual_epsilons.csv").read_text().splitlines()
     assert rows[0] == ("index,label,budget,epsilon,source,rdp_epsilon,worst_case_epsilon,final_loss,correct")
     assert len(rows) == 1438
-    for name in ("individual_epsilons.csv", "individual_privacy.json", "epsilon_histogram.png",
-                 "epsilon_vs_loss.png", "class_epsilon_vs_accuracy.png"):
+    for name in (
+        "individual_epsilons.csv",
+        "individual_privacy.json",
+        "epsilon_histogram.png",
+        "epsilon_vs_loss.png",
+        "class_epsilon_vs_accuracy.png",
+    ):
         assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
     public = json.loads((tmp_path / "report.json").read_text())["individual_privacy"]
-    assert not {"mean", "max", "quantiles", "validation", "pearson_r_log_loss"} & set(public)   # exact values stay private
+    assert not {"mean", "max", "quantiles", "validation", "pearson_r_log_loss"} & set(
+        public
+    )  # exact values stay private
     rel = public["released"]
     assert rel["total"]["epsilon"] == 0.5 and "mean" in rel and len(rel["quantiles"]["values"]) == 5
     assert "released statistics: an additional (0.5" in report["guarantee"]
@@ -235,6 +270,7 @@ def test_individual_clipping_makes_a_guarantee(digits, tmp_path):
     # accounted at the clip thresholds Z_i, which bound every clipped norm: never below exact tracking
     assert saved["validation"]["min_estimate_minus_exact"] >= -1e-6
     import csv
+
     with open(tmp_path / "private" / "individual_epsilons.csv") as fh:
         eps = np.array([float(r["epsilon"]) for r in csv.DictReader(fh)])
     assert np.all(eps <= ip["worst_case_epsilon"] + 1e-12)
@@ -243,12 +279,14 @@ def test_individual_clipping_makes_a_guarantee(digits, tmp_path):
 def test_individual_accounting_with_sample_and_resume(small_digits, tmp_path, crash_after_first_checkpoint):
     from idpsgd.assignment import Budgets
     from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
+
     budgets = Budgets.from_groups([1, 3], [0.5, 0.5], len(small_digits.y_train), DELTA, seed=0)
     cfg = TrainConfig(method="sample", epochs=2, progress=False, seed=0)
     opts = IndividualAccountingOptions(refreshes_per_epoch=2, validate_subset=0)
     full = train(small_digits, budgets, cfg, tmp_path / "full", individual=opts)
     assert "validation" not in full["private"]["individual_privacy"]
     import csv
+
     with open(tmp_path / "full" / "private" / "individual_epsilons.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert all(float(r["epsilon"]) <= float(r["budget"]) for r in rows)
@@ -256,13 +294,15 @@ def test_individual_accounting_with_sample_and_resume(small_digits, tmp_path, cr
         train(small_digits, budgets, cfg, tmp_path / "cut", individual=opts)
     resumed = train(small_digits, budgets, cfg, tmp_path / "cut", resume=True, individual=opts)
     assert resumed["private"]["individual_privacy"]["mean"] == full["private"]["individual_privacy"]["mean"]
-    assert (tmp_path / "cut" / "private" / "individual_epsilons.csv").read_text() == \
-        (tmp_path / "full" / "private" / "individual_epsilons.csv").read_text()
+    assert (tmp_path / "cut" / "private" / "individual_epsilons.csv").read_text() == (
+        tmp_path / "full" / "private" / "individual_epsilons.csv"
+    ).read_text()
 
 
 def test_config_errors(digits):
     from idpsgd.assignment import Budgets
     from idpsgd.training import IndividualAccountingOptions, TrainConfig, train
+
     with pytest.raises(InvalidParameterError, match="rounding"):
         IndividualAccountingOptions(rounding="up").validate()
     with pytest.raises(InvalidParameterError, match="validate_subset"):
@@ -280,8 +320,23 @@ def test_config_errors(digits):
 # --- offline CLI --------------------------------------------------------------------------------
 def test_account_cli(capsys, tmp_path, rng):
     np.savez(tmp_path / "n.npz", norms=rng.lognormal(-1, 1, (5, 40)), steps=np.full(5, 10))
-    argv = ["account", "--norms", str(tmp_path / "n.npz"), "--sample-rate", "0.1", "--noise-multiplier", "1.5",
-            "--clip-norm", "1", "--delta", "1e-5", "--rounding", "exact", "--out", str(tmp_path / "acc")]
+    argv = [
+        "account",
+        "--norms",
+        str(tmp_path / "n.npz"),
+        "--sample-rate",
+        "0.1",
+        "--noise-multiplier",
+        "1.5",
+        "--clip-norm",
+        "1",
+        "--delta",
+        "1e-5",
+        "--rounding",
+        "exact",
+        "--out",
+        str(tmp_path / "acc"),
+    ]
     assert main([*argv, "--json", "--show-private"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"epsilons", "worst_case_epsilon"} <= set(out) and {"mean", "max", "quantiles"} <= set(out["private"])

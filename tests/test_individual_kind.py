@@ -1,6 +1,7 @@
 """Issue 29 item 3: individual accounting says "guarantee" only when the charged sensitivities are
 enforced (individual clipping, Yu et al. Alg. 3) or checked against training's clipped norms at every
 step; otherwise "estimate" (engine/sensitivity_check.py, engine/individual.py)."""
+
 import json
 
 import numpy as np
@@ -21,8 +22,9 @@ def _mlp(dropout: float = 0.0):
     return nn.Sequential(*layers)
 
 
-def _train(model, *, mode="hooks", steps=8, run=None, clip=1.0, train_loss=F.cross_entropy, per_sample_loss=None,
-           **options):
+def _train(
+    model, *, mode="hooks", steps=8, run=None, clip=1.0, train_loss=F.cross_entropy, per_sample_loss=None, **options
+):
     """An engine run planned for ``steps`` logical steps (``run`` of them taken, default all) with
     individual accounting; returns the engine."""
     torch.manual_seed(0)
@@ -31,10 +33,16 @@ def _train(model, *, mode="hooks", steps=8, run=None, clip=1.0, train_loss=F.cro
     opts = {"refreshes_per_epoch": STEPS_PER_EPOCH, "rounding": "ceil", "validate_subset": 0, **options}
     engine = IndividualizedPrivacyEngine(seed=3)
     engine.enable_individual_accounting(IndividualAccountingOptions(**opts), per_sample_loss=per_sample_loss)
-    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-                              data_loader=DataLoader(TensorDataset(x, y), batch_size=N // STEPS_PER_EPOCH),
-                              budgets=Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0),
-                              method="sample", steps=steps, max_grad_norm=clip, grad_sample_mode=mode)
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N // STEPS_PER_EPOCH),
+        budgets=Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0),
+        method="sample",
+        steps=steps,
+        max_grad_norm=clip,
+        grad_sample_mode=mode,
+    )
     model, opt, loader = (out[0], out[1], out[3]) if mode == "ghost" else out
     crit = out[2] if mode == "ghost" else train_loss
     model.train()
@@ -58,7 +66,7 @@ def test_dropout_makes_the_epsilons_an_estimate():
     """Norms refreshed every step, ceil rounding — a guarantee before this fix — but dropout in training:
     the eval-mode norm pass does not bound the random per-example gradient (the review's case: clipped
     norms above the charged sensitivity), so "estimate", and get_individual_epsilons mixes nothing in."""
-    engine = _train(_mlp(dropout=0.3), clip=50.0)          # clip above every norm: charges are the norms
+    engine = _train(_mlp(dropout=0.3), clip=50.0)  # clip above every norm: charges are the norms
     t = engine.individual
     assert t.every == 1 and t.accountant.rounding == "ceil"
     assert t.kind == "estimate" and "dropout active in training (2)" in t.kind_reason
@@ -66,14 +74,16 @@ def test_dropout_makes_the_epsilons_an_estimate():
     assert chk["steps"] == 8 and chk["examples"] > 0 and chk["compared"] == chk["examples"]
     assert chk["mismatched"] > 0 and chk["exceeded"] > 0 and chk["max_ratio"] > 1.01 and chk["dropout"] == ["2"]
     np.testing.assert_array_equal(engine.get_individual_epsilons(), engine.accountant.individual_epsilons(DELTA))
-    assert np.any(t.epsilons(DELTA) < engine.accountant.individual_epsilons(DELTA) - 1e-3)   # the estimates
+    assert np.any(t.epsilons(DELTA) < engine.accountant.individual_epsilons(DELTA) - 1e-3)  # the estimates
 
 
 def test_a_per_sample_loss_other_than_the_training_loss_makes_an_estimate():
     """Training with label smoothing, norms of plain cross-entropy (the README example's set-up): the
     norm pass is not the training computation."""
+
     def smoothed(logits, labels):
         return F.cross_entropy(logits, labels, label_smoothing=0.1)
+
     engine = _train(_mlp(), clip=50.0, train_loss=smoothed, per_sample_loss=_ce)
     t = engine.individual
     chk = t.sensitivity_check()
@@ -94,17 +104,17 @@ def test_charges_below_the_clipped_norms_are_caught():
 def test_individual_clipping_is_a_guarantee_even_with_dropout():
     """Alg. 3 enforces each charge (the example is clipped at it), whatever the gradient's randomness,
     refresh interval or rounding."""
-    engine = _train(_mlp(dropout=0.3), clip=50.0, individual_clipping=True, rounding="nearest",
-                    refreshes_per_epoch=2)
+    engine = _train(_mlp(dropout=0.3), clip=50.0, individual_clipping=True, rounding="nearest", refreshes_per_epoch=2)
     t = engine.individual
     chk = t.sensitivity_check()
     assert t.every == 5 and t.kind == "guarantee" and "individual clipping" in t.kind_reason
     assert chk["exceeded"] == 0 and chk["max_ratio"] <= 1 + 1e-6 and chk["dropout"] == ["2"]
-    np.testing.assert_array_equal(engine.get_individual_epsilons(),
-                                  np.minimum(engine.accountant.individual_epsilons(DELTA), t.epsilons(DELTA)))
+    np.testing.assert_array_equal(
+        engine.get_individual_epsilons(), np.minimum(engine.accountant.individual_epsilons(DELTA), t.epsilons(DELTA))
+    )
 
 
-@pytest.mark.parametrize("mode,rounding", [("hooks", "exact"), ("ghost", "ceil"), ("bk", "ceil")])
+@pytest.mark.parametrize(("mode", "rounding"), [("hooks", "exact"), ("ghost", "ceil"), ("bk", "ceil")])
 def test_a_deterministic_model_with_the_training_loss_every_step_is_a_guarantee(mode, rounding):
     """Norms every step, exact/ceil rounding, the training loss, no train-mode randomness: every
     trained example's norm equals the norm pass's (float tolerance) — a checked guarantee, and the
@@ -155,8 +165,7 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     y = (x[:, 0] > 0).long()
     data = Dataset("toy", x[:160], y[:160], x[160:], y[160:], 2)
     budgets = Budgets.from_array(np.full(160, 3.0), DELTA)
-    cfg = TrainConfig(method="uniform", epochs=1, batch_size=20, clip_norm=6.0, progress=False, seed=0,
-                      model="mlp")
+    cfg = TrainConfig(method="uniform", epochs=1, batch_size=20, clip_norm=6.0, progress=False, seed=0, model="mlp")
     opts = IndividualAccountingOptions(refreshes_per_epoch=8, rounding="ceil", validate_subset=0, record_norms=True)
     report = train(data, budgets, cfg, tmp_path / "run", individual=opts)
     public = json.loads((tmp_path / "run" / "report.json").read_text())["individual_privacy"]
@@ -173,7 +182,9 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     assert main([*base, "--clip-norm", "6", "--out", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "account.json").read_text())["kind"] == "estimate"
     with np.load(norms) as z:
-        np.savez(tmp_path / "bare.npz", **{k: z[k] for k in z.files if k not in ("accounting_kind", "individual_clipping")})
+        np.savez(
+            tmp_path / "bare.npz", **{k: z[k] for k in z.files if k not in ("accounting_kind", "individual_clipping")}
+        )
     assert main([*base[:2], str(tmp_path / "bare.npz"), *base[3:], "--out", str(tmp_path / "c")]) == 0
     out = json.loads((tmp_path / "c" / "account.json").read_text())
     assert out["kind"] == "estimate" and "does not record" in out["kind_reason"]

@@ -9,6 +9,7 @@
 * book-keeping leaves no trainable parameter with noise only (eval-mode fallback layers,
   weight_norm, parameters unfrozen after planning).
 """
+
 import copy
 
 import numpy as np
@@ -41,10 +42,17 @@ def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
     if individual:
         engine.enable_individual_accounting()
     out = engine.make_private_with_parameters(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=N), budgets=np.full(N, 1e3), target_delta=1e-5,
-        sample_rates=np.ones(N), clip_norms=np.ones(N), max_grad_norm=1.0, grad_sample_mode=mode,
-        **{"privacy_filter": None, "noise_multiplier": 1.0, **kwargs})
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
+        budgets=np.full(N, 1e3),
+        target_delta=1e-5,
+        sample_rates=np.ones(N),
+        clip_norms=np.ones(N),
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        **{"privacy_filter": None, "noise_multiplier": 1.0, **kwargs},
+    )
     loss = out[2] if mode == "ghost" else F.cross_entropy
     return engine, out[0], out[1], loss, out[-1]
 
@@ -67,8 +75,9 @@ def _noise_state(engine):
 class _Tokens(nn.Module):
     def __init__(self, max_norm=None, bag=False):
         super().__init__()
-        self.emb = (nn.EmbeddingBag(11, 5, max_norm=max_norm, mode="mean") if bag
-                    else nn.Embedding(11, 5, max_norm=max_norm))
+        self.emb = (
+            nn.EmbeddingBag(11, 5, max_norm=max_norm, mode="mean") if bag else nn.Embedding(11, 5, max_norm=max_norm)
+        )
         self.out = nn.Linear(5, 2)
         self.bag = bag
 
@@ -154,7 +163,7 @@ def test_embedding_max_norm_is_refused_by_the_norm_passes():
     batch = (torch.randint(0, 11, (N, 3)), torch.zeros(N, dtype=torch.long))
     with pytest.raises(InvalidParameterError, match=r"emb: Embedding\(max_norm=1\)"):
         per_example_grad_norms(model, [batch])
-    assert torch.equal(model.emb.weight, before)        # refused before any forward
+    assert torch.equal(model.emb.weight, before)  # refused before any forward
 
 
 def test_embedding_without_max_norm_trains_in_every_mode():
@@ -167,21 +176,24 @@ def test_embedding_without_max_norm_trains_in_every_mode():
 
 # --- item 2: writes found at the step ----------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cls,what", [
-    (_NoGradWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) was written in place"),
-    (_DataWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) had its values changed through .data"),
-    (_Counter, r"persistent buffer 'count' \(module '\(root\)', _Counter\) was written in place"),
-    (_RunningMean, r"persistent buffer 'mean' \(module '\(root\)', _RunningMean\) was replaced"),
-])
+@pytest.mark.parametrize(
+    ("cls", "what"),
+    [
+        (_NoGradWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) was written in place"),
+        (_DataWrite, r"parameter 'lin.weight' \(module 'lin', Linear\) had its values changed through .data"),
+        (_Counter, r"persistent buffer 'count' \(module '\(root\)', _Counter\) was written in place"),
+        (_RunningMean, r"persistent buffer 'mean' \(module '\(root\)', _RunningMean\) was replaced"),
+    ],
+)
 def test_a_write_in_forward_refuses_the_step_in_every_mode(mode, cls, what):
     model = _model(cls)
     engine, module, optimizer, loss, loader = _private(model, mode)
     noise = _noise_state(engine)
     with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
         _train(engine, module, optimizer, loss, loader)
-    assert engine.steps == 0 and engine.accountant.steps == 0          # nothing charged
-    assert torch.equal(_noise_state(engine), noise)                    # no noise drawn
-    assert all(p.grad is None for p in model.parameters())             # nothing left to apply
+    assert engine.steps == 0 and engine.accountant.steps == 0  # nothing charged
+    assert torch.equal(_noise_state(engine), noise)  # no noise drawn
+    assert all(p.grad is None for p in model.parameters())  # nothing left to apply
     # the model holds the write: every later step and norm pass is refused
     with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
         _train(engine, module, optimizer, loss, loader)
@@ -212,9 +224,9 @@ def test_a_write_only_in_eval_mode_is_refused_by_individual_accountings_norm_pas
 
     torch.manual_seed(0)
     model = nn.Sequential(EvalCounter(), nn.Linear(4, 2))
-    _train(*_private(copy.deepcopy(model), "hooks"), steps=2)      # training alone is fine
+    _train(*_private(copy.deepcopy(model), "hooks"), steps=2)  # training alone is fine
     with pytest.raises(UnnoisedWriteError, match=r"persistent buffer '0.seen' \(module '0', EvalCounter\)"):
-        _private(model, "hooks", individual=True)                # its first norm pass at make_private
+        _private(model, "hooks", individual=True)  # its first norm pass at make_private
 
 
 class _PreviousBatch(_NoGradWrite):
@@ -234,11 +246,11 @@ def test_a_non_persistent_buffer_written_in_forward_couples_steps():
     """Why non-persistent buffers are refused too: the next step's per-example gradient of an example
     depends on the examples of the previous batch (its influence there is not bounded by its c_j)."""
     grads = []
-    for shift in (0.0, 10.0):                    # two previous batches differing in one example
+    for shift in (0.0, 10.0):  # two previous batches differing in one example
         model = _model(_PreviousBatch)
         x, _ = _data()
         x[3] += shift
-        model(x)                                 # the previous step's forward
+        model(x)  # the previous step's forward
         F.cross_entropy(model(_data(1)[0][:1]), torch.tensor([1])).backward()
         grads.append(model.lin.weight.grad.clone())
     assert not torch.allclose(*grads)
@@ -246,9 +258,11 @@ def test_a_non_persistent_buffer_written_in_forward_couples_steps():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_non_persistent_buffer_written_in_forward_is_refused(mode):
-    for cls, what in ((lambda: _Counter(False), r"non-persistent buffer 'count' .* written in place"),
-                      (lambda: _RunningMean(False), r"non-persistent buffer 'mean' .* replaced"),
-                      (_PreviousBatch, r"non-persistent buffer 'prev' .* replaced")):
+    for cls, what in (
+        (lambda: _Counter(False), r"non-persistent buffer 'count' .* written in place"),
+        (lambda: _RunningMean(False), r"non-persistent buffer 'mean' .* replaced"),
+        (_PreviousBatch, r"non-persistent buffer 'prev' .* replaced"),
+    ):
         engine, *rest = _private(_model(cls), mode)
         with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
             _train(engine, *rest)
@@ -260,17 +274,18 @@ def test_a_non_persistent_buffer_written_in_forward_is_refused(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_writes_between_steps_are_allowed(mode):
     model = nn.Sequential(_model(nn.Linear, 4, 2))
-    model.register_buffer("unused", torch.zeros(3), persistent=False)     # buffers the forward leaves alone
+    model.register_buffer("unused", torch.zeros(3), persistent=False)  # buffers the forward leaves alone
     saved = copy.deepcopy(model.state_dict())
     engine, *rest = _private(model, mode)
 
-    def between():                         # the user's writes after each step: a projection, a reload
+    def between():  # the user's writes after each step: a projection, a reload
         with torch.no_grad():
             model[0].weight.clamp_(-0.3, 0.3)
         model[0].bias.data.mul_(0.5)
         model.unused.add_(1)
         if engine.steps == 2:
             model.load_state_dict(saved)
+
     _train(engine, *rest, steps=3, between=between)
     assert engine.steps == 3
 
@@ -295,7 +310,7 @@ class _ExtraState(_NoGradWrite):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_extra_state_changed_in_forward_is_refused(mode):
-    assert "_extra_state" in _model(_ExtraState).state_dict()           # released with model.pt
+    assert "_extra_state" in _model(_ExtraState).state_dict()  # released with model.pt
     engine, *rest = _private(_model(_ExtraState), mode)
     with pytest.raises(UnnoisedWriteError, match=r"extra state '_extra_state' \(module '\(root\)', _ExtraState\)"):
         _train(engine, *rest)
@@ -316,19 +331,23 @@ def test_extra_state_left_alone_trains():
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_a_write_in_a_forward_pre_hook_registered_before_make_private_is_refused(mode):
     """The snapshot is the first of the model's forward pre-hooks, not after the user's."""
-    def record(module, args):             # e.g. input statistics kept by a hook, in state_dict
+
+    def record(module, args):  # e.g. input statistics kept by a hook, in state_dict
         module.seen.add_(args[0].detach().mean(0))
 
     class Plain(_NoGradWrite):
-        def forward(self, x):                                           # no write in the forward itself
+        def forward(self, x):  # no write in the forward itself
             return self.lin(x)
 
     model = _model(Plain)
     model.register_buffer("seen", torch.zeros(4))
     model.register_forward_pre_hook(record)
     engine, *rest = _private(model, mode)
-    with pytest.raises(UnnoisedWriteError, match=r"persistent buffer 'seen' \(module '\(root\)', Plain\) was "
-                                                 "written in place"):
+    with pytest.raises(
+        UnnoisedWriteError,
+        match=r"persistent buffer 'seen' \(module '\(root\)', Plain\) was "
+        "written in place",
+    ):
         _train(engine, *rest)
 
 
@@ -349,7 +368,7 @@ def test_a_small_data_write_to_a_large_float32_table_is_refused():
     table = _model(_SmallDataWrite).table.weight.detach()
     before = torch.linalg.vector_norm(table)
     table[7, 0] += 1e-3
-    assert torch.equal(torch.linalg.vector_norm(table), before)        # a float32 norm does not see it
+    assert torch.equal(torch.linalg.vector_norm(table), before)  # a float32 norm does not see it
     for mode in ("hooks", "bk"):
         engine, *rest = _private(_model(_SmallDataWrite), mode)
         with pytest.raises(UnnoisedWriteError, match=r"parameter 'table.weight'.*through .data"):
@@ -383,8 +402,10 @@ def test_the_check_snapshots_at_the_first_forward_of_a_logical_step():
             return self.lin(x)
 
     engine, module, optimizer, loss, loader = _private(_model(FirstBatchWrite), "hooks")
-    with (pytest.raises(UnnoisedWriteError, match="'lin.bias'"),
-          BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory):
+    with (
+        pytest.raises(UnnoisedWriteError, match="'lin.bias'"),
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as memory,
+    ):
         _train(engine, module, optimizer, loss, memory)
     assert FirstBatchWrite.calls >= 2 and engine.steps == 0
 
@@ -395,7 +416,7 @@ class _Seq(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.proj = nn.Linear(3, 4)          # d·p = 12: ghost when 2T² < 12 (T ≤ 2), per-sample otherwise
+        self.proj = nn.Linear(3, 4)  # d·p = 12: ghost when 2T² < 12 (T ≤ 2), per-sample otherwise
         self.out = nn.Linear(4, 2)
 
     def forward(self, x):
@@ -410,7 +431,7 @@ def _padded(longest):
 
 def test_public_layer_paths_do_not_depend_on_the_batch_shapes():
     runs = {}
-    for longest in (1, 5):                 # two datasets differing in their longest sequence only
+    for longest in (1, 5):  # two datasets differing in their longest sequence only
         engine, *rest = _private(_model(_Seq), "bk", *_padded(longest))
         _train(engine, *rest)
         runs[longest] = engine
@@ -454,7 +475,7 @@ def test_a_fallback_layer_in_eval_mode_is_refused_in_bk():
     model = _model(_Cube)
     engine, module, optimizer, loss, loader = _private(model, "bk")
     assert engine.layer_paths["conv"] == FALLBACK
-    model.conv.eval()                      # captured nothing: its parameters would get noise only
+    model.conv.eval()  # captured nothing: its parameters would get noise only
     noise = _noise_state(engine)
     with pytest.raises(RuntimeError, match=r"layer 'conv' \(Conv3d\) ran its forward in eval mode.*noise only"):
         _train(engine, module, optimizer, loss, loader)
@@ -468,7 +489,7 @@ def _brute_force_norms(model, x, y):
     out = []
     for i in range(len(x)):
         model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum").backward()
         out.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]).norm())
     model.zero_grad()
     return torch.stack(out).double().numpy()
@@ -487,9 +508,9 @@ def test_parametrized_weight_norm_is_trained_by_book_keeping():
     assert engine.layer_paths["0"] == FALLBACK
     _train(engine, *rest)
     trained = engine.clipping.last_norms.numpy()[np.argsort(engine.clipping.last_indices.numpy())]
-    np.testing.assert_allclose(trained, expect, rtol=1e-10)          # the step clipped the true norms
+    np.testing.assert_allclose(trained, expect, rtol=1e-10)  # the step clipped the true norms
     for name in ("0.parametrizations.weight.original0", "0.parametrizations.weight.original1"):
-        assert (dict(model.named_parameters())[name] - before[name]).abs().max() > 1e-4, name   # trained
+        assert (dict(model.named_parameters())[name] - before[name]).abs().max() > 1e-4, name  # trained
 
 
 def test_deprecated_weight_norm_is_refused_by_book_keeping():
@@ -507,9 +528,9 @@ def test_a_parameter_unfrozen_after_make_private_is_refused(mode):
     model[0].requires_grad_(False)
     engine, module, optimizer, loss, loader = _private(model, mode)
     _train(engine, module, optimizer, loss, loader)
-    model[0].requires_grad_(True)          # ghost: outside the per-example norm; bk: noise only
+    model[0].requires_grad_(True)  # ghost: outside the per-example norm; bk: noise only
     with pytest.raises((RuntimeError, ValueError), match="became trainable|Per sample gradient is not initialized"):
-        _train(engine, module, optimizer, loss, loader)      # hooks, functorch: Opacus's own error
+        _train(engine, module, optimizer, loss, loader)  # hooks, functorch: Opacus's own error
     assert engine.steps == 1
 
 
@@ -533,28 +554,43 @@ def test_a_trainable_parameter_left_out_of_the_optimizer_is_refused(mode):
     """Its gradient stays in .grad un-noised after each step (hooks: the un-clipped sum; ghost: the clipped
     sum without noise); a second optimizer applying it would write the released model between steps,
     which the write check allows.  Refused at make_private; parameter groups and frozen layers are fine."""
+
     def fresh():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
 
     model = fresh()
     x, y = _data()
-    kwargs = {"data_loader": DataLoader(TensorDataset(x, y), batch_size=N), "budgets": np.full(N, 1e3),
-              "target_delta": 1e-5, "sample_rates": np.ones(N), "clip_norms": np.ones(N), "max_grad_norm": 1.0,
-              "grad_sample_mode": mode, "privacy_filter": None, "noise_multiplier": 1.0}
+    kwargs = {
+        "data_loader": DataLoader(TensorDataset(x, y), batch_size=N),
+        "budgets": np.full(N, 1e3),
+        "target_delta": 1e-5,
+        "sample_rates": np.ones(N),
+        "clip_norms": np.ones(N),
+        "max_grad_norm": 1.0,
+        "grad_sample_mode": mode,
+        "privacy_filter": None,
+        "noise_multiplier": 1.0,
+    }
     engine = IndividualizedPrivacyEngine(seed=0)
-    with pytest.raises(InvalidParameterError, match=r"leaves out the module's trainable parameter\(s\) '2.weight', "
-                                                    r"'2.bias'.*freeze them"):
-        engine.make_private_with_parameters(module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.5),
-                                            **kwargs)
+    with pytest.raises(
+        InvalidParameterError,
+        match=r"leaves out the module's trainable parameter\(s\) '2.weight', "
+        r"'2.bias'.*freeze them",
+    ):
+        engine.make_private_with_parameters(
+            module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.5), **kwargs
+        )
     model = fresh()
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}]
-    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
-        groups, lr=0.5), **kwargs)
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(
+        module=model, optimizer=torch.optim.SGD(groups, lr=0.5), **kwargs
+    )
     model = fresh()
     model[2].requires_grad_(False)
-    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(module=model, optimizer=torch.optim.SGD(
-        model[0].parameters(), lr=0.5), **kwargs)
+    IndividualizedPrivacyEngine(seed=0).make_private_with_parameters(
+        module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.5), **kwargs
+    )
 
 
 # --- more review attacks (refused before; kept as regression tests) ----------------------------------------
@@ -620,7 +656,7 @@ def _unfreeze_refused_step(engine, module, optimizer, loss, loader, model, *, wr
     the guard), then the layer frozen again."""
     model[2].requires_grad_(True)
     hook = model.register_forward_hook(lambda m, args, out: m.seen.add_(1.0) and None) if write else None
-    try:                                         # (the hook: a write in this step's forward)
+    try:  # (the hook: a write in this step's forward)
         with pytest.raises((RuntimeError, ValueError)) as refusal:
             _train(engine, module, optimizer, loss, loader)
     finally:
@@ -668,8 +704,12 @@ def test_writes_are_refused_in_expanded_weights_mode_and_its_norm_passes_run():
     """grad_sample_mode="ew" (PyTorch's ExpandedWeights; a no_grad in-place write to a parameter fails in
     PyTorch there).  Before, its norm passes (individual accounting, the individual filter) failed with
     AttributeError: the wrapper has no hooks to disable."""
-    for cls, what in ((_DataWrite, "through .data"), (_Counter, "persistent buffer 'count'"),
-                      (_PreviousBatch, "non-persistent buffer 'prev'"), (_ExtraState, "extra state")):
+    for cls, what in (
+        (_DataWrite, "through .data"),
+        (_Counter, "persistent buffer 'count'"),
+        (_PreviousBatch, "non-persistent buffer 'prev'"),
+        (_ExtraState, "extra state"),
+    ):
         engine, *rest = _private(_model(cls), "ew")
         with pytest.raises(UnnoisedWriteError, match=what):
             _train(engine, *rest)

@@ -1,5 +1,6 @@
 """Adaptive Rényi orders (accounting/orders.py): exact values at the chosen order, never above the
 grid, the dense-universe minimum, window mode, the chord bound, and dp_accounting as reference."""
+
 import sys
 import warnings
 from pathlib import Path
@@ -8,13 +9,22 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as dpa
 
-from idpsgd.accounting import (DEFAULT_ORDERS, SampledGaussianEvent, chord_refined_epsilon, compute_rdp,
-                               compute_rdp_pointwise, epsilon_sgm, order_universe, rdp_epsilon, rdp_to_epsilon,
-                               search_orders)
+from idpsgd.accounting import (
+    DEFAULT_ORDERS,
+    SampledGaussianEvent,
+    chord_refined_epsilon,
+    compute_rdp,
+    compute_rdp_pointwise,
+    epsilon_sgm,
+    order_universe,
+    rdp_epsilon,
+    rdp_to_epsilon,
+    search_orders,
+)
 from idpsgd.accounting.orders import epsilon_at_orders, sgm_rdp_at
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_rdp import rdp_integral  # noqa: E402
+from test_rdp import rdp_integral
 
 DELTA = 1e-5
 
@@ -30,8 +40,9 @@ def test_issue_example_beats_the_grid_and_dense_integer_orders():
     dense = np.arange(2, 400, dtype=float)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = dpa.compute_epsilon(dense, dpa._compute_rdp_poisson_subsampled_gaussian(0.0021, 3.17, dense) * 727,
-                                  DELTA)[0]
+        ref = dpa.compute_epsilon(
+            dense, dpa._compute_rdp_poisson_subsampled_gaussian(0.0021, 3.17, dense) * 727, DELTA
+        )[0]
     assert grid == pytest.approx(0.0791, abs=2e-4) and ref <= 0.0686
     assert eps <= ref * (1 + 1e-12) and eps < 0.87 * grid
     # exact at its order: recompute ε(α) from the RDP at that order
@@ -80,8 +91,9 @@ def test_agrees_with_dp_accounting_at_the_chosen_order(rng):
         eps, order = rdp_epsilon([SampledGaussianEvent(q[i], s[i], int(t[i]))], DELTA)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref = dpa.compute_epsilon([order], dpa._compute_rdp_poisson_subsampled_gaussian(q[i], s[i], [order]) * t[i],
-                                      DELTA)[0]
+            ref = dpa.compute_epsilon(
+                [order], dpa._compute_rdp_poisson_subsampled_gaussian(q[i], s[i], [order]) * t[i], DELTA
+            )[0]
         # integer orders: equal; fractional: dp_accounting sums absolute values (an upper bound)
         assert eps <= ref * (1 + 1e-9)
         if float(order).is_integer():
@@ -89,8 +101,12 @@ def test_agrees_with_dp_accounting_at_the_chosen_order(rng):
 
 
 def test_heterogeneous_events_and_custom_orders():
-    events = [SampledGaussianEvent(0.01, 1.2, 300), SampledGaussianEvent(0.02, 2.0, 200),
-              SampledGaussianEvent(0.0, 1.0, 50), SampledGaussianEvent(0.3, np.inf, 10)]
+    events = [
+        SampledGaussianEvent(0.01, 1.2, 300),
+        SampledGaussianEvent(0.02, 2.0, 200),
+        SampledGaussianEvent(0.0, 1.0, 50),
+        SampledGaussianEvent(0.3, np.inf, 10),
+    ]
     eps, order = rdp_epsilon(events, DELTA)
     grid, _ = rdp_epsilon(events, DELTA, refine=False)
     rdp = 300 * compute_rdp_pointwise(0.01, 1.2, order) + 200 * compute_rdp_pointwise(0.02, 2.0, order)

@@ -4,6 +4,7 @@ on disk in the manifest, and nothing private on stdout without ``--show-private`
 
 Runs go through the CLI in-process on a tiny CSV data set (240 examples, an MLP, one epoch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,15 @@ def _commands(data: list[str]) -> dict[str, list[str]]:
         "sequential": [*train, "--method", "sequential"],
         # sample with individual accounting: per-example ε, exact statistics, norms (no exact-tracked
         # validation subset: its exact RDP table takes minutes)
-        "individual": [*train, "--method", "sample", "--individual-accounting", "--save-norms",
-                       "--validate-subset", "0"],
+        "individual": [
+            *train,
+            "--method",
+            "sample",
+            "--individual-accounting",
+            "--save-norms",
+            "--validate-subset",
+            "0",
+        ],
         "pdp-sgd": [*train, "--method", "pdp-sgd", "--rounds", "2"],
         "per-instance": ["per-instance", *data, *FAST, "--points", "0,1", "--runs", "1", "--samples", "2,2"],
         "demo": ["demo", *data, *FAST],
@@ -81,8 +89,11 @@ def _run_folders(top: Path) -> list[Path]:
 def _owned_files(folder: Path) -> list[str]:
     """Files of ``folder``'s run (relative paths), not those of runs nested in it."""
     nested = [p for p in _run_folders(folder) if p != folder]
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and not any(n in p.parents for n in nested))
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not any(n in p.parents for n in nested)
+    )
 
 
 def _kinds_problems(folder: Path) -> list[str]:
@@ -116,7 +127,7 @@ def _kinds_problems(folder: Path) -> list[str]:
         else:
             problems.append(f"{name}: unknown kind {entry['kind']!r}")
     report = folder / "report.json"
-    if report.is_file():   # the report says which file is which, as the manifest does
+    if report.is_file():  # the report says which file is which, as the manifest does
         files = json.loads(report.read_text()).get("files") or {}
         wrong = {k: v for k, v in files.items() if manifest.get(k, {}).get("kind") != v}
         if wrong:
@@ -181,7 +192,9 @@ def _values(folder: Path, kind: str) -> tuple[np.ndarray, dict[str, np.ndarray]]
                     columns[f"{run.name}/{name}:{col}"] = arr
             elif path.suffix == ".npz":
                 with np.load(path) as z:
-                    values += [float(v) for k in z.files for v in np.ravel(z[k]) if np.issubdtype(z[k].dtype, np.number)]
+                    values += [
+                        float(v) for k in z.files for v in np.ravel(z[k]) if np.issubdtype(z[k].dtype, np.number)
+                    ]
     return np.unique(np.asarray(values, dtype=float)), columns
 
 
@@ -197,11 +210,14 @@ def private_on_stdout(folder: Path, stdout: str, argv: list[str]) -> list[str]:
     private, columns = _values(folder, "private")
     public, _ = _values(folder, "public")
     public = np.unique(np.concatenate([public, [v for v, _, _ in _decimal_tokens(" ".join(argv).replace(",", " "))]]))
-    leaks = [f"{tok} (a private value)" for v, tol, tok in _decimal_tokens(stdout)
-             if _near(private, v, tol) and not _near(public, v, tol)]
+    leaks = [
+        f"{tok} (a private value)"
+        for v, tol, tok in _decimal_tokens(stdout)
+        if _near(private, v, tol) and not _near(public, v, tol)
+    ]
     printed = np.array([float(m) for m in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", stdout)])
     for name, col in columns.items():
-        if "batch" not in name.rsplit(":", 1)[1]:     # real batch sizes (single values: too many coincidences)
+        if "batch" not in name.rsplit(":", 1)[1]:  # real batch sizes (single values: too many coincidences)
             continue
         if col.size >= 3 and printed.size >= 3:
             w = np.lib.stride_tricks.sliding_window_view(col, 3)
@@ -268,10 +284,11 @@ def test_account_keeps_per_example_values_private(runs, tmp_path):
     out = tmp_path / "account"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["account", "--norms", str(folder / PRIVATE / "norms.npz"), "--delta", "1e-5",
-                     "--out", str(out)]) == 0
+        assert (
+            main(["account", "--norms", str(folder / PRIVATE / "norms.npz"), "--delta", "1e-5", "--out", str(out)]) == 0
+        )
     cols = _csv_columns(next(out.rglob("individual_epsilons.csv")))
-    eps, caps = cols["epsilon"], np.unique(cols["worst_case_epsilon"])     # the caps are data-independent
+    eps, caps = cols["epsilon"], np.unique(cols["worst_case_epsilon"])  # the caps are data-independent
     stats = [s for s in (eps.mean(), *np.quantile(eps, [0.1, 0.25, 0.5, 0.75, 0.9])) if not np.isclose(caps, s).any()]
     assert not [tok for v, tol, tok in _decimal_tokens(buf.getvalue()) if any(abs(v - s) <= tol for s in stats)]
     assert (out / MANIFEST).is_file() and not _kinds_problems(out)
@@ -286,20 +303,79 @@ def test_more_commands_folders_and_stdout(tmp_path):
         "exclude": [*train, "--method", "exclude"],
         "pdp-sampling": [*train, "--method", "pdp-sampling"],
         "adapdp": [*train, "--method", "adapdp", "--rounds", "2"],
-        "individual-clipping": [*train, "--method", "scale", "--individual-accounting", "--individual-clipping",
-                                "--validate-subset", "0"],
+        "individual-clipping": [
+            *train,
+            "--method",
+            "scale",
+            "--individual-accounting",
+            "--individual-clipping",
+            "--validate-subset",
+            "0",
+        ],
         # digits: 20 budget groups need more than the CSV's 240 examples
-        "reproduce": ["reproduce", "heo-table1", "--seeds", "1", "--epochs", "1", "--rounds", "2", "--no-figures",
-                      "--no-progress"],
+        "reproduce": [
+            "reproduce",
+            "heo-table1",
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--rounds",
+            "2",
+            "--no-figures",
+            "--no-progress",
+        ],
         # issue 25: the other papers' experiments (per-example figures and exact statistics in private/)
-        "reproduce-boenisch-table2": ["reproduce", "boenisch-table2", *data, "--seeds", "1", "--epochs", "1",
-                                      "--batch-size", "32", "--setups", "34-43-23", "--no-progress"],
-        "reproduce-boenisch-table3": ["reproduce", "boenisch-table3", *data, "--seeds", "1", "--calibrated-steps", "3",
-                                      "--no-progress"],
-        "reproduce-yu-figure": ["reproduce", "yu-figure", *data, "--seeds", "1", "--epochs", "1", "--batch-size", "32",
-                                "--validate-subset", "10", "--no-progress"],
-        "reproduce-thudi-figure1": ["reproduce", "thudi-figure1", *data, "--seeds", "1", "--points", "3", "--epochs",
-                                    "1", "--no-progress"],
+        "reproduce-boenisch-table2": [
+            "reproduce",
+            "boenisch-table2",
+            *data,
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--setups",
+            "34-43-23",
+            "--no-progress",
+        ],
+        "reproduce-boenisch-table3": [
+            "reproduce",
+            "boenisch-table3",
+            *data,
+            "--seeds",
+            "1",
+            "--calibrated-steps",
+            "3",
+            "--no-progress",
+        ],
+        "reproduce-yu-figure": [
+            "reproduce",
+            "yu-figure",
+            *data,
+            "--seeds",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--validate-subset",
+            "10",
+            "--no-progress",
+        ],
+        "reproduce-thudi-figure1": [
+            "reproduce",
+            "thudi-figure1",
+            *data,
+            "--seeds",
+            "1",
+            "--points",
+            "3",
+            "--epochs",
+            "1",
+            "--no-progress",
+        ],
         "audit": ["audit", "--method", "sample", *BUDGETS, *data, *FAST, "--attack", "loss"],
     }
     failures = []
@@ -309,6 +385,8 @@ def test_more_commands_folders_and_stdout(tmp_path):
         with contextlib.redirect_stdout(buf):
             assert main(argv) == 0, name
         folder = tmp_path / name
-        failures += [f"{name}: {f.relative_to(tmp_path)}: {p}" for f in _run_folders(folder) for p in _kinds_problems(f)]
+        failures += [
+            f"{name}: {f.relative_to(tmp_path)}: {p}" for f in _run_folders(folder) for p in _kinds_problems(f)
+        ]
         failures += [f"{name}: stdout: {leak}" for leak in private_on_stdout(folder, buf.getvalue(), argv)]
     assert not failures, "\n".join(failures)

@@ -1,4 +1,5 @@
 """(Φ, Δ)-PDP bookkeeping, threshold selection, the exponential budgets, and PDP-SGD training."""
+
 import json
 import math
 import os
@@ -43,13 +44,13 @@ def test_composition_and_irdp_conversion():
     # Gaussian mechanism: ρ(α) = α/(2σ²); Thm. 4.8 is the classical conversion min_α ρ(α) + log(1/δ)/(α−1)
     sigma = 3.0
     orders = np.linspace(1.01, 200, 20000)
-    rho = orders / (2 * sigma ** 2)
-    closed = 1 / (2 * sigma ** 2) + math.sqrt(2 * math.log(1 / DELTA)) / sigma
+    rho = orders / (2 * sigma**2)
+    closed = 1 / (2 * sigma**2) + math.sqrt(2 * math.log(1 / DELTA)) / sigma
     assert irdp_to_pdp(rho, orders, DELTA)[0] == pytest.approx(closed, rel=1e-4)
     # per-user δ_i: a larger δ gives a smaller ε; never below the improved conversion
     r = compute_rdp([0.01, 0.05], [1.0, 1.0], DEFAULT_ORDERS, steps=100)
     classical = irdp_to_pdp(r, DEFAULT_ORDERS, [1e-5, 1e-5])
-    assert np.all(classical >= rdp_to_epsilon(r, DEFAULT_ORDERS, 1e-5)[0])   # the improved one is tighter
+    assert np.all(classical >= rdp_to_epsilon(r, DEFAULT_ORDERS, 1e-5)[0])  # the improved one is tighter
     assert irdp_to_pdp(r[1], DEFAULT_ORDERS, 1e-3)[0] < irdp_to_pdp(r[1], DEFAULT_ORDERS, 1e-5)[0]
 
 
@@ -62,10 +63,10 @@ def test_threshold_losses_by_hand():
     tau = select_threshold(eps, "fixed", 0.7, 0.3)
     grid = np.linspace(0.5, 2.0, 5001)
     assert threshold_losses(eps, [tau], 0.7, 0.3)[2][0] <= threshold_losses(eps, grid, 0.7, 0.3)[2].min() + 1e-9
-    tau_a = select_threshold(eps, "adaptive")           # our reading: the AM–GM equality point
+    tau_a = select_threshold(eps, "adaptive")  # our reading: the AM–GM equality point
     wu, ws, _, la = threshold_losses(eps, [tau_a])
     assert 0.5 < tau_a < 2.0 and wu[0] == pytest.approx(ws[0], rel=1e-9)
-    assert la[0] == pytest.approx(adaptive_weighted_loss(eps, [tau_a])[0], rel=1e-9)   # the bound is attained there
+    assert la[0] == pytest.approx(adaptive_weighted_loss(eps, [tau_a])[0], rel=1e-9)  # the bound is attained there
     assert select_threshold([0.0, 0.7, 0.7], "fixed") == 0.7
     with pytest.raises(InvalidParameterError, match="threshold_loss"):
         select_threshold(eps, "median")
@@ -87,27 +88,32 @@ def test_exponential_budget_distribution():
 @pytest.fixture(scope="module")
 def digits():
     from idpsgd.data import load_dataset
+
     return load_dataset("digits")
 
 
 @pytest.mark.parametrize("method", ["pdp-sgd", "pdp-sampling", "adapdp"])
 def test_pdp_training_respects_every_budget(digits, method, tmp_path):
     from idpsgd.training import TrainConfig, train
+
     budgets = Budgets.from_exponential(len(digits.y_train), 1, 3, 0.0, DELTA, seed=0)
     from idpsgd.training.pdp import PdpOptions
-    report = train(digits, budgets, TrainConfig(method=method, epochs=3, progress=False), tmp_path,
-                   pdp=PdpOptions(rounds=2))
+
+    report = train(
+        digits, budgets, TrainConfig(method=method, epochs=3, progress=False), tmp_path, pdp=PdpOptions(rounds=2)
+    )
     rounds = report["rounds"]
     assert len(rounds) == (1 if method == "pdp-sampling" else 2)
     for r in rounds:
         assert r["epsilon_round"] <= r["threshold"] * (1 + 1e-12)
     import csv
+
     with open(tmp_path / "private" / "pdp_guarantees.csv") as fh:
         rows = list(csv.DictReader(fh))
     eps = np.array([float(r["epsilon"]) for r in rows])
     dl = np.array([float(r["delta"]) for r in rows])
     bud = np.array([float(r["budget"]) for r in rows])
-    assert np.all(eps <= bud + 1e-12) and np.all(dl <= DELTA * (1 + 1e-12))      # δ is the total by default
+    assert np.all(eps <= bud + 1e-12) and np.all(dl <= DELTA * (1 + 1e-12))  # δ is the total by default
     assert os.stat(tmp_path / "private" / "pdp_guarantees.csv").st_mode & 0o777 == 0o600
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["method"] == method and len(saved["groups"]) == 20
@@ -119,16 +125,63 @@ def test_pdp_training_respects_every_budget(digits, method, tmp_path):
 
 
 def test_pdp_cli(capsys, tmp_path):
-    argv = ["train", "--method", "pdp-sgd", "--budget-distribution", "exponential", "--range", "1,3", "--skew",
-            "0.2", "--epochs", "2", "--rounds", "2", "--threshold-loss", "adaptive", "--no-progress"]
+    argv = [
+        "train",
+        "--method",
+        "pdp-sgd",
+        "--budget-distribution",
+        "exponential",
+        "--range",
+        "1,3",
+        "--skew",
+        "0.2",
+        "--epochs",
+        "2",
+        "--rounds",
+        "2",
+        "--threshold-loss",
+        "adaptive",
+        "--no-progress",
+    ]
     assert main([*argv, "--out", str(tmp_path / "a"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["threshold_loss"] == "adaptive" and 1.0 < out["rounds"][0]["threshold"] < 3.0
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     assert "pdp_guarantees.csv" in capsys.readouterr().out
-    assert main(["train", "--method", "adapdp", "--budget-distribution", "exponential", "--range", "3",
-                 "--out", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "adapdp",
+                "--budget-distribution",
+                "exponential",
+                "--range",
+                "3",
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     assert "--range=" in capsys.readouterr().err
-    assert main(["train", "--method", "pdp-sgd", "--budgets", "1,2", "--fractions", ".5,.5", "--w1", "2",
-                 "--out", str(tmp_path / "d"), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "pdp-sgd",
+                "--budgets",
+                "1,2",
+                "--fractions",
+                ".5,.5",
+                "--w1",
+                "2",
+                "--out",
+                str(tmp_path / "d"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "--w1=2.0 is invalid" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """PDP-SGD's options (issue 19): adaptive threshold, noise history (Alg. 4), total δ, PdpOptions and
 their flags, the PDP path's own checks, and ``idpsgd reproduce heo-table1``."""
+
 import argparse
 import itertools
 import json
@@ -31,11 +32,11 @@ def test_adaptive_first_threshold_is_interior_for_app_c1(skew):
     tau = select_threshold(eps, "adaptive")
     assert 0.5 < tau < 1.0
     wu, ws, _, _ = threshold_losses(eps, [tau])
-    assert wu[0] == pytest.approx(ws[0], rel=1e-8)                 # AM–GM equality: waste_u = waste_s
+    assert wu[0] == pytest.approx(ws[0], rel=1e-8)  # AM–GM equality: waste_u = waste_s
     grid = np.linspace(0.5, 1.0, 2001)
     la = adaptive_weighted_loss(eps, grid)
-    assert abs(tau - grid[np.argmin(la)]) < 0.01                   # close to the weighted loss's own minimum
-    assert adaptive_threshold([0.7, 0.7]) == 0.7                   # one budget: that budget
+    assert abs(tau - grid[np.argmin(la)]) < 0.01  # close to the weighted loss's own minimum
+    assert adaptive_threshold([0.7, 0.7]) == 0.7  # one budget: that budget
     with pytest.raises(InvalidParameterError, match="threshold_loss"):
         select_threshold(eps, "median")
     with pytest.raises(InvalidParameterError, match="w1"):
@@ -49,7 +50,7 @@ def test_history_guarantee_is_the_mixture_over_sampled_rounds():
     pi[:, 1] = 0.0
     e = np.array([0.4, 0.7, 0.9])
     eps, dl = history_guarantee(pi, e, DELTA)
-    for i in range(5):   # brute force over the sampled sets S: ln Σ_S P(S) e^{E_max S}
+    for i in range(5):  # brute force over the sampled sets S: ln Σ_S P(S) e^{E_max S}
         total, p_any = 0.0, 0.0
         for s in itertools.product([0, 1], repeat=3):
             prob = np.prod([pi[r, i] if s[r] else 1 - pi[r, i] for r in range(3)])
@@ -80,17 +81,18 @@ def test_calibrate_round_noise_with_history():
     hist = [SampledGaussianEvent(0.1, 3.0, 100)]
     spent = rdp_epsilon(hist, DELTA)[0]
     sigma = calibrate_round_noise(spent + 0.3, DELTA, 0.2, 20, "rdp", hist)
-    total = rdp_epsilon(hist + [SampledGaussianEvent(0.2, sigma, 20)], DELTA)[0]
+    total = rdp_epsilon([*hist, SampledGaussianEvent(0.2, sigma, 20)], DELTA)[0]
     assert (1 - 1e-4) * (spent + 0.3) <= total <= spent + 0.3 and sigma < 100
     with pytest.raises(UnreachableTargetError, match=r"target_epsilon=.* unreachable.*already spend"):
-        calibrate_round_noise(0.9 * spent, DELTA, 0.2, 20, "rdp", hist)   # below what the history spent
-    alone = calibrate_round_noise(0.5, DELTA, 0.2, 20)                     # no history: the plain calibration
+        calibrate_round_noise(0.9 * spent, DELTA, 0.2, 20, "rdp", hist)  # below what the history spent
+    alone = calibrate_round_noise(0.5, DELTA, 0.2, 20)  # no history: the plain calibration
     assert rdp_epsilon([SampledGaussianEvent(0.2, alone, 20)], DELTA)[0] <= 0.5
 
 
 @pytest.fixture(scope="module")
 def digits():
     from idpsgd.data import load_dataset
+
     return load_dataset("digits")
 
 
@@ -101,19 +103,27 @@ def _budgets(digits, low=0.5, high=1.0, skew=0.0):
 def _train(digits, budgets, epochs=1, method="pdp-sgd", **opts):
     from idpsgd.training import TrainConfig
     from idpsgd.training.pdp import PdpOptions, train_pdp
-    return train_pdp(digits, budgets, TrainConfig(method=method, epochs=epochs, progress=False),
-                     options=PdpOptions(**opts))
+
+    return train_pdp(
+        digits, budgets, TrainConfig(method=method, epochs=epochs, progress=False), options=PdpOptions(**opts)
+    )
 
 
 def test_noise_history_is_reachable_and_valid(digits, tmp_path):
     from idpsgd.training import TrainConfig
     from idpsgd.training.pdp import PdpOptions, train_pdp
+
     budgets = _budgets(digits)
-    r = train_pdp(digits, budgets, TrainConfig(method="pdp-sgd", epochs=1, progress=False), tmp_path,
-                  options=PdpOptions(rounds=3, noise_history=True))
+    r = train_pdp(
+        digits,
+        budgets,
+        TrainConfig(method="pdp-sgd", epochs=1, progress=False),
+        tmp_path,
+        options=PdpOptions(rounds=3, noise_history=True),
+    )
     assert len(r["rounds"]) == 3 and r["noise_history"]
     assert all(x["noise_multiplier"] < 100 for x in r["rounds"])
-    for x in r["rounds"]:   # the composed history stays within the cumulative thresholds
+    for x in r["rounds"]:  # the composed history stays within the cumulative thresholds
         assert x["epsilon_composed"] <= x["cumulative_threshold"] * (1 + 1e-12)
     rows = np.genfromtxt(tmp_path / "private" / "pdp_guarantees.csv", delimiter=",", names=True)
     assert np.all(rows["epsilon"] <= rows["budget"] * (1 + 1e-9)) and np.all(rows["delta"] <= DELTA * (1 + 1e-12))
@@ -128,7 +138,7 @@ def test_total_delta_by_default_and_per_round_flag(digits):
     paper = _train(digits, budgets, rounds=3, per_round_delta=True)
     assert paper["delta_mode"] == "per-round" and DELTA < paper["max_delta"] <= 3 * DELTA * (1 + 1e-12)
     # mean_sampling_probability: π of the group's *remaining* budget in each round
-    g = paper["groups"][-1]               # the largest budget (1.0): above the first threshold
+    g = paper["groups"][-1]  # the largest budget (1.0): above the first threshold
     tau1, tau2 = paper["rounds"][0]["threshold"], paper["rounds"][1]["threshold"]
     assert g["mean_sampling_probability"][0] == 1.0
     expect = float(sampling_probabilities([1.0 - tau1], tau2)[0])
@@ -138,6 +148,7 @@ def test_total_delta_by_default_and_per_round_flag(digits):
 def test_pdp_checks_name_the_flags(digits, capsys, tmp_path):
     from idpsgd.training import TrainConfig
     from idpsgd.training.pdp import PdpOptions, train_pdp
+
     budgets = _budgets(digits)
     for field, value in (("batch_size", 0), ("epochs", 0)):
         with pytest.raises(InvalidParameterError, match=f"{field}=0 is invalid"):
@@ -146,8 +157,18 @@ def test_pdp_checks_name_the_flags(digits, capsys, tmp_path):
         PdpOptions(w1=2).validate()
     with pytest.raises(InvalidParameterError, match="threshold_loss"):
         PdpOptions(threshold_loss="median").validate()
-    base = ["train", "--method", "pdp-sgd", "--budget-distribution", "exponential", "--range", "0.5,1",
-            "--out", str(tmp_path), "--no-progress"]
+    base = [
+        "train",
+        "--method",
+        "pdp-sgd",
+        "--budget-distribution",
+        "exponential",
+        "--range",
+        "0.5,1",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     for flag in ("--batch-size", "--epochs"):
         assert main([*base, flag, "0"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -156,10 +177,12 @@ def test_pdp_checks_name_the_flags(digits, capsys, tmp_path):
 
 def test_pdp_arguments_make_options():
     from idpsgd.cli.pdp_args import add_pdp_arguments, pdp_options_from_args
+
     p = argparse.ArgumentParser()
     add_pdp_arguments(p.add_argument_group("pdp"))
-    opts = pdp_options_from_args(p.parse_args(["--threshold-loss", "adaptive", "--rounds", "4", "--noise-history",
-                                               "--per-round-delta"]))
+    opts = pdp_options_from_args(
+        p.parse_args(["--threshold-loss", "adaptive", "--rounds", "4", "--noise-history", "--per-round-delta"])
+    )
     assert (opts.threshold_loss, opts.rounds, opts.noise_history, opts.per_round_delta) == ("adaptive", 4, True, True)
     assert pdp_options_from_args(p.parse_args([])).per_round_delta is False
     with pytest.raises(InvalidParameterError, match="w1"):
@@ -168,17 +191,21 @@ def test_pdp_arguments_make_options():
 
 def test_reproduce_heo_table1_small(digits, tmp_path, capsys):
     from idpsgd.experiments.heo import _markdown, _plots, run_heo_table1
+
     r = run_heo_table1(digits, seeds=1, epochs=1, rounds=1, figures=False, progress=False)
     assert [row["skew"] for row in r["table"]] == [-0.2, 0.0, 0.2] and r["runs"] == 13
     for row in r["table"]:
         for col in r["columns"]:
             assert 0 <= row[col]["mean"] <= 1 and len(row[col]["runs"]) == 1
-    assert r["table"][0]["DP-SGD (min eps)"] == r["table"][2]["DP-SGD (min eps)"]   # uniform at min ε = 0.5
+    assert r["table"][0]["DP-SGD (min eps)"] == r["table"][2]["DP-SGD (min eps)"]  # uniform at min ε = 0.5
     assert "| -0.2 |" in _markdown(r)
-    fake = {"dataset": "digits",
-            "fig4_accuracy_vs_w1": {"0.0": {"0.3": {"mean": 0.5, "std": 0.1}, "0.7": {"mean": 0.6, "std": 0.0}}},
-            "fig5_accuracy_vs_interval": {"fixed": {"0.1": {"mean": 0.4, "std": 0.0}, "0.5": {"mean": 0.6, "std": 0.1}}}}
+    fake = {
+        "dataset": "digits",
+        "fig4_accuracy_vs_w1": {"0.0": {"0.3": {"mean": 0.5, "std": 0.1}, "0.7": {"mean": 0.6, "std": 0.0}}},
+        "fig5_accuracy_vs_interval": {"fixed": {"0.1": {"mean": 0.4, "std": 0.0}, "0.5": {"mean": 0.6, "std": 0.1}}},
+    }
     from idpsgd.runfolder import RunFolder
+
     assert _plots(RunFolder(tmp_path / "figs"), fake) == ["fig4_w1.png", "fig5_interval.png"]
     assert (tmp_path / "figs" / "fig4_w1.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["reproduce", "heo-table1", "--seeds", "0", "--out", str(tmp_path / "cli")]) == 2
@@ -187,8 +214,19 @@ def test_reproduce_heo_table1_small(digits, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_reproduce_cli_writes_table_and_figures(tmp_path, capsys):
-    argv = ["reproduce", "heo-table1", "--seeds", "1", "--epochs", "1", "--rounds", "2", "--out", str(tmp_path),
-            "--no-progress"]
+    argv = [
+        "reproduce",
+        "heo-table1",
+        "--seeds",
+        "1",
+        "--epochs",
+        "1",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert "PDP-SGD loss_a" in capsys.readouterr().out
     r = json.loads((tmp_path / "heo_table1.json").read_text())
@@ -201,11 +239,24 @@ def test_an_empty_round_still_releases_its_noisy_steps():
     import torch
 
     from idpsgd.training.pdp import run_dp_round
+
     model = torch.nn.Linear(3, 2)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
-    out = run_dp_round(model, opt, (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), np.zeros(0, dtype=int),
-                       budgets=None, noise_multiplier=1.0, sample_rate=0.5, clip_norm=1.0, steps=3, steps_per_epoch=2,
-                       expected_batch_size=4.0, seed=0, noise_generator=gen)
-    assert out is model and all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    out = run_dp_round(
+        model,
+        opt,
+        (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)),
+        np.zeros(0, dtype=int),
+        budgets=None,
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        clip_norm=1.0,
+        steps=3,
+        steps_per_epoch=2,
+        expected_batch_size=4.0,
+        seed=0,
+        noise_generator=gen,
+    )
+    assert out is model and all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

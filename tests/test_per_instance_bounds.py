@@ -1,4 +1,5 @@
 """Per-instance estimates with their error (issue 19, item 10) and mean-rule training (item 9)."""
+
 import math
 
 import numpy as np
@@ -28,16 +29,21 @@ def test_composition_upper_bound(rng):
     n, alpha, q, sigma = 30, 4, 0.05, 1.0
     orders = step_orders(alpha, n)
     worst = np.array([float(sum_rule_step_rdp(q, 1.0, sigma, o)) for o in orders])
-    d = np.stack([[float(sum_rule_step_rdp(q, s, sigma, o)) for s, o in zip(rng.uniform(0.1, 1.0, n), orders)]
-                  for _ in range(5)])
+    d = np.stack(
+        [
+            [float(sum_rule_step_rdp(q, s, sigma, o)) for s, o in zip(rng.uniform(0.1, 1.0, n), orders, strict=True)]
+            for _ in range(5)
+        ]
+    )
     res = composition_bound(d, alpha, worst_step_rdp=worst, failure=0.05)
     assert res["upper"] >= res["bound"] and np.all(res["contributions_upper"] >= res["contributions"] - 1e-15)
-    assert res["contributions_upper"][0] == res["contributions"][0]           # the first step is exact
+    assert res["contributions_upper"][0] == res["contributions"][0]  # the first step is exact
     worst_case = composition_bound(worst[None, :], alpha)["bound"]
-    assert res["upper"] <= worst_case * (1 + 1e-12)                           # never above the worst case
+    assert res["upper"] <= worst_case * (1 + 1e-12)  # never above the worst case
     # by hand for one estimated step: ln min(F, mean f + (F - 1)·r)
     t, p = n - 1, 3.0 * n
     from idpsgd.accounting.per_instance import composition_orders
+
     gi = composition_orders(alpha, p, n)[0]
     f = np.exp(p * (gi - 1) * d[:, t])
     big_f = math.exp(p * (gi - 1) * worst[t])
@@ -62,7 +68,7 @@ def test_thm_3_6_upper_bound(rng):
     assert exponents_to_bound(delta, alpha, sigma) == pytest.approx(est)
     up = exponents_to_upper(delta, alpha, sigma, np.linalg.norm(mu, axis=1), clip, 0.05)
     assert up >= est
-    assert up <= alpha * (2 * clip) ** 2 / (2 * sigma ** 2) + 1e-12              # the range's top
+    assert up <= alpha * (2 * clip) ** 2 / (2 * sigma**2) + 1e-12  # the range's top
     # the exponent's range: −Δ ≤ α(α−1)(c + ‖μ‖)² for every tuple
     assert np.all(-delta <= alpha * (alpha - 1) * (clip + np.linalg.norm(mu, axis=1))[:, None] ** 2 + 1e-9)
 
@@ -87,12 +93,19 @@ def test_mean_rule_training_divides_by_the_realised_batch():
     q, clip = 0.3, 0.5
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
     gsm, dp_opt, loader = engine.make_private_with_parameters(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
-        budgets=Budgets.from_array(np.full(40, 100.0), 1e-5), sample_rates=np.full(40, q),
-        clip_norms=np.full(40, clip), noise_multiplier=1e-3, max_grad_norm=clip, privacy_filter=None)
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
+        budgets=Budgets.from_array(np.full(40, 100.0), 1e-5),
+        sample_rates=np.full(40, q),
+        clip_norms=np.full(40, clip),
+        noise_multiplier=1e-3,
+        max_grad_norm=clip,
+        privacy_filter=None,
+    )
     handle = _install_mean_rule(opt, q * 40, model)
     xb, yb = next(iter(loader))
-    assert 0 < len(yb) and len(yb) != q * 40
+    assert len(yb) > 0 and len(yb) != q * 40
     dp_opt.zero_grad(set_to_none=True)
     torch.nn.functional.cross_entropy(gsm(xb), yb).backward()
     dp_opt.step()
@@ -100,9 +113,9 @@ def test_mean_rule_training_divides_by_the_realised_batch():
     ref = torch.nn.Linear(5, 3)
     ref.load_state_dict({"weight": before[0], "bias": before[1]})
     mean = per_example_clipped_grads(ref, xb, yb, clip).mean(dim=0)
-    change = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())]).double()
+    change = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters(), strict=True)]).double()
     assert torch.allclose(change, mean, atol=4e-4)
-    assert not torch.allclose(change, mean * len(yb) / (q * 40), atol=4e-4)     # the sum rule's update differs
+    assert not torch.allclose(change, mean * len(yb) / (q * 40), atol=4e-4)  # the sum rule's update differs
 
 
 # --- issue 25: orders, the same-composition baseline, the default order -------------------------
@@ -110,6 +123,7 @@ def _composition_reference(d, alpha, p, worst=None, failure=0.05):
     """Thm. 3.3 step by step (the loop the vectorized composition_bound replaced)."""
     from idpsgd.accounting.per_instance import _log_mean_upper, composition_orders
     from idpsgd.accounting.rdp import logsumexp
+
     runs, n = d.shape
     g = composition_orders(alpha, p, n)
     radius = hoeffding_radius(runs, failure / max(n - 1, 1))
@@ -128,13 +142,17 @@ def _composition_reference(d, alpha, p, worst=None, failure=0.05):
     return contrib / (alpha - 1), upper / (alpha - 1)
 
 
-@pytest.mark.parametrize("alpha,p", [(4, None), (2.41, 90.0)])
+@pytest.mark.parametrize(("alpha", "p"), [(4, None), (2.41, 90.0)])
 def test_vectorized_composition_matches_the_step_loop(rng, alpha, p):
     n, q, sigma = 30, 0.05, 1.0
     orders = step_orders(alpha, n, p, integer=False)
     worst = np.array([float(sum_rule_step_rdp(q, 1.0, sigma, o)) for o in orders])
-    d = np.stack([[float(sum_rule_step_rdp(q, s, sigma, o)) for s, o in zip(rng.uniform(0, 1, n), orders)]
-                  for _ in range(4)])
+    d = np.stack(
+        [
+            [float(sum_rule_step_rdp(q, s, sigma, o)) for s, o in zip(rng.uniform(0, 1, n), orders, strict=True)]
+            for _ in range(4)
+        ]
+    )
     res = composition_bound(d, alpha, p, worst_step_rdp=worst)
     contrib, upper = _composition_reference(d, alpha, float(3 * n if p is None else p), worst)
     assert np.allclose(res["contributions"], contrib, rtol=1e-12, atol=0)
@@ -143,27 +161,29 @@ def test_vectorized_composition_matches_the_step_loop(rng, alpha, p):
 
 def test_lattice_step_orders():
     from idpsgd.accounting.per_instance import composition_orders
+
     n, alpha = 4790, 2.414
     exact = composition_orders(alpha, 3 * n, n)[::-1]
     lat = step_orders(alpha, n, integer=False)
-    assert lat[-1] == pytest.approx(alpha) and np.all(lat >= exact - 1e-12)            # rounded up: a valid order
-    assert np.all((lat - 1) / (exact - 1) <= 2 ** (1 / 64) + 1e-12)                      # by at most 1.1 % in α − 1
-    assert np.unique(lat).size <= 33                                                     # e^{1/3}: ~31 lattice points
-    assert np.array_equal(step_orders(alpha, n), np.ceil(exact - 1e-12))                 # ⌈g⌉ for integers
-    assert np.all(np.diff(lat) <= 0)                                                     # orders fall towards the end
+    assert lat[-1] == pytest.approx(alpha) and np.all(lat >= exact - 1e-12)  # rounded up: a valid order
+    assert np.all((lat - 1) / (exact - 1) <= 2 ** (1 / 64) + 1e-12)  # by at most 1.1 % in α − 1
+    assert np.unique(lat).size <= 33  # e^{1/3}: ~31 lattice points
+    assert np.array_equal(step_orders(alpha, n), np.ceil(exact - 1e-12))  # ⌈g⌉ for integers
+    assert np.all(np.diff(lat) <= 0)  # orders fall towards the end
 
 
 def test_same_composition_baseline():
     from idpsgd.accounting import compute_rdp
     from idpsgd.accounting.per_instance import same_composition_rdp
+
     q, sigma, n, alpha = 3 / 1437, 0.477, 400, 2.414
     same = same_composition_rdp(q, sigma, alpha, n)
     orders = step_orders(alpha, n, integer=False)
     direct = sum(float(compute_rdp(q, sigma, [float(o)])[0]) for o in orders)
-    assert same["rdp"] == pytest.approx(direct, rel=1e-9)                  # Thm. 3.3 at sensitivity C: Σ_t ρ_{o_t}(C)
-    assert same["rdp"] >= n * float(compute_rdp(q, sigma, [alpha])[0])     # never below the plain n·ρ_α(C)
+    assert same["rdp"] == pytest.approx(direct, rel=1e-9)  # Thm. 3.3 at sensitivity C: Σ_t ρ_{o_t}(C)
+    assert same["rdp"] >= n * float(compute_rdp(q, sigma, [alpha])[0])  # never below the plain n·ρ_α(C)
     assert same["rdp"] == pytest.approx(composition_bound(np.tile(same["per_step"], (3, 1)), alpha)["bound"], rel=1e-9)
-    integer = same_composition_rdp(q, sigma, 2, n, integer=True)           # ⌈g⌉ = 3 at all but the last step
+    integer = same_composition_rdp(q, sigma, 2, n, integer=True)  # ⌈g⌉ = 3 at all but the last step
     assert integer["rdp"] > 5 * same_composition_rdp(q, sigma, 2, n)["rdp"]
 
 
@@ -171,29 +191,36 @@ def test_default_order_minimises_the_data_independent_epsilon():
     from idpsgd.accounting import compute_rdp, epsilon_sgm
     from idpsgd.accounting.conversion import rdp_to_epsilon
     from idpsgd.accounting.per_instance import best_order, epsilon_at_order
-    q, sigma, steps, delta = 128 / 60000, 0.478, 4690, 1e-5            # the paper's MNIST setting at eps = 10
+
+    q, sigma, steps, delta = 128 / 60000, 0.478, 4690, 1e-5  # the paper's MNIST setting at eps = 10
     ints = np.arange(2, 65, dtype=float)
     rdp = compute_rdp(q, sigma, ints) * steps
-    eps_int = [float(rdp_to_epsilon(rdp[i:i + 1], ints[i:i + 1], delta)[0]) for i in range(ints.size)]
+    eps_int = [float(rdp_to_epsilon(rdp[i : i + 1], ints[i : i + 1], delta)[0]) for i in range(ints.size)]
     assert best_order(q, sigma, steps, delta, integer=True) == ints[int(np.argmin(eps_int))]
     a = best_order(q, sigma, steps, delta)
     at_a = float(epsilon_at_order(float(compute_rdp(q, sigma, [a])[0]) * steps, a, delta))
     assert at_a == pytest.approx(float(epsilon_sgm(q, sigma, steps, delta)), rel=1e-9)
     assert at_a <= min(eps_int) and 2 <= a < 3
-    assert float(compute_rdp(q, sigma, [8.0])[0]) * steps > 1e4        # the paper's α = 8: past the phase transition
+    assert float(compute_rdp(q, sigma, [8.0])[0]) * steps > 1e4  # the paper's α = 8: past the phase transition
 
 
 def test_default_order_keeps_the_composition_below_the_phase_transition():
     """The per-instance default: the order minimising the ε of Thm. 3.3 at sensitivity C.  At ε = 1 the run's
     own best order pushes the composition's growing orders past the phase transition."""
     from idpsgd.accounting import calibrate_noise_multiplier
-    from idpsgd.accounting.per_instance import best_composition_order, best_order, epsilon_at_order, \
-        same_composition_rdp
+    from idpsgd.accounting.per_instance import (
+        best_composition_order,
+        best_order,
+        epsilon_at_order,
+        same_composition_rdp,
+    )
+
     q, steps, delta = 3 / 1437, 4790, 1e-5
     sigma = float(np.ravel(calibrate_noise_multiplier(1.0, delta, q, steps))[0])
 
     def composed_eps(a, integer=False):
         return float(epsilon_at_order(same_composition_rdp(q, sigma, a, steps, integer=integer)["rdp"], a, delta))
+
     plain, auto = best_order(q, sigma, steps, delta), best_composition_order(q, sigma, steps, delta)
     assert composed_eps(plain) > 100 and composed_eps(auto) < 1.5 and auto < plain
     for other in (auto * 0.97, auto * 1.03, 8.0, 12.0, 2.0):

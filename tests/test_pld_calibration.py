@@ -1,12 +1,19 @@
 """PLD through dp_accounting, and calibration of σ and q for both accountants."""
+
 import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from idpsgd.accounting import (SampledGaussianEvent, calibrate_noise_multiplier, calibrate_sample_rate,
-                               epsilon_sgm, pld_epsilon, rdp_epsilon)
+from idpsgd.accounting import (
+    SampledGaussianEvent,
+    calibrate_noise_multiplier,
+    calibrate_sample_rate,
+    epsilon_sgm,
+    pld_epsilon,
+    rdp_epsilon,
+)
 from idpsgd.validation import InvalidParameterError, UnreachableTargetError
 
 
@@ -14,20 +21,25 @@ def test_pld_heterogeneous_events_match_dp_accounting():
     events = [SampledGaussianEvent(0.01, 1.2, 300), SampledGaussianEvent(0.02, 2.0, 200)]
     ours = pld_epsilon(events, 1e-5, discretization=1e-4)
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-    acc.compose(dp_event.ComposedDpEvent([
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.2)), 300),
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(2.0)), 200)]))
+    acc.compose(
+        dp_event.ComposedDpEvent(
+            [
+                dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.2)), 300),
+                dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(2.0)), 200),
+            ]
+        )
+    )
     assert ours == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
     rdp_eps, _ = rdp_epsilon(events, 1e-5)
     assert ours < rdp_eps  # PLD is tighter
-    coarse = pld_epsilon(events, 1e-5)   # the default 1e-3 grid: pessimistic, barely looser
+    coarse = pld_epsilon(events, 1e-5)  # the default 1e-3 grid: pessimistic, barely looser
     assert ours <= coarse <= ours * (1 + 1e-3)
     assert pld_epsilon([SampledGaussianEvent(0.0, 1.0, 10)], 1e-5) == 0.0
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_noise_multiplier_round_trip_never_overshoots(accountant):
-    for target in ([0.5, 1.0, 3.0, 8.0] if accountant == "rdp" else [1.0, 3.0]):
+    for target in [0.5, 1.0, 3.0, 8.0] if accountant == "rdp" else [1.0, 3.0]:
         sigma = calibrate_noise_multiplier(target, 1e-5, 0.02, 500, accountant=accountant)
         eps = epsilon_sgm(0.02, sigma, 500, 1e-5, accountant)
         assert target * (1 - 1e-4) <= eps <= target

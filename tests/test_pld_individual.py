@@ -1,12 +1,19 @@
 """Per-example PLD (accounting/pld_individual.py) against dp_accounting, the accountant's level
 counts, the minimum-of-bounds report, and "never above the budget" in every accountant mode."""
+
 import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
-from idpsgd.accounting import (IndividualAccountant, SampledGaussianEvent, combine_bounds, epsilon_sgm,
-                               individual_pld_epsilon, rdp_epsilon)
+from idpsgd.accounting import (
+    IndividualAccountant,
+    SampledGaussianEvent,
+    combine_bounds,
+    epsilon_sgm,
+    individual_pld_epsilon,
+    rdp_epsilon,
+)
 from idpsgd.accounting import individual as individual_module
 from idpsgd.assignment import Budgets, assign
 from idpsgd.validation import InvalidParameterError
@@ -17,8 +24,13 @@ DELTA = 1e-5
 def dp_accounting_pld(q, sigma, counts, discretization):
     """dp_accounting's PLDAccountant composing the example's events one by one (not our code)."""
     acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
-    events = [dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q[l], dp_event.GaussianDpEvent(sigma[l])),
-                                           int(counts[l])) for l in range(len(q)) if counts[l] > 0 and np.isfinite(sigma[l])]
+    events = [
+        dp_event.SelfComposedDpEvent(
+            dp_event.PoissonSampledDpEvent(q[k], dp_event.GaussianDpEvent(sigma[k])), int(counts[k])
+        )
+        for k in range(len(q))
+        if counts[k] > 0 and np.isfinite(sigma[k])
+    ]
     if not events:
         return 0.0
     acc.compose(dp_event.ComposedDpEvent(events))
@@ -46,7 +58,7 @@ def test_matches_dp_accounting_composing_one_by_one(levels_and_counts, discretiz
         ref = dp_accounting_pld(q, sigma, counts[i], discretization)
         assert ours[i] >= ref * (1 - 1e-9)
         assert ours[i] <= ref * (1 + 2e-6) + 1e-9
-        rdp = rdp_epsilon([SampledGaussianEvent(q[l], sigma[l], int(counts[i, l])) for l in range(q.size)], DELTA)[0]
+        rdp = rdp_epsilon([SampledGaussianEvent(q[k], sigma[k], int(counts[i, k])) for k in range(q.size)], DELTA)[0]
         assert ours[i] <= rdp
     assert ours[0] == 0.0
 
@@ -121,7 +133,7 @@ def test_report_is_the_minimum_with_its_source(rng):
         acc.report(DELTA, "moments")
 
 
-@pytest.mark.parametrize("method,accountant", [("sample", "rdp"), ("scale", "rdp"), ("scale", "pld")])
+@pytest.mark.parametrize(("method", "accountant"), [("sample", "rdp"), ("scale", "rdp"), ("scale", "pld")])
 def test_no_example_is_ever_above_its_budget(rng, accountant, method):
     """Synthetic run calibrated to budgets 1/2/3 with each accountant: the reported ε (the minimum of
     the example's RDP, PLD and its group's ε from the run's accountant) never exceeds the budget —
@@ -131,8 +143,9 @@ def test_no_example_is_ever_above_its_budget(rng, accountant, method):
     a = assign(budgets, method, 0.05, steps, 1.0, accountant=accountant)
     group_eps = np.array([g.epsilon for g in a.groups])[a.example_group]
     assert np.all(group_eps <= budgets.epsilons)
-    acc = IndividualAccountant(a.sample_rates, a.noise_multiplier, a.clip_norm, a.clip_norms,
-                               rounding="ceil", rounding_step=0.05)
+    acc = IndividualAccountant(
+        a.sample_rates, a.noise_multiplier, a.clip_norm, a.clip_norms, rounding="ceil", rounding_step=0.05
+    )
     for _ in range(4):
         acc.update_norms(rng.lognormal(-0.3, 0.7, budgets.epsilons.size))
         acc.add_steps(steps // 4)
@@ -140,8 +153,10 @@ def test_no_example_is_ever_above_its_budget(rng, accountant, method):
         rep = acc.report(DELTA, mode, cap=group_eps)
         assert np.all(rep.epsilon <= budgets.epsilons), (mode, np.max(rep.epsilon - budgets.epsilons))
     if accountant == "pld":
-        worst = acc.worst_case_epsilon(DELTA)     # RDP of the worst case: above the PLD-calibrated budget
+        worst = acc.worst_case_epsilon(DELTA)  # RDP of the worst case: above the PLD-calibrated budget
         assert np.any(worst > budgets.epsilons)
-    np.testing.assert_allclose(acc.worst_case_epsilon(DELTA, accountant=accountant),
-                               epsilon_sgm(a.sample_rates, a.noise_multiplier * a.clip_norm / a.clip_norms, steps,
-                                           DELTA, accountant), rtol=1e-9)
+    np.testing.assert_allclose(
+        acc.worst_case_epsilon(DELTA, accountant=accountant),
+        epsilon_sgm(a.sample_rates, a.noise_multiplier * a.clip_norm / a.clip_norms, steps, DELTA, accountant),
+        rtol=1e-9,
+    )

@@ -1,4 +1,5 @@
 """Our SGM RDP against ground truth (mpmath integration), Opacus and dp_accounting."""
+
 import warnings
 
 import mpmath as mp
@@ -25,14 +26,27 @@ def rdp_integral(q, sigma, alpha, dps=30):
 
 
 CASES = [  # (q, σ, α): integer, fractional, the regimes of each evaluation path
-    (0.01, 1.0, 2), (0.01, 1.0, 32), (0.1, 0.8, 7), (0.02, 4.0, 256), (0.001, 20.0, 1024),
-    (0.01, 1.1, 1.5), (0.05, 0.5, 3.5), (0.3, 0.7, 1.01), (0.5, 0.7, 1.01), (0.01, 0.5, 1.5),
-    (0.4, 12.0, 59.5), (1e-6, 3.0, 7.25), (0.9, 2.0, 3.5), (0.99, 100.0, 1.5), (1e-9, 0.3, 7.5),
-    (0.2, 2.0, 5.75), (0.08, 3.0, 10.5),
+    (0.01, 1.0, 2),
+    (0.01, 1.0, 32),
+    (0.1, 0.8, 7),
+    (0.02, 4.0, 256),
+    (0.001, 20.0, 1024),
+    (0.01, 1.1, 1.5),
+    (0.05, 0.5, 3.5),
+    (0.3, 0.7, 1.01),
+    (0.5, 0.7, 1.01),
+    (0.01, 0.5, 1.5),
+    (0.4, 12.0, 59.5),
+    (1e-6, 3.0, 7.25),
+    (0.9, 2.0, 3.5),
+    (0.99, 100.0, 1.5),
+    (1e-9, 0.3, 7.5),
+    (0.2, 2.0, 5.75),
+    (0.08, 3.0, 10.5),
 ]
 
 
-@pytest.mark.parametrize("q,sigma,alpha", CASES)
+@pytest.mark.parametrize(("q", "sigma", "alpha"), CASES)
 def test_matches_numerical_integral(q, sigma, alpha):
     truth = rdp_integral(q, sigma, alpha)
     ours = compute_rdp(q, sigma, [alpha])[0]
@@ -102,8 +116,9 @@ def test_vectorized_shapes_and_broadcasting():
     assert out.shape == (2, 3, DEFAULT_ORDERS.size)
     np.testing.assert_allclose(out[1, 2], compute_rdp(0.02, 3.0, DEFAULT_ORDERS))
     steps = np.array([1, 10, 100])
-    np.testing.assert_allclose(compute_rdp(0.01, s, [4.0], steps=steps)[:, 0],
-                               compute_rdp(0.01, s, [4.0])[:, 0] * steps)
+    np.testing.assert_allclose(
+        compute_rdp(0.01, s, [4.0], steps=steps)[:, 0], compute_rdp(0.01, s, [4.0])[:, 0] * steps
+    )
 
 
 def test_monotone_in_q_sigma_alpha():
@@ -132,12 +147,15 @@ def test_extremes_without_overflow_or_nan():
     np.testing.assert_allclose(r, a * 1e-6 / 2 * 1e-12, rtol=1e-3)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(sample_rate=1.5, noise_multiplier=1.0), "sample_rate"),
-    (dict(sample_rate=-0.1, noise_multiplier=1.0), "sample_rate"),
-    (dict(sample_rate=0.1, noise_multiplier=0.0), "noise_multiplier"),
-    (dict(sample_rate=0.1, noise_multiplier=np.nan), "noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(sample_rate=1.5, noise_multiplier=1.0), "sample_rate"),
+        (dict(sample_rate=-0.1, noise_multiplier=1.0), "sample_rate"),
+        (dict(sample_rate=0.1, noise_multiplier=0.0), "noise_multiplier"),
+        (dict(sample_rate=0.1, noise_multiplier=np.nan), "noise_multiplier"),
+    ],
+)
 def test_bad_input_is_a_clear_error(kw, match):
     with pytest.raises(InvalidParameterError, match=match):
         compute_rdp(orders=[2.0], **kw)

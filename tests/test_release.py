@@ -1,10 +1,18 @@
 """Private release of ε statistics (accounting/release.py): OS-entropy noise, add/remove
 sensitivity, and useful quantiles on a digits-sized set at the default ε."""
+
 import numpy as np
 import pytest
 
-from idpsgd.accounting.release import (DEFAULT_RELEASE_EPSILON, MEAN_SENSITIVITY, MEAN_SHARE, analytic_gaussian_sigma,
-                                       release_mean, release_quantile, release_statistics)
+from idpsgd.accounting.release import (
+    DEFAULT_RELEASE_EPSILON,
+    MEAN_SENSITIVITY,
+    MEAN_SHARE,
+    analytic_gaussian_sigma,
+    release_mean,
+    release_quantile,
+    release_statistics,
+)
 from idpsgd.validation import InvalidParameterError
 
 N_DIGITS, U = 1437, 3.0
@@ -22,9 +30,9 @@ def test_noise_comes_from_os_entropy_not_a_seed():
     assert a["mean"]["value"] != b["mean"]["value"] and a["noise_source"].startswith("OS entropy (secrets)")
     with pytest.warns(DeprecationWarning, match="ignored"):
         c = release_statistics(values, U, seed=0)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match="ignored"):
         d = release_statistics(values, U, seed=0)
-    assert c["mean"]["value"] != d["mean"]["value"]     # a recorded seed cannot replay the release
+    assert c["mean"]["value"] != d["mean"]["value"]  # a recorded seed cannot replay the release
     assert "seed" not in str(c)
 
 
@@ -80,6 +88,7 @@ def test_quantile_utility_sensitivity_is_max_p_one_minus_p(rng):
         v = np.sort(v)
         below, at_most = np.searchsorted(v, x, side="left"), np.searchsorted(v, x, side="right")
         return -np.maximum(np.maximum(below - p * v.size, p * v.size - at_most), 0.0)
+
     x = np.linspace(0, U, 301)
     for p in (0.1, 0.5, 0.9):
         worst = 0.0
@@ -95,13 +104,14 @@ def test_quantile_utility_sensitivity_is_max_p_one_minus_p(rng):
 
 def test_analytic_gaussian_errors_are_clear():
     from idpsgd.validation import UnreachableTargetError
+
     with pytest.raises(UnreachableTargetError, match="epsilon=1e\\+300 is too large"):
         analytic_gaussian_sigma(1e300, 1e-5, 1.0)
     with pytest.raises(UnreachableTargetError, match="epsilon=1e-12 is unreachable"):
         analytic_gaussian_sigma(1e-12, 1e-12, 1.0)
     with pytest.raises(InvalidParameterError, match="epsilon=inf is invalid"):
         analytic_gaussian_sigma(float("inf"), 1e-5, 1.0)
-    assert analytic_gaussian_sigma(700.0, 1e-5, 1.0) > 0       # no overflow of e^ε
+    assert analytic_gaussian_sigma(700.0, 1e-5, 1.0) > 0  # no overflow of e^ε
 
 
 def test_quantiles_handle_atoms_and_bad_input(rng):

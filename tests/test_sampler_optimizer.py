@@ -1,4 +1,5 @@
 """Poisson batch sampler statistics, the index queue, per-example clipping and the noise scale."""
+
 import numpy as np
 import pytest
 import torch
@@ -37,6 +38,7 @@ def test_inclusion_frequencies_match_rates():
 
 def test_secure_sampler_draws_from_os_entropy():
     from idpsgd.engine.randomness import SecureUniform
+
     u = SecureUniform().random(200_000)
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
     rates = np.full(1000, 0.3)
@@ -49,7 +51,7 @@ def test_sampler_is_seeded_resumable_and_feeds_the_queue():
     queue = BatchIndexQueue()
     a, b = _sampler(rates, 5, seed=7, queue=queue), _sampler(rates, 5, seed=7)
     batches = list(a)
-    assert all(x == y for x, y in zip(batches, b)) and len(batches) == len(a) == 5
+    assert all(x == y for x, y in zip(batches, b, strict=True)) and len(batches) == len(a) == 5
     assert len(queue) == sum(len(x) for x in batches)
     assert queue.pop(len(batches[0])).tolist() == batches[0]
     state = a.state_dict()
@@ -91,21 +93,26 @@ class _Sum(nn.Module):
 def _wrapped(d, clip_norms, sigma, ebs, c=1.0, seed=0):
     model = GradSampleModule(_Sum(d))
     queue = BatchIndexQueue()
-    opt = IndividualizedDPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=sigma,
-                                    max_grad_norm=c, clipping=PerExampleClipping(clip_norms, queue),
-                                    expected_batch_size=ebs, generator=torch.Generator().manual_seed(seed))
+    opt = IndividualizedDPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        noise_multiplier=sigma,
+        max_grad_norm=c,
+        clipping=PerExampleClipping(clip_norms, queue),
+        expected_batch_size=ebs,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return model, opt, queue
 
 
 def test_per_example_clipping_uses_each_examples_clip_norm():
-    x = torch.tensor([[0.3, 0.4], [0.0, 2.0], [4.0, 0.0], [3.0, 4.0]])   # norms 0.5, 2, 4, 5
-    clip = torch.tensor([1.0, 1.0, 2.0, 9.0, 10.0])                        # by dataset index
-    model, opt, queue = _wrapped(2, clip, sigma=1e-9, ebs=2.5)             # noise negligible next to atol
-    idx = np.array([0, 1, 2, 4])                                           # dataset indices of the rows
+    x = torch.tensor([[0.3, 0.4], [0.0, 2.0], [4.0, 0.0], [3.0, 4.0]])  # norms 0.5, 2, 4, 5
+    clip = torch.tensor([1.0, 1.0, 2.0, 9.0, 10.0])  # by dataset index
+    model, opt, queue = _wrapped(2, clip, sigma=1e-9, ebs=2.5)  # noise negligible next to atol
+    idx = np.array([0, 1, 2, 4])  # dataset indices of the rows
     queue.push(idx)
     model(x).mean().backward()
     opt.step()
-    expected = (x[0] + x[1] * (1 / 2) + x[2] * (2 / 4) + x[3]) / 2.5      # 5 < 10: unclipped
+    expected = (x[0] + x[1] * (1 / 2) + x[2] * (2 / 4) + x[3]) / 2.5  # 5 < 10: unclipped
     assert torch.allclose(model._module.lin.weight.grad.ravel(), expected, atol=1e-5)
     assert torch.allclose(opt.last_norms, torch.tensor([0.5, 2.0, 4.0, 5.0]), atol=1e-5)
     assert opt.last_indices.tolist() == idx.tolist()
@@ -114,7 +121,7 @@ def test_per_example_clipping_uses_each_examples_clip_norm():
 def test_noise_std_is_sigma_times_reference_clip_over_expected_batch():
     d, sigma, c, ebs = 20000, 1.7, 0.8, 5.0
     model, opt, queue = _wrapped(d, torch.full((3,), 0.1), sigma=sigma, ebs=ebs, c=c)
-    queue.push(np.zeros(0, dtype=int))                                     # empty batch: noise only
+    queue.push(np.zeros(0, dtype=int))  # empty batch: noise only
     model(torch.zeros(0, d)).mean().backward()
     opt.step()
     g = model._module.lin.weight.grad.ravel()
@@ -123,7 +130,7 @@ def test_noise_std_is_sigma_times_reference_clip_over_expected_batch():
 
 
 def test_optimizer_needs_drawn_indices():
-    model, opt, queue = _wrapped(2, torch.ones(4), sigma=1.0, ebs=1.0)
+    model, opt, _queue = _wrapped(2, torch.ones(4), sigma=1.0, ebs=1.0)
     model(torch.ones(2, 2)).mean().backward()
     with pytest.raises(RuntimeError, match="only 0 drawn examples are waiting"):
         opt.step()

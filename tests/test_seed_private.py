@@ -9,6 +9,7 @@ text and the raw bytes a pickle or npz would hold.  Private files must be 0600, 
 0700.  Also: the secure-mode line of the public report, the "Secure RNG turned off" warning (once
 per command) and every bit of the seed reaching the noise.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,43 @@ def _commands(data: list[str]) -> dict[str, list[str]]:
     train = ["train", *BUDGETS, *data, *FAST, "--seed", str(S)]
     return {
         "sample": [*train, "--method", "sample"],
-        "individual": [*train, "--method", "scale", "--individual-accounting", "--validate-subset", "0",
-                       "--save-norms"],
+        "individual": [
+            *train,
+            "--method",
+            "scale",
+            "--individual-accounting",
+            "--validate-subset",
+            "0",
+            "--save-norms",
+        ],
         "filter": [*train, "--method", "sample", "--filter", "individual"],
         "pdp-sgd": [*train, "--method", "pdp-sgd", "--rounds", "2"],
-        "per-instance": ["per-instance", *data, *FAST, "--seed", str(S), "--points", "0,1", "--runs", "1",
-                         "--samples", "2,2"],
+        "per-instance": [
+            "per-instance",
+            *data,
+            *FAST,
+            "--seed",
+            str(S),
+            "--points",
+            "0,1",
+            "--runs",
+            "1",
+            "--samples",
+            "2,2",
+        ],
         "demo": ["demo", *data, *FAST, "--seed", str(S)],
-        "reproduce": ["reproduce", "boenisch-table3", *data, "--seeds", "1", "--calibrated-steps", "3",
-                      "--no-progress", "--seed", str(S)],
+        "reproduce": [
+            "reproduce",
+            "boenisch-table3",
+            *data,
+            "--seeds",
+            "1",
+            "--calibrated-steps",
+            "3",
+            "--no-progress",
+            "--seed",
+            str(S),
+        ],
         "audit": ["audit", "--method", "sample", *BUDGETS, *data, *FAST, "--seed", str(S), "--attack", "loss"],
     }
 
@@ -66,8 +95,27 @@ def runs(tmp_path_factory):
     # a resumed run (no --seed: the one its private checkpoint recorded), then the report command
     cap = _Capture()
     with cap:
-        assert main(["train", "--method", "sample", *BUDGETS, *data, "--epochs", "2", "--no-progress",
-                     "--batch-size", "32", "--out", str(base / "sample"), "--resume", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--method",
+                    "sample",
+                    *BUDGETS,
+                    *data,
+                    "--epochs",
+                    "2",
+                    "--no-progress",
+                    "--batch-size",
+                    "32",
+                    "--out",
+                    str(base / "sample"),
+                    "--resume",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         assert main(["report", str(base / "individual"), "--json"]) == 0
         assert main(["report", str(base / "individual"), "--include-private", "--json"]) == 0
     out["resume+report"] = (base / "sample", cap.text)
@@ -80,6 +128,7 @@ class _Capture:
     def __enter__(self):
         import contextlib
         import io
+
         self._out, self._err = io.StringIO(), io.StringIO()
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(contextlib.redirect_stdout(self._out))
@@ -96,7 +145,7 @@ def _forms(seed: int) -> tuple[list[str], list[bytes]]:
     """Text forms (decimal, hex) and byte forms (little-endian int32/int64, as pickle and npz write
     them) of ``seed``."""
     text = [str(seed), f"{seed:x}", f"{seed:X}"]
-    raw = [struct.pack("<q", seed)] + ([struct.pack("<i", seed)] if seed < 2 ** 31 else [])
+    raw = [struct.pack("<q", seed)] + ([struct.pack("<i", seed)] if seed < 2**31 else [])
     return text, raw
 
 
@@ -170,8 +219,9 @@ def mode_problems(folder: Path) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("name", ["sample", "individual", "filter", "pdp-sgd", "per-instance", "demo", "reproduce",
-                                  "audit", "resume+report"])
+@pytest.mark.parametrize(
+    "name", ["sample", "individual", "filter", "pdp-sgd", "per-instance", "demo", "reproduce", "audit", "resume+report"]
+)
 def test_no_public_output_holds_the_seed(runs, name):
     folder, printed = runs[name]
     assert seed_leaks(folder, printed) == []
@@ -183,8 +233,11 @@ def test_the_seed_is_recorded_privately_and_the_report_says_where(runs, name):
     folder, _ = runs[name]
     record = json.loads((folder / PRIVATE / SEED_FILE).read_text())
     assert record["seed"] == S
-    public = json.loads(next(folder / f for f in ("report.json", "summary.json", "boenisch_table3.json")
-                             if (folder / f).is_file()).read_text())
+    public = json.loads(
+        next(
+            folder / f for f in ("report.json", "summary.json", "boenisch_table3.json") if (folder / f).is_file()
+        ).read_text()
+    )
     assert "seed" not in public and f"{PRIVATE}/{SEED_FILE}" in public["randomness"]
     assert "secure mode" in public["randomness"]
 
@@ -200,7 +253,7 @@ def test_resume_continues_with_the_private_seed(runs):
     """The resume in the fixture gave no --seed: it ran only because the seed came from the private
     checkpoint (a fresh seed would differ from the checkpoint's settings and be refused)."""
     folder, printed = runs["resume+report"]
-    report = json.loads(printed[:printed.index("\n}\n") + 3])
+    report = json.loads(printed[: printed.index("\n}\n") + 3])
     assert report["out"] == str(folder) and report["steps"] > 0 and "seed" not in report
     assert json.loads((folder / PRIVATE / SEED_FILE).read_text())["seed"] == S
 
@@ -222,7 +275,7 @@ def test_an_old_public_seed_moves_to_private_and_the_run_still_resumes(tmp_path,
     argv = ["train", "--method", "sample", *BUDGETS, *data, "--no-progress", "--batch-size", "32", "--out", str(out)]
     assert main([*argv, "--epochs", "1", "--seed", str(S)]) == 0
     report = json.loads((out / "report.json").read_text())
-    report["seed"] = S                                                 # as written before the fix
+    report["seed"] = S  # as written before the fix
     report.pop("randomness")
     (out / "report.json").write_text(json.dumps(report))
     (out / PRIVATE / SEED_FILE).unlink()
@@ -233,7 +286,7 @@ def test_an_old_public_seed_moves_to_private_and_the_run_still_resumes(tmp_path,
     assert "seed" not in fixed and "private/seed.json" in fixed["randomness"]
     assert json.loads((out / PRIVATE / SEED_FILE).read_text())["seed"] == S
     assert seed_leaks(out, "") == [] and mode_problems(out) == []
-    assert main([*argv, "--epochs", "2", "--resume"]) == 0                # no --seed: the checkpoint's
+    assert main([*argv, "--epochs", "2", "--resume"]) == 0  # no --seed: the checkpoint's
     assert seed_leaks(out, capsys.readouterr().out) == []
 
 
@@ -262,8 +315,23 @@ def test_library_harness_keeps_the_seed_private(tmp_path):
 
 def test_secure_mode_is_stated_and_no_seed_is_written(tmp_path, capsys):
     data = _csv_dataset(tmp_path / "data")
-    assert main(["train", "--method", "sample", *BUDGETS, *data, *FAST, "--secure-mode", "--out",
-                 str(tmp_path / "s"), "--json"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "sample",
+                *BUDGETS,
+                *data,
+                *FAST,
+                "--secure-mode",
+                "--out",
+                str(tmp_path / "s"),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["secure_mode"] is True and out["randomness"].startswith("secure mode")
     assert not (tmp_path / "s" / PRIVATE / SEED_FILE).exists()
@@ -272,8 +340,20 @@ def test_secure_mode_is_stated_and_no_seed_is_written(tmp_path, capsys):
 
 def test_a_resume_error_never_prints_the_recorded_seed(tmp_path, capsys):
     data = _csv_dataset(tmp_path / "data")
-    argv = ["train", "--method", "sample", *BUDGETS, *data, "--no-progress", "--batch-size", "32", "--out",
-            str(tmp_path / "r"), "--epochs", "1"]
+    argv = [
+        "train",
+        "--method",
+        "sample",
+        *BUDGETS,
+        *data,
+        "--no-progress",
+        "--batch-size",
+        "32",
+        "--out",
+        str(tmp_path / "r"),
+        "--epochs",
+        "1",
+    ]
     assert main([*argv, "--seed", str(S)]) == 0
     capsys.readouterr()
     assert main([*argv, "--seed", "5", "--resume"]) == 2
@@ -296,16 +376,21 @@ def test_the_engine_warns_without_secure_mode_as_opacus_does():
 def test_a_command_that_trains_several_models_warns_once(tmp_path, capsys):
     data = _csv_dataset(tmp_path / "data")
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")         # no deduplication by Python: the CLI's own
-        assert main(["demo", *data, *FAST, "--seed", "3", "--out", str(tmp_path / "d")]) == 0   # four engines
+        warnings.simplefilter("always")  # no deduplication by Python: the CLI's own
+        assert main(["demo", *data, *FAST, "--seed", "3", "--out", str(tmp_path / "d")]) == 0  # four engines
     assert sum("Secure RNG turned off" in str(w.message) for w in caught) == 1
 
 
 def test_stderr_of_a_real_process_warns_once_and_holds_no_seed(tmp_path):
     data = _csv_dataset(tmp_path / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.run([sys.executable, "-m", "idpsgd", "demo", *data, *FAST, "--seed", str(S), "--out",
-                           str(tmp_path / "d")], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "idpsgd", "demo", *data, *FAST, "--seed", str(S), "--out", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("Secure RNG turned off") == 1
     assert seed_leaks(tmp_path / "d", proc.stdout + proc.stderr) == []
@@ -320,10 +405,12 @@ def test_cpu_noise_depends_on_every_bit_of_the_seed():
     def draw(seed):
         return torch.randn(8, generator=noise_generator("cpu", seed, False))
 
-    assert torch.equal(torch.randn(8, generator=torch.Generator().manual_seed(S)),
-                       torch.randn(8, generator=torch.Generator().manual_seed(S + 2 ** 32)))   # the flaw
+    assert torch.equal(
+        torch.randn(8, generator=torch.Generator().manual_seed(S)),
+        torch.randn(8, generator=torch.Generator().manual_seed(S + 2**32)),
+    )  # the flaw
     assert torch.equal(draw(S), draw(S))
-    for other in (S + 2 ** 32, S + 2 ** 62, S ^ 1):
+    for other in (S + 2**32, S + 2**62, S ^ 1):
         assert not torch.equal(draw(S), draw(other))
 
 
@@ -332,7 +419,7 @@ def test_full_seed_noise_is_standard_normal_and_resumable():
 
     from idpsgd.engine.randomness import noise_generator
 
-    gen = noise_generator("cpu", 2 ** 63 - 1, False)
+    gen = noise_generator("cpu", 2**63 - 1, False)
     z = torch.randn(200_000, generator=gen, dtype=torch.float64).numpy()
     assert stats.kstest(z, "norm").pvalue > 1e-4 and abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
     state = gen.get_state()
@@ -347,7 +434,7 @@ def test_two_engines_whose_seeds_agree_in_32_bits_add_different_noise():
     from idpsgd.engine import IndividualizedPrivacyEngine
 
     results = []
-    for seed in (S, S + 2 ** 32):
+    for seed in (S, S + 2**32):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
         x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 2
@@ -355,9 +442,15 @@ def test_two_engines_whose_seeds_agree_in_32_bits_add_different_noise():
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = IndividualizedPrivacyEngine(seed=seed)
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                 budgets=Budgets.from_array(np.full(64, 2.0), 1e-5),
-                                                 method="uniform", epochs=1, max_grad_norm=1.0)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            budgets=Budgets.from_array(np.full(64, 2.0), 1e-5),
+            method="uniform",
+            epochs=1,
+            max_grad_norm=1.0,
+        )
         xb, yb = next(iter(loader))
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
@@ -382,5 +475,6 @@ def test_experiments_draw_a_fresh_private_seed_and_replay_a_given_one(tmp_path):
     c, d = run_boenisch_table3(data, seed=S, **kw), run_boenisch_table3(data, seed=S, **kw)
     assert c["private"]["seed"] == S and c["columns"] == d["columns"]
     assert "seed" not in {k for k in c if k != "private"} and str(S) not in json.dumps(
-        {k: v for k, v in c.items() if k != "private"})
-    assert derive_seed(S, 0) != derive_seed(S, 1) and 0 <= derive_seed(S, 0) < 2 ** 63
+        {k: v for k, v in c.items() if k != "private"}
+    )
+    assert derive_seed(S, 0) != derive_seed(S, 1) and 0 <= derive_seed(S, 0) < 2**63

@@ -1,10 +1,19 @@
 """Every solver reaches its target or says why (issue 19 item 1), refined calibration, and
 max_steps_within."""
+
 import numpy as np
 import pytest
 
-from idpsgd.accounting import (SampledGaussianEvent, calibrate_noise_multiplier, calibrate_sample_rate, epsilon_sgm,
-                               max_steps_within, pld_epsilon, rdp_epsilon, solve_monotone)
+from idpsgd.accounting import (
+    SampledGaussianEvent,
+    calibrate_noise_multiplier,
+    calibrate_sample_rate,
+    epsilon_sgm,
+    max_steps_within,
+    pld_epsilon,
+    rdp_epsilon,
+    solve_monotone,
+)
 from idpsgd.accounting.release import analytic_gaussian_sigma
 from idpsgd.assignment import Budgets, assign
 from idpsgd.validation import InvalidParameterError, UnreachableTargetError
@@ -18,13 +27,13 @@ def _f(fn):
 
 
 def test_solve_monotone_hits_the_band_from_the_feasible_side():
-    x = solve_monotone(_f(lambda x: x ** 2), np.array([4.0, 9.0]), 0.1, 100.0, increasing=True, rtol=1e-6)
-    assert np.all(x ** 2 <= [4.0, 9.0]) and np.all(x ** 2 >= np.array([4.0, 9.0]) * (1 - 1e-6))
+    x = solve_monotone(_f(lambda x: x**2), np.array([4.0, 9.0]), 0.1, 100.0, increasing=True, rtol=1e-6)
+    assert np.all(x**2 <= [4.0, 9.0]) and np.all(x**2 >= np.array([4.0, 9.0]) * (1 - 1e-6))
     y = solve_monotone(_f(lambda x: 1 / x), np.array([0.5]), 0.01, 100.0, increasing=False, rtol=1e-6)
     assert 0.5 * (1 - 1e-6) <= 1 / y[0] <= 0.5
 
 
-@pytest.mark.parametrize("target,match", [(1e5, "unreachable"), (1e-5, "unreachable")])
+@pytest.mark.parametrize(("target", "match"), [(1e5, "unreachable"), (1e-5, "unreachable")])
 def test_solve_monotone_refuses_targets_outside_the_bracket(target, match):
     with pytest.raises(UnreachableTargetError, match=match) as err:
         solve_monotone(_f(lambda x: x), np.array([target]), 1.0, 10.0, increasing=True, name="goal")
@@ -54,7 +63,7 @@ def test_calibrate_noise_multiplier_uses_the_refined_epsilon():
     """σ falls: the refined calibration needs less noise than one on the fixed grid (issue example)."""
     sigma = calibrate_noise_multiplier(0.07, DELTA, 0.0021, 727)
     assert 0.07 * (1 - 1e-4) <= epsilon_sgm(0.0021, sigma, 727, DELTA) <= 0.07
-    assert epsilon_sgm(0.0021, sigma, 727, DELTA, refine=False) > 0.075   # the grid would need more noise
+    assert epsilon_sgm(0.0021, sigma, 727, DELTA, refine=False) > 0.075  # the grid would need more noise
 
 
 def test_calibrate_noise_multiplier_errors_name_the_target():
@@ -91,7 +100,7 @@ def test_sample_method_brackets_every_rate_below_one():
 def test_release_noise_solver_refuses_outside_its_bracket():
     assert analytic_gaussian_sigma(1.0, 1e-5, 1.0) == pytest.approx(3.7306, abs=1e-3)
     with pytest.raises(UnreachableTargetError, match="epsilon=1e"):
-        analytic_gaussian_sigma(1e-12, 1e-12, 1.0)   # would need σ ≈ 4e11 > e^20
+        analytic_gaussian_sigma(1e-12, 1e-12, 1.0)  # would need σ ≈ 4e11 > e^20
 
 
 # --- max_steps_within ----------------------------------------------------------------------------
@@ -101,8 +110,9 @@ def test_max_steps_within_is_the_last_step_within_budget(accountant):
     t = max_steps_within(before, 0.05, 2.0, 2.0, DELTA, accountant)
 
     def eps(k):
-        events = before + [SampledGaussianEvent(0.05, 2.0, k)]
+        events = [*before, SampledGaussianEvent(0.05, 2.0, k)]
         return rdp_epsilon(events, DELTA)[0] if accountant == "rdp" else pld_epsilon(events, DELTA)
+
     assert t > 0 and eps(t) <= 2.0 < eps(t + 1)
     assert max_steps_within([], 0.05, 2.0, 2.0, DELTA, accountant) > t
 

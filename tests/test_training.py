@@ -1,4 +1,5 @@
 """The training loop: privacy ledger, filter, baselines, resume, determinism and outputs."""
+
 import csv
 import dataclasses
 import json
@@ -71,21 +72,25 @@ def test_outputs_ledger_csv_and_private_files(digits, budgets, tmp_path):
     assert len(rows) == report["steps"] and rows[-1]["step"] == str(report["steps"])
     for g in report["groups"]:
         col = [float(r[f"epsilon_rdp_budget_{g['budget']:g}"]) for r in rows]
-        assert np.all(np.diff(col) > 0) and col[-1] == pytest.approx(g["epsilon_rdp"], rel=1e-12) \
+        assert (
+            np.all(np.diff(col) > 0)
+            and col[-1] == pytest.approx(g["epsilon_rdp"], rel=1e-12)
             and col[-1] >= g["epsilon_spent"]
+        )
     for name in (CHECKPOINT, "ledger.csv", "history.json"):
         assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
     for name in ("model.pt", "report.json", "report.html", "outputs.json"):
         assert os.stat(tmp_path / name).st_mode & 0o777 == 0o644
     assert len(report["history"]) == 2 and all(0 <= h["test_accuracy"] <= 1 for h in report["history"])
-    assert all("train_loss" not in h for h in saved["history"])            # training losses are private
-    assert "private" not in saved and set(saved["files"]) == set(json.loads((tmp_path / "outputs.json").read_text())[
-        "files"])
+    assert all("train_loss" not in h for h in saved["history"])  # training losses are private
+    assert "private" not in saved and set(saved["files"]) == set(
+        json.loads((tmp_path / "outputs.json").read_text())["files"]
+    )
 
 
 def test_filter_stops_before_any_group_exceeds_its_budget(digits, budgets):
     trainer = Trainer(digits, budgets, _cfg(method="sample"))
-    phase = trainer.plan.phases[0]                    # calibrated for 2 epochs; ask for 4
+    phase = trainer.plan.phases[0]  # calibrated for 2 epochs; ask for 4
     trainer.plan = dataclasses.replace(trainer.plan, phases=(dataclasses.replace(phase, epochs=4),))
     report = trainer.run()
     assert report["stopped_early"]
@@ -93,19 +98,22 @@ def test_filter_stops_before_any_group_exceeds_its_budget(digits, budgets):
     assert all(g["epsilon_spent"] <= g["budget"] for g in report["groups"])
     # one more step would have crossed a group's budget (checked by dp_accounting on a dense grid)
     assert not trainer.engine.can_step()
-    over = [_dp_accounting_eps(g["sample_rate"], g["noise_multiplier"], g["steps"] + 1) > g["budget"] * (1 - 1e-3)
-            for g in report["groups"]]
+    over = [
+        _dp_accounting_eps(g["sample_rate"], g["noise_multiplier"], g["steps"] + 1) > g["budget"] * (1 - 1e-3)
+        for g in report["groups"]
+    ]
     assert any(over)
 
 
 def test_uniform_matches_opacus_accountant(digits, budgets):
     from opacus.accountants import RDPAccountant
+
     report = train(digits, budgets, _cfg(method="uniform"))
     acc = RDPAccountant()
     acc.history = [(report["noise_multiplier"], report["groups"][0]["sample_rate"], report["steps"])]
     opacus_grid = acc.get_epsilon(DELTA, alphas=list(DEFAULT_ORDERS))
     opacus_int = acc.get_epsilon(DELTA, alphas=list(range(2, 257)))
-    for g in report["groups"]:   # adaptive orders: at most Opacus's ε on every integer order, close to it
+    for g in report["groups"]:  # adaptive orders: at most Opacus's ε on every integer order, close to it
         assert g["epsilon_spent"] <= min(opacus_grid, opacus_int) * (1 + 1e-9) and g["epsilon_spent"] <= 1.0
         assert g["epsilon_spent"] >= 0.97 * opacus_int
 
@@ -118,7 +126,7 @@ def test_exclude_and_sequential_baselines(digits, budgets):
     assert ex["phases"][0]["examples"] == g2["count"] + g3["count"]
     seq = train(digits, budgets, _cfg(method="sequential"))
     assert len(seq["phases"]) == 3 and isinstance(seq["noise_multiplier"], list)
-    for g, ph in zip(seq["groups"], seq["phases"]):
+    for g, ph in zip(seq["groups"], seq["phases"], strict=True):
         assert g["steps"] == ph["steps"] and 0.999 * g["budget"] <= g["epsilon_spent"] <= g["budget"]
     assert seq["steps"] == sum(p["steps"] for p in seq["phases"])
 
@@ -127,7 +135,7 @@ def test_pld_accountant_run(digits, budgets):
     report = train(digits, budgets, _cfg(method="scale", accountant="pld"))
     for g in report["groups"]:
         assert 0.99 * g["budget"] <= g["epsilon_spent"] <= g["budget"]
-        assert g["epsilon_rdp"] > g["epsilon_spent"]   # the RDP bound is looser
+        assert g["epsilon_rdp"] > g["epsilon_spent"]  # the RDP bound is looser
 
 
 def test_resume_continues_exactly(digits, budgets, tmp_path, crash_after_first_checkpoint):
@@ -145,14 +153,16 @@ def test_resume_continues_exactly(digits, budgets, tmp_path, crash_after_first_c
 
 
 def test_resume_without_seed_continues_with_the_recorded_seed(digits, budgets, tmp_path, crash_after_first_checkpoint):
-    cfg = _cfg(method="sample", epochs=2)                 # no seed: a fresh one, recorded
+    cfg = _cfg(method="sample", epochs=2)  # no seed: a fresh one, recorded
     with crash_after_first_checkpoint():
         train(digits, budgets, cfg, tmp_path / "cut")
     resumed = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
     replay = train(digits, budgets, dataclasses.replace(cfg, seed=resumed["private"]["seed"]))
     assert isinstance(resumed["private"]["seed"], int) and resumed["history"] == replay["history"]
-    assert "seed" not in resumed and json.loads((tmp_path / "cut" / "private" / "seed.json").read_text())["seed"] \
-        == resumed["private"]["seed"]
+    assert (
+        "seed" not in resumed
+        and json.loads((tmp_path / "cut" / "private" / "seed.json").read_text())["seed"] == resumed["private"]["seed"]
+    )
 
 
 def test_same_seed_same_run_other_seed_differs(digits, budgets):
@@ -165,6 +175,7 @@ def test_same_seed_same_run_other_seed_differs(digits, budgets):
 
 def test_bad_configuration_errors(digits, budgets):
     from idpsgd import InvalidParameterError
+
     with pytest.raises(InvalidParameterError, match="method=.bogus. is invalid"):
         train(digits, budgets, _cfg(method="bogus"))
     with pytest.raises(InvalidParameterError, match="batch_size=100000 is invalid"):

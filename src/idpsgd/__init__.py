@@ -5,30 +5,59 @@ exclude / sequential baselines), account for the privacy each example actually r
 report it.  The accounting core (:mod:`idpsgd.accounting`) and assignment are numpy/scipy only;
 the training API (torch, Opacus) is imported lazily on first use.
 """
-from .accounting import (DEFAULT_ORDERS, IndividualAccountant, RdpLedger, SampledGaussianEvent,
-                         account_from_norms, calibrate_noise_multiplier, calibrate_sample_rate, compute_rdp,
-                         epsilon_sgm, pld_epsilon, rdp_epsilon, rdp_to_delta, rdp_to_epsilon)
+
+from .accounting import (
+    DEFAULT_ORDERS,
+    IndividualAccountant,
+    RdpLedger,
+    SampledGaussianEvent,
+    account_from_norms,
+    calibrate_noise_multiplier,
+    calibrate_sample_rate,
+    compute_rdp,
+    epsilon_sgm,
+    pld_epsilon,
+    rdp_epsilon,
+    rdp_to_delta,
+    rdp_to_epsilon,
+)
 from .assignment import Assignment, Budgets, assign
 from .validation import InvalidParameterError, UnreachableTargetError
 
 __version__ = "0.1.0"
 
 _LAZY = {  # name -> module (torch-dependent, imported on first access)
-    "TrainConfig": "training", "Trainer": "training", "train": "training", "build_plan": "training",
-    "IndividualAccountingOptions": "engine", "IndividualizedPrivacyEngine": "engine",
-    "IndividualizedDPOptimizer": "engine", "PoissonBatchSampler": "engine", "PrivacyBudgetExceeded": "engine",
-    "load_dataset": "data", "Dataset": "data", "create_model": "models",
-    "MODELS": "models", "train_pdp": "training.pdp", "run_per_instance": "training.per_instance",
-    "FilterOptions": "engine", "train_filtered": "training.filtered", "GroupEpsilons": "engine",
-    "run_heo_table1": "experiments.heo", "run_boenisch_table2": "experiments.boenisch",
-    "run_boenisch_table3": "experiments.boenisch", "run_yu_figure": "experiments.yu",
-    "run_thudi_figure1": "experiments.thudi", "ParallelRuns": "training.per_instance_runs",
+    "TrainConfig": "training",
+    "Trainer": "training",
+    "train": "training",
+    "build_plan": "training",
+    "IndividualAccountingOptions": "engine",
+    "IndividualizedPrivacyEngine": "engine",
+    "IndividualizedDPOptimizer": "engine",
+    "PoissonBatchSampler": "engine",
+    "PrivacyBudgetExceeded": "engine",
+    "load_dataset": "data",
+    "Dataset": "data",
+    "create_model": "models",
+    "MODELS": "models",
+    "train_pdp": "training.pdp",
+    "run_per_instance": "training.per_instance",
+    "FilterOptions": "engine",
+    "train_filtered": "training.filtered",
+    "GroupEpsilons": "engine",
+    "run_heo_table1": "experiments.heo",
+    "run_boenisch_table2": "experiments.boenisch",
+    "run_boenisch_table3": "experiments.boenisch",
+    "run_yu_figure": "experiments.yu",
+    "run_thudi_figure1": "experiments.thudi",
+    "ParallelRuns": "training.per_instance_runs",
 }
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'idpsgd' has no attribute {name!r}")
 
@@ -38,8 +67,24 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = [
-    "Assignment", "Budgets", "DEFAULT_ORDERS", "IndividualAccountant", "account_from_norms", "InvalidParameterError", "RdpLedger", "SampledGaussianEvent",
-    "UnreachableTargetError", "assign", "calibrate_noise_multiplier", "calibrate_sample_rate", "compute_rdp",
-    "epsilon_sgm", "pld_epsilon", "rdp_epsilon", "rdp_to_delta", "rdp_to_epsilon", *_LAZY,
+__all__ = [  # noqa: PLE0604  (*_LAZY: the names imported on first use, strings too)
+    "Assignment",
+    "Budgets",
+    "DEFAULT_ORDERS",
+    "IndividualAccountant",
+    "account_from_norms",
+    "InvalidParameterError",
+    "RdpLedger",
+    "SampledGaussianEvent",
+    "UnreachableTargetError",
+    "assign",
+    "calibrate_noise_multiplier",
+    "calibrate_sample_rate",
+    "compute_rdp",
+    "epsilon_sgm",
+    "pld_epsilon",
+    "rdp_epsilon",
+    "rdp_to_delta",
+    "rdp_to_epsilon",
+    *_LAZY,
 ]

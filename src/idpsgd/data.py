@@ -24,6 +24,7 @@ file raises :class:`DatasetFileError`, one line naming the file, what is wrong a
 expected.  Pixels are scaled to [0, 1]; standardization is a separate, explicit choice that stays
 inside the privacy guarantee (:mod:`idpsgd.preprocessing`), recorded in ``Dataset.preprocessing``.
 """
+
 from __future__ import annotations
 
 import csv
@@ -101,15 +102,16 @@ def _json_plain(v):
 @dataclass
 class _Raw:
     """What a reader returns: scaled inputs, integer labels, and how they were scaled."""
+
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
     scaling: str
-    value_range: tuple | None     # public range of the scaled values (None: unknown, e.g. CSV)
-    source: dict = field(default_factory=dict)   # how the files were read (public)
-    split: dict | None = None                    # csv without test.csv: the hidden split (private)
+    value_range: tuple | None  # public range of the scaled values (None: unknown, e.g. CSV)
+    source: dict = field(default_factory=dict)  # how the files were read (public)
+    split: dict | None = None  # csv without test.csv: the hidden split (private)
 
 
 LOADERS: dict[str, Callable[..., _Raw]] = {}
@@ -119,13 +121,24 @@ def register(name):
     def deco(fn):
         LOADERS[name] = fn
         return fn
+
     return deco
 
 
-def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_epsilon=None,
-                 normalization_delta=None, feature_range=None, label_column: str = "label",
-                 feature_columns=None, drop_columns=None, budget_column: str | None = None,
-                 normalization_rng: np.random.Generator | None = None) -> Dataset:
+def load_dataset(
+    name: str,
+    data_dir=None,
+    *,
+    normalization=None,
+    normalization_epsilon=None,
+    normalization_delta=None,
+    feature_range=None,
+    label_column: str = "label",
+    feature_columns=None,
+    drop_columns=None,
+    budget_column: str | None = None,
+    normalization_rng: np.random.Generator | None = None,
+) -> Dataset:
     """Read a dataset and normalize it inside the privacy guarantee.
 
     ``normalization``: None (the dataset's default: ``public`` constants for mnist, fashion-mnist,
@@ -149,19 +162,41 @@ def load_dataset(name: str, data_dir=None, *, normalization=None, normalization_
     if data_dir is not None and data_dir != "":
         data_dir = Path(data_dir)
         if name == "digits":
-            raise InvalidParameterError("data_dir", str(data_dir), "not used: dataset 'digits' is bundled "
-                                        "with scikit-learn")
+            raise InvalidParameterError(
+                "data_dir", str(data_dir), "not used: dataset 'digits' is bundled with scikit-learn"
+            )
     else:
         data_dir = None
-    csv_args = {"label_column": label_column, "feature_columns": _names(feature_columns, "feature_columns"),
-                "drop_columns": _names(drop_columns, "drop_columns"), "budget_column": budget_column}
+    csv_args = {
+        "label_column": label_column,
+        "feature_columns": _names(feature_columns, "feature_columns"),
+        "drop_columns": _names(drop_columns, "drop_columns"),
+        "budget_column": budget_column,
+    }
     raw = LOADERS[name](data_dir, **(csv_args if name == "csv" else {}))
-    xtr, xte, record = normalize(name, raw.x_train, raw.x_test, normalization, scaling=raw.scaling,
-                                 value_range=raw.value_range, epsilon=normalization_epsilon,
-                                 delta=normalization_delta, feature_range=feature_range, rng=normalization_rng)
-    return Dataset(name, torch.from_numpy(np.ascontiguousarray(xtr)), torch.from_numpy(raw.y_train.astype(np.int64)),
-                   torch.from_numpy(np.ascontiguousarray(xte)), torch.from_numpy(raw.y_test.astype(np.int64)),
-                   int(raw.num_classes), record, dict(raw.source), raw.split)
+    xtr, xte, record = normalize(
+        name,
+        raw.x_train,
+        raw.x_test,
+        normalization,
+        scaling=raw.scaling,
+        value_range=raw.value_range,
+        epsilon=normalization_epsilon,
+        delta=normalization_delta,
+        feature_range=feature_range,
+        rng=normalization_rng,
+    )
+    return Dataset(
+        name,
+        torch.from_numpy(np.ascontiguousarray(xtr)),
+        torch.from_numpy(raw.y_train.astype(np.int64)),
+        torch.from_numpy(np.ascontiguousarray(xte)),
+        torch.from_numpy(raw.y_test.astype(np.int64)),
+        int(raw.num_classes),
+        record,
+        dict(raw.source),
+        raw.split,
+    )
 
 
 def _names(value, flag: str) -> list[str] | None:
@@ -178,7 +213,7 @@ def _names(value, flag: str) -> list[str] | None:
 
 
 def _to_unit(x: np.ndarray, top: float) -> np.ndarray:
-    out = np.array(x, dtype=np.float32)          # a fresh float32 copy, divided in place
+    out = np.array(x, dtype=np.float32)  # a fresh float32 copy, divided in place
     out /= np.float32(top)
     return out
 
@@ -189,24 +224,30 @@ def _check_labels(y: np.ndarray, k: int, where, what: str) -> np.ndarray:
         raise DatasetFileError(f"{where}: labels have type {y.dtype}; {what} labels are integers 0..{k - 1}")
     bad = np.flatnonzero((y < 0) | (y >= k))
     if bad.size:
-        raise DatasetFileError(f"{where}: label {int(y[bad[0]])} (at index {int(bad[0])}) is out of range; "
-                               f"{what} labels are 0..{k - 1}")
+        raise DatasetFileError(
+            f"{where}: label {int(y[bad[0]])} (at index {int(bad[0])}) is out of range; {what} labels are 0..{k - 1}"
+        )
     return y.astype(np.int64)
 
 
 def _split(n, labels, where, test_fraction=0.2, seed=0):
     """Stratified train/test indices (public choice: fixed fraction and seed), or a clear error."""
     from sklearn.model_selection import train_test_split
+
     classes, counts = np.unique(labels, return_counts=True)
     n_test = math.ceil(test_fraction * n)
     if counts.min() < 2:
-        raise DatasetFileError(f"{where}: class {classes[counts.argmin()]} has only 1 row; the stratified "
-                               f"{1 - test_fraction:.0%}/{test_fraction:.0%} train/test split needs at least 2 rows "
-                               "per class (add rows or give a test.csv)")
+        raise DatasetFileError(
+            f"{where}: class {classes[counts.argmin()]} has only 1 row; the stratified "
+            f"{1 - test_fraction:.0%}/{test_fraction:.0%} train/test split needs at least 2 rows "
+            "per class (add rows or give a test.csv)"
+        )
     if n_test < len(classes) or n - n_test < len(classes):
-        raise DatasetFileError(f"{where}: {n} rows are too few for a stratified {test_fraction:.0%} test split "
-                               f"over {len(classes)} classes (each split needs every class; add rows or give a "
-                               "test.csv)")
+        raise DatasetFileError(
+            f"{where}: {n} rows are too few for a stratified {test_fraction:.0%} test split "
+            f"over {len(classes)} classes (each split needs every class; add rows or give a "
+            "test.csv)"
+        )
     try:
         return train_test_split(np.arange(n), test_size=test_fraction, random_state=seed, stratify=labels)
     except ValueError as exc:
@@ -216,6 +257,7 @@ def _split(n, labels, where, test_fraction=0.2, seed=0):
 @register("digits")
 def load_digits(data_dir=None):
     from sklearn.datasets import load_digits as sk_digits
+
     d = sk_digits()
     x = _to_unit(d.images[:, None, :, :], 16.0)
     tr, te = _split(len(x), d.target, "scikit-learn digits")
@@ -230,15 +272,16 @@ def _need_dir(data_dir, name, files):
 
 # ---------------------------------------------------------------- IDX (MNIST, Fashion-MNIST)
 
-IDX_MAX_BYTES = 4 << 30      # a header claiming more is refused before anything is read
+IDX_MAX_BYTES = 4 << 30  # a header claiming more is refused before anything is read
 
 
 def _find(data_dir: Path, stem: str, name: str, expected: list[str]) -> Path:
     for cand in (data_dir / stem, data_dir / (stem + ".gz"), data_dir / stem.replace("-idx", ".idx")):
         if cand.is_file():
             return cand
-    raise DatasetFileError(f"dataset {name!r}: {stem}[.gz] not found in {data_dir} "
-                           f"(expected files: {', '.join(expected)})")
+    raise DatasetFileError(
+        f"dataset {name!r}: {stem}[.gz] not found in {data_dir} (expected files: {', '.join(expected)})"
+    )
 
 
 def _read_exactly(fh, size: int) -> bytes:
@@ -279,15 +322,16 @@ def read_idx(path: Path) -> np.ndarray:
 
 
 def _idx_dataset(name, data_dir):
-    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-             "t10k-labels-idx1-ubyte"]
+    stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
     data_dir = _need_dir(data_dir, name, stems)
     paths = [_find(data_dir, s, name, stems) for s in stems]
     arrays = [read_idx(p) for p in paths]
-    for (xp, yp), (x, y) in zip((paths[:2], paths[2:]), (arrays[:2], arrays[2:])):
+    for (xp, yp), (x, y) in zip((paths[:2], paths[2:]), (arrays[:2], arrays[2:]), strict=True):
         if x.ndim != 3 or x.shape[1:] != (28, 28):
-            raise DatasetFileError(f"{xp}: images of shape {x.shape[1:]} (array {x.shape}); {name} images are "
-                                   "28x28 (an IDX array of shape (count, 28, 28))")
+            raise DatasetFileError(
+                f"{xp}: images of shape {x.shape[1:]} (array {x.shape}); {name} images are "
+                "28x28 (an IDX array of shape (count, 28, 28))"
+            )
         if y.ndim != 1:
             raise DatasetFileError(f"{yp}: labels of shape {y.shape}; expected a 1-D IDX array")
         if len(x) != len(y):
@@ -296,8 +340,15 @@ def _idx_dataset(name, data_dir):
             raise DatasetFileError(f"{xp} holds no images")
         _check_labels(y, 10, yp, name)
     xtr, ytr, xte, yte = arrays
-    return _Raw(_to_unit(xtr[:, None], 255.0), ytr.astype(np.int64), _to_unit(xte[:, None], 255.0),
-                yte.astype(np.int64), 10, "pixel values / 255 (to [0, 1])", (0.0, 1.0))
+    return _Raw(
+        _to_unit(xtr[:, None], 255.0),
+        ytr.astype(np.int64),
+        _to_unit(xte[:, None], 255.0),
+        yte.astype(np.int64),
+        10,
+        "pixel values / 255 (to [0, 1])",
+        (0.0, 1.0),
+    )
 
 
 @register("mnist")
@@ -311,6 +362,7 @@ def load_fashion_mnist(data_dir=None):
 
 
 # ---------------------------------------------------------------- CIFAR-10 (restricted unpickling)
+
 
 def _numpy_attr(name: str, *modules: str):
     for mod in modules:
@@ -362,11 +414,13 @@ def read_cifar_batch(p: Path) -> tuple[np.ndarray, np.ndarray]:
         with p.open("rb") as fh:
             d = CifarUnpickler(fh, encoding="bytes").load()
     except _RefusedGlobal as exc:
-        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch: it names {exc}, which CIFAR-10 batches "
-                               "never contain (refused without running it)") from None
+        raise DatasetFileError(
+            f"{p} is not a CIFAR-10 python batch: it names {exc}, which CIFAR-10 batches "
+            "never contain (refused without running it)"
+        ) from None
     except EOFError:
         raise DatasetFileError(f"{p} is not a CIFAR-10 python batch (empty or truncated file)") from None
-    except Exception as exc:  # noqa: BLE001  (any unpickling failure means a corrupt file)
+    except Exception as exc:
         raise DatasetFileError(f"{p} is not a CIFAR-10 python batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(d, dict):
         raise DatasetFileError(f"{p} is not a CIFAR-10 python batch (holds a {type(d).__name__}, expected a dict)")
@@ -395,24 +449,26 @@ def load_cifar10(data_dir=None):
     xtr = np.concatenate([p[0] for p in parts[:5]])
     ytr = np.concatenate([p[1] for p in parts[:5]])
     xte, yte = parts[5]
-    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])",
-                (0.0, 1.0))
+    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])", (0.0, 1.0))
 
 
 # ---------------------------------------------------------------- SVHN
 
+
 def _read_svhn(p: Path) -> tuple[np.ndarray, np.ndarray]:
     from scipy.io import loadmat
+
     try:
         m = loadmat(p)
-    except Exception as exc:  # noqa: BLE001  (scipy raises many types for a corrupt or foreign file)
+    except Exception as exc:
         raise DatasetFileError(f"{p} is not an SVHN .mat file ({type(exc).__name__}: {exc})") from None
     x, y = m.get("X"), m.get("y")
     if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
         raise DatasetFileError(f"{p} is not an SVHN .mat file (expected arrays X and y)")
     if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or x.dtype != np.uint8:
-        raise DatasetFileError(f"{p}: X is a {x.dtype} array of shape {x.shape}; SVHN's X is uint8 of shape "
-                               "(32, 32, 3, n)")
+        raise DatasetFileError(
+            f"{p}: X is a {x.dtype} array of shape {x.shape}; SVHN's X is uint8 of shape (32, 32, 3, n)"
+        )
     y = y.ravel()
     if len(y) != x.shape[3]:
         raise DatasetFileError(f"{p}: {x.shape[3]} images but {len(y)} labels")
@@ -423,8 +479,10 @@ def _read_svhn(p: Path) -> tuple[np.ndarray, np.ndarray]:
     yv = y.astype(np.float64)
     bad = np.flatnonzero(~np.isfinite(yv) | (yv != np.round(yv)) | (yv < 1) | (yv > 10))
     if bad.size:
-        raise DatasetFileError(f"{p}: label {yv[bad[0]]:g} (at index {bad[0]}) is out of range; SVHN labels are "
-                               "integers 1..10 (10 means digit 0)")
+        raise DatasetFileError(
+            f"{p}: label {yv[bad[0]]:g} (at index {bad[0]}) is out of range; SVHN labels are "
+            "integers 1..10 (10 means digit 0)"
+        )
     y = yv.astype(np.int64)
     return np.transpose(x, (3, 2, 0, 1)), y.astype(np.int64) % 10
 
@@ -437,19 +495,19 @@ def load_svhn(data_dir=None):
         if not (data_dir / f).is_file():
             raise DatasetFileError(f"dataset 'svhn': {f} not found in {data_dir} (expected: {', '.join(files)})")
     (xtr, ytr), (xte, yte) = (_read_svhn(data_dir / f) for f in files)
-    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])",
-                (0.0, 1.0))
+    return _Raw(_to_unit(xtr, 255.0), ytr, _to_unit(xte, 255.0), yte, 10, "pixel values / 255 (to [0, 1])", (0.0, 1.0))
 
 
 # ---------------------------------------------------------------- CSV
 
-MAX_CSV_CLASSES = 10_000     # labels must lie in 0..MAX_CSV_CLASSES-1 (the model has one output per class)
+MAX_CSV_CLASSES = 10_000  # labels must lie in 0..MAX_CSV_CLASSES-1 (the model has one output per class)
 
 
 #: Column names (case-insensitive) taken as row identifiers and never used as features unless
 #: named in ``feature_columns``; also pandas' written index ("" or "Unnamed: 0").
-ID_COLUMNS = frozenset({"", "id", "index", "row", "row_id", "rowid", "row_number", "example_id", "sample_id",
-                        "record_id", "uid", "uuid"})
+ID_COLUMNS = frozenset(
+    {"", "id", "index", "row", "row_id", "rowid", "row_number", "example_id", "sample_id", "record_id", "uid", "uuid"}
+)
 
 
 def is_id_column(name: str) -> bool:
@@ -460,33 +518,51 @@ def is_id_column(name: str) -> bool:
     return n in ID_COLUMNS or n.startswith("unnamed:")
 
 
-def choose_columns(header: list[str], label_column: str, feature_columns=None, drop_columns=None,
-                   budget_column: str | None = None, where="train.csv") -> tuple[list[str], dict[str, str]]:
+def choose_columns(
+    header: list[str],
+    label_column: str,
+    feature_columns=None,
+    drop_columns=None,
+    budget_column: str | None = None,
+    where="train.csv",
+) -> tuple[list[str], dict[str, str]]:
     """(feature columns in order, {excluded column: why}) of a CSV header."""
     others = [h for h in header if h != label_column]
     if feature_columns is not None and drop_columns is not None:
-        raise InvalidParameterError("drop_columns", ",".join(drop_columns), "give either feature_columns or "
-                                    "drop_columns, not both")
+        raise InvalidParameterError(
+            "drop_columns", ",".join(drop_columns), "give either feature_columns or drop_columns, not both"
+        )
     if feature_columns is not None:
         for c in feature_columns:
             if c == label_column:
-                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"includes the label "
-                                            f"column {label_column!r}")
+                raise InvalidParameterError(
+                    "feature_columns", ",".join(feature_columns), f"includes the label column {label_column!r}"
+                )
             if budget_column is not None and c == budget_column:
-                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"includes the budget "
-                                            f"column {budget_column!r}: budgets are never model inputs")
+                raise InvalidParameterError(
+                    "feature_columns",
+                    ",".join(feature_columns),
+                    f"includes the budget column {budget_column!r}: budgets are never model inputs",
+                )
             if c not in header:
-                raise InvalidParameterError("feature_columns", ",".join(feature_columns), f"names column {c!r}, "
-                                            f"which {where} lacks (columns: {', '.join(header)})")
+                raise InvalidParameterError(
+                    "feature_columns",
+                    ",".join(feature_columns),
+                    f"names column {c!r}, which {where} lacks (columns: {', '.join(header)})",
+                )
         return list(feature_columns), {h: "not in feature_columns" for h in others if h not in feature_columns}
     excluded = {}
     for c in drop_columns or []:
         if c not in header:
-            raise InvalidParameterError("drop_columns", ",".join(drop_columns), f"names column {c!r}, which {where} "
-                                        f"lacks (columns: {', '.join(header)})")
+            raise InvalidParameterError(
+                "drop_columns",
+                ",".join(drop_columns),
+                f"names column {c!r}, which {where} lacks (columns: {', '.join(header)})",
+            )
         if c == label_column:
-            raise InvalidParameterError("drop_columns", ",".join(drop_columns), f"includes the label column "
-                                        f"{label_column!r}")
+            raise InvalidParameterError(
+                "drop_columns", ",".join(drop_columns), f"includes the label column {label_column!r}"
+            )
         excluded[c] = "dropped (drop_columns)"
     for h in others:
         if h in excluded:
@@ -497,8 +573,10 @@ def choose_columns(header: list[str], label_column: str, feature_columns=None, d
             excluded[h] = "row identifier (a value unique to its row can only memorise)"
     feats = [h for h in others if h not in excluded]
     if not feats:
-        raise DatasetFileError(f"{where}: no feature columns besides the label column {label_column!r}"
-                               + (f" (left out: {', '.join(excluded)})" if excluded else ""))
+        raise DatasetFileError(
+            f"{where}: no feature columns besides the label column {label_column!r}"
+            + (f" (left out: {', '.join(excluded)})" if excluded else "")
+        )
     return feats, excluded
 
 
@@ -520,10 +598,11 @@ def _read_rows(p: Path):
         header = [h.strip() for h in next(reader)]
         for row in reader:
             if not row or (len(row) == 1 and not row[0].strip()):
-                continue                                        # a blank line
+                continue  # a blank line
             if len(row) != len(header):
-                raise DatasetFileError(f"{p}, line {reader.line_num}: {len(row)} fields, but the header has "
-                                       f"{len(header)}")
+                raise DatasetFileError(
+                    f"{p}, line {reader.line_num}: {len(row)} fields, but the header has {len(header)}"
+                )
             rows.append(row)
             lines.append(reader.line_num)
     except csv.Error as exc:
@@ -554,50 +633,74 @@ def _read_table(p: Path, label_column: str, feats=None, **choose):
         values = cells.astype(np.float64)
     except ValueError:
         values = None
-    if values is None:                                          # find the first bad cell, for the message
+    if values is None:  # find the first bad cell, for the message
         for i, row in enumerate(rows):
             for j in used:
                 c = row[j]
                 try:
                     float(c)
                 except ValueError:
-                    raise DatasetFileError(f"{p}, line {lines[i]}, column {header[j]!r}: {c!r} is not a number"
-                                           + (" (missing value)" if not c.strip() else "")) from None
-    with np.errstate(over="ignore"):                            # beyond float32: inf, refused below
+                    raise DatasetFileError(
+                        f"{p}, line {lines[i]}, column {header[j]!r}: {c!r} is not a number"
+                        + (" (missing value)" if not c.strip() else "")
+                    ) from None
+    with np.errstate(over="ignore"):  # beyond float32: inf, refused below
         x = values[:, 1:].astype(np.float32)
     bad = np.argwhere(~np.isfinite(x))
     if bad.size:
         i, j = bad[0]
-        raise DatasetFileError(f"{p}, line {lines[i]}, column {feats[j]!r}: {rows[i][header.index(feats[j])]!r} is "
-                               "not a finite number (NaN, inf or beyond the float32 range)")
+        raise DatasetFileError(
+            f"{p}, line {lines[i]}, column {feats[j]!r}: {rows[i][header.index(feats[j])]!r} is "
+            "not a finite number (NaN, inf or beyond the float32 range)"
+        )
     y = values[:, 0]
     li = header.index(label_column)
     bad = np.flatnonzero(~np.isfinite(y) | (y != np.floor(y)) | (y < 0) | (y >= MAX_CSV_CLASSES))
     if bad.size:
         i = bad[0]
-        raise DatasetFileError(f"{p}, line {lines[i]}, column {label_column!r}: {rows[i][li]!r} is not a class "
-                               f"label (labels are integers 0..{MAX_CSV_CLASSES - 1})")
+        raise DatasetFileError(
+            f"{p}, line {lines[i]}, column {label_column!r}: {rows[i][li]!r} is not a class "
+            f"label (labels are integers 0..{MAX_CSV_CLASSES - 1})"
+        )
     return header, feats, excluded, x, y.astype(np.int64)
 
 
 @register("csv")
-def load_csv(data_dir=None, label_column: str = "label", feature_columns=None, drop_columns=None,
-             budget_column: str | None = None):
+def load_csv(
+    data_dir=None,
+    label_column: str = "label",
+    feature_columns=None,
+    drop_columns=None,
+    budget_column: str | None = None,
+):
     data_dir = _need_dir(data_dir, "csv", ["train.csv", "test.csv (optional)"])
     train = data_dir / "train.csv"
     if not train.is_file():
-        raise DatasetFileError(f"dataset 'csv': train.csv not found in {data_dir} (expected train.csv "
-                               f"and optionally test.csv, with a {label_column!r} column)")
-    header, feats, excluded, x, y = _read_table(train, label_column, feature_columns=feature_columns,
-                                                drop_columns=drop_columns, budget_column=budget_column)
+        raise DatasetFileError(
+            f"dataset 'csv': train.csv not found in {data_dir} (expected train.csv "
+            f"and optionally test.csv, with a {label_column!r} column)"
+        )
+    header, feats, excluded, x, y = _read_table(
+        train, label_column, feature_columns=feature_columns, drop_columns=drop_columns, budget_column=budget_column
+    )
     if len(x) < 2:
         raise DatasetFileError(f"{train} has {len(x)} data row; training needs at least 2")
     auto = {k: v for k, v in excluded.items() if not v.startswith(("dropped", "not in"))}
     if auto:
-        warnings.warn(f"{train.name}: not used as features: " + "; ".join(f"{k!r} ({v})" for k, v in auto.items())
-                      + " (choose the inputs with --feature-columns / --drop-columns)", UserWarning, stacklevel=3)
-    source = {"format": "csv", "train_file": train.name, "label_column": label_column, "feature_columns": feats,
-              "excluded_columns": excluded}
+        warnings.warn(
+            f"{train.name}: not used as features: "
+            + "; ".join(f"{k!r} ({v})" for k, v in auto.items())
+            + " (choose the inputs with --feature-columns / --drop-columns)",
+            UserWarning,
+            stacklevel=3,
+        )
+    source = {
+        "format": "csv",
+        "train_file": train.name,
+        "label_column": label_column,
+        "feature_columns": feats,
+        "excluded_columns": excluded,
+    }
     test = data_dir / "test.csv"
     split = None
     if test.is_file():
@@ -605,19 +708,23 @@ def load_csv(data_dir=None, label_column: str = "label", feature_columns=None, d
         missing = [f for f in [*feats, label_column] if f not in theader]
         extra = sorted(set(theader) - set(header))
         if missing or extra:
-            raise DatasetFileError(f"{test}: its columns differ from {train.name}'s"
-                                   + (f"; missing {', '.join(missing)}" if missing else "")
-                                   + (f"; extra {', '.join(extra)}" if extra else ""))
-        _, _, _, xte, yte = _read_table(test, label_column, feats=feats)   # the same columns, in train's order
+            raise DatasetFileError(
+                f"{test}: its columns differ from {train.name}'s"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; extra {', '.join(extra)}" if extra else "")
+            )
+        _, _, _, xte, yte = _read_table(test, label_column, feats=feats)  # the same columns, in train's order
         xtr, ytr = x, y
         source["test"] = test.name
     else:
         tr, te = _split(len(x), y, train)
-        tr, te = np.sort(tr), np.sort(te)                       # both keep train.csv's row order
+        tr, te = np.sort(tr), np.sort(te)  # both keep train.csv's row order
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
-        split = {"rows": int(len(x)), "train_rows": tr.astype(np.int64), "test_rows": te.astype(np.int64)}
-        source["test"] = ("hidden stratified 80/20 split of train.csv's rows (seed 0); training rows in file order; "
-                          "which rows train: private/data_split.csv")
+        split = {"rows": len(x), "train_rows": tr.astype(np.int64), "test_rows": te.astype(np.int64)}
+        source["test"] = (
+            "hidden stratified 80/20 split of train.csv's rows (seed 0); training rows in file order; "
+            "which rows train: private/data_split.csv"
+        )
     k = int(max(ytr.max(), yte.max()) + 1)
     if k < 2:
         raise DatasetFileError(f"{train}: every label is 0; classification needs at least 2 classes")

@@ -4,6 +4,7 @@ Every writer goes to a temporary file in the destination folder and renames it i
 (``os.replace`` is atomic on POSIX).  ``private=True`` creates the file with mode 0600: use it
 for per-example budgets and ε, which are personal data.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,9 @@ import io
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +29,7 @@ def atomic_open(path, mode: str = "w", private: bool = False) -> Iterator[io.IOB
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
-            fault_point(path.name)           # tests: a kill here leaves only the temporary file
+            fault_point(path.name)  # tests: a kill here leaves only the temporary file
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -52,6 +54,7 @@ def fault_point(name: str) -> None:
     _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
     if str(_FAULT_COUNTS[name]) == count:
         import signal
+
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -76,7 +79,7 @@ def write_csv(path, header: list[str], columns: list, private: bool = False) -> 
         raise ValueError("all CSV columns must have the same length")
     with atomic_open(path, "w", private=private) as fh:
         fh.write(",".join(header) + "\n")
-        for row in zip(*cols):
+        for row in zip(*cols, strict=True):
             fh.write(",".join(_fmt(v) for v in row) + "\n")
     return Path(path)
 

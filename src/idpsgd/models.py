@@ -13,6 +13,7 @@
 :class:`TransformerClassifier` (not in the registry: it takes token ids, which no bundled dataset
 has) is a small transformer-encoder text classifier for the library and the benchmarks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,6 +30,7 @@ def register(name: str):
     def deco(fn):
         MODELS[name] = fn
         return fn
+
     return deco
 
 
@@ -49,14 +51,20 @@ def create_model(name: str, input_shape: tuple, num_classes: int) -> nn.Module:
     if isinstance(num_classes, bool) or int(num_classes) != num_classes or int(num_classes) < 2:
         raise InvalidParameterError("num_classes", num_classes, "must be an integer >= 2")
     if name not in FLAT_INPUT_MODELS and len(shape) != 3:
-        raise InvalidParameterError("model", name, f"takes images (channels, height, width); the dataset's inputs "
-                                    f"have shape {shape} (use 'mlp' for tables)")
+        raise InvalidParameterError(
+            "model",
+            name,
+            f"takes images (channels, height, width); the dataset's inputs have shape {shape} (use 'mlp' for tables)",
+        )
     try:
         return MODELS[name](shape, int(num_classes))
     except (RuntimeError, ValueError) as exc:
         need = _smallest_side(name, shape, num_classes)
-        allowed = (f"needs images of at least {need}x{need} pixels" if need
-                   else f"cannot take this input ({str(exc).splitlines()[0]})")
+        allowed = (
+            f"needs images of at least {need}x{need} pixels"
+            if need
+            else f"cannot take this input ({str(exc).splitlines()[0]})"
+        )
         raise InvalidParameterError("model", name, f"{allowed}; the dataset's input shape is {shape}") from None
 
 
@@ -83,8 +91,14 @@ def _cnn(body: nn.Sequential, head: list, input_shape) -> nn.Sequential:
 
 @register("digits_cnn")
 def digits_cnn(input_shape, num_classes):
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 16, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
-                         nn.Conv2d(16, 32, 3, padding=1), nn.Tanh(), nn.AvgPool2d(2))
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 3, padding=1),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+    )
     n = _flat_size(body, input_shape)
     return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 64), nn.Tanh(), nn.Linear(64, num_classes))
 
@@ -94,8 +108,14 @@ def tramer_boneh_mnist(input_shape, num_classes):
     # Tramèr & Boneh 2021, MNIST CNN (their models.py: cfg [(16, 8, 2, 2), 'M', (32, 4, 2, 0), 'M'],
     # MaxPool2d(2, stride=1), classifier Linear(32*4*4, 32) -> Tanh -> Linear(32, 10)); on 28x28:
     # 28 -conv-> 13 -pool-> 12 -conv-> 5 -pool-> 4.
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=2), nn.Tanh(), nn.MaxPool2d(2, 1),
-                         nn.Conv2d(16, 32, 4, stride=2), nn.Tanh(), nn.MaxPool2d(2, 1))
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+    )
     n = _flat_size(body, input_shape)
     return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 32), nn.Tanh(), nn.Linear(32, num_classes))
 
@@ -104,8 +124,13 @@ def tramer_boneh_mnist(input_shape, num_classes):
 def tramer_boneh_cifar10(input_shape, num_classes):
     layers, c = [], input_shape[0]
     for width in (32, 64, 128):
-        layers += [nn.Conv2d(c, width, 3, padding=1), nn.Tanh(), nn.Conv2d(width, width, 3, padding=1),
-                   nn.Tanh(), nn.MaxPool2d(2)]
+        layers += [
+            nn.Conv2d(c, width, 3, padding=1),
+            nn.Tanh(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+        ]
         c = width
     body = nn.Sequential(*layers)
     n = _flat_size(body, input_shape)
@@ -114,26 +139,41 @@ def tramer_boneh_cifar10(input_shape, num_classes):
 
 @register("lenet5")
 def lenet5(input_shape, num_classes):
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 6, 5, padding=2), nn.Tanh(), nn.AvgPool2d(2),
-                         nn.Conv2d(6, 16, 5), nn.Tanh(), nn.AvgPool2d(2))
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 6, 5, padding=2),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+    )
     n = _flat_size(body, input_shape)
-    return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 120), nn.Tanh(), nn.Linear(120, 84), nn.Tanh(),
-                         nn.Linear(84, num_classes))
+    return nn.Sequential(
+        *body, nn.Flatten(), nn.Linear(n, 120), nn.Tanh(), nn.Linear(120, 84), nn.Tanh(), nn.Linear(84, num_classes)
+    )
 
 
 @register("heo_svhn")
 def heo_svhn(input_shape, num_classes):
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 6, 5), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2))
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2)
+    )
     n = _flat_size(body, input_shape)
-    return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
-                         nn.Linear(84, num_classes))
+    return nn.Sequential(
+        *body, nn.Flatten(), nn.Linear(n, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_classes)
+    )
 
 
 @register("heo_mnist")
 def heo_mnist(input_shape, num_classes):
-    body = nn.Sequential(nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True))
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 8, stride=2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, ceil_mode=True),
+    )
     n = _flat_size(body, input_shape)
     return nn.Sequential(*body, nn.Flatten(), nn.Linear(n, 32), nn.ReLU(), nn.Linear(32, num_classes))
 
@@ -197,8 +237,13 @@ def wide_resnet(input_shape, num_classes, depth: int = 16, width: int = 4, group
         for b in range(blocks):
             layers.append(_WideBlock(cin, cout, 2 if stage and not b else 1, groups))
             cin = cout
-    layers += [nn.GroupNorm(min(groups, cin), cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(cin, num_classes)]
+    layers += [
+        nn.GroupNorm(min(groups, cin), cin),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(cin, num_classes),
+    ]
     return nn.Sequential(*layers)
 
 
@@ -225,6 +270,7 @@ class SelfAttention(nn.Module):
 
         def split(y):
             return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
         h = torch.nn.functional.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
         return self.out(h.transpose(1, 2).reshape(b, t, d))
 
@@ -247,8 +293,18 @@ class TransformerClassifier(nn.Module):
     """Token ids (B, T) → class logits: token and position embeddings, ``layers`` pre-LayerNorm
     encoder blocks (:class:`EncoderBlock`), a final LayerNorm, mean pooling and a linear head."""
 
-    def __init__(self, vocab_size: int, num_classes: int, *, max_length: int = 128, dim: int = 128, heads: int = 4,
-                 layers: int = 2, ff_dim: int = 256, padding_idx: int | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        *,
+        max_length: int = 128,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        ff_dim: int = 256,
+        padding_idx: int | None = None,
+    ):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim, padding_idx=padding_idx)
         self.positions = nn.Embedding(max_length, dim)
@@ -257,12 +313,12 @@ class TransformerClassifier(nn.Module):
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)   # contiguous (Opacus views it)
+        pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)  # contiguous (Opacus views it)
         h = self.encoder(self.tokens(ids) + self.positions(pos))
         return self.head(self.norm(h).mean(1))
 
 
-FLAT_INPUT_MODELS = {"mlp"}      # every other model takes (C, H, W) images
+FLAT_INPUT_MODELS = {"mlp"}  # every other model takes (C, H, W) images
 
 
 @register("mlp")
@@ -273,5 +329,11 @@ def mlp(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(n, 64), nn.Tanh(), nn.Linear(64, num_classes))
 
 
-DEFAULT_MODEL = {"digits": "digits_cnn", "mnist": "tramer_boneh_mnist", "fashion-mnist": "tramer_boneh_mnist",
-                 "cifar10": "tramer_boneh_cifar10", "svhn": "tramer_boneh_cifar10", "csv": "mlp"}
+DEFAULT_MODEL = {
+    "digits": "digits_cnn",
+    "mnist": "tramer_boneh_mnist",
+    "fashion-mnist": "tramer_boneh_mnist",
+    "cifar10": "tramer_boneh_cifar10",
+    "svhn": "tramer_boneh_cifar10",
+    "csv": "mlp",
+}

@@ -27,6 +27,7 @@ mean = Σm/n̂, E[u²] = Σs/n̂ + ⅛ and var = E[u²] − mean² are post-proc
 what values in [−½, ½] allow (std ≤ ½; a floor of 1e-3 keeps the division finite), then
 mapped back to the data's units.  The noise comes from OS entropy (never a recorded seed).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,25 +41,39 @@ MODES = ("none", "public", "private")
 
 #: Published per-channel constants of the standard training sets, on pixels scaled to [0, 1].
 PUBLIC_CONSTANTS: dict[str, dict] = {
-    "mnist": {"mean": (0.1307,), "std": (0.3081,),
-              "source": "MNIST training set, as published in the PyTorch MNIST example "
-                        "(pytorch/examples mnist/main.py: Normalize((0.1307,), (0.3081,)))"},
-    "fashion-mnist": {"mean": (0.2860,), "std": (0.3530,),
-                      "source": "Fashion-MNIST training set (widely published values, e.g. "
-                                "chatflip/CalculationMeanStd: 0.2860, 0.3530)"},
-    "cifar10": {"mean": (0.4914, 0.4822, 0.4465), "std": (0.2470, 0.2435, 0.2616),
-                "source": "CIFAR-10 training set per channel: mean (0.49140, 0.48216, 0.44653), "
-                          "std (0.24703, 0.24349, 0.26159) (kuangliu/pytorch-cifar issues #8 and #19, "
-                          "MadryLab/robustness issue #70; pytorch/tutorials PR #2405)"},
-    "svhn": {"mean": (0.4377, 0.4438, 0.4728), "std": (0.1980, 0.2010, 0.1970),
-             "source": "SVHN training set per channel (widely published values, e.g. "
-                       "PatrickZH/DeepCore deepcore/datasets/svhn.py)"},
+    "mnist": {
+        "mean": (0.1307,),
+        "std": (0.3081,),
+        "source": "MNIST training set, as published in the PyTorch MNIST example "
+        "(pytorch/examples mnist/main.py: Normalize((0.1307,), (0.3081,)))",
+    },
+    "fashion-mnist": {
+        "mean": (0.2860,),
+        "std": (0.3530,),
+        "source": "Fashion-MNIST training set (widely published values, e.g. "
+        "chatflip/CalculationMeanStd: 0.2860, 0.3530)",
+    },
+    "cifar10": {
+        "mean": (0.4914, 0.4822, 0.4465),
+        "std": (0.2470, 0.2435, 0.2616),
+        "source": "CIFAR-10 training set per channel: mean (0.49140, 0.48216, 0.44653), "
+        "std (0.24703, 0.24349, 0.26159) (kuangliu/pytorch-cifar issues #8 and #19, "
+        "MadryLab/robustness issue #70; pytorch/tutorials PR #2405)",
+    },
+    "svhn": {
+        "mean": (0.4377, 0.4438, 0.4728),
+        "std": (0.1980, 0.2010, 0.1970),
+        "source": "SVHN training set per channel (widely published values, e.g. "
+        "PatrickZH/DeepCore deepcore/datasets/svhn.py)",
+    },
 }
 
-STD_FLOOR = 1e-3          # of the clipping range: the smallest std a private estimate can report
-_COUNT_WEIGHT = 0.5       # weight of the count coordinate in the released vector
-_ALLOWED = ("must be 'none', 'public' (mnist, fashion-mnist, cifar10, svhn), 'private', a (mean, std) "
-            "pair (numbers, or one per channel/feature) or a recorded preprocessing dict")
+STD_FLOOR = 1e-3  # of the clipping range: the smallest std a private estimate can report
+_COUNT_WEIGHT = 0.5  # weight of the count coordinate in the released vector
+_ALLOWED = (
+    "must be 'none', 'public' (mnist, fashion-mnist, cifar10, svhn), 'private', a (mean, std) "
+    "pair (numbers, or one per channel/feature) or a recorded preprocessing dict"
+)
 
 
 def _values(value, k: int, name: str, shown, what: str) -> np.ndarray:
@@ -68,8 +83,9 @@ def _values(value, k: int, name: str, shown, what: str) -> np.ndarray:
     except (TypeError, ValueError):
         raise InvalidParameterError(name, shown, f"{what} must be numbers") from None
     if arr.size not in (1, k) or not np.all(np.isfinite(arr)):
-        raise InvalidParameterError(name, shown, f"{what} needs 1 or {k} finite values (one per channel "
-                                    "of an image, or per feature of a table)")
+        raise InvalidParameterError(
+            name, shown, f"{what} needs 1 or {k} finite values (one per channel of an image, or per feature of a table)"
+        )
     return np.broadcast_to(arr, (k,)).astype(float)
 
 
@@ -95,7 +111,7 @@ def moment_sums(x: np.ndarray, low, high) -> tuple[np.ndarray, np.ndarray]:
     s1, s2 = np.zeros(k), np.zeros(k)
     chunk = max(1, 4_000_000 // max(1, flat.shape[1] * flat.shape[2]))
     for start in range(0, flat.shape[0], chunk):
-        u = flat[start:start + chunk].astype(np.float64)
+        u = flat[start : start + chunk].astype(np.float64)
         np.clip(u, lo[:, None], hi[:, None], out=u)
         u -= mid[:, None]
         u /= width[:, None]
@@ -106,11 +122,12 @@ def moment_sums(x: np.ndarray, low, high) -> tuple[np.ndarray, np.ndarray]:
 
 def add_remove_sensitivity(k: int) -> float:
     """L2 sensitivity of (Σm, Σs, ½·n) over k channels/features under adding or removing one example."""
-    return math.sqrt(k * (0.25 + 1 / 64) + _COUNT_WEIGHT ** 2)
+    return math.sqrt(k * (0.25 + 1 / 64) + _COUNT_WEIGHT**2)
 
 
-def private_mean_std(x: np.ndarray, low, high, epsilon: float, delta: float,
-                     rng: np.random.Generator | None = None) -> dict:
+def private_mean_std(
+    x: np.ndarray, low, high, epsilon: float, delta: float, rng: np.random.Generator | None = None
+) -> dict:
     """(ε, δ)-DP per-channel/per-feature mean and std of ``x`` (add/remove neighbours).
 
     ``x`` is (n, C, H, W) or (n, d); ``low``/``high`` the public clipping range (scalars or one per
@@ -135,28 +152,50 @@ def private_mean_std(x: np.ndarray, low, high, epsilon: float, delta: float,
         sigma = analytic_gaussian_sigma(epsilon, delta, sensitivity)
     except InvalidParameterError:
         raise
-    except (ValueError, OverflowError):   # outside the calibration's bracket, or exp(ε) overflows
-        raise InvalidParameterError("normalization_epsilon", epsilon, f"cannot be calibrated with "
-                                    f"normalization_delta={delta:g} by the analytic Gaussian mechanism; use a "
-                                    "value between 0.001 and 100") from None
+    except (ValueError, OverflowError):  # outside the calibration's bracket, or exp(ε) overflows
+        raise InvalidParameterError(
+            "normalization_epsilon",
+            epsilon,
+            f"cannot be calibrated with "
+            f"normalization_delta={delta:g} by the analytic Gaussian mechanism; use a "
+            "value between 0.001 and 100",
+        ) from None
     rng = rng if rng is not None else np.random.default_rng(secrets.randbits(128))
     z = rng.normal(0.0, sigma, size=2 * k + 1)
     n_hat = max((_COUNT_WEIGHT * n + z[-1]) / _COUNT_WEIGHT, 1.0)
     mu = np.clip((s1 + z[:k]) / n_hat, -0.5, 0.5)
-    second = np.clip((s2 + z[k:2 * k]) / n_hat + 0.125, 0.0, 0.25)
-    std_u = np.sqrt(np.clip(second - mu * mu, STD_FLOOR ** 2, 0.25))
-    return {"mode": "private", "per": per, "mean": (mid + width * mu).tolist(), "std": (width * std_u).tolist(),
-            "epsilon": epsilon, "delta": delta,
-            "source": "differentially private estimate on the training split (Gaussian mechanism, add/remove "
-                      "neighbours, values clipped to the public range)",
-            "mechanism": "analytic Gaussian (Balle & Wang 2018) on (sum of means, sum of centred second "
-                         "moments, count), values mapped to [-1/2, 1/2]",
-            "clip_range": [lo.tolist(), hi.tolist()], "sensitivity": sensitivity, "noise_std": sigma}
+    second = np.clip((s2 + z[k : 2 * k]) / n_hat + 0.125, 0.0, 0.25)
+    std_u = np.sqrt(np.clip(second - mu * mu, STD_FLOOR**2, 0.25))
+    return {
+        "mode": "private",
+        "per": per,
+        "mean": (mid + width * mu).tolist(),
+        "std": (width * std_u).tolist(),
+        "epsilon": epsilon,
+        "delta": delta,
+        "source": "differentially private estimate on the training split (Gaussian mechanism, add/remove "
+        "neighbours, values clipped to the public range)",
+        "mechanism": "analytic Gaussian (Balle & Wang 2018) on (sum of means, sum of centred second "
+        "moments, count), values mapped to [-1/2, 1/2]",
+        "clip_range": [lo.tolist(), hi.tolist()],
+        "sensitivity": sensitivity,
+        "noise_std": sigma,
+    }
 
 
-def normalize(dataset: str, x_train: np.ndarray, x_test: np.ndarray, normalization=None, *,
-              scaling: str, value_range=None, epsilon=None, delta=None, feature_range=None,
-              rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+def normalize(
+    dataset: str,
+    x_train: np.ndarray,
+    x_test: np.ndarray,
+    normalization=None,
+    *,
+    scaling: str,
+    value_range=None,
+    epsilon=None,
+    delta=None,
+    feature_range=None,
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Apply one normalization mode to both splits with the same constants; return them and the record.
 
     ``normalization``: None (the dataset's default: ``public`` where :data:`PUBLIC_CONSTANTS` has
@@ -170,8 +209,11 @@ def normalize(dataset: str, x_train: np.ndarray, x_test: np.ndarray, normalizati
         normalization = "public" if dataset in PUBLIC_CONSTANTS else "none"
     private = isinstance(normalization, str) and normalization == "private"
     if not private:
-        for name, v in (("normalization_epsilon", epsilon), ("normalization_delta", delta),
-                        ("feature_range", feature_range)):
+        for name, v in (
+            ("normalization_epsilon", epsilon),
+            ("normalization_delta", delta),
+            ("feature_range", feature_range),
+        ):
             if v is not None:
                 raise InvalidParameterError(name, v, "only used with normalization='private'")
     base = {"scaling": scaling, "per": per}
@@ -181,32 +223,66 @@ def normalize(dataset: str, x_train: np.ndarray, x_test: np.ndarray, normalizati
             return x_train, x_test, record
     elif isinstance(normalization, str):
         if normalization == "none":
-            return x_train, x_test, {"mode": "none", **base, "mean": None, "std": None,
-                                     "source": "no standardization", "epsilon": 0.0, "delta": 0.0}
+            return (
+                x_train,
+                x_test,
+                {
+                    "mode": "none",
+                    **base,
+                    "mean": None,
+                    "std": None,
+                    "source": "no standardization",
+                    "epsilon": 0.0,
+                    "delta": 0.0,
+                },
+            )
         if normalization == "public":
             if dataset not in PUBLIC_CONSTANTS:
-                raise InvalidParameterError("normalization", "public", f"dataset {dataset!r} has no published "
-                                            "constants: use 'none', 'private' or a (mean, std) pair")
+                raise InvalidParameterError(
+                    "normalization",
+                    "public",
+                    f"dataset {dataset!r} has no published constants: use 'none', 'private' or a (mean, std) pair",
+                )
             c = PUBLIC_CONSTANTS[dataset]
-            record = {"mode": "public", **base, "mean": list(c["mean"]), "std": list(c["std"]),
-                      "source": c["source"], "epsilon": 0.0, "delta": 0.0}
+            record = {
+                "mode": "public",
+                **base,
+                "mean": list(c["mean"]),
+                "std": list(c["std"]),
+                "source": c["source"],
+                "epsilon": 0.0,
+                "delta": 0.0,
+            }
             if len(c["mean"]) != k:
-                raise InvalidParameterError("normalization", "public", f"the {dataset} constants have "
-                                            f"{len(c['mean'])} channel(s); the data has {k}")
+                raise InvalidParameterError(
+                    "normalization",
+                    "public",
+                    f"the {dataset} constants have {len(c['mean'])} channel(s); the data has {k}",
+                )
         elif normalization == "private":
             if epsilon is None or delta is None:
-                raise InvalidParameterError("normalization_epsilon" if epsilon is None else "normalization_delta",
-                                            None, "required with normalization='private'")
+                raise InvalidParameterError(
+                    "normalization_epsilon" if epsilon is None else "normalization_delta",
+                    None,
+                    "required with normalization='private'",
+                )
             rng_range = value_range
             if feature_range is not None:
                 if value_range is not None:
-                    raise InvalidParameterError("feature_range", feature_range, f"not used for {dataset!r}: its "
-                                                f"values lie in the public range {tuple(value_range)}")
+                    raise InvalidParameterError(
+                        "feature_range",
+                        feature_range,
+                        f"not used for {dataset!r}: its values lie in the public range {tuple(value_range)}",
+                    )
                 rng_range = _pair(feature_range)
             if rng_range is None:
-                raise InvalidParameterError("feature_range", None, "required with normalization='private' on "
-                                            f"{dataset} data: a public range (low, high) for the values, chosen "
-                                            "without looking at the private data")
+                raise InvalidParameterError(
+                    "feature_range",
+                    None,
+                    "required with normalization='private' on "
+                    f"{dataset} data: a public range (low, high) for the values, chosen "
+                    "without looking at the private data",
+                )
             record = {**private_mean_std(x_train, rng_range[0], rng_range[1], epsilon, delta, rng), **base}
         else:
             raise InvalidParameterError("normalization", normalization, _ALLOWED)
@@ -215,12 +291,22 @@ def normalize(dataset: str, x_train: np.ndarray, x_test: np.ndarray, normalizati
         std = _values(normalization[1], k, "normalization", normalization, "std")
         if np.any(std <= 0):
             raise InvalidParameterError("normalization", normalization, "std must be > 0")
-        record = {"mode": "user", **base, "mean": mean.tolist(), "std": std.tolist(),
-                  "source": "given by the user", "epsilon": 0.0, "delta": 0.0}
+        record = {
+            "mode": "user",
+            **base,
+            "mean": mean.tolist(),
+            "std": std.tolist(),
+            "source": "given by the user",
+            "epsilon": 0.0,
+            "delta": 0.0,
+        }
     else:
         raise InvalidParameterError("normalization", normalization, _ALLOWED)
-    return (standardize(x_train, record["mean"], record["std"]),
-            standardize(x_test, record["mean"], record["std"]), record)
+    return (
+        standardize(x_train, record["mean"], record["std"]),
+        standardize(x_test, record["mean"], record["std"]),
+        record,
+    )
 
 
 def _pair(value) -> tuple:
@@ -261,8 +347,9 @@ def parse_normalization(text: str):
         else:
             if math.isfinite(mean) and math.isfinite(std) and std > 0:
                 return (mean, std)
-    raise InvalidParameterError("normalization", text, "must be none, public, private or MEAN,STD (two finite "
-                                "numbers, STD > 0)")
+    raise InvalidParameterError(
+        "normalization", text, "must be none, public, private or MEAN,STD (two finite numbers, STD > 0)"
+    )
 
 
 def parse_feature_range(text: str) -> tuple[float, float]:

@@ -15,6 +15,7 @@ folder is checked before any work: it must be creatable and writable and must no
 folder that holds another run needs ``resume`` or ``overwrite`` (which first removes the old run's
 files).  Leftover temporary files of an interrupted atomic write are removed.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,19 +67,29 @@ class RunFolder:
         if not os.access(p, os.W_OK | os.X_OK) or not os.access(p / PRIVATE, os.W_OK | os.X_OK):
             raise InvalidParameterError(self.flag, str(p), "is not writable")
         self.clean_temporary()
-        holds_run = (p / MANIFEST).exists() or any(q.name != PRIVATE for q in p.iterdir()) \
-            or any((p / PRIVATE).iterdir())
+        holds_run = (
+            (p / MANIFEST).exists() or any(q.name != PRIVATE for q in p.iterdir()) or any((p / PRIVATE).iterdir())
+        )
         if holds_run and not resume:
             if not overwrite:
-                raise InvalidParameterError(self.flag, str(p), "already holds files of another run; use --resume to "
-                                            "continue it, --overwrite to replace it, or a new folder")
+                raise InvalidParameterError(
+                    self.flag,
+                    str(p),
+                    "already holds files of another run; use --resume to "
+                    "continue it, --overwrite to replace it, or a new folder",
+                )
             self.clear()
 
     def discard_if_unused(self) -> None:
         """Remove the folder again if this run created it and wrote nothing into it (a refused run
         leaves no empty folder behind)."""
-        if self.created and not self.manifest and self.path.is_dir() and not any((self.path / PRIVATE).iterdir()) \
-                and all(q.name == PRIVATE for q in self.path.iterdir()):
+        if (
+            self.created
+            and not self.manifest
+            and self.path.is_dir()
+            and not any((self.path / PRIVATE).iterdir())
+            and all(q.name == PRIVATE for q in self.path.iterdir())
+        ):
             shutil.rmtree(self.path, ignore_errors=True)
 
     def clean_temporary(self) -> None:
@@ -86,7 +97,7 @@ class RunFolder:
         for folder in (self.path, self.path / PRIVATE):
             if folder.is_dir():
                 for tmp in folder.glob(".*.tmp"):
-                    if tmp.is_dir() and not tmp.is_symlink():      # an interrupted save_directory
+                    if tmp.is_dir() and not tmp.is_symlink():  # an interrupted save_directory
                         shutil.rmtree(tmp, ignore_errors=True)
                     else:
                         tmp.unlink(missing_ok=True)
@@ -96,13 +107,13 @@ class RunFolder:
         listed = set(self._read_manifest())
         for name in listed:
             target = self.path / name
-            if target.is_dir() and not target.is_symlink():      # a folder of files (save_directory)
+            if target.is_dir() and not target.is_symlink():  # a folder of files (save_directory)
                 shutil.rmtree(target, ignore_errors=True)
             else:
                 target.unlink(missing_ok=True)
         shutil.rmtree(self.path / PRIVATE, ignore_errors=True)
         (self.path / PRIVATE).mkdir(mode=0o700)
-        for q in self.path.iterdir():            # files of runs from before manifests existed
+        for q in self.path.iterdir():  # files of runs from before manifests existed
             if q.is_file() and q.suffix in (".json", ".csv", ".png", ".pt", ".npz", ".html", ".txt"):
                 q.unlink()
         (self.path / MANIFEST).unlink(missing_ok=True)
@@ -123,17 +134,21 @@ class RunFolder:
         self.manifest[rel] = {"kind": kind, "description": description}
         self._write_manifest()
         path = self.path / rel
-        if kind == "private" and path.parent != self.path / PRIVATE:     # sub-folders of private/: 0700 too
+        if kind == "private" and path.parent != self.path / PRIVATE:  # sub-folders of private/: 0700 too
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(path.parent, 0o700)
         return path
 
     def _write_manifest(self) -> None:
-        write_json(self.path / MANIFEST, {
-            "about": "Files of this run. public: covered by the reported privacy guarantees (mode 0644). private: "
-                     "not covered (per-example values, exact statistics, batch sizes, losses, norms, checkpoints; "
-                     "mode 0600, in private/); never publish them.",
-            "files": dict(sorted(self.manifest.items()))})
+        write_json(
+            self.path / MANIFEST,
+            {
+                "about": "Files of this run. public: covered by the reported privacy guarantees (mode 0644). private: "
+                "not covered (per-example values, exact statistics, batch sizes, losses, norms, checkpoints; "
+                "mode 0600, in private/); never publish them.",
+                "files": dict(sorted(self.manifest.items())),
+            },
+        )
 
     def write_json(self, name: str, data, kind: str, description: str) -> Path:
         return write_json(self.file(name, kind, description), data, private=kind == "private")
@@ -150,8 +165,12 @@ class RunFolder:
     def record_seed(self, seed: int, about: str, name: str = SEED_FILE, **extra) -> Path:
         """Write the run's seed to ``private/<name>`` (mode 0600): it replays the sampling and the noise,
         so it is as secret as the data and never goes into a public file."""
-        return self.write_json(name, {"seed": int(seed), **extra, "about": about}, "private",
-                               "the seed (it replays the run's sampling and noise: never publish it)")
+        return self.write_json(
+            name,
+            {"seed": int(seed), **extra, "about": about},
+            "private",
+            "the seed (it replays the run's sampling and noise: never publish it)",
+        )
 
     def save_figure(self, name: str, fig, kind: str, description: str) -> Path:
         import matplotlib.pyplot as plt

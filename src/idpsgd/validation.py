@@ -4,6 +4,7 @@ Every check raises :class:`InvalidParameterError` (a ``ValueError``) whose messa
 argument, the offending value and what is allowed, e.g.
 ``sample_rate=1.5 is invalid: must be in (0, 1]``.  The CLI prints that one line and exits 2.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,9 @@ def _show(value: Any) -> str:
         v = value.item() if hasattr(value, "item") else value
         return str(v) if isinstance(v, (int, float)) else repr(v)
     flat = arr.ravel()
-    return f"array(shape={arr.shape}, min={flat.min() if flat.size else 'n/a'}, max={flat.max() if flat.size else 'n/a'})"
+    return (
+        f"array(shape={arr.shape}, min={flat.min() if flat.size else 'n/a'}, max={flat.max() if flat.size else 'n/a'})"
+    )
 
 
 def _bad_where(name: str, arr: np.ndarray, bad: np.ndarray, allowed: str) -> None:

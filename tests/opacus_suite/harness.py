@@ -15,6 +15,7 @@ as **refused**, anything else as **other**.  The summary line reads
 ``opacus suite: N passed, N refused, N other, N skipped`` and the session fails when ``other``
 exceeds the allow-list in ``allowed_other.txt`` (each entry a node id with its justification).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,8 @@ def import_torchvision():
     implementation, and import again.  The Opacus tests use only torchvision's models,
     transforms and ``FakeData`` (pure Python); calling ``torchvision.ops.nms`` would still fail."""
     try:
-        import torchvision  # noqa: F401
+        import torchvision
+
         return "native"
     except RuntimeError as e:
         if "torchvision::" not in str(e):
@@ -49,8 +51,9 @@ def import_torchvision():
     lib = torch.library.Library("torchvision", "FRAGMENT")
     for op in ("nms", "qnms"):
         lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    import_torchvision.lib = lib           # keep the library (and its definitions) alive
-    import torchvision  # noqa: F401,F811
+    import_torchvision.lib = lib  # keep the library (and its definitions) alive
+    import torchvision  # noqa: F401
+
     return "without its C operators"
 
 
@@ -84,12 +87,13 @@ class Tally:
 
     def add(self, report) -> None:
         entry = self.items.setdefault(report.nodeid, {"outcome": "passed", "failures": []})
-        if report.skipped and report.when in ("setup", "call"):
-            if entry["outcome"] == "passed":
-                entry["outcome"] = "skipped"
+        if report.skipped and report.when in ("setup", "call") and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
         if report.failed:
-            crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None) or \
-                str(report.longrepr).strip().splitlines()[-1]
+            crash = (
+                getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+                or str(report.longrepr).strip().splitlines()[-1]
+            )
             crash = crash.strip()
             refusal = classify(crash) if ENGINE == "idpsgd" else None
             entry["failures"].append({"when": report.when, "refused": refusal, "error": crash[:400]})
@@ -121,8 +125,14 @@ TALLY = Tally()
 def pytest_configure(config):
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("opacus-suite", derandomize=True, max_examples=10, deadline=None,
-                              suppress_health_check=list(HealthCheck), database=None)
+    settings.register_profile(
+        "opacus-suite",
+        derandomize=True,
+        max_examples=10,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     settings.load_profile("opacus-suite")
     config.torchvision = import_torchvision()
     if ENGINE == "idpsgd":
@@ -144,8 +154,13 @@ def pytest_sessionfinish(session, exitstatus):
     session.config._opacus_suite = (counts, unexplained)
     out = os.environ.get("IDPSGD_OPACUS_RESULTS")
     if out:
-        Path(out).write_text(json.dumps({"engine": ENGINE, "counts": counts, "unexplained_other": unexplained,
-                                         "tests": TALLY.items}, indent=1, sort_keys=True))
+        Path(out).write_text(
+            json.dumps(
+                {"engine": ENGINE, "counts": counts, "unexplained_other": unexplained, "tests": TALLY.items},
+                indent=1,
+                sort_keys=True,
+            )
+        )
     if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED if unexplained else pytest.ExitCode.OK
 
@@ -165,7 +180,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for node in unexplained:
         errors = "; ".join(f["error"] for f in TALLY.items[node]["failures"] if not f["refused"])
         tr.write_line(f"OTHER  {node}: {errors[:300]}")
-    tr.write_line(f"opacus suite: {counts['passed']} passed, {counts['refused']} refused, {counts['other']} other, "
-                  f"{counts['skipped']} skipped" + (f" ({len(unexplained)} not on the allow-list)"
-                                                    if counts["other"] != len(unexplained) else ""))
-
+    tr.write_line(
+        f"opacus suite: {counts['passed']} passed, {counts['refused']} refused, {counts['other']} other, "
+        f"{counts['skipped']} skipped"
+        + (f" ({len(unexplained)} not on the allow-list)" if counts["other"] != len(unexplained) else "")
+    )

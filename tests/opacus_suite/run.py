@@ -10,6 +10,7 @@ documented refusal (``idpsgd.engine.opacus_compat.REFUSALS``) nor on ``allowed_o
 Needs ``hypothesis``, ``pytest-timeout`` and ``torchvision`` (``make test-opacus`` installs them;
 torchvision goes to ``--site``, outside the project's environment, see ``harness.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-FILES = ("privacy_engine_test", "privacy_engine_validation_test", "randomness_test", "batch_memory_manager_test",
-         "gradient_accumulation_test", "accounting_noise_multiplier_test")
+FILES = (
+    "privacy_engine_test",
+    "privacy_engine_validation_test",
+    "randomness_test",
+    "batch_memory_manager_test",
+    "gradient_accumulation_test",
+    "accounting_noise_multiplier_test",
+)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", action="store_true", help="run Opacus's own PrivacyEngine instead of idpsgd's")
-    parser.add_argument("--site", default=str(ROOT / ".opacus-suite"),
-                        help="folder with torchvision (pip install --no-deps --target); default %(default)s")
+    parser.add_argument(
+        "--site",
+        default=str(ROOT / ".opacus-suite"),
+        help="folder with torchvision (pip install --no-deps --target); default %(default)s",
+    )
     parser.add_argument("--results", help="write every test's outcome and error as JSON to this file")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per test (pytest-timeout)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -41,9 +51,22 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
     import pytest
 
-    return int(pytest.main(["-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE), "-p", "harness",
-                            f"--timeout={args.timeout}", "--pyargs", *(f"opacus.tests.{f}" for f in FILES),
-                            *args.pytest_args]))
+    return int(
+        pytest.main(
+            [
+                "-c",
+                str(HERE / "pytest.ini"),
+                "--rootdir",
+                str(HERE),
+                "-p",
+                "harness",
+                f"--timeout={args.timeout}",
+                "--pyargs",
+                *(f"opacus.tests.{f}" for f in FILES),
+                *args.pytest_args,
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

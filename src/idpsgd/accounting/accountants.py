@@ -9,10 +9,11 @@
 
 :func:`max_steps_within` answers "how many more steps fit in a budget" for either accountant.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,18 +42,26 @@ def _check_min_sigma(noise_multiplier, name: str = "noise_multiplier") -> None:
     small = s < MIN_NOISE_MULTIPLIER
     if np.any(small):
         v = float(s[small].ravel()[0])
-        raise InvalidParameterError(name, v, f"must be >= {MIN_NOISE_MULTIPLIER:g}: below it the privacy loss is "
-                                    "astronomically large and no accountant reports a meaningful epsilon")
+        raise InvalidParameterError(
+            name,
+            v,
+            f"must be >= {MIN_NOISE_MULTIPLIER:g}: below it the privacy loss is "
+            "astronomically large and no accountant reports a meaningful epsilon",
+        )
 
 
 def _event_arrays(events: Sequence[SampledGaussianEvent]):
     ev = [e for e in events if e.count > 0 and e.sample_rate > 0 and np.isfinite(e.noise_multiplier)]
-    return ev, (np.array([[e.sample_rate for e in ev]]), np.array([[e.noise_multiplier for e in ev]]),
-                np.array([[e.count for e in ev]], dtype=float))
+    return ev, (
+        np.array([[e.sample_rate for e in ev]]),
+        np.array([[e.noise_multiplier for e in ev]]),
+        np.array([[e.count for e in ev]], dtype=float),
+    )
 
 
-def rdp_epsilon(events: Sequence[SampledGaussianEvent], delta: float, orders=DEFAULT_ORDERS,
-                refine: bool = True) -> tuple[float, float]:
+def rdp_epsilon(
+    events: Sequence[SampledGaussianEvent], delta: float, orders=DEFAULT_ORDERS, refine: bool = True
+) -> tuple[float, float]:
     """(ε, order) of the composition of ``events`` by RDP.
 
     By default the order is adaptive: the best of the order universe of ``orders`` (grid,
@@ -82,14 +91,15 @@ def _single_pmf_points(sample_rate: float, noise_multiplier: float, discretizati
 
     worst = 0.0
     for adj in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD) if sample_rate < 1 else (plm.AdjacencyType.REMOVE,):
-        b = plm.GaussianPrivacyLoss(noise_multiplier, sampling_prob=sample_rate, adjacency_type=adj,
-                                    log_mass_truncation_bound=-50).connect_dots_bounds()
+        b = plm.GaussianPrivacyLoss(
+            noise_multiplier, sampling_prob=sample_rate, adjacency_type=adj, log_mass_truncation_bound=-50
+        ).connect_dots_bounds()
         worst = max(worst, (b.epsilon_upper - b.epsilon_lower) / discretization + 2)
     return worst
 
 
 def _pmfs(pld):
-    return [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
+    return [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
 
 
 def _composed_points(pld, count: int) -> int:
@@ -99,8 +109,8 @@ def _composed_points(pld, count: int) -> int:
 
     worst = 0
     for pmf in _pmfs(pld):
-        probs = pmf.to_dense_pmf()._probs  # noqa: SLF001
-        if len(probs) * int(count) <= PLD_MAX_POINTS:     # the composition's full extent fits
+        probs = pmf.to_dense_pmf()._probs
+        if len(probs) * int(count) <= PLD_MAX_POINTS:  # the composition's full extent fits
             worst = max(worst, fft.next_fast_len(len(probs) * int(count)))
             continue
         lo, hi = common.compute_self_convolve_bounds(probs, int(count), _TAIL_MASS)
@@ -108,8 +118,14 @@ def _composed_points(pld, count: int) -> int:
     return worst
 
 
-def sgm_pld(sample_rate: float, noise_multiplier: float, count: int, discretization: float | None = None,
-            names=("sample_rate", "noise_multiplier", "steps"), single=None):
+def sgm_pld(
+    sample_rate: float,
+    noise_multiplier: float,
+    count: int,
+    discretization: float | None = None,
+    names=("sample_rate", "noise_multiplier", "steps"),
+    single=None,
+):
     """dp_accounting ``PrivacyLossDistribution`` of ``count`` SGM steps, with its grid sizes checked first.
 
     Raises :class:`InvalidParameterError` naming ``names[1]`` (one step's grid too large) or
@@ -118,24 +134,30 @@ def sgm_pld(sample_rate: float, noise_multiplier: float, count: int, discretizat
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
     d = discretization or PLD_DISCRETIZATION
-    if single is not None:          # the caller's one-step PLD of the same mechanism (already checked)
+    if single is not None:  # the caller's one-step PLD of the same mechanism (already checked)
         pld = single
     else:
         _check_min_sigma(noise_multiplier, names[1])
         one = _single_pmf_points(sample_rate, noise_multiplier, d)
         if one > PLD_MAX_POINTS:
             raise InvalidParameterError(
-                names[1], noise_multiplier,
+                names[1],
+                noise_multiplier,
                 f"is too small for PLD accounting at {names[0]}={sample_rate:g}: one step's privacy loss "
-                f"distribution would need {one:.3g} grid points (limit {PLD_MAX_POINTS}); use the rdp accountant")
-        pld = pld_lib.from_gaussian_mechanism(standard_deviation=noise_multiplier, value_discretization_interval=d,
-                                              sampling_prob=sample_rate)
+                f"distribution would need {one:.3g} grid points (limit {PLD_MAX_POINTS}); use the rdp accountant",
+            )
+        pld = pld_lib.from_gaussian_mechanism(
+            standard_deviation=noise_multiplier, value_discretization_interval=d, sampling_prob=sample_rate
+        )
     if count > 1:
         composed = _composed_points(pld, count)
         if composed > PLD_MAX_POINTS:
             raise InvalidParameterError(
-                names[2], count, f"is too many for PLD accounting of this mechanism: the composition would need "
-                f"{composed:.3g} grid points (limit {PLD_MAX_POINTS}); use the rdp accountant")
+                names[2],
+                count,
+                f"is too many for PLD accounting of this mechanism: the composition would need "
+                f"{composed:.3g} grid points (limit {PLD_MAX_POINTS}); use the rdp accountant",
+            )
         pld = pld.self_compose(int(count))
     return pld
 
@@ -143,13 +165,15 @@ def sgm_pld(sample_rate: float, noise_multiplier: float, count: int, discretizat
 def _compose_checked(a, b):
     size = max(x.size for x in _pmfs(a)) + max(x.size for x in _pmfs(b))
     if size > PLD_MAX_POINTS:
-        raise InvalidParameterError("events", f"{size} grid points", f"the PLD composition would exceed "
-                                    f"{PLD_MAX_POINTS} points; use the rdp accountant")
+        raise InvalidParameterError(
+            "events",
+            f"{size} grid points",
+            f"the PLD composition would exceed {PLD_MAX_POINTS} points; use the rdp accountant",
+        )
     return a.compose(b)
 
 
-def pld_epsilon(events: Sequence[SampledGaussianEvent], delta: float,
-                discretization: float | None = None) -> float:
+def pld_epsilon(events: Sequence[SampledGaussianEvent], delta: float, discretization: float | None = None) -> float:
     """ε of the composition of ``events`` by dp_accounting's PLD (the same construction as its
     ``PLDAccountant``: each event's PLD self-composed, then composed in order)."""
     delta = check_delta(delta)
@@ -164,8 +188,11 @@ def _events_pld(events, discretization):
     does: the identity composed with each event's self-composed PLD in order."""
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-    parts = [sgm_pld(ev.sample_rate, ev.noise_multiplier, int(ev.count), discretization) for ev in events
-             if ev.count > 0 and ev.sample_rate > 0 and np.isfinite(ev.noise_multiplier)]
+    parts = [
+        sgm_pld(ev.sample_rate, ev.noise_multiplier, int(ev.count), discretization)
+        for ev in events
+        if ev.count > 0 and ev.sample_rate > 0 and np.isfinite(ev.noise_multiplier)
+    ]
     if not parts:
         return None
     pld = pld_lib.identity(value_discretization_interval=discretization or PLD_DISCRETIZATION)
@@ -181,7 +208,7 @@ def _rdp(events, delta):
 ACCOUNTANTS: dict[str, Callable[[Sequence[SampledGaussianEvent], float], float]] = {
     "rdp": _rdp,
     "pld": pld_epsilon,
-    "prv": prv_epsilon,      # Gopi et al. 2021 via Opacus's PRV code, its upper bound (.prv)
+    "prv": prv_epsilon,  # Gopi et al. 2021 via Opacus's PRV code, its upper bound (.prv)
 }
 
 
@@ -192,8 +219,9 @@ def get_accountant(name: str) -> Callable[[Sequence[SampledGaussianEvent], float
         raise InvalidParameterError("accountant", name, f"must be one of {', '.join(sorted(ACCOUNTANTS))}") from None
 
 
-def epsilon_sgm(sample_rate, noise_multiplier, steps, delta: float, accountant: str = "rdp",
-                refine: bool = True) -> np.ndarray:
+def epsilon_sgm(
+    sample_rate, noise_multiplier, steps, delta: float, accountant: str = "rdp", refine: bool = True
+) -> np.ndarray:
     """ε after ``steps`` SGM steps for arrays of (q, σ, steps), broadcast.
 
     ``rdp``: vectorized, adaptive orders (``refine=False``: the default grid); ``pld``: one
@@ -206,6 +234,7 @@ def epsilon_sgm(sample_rate, noise_multiplier, steps, delta: float, accountant: 
         raise InvalidParameterError("steps", steps, "must be integers >= 0")
     q, s, t = np.broadcast_arrays(np.asarray(sample_rate, float), np.asarray(noise_multiplier, float), st)
     from ..validation import check_noise_multiplier, check_sample_rate
+
     check_sample_rate(q, allow_zero=True)
     check_noise_multiplier(s)
     _check_min_sigma(s)
@@ -222,9 +251,15 @@ def epsilon_sgm(sample_rate, noise_multiplier, steps, delta: float, accountant: 
 
 
 # --- how many steps fit in a budget -----------------------------------------------------------
-def max_steps_within(events_before: Sequence[SampledGaussianEvent], step_sample_rate: float,
-                     step_noise_multiplier: float, budget: float, delta: float, accountant: str = "rdp",
-                     limit: int = 10**9) -> int:
+def max_steps_within(
+    events_before: Sequence[SampledGaussianEvent],
+    step_sample_rate: float,
+    step_noise_multiplier: float,
+    budget: float,
+    delta: float,
+    accountant: str = "rdp",
+    limit: int = 10**9,
+) -> int:
     """Largest integer T ≥ 0 with ε(events_before + T steps of SGM(q, σ)) ≤ ``budget``.
 
     ε is the accountant's (``rdp``: adaptive orders, exactly :func:`rdp_epsilon`; ``pld``:
@@ -246,8 +281,11 @@ def max_steps_within(events_before: Sequence[SampledGaussianEvent], step_sample_
     if not sigma > 0:
         raise InvalidParameterError("noise_multiplier", sigma, "must be > 0")
     if q == 0 or math.isinf(sigma):
-        raise InvalidParameterError("sample_rate" if q == 0 else "noise_multiplier", q if q == 0 else sigma,
-                                    "gives a step without privacy cost: every number of steps fits the budget")
+        raise InvalidParameterError(
+            "sample_rate" if q == 0 else "noise_multiplier",
+            q if q == 0 else sigma,
+            "gives a step without privacy cost: every number of steps fits the budget",
+        )
     events_before = list(events_before)
     eps_at = _steps_epsilon_fn(events_before, q, sigma, delta, accountant)
 
@@ -255,20 +293,22 @@ def max_steps_within(events_before: Sequence[SampledGaussianEvent], step_sample_
     if e0 > budget:
         raise UnreachableTargetError(
             f"budget={budget!r} is already exceeded before the next step: the events so far spend "
-            f"epsilon={e0:.6g} ({accountant}, delta={delta:g}); not even 0 more steps fit")
+            f"epsilon={e0:.6g} ({accountant}, delta={delta:g}); not even 0 more steps fit"
+        )
     lo, hi = 0, 1
     while True:
         if hi > limit:
             if eps_at(limit) <= budget:
                 raise UnreachableTargetError(
                     f"budget={budget!r} is not exhausted by limit={limit} more steps "
-                    f"({accountant}, delta={delta:g}); raise the limit")
+                    f"({accountant}, delta={delta:g}); raise the limit"
+                )
             hi = limit
             break
         if eps_at(hi) > budget:
             break
         lo, hi = hi, 2 * hi
-    while hi - lo > 1:        # invariant: ε(lo) ≤ budget < ε(hi)
+    while hi - lo > 1:  # invariant: ε(lo) ≤ budget < ε(hi)
         mid = (lo + hi) // 2
         if eps_at(mid) <= budget:
             lo = mid
@@ -292,12 +332,15 @@ def _steps_epsilon_fn(events_before, q, sigma, delta, accountant):
                 res = search_orders(lambda rows, k: before.value(k) + t * step.value(k), 1, delta)
                 memo[t] = float(res.epsilon[0])
             return memo[t]
+
         return eps_at
     if accountant == "prv":
+
         def eps_prv(t: int) -> float:
             if t not in memo:
                 memo[t] = prv_epsilon([*events_before, SampledGaussianEvent(q, sigma, t)], delta)
             return memo[t]
+
         return eps_prv
 
     from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -305,11 +348,12 @@ def _steps_epsilon_fn(events_before, q, sigma, delta, accountant):
     base = _events_pld(events_before, None)
     if base is None:
         base = pld_lib.identity(value_discretization_interval=PLD_DISCRETIZATION)
-    one = sgm_pld(q, sigma, 1, None)      # built once; each T self-composes it
+    one = sgm_pld(q, sigma, 1, None)  # built once; each T self-composes it
 
     def eps_pld(t: int) -> float:
         if t not in memo:
             pld = base if t == 0 else _compose_checked(base, sgm_pld(q, sigma, t, None, single=one))
             memo[t] = float(max(pld.get_epsilon_for_delta(delta), 0.0))
         return memo[t]
+
     return eps_pld

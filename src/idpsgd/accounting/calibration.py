@@ -18,14 +18,22 @@ on the window's edge triggers the full search).  The answer is then re-checked w
 search.  **PLD** is bracketed around the RDP answer (PLD is tighter, so its σ is a little smaller
 and its q a little larger) and widened until the bracket holds the target.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from ..validation import (InvalidParameterError, UnreachableTargetError, check_delta, check_epsilon,
-                          check_noise_multiplier, check_sample_rate, check_steps)
+from ..validation import (
+    InvalidParameterError,
+    UnreachableTargetError,
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    check_sample_rate,
+    check_steps,
+)
 from .accountants import _check_min_sigma, epsilon_sgm, get_accountant
 from .orders import search_orders, sgm_rdp_at
 
@@ -34,9 +42,17 @@ SAMPLE_RATE_RANGE = (1e-9, 1.0)
 RTOL = 1e-4
 
 
-def solve_monotone(f: Callable[[np.ndarray, np.ndarray], np.ndarray], target, lo, hi,
-                   increasing: bool, rtol: float = RTOL, max_iter: int = 200,
-                   name: str = "target", what: str = "x") -> np.ndarray:
+def solve_monotone(
+    f: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    target,
+    lo,
+    hi,
+    increasing: bool,
+    rtol: float = RTOL,
+    max_iter: int = 200,
+    name: str = "target",
+    what: str = "x",
+) -> np.ndarray:
     """x in [lo, hi] with (1 − rtol)·target ≤ f(x) ≤ target for each element of ``target``.
 
     ``f(x, idx)`` returns the monotone quantity at parameters ``x`` for the flat target indices
@@ -56,10 +72,10 @@ def solve_monotone(f: Callable[[np.ndarray, np.ndarray], np.ndarray], target, lo
     aim = np.log(t) + 0.5 * np.log1p(-rtol)
     lo_band, hi_band = 0.5 * np.log1p(-rtol), -0.5 * np.log1p(-rtol)
 
-    def g_at(x_values, idx):        # at parameter values
+    def g_at(x_values, idx):  # at parameter values
         return np.log(np.maximum(np.ravel(f(x_values, idx)), 1e-300)) - aim[idx]
 
-    def g(x, idx):                  # at log parameter values
+    def g(x, idx):  # at log parameter values
         return g_at(np.exp(x), idx)
 
     def in_band(v):
@@ -70,16 +86,17 @@ def solve_monotone(f: Callable[[np.ndarray, np.ndarray], np.ndarray], target, lo
     xb = np.broadcast_to(np.asarray(hi if increasing else lo, dtype=float), (n,)).astype(float)
     a, b = np.log(xa), np.log(xb)
     a0, b0 = a.copy(), b.copy()
-    ga, gb = g_at(xa, every), g_at(xb, every)     # the ends exactly as given
+    ga, gb = g_at(xa, every), g_at(xb, every)  # the ends exactly as given
     answer = np.full(n, np.nan)
-    for end, gend in ((xa, ga), (xb, gb)):        # an end that meets the tolerance is an answer
+    for end, gend in ((xa, ga), (xb, gb)):  # an end that meets the tolerance is an answer
         ok = in_band(gend) & np.isnan(answer)
         answer[ok] = end[ok]
     bad = np.isnan(answer) & ((ga > 0) | (gb <= 0))
     if np.any(bad):
         i = int(np.flatnonzero(bad)[0])
-        _unreachable(name, t[i], what, np.exp(a0[i]), np.exp(b0[i]), np.exp(ga[i] + aim[i]), np.exp(gb[i] + aim[i]),
-                     increasing)
+        _unreachable(
+            name, t[i], what, np.exp(a0[i]), np.exp(b0[i]), np.exp(ga[i] + aim[i]), np.exp(gb[i] + aim[i]), increasing
+        )
     done = ~np.isnan(answer)
     side = np.zeros(n, dtype=int)
     collapsed = np.zeros(n, dtype=bool)
@@ -108,28 +125,33 @@ def solve_monotone(f: Callable[[np.ndarray, np.ndarray], np.ndarray], target, lo
         done[idx] = hit | stuck
     if np.any(collapsed):
         i = int(np.flatnonzero(collapsed)[0])
-        fa = float(np.ravel(f(np.exp(a[i:i + 1]), np.array([i])))[0])
-        fb = float(np.ravel(f(np.exp(b[i:i + 1]), np.array([i])))[0])
+        fa = float(np.ravel(f(np.exp(a[i : i + 1]), np.array([i])))[0])
+        fb = float(np.ravel(f(np.exp(b[i : i + 1]), np.array([i])))[0])
         raise UnreachableTargetError(
             f"{name}={t[i]:.6g} cannot be met within rtol={rtol:g}: the value jumps from {fb:.6g} to {fa:.6g} "
-            f"at {what}={np.exp(a[i]):.10g}, so no {what} gives one in [{t[i] * (1 - rtol):.6g}, {t[i]:.6g}]")
+            f"at {what}={np.exp(a[i]):.10g}, so no {what} gives one in [{t[i] * (1 - rtol):.6g}, {t[i]:.6g}]"
+        )
     if not np.all(done):
         i = int(np.flatnonzero(~done)[0])
         raise UnreachableTargetError(
             f"{name}={t[i]:.6g}: the search for {what} did not converge in {max_iter} iterations "
-            f"(bracket [{np.exp(min(a[i], b[i])):.10g}, {np.exp(max(a[i], b[i])):.10g}])")
+            f"(bracket [{np.exp(min(a[i], b[i])):.10g}, {np.exp(max(a[i], b[i])):.10g}])"
+        )
     return answer
 
 
 def _unreachable(name, target, what, x_feasible_end, x_other_end, f_a, f_b, increasing):
     lo_x, hi_x = sorted([float(x_feasible_end), float(x_other_end)])
     lo_f, hi_f = sorted([float(f_a), float(f_b)])
-    if lo_x == hi_x:      # the search narrowed to one end of its range
-        raise UnreachableTargetError(f"{name}={float(target):.6g} is unreachable: the reachable epsilon ends at "
-                                     f"{lo_f:.6g}, at {what}={lo_x:g}, for these parameters")
+    if lo_x == hi_x:  # the search narrowed to one end of its range
+        raise UnreachableTargetError(
+            f"{name}={float(target):.6g} is unreachable: the reachable epsilon ends at "
+            f"{lo_f:.6g}, at {what}={lo_x:g}, for these parameters"
+        )
     raise UnreachableTargetError(
         f"{name}={float(target):.6g} is unreachable: with {what} in [{lo_x:g}, {hi_x:g}] the reachable "
-        f"epsilon is [{lo_f:.6g}, {hi_f:.6g}] for these parameters")
+        f"epsilon is [{lo_f:.6g}, {hi_f:.6g}] for these parameters"
+    )
 
 
 class _RdpEvaluator:
@@ -138,8 +160,15 @@ class _RdpEvaluator:
     ``free`` is ``"sigma"`` (fixed q per target) or ``"q"`` (fixed σ per target).
     """
 
-    def __init__(self, fixed: np.ndarray, steps: int, delta: float, free: str, windowed: bool = True,
-                 hint: np.ndarray | None = None):
+    def __init__(
+        self,
+        fixed: np.ndarray,
+        steps: int,
+        delta: float,
+        free: str,
+        windowed: bool = True,
+        hint: np.ndarray | None = None,
+    ):
         self.fixed, self.steps, self.delta, self.free = fixed, float(steps), delta, free
         n = fixed.size
         self.windowed = windowed
@@ -159,8 +188,8 @@ class _RdpEvaluator:
             return lo, hi
         half = 6
         LX, K = self.lx[idx], self.k[idx]
-        below = np.where(LX <= lx[:, None], LX, -np.inf)
-        above = np.where(LX >= lx[:, None], LX, np.inf)
+        below = np.where(lx[:, None] >= LX, LX, -np.inf)
+        above = np.where(lx[:, None] <= LX, LX, np.inf)
         ib, ia = np.argmax(below, axis=1), np.argmin(above, axis=1)
         r = np.arange(idx.size)
         xb, xa = below[r, ib], above[r, ia]
@@ -205,8 +234,15 @@ class _RdpEvaluator:
         return self.evaluate(x, idx)[0]
 
 
-def calibrate_noise_multiplier(target_epsilon, delta: float, sample_rate, steps: int,
-                               accountant: str = "rdp", rtol: float = RTOL, name: str = "target_epsilon"):
+def calibrate_noise_multiplier(
+    target_epsilon,
+    delta: float,
+    sample_rate,
+    steps: int,
+    accountant: str = "rdp",
+    rtol: float = RTOL,
+    name: str = "target_epsilon",
+):
     """σ such that ``steps`` SGM steps at rate q spend ε in [(1 − rtol)·target, target].
 
     Vectorized over ``target_epsilon`` and ``sample_rate`` (broadcast).  ε is the accountant's
@@ -216,14 +252,23 @@ def calibrate_noise_multiplier(target_epsilon, delta: float, sample_rate, steps:
     eps_t = check_epsilon(target_epsilon, name)
     q = check_sample_rate(sample_rate)
     eps_t, q = np.broadcast_arrays(eps_t, q)
-    x = _calibrate(q.ravel().astype(float), eps_t, delta, steps, accountant, rtol, SIGMA_RANGE, False,
-                   "noise_multiplier", name)
+    x = _calibrate(
+        q.ravel().astype(float), eps_t, delta, steps, accountant, rtol, SIGMA_RANGE, False, "noise_multiplier", name
+    )
     return float(x) if x.ndim == 0 else x
 
 
-def calibrate_sample_rate(target_epsilon, delta: float, noise_multiplier, steps: int,
-                          accountant: str = "rdp", rtol: float = RTOL, name: str = "target_epsilon",
-                          bracket=None, hint=None):
+def calibrate_sample_rate(
+    target_epsilon,
+    delta: float,
+    noise_multiplier,
+    steps: int,
+    accountant: str = "rdp",
+    rtol: float = RTOL,
+    name: str = "target_epsilon",
+    bracket=None,
+    hint=None,
+):
     """q such that ``steps`` SGM steps with noise σ spend ε in [(1 − rtol)·target, target].
 
     ``bracket=(lo, hi)`` (arrays per target, inside ``SAMPLE_RATE_RANGE``) narrows the search
@@ -233,13 +278,40 @@ def calibrate_sample_rate(target_epsilon, delta: float, noise_multiplier, steps:
     sig = check_noise_multiplier(noise_multiplier, allow_inf=False)
     _check_min_sigma(sig)
     eps_t, sig = np.broadcast_arrays(eps_t, sig)
-    x = _calibrate(sig.ravel().astype(float), eps_t, delta, steps, accountant, rtol, SAMPLE_RATE_RANGE, True,
-                   "sample_rate", name, bracket=bracket, hint=hint)
+    x = _calibrate(
+        sig.ravel().astype(float),
+        eps_t,
+        delta,
+        steps,
+        accountant,
+        rtol,
+        SAMPLE_RATE_RANGE,
+        True,
+        "sample_rate",
+        name,
+        bracket=bracket,
+        hint=hint,
+    )
     return float(x) if x.ndim == 0 else x
 
 
-def _calibrate(fixed, eps_t, delta, steps, accountant, rtol, bounds, increasing, what, name,
-               bracket=None, hint=None, return_index=False, verify=True, x_guess=None):
+def _calibrate(
+    fixed,
+    eps_t,
+    delta,
+    steps,
+    accountant,
+    rtol,
+    bounds,
+    increasing,
+    what,
+    name,
+    bracket=None,
+    hint=None,
+    return_index=False,
+    verify=True,
+    x_guess=None,
+):
     delta = check_delta(delta)
     steps = check_steps(steps)
     get_accountant(accountant)
@@ -253,18 +325,32 @@ def _calibrate(fixed, eps_t, delta, steps, accountant, rtol, bounds, increasing,
         lo = np.maximum(lo, np.broadcast_to(np.asarray(bracket[0], dtype=float), (n,)))
         hi = np.minimum(hi, np.broadcast_to(np.asarray(bracket[1], dtype=float), (n,)))
     if accountant == "rdp":
-        x, k = _calibrate_rdp(fixed, flat, delta, steps, rtol, lo, hi, increasing, what, name, hint, verify,
-                              guess=bracket is None, x_guess=x_guess)
+        x, k = _calibrate_rdp(
+            fixed,
+            flat,
+            delta,
+            steps,
+            rtol,
+            lo,
+            hi,
+            increasing,
+            what,
+            name,
+            hint,
+            verify,
+            guess=bracket is None,
+            x_guess=x_guess,
+        )
         out = x.reshape(eps_t.shape)
         return (out, k) if return_index else out
     free = "q" if what == "sample_rate" else "sigma"
-    memo: dict = {}     # (target, x) → ε: PLD evaluations are expensive; the bracket's ends are reused
+    memo: dict = {}  # (target, x) → ε: PLD evaluations are expensive; the bracket's ends are reused
 
     def f(x, idx):
         x = np.ravel(np.asarray(x, dtype=float))
         idx = np.ravel(np.asarray(idx))
         out = np.empty(x.size)
-        for j, (xi, i) in enumerate(zip(x.tolist(), idx.tolist())):
+        for j, (xi, i) in enumerate(zip(x.tolist(), idx.tolist(), strict=True)):
             key = (i, xi)
             if key not in memo:
                 q, s = (xi, fixed[i]) if free == "q" else (fixed[i], xi)
@@ -272,29 +358,30 @@ def _calibrate(fixed, eps_t, delta, steps, accountant, rtol, bounds, increasing,
             out[j] = memo[key]
         return out
 
-    if bracket is not None:          # the caller's bracket holds the answer: solve in it directly
+    if bracket is not None:  # the caller's bracket holds the answer: solve in it directly
         x = solve_monotone(f, flat, lo, hi, increasing, rtol, name=name, what=what)
         return x.reshape(eps_t.shape)
     try:
-        x_rdp = _calibrate(fixed, eps_t, delta, steps, "rdp", rtol, bounds, increasing, what, name,
-                           hint=hint).ravel()
+        x_rdp = _calibrate(fixed, eps_t, delta, steps, "rdp", rtol, bounds, increasing, what, name, hint=hint).ravel()
     except UnreachableTargetError as exc:
-        raise UnreachableTargetError(f"{exc} [rdp; the {accountant} calibration starts from the rdp one, so it "
-                                     f"is refused too]") from None
+        raise UnreachableTargetError(
+            f"{exc} [rdp; the {accountant} calibration starts from the rdp one, so it is refused too]"
+        ) from None
     lo, hi = _pld_bracket(f, flat, x_rdp, lo, hi, increasing)
     x = solve_monotone(f, flat, lo, hi, increasing, rtol, name=name, what=what)
     return x.reshape(eps_t.shape)
 
 
-def _calibrate_rdp(fixed, flat, delta, steps, rtol, lo, hi, increasing, what, name, hint, verify=True,
-                   guess=True, x_guess=None):
+def _calibrate_rdp(
+    fixed, flat, delta, steps, rtol, lo, hi, increasing, what, name, hint, verify=True, guess=True, x_guess=None
+):
     free = "q" if what == "sample_rate" else "sigma"
     ev = _RdpEvaluator(fixed, steps, delta, free, hint=hint)
     lo0, hi0 = lo, hi
     if guess:
         lo, hi = _guess_bracket(ev, flat, fixed, steps, delta, lo, hi, free, x_guess)
     x = solve_monotone(ev, flat, lo, hi, increasing, rtol, name=name, what=what)
-    if not verify:   # internal use inside an outer search; the final answer is verified there
+    if not verify:  # internal use inside an outer search; the final answer is verified there
         last = ev.count - 1
         return x, ev.k[np.arange(flat.size), np.maximum(last, 0)]
     # The windowed search equals the full one when ε(α) is unimodal; check with the full search.
@@ -317,13 +404,13 @@ def _pld_bracket(f, target, x_rdp, lo, hi, increasing, factor: float = 1.5, trie
     The first step away from the RDP answer is ×``first`` (PLD's σ is typically 5–15 % smaller,
     its q larger), later ones ×``factor``."""
     n = target.size
-    feas_end = x_rdp.copy()      # PLD ε ≤ RDP ε, so the RDP answer is usually feasible
+    feas_end = x_rdp.copy()  # PLD ε ≤ RDP ε, so the RDP answer is usually feasible
     other = x_rdp.copy()
     toward_feasible = (1 / factor) if increasing else factor
     for i in range(n):
         idx = np.array([i])
-        for _ in range(tries):      # make the feasible end feasible
-            if f(feas_end[i:i + 1], idx)[0] <= target[i]:
+        for _ in range(tries):  # make the feasible end feasible
+            if f(feas_end[i : i + 1], idx)[0] <= target[i]:
                 break
             nxt = feas_end[i] * toward_feasible
             feas_end[i] = min(max(nxt, lo[i]), hi[i])
@@ -331,27 +418,53 @@ def _pld_bracket(f, target, x_rdp, lo, hi, increasing, factor: float = 1.5, trie
                 break
         other[i] = feas_end[i]
         step = (1 / first) if toward_feasible > 1 else first
-        for _ in range(tries):      # and the other end infeasible
+        for _ in range(tries):  # and the other end infeasible
             nxt = other[i] * step
             step = 1 / toward_feasible
             other[i] = min(max(nxt, lo[i]), hi[i])
-            if other[i] in (lo[i], hi[i]) or f(other[i:i + 1], idx)[0] > target[i]:
+            if other[i] in (lo[i], hi[i]) or f(other[i : i + 1], idx)[0] > target[i]:
                 break
     return (feas_end, other) if increasing else (other, feas_end)
 
 
-def sample_rates_rdp(epsilons, delta: float, noise_multiplier: float, steps: int, rtol: float = RTOL,
-                     bracket=None, hint=None, verify: bool = True, name: str = "budgets", x_guess=None):
+def sample_rates_rdp(
+    epsilons,
+    delta: float,
+    noise_multiplier: float,
+    steps: int,
+    rtol: float = RTOL,
+    bracket=None,
+    hint=None,
+    verify: bool = True,
+    name: str = "budgets",
+    x_guess=None,
+):
     """Internal (assignment's Sample search): RDP sample rates per target and their best order indices."""
     eps_t = check_epsilon(epsilons, name).ravel()
     fixed = np.full(eps_t.size, float(noise_multiplier))
-    return _calibrate(fixed, eps_t, delta, steps, "rdp", rtol, SAMPLE_RATE_RANGE, True, "sample_rate", name,
-                      bracket=bracket, hint=hint, return_index=True, verify=verify, x_guess=x_guess)
+    return _calibrate(
+        fixed,
+        eps_t,
+        delta,
+        steps,
+        "rdp",
+        rtol,
+        SAMPLE_RATE_RANGE,
+        True,
+        "sample_rate",
+        name,
+        bracket=bracket,
+        hint=hint,
+        return_index=True,
+        verify=verify,
+        x_guess=x_guess,
+    )
 
 
 def _gdp_mu(epsilon, delta, iterations: int = 80):
     """μ of the μ-GDP mechanism that is (ε, δ)-DP (Dong, Roth & Su 2019, Cor. 2.13), by bisection."""
     from scipy.special import ndtr
+
     eps = np.asarray(epsilon, dtype=float)
     lo, hi = np.full(eps.shape, 1e-8), np.full(eps.shape, 50.0)
     for _ in range(iterations):
@@ -363,8 +476,7 @@ def _gdp_mu(epsilon, delta, iterations: int = 80):
     return np.sqrt(lo * hi)
 
 
-def _guess_bracket(ev, target, fixed, steps, delta, lo, hi, free, x_guess=None, factor: float = 1.5,
-                   tries: int = 16):
+def _guess_bracket(ev, target, fixed, steps, delta, lo, hi, free, x_guess=None, factor: float = 1.5, tries: int = 16):
     """A narrow starting bracket around the CLT (Gaussian DP) estimate of the answer.
 
     The sampled Gaussian composed T times is close to μ-GDP with μ = q·sqrt(T(e^{1/σ²} − 1))
@@ -381,8 +493,8 @@ def _guess_bracket(ev, target, fixed, steps, delta, lo, hi, free, x_guess=None, 
             else:
                 guess = mu / np.sqrt(steps * np.expm1(1.0 / fixed**2))
     guess = np.where(np.isfinite(guess) & (guess > 0), guess, np.sqrt(lo * hi))
-    a = np.clip(guess / factor, lo, hi)       # small end
-    b = np.clip(guess * factor, lo, hi)       # large end
+    a = np.clip(guess / factor, lo, hi)  # small end
+    b = np.clip(guess * factor, lo, hi)  # large end
     every = np.arange(target.size)
     # ε decreases with σ and increases with q: the small end must be above the target for σ
     # (infeasible) and below it for q (feasible), the large end the opposite.

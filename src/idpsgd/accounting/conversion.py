@@ -10,6 +10,7 @@ divergences grow with α) gives ε = 0 when it applies.  The reverse direction i
 
     log δ(α) = (α − 1)(r(α) − ε + log(1 − 1/α)) − log α,  δ = min(1, min_α δ(α), sqrt(1 − e^{−r})).
 """
+
 from __future__ import annotations
 
 import numpy as np

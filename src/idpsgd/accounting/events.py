@@ -1,4 +1,5 @@
 """Descriptions of the mechanisms composed in DP-SGD (shaped after dp_accounting's dp_event)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,6 +20,7 @@ by linear interpolation in log-sensitivity on a dense geometric grid of exact va
 the curve and the interpolated value is an upper bound (checked in the tests); its relative excess
 is below 1e-4 at typical (q, σ).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,7 +75,7 @@ class RdpInterpolator:
         self.h = float(self.u[1] - self.u[0])
         qq = np.repeat(self.rates, n)
         values = compute_rdp(qq, np.exp(-np.tile(self.u, self.rates.size)), orders)
-        self.values = values.reshape(self.rates.size * n, -1)                   # row q_j·n + k
+        self.values = values.reshape(self.rates.size * n, -1)  # row q_j·n + k
         slopes = np.diff(values.reshape(self.rates.size, n, -1), axis=1) / self.h
         self.slopes = np.concatenate([slopes, np.zeros_like(slopes[:, :1])], axis=1).reshape(self.rates.size * n, -1)
         self.n = n
@@ -134,7 +135,7 @@ class IndividualEpsilons:
     def counts(self) -> dict:
         """How many examples each bound decided (for reports)."""
         labels, n = np.unique(self.source, return_counts=True)
-        return {str(k): int(v) for k, v in zip(labels, n)}
+        return {str(k): int(v) for k, v in zip(labels, n, strict=True)}
 
 
 def combine_bounds(delta: float, rdp, pld=None, cap=None) -> IndividualEpsilons:
@@ -151,8 +152,9 @@ def combine_bounds(delta: float, rdp, pld=None, cap=None) -> IndividualEpsilons:
     stack = np.stack([c for _, c in cols])
     which = np.argmin(stack, axis=0)
     labels = np.array([name for name, _ in cols])
-    return IndividualEpsilons(np.min(stack, axis=0), labels[which], rdp,
-                              None if pld is None else cols[1][1], cap, float(delta))
+    return IndividualEpsilons(
+        np.min(stack, axis=0), labels[which], rdp, None if pld is None else cols[1][1], cap, float(delta)
+    )
 
 
 class IndividualAccountant:
@@ -173,31 +175,45 @@ class IndividualAccountant:
 
     BLOCK = 4096
 
-    def __init__(self, sample_rates, noise_multiplier: float, clip_norm: float, clip_norms=None,
-                 orders=DEFAULT_ORDERS, rounding: str = "nearest", rounding_step: float | None = None):
+    def __init__(
+        self,
+        sample_rates,
+        noise_multiplier: float,
+        clip_norm: float,
+        clip_norms=None,
+        orders=DEFAULT_ORDERS,
+        rounding: str = "nearest",
+        rounding_step: float | None = None,
+    ):
         q = np.asarray(sample_rates, dtype=float).ravel()
         self.sigma = check_positive(noise_multiplier, "noise_multiplier")
         self.c = check_positive(clip_norm, "clip_norm")
         n = q.size if clip_norms is None else np.size(clip_norms)
         self.q = np.broadcast_to(check_sample_rate(q, "sample_rates", allow_zero=True), (n,)).copy()
-        self.clip_norms = (np.full(n, self.c) if clip_norms is None
-                           else check_positive_array(clip_norms, "clip_norms").ravel().astype(float))
+        self.clip_norms = (
+            np.full(n, self.c)
+            if clip_norms is None
+            else check_positive_array(clip_norms, "clip_norms").ravel().astype(float)
+        )
         if rounding not in ROUNDING:
             raise InvalidParameterError("rounding", rounding, f"must be one of {', '.join(ROUNDING)}")
         self.rounding = rounding
-        self.rounding_step = (check_positive(rounding_step, "rounding_step") if rounding_step is not None
-                              else DEFAULT_ROUNDING_FRACTION * float(self.clip_norms.max()))
+        self.rounding_step = (
+            check_positive(rounding_step, "rounding_step")
+            if rounding_step is not None
+            else DEFAULT_ROUNDING_FRACTION * float(self.clip_norms.max())
+        )
         self.ledger = RdpLedger(n, orders)
         self.sensitivity = self.clip_norms.copy()
         self.refreshes = 0
         self._pending = 0
         self._rates, self._rate_index = np.unique(self.q, return_inverse=True)
         self._rate_index = self._rate_index.ravel()
-        self._table = None       # exact: RdpInterpolator; rounding: (candidates, values)
-        self._rows = None        # per example: row into the table (and du for exact)
-        self._level = None       # rounded modes: per example, its level (candidate) index
-        self._worst = self._worst_index = None   # exact mode: per-step RDP at s = c_i per (q_i, c_i)
-        self._counts = None      # rounded modes: steps per example per level (int32)
+        self._table = None  # exact: RdpInterpolator; rounding: (candidates, values)
+        self._rows = None  # per example: row into the table (and du for exact)
+        self._level = None  # rounded modes: per example, its level (candidate) index
+        self._worst = self._worst_index = None  # exact mode: per-step RDP at s = c_i per (q_i, c_i)
+        self._counts = None  # rounded modes: steps per example per level (int32)
         self.levels = None
         if rounding != "exact":
             self.levels = _rounding_levels(self.clip_norms, self.rounding_step)
@@ -243,8 +259,9 @@ class IndividualAccountant:
         t = self.sensitivity / (self.sigma * self.c)
         if self.rounding == "exact":
             if self._table is None:
-                self._table = RdpInterpolator(self._rates, float(self.clip_norms.max()) / (self.sigma * self.c),
-                                              self.ledger.orders)
+                self._table = RdpInterpolator(
+                    self._rates, float(self.clip_norms.max()) / (self.sigma * self.c), self.ledger.orders
+                )
             row, du, zero = self._table.locate(t, self._rate_index)
             if self._worst is None:  # exact per-step RDP at s = c_i caps the interpolation
                 pairs, self._worst_index = np.unique(np.stack([self.q, self.clip_norms]), axis=1, return_inverse=True)
@@ -257,8 +274,7 @@ class IndividualAccountant:
         if self._table is None:
             with np.errstate(divide="ignore"):
                 sig = np.where(cand > 0, self.sigma * self.c / np.where(cand > 0, cand, 1.0), np.inf)
-            values = compute_rdp(np.repeat(self._rates, cand.size), np.tile(sig, self._rates.size),
-                                 self.ledger.orders)
+            values = compute_rdp(np.repeat(self._rates, cand.size), np.tile(sig, self._rates.size), self.ledger.orders)
             self._table = (cand, values)
         idx = np.clip(np.searchsorted(cand, self.sensitivity - 1e-9 * self.rounding_step), 0, cand.size - 1)
         if np.any(np.abs(cand[idx] - self.sensitivity) > 1e-9 * self.rounding_step):
@@ -294,6 +310,7 @@ class IndividualAccountant:
         starts = range(0, self.num_examples, self.BLOCK)
         if self.num_examples > 4 * self.BLOCK:
             from concurrent.futures import ThreadPoolExecutor
+
             with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
                 list(pool.map(work, starts))
         else:
@@ -333,13 +350,20 @@ class IndividualAccountant:
         from .pld_individual import INDIVIDUAL_PLD_DISCRETIZATION, individual_pld_epsilon
 
         if self.rounding == "exact":
-            raise InvalidParameterError("rounding", "exact", "cannot be used with the pld accountant: per-example "
-                                        "PLD needs rounded sensitivity levels (use ceil or nearest)")
+            raise InvalidParameterError(
+                "rounding",
+                "exact",
+                "cannot be used with the pld accountant: per-example "
+                "PLD needs rounded sensitivity levels (use ceil or nearest)",
+            )
         if self._counts is None:
-            raise InvalidParameterError("rounding_step", self.rounding_step,
-                                        f"gives {self.levels.size} levels for {self.num_examples} examples: the "
-                                        f"per-example level counts would exceed {MAX_LEVEL_COUNT_BYTES / 2**30:g} GiB; "
-                                        "use a larger rounding step for the pld accountant")
+            raise InvalidParameterError(
+                "rounding_step",
+                self.rounding_step,
+                f"gives {self.levels.size} levels for {self.num_examples} examples: the "
+                f"per-example level counts would exceed {MAX_LEVEL_COUNT_BYTES / 2**30:g} GiB; "
+                "use a larger rounding step for the pld accountant",
+            )
         self._flush()
         d = discretization or INDIVIDUAL_PLD_DISCRETIZATION
         with np.errstate(divide="ignore"):
@@ -369,8 +393,9 @@ class IndividualAccountant:
         eps = np.atleast_1d(epsilon_sgm(pairs[0], self.sigma * self.c / pairs[1], steps, delta, accountant))
         return eps[inverse.ravel()]
 
-    def report(self, delta: float, accountant: str = "rdp", cap=None,
-               pld_discretization: float | None = None) -> IndividualEpsilons:
+    def report(
+        self, delta: float, accountant: str = "rdp", cap=None, pld_discretization: float | None = None
+    ) -> IndividualEpsilons:
         """Each example's ε as the minimum of the valid bounds available, with its source.
 
         Args:
@@ -389,8 +414,11 @@ class IndividualAccountant:
 
     def state_dict(self) -> dict:
         self._flush()
-        state = {"ledger": self.ledger.state_dict(), "sensitivity": self.sensitivity.copy(),
-                 "refreshes": self.refreshes}
+        state = {
+            "ledger": self.ledger.state_dict(),
+            "sensitivity": self.sensitivity.copy(),
+            "refreshes": self.refreshes,
+        }
         if self._counts is not None:
             state["level_counts"] = self._counts.copy()
         return state
@@ -406,7 +434,7 @@ class IndividualAccountant:
                 raise ValueError(f"level_counts of shape {counts.shape} do not match this accountant")
             self._counts = counts.astype(np.int32).copy()
         else:
-            self._counts = None          # an older state without them: PLD is unavailable
+            self._counts = None  # an older state without them: PLD is unavailable
 
 
 def check_rounding_step(step: float, clip_norm_max: float) -> float:
@@ -414,9 +442,13 @@ def check_rounding_step(step: float, clip_norm_max: float) -> float:
     norm (the per-step RDP table would not fit in memory); returns the number of levels."""
     count = float(clip_norm_max) / check_positive(step, "rounding_step")
     if not count <= MAX_ROUNDING_LEVELS:
-        raise InvalidParameterError("rounding_step", step, f"gives {count:.3g} sensitivity levels up to the clip norm "
-                                    f"{clip_norm_max:g} (limit {MAX_ROUNDING_LEVELS}); use a step >= "
-                                    f"{clip_norm_max / MAX_ROUNDING_LEVELS:.3g}")
+        raise InvalidParameterError(
+            "rounding_step",
+            step,
+            f"gives {count:.3g} sensitivity levels up to the clip norm "
+            f"{clip_norm_max:g} (limit {MAX_ROUNDING_LEVELS}); use a step >= "
+            f"{clip_norm_max / MAX_ROUNDING_LEVELS:.3g}",
+        )
     return count
 
 
@@ -426,9 +458,16 @@ def _rounding_levels(clip_norms, step: float) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(int(np.ceil(count - 1e-12)) + 1) * step, np.unique(clip_norms)]))
 
 
-def offline_kind(recorded_kind: str | None, individual_clipping: bool, recorded_rounding: str | None,
-                 recorded_step: float | None, rounding: str, rounding_step: float | None, steps,
-                 overridden: bool = False) -> tuple[str, str]:
+def offline_kind(
+    recorded_kind: str | None,
+    individual_clipping: bool,
+    recorded_rounding: str | None,
+    recorded_step: float | None,
+    rounding: str,
+    rounding_step: float | None,
+    steps,
+    overridden: bool = False,
+) -> tuple[str, str]:
     """(kind, reason) of offline accounting from recorded norms (:func:`account_from_norms`).
 
     A norms file holds the norm passes' values, not what training clipped; only the run that wrote
@@ -446,27 +485,44 @@ def offline_kind(recorded_kind: str | None, individual_clipping: bool, recorded_
     """
     steps = np.asarray(steps)
     if recorded_kind != "guarantee":
-        return "estimate", ("the norms file does not record a run whose individual accounting was a guarantee "
-                            "(its norms were not checked against training's clipped norms)")
+        return "estimate", (
+            "the norms file does not record a run whose individual accounting was a guarantee "
+            "(its norms were not checked against training's clipped norms)"
+        )
     if overridden:
         return "estimate", "the sample rate, noise multiplier or clip norm replaces the recorded run's"
     if individual_clipping:
-        same_step = (recorded_step is not None and rounding_step is not None
-                     and abs(float(rounding_step) - float(recorded_step)) <= 1e-12 * float(recorded_step))
+        same_step = (
+            recorded_step is not None
+            and rounding_step is not None
+            and abs(float(rounding_step) - float(recorded_step)) <= 1e-12 * float(recorded_step)
+        )
         if rounding == recorded_rounding and (rounding == "exact" or same_step):
             return "guarantee", "the run clipped every example at these sensitivities (individual clipping)"
-        return "estimate", ("the run clipped at its recorded rounding; another rounding or step charges other "
-                            "sensitivities than the clip thresholds")
+        return "estimate", (
+            "the run clipped at its recorded rounding; another rounding or step charges other "
+            "sensitivities than the clip thresholds"
+        )
     if rounding in ("exact", "ceil") and np.all(steps == 1):
-        return "guarantee", (f"norms of every step, checked against training's clipped norms by the run, with "
-                             f"{rounding} rounding")
-    return "estimate", ("a refresh covers several steps, or nearest rounding can round a sensitivity below the "
-                        "norm")
+        return "guarantee", (
+            f"norms of every step, checked against training's clipped norms by the run, with {rounding} rounding"
+        )
+    return "estimate", ("a refresh covers several steps, or nearest rounding can round a sensitivity below the norm")
 
 
-def account_from_norms(norms, steps, sample_rate, noise_multiplier: float, clip_norm: float, delta: float,
-                       rounding: str = "nearest", rounding_step: float | None = None, clip_norms=None,
-                       accountant: str = "rdp", report: bool = False):
+def account_from_norms(
+    norms,
+    steps,
+    sample_rate,
+    noise_multiplier: float,
+    clip_norm: float,
+    delta: float,
+    rounding: str = "nearest",
+    rounding_step: float | None = None,
+    clip_norms=None,
+    accountant: str = "rdp",
+    report: bool = False,
+):
     """Offline accounting: ``norms`` (refreshes × examples), ``steps[j]`` steps covered by refresh j.
 
     Returns ``(epsilons, worst_case_epsilons)`` per example, the worst case (data-independent) by
@@ -483,12 +539,21 @@ def account_from_norms(norms, steps, sample_rate, noise_multiplier: float, clip_
     if accountant not in INDIVIDUAL_ACCOUNTANTS:
         raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}")
     if accountant != "rdp" and rounding == "exact":
-        raise InvalidParameterError("rounding", "exact", "cannot be used with the pld accountant: per-example "
-                                    "PLD needs rounded sensitivity levels (use ceil or nearest)")
-    acc = IndividualAccountant(sample_rate, noise_multiplier, clip_norm,
-                               clip_norms if clip_norms is not None else np.full(norms.shape[1], clip_norm),
-                               rounding=rounding, rounding_step=rounding_step)
-    for row, k in zip(norms, steps):
+        raise InvalidParameterError(
+            "rounding",
+            "exact",
+            "cannot be used with the pld accountant: per-example "
+            "PLD needs rounded sensitivity levels (use ceil or nearest)",
+        )
+    acc = IndividualAccountant(
+        sample_rate,
+        noise_multiplier,
+        clip_norm,
+        clip_norms if clip_norms is not None else np.full(norms.shape[1], clip_norm),
+        rounding=rounding,
+        rounding_step=rounding_step,
+    )
+    for row, k in zip(norms, steps, strict=True):
         acc.update_norms(row)
         acc.add_steps(int(k))
     worst = acc.worst_case_epsilon(delta, accountant=accountant)

@@ -5,6 +5,7 @@ of steps — with its own sampling rate and effective noise multiplier at each s
 sum of per-step RDP.  This one structure serves assigned guarantees, output-specific accounting
 (Yu et al. 2023, Alg. 2), privacy filters and reports.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -85,11 +86,10 @@ class RdpLedger:
 
     def save(self, path) -> Path:
         """Write the ledger as npz (atomic; mode 0600 — per-example privacy data is personal)."""
-        return write_npz(path, private=True, rdp=self.rdp, orders=self.orders,
-                         steps=np.asarray(self.steps))
+        return write_npz(path, private=True, rdp=self.rdp, orders=self.orders, steps=np.asarray(self.steps))
 
     @classmethod
-    def load(cls, path) -> "RdpLedger":
+    def load(cls, path) -> RdpLedger:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"ledger file not found: {path}")

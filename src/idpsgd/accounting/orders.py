@@ -38,11 +38,12 @@ a valid upper bound on r(α) from grid values alone (the grid values being upper
 true RDP keeps it one).  :func:`chord_refined_epsilon` minimizes the conversion of this bound on
 the two grid intervals beside each row's best grid order.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -107,8 +108,13 @@ class OrderSearch:
 RdpAt = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def search_orders(rdp_at: RdpAt, num_rows: int, delta: float, orders=DEFAULT_ORDERS,
-                  window: tuple[np.ndarray, np.ndarray] | None = None) -> OrderSearch:
+def search_orders(
+    rdp_at: RdpAt,
+    num_rows: int,
+    delta: float,
+    orders=DEFAULT_ORDERS,
+    window: tuple[np.ndarray, np.ndarray] | None = None,
+) -> OrderSearch:
     """min over the order universe of ε(α) for ``num_rows`` compositions (see the module doc).
 
     ``window=(lo, hi)`` (U-indices per row, −1 for none) evaluates only those points where given.
@@ -167,7 +173,7 @@ def _full_search(rows, evaluate, gidx, size, best_eps) -> None:
     j = np.argmin(eps, axis=1)
     lo = gidx[np.maximum(j - 1, 0)].astype(np.int64)
     hi = gidx[np.minimum(j + 1, g - 1)].astype(np.int64)
-    live = best_eps[rows] > 0            # ε = 0 cannot improve
+    live = best_eps[rows] > 0  # ε = 0 cannot improve
     rows, lo, hi = rows[live], lo[live], hi[live]
     m = SEARCH_POINTS
     frac = np.linspace(0.0, 1.0, m + 1)

@@ -15,6 +15,7 @@ and every output set S, Pr[M(D) ∈ S] ≤ e^{ε_i} Pr[M(D') ∈ S] + δ_i.
 * :func:`calibrate_round_noise` / :func:`history_guarantee` — Alg. 4 (σ on the composed accountant
   history, within the cumulative thresholds) and the per-user guarantee that reading gives.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -85,7 +86,7 @@ def adaptive_weighted_loss(budgets, taus) -> np.ndarray:
     w2 = waste_s/(waste_u + waste_s): (waste_u² + waste_s²)/(waste_u + waste_s)."""
     wu, ws, _, _ = threshold_losses(budgets, taus)
     total = wu + ws
-    return np.where(total > 0, (wu ** 2 + ws ** 2) / np.where(total > 0, total, 1.0), 0.0)
+    return np.where(total > 0, (wu**2 + ws**2) / np.where(total > 0, total, 1.0), 0.0)
 
 
 def adaptive_threshold(budgets) -> float:
@@ -156,8 +157,9 @@ def composed_epsilon(events, delta: float, accountant: str = "rdp") -> float:
     return float(get_accountant(accountant)(list(events), delta)) if events else 0.0
 
 
-def calibrate_round_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                          accountant: str = "rdp", history=()) -> float:
+def calibrate_round_noise(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp", history=()
+) -> float:
     """σ of one PDP round: ``steps`` SGM steps at rate q, composed after ``history``, spend ε ≤ target.
 
     Without history this is :func:`~idpsgd.accounting.calibrate_noise_multiplier`.  With history
@@ -179,10 +181,10 @@ def calibrate_round_noise(target_epsilon: float, delta: float, sample_rate: floa
     q = float(sample_rate)
 
     def eps(s):
-        return composed_epsilon(history + [SampledGaussianEvent(q, float(s), int(steps))], delta, accountant)
+        return composed_epsilon([*history, SampledGaussianEvent(q, float(s), int(steps))], delta, accountant)
 
     lo, hi = SIGMA_RANGE
-    if accountant != "rdp":   # PLD is tighter than RDP: its σ lies below RDP's; bracket there (PLD grids stay small)
+    if accountant != "rdp":  # PLD is tighter than RDP: its σ lies below RDP's; bracket there (PLD grids stay small)
         hi = calibrate_round_noise(target, delta, q, steps, "rdp", history)
         lo = max(hi / 4, lo)
     e_hi, e_lo = eps(lo), eps(hi)
@@ -191,9 +193,17 @@ def calibrate_round_noise(target_epsilon: float, delta: float, sample_rate: floa
         raise UnreachableTargetError(
             f"target_epsilon={target!r} is unreachable for the composed history: the earlier rounds already "
             f"spend {spent:.6g} and with noise_multiplier in [{lo:g}, {hi:g}] the reachable epsilon is "
-            f"[{e_lo:.6g}, {e_hi:.6g}]")
-    sigma = solve_monotone(lambda x, idx: np.array([eps(v) for v in np.ravel(x)]), np.array([target]), lo, hi,
-                           increasing=False, name="target_epsilon", what="noise_multiplier")
+            f"[{e_lo:.6g}, {e_hi:.6g}]"
+        )
+    sigma = solve_monotone(
+        lambda x, idx: np.array([eps(v) for v in np.ravel(x)]),
+        np.array([target]),
+        lo,
+        hi,
+        increasing=False,
+        name="target_epsilon",
+        what="noise_multiplier",
+    )
     return float(np.ravel(sigma)[0])
 
 
@@ -228,14 +238,14 @@ def history_guarantee(pi_rounds, composed_epsilons, delta: float):
         raise InvalidParameterError("composed_epsilons", e.tolist(), "must be >= 0 and non-decreasing")
     check_delta(delta)
     rounds = pi.shape[0]
-    log_none_after = np.zeros_like(pi)           # ln Π_{r>m} (1 − π_r)
+    log_none_after = np.zeros_like(pi)  # ln Π_{r>m} (1 − π_r)
     with np.errstate(divide="ignore"):
         log_miss = np.log1p(-np.minimum(pi, 1.0))
     for m in range(rounds - 2, -1, -1):
         log_none_after[m] = log_none_after[m + 1] + log_miss[m + 1]
     with np.errstate(divide="ignore"):
-        log_last = np.log(pi) + log_none_after          # ln P(max S = m)
-        log_never = log_none_after[0] + log_miss[0]    # ln P(S = ∅)
+        log_last = np.log(pi) + log_none_after  # ln P(max S = m)
+        log_never = log_none_after[0] + log_miss[0]  # ln P(S = ∅)
     terms = np.vstack([log_never[None, :], log_last + e[:, None]])
     eps_i = np.logaddexp.reduce(terms, axis=0)
     eps_i = np.maximum(eps_i, 0.0)

@@ -40,6 +40,7 @@ over B of the divergence between (1−q)N(0, σ²) + qN(g, σ²) and N(0, σ²) 
 invariance), which is the sampled Gaussian mechanism's RDP with noise multiplier σ/‖g‖
 (Mironov et al. 2019 §3.3 at real orders; their Thm. 5 for the order of the two mixtures).
 """
+
 from __future__ import annotations
 
 import math
@@ -115,9 +116,10 @@ class SumRuleTable:
         s = np.asarray(sensitivity, dtype=float)
         if np.any(~(s >= 0)) or np.any(s > self.clip * (1 + 1e-9)):
             bad = s[~((s >= 0) & (s <= self.clip * (1 + 1e-9)))].ravel()[0]
-            raise InvalidParameterError("sensitivity", float(bad), f"must be in [0, {self.clip:g}] (clipped gradient "
-                                        "norms)")
-        return np.searchsorted(self.grid, np.minimum(s, self.clip), side="left")   # the first grid point >= s
+            raise InvalidParameterError(
+                "sensitivity", float(bad), f"must be in [0, {self.clip:g}] (clipped gradient norms)"
+            )
+        return np.searchsorted(self.grid, np.minimum(s, self.clip), side="left")  # the first grid point >= s
 
     def __call__(self, sensitivity, order) -> np.ndarray:
         """Thm. 3.2 at ``order`` for the sensitivities rounded up to the grid."""
@@ -148,7 +150,7 @@ def mean_rule_bound(mu_outer, mu_tuples, alpha, noise_std: float) -> float:
 def exponents_to_bound(delta, alpha: int, noise_std: float) -> float:
     """(1/(α−1)) mean_outer ln mean_inner exp(−Δ/(2σ²)) for Δ of shape (outer, inner) (Thm. 3.6's
     plug-in estimate: the log of a sample mean is biased low; see :func:`exponents_to_upper`)."""
-    z = -np.asarray(delta, float) / (2 * noise_std ** 2)
+    z = -np.asarray(delta, float) / (2 * noise_std**2)
     inner = logsumexp(z, axis=1) - math.log(z.shape[1])
     return float(max(np.mean(inner), 0.0) / (alpha - 1))
 
@@ -163,14 +165,14 @@ def exponents_to_upper(delta, alpha: int, noise_std: float, outer_norms, clip: f
     (failure/2 shared over the outer samples) and then on the outer mean (failure/2).
     """
     a = _check_int_order(alpha)
-    z = -np.asarray(delta, float) / (2 * noise_std ** 2)
+    z = -np.asarray(delta, float) / (2 * noise_std**2)
     outer, inner = z.shape
     norms = np.asarray(outer_norms, float).ravel()
-    log_hi = a * (a - 1) * (clip + norms) ** 2 / (2 * noise_std ** 2)
+    log_hi = a * (a - 1) * (clip + norms) ** 2 / (2 * noise_std**2)
     r_in = hoeffding_radius(inner, failure / (2 * outer))
     y = np.array([_log_mean_upper(z[o], float(log_hi[o]), None, r_in) for o in range(outer)]) / (a - 1)
-    lo = -a * clip ** 2 / (2 * noise_std ** 2 * (a - 1))
-    hi = a * (2 * clip) ** 2 / (2 * noise_std ** 2)
+    lo = -a * clip**2 / (2 * noise_std**2 * (a - 1))
+    hi = a * (2 * clip) ** 2 / (2 * noise_std**2)
     y_upper = float(np.mean(y)) + (hi - lo) * hoeffding_radius(outer, failure / 2)
     return float(max(min(y_upper, hi), 0.0))
 
@@ -206,7 +208,7 @@ def _log_mean_upper(log_values, log_hi: float, log_lo: float | None, radius: flo
         log_width = log_hi
     elif log_hi <= log_lo:
         return min(log_mean, log_hi)
-    else:   # ln(hi − lo) = ln hi + ln(1 − e^{lo − hi})
+    else:  # ln(hi − lo) = ln hi + ln(1 − e^{lo − hi})
         log_width = log_hi + math.log(-math.expm1(log_lo - log_hi))
     if radius <= 0:
         return min(log_mean, log_hi)
@@ -219,13 +221,12 @@ def _log_mean_upper_steps(log_mean, log_hi, radius: float) -> np.ndarray:
     out = np.minimum(log_mean, log_hi)
     wide = log_hi > 0
     if radius > 0 and np.any(wide):
-        log_width = log_hi[wide] + np.log(-np.expm1(-log_hi[wide]))     # ln(hi − 1)
+        log_width = log_hi[wide] + np.log(-np.expm1(-log_hi[wide]))  # ln(hi − 1)
         out[wide] = np.minimum(np.logaddexp(log_mean[wide], log_width + math.log(radius)), log_hi[wide])
     return out
 
 
-def composition_bound(step_rdp, alpha, p: float | None = None, worst_step_rdp=None,
-                      failure: float = 0.05) -> dict:
+def composition_bound(step_rdp, alpha, p: float | None = None, worst_step_rdp=None, failure: float = 0.05) -> dict:
     """Thm. 3.3 from per-step divergences of R runs.
 
     Args:
@@ -249,12 +250,12 @@ def composition_bound(step_rdp, alpha, p: float | None = None, worst_step_rdp=No
     p = float(3 * n if p is None else p)
     if not p > 1:
         raise InvalidParameterError("p", p, "must be > 1")
-    g = composition_orders(alpha, p, n)            # g[i] for i = 0 … n−1; step t ↔ i = n−1−t
+    g = composition_orders(alpha, p, n)  # g[i] for i = 0 … n−1; step t ↔ i = n−1−t
     worst = None if worst_step_rdp is None else np.broadcast_to(np.asarray(worst_step_rdp, float), (n,))
     radius = hoeffding_radius(runs, failure / max(n - 1, 1)) if worst is not None else 0.0
-    i = n - 1 - np.arange(n)                       # vectorized over the steps t = 0 … n−1
+    i = n - 1 - np.arange(n)  # vectorized over the steps t = 0 … n−1
     gi = g[i]
-    z = p * (gi - 1)[None, :] * d                  # ln f per run and step
+    z = p * (gi - 1)[None, :] * d  # ln f per run and step
     log_mean = logsumexp(z, axis=0) - math.log(runs)
     log_w = i * math.log((p - 1) / p) - math.log(p)
     contrib = np.exp(log_w) * log_mean
@@ -265,10 +266,10 @@ def composition_bound(step_rdp, alpha, p: float | None = None, worst_step_rdp=No
         log_hi = p * (gi - 1) * np.maximum(worst, d.max(axis=0))
         upper = np.exp(log_w) * _log_mean_upper_steps(log_mean, log_hi, radius)
         upper[0] = contrib[0]
-    contrib /= (float(alpha) - 1)
+    contrib /= float(alpha) - 1
     out = {"bound": float(contrib.sum()), "contributions": contrib, "p": p, "orders": g[::-1].copy()}
     if upper is not None:
-        upper /= (float(alpha) - 1)
+        upper /= float(alpha) - 1
         out.update(upper=float(upper.sum()), contributions_upper=upper, failure=float(failure))
     return out
 
@@ -294,8 +295,9 @@ def step_orders(alpha, n: int, p: float | None = None, integer: bool = True) -> 
     return 1 + (a - 1) * 2.0 ** (np.maximum(k, 0) / ORDER_LATTICE_PER_OCTAVE)
 
 
-def same_composition_rdp(sample_rate: float, noise_multiplier: float, alpha, n: int, p: float | None = None,
-                         integer: bool = False) -> dict:
+def same_composition_rdp(
+    sample_rate: float, noise_multiplier: float, alpha, n: int, p: float | None = None, integer: bool = False
+) -> dict:
     """Thm. 3.3 with the data-independent per-step bound at every step (sensitivity = the clip norm C).
 
     Every run then has the same per-step divergence ρ_{o_t}(C) (the SGM's RDP at step t's order o_t,
@@ -315,8 +317,9 @@ def same_composition_rdp(sample_rate: float, noise_multiplier: float, alpha, n: 
     return {"rdp": res["bound"], "contributions": res["contributions"], "orders": orders, "per_step": worst}
 
 
-def best_order(sample_rate: float, noise_multiplier: float, steps: int, delta: float, integer: bool = False,
-               max_order: int = 256) -> float:
+def best_order(
+    sample_rate: float, noise_multiplier: float, steps: int, delta: float, integer: bool = False, max_order: int = 256
+) -> float:
     """The order α at which the data-independent ε of ``steps`` SGM steps (q, σ) is smallest.
 
     ``integer=False``: over the fine order universe of :mod:`.orders` (real orders, the library's
@@ -332,12 +335,13 @@ def best_order(sample_rate: float, noise_multiplier: float, steps: int, delta: f
     orders = np.arange(2, int(max_order) + 1, dtype=float)
     rdp = compute_rdp(float(sample_rate), float(noise_multiplier), orders) * float(steps)
     with np.errstate(over="ignore", invalid="ignore"):
-        eps = np.array([float(rdp_to_epsilon(rdp[i:i + 1], orders[i:i + 1], delta)[0]) for i in range(orders.size)])
+        eps = np.array([float(rdp_to_epsilon(rdp[i : i + 1], orders[i : i + 1], delta)[0]) for i in range(orders.size)])
     return float(orders[int(np.argmin(eps))])
 
 
-def best_composition_order(sample_rate: float, noise_multiplier: float, steps: int, delta: float,
-                           p: float | None = None, integer: bool = False) -> float:
+def best_composition_order(
+    sample_rate: float, noise_multiplier: float, steps: int, delta: float, p: float | None = None, integer: bool = False
+) -> float:
     """The order α at which the ε of :func:`same_composition_rdp` — Thm. 3.3 with sensitivity C at every
     step, the data-independent bound of the composition the per-instance analysis uses — is smallest.
 
@@ -362,8 +366,12 @@ def best_composition_order(sample_rate: float, noise_multiplier: float, steps: i
         already above the best composition ε found are skipped."""
         plain_rdp = np.ravel(compute_rdp(float(sample_rate), float(noise_multiplier), list(map(float, cands)))) * steps
         with np.errstate(over="ignore", invalid="ignore"):
-            plain = np.array([float(epsilon_at_order(r, a, delta)) if np.isfinite(r) else math.inf
-                              for r, a in zip(plain_rdp, cands)])
+            plain = np.array(
+                [
+                    float(epsilon_at_order(r, a, delta)) if np.isfinite(r) else math.inf
+                    for r, a in zip(plain_rdp, cands, strict=True)
+                ]
+            )
         best, best_a = math.inf, float(cands[int(np.argmin(plain))])
         for i in np.argsort(plain, kind="stable"):
             if plain[i] >= best:
@@ -391,8 +399,9 @@ def epsilon_at_order(rdp, alpha, delta: float) -> np.ndarray:
     return rdp_to_epsilon(r[..., None], [float(alpha)], delta)[0]
 
 
-def fact_3_5_samples(alpha, step_rdp_alpha: float, step_rdp_2alpha: float, n: int, precision: float = 0.1,
-                     failure: float = 0.05) -> float:
+def fact_3_5_samples(
+    alpha, step_rdp_alpha: float, step_rdp_2alpha: float, n: int, precision: float = 0.1, failure: float = 0.05
+) -> float:
     """log10 of the runs l so that an empirical per-step term is within ``precision``·e^{3(α−1)ε} of its mean with
     probability ≥ 1 − ``failure`` (Fact 3.5 with p = 3n; ε = n·ρ(α), ε' = n·ρ(2α) per-step RDP).
 
@@ -403,12 +412,13 @@ def fact_3_5_samples(alpha, step_rdp_alpha: float, step_rdp_2alpha: float, n: in
     if not 0 < failure < 1 or not precision > 0:
         raise InvalidParameterError("precision/failure", (precision, failure), "need c > 0 and J in (0, 1)")
     eps, eps2 = n * step_rdp_alpha, n * step_rdp_2alpha
-    log_l = math.log(math.log(2 / failure) / (2 * precision ** 2)) + 6 * (2 * alpha - 1) * eps2 - 6 * (alpha - 1) * eps
-    return log_l / math.log(10)   # log10 of the number of runs (it can be astronomically large)
+    log_l = math.log(math.log(2 / failure) / (2 * precision**2)) + 6 * (2 * alpha - 1) * eps2 - 6 * (alpha - 1) * eps
+    return log_l / math.log(10)  # log10 of the number of runs (it can be astronomically large)
 
 
-def corollary_3_1(sample_rate: float, sensitivities, noise_std: float, delta: float, delta_prime: float,
-                  p: float) -> tuple[float, float]:
+def corollary_3_1(
+    sample_rate: float, sensitivities, noise_std: float, delta: float, delta_prime: float, p: float
+) -> tuple[float, float]:
     """Per-instance (ε', δ'') for one step of the sampled Gaussian mechanism, P(M(X')∈S) ≤ e^ε' P(M(X)∈S) + δ''.
 
     From Lemma A.1 with a_p = q·(E e^{C Δ p})^{1/p}, C = √(2 ln(1.25/δ))/σ: splitting on whether
@@ -442,7 +452,7 @@ def npiu_decisions(divergence, alpha: float, beta: float) -> list[dict]:
     """
     if not alpha > 1 or not beta >= 0:
         raise InvalidParameterError("alpha/beta", (alpha, beta), "need alpha > 1 and beta >= 0")
-    decisions, kept_since = [], []      # requests since the last retrain (all kept)
+    decisions, kept_since = [], []  # requests since the last retrain (all kept)
 
     def bound(requests, a):
         if not requests:
@@ -451,8 +461,8 @@ def npiu_decisions(divergence, alpha: float, beta: float) -> list[dict]:
         return (a - 0.5) / (a - 1) * bound(earlier, 2 * a) + divergence[last](2 * a - 1)
 
     for t in range(len(divergence)):
-        candidate = bound(kept_since + [t], float(alpha))
+        candidate = bound([*kept_since, t], float(alpha))
         keep = bool(np.isfinite(candidate) and candidate <= beta)
         decisions.append({"request": t, "decision": "keep" if keep else "retrain", "bound": float(candidate)})
-        kept_since = kept_since + [t] if keep else []
+        kept_since = [*kept_since, t] if keep else []
     return decisions

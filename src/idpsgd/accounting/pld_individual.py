@@ -32,6 +32,7 @@ The remaining difference to dp_accounting composing the same events one by one i
 truncation (1e-15 per composition) — both are pessimistic.  dp_accounting's ``PLDAccountant`` with the
 same ``discretization`` is the reference in the tests.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,13 +67,13 @@ _ENV_STEP = 32
 
 @dataclass(frozen=True)
 class _LevelPmfs:
-    lower: np.ndarray          # (L,) int: absolute index of each PMF's first point
-    probs: list                # L arrays
-    inf_mass: np.ndarray       # (L,)
+    lower: np.ndarray  # (L,) int: absolute index of each PMF's first point
+    probs: list  # L arrays
+    inf_mass: np.ndarray  # (L,)
 
 
 #: One-step PMFs by (q, σ, Δ): levels recur across refreshes, epochs and calls.
-_PMF_CACHE: "OrderedDict[tuple, dict]" = OrderedDict()
+_PMF_CACHE: OrderedDict[tuple, dict] = OrderedDict()
 _PMF_CACHE_SIZE = 512
 
 
@@ -85,15 +86,19 @@ def _one_level(q: float, s: float, discretization: float) -> dict:
         return _PMF_CACHE[key]
     pts = _single_pmf_points(q, s, discretization)
     if pts > PLD_MAX_POINTS:
-        raise InvalidParameterError("noise_multiplier", s, f"is too small for PLD accounting at sample "
-                                    f"rate {q:g}: one step would need {pts:.3g} grid points (limit {PLD_MAX_POINTS})")
-    pld = pld_lib.from_gaussian_mechanism(standard_deviation=s, value_discretization_interval=discretization,
-                                          sampling_prob=q)
+        raise InvalidParameterError(
+            "noise_multiplier",
+            s,
+            f"is too small for PLD accounting at sample "
+            f"rate {q:g}: one step would need {pts:.3g} grid points (limit {PLD_MAX_POINTS})",
+        )
+    pld = pld_lib.from_gaussian_mechanism(
+        standard_deviation=s, value_discretization_interval=discretization, sampling_prob=q
+    )
     out = {}
-    for name, pmf in (("remove", pld._pmf_remove), ("add", pld._pmf_add)):   # noqa: SLF001 (same when q = 1)
+    for name, pmf in (("remove", pld._pmf_remove), ("add", pld._pmf_add)):
         dense = pmf.to_dense_pmf()
-        out[name] = (int(dense._lower_loss), np.asarray(dense._probs, dtype=float),  # noqa: SLF001
-                     float(dense._infinity_mass))                                    # noqa: SLF001
+        out[name] = (int(dense._lower_loss), np.asarray(dense._probs, dtype=float), float(dense._infinity_mass))
     _PMF_CACHE[key] = out
     while len(_PMF_CACHE) > _PMF_CACHE_SIZE:
         _PMF_CACHE.popitem(last=False)
@@ -102,15 +107,24 @@ def _one_level(q: float, s: float, discretization: float) -> dict:
 
 def _level_pmfs(sample_rates, noise_multipliers, discretization):
     """Per level, the (remove, add) dense PMFs of one step from dp_accounting (cached)."""
-    levels = [_one_level(float(q), float(s), float(discretization)) for q, s in zip(sample_rates, noise_multipliers)]
-    return {k: _LevelPmfs(np.array([lv[k][0] for lv in levels], dtype=np.int64), [lv[k][1] for lv in levels],
-                          np.array([lv[k][2] for lv in levels])) for k in ("remove", "add")}
+    levels = [
+        _one_level(float(q), float(s), float(discretization))
+        for q, s in zip(sample_rates, noise_multipliers, strict=True)
+    ]
+    return {
+        k: _LevelPmfs(
+            np.array([lv[k][0] for lv in levels], dtype=np.int64),
+            [lv[k][1] for lv in levels],
+            np.array([lv[k][2] for lv in levels]),
+        )
+        for k in ("remove", "add")
+    }
 
 
 def _log_mgf(pmfs: _LevelPmfs, lambdas: np.ndarray) -> np.ndarray:
     """(L × K) log Σ_j p_lj e^{λ_k (lower_l + j)} of the finite part of each level's PMF."""
     out = np.empty((len(pmfs.probs), lambdas.size))
-    for i, (lo, p) in enumerate(zip(pmfs.lower, pmfs.probs)):
+    for i, (lo, p) in enumerate(zip(pmfs.lower, pmfs.probs, strict=True)):
         x = (lo + np.arange(p.size))[:, None] * lambdas[None, :]
         with np.errstate(divide="ignore"):
             lp = np.log(p)[:, None]
@@ -123,7 +137,7 @@ def _windows(counts, pmfs: _LevelPmfs):
     """Per example [t_lo, t_hi] (absolute grid indices) holding all but ``TAIL_MASS`` of each tail,
     and the Chernoff bound of the mass above t_hi."""
     lambdas = 2.0 ** np.arange(-28, 6.5, 0.5)
-    pos = counts @ _log_mgf(pmfs, lambdas)            # (n × K) log M_i(λ)
+    pos = counts @ _log_mgf(pmfs, lambdas)  # (n × K) log M_i(λ)
     neg = counts @ _log_mgf(pmfs, -lambdas)
     log_tau = math.log(TAIL_MASS)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -147,7 +161,7 @@ def _level_log_cf(pmfs: _LevelPmfs, n_fft: int):
     its upper envelope env[l, k] = max_{k' ≥ k} log|φ_l(k')| sampled every ``_ENV_STEP`` frequencies."""
     k = np.arange(n_fft // 2 + 1, dtype=np.int64)
     out = np.empty((len(pmfs.probs), k.size), dtype=complex)
-    for i, (lo, p) in enumerate(zip(pmfs.lower, pmfs.probs)):
+    for i, (lo, p) in enumerate(zip(pmfs.lower, pmfs.probs, strict=True)):
         folded = np.zeros(n_fft)
         np.add.at(folded, np.arange(p.size) % n_fft, p)
         spec = sfft.rfft(folded)
@@ -171,32 +185,32 @@ def _epsilon_from_pmf(pmf, t_lo, inf_mass, delta_left, discretization, block: in
     (``block`` points), then inside its block.
     """
     n, width = pmf.shape
-    base = np.maximum(t_lo, 1).astype(float)             # loss index of column 0 (rows are aligned)
-    span = t_lo + width - np.maximum(t_lo, 1)            # columns holding positive losses
+    base = np.maximum(t_lo, 1).astype(float)  # loss index of column 0 (rows are aligned)
+    span = t_lo + width - np.maximum(t_lo, 1)  # columns holding positive losses
     nb = -(-max(int(span.max()), 1) // block)
     m = nb * block
     if m > width:
         pmf = np.concatenate([pmf, np.zeros((n, m - width))], axis=1)
     p = pmf[:, :m]
-    p[np.arange(m)[None, :] >= span[:, None]] = 0.0      # non-positive (wrapped) losses do not count
+    p[np.arange(m)[None, :] >= span[:, None]] = 0.0  # non-positive (wrapped) losses do not count
     step = np.arange(m) * discretization
-    w = p * np.exp(-step)[None, :]                       # p e^{−x} · e^{bΔ}
+    w = p * np.exp(-step)[None, :]  # p e^{−x} · e^{bΔ}
     pb = p.reshape(n, nb, block).sum(axis=2)
     wb = w.reshape(n, nb, block).sum(axis=2)
-    a_blk = np.cumsum(pb[:, ::-1], axis=1)[:, ::-1] + inf_mass[:, None]     # A at each block start
+    a_blk = np.cumsum(pb[:, ::-1], axis=1)[:, ::-1] + inf_mass[:, None]  # A at each block start
     b_blk = np.cumsum(wb[:, ::-1], axis=1)[:, ::-1]
-    a_after = np.concatenate([a_blk[:, 1:], inf_mass[:, None]], axis=1)     # A after each block
+    a_after = np.concatenate([a_blk[:, 1:], inf_mass[:, None]], axis=1)  # A after each block
     b_after = np.concatenate([b_blk[:, 1:], np.zeros((n, 1))], axis=1)
-    last = (np.arange(nb) + 1) * block - 1                                  # each block's last point
+    last = (np.arange(nb) + 1) * block - 1  # each block's last point
     with np.errstate(over="ignore", invalid="ignore"):
-        d_last = a_after - np.exp(step[last])[None, :] * b_after            # δ at each block's last point
+        d_last = a_after - np.exp(step[last])[None, :] * b_after  # δ at each block's last point
     ok_blk = np.nan_to_num(d_last, nan=np.inf) <= delta_left[:, None]
     has = ok_blk.any(axis=1)
-    blk = np.argmax(ok_blk, axis=1)                       # the block holding the first ok point
+    blk = np.argmax(ok_blk, axis=1)  # the block holding the first ok point
     rows = np.arange(n)
     inside = blk[:, None] * block + np.arange(block)[None, :]
     p_in, w_in = np.take_along_axis(p, inside, axis=1), np.take_along_axis(w, inside, axis=1)
-    a_in = np.cumsum(p_in[:, ::-1], axis=1)[:, ::-1] + a_after[rows, blk][:, None]   # A_j inside the block
+    a_in = np.cumsum(p_in[:, ::-1], axis=1)[:, ::-1] + a_after[rows, blk][:, None]  # A_j inside the block
     b_in = np.cumsum(w_in[:, ::-1], axis=1)[:, ::-1] + b_after[rows, blk][:, None]
     a_next = np.concatenate([a_in[:, 1:], a_after[rows, blk][:, None]], axis=1)
     b_next = np.concatenate([b_in[:, 1:], b_after[rows, blk][:, None]], axis=1)
@@ -206,7 +220,7 @@ def _epsilon_from_pmf(pmf, t_lo, inf_mass, delta_left, discretization, block: in
     k = np.argmax(ok, axis=1)
     j = blk * block + k
     a_j, b_j = a_in[rows, k], b_in[rows, k]
-    d0 = a_blk[:, 0] - np.exp(-base * discretization) * b_blk[:, 0]         # δ(0): every positive loss
+    d0 = a_blk[:, 0] - np.exp(-base * discretization) * b_blk[:, 0]  # δ(0): every positive loss
     with np.errstate(divide="ignore", invalid="ignore"):
         eps = np.log(a_j - delta_left) - np.log(b_j) + base * discretization
     x_j = (base + j) * discretization
@@ -217,8 +231,14 @@ def _epsilon_from_pmf(pmf, t_lo, inf_mass, delta_left, discretization, block: in
     return np.where(inf_mass > delta_left, np.inf, np.maximum(eps, 0.0))
 
 
-def individual_pld_epsilon(counts, sample_rates, noise_multipliers, delta: float,
-                           discretization: float = INDIVIDUAL_PLD_DISCRETIZATION, workers: int | None = None):
+def individual_pld_epsilon(
+    counts,
+    sample_rates,
+    noise_multipliers,
+    delta: float,
+    discretization: float = INDIVIDUAL_PLD_DISCRETIZATION,
+    workers: int | None = None,
+):
     """ε_i by PLD for examples that composed ``counts[i, l]`` steps at level l = (q_l, σ_l).
 
     Args:
@@ -247,10 +267,13 @@ def individual_pld_epsilon(counts, sample_rates, noise_multipliers, delta: float
     if not live.any() or n == 0:
         return eps
     if live.sum() > MAX_LEVELS:
-        raise InvalidParameterError("levels", int(live.sum()), f"too many distinct levels for PLD (limit {MAX_LEVELS}); "
-                                    "use a coarser rounding step")
+        raise InvalidParameterError(
+            "levels",
+            int(live.sum()),
+            f"too many distinct levels for PLD (limit {MAX_LEVELS}); use a coarser rounding step",
+        )
     c = counts[:, live]
-    uniq, inverse = np.unique(c, axis=0, return_inverse=True)   # identical histories once
+    uniq, inverse = np.unique(c, axis=0, return_inverse=True)  # identical histories once
     inverse = inverse.ravel()
     pmfs = _level_pmfs(q[live], s[live], d)
     out = np.zeros(uniq.shape[0])
@@ -265,9 +288,13 @@ def _direction_epsilon(counts, pmfs: _LevelPmfs, delta, discretization, workers)
     t_lo, t_hi, tail = _windows(counts, pmfs)
     width = (t_hi - t_lo + 1).astype(np.int64)
     if width.max() > PLD_MAX_POINTS:
-        raise InvalidParameterError("steps", int(counts.sum(axis=1).max()), f"too many for per-example PLD: an "
-                                    f"example's loss distribution needs {int(width.max())} grid points "
-                                    f"(limit {PLD_MAX_POINTS}); use the rdp accountant or a coarser discretization")
+        raise InvalidParameterError(
+            "steps",
+            int(counts.sum(axis=1).max()),
+            f"too many for per-example PLD: an "
+            f"example's loss distribution needs {int(width.max())} grid points "
+            f"(limit {PLD_MAX_POINTS}); use the rdp accountant or a coarser discretization",
+        )
     log_fin = counts @ np.log1p(-np.minimum(pmfs.inf_mass, 1.0))
     inf_mass = -np.expm1(log_fin)
     steps_total = counts.sum(axis=1)
@@ -294,7 +321,7 @@ def _direction_epsilon(counts, pmfs: _LevelPmfs, delta, discretization, workers)
             cache[n_fft] = _level_log_cf(pmfs, n_fft)
         return cache[n_fft]
 
-    for _, n_fft in chunks:       # build the level tables serially (shared)
+    for _, n_fft in chunks:  # build the level tables serially (shared)
         cf_for(n_fft)
 
     def run(chunk):
@@ -304,13 +331,13 @@ def _direction_epsilon(counts, pmfs: _LevelPmfs, delta, discretization, workers)
         k_all = n_fft // 2 + 1
         # |φ_i(k')| ≤ exp(Σ_l T_il env_l(k)) for every k' ≥ k: keep frequencies below the first
         # sampled k where that bound times the number of frequencies is negligible.
-        bound = cnt @ env                                          # (rows × sampled k)
+        bound = cnt @ env  # (rows × sampled k)
         small = bound < math.log(_DROP_MASS / (2 * k_all))
         first = np.where(small.any(axis=1), np.argmax(small, axis=1), env.shape[1])
-        kc = int(first.max())                                     # sampled index: k = kc · step
+        kc = int(first.max())  # sampled index: k = kc · step
         if kc < env.shape[1] and kc * _ENV_STEP < k_all:
             keep = max(kc * _ENV_STEP, 1)
-            dropped = 2 * k_all * np.exp(bound[:, kc])             # ≥ Σ_{k ≥ keep} 2|φ_i(k)|
+            dropped = 2 * k_all * np.exp(bound[:, kc])  # ≥ Σ_{k ≥ keep} 2|φ_i(k)|
         else:
             keep, dropped = k_all, np.zeros(rows.size)
         spec = np.empty((rows.size, keep), dtype=complex)
@@ -330,8 +357,11 @@ def _direction_epsilon(counts, pmfs: _LevelPmfs, delta, discretization, workers)
         l1 = n_fft * np.sqrt(np.einsum("ij,ij->i", pmf, pmf))
         fp = _FP_FACTOR * _U * (steps_total[rows] + math.log2(n_fft) + 1) * l1 + dropped
         left = delta - tail[rows] - fp
-        eps[rows] = np.where(left > 0, _epsilon_from_pmf(pmf, t_lo[rows], inf_mass[rows], np.maximum(left, 1e-300),
-                                                           discretization), np.inf)
+        eps[rows] = np.where(
+            left > 0,
+            _epsilon_from_pmf(pmf, t_lo[rows], inf_mass[rows], np.maximum(left, 1e-300), discretization),
+            np.inf,
+        )
 
     run_in_threads(run, chunks, workers if workers is not None else min(2, os.cpu_count() or 1))
     return eps

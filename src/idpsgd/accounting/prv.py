@@ -17,10 +17,11 @@ its default orders with a scalar loop per order; here the same orders, the same 
 Opacus's ``get_privacy_spent``) are vectorized — the same L to rounding, about 50× faster.  The
 result agrees with Opacus's ``PRVAccountant`` to floating-point rounding (tests/test_opacus_port.py).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,14 +53,15 @@ def safe_domain_size(events: Sequence[SampledGaussianEvent], eps_error: float, d
     the RDP ε of the composition at δ_err/4 and of each single step at δ_err/(8T))."""
     total = sum(int(ev.count) for ev in events)
     one_step = [compute_rdp(ev.sample_rate, ev.noise_multiplier, OPACUS_ALPHAS) for ev in events]
-    L = _opacus_conversion(sum(int(ev.count) * r for ev, r in zip(events, one_step)), delta_error / 4)
+    L = _opacus_conversion(sum(int(ev.count) * r for ev, r in zip(events, one_step, strict=True)), delta_error / 4)
     for r in one_step:
         L = max(L, _opacus_conversion(r, delta_error / (8 * total)))
     return max(L, eps_error) + 3
 
 
-def prv_epsilons(events: Sequence[SampledGaussianEvent], delta: float, eps_error: float = EPS_ERROR,
-                 delta_error: float | None = None) -> tuple[float, float, float]:
+def prv_epsilons(
+    events: Sequence[SampledGaussianEvent], delta: float, eps_error: float = EPS_ERROR, delta_error: float | None = None
+) -> tuple[float, float, float]:
     """(eps_lower, eps_estimate, eps_upper) of the composition of ``events`` at ``delta`` (Gopi et al.
     Thm. 5.5 with the truncation of Remark 5.6); ``delta_error`` defaults to δ/1000 (as Opacus)."""
     delta = check_delta(delta)
@@ -72,9 +74,15 @@ def prv_epsilons(events: Sequence[SampledGaussianEvent], delta: float, eps_error
     if not ev:
         return 0.0, 0.0, 0.0
     from .accountants import _check_min_sigma
+
     _check_min_sigma([e.noise_multiplier for e in ev])
-    from opacus.accountants.analysis.prv import (Domain, PoissonSubsampledGaussianPRV, TruncatedPrivacyRandomVariable,
-                                                 compose_heterogeneous, discretize)
+    from opacus.accountants.analysis.prv import (
+        Domain,
+        PoissonSubsampledGaussianPRV,
+        TruncatedPrivacyRandomVariable,
+        compose_heterogeneous,
+        discretize,
+    )
 
     counts = [int(e.count) for e in ev]
     total = sum(counts)
@@ -82,25 +90,36 @@ def prv_epsilons(events: Sequence[SampledGaussianEvent], delta: float, eps_error
     mesh = eps_error / math.sqrt(total * math.log(12 / delta_error) / 2)
     points = 2 * L / mesh
     if not math.isfinite(points) or points > PRV_MAX_POINTS:
-        raise InvalidParameterError("accountant", "prv", f"would discretize on {points:.3g} grid points (limit "
-                                    f"{PRV_MAX_POINTS}) for these events; use the rdp or pld accountant")
+        raise InvalidParameterError(
+            "accountant",
+            "prv",
+            f"would discretize on {points:.3g} grid points (limit "
+            f"{PRV_MAX_POINTS}) for these events; use the rdp or pld accountant",
+        )
     domain = Domain.create_aligned(-L, L, mesh)
     prvs = [PoissonSubsampledGaussianPRV(e.sample_rate, e.noise_multiplier) for e in ev]
     try:
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # log(0) below t = log(1 − q): masked
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # log(0) below t = log(1 − q): masked
             dprvs = [discretize(TruncatedPrivacyRandomVariable(p, domain.t_min, domain.t_max), domain) for p in prvs]
             composed = compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
             lower, estimate, upper = composed.compute_epsilon(delta, delta_error, eps_error)
     except (RuntimeError, ValueError) as exc:
-        raise InvalidParameterError("accountant", "prv", f"cannot bound epsilon at delta={delta:g} for these events "
-                                    f"({exc}); use the rdp or pld accountant") from None
+        raise InvalidParameterError(
+            "accountant",
+            "prv",
+            f"cannot bound epsilon at delta={delta:g} for these events ({exc}); use the rdp or pld accountant",
+        ) from None
     if not np.isfinite(upper):
-        raise InvalidParameterError("accountant", "prv", f"gives no finite epsilon at delta={delta:g} for these "
-                                    "events; use the rdp or pld accountant")
+        raise InvalidParameterError(
+            "accountant",
+            "prv",
+            f"gives no finite epsilon at delta={delta:g} for these events; use the rdp or pld accountant",
+        )
     return float(lower), float(estimate), float(upper)
 
 
-def prv_epsilon(events: Sequence[SampledGaussianEvent], delta: float, eps_error: float = EPS_ERROR,
-                delta_error: float | None = None) -> float:
+def prv_epsilon(
+    events: Sequence[SampledGaussianEvent], delta: float, eps_error: float = EPS_ERROR, delta_error: float | None = None
+) -> float:
     """ε of the composition of ``events`` by the PRV accountant: its upper bound eps_upper (≥ 0)."""
     return max(prv_epsilons(events, delta, eps_error, delta_error)[2], 0.0)

@@ -29,6 +29,7 @@ Writing ``A_α − 1`` as a sum of positive terms keeps full relative precision 
 tiny (σ up to 1e6, q down to 1e-9).  ``q = 1`` is the plain Gaussian, ``α/(2σ²)``; ``q = 0`` or
 ``σ = inf`` (a zero gradient) gives 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,18 +48,75 @@ log = logging.getLogger(__name__)
 #: Default Rényi orders: dense near 1 (small ε), every integer to 16, then geometric up to 1024
 #: (examples with tiny gradient norms have huge effective σ and need large orders).
 DEFAULT_ORDERS = np.array(
-    [1.01, 1.02, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5, 1.6, 1.75, 1.9, 2.0, 2.25, 2.5, 2.75,
-     3.0, 3.25, 3.5, 3.75, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 9.0, 10.0, 11.0, 12.0,
-     13.0, 14.0, 16.0, 18.0, 20.0, 22.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0, 80.0, 96.0,
-     128.0, 160.0, 192.0, 256.0, 320.0, 384.0, 512.0, 640.0, 768.0, 1024.0]
+    [
+        1.01,
+        1.02,
+        1.05,
+        1.1,
+        1.15,
+        1.2,
+        1.25,
+        1.3,
+        1.4,
+        1.5,
+        1.6,
+        1.75,
+        1.9,
+        2.0,
+        2.25,
+        2.5,
+        2.75,
+        3.0,
+        3.25,
+        3.5,
+        3.75,
+        4.0,
+        4.5,
+        5.0,
+        5.5,
+        6.0,
+        6.5,
+        7.0,
+        7.5,
+        8.0,
+        9.0,
+        10.0,
+        11.0,
+        12.0,
+        13.0,
+        14.0,
+        16.0,
+        18.0,
+        20.0,
+        22.0,
+        24.0,
+        28.0,
+        32.0,
+        40.0,
+        48.0,
+        56.0,
+        64.0,
+        80.0,
+        96.0,
+        128.0,
+        160.0,
+        192.0,
+        256.0,
+        320.0,
+        384.0,
+        512.0,
+        640.0,
+        768.0,
+        1024.0,
+    ]
 )
 
 _GH_NODES, _GH_WEIGHTS = hermegauss(32)
 _LOG_GH_WEIGHTS = np.log(_GH_WEIGHTS) - 0.5 * math.log(2 * math.pi)
-_NEGLIGIBLE = 40.0          # terms below e^-40 of the running sum are dropped (chunks proven so)
-_SERIES_TOL = 24.0          # Mironov series: stop when terms fall below e^-24 of A − 1
+_NEGLIGIBLE = 40.0  # terms below e^-40 of the running sum are dropped (chunks proven so)
+_SERIES_TOL = 24.0  # Mironov series: stop when terms fall below e^-24 of A − 1
 _SERIES_EXTRA_TERMS = 1500  # terms allowed past the last region where terms may grow
-_BATCH = 4096               # pairs evaluated together (bounds memory: batch × chunk)
+_BATCH = 4096  # pairs evaluated together (bounds memory: batch × chunk)
 _CHUNK = 64
 
 
@@ -86,7 +144,7 @@ def compute_rdp(sample_rate, noise_multiplier, orders=DEFAULT_ORDERS, steps=1) -
     pairs = np.stack([q.ravel(), sigma.ravel()], axis=1)
     unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
     rdp = _rdp_unique_pairs(unique[:, 0], unique[:, 1], alphas)[inverse.ravel()]
-    rdp = rdp.reshape(shape + (alphas.size,))
+    rdp = rdp.reshape((*shape, alphas.size))
     steps_arr = np.asarray(steps, dtype=float)
     return rdp * (steps_arr[..., None] if steps_arr.ndim else steps_arr)
 
@@ -134,7 +192,7 @@ def _rdp_unique_triples(q: np.ndarray, sigma: np.ndarray, alpha: np.ndarray) -> 
     idx = idx[np.lexsort((alpha[idx], q[idx], sigma[idx]))]
     workers = min(os.cpu_count() or 1, 8) if idx.size >= 2000 else 1
     size = min(_BATCH, -(-idx.size // workers))
-    batches = [idx[start:start + size] for start in range(0, idx.size, size)]
+    batches = [idx[start : start + size] for start in range(0, idx.size, size)]
 
     def run(b):
         out[b] = _rdp_batch(q[b], sigma[b], alpha[b])
@@ -158,8 +216,7 @@ def _rdp_unique_pairs(q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> n
     # Sorting makes the pair batches homogeneous, so the negligible-chunk test skips more.
     idx = np.flatnonzero(sub)
     idx = idx[np.lexsort((q[idx], sigma[idx]))]
-    tasks = [(j, idx[start:start + _BATCH]) for j in range(alphas.size)
-             for start in range(0, idx.size, _BATCH)]
+    tasks = [(j, idx[start : start + _BATCH]) for j in range(alphas.size) for start in range(0, idx.size, _BATCH)]
 
     def run(task):
         j, b = task
@@ -244,18 +301,28 @@ def _log_am1_binomial(q: np.ndarray, sigma: np.ndarray, n) -> np.ndarray:
         # Upper bound of every term in [a, b]: each of the three parts at its own maximum.
         kc = np.clip(half, a, np.maximum(b, a))
         with np.errstate(invalid="ignore", over="ignore"):
-            bound = (lg_n[:, 0] - gammaln(kc + 1) - gammaln(nn[:, 0] - kc + 1)
-                     + np.maximum(a * logq[:, 0] + (nn[:, 0] - a) * log1mq[:, 0],
-                                  b * logq[:, 0] + (nn[:, 0] - b) * log1mq[:, 0])
-                     + _log_expm1(b * (b - 1) * inv2s2[:, 0]))
+            bound = (
+                lg_n[:, 0]
+                - gammaln(kc + 1)
+                - gammaln(nn[:, 0] - kc + 1)
+                + np.maximum(
+                    a * logq[:, 0] + (nn[:, 0] - a) * log1mq[:, 0], b * logq[:, 0] + (nn[:, 0] - b) * log1mq[:, 0]
+                )
+                + _log_expm1(b * (b - 1) * inv2s2[:, 0])
+            )
         need = live & ~(bound + np.log(np.maximum(b - a + 1, 1)) < total - _NEGLIGIBLE)
         rows = np.flatnonzero(need)
         if rows.size == 0:
             continue
         k = np.arange(a, a + _CHUNK, dtype=float)[None, :]
         t = terms(k, rows)
-        t = np.where((k == seed[rows, 0:1]) | ((k == seed[rows, 1:2]) & valid[rows, 1:2])
-                     | ((k == seed[rows, 2:3]) & valid[rows, 2:3]), -np.inf, t)
+        t = np.where(
+            (k == seed[rows, 0:1])
+            | ((k == seed[rows, 1:2]) & valid[rows, 1:2])
+            | ((k == seed[rows, 2:3]) & valid[rows, 2:3]),
+            -np.inf,
+            t,
+        )
         total[rows] = np.logaddexp(total[rows], logsumexp(t, axis=1))
     return total
 
@@ -306,8 +373,7 @@ def _log_am1_quadrature(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
     tau = 1.0 / np.sqrt(1.0 - alpha * s * (1 - s) / sigma**2)
     nodes = u[:, None] + tau[:, None] * _GH_NODES[None, :]
     # Quadrature weights for the measure φ(u)du at the shifted, scaled nodes.
-    log_w = (np.log(tau)[:, None] + _LOG_GH_WEIGHTS[None, :]
-             - 0.5 * nodes**2 + 0.5 * _GH_NODES[None, :] ** 2)
+    log_w = np.log(tau)[:, None] + _LOG_GH_WEIGHTS[None, :] - 0.5 * nodes**2 + 0.5 * _GH_NODES[None, :] ** 2
     x = nodes / sigma[:, None] - 0.5 / sigma[:, None] ** 2
     y = q[:, None] * np.expm1(x)
     return logsumexp(log_w + _log_phi2(alpha[:, None], y), axis=1)
@@ -355,14 +421,26 @@ def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
         # log|C(α, i)| and its sign: the chunk's first term by log-gamma, the rest by the ratio
         # C(α, i)/C(α, i−1) = (α − i + 1)/i (a cumulative sum: cheaper than log-gamma per term)
         first = lg_a[a] - gammaln(i[:, :1] + 1) - gammaln(j[:, :1] + 1)
-        ratio = j[:, :-1] / i[:, 1:]                       # (α − i + 1)/i for the chunk's later terms
+        ratio = j[:, :-1] / i[:, 1:]  # (α − i + 1)/i for the chunk's later terms
         logc = np.concatenate([first, first + np.cumsum(np.log(np.abs(ratio)), axis=1)], axis=1)
         flips = np.concatenate([gammasgn(j[:, :1] + 1) < 0, ratio < 0], axis=1)
         sign = np.where(np.cumsum(flips, axis=1) % 2 == 1, -1.0, 1.0)
-        log_s0 = (logc + i * logq[a] + j * log1mq[a] + (i * i - i) / (2 * s2[a])
-                  + math.log(0.5) + _log_erfc((i - z0[a]) / rt2s[a]))
-        log_s1 = (logc + j * logq[a] + i * log1mq[a] + (j * j - j) / (2 * s2[a])
-                  + math.log(0.5) + _log_erfc((z0[a] - j) / rt2s[a]))
+        log_s0 = (
+            logc
+            + i * logq[a]
+            + j * log1mq[a]
+            + (i * i - i) / (2 * s2[a])
+            + math.log(0.5)
+            + _log_erfc((i - z0[a]) / rt2s[a])
+        )
+        log_s1 = (
+            logc
+            + j * logq[a]
+            + i * log1mq[a]
+            + (j * j - j) / (2 * s2[a])
+            + math.log(0.5)
+            + _log_erfc((z0[a] - j) / rt2s[a])
+        )
         both = np.concatenate([log_s0, log_s1], axis=1)
         sgn2 = np.concatenate([sign, sign], axis=1)
         pos[a] = np.logaddexp(pos[a], logsumexp(np.where(sgn2 > 0, both, -np.inf), axis=1))
@@ -370,23 +448,32 @@ def _log_am1_series(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
         last[a] = np.maximum(log_s0[:, -1], log_s1[:, -1])
         with np.errstate(invalid="ignore", divide="ignore"):  # running log(A − 1); NaN while ≤ 0
             total = pos[a] + np.log1p(-np.exp(np.logaddexp(0.0, neg[a]) - pos[a]))
-        converged = ((i0 + chunk > i_safe[a])
-                     & (log_s0[:, -1] <= log_s0[:, -2]) & (log_s1[:, -1] <= log_s1[:, -2])
-                     & (last[a] < total - _SERIES_TOL))
+        converged = (
+            (i0 + chunk > i_safe[a])
+            & (log_s0[:, -1] <= log_s0[:, -2])
+            & (log_s1[:, -1] <= log_s1[:, -2])
+            & (last[a] < total - _SERIES_TOL)
+        )
         active = a[~converged]
         i0 += chunk
     if active.size:
-        log.debug("RDP series hit its term cap for %d (q, sigma) pairs at order %g; "
-                    "the alternating tail is bounded by its last term", active.size, float(alpha.max()))
+        log.debug(
+            "RDP series hit its term cap for %d (q, sigma) pairs at order %g; "
+            "the alternating tail is bounded by its last term",
+            active.size,
+            float(alpha.max()),
+        )
     # Past i_safe both halves alternate with decreasing size, so each remainder is at most its
     # last term: adding both keeps the result an upper bound of A.
     pos = np.logaddexp(pos, last + math.log(2))
     # A = pos − neg; A − 1 computed as (pos − 1) − neg in log space.
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         a_val = np.exp(pos) - np.exp(neg)  # A ≥ 1, bounded because σ is small here only if RDP big
-        log_am1 = np.where(pos - np.logaddexp(0.0, neg) > 1e-6,
-                           pos + np.log1p(-np.exp(np.logaddexp(0.0, neg) - pos)),
-                           np.log(np.maximum(a_val - 1, 0)))
+        log_am1 = np.where(
+            pos - np.logaddexp(0.0, neg) > 1e-6,
+            pos + np.log1p(-np.exp(np.logaddexp(0.0, neg) - pos)),
+            np.log(np.maximum(a_val - 1, 0)),
+        )
     bad = ~np.isfinite(log_am1) & (pos > 0)
     if bad.any():  # cancellation left nothing reliable: fall back to the absolute sum (upper bound)
         log_am1[bad] = np.log(np.expm1(np.logaddexp(pos[bad], neg[bad])))

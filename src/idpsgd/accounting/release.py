@@ -14,15 +14,16 @@ neighbours — the relation DP-SGD's guarantee uses:
   utility −max(#{v_i < x} − p·n, p·n − #{v_i ≤ x}, 0): adding (removing) one example raises
   (lowers) each count by 0 or 1 and p·n by p, so the utility changes by at most max(p, 1 − p):
   its sensitivity is ≤ 1 and each quantile is pure ε-DP (the grid lets atoms — e.g. the many
-  examples at the worst case U — be released exactly); k quantiles share their budget by basic composition and are sorted afterwards
-  (post-processing), so the released quantiles are ordered.  (The paper uses the method of
-  Andrew et al. 2021; the exponential mechanism is the standard exact alternative.)
+  examples at the worst case U — be released exactly); k quantiles share their budget by basic
+  composition and are sorted afterwards (post-processing), so the released quantiles are ordered.
+  (The paper uses the method of Andrew et al. 2021; the exponential mechanism is the standard exact alternative.)
 
 The noise comes from OS entropy (a generator seeded by ``secrets``), never from a recorded seed,
 so the release cannot be replayed from anything a run stores; ``rng=`` exists for tests only.
 As in the paper, the sensitivity argument holds given the released training trajectory: the other
 examples' ε_j are post-processing of the trajectory and their own data.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,16 +100,19 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) ->
     if not f_lo > 0:
         raise UnreachableTargetError(
             f"epsilon={epsilon!r} is too large for the analytic Gaussian mechanism at delta={delta!r}: noise "
-            f"below {math.exp(lo) / d:.3g} x sensitivity would already suffice (use a smaller epsilon)")
+            f"below {math.exp(lo) / d:.3g} x sensitivity would already suffice (use a smaller epsilon)"
+        )
     if not f_hi < 0:
         raise UnreachableTargetError(
             f"epsilon={epsilon!r} is unreachable for the analytic Gaussian mechanism at delta={delta!r}: it would "
-            f"need noise above {math.exp(hi) / d:.3g} x sensitivity (use a larger epsilon or delta)")
+            f"need noise above {math.exp(hi) / d:.3g} x sensitivity (use a larger epsilon or delta)"
+        )
     root, info = brentq(excess, lo, hi, xtol=1e-12, full_output=True)
     if not info.converged:
-        raise UnreachableTargetError(f"epsilon={epsilon!r}, delta={delta!r}: the analytic Gaussian search did not "
-                                     f"converge ({info.flag})")
-    return math.exp(root) * (1 + 1e-9)   # round up: never below
+        raise UnreachableTargetError(
+            f"epsilon={epsilon!r}, delta={delta!r}: the analytic Gaussian search did not converge ({info.flag})"
+        )
+    return math.exp(root) * (1 + 1e-9)  # round up: never below
 
 
 def _clipped(values, upper):
@@ -131,15 +135,20 @@ def release_mean(values, upper: float, epsilon: float, delta: float, rng=None) -
     value = float(np.clip(upper * noisy_sum / count, 0.0, upper))
     # approximate std of the released mean (delta method), from released quantities only
     mean_std = float(upper * sigma * math.sqrt(1.0 + (value / upper) ** 2) / count)
-    return {"value": value, "noisy_sum": upper * noisy_sum, "noisy_count": noisy_count,
-            "epsilon": float(epsilon), "delta": float(delta),
-            "mechanism": "analytic Gaussian (Balle & Wang 2018) on (sum/U, count), L2 sensitivity sqrt(2) "
-                         "for add/remove neighbours; mean = U*sum/count (post-processing)",
-            "sum_count_noise_std": sigma, "noise_std": mean_std}
+    return {
+        "value": value,
+        "noisy_sum": upper * noisy_sum,
+        "noisy_count": noisy_count,
+        "epsilon": float(epsilon),
+        "delta": float(delta),
+        "mechanism": "analytic Gaussian (Balle & Wang 2018) on (sum/U, count), L2 sensitivity sqrt(2) "
+        "for add/remove neighbours; mean = U*sum/count (post-processing)",
+        "sum_count_noise_std": sigma,
+        "noise_std": mean_std,
+    }
 
 
-def release_quantile(values, upper: float, quantile: float, epsilon: float,
-                     rng=None, grid: int | None = None) -> float:
+def release_quantile(values, upper: float, quantile: float, epsilon: float, rng=None, grid: int | None = None) -> float:
     """One quantile by the exponential mechanism (Smith 2011) over a public grid of [0, upper]: ε-DP.
 
     Candidates x are ``grid`` + 1 evenly spaced points of [0, upper] (public); the utility is
@@ -168,8 +177,15 @@ def quantile_sensitivity(quantile: float) -> float:
     return max(float(quantile), 1.0 - float(quantile))
 
 
-def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EPSILON, delta: float = 1e-5,
-                       quantiles=QUANTILES, rng=None, seed=None) -> dict:
+def release_statistics(
+    values,
+    upper: float,
+    epsilon: float = DEFAULT_RELEASE_EPSILON,
+    delta: float = 1e-5,
+    quantiles=QUANTILES,
+    rng=None,
+    seed=None,
+) -> dict:
     """Mean (``MEAN_SHARE`` of ε, with δ) and quantiles (the rest, split evenly), privately released.
 
     The noise comes from OS entropy; ``rng`` is for tests only.  ``seed`` is accepted for
@@ -177,8 +193,11 @@ def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EP
     reads it replay the noise).
     """
     if seed is not None:
-        warnings.warn("release_statistics(seed=...) is ignored: the release draws its noise from OS entropy",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "release_statistics(seed=...) is ignored: the release draws its noise from OS entropy",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     epsilon = float(check_epsilon(epsilon, "release_epsilon"))
     delta = check_delta(delta)
     qs_levels = tuple(float(q) for q in quantiles)
@@ -187,12 +206,20 @@ def release_statistics(values, upper: float, epsilon: float = DEFAULT_RELEASE_EP
     mean = release_mean(values, upper, eps_mean, delta, rng)
     each = (epsilon - eps_mean) / max(len(qs_levels), 1)
     raw = [release_quantile(values, upper, q, each, rng) for q in qs_levels]
-    ordered = np.sort(raw)                                # post-processing: ordered quantiles
-    qs = {f"{q:g}": float(v) for q, v in zip(sorted(qs_levels), ordered)}
-    return {"label": "differentially private released statistics (Yu et al. 2023, sec. 3.4)",
-            "neighbours": "add/remove one example", "clip_range": [0.0, float(upper)], "mean": mean,
-            "quantiles": {"values": qs, "epsilon": epsilon - eps_mean, "delta": 0.0,
-                          "epsilon_per_quantile": each, "mechanism": "exponential mechanism (Smith 2011), "
-                          "sorted after release"},
-            "noise_source": "OS entropy (secrets): Box-Muller normals, four summed and halved; inverse-CDF choice",
-            "total": {"epsilon": float(epsilon), "delta": float(delta)}}
+    ordered = np.sort(raw)  # post-processing: ordered quantiles
+    qs = {f"{q:g}": float(v) for q, v in zip(sorted(qs_levels), ordered, strict=True)}
+    return {
+        "label": "differentially private released statistics (Yu et al. 2023, sec. 3.4)",
+        "neighbours": "add/remove one example",
+        "clip_range": [0.0, float(upper)],
+        "mean": mean,
+        "quantiles": {
+            "values": qs,
+            "epsilon": epsilon - eps_mean,
+            "delta": 0.0,
+            "epsilon_per_quantile": each,
+            "mechanism": "exponential mechanism (Smith 2011), sorted after release",
+        },
+        "noise_source": "OS entropy (secrets): Box-Muller normals, four summed and halved; inverse-CDF choice",
+        "total": {"epsilon": float(epsilon), "delta": float(delta)},
+    }

@@ -1,4 +1,5 @@
 """Test-set metrics: accuracy, per-class accuracy and mean cross-entropy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-             batch_size: int = 2048) -> dict:
+def evaluate(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int = 2048
+) -> dict:
     """Accuracy, per-class accuracy and mean cross-entropy of ``model`` on (x, y) (batches are moved
     to the model's device; results come back to the CPU)."""
     device = next(model.parameters()).device
@@ -16,8 +18,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_class
     preds, loss = [], 0.0
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
-            out = model(x[i:i + batch_size].to(device))
-            loss += float(F.cross_entropy(out, y[i:i + batch_size].to(device), reduction="sum"))
+            out = model(x[i : i + batch_size].to(device))
+            loss += float(F.cross_entropy(out, y[i : i + batch_size].to(device), reduction="sum"))
             preds.append(out.argmax(1).cpu())
     model.train(was_training)
     pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)

@@ -12,6 +12,7 @@ Built from the run folder's public ``report.json`` (and, only on request, its pr
   case, ε vs loss, class ε vs accuracy) and the exact statistics — a private report, written with
   mode 0600 into ``private/``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -65,13 +66,17 @@ def epsilon_curves(report: dict, points: int = 120):
             curves.append(np.zeros(t.size))
             continue
         per_step = compute_rdp(g["sample_rate"], g["noise_multiplier"], DEFAULT_ORDERS)
-        curves.append(rdp_to_epsilon(per_step[None, :] * t[:, None], DEFAULT_ORDERS, delta)[0]
-                      + g.get("epsilon_spent", 0) - g.get("epsilon_training", g.get("epsilon_spent", 0)))
+        curves.append(
+            rdp_to_epsilon(per_step[None, :] * t[:, None], DEFAULT_ORDERS, delta)[0]
+            + g.get("epsilon_spent", 0)
+            - g.get("epsilon_training", g.get("epsilon_spent", 0))
+        )
     return t, np.array(curves)
 
 
 def _ledger_figure(report: dict):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -81,7 +86,7 @@ def _ledger_figure(report: dict):
     t, eps = cur
     fig, ax = plt.subplots(figsize=(6.2, 3.6))
     colors = plt.cm.viridis(np.linspace(0.1, 0.85, len(report["groups"])))
-    for g, e, col in zip(report["groups"], eps, colors):
+    for g, e, col in zip(report["groups"], eps, colors, strict=True):
         ax.plot(t, e, color=col, label=f"group with budget {g['budget']:g}")
         ax.axhline(g["budget"], color=col, ls=":", lw=1)
     ax.set_xlabel("training step")
@@ -93,6 +98,7 @@ def _ledger_figure(report: dict):
 
 def _accuracy_figure(report: dict):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -104,14 +110,21 @@ def _accuracy_figure(report: dict):
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1)
-    ax.grid(alpha=.3)
+    ax.grid(alpha=0.3)
     return _png(fig)
 
 
 def _table(header, rows) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td class='num'>{c}</td>" if isinstance(c, str) and c[:1] in "0123456789-."
-                                    else f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td class='num'>{c}</td>" if isinstance(c, str) and c[:1] in "0123456789-." else f"<td>{c}</td>"
+            for c in r
+        )
+        + "</tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -130,18 +143,22 @@ def render(run_dir, include_private: bool = False) -> str:
     except ValueError as exc:
         raise InvalidParameterError("dir", str(run_dir), f"its report.json is not valid JSON ({exc})") from None
     e = html.escape
-    parts = [f"<h1>idpsgd run: {e(str(r.get('method')))} on {e(str(r.get('dataset')))}</h1>",
-             f"<p class='note'>model {e(str(r.get('model')))}, accountant {e(str(r.get('accountant')))}, "
-             f"{r.get('steps')} steps of {r.get('planned_steps', r.get('steps'))} planned"
-             + (" — <span class='bad'>stopped early by the privacy filter</span>" if r.get("stopped_early") else "")
-             + f"; {'secure mode' if r.get('secure_mode') else 'not secure mode'}</p>"]
-    if r.get("randomness"):      # never the seed itself (an old report.json may still hold one: not shown)
+    parts = [
+        f"<h1>idpsgd run: {e(str(r.get('method')))} on {e(str(r.get('dataset')))}</h1>",
+        f"<p class='note'>model {e(str(r.get('model')))}, accountant {e(str(r.get('accountant')))}, "
+        f"{r.get('steps')} steps of {r.get('planned_steps', r.get('steps'))} planned"
+        + (" — <span class='bad'>stopped early by the privacy filter</span>" if r.get("stopped_early") else "")
+        + f"; {'secure mode' if r.get('secure_mode') else 'not secure mode'}</p>",
+    ]
+    if r.get("randomness"):  # never the seed itself (an old report.json may still hold one: not shown)
         parts.append(f"<p class='note'>Randomness: {e(str(r['randomness']))}</p>")
     if r.get("layer_paths"):
         from ..engine.bookkeeping import summarize_paths
 
-        parts.append(f"<p class='note'>per-example gradient norms ({e(str(r.get('grad_sample_mode')))}): "
-                     f"{e(summarize_paths(r['layer_paths']))}</p>")
+        parts.append(
+            f"<p class='note'>per-example gradient norms ({e(str(r.get('grad_sample_mode')))}): "
+            f"{e(summarize_paths(r['layer_paths']))}</p>"
+        )
     parts.append("<h2>Guarantee</h2>")
     parts.append(f"<p>{e(str(r.get('guarantee', '')))}</p>")
     groups = r.get("groups") or []
@@ -149,22 +166,39 @@ def render(run_dir, include_private: bool = False) -> str:
     for g in groups:
         spent, budget = g.get("epsilon_spent"), g.get("budget")
         ok = spent is not None and budget is not None and spent <= budget * (1 + 1e-12)
-        words = (f"every example with budget {budget:g} received ({spent:.4g}, {g.get('delta', r.get('delta')):g})-DP"
-                 if spent is not None else "")
-        rows.append([_fmt(budget), str(g.get("count")), _fmt(g.get("sample_rate")), _fmt(g.get("clip_norm")),
-                     _fmt(g.get("noise_multiplier")), _fmt(spent),
-                     f"<span class='{'ok' if ok else 'bad'}'>{'within budget' if ok else 'OVER BUDGET'}</span>",
-                     e(words)])
-    parts.append(_table(["budget", "examples", "sampling rate", "clip norm", "effective σ", "ε spent", "", "in words"],
-                        rows))
+        words = (
+            f"every example with budget {budget:g} received ({spent:.4g}, {g.get('delta', r.get('delta')):g})-DP"
+            if spent is not None
+            else ""
+        )
+        rows.append(
+            [
+                _fmt(budget),
+                str(g.get("count")),
+                _fmt(g.get("sample_rate")),
+                _fmt(g.get("clip_norm")),
+                _fmt(g.get("noise_multiplier")),
+                _fmt(spent),
+                f"<span class='{'ok' if ok else 'bad'}'>{'within budget' if ok else 'OVER BUDGET'}</span>",
+                e(words),
+            ]
+        )
+    parts.append(
+        _table(["budget", "examples", "sampling rate", "clip norm", "effective σ", "ε spent", "", "in words"], rows)
+    )
     pre = r.get("preprocessing") or {}
     if pre:
-        cost = f" — charged ({pre.get('epsilon', 0):g}, {pre.get('delta', 0):g}) to every example" \
-            if pre.get("epsilon") else ""
-        parts.append(f"<p class='note'>Input normalization: {e(str(pre.get('mode')))} ({e(str(pre.get('source', '')))})"
-                     f"{e(cost)}.</p>")
+        cost = (
+            f" — charged ({pre.get('epsilon', 0):g}, {pre.get('delta', 0):g}) to every example"
+            if pre.get("epsilon")
+            else ""
+        )
+        parts.append(
+            f"<p class='note'>Input normalization: {e(str(pre.get('mode')))} ({e(str(pre.get('source', '')))})"
+            f"{e(cost)}.</p>"
+        )
     metrics = {k: v for k, v in (r.get("test_metrics") or {}).items() if not isinstance(v, (list, dict))}
-    if r.get("test_accuracy") is None and metrics:        # e.g. a language model: loss and perplexity
+    if r.get("test_accuracy") is None and metrics:  # e.g. a language model: loss and perplexity
         parts.append("<h2>Test metrics</h2>")
         parts.append(_table(["metric", "value"], [[e(k), _fmt(v)] for k, v in metrics.items()]))
     else:
@@ -172,42 +206,64 @@ def render(run_dir, include_private: bool = False) -> str:
         parts.append(f"<p>Test accuracy <b>{_fmt(r.get('test_accuracy'))}</b>.</p>")
     pca = r.get("per_class_accuracy") or []
     if pca:
-        parts.append(_table(["class"] + [str(k) for k in range(len(pca))],
-                            [["accuracy"] + [_fmt(a, 3) for a in pca]]))
+        parts.append(_table(["class"] + [str(k) for k in range(len(pca))], [["accuracy"] + [_fmt(a, 3) for a in pca]]))
     figs = [f for f in (_ledger_figure(r), _accuracy_figure(r)) if f]
     if figs:
-        parts.append("<h2>Privacy ledger and training curve</h2><div class='figs'>"
-                     + "".join(f"<img alt='figure' src='{f}'>" for f in figs) + "</div>")
+        parts.append(
+            "<h2>Privacy ledger and training curve</h2><div class='figs'>"
+            + "".join(f"<img alt='figure' src='{f}'>" for f in figs)
+            + "</div>"
+        )
     ip = r.get("individual_privacy")
     if ip:
         rel = ip["released"]
         parts.append("<h2>Individual privacy (Yu et al. 2023)</h2>")
-        parts.append(f"<p>Each example's ε is the smaller of its output-specific ε ({e(ip['kind'])}: "
-                     f"{e(ip['definition'])}) and its data-independent ε"
-                     + (f" — {e(ip['kind'])} because {e(ip['kind_reason'])}" if ip.get("kind_reason") else "")
-                     + ". Only privately released statistics are "
-                     f"shown here: released with (ε, δ) = ({rel['total']['epsilon']:g}, {rel['total']['delta']:g}), "
-                     f"which every example pays on top of the model's guarantee.</p>")
+        parts.append(
+            f"<p>Each example's ε is the smaller of its output-specific ε ({e(ip['kind'])}: "
+            f"{e(ip['definition'])}) and its data-independent ε"
+            + (f" — {e(ip['kind'])} because {e(ip['kind_reason'])}" if ip.get("kind_reason") else "")
+            + ". Only privately released statistics are "
+            f"shown here: released with (ε, δ) = ({rel['total']['epsilon']:g}, {rel['total']['delta']:g}), "
+            f"which every example pays on top of the model's guarantee.</p>"
+        )
         qs = rel["quantiles"]["values"]
-        parts.append(_table(["statistic", "released value"],
-                            [["mean ε", _fmt(rel["mean"]["value"])]] + [[f"quantile {k}", _fmt(v)] for k, v in qs.items()]))
+        parts.append(
+            _table(
+                ["statistic", "released value"],
+                [["mean ε", _fmt(rel["mean"]["value"])]] + [[f"quantile {k}", _fmt(v)] for k, v in qs.items()],
+            )
+        )
     flt = r.get("filter")
     if flt:
         parts.append("<h2>Individual Rényi filter (Feldman &amp; Zrnic 2021; Boenisch et al. §5)</h2>")
-        parts.append(f"<p>The run lasted {flt.get('run_steps')} steps, {_fmt(flt.get('extend'), 3)} times the "
-                     f"{flt.get('calibrated_steps')} steps calibrated for the worst case; each example left training "
-                     "when its own Rényi budget at its filter order was spent.</p>")
-        parts.append(_table(["budget", "filter orders", "RDP budgets"],
-                            [[_fmt(g.get("budget")), e(", ".join(_fmt(o, 3) for o in (g.get("filter_orders") or []))),
-                              e(", ".join(_fmt(b) for b in (g.get("rdp_budgets") or [])))] for g in groups]))
+        parts.append(
+            f"<p>The run lasted {flt.get('run_steps')} steps, {_fmt(flt.get('extend'), 3)} times the "
+            f"{flt.get('calibrated_steps')} steps calibrated for the worst case; each example left training "
+            "when its own Rényi budget at its filter order was spent.</p>"
+        )
+        parts.append(
+            _table(
+                ["budget", "filter orders", "RDP budgets"],
+                [
+                    [
+                        _fmt(g.get("budget")),
+                        e(", ".join(_fmt(o, 3) for o in (g.get("filter_orders") or []))),
+                        e(", ".join(_fmt(b) for b in (g.get("rdp_budgets") or []))),
+                    ]
+                    for g in groups
+                ],
+            )
+        )
     files = r.get("files") or {}
     if files:
         parts.append("<h2>Files</h2>" + _table(["file", "kind"], [[e(k), e(v)] for k, v in sorted(files.items())]))
     if include_private:
         parts.append(_private_section(run_dir))
     title = f"idpsgd report — {r.get('method')} on {r.get('dataset')}"
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>"
-            f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>")
+    return (
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>"
+        f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"
+    )
 
 
 def _private_section(run_dir: Path) -> str:
@@ -216,20 +272,30 @@ def _private_section(run_dir: Path) -> str:
     stats = priv / "individual_privacy.json"
     if stats.is_file():
         s = json.loads(stats.read_text())
-        rows = [["mean", _fmt(s.get("mean"))], ["min", _fmt(s.get("min"))], ["max", _fmt(s.get("max"))],
-                ["worst case", _fmt(s.get("worst_case_epsilon"))],
-                ["share at the worst case", _fmt(s.get("share_at_worst_case"))]]
+        rows = [
+            ["mean", _fmt(s.get("mean"))],
+            ["min", _fmt(s.get("min"))],
+            ["max", _fmt(s.get("max"))],
+            ["worst case", _fmt(s.get("worst_case_epsilon"))],
+            ["share at the worst case", _fmt(s.get("share_at_worst_case"))],
+        ]
         rows += [[f"quantile {k}", _fmt(v)] for k, v in (s.get("quantiles") or {}).items()]
         if s.get("validation"):
             v = s["validation"]
-            rows += [["validation: Pearson r vs exact", _fmt(v.get("pearson_r"))],
-                     ["validation: mean |error|", _fmt(v.get("mean_abs_error"))]]
+            rows += [
+                ["validation: Pearson r vs exact", _fmt(v.get("pearson_r"))],
+                ["validation: mean |error|", _fmt(v.get("mean_abs_error"))],
+            ]
         parts.append("<p>Exact statistics of the individual ε:</p>" + _table(["statistic", "value"], rows))
-    imgs = [p for p in ("epsilon_histogram.png", "epsilon_vs_loss.png", "class_epsilon_vs_accuracy.png", "active.png")
-            if (priv / p).is_file()]
+    imgs = [
+        p
+        for p in ("epsilon_histogram.png", "epsilon_vs_loss.png", "class_epsilon_vs_accuracy.png", "active.png")
+        if (priv / p).is_file()
+    ]
     if imgs:
-        parts.append("<div class='figs'>" + "".join(f"<img alt='{p}' src='{_img_file(priv / p)}'>" for p in imgs)
-                     + "</div>")
+        parts.append(
+            "<div class='figs'>" + "".join(f"<img alt='{p}' src='{_img_file(priv / p)}'>" for p in imgs) + "</div>"
+        )
     parts.append("</div>")
     return "".join(parts)
 
@@ -252,8 +318,9 @@ def move_public_seed(run_folder) -> bool:
     if isinstance(seed, int) and not isinstance(seed, bool) and not (run_folder.path / PRIVATE / SEED_FILE).is_file():
         run_folder.record_seed(seed, "the run's seed, moved here from the public report.json of an earlier version")
     r.setdefault("randomness", randomness_note(bool(r.get("secure_mode")), f"{PRIVATE}/{SEED_FILE}"))
-    run_folder.write_json("report.json", r, "public", run_folder.manifest.get("report.json", {}).get(
-        "description", "the run's report"))
+    run_folder.write_json(
+        "report.json", r, "public", run_folder.manifest.get("report.json", {}).get("description", "the run's report")
+    )
     return True
 
 
@@ -265,8 +332,12 @@ def write_report(run_folder, include_private: bool = False) -> Path:
     if include_private:
         path = run_folder.file("report.html", "private", "the run's report with its private sections")
     else:
-        path = run_folder.file("report.html", "public", "the run's readable report (guarantee per group, accuracy, "
-                               "ledger, released statistics), self-contained HTML")
+        path = run_folder.file(
+            "report.html",
+            "public",
+            "the run's readable report (guarantee per group, accuracy, "
+            "ledger, released statistics), self-contained HTML",
+        )
     with atomic_open(path, "w", private=include_private) as fh:
         fh.write(text)
     return path

@@ -5,6 +5,7 @@ at random with a seed and exact counts (largest remainder), (c) a per-class mapp
 labels, or (d) a column of a CSV file.  Privacy groups are the distinct budget values (Boenisch
 et al. 2023, §3.1); they are derived, not stored.  Budgets are personal data: never log them.
 """
+
 from __future__ import annotations
 
 import csv
@@ -49,25 +50,29 @@ class Budgets:
 
     # --- constructors -----------------------------------------------------------------------
     @classmethod
-    def from_array(cls, epsilons, delta: float) -> "Budgets":
+    def from_array(cls, epsilons, delta: float) -> Budgets:
         return cls(np.asarray(epsilons, dtype=float), delta)
 
     @classmethod
-    def from_groups(cls, budgets, fractions, num_examples: int, delta: float, seed: int = 0) -> "Budgets":
+    def from_groups(cls, budgets, fractions, num_examples: int, delta: float, seed: int = 0) -> Budgets:
         """Assign ``budgets`` to ``num_examples`` examples in exact proportions, at random (seeded)."""
         counts = group_counts(fractions, num_examples, budgets)
         if np.any(counts == 0):
-            empty = [float(b) for b, c in zip(np.atleast_1d(budgets), counts) if c == 0]
-            raise InvalidParameterError("num_examples", num_examples,
-                                        f"leaves no example for budget(s) {', '.join(f'{b:g}' for b in empty)}; "
-                                        "every group needs at least one example")
+            empty = [float(b) for b, c in zip(np.atleast_1d(budgets), counts, strict=True) if c == 0]
+            raise InvalidParameterError(
+                "num_examples",
+                num_examples,
+                f"leaves no example for budget(s) {', '.join(f'{b:g}' for b in empty)}; "
+                "every group needs at least one example",
+            )
         eps = np.repeat(np.asarray(budgets, dtype=float), counts)
         np.random.default_rng(seed).shuffle(eps)
         return cls(eps, delta)
 
     @classmethod
-    def from_exponential(cls, num_examples: int, low: float, high: float, skew: float, delta: float,
-                         seed: int = 0, groups: int = 20) -> "Budgets":
+    def from_exponential(
+        cls, num_examples: int, low: float, high: float, skew: float, delta: float, seed: int = 0, groups: int = 20
+    ) -> Budgets:
         """Heo et al. App. C.1: ``groups`` budgets evenly spaced in [low, high], group sizes ∝
         c1·e^{k·x} + c2 with x the budget mapped onto the paper's range [0.5, 1].
 
@@ -92,53 +97,64 @@ class Budgets:
         return cls.from_groups(values, weights / weights.sum(), num_examples, delta, seed=seed)
 
     @classmethod
-    def from_class_map(cls, labels, mapping: dict, delta: float) -> "Budgets":
+    def from_class_map(cls, labels, mapping: dict, delta: float) -> Budgets:
         """Budget of each example from its label: ``mapping[label] = ε``."""
         labels = np.asarray(labels)
         missing = sorted(set(np.unique(labels).tolist()) - set(mapping))
         if missing:
-            raise InvalidParameterError("budgets_per_class", mapping,
-                                        f"has no budget for class(es) {missing}; give one per class")
+            raise InvalidParameterError(
+                "budgets_per_class", mapping, f"has no budget for class(es) {missing}; give one per class"
+            )
         unknown = sorted(set(mapping) - set(np.unique(labels).tolist()), key=str)
         if unknown:
-            raise InvalidParameterError("budgets_per_class", mapping,
-                                        f"names class(es) {unknown} that no training example has")
+            raise InvalidParameterError(
+                "budgets_per_class", mapping, f"names class(es) {unknown} that no training example has"
+            )
         lut = {k: float(v) for k, v in mapping.items()}
-        return cls(np.array([lut[int(y)] if isinstance(y, (int, np.integer)) else lut[y] for y in labels.tolist()]),
-                   delta)
+        return cls(
+            np.array([lut[int(y)] if isinstance(y, (int, np.integer)) else lut[y] for y in labels.tolist()]), delta
+        )
 
     @classmethod
-    def from_csv(cls, path, column: str, delta: float) -> "Budgets":
+    def from_csv(cls, path, column: str, delta: float) -> Budgets:
         """Budgets from one column of a CSV file with a header row (one row per example)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"budgets file not found: {path} (expected a CSV with a header "
-                                    f"row and a column {column!r})")
+            raise FileNotFoundError(
+                f"budgets file not found: {path} (expected a CSV with a header row and a column {column!r})"
+            )
         try:
             with path.open(newline="", encoding="utf-8") as fh:
                 reader = csv.DictReader(fh)
                 if reader.fieldnames is None or column not in reader.fieldnames:
-                    raise InvalidParameterError("budget_column", column,
-                                                f"must be one of the CSV columns {reader.fieldnames}")
+                    raise InvalidParameterError(
+                        "budget_column", column, f"must be one of the CSV columns {reader.fieldnames}"
+                    )
                 values = []
                 for row_no, row in enumerate(reader, start=2):
                     try:
                         values.append(float(row[column]))
                     except (TypeError, ValueError):
                         raise InvalidParameterError(
-                            "budgets_file", str(path), f"row {row_no} has a missing or non-numeric value "
-                            f"{row.get(column)!r} in column {column!r}") from None
+                            "budgets_file",
+                            str(path),
+                            f"row {row_no} has a missing or non-numeric value {row.get(column)!r} in column {column!r}",
+                        ) from None
         except UnicodeDecodeError as exc:
-            raise InvalidParameterError("budgets_file", str(path), f"is not UTF-8 text ({exc.reason} at byte "
-                                        f"{exc.start})") from None
+            raise InvalidParameterError(
+                "budgets_file", str(path), f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
         if not values:
             raise InvalidParameterError("budgets_file", str(path), "has no data rows")
         arr = np.array(values)
         bad = ~(np.isfinite(arr) & (arr > 0))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise InvalidParameterError("budgets_file", str(path), f"row {i + 2} has budget {arr[i]!r} in column "
-                                        f"{column!r}; every budget must be > 0 and finite")
+            raise InvalidParameterError(
+                "budgets_file",
+                str(path),
+                f"row {i + 2} has budget {arr[i]!r} in column {column!r}; every budget must be > 0 and finite",
+            )
         return cls(arr, delta)
 
 
@@ -148,9 +164,11 @@ def group_counts(fractions, num_examples: int, budgets=None) -> np.ndarray:
     if fr.ndim != 1 or fr.size == 0:
         raise InvalidParameterError("fractions", fractions, "must be a non-empty list")
     if budgets is not None and len(np.atleast_1d(budgets)) != fr.size:
-        raise InvalidParameterError("fractions", fractions,
-                                    f"must have one entry per budget ({len(np.atleast_1d(budgets))} budgets, "
-                                    f"{fr.size} fractions)")
+        raise InvalidParameterError(
+            "fractions",
+            fractions,
+            f"must have one entry per budget ({len(np.atleast_1d(budgets))} budgets, {fr.size} fractions)",
+        )
     if np.any(~(fr > 0)) or np.any(~np.isfinite(fr)):
         raise InvalidParameterError("fractions", fractions, "every fraction must be > 0")
     if abs(fr.sum() - 1) > 1e-6:

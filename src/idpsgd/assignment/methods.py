@@ -18,11 +18,12 @@ its ε lies in [(1 − 1e-4)·budget, budget] (``uniform``: the smallest budget 
 guarantee is data-independent individual (ε_p, δ)-DP (Boenisch et al. eq. 3), proved per group
 as a sampled Gaussian mechanism with that group's (q_p, σ_p).
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -45,9 +46,15 @@ class GroupParams:
     epsilon: float
 
     def as_dict(self) -> dict:
-        return {"budget": self.budget, "count": self.count, "fraction": self.fraction,
-                "sample_rate": self.sample_rate, "clip_norm": self.clip_norm,
-                "noise_multiplier": self.noise_multiplier, "epsilon": self.epsilon}
+        return {
+            "budget": self.budget,
+            "count": self.count,
+            "fraction": self.fraction,
+            "sample_rate": self.sample_rate,
+            "clip_norm": self.clip_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "epsilon": self.epsilon,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,16 +89,22 @@ class Assignment:
 
     def summary(self) -> dict:
         """The public JSON contract of ``idpsgd assign``."""
-        return {"method": self.method, "accountant": self.accountant,
-                "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "clip_norm": self.clip_norm, "steps": self.steps, "delta": self.delta,
-                "groups": [g.as_dict() for g in self.groups]}
+        return {
+            "method": self.method,
+            "accountant": self.accountant,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "clip_norm": self.clip_norm,
+            "steps": self.steps,
+            "delta": self.delta,
+            "groups": [g.as_dict() for g in self.groups],
+        }
 
 
 @dataclass(frozen=True)
 class _Problem:
-    values: np.ndarray     # distinct budgets, ascending
-    weights: np.ndarray    # |G_p| / N
+    values: np.ndarray  # distinct budgets, ascending
+    weights: np.ndarray  # |G_p| / N
     counts: np.ndarray
     delta: float
     q: float
@@ -116,10 +129,12 @@ class _SampleRates:
     def _rates(self, sigma, bracket, hint, guess):
         p = self.p
         if p.accountant == "rdp":
-            return sample_rates_rdp(p.values, p.delta, sigma, p.steps, rtol=1e-7, bracket=bracket, hint=hint,
-                                    verify=False, x_guess=guess)
-        rates = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, p.accountant, rtol=1e-6, name="budgets",
-                                      bracket=bracket)
+            return sample_rates_rdp(
+                p.values, p.delta, sigma, p.steps, rtol=1e-7, bracket=bracket, hint=hint, verify=False, x_guess=guess
+            )
+        rates = calibrate_sample_rate(
+            p.values, p.delta, sigma, p.steps, p.accountant, rtol=1e-6, name="budgets", bracket=bracket
+        )
         return rates, np.full(p.values.size, -1)
 
     def __init__(self, p: _Problem):
@@ -127,7 +142,7 @@ class _SampleRates:
         self.sigmas: list[float] = []
         self.rates: list[np.ndarray] = []
         self.index: list[np.ndarray] = []
-        self.anchors: dict[float, float] = {}   # σ → the budget whose rate at σ is exactly q
+        self.anchors: dict[float, float] = {}  # σ → the budget whose rate at σ is exactly q
 
     def __call__(self, sigma: float) -> np.ndarray:
         p = self.p
@@ -135,11 +150,11 @@ class _SampleRates:
         below = np.flatnonzero(s <= sigma)
         above = np.flatnonzero(s >= sigma)
         bracket = hint = guess = None
-        if below.size and above.size:   # q_p(σ) increases with σ
+        if below.size and above.size:  # q_p(σ) increases with σ
             i, j = below[np.argmax(s[below])], above[np.argmin(s[above])]
             bracket = (self.rates[i] * (1 - 1e-6), np.minimum(self.rates[j] * (1 + 1e-3), 1.0))
             hint = self.index[i]
-        elif sigma in self.anchors:     # ε grows about linearly in q: a first guess
+        elif sigma in self.anchors:  # ε grows about linearly in q: a first guess
             guess = np.minimum(p.q * p.values / self.anchors[sigma], 1.0)
         elif self.sigmas:
             near = int(np.argmin(np.abs(np.log(s / sigma))))
@@ -175,10 +190,13 @@ def _sample(p: _Problem):
     if p.q < 1:
         try:
             # tight (rtol 1e-8 < the rates' 1e-7): at σ ≤ cap the largest budget's rate is ≤ 1
-            cap = float(calibrate_noise_multiplier(p.values.max(), p.delta, 1.0, p.steps, p.accountant,
-                                                   rtol=1e-8, name="budgets"))
+            cap = float(
+                calibrate_noise_multiplier(
+                    p.values.max(), p.delta, 1.0, p.steps, p.accountant, rtol=1e-8, name="budgets"
+                )
+            )
         except UnreachableTargetError:
-            cap = SIGMA_RANGE[1]       # the largest budget is not spent even at q = 1 within the σ range
+            cap = SIGMA_RANGE[1]  # the largest budget is not spent even at q = 1 within the σ range
         hi = min(hi, cap)
     rates = _SampleRates(p)
     rates.anchors = {lo: float(p.values.max()), hi: float(p.values.min())}
@@ -191,14 +209,31 @@ def _sample(p: _Problem):
         raise UnreachableTargetError(
             f"sample_rate={p.q:g} is unreachable with method sample: even at noise_multiplier={hi:.6g}, where the "
             f"largest budget ({p.values.max():g}) is spent with sampling rate 1, the groups' weighted mean rate is "
-            f"only {top:.6g}; use a smaller sample rate or the scale method")
-    sigma = float(solve_monotone(mean_rate, np.array([p.q]), lo, hi, increasing=True, rtol=RTOL / 10,
-                                 name="sample_rate", what="noise_multiplier")[0])
-    if p.accountant == "rdp":       # final rates with the full order search (verified)
+            f"only {top:.6g}; use a smaller sample rate or the scale method"
+        )
+    sigma = float(
+        solve_monotone(
+            mean_rate,
+            np.array([p.q]),
+            lo,
+            hi,
+            increasing=True,
+            rtol=RTOL / 10,
+            name="sample_rate",
+            what="noise_multiplier",
+        )[0]
+    )
+    if p.accountant == "rdp":  # final rates with the full order search (verified)
         near = rates(sigma)
         try:
-            q_p = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, name="budgets",
-                                        bracket=(near * (1 - 1e-3), np.minimum(near * (1 + 1e-3), 1.0)))
+            q_p = calibrate_sample_rate(
+                p.values,
+                p.delta,
+                sigma,
+                p.steps,
+                name="budgets",
+                bracket=(near * (1 - 1e-3), np.minimum(near * (1 + 1e-3), 1.0)),
+            )
         except UnreachableTargetError:
             q_p = calibrate_sample_rate(p.values, p.delta, sigma, p.steps, name="budgets")
         q_p = np.atleast_1d(q_p)
@@ -209,7 +244,7 @@ def _sample(p: _Problem):
 
 def _scale(p: _Problem):
     sig_p = np.atleast_1d(calibrate_noise_multiplier(p.values, p.delta, p.q, p.steps, p.accountant, name="budgets"))
-    sigma_scale = float(1.0 / np.sum(p.weights / sig_p))   # App. C.2, eq. (10)
+    sigma_scale = float(1.0 / np.sum(p.weights / sig_p))  # App. C.2, eq. (10)
     c_p = p.c * sigma_scale / sig_p
     return sigma_scale, np.full(p.values.size, p.q), c_p, sig_p
 
@@ -235,23 +270,38 @@ def sparse_sampling(assignment: Assignment) -> str | None:
     mean rate (the expected count q_p × steps of every group is listed), else None.  Public values
     only: budgets, rates and the planned steps."""
     draws = [(g.budget, g.sample_rate * assignment.steps) for g in assignment.groups]
-    few = [g.budget for g in assignment.groups
-           if g.sample_rate * assignment.steps < FEW_DRAWS and g.sample_rate < SPARSE_RATIO * assignment.sample_rate]
+    few = [
+        g.budget
+        for g in assignment.groups
+        if g.sample_rate * assignment.steps < FEW_DRAWS and g.sample_rate < SPARSE_RATIO * assignment.sample_rate
+    ]
     if not few:
         return None
     shown = draws if len(draws) <= 10 else [(b, d) for b, d in draws if b in few][:10]
     table = ", ".join(f"budget {b:g}: {d:.3g}" for b, d in shown) + (
-        "" if len(draws) <= 10 else f"{', ...' if len(few) > 10 else ''}; the other groups "
-        f"{min(d for b, d in draws if b not in few):.3g} to {max(d for _, d in draws):.3g}")
-    return (f"method {assignment.method}: the examples of budget(s) {', '.join(f'{b:g}' for b in few)} are expected "
-            f"to be sampled fewer than {FEW_DRAWS:g} time(s) in the {assignment.steps} planned steps, less than "
-            f"{SPARSE_RATIO:g} x as often as the average example, so they barely train (expected times each example "
-            f"is sampled, q_p x steps: {table}); use method 'scale' (every group sampled at the mean rate, clip norms "
-            "per group) or a narrower spread of budgets")
+        ""
+        if len(draws) <= 10
+        else f"{', ...' if len(few) > 10 else ''}; the other groups "
+        f"{min(d for b, d in draws if b not in few):.3g} to {max(d for _, d in draws):.3g}"
+    )
+    return (
+        f"method {assignment.method}: the examples of budget(s) {', '.join(f'{b:g}' for b in few)} are expected "
+        f"to be sampled fewer than {FEW_DRAWS:g} time(s) in the {assignment.steps} planned steps, less than "
+        f"{SPARSE_RATIO:g} x as often as the average example, so they barely train (expected times each example "
+        f"is sampled, q_p x steps: {table}); use method 'scale' (every group sampled at the mean rate, clip norms "
+        "per group) or a narrower spread of budgets"
+    )
 
 
-def assign(budgets: Budgets, method: str, sample_rate: float, steps: int, clip_norm: float,
-           accountant: str = "rdp", group_weights=None) -> Assignment:
+def assign(
+    budgets: Budgets,
+    method: str,
+    sample_rate: float,
+    steps: int,
+    clip_norm: float,
+    accountant: str = "rdp",
+    group_weights=None,
+) -> Assignment:
     """Derive an :class:`Assignment` for ``budgets`` with the named method.
 
     Warns :class:`SparseSamplingWarning` when a group's examples are expected to be sampled less
@@ -276,8 +326,10 @@ def assign(budgets: Budgets, method: str, sample_rate: float, steps: int, clip_n
     problem = _Problem(values, weights, counts, budgets.delta, q, c, steps, accountant)
     sigma, q_p, c_p, sig_eff = METHODS[method](problem)
     eps = np.atleast_1d(epsilon_sgm(q_p, sig_eff, steps, budgets.delta, accountant))
-    groups = tuple(GroupParams(float(v), int(n), float(w), float(a), float(b), float(s), float(e))
-                   for v, n, w, a, b, s, e in zip(values, counts, weights, q_p, c_p, sig_eff, eps))
+    groups = tuple(
+        GroupParams(float(v), int(n), float(w), float(a), float(b), float(s), float(e))
+        for v, n, w, a, b, s, e in zip(values, counts, weights, q_p, c_p, sig_eff, eps, strict=True)
+    )
     out = Assignment(method, accountant, float(sigma), q, c, steps, budgets.delta, groups, inverse)
     note = sparse_sampling(out)
     if note:

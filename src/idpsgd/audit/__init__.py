@@ -8,14 +8,23 @@
 * :mod:`.runner` — :func:`run_audit` (LiRA, loss, one-run) per privacy group.
 * :mod:`.report` — ``audit.json``, ``audit_scores.csv``, ``roc_by_group.png`` and the text.
 """
+
 from .bounds import (
-           clopper_pearson,
-           epsilon_from_counts,
-           one_run_audit,
-           one_run_epsilon,
-           one_run_p_value,
+    clopper_pearson,
+    epsilon_from_counts,
+    one_run_audit,
+    one_run_epsilon,
+    one_run_p_value,
 )
 from .runner import ATTACKS, AuditOptions, run_audit
 
-__all__ = ["ATTACKS", "AuditOptions", "clopper_pearson", "epsilon_from_counts", "one_run_audit", "one_run_epsilon",
-           "one_run_p_value", "run_audit"]
+__all__ = [
+    "ATTACKS",
+    "AuditOptions",
+    "clopper_pearson",
+    "epsilon_from_counts",
+    "one_run_audit",
+    "one_run_epsilon",
+    "one_run_p_value",
+    "run_audit",
+]

@@ -24,6 +24,7 @@ Two analyses, both for (ε, δ)-DP with respect to adding or removing one exampl
   guesses can certify at most about ln(m) even for a non-private algorithm
   (:func:`one_run_ceiling`).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,9 @@ def _check_confidence(confidence: float) -> float:
 def _counts(k, n, name: str):
     k, n = np.asarray(k), np.asarray(n)
     if np.any(n < 1) or np.any(k < 0) or np.any(k > n) or np.any(k != np.floor(k)) or np.any(n != np.floor(n)):
-        raise InvalidParameterError(name, f"{k.tolist()} of {n.tolist()}", "counts must be integers with 0 <= k <= n, n >= 1")
+        raise InvalidParameterError(
+            name, f"{k.tolist()} of {n.tolist()}", "counts must be integers with 0 <= k <= n, n >= 1"
+        )
     return k.astype(float), n.astype(float)
 
 
@@ -85,8 +88,9 @@ def epsilon_lower_bound_counts(tp, positives, fp, negatives, delta: float, confi
     return np.maximum(0.0, np.maximum(_log_ratio(tpr_lo, fpr_hi, delta), _log_ratio(1 - fpr_hi, 1 - tpr_lo, delta)))
 
 
-def epsilon_from_counts(tp: int, positives: int, fp: int, negatives: int, delta: float,
-                        confidence: float = CONFIDENCE) -> dict:
+def epsilon_from_counts(
+    tp: int, positives: int, fp: int, negatives: int, delta: float, confidence: float = CONFIDENCE
+) -> dict:
     """Empirical ε of one threshold test from its counts, with Clopper–Pearson intervals.
 
     Args:
@@ -107,12 +111,23 @@ def epsilon_from_counts(tp: int, positives: int, fp: int, negatives: int, delta:
     fpr_lo, fpr_hi = clopper_pearson(fp, negatives, confidence)
     lower = float(epsilon_lower_bound_counts(tp, positives, fp, negatives, delta, confidence))
     est = float(epsilon_from_rates(tp / positives, fp / negatives, delta))
-    most = float(np.maximum(0.0, np.maximum(_log_ratio(tpr_hi, fpr_lo, delta), _log_ratio(1 - fpr_lo, 1 - tpr_hi, delta))))
-    return {"lower": lower, "estimate": est if math.isfinite(est) else None,
-            "largest_showable": most if math.isfinite(most) else None, "confidence": float(confidence),
-            "tpr": tp / positives, "tpr_interval": [float(tpr_lo), float(tpr_hi)],
-            "fpr": fp / negatives, "fpr_interval": [float(fpr_lo), float(fpr_hi)],
-            "true_positives": tp, "members": positives, "false_positives": fp, "non_members": negatives}
+    most = float(
+        np.maximum(0.0, np.maximum(_log_ratio(tpr_hi, fpr_lo, delta), _log_ratio(1 - fpr_lo, 1 - tpr_hi, delta)))
+    )
+    return {
+        "lower": lower,
+        "estimate": est if math.isfinite(est) else None,
+        "largest_showable": most if math.isfinite(most) else None,
+        "confidence": float(confidence),
+        "tpr": tp / positives,
+        "tpr_interval": [float(tpr_lo), float(tpr_hi)],
+        "fpr": fp / negatives,
+        "fpr_interval": [float(fpr_lo), float(fpr_hi)],
+        "true_positives": tp,
+        "members": positives,
+        "false_positives": fp,
+        "non_members": negatives,
+    }
 
 
 def threshold_counts(scores, is_member, thresholds):
@@ -133,8 +148,9 @@ def candidate_thresholds(scores, limit: int = 512) -> np.ndarray:
     return np.append(s, np.inf)
 
 
-def choose_threshold(scores, is_member, positives: int, negatives: int, delta: float,
-                     confidence: float = CONFIDENCE) -> float:
+def choose_threshold(
+    scores, is_member, positives: int, negatives: int, delta: float, confidence: float = CONFIDENCE
+) -> float:
     """The threshold t (test "score ≥ t") with the largest expected lower bound on data of another
     size: the rates of (``scores``, ``is_member``) — *selection* data independent of the data the
     bound is evaluated on — scaled to ``positives`` members and ``negatives`` non-members.
@@ -143,18 +159,23 @@ def choose_threshold(scores, is_member, positives: int, negatives: int, delta: f
     """
     scores, is_member = np.asarray(scores, float), np.asarray(is_member, bool)
     if not is_member.any() or is_member.all():
-        raise InvalidParameterError("selection", f"{int(is_member.sum())} members of {is_member.size}",
-                                    "choosing a threshold needs members and non-members")
+        raise InvalidParameterError(
+            "selection",
+            f"{int(is_member.sum())} members of {is_member.size}",
+            "choosing a threshold needs members and non-members",
+        )
     t = candidate_thresholds(scores)
     tp, fp = threshold_counts(scores, is_member, t)
     tpr, fpr = tp / is_member.sum(), fp / (~is_member).sum()
-    bound = epsilon_lower_bound_counts(np.rint(tpr * positives), positives, np.rint(fpr * negatives), negatives,
-                                       delta, confidence)
-    order = np.lexsort((-(tpr - fpr), -bound))     # largest bound first, then largest Youden J
+    bound = epsilon_lower_bound_counts(
+        np.rint(tpr * positives), positives, np.rint(fpr * negatives), negatives, delta, confidence
+    )
+    order = np.lexsort((-(tpr - fpr), -bound))  # largest bound first, then largest Youden J
     return float(t[order[0]])
 
 
 # ---------------------------------------------------------------- ROC statistics
+
 
 def roc(scores, is_member):
     """(fpr, tpr) of the tests "score ≥ t" over all thresholds (sklearn's ROC)."""
@@ -181,14 +202,21 @@ def tpr_at_fpr(scores, is_member, fpr: float) -> dict:
     scores, is_member = np.asarray(scores, float), np.asarray(is_member, bool)
     ins, outs = scores[is_member], np.sort(scores[~is_member])[::-1]
     allowed = math.floor(fpr * outs.size + 1e-9)
-    t = outs[allowed] if allowed < outs.size else -np.inf      # guess "in" above the (allowed+1)-th highest
+    t = outs[allowed] if allowed < outs.size else -np.inf  # guess "in" above the (allowed+1)-th highest
     tp, fp = int(np.sum(ins > t)), int(np.sum(outs > t))
-    return {"fpr": float(fpr), "tpr": tp / ins.size if ins.size else float("nan"), "true_positives": tp,
-            "false_positives": fp, "members": int(ins.size), "non_members": int(outs.size),
-            "resolved": bool(outs.size * fpr >= 1)}
+    return {
+        "fpr": float(fpr),
+        "tpr": tp / ins.size if ins.size else float("nan"),
+        "true_positives": tp,
+        "false_positives": fp,
+        "members": int(ins.size),
+        "non_members": int(outs.size),
+        "resolved": bool(outs.size * fpr >= 1),
+    }
 
 
 # ---------------------------------------------------------------- one-run audit (Steinke et al.)
+
 
 def _one_run_args(m, r, v, delta):
     for name, x in (("m", m), ("r", r), ("v", v)):
@@ -207,12 +235,12 @@ def one_run_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     """P[at least ``v`` of ``r`` guesses correct] under (ε, δ)-DP with ``m`` randomized examples
     (Steinke et al. 2023, main theorem; their App. D ``p_value_DP_audit``)."""
     m, r, v, delta = _one_run_args(m, r, v, delta)
-    q = special.expit(float(eps))                            # accuracy of ε-DP randomized response
-    beta = stats.binom.sf(v - 1, r, q)                        # f(v) = P[Binomial(r, q) ≥ v]
+    q = special.expit(float(eps))  # accuracy of ε-DP randomized response
+    beta = stats.binom.sf(v - 1, r, q)  # f(v) = P[Binomial(r, q) ≥ v]
     if delta == 0 or v == 0:
         return float(min(beta, 1.0))
     i = np.arange(1, v + 1)
-    partial = np.cumsum(stats.binom.pmf(v - i, r, q))         # P[v − i ≤ Binomial < v] = f(v − i) − f(v)
+    partial = np.cumsum(stats.binom.pmf(v - i, r, q))  # P[v − i ≤ Binomial < v] = f(v − i) − f(v)
     alpha = float(np.max(partial / i))
     return float(min(beta + alpha * delta * 2 * m, 1.0))
 
@@ -228,7 +256,7 @@ def one_run_epsilon(m: int, r: int, v: int, delta: float, confidence: float = CO
     lo, hi = 0.0, 1.0
     while one_run_p_value(m, r, v, hi, delta) < level:
         lo, hi = hi, 2 * hi
-        if hi > 1e4:   # p(ε) → P[Binomial(r, 1) ≥ v] + ... = 1 as ε → ∞: unreachable for valid input
+        if hi > 1e4:  # p(ε) → P[Binomial(r, 1) ≥ v] + ... = 1 as ε → ∞: unreachable for valid input
             raise RuntimeError(f"one-run bound did not converge (m={m}, r={r}, v={v}, delta={delta})")
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -250,7 +278,7 @@ def one_run_guesses(scores, included, k_pos: int, k_neg: int):
     if k_pos < 0 or k_neg < 0 or k_pos + k_neg > m:
         raise InvalidParameterError("guesses", f"k+={k_pos}, k-={k_neg}", f"need k+ + k- <= m = {m}")
     order = np.argsort(scores, kind="stable")
-    v = int(included[order[m - k_pos:]].sum()) if k_pos else 0
+    v = int(included[order[m - k_pos :]].sum()) if k_pos else 0
     v += int((~included[order[:k_neg]]).sum()) if k_neg else 0
     return k_pos + k_neg, v
 
@@ -258,8 +286,7 @@ def one_run_guesses(scores, included, k_pos: int, k_neg: int):
 GUESS_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5)
 
 
-def one_run_audit(scores, included, delta: float, confidence: float = CONFIDENCE,
-                  fractions=GUESS_FRACTIONS) -> dict:
+def one_run_audit(scores, included, delta: float, confidence: float = CONFIDENCE, fractions=GUESS_FRACTIONS) -> dict:
     """One-run lower bound for ``m`` = len(scores) randomized examples.
 
     The number of guesses is not chosen after looking at the result: every k+ = k− = ⌈f·m/2⌉ for
@@ -276,12 +303,20 @@ def one_run_audit(scores, included, delta: float, confidence: float = CONFIDENCE
     for f in fractions:
         k = max(1, math.ceil(f * m / 2))
         r, v = one_run_guesses(scores, included, k, k)
-        rows.append({"share_guessed": float(f), "guesses": r, "correct": v,
-                     "epsilon": one_run_epsilon(m, r, v, delta, per)})
-    best = max(rows, key=lambda x: (x["epsilon"], x["guesses"]))   # ties (e.g. all 0): the most guesses
-    return {"epsilon": best["epsilon"], "guesses": best["guesses"], "correct": best["correct"],
-            "randomized": m, "included": int(included.sum()), "confidence": float(confidence),
-            "ceiling": one_run_ceiling(m, delta, confidence, fractions), "candidates": rows}
+        rows.append(
+            {"share_guessed": float(f), "guesses": r, "correct": v, "epsilon": one_run_epsilon(m, r, v, delta, per)}
+        )
+    best = max(rows, key=lambda x: (x["epsilon"], x["guesses"]))  # ties (e.g. all 0): the most guesses
+    return {
+        "epsilon": best["epsilon"],
+        "guesses": best["guesses"],
+        "correct": best["correct"],
+        "randomized": m,
+        "included": int(included.sum()),
+        "confidence": float(confidence),
+        "ceiling": one_run_ceiling(m, delta, confidence, fractions),
+        "candidates": rows,
+    }
 
 
 def one_run_ceiling(m: int, delta: float, confidence: float = CONFIDENCE, fractions=GUESS_FRACTIONS) -> float:
@@ -297,6 +332,7 @@ def one_run_ceiling(m: int, delta: float, confidence: float = CONFIDENCE, fracti
 
 # ---------------------------------------------------------------- tests between groups
 
+
 def compare_groups(a, b) -> dict:
     """Student's t-test (equal variances, Boenisch et al. Table 10) and the Mann–Whitney U test
     (non-parametric) of two samples of scores: two-sided p-values (``student_p``,
@@ -305,15 +341,28 @@ def compare_groups(a, b) -> dict:
     better protected")."""
     a, b = np.asarray(a, float), np.asarray(b, float)
     if a.size < 2 or b.size < 2:
-        return {"student_t": None, "student_p": None, "student_p_a_lower": None, "mann_whitney_u": None,
-                "mann_whitney_p": None, "mann_whitney_p_a_lower": None, "sizes": [int(a.size), int(b.size)]}
+        return {
+            "student_t": None,
+            "student_p": None,
+            "student_p_a_lower": None,
+            "mann_whitney_u": None,
+            "mann_whitney_p": None,
+            "mann_whitney_p_a_lower": None,
+            "sizes": [int(a.size), int(b.size)],
+        }
     t = stats.ttest_ind(a, b, equal_var=True)
     t_less = stats.ttest_ind(a, b, equal_var=True, alternative="less")
     u = stats.mannwhitneyu(a, b, alternative="two-sided")
     u_less = stats.mannwhitneyu(a, b, alternative="less")
-    return {"student_t": float(t.statistic), "student_p": float(t.pvalue), "student_p_a_lower": float(t_less.pvalue),
-            "mann_whitney_u": float(u.statistic), "mann_whitney_p": float(u.pvalue),
-            "mann_whitney_p_a_lower": float(u_less.pvalue), "sizes": [int(a.size), int(b.size)]}
+    return {
+        "student_t": float(t.statistic),
+        "student_p": float(t.pvalue),
+        "student_p_a_lower": float(t_less.pvalue),
+        "mann_whitney_u": float(u.statistic),
+        "mann_whitney_p": float(u.pvalue),
+        "mann_whitney_p_a_lower": float(u_less.pvalue),
+        "sizes": [int(a.size), int(b.size)],
+    }
 
 
 def compare_auc_per_model(auc_a, auc_b) -> dict:
@@ -327,11 +376,19 @@ def compare_auc_per_model(auc_a, auc_b) -> dict:
     if a.shape != b.shape or a.ndim != 1:
         raise InvalidParameterError("auc", f"{a.shape} and {b.shape}", "need two equal-length 1-D arrays")
     d = b - a
-    out = {"models": int(d.size), "mean_auc": [float(a.mean()), float(b.mean())] if d.size else [None, None],
-           "mean_difference": float(d.mean()) if d.size else None,
-           "student_t": None, "student_p_b_higher": None, "wilcoxon_p_b_higher": None}
+    out = {
+        "models": int(d.size),
+        "mean_auc": [float(a.mean()), float(b.mean())] if d.size else [None, None],
+        "mean_difference": float(d.mean()) if d.size else None,
+        "student_t": None,
+        "student_p_b_higher": None,
+        "wilcoxon_p_b_higher": None,
+    }
     if d.size >= 2 and np.ptp(d) > 0:
         t = stats.ttest_1samp(d, 0.0, alternative="greater")
-        out.update(student_t=float(t.statistic), student_p_b_higher=float(t.pvalue),
-                   wilcoxon_p_b_higher=float(stats.wilcoxon(d, alternative="greater").pvalue))
+        out.update(
+            student_t=float(t.statistic),
+            student_p_b_higher=float(t.pvalue),
+            wilcoxon_p_b_higher=float(stats.wilcoxon(d, alternative="greater").pvalue),
+        )
     return out

@@ -19,6 +19,7 @@ of shape (M, N) and ``shadow_in`` (M, N) saying which shadow trained on which ex
 
 Higher scores mean "more likely a member" for every attack.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,11 +50,15 @@ def check_lira(mode: str, variance: str, shadow_models: int) -> None:
         raise InvalidParameterError("lira_variance", variance, f"must be one of {', '.join(VARIANCES)}")
     need = min_shadow_models(variance)
     if isinstance(shadow_models, bool) or int(shadow_models) != shadow_models or shadow_models < need:
-        raise InvalidParameterError("shadow_models", shadow_models, f"must be an integer >= {need} for LiRA with "
-                                    f"{variance} variance (every example in and out of at least {need // 2} shadow "
-                                    "models, so that the leave-one-out fits that choose the thresholds keep "
-                                    f"{'two' if variance == 'per-example' else 'an'} in- and out-model(s) for every "
-                                    "example)")
+        raise InvalidParameterError(
+            "shadow_models",
+            shadow_models,
+            f"must be an integer >= {need} for LiRA with "
+            f"{variance} variance (every example in and out of at least {need // 2} shadow "
+            "models, so that the leave-one-out fits that choose the thresholds keep "
+            f"{'two' if variance == 'per-example' else 'an'} in- and out-model(s) for every "
+            "example)",
+        )
 
 
 def shadow_design(num_models: int, num_examples: int, rng: np.random.Generator) -> np.ndarray:
@@ -82,6 +87,7 @@ def _logsumexp(z):
 @dataclass(frozen=True)
 class GaussianFits:
     """Per-example in/out means and standard deviations, (..., N)."""
+
     mu_in: np.ndarray
     sd_in: np.ndarray
     mu_out: np.ndarray
@@ -97,10 +103,10 @@ def _moments(phi, mask):
 def _fit(s, q, n, variance: str, axis_examples: int = -1):
     """Mean and sd from sums (s), sums of squares (q) and counts (n), arrays (..., N)."""
     mu = s / n
-    ss = np.maximum(q - n * mu * mu, 0.0)          # within-example sum of squared residuals
+    ss = np.maximum(q - n * mu * mu, 0.0)  # within-example sum of squared residuals
     if variance == "per-example":
         sd = np.sqrt(ss / (n - 1))
-    else:   # pooled over the examples: Σ_i SS_i / Σ_i (n_i − 1)
+    else:  # pooled over the examples: Σ_i SS_i / Σ_i (n_i − 1)
         dof = (n - 1).sum(axis=axis_examples, keepdims=True)
         sd = np.broadcast_to(np.sqrt(ss.sum(axis=axis_examples, keepdims=True) / dof), mu.shape)
     return mu, np.maximum(sd, 1e-6)
@@ -131,20 +137,24 @@ def leave_one_out_partners(shadow_in: np.ndarray, rng: np.random.Generator) -> n
     m, n = inn.shape
     per = inn.sum(0)
     if per.min() != per.max():
-        raise InvalidParameterError("shadow_in", f"{per.min()}..{per.max()} in-models per example",
-                                    "leave-one-out needs a balanced design (every example in the same number of "
-                                    "shadow models; lira.shadow_design)")
+        raise InvalidParameterError(
+            "shadow_in",
+            f"{per.min()}..{per.max()} in-models per example",
+            "leave-one-out needs a balanced design (every example in the same number of "
+            "shadow models; lira.shadow_design)",
+        )
     a = int(per[0])
-    order = np.argsort(~inn, axis=0, kind="stable")        # rows: the in-models of each example, then the out
-    in_idx, out_idx = order[:a], order[a:]                 # (a, N), (M − a, N)
+    order = np.argsort(~inn, axis=0, kind="stable")  # rows: the in-models of each example, then the out
+    in_idx, out_idx = order[:a], order[a:]  # (a, N), (M − a, N)
     cols = np.arange(n)
     pick_in = in_idx[rng.integers(0, a, size=(m, n)), cols]
     pick_out = out_idx[rng.integers(0, m - a, size=(m, n)), cols]
     return np.where(inn, pick_out, pick_in)
 
 
-def fit_gaussians_leave_one_out(shadow_phi: np.ndarray, shadow_in: np.ndarray, variance: str = "fixed",
-                                partners: np.ndarray | None = None) -> GaussianFits:
+def fit_gaussians_leave_one_out(
+    shadow_phi: np.ndarray, shadow_in: np.ndarray, variance: str = "fixed", partners: np.ndarray | None = None
+) -> GaussianFits:
     """For every shadow j, the fits over the other shadows (without ``partners[j, i]`` as well, if
     given: :func:`leave_one_out_partners`): arrays (M, N), vectorized.  With ``fixed`` variance the
     means are left-out, the two global variances those of all the shadows (they pool every example
@@ -168,27 +178,31 @@ def fit_gaussians_leave_one_out(shadow_phi: np.ndarray, shadow_in: np.ndarray, v
         mu_in, sd_in = _fit(ls_in, lq_in, ln_in, variance)
         mu_out, sd_out = _fit(ls_out, lq_out, ln_out, variance)
         return GaussianFits(mu_in, sd_in, mu_out, sd_out)
-    full = fit_gaussians(phi, inn, "fixed")      # the global variances of all the shadows
-    return GaussianFits(ls_in / ln_in, np.broadcast_to(full.sd_in, phi.shape), ls_out / ln_out,
-                        np.broadcast_to(full.sd_out, phi.shape))
+    full = fit_gaussians(phi, inn, "fixed")  # the global variances of all the shadows
+    return GaussianFits(
+        ls_in / ln_in, np.broadcast_to(full.sd_in, phi.shape), ls_out / ln_out, np.broadcast_to(full.sd_out, phi.shape)
+    )
 
 
 def _need(n_in, n_out, variance):
-    least = 2 if variance == "per-example" else 1     # "fixed" (pooled variances) or "means" (means only)
+    least = 2 if variance == "per-example" else 1  # "fixed" (pooled variances) or "means" (means only)
     if n_in.min() < least or n_out.min() < least:
-        raise InvalidParameterError("shadow_models", f"{int(n_in.min())} in / {int(n_out.min())} out for some example",
-                                    f"LiRA needs at least {least} in- and out-model(s) per example here "
-                                    "(use more shadow models)")
+        raise InvalidParameterError(
+            "shadow_models",
+            f"{int(n_in.min())} in / {int(n_out.min())} out for some example",
+            f"LiRA needs at least {least} in- and out-model(s) per example here (use more shadow models)",
+        )
     if variance == "fixed" and ((n_in - 1).sum() < 1 or (n_out - 1).sum() < 1):
-        raise InvalidParameterError("shadow_models", "too few", "the pooled variance needs an example with two "
-                                    "in- and two out-models")
+        raise InvalidParameterError(
+            "shadow_models", "too few", "the pooled variance needs an example with two in- and two out-models"
+        )
 
 
 def lira_scores(phi: np.ndarray, fits: GaussianFits, mode: str = "online") -> np.ndarray:
     """LiRA membership scores of observed φ (same shape as the fits' arrays)."""
     phi = np.asarray(phi, np.float64)
     if mode == "online":
-        return (stats.norm.logpdf(phi, fits.mu_in, fits.sd_in) - stats.norm.logpdf(phi, fits.mu_out, fits.sd_out))
+        return stats.norm.logpdf(phi, fits.mu_in, fits.sd_in) - stats.norm.logpdf(phi, fits.mu_out, fits.sd_out)
     if mode == "offline":
         return stats.norm.logcdf((phi - fits.mu_out) / fits.sd_out)
     raise InvalidParameterError("lira_mode", mode, f"must be one of {', '.join(MODES)}")
@@ -197,18 +211,23 @@ def lira_scores(phi: np.ndarray, fits: GaussianFits, mode: str = "online") -> np
 def attack_scores(target_phi, target_loss, shadow_phi, shadow_in, variance: str = "fixed") -> dict:
     """Scores of every attack on the target (N,), fitted on all the shadows."""
     fits = fit_gaussians(shadow_phi, shadow_in, variance)
-    return {"lira-online": lira_scores(target_phi, fits, "online"),
-            "lira-offline": lira_scores(target_phi, fits, "offline"),
-            "loss": -np.asarray(target_loss, np.float64)}
+    return {
+        "lira-online": lira_scores(target_phi, fits, "online"),
+        "lira-offline": lira_scores(target_phi, fits, "offline"),
+        "loss": -np.asarray(target_loss, np.float64),
+    }
 
 
-def leave_one_out_scores(shadow_phi, shadow_loss, shadow_in, variance: str = "fixed",
-                         rng: np.random.Generator | None = None) -> dict:
+def leave_one_out_scores(
+    shadow_phi, shadow_loss, shadow_in, variance: str = "fixed", rng: np.random.Generator | None = None
+) -> dict:
     """Scores of every attack on every shadow j (M, N), with the fits of the other shadows (less one
     partner per example, :func:`leave_one_out_partners`): data independent of the target's
     membership, distributed like the target's scores, for choosing thresholds."""
     rng = rng if rng is not None else np.random.default_rng(0)
     fits = fit_gaussians_leave_one_out(shadow_phi, shadow_in, variance, leave_one_out_partners(shadow_in, rng))
-    return {"lira-online": lira_scores(shadow_phi, fits, "online"),
-            "lira-offline": lira_scores(shadow_phi, fits, "offline"),
-            "loss": -np.asarray(shadow_loss, np.float64)}
+    return {
+        "lira-online": lira_scores(shadow_phi, fits, "online"),
+        "lira-offline": lira_scores(shadow_phi, fits, "offline"),
+        "loss": -np.asarray(shadow_loss, np.float64),
+    }

@@ -11,18 +11,23 @@ settings.  Aggregates are not covered by the DP guarantees either (``disclosure`
 result says ``audit_passed: false`` with the groups, the text starts with ``AUDIT FAILED`` and
 the failure is logged as an error.
 """
+
 from __future__ import annotations
 
 import logging
 
 import numpy as np
 
-log = logging.getLogger("idpsgd")
-
 from . import bounds
 
-ATTACK_LABELS = {"lira-online": "LiRA online", "lira-offline": "LiRA offline", "loss": "loss threshold",
-                 "one-run": "one-run (Steinke et al.)"}
+log = logging.getLogger("idpsgd")
+
+ATTACK_LABELS = {
+    "lira-online": "LiRA online",
+    "lira-offline": "LiRA offline",
+    "loss": "loss threshold",
+    "one-run": "one-run (Steinke et al.)",
+}
 
 
 def write_outputs(folder, result: dict) -> dict:
@@ -33,22 +38,34 @@ def write_outputs(folder, result: dict) -> dict:
     result["audit_passed"] = not failed
     result["failed_groups"] = failed
     if failed:
-        log.error("AUDIT FAILED: the empirical epsilon lower bound exceeds the reported epsilon for budget(s) %s "
-                  "(an accounting or implementation error)", ", ".join("all" if b is None else f"{b:g}" for b in failed))
+        log.error(
+            "AUDIT FAILED: the empirical epsilon lower bound exceeds the reported epsilon for budget(s) %s "
+            "(an accounting or implementation error)",
+            ", ".join("all" if b is None else f"{b:g}" for b in failed),
+        )
     files = {"audit": str(folder.path / "audit.json")}
     if result["attack"] == "one-run":
         _write_one_run_csv(folder, raw)
     else:
         _write_scores_csv(folder, raw)
-        folder.save_figure("roc_by_group.png", roc_figure(result, raw), "public",
-                           "ROC of the membership inference attack per privacy group (Boenisch et al. Fig. 2 "
-                           "style; log-log inset): aggregate statistic of membership scores")
+        folder.save_figure(
+            "roc_by_group.png",
+            roc_figure(result, raw),
+            "public",
+            "ROC of the membership inference attack per privacy group (Boenisch et al. Fig. 2 "
+            "style; log-log inset): aggregate statistic of membership scores",
+        )
         files["roc"] = str(folder.path / "roc_by_group.png")
     files["scores"] = str(folder.path / "private" / "audit_scores.csv")
     result["files"] = files
-    folder.write_json("audit.json", {k: v for k, v in result.items() if k != "private"}, "public", "the audit per privacy group: reported epsilon, AUC, TPR "
-                      "at low FPR with counts, empirical epsilon lower bounds with confidence intervals, tests "
-                      "between groups (aggregates of membership scores; not covered by the DP guarantees)")
+    folder.write_json(
+        "audit.json",
+        {k: v for k, v in result.items() if k != "private"},
+        "public",
+        "the audit per privacy group: reported epsilon, AUC, TPR "
+        "at low FPR with counts, empirical epsilon lower bounds with confidence intervals, tests "
+        "between groups (aggregates of membership scores; not covered by the DP guarantees)",
+    )
     return result
 
 
@@ -56,28 +73,53 @@ def _write_scores_csv(folder, raw):
     target_in, scores = raw["target_in"], raw["scores"]
     names = list(scores)
     header = ["index", "label", "budget", "target_member", *[n.replace("-", "_") + "_score" for n in names], "phi"]
-    cols = [np.arange(target_in.size), raw["labels"], raw["budgets"], target_in.astype(int),
-            *[scores[n] for n in names], raw["phi"]]
-    folder.write_csv("audit_scores.csv", header, cols, "private", "per example: budget, membership in the "
-                     "target, every attack's score, the target's logit-scaled confidence (personal data)")
+    cols = [
+        np.arange(target_in.size),
+        raw["labels"],
+        raw["budgets"],
+        target_in.astype(int),
+        *[scores[n] for n in names],
+        raw["phi"],
+    ]
+    folder.write_csv(
+        "audit_scores.csv",
+        header,
+        cols,
+        "private",
+        "per example: budget, membership in the "
+        "target, every attack's score, the target's logit-scaled confidence (personal data)",
+    )
 
 
 def _write_one_run_csv(folder, raw):
     idx = np.flatnonzero(raw["canary"])
     header = ["index", "label", "canary_label", "budget", "included", "score"]
-    cols = [idx, raw["labels"][idx], raw["canary_labels"][idx], raw["budgets"][idx], raw["included"][idx].astype(int),
-            raw["score"][idx]]
-    folder.write_csv("audit_scores.csv", header, cols, "private", "per canary: budget, whether it was included, "
-                     "its score on the trained model (personal data)")
+    cols = [
+        idx,
+        raw["labels"][idx],
+        raw["canary_labels"][idx],
+        raw["budgets"][idx],
+        raw["included"][idx].astype(int),
+        raw["score"][idx],
+    ]
+    folder.write_csv(
+        "audit_scores.csv",
+        header,
+        cols,
+        "private",
+        "per canary: budget, whether it was included, its score on the trained model (personal data)",
+    )
 
 
 # ---------------------------------------------------------------- the figure
+
 
 def roc_figure(result: dict, raw: dict):
     """ROC per privacy group plus all data (dotted), linear axes with a log–log inset (Boenisch et
     al. Fig. 2 style): on the target, and — with shadow models — pooled over every shadow model as
     a target with leave-one-out fits (M times the data: the steadier picture)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -86,12 +128,13 @@ def roc_figure(result: dict, raw: dict):
     panels = [("target model", raw["scores"][attack], raw["target_in"], "auc")]
     if raw.get("loo") is not None:
         m = raw["design"].shape[0]
-        panels.append((f"pooled over the {m} shadow models (leave-one-out)", raw["loo"], raw["design"],
-                       "auc_leave_one_out"))
+        panels.append(
+            (f"pooled over the {m} shadow models (leave-one-out)", raw["loo"], raw["design"], "auc_leave_one_out")
+        )
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.8), squeeze=False)
     colors = plt.cm.viridis(np.linspace(0.05, 0.85, max(len(values), 1)))
     n_all = int(result["all"]["non_members"])
-    for ax, (where, scores, member, key) in zip(axes[0], panels):
+    for ax, (where, scores, member, key) in zip(axes[0], panels, strict=True):
         inset = ax.inset_axes([0.60, 0.06, 0.38, 0.34])
         curves = [(f"ε = {v:g}", group_of == g, colors[g], "-", result["groups"][g]) for g, v in enumerate(values)]
         curves.append(("all data", np.ones(group_of.size, bool), "tab:blue", ":", result["all"]))
@@ -124,14 +167,17 @@ def roc_figure(result: dict, raw: dict):
         inset.text(0.96, 0.04, "log–log", transform=inset.transAxes, ha="right", va="bottom", fontsize=8)
         inset.tick_params(labelsize=7)
     title = {"lira-online": "LiRA (online)", "lira-offline": "LiRA (offline)", "loss": "loss threshold"}[attack]
-    fig.suptitle(f"{title} membership inference per privacy group — {result['method']} on {result['dataset']}, "
-                 f"{result.get('shadow_models') or 0} shadow models, target members {result['target']['members']}",
-                 fontsize=10)
+    fig.suptitle(
+        f"{title} membership inference per privacy group — {result['method']} on {result['dataset']}, "
+        f"{result.get('shadow_models') or 0} shadow models, target members {result['target']['members']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
 
 # ---------------------------------------------------------------- text
+
 
 def _num(x, fmt="{:.3f}"):
     return "n/a" if x is None else fmt.format(x)
@@ -146,8 +192,10 @@ def _banner(r: dict) -> list[str]:
     if r.get("audit_passed", True):
         return []
     names = ", ".join("all" if b is None else f"{b:g}" for b in r["failed_groups"])
-    return [f"AUDIT FAILED: the empirical epsilon lower bound exceeds the reported epsilon for budget(s) {names}: "
-            "the accounting or the implementation is wrong"]
+    return [
+        f"AUDIT FAILED: the empirical epsilon lower bound exceeds the reported epsilon for budget(s) {names}: "
+        "the accounting or the implementation is wrong"
+    ]
 
 
 def _pct(f: float, digits: int = 6) -> str:
@@ -162,41 +210,71 @@ def audit_text(r: dict) -> str:
 def _membership_text(r: dict) -> str:
     primary = r["primary_attack"]
     loo = bool(r["shadow_models"])
-    fprs = next((row["attacks"][primary]["tpr_at_fpr"] for row in [*r["groups"], r["all"]]
-                 if row["attacks"][primary].get("auc") is not None), [])
+    fprs = next(
+        (
+            row["attacks"][primary]["tpr_at_fpr"]
+            for row in [*r["groups"], r["all"]]
+            if row["attacks"][primary].get("auc") is not None
+        ),
+        [],
+    )
     heads = "".join(f" {'TPR@' + _pct(t['fpr']) + 'FPR (TP/FP)':>20}" for t in fprs)
-    lines = [(f"idpsgd audit: {ATTACK_LABELS[primary]} membership inference on {r['method']} ({r['dataset']}, "
-             f"{r['model']}); {r['shadow_models']} shadow models; target: {r['target']['members']} of "
-             f"{r['target']['examples']} examples, test accuracy {_num(r['target']['test_accuracy'])}"),
-             (f"{'budget':>7} {'reported eps':>12} {'AUC':>6} {'AUC loo' if loo else '':>7}{heads} "
-             f"{'eps lower':>9} {'estimate':>8} {'test max':>8} {'one-run':>7} {'audit':>7}")]
+    lines = [
+        (
+            f"idpsgd audit: {ATTACK_LABELS[primary]} membership inference on {r['method']} ({r['dataset']}, "
+            f"{r['model']}); {r['shadow_models']} shadow models; target: {r['target']['members']} of "
+            f"{r['target']['examples']} examples, test accuracy {_num(r['target']['test_accuracy'])}"
+        ),
+        (
+            f"{'budget':>7} {'reported eps':>12} {'AUC':>6} {'AUC loo' if loo else '':>7}{heads} "
+            f"{'eps lower':>9} {'estimate':>8} {'test max':>8} {'one-run':>7} {'audit':>7}"
+        ),
+    ]
     for row in [*r["groups"], r["all"]]:
         a = row["attacks"][primary]
         name = "all" if row["budget"] is None else f"{row['budget']:g}"
         b, o = a.get("epsilon_lower_bound"), a.get("one_run_bound")
-        est, most = (("n/a", "n/a") if not b else
-                     (_num(b["estimate"], "{:.2f}").replace("n/a", "inf"),
-                      _num(b["largest_showable"], "{:.2f}").replace("n/a", "inf")))
+        est, most = (
+            ("n/a", "n/a")
+            if not b
+            else (
+                _num(b["estimate"], "{:.2f}").replace("n/a", "inf"),
+                _num(b["largest_showable"], "{:.2f}").replace("n/a", "inf"),
+            )
+        )
         tprs = a["tpr_at_fpr"] if a.get("auc") is not None else [None] * len(fprs)
         cells = "".join(f" {(_tpr(t) if t else 'n/a'):>20}" for t in tprs)
-        lines.append(f"{name:>7} {_num(row['reported_epsilon']):>12} {_num(a.get('auc')):>6} "
-                     f"{_num(a.get('auc_leave_one_out')) if loo else '':>7}{cells} "
-                     f"{_num(b['lower'] if b else None, '{:.2f}'):>9} {est:>8} {most:>8} "
-                     f"{_num(o['epsilon'] if o else None, '{:.2f}'):>7} {row['verdict']:>7}")
+        lines.append(
+            f"{name:>7} {_num(row['reported_epsilon']):>12} {_num(a.get('auc')):>6} "
+            f"{_num(a.get('auc_leave_one_out')) if loo else '':>7}{cells} "
+            f"{_num(b['lower'] if b else None, '{:.2f}'):>9} {est:>8} {most:>8} "
+            f"{_num(o['epsilon'] if o else None, '{:.2f}'):>7} {row['verdict']:>7}"
+        )
         if row.get("secondary_exceeding"):
-            lines.append(f"        warning: the bound of {', '.join(row['secondary_exceeding'])} exceeds the reported "
-                         "epsilon")
+            lines.append(
+                f"        warning: the bound of {', '.join(row['secondary_exceeding'])} exceeds the reported epsilon"
+            )
     mult = r["multiplicity"]
-    lines.append(("  AUC: on the target; AUC loo: pooled over the shadow models' leave-one-out scores; " if loo else
-                  "  AUC: on the target; ") + "*: FPR below 1/non-members (no false positive allowed)")
-    lines.append(f"  eps lower: Clopper-Pearson lower bound (threshold chosen "
-                 + ("on the shadow models" if loo else "on a random half, bound on the other half")
-                 + "); estimate: at the observed rates; test max: the largest eps this test could show with these "
-                 "counts (not an upper bound on eps); one-run: Steinke et al.'s bound on the same guesses (rigorous: "
-                 "no independence between examples assumed)")
-    lines.append(f"  audit: FAILED if either lower bound exceeds the reported epsilon; every bound at "
-                 f"{_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's {mult['tests']} tests: "
-                 f"{_pct(mult['confidence'])} jointly)")
+    lines.append(
+        (
+            "  AUC: on the target; AUC loo: pooled over the shadow models' leave-one-out scores; "
+            if loo
+            else "  AUC: on the target; "
+        )
+        + "*: FPR below 1/non-members (no false positive allowed)"
+    )
+    lines.append(
+        "  eps lower: Clopper-Pearson lower bound (threshold chosen "
+        + ("on the shadow models" if loo else "on a random half, bound on the other half")
+        + "); estimate: at the observed rates; test max: the largest eps this test could show with these "
+        "counts (not an upper bound on eps); one-run: Steinke et al.'s bound on the same guesses (rigorous: "
+        "no independence between examples assumed)"
+    )
+    lines.append(
+        f"  audit: FAILED if either lower bound exceeds the reported epsilon; every bound at "
+        f"{_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's {mult['tests']} tests: "
+        f"{_pct(mult['confidence'])} jointly)"
+    )
     others = [n for n in r["groups"][0]["attacks"] if n != primary] if r["groups"] else []
     for n in others:
         cells = []
@@ -206,44 +284,69 @@ def _membership_text(r: dict) -> str:
             cells.append(f"{row['budget']:g}: AUC {_num(a.get('auc'))}, bound {_num(b['lower'] if b else None)}")
         lines.append(f"  {ATTACK_LABELS[n]}: " + "; ".join(cells))
     if r["tests"]:
-        lines.append(f"  tests between groups ({ATTACK_LABELS[primary]} scores; Student t, Mann-Whitney U; two-sided p, "
-                     "and one-sided p for 'the stricter group scores lower'):")
+        lines.append(
+            f"  tests between groups ({ATTACK_LABELS[primary]} scores; Student t, Mann-Whitney U; two-sided p, "
+            "and one-sided p for 'the stricter group scores lower'):"
+        )
         for t in r["tests"]:
             if t["student_t"] is None:
                 continue
-            lines.append(f"    {t['groups'][0]:g} vs {t['groups'][1]:g} ({t['population']}): t = {t['student_t']:.3f}, "
-                         f"p = {t['student_p']:.3g} (one-sided {t['student_p_a_lower']:.3g}); U p = "
-                         f"{t['mann_whitney_p']:.3g} (one-sided {t['mann_whitney_p_a_lower']:.3g})")
+            lines.append(
+                f"    {t['groups'][0]:g} vs {t['groups'][1]:g} ({t['population']}): t = {t['student_t']:.3f}, "
+                f"p = {t['student_p']:.3g} (one-sided {t['student_p_a_lower']:.3g}); U p = "
+                f"{t['mann_whitney_p']:.3g} (one-sided {t['mann_whitney_p_a_lower']:.3g})"
+            )
     if r.get("protection_tests"):
-        lines.append("  is the stricter group better protected? per-model AUC over the shadow models (leave-one-out), "
-                     "paired; one-sided p for 'the looser group has the higher AUC':")
+        lines.append(
+            "  is the stricter group better protected? per-model AUC over the shadow models (leave-one-out), "
+            "paired; one-sided p for 'the looser group has the higher AUC':"
+        )
         for t in r["protection_tests"]:
             a, b = t["mean_auc"]
-            lines.append(f"    {t['groups'][0]:g} vs {t['groups'][1]:g}: mean AUC {_num(a)} vs {_num(b)} over "
-                         f"{t['models']} models; paired t = {_num(t['student_t'])}, p = {_num(t['student_p_b_higher'], '{:.3g}')}; "
-                         f"Wilcoxon p = {_num(t['wilcoxon_p_b_higher'], '{:.3g}')}")
-    lines.append(f"audit: {r['files']['audit']}, {r['files']['roc']} (aggregates of membership scores: not covered "
-                 f"by the DP guarantees); per-example scores: {r['files']['scores']} (private)")
+            lines.append(
+                f"    {t['groups'][0]:g} vs {t['groups'][1]:g}: mean AUC {_num(a)} vs {_num(b)} over "
+                f"{t['models']} models; paired t = {_num(t['student_t'])}, "
+                f"p = {_num(t['student_p_b_higher'], '{:.3g}')}; "
+                f"Wilcoxon p = {_num(t['wilcoxon_p_b_higher'], '{:.3g}')}"
+            )
+    lines.append(
+        f"audit: {r['files']['audit']}, {r['files']['roc']} (aggregates of membership scores: not covered "
+        f"by the DP guarantees); per-example scores: {r['files']['scores']} (private)"
+    )
     return "\n".join(lines)
 
 
 def _one_run_text(r: dict) -> str:
-    lines = [(f"idpsgd audit: one-run audit (Steinke et al. 2023) of {r['method']} on {r['dataset']} ({r['model']}); "
-             f"{r['canaries_per_group']} {r['canary_kind']} canaries per group, each included with probability 1/2; "
-             f"test accuracy {_num(r['target']['test_accuracy'])}"),
-             (f"{'budget':>7} {'reported eps':>12} {'canaries':>8} {'guesses':>7} {'correct':>7} "
-             f"{'eps lower bound':>15} {'ceiling':>7} {'audit':>7}")]
+    lines = [
+        (
+            f"idpsgd audit: one-run audit (Steinke et al. 2023) of {r['method']} on {r['dataset']} ({r['model']}); "
+            f"{r['canaries_per_group']} {r['canary_kind']} canaries per group, each included with probability 1/2; "
+            f"test accuracy {_num(r['target']['test_accuracy'])}"
+        ),
+        (
+            f"{'budget':>7} {'reported eps':>12} {'canaries':>8} {'guesses':>7} {'correct':>7} "
+            f"{'eps lower bound':>15} {'ceiling':>7} {'audit':>7}"
+        ),
+    ]
     for row in [*r["groups"], r["all"]]:
         o = row["one_run"]
         name = "all" if row["budget"] is None else f"{row['budget']:g}"
-        lines.append(f"{name:>7} {_num(row['reported_epsilon']):>12} {row['canaries']:>8} {o['guesses']:>7} "
-                     f"{o['correct']:>7} {o['epsilon']:>15.3f} {o['ceiling']:>7.2f} {row['verdict']:>7}")
+        lines.append(
+            f"{name:>7} {_num(row['reported_epsilon']):>12} {row['canaries']:>8} {o['guesses']:>7} "
+            f"{o['correct']:>7} {o['epsilon']:>15.3f} {o['ceiling']:>7.2f} {row['verdict']:>7}"
+        )
     mult = r["multiplicity"]
-    lines.append(f"  every bound at {_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's "
-                 f"{mult['tests']} tests: {_pct(mult['confidence'])} jointly); FAILED if a bound exceeds the reported "
-                 "epsilon")
-    lines.append("  loose by design: valid for this run's mechanism, but m canaries cannot certify more than the "
-                 "ceiling, and a black-box score of the final model sees far less than the analysis allows")
-    lines.append(f"audit: {r['files']['audit']} (aggregates of membership scores: not covered by the DP guarantees); "
-                 f"per-canary scores: {r['files']['scores']} (private)")
+    lines.append(
+        f"  every bound at {_pct(mult['confidence_per_test'], 4)} (Bonferroni over the verdict's "
+        f"{mult['tests']} tests: {_pct(mult['confidence'])} jointly); FAILED if a bound exceeds the reported "
+        "epsilon"
+    )
+    lines.append(
+        "  loose by design: valid for this run's mechanism, but m canaries cannot certify more than the "
+        "ceiling, and a black-box score of the final model sees far less than the analysis allows"
+    )
+    lines.append(
+        f"audit: {r['files']['audit']} (aggregates of membership scores: not covered by the DP guarantees); "
+        f"per-canary scores: {r['files']['scores']} (private)"
+    )
     return "\n".join(lines)

@@ -42,6 +42,7 @@ Outputs (:mod:`.report`): public ``audit.json`` and ``roc_by_group.png`` (aggreg
 private ``audit_scores.csv``, the models and the settings (with the seed, which fixes who is in
 which model).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,11 +79,13 @@ DEFAULT_SHADOW_MODELS = 16
 DEFAULT_CANARIES = 100
 FPRS = (0.01, 0.001)
 SETTINGS = "audit_settings.json"
-DISCLOSURE = ("Aggregate statistics of membership scores per privacy group (AUC, TPR at FPR with counts, tests, "
-              "empirical epsilon bounds). They are computed from the training data and the secret membership of "
-              "the audit's models, outside the DP mechanisms, so the reported guarantees do not cover them; they "
-              "are aggregates over hundreds of examples and name none. The per-example scores are in "
-              "private/audit_scores.csv (mode 0600, personal data).")
+DISCLOSURE = (
+    "Aggregate statistics of membership scores per privacy group (AUC, TPR at FPR with counts, tests, "
+    "empirical epsilon bounds). They are computed from the training data and the secret membership of "
+    "the audit's models, outside the DP mechanisms, so the reported guarantees do not cover them; they "
+    "are aggregates over hundreds of examples and name none. The per-example scores are in "
+    "private/audit_scores.csv (mode 0600, personal data)."
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,11 @@ class AuditOptions:
         if self.attack not in ATTACKS:
             raise InvalidParameterError("attack", self.attack, f"must be one of {', '.join(ATTACKS)}")
         if self.attack != "lira" and self.shadow_models is not None:
-            raise InvalidParameterError("shadow_models", self.shadow_models, f"only used with --attack lira "
-                                        f"(--attack {self.attack} trains no shadow models)")
+            raise InvalidParameterError(
+                "shadow_models",
+                self.shadow_models,
+                f"only used with --attack lira (--attack {self.attack} trains no shadow models)",
+            )
         if self.attack != "one-run" and self.canaries is not None:
             raise InvalidParameterError("canaries", self.canaries, "only used with --attack one-run")
         if self.canary_kind not in CANARY_KINDS:
@@ -150,7 +156,7 @@ def check_fprs(fprs) -> tuple:
     if not values:
         raise InvalidParameterError("fpr", fprs, "must name at least one false positive rate in (0, 1)")
     for f in values:
-        if not 0 < f < 1:      # also refuses nan
+        if not 0 < f < 1:  # also refuses nan
             raise InvalidParameterError("fpr", f, "must be in (0, 1) (a false positive rate, e.g. 0.01)")
     return tuple(sorted(set(values), reverse=True))
 
@@ -178,13 +184,21 @@ def _inclusion(options: AuditOptions, counts: np.ndarray, group_of: np.ndarray) 
 def _settings(dataset: Dataset, budgets: Budgets, config, options: AuditOptions, seed: int, pdp, plan) -> dict:
     import hashlib
 
-    return {"attack": options.attack, "shadow_models": options.shadow_models, "canaries": options.canaries,
-            "canary_kind": options.canary_kind if options.attack == "one-run" else None,
-            "pdp": dataclasses.asdict(pdp) if pdp is not None else None,
-            "dataset": dataset.name, "examples": len(budgets), "delta": budgets.delta,
-            "budgets_sha256": hashlib.sha256(np.ascontiguousarray(budgets.epsilons).tobytes()).hexdigest(),
-            "data_sha256": dataset.fingerprint(), "config": config_settings(config), "plan": plan.signature(),
-            "seed": int(seed)}
+    return {
+        "attack": options.attack,
+        "shadow_models": options.shadow_models,
+        "canaries": options.canaries,
+        "canary_kind": options.canary_kind if options.attack == "one-run" else None,
+        "pdp": dataclasses.asdict(pdp) if pdp is not None else None,
+        "dataset": dataset.name,
+        "examples": len(budgets),
+        "delta": budgets.delta,
+        "budgets_sha256": hashlib.sha256(np.ascontiguousarray(budgets.epsilons).tobytes()).hexdigest(),
+        "data_sha256": dataset.fingerprint(),
+        "config": config_settings(config),
+        "plan": plan.signature(),
+        "seed": int(seed),
+    }
 
 
 def _saved_settings(out_dir, resume: bool):
@@ -214,21 +228,27 @@ def _open_folder(out_dir, dataset, budgets, config, options, pdp, plan, resume: 
     from ..training.loop import signature_differences
 
     saved = _saved_settings(out_dir, resume)
-    seed = resolve_seed(config.seed, config.secure_mode)     # refuses a seed in secure mode
+    seed = resolve_seed(config.seed, config.secure_mode)  # refuses a seed in secure mode
     if saved is not None and isinstance(saved.get("seed"), int) and (config.seed is None or config.secure_mode):
-        seed = saved["seed"]                                   # a resumed audit keeps its design
-    elif seed is None:                                         # secure mode: a fresh design seed
+        seed = saved["seed"]  # a resumed audit keeps its design
+    elif seed is None:  # secure mode: a fresh design seed
         seed = secrets.randbits(63)
     settings = _settings(dataset, budgets, config, options, seed, pdp, plan)
     if saved is not None:
         diff = signature_differences(saved, settings)
         if diff:
-            raise InvalidParameterError("resume", str(out_dir), "the folder holds an audit with other settings ("
-                                        + "; ".join(diff[:4]) + "); use the same settings or a new --out folder")
-    folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)     # everything above is checked first
+            raise InvalidParameterError(
+                "resume",
+                str(out_dir),
+                "the folder holds an audit with other settings ("
+                + "; ".join(diff[:4])
+                + "); use the same settings or a new --out folder",
+            )
+    folder = RunFolder(out_dir, resume=resume, overwrite=overwrite)  # everything above is checked first
     if resume and saved is None and _holds_files(folder.path):
-        raise InvalidParameterError("resume", str(folder.path), "holds no audit (no private/audit_settings.json); "
-                                    "use a new --out folder")
+        raise InvalidParameterError(
+            "resume", str(folder.path), "holds no audit (no private/audit_settings.json); use a new --out folder"
+        )
     folder.write_json(SETTINGS, settings, "private", "the audit's settings (resume refuses other settings)")
     return folder, settings
 
@@ -238,8 +258,17 @@ def _holds_files(path) -> bool:
     return any(q.name != "private" for q in path.iterdir()) or (private.is_dir() and any(private.iterdir()))
 
 
-def run_audit(dataset: Dataset, budgets: Budgets, config, out_dir, options: AuditOptions | None = None, *,
-              resume: bool = False, overwrite: bool = False, pdp=None) -> dict:
+def run_audit(
+    dataset: Dataset,
+    budgets: Budgets,
+    config,
+    out_dir,
+    options: AuditOptions | None = None,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    pdp=None,
+) -> dict:
     """Audit ``config.method`` with ``budgets`` on ``dataset``; writes into ``out_dir`` and returns
     the audit (the content of ``audit.json``).
 
@@ -260,34 +289,39 @@ def run_audit(dataset: Dataset, budgets: Budgets, config, out_dir, options: Audi
     check_delta(budgets.delta)
     config.validate()
     if pdp is not None and config.method != "pdp-sgd":
-        raise InvalidParameterError("pdp", type(pdp).__name__, f"PDP options apply to --method pdp-sgd, not "
-                                    f"{config.method}")
+        raise InvalidParameterError(
+            "pdp", type(pdp).__name__, f"PDP options apply to --method pdp-sgd, not {config.method}"
+        )
     if config.method == "pdp-sgd":
         from ..training.pdp import PdpOptions
+
         pdp = (pdp or PdpOptions()).validate()
     n = len(dataset.y_train)
     if len(budgets) != n:
         raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
     values, counts, group_of = budgets.groups()
     if options.attack == "one-run" and options.canaries > counts.min():
-        raise InvalidParameterError("canaries", options.canaries, f"must be at most {int(counts.min())}: m canaries "
-                                    f"are drawn from every privacy group and the smallest group (budget "
-                                    f"{values[counts.argmin()]:g}) has {int(counts.min())} examples")
+        raise InvalidParameterError(
+            "canaries",
+            options.canaries,
+            f"must be at most {int(counts.min())}: m canaries "
+            f"are drawn from every privacy group and the smallest group (budget "
+            f"{values[counts.argmin()]:g}) has {int(counts.min())} examples",
+        )
     # the one plan of every model, calibrated before the folder exists: a budget the calibration
     # cannot reach leaves no half-made audit folder behind
     plan = shared_plan(dataset, budgets, config, _inclusion(options, counts, group_of), pdp)
     folder, settings = _open_folder(out_dir, dataset, budgets, config, options, pdp, plan, resume, overwrite)
     seed = settings["seed"]
     show = bool(config.progress)
-    config = dataclasses.replace(config, progress=False)      # one bar over the models, not one per model
+    config = dataclasses.replace(config, progress=False)  # one bar over the models, not one per model
     store = ModelStore(folder, settings_hash(settings))
     from .report import write_outputs
 
     if options.attack == "one-run":
         result = _one_run(dataset, budgets, config, options, folder, store, seed, values, group_of, show, pdp, plan)
     else:
-        result = _membership(dataset, budgets, config, options, folder, store, seed, values, group_of, show, pdp,
-                             plan)
+        result = _membership(dataset, budgets, config, options, folder, store, seed, values, group_of, show, pdp, plan)
     result["plan"] = plan.summary()
     # the seed fixes the design (who is in which model: the secret the attack guesses): it stays in
     # private/audit_settings.json and under "private" (not in audit.json, not on stdout by default)
@@ -296,6 +330,7 @@ def run_audit(dataset: Dataset, budgets: Budgets, config, out_dir, options: Audi
 
 
 # ---------------------------------------------------------------- models
+
 
 def _model_config(config, seed: int, *path: int):
     """The training config of one model: its own seed derived from the audit's, or none in secure
@@ -308,13 +343,17 @@ def _get_model(store, name, dataset, budgets, members, config, plan, labels=None
     if state is not None:
         saved = np.asarray(state["members"].numpy() if hasattr(state["members"], "numpy") else state["members"], bool)
         if not np.array_equal(saved, members):
-            raise InvalidParameterError("resume", str(store.folder.path), f"model {name} trained on other examples "
-                                        "than this audit's design; use a new --out folder")
+            raise InvalidParameterError(
+                "resume",
+                str(store.folder.path),
+                f"model {name} trained on other examples than this audit's design; use a new --out folder",
+            )
         check_model_report(state["report"], plan, name)
         return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in state.items() if k != "state_dict"}
-    trained = train_model(dataset, budgets, np.flatnonzero(members), config, plan=plan, labels=labels,
-                          scratch=scratch, pdp=pdp)
-    check_model_report(trained.report, plan, name)     # the plan's steps and σ; every group within its budget
+    trained = train_model(
+        dataset, budgets, np.flatnonzero(members), config, plan=plan, labels=labels, scratch=scratch, pdp=pdp
+    )
+    check_model_report(trained.report, plan, name)  # the plan's steps and σ; every group within its budget
     phi, loss = model_outputs(trained.model, dataset.x_train, dataset.y_train if labels is None else labels)
     saved = store.save(name, members=members, phi=phi, loss=loss, model=trained.model, report=trained.report)
     return {k: v for k, v in saved.items() if k != "state_dict"}
@@ -326,21 +365,28 @@ def _progress(total, desc, enabled):
 
 # ---------------------------------------------------------------- LiRA and loss
 
+
 def _multiplicity(options: AuditOptions, groups: int, bounds_per_row: int) -> dict:
     tests = verdict_tests(groups, bounds_per_row)
-    return {"method": "Bonferroni", "tests": tests, "confidence": options.confidence,
-            "confidence_per_test": per_test_confidence(options.confidence, tests),
-            "note": (f"the verdict tests {tests} bound(s) ({'each group' if groups > 1 else 'the group'}"
-                     f"{' and all data' if groups > 1 else ''}"
-                     f"{', Clopper-Pearson and one-run' if bounds_per_row == 2 else ''}), each at level "
-                     f"{1 - options.confidence:g}/{tests}: a correct implementation fails the audit with probability "
-                     f"at most {1 - options.confidence:g}")}
+    return {
+        "method": "Bonferroni",
+        "tests": tests,
+        "confidence": options.confidence,
+        "confidence_per_test": per_test_confidence(options.confidence, tests),
+        "note": (
+            f"the verdict tests {tests} bound(s) ({'each group' if groups > 1 else 'the group'}"
+            f"{' and all data' if groups > 1 else ''}"
+            f"{', Clopper-Pearson and one-run' if bounds_per_row == 2 else ''}), each at level "
+            f"{1 - options.confidence:g}/{tests}: a correct implementation fails the audit with probability "
+            f"at most {1 - options.confidence:g}"
+        ),
+    }
 
 
 def _membership(dataset, budgets, config, options, folder, store, seed, values, group_of, progress, pdp, plan):
     n = len(dataset.y_train)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 7001]))
-    target_in = rng.random(n) < 0.5                       # independent coins (Steinke et al. Alg. 1)
+    target_in = rng.random(n) < 0.5  # independent coins (Steinke et al. Alg. 1)
     if target_in.all() or not target_in.any():
         raise InvalidParameterError("examples", n, "too few examples for a membership audit")
     scratch = folder.path / "private" / "scratch"
@@ -349,11 +395,23 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
     shadows = []
     bar = _progress(m + 1, f"audit {config.method}", progress)
     for k in range(m):
-        shadows.append(_get_model(store, f"shadow_{k:03d}", dataset, budgets, design[k], _model_config(config, seed, 1, k),
-                                  plan, scratch=scratch, pdp=pdp))
+        shadows.append(
+            _get_model(
+                store,
+                f"shadow_{k:03d}",
+                dataset,
+                budgets,
+                design[k],
+                _model_config(config, seed, 1, k),
+                plan,
+                scratch=scratch,
+                pdp=pdp,
+            )
+        )
         bar.update(1)
-    target = _get_model(store, "target", dataset, budgets, target_in, _model_config(config, seed, 2), plan,
-                        scratch=scratch, pdp=pdp)
+    target = _get_model(
+        store, "target", dataset, budgets, target_in, _model_config(config, seed, 2), plan, scratch=scratch, pdp=pdp
+    )
     bar.update(1)
     bar.close()
     guarantees = reported_guarantees(target["report"])
@@ -361,46 +419,77 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
         phi = np.stack([s["phi"] for s in shadows])
         loss = np.stack([s["loss"] for s in shadows])
         scores = lira.attack_scores(target["phi"], target["loss"], phi, design, options.lira_variance)
-        loo = lira.leave_one_out_scores(phi, loss, design, options.lira_variance,
-                                        np.random.default_rng(np.random.SeedSequence([seed, 7004])))
+        loo = lira.leave_one_out_scores(
+            phi, loss, design, options.lira_variance, np.random.default_rng(np.random.SeedSequence([seed, 7004]))
+        )
         split = None
     else:
         scores = {"loss": -np.asarray(target["loss"])}
         loo = None
-        split = np.random.default_rng(np.random.SeedSequence([seed, 7002])).random(n) < 0.5   # selection half
+        split = np.random.default_rng(np.random.SeedSequence([seed, 7002])).random(n) < 0.5  # selection half
     multiplicity = _multiplicity(options, len(values), 2)
     conf = multiplicity["confidence_per_test"]
     groups = []
     for g, value in enumerate(values):
         mask = group_of == g
         eps, delta = guarantees.get(float(value), (None, budgets.delta))
-        groups.append(_group_stats(float(value), eps, delta, mask, target_in, scores, loo, design, split, options,
-                                   conf))
+        groups.append(
+            _group_stats(float(value), eps, delta, mask, target_in, scores, loo, design, split, options, conf)
+        )
     eps_all = max((e for e, _ in guarantees.values()), default=None)
     delta_all = max((d for _, d in guarantees.values()), default=budgets.delta)
-    everyone = _group_stats(None, eps_all, delta_all, np.ones(n, bool), target_in, scores, loo, design, split, options,
-                            conf)
+    everyone = _group_stats(
+        None, eps_all, delta_all, np.ones(n, bool), target_in, scores, loo, design, split, options, conf
+    )
     primary = options.primary
     tests = _tests(values, group_of, target_in, scores[primary], primary)
     protection = _protection_tests(values, group_of, loo[primary], design, primary) if m else []
     shadow_acc = [s["report"].get("test_accuracy") for s in shadows]
     return {
-        "attack": options.attack, "primary_attack": primary,
+        "attack": options.attack,
+        "primary_attack": primary,
         "lira": {"mode": options.lira_mode, "variance": options.lira_variance} if m else None,
-        "method": config.method, "dataset": dataset.name, "model": target["report"].get("model"),
-        "accountant": config.accountant, "guarantee": target["report"].get("guarantee"), "delta": budgets.delta,
-        "confidence": options.confidence, "multiplicity": multiplicity, "shadow_models": m,
-        "epochs": config.epochs, "batch_size": config.batch_size, "lr": config.lr, "clip_norm": config.clip_norm,
-        "target": {"examples": n, "members": int(target_in.sum()), "test_accuracy": target["report"].get("test_accuracy"),
-                   "noise_multiplier": target["report"].get("noise_multiplier")},
+        "method": config.method,
+        "dataset": dataset.name,
+        "model": target["report"].get("model"),
+        "accountant": config.accountant,
+        "guarantee": target["report"].get("guarantee"),
+        "delta": budgets.delta,
+        "confidence": options.confidence,
+        "multiplicity": multiplicity,
+        "shadow_models": m,
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "clip_norm": config.clip_norm,
+        "target": {
+            "examples": n,
+            "members": int(target_in.sum()),
+            "test_accuracy": target["report"].get("test_accuracy"),
+            "noise_multiplier": target["report"].get("noise_multiplier"),
+        },
         "shadow_test_accuracy_mean": float(np.mean(shadow_acc)) if shadow_acc else None,
-        "threshold_selection": ("leave-one-out scores of the shadow models (independent of the target's membership)"
-                                if m else "a random half of each group; the bound is evaluated on the other half"),
-        "disclosure": DISCLOSURE, "groups": groups, "all": everyone, "tests": tests,
+        "threshold_selection": (
+            "leave-one-out scores of the shadow models (independent of the target's membership)"
+            if m
+            else "a random half of each group; the bound is evaluated on the other half"
+        ),
+        "disclosure": DISCLOSURE,
+        "groups": groups,
+        "all": everyone,
+        "tests": tests,
         "protection_tests": protection,
-        "_scores": {"target_in": target_in, "scores": scores, "group_of": group_of, "values": values,
-                    "loo": loo[primary] if m else None, "design": design if m else None,
-                    "phi": target["phi"], "labels": dataset.y_train.numpy(), "budgets": budgets.epsilons},
+        "_scores": {
+            "target_in": target_in,
+            "scores": scores,
+            "group_of": group_of,
+            "values": values,
+            "loo": loo[primary] if m else None,
+            "design": design if m else None,
+            "phi": target["phi"],
+            "labels": dataset.y_train.numpy(),
+            "budgets": budgets.epsilons,
+        },
     }
 
 
@@ -422,21 +511,30 @@ def _attack_stats(name, scores, mask, target_in, loo, design, split, options, de
         ev_s, ev_in = s[~sel], member[~sel]
         t = bounds.choose_threshold(s[sel], member[sel], int(ev_in.sum()), int((~ev_in).sum()), delta, conf)
     tp, fp = bounds.threshold_counts(ev_s, ev_in, [t])
-    out["epsilon_lower_bound"] = bounds.epsilon_from_counts(int(tp[0]), int(ev_in.sum()), int(fp[0]),
-                                                            int((~ev_in).sum()), delta, conf)
+    out["epsilon_lower_bound"] = bounds.epsilon_from_counts(
+        int(tp[0]), int(ev_in.sum()), int(fp[0]), int((~ev_in).sum()), delta, conf
+    )
     return out
 
 
 def _group_stats(budget, eps, delta, mask, target_in, scores, loo, design, split, options, conf):
-    attacks = {name: _attack_stats(name, scores, mask, target_in, loo, design, split, options, delta, conf)
-               for name in scores}
+    attacks = {
+        name: _attack_stats(name, scores, mask, target_in, loo, design, split, options, delta, conf) for name in scores
+    }
     primary = attacks[options.primary]
     if primary.get("auc") is not None:
         # the rigorous bound on the same guesses: the target's membership is m independent fair coins
         # (Steinke et al. Alg. 1 with every example randomized), the scores independent of them
         primary["one_run_bound"] = bounds.one_run_audit(scores[options.primary][mask], target_in[mask], delta, conf)
-    row = {"budget": budget, "reported_epsilon": eps, "delta": delta, "examples": int(mask.sum()),
-           "members": int(target_in[mask].sum()), "non_members": int((~target_in[mask]).sum()), "attacks": attacks}
+    row = {
+        "budget": budget,
+        "reported_epsilon": eps,
+        "delta": delta,
+        "examples": int(mask.sum()),
+        "members": int(target_in[mask].sum()),
+        "non_members": int((~target_in[mask]).sum()),
+        "attacks": attacks,
+    }
     row.update(_verdict(eps, attacks, options.primary))
     return row
 
@@ -448,30 +546,46 @@ def _verdict(eps, attacks, primary):
         return {"verdict": "not trained", "failed_by": [], "secondary_exceeding": []}
     a = attacks.get(primary) or {}
     b, o = a.get("epsilon_lower_bound"), a.get("one_run_bound")
-    failed_by = ([] if not b or b["lower"] <= eps * (1 + 1e-9) else ["clopper-pearson"]) + \
-                ([] if not o or o["epsilon"] <= eps * (1 + 1e-9) else ["one-run"])
-    others = [n for n, x in attacks.items() if n != primary and x.get("epsilon_lower_bound")
-              and x["epsilon_lower_bound"]["lower"] > eps * (1 + 1e-9)]
+    failed_by = ([] if not b or b["lower"] <= eps * (1 + 1e-9) else ["clopper-pearson"]) + (
+        [] if not o or o["epsilon"] <= eps * (1 + 1e-9) else ["one-run"]
+    )
+    others = [
+        n
+        for n, x in attacks.items()
+        if n != primary and x.get("epsilon_lower_bound") and x["epsilon_lower_bound"]["lower"] > eps * (1 + 1e-9)
+    ]
     return {"verdict": "FAILED" if failed_by else "passed", "failed_by": failed_by, "secondary_exceeding": others}
 
 
 def _protection_tests(values, group_of, loo_scores, design, attack):
-    """"The stricter group is better protected", for every pair of groups: the attack's AUC on
+    """ "The stricter group is better protected", for every pair of groups: the attack's AUC on
     every shadow model as a target (leave-one-out scores), per group, compared paired over the
     models (:func:`~idpsgd.audit.bounds.compare_auc_per_model`; one-sided t and Wilcoxon)."""
     per_group = []
     for g in range(len(values)):
         mask = group_of == g
-        per_group.append(np.array([bounds.auc(loo_scores[j, mask], design[j, mask])
-                                   if 0 < design[j, mask].sum() < mask.sum() else np.nan
-                                   for j in range(design.shape[0])]))
+        per_group.append(
+            np.array(
+                [
+                    bounds.auc(loo_scores[j, mask], design[j, mask])
+                    if 0 < design[j, mask].sum() < mask.sum()
+                    else np.nan
+                    for j in range(design.shape[0])
+                ]
+            )
+        )
     out = []
     for a in range(len(values)):
         for b in range(a + 1, len(values)):
             ok = np.isfinite(per_group[a]) & np.isfinite(per_group[b])
-            out.append({"groups": [float(values[a]), float(values[b])], "attack": attack,
-                        "population": "per-model AUC over the shadow models (leave-one-out)",
-                        **bounds.compare_auc_per_model(per_group[a][ok], per_group[b][ok])})
+            out.append(
+                {
+                    "groups": [float(values[a]), float(values[b])],
+                    "attack": attack,
+                    "population": "per-model AUC over the shadow models (leave-one-out)",
+                    **bounds.compare_auc_per_model(per_group[a][ok], per_group[b][ok]),
+                }
+            )
     return out
 
 
@@ -485,12 +599,19 @@ def _tests(values, group_of, target_in, scores, attack):
         for b in range(a + 1, len(values)):
             ma, mb = group_of == a, group_of == b
             for population, sel in (("all examples", np.ones_like(target_in)), ("members", target_in)):
-                out.append({"groups": [float(values[a]), float(values[b])], "attack": attack,
-                            "population": population, **bounds.compare_groups(scores[ma & sel], scores[mb & sel])})
+                out.append(
+                    {
+                        "groups": [float(values[a]), float(values[b])],
+                        "attack": attack,
+                        "population": population,
+                        **bounds.compare_groups(scores[ma & sel], scores[mb & sel]),
+                    }
+                )
     return out
 
 
 # ---------------------------------------------------------------- one run (Steinke et al.)
+
 
 def _one_run(dataset, budgets, config, options, folder, store, seed, values, group_of, progress, pdp, plan):
     n, k = len(dataset.y_train), dataset.num_classes
@@ -499,17 +620,27 @@ def _one_run(dataset, budgets, config, options, folder, store, seed, values, gro
     for g in range(len(values)):
         canary[rng.choice(np.flatnonzero(group_of == g), size=options.canaries, replace=False)] = True
     labels = dataset.y_train.numpy().copy()
-    if options.canary_kind == "mislabeled":            # a wrong label, uniformly among the other classes
+    if options.canary_kind == "mislabeled":  # a wrong label, uniformly among the other classes
         labels[canary] = (labels[canary] + rng.integers(1, k, size=int(canary.sum()))) % k
-    included = rng.random(n) < 0.5                       # the coins S of Alg. 1 (used for canaries only)
+    included = rng.random(n) < 0.5  # the coins S of Alg. 1 (used for canaries only)
     train_mask = ~canary | (canary & included)
     bar = _progress(1, f"audit {config.method} (one run)", progress)
-    target = _get_model(store, "target", dataset, budgets, train_mask, _model_config(config, seed, 3), plan,
-                        labels=labels, scratch=folder.path / "private" / "scratch", pdp=pdp)
+    target = _get_model(
+        store,
+        "target",
+        dataset,
+        budgets,
+        train_mask,
+        _model_config(config, seed, 3),
+        plan,
+        labels=labels,
+        scratch=folder.path / "private" / "scratch",
+        pdp=pdp,
+    )
     bar.update(1)
     bar.close()
     guarantees = reported_guarantees(target["report"])
-    score = np.asarray(target["phi"])                   # φ of the canary's training label: black-box
+    score = np.asarray(target["phi"])  # φ of the canary's training label: black-box
     multiplicity = _multiplicity(options, len(values), 1)
     conf = multiplicity["confidence_per_test"]
     groups = []
@@ -521,29 +652,62 @@ def _one_run(dataset, budgets, config, options, folder, store, seed, values, gro
     delta_all = max((d for _, d in guarantees.values()), default=budgets.delta)
     everyone = _one_run_group(None, eps_all, delta_all, score[canary], included[canary], conf)
     return {
-        "attack": "one-run", "primary_attack": "one-run", "method": config.method, "dataset": dataset.name,
-        "model": target["report"].get("model"), "accountant": config.accountant,
-        "guarantee": target["report"].get("guarantee"), "delta": budgets.delta, "confidence": options.confidence,
-        "multiplicity": multiplicity, "canaries_per_group": options.canaries, "canary_kind": options.canary_kind,
-        "epochs": config.epochs, "batch_size": config.batch_size, "lr": config.lr, "clip_norm": config.clip_norm,
-        "target": {"examples": int(train_mask.sum()), "canaries_included": int((canary & included).sum()),
-                   "test_accuracy": target["report"].get("test_accuracy"),
-                   "noise_multiplier": target["report"].get("noise_multiplier")},
-        "note": ("Steinke et al. 2023's one-run bound: valid for this run's mechanism at the stated confidence, "
-                 "loose by design: with m canaries it cannot exceed 'ceiling' whatever the algorithm, and a "
-                 "black-box score of the final model sees far less than the analysis assumes. A bound far below "
-                 "the reported epsilon is expected and is no evidence that the guarantee is tight or loose."),
-        "disclosure": DISCLOSURE, "groups": groups, "all": everyone, "tests": [],
-        "_scores": {"canary": canary, "included": included, "score": score, "group_of": group_of, "values": values,
-                    "labels": dataset.y_train.numpy(), "canary_labels": labels, "budgets": budgets.epsilons},
+        "attack": "one-run",
+        "primary_attack": "one-run",
+        "method": config.method,
+        "dataset": dataset.name,
+        "model": target["report"].get("model"),
+        "accountant": config.accountant,
+        "guarantee": target["report"].get("guarantee"),
+        "delta": budgets.delta,
+        "confidence": options.confidence,
+        "multiplicity": multiplicity,
+        "canaries_per_group": options.canaries,
+        "canary_kind": options.canary_kind,
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "clip_norm": config.clip_norm,
+        "target": {
+            "examples": int(train_mask.sum()),
+            "canaries_included": int((canary & included).sum()),
+            "test_accuracy": target["report"].get("test_accuracy"),
+            "noise_multiplier": target["report"].get("noise_multiplier"),
+        },
+        "note": (
+            "Steinke et al. 2023's one-run bound: valid for this run's mechanism at the stated confidence, "
+            "loose by design: with m canaries it cannot exceed 'ceiling' whatever the algorithm, and a "
+            "black-box score of the final model sees far less than the analysis assumes. A bound far below "
+            "the reported epsilon is expected and is no evidence that the guarantee is tight or loose."
+        ),
+        "disclosure": DISCLOSURE,
+        "groups": groups,
+        "all": everyone,
+        "tests": [],
+        "_scores": {
+            "canary": canary,
+            "included": included,
+            "score": score,
+            "group_of": group_of,
+            "values": values,
+            "labels": dataset.y_train.numpy(),
+            "canary_labels": labels,
+            "budgets": budgets.epsilons,
+        },
     }
 
 
 def _one_run_group(budget, eps, delta, score, inc, conf):
     audit = bounds.one_run_audit(score, inc, delta, conf)
-    row = {"budget": budget, "reported_epsilon": eps, "delta": delta, "canaries": int(score.size),
-           "included": int(inc.sum()), "auc": bounds.auc(score, inc) if 0 < inc.sum() < inc.size else None,
-           "one_run": audit}
+    row = {
+        "budget": budget,
+        "reported_epsilon": eps,
+        "delta": delta,
+        "canaries": int(score.size),
+        "included": int(inc.sum()),
+        "auc": bounds.auc(score, inc) if 0 < inc.sum() < inc.size else None,
+        "one_run": audit,
+    }
     if eps is None:
         row["verdict"] = "not trained"
     else:

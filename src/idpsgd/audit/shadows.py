@@ -3,9 +3,9 @@
 Every model of an audit — the shadows and the target — is trained exactly as ``idpsgd train``
 trains (same method, budgets, hyper-parameters), on a subset of the training examples:
 :class:`~idpsgd.training.Trainer` for uniform, Sample and Scale; :func:`~idpsgd.training.pdp.train_pdp`
-for PDP-SGD, whose single model is read back from the ``model.pt`` it writes.  A finished model is saved atomically (its membership mask,
-per-example φ and loss on all examples, the weights and the guarantees its run reported), so an
-interrupted audit resumes without retraining it.
+for PDP-SGD, whose single model is read back from the ``model.pt`` it writes.  A finished model is
+saved atomically (its membership mask, per-example φ and loss on all examples, the weights and the
+guarantees its run reported), so an interrupted audit resumes without retraining it.
 
 **One plan for every model** (:class:`SharedPlan`).  The models train on subsets of different
 sizes (the target includes every example with probability 1/2).  Calibrated per subset, the
@@ -22,12 +22,12 @@ PDP-SGD the rounds' public parameters (τ_R, q_R = B/E|D_R|, epochs, σ_R) are p
 E|D_R| of the expected half (:func:`~idpsgd.training.pdp.plan_rounds`); every example's
 sampling probability and charge follow from its own budget and the thresholds.
 """
-from __future__ import annotations
 
-import os
+from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -50,9 +50,13 @@ AUDIT_METHODS = TRAINER_METHODS + PDP_AUDIT_METHODS
 
 def check_method(method: str) -> str:
     if method == "adapdp":
-        raise InvalidParameterError("method", method, "is not supported by the audit: AdaPDP predicts with a weighted "
-                                    "ensemble of models, not one model to score; audit one of "
-                                    f"{', '.join(AUDIT_METHODS)}")
+        raise InvalidParameterError(
+            "method",
+            method,
+            "is not supported by the audit: AdaPDP predicts with a weighted "
+            "ensemble of models, not one model to score; audit one of "
+            f"{', '.join(AUDIT_METHODS)}",
+        )
     if method not in AUDIT_METHODS:
         raise InvalidParameterError("method", method, f"the audit supports {', '.join(AUDIT_METHODS)}")
     return method
@@ -62,8 +66,15 @@ def subset(dataset: Dataset, indices: np.ndarray, labels: np.ndarray | None = No
     """The training examples ``indices`` (with ``labels`` instead of the true ones, if given)."""
     idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
     y = dataset.y_train if labels is None else torch.as_tensor(np.asarray(labels, dtype=np.int64))
-    return Dataset(dataset.name, dataset.x_train[idx], y[idx], dataset.x_test, dataset.y_test,
-                   dataset.num_classes, dataset.preprocessing)
+    return Dataset(
+        dataset.name,
+        dataset.x_train[idx],
+        y[idx],
+        dataset.x_test,
+        dataset.y_test,
+        dataset.num_classes,
+        dataset.preprocessing,
+    )
 
 
 @dataclass(frozen=True)
@@ -106,10 +117,13 @@ class SharedPlan:
 
         idx = np.asarray(indices, dtype=np.int64)
         ref = self.reference
-        present, inverse, counts = np.unique(np.asarray(ref.example_group)[idx], return_inverse=True,
-                                             return_counts=True)
-        groups = tuple(dataclasses.replace(ref.groups[g], count=int(k), fraction=float(k) / idx.size)
-                       for g, k in zip(present, counts))
+        present, inverse, counts = np.unique(
+            np.asarray(ref.example_group)[idx], return_inverse=True, return_counts=True
+        )
+        groups = tuple(
+            dataclasses.replace(ref.groups[g], count=int(k), fraction=float(k) / idx.size)
+            for g, k in zip(present, counts, strict=True)
+        )
         assignment = dataclasses.replace(ref, groups=groups, example_group=inverse.astype(np.int64))
         sub = Budgets(self.train_budgets.epsilons[idx], self.train_budgets.delta)
         phase = Phase("all", np.arange(idx.size, dtype=np.int64), assignment, self.epochs, self.steps_per_epoch)
@@ -119,22 +133,52 @@ class SharedPlan:
         """What a resumed audit's models must have run (steps and σ, to 10 digits)."""
         sig = self.noise_multiplier
         sig = [float(f"{s:.10g}") for s in sig] if isinstance(sig, list) else float(f"{sig:.10g}")
-        return {"steps": self.steps, "noise_multiplier": sig, "expected_examples": float(f"{self.expected_examples:.10g}")}
+        return {
+            "steps": self.steps,
+            "noise_multiplier": sig,
+            "expected_examples": float(f"{self.expected_examples:.10g}"),
+        }
 
     def summary(self) -> dict:
         """The plan's public parameters (hyper-parameters: audit.json)."""
-        out = {"calibrated_for": f"the expected model: {self.expected_examples:.1f} examples, each privacy group in "
-                                 "its expected share (calibrated once; every model of the audit runs this plan)",
-               "steps": self.steps, "noise_multiplier": self.noise_multiplier,
-               "expected_batch_size": self.expected_batch_size}
+        out = {
+            "calibrated_for": f"the expected model: {self.expected_examples:.1f} examples, each privacy group in "
+            "its expected share (calibrated once; every model of the audit runs this plan)",
+            "steps": self.steps,
+            "noise_multiplier": self.noise_multiplier,
+            "expected_batch_size": self.expected_batch_size,
+        }
         if self.method in PDP_AUDIT_METHODS:
-            out["rounds"] = [{k: r[k] for k in ("round", "threshold", "sample_rate", "expected_sample_size", "epochs",
-                                                 "steps", "noise_multiplier")} for r in self.reference]
+            out["rounds"] = [
+                {
+                    k: r[k]
+                    for k in (
+                        "round",
+                        "threshold",
+                        "sample_rate",
+                        "expected_sample_size",
+                        "epochs",
+                        "steps",
+                        "noise_multiplier",
+                    )
+                }
+                for r in self.reference
+            ]
         else:
-            out.update(steps_per_epoch=self.steps_per_epoch, sample_rate=float(self.reference.sample_rate),
-                       groups=[{"budget": g.budget, "sample_rate": g.sample_rate, "clip_norm": g.clip_norm,
-                                "noise_multiplier": g.noise_multiplier, "epsilon": g.epsilon}
-                               for g in self.reference.groups])
+            out.update(
+                steps_per_epoch=self.steps_per_epoch,
+                sample_rate=float(self.reference.sample_rate),
+                groups=[
+                    {
+                        "budget": g.budget,
+                        "sample_rate": g.sample_rate,
+                        "clip_norm": g.clip_norm,
+                        "noise_multiplier": g.noise_multiplier,
+                        "epsilon": g.epsilon,
+                    }
+                    for g in self.reference.groups
+                ],
+            )
         return out
 
 
@@ -156,36 +200,62 @@ def shared_plan(dataset: Dataset, budgets: Budgets, config, inclusion, pdp=None)
 
         rounds = plan_rounds(budgets, config, pdp, population=p)
         if not rounds:
-            raise InvalidParameterError("budgets", budgets.values.tolist(), "leave no PDP round to train (the expected "
-                                        "sample of every round is below one example)")
-        return SharedPlan(config.method, budgets, rounds, int(config.epochs), int(rounds[0]["steps_per_epoch"]),
-                          float(rounds[0]["sample_rate"] * rounds[0]["expected_sample_size"]), size)
+            raise InvalidParameterError(
+                "budgets",
+                budgets.values.tolist(),
+                "leave no PDP round to train (the expected sample of every round is below one example)",
+            )
+        return SharedPlan(
+            config.method,
+            budgets,
+            rounds,
+            int(config.epochs),
+            int(rounds[0]["steps_per_epoch"]),
+            float(rounds[0]["sample_rate"] * rounds[0]["expected_sample_size"]),
+            size,
+        )
     if int(config.batch_size) > size:
-        raise InvalidParameterError("batch_size", config.batch_size, f"must be <= {size:g}, the expected number of "
-                                    f"training examples of an audit model (of the {n} examples)")
+        raise InvalidParameterError(
+            "batch_size",
+            config.batch_size,
+            f"must be <= {size:g}, the expected number of training examples of an audit model (of the {n} examples)",
+        )
     pre = getattr(dataset, "preprocessing", None) or {}
     train_budgets = training_budgets(budgets, float(pre.get("epsilon", 0.0)), float(pre.get("delta", 0.0)))
     _, _, group_of = train_budgets.groups()
     weights = np.bincount(group_of, weights=p) / size
     q = int(config.batch_size) / size
     spe = steps_per_epoch_for(q)
-    reference = assign(train_budgets, config.method, q, int(config.epochs) * spe, float(config.clip_norm),
-                       config.accountant, group_weights=weights)
-    return SharedPlan(config.method, train_budgets, reference, int(config.epochs), spe,
-                      float(p @ reference.sample_rates), size)
+    reference = assign(
+        train_budgets,
+        config.method,
+        q,
+        int(config.epochs) * spe,
+        float(config.clip_norm),
+        config.accountant,
+        group_weights=weights,
+    )
+    return SharedPlan(
+        config.method, train_budgets, reference, int(config.epochs), spe, float(p @ reference.sample_rates), size
+    )
 
 
 def check_model_report(report: dict, plan: SharedPlan, name: str) -> None:
     """Every model ran the plan (its steps and σ) and spent at most each group's budget; an
     internal error otherwise (the audit would compare unlike models, or a guarantee is broken)."""
-    if int(report["steps"]) != plan.steps or not np.allclose(report["noise_multiplier"], plan.noise_multiplier,
-                                                              rtol=1e-12, atol=0):
-        raise RuntimeError(f"internal error: audit model {name} trained {report['steps']} steps with noise multiplier "
-                           f"{report['noise_multiplier']}, not the plan's {plan.steps} and {plan.noise_multiplier}")
+    if int(report["steps"]) != plan.steps or not np.allclose(
+        report["noise_multiplier"], plan.noise_multiplier, rtol=1e-12, atol=0
+    ):
+        raise RuntimeError(
+            f"internal error: audit model {name} trained {report['steps']} steps with noise multiplier "
+            f"{report['noise_multiplier']}, not the plan's {plan.steps} and {plan.noise_multiplier}"
+        )
     for g in report["groups"]:
         if float(g["epsilon_spent"]) > float(g["budget"]) * (1 + 1e-9) + 1e-12:
-            raise RuntimeError(f"internal error: audit model {name} spent epsilon {g['epsilon_spent']} on the group "
-                               f"with budget {g['budget']}")
+            raise RuntimeError(
+                f"internal error: audit model {name} spent epsilon {g['epsilon_spent']} on the group "
+                f"with budget {g['budget']}"
+            )
 
 
 @dataclass
@@ -194,8 +264,17 @@ class TrainedModel:
     report: dict
 
 
-def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config, *, plan: SharedPlan,
-                labels=None, scratch: Path | None = None, pdp=None) -> TrainedModel:
+def train_model(
+    dataset: Dataset,
+    budgets: Budgets,
+    indices: np.ndarray,
+    config,
+    *,
+    plan: SharedPlan,
+    labels=None,
+    scratch: Path | None = None,
+    pdp=None,
+) -> TrainedModel:
     """Train one model of the audit on the examples ``indices`` with their budgets, running the
     audit's one ``plan``.
 
@@ -208,8 +287,9 @@ def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config,
     sub = subset(dataset, indices, labels)
     sub_budgets = Budgets(budgets.epsilons[np.asarray(indices)], budgets.delta)
     if config.method in TRAINER_METHODS:
-        trainer = Trainer(sub, sub_budgets, config, plan=plan.for_subset(indices),
-                          expected_batch_size=plan.expected_batch_size)
+        trainer = Trainer(
+            sub, sub_budgets, config, plan=plan.for_subset(indices), expected_batch_size=plan.expected_batch_size
+        )
         report = trainer.run()
         model = getattr(trainer.model, "_module", trainer.model)
         return TrainedModel(model.eval(), report)
@@ -217,11 +297,12 @@ def train_model(dataset: Dataset, budgets: Budgets, indices: np.ndarray, config,
     if scratch is None:
         raise InvalidParameterError("scratch", None, "a PDP audit needs a private scratch folder")
     scratch.mkdir(parents=True, exist_ok=True)
-    os.chmod(scratch, 0o700)                     # private models
+    os.chmod(scratch, 0o700)  # private models
     tmp = Path(tempfile.mkdtemp(dir=scratch, prefix="run-"))
     try:
-        report = train_pdp(sub, sub_budgets, config, RunFolder(tmp, overwrite=True), options=pdp,
-                           plan=plan.for_subset(indices))
+        report = train_pdp(
+            sub, sub_budgets, config, RunFolder(tmp, overwrite=True), options=pdp, plan=plan.for_subset(indices)
+        )
         model = _load_pdp_model(tmp, report, sub)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -237,8 +318,9 @@ def _load_pdp_model(folder: Path, report: dict, data: Dataset) -> torch.nn.Modul
     state = load_torch(path, "model")
     if isinstance(state, (list, tuple)):
         if len(state) != 1:
-            raise InvalidParameterError("method", report.get("method"), f"trained {len(state)} models (an ensemble); "
-                                        "the audit scores one model")
+            raise InvalidParameterError(
+                "method", report.get("method"), f"trained {len(state)} models (an ensemble); the audit scores one model"
+            )
         state = state[0]
     model = create_model(report["model"], data.input_shape, data.num_classes)
     model.load_state_dict(state)
@@ -253,7 +335,7 @@ def model_outputs(model: torch.nn.Module, x: torch.Tensor, y, batch_size: int = 
     logits = []
     with torch.no_grad():
         for i in range(0, len(x), batch_size):
-            logits.append(model(x[i:i + batch_size].to(device)).double().cpu())
+            logits.append(model(x[i : i + batch_size].to(device)).double().cpu())
     z = torch.cat(logits) if logits else torch.zeros(0, 1, dtype=torch.float64)
     loss = F.cross_entropy(z, y, reduction="none").numpy()
     return logit_confidence(z.numpy(), y.numpy()), loss
@@ -283,17 +365,31 @@ class ModelStore:
             return None
         state = load_torch(path, "audit model checkpoint")
         if not isinstance(state, dict) or state.get("settings_sha256") != self.settings_hash:
-            raise InvalidParameterError("resume", str(self.folder.path), f"{path.name} was written by an audit with "
-                                        "other settings; use a new --out folder")
+            raise InvalidParameterError(
+                "resume",
+                str(self.folder.path),
+                f"{path.name} was written by an audit with other settings; use a new --out folder",
+            )
         return state
 
-    def save(self, name: str, *, members: np.ndarray, phi: np.ndarray, loss: np.ndarray, model: torch.nn.Module,
-             report: dict) -> dict:
-        state = {"settings_sha256": self.settings_hash, "name": name, "members": np.asarray(members, bool),
-                 "phi": np.asarray(phi, np.float64), "loss": np.asarray(loss, np.float64),
-                 "report": _small_report(report), "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-        self.folder.save_torch(self._name(name), state, "private", f"audit model {name}: training membership, "
-                               "per-example scores, weights (resumable)")
+    def save(
+        self, name: str, *, members: np.ndarray, phi: np.ndarray, loss: np.ndarray, model: torch.nn.Module, report: dict
+    ) -> dict:
+        state = {
+            "settings_sha256": self.settings_hash,
+            "name": name,
+            "members": np.asarray(members, bool),
+            "phi": np.asarray(phi, np.float64),
+            "loss": np.asarray(loss, np.float64),
+            "report": _small_report(report),
+            "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        }
+        self.folder.save_torch(
+            self._name(name),
+            state,
+            "private",
+            f"audit model {name}: training membership, per-example scores, weights (resumable)",
+        )
         return state
 
 
@@ -301,8 +397,14 @@ def _small_report(report: dict) -> dict:
     keep = ("method", "model", "delta", "test_accuracy", "steps", "guarantee")
     out = {k: report.get(k) for k in keep if k in report}
     out["noise_multiplier"] = report.get("noise_multiplier")
-    out["groups"] = [{"budget": float(g["budget"]), "epsilon_spent": float(g["epsilon_spent"]),
-                      **({"delta": float(g["delta"])} if "delta" in g else {})} for g in report["groups"]]
+    out["groups"] = [
+        {
+            "budget": float(g["budget"]),
+            "epsilon_spent": float(g["epsilon_spent"]),
+            **({"delta": float(g["delta"])} if "delta" in g else {}),
+        }
+        for g in report["groups"]
+    ]
     return out
 
 

@@ -3,14 +3,23 @@
 Every error names the flag the user typed and its value (``--sample-rate=1.5 is invalid: …``);
 work whose memory or time would explode (PLD grids, rounding tables) is sized first and refused.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from ..accounting import calibrate_noise_multiplier, epsilon_sgm, rdp_epsilon
 from ..accounting.events import SampledGaussianEvent
-from ..validation import (InvalidParameterError, UnreachableTargetError, check_delta, check_epsilon,
-                          check_noise_multiplier, check_positive, check_sample_rate, check_steps)
+from ..validation import (
+    InvalidParameterError,
+    UnreachableTargetError,
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    check_positive,
+    check_sample_rate,
+    check_steps,
+)
 from .budget_args import _accountant, budget_source_args, budgets_from_args, group_spec
 from .registry import arguments, command
 
@@ -20,7 +29,7 @@ def _flagged(exc: UnreachableTargetError, names: dict) -> UnreachableTargetError
     msg = str(exc)
     for name, flag in names.items():
         if msg.startswith(f"{name}="):
-            msg = flag + msg[len(name):]
+            msg = flag + msg[len(name) :]
             break
     return UnreachableTargetError(msg)
 
@@ -43,7 +52,7 @@ def epsilon_cmd(args):
     delta = check_delta(args.delta)
     out = {"accountant": args.accountant, "delta": delta}
     if args.accountant == "rdp":
-        eps, order = rdp_epsilon([SampledGaussianEvent(q, s, steps)], delta)   # adaptive orders
+        eps, order = rdp_epsilon([SampledGaussianEvent(q, s, steps)], delta)  # adaptive orders
         out.update(epsilon=float(eps), order=float(order))
     else:
         out.update(epsilon=float(epsilon_sgm(q, s, steps, delta, args.accountant)))
@@ -64,9 +73,10 @@ def noise_multiplier_cmd(args):
     check_epsilon(args.epsilon, "epsilon")
     try:
         sigma = calibrate_noise_multiplier(args.epsilon, delta, q, steps, args.accountant, name="--epsilon")
-    except InvalidParameterError as exc:   # a PLD grid guard met while searching σ: not the user's σ
-        raise UnreachableTargetError(f"--epsilon={args.epsilon!r} cannot be calibrated with the "
-                                     f"{args.accountant} accountant: {exc}") from None
+    except InvalidParameterError as exc:  # a PLD grid guard met while searching σ: not the user's σ
+        raise UnreachableTargetError(
+            f"--epsilon={args.epsilon!r} cannot be calibrated with the {args.accountant} accountant: {exc}"
+        ) from None
     achieved = float(epsilon_sgm(q, sigma, steps, delta, args.accountant))
     return {"noise_multiplier": float(sigma), "epsilon": achieved, "accountant": args.accountant}
 
@@ -78,18 +88,23 @@ def _assign_args(p):
     p.add_argument("--sample-rate", type=float, required=True, help="requested (mean) sampling rate q")
     p.add_argument("--steps", type=int, required=True, help="planned number of steps")
     p.add_argument("--clip-norm", type=float, required=True, help="requested (mean) clip norm c")
-    p.add_argument("--num-examples", type=int,
-                   help="dataset size: group sizes by largest remainder (default: exact fractions)")
+    p.add_argument(
+        "--num-examples", type=int, help="dataset size: group sizes by largest remainder (default: exact fractions)"
+    )
     _accountant(p)
 
 
 def _assign_text(r):
-    lines = [f"method={r['method']} accountant={r['accountant']} noise_multiplier={r['noise_multiplier']:.6g} "
-             f"sample_rate={r['sample_rate']:.6g} clip_norm={r['clip_norm']:.6g}",
-             f"{'budget':>8} {'fraction':>9} {'sample_rate':>12} {'clip_norm':>10} {'sigma_eff':>10} {'epsilon':>9}"]
+    lines = [
+        f"method={r['method']} accountant={r['accountant']} noise_multiplier={r['noise_multiplier']:.6g} "
+        f"sample_rate={r['sample_rate']:.6g} clip_norm={r['clip_norm']:.6g}",
+        f"{'budget':>8} {'fraction':>9} {'sample_rate':>12} {'clip_norm':>10} {'sigma_eff':>10} {'epsilon':>9}",
+    ]
     for g in r["groups"]:
-        lines.append(f"{g['budget']:>8.4g} {g['fraction']:>9.4f} {g['sample_rate']:>12.6f} "
-                     f"{g['clip_norm']:>10.5f} {g['noise_multiplier']:>10.5f} {g['epsilon']:>9.5f}")
+        lines.append(
+            f"{g['budget']:>8.4g} {g['fraction']:>9.4f} {g['sample_rate']:>12.6f} "
+            f"{g['clip_norm']:>10.5f} {g['noise_multiplier']:>10.5f} {g['epsilon']:>9.5f}"
+        )
     return "\n".join(lines)
 
 
@@ -99,8 +114,9 @@ def assign_cmd(args):
     from ..assignment import Budgets, assign
 
     if args.budgets_per_class:
-        raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
-                                    "needs labels: use it with 'idpsgd train'")
+        raise InvalidParameterError(
+            "budgets_per_class", args.budgets_per_class, "needs labels: use it with 'idpsgd train'"
+        )
     check_delta(args.delta)
     check_sample_rate(args.sample_rate)
     check_steps(args.steps)
@@ -116,8 +132,9 @@ def assign_cmd(args):
         budgets = Budgets.from_array(values, check_delta(args.delta))
         weights = np.asarray(fractions)[order]
     try:
-        result = assign(budgets, args.method, args.sample_rate, args.steps, args.clip_norm,
-                        args.accountant, group_weights=weights).summary()
+        result = assign(
+            budgets, args.method, args.sample_rate, args.steps, args.clip_norm, args.accountant, group_weights=weights
+        ).summary()
     except UnreachableTargetError as exc:
         raise _flagged(exc, {"budgets": "--budgets", "sample_rate": "--sample-rate"}) from None
     if weights is not None:  # no dataset size: groups are fractions, not counts
@@ -130,25 +147,42 @@ assign_cmd._text = _assign_text
 
 
 def _account_args(p):
-    p.add_argument("--norms", required=True,
-                   help="npz with 'norms' (refreshes x examples) and 'steps' (steps covered by each refresh); "
-                        "optional 'sample_rates', 'clip_norms' (per example), 'noise_multiplier', 'clip_norm', "
-                        "'rounding', 'rounding_step' (as 'idpsgd train --save-norms' writes them to "
-                        "OUT/private/norms.npz) fill in the flags below; the result is a guarantee only for a file "
-                        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters")
+    p.add_argument(
+        "--norms",
+        required=True,
+        help="npz with 'norms' (refreshes x examples) and 'steps' (steps covered by each refresh); "
+        "optional 'sample_rates', 'clip_norms' (per example), 'noise_multiplier', 'clip_norm', "
+        "'rounding', 'rounding_step' (as 'idpsgd train --save-norms' writes them to "
+        "OUT/private/norms.npz) fill in the flags below; the result is a guarantee only for a file "
+        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters",
+    )
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q in (0, 1] (default: the file's)")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier σ > 0 (default: the file's)")
     p.add_argument("--clip-norm", type=float, help="clip norm C > 0 (default: the file's)")
     p.add_argument("--delta", type=float, required=True, help="δ in (0, 1)")
-    p.add_argument("--rounding", choices=["exact", "ceil", "nearest"],
-                   help="rounding of norms (default: the file's 'rounding', else nearest)")
-    p.add_argument("--rounding-step", type=float, help="rounding step r (default: the file's 'rounding_step', "
-                   "else 0.01 x clip norm)")
-    p.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
-                   help="rdp: per-example RDP (adaptive orders); pld: per-example PLD as well (needs rounding "
-                        "ceil or nearest), each example's ε the smaller bound")
-    p.add_argument("--out", required=True, help="run folder: public account.json (settings, data-independent worst "
-                   "case); private/individual_epsilons.csv (mode 0600)")
+    p.add_argument(
+        "--rounding",
+        choices=["exact", "ceil", "nearest"],
+        help="rounding of norms (default: the file's 'rounding', else nearest)",
+    )
+    p.add_argument(
+        "--rounding-step",
+        type=float,
+        help="rounding step r (default: the file's 'rounding_step', else 0.01 x clip norm)",
+    )
+    p.add_argument(
+        "--accountant",
+        choices=["rdp", "pld"],
+        default="rdp",
+        help="rdp: per-example RDP (adaptive orders); pld: per-example PLD as well (needs rounding "
+        "ceil or nearest), each example's ε the smaller bound",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="run folder: public account.json (settings, data-independent worst "
+        "case); private/individual_epsilons.csv (mode 0600)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier result in --out")
 
 
@@ -159,27 +193,41 @@ def read_norms_file(path):
 
     path = Path(path)
     if not path.is_file():
-        raise InvalidParameterError("norms", str(path), "is a folder; give the npz file" if path.is_dir() else
-                                    "not found (expected an npz with arrays 'norms' and 'steps', e.g. "
-                                    "RUN/private/norms.npz from 'idpsgd train --save-norms')")
+        raise InvalidParameterError(
+            "norms",
+            str(path),
+            "is a folder; give the npz file"
+            if path.is_dir()
+            else "not found (expected an npz with arrays 'norms' and 'steps', e.g. "
+            "RUN/private/norms.npz from 'idpsgd train --save-norms')",
+        )
     if not zipfile.is_zipfile(path):
-        raise InvalidParameterError("norms", str(path), "is not an npz file (not a zip archive; write it with "
-                                    "numpy.savez(path, norms=..., steps=...))")
+        raise InvalidParameterError(
+            "norms",
+            str(path),
+            "is not an npz file (not a zip archive; write it with numpy.savez(path, norms=..., steps=...))",
+        )
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
-        raise InvalidParameterError("norms", str(path), f"is not a readable npz file ({type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0] if str(exc) else 'truncated or corrupt'})") from None
+        raise InvalidParameterError(
+            "norms",
+            str(path),
+            f"is not a readable npz file ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'truncated or corrupt'})",
+        ) from None
     missing = [k for k in ("norms", "steps") if k not in arrays]
     if missing:
         raise InvalidParameterError("norms", str(path), f"the npz lacks {missing} (has {sorted(arrays)})")
     norms, steps = arrays["norms"], arrays["steps"]
     for key in ("sample_rates", "clip_norms", "noise_multiplier", "clip_norm"):
-        if key in arrays and not (np.issubdtype(arrays[key].dtype, np.integer)
-                                  or np.issubdtype(arrays[key].dtype, np.floating)):
-            raise InvalidParameterError("norms", str(path), f"array '{key}' must be numeric (it has dtype "
-                                        f"{arrays[key].dtype})")
+        if key in arrays and not (
+            np.issubdtype(arrays[key].dtype, np.integer) or np.issubdtype(arrays[key].dtype, np.floating)
+        ):
+            raise InvalidParameterError(
+                "norms", str(path), f"array '{key}' must be numeric (it has dtype {arrays[key].dtype})"
+            )
     extras = {k: arrays[k] for k in ("sample_rates", "clip_norms", "noise_multiplier", "clip_norm") if k in arrays}
     if "rounding_step" in arrays:
         step = arrays["rounding_step"]
@@ -209,26 +257,36 @@ def read_norms_file(path):
     if norms.ndim == 1:
         norms = norms[None, :]
     if norms.ndim != 2:
-        raise InvalidParameterError("norms", str(path), f"array 'norms' must be 2-D (refreshes x examples); it has "
-                                    f"shape {norms.shape}")
+        raise InvalidParameterError(
+            "norms", str(path), f"array 'norms' must be 2-D (refreshes x examples); it has shape {norms.shape}"
+        )
     norms = norms.astype(float)
     bad = ~(np.isfinite(norms) & (norms >= 0))
     if bad.any():
         r, i = (int(v[0]) for v in np.nonzero(bad))
-        raise InvalidParameterError("norms", str(path), f"array 'norms' must hold finite values >= 0; refresh {r}, "
-                                    f"example {i} is {norms[r, i]!r}")
+        raise InvalidParameterError(
+            "norms",
+            str(path),
+            f"array 'norms' must hold finite values >= 0; refresh {r}, example {i} is {norms[r, i]!r}",
+        )
     steps = np.ravel(steps).astype(float)
     if steps.size not in (1, norms.shape[0]):
-        raise InvalidParameterError("norms", str(path), f"array 'steps' needs 1 value or one per refresh "
-                                    f"({norms.shape[0]}); it has {steps.size}")
+        raise InvalidParameterError(
+            "norms",
+            str(path),
+            f"array 'steps' needs 1 value or one per refresh ({norms.shape[0]}); it has {steps.size}",
+        )
     if not np.all(np.isfinite(steps) & (steps >= 0) & (steps == np.round(steps))):
         raise InvalidParameterError("norms", str(path), "array 'steps' must hold integers >= 0")
     if steps.sum() < 1:
         raise InvalidParameterError("norms", str(path), "array 'steps' covers no step")
     for key in ("sample_rates", "clip_norms"):
         if key in extras and extras[key].size not in (1, norms.shape[1]):
-            raise InvalidParameterError("norms", str(path), f"array '{key}' needs one value per example "
-                                        f"({norms.shape[1]}); it has {extras[key].size}")
+            raise InvalidParameterError(
+                "norms",
+                str(path),
+                f"array '{key}' needs one value per example ({norms.shape[1]}); it has {extras[key].size}",
+            )
     return norms, np.broadcast_to(steps, (norms.shape[0],)).astype(np.int64), extras
 
 
@@ -248,15 +306,23 @@ def account_cmd(args):
     if args.rounding_step is not None:
         check_positive(args.rounding_step, "rounding_step")
     if args.accountant == "pld" and args.rounding == "exact":
-        raise InvalidParameterError("rounding", "exact", "cannot be used with --accountant pld: per-example PLD "
-                                    "needs rounded sensitivity levels (use --rounding ceil or nearest)")
+        raise InvalidParameterError(
+            "rounding",
+            "exact",
+            "cannot be used with --accountant pld: per-example PLD "
+            "needs rounded sensitivity levels (use --rounding ceil or nearest)",
+        )
     norms, steps, extras = read_norms_file(args.norms)
     folder = RunFolder(args.out, overwrite=args.overwrite)
     rounding = args.rounding or extras.get("rounding", "nearest")
     if args.accountant == "pld" and rounding == "exact":
-        raise InvalidParameterError("rounding", "exact", "(recorded in --norms) cannot be used with --accountant "
-                                    "pld: per-example PLD needs rounded sensitivity levels (use --rounding ceil or "
-                                    "nearest)")
+        raise InvalidParameterError(
+            "rounding",
+            "exact",
+            "(recorded in --norms) cannot be used with --accountant "
+            "pld: per-example PLD needs rounded sensitivity levels (use --rounding ceil or "
+            "nearest)",
+        )
     rounding_step = args.rounding_step
     if rounding_step is None and "rounding_step" in extras and args.clip_norm is None:
         rounding_step = check_positive(float(np.ravel(extras["rounding_step"])[0]), "rounding_step")
@@ -272,32 +338,78 @@ def account_cmd(args):
     clip_norms = None
     if "clip_norms" in extras and args.clip_norm is None:
         clip_norms = np.broadcast_to(extras["clip_norms"].astype(float), (norms.shape[1],))
-    report, worst = account_from_norms(norms, steps, q, sigma, clip, delta, rounding, rounding_step,
-                                       clip_norms=clip_norms, accountant=args.accountant, report=True)
+    report, worst = account_from_norms(
+        norms,
+        steps,
+        q,
+        sigma,
+        clip,
+        delta,
+        rounding,
+        rounding_step,
+        clip_norms=clip_norms,
+        accountant=args.accountant,
+        report=True,
+    )
     eps = report.epsilon
     recorded_step = float(np.ravel(extras["rounding_step"])[0]) if "rounding_step" in extras else None
-    step_used = (rounding_step if rounding_step is not None
-                 else DEFAULT_ROUNDING_FRACTION * float(np.max(clip_norms if clip_norms is not None else clip)))
-    kind, reason = offline_kind(extras.get("accounting_kind"), extras.get("individual_clipping", False), extras.get("rounding"),
-                                recorded_step, rounding, step_used, steps,
-                                overridden=any(getattr(args, k) is not None
-                                               for k in ("sample_rate", "noise_multiplier", "clip_norm")))
-    header = ["index", "epsilon", "source", "rdp_epsilon"] + (["pld_epsilon"] if report.pld is not None else []) \
+    step_used = (
+        rounding_step
+        if rounding_step is not None
+        else DEFAULT_ROUNDING_FRACTION * float(np.max(clip_norms if clip_norms is not None else clip))
+    )
+    kind, reason = offline_kind(
+        extras.get("accounting_kind"),
+        extras.get("individual_clipping", False),
+        extras.get("rounding"),
+        recorded_step,
+        rounding,
+        step_used,
+        steps,
+        overridden=any(getattr(args, k) is not None for k in ("sample_rate", "noise_multiplier", "clip_norm")),
+    )
+    header = (
+        ["index", "epsilon", "source", "rdp_epsilon"]
+        + (["pld_epsilon"] if report.pld is not None else [])
         + ["worst_case_epsilon"]
-    cols = [np.arange(eps.size), eps, report.source, report.rdp] + ([report.pld] if report.pld is not None else []) \
+    )
+    cols = (
+        [np.arange(eps.size), eps, report.source, report.rdp]
+        + ([report.pld] if report.pld is not None else [])
         + [worst]
-    csv_path = folder.write_csv("individual_epsilons.csv", header, cols, "private", "every example's epsilon, the "
-                                "bound it came from and its worst case; personal data")
-    exact = {"about": "exact statistics of per-example epsilons (private: not covered by any guarantee)",
-             "mean": float(eps.mean()), "max": float(eps.max()),
-             "quantiles": {f"{p:g}": float(np.quantile(eps, p)) for p in (0.1, 0.25, 0.5, 0.75, 0.9)},
-             "source_counts": report.counts(), "mean_rdp": float(report.rdp.mean()),
-             **({"mean_pld": float(report.pld.mean())} if report.pld is not None else {})}
-    result = {"epsilons": str(csv_path), "accountant": args.accountant, "private": exact,
-              "worst_case_epsilon": float(worst.max()),
-              "worst_case_accountant": "pld" if args.accountant == "pld" else "rdp",
-              "examples": int(eps.size), "steps": int(steps.sum()), "rounding": rounding,
-              "kind": kind, "kind_reason": reason}
-    folder.write_json("account.json", {k: v for k, v in result.items() if k != "private"}, "public",
-                      "settings of the offline accounting and the data-independent worst-case epsilon")
+    )
+    csv_path = folder.write_csv(
+        "individual_epsilons.csv",
+        header,
+        cols,
+        "private",
+        "every example's epsilon, the bound it came from and its worst case; personal data",
+    )
+    exact = {
+        "about": "exact statistics of per-example epsilons (private: not covered by any guarantee)",
+        "mean": float(eps.mean()),
+        "max": float(eps.max()),
+        "quantiles": {f"{p:g}": float(np.quantile(eps, p)) for p in (0.1, 0.25, 0.5, 0.75, 0.9)},
+        "source_counts": report.counts(),
+        "mean_rdp": float(report.rdp.mean()),
+        **({"mean_pld": float(report.pld.mean())} if report.pld is not None else {}),
+    }
+    result = {
+        "epsilons": str(csv_path),
+        "accountant": args.accountant,
+        "private": exact,
+        "worst_case_epsilon": float(worst.max()),
+        "worst_case_accountant": "pld" if args.accountant == "pld" else "rdp",
+        "examples": int(eps.size),
+        "steps": int(steps.sum()),
+        "rounding": rounding,
+        "kind": kind,
+        "kind_reason": reason,
+    }
+    folder.write_json(
+        "account.json",
+        {k: v for k, v in result.items() if k != "private"},
+        "public",
+        "settings of the offline accounting and the data-independent worst-case epsilon",
+    )
     return result

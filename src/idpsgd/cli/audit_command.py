@@ -1,5 +1,6 @@
 """The ``audit`` command: membership inference per privacy group and empirical ε lower bounds
 (a thin wrapper over :func:`idpsgd.audit.run_audit`)."""
+
 from __future__ import annotations
 
 from .budget_args import budget_source_args, budgets_from_args
@@ -21,52 +22,101 @@ def _audit_args(p):
     p.add_argument("--method", required=True, help=f"training method to audit: {', '.join(AUDIT_METHODS)}")
     budget_source_args(p)
     _hyper_args(p)
-    p.add_argument("--out", required=True, help="audit folder: audit.json and roc_by_group.png (aggregates); "
-                   "private/ (mode 0600): audit_scores.csv (per-example scores), models/ checkpoints, settings")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted audit in OUT (same settings): "
-                   "finished models are not retrained")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="audit folder: audit.json and roc_by_group.png (aggregates); "
+        "private/ (mode 0600): audit_scores.csv (per-example scores), models/ checkpoints, settings",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted audit in OUT (same settings): finished models are not retrained",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace another run's files in OUT")
     a = p.add_argument_group("attack")
-    a.add_argument("--attack", choices=ATTACKS, default="lira",
-                   help="lira: shadow models (Carlini et al. 2022); loss: loss threshold on the target only (Yeom et "
-                        "al. 2018); one-run: canaries in one training run (Steinke et al. 2023) (default lira)")
+    a.add_argument(
+        "--attack",
+        choices=ATTACKS,
+        default="lira",
+        help="lira: shadow models (Carlini et al. 2022); loss: loss threshold on the target only (Yeom et "
+        "al. 2018); one-run: canaries in one training run (Steinke et al. 2023) (default lira)",
+    )
     a.add_argument("--shadow-models", type=int, help=f"M shadow models for lira (default {DEFAULT_SHADOW_MODELS})")
-    a.add_argument("--lira-mode", choices=["online", "offline"], default="online",
-                   help="the LiRA variant that decides the verdict; both are reported (default online)")
-    a.add_argument("--lira-variance", choices=["fixed", "per-example"], default="fixed",
-                   help="fixed: one variance for all examples (for few shadow models); per-example (default fixed)")
+    a.add_argument(
+        "--lira-mode",
+        choices=["online", "offline"],
+        default="online",
+        help="the LiRA variant that decides the verdict; both are reported (default online)",
+    )
+    a.add_argument(
+        "--lira-variance",
+        choices=["fixed", "per-example"],
+        default="fixed",
+        help="fixed: one variance for all examples (for few shadow models); per-example (default fixed)",
+    )
     a.add_argument("--canaries", type=int, help=f"one-run: canaries per privacy group (default {DEFAULT_CANARIES})")
-    a.add_argument("--canary-kind", choices=CANARY_KINDS, default="mislabeled",
-                   help="one-run canaries: training examples with a wrong label, or as they are (default mislabeled)")
-    a.add_argument("--confidence", type=float, default=0.95, help="family-wise confidence of the verdict: each of "
-                   "its bounds is taken at 1 - (1 - confidence)/tests (Bonferroni over the groups, all data and the "
-                   "two bounds per row) (default 0.95)")
-    a.add_argument("--fpr", default=",".join(f"{f:g}" for f in FPRS),
-                   help="comma-separated false positive rates in (0, 1) at which TPR is reported (default "
-                        f"{','.join(f'{f:g}' for f in FPRS)})")
+    a.add_argument(
+        "--canary-kind",
+        choices=CANARY_KINDS,
+        default="mislabeled",
+        help="one-run canaries: training examples with a wrong label, or as they are (default mislabeled)",
+    )
+    a.add_argument(
+        "--confidence",
+        type=float,
+        default=0.95,
+        help="family-wise confidence of the verdict: each of "
+        "its bounds is taken at 1 - (1 - confidence)/tests (Bonferroni over the groups, all data and the "
+        "two bounds per row) (default 0.95)",
+    )
+    a.add_argument(
+        "--fpr",
+        default=",".join(f"{f:g}" for f in FPRS),
+        help="comma-separated false positive rates in (0, 1) at which TPR is reported (default "
+        f"{','.join(f'{f:g}' for f in FPRS)})",
+    )
     add_pdp_arguments(p.add_argument_group("PDP-SGD (Heo et al.; with --method pdp-sgd)"))
 
 
-@command("audit", "membership inference per privacy group (LiRA, loss threshold, one-run canaries) and empirical "
-         "epsilon lower bounds beside the reported epsilon")
+@command(
+    "audit",
+    "membership inference per privacy group (LiRA, loss threshold, one-run canaries) and empirical "
+    "epsilon lower bounds beside the reported epsilon",
+)
 @arguments(_audit_args)
 def audit_cmd(args):
     from ..audit import AuditOptions, run_audit
     from ..audit.shadows import check_method
 
     check_method(args.method)
-    options = AuditOptions(attack=args.attack, shadow_models=args.shadow_models, lira_mode=args.lira_mode,
-                           lira_variance=args.lira_variance, canaries=args.canaries, canary_kind=args.canary_kind,
-                           confidence=args.confidence, fprs=_fprs(args.fpr)).resolved()
+    options = AuditOptions(
+        attack=args.attack,
+        shadow_models=args.shadow_models,
+        lira_mode=args.lira_mode,
+        lira_variance=args.lira_variance,
+        canaries=args.canaries,
+        canary_kind=args.canary_kind,
+        confidence=args.confidence,
+        fprs=_fprs(args.fpr),
+    ).resolved()
     pdp = pdp_options_from_args(args) if args.method == "pdp-sgd" else None
     if pdp is None:
         _refuse_pdp_flags(args)
     if args.resume and args.seed is None and not args.secure_mode:
-        args.seed = _saved_seed(args.out)      # the budgets' assignment and the design of the interrupted audit
+        args.seed = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
     data = _load(args)
     budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
-    return run_audit(data, budgets, _config(args, args.method), args.out, options, resume=args.resume,
-                     overwrite=args.overwrite, pdp=pdp)
+    return run_audit(
+        data,
+        budgets,
+        _config(args, args.method),
+        args.out,
+        options,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        pdp=pdp,
+    )
 
 
 def _fprs(text):
@@ -108,4 +158,6 @@ def _refuse_pdp_flags(args):
     defaults = {"threshold_loss": "fixed", "w1": None, "rounds": 3, "noise_history": False, "per_round_delta": False}
     for name, default in defaults.items():
         if getattr(args, name, default) != default:
-            raise InvalidParameterError(name, getattr(args, name), f"only applies to --method pdp-sgd, not {args.method}")
+            raise InvalidParameterError(
+                name, getattr(args, name), f"only applies to --method pdp-sgd, not {args.method}"
+            )

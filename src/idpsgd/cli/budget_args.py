@@ -1,13 +1,18 @@
 """Flags that say where per-example budgets come from, shared by every command that takes budgets."""
+
 from __future__ import annotations
 
 from ..validation import InvalidParameterError, check_delta, check_epsilon
 
 
 def _accountant(p):
-    p.add_argument("--accountant", choices=["rdp", "pld", "prv"], default="rdp",
-                   help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD; prv: Opacus's PRV "
-                   "accountant (its default; ε is its upper error bound) (default rdp)")
+    p.add_argument(
+        "--accountant",
+        choices=["rdp", "pld", "prv"],
+        default="rdp",
+        help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD; prv: Opacus's PRV "
+        "accountant (its default; ε is its upper error bound) (default rdp)",
+    )
 
 
 def budget_source_args(p, required=True):
@@ -17,13 +22,20 @@ def budget_source_args(p, required=True):
     p.add_argument("--budgets-per-class", help="per-class budgets, e.g. 0:1,1:2,2:3 (train only)")
     p.add_argument("--budgets-file", help="CSV file with one row per example")
     p.add_argument("--budget-column", default="epsilon", help="column of --budgets-file (default: epsilon)")
-    p.add_argument("--budget-distribution", choices=["exponential"],
-                   help="Heo et al. App. C.1: 20 budget groups in --range A,B, sizes skewed by --skew K")
+    p.add_argument(
+        "--budget-distribution",
+        choices=["exponential"],
+        help="Heo et al. App. C.1: 20 budget groups in --range A,B, sizes skewed by --skew K",
+    )
     p.add_argument("--skew", type=float, default=0.0, help="exponent k of the exponential distribution (default 0)")
     p.add_argument("--range", help="A,B: budget range of --budget-distribution")
-    p.add_argument("--seed", type=int, help="seed of every random choice (group assignment, sampling, noise, "
-                   "initialisation); default: a fresh seed. A run keeps it privately in OUT/private/ (mode 0600), "
-                   "never in a public file or on stdout: it would let anyone replay the run")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="seed of every random choice (group assignment, sampling, noise, "
+        "initialisation); default: a fresh seed. A run keeps it privately in OUT/private/ (mode 0600), "
+        "never in a public file or on stdout: it would let anyone replay the run",
+    )
 
 
 def budgets_from_args(args, num_examples=None, labels=None, split=None):
@@ -36,11 +48,14 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None):
     if args.budgets_file:
         budgets = Budgets.from_csv(_budgets_file(args.budgets_file, args.budget_column), args.budget_column, delta)
         if split is not None and len(budgets) == split["rows"] != num_examples:
-            return Budgets(budgets.epsilons[split["train_rows"]], delta)     # train.csv's rows -> training rows
+            return Budgets(budgets.epsilons[split["train_rows"]], delta)  # train.csv's rows -> training rows
         if num_examples is not None and len(budgets) != num_examples:
             rows = f" or one per data row of train.csv ({split['rows']})" if split is not None else ""
-            raise InvalidParameterError("budgets_file", args.budgets_file, f"has {len(budgets)} budget rows; "
-                                        f"it needs one per training example ({num_examples}){rows}")
+            raise InvalidParameterError(
+                "budgets_file",
+                args.budgets_file,
+                f"has {len(budgets)} budget rows; it needs one per training example ({num_examples}){rows}",
+            )
         return budgets
     if getattr(args, "budget_distribution", None):
         if num_examples is None:
@@ -48,19 +63,25 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None):
         bounds = parse_float_list(args.range or "", "range")
         if len(bounds) != 2:
             raise InvalidParameterError("range", args.range, "must be A,B (two numbers)")
-        return Budgets.from_exponential(num_examples, bounds[0], bounds[1], args.skew, delta, seed=_assignment_seed(args))
+        return Budgets.from_exponential(
+            num_examples, bounds[0], bounds[1], args.skew, delta, seed=_assignment_seed(args)
+        )
     if args.budgets_per_class:
         if labels is None:
-            raise InvalidParameterError("budgets_per_class", args.budgets_per_class,
-                                        "needs labels: use it with 'idpsgd train'")
+            raise InvalidParameterError(
+                "budgets_per_class", args.budgets_per_class, "needs labels: use it with 'idpsgd train'"
+            )
         try:
             return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
-        except InvalidParameterError as exc:   # name the flag as typed, with the text the user gave
+        except InvalidParameterError as exc:  # name the flag as typed, with the text the user gave
             detail = "" if exc.name == "budgets_per_class" else f" ({exc.name}={exc.value!r})"
             raise InvalidParameterError("budgets_per_class", args.budgets_per_class, exc.allowed + detail) from None
     if not args.budgets:
-        raise InvalidParameterError("budgets", None, "give --budgets with --fractions, "
-                                    "--budgets-per-class, --budgets-file, or --budget-distribution")
+        raise InvalidParameterError(
+            "budgets",
+            None,
+            "give --budgets with --fractions, --budgets-per-class, --budgets-file, or --budget-distribution",
+        )
     values, fractions = group_spec(args)
     return Budgets.from_groups(values, fractions, num_examples, delta, seed=_assignment_seed(args))
 

@@ -1,5 +1,6 @@
 """The ``finetune`` command: a thin wrapper over :func:`idpsgd.integrations.hf.finetune` (needs the
 ``hf`` extra: ``pip install 'idpsgd[hf]'``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,39 +14,61 @@ _OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distri
 def _finetune_args(p):
     from ..integrations.hf.arguments import METHODS
 
-    p.add_argument("--model", required=True, help="local model folder as save_pretrained writes it (config.json, "
-                   "weights, tokenizer files); nothing is downloaded")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local model folder as save_pretrained writes it (config.json, "
+        "weights, tokenizer files); nothing is downloaded",
+    )
     p.add_argument("--data", required=True, help="training texts: a JSON Lines (.jsonl) or CSV (.csv) file")
     p.add_argument("--eval-data", help="held-out texts (same columns) for the report's test metrics")
     p.add_argument("--text-column", default="text", help="the column with each row's text (default text)")
-    p.add_argument("--label-column", help="class labels: fine-tune a sequence classifier (default: none, causal "
-                   "language modelling)")
+    p.add_argument(
+        "--label-column",
+        help="class labels: fine-tune a sequence classifier (default: none, causal language modelling)",
+    )
     p.add_argument("--method", choices=METHODS, required=True, help="uniform, sample or scale (Boenisch et al. §3)")
     budget_source_args(p)
     for action in p._actions:
         if action.dest == "budget_column":
-            action.help = ("column with each row's budget: of --budgets-file if given, else of --data (used when "
-                           "--data has it and no other budget flag is given) (default: epsilon)")
+            action.help = (
+                "column with each row's budget: of --budgets-file if given, else of --data (used when "
+                "--data has it and no other budget flag is given) (default: epsilon)"
+            )
     p.add_argument("--delta", type=float, default=1e-5, help="global δ in (0, 1) (default 1e-5)")
     p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3)")
     p.add_argument("--batch-size", type=int, default=16, help="expected (Poisson) batch size B (default 16)")
-    p.add_argument("--physical-batch-size", type=int, help="at most this many examples per forward pass (must "
-                   "divide --batch-size; default: --batch-size)")
+    p.add_argument(
+        "--physical-batch-size",
+        type=int,
+        help="at most this many examples per forward pass (must divide --batch-size; default: --batch-size)",
+    )
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate, linear decay (default 5e-4)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="every example's clip norm (default 1)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per text after truncation (default 128)")
-    p.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank on the frozen model "
-                   "(default 0: full fine-tuning)")
-    p.add_argument("--grad-sample-mode", choices=["bk", "hooks", "functorch"], default="bk",
-                   help="bk: book-keeping (one backward pass); hooks / functorch: Opacus's per-sample gradients "
-                   "(default bk)")
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on the frozen model (default 0: full fine-tuning)",
+    )
+    p.add_argument(
+        "--grad-sample-mode",
+        choices=["bk", "hooks", "functorch"],
+        default="bk",
+        help="bk: book-keeping (one backward pass); hooks / functorch: Opacus's per-sample gradients (default bk)",
+    )
     p.add_argument("--secure-mode", action="store_true", help="sampling and noise from OS entropy; refuses --seed")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
     p.add_argument("--progress", action="store_true", help="show the Trainer's progress bar (stderr)")
     _accountant(p)
-    p.add_argument("--out", required=True, help="run folder: public model/, report.json, report.html; private/ "
-                   "(mode 0600): per-example ε, ledger, training losses, seed")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="run folder: public model/, report.json, report.html; private/ "
+        "(mode 0600): per-example ε, ledger, training losses, seed",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
 
 
@@ -57,14 +80,22 @@ def _budgets(args, data, class_ids):
     others = [s for s in _OTHER_SOURCES if getattr(args, s, None)]
     if data.budgets is not None:
         if others:
-            raise InvalidParameterError(others[0], getattr(args, others[0]), f"the data has a budget column "
-                                        f"{args.budget_column!r}: give the budgets one way (drop the flag, or "
-                                        "choose another --budget-column)")
+            raise InvalidParameterError(
+                others[0],
+                getattr(args, others[0]),
+                f"the data has a budget column "
+                f"{args.budget_column!r}: give the budgets one way (drop the flag, or "
+                "choose another --budget-column)",
+            )
         return Budgets.from_array(data.budgets, check_delta(args.delta))
     if not others:
-        raise InvalidParameterError("budgets", None, f"give each row's budget: a column {args.budget_column!r} in "
-                                    "--data (--budget-column), or --budgets with --fractions, --budgets-per-class, "
-                                    "--budgets-file or --budget-distribution")
+        raise InvalidParameterError(
+            "budgets",
+            None,
+            f"give each row's budget: a column {args.budget_column!r} in "
+            "--data (--budget-column), or --budgets with --fractions, --budgets-per-class, "
+            "--budgets-file or --budget-distribution",
+        )
     import numpy as np
 
     return budgets_from_args(args, len(data), None if class_ids is None else np.asarray(class_ids))
@@ -72,14 +103,22 @@ def _budgets(args, data, class_ids):
 
 def _text(r):
     m = r.get("test_metrics") or {}
-    shown = ", ".join(f"test {k.removeprefix('test_')} {m[k]:.4g}" for k in ("test_accuracy", "test_perplexity",
-                                                                            "test_loss") if m.get(k) is not None)
-    lines = [f"finetune ({r['method']}, {r['task']}) of {r['model']} on {r['dataset']}: {r['steps']} steps"
-             + (" (stopped by the privacy filter)" if r["stopped_early"] else "") + (f"; {shown}" if shown else ""),
-             f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}"]
+    shown = ", ".join(
+        f"test {k.removeprefix('test_')} {m[k]:.4g}"
+        for k in ("test_accuracy", "test_perplexity", "test_loss")
+        if m.get(k) is not None
+    )
+    lines = [
+        f"finetune ({r['method']}, {r['task']}) of {r['model']} on {r['dataset']}: {r['steps']} steps"
+        + (" (stopped by the privacy filter)" if r["stopped_early"] else "")
+        + (f"; {shown}" if shown else ""),
+        f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
+    ]
     for g in r["groups"]:
-        lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {g['clip_norm']:>10.4f} "
-                     f"{g['epsilon_spent']:>10.4f}")
+        lines.append(
+            f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {g['clip_norm']:>10.4f} "
+            f"{g['epsilon_spent']:>10.4f}"
+        )
     lines.append(f"model: {r['out']}/model; report: {r['out']}/report.json")
     return "\n".join(lines)
 
@@ -90,23 +129,39 @@ def finetune_cmd(args):
     from ..integrations.hf.finetune import FinetuneOptions, check_model_folder, finetune, model_label2id
     from ..integrations.hf.text_data import label_ids, load_text_data
 
-    options = FinetuneOptions(method=args.method, epochs=args.epochs, batch_size=args.batch_size,
-                              physical_batch_size=args.physical_batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                              max_grad_norm=args.max_grad_norm, max_length=args.max_length, lora_r=args.lora_r,
-                              grad_sample_mode=args.grad_sample_mode, accountant=args.accountant,
-                              seed=resolved_seed(args), secure_mode=args.secure_mode, device=args.device,
-                              progress=args.progress)
+    options = FinetuneOptions(
+        method=args.method,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        physical_batch_size=args.physical_batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        max_length=args.max_length,
+        lora_r=args.lora_r,
+        grad_sample_mode=args.grad_sample_mode,
+        accountant=args.accountant,
+        seed=resolved_seed(args),
+        secure_mode=args.secure_mode,
+        device=args.device,
+        progress=args.progress,
+    )
     folder = check_model_folder(args.model)
-    data = load_text_data(args.data, args.text_column, args.label_column,
-                          None if args.budgets_file else args.budget_column)
-    eval_data = (load_text_data(args.eval_data, args.text_column, args.label_column, flag="eval_data")
-                 if args.eval_data else None)
+    data = load_text_data(
+        args.data, args.text_column, args.label_column, None if args.budgets_file else args.budget_column
+    )
+    eval_data = (
+        load_text_data(args.eval_data, args.text_column, args.label_column, flag="eval_data")
+        if args.eval_data
+        else None
+    )
     class_ids = None
     if data.labels is not None and args.budgets_per_class:
         class_ids = label_ids(data.labels, eval_data.labels if eval_data else None, model_label2id(folder))[0]
     budgets = _budgets(args, data, class_ids)
-    report = finetune(args.model, data, budgets, args.out, eval_data=eval_data, options=options,
-                      overwrite=args.overwrite)
+    report = finetune(
+        args.model, data, budgets, args.out, eval_data=eval_data, options=options, overwrite=args.overwrite
+    )
     return {**report, "out": str(Path(args.out))}
 
 

@@ -4,9 +4,11 @@ Each command is a few lines over a library function.  Command names, flags and J
 public contract (see docs/cli.md).  A bad argument exits with code 2 and prints one line naming the
 argument, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 import warnings
@@ -15,12 +17,26 @@ from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError
 from .registry import COMMANDS, _emit, _flag, _Parser, add_output_flags
 
+#: the modules whose import registers the commands (registry.COMMANDS), in the order of ``idpsgd --help``
+COMMAND_MODULES = (
+    "accounting_commands",
+    "audit_command",
+    "finetune_command",
+    "per_instance_command",
+    "report_command",
+    "reproduce_command",
+    "train_commands",
+)
 _NUMBER = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
-_ARGPARSE_ERRORS = (   # argparse's wording -> ours: "--flag=value is invalid: what is allowed"
+_ARGPARSE_ERRORS = (  # argparse's wording -> ours: "--flag=value is invalid: what is allowed"
     (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid float value: (?P<value>.*)$"), "must be a number"),
     (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid int value: (?P<value>.*)$"), "must be an integer"),
-    (re.compile(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid choice: (?P<value>'.*?') \(choose from (?P<allowed>.*)\)$"),
-     "must be one of {allowed}"),
+    (
+        re.compile(
+            r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: invalid choice: (?P<value>'.*?') \(choose from (?P<allowed>.*)\)$"
+        ),
+        "must be one of {allowed}",
+    ),
 )
 
 
@@ -29,7 +45,7 @@ class _CliParser(_Parser):
     read as values (argparse takes only plain negative numbers such as ``-1`` for values)."""
 
     def _parse_optional(self, arg_string):
-        if _NUMBER.match(arg_string):     # no flag of ours starts with a digit: a negative value
+        if _NUMBER.match(arg_string):  # no flag of ours starts with a digit: a negative value
             return None
         return super()._parse_optional(arg_string)
 
@@ -39,7 +55,8 @@ class _CliParser(_Parser):
             if m:
                 choices = m.groupdict().get("allowed")
                 message = f"{m['flag']}={m['value']} is invalid: " + allowed.format(
-                    allowed=choices.replace("'", "") if choices else "")
+                    allowed=choices.replace("'", "") if choices else ""
+                )
                 break
         else:
             m = re.match(r"^argument (?P<flag>[^:/ ]+)(?:/\S+)?: expected one argument$", message)
@@ -63,28 +80,25 @@ def _flagged_message(message: str, args) -> str:
     """``budgets=1e-09 cannot be met ...`` -> ``--budgets=1e-09 cannot be met ...`` when ``budgets`` is a flag."""
     m = re.match(r"^(\w+)=", message)
     if m and hasattr(args, m[1]) and not message.startswith("--"):
-        return _flag(m[1]) + message[len(m[1]):]
+        return _flag(m[1]) + message[len(m[1]) :]
     return message
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import (  # noqa: F401  (register)
-        accounting_commands,
-        audit_command,
-        finetune_command,
-        per_instance_command,
-        report_command,
-        reproduce_command,
-        train_commands,
-    )
-
     from .. import __version__
 
-    parser = _CliParser(prog="idpsgd", formatter_class=_HelpFormatter, description="Individualized privacy for DP-SGD: assign a privacy budget per "
-                     "example, train to it, account for and audit the privacy each example received.")
+    for module in COMMAND_MODULES:  # each registers its commands on import
+        importlib.import_module(f".{module}", __package__)
+
+    parser = _CliParser(
+        prog="idpsgd",
+        formatter_class=_HelpFormatter,
+        description="Individualized privacy for DP-SGD: assign a privacy budget per "
+        "example, train to it, account for and audit the privacy each example received.",
+    )
     parser.add_argument("--version", action="version", version=f"idpsgd {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_CliParser, metavar="COMMAND")
-    parser.positionals = {}   # command -> its positional arguments (named without "--" in errors)
+    parser.positionals = {}  # command -> its positional arguments (named without "--" in errors)
     for name, (help_text, add, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         add(p)
@@ -113,6 +127,7 @@ class _OnceAfterSuccess:
                 return self.original(message, category, filename, lineno, file, line)
             if self.held is None:
                 self.held = (message, category, filename, lineno, file)
+
         warnings.showwarning = show
         return self
 
@@ -123,15 +138,16 @@ class _OnceAfterSuccess:
     def show(self) -> None:
         if self.held is not None:
             message, category, filename, lineno, file = self.held
-            self.original(message, category, filename, lineno, file, "")    # "" : no source line
+            self.original(message, category, filename, lineno, file, "")  # "" : no source line
 
 
 def main(argv=None) -> int:
     import logging
+
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:                     # `idpsgd` alone: the list of commands
+    if args.command is None:  # `idpsgd` alone: the list of commands
         parser.print_help(sys.stderr)
         return 2
     from ..data import DatasetFileError
@@ -143,9 +159,9 @@ def main(argv=None) -> int:
             result = run(args)
     except InvalidParameterError as exc:
         shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
-        sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name):]}\n")
+        sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name) :]}\n")
         return 2
-    except DatasetFileError as exc:           # names the file; the flag that led there is --data-dir
+    except DatasetFileError as exc:  # names the file; the flag that led there is --data-dir
         where = f"--data-dir={args.data_dir!r}: " if getattr(args, "data_dir", None) else ""
         sys.stderr.write(f"idpsgd {args.command}: error: {where}{exc}\n")
         return 2

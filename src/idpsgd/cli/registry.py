@@ -2,21 +2,24 @@
 
 Command modules import this module (never :mod:`.main`), so registration points one way.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
 
 
 def command(name: str, help: str):
     """Register ``run(args) -> dict`` with an ``add(parser)`` attribute set by :func:`arguments`."""
+
     def deco(run):
         COMMANDS[name] = (help, getattr(run, "_add", lambda p: None), run)
         return run
+
     return deco
 
 
@@ -24,6 +27,7 @@ def arguments(add: Callable[[argparse.ArgumentParser], None]):
     def deco(run):
         run._add = add
         return run
+
     return deco
 
 
@@ -37,9 +41,13 @@ def add_output_flags(p: argparse.ArgumentParser, default=False) -> None:
     """``--json`` and ``--show-private``: every command's parser gets them; a sub-command's parser with
     ``default=argparse.SUPPRESS`` (so that the flags work before and after the sub-command's name)."""
     p.add_argument("--json", action="store_true", default=default, help="print machine-readable JSON")
-    p.add_argument("--show-private", action="store_true", default=default,
-                   help="also print private values (exact statistics of per-example data); they are not "
-                   "covered by the privacy guarantee")
+    p.add_argument(
+        "--show-private",
+        action="store_true",
+        default=default,
+        help="also print private values (exact statistics of per-example data); they are not "
+        "covered by the privacy guarantee",
+    )
 
 
 def _flag(name: str) -> str:

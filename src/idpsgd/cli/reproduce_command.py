@@ -6,6 +6,7 @@ with the common flags (``--dataset``, ``--data-dir``, ``--model``, ``--out``, ``
 command checks every option, opens the run folder, loads the data, runs the experiment and lets it
 write its files (public or private, :class:`~idpsgd.runfolder.RunFolder`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,10 @@ from .registry import _flag, add_output_flags, arguments, command
 
 def _add_option(p: argparse.ArgumentParser, option, default) -> None:
     if isinstance(default, bool):
-        if default:     # --no-NAME switches a default-on part off
-            p.add_argument("--no-" + _flag(option.name)[2:], dest="no_" + option.name, action="store_true",
-                           help=option.help)
+        if default:  # --no-NAME switches a default-on part off
+            p.add_argument(
+                "--no-" + _flag(option.name)[2:], dest="no_" + option.name, action="store_true", help=option.help
+            )
         else:
             p.add_argument(_flag(option.name), action="store_true", help=option.help)
         return
@@ -51,14 +53,15 @@ def _experiment_parser(p: argparse.ArgumentParser, exp) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", required=True, help=exp.out_help)
     p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
-    add_output_flags(p, default=argparse.SUPPRESS)    # the command's parser sets the defaults
+    add_output_flags(p, default=argparse.SUPPRESS)  # the command's parser sets the defaults
 
 
 def _reproduce_args(p):
     sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True, parser_class=type(p))
     for exp in load().values():
-        e = sub.add_parser(exp.name, help=exp.help, description=exp.description or exp.help,
-                           formatter_class=p.formatter_class)
+        e = sub.add_parser(
+            exp.name, help=exp.help, description=exp.description or exp.help, formatter_class=p.formatter_class
+        )
         _experiment_parser(e, exp)
 
 
@@ -106,9 +109,13 @@ def reproduce_cmd(args):
         out.discard_if_unused()
         raise
     files = exp.write(out, r)
-    result = {"experiment": exp.name, **{k: v for k, v in r.items() if k != "private"}, "out": str(out.path),
-              "files": files}
-    if isinstance(r.get("private"), dict):      # shown with --show-private; per-example arrays only in files
+    result = {
+        "experiment": exp.name,
+        **{k: v for k, v in r.items() if k != "private"},
+        "out": str(out.path),
+        "files": files,
+    }
+    if isinstance(r.get("private"), dict):  # shown with --show-private; per-example arrays only in files
         result["private"] = {k: v for k, v in r["private"].items() if k != "per_example"}
     return result
 

@@ -1,4 +1,5 @@
 """The ``train`` and ``demo`` commands: thin wrappers over :func:`idpsgd.training.train`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,39 +17,67 @@ def _hyper_args(p):
 
     d = TrainConfig()
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help=f"expected batch size B; mean rate q = B/N (default {d.batch_size})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"expected batch size B; mean rate q = B/N (default {d.batch_size})",
+    )
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
     p.add_argument("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm,
-                   help=f"(mean) clip norm c (default {d.clip_norm})")
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help=f"(mean) clip norm c (default {d.clip_norm})")
     p.add_argument("--delta", type=float, default=1e-5, help="global δ in (0, 1) (default 1e-5)")
     p.add_argument("--model", help="model name (default: the dataset's; see idpsgd.models.MODELS)")
-    p.add_argument("--dataset", default="digits",
-                   help="digits (bundled), mnist, fashion-mnist, cifar10, svhn or csv (default digits)")
+    p.add_argument(
+        "--dataset",
+        default="digits",
+        help="digits (bundled), mnist, fashion-mnist, cifar10, svhn or csv (default digits)",
+    )
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
     p.add_argument("--label-column", default="label", help="label column of a csv dataset (default label)")
-    p.add_argument("--feature-columns", help="A,B,...: the csv columns that are model inputs (default: every column "
-                   "but the label, the budget column (--budget-column) and row identifiers such as id; see --drop-columns)")
-    p.add_argument("--drop-columns", help="A,B,...: csv columns that are not model inputs (default: none beyond the "
-                   "budget column and row identifiers, which are always left out)")
+    p.add_argument(
+        "--feature-columns",
+        help="A,B,...: the csv columns that are model inputs (default: every column "
+        "but the label, the budget column (--budget-column) and row identifiers such as id; see --drop-columns)",
+    )
+    p.add_argument(
+        "--drop-columns",
+        help="A,B,...: csv columns that are not model inputs (default: none beyond the "
+        "budget column and row identifiers, which are always left out)",
+    )
     n = p.add_argument_group("input normalization (inside the privacy guarantee)")
-    n.add_argument("--normalization", help="none, public (published constants: mnist, fashion-mnist, cifar10, svhn), "
-                   "private (a DP estimate charged to every example's budget) or MEAN,STD (default: public where "
-                   "published constants exist, else none)")
+    n.add_argument(
+        "--normalization",
+        help="none, public (published constants: mnist, fashion-mnist, cifar10, svhn), "
+        "private (a DP estimate charged to every example's budget) or MEAN,STD (default: public where "
+        "published constants exist, else none)",
+    )
     n.add_argument("--normalization-epsilon", type=float, help="ε of the private mean/std estimate (with private)")
-    n.add_argument("--normalization-delta", type=float, help="δ of the private mean/std estimate (with private; "
-                   "charged on top of the training δ)")
+    n.add_argument(
+        "--normalization-delta",
+        type=float,
+        help="δ of the private mean/std estimate (with private; charged on top of the training δ)",
+    )
     n.add_argument("--feature-range", help="A,B: public value range of csv features (with private)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--device", default=d.device, help="cpu, cuda, auto (cuda when available) or a torch device "
-                   f"such as cuda:1 (default {d.device})")
-    p.add_argument("--grad-sample-mode", choices=["bk", "hooks", "functorch", "ghost"], default=d.grad_sample_mode,
-                   help="bk: book-keeping (one backward pass; ghost norms or per-sample gradients per layer, "
-                   "near non-private cost); hooks / functorch: Opacus's per-sample gradients; ghost: Opacus's "
-                   f"fast gradient clipping (two backward passes) (default {d.grad_sample_mode})")
-    p.add_argument("--secure-mode", action="store_true", help="Opacus's secure mode: sampling and noise from OS "
-                   "entropy, secure noise sampling; refuses --seed")
+    p.add_argument(
+        "--device",
+        default=d.device,
+        help=f"cpu, cuda, auto (cuda when available) or a torch device such as cuda:1 (default {d.device})",
+    )
+    p.add_argument(
+        "--grad-sample-mode",
+        choices=["bk", "hooks", "functorch", "ghost"],
+        default=d.grad_sample_mode,
+        help="bk: book-keeping (one backward pass; ghost norms or per-sample gradients per layer, "
+        "near non-private cost); hooks / functorch: Opacus's per-sample gradients; ghost: Opacus's "
+        f"fast gradient clipping (two backward passes) (default {d.grad_sample_mode})",
+    )
+    p.add_argument(
+        "--secure-mode",
+        action="store_true",
+        help="Opacus's secure mode: sampling and noise from OS entropy, secure noise sampling; refuses --seed",
+    )
     _accountant(p)
 
 
@@ -59,47 +88,97 @@ def _train_args(p):
     p.add_argument("--method", choices=METHODS + PDP_METHODS, required=True)
     budget_source_args(p)
     _hyper_args(p)
-    p.add_argument("--exclude-below", type=float,
-                   help="exclude: drop examples with budget below this (default: the second-smallest budget)")
-    p.add_argument("--nproc", type=int, default=1, help="data-parallel processes on this machine (gloo on CPU, "
-                   "NCCL with one GPU each on cuda); the same privacy accounting as one process (default 1)")
-    p.add_argument("--out", required=True, help="run folder: public report.json, report.html, model.pt; private/ "
-                   "(mode 0600): checkpoint, ledger, per-example files")
+    p.add_argument(
+        "--exclude-below",
+        type=float,
+        help="exclude: drop examples with budget below this (default: the second-smallest budget)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes on this machine (gloo on CPU, "
+        "NCCL with one GPU each on cuda); the same privacy accounting as one process (default 1)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="run folder: public report.json, report.html, model.pt; private/ "
+        "(mode 0600): checkpoint, ledger, per-example files",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
-    p.add_argument("--release-epsilon", type=float, default=0.5, help="ε of the private release of individual-ε "
-                   "statistics (mean and quantiles), charged to every example (default 0.5)")
+    p.add_argument(
+        "--release-epsilon",
+        type=float,
+        default=0.5,
+        help="ε of the private release of individual-ε "
+        "statistics (mean and quantiles), charged to every example (default 0.5)",
+    )
     add_pdp_arguments(p.add_argument_group("PDP-SGD and its baselines (Heo et al.)"))
     add_filter_arguments(p.add_argument_group("individual Rényi filter (Feldman & Zrnic 2021; Boenisch et al. §5)"))
     g = p.add_argument_group("individual privacy accounting (Yu et al. 2023)")
-    g.add_argument("--individual-accounting", action="store_true",
-                   help="account for the ε every training example actually received")
-    g.add_argument("--refreshes-per-epoch", type=float, default=1.0,
-                   help="γ: gradient-norm refreshes per epoch (default 1)")
-    g.add_argument("--rounding", choices=["exact", "ceil", "nearest"], default="nearest",
-                   help="rounding of norms: nearest (the paper's), ceil (never below), exact (default nearest)")
+    g.add_argument(
+        "--individual-accounting",
+        action="store_true",
+        help="account for the ε every training example actually received",
+    )
+    g.add_argument(
+        "--refreshes-per-epoch", type=float, default=1.0, help="γ: gradient-norm refreshes per epoch (default 1)"
+    )
+    g.add_argument(
+        "--rounding",
+        choices=["exact", "ceil", "nearest"],
+        default="nearest",
+        help="rounding of norms: nearest (the paper's), ceil (never below), exact (default nearest)",
+    )
     g.add_argument("--rounding-step", type=float, help="rounding step r (default 0.01 x clip norm)")
-    g.add_argument("--individual-clipping", action="store_true",
-                   help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee (without it, "
-                        "a guarantee needs --refreshes-per-epoch = steps per epoch, --rounding exact or ceil, and "
-                        "training's norms equal to the norm pass's at every step, which is checked)")
-    g.add_argument("--validate-subset", type=int, default=1000,
-                   help="examples tracked exactly at every step to validate the estimates (default 1000; 0: off)")
-    g.add_argument("--individual-accountant", choices=["rdp", "pld"], default="rdp",
-                   help="per-example bound: rdp, or pld (its PLD as well; needs --rounding ceil or nearest); each "
-                        "example's ε is the smallest of its bounds and its group's (default rdp)")
-    g.add_argument("--save-norms", action="store_true", help="write OUT/private/norms.npz: every refresh's gradient "
-                   "norms, the file 'idpsgd account --norms' reads")
+    g.add_argument(
+        "--individual-clipping",
+        action="store_true",
+        help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee (without it, "
+        "a guarantee needs --refreshes-per-epoch = steps per epoch, --rounding exact or ceil, and "
+        "training's norms equal to the norm pass's at every step, which is checked)",
+    )
+    g.add_argument(
+        "--validate-subset",
+        type=int,
+        default=1000,
+        help="examples tracked exactly at every step to validate the estimates (default 1000; 0: off)",
+    )
+    g.add_argument(
+        "--individual-accountant",
+        choices=["rdp", "pld"],
+        default="rdp",
+        help="per-example bound: rdp, or pld (its PLD as well; needs --rounding ceil or nearest); each "
+        "example's ε is the smallest of its bounds and its group's (default rdp)",
+    )
+    g.add_argument(
+        "--save-norms",
+        action="store_true",
+        help="write OUT/private/norms.npz: every refresh's gradient norms, the file 'idpsgd account --norms' reads",
+    )
 
 
 def _config(args, method):
     from ..training import TrainConfig
 
-    return TrainConfig(method=method, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                       momentum=args.momentum, clip_norm=args.clip_norm, accountant=args.accountant,
-                       model=args.model, seed=resolved_seed(args), secure_mode=args.secure_mode, device=args.device,
-                       grad_sample_mode=args.grad_sample_mode, exclude_below=getattr(args, "exclude_below", None),
-                       progress=not args.no_progress)
+    return TrainConfig(
+        method=method,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        clip_norm=args.clip_norm,
+        accountant=args.accountant,
+        model=args.model,
+        seed=resolved_seed(args),
+        secure_mode=args.secure_mode,
+        device=args.device,
+        grad_sample_mode=args.grad_sample_mode,
+        exclude_below=getattr(args, "exclude_below", None),
+        progress=not args.no_progress,
+    )
 
 
 def _individual(args):
@@ -112,10 +191,15 @@ def _individual(args):
             if getattr(args, flag, False):
                 raise InvalidParameterError(flag, True, "needs --individual-accounting")
         return None
-    return IndividualAccountingOptions(refreshes_per_epoch=args.refreshes_per_epoch, rounding=args.rounding,
-                                       rounding_step=args.rounding_step, individual_clipping=args.individual_clipping,
-                                       validate_subset=args.validate_subset, record_norms=args.save_norms,
-                                       accountant=args.individual_accountant)
+    return IndividualAccountingOptions(
+        refreshes_per_epoch=args.refreshes_per_epoch,
+        rounding=args.rounding,
+        rounding_step=args.rounding_step,
+        individual_clipping=args.individual_clipping,
+        validate_subset=args.validate_subset,
+        record_norms=args.save_norms,
+        accountant=args.individual_accountant,
+    )
 
 
 def _load(args, saved: dict | None = None):
@@ -129,11 +213,18 @@ def _load(args, saved: dict | None = None):
         record = saved.get("preprocessing")
         if isinstance(record, dict):
             normalization = record
-    return load_dataset(args.dataset, args.data_dir, label_column=args.label_column, normalization=normalization,
-                        normalization_epsilon=args.normalization_epsilon, normalization_delta=args.normalization_delta,
-                        feature_range=parse_feature_range(args.feature_range) if args.feature_range else None,
-                        feature_columns=args.feature_columns, drop_columns=args.drop_columns,
-                        budget_column=getattr(args, "budget_column", None))
+    return load_dataset(
+        args.dataset,
+        args.data_dir,
+        label_column=args.label_column,
+        normalization=normalization,
+        normalization_epsilon=args.normalization_epsilon,
+        normalization_delta=args.normalization_delta,
+        feature_range=parse_feature_range(args.feature_range) if args.feature_range else None,
+        feature_columns=args.feature_columns,
+        drop_columns=args.drop_columns,
+        budget_column=getattr(args, "budget_column", None),
+    )
 
 
 def saved_signature(folder) -> dict:
@@ -151,25 +242,34 @@ def saved_signature(folder) -> dict:
 
 
 def _pdp_text(r):
-    lines = [f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} after "
-             f"{r['steps']} steps in {len(r['rounds'])} round(s); threshold loss {r['threshold_loss']}",
-             f"{'round':>5} {'threshold':>9} {'sigma':>8} {'q':>8} {'E|D_R|':>8}"]
+    lines = [
+        f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} after "
+        f"{r['steps']} steps in {len(r['rounds'])} round(s); threshold loss {r['threshold_loss']}",
+        f"{'round':>5} {'threshold':>9} {'sigma':>8} {'q':>8} {'E|D_R|':>8}",
+    ]
     for x in r["rounds"]:
-        lines.append(f"{x['round']:>5} {x['threshold']:>9.4f} {x['noise_multiplier']:>8.4f} {x['sample_rate']:>8.5f} "
-                     f"{x['expected_sample_size']:>8.1f}")
+        lines.append(
+            f"{x['round']:>5} {x['threshold']:>9.4f} {x['noise_multiplier']:>8.4f} {x['sample_rate']:>8.5f} "
+            f"{x['expected_sample_size']:>8.1f}"
+        )
     lines.append(f"{'budget':>8} {'count':>6} {'eps_spent':>10} {'delta':>10}")
     for g in r["groups"]:
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['epsilon_spent']:>10.4f} {g['delta']:>10.3g}")
-    lines.append(f"per-example (epsilon, delta): {r['out']}/private/pdp_guarantees.csv (personal data); report: {r['out']}/report.json")
+    lines.append(
+        f"per-example (epsilon, delta): {r['out']}/private/pdp_guarantees.csv (personal data); "
+        f"report: {r['out']}/report.json"
+    )
     return "\n".join(lines)
 
 
 def _train_text(r):
     if "rounds" in r:
         return _pdp_text(r)
-    lines = [f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} "
-             f"after {r['steps']} steps" + (" (stopped by the privacy filter)" if r["stopped_early"] else ""),
-             f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}"]
+    lines = [
+        f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} "
+        f"after {r['steps']} steps" + (" (stopped by the privacy filter)" if r["stopped_early"] else ""),
+        f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
+    ]
     for g in r["groups"]:
         c = f"{g['clip_norm']:>10.4f}" if g["clip_norm"] is not None else f"{'excluded':>10}"
         lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {c} {g['epsilon_spent']:>10.4f}")
@@ -177,27 +277,35 @@ def _train_text(r):
     if ip:
         rel = ip["released"]
         qs = ", ".join(f"{k}: {v:.3f}" for k, v in rel["quantiles"]["values"].items())
-        lines.append(f"individual epsilon ({ip['kind']}), privately released with epsilon {rel['total']['epsilon']:g}: "
-                     f"mean {rel['mean']['value']:.3f}; quantiles {qs}")
+        lines.append(
+            f"individual epsilon ({ip['kind']}), privately released with epsilon {rel['total']['epsilon']:g}: "
+            f"mean {rel['mean']['value']:.3f}; quantiles {qs}"
+        )
         if ip.get("kind_reason"):
             lines.append(f"  {ip['kind']}: {ip['kind_reason']}")
         exact = (r.get("private") or {}).get("individual_privacy")
         if exact:
-            lines.append(f"[private] exact: mean {exact['mean']:.4f}, median {exact['quantiles']['0.5']:.4f}, "
-                         f"max {exact['max']:.4f}; worst case {exact['worst_case_epsilon']:.4f}; "
-                         f"{100 * exact['share_at_worst_case']:.1f}% at the worst case")
+            lines.append(
+                f"[private] exact: mean {exact['mean']:.4f}, median {exact['quantiles']['0.5']:.4f}, "
+                f"max {exact['max']:.4f}; worst case {exact['worst_case_epsilon']:.4f}; "
+                f"{100 * exact['share_at_worst_case']:.1f}% at the worst case"
+            )
             chk = exact.get("sensitivity_check")
             if chk:
-                lines.append(f"[private] sensitivity check: {chk['examples']} trained examples over {chk['steps']} "
-                             f"steps; {chk['exceeded']} clipped norms above their charged sensitivity (largest ratio "
-                             f"{chk['max_ratio']:.4g}); {chk['mismatched']} of {chk['compared']} norms compared "
-                             f"differed from the norm pass (largest relative difference "
-                             f"{chk['max_relative_mismatch']:.3g})")
+                lines.append(
+                    f"[private] sensitivity check: {chk['examples']} trained examples over {chk['steps']} "
+                    f"steps; {chk['exceeded']} clipped norms above their charged sensitivity (largest ratio "
+                    f"{chk['max_ratio']:.4g}); {chk['mismatched']} of {chk['compared']} norms compared "
+                    f"differed from the norm pass (largest relative difference "
+                    f"{chk['max_relative_mismatch']:.3g})"
+                )
             if "validation" in exact:
                 v = exact["validation"]
-                lines.append(f"[private] validation on {v['examples']} examples tracked exactly: Pearson r "
-                             f"{v['pearson_r'] if v['pearson_r'] is None else round(v['pearson_r'], 4)}, "
-                             f"mean |error| {v['mean_abs_error']:.4f}, max |error| {v['max_abs_error']:.4f}")
+                lines.append(
+                    f"[private] validation on {v['examples']} examples tracked exactly: Pearson r "
+                    f"{v['pearson_r'] if v['pearson_r'] is None else round(v['pearson_r'], 4)}, "
+                    f"mean |error| {v['mean_abs_error']:.4f}, max |error| {v['max_abs_error']:.4f}"
+                )
         lines.append(f"per-example values: {r['out']}/private/individual_epsilons.csv (personal data)")
     lines.append(f"report: {r['out']}/report.json")
     return "\n".join(lines)
@@ -215,12 +323,16 @@ def train_cmd(args):
     individual = _individual(args)
     filter_options = filter_options_from_args(args)
     if filter_options is not None and individual is not None:
-        raise InvalidParameterError("individual_accounting", True, "cannot be combined with --filter individual "
-                                    "(the filter does its own per-example accounting; see filter_epsilons.csv)")
+        raise InvalidParameterError(
+            "individual_accounting",
+            True,
+            "cannot be combined with --filter individual "
+            "(the filter does its own per-example accounting; see filter_epsilons.csv)",
+        )
     pdp = pdp_options_from_args(args)
     folder = RunFolder(args.out, resume=args.resume, overwrite=args.overwrite)
     saved = saved_signature(folder) if args.resume else {}
-    if args.resume and args.seed is None and not args.secure_mode:   # continue with the recorded seed
+    if args.resume and args.seed is None and not args.secure_mode:  # continue with the recorded seed
         recorded = saved.get("config", {}).get("seed")
         if recorded is not None:
             args._resolved_seed = recorded
@@ -230,19 +342,31 @@ def train_cmd(args):
             check_filter_config(config, filter_options)
         data = _load(args, saved)
         budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
-        if args.nproc != 1:   # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
+        if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.loop import resolve_device
 
             check_nproc(args.nproc, pdp=args.method in PDP_METHODS, individual_filter=filter_options is not None)
-            report = launch(train, args.nproc, (data, budgets, config, folder), dict(
-                resume=args.resume, individual=individual, release_epsilon=args.release_epsilon),
-                device=resolve_device(config.device))
+            report = launch(
+                train,
+                args.nproc,
+                (data, budgets, config, folder),
+                dict(resume=args.resume, individual=individual, release_epsilon=args.release_epsilon),
+                device=resolve_device(config.device),
+            )
         elif filter_options is not None:
             report = train_filtered(data, budgets, config, filter_options, folder, resume=args.resume)
         else:
-            report = train(data, budgets, config, folder, resume=args.resume, individual=individual,
-                           release_epsilon=args.release_epsilon, pdp=pdp)
+            report = train(
+                data,
+                budgets,
+                config,
+                folder,
+                resume=args.resume,
+                individual=individual,
+                release_epsilon=args.release_epsilon,
+                pdp=pdp,
+            )
     except BaseException:
         folder.discard_if_unused()
         raise
@@ -252,24 +376,31 @@ def train_cmd(args):
 train_cmd._text = _train_text
 
 # --- demo -----------------------------------------------------------------------------------
-DEMO_RUNS = (("uniform eps=1", "uniform", DEMO_BUDGETS, DEMO_FRACTIONS),
-             ("sample", "sample", DEMO_BUDGETS, DEMO_FRACTIONS),
-             ("scale", "scale", DEMO_BUDGETS, DEMO_FRACTIONS),
-             ("uniform eps=3", "uniform", "3", None))
+DEMO_RUNS = (
+    ("uniform eps=1", "uniform", DEMO_BUDGETS, DEMO_FRACTIONS),
+    ("sample", "sample", DEMO_BUDGETS, DEMO_FRACTIONS),
+    ("scale", "scale", DEMO_BUDGETS, DEMO_FRACTIONS),
+    ("uniform eps=3", "uniform", "3", None),
+)
 
 
 def demo_budgets(n: int, delta: float, seed: int):
     """The demo's budgets: 1/2/3 at 34/43/23 % of ``n`` examples, assigned at random (seeded)."""
     from ..assignment import Budgets, parse_float_list
 
-    return Budgets.from_groups(parse_float_list(DEMO_BUDGETS, "budgets"), parse_float_list(DEMO_FRACTIONS, "fractions"),
-                               n, delta, seed=seed)
+    return Budgets.from_groups(
+        parse_float_list(DEMO_BUDGETS, "budgets"), parse_float_list(DEMO_FRACTIONS, "fractions"), n, delta, seed=seed
+    )
 
 
 def _demo_args(p):
     _hyper_args(p)
-    p.add_argument("--seed", type=int, help="seed of groups, sampling, noise and init (default: a fresh seed, "
-                   "recorded privately in OUT/private/seed.json, mode 0600; never in a public file)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="seed of groups, sampling, noise and init (default: a fresh seed, "
+        "recorded privately in OUT/private/seed.json, mode 0600; never in a public file)",
+    )
     p.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier demo in --out")
 
@@ -292,33 +423,54 @@ def run_demo(args) -> dict:
         report = train(data, b, _config(args, method), out, overwrite=True)
         # the ε=3 run trains everyone at 3: show it against the demo's groups for comparison
         spent = {g["budget"]: g["epsilon_spent"] for g in report["groups"]}
-        rows.append({"run": label, "method": method, "test_accuracy": report["test_accuracy"],
-                     "noise_multiplier": report["noise_multiplier"], "steps": report["steps"],
-                     "groups": report["groups"] if fractions else None,
-                     "epsilon_spent": spent, "out": str(out)})
+        rows.append(
+            {
+                "run": label,
+                "method": method,
+                "test_accuracy": report["test_accuracy"],
+                "noise_multiplier": report["noise_multiplier"],
+                "steps": report["steps"],
+                "groups": report["groups"] if fractions else None,
+                "epsilon_spent": spent,
+                "out": str(out),
+            }
+        )
     seed = resolved_seed(args)
     if seed is not None:
-        top.record_seed(seed, "the demo's seed: the budgets' assignment to examples and every run's sampling, noise "
-                        "and initialisation; demo --seed with it replays the demo")
-    summary = {"dataset": data.name, "budgets": DEMO_BUDGETS, "fractions": DEMO_FRACTIONS, "delta": args.delta,
-               "accountant": args.accountant, "secure_mode": args.secure_mode,
-               "randomness": randomness_note(args.secure_mode, "private/seed.json"), "runs": rows}
+        top.record_seed(
+            seed,
+            "the demo's seed: the budgets' assignment to examples and every run's sampling, noise "
+            "and initialisation; demo --seed with it replays the demo",
+        )
+    summary = {
+        "dataset": data.name,
+        "budgets": DEMO_BUDGETS,
+        "fractions": DEMO_FRACTIONS,
+        "delta": args.delta,
+        "accountant": args.accountant,
+        "secure_mode": args.secure_mode,
+        "randomness": randomness_note(args.secure_mode, "private/seed.json"),
+        "runs": rows,
+    }
     top.write_json("summary.json", summary, "public", "the demo's four runs: test accuracy and epsilon per group")
     return {**summary, **({"private": {"seed": seed}} if seed is not None else {})}
 
 
 def _demo_text(s):
-    lines = [f"idpsgd demo: {s['dataset']}, budgets {s['budgets']} at fractions {s['fractions']}, "
-             f"delta={s['delta']:g}, accountant={s['accountant']}",
-             f"{'run':<15} {'test acc':>8}  {'eps spent: group 1':>18} {'group 2':>8} {'group 3':>8}"]
+    lines = [
+        f"idpsgd demo: {s['dataset']}, budgets {s['budgets']} at fractions {s['fractions']}, "
+        f"delta={s['delta']:g}, accountant={s['accountant']}",
+        f"{'run':<15} {'test acc':>8}  {'eps spent: group 1':>18} {'group 2':>8} {'group 3':>8}",
+    ]
     for r in s["runs"]:
         if r["groups"]:
             eps = [f"{g['epsilon_spent']:>8.3f}" for g in r["groups"]]
         else:  # everyone at one budget (the unattainable upper bound)
             eps = [f"{v:>8.3f}" for v in r["epsilon_spent"].values()] * 3
         lines.append(f"{r['run']:<15} {r['test_accuracy']:>8.4f}  {eps[0]:>18} {eps[1]:>8} {eps[2]:>8}")
-    lines.append("group budgets: 1, 2, 3.  'uniform eps=3' ignores the budgets of groups 1-2 "
-                 "(an unattainable upper bound).")
+    lines.append(
+        "group budgets: 1, 2, 3.  'uniform eps=3' ignores the budgets of groups 1-2 (an unattainable upper bound)."
+    )
     return "\n".join(lines)
 
 

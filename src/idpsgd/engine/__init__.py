@@ -1,15 +1,36 @@
 """The individualized privacy engine (torch + Opacus): :class:`IndividualizedPrivacyEngine` owns the
 module, optimizer, data loader and accountant of individualized DP-SGD (Boenisch et al. 2023) for
 any model, data and device; individual accounting (Yu et al. 2023) runs on it."""
+
 from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
+from .bookkeeping import BookKeeper, BookKeepingModule
 from .filter import FilterOptions, IndividualFilter
 from .individual import IndividualAccountingOptions, IndividualTracker
-from .bookkeeping import BookKeeper, BookKeepingModule
-from .optimizer import (IndividualizedDPOptimizer, IndividualizedDPOptimizerBookKeeping,
-                        IndividualizedDPOptimizerFastGradientClipping)
+from .optimizer import (
+    IndividualizedDPOptimizer,
+    IndividualizedDPOptimizerBookKeeping,
+    IndividualizedDPOptimizerFastGradientClipping,
+)
 from .privacy_engine import GUARANTEE, IndividualizedPrivacyEngine, steps_per_epoch_for
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 
-__all__ = ["BatchIndexQueue", "BookKeeper", "BookKeepingModule", "IndividualizedDPOptimizerBookKeeping", "FilterOptions", "GUARANTEE", "GroupAccountant", "GroupEpsilons", "IndividualFilter", "IndividualAccountingOptions", "IndividualTracker",
-           "IndividualizedDPOptimizer", "IndividualizedDPOptimizerFastGradientClipping", "IndividualizedPrivacyEngine",
-           "PoissonBatchSampler", "PrivacyBudgetExceeded", "PrivateDataLoader", "steps_per_epoch_for"]
+__all__ = [
+    "GUARANTEE",
+    "BatchIndexQueue",
+    "BookKeeper",
+    "BookKeepingModule",
+    "FilterOptions",
+    "GroupAccountant",
+    "GroupEpsilons",
+    "IndividualAccountingOptions",
+    "IndividualFilter",
+    "IndividualTracker",
+    "IndividualizedDPOptimizer",
+    "IndividualizedDPOptimizerBookKeeping",
+    "IndividualizedDPOptimizerFastGradientClipping",
+    "IndividualizedPrivacyEngine",
+    "PoissonBatchSampler",
+    "PrivacyBudgetExceeded",
+    "PrivateDataLoader",
+    "steps_per_epoch_for",
+]

@@ -25,6 +25,7 @@ step count against the largest admissible count, found once per path by search a
 step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
 cheaply, for the per-step ledger).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -82,9 +83,11 @@ class GroupEpsilons(float):
         obj.delta, obj.accountant, obj.steps = delta, accountant, int(steps)
         return obj
 
-    def __reduce__(self):                                             # pickles and deep-copies whole
-        return (GroupEpsilons, (self.per_group.copy(), self.budgets, self.counts, self.delta, self.accountant,
-                                self.steps))
+    def __reduce__(self):  # pickles and deep-copies whole
+        return (
+            GroupEpsilons,
+            (self.per_group.copy(), self.budgets, self.counts, self.delta, self.accountant, self.steps),
+        )
 
     @property
     def loosest(self) -> float:
@@ -99,10 +102,12 @@ class GroupEpsilons(float):
     def __repr__(self) -> str:
         if self.per_group.size <= 1:
             return float.__repr__(self)
-        head = (f"GroupEpsilons({float.__repr__(self)}: {self.accountant}, delta={self.delta:g}, after {self.steps} "
-                "steps; as a number the loosest group's)")
+        head = (
+            f"GroupEpsilons({float.__repr__(self)}: {self.accountant}, delta={self.delta:g}, after {self.steps} "
+            "steps; as a number the loosest group's)"
+        )
         rows = [f"  {'budget':>10} {'examples':>9} {'epsilon':>10}"]
-        for b, n, e in zip(self.budgets, self.counts, self.per_group):
+        for b, n, e in zip(self.budgets, self.counts, self.per_group, strict=True):
             rows.append(f"  {'-' if not np.isfinite(b) else format(b, '.4g'):>10} {int(n):>9d} {e:>10.4f}")
         return "\n".join([head, *rows])
 
@@ -117,24 +122,31 @@ class GroupAccountant:
         accountant: ``rdp``, ``pld`` or ``prv``.
     """
 
-    def __init__(self, budgets: Budgets | None, accountant: str = "rdp", orders=DEFAULT_ORDERS, *,
-                 num_examples: int | None = None, delta: float | None = None):
+    def __init__(
+        self,
+        budgets: Budgets | None,
+        accountant: str = "rdp",
+        orders=DEFAULT_ORDERS,
+        *,
+        num_examples: int | None = None,
+        delta: float | None = None,
+    ):
         if accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.budgets, self.accountant = budgets, accountant
         if budgets is not None:
             self.values, self.counts, self.group_of = budgets.groups()
             self.delta = budgets.delta
-        else:        # no budgets (one σ, as Opacus's make_private): one group, nothing to filter
+        else:  # no budgets (one σ, as Opacus's make_private): one group, nothing to filter
             n = int(num_examples)
             self.values, self.counts = np.array([np.inf]), np.array([n])
             self.group_of = np.zeros(n, dtype=np.int64)
             self.delta = None if delta is None else check_delta(delta)
         self.orders = np.asarray(orders, dtype=float)
         self.phases: list[dict] = []
-        self._paths = None          # (path of every example, [per-path class index per phase])
-        self._ok: dict = {}         # (phase, path) -> largest phase step count known within budget
-        self._bad: dict = {}        # (phase, path) -> smallest phase step count known over budget
+        self._paths = None  # (path of every example, [per-path class index per phase])
+        self._ok: dict = {}  # (phase, path) -> largest phase step count known within budget
+        self._bad: dict = {}  # (phase, path) -> smallest phase step count known over budget
 
     @property
     def num_examples(self) -> int:
@@ -150,19 +162,31 @@ class GroupAccountant:
         q = np.asarray(sample_rates, dtype=float).ravel()
         c = np.asarray(clip_norms, dtype=float).ravel()
         if q.size != self.num_examples or c.size != self.num_examples:
-            raise InvalidParameterError("sample_rates", f"{q.size} rates and {c.size} clip norms",
-                                        f"need one per example ({self.num_examples})")
+            raise InvalidParameterError(
+                "sample_rates", f"{q.size} rates and {c.size} clip norms", f"need one per example ({self.num_examples})"
+            )
         sig = float(noise_multiplier) * float(max_grad_norm) / c
         active = q > 0
         rows = np.stack([self.group_of[active].astype(float), q[active], sig[active]], axis=1)
-        classes, inv = (np.unique(rows, axis=0, return_inverse=True) if rows.size
-                        else (np.zeros((0, 3)), np.zeros(0, dtype=np.int64)))
+        classes, inv = (
+            np.unique(rows, axis=0, return_inverse=True)
+            if rows.size
+            else (np.zeros((0, 3)), np.zeros(0, dtype=np.int64))
+        )
         class_of = np.full(self.num_examples, -1, dtype=np.int64)
         class_of[active] = inv.ravel()
-        self.phases.append({"q": classes[:, 1].copy(), "sigma": classes[:, 2].copy(),
-                            "group": classes[:, 0].astype(np.int64), "class_of": class_of, "steps": 0,
-                            "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders) if len(classes)
-                            else np.zeros((0, self.orders.size))})
+        self.phases.append(
+            {
+                "q": classes[:, 1].copy(),
+                "sigma": classes[:, 2].copy(),
+                "group": classes[:, 0].astype(np.int64),
+                "class_of": class_of,
+                "steps": 0,
+                "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders)
+                if len(classes)
+                else np.zeros((0, self.orders.size)),
+            }
+        )
         self._forget_phase(len(self.phases) - 1)
 
     def discard_phase(self) -> None:
@@ -191,8 +215,11 @@ class GroupAccountant:
     def paths(self):
         """(path index per example, class index per phase for each path: array paths × phases)."""
         if self._paths is None:
-            table = np.stack([p["class_of"] for p in self.phases], axis=1) if self.phases \
+            table = (
+                np.stack([p["class_of"] for p in self.phases], axis=1)
+                if self.phases
                 else np.full((self.num_examples, 0), -1)
+            )
             uniq, inv = np.unique(np.concatenate([self.group_of[:, None], table], axis=1), axis=0, return_inverse=True)
             self._paths = (inv.ravel(), uniq[:, 1:], uniq[:, 0].astype(np.int64))
         return self._paths
@@ -213,8 +240,11 @@ class GroupAccountant:
         if delta is not None:
             return check_delta(delta)
         if self.delta is None:
-            raise InvalidParameterError("delta", None, "is required: this engine has no budgets (nor target_delta) "
-                                        "to take it from; pass get_epsilon(delta)")
+            raise InvalidParameterError(
+                "delta",
+                None,
+                "is required: this engine has no budgets (nor target_delta) to take it from; pass get_epsilon(delta)",
+            )
         return self.delta
 
     def path_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
@@ -225,7 +255,7 @@ class GroupAccountant:
     def group_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
         """ε per privacy group (ascending budgets): the largest over the group's examples; with
         ``extra_steps``, after that many more steps of the current phase (a plan, not a spend)."""
-        path_of, _, path_group = self.paths()
+        _path_of, _, path_group = self.paths()
         eps = self.path_epsilons(delta, extra_steps)
         out = np.zeros(self.values.size)
         np.maximum.at(out, path_group, eps)
@@ -236,8 +266,14 @@ class GroupAccountant:
         """Opacus's ``accountant.get_epsilon(delta)``: a float, the loosest group's ε (a
         :class:`GroupEpsilons`, which also carries every group's); ``delta`` defaults to the budgets'."""
         delta = self._delta(delta)
-        return GroupEpsilons(self.group_epsilons(delta, extra_steps), self.values, self.counts, delta,
-                             self.accountant, self.steps + int(extra_steps))
+        return GroupEpsilons(
+            self.group_epsilons(delta, extra_steps),
+            self.values,
+            self.counts,
+            delta,
+            self.accountant,
+            self.steps + int(extra_steps),
+        )
 
     def mechanism(self) -> str:
         """Opacus's name of the accounting mechanism: ``rdp``, ``prv`` or ``pld``."""
@@ -247,7 +283,7 @@ class GroupAccountant:
         """Opacus's ``len(accountant)``: the optimization steps accounted so far."""
         return self.steps
 
-    def __bool__(self) -> bool:          # an accountant is an accountant, also before its first step
+    def __bool__(self) -> bool:  # an accountant is an accountant, also before its first step
         return True
 
     @property
@@ -304,7 +340,7 @@ class GroupAccountant:
         if steps >= self._bad.get(key, np.iinfo(np.int64).max):
             return False
         _, _, path_group = self.paths()
-        if not np.isfinite(self.values[path_group[path]]):    # no budget: every step is within it
+        if not np.isfinite(self.values[path_group[path]]):  # no budget: every step is within it
             return True
         eps = _epsilon(self._events(path, phase_steps=steps), self.delta, self.accountant)
         if eps <= self.values[path_group[path]]:
@@ -336,7 +372,7 @@ class GroupAccountant:
         lo, hi = 0, int(upper)
         if self.admissible_steps(hi):
             return hi
-        while hi - lo > 1:                 # admissible(lo), not admissible(hi)
+        while hi - lo > 1:  # admissible(lo), not admissible(hi)
             mid = (lo + hi) // 2
             if self.admissible_steps(mid):
                 lo = mid
@@ -350,9 +386,23 @@ class GroupAccountant:
         ``weights_only=True``): every phase's per-class rates, noise multipliers, groups and each
         example's class, with Opacus's keys ``history`` and ``mechanism`` beside them."""
         out = destination if destination is not None else {}
-        out.update({"history": self.history, "mechanism": self.accountant, "accountant": self.accountant,
-                    "phases": [{"q": p["q"].tolist(), "sigma": p["sigma"].tolist(), "group": p["group"].tolist(),
-                                "class_of": p["class_of"].tolist(), "steps": int(p["steps"])} for p in self.phases]})
+        out.update(
+            {
+                "history": self.history,
+                "mechanism": self.accountant,
+                "accountant": self.accountant,
+                "phases": [
+                    {
+                        "q": p["q"].tolist(),
+                        "sigma": p["sigma"].tolist(),
+                        "group": p["group"].tolist(),
+                        "class_of": p["class_of"].tolist(),
+                        "steps": int(p["steps"]),
+                    }
+                    for p in self.phases
+                ],
+            }
+        )
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -363,24 +413,33 @@ class GroupAccountant:
         has its rate and noise multiplier) — only without budgets, where every example shares one
         rate and clip norm as in Opacus.  Nothing changes when the state is refused."""
         if not isinstance(state, dict) or not ("phases" in state or "history" in state):
-            raise ValueError("the accountant state has neither idpsgd's phases nor Opacus's history: it cannot be "
-                             "loaded")
+            raise ValueError(
+                "the accountant state has neither idpsgd's phases nor Opacus's history: it cannot be loaded"
+            )
         name = state.get("accountant", state.get("mechanism"))
         if name != self.accountant:
-            raise ValueError(f"accountant state is for {name!r}, this accountant is {self.accountant!r}: create the "
-                             f"engine with accountant={name!r} to load it")
-        phases = (self._phases_from_state(state["phases"]) if "phases" in state
-                  else self._phases_from_history(state["history"]))
+            raise ValueError(
+                f"accountant state is for {name!r}, this accountant is {self.accountant!r}: create the "
+                f"engine with accountant={name!r} to load it"
+            )
+        phases = (
+            self._phases_from_state(state["phases"])
+            if "phases" in state
+            else self._phases_from_history(state["history"])
+        )
         current = self.phases[-1] if self.phases else None
-        if current is not None and "phases" in state:   # must continue the phase make_private set up
+        if current is not None and "phases" in state:  # must continue the phase make_private set up
             last = phases[-1] if phases else None
             same = last is not None and all(
                 last[k].shape == current[k].shape and np.array_equal(last[k], current[k])
-                for k in ("q", "sigma", "group", "class_of"))
+                for k in ("q", "sigma", "group", "class_of")
+            )
             if not same:
-                raise ValueError("the saved accountant state is for other sampling rates, clip norms, noise or "
-                                 "examples than the phase make_private set up; load it into an engine set up with "
-                                 "the same parameters")
+                raise ValueError(
+                    "the saved accountant state is for other sampling rates, clip norms, noise or "
+                    "examples than the phase make_private set up; load it into an engine set up with "
+                    "the same parameters"
+                )
         self.phases = phases
         self._paths, self._ok, self._bad = None, {}, {}
 
@@ -389,9 +448,14 @@ class GroupAccountant:
             return np.asarray(torch.as_tensor(v).cpu().numpy() if torch.is_tensor(v) else v, dtype=dtype).reshape(-1)
 
         q, sig = arr(q, float), arr(sig, float)
-        return {"q": q, "sigma": sig, "group": arr(group, np.int64), "class_of": arr(class_of, np.int64),
-                "steps": int(steps),
-                "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size))}
+        return {
+            "q": q,
+            "sigma": sig,
+            "group": arr(group, np.int64),
+            "class_of": arr(class_of, np.int64),
+            "steps": int(steps),
+            "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size)),
+        }
 
     def _phases_from_state(self, saved: list) -> list[dict]:
         return [self._phase(p["q"], p["sigma"], p["group"], p["class_of"], p["steps"]) for p in saved]
@@ -399,20 +463,26 @@ class GroupAccountant:
     def _phases_from_history(self, history) -> list[dict]:
         """Opacus's history as phases (every example at each entry's rate and noise multiplier)."""
         if self.budgets is not None or self.values.size != 1:
-            raise ValueError("an Opacus accountant state has one history for all examples; this engine has "
-                             "per-example budgets: load it into an engine set up with "
-                             "make_private(noise_multiplier=...) without budgets")
+            raise ValueError(
+                "an Opacus accountant state has one history for all examples; this engine has "
+                "per-example budgets: load it into an engine set up with "
+                "make_private(noise_multiplier=...) without budgets"
+            )
         current = self.phases[-1] if self.phases else None
         if current is not None and (current["q"].size != 1 or np.any(current["class_of"] != 0)):
-            raise ValueError("an Opacus accountant state is for one sampling rate and clip norm shared by every "
-                             "example; this engine's phase has several")
+            raise ValueError(
+                "an Opacus accountant state is for one sampling rate and clip norm shared by every "
+                "example; this engine's phase has several"
+            )
         n = self.num_examples
         out = []
         for entry in history:
             sigma, q, steps = (float(entry[0]), float(entry[1]), int(entry[2]))
             if not (sigma > 0 and 0 < q <= 1 and steps >= 0):
-                raise ValueError(f"an Opacus history entry (noise_multiplier={sigma}, sample_rate={q}, steps={steps}) "
-                                 "is not a subsampled Gaussian mechanism the accountant can charge")
+                raise ValueError(
+                    f"an Opacus history entry (noise_multiplier={sigma}, sample_rate={q}, steps={steps}) "
+                    "is not a subsampled Gaussian mechanism the accountant can charge"
+                )
             if out and out[-1]["q"][0] == q and out[-1]["sigma"][0] == sigma:
                 out[-1]["steps"] += steps
             else:

@@ -49,6 +49,7 @@ autocast.  The kept inputs and output gradients stay in half precision (as autoc
 tensors); per-example norms and clipped sums are accumulated in float32 (:func:`_acc`): a
 half-precision clip factor or sum could round an example's contribution above its clip norm.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,7 +75,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 #: (operation, device type, autocast dtype, input dtype, weight dtype) -> the dtype autocast computes in
 _AUTOCAST_DTYPE: dict = {}
-_PROBES = {     # each layer's own operation on one-element tensors of the input's and the weight's dtypes
+_PROBES = {  # each layer's own operation on one-element tensors of the input's and the weight's dtypes
     "linear": lambda x, w: F.linear(x.new_ones(1, 1), w.new_ones(1, 1)),
     "addmm": lambda x, w: torch.addmm(w.new_ones(1), x.new_ones(1, 1), w.new_ones(1, 1)),
     "conv1d": lambda x, w: F.conv1d(x.new_ones(1, 1, 1), w.new_ones(1, 1, 1)),
@@ -109,10 +110,18 @@ def _same_code(fn, reference, names=("torch",)) -> bool:
     code, want = getattr(fn, "__code__", None), reference.__code__
     if code is None or getattr(fn, "__closure__", None) or getattr(fn, "__defaults__", None) != reference.__defaults__:
         return False
-    fields = ("co_code", "co_consts", "co_names", "co_varnames", "co_argcount", "co_posonlyargcount",
-              "co_kwonlyargcount")
-    return (all(getattr(code, f) == getattr(want, f) for f in fields)
-            and all(fn.__globals__.get(n) is reference.__globals__[n] for n in names))
+    fields = (
+        "co_code",
+        "co_consts",
+        "co_names",
+        "co_varnames",
+        "co_argcount",
+        "co_posonlyargcount",
+        "co_kwonlyargcount",
+    )
+    return all(getattr(code, f) == getattr(want, f) for f in fields) and all(
+        fn.__globals__.get(n) is reference.__globals__[n] for n in names
+    )
 
 
 def _chunks(n: int, per_example: int):
@@ -234,8 +243,9 @@ class LinearRule(Rule):
         out = {}
         if _trainable(module, "weight"):
             left, right = (a, b) if self.transposed else (b, a)
-            out["weight"] = (torch.bmm(left.transpose(1, 2), right) if a.shape[1] > 1
-                             else left[:, 0, :, None] * right[:, 0, None, :])
+            out["weight"] = (
+                torch.bmm(left.transpose(1, 2), right) if a.shape[1] > 1 else left[:, 0, :, None] * right[:, 0, None, :]
+            )
         if _trainable(module, "bias"):
             out["bias"] = b.sum(1)
         return out
@@ -274,7 +284,9 @@ class LinearRule(Rule):
         for saved, g in uses:
             a, b = self._flat(saved, g)
             # half precision: float32 copies, a chunk of examples at a time
-            parts_of = _chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in _HALF else (slice(None),)
+            parts_of = (
+                _chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in _HALF else (slice(None),)
+            )
             for s in parts_of:
                 bw = _acc(b[s]) * w[s].to(_acc_dtype(b.dtype)).view(-1, 1, 1)
                 parts = {"weight": self._weight_of(_acc(a[s]).reshape(-1, a.shape[-1]), bw.reshape(-1, bw.shape[-1]))}
@@ -284,8 +296,9 @@ class LinearRule(Rule):
         return out
 
 
-def _conv1d_forward(self, x):        # verbatim: transformers.pytorch_utils.Conv1D.forward
-    size_out = x.size()[:-1] + (self.nf,)
+# Verbatim copies (compared by compiled code, :func:`_same_code`): never reformat or "fix" them.
+def _conv1d_forward(self, x):  # verbatim: transformers.pytorch_utils.Conv1D.forward
+    size_out = x.size()[:-1] + (self.nf,)  # noqa: RUF005  (verbatim)
     x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
     x = x.view(size_out)
     return x
@@ -303,11 +316,15 @@ class Conv1DRule(LinearRule):
     @staticmethod
     def covers(module):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        return (isinstance(weight, nn.Parameter) and weight.dim() == 2 and isinstance(bias, nn.Parameter)
-                and _same_code(type(module).forward, _conv1d_forward))
+        return (
+            isinstance(weight, nn.Parameter)
+            and weight.dim() == 2
+            and isinstance(bias, nn.Parameter)
+            and _same_code(type(module).forward, _conv1d_forward)
+        )
 
     def forward(self, module, x):
-        size_out = x.size()[:-1] + (module.nf,)
+        size_out = (*x.size()[:-1], module.nf)
         return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(size_out), (x,)
 
     def backward_input(self, module, saved, g, need_input):
@@ -335,7 +352,7 @@ class ConvRule(Rule):
 
     @staticmethod
     def _same_total(module):
-        return [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        return [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
 
     def padding(self, module) -> list[int]:
         """The symmetric zero padding of the book-kept convolution (after :meth:`prepare`)."""
@@ -350,14 +367,15 @@ class ConvRule(Rule):
     def prepare(self, module, x):
         nd = len(module.kernel_size)
         if x.dim() != nd + 2:
-            raise ValueError(f"book-keeping needs batched inputs for {type(module).__name__}; got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"book-keeping needs batched inputs for {type(module).__name__}; got shape {tuple(x.shape)}"
+            )
         x = autocast_input(x, f"conv{nd}d", module.weight)
         if module.padding_mode != "zeros":
             return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
         if module.padding == "same":
             total = self._same_total(module)
-            if any(t % 2 for t in total):          # as PyTorch: the extra zero on the right/bottom side
+            if any(t % 2 for t in total):  # as PyTorch: the extra zero on the right/bottom side
                 spec = []
                 for t in reversed(total):
                     spec += [t // 2, t - t // 2]
@@ -365,14 +383,26 @@ class ConvRule(Rule):
         return x
 
     def forward(self, module, x):
-        out = _CONV_FN[len(module.kernel_size)](x, module.weight, module.bias, module.stride, self.padding(module),
-                                                module.dilation, module.groups)
+        out = _CONV_FN[len(module.kernel_size)](
+            x, module.weight, module.bias, module.stride, self.padding(module), module.dilation, module.groups
+        )
         return out, (x,)
 
     def _backward(self, module, x, g, weight, groups, mask):
         nd = len(module.kernel_size)
-        return torch.ops.aten.convolution_backward(g, x, weight, None, list(module.stride), self.padding(module),
-                                                   list(module.dilation), False, [0] * nd, groups, mask)
+        return torch.ops.aten.convolution_backward(
+            g,
+            x,
+            weight,
+            None,
+            list(module.stride),
+            self.padding(module),
+            list(module.dilation),
+            False,
+            [0] * nd,
+            groups,
+            mask,
+        )
 
     def backward_input(self, module, saved, g, need_input):
         if not need_input:
@@ -382,8 +412,12 @@ class ConvRule(Rule):
     def _dims(self, module, g):
         """(groups, T, d, p) of one use."""
         groups = module.groups
-        return (groups, int(math.prod(g.shape[2:])), module.in_channels // groups * int(math.prod(module.kernel_size)),
-                module.out_channels // groups)
+        return (
+            groups,
+            int(math.prod(g.shape[2:])),
+            module.in_channels // groups * int(math.prod(module.kernel_size)),
+            module.out_channels // groups,
+        )
 
     def prefers_ghost(self, module, uses):
         if not _trainable(module, "weight"):
@@ -404,24 +438,29 @@ class ConvRule(Rule):
         """G_i for every example: the convolution's weight-gradient kernel on a chunk of k examples
         folded into the channel dimension (groups = k·groups), so no unfolded patches are formed."""
         n, w = x.shape[0], module.weight
-        out = w.new_empty((n,) + tuple(w.shape))
+        out = w.new_empty((n, *tuple(w.shape)))
         per_example = w.numel() + x[0].numel() + g[0].numel()
         step = max(1, min(32, CHUNK_FLOATS // max(1, per_example)))
         for start in range(0, n, step):
             k = min(step, n - start)
-            xs = _acc(x[start:start + k]).reshape((1, k * x.shape[1]) + tuple(x.shape[2:]))
-            gs = _acc(g[start:start + k]).reshape((1, k * g.shape[1]) + tuple(g.shape[2:]))
-            wk = w.unsqueeze(0).expand((k,) + tuple(w.shape)).reshape((k * w.shape[0],) + tuple(w.shape[1:]))
+            xs = _acc(x[start : start + k]).reshape((1, k * x.shape[1], *tuple(x.shape[2:])))
+            gs = _acc(g[start : start + k]).reshape((1, k * g.shape[1], *tuple(g.shape[2:])))
+            wk = w.unsqueeze(0).expand((k, *tuple(w.shape))).reshape((k * w.shape[0], *tuple(w.shape[1:])))
             gw = self._backward(module, xs, gs, wk, k * module.groups, [False, True, False])[1]
-            out[start:start + k] = gw.view((k,) + tuple(w.shape))
+            out[start : start + k] = gw.view((k, *tuple(w.shape)))
         return out
 
     def _unfold(self, module, x):
         """(B, groups, T, d) patches of the (padded) input; a Conv1d as a 1×L image."""
         pad = self.padding(module)
         if len(module.kernel_size) == 1:
-            cols = F.unfold(x.unsqueeze(2), (1, module.kernel_size[0]), dilation=(1, module.dilation[0]),
-                            padding=(0, pad[0]), stride=(1, module.stride[0]))
+            cols = F.unfold(
+                x.unsqueeze(2),
+                (1, module.kernel_size[0]),
+                dilation=(1, module.dilation[0]),
+                padding=(0, pad[0]),
+                stride=(1, module.stride[0]),
+            )
         else:
             cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=pad, stride=module.stride)
         b, dk, t = cols.shape
@@ -445,10 +484,13 @@ class ConvRule(Rule):
         out = {}
         for saved, g in uses:
             gw = _acc(g) * w.to(_acc_dtype(g.dtype)).view((-1,) + (1,) * (g.dim() - 1))
-            parts = {"weight": self._backward(module, _acc(saved[0]), gw, module.weight.to(gw.dtype), module.groups,
-                                              [False, True, False])[1]}
+            parts = {
+                "weight": self._backward(
+                    module, _acc(saved[0]), gw, module.weight.to(gw.dtype), module.groups, [False, True, False]
+                )[1]
+            }
             if _trainable(module, "bias"):
-                parts["bias"] = gw.sum((0,) + tuple(range(2, g.dim())))
+                parts["bias"] = gw.sum((0, *tuple(range(2, g.dim()))))
             _add_into(out, parts)
         return out
 
@@ -470,8 +512,12 @@ class EmbeddingRule(Rule):
 
     @staticmethod
     def covers(module):
-        return (_own_forward(module, nn.Embedding) and not module.scale_grad_by_freq and not module.sparse
-                and module.max_norm is None)
+        return (
+            _own_forward(module, nn.Embedding)
+            and not module.scale_grad_by_freq
+            and not module.sparse
+            and module.max_norm is None
+        )
 
     def forward(self, module, ids):
         return F.embedding(ids, module.weight, module.padding_idx), (ids,)
@@ -492,12 +538,13 @@ class EmbeddingRule(Rule):
 
     def ghost_norm_sq(self, module, uses):
         ids, b = self._flat(module, uses)
-        n, t = ids.shape
+        n, _t = ids.shape
         key = torch.arange(n, device=ids.device).unsqueeze(1) * module.num_embeddings + ids
         uniq, inv = torch.unique(key.reshape(-1), return_inverse=True)
         rows = b.new_zeros((uniq.numel(), b.shape[-1])).index_add_(0, inv, b.reshape(-1, b.shape[-1]))
-        return b.new_zeros(n).index_add_(0, torch.div(uniq, module.num_embeddings, rounding_mode="floor"),
-                                         (rows * rows).sum(1))
+        return b.new_zeros(n).index_add_(
+            0, torch.div(uniq, module.num_embeddings, rounding_mode="floor"), (rows * rows).sum(1)
+        )
 
     def per_sample(self, module, saved, g):
         """G_i (B, V, d): row v of example i is the sum of its output gradients at token v (used where a
@@ -546,7 +593,6 @@ class GroupNormRule(_AffineNormRule):
     ``track_running_stats=False`` (instance normalisation is group normalisation with one group per
     channel: the same statistics per example and channel)."""
 
-
     @staticmethod
     def covers(module):
         if _own_forward(module, nn.GroupNorm):
@@ -565,12 +611,20 @@ class GroupNormRule(_AffineNormRule):
 
     def forward(self, module, x):
         if x.dim() < 2 or (not isinstance(module, nn.GroupNorm) and x.dim() != module._get_no_batch_dim() + 1):
-            raise ValueError(f"book-keeping needs batched inputs for {type(module).__name__}; got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"book-keeping needs batched inputs for {type(module).__name__}; got shape {tuple(x.shape)}"
+            )
         n, c = x.shape[0], x.shape[1]
-        out, mean, rstd = torch.ops.aten.native_group_norm(x.contiguous(), module.weight, module.bias, n, c,
-                                                           int(math.prod(x.shape[2:])), self._groups(module),
-                                                           module.eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm(
+            x.contiguous(),
+            module.weight,
+            module.bias,
+            n,
+            c,
+            int(math.prod(x.shape[2:])),
+            self._groups(module),
+            module.eps,
+        )
         return out, (x, mean, rstd)
 
     def backward_input(self, module, saved, g, need_input):
@@ -578,9 +632,18 @@ class GroupNormRule(_AffineNormRule):
             return None
         x, mean, rstd = saved
         n, c = x.shape[0], x.shape[1]
-        return torch.ops.aten.native_group_norm_backward(g.contiguous(), x.contiguous(), mean, rstd, module.weight, n, c,
-                                                         int(math.prod(x.shape[2:])), self._groups(module),
-                                                         [True, False, False])[0]
+        return torch.ops.aten.native_group_norm_backward(
+            g.contiguous(),
+            x.contiguous(),
+            mean,
+            rstd,
+            module.weight,
+            n,
+            c,
+            int(math.prod(x.shape[2:])),
+            self._groups(module),
+            [True, False, False],
+        )[0]
 
     def _xhat(self, module, x, mean, rstd):
         n = x.shape[0]
@@ -595,7 +658,6 @@ class GroupNormRule(_AffineNormRule):
 class LayerNormRule(_AffineNormRule):
     """``nn.LayerNorm`` with ``elementwise_affine=True`` on (B, *, normalized_shape) inputs."""
 
-
     @staticmethod
     def covers(module):
         return _own_forward(module, nn.LayerNorm) and module.elementwise_affine
@@ -606,16 +668,25 @@ class LayerNormRule(_AffineNormRule):
     def forward(self, module, x):
         if x.dim() <= len(module.normalized_shape):
             raise ValueError(f"book-keeping needs batched inputs for LayerNorm; got shape {tuple(x.shape)}")
-        out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(module.normalized_shape), module.weight,
-                                                           module.bias, module.eps)
+        out, mean, rstd = torch.ops.aten.native_layer_norm(
+            x, list(module.normalized_shape), module.weight, module.bias, module.eps
+        )
         return out, (x, mean, rstd)
 
     def backward_input(self, module, saved, g, need_input):
         if not need_input:
             return None
         x, mean, rstd = saved
-        return torch.ops.aten.native_layer_norm_backward(g.contiguous(), x, list(module.normalized_shape), mean, rstd,
-                                                         module.weight, module.bias, [True, False, False])[0]
+        return torch.ops.aten.native_layer_norm_backward(
+            g.contiguous(),
+            x,
+            list(module.normalized_shape),
+            mean,
+            rstd,
+            module.weight,
+            module.bias,
+            [True, False, False],
+        )[0]
 
     def _xhat(self, module, x, mean, rstd):
         return (x - mean) * rstd
@@ -629,7 +700,7 @@ class LayerNormRule(_AffineNormRule):
 
 # --- Weight-only normalisations (RMSNorm and its Hugging Face forms) ----------------------------
 # Verbatim copies of transformers' forwards (compared by compiled code, :func:`_same_code`; never called).
-def _llama_rms_forward(self, hidden_states):      # LlamaRMSNorm and ~140 copies (Mistral, Qwen2/3, Phi-3, ...)
+def _llama_rms_forward(self, hidden_states):  # LlamaRMSNorm and ~140 copies (Mistral, Qwen2/3, Phi-3, ...)
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -637,7 +708,7 @@ def _llama_rms_forward(self, hidden_states):      # LlamaRMSNorm and ~140 copies
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _olmo_rms_forward(self, hidden_states):       # OlmoRMSNorm, Olmo2/3, GptOssRMSNorm, ... (cast after the scale)
+def _olmo_rms_forward(self, hidden_states):  # OlmoRMSNorm, Olmo2/3, GptOssRMSNorm, ... (cast after the scale)
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -645,7 +716,7 @@ def _olmo_rms_forward(self, hidden_states):       # OlmoRMSNorm, Olmo2/3, GptOss
     return (self.weight * hidden_states).to(input_dtype)
 
 
-def _t5_norm_forward(self, hidden_states):        # T5LayerNorm, LongT5, Switch Transformers, UDOP, Pix2Struct, ...
+def _t5_norm_forward(self, hidden_states):  # T5LayerNorm, LongT5, Switch Transformers, UDOP, Pix2Struct, ...
     variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
     hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
 
@@ -655,11 +726,11 @@ def _t5_norm_forward(self, hidden_states):        # T5LayerNorm, LongT5, Switch 
     return self.weight * hidden_states
 
 
-def _gemma_rms_norm(self, x):                     # GemmaRMSNorm._norm (Gemma, Gemma 2/3, RecurrentGemma, ...)
+def _gemma_rms_norm(self, x):  # GemmaRMSNorm._norm (Gemma, Gemma 2/3, RecurrentGemma, ...)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-def _gemma_rms_forward(self, x):                  # GemmaRMSNorm.forward: y = k(x) (1 + w)
+def _gemma_rms_forward(self, x):  # GemmaRMSNorm.forward: y = k(x) (1 + w)
     output = self._norm(x.float())
     output = output * (1.0 + self.weight.float())
     return output.type_as(x)
@@ -669,7 +740,7 @@ class _ScaleNorm:
     """One form of weight-only normalisation y = combine(w, k(x)) with ∂y/∂w = k elementwise (before
     a final cast): ``factor`` and ``combine`` are the form's forward split at the weight, op for op."""
 
-    references: tuple = ()        # (method name, verbatim copy) pairs the class's methods must match
+    references: tuple = ()  # (method name, verbatim copy) pairs the class's methods must match
 
     def matches(self, module) -> bool:
         cls = type(module)
@@ -687,7 +758,7 @@ class _ScaleNorm:
         copies = w.expand(view).clone().requires_grad_(True)
         with torch.enable_grad():
             out = self.combine(module, copies, k, x)
-        return torch.autograd.grad(out, copies, g)[0].reshape((x.shape[0],) + tuple(w.shape))
+        return torch.autograd.grad(out, copies, g)[0].reshape((x.shape[0], *tuple(w.shape)))
 
 
 class _LlamaRMS(_ScaleNorm):
@@ -776,7 +847,7 @@ class ScaleNormRule(Rule):
         if self._torch.matches(module):
             return self._torch
         cls = type(module)
-        if cls not in _FORM_OF_CLASS:            # code comparisons once per class
+        if cls not in _FORM_OF_CLASS:  # code comparisons once per class
             _FORM_OF_CLASS[cls] = next((f for f in self._forms if f.matches(module)), None)
         return _FORM_OF_CLASS[cls]
 
@@ -786,8 +857,9 @@ class ScaleNormRule(Rule):
 
     def forward(self, module, x):
         if x.dim() < 2:
-            raise ValueError(f"book-keeping needs batched inputs for {type(module).__name__}; got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"book-keeping needs batched inputs for {type(module).__name__}; got shape {tuple(x.shape)}"
+            )
         return self.form(module).forward(module, x, module.weight), (x,)
 
     def backward_input(self, module, saved, g, need_input):
@@ -805,8 +877,15 @@ class ScaleNormRule(Rule):
 
 
 #: the rules in the order they are tried
-RULES: tuple[Rule, ...] = (LinearRule(), ConvRule(), EmbeddingRule(), GroupNormRule(), LayerNormRule(), Conv1DRule(),
-                           ScaleNormRule())
+RULES: tuple[Rule, ...] = (
+    LinearRule(),
+    ConvRule(),
+    EmbeddingRule(),
+    GroupNormRule(),
+    LayerNormRule(),
+    Conv1DRule(),
+    ScaleNormRule(),
+)
 
 
 def rule_for(module: nn.Module) -> Rule | None:

@@ -36,6 +36,7 @@ the leading dimension of the first tensor argument of the model's forward (batch
 tensor is taken as part of the batch when, aligned with the operation's result, its leading
 dimension is B.  With B = 1 nothing is tracked (the one example's gradient is the summed one).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _HALF = (torch.float16, torch.bfloat16)
-BK_HINT = ("give the input a batch dimension of the step's batch size (e.g. position_ids expanded to (B, T)), "
-           "or use grad_sample_mode='hooks'")
+BK_HINT = (
+    "give the input a batch dimension of the step's batch size (e.g. position_ids expanded to (B, T)), "
+    "or use grad_sample_mode='hooks'"
+)
 
 
 class Source:
@@ -58,7 +61,7 @@ class Source:
         self.total = self.mass = None
 
     def add(self, g: torch.Tensor) -> None:
-        wide = g.float() if g.dtype in _HALF else g          # half precision: the sums in float32
+        wide = g.float() if g.dtype in _HALF else g  # half precision: the sums in float32
         total, mass = wide.sum(0), wide.abs().sum(0)
         self.total = total if self.total is None else self.total + total
         self.mass = mass if self.mass is None else self.mass + mass
@@ -84,14 +87,15 @@ def check_complete(source: Source, g: torch.Tensor) -> None:
     total = source.total.reshape(g.shape) if source.total is not None else torch.zeros_like(g)
     mass = float(source.mass.max()) if source.mass is not None else 0.0
     gap = float((g.to(total.dtype) - total).abs().max())
-    if not (math.isfinite(gap) and math.isfinite(mass)):   # an overflow (autocast): those examples are left out
+    if not (math.isfinite(gap) and math.isfinite(mass)):  # an overflow (autocast): those examples are left out
         return
     if gap > (INCOMPLETE + 8 * torch.finfo(g.dtype).eps * (g.dtype in _HALF)) * mass + torch.finfo(g.dtype).tiny:
         raise RuntimeError(
             f"grad_sample_mode='bk': part of the gradient of a value shared by the batch (from {source.name!r}) "
             "reached it through an operation book-keeping does not track (e.g. an assignment h[...] = value into a "
             "batch tensor, or a custom autograd.Function): its per-example gradients would be incomplete; combine "
-            f"it with the batch by +, -, *, /, torch.where, matmul or torch.cat instead, or {BK_HINT}")
+            f"it with the batch by +, -, *, /, torch.where, matmul or torch.cat instead, or {BK_HINT}"
+        )
 
 
 def _describe(roots) -> str:
@@ -111,9 +115,10 @@ def distribute(tensor: torch.Tensor, roots, per_example: torch.Tensor) -> None:
             rest.append((root, src))
     if not rest:
         return
-    grads = torch.autograd.grad(tensor, [root for root, _ in rest], per_example, retain_graph=True,
-                                allow_unused=True, is_grads_batched=True)
-    for (_, src), g in zip(rest, grads):
+    grads = torch.autograd.grad(
+        tensor, [root for root, _ in rest], per_example, retain_graph=True, allow_unused=True, is_grads_batched=True
+    )
+    for (_, src), g in zip(rest, grads, strict=True):
         if g is not None:
             src.add(g)
 
@@ -125,12 +130,12 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, base, batch, info):
         ctx.batch, ctx.info = batch, info
-        return base.expand((batch,) + tuple(base.shape[1:]))
+        return base.expand((batch, *tuple(base.shape[1:])))
 
     @staticmethod
     def backward(ctx, g):
         tensor, roots = ctx.info
-        distribute(tensor, roots, g.reshape((ctx.batch,) + tuple(tensor.shape)))
+        distribute(tensor, roots, g.reshape((ctx.batch, *tuple(tensor.shape))))
         ctx.info = None
         return g.sum(0, keepdim=True), None, None
 
@@ -145,7 +150,7 @@ def broadcast(shared: SharedTensor, rank: int) -> torch.Tensor:
         raise _refusal("a scalar", shared)
     padded = (1,) * (rank - plain.dim()) + tuple(plain.shape)
     view = plain.reshape(padded)
-    if batch == 0 and padded[0] == 0:           # an empty batch: nothing to attribute
+    if batch == 0 and padded[0] == 0:  # an empty batch: nothing to attribute
         return view
     if padded[0] == 1:
         return _Broadcast.apply(view, batch, (plain, shared._roots))
@@ -160,7 +165,8 @@ def _refusal(what: str, shared: SharedTensor, op=None) -> RuntimeError:
     return RuntimeError(
         f"grad_sample_mode='bk': a value shared by the batch (from {_describe(shared._roots)}) is used as {what}"
         f"{where}; book-keeping can attribute its gradient to examples only where it is broadcast over the batch "
-        f"(+, -, *, /, torch.where, matmul, torch.cat along a non-batch dimension, or a covered layer); {BK_HINT}")
+        f"(+, -, *, /, torch.where, matmul, torch.cat along a non-batch dimension, or a covered layer); {BK_HINT}"
+    )
 
 
 def _names(*fns):
@@ -169,11 +175,39 @@ def _names(*fns):
 
 _T = torch.Tensor
 #: operations where a batch-independent value may meet the batch (broadcast over the batch dimension)
-ELEMENTWISE = _names(torch.add, _T.add, _T.add_, _T.__add__, _T.__radd__, _T.__iadd__,
-                     torch.sub, torch.subtract, _T.sub, _T.sub_, _T.__sub__, _T.__rsub__, _T.__isub__, torch.rsub,
-                     torch.mul, torch.multiply, _T.mul, _T.mul_, _T.__mul__, _T.__rmul__, _T.__imul__,
-                     torch.div, torch.divide, torch.true_divide, _T.div, _T.div_, _T.__truediv__, _T.__rtruediv__,
-                     _T.__itruediv__, torch.where, _T.where)
+ELEMENTWISE = _names(
+    torch.add,
+    _T.add,
+    _T.add_,
+    _T.__add__,
+    _T.__radd__,
+    _T.__iadd__,
+    torch.sub,
+    torch.subtract,
+    _T.sub,
+    _T.sub_,
+    _T.__sub__,
+    _T.__rsub__,
+    _T.__isub__,
+    torch.rsub,
+    torch.mul,
+    torch.multiply,
+    _T.mul,
+    _T.mul_,
+    _T.__mul__,
+    _T.__rmul__,
+    _T.__imul__,
+    torch.div,
+    torch.divide,
+    torch.true_divide,
+    _T.div,
+    _T.div_,
+    _T.__truediv__,
+    _T.__rtruediv__,
+    _T.__itruediv__,
+    torch.where,
+    _T.where,
+)
 MATMUL = _names(torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__)
 CAT = _names(torch.cat, torch.concat, torch.concatenate)
 #: a loss that never met the batch: its gradient belongs to no example
@@ -209,11 +243,15 @@ class SharedTensor(torch.Tensor):
             first = shared[0]
             if func in BACKWARD:
                 raise _refusal("a loss", first, func)
-            partners = [x for x, orig in zip(plain, flat) if torch.is_tensor(x) and not isinstance(orig, SharedTensor)]
+            partners = [
+                x
+                for x, orig in zip(plain, flat, strict=True)
+                if torch.is_tensor(x) and not isinstance(orig, SharedTensor)
+            ]
             rank = _meeting_rank(func, args, kwargs, [x for x in plain if torch.is_tensor(x)])
             if rank is not None and any(_batch_first(t, rank, first._batch) for t in partners):
                 if func in CAT and any(s._plain.shape[0] != s._batch for s in shared):
-                    a, k = tree_unflatten(plain, spec)      # sizes that differ in the batch dimension: torch's error
+                    a, k = tree_unflatten(plain, spec)  # sizes that differ in the batch dimension: torch's error
                     return func(*a, **k)
                 met = [broadcast(x, rank) if isinstance(x, SharedTensor) else x for x in flat]
                 a, k = tree_unflatten(met, spec)
@@ -221,20 +259,26 @@ class SharedTensor(torch.Tensor):
             a, k = tree_unflatten(plain, spec)
             out = func(*a, **k)
             results = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
-            if not results:                     # metadata, comparisons, detach(), no_grad: nothing to attribute
+            if not results:  # metadata, comparisons, detach(), no_grad: nothing to attribute
                 return out
             if any(t.dim() > 0 and t.shape[0] == first._batch for t in partners):
                 raise _refusal("an operand together with the batch", first, func)
             if any(t.requires_grad for t in partners):
-                raise _refusal("an operand together with a tensor that requires a gradient but has no batch "
-                               "dimension (a reduction over the batch, or another module's parameter)", first, func)
+                raise _refusal(
+                    "an operand together with a tensor that requires a gradient but has no batch "
+                    "dimension (a reduction over the batch, or another module's parameter)",
+                    first,
+                    func,
+                )
             roots = {}
             for s in shared:
                 for root, src in s._roots:
                     roots[id(src)] = (root, src)
             roots = tuple(roots.values())
-            return tree_map(lambda t: SharedTensor.wrap(t, roots, first._batch)
-                            if torch.is_tensor(t) and t.requires_grad else t, out)
+            return tree_map(
+                lambda t: SharedTensor.wrap(t, roots, first._batch) if torch.is_tensor(t) and t.requires_grad else t,
+                out,
+            )
 
 
 def _meeting_rank(func, args, kwargs, tensors):

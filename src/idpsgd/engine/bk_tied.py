@@ -22,6 +22,7 @@ forms both per-example gradients of the parameter, a chunk of examples at a time
 by :data:`~.bk_layers.CHUNK_FLOATS`).  The clipped sum needs nothing more: each layer adds its
 clipped contribution, with the same per-example weights, into the shared parameter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ def _flat_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_linear(a_layer, b_layer):
-    a1, b1 = (_acc(t) for t in LinearRule()._cat(a_layer.uses))     # float32 for half precision (autocast)
+    a1, b1 = (_acc(t) for t in LinearRule()._cat(a_layer.uses))  # float32 for half precision (autocast)
     a2, b2 = (_acc(t) for t in LinearRule()._cat(b_layer.uses))
     n, t1, t2 = a1.shape[0], a1.shape[1], a2.shape[1]
     out = a1.new_zeros(n)
@@ -57,8 +58,8 @@ def _embedding_linear(e_layer, l_layer):
     n, t1, t2 = ids.shape[0], ids.shape[1], h.shape[1]
     out = e.new_zeros(n)
     for s in _chunks(n, 2 * t1 * t2):
-        gram = torch.matmul(e[s], h[s].transpose(1, 2))                              # (k, T1, T2): e_t·h_s
-        picked = torch.gather(b[s], 2, ids[s].unsqueeze(1).expand(-1, t2, t1))        # (k, T2, T1): b_s[x_t]
+        gram = torch.matmul(e[s], h[s].transpose(1, 2))  # (k, T1, T2): e_t·h_s
+        picked = torch.gather(b[s], 2, ids[s].unsqueeze(1).expand(-1, t2, t1))  # (k, T2, T1): b_s[x_t]
         out[s] = (gram * picked.transpose(1, 2)).sum((1, 2))
     return out
 
@@ -77,8 +78,11 @@ def _embedding_embedding(a_layer, b_layer):
 
 
 #: pairwise ghost rules for the weight of two covered layer types (either order)
-PAIR_RULES = {(LinearRule, LinearRule): _linear_linear, (EmbeddingRule, LinearRule): _embedding_linear,
-              (EmbeddingRule, EmbeddingRule): _embedding_embedding}
+PAIR_RULES = {
+    (LinearRule, LinearRule): _linear_linear,
+    (EmbeddingRule, LinearRule): _embedding_linear,
+    (EmbeddingRule, EmbeddingRule): _embedding_embedding,
+}
 
 
 def _pair_rule(x, name_x, y, name_y):

@@ -59,6 +59,7 @@ covered layers' forwards (a functional call on ``layer.weight``) would receive a
 autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
 parameters shared between a covered layer and a fallback or direct unit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,10 @@ DIRECT = "per-sample gradient (parameters used in forward)"
 DIRECT_UNIT = "direct"
 #: the public rule of a layer that takes the ghost norm or the per-sample gradient by its shapes
 BY_SHAPES = f"{GHOST} or {PER_SAMPLE}, by the layer's input shapes in each step (ghost when 2T² < d·p)"
-ACCUMULATION_ERROR = ("Poisson sampling is not compatible with gradient accumulation: call optimizer.step() after "
-                      "every forward/backward pass, or use opacus.utils.batch_memory_manager.BatchMemoryManager")
+ACCUMULATION_ERROR = (
+    "Poisson sampling is not compatible with gradient accumulation: call optimizer.step() after "
+    "every forward/backward pass, or use opacus.utils.batch_memory_manager.BatchMemoryManager"
+)
 
 
 class _BookKeptOp(torch.autograd.Function):
@@ -92,7 +95,7 @@ class _BookKeptOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, shared, x, *params):
-        out, saved = layer.rule.forward(layer.module, x)     # under the caller's autocast state
+        out, saved = layer.rule.forward(layer.module, x)  # under the caller's autocast state
         ctx.layer, ctx.shared = layer, shared
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -115,23 +118,26 @@ class _BookKeptOp(torch.autograd.Function):
         if shared is None:
             gx = layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])
             layer.record(saved, g)
-            return (None, None, gx) + rest
+            return (None, None, gx, *rest)
         # a batch-1 input while the step has B examples: the per-example output gradients came from
         # where the output met the batch (bk_shared); the input is the same for every example
         ctx.shared = None
         batch, source = shared.source.batch, shared.source
-        check_complete(source, g)                # no part of g came through an operation the tracking missed
-        gb = source.grad.reshape((batch,) + tuple(g.shape[1:])) if source.grad is not None else \
-            g.new_zeros((batch,) + tuple(g.shape[1:]))
-        saved_b = tuple(t.expand((batch,) + tuple(t.shape[1:])) if t.dim() and t.shape[0] == 1 else t for t in saved)
+        check_complete(source, g)  # no part of g came through an operation the tracking missed
+        gb = (
+            source.grad.reshape((batch, *tuple(g.shape[1:])))
+            if source.grad is not None
+            else g.new_zeros((batch, *tuple(g.shape[1:])))
+        )
+        saved_b = tuple(t.expand((batch, *tuple(t.shape[1:]))) if t.dim() and t.shape[0] == 1 else t for t in saved)
         layer.record(saved_b, gb)
         if not shared.roots:
-            return (None, None, layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])) + rest
+            return (None, None, layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2]), *rest)
         gx = layer.rule.backward_input(layer.module, tuple(t.contiguous() for t in saved_b), gb, True)
         if gx is None:
-            return (None, None, None) + rest
-        distribute(shared.input, shared.roots, gx.reshape((batch,) + tuple(shared.input.shape)))
-        return (None, None, gx.sum(0, keepdim=True)) + rest
+            return (None, None, None, *rest)
+        distribute(shared.input, shared.roots, gx.reshape((batch, *tuple(shared.input.shape))))
+        return (None, None, gx.sum(0, keepdim=True), *rest)
 
 
 class _SharedUse:
@@ -148,7 +154,7 @@ class _BookKeptForward:
     is active and gradients are enabled, the module's own forward otherwise.  A deep copy (or a
     pickle) of the module gets its plain forward back."""
 
-    def __init__(self, layer: "_Layer"):
+    def __init__(self, layer: _Layer):
         self.layer = layer
 
     def __call__(self, x, *args, **kwargs):
@@ -156,10 +162,11 @@ class _BookKeptForward:
         module = layer.module
         if args or kwargs or not (layer.keeper.active and torch.is_grad_enabled()):
             return type(module).forward(module, x, *args, **kwargs)
-        x = layer.rule.prepare(module, x)         # (under autocast: the input cast as autocast casts it)
+        x = layer.rule.prepare(module, x)  # (under autocast: the input cast as autocast casts it)
         batch = layer.keeper.step_batch
-        if isinstance(x, SharedTensor) or (batch not in (None, 1) and torch.is_tensor(x) and x.dim() > 0
-                                           and x.shape[0] == 1):
+        if isinstance(x, SharedTensor) or (
+            batch not in (None, 1) and torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == 1
+        ):
             return self._shared(x, batch)
         return _BookKeptOp.apply(layer, None, x, *layer.params.values())
 
@@ -171,30 +178,36 @@ class _BookKeptForward:
         roots = ()
         if isinstance(x, SharedTensor):
             x, roots, batch = x._plain, x._roots, x._batch
-            if batch == 0 and x.dim() > 0 and x.shape[0] == 0:        # an empty batch: nothing to attribute
+            if batch == 0 and x.dim() > 0 and x.shape[0] == 0:  # an empty batch: nothing to attribute
                 return _BookKeptOp.apply(layer, None, x, *layer.params.values())
             if x.dim() > 0 and x.shape[0] == batch and x.stride(0) == 0:
-                x, expand = x.narrow(0, 0, 1), True          # rows of one value (an expand to the batch)
+                x, expand = x.narrow(0, 0, 1), True  # rows of one value (an expand to the batch)
             elif x.dim() == 0 or x.shape[0] != 1:
-                raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
-                                   f"{tuple(x.shape)} computed from values shared by the batch, without a batch "
-                                   f"dimension of 1; {BK_HINT}")
+                raise RuntimeError(
+                    f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
+                    f"{tuple(x.shape)} computed from values shared by the batch, without a batch "
+                    f"dimension of 1; {BK_HINT}"
+                )
         elif x.requires_grad:
-            raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
-                               f"requires a gradient while the step has {batch} examples: it is computed from the "
-                               "batch (a reduction over examples couples their gradients) or from a parameter "
-                               "outside the layers book-keeping tracks; per-example gradients are undefined there")
+            raise RuntimeError(
+                f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
+                f"requires a gradient while the step has {batch} examples: it is computed from the "
+                "batch (a reduction over examples couples their gradients) or from a parameter "
+                "outside the layers book-keeping tracks; per-example gradients are undefined there"
+            )
         elif x.is_floating_point() or x.is_complex():
-            raise RuntimeError(f"grad_sample_mode='bk': layer {layer.name!r} got a floating-point input of batch size "
-                               "1 while the step's batch has more examples; book-keeping shares an untracked input "
-                               "with the batch only for indices (an Embedding's position ids): a floating-point one may "
-                               "be a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
-                               "examples' gradients beyond their clip norms. If it is a constant, expand it to the "
-                               f"batch (x.expand(batch_size, ...)); {BK_HINT}")
+            raise RuntimeError(
+                f"grad_sample_mode='bk': layer {layer.name!r} got a floating-point input of batch size "
+                "1 while the step's batch has more examples; book-keeping shares an untracked input "
+                "with the batch only for indices (an Embedding's position ids): a floating-point one may "
+                "be a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
+                "examples' gradients beyond their clip norms. If it is a constant, expand it to the "
+                f"batch (x.expand(batch_size, ...)); {BK_HINT}"
+            )
         source = Source(layer.name, batch)
         out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
         shared = SharedTensor.wrap(out, ((out, source),), batch)
-        return shared.expand((batch,) + tuple(out.shape[1:])) if expand else shared
+        return shared.expand((batch, *tuple(out.shape[1:]))) if expand else shared
 
     def __deepcopy__(self, memo):
         return _PlainForward(memo.get(id(self.layer.module), self.layer.module))
@@ -233,18 +246,18 @@ def _drop_rows(t, mask: torch.Tensor):
 class _Layer:
     """One covered layer: its rule, its trainable parameters, and what the current backward pass kept."""
 
-    def __init__(self, keeper: "BookKeeper", name: str, module: nn.Module, rule):
+    def __init__(self, keeper: BookKeeper, name: str, module: nn.Module, rule):
         self.keeper, self.name, self.module, self.rule = keeper, name, module, rule
         self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        self.per_sample_size = sum(int(p.numel()) for p in self.params.values())   # numbers per example
+        self.per_sample_size = sum(int(p.numel()) for p in self.params.values())  # numbers per example
         self.paths_taken: set[str] = set()
-        self.cross_taken: dict[str, set[str]] = {}      # tied parameter's other layer -> how its cross term was computed
+        self.cross_taken: dict[str, set[str]] = {}  # tied parameter's other layer -> how its cross term was computed
         self.clear()
 
     def clear(self) -> None:
-        self.uses: list = []                 # (saved tensors, output gradient) kept for the ghost norm
-        self.deferred: list = []             # (saved tensors, output gradient) of per-sample uses, for later
-        self.grad_sample: dict = {}          # per-example gradients summed over the per-sample uses
+        self.uses: list = []  # (saved tensors, output gradient) kept for the ghost norm
+        self.deferred: list = []  # (saved tensors, output gradient) of per-sample uses, for later
+        self.grad_sample: dict = {}  # per-example gradients summed over the per-sample uses
         self.batch: int | None = None
         self.pending = self.completed = 0
 
@@ -255,8 +268,10 @@ class _Layer:
     def record(self, saved, g) -> None:
         n = self.rule.batch_size(saved)
         if self.batch is not None and n != self.batch:
-            raise ValueError(f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
-                             f"optimizer.step(); {ACCUMULATION_ERROR}")
+            raise ValueError(
+                f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
+                f"optimizer.step(); {ACCUMULATION_ERROR}"
+            )
         self.batch = n
         self.pending -= 1
         if self.pending <= 0:
@@ -264,12 +279,12 @@ class _Layer:
             self.completed += 1
             if self.completed > 1 and self.keeper.forbid_accumulation:
                 raise ValueError(ACCUMULATION_ERROR)
-        if n == 0:                               # an empty Poisson batch: nothing to keep
+        if n == 0:  # an empty Poisson batch: nothing to keep
             return
         if self.rule.ghost_capable and self.rule.prefers_ghost(self.module, [(saved, g)]):
             self.uses.append((saved, g.detach()))
         elif self.rule.ghost_capable and self._kept_size(saved, g) < self.per_sample_size:
-            self.deferred.append((saved, g.detach()))   # the per-sample gradients are larger: form them at the end
+            self.deferred.append((saved, g.detach()))  # the per-sample gradients are larger: form them at the end
         else:
             _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
 
@@ -280,14 +295,14 @@ class _Layer:
 
     def norm_sq(self) -> torch.Tensor:
         """Σ over this layer's parameters of ‖g_i‖² (un-scaled output gradients); settles the path."""
-        for saved, g in self.deferred:              # per-sample gradients formed after the backward pass, when
-            _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))   # activations are freed
+        for saved, g in self.deferred:  # per-sample gradients formed after the backward pass, when
+            _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))  # activations are freed
         self.deferred = []
         if self.uses and (self.grad_sample or not self.rule.prefers_ghost(self.module, self.uses)):
-            for saved, g in self.uses:          # mixed shapes, or several uses past the ghost break-even
+            for saved, g in self.uses:  # mixed shapes, or several uses past the ghost break-even
                 _add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
             self.uses = []
-        if self.uses:                           # settled above: ghost uses, or per-sample gradients, not both
+        if self.uses:  # settled above: ghost uses, or per-sample gradients, not both
             self.paths_taken.add(GHOST)
             return self.rule.ghost_norm_sq(self.module, self.uses)
         if self.grad_sample:
@@ -313,7 +328,7 @@ class _FallbackUnit:
     Opacus's ``GradSampleModule`` does.  Autograd also forms these parameters' summed gradients;
     the optimizer discards them."""
 
-    def __init__(self, keeper: "BookKeeper", name: str, module: nn.Module):
+    def __init__(self, keeper: BookKeeper, name: str, module: nn.Module):
         self.keeper, self.name, self.module = keeper, name, module
         self.sampler = GradSampleModule.GRAD_SAMPLERS.get(type(module))
         whole = self.sampler is None
@@ -324,15 +339,14 @@ class _FallbackUnit:
         self.params = {n: p for n, p in named if p.requires_grad}
         self._names = {id(p): n for n, p in self.params.items()}
         self.activations: list = []
-        self.handles = [module.register_forward_hook(self._capture),
-                        module.register_full_backward_hook(self._backward)]
+        self.handles = [module.register_forward_hook(self._capture), module.register_full_backward_hook(self._backward)]
         self.clear()
 
     def clear(self) -> None:
         self.grad_sample: dict = {}
         self.batch: int | None = None
         self.activations = []
-        self.eval_forwards = 0          # forwards in eval mode (no activations captured, as Opacus)
+        self.eval_forwards = 0  # forwards in eval mode (no activations captured, as Opacus)
         self.untrained: str | None = None
 
     @property
@@ -351,14 +365,18 @@ class _FallbackUnit:
             return
         if not self.activations:
             if self.eval_forwards and any(p.requires_grad for p in self.params.values()):
-                self.untrained = ("ran its forward in eval mode, so Opacus's per-sample gradient (fallback) captured "
-                                  "nothing and its parameters would receive noise only: call model.train() before "
-                                  "training (Opacus refuses this too), or freeze its parameters")
+                self.untrained = (
+                    "ran its forward in eval mode, so Opacus's per-sample gradient (fallback) captured "
+                    "nothing and its parameters would receive noise only: call model.train() before "
+                    "training (Opacus refuses this too), or freeze its parameters"
+                )
             return
         g = grad_output[0].detach()
         if self.batch is not None and g.shape[0] != self.batch:
-            raise ValueError(f"layer {self.name!r} saw batches of {self.batch} and {g.shape[0]} examples before "
-                             f"optimizer.step(); {ACCUMULATION_ERROR}")
+            raise ValueError(
+                f"layer {self.name!r} saw batches of {self.batch} and {g.shape[0]} examples before "
+                f"optimizer.step(); {ACCUMULATION_ERROR}"
+            )
         self.batch = int(g.shape[0])
         activations = self.activations.pop()
         if self.batch == 0:
@@ -370,8 +388,10 @@ class _FallbackUnit:
                 _add_into(self.grad_sample, {self._names[id(p)]: gs})
         missing = [n for n, p in self.params.items() if p.requires_grad and n not in got]
         if missing:
-            self.untrained = (f"got no per-sample gradient from Opacus's grad sampler for {', '.join(missing)}: they "
-                              "would receive noise only; use grad_sample_mode='hooks'")
+            self.untrained = (
+                f"got no per-sample gradient from Opacus's grad sampler for {', '.join(missing)}: they "
+                "would receive noise only; use grad_sample_mode='hooks'"
+            )
 
     def norm_sq(self):
         if not self.grad_sample:
@@ -398,7 +418,7 @@ class _DirectUnit:
     whose per-example gradients are collected where it meets the batch.  Its submodules are layers
     of their own.  A use the book-keeper cannot attribute is refused in the forward."""
 
-    def __init__(self, keeper: "BookKeeper", name: str, module: nn.Module):
+    def __init__(self, keeper: BookKeeper, name: str, module: nn.Module):
         self.keeper, self.name, self.module = keeper, name, module
         self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         module.forward = _DirectForward(self)
@@ -416,10 +436,13 @@ class _DirectUnit:
         def add(g):
             n = int(g.shape[0])
             if self.batch is not None and n != self.batch:
-                raise ValueError(f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
-                                 f"optimizer.step(); {ACCUMULATION_ERROR}")
+                raise ValueError(
+                    f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
+                    f"optimizer.step(); {ACCUMULATION_ERROR}"
+                )
             self.batch = n
-            _add_into(self.grad_sample, {name: g.reshape((n,) + tuple(self.params[name].shape))})
+            _add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
+
         return add
 
     def norm_sq(self):
@@ -478,8 +501,9 @@ def _unit_kind(module: nn.Module, rule):
         return rule
     own = [p for p in module.parameters(recurse=False) if p.requires_grad]
     mine = {id(p) for p in module.parameters(recurse=False)}
-    if (all(p.dim() > 0 and p.shape[0] == 1 for p in own)
-            and any(p.requires_grad and id(p) not in mine for p in module.parameters())):
+    if all(p.dim() > 0 and p.shape[0] == 1 for p in own) and any(
+        p.requires_grad and id(p) not in mine for p in module.parameters()
+    ):
         return DIRECT_UNIT
     return None
 
@@ -488,11 +512,13 @@ def _check_rule_parameters(name: str, module: nn.Module, rule) -> None:
     extra = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and n not in rule.parameters]
     if extra:
         raise InvalidParameterError(
-            "module", f"layer {name!r} ({type(module).__name__}) with trainable parameter(s) {', '.join(extra)}",
+            "module",
+            f"layer {name!r} ({type(module).__name__}) with trainable parameter(s) {', '.join(extra)}",
             f"grad_sample_mode='bk' trains only {', '.join(rule.parameters)} of this layer type, so they would "
             "receive noise only (e.g. the deprecated torch.nn.utils.weight_norm's weight_g/weight_v: use "
             "torch.nn.utils.parametrizations.weight_norm, which book-keeping trains as a fallback layer); or "
-            "freeze them")
+            "freeze them",
+        )
 
 
 def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
@@ -510,8 +536,9 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
             return
         seen.add(id(module))
         parametrized = parametrize.is_parametrized(module)
-        if (any(p.requires_grad for p in module.parameters(recurse=False))
-                or (parametrized and any(p.requires_grad for p in module.parameters()))):
+        if any(p.requires_grad for p in module.parameters(recurse=False)) or (
+            parametrized and any(p.requires_grad for p in module.parameters())
+        ):
             rule = None if parametrized else rule_for(module)
             name = prefix or type(module).__name__
             if rule is not None:
@@ -525,9 +552,11 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
                     continue
                 if id(p) in owner and not (covered and owner[id(p)][1]):
                     raise InvalidParameterError(
-                        "module", f"a parameter shared by {owner[id(p)][0]!r} and {name!r}",
+                        "module",
+                        f"a parameter shared by {owner[id(p)][0]!r} and {name!r}",
                         "grad_sample_mode='bk' ties parameters only between layers it covers (Linear, Embedding, "
-                        "...); use grad_sample_mode='hooks'")
+                        "...); use grad_sample_mode='hooks'",
+                    )
                 owner.setdefault(id(p), (name, covered))
             plan.append((name, module, kind))
             if whole:
@@ -541,8 +570,11 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
 
 def check_batch_first(batch_first: bool) -> None:
     if not batch_first:
-        raise InvalidParameterError("batch_first", batch_first, "grad_sample_mode='bk' needs batch-first inputs; "
-                                    "use grad_sample_mode='hooks' for batch_first=False")
+        raise InvalidParameterError(
+            "batch_first",
+            batch_first,
+            "grad_sample_mode='bk' needs batch-first inputs; use grad_sample_mode='hooks' for batch_first=False",
+        )
 
 
 class BookKeeper:
@@ -557,8 +589,8 @@ class BookKeeper:
         self.layers: list[_Layer] = []
         self.units: list[_FallbackUnit] = []
         self.direct: list[_DirectUnit] = []
-        self.tied: list[list[tuple[_Layer, str]]] = []     # (layer, parameter name) of each tied parameter's uses
-        self._batches: list[int | None] = []                # the batch size of each model forward in progress
+        self.tied: list[list[tuple[_Layer, str]]] = []  # (layer, parameter name) of each tied parameter's uses
+        self._batches: list[int | None] = []  # the batch size of each model forward in progress
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
@@ -568,7 +600,7 @@ class BookKeeper:
         return frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
 
     def _plan(self) -> None:
-        self.planned = self._trainable()        # the trainable parameters the plan covers
+        self.planned = self._trainable()  # the trainable parameters the plan covers
         try:
             uses: dict[int, list] = {}
             for name, module, kind in plan_layers(self.model):
@@ -587,7 +619,7 @@ class BookKeeper:
                     for pname, p in params.items():
                         uses.setdefault(id(p), []).append((layer, pname))
                 for pname, p in params.items():
-                    if len(uses.get(id(p), ())) <= 1:       # one leak hook per parameter
+                    if len(uses.get(id(p), ())) <= 1:  # one leak hook per parameter
                         self._handles.append(p.register_hook(self._leak_hook(f"{name}.{pname}")))
             self.tied = [group for group in uses.values() if len(group) > 1]
             self._handles.append(self.model.register_forward_pre_hook(_BatchHook(self, True), with_kwargs=True))
@@ -616,7 +648,7 @@ class BookKeeper:
             self._plan()
 
     @classmethod
-    def attach(cls, model: nn.Module) -> "BookKeeper":
+    def attach(cls, model: nn.Module) -> BookKeeper:
         """The model's book-keeper, created on first use (kept as a plain attribute, not a submodule);
         planned anew when the model's trainable parameters changed."""
         keeper = model.__dict__.get("_idpsgd_bookkeeper")
@@ -627,7 +659,7 @@ class BookKeeper:
             keeper.refresh()
         return keeper
 
-    def __deepcopy__(self, memo):      # a copied (or pickled) model gets its own book-keeper when it needs one
+    def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own book-keeper when it needs one
         return None
 
     def __reduce__(self):
@@ -651,9 +683,10 @@ class BookKeeper:
             self._batches.pop()
 
     def _leak_hook(self, qualified: str):
-        def hook(grad):        # a covered parameter's autograd gradient is None unless it was used elsewhere
+        def hook(grad):  # a covered parameter's autograd gradient is None unless it was used elsewhere
             if grad is not None and self.active:
                 self._leaked.add(qualified)
+
         return hook
 
     def detach(self) -> None:
@@ -683,10 +716,12 @@ class BookKeeper:
         if self._leaked:
             names = sorted(self._leaked)
             self.clear()
-            raise RuntimeError(f"parameter(s) {', '.join(names)} received an un-clipped gradient outside the "
-                               "forward of the layers book-keeping covers (a functional use of layer.weight, or a "
-                               "module called outside the model's forward): grad_sample_mode='bk' cannot clip it; "
-                               "use grad_sample_mode='hooks'")
+            raise RuntimeError(
+                f"parameter(s) {', '.join(names)} received an un-clipped gradient outside the "
+                "forward of the layers book-keeping covers (a functional use of layer.weight, or a "
+                "module called outside the model's forward): grad_sample_mode='bk' cannot clip it; "
+                "use grad_sample_mode='hooks'"
+            )
         untrained = [f"layer {u.name!r} ({type(u.module).__name__}) {u.untrained}" for u in self.units if u.untrained]
         if untrained:
             self.clear()
@@ -694,17 +729,26 @@ class BookKeeper:
         new = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in self.planned]
         if new:
             self.clear()
-            raise RuntimeError(f"parameter(s) {', '.join(new)} became trainable after book-keeping planned the model: "
-                               "they have no per-example gradient and would receive noise only; call make_private "
-                               "again after changing requires_grad")
+            raise RuntimeError(
+                f"parameter(s) {', '.join(new)} became trainable after book-keeping planned the model: "
+                "they have no per-example gradient and would receive noise only; call make_private "
+                "again after changing requires_grad"
+            )
         parts = [p for p in self.parts if p.recorded]
         batches = {p.batch for p in parts}
         if len(batches) > 1:
             self.clear()
-            shared = (" (a layer fed an input of batch size 1, shared by the batch, is book-kept only inside the "
-                      "model's forward, whose first tensor argument has the batch size)") if 1 in batches else ""
-            raise ValueError(f"layers saw different batch sizes {sorted(batches)} in one step{shared}; "
-                             f"{ACCUMULATION_ERROR}")
+            shared = (
+                (
+                    " (a layer fed an input of batch size 1, shared by the batch, is book-kept only inside the "
+                    "model's forward, whose first tensor argument has the batch size)"
+                )
+                if 1 in batches
+                else ""
+            )
+            raise ValueError(
+                f"layers saw different batch sizes {sorted(batches)} in one step{shared}; {ACCUMULATION_ERROR}"
+            )
         return parts, (batches.pop() if batches else None)
 
     def scale(self, batch: int, loss_scale: float = 1.0) -> float:
@@ -724,9 +768,11 @@ class BookKeeper:
         no privacy guarantee covers.)"""
         parts, batch = self._recorded()
         if batch is None:
-            raise RuntimeError("no per-example gradients were recorded: call loss.backward() on the model's "
-                               "output before optimizer.step()")
-        if batch == 0:                           # an empty Poisson batch
+            raise RuntimeError(
+                "no per-example gradients were recorded: call loss.backward() on the model's "
+                "output before optimizer.step()"
+            )
+        if batch == 0:  # an empty Poisson batch
             ref = next(iter(parts[0].params.values()))
             return torch.zeros(0, dtype=ref.dtype, device=ref.device)
         total = None
@@ -734,9 +780,9 @@ class BookKeeper:
             sq = part.norm_sq()
             if sq is not None:
                 total = sq if total is None else total + sq
-        for group in self.tied:            # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
+        for group in self.tied:  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
             for k, (x, name_x) in enumerate(group):
-                for y, name_y in group[k + 1:]:
+                for y, name_y in group[k + 1 :]:
                     cross, how = cross_term(x, name_x, y, name_y, batch)
                     if cross is not None:
                         total = total + 2 * cross
@@ -764,7 +810,7 @@ class BookKeeper:
                 for part in parts:
                     part.drop(self._dropped)
             for part in parts:
-                _add_into(out, part.clipped_sum(w))      # a tied parameter: the sum of its layers' contributions
+                _add_into(out, part.clipped_sum(w))  # a tied parameter: the sum of its layers' contributions
         return out
 
     def clear(self) -> None:
@@ -780,8 +826,10 @@ class BookKeeper:
         (public): a ghost-capable layer that can also form per-sample gradients (Linear,
         convolutions) takes either by its input shapes in each step (:data:`BY_SHAPES`); a tied
         parameter's layers name each other."""
-        out = {layer.name: _static_path(layer.rule) + "".join(f"; tied with {other!r}" for other in self._ties(layer))
-               for layer in self.layers}
+        out = {
+            layer.name: _static_path(layer.rule) + "".join(f"; tied with {other!r}" for other in self._ties(layer))
+            for layer in self.layers
+        }
         out.update({unit.name: FALLBACK for unit in self.units})
         out.update({unit.name: DIRECT for unit in self.direct})
         return out
@@ -795,21 +843,31 @@ class BookKeeper:
         for layer in self.layers:
             if layer.paths_taken:
                 out[layer.name] = " and ".join(sorted(layer.paths_taken)) + "".join(
-                    f"; tied with {other!r}" + (f" (cross term: {' and '.join(sorted(layer.cross_taken[other]))})"
-                                                if layer.cross_taken.get(other) else "")
-                    for other in self._ties(layer))
+                    f"; tied with {other!r}"
+                    + (
+                        f" (cross term: {' and '.join(sorted(layer.cross_taken[other]))})"
+                        if layer.cross_taken.get(other)
+                        else ""
+                    )
+                    for other in self._ties(layer)
+                )
         return out
 
     def _ties(self, layer: _Layer) -> list[str]:
         """The other layers that share a parameter with ``layer``."""
-        return [other.name for group in self.tied if any(x is layer for x, _ in group)
-                for other, _ in group if other is not layer]
+        return [
+            other.name
+            for group in self.tied
+            if any(x is layer for x, _ in group)
+            for other, _ in group
+            if other is not layer
+        ]
 
 
 def _static_path(rule) -> str:
     if not rule.ghost_capable:
         return PER_SAMPLE
-    if rule.always_ghost or type(rule).per_sample is Rule.per_sample:     # never the per-sample path
+    if rule.always_ghost or type(rule).per_sample is Rule.per_sample:  # never the per-sample path
         return GHOST
     return BY_SHAPES
 

@@ -10,6 +10,7 @@ gradients: ``grad_sample_mode`` "hooks"/"functorch") and the ghost-clipping modu
 ``get_clipping_coef`` (``grad_sample_mode="ghost"``: norms without per-sample gradients, the clip
 factors rescale the per-sample losses of a second backward pass).
 """
+
 from __future__ import annotations
 
 import numpy as np

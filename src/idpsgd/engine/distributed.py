@@ -29,6 +29,7 @@ exactly the mechanism — and so exactly the privacy accounting — of one proce
   returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
   are written by rank 0 only (:func:`is_main_process`), atomically (``idpsgd.io``).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..io import CheckpointError, load_torch, save_torch
 from ..validation import InvalidParameterError, UnreachableTargetError
 from .accountant import PrivacyBudgetExceeded
-from .optimizer import (IndividualizedDPOptimizer, IndividualizedDPOptimizerBookKeeping,
-                        IndividualizedDPOptimizerFastGradientClipping)
+from .optimizer import (
+    IndividualizedDPOptimizer,
+    IndividualizedDPOptimizerBookKeeping,
+    IndividualizedDPOptimizerFastGradientClipping,
+)
 from .randomness import SecureUniform
 from .sampler import BatchMismatchError, PoissonBatchSampler
 
@@ -91,7 +95,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT
         raise InvalidParameterError("timeout_s", timeout_s, "must be > 0 seconds")
     if is_distributed():
         return
-    if backend == "nccl":   # NCCL collectives honour the timeout only with asynchronous error handling
+    if backend == "nccl":  # NCCL collectives honour the timeout only with asynchronous error handling
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(local_device("cuda"))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
@@ -104,8 +108,9 @@ def local_device(device) -> torch.device:
         return dev
     local = int(os.environ.get("LOCAL_RANK", rank_and_world()[0]))
     if local >= torch.cuda.device_count():
-        raise InvalidParameterError("nproc", local + 1, f"needs one GPU per process; {torch.cuda.device_count()} "
-                                    "visible here")
+        raise InvalidParameterError(
+            "nproc", local + 1, f"needs one GPU per process; {torch.cuda.device_count()} visible here"
+        )
     return torch.device("cuda", local)
 
 
@@ -133,19 +138,31 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
         return None
     name = type(wrapper).__name__
     if not is_distributed():
-        raise InvalidParameterError("module", name, "needs an initialised torch.distributed process group "
-                                    "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)")
+        raise InvalidParameterError(
+            "module",
+            name,
+            "needs an initialised torch.distributed process group "
+            "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)",
+        )
     if isinstance(wrapper, DDP):
         if grad_sample_mode in ("ghost", "bk"):
-            raise InvalidParameterError("module", name, f"with grad_sample_mode={grad_sample_mode!r} is not supported "
-                                        "(DDP all-reduces autograd's summed gradients, which ghost clipping forms twice "
-                                        "and book-keeping never forms); wrap the model in "
-                                        "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead")
+            raise InvalidParameterError(
+                "module",
+                name,
+                f"with grad_sample_mode={grad_sample_mode!r} is not supported "
+                "(DDP all-reduces autograd's summed gradients, which ghost clipping forms twice "
+                "and book-keeping never forms); wrap the model in "
+                "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead",
+            )
         if privacy_filter == "individual" or engine.individual is not None:
-            raise InvalidParameterError("module", name, "individual accounting and the individual filter need "
-                                        "per-example norm passes without DDP's gradient all-reduce; wrap the model "
-                                        "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel")
-    if engine.accountant is None and not engine.secure_mode:      # one seed for the whole run: rank 0's
+            raise InvalidParameterError(
+                "module",
+                name,
+                "individual accounting and the individual filter need "
+                "per-example norm passes without DDP's gradient all-reduce; wrap the model "
+                "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
+            )
+    if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
         seed, sampler_seed = broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
         if engine.individual is not None and engine.individual.seed == engine.seed:
             engine.individual.seed = seed
@@ -197,10 +214,10 @@ class _RankZeroNoise:
 
     def add_noise(self):
         if self.rank == 0:
-            return super().add_noise()     # the guard, then N(0, σ²c²) once for the whole step
+            return super().add_noise()  # the guard, then N(0, σ²c²) once for the whole step
         try:
-            self.clipping.queue.finish_step()   # this rank's share of the drawn batch, whole
-            if self.guard is not None:          # every rank holds the same ledger: the same decision
+            self.clipping.queue.finish_step()  # this rank's share of the drawn batch, whole
+            if self.guard is not None:  # every rank holds the same ledger: the same decision
                 self.guard(self)
         except BaseException:
             self.clipping.end_step()
@@ -230,7 +247,7 @@ class _RankZeroNoise:
         offset = 0
         for p in params:
             k = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + k].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + k].view_as(p.grad))
             offset += k
 
 
@@ -239,8 +256,9 @@ class DistributedIndividualizedDPOptimizer(_RankZeroNoise, IndividualizedDPOptim
     ``DistributedDPOptimizer``): ``expected_batch_size`` is the per-rank Σ_i q_i / W."""
 
 
-class DistributedIndividualizedDPOptimizerFastGradientClipping(_RankZeroNoise,
-                                                               IndividualizedDPOptimizerFastGradientClipping):
+class DistributedIndividualizedDPOptimizerFastGradientClipping(
+    _RankZeroNoise, IndividualizedDPOptimizerFastGradientClipping
+):
     """Ghost clipping for data parallelism (as Opacus's ``DistributedDPOptimizerFastGradientClipping``)."""
 
 
@@ -249,10 +267,13 @@ class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, Individual
     examples' clipped sum from its own backward pass; noise on rank 0; one all-reduce."""
 
 
-OPTIMIZERS = {"hooks": DistributedIndividualizedDPOptimizer, "functorch": DistributedIndividualizedDPOptimizer,
-              "ew": DistributedIndividualizedDPOptimizer,
-              "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
-              "bk": DistributedIndividualizedDPOptimizerBookKeeping}
+OPTIMIZERS = {
+    "hooks": DistributedIndividualizedDPOptimizer,
+    "functorch": DistributedIndividualizedDPOptimizer,
+    "ew": DistributedIndividualizedDPOptimizer,
+    "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
+    "bk": DistributedIndividualizedDPOptimizerBookKeeping,
+}
 
 
 # --- collectives ----------------------------------------------------------------------------
@@ -277,13 +298,13 @@ def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
     rank, world = rank_and_world()
     if local.size != sizes[rank]:
         raise RuntimeError(f"rank {rank} holds {local.size} values, expected {sizes[rank]}")
-    width = max(1, max(int(s) for s in sizes))
+    width = max([1, *(int(s) for s in sizes)])
     dev = _comm_device()
     buf = torch.zeros(width, dtype=torch.float64, device=dev)
-    buf[:local.size] = torch.from_numpy(local).to(dev)
+    buf[: local.size] = torch.from_numpy(local).to(dev)
     out = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(out, buf)
-    return np.concatenate([o[:int(s)].cpu().numpy() for o, s in zip(out, sizes)])
+    return np.concatenate([o[: int(s)].cpu().numpy() for o, s in zip(out, sizes, strict=True)])
 
 
 def sharded_grad_norms(module, dataset, indices, collate_fn, batch_size: int, per_sample_loss=None):
@@ -295,12 +316,16 @@ def sharded_grad_norms(module, dataset, indices, collate_fn, batch_size: int, pe
     if not is_distributed() or data_parallel_wrapper(module) is None:
         return per_example_grad_norms(module, example_batches(dataset, idx, collate_fn, batch_size), per_sample_loss)
     if isinstance(data_parallel_wrapper(module), DDP):
-        raise InvalidParameterError("module", "DistributedDataParallel", "per-example norm passes need "
-                                    "opacus.distributed.DifferentiallyPrivateDistributedDataParallel")
+        raise InvalidParameterError(
+            "module",
+            "DistributedDataParallel",
+            "per-example norm passes need opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
+        )
     rank, world = rank_and_world()
     parts = np.array_split(idx, world)
-    norms, losses = per_example_grad_norms(module, example_batches(dataset, parts[rank], collate_fn, batch_size),
-                                           per_sample_loss)
+    norms, losses = per_example_grad_norms(
+        module, example_batches(dataset, parts[rank], collate_fn, batch_size), per_sample_loss
+    )
     sizes = [p.size for p in parts]
     return all_gather_arrays(norms, sizes), all_gather_arrays(losses, sizes)
 
@@ -333,10 +358,12 @@ def check_replicated(name: str, values) -> None:
     dev = _comm_device()
     mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     both = mine.clone()
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)      # max of h and of -h: equal on all ranks iff min == max
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # max of h and of -h: equal on all ranks iff min == max
     if int(both[0]) != digest or int(both[1]) != -digest:
-        raise DistributedTrainingError(f"the {name} differs between ranks (rank {dist.get_rank()}); the run's "
-                                       "privacy bookkeeping would not be that of one process")
+        raise DistributedTrainingError(
+            f"the {name} differs between ranks (rank {dist.get_rank()}); the run's "
+            "privacy bookkeeping would not be that of one process"
+        )
 
 
 # --- launching --------------------------------------------------------------------------------
@@ -347,10 +374,16 @@ def _free_port() -> int:
 
 
 def _worker(rank, fn, args, kwargs, nproc, port, backend, timeout_s, folder):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    if rank:                                  # rank 0 speaks for the run
+    if rank:  # rank 0 speaks for the run
         logging.getLogger("idpsgd").setLevel(logging.ERROR)
     try:
         init_process_group(backend, timeout_s)
@@ -387,20 +420,36 @@ def _untag_arrays(obj):
 
 #: Errors a rank reports that are rebuilt as themselves in the launching process; any other
 #: becomes a :class:`DistributedTrainingError` carrying its type and message.
-_REBUILT = {c.__name__: c for c in (UnreachableTargetError, PrivacyBudgetExceeded, BatchMismatchError, CheckpointError,
-                                    FileNotFoundError, ValueError, RuntimeError, MemoryError, KeyboardInterrupt)}
+_REBUILT = {
+    c.__name__: c
+    for c in (
+        UnreachableTargetError,
+        PrivacyBudgetExceeded,
+        BatchMismatchError,
+        CheckpointError,
+        FileNotFoundError,
+        ValueError,
+        RuntimeError,
+        MemoryError,
+        KeyboardInterrupt,
+    )
+}
 
 
 def _save_error(path: Path, exc: BaseException) -> None:
     """A rank's error as plain data (type, message, the fields of an InvalidParameterError), in a
     file that loads with ``weights_only=True``: nothing read back from the run's files can run code."""
-    record = {"type": type(exc).__name__, "message": str(exc), "communication": _communication_error(exc),
-              "traceback": traceback.format_exc()}
+    record = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "communication": _communication_error(exc),
+        "traceback": traceback.format_exc(),
+    }
     if isinstance(exc, InvalidParameterError):
         record.update(name=exc.name, value=exc.value, allowed=exc.allowed)
     try:
         save_torch(path, record)
-    except Exception:   # a value torch cannot save: its text
+    except Exception:  # a value torch cannot save: its text
         save_torch(path, {**record, "value": str(record.get("value"))})
 
 
@@ -416,8 +465,11 @@ def _rebuild(record: dict) -> BaseException:
     if "allowed" in record:
         return InvalidParameterError(record["name"], record["value"], record["allowed"])
     cls = _REBUILT.get(record["type"])
-    return cls(record["message"]) if cls is not None else \
-        DistributedTrainingError(f"{record['type']}: {record['message']}")
+    return (
+        cls(record["message"])
+        if cls is not None
+        else DistributedTrainingError(f"{record['type']}: {record['message']}")
+    )
 
 
 def _communication_error(exc: BaseException) -> bool:
@@ -453,9 +505,13 @@ def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: flo
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException, start_processes
 
     with tempfile.TemporaryDirectory(prefix="idpsgd-dist-") as folder:
-        ctx = start_processes(_worker, args=(fn, tuple(args), dict(kwargs or {}), int(nproc), _free_port(), backend,
-                                             float(timeout_s), folder), nprocs=int(nproc), join=False,
-                              start_method="spawn")
+        ctx = start_processes(
+            _worker,
+            args=(fn, tuple(args), dict(kwargs or {}), int(nproc), _free_port(), backend, float(timeout_s), folder),
+            nprocs=int(nproc),
+            join=False,
+            start_method="spawn",
+        )
         try:
             while not ctx.join():
                 pass
@@ -476,16 +532,42 @@ def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:
         return err
     codes = {r: p.exitcode for r, p in enumerate(ctx.processes)}
     dead = [r for r, c in codes.items() if r not in errors and c not in (None, 0, -15)]  # -15: stopped by us
-    reported = "; ".join(f"rank {r}: {e['type']}: {(e['message'].splitlines() or [''])[0][:300]}"
-                         for r, e in sorted(errors.items()))
-    what = (", ".join(f"rank {r} of {nproc} exited with code {codes[r]} without a Python error (killed or crashed)"
-                      for r in dead) if dead else f"a rank of {nproc} failed in a collective")
-    return DistributedTrainingError(f"distributed run failed: {what}" + (f"; {reported}" if reported else "")
-                                    + f"; the other ranks were stopped (collective timeout {timeout_s:g} s)")
+    reported = "; ".join(
+        f"rank {r}: {e['type']}: {(e['message'].splitlines() or [''])[0][:300]}" for r, e in sorted(errors.items())
+    )
+    what = (
+        ", ".join(
+            f"rank {r} of {nproc} exited with code {codes[r]} without a Python error (killed or crashed)" for r in dead
+        )
+        if dead
+        else f"a rank of {nproc} failed in a collective"
+    )
+    return DistributedTrainingError(
+        f"distributed run failed: {what}"
+        + (f"; {reported}" if reported else "")
+        + f"; the other ranks were stopped (collective timeout {timeout_s:g} s)"
+    )
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistributedIndividualizedDPOptimizer", "DistributedIndividualizedDPOptimizerBookKeeping",
-           "DistributedIndividualizedDPOptimizerFastGradientClipping", "DistributedPoissonBatchSampler",
-           "DistributedTrainingError", "all_gather_arrays", "broadcast_object", "check_nproc", "check_replicated",
-           "data_parallel_wrapper", "init_process_group", "is_distributed", "is_main_process", "launch",
-           "local_device", "main_first", "rank_and_world", "sharded_grad_norms", "wrap_model"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistributedIndividualizedDPOptimizer",
+    "DistributedIndividualizedDPOptimizerBookKeeping",
+    "DistributedIndividualizedDPOptimizerFastGradientClipping",
+    "DistributedPoissonBatchSampler",
+    "DistributedTrainingError",
+    "all_gather_arrays",
+    "broadcast_object",
+    "check_nproc",
+    "check_replicated",
+    "data_parallel_wrapper",
+    "init_process_group",
+    "is_distributed",
+    "is_main_process",
+    "launch",
+    "local_device",
+    "main_first",
+    "rank_and_world",
+    "sharded_grad_norms",
+    "wrap_model",
+]

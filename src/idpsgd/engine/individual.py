@@ -41,6 +41,7 @@ these, with the name of the one that gave it — a guarantee or an estimate as :
 :meth:`~idpsgd.engine.IndividualizedPrivacyEngine.get_individual_epsilons` returns this minimum only
 for a guarantee, and the data-independent ε otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,25 +63,30 @@ DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, 
 class IndividualAccountingOptions:
     """Options of individual accounting (Yu et al. 2023)."""
 
-    refreshes_per_epoch: float = 1.0     # γ: gradient-norm refreshes per epoch
-    rounding: str = "nearest"            # exact | ceil | nearest (Alg. 2)
-    rounding_step: float | None = None   # r (default 0.01 × the largest clip norm)
-    individual_clipping: bool = False    # Alg. 3: clip example i at its latest estimate
-    validate_subset: int = 1000          # examples tracked exactly at every step (0: none)
-    norm_batch_size: int = 256           # batch size of the norm passes
-    record_norms: bool = False           # keep every refresh's norms (for offline accounting; private)
-    accountant: str = "rdp"              # rdp: per-example RDP; pld: per-example PLD as well (rounded modes)
+    refreshes_per_epoch: float = 1.0  # γ: gradient-norm refreshes per epoch
+    rounding: str = "nearest"  # exact | ceil | nearest (Alg. 2)
+    rounding_step: float | None = None  # r (default 0.01 × the largest clip norm)
+    individual_clipping: bool = False  # Alg. 3: clip example i at its latest estimate
+    validate_subset: int = 1000  # examples tracked exactly at every step (0: none)
+    norm_batch_size: int = 256  # batch size of the norm passes
+    record_norms: bool = False  # keep every refresh's norms (for offline accounting; private)
+    accountant: str = "rdp"  # rdp: per-example RDP; pld: per-example PLD as well (rounded modes)
 
-    def validate(self) -> "IndividualAccountingOptions":
+    def validate(self) -> IndividualAccountingOptions:
         check_positive(self.refreshes_per_epoch, "refreshes_per_epoch")
         if self.rounding not in ROUNDING:
             raise InvalidParameterError("rounding", self.rounding, f"must be one of {', '.join(ROUNDING)}")
         if self.accountant not in INDIVIDUAL_ACCOUNTANTS:
-            raise InvalidParameterError("accountant", self.accountant,
-                                        f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}")
+            raise InvalidParameterError(
+                "accountant", self.accountant, f"must be one of {', '.join(INDIVIDUAL_ACCOUNTANTS)}"
+            )
         if self.accountant == "pld" and self.rounding == "exact":
-            raise InvalidParameterError("rounding", self.rounding, "cannot be used with the pld accountant: "
-                                        "per-example PLD needs rounded sensitivity levels (use ceil or nearest)")
+            raise InvalidParameterError(
+                "rounding",
+                self.rounding,
+                "cannot be used with the pld accountant: "
+                "per-example PLD needs rounded sensitivity levels (use ceil or nearest)",
+            )
         if self.rounding_step is not None:
             check_positive(self.rounding_step, "rounding_step")
         if int(self.validate_subset) != self.validate_subset or self.validate_subset < 0:
@@ -108,33 +114,51 @@ class IndividualTracker:
         self.accountant = self.exact = None
         self.subset = np.zeros(0, dtype=np.int64)
         self.every = 1
-        self.stale_steps = 0          # steps taken with norms that were due but not refreshed
-        self.recorded: list[np.ndarray] = []     # refreshed norms (record_norms)
-        self.recorded_steps: list[int] = []      # steps each recorded refresh covered
+        self.stale_steps = 0  # steps taken with norms that were due but not refreshed
+        self.recorded: list[np.ndarray] = []  # refreshed norms (record_norms)
+        self.recorded_steps: list[int] = []  # steps each recorded refresh covered
         self.check: SensitivityCheck | None = None
-        self._pass_norms = None       # the last norm pass's raw norms (private) ...
-        self._pass_at = -1            # ... computed for this step index (at its parameters)
+        self._pass_norms = None  # the last norm pass's raw norms (private) ...
+        self._pass_at = -1  # ... computed for this step index (at its parameters)
         self._due = False
 
     # --- attachment ----------------------------------------------------------------------
     def attach(self, engine) -> None:
         """Called by ``make_private``: set up on the engine's (single) phase and hook the optimizer."""
         if self.engine is not None and self.engine is engine and len(engine.accountant.phases) > 1:
-            raise InvalidParameterError("individual_accounting", True,
-                                        "supports one-phase runs (a second make_private on this engine)")
+            raise InvalidParameterError(
+                "individual_accounting", True, "supports one-phase runs (a second make_private on this engine)"
+            )
         p = engine.parameters
         n = p["sample_rates"].size
         if self.accountant is None:
             o = self.options
             self.every = max(1, int(round(p["steps_per_epoch"] / float(o.refreshes_per_epoch))))
-            self.accountant = IndividualAccountant(p["sample_rates"], p["noise_multiplier"], p["max_grad_norm"],
-                                                   p["clip_norms"], rounding=o.rounding, rounding_step=o.rounding_step)
+            self.accountant = IndividualAccountant(
+                p["sample_rates"],
+                p["noise_multiplier"],
+                p["max_grad_norm"],
+                p["clip_norms"],
+                rounding=o.rounding,
+                rounding_step=o.rounding_step,
+            )
             m = min(int(o.validate_subset), n)
-            self.subset = (np.sort(np.random.default_rng([self.seed, 1]).choice(n, m, replace=False)) if m
-                           else np.zeros(0, dtype=np.int64))
-            self.exact = (IndividualAccountant(p["sample_rates"][self.subset], p["noise_multiplier"],
-                                               p["max_grad_norm"], p["clip_norms"][self.subset], rounding="exact")
-                          if m else None)
+            self.subset = (
+                np.sort(np.random.default_rng([self.seed, 1]).choice(n, m, replace=False))
+                if m
+                else np.zeros(0, dtype=np.int64)
+            )
+            self.exact = (
+                IndividualAccountant(
+                    p["sample_rates"][self.subset],
+                    p["noise_multiplier"],
+                    p["max_grad_norm"],
+                    p["clip_norms"][self.subset],
+                    rounding="exact",
+                )
+                if m
+                else None
+            )
             self.check = SensitivityCheck(float(p["clip_norms"].max()))
         self.engine = engine
         self._dropouts = dropout_modules(raw_module(engine.module))
@@ -156,36 +180,47 @@ class IndividualTracker:
     def _verdict(self) -> tuple[str, str]:
         """(kind, reason): every reason that makes the ε an estimate, joined; or why they are a guarantee."""
         c, o = self.check.counts, self.options
-        broken = []               # the charges are not known to bound training's clipped norms
+        broken = []  # the charges are not known to bound training's clipped norms
         if c["steps"] < self.accountant.steps:
-            broken.append("steps taken before a checkpoint without the sensitivity check were not checked against "
-                          "training's clipped norms")
+            broken.append(
+                "steps taken before a checkpoint without the sensitivity check were not checked against "
+                "training's clipped norms"
+            )
         if c["exceeded"]:
             broken.append("a trained example's clipped gradient norm exceeded the sensitivity it was charged at")
         if o.individual_clipping and not broken:
-            return "guarantee", ("individual clipping (Yu et al. Alg. 3): every example is clipped at the "
-                                 "sensitivity it is charged at")
+            return "guarantee", (
+                "individual clipping (Yu et al. Alg. 3): every example is clipped at the sensitivity it is charged at"
+            )
         if self.every > 1:
-            broken.append(f"norms refreshed every {self.every} steps: between refreshes a sensitivity is taken from "
-                          "the last refresh (Yu et al. Alg. 2, K > 1)")
+            broken.append(
+                f"norms refreshed every {self.every} steps: between refreshes a sensitivity is taken from "
+                "the last refresh (Yu et al. Alg. 2, K > 1)"
+            )
         if self.accountant.rounding == "nearest":
             broken.append("nearest rounding can round a sensitivity below the gradient norm")
         if self.stale_steps:
             broken.append("some steps ran on norms that were due for a refresh")
         if self.check.dropout:
-            broken.append(f"dropout active in training ({', '.join(self.check.dropout)}): a sampled example's "
-                          "gradient is random and the norm pass's (eval mode) does not bound it")
+            broken.append(
+                f"dropout active in training ({', '.join(self.check.dropout)}): a sampled example's "
+                "gradient is random and the norm pass's (eval mode) does not bound it"
+            )
         if c["compared"] < c["examples"] and self.every == 1 and not self.stale_steps:
             broken.append("some trained examples' norms were not compared with a norm pass at their step")
         if c["mismatched"]:
-            broken.append("training's per-example gradient norms differed from the norm pass's: per_sample_loss is "
-                          "not the training loss, or training has randomness the norm pass does not (dropout, "
-                          "random augmentation)")
+            broken.append(
+                "training's per-example gradient norms differed from the norm pass's: per_sample_loss is "
+                "not the training loss, or training has randomness the norm pass does not (dropout, "
+                "random augmentation)"
+            )
         if broken:
             return "estimate", "; ".join(broken)
-        return "guarantee", (f"norms refreshed every step ({self.accountant.rounding} rounding) and every trained "
-                             "example's gradient norm equal to the norm pass's at every step (relative tolerance "
-                             f"{RTOL:g}): the charged sensitivities bound the clipped norms")
+        return "guarantee", (
+            f"norms refreshed every step ({self.accountant.rounding} rounding) and every trained "
+            "example's gradient norm equal to the norm pass's at every step (relative tolerance "
+            f"{RTOL:g}): the charged sensitivities bound the clipped norms"
+        )
 
     def sensitivity_check(self) -> dict:
         """The check's record (private: statistics of the gradient norms): logical ``steps`` checked,
@@ -206,8 +241,9 @@ class IndividualTracker:
         n = self.accountant.num_examples
         idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        return sharded_grad_norms(self.engine.module, loader.dataset, idx, collate, self.options.norm_batch_size,
-                                  self.per_sample_loss)     # sharded across ranks and all-gathered when distributed
+        return sharded_grad_norms(
+            self.engine.module, loader.dataset, idx, collate, self.options.norm_batch_size, self.per_sample_loss
+        )  # sharded across ranks and all-gathered when distributed
 
     def _apply_clip_norms(self) -> None:
         if self.options.individual_clipping and self.accountant.refreshes:
@@ -226,13 +262,13 @@ class IndividualTracker:
             self._apply_clip_norms()
         if self.exact is not None:
             norms = refreshed[self.subset] if refreshed is not None else self.grad_norms(self.subset)[0]
-            if self.options.individual_clipping:    # the clipped gradient's norm is at most Z_i
+            if self.options.individual_clipping:  # the clipped gradient's norm is at most Z_i
                 norms = np.minimum(norms, self.accountant.sensitivity[self.subset])
             self.exact.update_norms(norms)
         self._due = False
 
     def _after_step(self, optimizer) -> None:
-        if self._due:                  # this step ran on norms that should have been refreshed
+        if self._due:  # this step ran on norms that should have been refreshed
             self.stale_steps += 1
         self._check(optimizer)
         self.accountant.add_steps(1)
@@ -243,7 +279,7 @@ class IndividualTracker:
         self._due = True
         planned = self.engine.parameters.get("steps")
         if (planned is not None and self.engine.steps >= planned) or not self.engine.can_step():
-            return                     # no further step is planned: no norm pass for it
+            return  # no further step is planned: no norm pass for it
         self._prepare_step()
 
     def _check(self, optimizer) -> None:
@@ -251,8 +287,13 @@ class IndividualTracker:
         the norms were refreshed at this step's parameters, against the norm pass."""
         fresh = self._pass_at == self.accountant.steps and not self._due
         self.check.note_dropout(active_dropout(self._dropouts))
-        self.check.observe(optimizer.last_norms, optimizer.last_indices, optimizer.clip_norms,
-                           self.accountant.sensitivity, self._pass_norms if fresh else None)
+        self.check.observe(
+            optimizer.last_norms,
+            optimizer.last_indices,
+            optimizer.clip_norms,
+            self.accountant.sensitivity,
+            self._pass_norms if fresh else None,
+        )
 
     # --- results -------------------------------------------------------------------------
     def epsilons(self, delta: float) -> np.ndarray:
@@ -283,29 +324,42 @@ class IndividualTracker:
         r = None
         if est.size > 1 and np.std(est) > 0 and np.std(exact) > 0:
             r = float(np.corrcoef(est, exact)[0, 1])
-        return {"examples": int(self.subset.size), "pearson_r": r,
-                "mean_abs_error": float(np.mean(np.abs(est - exact))),
-                "max_abs_error": float(np.max(np.abs(est - exact))),
-                "min_estimate_minus_exact": float(np.min(est - exact))}
+        return {
+            "examples": int(self.subset.size),
+            "pearson_r": r,
+            "mean_abs_error": float(np.mean(np.abs(est - exact))),
+            "max_abs_error": float(np.max(np.abs(est - exact))),
+            "min_estimate_minus_exact": float(np.min(est - exact)),
+        }
 
     def norms_record(self) -> dict:
         """What ``idpsgd account --norms`` reads: every refresh's norms and the steps it covered, with
         the run's per-example rates and clip norms, σ and the reference clip norm (private data)."""
         p = self.engine.parameters
-        return {"norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
-                "steps": np.asarray(self.recorded_steps, dtype=np.int64), "sample_rates": p["sample_rates"],
-                "clip_norms": p["clip_norms"], "noise_multiplier": np.float64(p["noise_multiplier"]),
-                "clip_norm": np.float64(p["max_grad_norm"]),
-                "rounding": np.str_(self.accountant.rounding),
-                "rounding_step": np.float64(self.accountant.rounding_step),
-                "accounting_kind": np.str_(self.kind), "individual_clipping": np.bool_(self.options.individual_clipping)}
+        return {
+            "norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
+            "steps": np.asarray(self.recorded_steps, dtype=np.int64),
+            "sample_rates": p["sample_rates"],
+            "clip_norms": p["clip_norms"],
+            "noise_multiplier": np.float64(p["noise_multiplier"]),
+            "clip_norm": np.float64(p["max_grad_norm"]),
+            "rounding": np.str_(self.accountant.rounding),
+            "rounding_step": np.float64(self.accountant.rounding_step),
+            "accounting_kind": np.str_(self.kind),
+            "individual_clipping": np.bool_(self.options.individual_clipping),
+        }
 
     def state_dict(self) -> dict:
-        return {"accountant": _tensors(self.accountant.state_dict()), "stale_steps": self.stale_steps,
-                "check": self.check.state_dict(), "pass_at": self._pass_at,
-                "pass_norms": None if self._pass_norms is None else torch.from_numpy(np.asarray(self._pass_norms)),
-                "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None,
-                "recorded": [torch.from_numpy(r) for r in self.recorded], "recorded_steps": list(self.recorded_steps)}
+        return {
+            "accountant": _tensors(self.accountant.state_dict()),
+            "stale_steps": self.stale_steps,
+            "check": self.check.state_dict(),
+            "pass_at": self._pass_at,
+            "pass_norms": None if self._pass_norms is None else torch.from_numpy(np.asarray(self._pass_norms)),
+            "exact": _tensors(self.exact.state_dict()) if self.exact is not None else None,
+            "recorded": [torch.from_numpy(r) for r in self.recorded],
+            "recorded_steps": list(self.recorded_steps),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.accountant.load_state_dict(_arrays(state["accountant"]))

@@ -56,6 +56,7 @@ Cost per logical step: two reads of the parameters and buffers (at the first for
 the noise; the optimizer's update alone reads and writes them several times), one device
 synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,11 +86,13 @@ def check_static_writes(module: nn.Module) -> None:
     for name, m in module.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
             raise InvalidParameterError(
-                "module", f"{name or '(root)'}: {type(m).__name__}(max_norm={m.max_norm:g})",
+                "module",
+                f"{name or '(root)'}: {type(m).__name__}(max_norm={m.max_norm:g})",
                 "max_norm renormalises the looked-up rows of the weight in place during the forward, an "
                 "un-noised write to the released model that depends on the batch (it shows which tokens were "
                 "seen); refused in every grad_sample_mode and in the per-example norm passes. Leave max_norm "
-                "out (DP-SGD's clipping already bounds each example's update)")
+                "out (DP-SGD's clipping already bounds each example's update)",
+            )
 
 
 def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
@@ -100,12 +103,14 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     for prefix, m in module.named_modules(remove_duplicate=True):
         dot = f"{prefix}." if prefix else ""
         for n, p in m._parameters.items():
-            if p is not None:   # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
+            if p is not None:  # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
                 out[dot + n] = ("parameter", p.orig_weight if isinstance(p, ExpandedWeight) else p)
         for n, b in m._buffers.items():
             if b is not None:
-                out[dot + n] = ("non-persistent buffer" if n in m._non_persistent_buffers_set
-                                else "persistent buffer", b)
+                out[dot + n] = (
+                    "non-persistent buffer" if n in m._non_persistent_buffers_set else "persistent buffer",
+                    b,
+                )
     return out
 
 
@@ -122,9 +127,11 @@ def _extra_states(module: nn.Module) -> dict[str, bytes]:
             torch.save(m.get_extra_state(), buffer)
         except Exception as e:
             raise InvalidParameterError(
-                "module", f"{prefix or '(root)'}: {type(m).__name__}.get_extra_state()",
+                "module",
+                f"{prefix or '(root)'}: {type(m).__name__}.get_extra_state()",
                 f"cannot be serialised to check that the forward leaves it unchanged ({type(e).__name__}: {e}); "
-                "state_dict releases it") from e
+                "state_dict releases it",
+            ) from e
         out[name] = hashlib.sha256(buffer.getvalue()).digest()
     return out
 
@@ -161,12 +168,12 @@ class _Snapshot:
     """What the released tensors were at one moment (references, version counters, storage
     addresses, and optionally the value fingerprint)."""
 
-    names: dict           # name -> (kind, index into tensors)
+    names: dict  # name -> (kind, index into tensors)
     tensors: list
     versions: list
     pointers: list
     fingerprint: dict | None
-    extra: dict           # name -> digest of a module's extra state
+    extra: dict  # name -> digest of a module's extra state
 
     @classmethod
     def take(cls, module: nn.Module, fingerprint: bool) -> _Snapshot:
@@ -176,16 +183,28 @@ class _Snapshot:
                 index[id(t)] = len(tensors)
                 tensors.append(t)
             names[name] = (kind, index[id(t)])
-        return cls(names, tensors, [t._version for t in tensors], [_pointer(t) for t in tensors],
-                   _fingerprint(tensors) if fingerprint else None, _extra_states(module))
+        return cls(
+            names,
+            tensors,
+            [t._version for t in tensors],
+            [_pointer(t) for t in tensors],
+            _fingerprint(tensors) if fingerprint else None,
+            _extra_states(module),
+        )
 
     def changes(self, module: nn.Module) -> list[str]:
         """What changed since the snapshot, one phrase per parameter or buffer (empty: nothing)."""
         now = released_tensors(module)
-        out = [f"{kind} {name!r}{_owner(module, name)} was removed" for name, (kind, _) in self.names.items()
-               if name not in now]
-        out += [f"{kind} {name!r}{_owner(module, name)} appeared (registered during the pass)"
-                for name, (kind, _) in now.items() if name not in self.names]
+        out = [
+            f"{kind} {name!r}{_owner(module, name)} was removed"
+            for name, (kind, _) in self.names.items()
+            if name not in now
+        ]
+        out += [
+            f"{kind} {name!r}{_owner(module, name)} appeared (registered during the pass)"
+            for name, (kind, _) in now.items()
+            if name not in self.names
+        ]
         written = set()
         for name, (kind, i) in self.names.items():
             if name not in now:
@@ -193,18 +212,25 @@ class _Snapshot:
             t = now[name][1]
             old = self.tensors[i]
             if t is not old:
-                out.append(f"{kind} {name!r}{_owner(module, name)} was replaced by another tensor (e.g. "
-                           "self.buf = self.buf + ...)")
+                out.append(
+                    f"{kind} {name!r}{_owner(module, name)} was replaced by another tensor (e.g. "
+                    "self.buf = self.buf + ...)"
+                )
             elif t._version != self.versions[i]:
                 written.add(i)
-                out.append(f"{kind} {name!r}{_owner(module, name)} was written in place (e.g. Embedding(max_norm), "
-                           "a no_grad in-place update, buf += ...)")
+                out.append(
+                    f"{kind} {name!r}{_owner(module, name)} was written in place (e.g. Embedding(max_norm), "
+                    "a no_grad in-place update, buf += ...)"
+                )
             elif _pointer(t) != self.pointers[i]:
                 written.add(i)
                 out.append(f"{kind} {name!r}{_owner(module, name)} had its storage replaced (t.data = ...)")
         extra = _extra_states(module)
-        out += [f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
-                for name in sorted(set(extra) | set(self.extra)) if extra.get(name) != self.extra.get(name)]
+        out += [
+            f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
+            for name in sorted(set(extra) | set(self.extra))
+            if extra.get(name) != self.extra.get(name)
+        ]
         if self.fingerprint is not None and not out:
             now_fp = _fingerprint(self.tensors)
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
@@ -217,8 +243,10 @@ class _Snapshot:
                     continue
                 for j in torch.nonzero(~same).flatten().tolist():
                     name = by_index[idx[j]]
-                    out.append(f"{self.names[name][0]} {name!r}{_owner(module, name)} had its values changed "
-                               "through .data (a write autograd does not see)")
+                    out.append(
+                        f"{self.names[name][0]} {name!r}{_owner(module, name)} had its values changed "
+                        "through .data (a write autograd does not see)"
+                    )
         return out
 
 
@@ -269,7 +297,7 @@ class WriteGuard:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.tainted: str | None = None    # the first write found: the model holds it
+        self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
         self._armed = False
         self._suspended = 0
@@ -285,7 +313,7 @@ class WriteGuard:
             object.__setattr__(model, "_idpsgd_write_guard", guard)
         return guard
 
-    def __deepcopy__(self, memo):       # a copied (or pickled) model gets its own guard when it needs one
+    def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own guard when it needs one
         return None
 
     def __reduce__(self):
@@ -342,7 +370,8 @@ class WriteGuard:
             "statistics of the data); writes between steps (load_state_dict, a projection after optimizer.step()) "
             "are allowed. This model "
             "now holds the write and must not be released: further steps and norm passes on it are refused; "
-            "train a fresh model")
+            "train a fresh model"
+        )
         raise UnnoisedWriteError(f"{self.tainted}. {outcome}")
 
     def _refuse_if_tainted(self) -> None:
@@ -367,8 +396,15 @@ def check_no_new_trainable(module: nn.Module, planned: dict[int, str], grad_samp
             f"(requires_grad=True) after make_private set up the per-example clipping (grad_sample_mode="
             f"{grad_sample_mode!r}) without them: their gradients would not be clipped per example. Call "
             "make_private again after changing requires_grad. The step was not taken: no noise was drawn and "
-            "nothing was charged")
+            "nothing was charged"
+        )
 
 
-__all__ = ["UnnoisedWriteError", "WriteGuard", "check_no_new_trainable", "check_static_writes", "released_tensors",
-           "trainable_names"]
+__all__ = [
+    "UnnoisedWriteError",
+    "WriteGuard",
+    "check_no_new_trainable",
+    "check_static_writes",
+    "released_tensors",
+    "trainable_names",
+]

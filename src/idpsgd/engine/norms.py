@@ -11,6 +11,7 @@ mode, so those modules — and only those — are switched back to training mode
 stay in eval mode).  A training wrapper of Opacus around the same model has its hooks disabled
 meanwhile; ``.grad`` and Opacus's per-parameter fields are cleared afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,7 +57,7 @@ def _norm_pass(model: torch.nn.Module):
     from .wrap import raw_module
 
     outer = model if isinstance(model, AbstractGradSampleModule) else None
-    if not hasattr(outer, "disable_hooks"):     # grad_sample_mode="ew": no hooks (its forward is not called here)
+    if not hasattr(outer, "disable_hooks"):  # grad_sample_mode="ew": no hooks (its forward is not called here)
         outer = None
     raw = raw_module(model)
     check_static_writes(raw)
@@ -81,8 +82,10 @@ def _norm_pass(model: torch.nn.Module):
 def default_per_sample_loss(module: torch.nn.Module, batch) -> torch.Tensor:
     """Cross-entropy of each example for batches ``(inputs, targets, ...)``."""
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-        raise TypeError("the default per-sample loss needs batches (inputs, targets, ...); for other batches "
-                        "give per_sample_loss(module, batch) -> a tensor of one loss per example")
+        raise TypeError(
+            "the default per-sample loss needs batches (inputs, targets, ...); for other batches "
+            "give per_sample_loss(module, batch) -> a tensor of one loss per example"
+        )
     return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
 
 
@@ -112,7 +115,7 @@ def example_batches(dataset, indices, collate_fn=None, batch_size: int = 256):
     sliced = isinstance(dataset, TensorDataset) and collate is default_collate
     idx = np.asarray(indices, dtype=np.int64)
     for start in range(0, idx.size, batch_size):
-        part = idx[start:start + batch_size]
+        part = idx[start : start + batch_size]
         if sliced:
             t = torch.from_numpy(part)
             yield [x[t] for x in dataset.tensors]
@@ -139,12 +142,12 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                 if loss.dim() != 1:
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")
                 if loss.numel():
-                    loss.sum().backward()        # "sum": each example's own loss gradient
+                    loss.sum().backward()  # "sum": each example's own loss gradient
                     norms.append(keeper.norms().detach().double().cpu())
                 losses.append(loss.detach().double().cpu())
                 keeper.clear()
                 _clear(raw)
-                check_writes()                   # nothing of the released model changed in this batch
+                check_writes()  # nothing of the released model changed in this batch
         _clear(raw)
     if not norms:
         return np.zeros(0), np.zeros(0)

@@ -11,6 +11,7 @@ an entry, and the documentation lists the same table.
 ``opacus.validators.errors.UnsupportedModuleError`` (what Opacus raises, so ``except`` clauses written
 for Opacus catch it) and :class:`~idpsgd.validation.InvalidParameterError` (a ``ValueError``).
 """
+
 from __future__ import annotations
 
 import re
@@ -65,35 +66,53 @@ def _with_subclasses(cls: type) -> list[type]:
     return out
 
 
-POISSON = ("the privacy accounting (the engine's and Opacus's: amplification by subsampling) holds for Poisson "
-           "batches only; the engine always draws them, with per-example rates q_i — batches from your loader's "
-           "own sampler (fixed size, shuffled or sequential) would not be covered by the epsilon reported")
-FLAT = ("each example is clipped at one flat norm c_i over all parameters, the sensitivity the per-example "
-        "accounting and Scale's per-group clip norms rest on; per-layer clipping is not implemented, and adaptive "
-        "clipping (Andrew et al. 2021) spends privacy on a noisy quantile estimate that the accountant does not "
-        "charge")
-WRAP = ("the engine's per-example clip norms, norm passes and book-keeping work through the wrapped module "
-        "(GradSampleModule or the book-keeping wrapper); Opacus 1.6's unwrapped hooks mode is not implemented — "
-        "use the returned module")
-EMPTY = ("an empty Poisson batch keeps your batch structure with zero rows (a noise-only step); filling it with "
-         "random inputs is not implemented (it would change no privacy, only the shapes your model sees)")
+POISSON = (
+    "the privacy accounting (the engine's and Opacus's: amplification by subsampling) holds for Poisson "
+    "batches only; the engine always draws them, with per-example rates q_i — batches from your loader's "
+    "own sampler (fixed size, shuffled or sequential) would not be covered by the epsilon reported"
+)
+FLAT = (
+    "each example is clipped at one flat norm c_i over all parameters, the sensitivity the per-example "
+    "accounting and Scale's per-group clip norms rest on; per-layer clipping is not implemented, and adaptive "
+    "clipping (Andrew et al. 2021) spends privacy on a noisy quantile estimate that the accountant does not "
+    "charge"
+)
+WRAP = (
+    "the engine's per-example clip norms, norm passes and book-keeping work through the wrapped module "
+    "(GradSampleModule or the book-keeping wrapper); Opacus 1.6's unwrapped hooks mode is not implemented — "
+    "use the returned module"
+)
+EMPTY = (
+    "an empty Poisson batch keeps your batch structure with zero rows (a noise-only step); filling it with "
+    "random inputs is not implemented (it would change no privacy, only the shapes your model sees)"
+)
 NO_NOISE = "noise_multiplier=0 adds no noise: no privacy, and no epsilon to report"
-SCHEDULES = ("the engine's plan fixes sigma and the clip norms for the run's budgets (calibration, the privacy "
-             "filter and the reported epsilon assume it); to change them start a new phase with "
-             "make_private_with_parameters, which composes with the earlier ones")
-SAVE_KWARGS = ("checkpoints are written atomically with mode 0600 (they hold the sampler and noise state) and "
-               "loaded with weights_only=True (nothing in the file can run code); other torch.save/torch.load "
-               "arguments would undo that")
-SECURE_SEED = ("secure_mode=True draws every privacy-relevant random number from OS entropy; a seed or a noise "
-               "generator would make the sampling or the noise predictable")
-WHOLE_BATCHES = ("each example's clip norm and its privacy charge belong to the Poisson batch it was drawn in: a "
-                 "step must train on the drawn batch, whole, with one per-sample gradient per example; per-sample "
-                 "gradients of other units (batch_first=True on batch-second data: positions instead of examples, "
-                 "which Opacus clips and accounts as if they were examples), a partial batch or several batches "
-                 "in one step are refused before the noise")
-BUDGET = ("the privacy filter refuses the step (or, at make_private, the plan) that would take a privacy group "
-          "over its budget, before its noise is drawn (filter_action='warn' warns instead); Opacus would train "
-          "on and report the larger epsilon")
+SCHEDULES = (
+    "the engine's plan fixes sigma and the clip norms for the run's budgets (calibration, the privacy "
+    "filter and the reported epsilon assume it); to change them start a new phase with "
+    "make_private_with_parameters, which composes with the earlier ones"
+)
+SAVE_KWARGS = (
+    "checkpoints are written atomically with mode 0600 (they hold the sampler and noise state) and "
+    "loaded with weights_only=True (nothing in the file can run code); other torch.save/torch.load "
+    "arguments would undo that"
+)
+SECURE_SEED = (
+    "secure_mode=True draws every privacy-relevant random number from OS entropy; a seed or a noise "
+    "generator would make the sampling or the noise predictable"
+)
+WHOLE_BATCHES = (
+    "each example's clip norm and its privacy charge belong to the Poisson batch it was drawn in: a "
+    "step must train on the drawn batch, whole, with one per-sample gradient per example; per-sample "
+    "gradients of other units (batch_first=True on batch-second data: positions instead of examples, "
+    "which Opacus clips and accounts as if they were examples), a partial batch or several batches "
+    "in one step are refused before the noise"
+)
+BUDGET = (
+    "the privacy filter refuses the step (or, at make_private, the plan) that would take a privacy group "
+    "over its budget, before its noise is drawn (filter_action='warn' warns instead); Opacus would train "
+    "on and report the larger epsilon"
+)
 
 #: Every Opacus option the engine refuses, with why (the documentation prints this table).
 REFUSALS: tuple[Refusal, ...] = (
@@ -102,21 +121,36 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("wrap_model=False", WRAP, r"^wrap_model=False is invalid"),
     Refusal("rand_on_empty=True", EMPTY, r"^rand_on_empty=True is invalid"),
     Refusal("noise_multiplier=0", NO_NOISE, r"^noise_multiplier=0(\.0*)? is invalid"),
-    Refusal("noise_scheduler= / grad_clip_scheduler=", SCHEDULES,
-            r"^(noise_scheduler|grad_clip_scheduler)=\S+ is invalid: is not supported"),
+    Refusal(
+        "noise_scheduler= / grad_clip_scheduler=",
+        SCHEDULES,
+        r"^(noise_scheduler|grad_clip_scheduler)=\S+ is invalid: is not supported",
+    ),
     Refusal("torch_save_kwargs= / torch_load_kwargs=", SAVE_KWARGS, r"^torch_(save|load)_kwargs=.* is invalid"),
-    Refusal("secure_mode=True with a seed or noise_generator", SECURE_SEED,
-            r"^(seed|noise_generator)=.* is invalid: must not be given in secure mode"),
-    Refusal("per-sample gradients that are not the drawn batch's examples (wrong batch_first, partial batches)",
-            WHOLE_BATCHES, r"(trained on only part of a drawn batch|trained on a batch while|per-sample gradients "
-                           r"but only \d+ drawn examples)", BatchMismatchError),
-    Refusal("a step or plan beyond a budget", BUDGET, r"would take a privacy group over its budget",
-            PrivacyBudgetExceeded),
+    Refusal(
+        "secure_mode=True with a seed or noise_generator",
+        SECURE_SEED,
+        r"^(seed|noise_generator)=.* is invalid: must not be given in secure mode",
+    ),
+    Refusal(
+        "per-sample gradients that are not the drawn batch's examples (wrong batch_first, partial batches)",
+        WHOLE_BATCHES,
+        r"(trained on only part of a drawn batch|trained on a batch while|per-sample gradients "
+        r"but only \d+ drawn examples)",
+        BatchMismatchError,
+    ),
+    Refusal(
+        "a step or plan beyond a budget", BUDGET, r"would take a privacy group over its budget", PrivacyBudgetExceeded
+    ),
 )
 
 #: Opacus keywords with one honourable value: name -> (that value, the refusal's reason).
-OPACUS_ONLY = {"poisson_sampling": (True, POISSON), "clipping": ("flat", FLAT), "wrap_model": (True, WRAP),
-               "rand_on_empty": (False, EMPTY)}
+OPACUS_ONLY = {
+    "poisson_sampling": (True, POISSON),
+    "clipping": ("flat", FLAT),
+    "wrap_model": (True, WRAP),
+    "rand_on_empty": (False, EMPTY),
+}
 
 
 def refuse_opacus_options(**given) -> None:
@@ -135,5 +169,11 @@ def refusal_for(error: BaseException) -> Refusal | None:
     return next((r for r in REFUSALS if r.matches(line)), None)
 
 
-__all__ = ["OPACUS_PARAMETER_MISMATCH", "REFUSALS", "Refusal", "UnsupportedModuleError", "refuse_opacus_options",
-           "refusal_for"]
+__all__ = [
+    "OPACUS_PARAMETER_MISMATCH",
+    "REFUSALS",
+    "Refusal",
+    "UnsupportedModuleError",
+    "refusal_for",
+    "refuse_opacus_options",
+]

@@ -26,10 +26,11 @@ protocol of ``GradScaler.step`` (``_step_supports_amp_scaling``: the scaler hand
 :meth:`step`, which divides the per-example gradients by it before clipping) and refused in the
 other modes (see :meth:`_PrivacyHooks.loss_scale`).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
@@ -48,19 +49,36 @@ class _PrivacyHooks:
     #: ``GradScaler.step(optimizer)`` calls :meth:`step` itself, with ``grad_scale``/``found_inf`` set
     _step_supports_amp_scaling = True
 
-    def __init__(self, optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 clipping: PerExampleClipping, expected_batch_size: float, loss_reduction: str = "mean",
-                 generator=None, secure_mode: bool = False, **kwargs):
+    def __init__(
+        self,
+        optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        clipping: PerExampleClipping,
+        expected_batch_size: float,
+        loss_reduction: str = "mean",
+        generator=None,
+        secure_mode: bool = False,
+        **kwargs,
+    ):
         _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
-        super().__init__(optimizer, noise_multiplier=float(noise_multiplier), max_grad_norm=float(max_grad_norm),
-                         expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
-                         generator=generator, secure_mode=secure_mode, **kwargs)
+        super().__init__(
+            optimizer,
+            noise_multiplier=float(noise_multiplier),
+            max_grad_norm=float(max_grad_norm),
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=generator,
+            secure_mode=secure_mode,
+            **kwargs,
+        )
         self._init_privacy_hooks(clipping)
 
     def _init_privacy_hooks(self, clipping: PerExampleClipping) -> None:
         self.clipping = clipping
-        self.guard: Callable[["_PrivacyHooks"], None] | None = None
-        self.post_step_hooks: list[Callable[["_PrivacyHooks"], None]] = []
+        self.guard: Callable[[_PrivacyHooks], None] | None = None
+        self.post_step_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self.refusal_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self._noised = False
         self._loss_scale = 1.0
@@ -94,15 +112,15 @@ class _PrivacyHooks:
 
     def add_noise(self):
         try:
-            self.clipping.queue.finish_step()       # exactly the drawn batch(es), whole
+            self.clipping.queue.finish_step()  # exactly the drawn batch(es), whole
             if self.guard is not None:
                 self.guard(self)
-        except BaseException:                       # a refused step: its examples are dropped and its
-            self.clipping.end_step()                # raw (unclipped, un-noised) gradients cleared
+        except BaseException:  # a refused step: its examples are dropped and its
+            self.clipping.end_step()  # raw (unclipped, un-noised) gradients cleared
             self.zero_grad(set_to_none=True)
             raise
         std = self.noise_multiplier * self.max_grad_norm
-        for p in self.params:                   # Opacus's add_noise, with the noise source of our mode
+        for p in self.params:  # Opacus's add_noise, with the noise source of our mode
             _check_processed_flag(p.summed_grad)
             p.grad = (p.summed_grad + gaussian_like(std, p.summed_grad, self.generator, self.secure_mode)).view_as(p)
             _mark_as_processed(p.summed_grad)
@@ -116,13 +134,15 @@ class _PrivacyHooks:
         parameters have no autograd gradient; :meth:`~.bookkeeping.BookKeeper.mark_for_grad_scaler`),
         so its scale depends on the step count only; overflowed examples are left out of the
         clipped sum instead of skipping the step (:meth:`~.bookkeeping.BookKeeper.norms`)."""
-        if getattr(self, "found_inf", None) is None:     # not called by a GradScaler
+        if getattr(self, "found_inf", None) is None:  # not called by a GradScaler
             return 1.0
         error = self._grad_scaler_refusal()
         if error is None and getattr(self, "grad_scale", None) is None:
-            error = ("scaler.unscale_(optimizer) was called before scaler.step(optimizer): the private optimizer "
-                     "divides the per-example gradients by the scale itself and cannot learn it afterwards; do not "
-                     "call unscale_ (per-example clipping replaces clip_grad_norm_)")
+            error = (
+                "scaler.unscale_(optimizer) was called before scaler.step(optimizer): the private optimizer "
+                "divides the per-example gradients by the scale itself and cannot learn it afterwards; do not "
+                "call unscale_ (per-example clipping replaces clip_grad_norm_)"
+            )
         if error is not None:
             self.clipping.end_step()
             self.zero_grad(set_to_none=True)
@@ -130,10 +150,12 @@ class _PrivacyHooks:
         return float(self.grad_scale)
 
     def _grad_scaler_refusal(self) -> str | None:
-        return ("a torch.amp.GradScaler is supported with grad_sample_mode='bk' only: in this mode the scaler checks "
-                "the summed, un-clipped gradient for overflow and adapts its scale to it, so the scale (which decides "
-                "which examples overflow) would depend on the private data; use grad_sample_mode='bk', or bfloat16 "
-                "autocast without a GradScaler")
+        return (
+            "a torch.amp.GradScaler is supported with grad_sample_mode='bk' only: in this mode the scaler checks "
+            "the summed, un-clipped gradient for overflow and adapts its scale to it, so the scale (which decides "
+            "which examples overflow) would depend on the private data; use grad_sample_mode='bk', or bfloat16 "
+            "autocast without a GradScaler"
+        )
 
     def step(self, closure=None):
         try:
@@ -156,8 +178,9 @@ class _PrivacyHooks:
 
 def _check_noise(noise_multiplier, max_grad_norm, expected_batch_size):
     if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
-        raise InvalidParameterError("noise_multiplier", noise_multiplier, "must be > 0 and finite "
-                                    "(0 adds no noise: no privacy)")
+        raise InvalidParameterError(
+            "noise_multiplier", noise_multiplier, "must be > 0 and finite (0 adds no noise: no privacy)"
+        )
     check_positive(max_grad_norm, "max_grad_norm")
     check_positive(expected_batch_size, "expected_batch_size")
 
@@ -177,7 +200,7 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         return any(getattr(p, "grad_sample", None) is not None for p in self.params)
 
     def pre_step(self, closure=None):
-        if self._noise_only():                    # an empty batch without a backward pass: zero rows
+        if self._noise_only():  # an empty batch without a backward pass: zero rows
             for p in self.params:
                 p.grad_sample = p.new_zeros((0, *p.shape))
         return super().pre_step(closure)
@@ -185,14 +208,15 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
     def clip_and_accumulate(self):
         """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
         samples = self.grad_samples
-        if len(samples[0]) == 0:                  # empty Poisson batch: a noise-only step
+        if len(samples[0]) == 0:  # empty Poisson batch: a noise-only step
             norms = torch.zeros((0,), device=samples[0].device)
-        else:                                     # (half-precision per-sample gradients: norms in float32)
-            per_param = [torch.linalg.vector_norm(g.reshape(len(g), -1), dim=-1, dtype=_acc_dtype(g.dtype))
-                         for g in samples]
+        else:  # (half-precision per-sample gradients: norms in float32)
+            per_param = [
+                torch.linalg.vector_norm(g.reshape(len(g), -1), dim=-1, dtype=_acc_dtype(g.dtype)) for g in samples
+            ]
             device = per_param[0].device
             norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)
-        overflowed = ~torch.isfinite(norms)        # (half precision) norm inf, factor 0, rows zeroed: 0 · inf is nan
+        overflowed = ~torch.isfinite(norms)  # (half precision) norm inf, factor 0, rows zeroed: 0 · inf is nan
         overflowed = overflowed if bool(overflowed.any()) else None
         if overflowed is not None:
             norms = norms.masked_fill(overflowed, float("inf"))
@@ -202,7 +226,8 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
             grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
             if overflowed is not None:
                 grad_sample = grad_sample.masked_fill(
-                    overflowed.to(grad_sample.device).view((-1,) + (1,) * (grad_sample.dim() - 1)), 0)
+                    overflowed.to(grad_sample.device).view((-1,) + (1,) * (grad_sample.dim() - 1)), 0
+                )
             grad = torch.einsum("i,i...", factor.to(device=grad_sample.device, dtype=p.dtype), grad_sample)
             if p.summed_grad is not None:
                 p.summed_grad += grad
@@ -217,7 +242,7 @@ class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFa
     arrives clipped and summed; this optimizer adds the noise and divides by Σ q_i."""
 
     def accumulate(self):
-        for p in self.params:   # an empty batch leaves p.grad None: it contributes zero
+        for p in self.params:  # an empty batch leaves p.grad None: it contributes zero
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         super().accumulate()
@@ -231,17 +256,19 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
     (several physical batches accumulate under ``BatchMemoryManager``), then adds the noise and
     divides by Σ q_i as the other modes do."""
 
-    keeper = None        # the model's BookKeeper (set by the engine)
+    keeper = None  # the model's BookKeeper (set by the engine)
 
     def _grad_scaler_refusal(self) -> str | None:
         if not self.keeper.units:
             return None
-        return (f"a torch.amp.GradScaler needs every trainable layer on a book-keeping rule: the fallback layers "
-                f"({', '.join(u.name for u in self.keeper.units)}) get autograd gradients, which the scaler would "
-                "check for overflow (a scale that depends on the private data); see the module's layer_paths")
+        return (
+            f"a torch.amp.GradScaler needs every trainable layer on a book-keeping rule: the fallback layers "
+            f"({', '.join(u.name for u in self.keeper.units)}) get autograd gradients, which the scaler would "
+            "check for overflow (a scale that depends on the private data); see the module's layer_paths"
+        )
 
     def zero_grad(self, set_to_none: bool = False):
-        self.keeper.clear()          # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
+        self.keeper.clear()  # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
         super().zero_grad(set_to_none)
 
     def _recorded_any(self) -> bool:
@@ -250,7 +277,7 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
     def accumulate(self):
         keeper = self.keeper
         try:
-            if self._noise_only():              # an empty batch without a backward pass: no norms, zero sum
+            if self._noise_only():  # an empty batch without a backward pass: no norms, zero sum
                 ref = self.params[0]
                 norms = torch.zeros(0, dtype=ref.dtype, device=ref.device)
             else:
@@ -264,12 +291,17 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
             g = sums.get(p)
             if g is None:
                 g = torch.zeros_like(p)
-            p.grad = None                # a fallback layer's un-clipped autograd sum is discarded
+            p.grad = None  # a fallback layer's un-clipped autograd sum is discarded
             if p.summed_grad is not None:
                 p.summed_grad.add_(g.to(p.summed_grad.dtype))
             else:
                 p.summed_grad = g.to(p.dtype)
 
 
-OPTIMIZERS = {"hooks": IndividualizedDPOptimizer, "functorch": IndividualizedDPOptimizer, "ew": IndividualizedDPOptimizer,
-              "ghost": IndividualizedDPOptimizerFastGradientClipping, "bk": IndividualizedDPOptimizerBookKeeping}
+OPTIMIZERS = {
+    "hooks": IndividualizedDPOptimizer,
+    "functorch": IndividualizedDPOptimizer,
+    "ew": IndividualizedDPOptimizer,
+    "ghost": IndividualizedDPOptimizerFastGradientClipping,
+    "bk": IndividualizedDPOptimizerBookKeeping,
+}

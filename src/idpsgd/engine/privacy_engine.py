@@ -45,6 +45,7 @@ and its randomness (without a seed the engine follows torch's RNG).  Opacus opti
 cannot honour are refused with an error that says why: the one table of them is
 :data:`~.opacus_compat.REFUSALS`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -57,23 +58,31 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets, assign
 from ..validation import InvalidParameterError, check_epsilon, check_positive, check_positive_array, check_sample_rate
-from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from . import distributed
+from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from .clipping import PerExampleClipping
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
 from .opacus_compat import OPACUS_PARAMETER_MISMATCH, refuse_opacus_options
 from .optimizer import OPTIMIZERS, _check_noise
-from .randomness import (SECURE_RNG_WARNING, DeferredGenerator, DeferredUniform,
-                         noise_generator as make_noise_generator, resolve_seed, sampler_rng, seed_from_torch)
+from .randomness import (
+    SECURE_RNG_WARNING,
+    DeferredGenerator,
+    DeferredUniform,
+    resolve_seed,
+    sampler_rng,
+    seed_from_torch,
+)
+from .randomness import noise_generator as make_noise_generator
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
 
-FILTERS = ("group", "individual", None)   # individual: engine/filter.py (Feldman & Zrnic 2021)
+FILTERS = ("group", "individual", None)  # individual: engine/filter.py (Feldman & Zrnic 2021)
 FILTER_ACTIONS = ("raise", "warn")
 METHODS = ("uniform", "sample", "scale")
 
-GUARANTEE = ("data-independent individual (epsilon_p, delta)-DP for every example of group p "
-             "(Boenisch et al. 2023, eq. 3)")
+GUARANTEE = (
+    "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
+)
 
 
 def steps_per_epoch_for(sample_rates) -> int:
@@ -123,25 +132,25 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
-        self._follow_torch = seed is None and not self.secure_mode    # seed drawn from torch at the first draw
+        self._follow_torch = seed is None and not self.secure_mode  # seed drawn from torch at the first draw
         self.seed = None if self._follow_torch else resolve_seed(seed, self.secure_mode)
-        self.sampler_seed = self.seed            # the Poisson sampler's (the loader generator's when followed)
+        self.sampler_seed = self.seed  # the Poisson sampler's (the loader generator's when followed)
         self._loader_generator = None
         if not self.secure_mode and distributed.is_main_process():
             warnings.warn(SECURE_RNG_WARNING, UserWarning, stacklevel=2)
-        self._seed_given = seed is not None       # a drawn seed yields to a checkpoint's on load
+        self._seed_given = seed is not None  # a drawn seed yields to a checkpoint's on load
         self.accountant: GroupAccountant | None = None
         self.budgets: Budgets | None = None
         self.module = self.optimizer = self.data_loader = self.criterion = None
         self.clipping: PerExampleClipping | None = None
-        self.parameters: dict | None = None      # the current phase's σ, c, q_i, c_i, planned steps
-        self.individual = None                   # IndividualTracker when individual accounting is on
-        self.filter = None                       # IndividualFilter with privacy_filter="individual"
+        self.parameters: dict | None = None  # the current phase's σ, c, q_i, c_i, planned steps
+        self.individual = None  # IndividualTracker when individual accounting is on
+        self.filter = None  # IndividualFilter with privacy_filter="individual"
         self.privacy_filter, self.filter_action = "group", "raise"
         self._sampler_rng = None
         self._noise = None
         self._warned = False
-        self._writes, self._trainable = None, {}      # set by make_private (.integrity)
+        self._writes, self._trainable = None, {}  # set by make_private (.integrity)
 
     # --- public state ---------------------------------------------------------------------
     @property
@@ -174,10 +183,12 @@ class IndividualizedPrivacyEngine:
         if self.filter is None:
             return self.accountant.get_epsilon(delta)
         # individual filter: min(data-independent ε, the filter's guarantee), per group
-        eps = self._filter_group_max(np.minimum(self.accountant.individual_epsilons(delta),
-                                                self.filter.guarantee_epsilons(delta)))
-        return GroupEpsilons(eps, self.accountant.values, self.accountant.counts, delta, self.accountant_name,
-                             self.steps)
+        eps = self._filter_group_max(
+            np.minimum(self.accountant.individual_epsilons(delta), self.filter.guarantee_epsilons(delta))
+        )
+        return GroupEpsilons(
+            eps, self.accountant.values, self.accountant.counts, delta, self.accountant_name, self.steps
+        )
 
     @property
     def history(self) -> list[list[tuple[float, float, int]]]:
@@ -210,7 +221,7 @@ class IndividualizedPrivacyEngine:
         ``engine.individual.kind`` and ``engine.individual.kind_reason``."""
         self._require()
         eps = self.accountant.individual_epsilons(delta)
-        if self.filter is not None:   # individual filter: its realized ε at each example's order (≤ budget)
+        if self.filter is not None:  # individual filter: its realized ε at each example's order (≤ budget)
             return np.minimum(eps, self.filter.realized_epsilons(delta))
         if self.individual is not None and self.individual.kind == "guarantee":
             eps = np.minimum(eps, self.individual.epsilons(self._delta(delta)))
@@ -241,12 +252,19 @@ class IndividualizedPrivacyEngine:
         eps = self.get_epsilon(delta).per_group
         p = self.parameters
         out = []
-        for g, (value, count) in enumerate(zip(self.accountant.values, self.accountant.counts)):
+        for g, (value, count) in enumerate(zip(self.accountant.values, self.accountant.counts, strict=True)):
             members = self.accountant.group_of == g
             q, c = p["sample_rates"][members], p["clip_norms"][members]
-            out.append({"budget": float(value), "count": int(count), "sample_rate": float(q.max()),
-                        "clip_norm": float(c.max()), "noise_multiplier": float(p["noise_multiplier"] * p["max_grad_norm"] / c.max()),
-                        "epsilon": float(eps[g])})
+            out.append(
+                {
+                    "budget": float(value),
+                    "count": int(count),
+                    "sample_rate": float(q.max()),
+                    "clip_norm": float(c.max()),
+                    "noise_multiplier": float(p["noise_multiplier"] * p["max_grad_norm"] / c.max()),
+                    "epsilon": float(eps[g]),
+                }
+            )
         return out
 
     def enable_individual_accounting(self, options=None, per_sample_loss=None, seed: int | None = None):
@@ -256,10 +274,14 @@ class IndividualizedPrivacyEngine:
         from .individual import IndividualTracker
 
         if self.filter is not None:
-            raise InvalidParameterError("individual_accounting", True, "cannot be combined with the individual "
-                                        "filter (the filter already accounts every example individually)")
+            raise InvalidParameterError(
+                "individual_accounting",
+                True,
+                "cannot be combined with the individual "
+                "filter (the filter already accounts every example individually)",
+            )
         self.individual = IndividualTracker(options, per_sample_loss, self._draw_seed() if seed is None else seed)
-        self._individual_seed_follows = seed is None and not self._seed_given   # re-drawn from a loaded seed
+        self._individual_seed_follows = seed is None and not self._seed_given  # re-drawn from a loaded seed
         if self.accountant is not None:
             if self.steps:
                 raise RuntimeError("enable individual accounting before the first step")
@@ -297,8 +319,9 @@ class IndividualizedPrivacyEngine:
     def _draw_sampler_seed(self) -> int | None:
         """The Poisson sampler's seed: the engine's, or drawn now from the data loader's generator."""
         if self.sampler_seed is None and self._follow_torch:
-            self.sampler_seed = (seed_from_torch(self._loader_generator) if self._loader_generator is not None
-                                 else self._draw_seed())
+            self.sampler_seed = (
+                seed_from_torch(self._loader_generator) if self._loader_generator is not None else self._draw_seed()
+            )
         return self.sampler_seed
 
     def _new_sampler_rng(self):
@@ -312,14 +335,31 @@ class IndividualizedPrivacyEngine:
         return make_noise_generator(device, self.seed, self.secure_mode)
 
     # --- make_private ---------------------------------------------------------------------
-    def make_private(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     budgets=None, method: str | None = None, target_delta: float | None = None,
-                     epochs: int | None = None, steps: int | None = None, max_grad_norm: float = 1.0,
-                     sample_rate: float | None = None, noise_multiplier: float | None = None,
-                     criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
-                     poisson_sampling: bool = True, clipping: str = "flat", noise_generator=None,
-                     grad_sample_mode: str = "hooks", wrap_model: bool = True, rand_on_empty: bool = False,
-                     **kwargs):
+    def make_private(
+        self,
+        *,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        budgets=None,
+        method: str | None = None,
+        target_delta: float | None = None,
+        epochs: int | None = None,
+        steps: int | None = None,
+        max_grad_norm: float = 1.0,
+        sample_rate: float | None = None,
+        noise_multiplier: float | None = None,
+        criterion=None,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        noise_generator=None,
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+        rand_on_empty: bool = False,
+        **kwargs,
+    ):
         """Wrap for training: calibrated to per-example ``budgets``, or with one ``noise_multiplier``.
 
         **With budgets** (idpsgd): per-example rates / clip norms and σ are calibrated so that each
@@ -354,56 +394,112 @@ class IndividualizedPrivacyEngine:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
             with ``grad_sample_mode="ghost"`` (as Opacus).
         """
-        refuse_opacus_options(poisson_sampling=poisson_sampling, clipping=clipping, wrap_model=wrap_model,
-                              rand_on_empty=rand_on_empty, **kwargs)
-        opts = dict(criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
-                    noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, **kwargs)
+        refuse_opacus_options(
+            poisson_sampling=poisson_sampling,
+            clipping=clipping,
+            wrap_model=wrap_model,
+            rand_on_empty=rand_on_empty,
+            **kwargs,
+        )
+        opts = dict(
+            criterion=criterion,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            noise_generator=noise_generator,
+            grad_sample_mode=grad_sample_mode,
+            **kwargs,
+        )
         n = self._dataset_size(data_loader)
         q = self._sample_rate(data_loader, n, sample_rate)
         spe = steps_per_epoch_for(q)
-        if noise_multiplier is not None:                         # Opacus's make_private: one σ for everyone
+        if noise_multiplier is not None:  # Opacus's make_private: one σ for everyone
             if method is not None:
-                raise InvalidParameterError("method", method, "is calibrated from budgets; with noise_multiplier "
-                                            "every example has the one σ, rate and clip norm (leave method out)")
+                raise InvalidParameterError(
+                    "method",
+                    method,
+                    "is calibrated from budgets; with noise_multiplier "
+                    "every example has the one σ, rate and clip norm (leave method out)",
+                )
             planned = None if epochs is None and steps is None else self._planned_steps(epochs, steps, spe)
             if budgets is None:
-                if opts.get("privacy_filter", None) is not None:
-                    raise InvalidParameterError("privacy_filter", opts["privacy_filter"], "needs budgets to filter "
-                                                "against; give budgets= (or leave privacy_filter out)")
+                if opts.get("privacy_filter") is not None:
+                    raise InvalidParameterError(
+                        "privacy_filter",
+                        opts["privacy_filter"],
+                        "needs budgets to filter against; give budgets= (or leave privacy_filter out)",
+                    )
                 opts["privacy_filter"] = None
             else:
                 budgets = self._budgets(budgets, target_delta, n)
             check_positive(max_grad_norm, "max_grad_norm")
             return self.make_private_with_parameters(
-                module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
-                target_delta=target_delta if budgets is None else None, sample_rates=np.full(n, q),
-                clip_norms=np.full(n, float(max_grad_norm)), noise_multiplier=noise_multiplier,
-                max_grad_norm=max_grad_norm, steps=planned, steps_per_epoch=spe, **opts)
+                module=module,
+                optimizer=optimizer,
+                data_loader=data_loader,
+                budgets=budgets,
+                target_delta=target_delta if budgets is None else None,
+                sample_rates=np.full(n, q),
+                clip_norms=np.full(n, float(max_grad_norm)),
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                steps=planned,
+                steps_per_epoch=spe,
+                **opts,
+            )
         method = "sample" if method is None else method
         if method not in METHODS:
             raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
         if budgets is None:
-            raise InvalidParameterError("budgets", None, "give per-example budgets (a Budgets or an array with "
-                                        "target_delta), or noise_multiplier= for one σ (Opacus's make_private), or "
-                                        "use make_private_with_epsilon for one target epsilon")
+            raise InvalidParameterError(
+                "budgets",
+                None,
+                "give per-example budgets (a Budgets or an array with "
+                "target_delta), or noise_multiplier= for one σ (Opacus's make_private), or "
+                "use make_private_with_epsilon for one target epsilon",
+            )
         budgets = self._budgets(budgets, target_delta, n)
         planned = self._planned_steps(epochs, steps, spe)
         a = assign(budgets, method, q, planned, max_grad_norm, self.accountant_name)
         self.assignment = a
         return self.make_private_with_parameters(
-            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
-            sample_rates=a.sample_rates, clip_norms=a.clip_norms, noise_multiplier=a.noise_multiplier,
-            max_grad_norm=a.clip_norm, steps=planned, steps_per_epoch=spe, **opts)
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            budgets=budgets,
+            sample_rates=a.sample_rates,
+            clip_norms=a.clip_norms,
+            noise_multiplier=a.noise_multiplier,
+            max_grad_norm=a.clip_norm,
+            steps=planned,
+            steps_per_epoch=spe,
+            **opts,
+        )
 
-    def make_private_with_epsilon(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                  data_loader: DataLoader, target_epsilon: float | None = None,
-                                  target_delta: float | None = None, epochs: int | None = None,
-                                  max_grad_norm: float, budgets=None, method: str | None = None,
-                                  steps: int | None = None, sample_rate: float | None = None,
-                                  epsilon_tolerance: float | None = None, criterion=None, batch_first: bool = True,
-                                  loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
-                                  noise_generator=None, grad_sample_mode: str = "hooks", wrap_model: bool = True,
-                                  **kwargs):
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        epochs: int | None = None,
+        max_grad_norm: float,
+        budgets=None,
+        method: str | None = None,
+        steps: int | None = None,
+        sample_rate: float | None = None,
+        epsilon_tolerance: float | None = None,
+        criterion=None,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        noise_generator=None,
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+        **kwargs,
+    ):
         """Opacus's ``make_private_with_epsilon``: calibrate σ so that training for ``epochs`` spends
         ``(target_epsilon, target_delta)`` — and, with ``budgets=``, per-example budgets instead.
 
@@ -415,8 +511,9 @@ class IndividualizedPrivacyEngine:
 
         Differences from Opacus, by design: the calibration lands within 1e-4·target below the
         target (Opacus's search: within ``epsilon_tolerance`` = 0.01), ``steps=`` may replace
-        ``epochs``, and the privacy filter refuses any step beyond the budgets.  ``epsilon_tolerance`` (Opacus's search tolerance) is
-        honoured when it is at least the calibration's 1e-4·target (always met), refused below.
+        ``epochs``, and the privacy filter refuses any step beyond the budgets.  ``epsilon_tolerance``
+        (Opacus's search tolerance) is honoured when it is at least the calibration's 1e-4·target
+        (always met), refused below.
         Everything else as :meth:`make_private`.
         """
         n = self._dataset_size(data_loader)
@@ -431,28 +528,67 @@ class IndividualizedPrivacyEngine:
         else:
             budgets = self._budgets(budgets, target_delta, n)
             if target_epsilon is not None and float(target_epsilon) < float(budgets.epsilons.max()) * (1 - 1e-12):
-                raise InvalidParameterError("target_epsilon", target_epsilon, f"is below the largest budget "
-                                            f"{budgets.epsilons.max():g}: with budgets= every example spends its own "
-                                            "budget, so target_epsilon (if given) must be >= every budget")
+                raise InvalidParameterError(
+                    "target_epsilon",
+                    target_epsilon,
+                    f"is below the largest budget "
+                    f"{budgets.epsilons.max():g}: with budgets= every example spends its own "
+                    "budget, so target_epsilon (if given) must be >= every budget",
+                )
         if epsilon_tolerance is not None:
             tol = float(epsilon_tolerance)
             if not tol >= 1e-4 * float(budgets.epsilons.max()):
-                raise InvalidParameterError("epsilon_tolerance", epsilon_tolerance, "must be >= 1e-4 x the target "
-                                            "(the calibration lands within [(1 - 1e-4) target, target])")
+                raise InvalidParameterError(
+                    "epsilon_tolerance",
+                    epsilon_tolerance,
+                    "must be >= 1e-4 x the target (the calibration lands within [(1 - 1e-4) target, target])",
+                )
         return self.make_private(
-            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
-            epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate, criterion=criterion,
-            batch_first=batch_first, loss_reduction=loss_reduction, poisson_sampling=poisson_sampling,
-            clipping=clipping, noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
-            wrap_model=wrap_model, **kwargs)
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            budgets=budgets,
+            method=method,
+            epochs=epochs,
+            steps=steps,
+            max_grad_norm=max_grad_norm,
+            sample_rate=sample_rate,
+            criterion=criterion,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            poisson_sampling=poisson_sampling,
+            clipping=clipping,
+            noise_generator=noise_generator,
+            grad_sample_mode=grad_sample_mode,
+            wrap_model=wrap_model,
+            **kwargs,
+        )
 
     def make_private_with_parameters(
-            self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-            budgets, sample_rates, clip_norms, noise_multiplier: float, max_grad_norm: float,
-            steps: int | None = None, steps_per_epoch: int | None = None, target_delta: float | None = None,
-            expected_batch_size: float | None = None, grad_sample_mode: str = "hooks", criterion=None,
-            batch_first: bool = True, loss_reduction: str = "mean", privacy_filter: str | None = "group",
-            filter_action: str = "raise", noise_generator=None, filter_options=None, per_sample_loss=None):
+        self,
+        *,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        budgets,
+        sample_rates,
+        clip_norms,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        target_delta: float | None = None,
+        expected_batch_size: float | None = None,
+        grad_sample_mode: str = "hooks",
+        criterion=None,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        privacy_filter: str | None = "group",
+        filter_action: str = "raise",
+        noise_generator=None,
+        filter_options=None,
+        per_sample_loss=None,
+    ):
         """Wrap for training with explicit per-example parameters (a phase of a recipe).
 
         Example i is sampled with ``sample_rates[i]`` (0: not in this phase, not charged) and
@@ -480,21 +616,29 @@ class IndividualizedPrivacyEngine:
         c = np.asarray(clip_norms, dtype=float).ravel()
         for name, arr in (("sample_rates", q), ("clip_norms", c)):
             if arr.size != n:
-                raise InvalidParameterError(name, f"{arr.size} values",
-                                            f"need one per example of the data loader's dataset ({n})")
+                raise InvalidParameterError(
+                    name, f"{arr.size} values", f"need one per example of the data loader's dataset ({n})"
+                )
         if not np.any(q > 0):
             raise InvalidParameterError("sample_rates", "all 0", "at least one example must have a rate > 0")
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise InvalidParameterError("grad_sample_mode", grad_sample_mode,
-                                        f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
+            raise InvalidParameterError(
+                "grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"
+            )
         if privacy_filter not in FILTERS:
             raise InvalidParameterError("privacy_filter", privacy_filter, "must be 'group', 'individual' or None")
         if budgets is None and privacy_filter is not None:
-            raise InvalidParameterError("privacy_filter", privacy_filter, "needs budgets to filter against; give "
-                                        "budgets= or privacy_filter=None")
+            raise InvalidParameterError(
+                "privacy_filter",
+                privacy_filter,
+                "needs budgets to filter against; give budgets= or privacy_filter=None",
+            )
         if self.filter is not None:
-            raise InvalidParameterError("privacy_filter", privacy_filter, "this engine's individual filter supports "
-                                        "one-phase runs; use a new IndividualizedPrivacyEngine")
+            raise InvalidParameterError(
+                "privacy_filter",
+                privacy_filter,
+                "this engine's individual filter supports one-phase runs; use a new IndividualizedPrivacyEngine",
+            )
         if filter_action not in FILTER_ACTIONS:
             raise InvalidParameterError("filter_action", filter_action, "must be 'raise' or 'warn'")
         if loss_reduction not in ("mean", "sum"):
@@ -504,24 +648,36 @@ class IndividualizedPrivacyEngine:
         self._check_optimizer(module, optimizer)
         check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
         if self._sampler_rng is None and self._follow_torch:
-            self._loader_generator = data_loader.generator      # the sampler follows it, as Opacus's DPDataLoader
-        ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)   # (rank, W) for DPDDP/DDP
+            self._loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
+        ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)  # (rank, W) for DPDDP/DDP
         check_positive_array(c, "clip_norms")
         if self.accountant is not None and (
-                (self.budgets is None) != (budgets is None)
-                or (budgets is not None and not np.array_equal(self.budgets.epsilons, budgets.epsilons))):
-            raise InvalidParameterError("budgets", repr(budgets), "differ from this engine's earlier phases; "
-                                        "use a new IndividualizedPrivacyEngine for other budgets")
+            (self.budgets is None) != (budgets is None)
+            or (budgets is not None and not np.array_equal(self.budgets.epsilons, budgets.epsilons))
+        ):
+            raise InvalidParameterError(
+                "budgets",
+                repr(budgets),
+                "differ from this engine's earlier phases; use a new IndividualizedPrivacyEngine for other budgets",
+            )
 
         device = _device_of(module)
-        _check_noise(noise_multiplier, max_grad_norm, float(q.sum()) if expected_batch_size is None
-                     else expected_batch_size)
-        if privacy_filter == "individual":   # orders, RDP budgets, checks (engine/filter.py)
+        _check_noise(
+            noise_multiplier, max_grad_norm, float(q.sum()) if expected_batch_size is None else expected_batch_size
+        )
+        if privacy_filter == "individual":  # orders, RDP budgets, checks (engine/filter.py)
             from .filter import prepare_filter
-            new_filter = prepare_filter(self, data_loader, filter_options, per_sample_loss, budgets, q, c,
-                                        noise_multiplier, max_grad_norm)
-        accountant = self.accountant if self.accountant is not None else GroupAccountant(
-            budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None)
+
+            new_filter = prepare_filter(
+                self, data_loader, filter_options, per_sample_loss, budgets, q, c, noise_multiplier, max_grad_norm
+            )
+        accountant = (
+            self.accountant
+            if self.accountant is not None
+            else GroupAccountant(
+                budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None
+            )
+        )
         accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
         fresh = self.accountant is None
         try:
@@ -537,39 +693,55 @@ class IndividualizedPrivacyEngine:
             elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
                 self._noise = self._new_noise_generator(device)
 
-            queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)   # workers prefetch batches
+            queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
             self.clipping = PerExampleClipping(c, queue)
             wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
             wrapped.forbid_grad_accumulation()
             spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
-            sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue) if ranks is None else \
-                distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
+            sampler = (
+                PoissonBatchSampler(q, spe, self._sampler_rng, queue)
+                if ranks is None
+                else distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
+            )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)
             base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
             ebs = float(q.sum()) if expected_batch_size is None else float(expected_batch_size)
             dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
-                base, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=self.clipping,
-                expected_batch_size=ebs / (1 if ranks is None else ranks[1]), loss_reduction=loss_reduction,
-                generator=self._noise, secure_mode=self.secure_mode)   # per rank Σq/W, as Opacus (engine/distributed.py)
-        except BaseException:              # a refused or failed set-up leaves no phase (and no new accountant)
+                base,
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                clipping=self.clipping,
+                expected_batch_size=ebs / (1 if ranks is None else ranks[1]),
+                loss_reduction=loss_reduction,
+                generator=self._noise,
+                secure_mode=self.secure_mode,
+            )  # per rank Σq/W, as Opacus (engine/distributed.py)
+        except BaseException:  # a refused or failed set-up leaves no phase (and no new accountant)
             accountant.discard_phase()
             if fresh:
                 self.budgets = self.accountant = None
             raise
 
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
-        raw = raw_module(wrapped)                 # un-noised writes to the released model are refused (.integrity)
+        raw = raw_module(wrapped)  # un-noised writes to the released model are refused (.integrity)
         self._writes, self._trainable = WriteGuard.attach(raw), trainable_names(raw)
         self._writes.arm()
         dp_opt.post_step_hooks.append(lambda _opt: self._writes.arm())
         dp_opt.refusal_hooks.append(self._after_refusal)
         dp_opt.guard = self._guard
         if grad_sample_mode == "bk":
-            dp_opt.keeper = wrapped.keeper      # book-keeping: the clipped sum comes from the model's keeper
+            dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
         dp_opt.attach_step_hook(lambda _opt: self.accountant.step())
-        self.parameters = {"sample_rates": q, "clip_norms": c, "noise_multiplier": float(noise_multiplier),
-                           "max_grad_norm": float(max_grad_norm), "steps": None if steps is None else int(steps),
-                           "steps_per_epoch": spe, "expected_batch_size": ebs, "grad_sample_mode": grad_sample_mode}
+        self.parameters = {
+            "sample_rates": q,
+            "clip_norms": c,
+            "noise_multiplier": float(noise_multiplier),
+            "max_grad_norm": float(max_grad_norm),
+            "steps": None if steps is None else int(steps),
+            "steps_per_epoch": spe,
+            "expected_batch_size": ebs,
+            "grad_sample_mode": grad_sample_mode,
+        }
         self.module, self.optimizer, self.data_loader = wrapped, dp_opt, loader
         if self.individual is not None:
             self.individual.attach(self)
@@ -577,6 +749,7 @@ class IndividualizedPrivacyEngine:
             self.filter = new_filter.attach(self)
         if grad_sample_mode == "ghost":
             from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
             crit = criterion if criterion is not None else torch.nn.CrossEntropyLoss(reduction=loss_reduction)
             self.criterion = DPLossFastGradientClipping(wrapped, dp_opt, crit, loss_reduction)
             return wrapped, dp_opt, self.criterion, loader
@@ -593,14 +766,21 @@ class IndividualizedPrivacyEngine:
             return
         fits = accountant.max_admissible_steps(planned)
         before = accountant.group_epsilons(extra_steps=0)
-        what = (f"the plan of {planned} steps" if steps is not None else "a step")
-        msg = (f"{what} would take a privacy group over its budget (budgets {accountant.values.tolist()}, spent "
-               f"before this phase {np.round(before, 4).tolist()}); at most {fits} steps of this phase fit")
+        what = f"the plan of {planned} steps" if steps is not None else "a step"
+        msg = (
+            f"{what} would take a privacy group over its budget (budgets {accountant.values.tolist()}, spent "
+            f"before this phase {np.round(before, 4).tolist()}); at most {fits} steps of this phase fit"
+        )
         if filter_action == "raise":
-            raise PrivacyBudgetExceeded(msg + ": plan at most that many steps (steps=/epochs=), add noise, or use "
-                                        "a new IndividualizedPrivacyEngine for a new run")
-        warnings.warn(msg + "; continuing because filter_action='warn' (the reported epsilon will exceed the budget)",
-                      RuntimeWarning, stacklevel=4)
+            raise PrivacyBudgetExceeded(
+                msg + ": plan at most that many steps (steps=/epochs=), add noise, or use "
+                "a new IndividualizedPrivacyEngine for a new run"
+            )
+        warnings.warn(
+            msg + "; continuing because filter_action='warn' (the reported epsilon will exceed the budget)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _guard(self, _optimizer) -> None:
         """Before the noise of each logical step: refuse un-noised writes to the released model and
@@ -624,13 +804,18 @@ class IndividualizedPrivacyEngine:
         if self.privacy_filter is None or self.accountant.can_step():
             return
         eps_now = self.accountant.group_epsilons()
-        msg = (f"privacy filter: step {self.steps + 1} would take a privacy group over its budget "
-               f"(budgets {self.accountant.values.tolist()}, spent so far {np.round(eps_now, 4).tolist()})")
+        msg = (
+            f"privacy filter: step {self.steps + 1} would take a privacy group over its budget "
+            f"(budgets {self.accountant.values.tolist()}, spent so far {np.round(eps_now, 4).tolist()})"
+        )
         if self.filter_action == "raise":
             raise PrivacyBudgetExceeded(msg + "; the step was not taken")
         if not self._warned:
-            warnings.warn(msg + "; continuing because filter_action='warn' (the reported ε will exceed the budget)",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                msg + "; continuing because filter_action='warn' (the reported ε will exceed the budget)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self._warned = True
 
     # --- checks -----------------------------------------------------------------------------
@@ -651,21 +836,29 @@ class IndividualizedPrivacyEngine:
             hint = ""
             if len(budgets) < n and budgets.values.size == len(budgets) and len(budgets) <= 20:
                 shown = ", ".join(f"{v:g}" for v in budgets.epsilons)
-                hint = (f"; for one budget per privacy group use Budgets.from_groups([{shown}], fractions, {n}, "
-                        "delta) (or Budgets.from_class_map / from_csv)")
-            raise InvalidParameterError("budgets", f"{len(budgets)} values",
-                                        f"need one per example of the data loader's dataset ({n}){hint}")
+                hint = (
+                    f"; for one budget per privacy group use Budgets.from_groups([{shown}], fractions, {n}, "
+                    "delta) (or Budgets.from_class_map / from_csv)"
+                )
+            raise InvalidParameterError(
+                "budgets", f"{len(budgets)} values", f"need one per example of the data loader's dataset ({n}){hint}"
+            )
         return budgets
 
     @staticmethod
     def _dataset_size(data_loader) -> int:
         if not isinstance(data_loader, DataLoader):
-            raise InvalidParameterError("data_loader", type(data_loader).__name__, "must be a torch.utils.data.DataLoader")
+            raise InvalidParameterError(
+                "data_loader", type(data_loader).__name__, "must be a torch.utils.data.DataLoader"
+            )
         ds = data_loader.dataset
         if isinstance(ds, IterableDataset):
-            raise InvalidParameterError("data_loader", f"a DataLoader over {type(ds).__name__}",
-                                        "must be over a map-style Dataset (with __len__ and __getitem__): Poisson "
-                                        "sampling needs to pick examples by index")
+            raise InvalidParameterError(
+                "data_loader",
+                f"a DataLoader over {type(ds).__name__}",
+                "must be over a map-style Dataset (with __len__ and __getitem__): Poisson "
+                "sampling needs to pick examples by index",
+            )
         try:
             n = len(ds)
         except TypeError:
@@ -683,11 +876,15 @@ class IndividualizedPrivacyEngine:
         try:
             batches = len(data_loader)
         except TypeError:
-            raise InvalidParameterError("sample_rate", None, "is required when the data loader has no length (a "
-                                        "batch_sampler without __len__)") from None
+            raise InvalidParameterError(
+                "sample_rate", None, "is required when the data loader has no length (a batch_sampler without __len__)"
+            ) from None
         if batches < 1:
-            raise InvalidParameterError("data_loader", f"{batches} batches", "need at least one batch per epoch (a "
-                                        f"batch_size above the {n} examples with drop_last=True?)")
+            raise InvalidParameterError(
+                "data_loader",
+                f"{batches} batches",
+                f"need at least one batch per epoch (a batch_size above the {n} examples with drop_last=True?)",
+            )
         return 1.0 / batches
 
     @staticmethod
@@ -710,10 +907,13 @@ class IndividualizedPrivacyEngine:
         params = list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
         foreign = sum(id(p) not in owned for p in params)
         if foreign:
-            raise InvalidParameterError("optimizer", type(optimizer).__name__,
-                                        f"{OPACUS_PARAMETER_MISMATCH}: {foreign} of its parameter(s) are not the "
-                                        "module's; build it over module.parameters() (after get_compatible_module / "
-                                        "ModuleValidator.fix, which copy the module)")
+            raise InvalidParameterError(
+                "optimizer",
+                type(optimizer).__name__,
+                f"{OPACUS_PARAMETER_MISMATCH}: {foreign} of its parameter(s) are not the "
+                "module's; build it over module.parameters() (after get_compatible_module / "
+                "ModuleValidator.fix, which copy the module)",
+            )
         # a trainable parameter outside the noisy optimizer keeps an un-noised gradient in .grad after each
         # step (the un-clipped sum in hooks/functorch mode, the clipped sum without noise in ghost mode);
         # another optimizer that applies it writes the released model between steps, unseen (.integrity)
@@ -722,11 +922,13 @@ class IndividualizedPrivacyEngine:
         if left:
             shown = ", ".join(repr(n) for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
             raise InvalidParameterError(
-                "optimizer", type(optimizer).__name__,
+                "optimizer",
+                type(optimizer).__name__,
                 f"leaves out the module's trainable parameter(s) {shown}: their gradients would be formed without "
                 "noise, and an update that applies them (a second optimizer) would write the released model "
                 "outside the privacy accounting; build the optimizer over every trainable parameter (parameter "
-                "groups for other learning rates) or freeze them (requires_grad_(False))")
+                "groups for other learning rates) or freeze them (requires_grad_(False))",
+            )
 
     # --- Opacus's module checks -------------------------------------------------------------
     @classmethod
@@ -765,25 +967,38 @@ class IndividualizedPrivacyEngine:
 
         errors = ModuleValidator.validate(module, strict=False)
         if errors:
-            raise UnsupportedModuleError("module", type(module).__name__, "cannot be trained privately by Opacus: "
-                                         + "; ".join(str(e) for e in errors))
+            raise UnsupportedModuleError(
+                "module",
+                type(module).__name__,
+                "cannot be trained privately by Opacus: " + "; ".join(str(e) for e in errors),
+            )
 
     # --- checkpoints ----------------------------------------------------------------------
     def _plan(self) -> dict:
         p = self.parameters
-        return {"steps": p["steps"], "steps_per_epoch": p["steps_per_epoch"],
-                "noise_multiplier": p["noise_multiplier"], "max_grad_norm": p["max_grad_norm"],
-                "sample_rate": float(np.mean(p["sample_rates"])), "expected_batch_size": p["expected_batch_size"]}
+        return {
+            "steps": p["steps"],
+            "steps_per_epoch": p["steps_per_epoch"],
+            "noise_multiplier": p["noise_multiplier"],
+            "max_grad_norm": p["max_grad_norm"],
+            "sample_rate": float(np.mean(p["sample_rates"])),
+            "expected_batch_size": p["expected_batch_size"],
+        }
 
     def state_dict(self) -> dict:
         """Seed, accountant, sampler and noise-generator states and the phase's plan (plain types and
         tensors; in secure mode the generators' states are not saved: a resumed secure run draws
         fresh entropy)."""
         self._require()
-        self._draw_sampler_seed(), self._draw_seed()          # a seed followed from torch is drawn by now
-        state = {"seed": self.seed, "sampler_seed": self.sampler_seed, "secure_mode": self.secure_mode,
-                 "accountant": self.accountant.state_dict(),
-                 "accountant_name": self.accountant_name, "plan": self._plan()}
+        self._draw_sampler_seed(), self._draw_seed()  # a seed followed from torch is drawn by now
+        state = {
+            "seed": self.seed,
+            "sampler_seed": self.sampler_seed,
+            "secure_mode": self.secure_mode,
+            "accountant": self.accountant.state_dict(),
+            "accountant_name": self.accountant_name,
+            "plan": self._plan(),
+        }
         if not self.secure_mode:
             state["sampler"] = self.data_loader.poisson_sampler.state_dict()
             state["noise"] = self._noise.get_state()
@@ -802,18 +1017,24 @@ class IndividualizedPrivacyEngine:
         what to change.  Nothing is changed when the state is refused."""
         self._require()
         if bool(state.get("secure_mode")) != self.secure_mode:
-            raise ValueError(f"the state was saved with secure_mode={bool(state.get('secure_mode'))}: create the "
-                             f"engine with secure_mode={bool(state.get('secure_mode'))} to resume it")
+            raise ValueError(
+                f"the state was saved with secure_mode={bool(state.get('secure_mode'))}: create the "
+                f"engine with secure_mode={bool(state.get('secure_mode'))} to resume it"
+            )
         saved_seed = state.get("seed")
         if not self.secure_mode and saved_seed != self.seed and self._seed_given:
-            raise ValueError("the state was saved by an engine with another seed than the one this engine was "
-                             "created with: create it with the run's seed, or with seed=None (the checkpoint's "
-                             "seed is then used). The seeds are not printed: a seed replays the run's randomness "
-                             "and is private")
+            raise ValueError(
+                "the state was saved by an engine with another seed than the one this engine was "
+                "created with: create it with the run's seed, or with seed=None (the checkpoint's "
+                "seed is then used). The seeds are not printed: a seed replays the run's randomness "
+                "and is private"
+            )
         saved_name = state.get("accountant_name", state["accountant"].get("accountant"))
         if saved_name != self.accountant_name:
-            raise ValueError(f"the state was saved with accountant={saved_name!r}, this engine uses "
-                             f"{self.accountant_name!r}: create it with accountant={saved_name!r} to resume")
+            raise ValueError(
+                f"the state was saved with accountant={saved_name!r}, this engine uses "
+                f"{self.accountant_name!r}: create it with accountant={saved_name!r} to resume"
+            )
         try:
             self.accountant.load_state_dict(state["accountant"])
         except ValueError:
@@ -834,30 +1055,48 @@ class IndividualizedPrivacyEngine:
         now = self._plan()
 
         def show(p):
-            return (f"{p['steps']} planned steps ({p['steps_per_epoch']} per epoch), noise multiplier "
-                    f"{p['noise_multiplier']:.6g}, mean sample rate {p['sample_rate']:.6g}, clip norm "
-                    f"{p['max_grad_norm']:g}")
-        what = (f" (saved: {show(saved)}; now: {show(now)})"
-                if isinstance(saved, dict) and saved.get("steps_per_epoch") is not None else "")
-        return ("cannot resume: the saved state is for other sampling rates, clip norms, noise or examples than the "
-                f"phase make_private set up{what}. Set up make_private exactly as the run that saved it (the same "
-                "budgets, epochs or steps, batch size and max_grad_norm); to train longer than its plan, keep its "
-                "epochs: the privacy filter then admits further steps only while every budget holds")
+            return (
+                f"{p['steps']} planned steps ({p['steps_per_epoch']} per epoch), noise multiplier "
+                f"{p['noise_multiplier']:.6g}, mean sample rate {p['sample_rate']:.6g}, clip norm "
+                f"{p['max_grad_norm']:g}"
+            )
+
+        what = (
+            f" (saved: {show(saved)}; now: {show(now)})"
+            if isinstance(saved, dict) and saved.get("steps_per_epoch") is not None
+            else ""
+        )
+        return (
+            "cannot resume: the saved state is for other sampling rates, clip norms, noise or examples than the "
+            f"phase make_private set up{what}. Set up make_private exactly as the run that saved it (the same "
+            "budgets, epochs or steps, batch size and max_grad_norm); to train longer than its plan, keep its "
+            "epochs: the privacy filter then admits further steps only while every budget holds"
+        )
 
     def _adopt_seed(self, seed: int) -> None:
         """Continue with a checkpoint's seed (this engine's own seed was drawn, not given)."""
         self.seed = seed
         t = self.individual
         if t is not None and getattr(self, "_individual_seed_follows", False) and t.seed != seed:
-            from .individual import IndividualTracker     # its validation subset is drawn from the seed
+            from .individual import IndividualTracker  # its validation subset is drawn from the seed
+
             if t._after_step in self.optimizer.post_step_hooks:
                 self.optimizer.post_step_hooks.remove(t._after_step)
             self.individual = IndividualTracker(t.options, t.per_sample_loss, seed)
             self.individual.attach(self)
 
-    def save_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                        noise_scheduler=None, grad_clip_scheduler=None, checkpoint_dict: dict | None = None,
-                        module_state_dict_kwargs: dict | None = None, torch_save_kwargs: dict | None = None) -> None:
+    def save_checkpoint(
+        self,
+        *,
+        path,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        noise_scheduler=None,
+        grad_clip_scheduler=None,
+        checkpoint_dict: dict | None = None,
+        module_state_dict_kwargs: dict | None = None,
+        torch_save_kwargs: dict | None = None,
+    ) -> None:
         """Opacus's ``save_checkpoint``, with Opacus's keys: ``module_state_dict`` (the module
         unwrapped, so it loads into the wrapped or the plain module), ``optimizer_state_dict``,
         ``privacy_accountant_state_dict`` (:meth:`GroupAccountant.state_dict`, Opacus's ``history``
@@ -869,8 +1108,11 @@ class IndividualizedPrivacyEngine:
         self._require()
         refuse_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
         if torch_save_kwargs:
-            raise InvalidParameterError("torch_save_kwargs", sorted(torch_save_kwargs), "are not supported: the "
-                                        "checkpoint is written by idpsgd.io.save_torch (atomic, mode 0600)")
+            raise InvalidParameterError(
+                "torch_save_kwargs",
+                sorted(torch_save_kwargs),
+                "are not supported: the checkpoint is written by idpsgd.io.save_torch (atomic, mode 0600)",
+            )
         ckpt = dict(checkpoint_dict or {})
         ckpt["module_state_dict"] = raw_module(module).state_dict(**(module_state_dict_kwargs or {}))
         if optimizer is not None:
@@ -880,9 +1122,17 @@ class IndividualizedPrivacyEngine:
         ckpt["privacy_engine_state_dict"] = state
         _write_checkpoint(path, ckpt)
 
-    def load_checkpoint(self, *, path, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                        noise_scheduler=None, grad_clip_scheduler=None, module_load_dict_kwargs: dict | None = None,
-                        torch_load_kwargs: dict | None = None) -> dict:
+    def load_checkpoint(
+        self,
+        *,
+        path,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        noise_scheduler=None,
+        grad_clip_scheduler=None,
+        module_load_dict_kwargs: dict | None = None,
+        torch_load_kwargs: dict | None = None,
+    ) -> dict:
         """Opacus's ``load_checkpoint``, after :meth:`make_private` set up the run as when it was
         saved: restores the engine (with the checkpoint's seed when this engine was created with
         ``seed=None``), the module and the optimizer, and returns what Opacus returns — the
@@ -900,29 +1150,41 @@ class IndividualizedPrivacyEngine:
         self._require()
         refuse_opacus_options(noise_scheduler=noise_scheduler, grad_clip_scheduler=grad_clip_scheduler)
         if torch_load_kwargs:
-            raise InvalidParameterError("torch_load_kwargs", sorted(torch_load_kwargs), "are not supported: the "
-                                        "checkpoint loads with weights_only=True onto the CPU, then into the module")
+            raise InvalidParameterError(
+                "torch_load_kwargs",
+                sorted(torch_load_kwargs),
+                "are not supported: the checkpoint loads with weights_only=True onto the CPU, then into the module",
+            )
         ckpt = _read_checkpoint(path)
         name = path if isinstance(path, (str, os.PathLike)) else type(path).__name__
-        if not isinstance(ckpt, dict) or "module_state_dict" not in ckpt or not (
-                "privacy_engine_state_dict" in ckpt or "privacy_accountant_state_dict" in ckpt):
-            raise CheckpointError(f"{name} is not a privacy engine checkpoint (write it with engine.save_checkpoint "
-                                  "or Opacus's PrivacyEngine.save_checkpoint)")
+        if (
+            not isinstance(ckpt, dict)
+            or "module_state_dict" not in ckpt
+            or not ("privacy_engine_state_dict" in ckpt or "privacy_accountant_state_dict" in ckpt)
+        ):
+            raise CheckpointError(
+                f"{name} is not a privacy engine checkpoint (write it with engine.save_checkpoint "
+                "or Opacus's PrivacyEngine.save_checkpoint)"
+            )
         state = ckpt.pop("privacy_engine_state_dict", None)
         if state is not None:
             state = dict(state)
-            state.setdefault("accountant", ckpt.get("privacy_accountant_state_dict"))   # older checkpoints: inside
+            state.setdefault("accountant", ckpt.get("privacy_accountant_state_dict"))  # older checkpoints: inside
             self.load_state_dict(state)
-        else:                                                   # Opacus's checkpoint: its accountant history only
+        else:  # Opacus's checkpoint: its accountant history only
             self.accountant.load_state_dict(ckpt["privacy_accountant_state_dict"])
         raw_module(module).load_state_dict(_unwrapped(ckpt["module_state_dict"]), **(module_load_dict_kwargs or {}))
         opt_state = ckpt.pop("optimizer_state_dict", None)
         if optimizer is not None and opt_state:
             optimizer.load_state_dict(opt_state)
         elif (optimizer is not None) != bool(opt_state):
-            warnings.warn(f"the checkpoint {'has' if opt_state else 'has no'} optimizer state but optimizer is "
-                          f"{'not ' if optimizer is None else ''}given", UserWarning, stacklevel=2)
-        for key in ("noise_scheduler_state_dict", "grad_clip_scheduler_state_dict"):   # Opacus pops them too
+            warnings.warn(
+                f"the checkpoint {'has' if opt_state else 'has no'} optimizer state but optimizer is "
+                f"{'not ' if optimizer is None else ''}given",
+                UserWarning,
+                stacklevel=2,
+            )
+        for key in ("noise_scheduler_state_dict", "grad_clip_scheduler_state_dict"):  # Opacus pops them too
             ckpt.pop(key, None)
         return ckpt
 
@@ -932,7 +1194,7 @@ def _unwrapped(state: dict) -> dict:
     wrapped module's state; the engine's checkpoints hold the plain module's)."""
     prefix = "_module."
     if state and all(k.startswith(prefix) for k in state):
-        return type(state)((k[len(prefix):], v) for k, v in state.items())
+        return type(state)((k[len(prefix) :], v) for k, v in state.items())
     return state
 
 
@@ -945,8 +1207,9 @@ def _write_checkpoint(path, ckpt: dict) -> None:
     elif hasattr(path, "write"):
         torch.save(to_plain(ckpt), path)
     else:
-        raise InvalidParameterError("path", type(path).__name__, "must be a file path or a binary file object "
-                                    "(e.g. io.BytesIO)")
+        raise InvalidParameterError(
+            "path", type(path).__name__, "must be a file path or a binary file object (e.g. io.BytesIO)"
+        )
 
 
 def _read_checkpoint(path):
@@ -958,14 +1221,16 @@ def _read_checkpoint(path):
     if isinstance(path, (str, os.PathLike)):
         return load_torch(path)
     if not hasattr(path, "read"):
-        raise InvalidParameterError("path", type(path).__name__, "must be a file path or a binary file object "
-                                    "(e.g. io.BytesIO)")
+        raise InvalidParameterError(
+            "path", type(path).__name__, "must be a file path or a binary file object (e.g. io.BytesIO)"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"the {type(path).__name__} does not hold a readable checkpoint ({first[:200]})") \
-            from None
+        raise CheckpointError(
+            f"the {type(path).__name__} does not hold a readable checkpoint ({first[:200]})"
+        ) from None
 
 
 __all__ = ["GUARANTEE", "GroupEpsilons", "IndividualizedPrivacyEngine", "PrivacyBudgetExceeded", "steps_per_epoch_for"]

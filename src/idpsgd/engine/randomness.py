@@ -31,6 +31,7 @@ Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
   ``os.urandom`` through :class:`OsEntropyNormal` — never from a seeded PyTorch generator.
   Nothing about a secure run's randomness is written anywhere.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -45,9 +46,13 @@ def resolve_seed(seed, secure_mode: bool) -> int | None:
     """The seed a run uses: the given one, a fresh recorded one, or None in secure mode."""
     if secure_mode:
         if seed is not None:
-            raise InvalidParameterError("seed", seed, "must not be given in secure mode (secure_mode=True draws "
-                                        "every privacy-relevant random number from OS entropy; a seed would "
-                                        "make the sampling and the noise predictable)")
+            raise InvalidParameterError(
+                "seed",
+                seed,
+                "must not be given in secure mode (secure_mode=True draws "
+                "every privacy-relevant random number from OS entropy; a seed would "
+                "make the sampling and the noise predictable)",
+            )
         return None
     if seed is None:
         return secrets.randbits(63)
@@ -69,17 +74,23 @@ def randomness_note(secure_mode: bool, where: str | None) -> str:
     the seed is recorded privately (``where``, e.g. ``private/seed.json``), with the warning that a
     model meant for release must be trained in secure mode."""
     if secure_mode:
-        return ("secure mode: the Poisson sampling and the noise come from OS entropy (no seed exists; "
-                "the run cannot be replayed)")
-    return (f"not secure mode: the sampling, the noise and the initialisation come from one seed, recorded "
-            f"privately in {where or 'the private part of the result'} (never publish it: with the seed and every "
-            "record but one, anyone can replay the run and compare, which voids the guarantee); the generators "
-            "are not cryptographic, so a model meant for release must be trained in secure mode")
+        return (
+            "secure mode: the Poisson sampling and the noise come from OS entropy (no seed exists; "
+            "the run cannot be replayed)"
+        )
+    return (
+        f"not secure mode: the sampling, the noise and the initialisation come from one seed, recorded "
+        f"privately in {where or 'the private part of the result'} (never publish it: with the seed and every "
+        "record but one, anyone can replay the run and compare, which voids the guarantee); the generators "
+        "are not cryptographic, so a model meant for release must be trained in secure mode"
+    )
 
 
-SECURE_RNG_WARNING = ("Secure RNG turned off. This is perfectly fine for experimentation as it allows for much faster "
-                      "training performance, but remember to turn it on and retrain one last time before production "
-                      "with ``secure_mode`` turned on.")
+SECURE_RNG_WARNING = (
+    "Secure RNG turned off. This is perfectly fine for experimentation as it allows for much faster "
+    "training performance, but remember to turn it on and retrain one last time before production "
+    "with ``secure_mode`` turned on."
+)
 
 
 #: Byte layout of a CPU ``torch.Generator``'s state (ATen's ``CPUGeneratorImplState``): the initial
@@ -89,7 +100,7 @@ _MT_WORDS, _MT_OFFSET = 624, 24
 
 
 def _mt_words(state: np.ndarray) -> np.ndarray:
-    return state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS].view(np.uint64)
+    return state[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS].view(np.uint64)
 
 
 def _full_state_cpu_generator(seed: int) -> torch.Generator:
@@ -101,18 +112,28 @@ def _full_state_cpu_generator(seed: int) -> torch.Generator:
     gen.manual_seed(1)
     state = gen.get_state().numpy().copy()
     words = _mt_words(state)
-    head = np.frombuffer(state[:_MT_OFFSET].tobytes(), dtype=np.dtype([("seed", "=u8"), ("left", "=i4"),
-                                                                         ("seeded", "=i4"), ("next", "=u8")]))[0]
+    head = np.frombuffer(
+        state[:_MT_OFFSET].tobytes(),
+        dtype=np.dtype([("seed", "=u8"), ("left", "=i4"), ("seeded", "=i4"), ("next", "=u8")]),
+    )[0]
     expect_1 = (1812433253 * (1 ^ (1 >> 30)) + 1) & 0xFFFFFFFF
-    if state.size < _MT_OFFSET + 8 * _MT_WORDS or words[0] != 1 or words[1] != expect_1 or head["left"] != 1 \
-            or head["seeded"] != 1 or head["next"] != 0:
-        raise RuntimeError(f"torch {torch.__version__}: unknown CPU generator state layout; cannot seed the noise "
-                           "generator with every bit of the seed (use secure_mode=True, or report this)")
+    if (
+        state.size < _MT_OFFSET + 8 * _MT_WORDS
+        or words[0] != 1
+        or words[1] != expect_1
+        or head["left"] != 1
+        or head["seeded"] != 1
+        or head["next"] != 0
+    ):
+        raise RuntimeError(
+            f"torch {torch.__version__}: unknown CPU generator state layout; cannot seed the noise "
+            "generator with every bit of the seed (use secure_mode=True, or report this)"
+        )
     fresh = np.random.SeedSequence(int(seed)).generate_state(_MT_WORDS, dtype=np.uint32).astype(np.uint64)
-    fresh[0] = 0x80000000            # as numpy's MT19937: the state is never all zeros
+    fresh[0] = 0x80000000  # as numpy's MT19937: the state is never all zeros
     words[:] = fresh
-    state[:8] = np.frombuffer(np.uint64(int(seed) % 2 ** 64).tobytes(), dtype=np.uint8)   # initial_seed()
-    gen.set_state(torch.from_numpy(state))      # left = 1, next = 0: the first draw twists the new state
+    state[:8] = np.frombuffer(np.uint64(int(seed) % 2**64).tobytes(), dtype=np.uint8)  # initial_seed()
+    gen.set_state(torch.from_numpy(state))  # left = 1, next = 0: the first draw twists the new state
     return gen
 
 
@@ -147,7 +168,7 @@ def seed_from_torch(generator: torch.Generator | None = None) -> int:
     g = torch.default_generator if generator is None else generator
     if g.initial_seed() == UNSEEDED:
         return secrets.randbits(63)
-    return int(torch.randint(0, 2 ** 63 - 1, (1,), generator=g, device=g.device, dtype=torch.int64))
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=g, device=g.device, dtype=torch.int64))
 
 
 class Deferred:
@@ -205,7 +226,7 @@ class OsEntropyNormal:
         n = int(np.prod(shape)) if len(shape) else 1
         m = (n + 1) // 2
         u = SecureUniform().random(2 * m).reshape(2, m)
-        r = np.sqrt(-2.0 * np.log1p(-u[0]))          # 1 - u in (0, 1]: log is finite
+        r = np.sqrt(-2.0 * np.log1p(-u[0]))  # 1 - u in (0, 1]: log is finite
         z = np.concatenate([r * np.cos(2 * np.pi * u[1]), r * np.sin(2 * np.pi * u[1])])[:n]
         return torch.from_numpy(z).reshape(tuple(shape))
 
@@ -218,7 +239,8 @@ def noise_generator(device, seed: int | None, secure_mode: bool):
     device = torch.device(device)
     if secure_mode:
         try:
-            import torchcsprng as csprng  # noqa: PLC0415  (optional, as in Opacus)
+            import torchcsprng as csprng
+
             return csprng.create_random_device_generator("/dev/urandom")
         except ImportError:
             return OsEntropyNormal()

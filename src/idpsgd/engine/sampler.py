@@ -14,11 +14,13 @@ order the sampler drew them (also with worker prefetching, which only draws ahea
 Opacus's ``BatchMemoryManager`` splits a logical batch into physical ones in order, so the k-th
 per-sample gradient clipped belongs to the k-th index in the queue.
 """
+
 from __future__ import annotations
 
 import collections
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,8 +47,8 @@ class BatchIndexQueue:
     def __init__(self, strict: bool = True):
         self._parts: collections.deque[np.ndarray] = collections.deque()
         self._size = 0
-        self._partial = False       # the head batch was partly consumed by this step
-        self._consumed = 0          # indices consumed by this step
+        self._partial = False  # the head batch was partly consumed by this step
+        self._consumed = 0  # indices consumed by this step
         self.strict = strict
 
     def __len__(self) -> int:
@@ -61,10 +63,12 @@ class BatchIndexQueue:
         """The next ``n`` indices (a batch, or a physical part of one under BatchMemoryManager)."""
         n = int(n)
         if n > self._size:
-            raise BatchMismatchError(f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
-                                     "examples are waiting: every batch drawn from the private data loader must be "
-                                     "followed by one backward pass and optimizer.step(), with one per-sample "
-                                     "gradient per example (is batch_first right for your data?)")
+            raise BatchMismatchError(
+                f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
+                "examples are waiting: every batch drawn from the private data loader must be "
+                "followed by one backward pass and optimizer.step(), with one per-sample "
+                "gradient per example (is batch_first right for your data?)"
+            )
         out, need = [], n
         while need:
             head = self._parts[0]
@@ -93,16 +97,18 @@ class BatchIndexQueue:
         consumed, partial = self._consumed, self._partial
         self._consumed, self._partial = 0, False
         if consumed == 0 and self._parts and self._parts[0].size == 0:
-            self._parts.popleft()                  # an empty Poisson batch: a noise-only step
+            self._parts.popleft()  # an empty Poisson batch: a noise-only step
         waiting = len(self._parts)
         if partial or (self.strict and waiting):
             self.clear()
             what = "only part of a drawn batch" if partial else f"a batch while {waiting} drawn batch(es) wait"
-            raise BatchMismatchError(f"this step trained on {what}: train on every batch the private data loader "
-                                     "yields, whole and in order, with one optimizer.step() per batch (its "
-                                     "examples' clip norms and privacy accounting depend on it), with one per-sample "
-                                     "gradient per example (is batch_first right for your data?); the step was not "
-                                     "taken")
+            raise BatchMismatchError(
+                f"this step trained on {what}: train on every batch the private data loader "
+                "yields, whole and in order, with one optimizer.step() per batch (its "
+                "examples' clip norms and privacy accounting depend on it), with one per-sample "
+                "gradient per example (is batch_first right for your data?); the step was not "
+                "taken"
+            )
 
     def clear(self) -> None:
         self._parts.clear()
@@ -148,7 +154,7 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         return np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
 
     def __iter__(self):
-        self.queue.clear()            # batches drawn ahead in an abandoned pass are never trained on
+        self.queue.clear()  # batches drawn ahead in an abandoned pass are never trained on
         for _ in range(self.steps):
             idx = self.sample()
             self.queue.push(idx)
@@ -196,9 +202,12 @@ class EmptyBatchCollate:
             shape[0 if self.batch_first or sample.dim() < 2 else 1] = 0
             return sample.new_empty(shape)
         if isinstance(sample, Mapping):
-            return type(sample)({k: self._empty(v) for k, v in sample.items()}) if type(sample) is not dict \
+            return (
+                type(sample)({k: self._empty(v) for k, v in sample.items()})
+                if type(sample) is not dict
                 else {k: self._empty(v) for k, v in sample.items()}
-        if isinstance(sample, tuple) and hasattr(sample, "_fields"):       # namedtuple
+            )
+        if isinstance(sample, tuple) and hasattr(sample, "_fields"):  # namedtuple
             return type(sample)(*(self._empty(v) for v in sample))
         if isinstance(sample, (list, tuple)):
             return type(sample)(self._empty(v) for v in sample)
@@ -207,8 +216,10 @@ class EmptyBatchCollate:
             if shape:
                 shape[0] = 0
             return np.empty(shape, dtype=sample.dtype)
-        raise TypeError(f"a batch holds a {type(sample).__name__}; empty Poisson batches can only be built for "
-                        "tensors, numpy arrays, dicts, lists and tuples of them (return those from collate_fn)")
+        raise TypeError(
+            f"a batch holds a {type(sample).__name__}; empty Poisson batches can only be built for "
+            "tensors, numpy arrays, dicts, lists and tuples of them (return those from collate_fn)"
+        )
 
 
 class PrivateDataLoader(DataLoader):
@@ -221,13 +232,21 @@ class PrivateDataLoader(DataLoader):
             collate = collate.collate_fn
         kwargs = {}
         if data_loader.num_workers > 0:
-            kwargs = {"prefetch_factor": data_loader.prefetch_factor,
-                      "persistent_workers": data_loader.persistent_workers}
-        super().__init__(data_loader.dataset, batch_sampler=sampler,
-                         collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first),
-                         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
-                         timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
-                         multiprocessing_context=data_loader.multiprocessing_context,
-                         generator=data_loader.generator, **kwargs)
+            kwargs = {
+                "prefetch_factor": data_loader.prefetch_factor,
+                "persistent_workers": data_loader.persistent_workers,
+            }
+        super().__init__(
+            data_loader.dataset,
+            batch_sampler=sampler,
+            collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first),
+            num_workers=data_loader.num_workers,
+            pin_memory=data_loader.pin_memory,
+            timeout=data_loader.timeout,
+            worker_init_fn=data_loader.worker_init_fn,
+            multiprocessing_context=data_loader.multiprocessing_context,
+            generator=data_loader.generator,
+            **kwargs,
+        )
         self.poisson_sampler = sampler
         self.sample_rate = sampler.sample_rate

@@ -36,6 +36,7 @@ engine therefore also records dropout modules active in training (:func:`dropout
 Distributed (DPDDP): each rank checks its own examples; :meth:`SensitivityCheck.reduce_step` sums
 the counts and takes the maxima over ranks every step, so every rank holds the same record.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,8 +57,11 @@ def dropout_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     """(name, module) of every dropout module (``nn.Dropout*``, ``AlphaDropout``, ...) with p > 0."""
     from torch.nn.modules.dropout import _DropoutNd
 
-    return [(name or type(m).__name__, m) for name, m in module.named_modules()
-            if isinstance(m, _DropoutNd) and float(m.p) > 0]
+    return [
+        (name or type(m).__name__, m)
+        for name, m in module.named_modules()
+        if isinstance(m, _DropoutNd) and float(m.p) > 0
+    ]
 
 
 def active_dropout(modules) -> list[str]:
@@ -77,10 +81,10 @@ class SensitivityCheck:
 
     def __init__(self, clip_norm_max: float):
         self.atol = ATOL * float(clip_norm_max)
-        self.floor = self.atol / RTOL         # relative differences are taken against max(norm, floor)
+        self.floor = self.atol / RTOL  # relative differences are taken against max(norm, floor)
         self.counts = dict.fromkeys(self.FIELDS, 0)
         self.maxima = dict.fromkeys(self.MAXIMA, 0.0)
-        self.dropout: list[str] = []          # dropout modules seen active at some step (public: architecture)
+        self.dropout: list[str] = []  # dropout modules seen active at some step (public: architecture)
 
     def observe(self, norms, indices, clip_norms, charged, pass_norms=None) -> None:
         """One logical step: ``norms`` the sampled examples' pre-clip gradient norms in training,
@@ -95,7 +99,7 @@ class SensitivityCheck:
             raw = _numpy(norms)
             idx = _numpy(indices).astype(np.int64)
             clip, z = _take(clip_norms, idx), _take(charged, idx)
-            clipped = raw * np.minimum(1.0, clip / (raw + 1e-6))      # Opacus's factor, as the step applied it
+            clipped = raw * np.minimum(1.0, clip / (raw + 1e-6))  # Opacus's factor, as the step applied it
             over = clipped > z * (1 + RTOL) + self.atol
             step["examples"], step["exceeded"] = int(raw.size), int(over.sum())
             top["max_ratio"] = float(np.max(clipped / np.maximum(z, self.atol)))
@@ -164,5 +168,5 @@ def _reduce(counts: dict, maxima: dict) -> tuple[dict, dict]:
     m = torch.tensor([float(maxima[k]) for k in maxima], dtype=torch.float64, device=dev)
     dist.all_reduce(s, op=dist.ReduceOp.SUM)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    out = {"steps": counts["steps"], **{k: round(v) for k, v in zip(keys, s.cpu().tolist())}}
-    return out, dict(zip(maxima, m.cpu().tolist()))
+    out = {"steps": counts["steps"], **{k: round(v) for k, v in zip(keys, s.cpu().tolist(), strict=True)}}
+    return out, dict(zip(maxima, m.cpu().tolist(), strict=True))

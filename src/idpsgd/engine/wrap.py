@@ -23,11 +23,16 @@
   per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
   loop (no criterion wrapper).
 """
+
 from __future__ import annotations
 
 import torch
-from opacus.grad_sample import (AbstractGradSampleModule, GradSampleModule, GradSampleModuleExpandedWeights,
-                                GradSampleModuleFastGradientClipping)
+from opacus.grad_sample import (
+    AbstractGradSampleModule,
+    GradSampleModule,
+    GradSampleModuleExpandedWeights,
+    GradSampleModuleFastGradientClipping,
+)
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
@@ -47,14 +52,18 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
     def get_clipping_coef(self) -> torch.Tensor:
         norms = self.get_norm_sample()
         if self.clipping is None:
-            raise RuntimeError("IndividualizedGhostModule has no per-example clip norms: use it through "
-                               "IndividualizedPrivacyEngine.make_private")
+            raise RuntimeError(
+                "IndividualizedGhostModule has no per-example clip norms: use it through "
+                "IndividualizedPrivacyEngine.make_private"
+            )
         if not bool(torch.isfinite(norms).all()):
             # the second backward pass multiplies each example's loss by its factor: 0 · inf is nan, in
             # every parameter (book-keeping leaves such an example out instead)
-            raise RuntimeError("an example's gradient overflowed (inf/nan, half precision): "
-                               "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
-                               "grad_sample_mode='bk', or bfloat16 autocast")
+            raise RuntimeError(
+                "an example's gradient overflowed (inf/nan, half precision): "
+                "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
+                "grad_sample_mode='bk', or bfloat16 autocast"
+            )
         return self.clipping.factors(norms)
 
 
@@ -69,64 +78,90 @@ def raw_module(module: torch.nn.Module) -> torch.nn.Module:
             return module
 
 
-def check_wrappable(module: torch.nn.Module, grad_sample_mode: str, batch_first: bool = True,
-                    loss_reduction: str = "mean") -> None:
+def check_wrappable(
+    module: torch.nn.Module, grad_sample_mode: str, batch_first: bool = True, loss_reduction: str = "mean"
+) -> None:
     """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects)."""
     if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise InvalidParameterError("grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
+        raise InvalidParameterError(
+            "grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"
+        )
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
-    check_static_writes(raw_module(module))        # Embedding(max_norm): an in-place write in forward (.integrity)
+    check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
     if isinstance(module, AbstractGradSampleModule):
         if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
-            raise InvalidParameterError("module", type(module).__name__,
-                                        f"is already wrapped by Opacus for another mode; pass the plain nn.Module "
-                                        f"for grad_sample_mode={grad_sample_mode!r}")
+            raise InvalidParameterError(
+                "module",
+                type(module).__name__,
+                f"is already wrapped by Opacus for another mode; pass the plain nn.Module "
+                f"for grad_sample_mode={grad_sample_mode!r}",
+            )
         return
     errors = ModuleValidator.validate(module, strict=False)
     if errors:
-        raise UnsupportedModuleError("module", type(module).__name__,
-                                     f"cannot be trained privately by Opacus: {errors[0]} (IndividualizedPrivacyEngine."
-                                     "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
-                                     "BatchNorm by GroupNorm)")
+        raise UnsupportedModuleError(
+            "module",
+            type(module).__name__,
+            f"cannot be trained privately by Opacus: {errors[0]} (IndividualizedPrivacyEngine."
+            "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
+            "BatchNorm by GroupNorm)",
+        )
     if grad_sample_mode == "ew" and not batch_first:
-        raise InvalidParameterError("batch_first", batch_first, "must be True with grad_sample_mode='ew' (PyTorch's "
-                                    "ExpandedWeights takes the batch size from the first dimension)")
+        raise InvalidParameterError(
+            "batch_first",
+            batch_first,
+            "must be True with grad_sample_mode='ew' (PyTorch's "
+            "ExpandedWeights takes the batch size from the first dimension)",
+        )
     if grad_sample_mode == "bk":
         check_batch_first(batch_first)
         plan_layers(raw_module(module))
 
 
 def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule,
-            "ew": GradSampleModuleExpandedWeights}.get(grad_sample_mode, GradSampleModule)
-    return (type(module) is want and module.batch_first == batch_first and module.loss_reduction == loss_reduction
-            and (grad_sample_mode in ("ghost", "bk", "ew") or module.force_functorch == (grad_sample_mode == "functorch")))
+    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule, "ew": GradSampleModuleExpandedWeights}.get(
+        grad_sample_mode, GradSampleModule
+    )
+    return (
+        type(module) is want
+        and module.batch_first == batch_first
+        and module.loss_reduction == loss_reduction
+        and (grad_sample_mode in ("ghost", "bk", "ew") or module.force_functorch == (grad_sample_mode == "functorch"))
+    )
 
 
-def wrap_module(module: torch.nn.Module, grad_sample_mode: str, clipping: PerExampleClipping,
-                batch_first: bool = True, loss_reduction: str = "mean") -> AbstractGradSampleModule:
+def wrap_module(
+    module: torch.nn.Module,
+    grad_sample_mode: str,
+    clipping: PerExampleClipping,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+) -> AbstractGradSampleModule:
     """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused)."""
     check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
     if isinstance(module, AbstractGradSampleModule):
         if grad_sample_mode == "ghost":
             module.clipping = clipping
         if grad_sample_mode == "bk":
-            module.keeper.refresh()           # parameters frozen or unfrozen since: planned anew
+            module.keeper.refresh()  # parameters frozen or unfrozen since: planned anew
             module.keeper.loss_reduction, module.keeper.active = loss_reduction, True
         return module
     if grad_sample_mode == "bk":
-        return BookKeepingModule(module, keeper=BookKeeper.attach(raw_module(module)), batch_first=batch_first,
-                                 loss_reduction=loss_reduction)
+        return BookKeepingModule(
+            module, keeper=BookKeeper.attach(raw_module(module)), batch_first=batch_first, loss_reduction=loss_reduction
+        )
     if grad_sample_mode == "ghost":
-        wrapped = IndividualizedGhostModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                                            use_ghost_clipping=True)
+        wrapped = IndividualizedGhostModule(
+            module, batch_first=batch_first, loss_reduction=loss_reduction, use_ghost_clipping=True
+        )
         wrapped.clipping = clipping
         return wrapped
     if grad_sample_mode == "ew":
         return GradSampleModuleExpandedWeights(module, batch_first=batch_first, loss_reduction=loss_reduction)
-    return GradSampleModule(module, batch_first=batch_first, loss_reduction=loss_reduction,
-                            force_functorch=grad_sample_mode == "functorch")
+    return GradSampleModule(
+        module, batch_first=batch_first, loss_reduction=loss_reduction, force_functorch=grad_sample_mode == "functorch"
+    )
 
 
 def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = False) -> dict[str, str]:
@@ -135,9 +170,15 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
     ``IndividualizedPrivacyEngine.layer_paths``)."""
     if grad_sample_mode == "bk":
         return wrapped.layer_paths if taken else wrapped.layer_path_rules
-    what = {"hooks": "Opacus per-sample gradient (hooks)", "functorch": "Opacus per-sample gradient (functorch)",
-            "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
-            "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
-                     "two backward passes)"}[grad_sample_mode]
-    return {name or type(m).__name__: what for name, m in raw_module(wrapped).named_modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))}
+    what = {
+        "hooks": "Opacus per-sample gradient (hooks)",
+        "functorch": "Opacus per-sample gradient (functorch)",
+        "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
+        "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
+        "two backward passes)",
+    }[grad_sample_mode]
+    return {
+        name or type(m).__name__: what
+        for name, m in raw_module(wrapped).named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False))
+    }

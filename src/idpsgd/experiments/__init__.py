@@ -9,6 +9,7 @@
 Each module registers its experiments when imported; :func:`load` imports them all (torch is
 imported only when an experiment runs).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,4 +27,4 @@ def load() -> dict:
     return EXPERIMENTS
 
 
-__all__ = ["EXPERIMENTS", "Experiment", "MODULES", "Option", "load", "register"]
+__all__ = ["EXPERIMENTS", "MODULES", "Experiment", "Option", "load", "register"]

@@ -15,6 +15,7 @@ example (each PDP round gets δ/rounds).  Writes ``heo_table1.json`` (every run'
 summaries), ``heo_table1.md`` (the table), ``fig4_w1.png`` and ``fig5_interval.png``; nothing
 per-example.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,18 +34,34 @@ RANGE = (0.5, 1.0)
 W1_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 INTERVALS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: (column label, method, threshold loss); w1 is the method's default (App. C.2) unless given
-COLUMNS = (("DP-SGD (min eps)", "uniform", None), ("Sampling", "pdp-sampling", "fixed"),
-           ("AdaPDP", "adapdp", "fixed"), ("PDP-SGD loss_f", "pdp-sgd", "fixed"),
-           ("PDP-SGD loss_a", "pdp-sgd", "adaptive"))
+COLUMNS = (
+    ("DP-SGD (min eps)", "uniform", None),
+    ("Sampling", "pdp-sampling", "fixed"),
+    ("AdaPDP", "adapdp", "fixed"),
+    ("PDP-SGD loss_f", "pdp-sgd", "fixed"),
+    ("PDP-SGD loss_a", "pdp-sgd", "adaptive"),
+)
 #: Heo et al. Table 1 on MNIST, for the ordering (the extracted table keeps one of three rows for AdaPDP and loss_f)
-PAPER_MNIST = ("Paper, MNIST (Table 1, accuracy %): DP-SGD 90.42 ± 2.78 (every k); Sampling 92.57 / 92.50 / 92.48 "
-               "(k = -0.2 / 0 / 0.2); AdaPDP 92.78 ± 0.53 (one k); PDP-SGD loss_f 95.19 ± 0.27 (one k); PDP-SGD "
-               "loss_a 94.54 / 95.05 / 94.86.  Ordering: DP-SGD < Sampling ≈ AdaPDP < PDP-SGD (loss_f ≈ loss_a).")
+PAPER_MNIST = (
+    "Paper, MNIST (Table 1, accuracy %): DP-SGD 90.42 ± 2.78 (every k); Sampling 92.57 / 92.50 / 92.48 "
+    "(k = -0.2 / 0 / 0.2); AdaPDP 92.78 ± 0.53 (one k); PDP-SGD loss_f 95.19 ± 0.27 (one k); PDP-SGD "
+    "loss_a 94.54 / 95.05 / 94.86.  Ordering: DP-SGD < Sampling ≈ AdaPDP < PDP-SGD (loss_f ≈ loss_a)."
+)
 
 
-def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_size: int = 128, lr: float = 0.05,
-                   rounds: int = 3, delta: float = 1e-5, figures: bool = True, progress: bool = True,
-                   model: str | None = None, seed: int | None = None) -> dict:
+def run_heo_table1(
+    data,
+    seeds: int = 3,
+    epochs: int = DEFAULT_EPOCHS,
+    batch_size: int = 128,
+    lr: float = 0.05,
+    rounds: int = 3,
+    delta: float = 1e-5,
+    figures: bool = True,
+    progress: bool = True,
+    model: str | None = None,
+    seed: int | None = None,
+) -> dict:
     """Run Table 1 (and Figs. 4–5 with ``figures``) on ``data``; returns every accuracy and the summaries
     (the base ``seed`` of the repetitions under ``["private"]``)."""
     from tqdm import tqdm
@@ -55,7 +72,7 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
 
     n = len(data.y_train)
     base, run_seeds = repetition_seeds(seed, seeds)
-    jobs = []   # (key, repetition, method, loss, w1, k, (low, high))
+    jobs = []  # (key, repetition, method, loss, w1, k, (low, high))
     for s in range(seeds):
         jobs.append((("table", "DP-SGD (min eps)", None), s, "uniform", None, None, 0.0, RANGE))
         for k in SKEWS:
@@ -72,11 +89,19 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
                         jobs.append((("fig5", a, loss), s, "pdp-sgd", loss, None, 0.0, (0.5, 0.5 + a)))
     acc: dict = {}
     t0 = time.perf_counter()
-    for key, s, method, loss, w1, k, (low, high) in tqdm(jobs, disable=None if progress else True,
-                                                         desc="heo-table1", unit="run"):
+    for key, s, method, loss, w1, k, (low, high) in tqdm(
+        jobs, disable=None if progress else True, desc="heo-table1", unit="run"
+    ):
         budgets = Budgets.from_exponential(n, low, high, k, delta, seed=run_seeds[s])
-        cfg = TrainConfig(method=method, epochs=epochs, batch_size=batch_size, lr=lr, seed=run_seeds[s], progress=False,
-                          model=model or PAPER_MODELS.get(data.name))
+        cfg = TrainConfig(
+            method=method,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=run_seeds[s],
+            progress=False,
+            model=model or PAPER_MODELS.get(data.name),
+        )
         if method == "uniform":
             report = train(data, budgets, cfg)
         else:
@@ -95,18 +120,44 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
             key = ("table", label, None) if label == "DP-SGD (min eps)" else ("table", label, k)
             row[label] = mean_std(acc[key])
         table.append(row)
-    out = {"experiment": "heo-table1", "dataset": data.name, "model": model or PAPER_MODELS.get(data.name) or "default",
-           "seeds": int(seeds), "epochs": int(epochs),
-           "batch_size": int(batch_size), "lr": float(lr), "rounds": int(rounds), "delta": float(delta),
-           "budget_range": list(RANGE), "skews": list(SKEWS), "columns": [c[0] for c in COLUMNS],
-           "table": table, "seconds": seconds, "runs": len(jobs), "randomness": randomness(),
-           "private": {"seed": base}}
+    out = {
+        "experiment": "heo-table1",
+        "dataset": data.name,
+        "model": model or PAPER_MODELS.get(data.name) or "default",
+        "seeds": int(seeds),
+        "epochs": int(epochs),
+        "batch_size": int(batch_size),
+        "lr": float(lr),
+        "rounds": int(rounds),
+        "delta": float(delta),
+        "budget_range": list(RANGE),
+        "skews": list(SKEWS),
+        "columns": [c[0] for c in COLUMNS],
+        "table": table,
+        "seconds": seconds,
+        "runs": len(jobs),
+        "randomness": randomness(),
+        "private": {"seed": base},
+    }
     if figures:
-        fig4 = {str(k): {str(w): mean_std(acc[("table", "PDP-SGD loss_f", k)] if w == 0.7 else acc[("fig4", w, k)])
-                         for w in W1_GRID} for k in SKEWS}
-        fig5 = {loss: {str(a): mean_std(acc[("table", "PDP-SGD loss_f" if loss == "fixed" else "PDP-SGD loss_a", 0.0)]
-                                         if a == 0.5 else acc[("fig5", a, loss)]) for a in INTERVALS}
-                for loss in ("fixed", "adaptive")}
+        fig4 = {
+            str(k): {
+                str(w): mean_std(acc[("table", "PDP-SGD loss_f", k)] if w == 0.7 else acc[("fig4", w, k)])
+                for w in W1_GRID
+            }
+            for k in SKEWS
+        }
+        fig5 = {
+            loss: {
+                str(a): mean_std(
+                    acc[("table", "PDP-SGD loss_f" if loss == "fixed" else "PDP-SGD loss_a", 0.0)]
+                    if a == 0.5
+                    else acc[("fig5", a, loss)]
+                )
+                for a in INTERVALS
+            }
+            for loss in ("fixed", "adaptive")
+        }
         out["fig4_accuracy_vs_w1"] = fig4
         out["fig5_accuracy_vs_interval"] = fig5
     return out
@@ -114,10 +165,16 @@ def run_heo_table1(data, seeds: int = 3, epochs: int = DEFAULT_EPOCHS, batch_siz
 
 def _markdown(r) -> str:
     cols = r["columns"]
-    lines = [(f"Heo et al. Table 1 on {r['dataset']}: test accuracy (%), mean ± std over {r['seeds']} seed(s); "
-              f"budgets: 20 groups in [{r['budget_range'][0]:g}, {r['budget_range'][1]:g}] (App. C.1), "
-              f"delta {r['delta']:g} in total per example, {r['epochs']} epochs, {r['rounds']} rounds"),
-             "", "| k | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines = [
+        (
+            f"Heo et al. Table 1 on {r['dataset']}: test accuracy (%), mean ± std over {r['seeds']} seed(s); "
+            f"budgets: 20 groups in [{r['budget_range'][0]:g}, {r['budget_range'][1]:g}] (App. C.1), "
+            f"delta {r['delta']:g} in total per example, {r['epochs']} epochs, {r['rounds']} rounds"
+        ),
+        "",
+        "| k | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for row in r["table"]:
         cells = [f"{100 * row[c]['mean']:.1f} ± {100 * row[c]['std']:.1f}" for c in cols]
         lines.append(f"| {row['skew']:g} | " + " | ".join(cells) + " |")
@@ -128,6 +185,7 @@ def _markdown(r) -> str:
 def _plots(out, r) -> list[str]:
     """Fig. 4 and Fig. 5 into the run folder ``out`` (a :class:`~idpsgd.runfolder.RunFolder`)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -149,8 +207,9 @@ def _plots(out, r) -> list[str]:
         a = [float(v) for v in series]
         m = np.array([series[v]["mean"] for v in series])
         s = np.array([series[v]["std"] for v in series])
-        ax.errorbar(a, 100 * m, yerr=100 * s, marker="o", capsize=3,
-                    label="loss_f (w1 = 0.7)" if loss == "fixed" else "loss_a")
+        ax.errorbar(
+            a, 100 * m, yerr=100 * s, marker="o", capsize=3, label="loss_f (w1 = 0.7)" if loss == "fixed" else "loss_a"
+        )
     ax.set_xlabel("interval a: budgets in [0.5, 0.5 + a] (k = 0)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"PDP-SGD on {r['dataset']}: accuracy vs the ε interval (Fig. 5)")
@@ -159,37 +218,56 @@ def _plots(out, r) -> list[str]:
     return written
 
 
-
-
 def write_heo_table1(out, r) -> list[str]:
     """``heo_table1.json`` and ``.md`` (public: test accuracies and hyper-parameters), and the
     figures when ``r`` has them; returns the file names."""
-    out.write_json("heo_table1.json", {k: v for k, v in r.items() if k != "private"}, "public",
-                   "test accuracy (mean, std over repetitions) of every method and setting")
+    out.write_json(
+        "heo_table1.json",
+        {k: v for k, v in r.items() if k != "private"},
+        "public",
+        "test accuracy (mean, std over repetitions) of every method and setting",
+    )
     with atomic_open(out.file("heo_table1.md", "public", "the table as markdown"), "w") as fh:
         fh.write(_markdown(r))
-    return ["heo_table1.json", "heo_table1.md"] + (_plots(out, r) if "fig4_accuracy_vs_w1" in r else []) \
+    return (
+        ["heo_table1.json", "heo_table1.md"]
+        + (_plots(out, r) if "fig4_accuracy_vs_w1" in r else [])
         + record_seed(out, r)
+    )
 
 
 def _text(r) -> str:
     return _markdown(r) + f"\n{r['runs']} runs in {r['seconds']:.0f} s; files in {r['out']}: {', '.join(r['files'])}"
 
 
-register(Experiment(
-    "heo-table1", "Heo et al. Table 1, Fig. 4 and Fig. 5", run_heo_table1, write_heo_table1,
-    options=(
-        Option("seeds", "repetitions per configuration (each with its own seed, derived from --seed)", at_least_one),
-        Option("epochs", "epochs of DP-SGD, of PDP-SGD's first round and of each AdaPDP model (default "
-               "%(default)s: at budgets <= 1 on digits, more epochs mean more noise per step)", at_least_one),
-        Option("batch_size", "expected batch size", at_least_one),
-        Option("lr", "learning rate", positive),
-        Option("rounds", "rounds of PDP-SGD and AdaPDP", at_least_one),
-        Option("delta", "total delta per example", valid_delta),
-        Option("figures", "only Table 1 (skip the runs of Fig. 4 and Fig. 5)"),
-        SEED,
-    ),
-    paper_models=PAPER_MODELS, text=_text, out_help="folder for heo_table1.json/.md, fig4_w1.png, fig5_interval.png",
-    description="Heo et al. (PDP-SGD): Table 1 (test accuracy of DP-SGD at the smallest budget, Sampling, AdaPDP, "
-                "PDP-SGD loss_f and loss_a for skewed budget distributions), Fig. 4 (accuracy vs w1) and Fig. 5 "
-                "(accuracy vs the budget interval)."))
+register(
+    Experiment(
+        "heo-table1",
+        "Heo et al. Table 1, Fig. 4 and Fig. 5",
+        run_heo_table1,
+        write_heo_table1,
+        options=(
+            Option(
+                "seeds", "repetitions per configuration (each with its own seed, derived from --seed)", at_least_one
+            ),
+            Option(
+                "epochs",
+                "epochs of DP-SGD, of PDP-SGD's first round and of each AdaPDP model (default "
+                "%(default)s: at budgets <= 1 on digits, more epochs mean more noise per step)",
+                at_least_one,
+            ),
+            Option("batch_size", "expected batch size", at_least_one),
+            Option("lr", "learning rate", positive),
+            Option("rounds", "rounds of PDP-SGD and AdaPDP", at_least_one),
+            Option("delta", "total delta per example", valid_delta),
+            Option("figures", "only Table 1 (skip the runs of Fig. 4 and Fig. 5)"),
+            SEED,
+        ),
+        paper_models=PAPER_MODELS,
+        text=_text,
+        out_help="folder for heo_table1.json/.md, fig4_w1.png, fig5_interval.png",
+        description="Heo et al. (PDP-SGD): Table 1 (test accuracy of DP-SGD at the smallest budget, Sampling, AdaPDP, "
+        "PDP-SGD loss_f and loss_a for skewed budget distributions), Fig. 4 (accuracy vs w1) and Fig. 5 "
+        "(accuracy vs the budget interval).",
+    )
+)

@@ -17,16 +17,18 @@ Registering an experiment is one call in its module, plus the module's name in
 
 No torch here: the registry is read to build ``idpsgd --help``.
 """
+
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..validation import InvalidParameterError, check_delta
 
-EXPERIMENTS: dict[str, "Experiment"] = {}
+EXPERIMENTS: dict[str, Experiment] = {}
 
 
 # --- checks of option values (each raises InvalidParameterError(name, value, allowed)) -----------
@@ -67,6 +69,7 @@ class Option:
     ``check(name, value)`` raises :class:`InvalidParameterError`; ``type`` defaults to the type of
     the default.
     """
+
     name: str
     help: str
     check: Callable[[str, Any], None] | None = None
@@ -74,13 +77,19 @@ class Option:
 
 
 #: The ``seed`` option every experiment takes: the base of its repetitions' seeds (private).
-SEED = Option("seed", "base seed: repetition k trains with a seed derived from it (default: a fresh one); recorded "
-              "privately in OUT/private/seed.json (mode 0600), never in a public file", optional_seed, type=int)
+SEED = Option(
+    "seed",
+    "base seed: repetition k trains with a seed derived from it (default: a fresh one); recorded "
+    "privately in OUT/private/seed.json (mode 0600), never in a public file",
+    optional_seed,
+    type=int,
+)
 
 
 @dataclass(frozen=True)
 class Experiment:
     """One paper's headline experiment (see the module docstring)."""
+
     name: str
     help: str
     run: Callable[..., dict]
@@ -99,8 +108,11 @@ class Experiment:
 
     def defaults(self) -> dict:
         """``run``'s keyword defaults: the flags' defaults."""
-        return {k: v.default for k, v in inspect.signature(self.run).parameters.items()
-                if v.default is not inspect.Parameter.empty}
+        return {
+            k: v.default
+            for k, v in inspect.signature(self.run).parameters.items()
+            if v.default is not inspect.Parameter.empty
+        }
 
     def takes_folder(self) -> bool:
         return "out" in inspect.signature(self.run).parameters

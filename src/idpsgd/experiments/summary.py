@@ -1,5 +1,6 @@
 """Small helpers shared by the experiments: mean ± std over repetitions, their text form, and the
 repetitions' seeds (derived from one base seed that stays private)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,6 +41,9 @@ def record_seed(out, result: dict) -> list[str]:
     returns the file's name for the experiment's file list."""
     from ..runfolder import PRIVATE, SEED_FILE
 
-    out.record_seed(result["private"]["seed"], f"{result['experiment']}'s base seed: repetition k trains with "
-                    "derive_seed(seed, k) (idpsgd.engine.randomness); --seed with it replays the experiment")
+    out.record_seed(
+        result["private"]["seed"],
+        f"{result['experiment']}'s base seed: repetition k trains with "
+        "derive_seed(seed, k) (idpsgd.engine.randomness); --seed with it replays the experiment",
+    )
     return [f"{PRIVATE}/{SEED_FILE}"]

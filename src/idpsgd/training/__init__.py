@@ -1,8 +1,20 @@
 """Training recipes on the engine: the ``train`` harness (plans: uniform/sample/scale and the
 exclude/sequential baselines), individual accounting reports, PDP-SGD rounds, per-instance runs."""
+
 from ..engine import GUARANTEE, IndividualAccountingOptions
 from .loop import TrainConfig, Trainer, evaluate, resolve_device, train
 from .plans import METHODS, Phase, TrainingPlan, build_plan
 
-__all__ = ["GUARANTEE", "IndividualAccountingOptions", "METHODS", "Phase", "TrainConfig", "Trainer", "TrainingPlan",
-           "build_plan", "evaluate", "resolve_device", "train"]
+__all__ = [
+    "GUARANTEE",
+    "METHODS",
+    "IndividualAccountingOptions",
+    "Phase",
+    "TrainConfig",
+    "Trainer",
+    "TrainingPlan",
+    "build_plan",
+    "evaluate",
+    "resolve_device",
+    "train",
+]

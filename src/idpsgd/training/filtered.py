@@ -28,6 +28,7 @@ private data that the guarantee does not cover), ``filter_epsilons.csv`` (every 
 realized ε at its filter order, its RDP spent and the step it was dropped), ``filter.json``
 (exact statistics) and ``history.json``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,6 @@ from ..engine.filter import DEFINITION, FilterOptions
 from ..validation import InvalidParameterError, check_delta
 from .loop import TrainConfig, Trainer, run_in_folder
 
-
 #: Calibrations the filtered recipes accept (one phase over all examples).
 FILTER_METHODS = ("uniform", "sample", "scale")
 
@@ -52,15 +52,26 @@ def check_filter_config(config: TrainConfig, options: FilterOptions | None) -> F
         raise InvalidParameterError("filter_options", type(options).__name__, "must be a FilterOptions")
     options = (options or FilterOptions()).validate()
     if config.method not in FILTER_METHODS:
-        raise InvalidParameterError("method", config.method, "is not supported with --filter individual: use "
-                                    f"{', '.join(FILTER_METHODS)} (one phase over all examples)")
+        raise InvalidParameterError(
+            "method",
+            config.method,
+            f"is not supported with --filter individual: use {', '.join(FILTER_METHODS)} (one phase over all examples)",
+        )
     if config.accountant != "rdp":
-        raise InvalidParameterError("accountant", config.accountant, "is not supported with --filter individual: a "
-                                    "Rényi filter composes RDP at a fixed order (Feldman & Zrnic 2021); use rdp")
+        raise InvalidParameterError(
+            "accountant",
+            config.accountant,
+            "is not supported with --filter individual: a "
+            "Rényi filter composes RDP at a fixed order (Feldman & Zrnic 2021); use rdp",
+        )
     if options.gd and config.method == "sample":
-        raise InvalidParameterError("method", "sample", "cannot be used with --gd: full-batch DP-GD samples every "
-                                    "example (q = 1), so rates cannot differ; use uniform (the filter individualizes "
-                                    "through the budgets) or scale")
+        raise InvalidParameterError(
+            "method",
+            "sample",
+            "cannot be used with --gd: full-batch DP-GD samples every "
+            "example (q = 1), so rates cannot differ; use uniform (the filter individualizes "
+            "through the budgets) or scale",
+        )
     return options
 
 
@@ -74,8 +85,15 @@ class FilteredTrainer(Trainer):
             the run lasts ``ceil(extend × epochs)`` epochs).
     """
 
-    def __init__(self, dataset: Dataset, budgets: Budgets, config: TrainConfig, options: FilterOptions | None = None,
-                 out_dir=None, **kwargs):
+    def __init__(
+        self,
+        dataset: Dataset,
+        budgets: Budgets,
+        config: TrainConfig,
+        options: FilterOptions | None = None,
+        out_dir=None,
+        **kwargs,
+    ):
         self.filter_options = check_filter_config(config, options)
         if self.filter_options.gd:
             config = dataclasses.replace(config, batch_size=len(dataset.y_train))
@@ -84,8 +102,11 @@ class FilteredTrainer(Trainer):
         self.set_epochs(math.ceil(self.filter_options.extend * config.epochs - 1e-9))
 
     def _phase_kwargs(self) -> dict:
-        return {"privacy_filter": "individual", "filter_options": self.filter_options,
-                "per_sample_loss": self._per_sample_loss}
+        return {
+            "privacy_filter": "individual",
+            "filter_options": self.filter_options,
+            "per_sample_loss": self._per_sample_loss,
+        }
 
     @property
     def filter(self):
@@ -104,28 +125,42 @@ class FilteredTrainer(Trainer):
         r = super().report()
         f, o = self.filter, self.filter_options
         eps_pre, delta_pre = self.preprocessing_cost
-        for g, s in zip(r["groups"], f.summary()["groups"]):
-            g.pop("epsilon_rdp", None)        # the data-independent ε of all steps run: not the guarantee here
+        for g, s in zip(r["groups"], f.summary()["groups"], strict=True):
+            g.pop("epsilon_rdp", None)  # the data-independent ε of all steps run: not the guarantee here
             g["filter_orders"], g["rdp_budgets"] = s["orders"], s["rdp_budgets"]
-        r["filter"] = {**f.summary(), "extend": o.extend, "calibrated_steps": int(self.calibrated_steps),
-                       "run_steps": int(self.plan.steps)}
-        r["guarantee"] = (f"model: {DEFINITION}; for every example of a group, epsilon_spent is the smaller of its budget "
-                          "(the filter's guarantee) and the data-independent epsilon of the steps run, at delta = "
-                          f"{self.train_budgets.delta + delta_pre:g}"
-                          + (f" (including ({eps_pre:g}, {delta_pre:g}) spent by the private normalization)"
-                             if eps_pre else ""))
+        r["filter"] = {
+            **f.summary(),
+            "extend": o.extend,
+            "calibrated_steps": int(self.calibrated_steps),
+            "run_steps": int(self.plan.steps),
+        }
+        r["guarantee"] = (
+            f"model: {DEFINITION}; for every example of a group, epsilon_spent is the smaller of its budget "
+            "(the filter's guarantee) and the data-independent epsilon of the steps run, at delta = "
+            f"{self.train_budgets.delta + delta_pre:g}"
+            + (f" (including ({eps_pre:g}, {delta_pre:g}) spent by the private normalization)" if eps_pre else "")
+        )
         eps, budgets = self.realized_epsilons(), self.budgets.epsilons
         counts = f.active_counts()
         groups = []
         for k, v in enumerate(self.budget_values):
             m = self.group_of == k
-            groups.append({"budget": float(v), "count": int(m.sum()), "active_at_end": int(f.active[m].sum()),
-                           "realized_epsilon_mean": float(eps[m].mean()), "realized_epsilon_max": float(eps[m].max()),
-                           "realized_epsilon_min": float(eps[m].min())})
+            groups.append(
+                {
+                    "budget": float(v),
+                    "count": int(m.sum()),
+                    "active_at_end": int(f.active[m].sum()),
+                    "realized_epsilon_mean": float(eps[m].mean()),
+                    "realized_epsilon_max": float(eps[m].max()),
+                    "realized_epsilon_min": float(eps[m].min()),
+                }
+            )
         r["private"]["filter"] = {
             "about": "exact statistics of private per-example values (not covered by the guarantee)",
-            "steps": int(f.steps), "refreshes": int(f.refreshes), "groups": groups,
-            "active_per_step": counts.tolist(),           # steps × budget groups
+            "steps": int(f.steps),
+            "refreshes": int(f.refreshes),
+            "groups": groups,
+            "active_per_step": counts.tolist(),  # steps × budget groups
             "all_rdp_within_budget": bool(np.all(f.rdp_spent <= f.rdp_budget)),
             "all_at_or_below_budget": bool(np.all(eps <= budgets)),
         }
@@ -139,21 +174,42 @@ class FilteredTrainer(Trainer):
         rf, f = self.run_folder, self.filter
         counts = f.active_counts()
         header = ["step", "active_total"] + [f"active_budget_{v:g}" for v in self.budget_values]
-        rf.write_csv("active.csv", header, [np.arange(1, counts.shape[0] + 1), counts.sum(axis=1), *counts.T],
-                     "private", "active examples of each budget group at every step (counts of private data: the "
-                     "guarantee does not cover them)")
-        rf.save_figure("active.png", active_figure({"individual filter": (counts, self.budget_values)}), "private",
-                       "active examples over the steps, one line per budget group (Boenisch et al. Fig. 3)")
+        rf.write_csv(
+            "active.csv",
+            header,
+            [np.arange(1, counts.shape[0] + 1), counts.sum(axis=1), *counts.T],
+            "private",
+            "active examples of each budget group at every step (counts of private data: the "
+            "guarantee does not cover them)",
+        )
+        rf.save_figure(
+            "active.png",
+            active_figure({"individual filter": (counts, self.budget_values)}),
+            "private",
+            "active examples over the steps, one line per budget group (Boenisch et al. Fig. 3)",
+        )
         eps = self.realized_epsilons()
         dropped = f.dropped_at
-        rf.write_csv("filter_epsilons.csv",
-                     ["index", "label", "budget", "filter_order", "rdp_budget", "rdp_spent", "epsilon", "dropped_at_step"],
-                     [np.arange(eps.size), self.dataset.y_train.numpy(), self.budgets.epsilons, f.order, f.rdp_budget,
-                      f.rdp_spent, eps, dropped],
-                     "private", "every example's budget, filter order, RDP budget and RDP spent at that order, realized "
-                     "epsilon (<= budget) and the first step it missed (-1: active to the end); personal data")
-        rf.write_json("filter.json", report["private"]["filter"], "private", "exact statistics of the filter's "
-                      "per-example values")
+        rf.write_csv(
+            "filter_epsilons.csv",
+            ["index", "label", "budget", "filter_order", "rdp_budget", "rdp_spent", "epsilon", "dropped_at_step"],
+            [
+                np.arange(eps.size),
+                self.dataset.y_train.numpy(),
+                self.budgets.epsilons,
+                f.order,
+                f.rdp_budget,
+                f.rdp_spent,
+                eps,
+                dropped,
+            ],
+            "private",
+            "every example's budget, filter order, RDP budget and RDP spent at that order, realized "
+            "epsilon (<= budget) and the first step it missed (-1: active to the end); personal data",
+        )
+        rf.write_json(
+            "filter.json", report["private"]["filter"], "private", "exact statistics of the filter's per-example values"
+        )
         self.write_model_and_report(report, "the filter's orders and RDP budgets, test metrics, hyper-parameters")
 
 
@@ -161,17 +217,18 @@ def active_figure(runs: dict, title: str | None = None):
     """Boenisch et al. Fig. 3: active examples over the steps, one panel per run and one line per
     budget group (plus the total).  ``runs``: label → (counts (steps × groups), group budgets)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(runs), figsize=(4.8 * len(runs), 3.6), sharey=True, squeeze=False)
-    for ax, (label, (counts, values)) in zip(axes[0], runs.items()):
+    for ax, (label, (counts, values)) in zip(axes[0], runs.items(), strict=True):
         counts = np.asarray(counts).reshape(-1, len(values))
         steps = np.arange(1, counts.shape[0] + 1)
         ax.plot(steps, counts.sum(axis=1), color="black", lw=2, label="all examples")
         if len(values) > 1:
             colors = plt.cm.viridis(np.linspace(0.15, 0.8, len(values)))
-            for k, (v, col) in enumerate(zip(values, colors)):
+            for k, (v, col) in enumerate(zip(values, colors, strict=True)):
                 ax.plot(steps, counts[:, k], color=col, lw=1.5, label=f"budget ε = {v:g}")
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step")
@@ -184,9 +241,19 @@ def active_figure(runs: dict, title: str | None = None):
     return fig
 
 
-def train_filtered(dataset: Dataset, budgets: Budgets, config: TrainConfig, options: FilterOptions | None = None,
-                   out_dir=None, resume: bool = False, *, model=None, criterion=None, optimizer_factory=None,
-                   overwrite: bool = False) -> dict:
+def train_filtered(
+    dataset: Dataset,
+    budgets: Budgets,
+    config: TrainConfig,
+    options: FilterOptions | None = None,
+    out_dir=None,
+    resume: bool = False,
+    *,
+    model=None,
+    criterion=None,
+    optimizer_factory=None,
+    overwrite: bool = False,
+) -> dict:
     """Train with the individual Rényi filter (full-batch DP-GD with ``options.gd``, else
     Poisson-subsampled DP-SGD with individual clipping); returns the report (also written to ``out_dir``).
 
@@ -203,10 +270,30 @@ def train_filtered(dataset: Dataset, budgets: Budgets, config: TrainConfig, opti
     """
     check_delta(budgets.delta)
     options = check_filter_config(config, options)
-    return run_in_folder(lambda cfg, folder: FilteredTrainer(dataset, budgets, cfg, options, folder, model=model,
-                                                              criterion=criterion, optimizer_factory=optimizer_factory),
-                         config, out_dir, resume=resume, overwrite=overwrite, keep_plan=False)
+    return run_in_folder(
+        lambda cfg, folder: FilteredTrainer(
+            dataset,
+            budgets,
+            cfg,
+            options,
+            folder,
+            model=model,
+            criterion=criterion,
+            optimizer_factory=optimizer_factory,
+        ),
+        config,
+        out_dir,
+        resume=resume,
+        overwrite=overwrite,
+        keep_plan=False,
+    )
 
 
-__all__ = ["FILTER_METHODS", "FilterOptions", "FilteredTrainer", "active_figure", "check_filter_config",
-           "train_filtered"]
+__all__ = [
+    "FILTER_METHODS",
+    "FilterOptions",
+    "FilteredTrainer",
+    "active_figure",
+    "check_filter_config",
+    "train_filtered",
+]

@@ -13,6 +13,7 @@ What the harness needs beyond the items, and where it comes from:
   items are random — augmentation — must pass its own ``fingerprint``).  Private either way: it
   goes only into the private checkpoint.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,8 @@ import json
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset as TorchDataset, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..analysis.metrics import accuracies
@@ -29,8 +31,11 @@ from ..validation import InvalidParameterError
 
 def _check_map_style(ds, name: str) -> int:
     if not isinstance(ds, TorchDataset) or isinstance(ds, IterableDataset):
-        raise InvalidParameterError(name, type(ds).__name__, "must be a map-style torch.utils.data.Dataset (with "
-                                    "__len__ and __getitem__) or an idpsgd.data.Dataset")
+        raise InvalidParameterError(
+            name,
+            type(ds).__name__,
+            "must be a map-style torch.utils.data.Dataset (with __len__ and __getitem__) or an idpsgd.data.Dataset",
+        )
     try:
         n = len(ds)
     except TypeError:
@@ -43,8 +48,12 @@ def _check_map_style(ds, name: str) -> int:
 def _pair(item, name: str):
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         shown = type(item).__name__ + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
-        raise InvalidParameterError(name, shown, "items must be (input, label) pairs for idpsgd.train; for other "
-                                    "items use IndividualizedPrivacyEngine on your own loop")
+        raise InvalidParameterError(
+            name,
+            shown,
+            "items must be (input, label) pairs for idpsgd.train; for other "
+            "items use IndividualizedPrivacyEngine on your own loop",
+        )
     x, y = item
     label = torch.as_tensor(y)
     if label.numel() != 1 or label.dtype.is_floating_point or label.dtype == torch.bool:
@@ -63,16 +72,21 @@ class MapStyleData:
         collate_fn: collates items into batches (default ``default_collate``).
     """
 
-    def __init__(self, train, test, num_classes: int, name: str | None = None, fingerprint: str | None = None,
-                 collate_fn=None):
+    def __init__(
+        self, train, test, num_classes: int, name: str | None = None, fingerprint: str | None = None, collate_fn=None
+    ):
         self.n_train = _check_map_style(train, "dataset")
         if test is None:
-            raise InvalidParameterError("test_dataset", None, "is required with a torch Dataset: the report's test "
-                                        "metrics are computed on it")
+            raise InvalidParameterError(
+                "test_dataset", None, "is required with a torch Dataset: the report's test metrics are computed on it"
+            )
         self.n_test = _check_map_style(test, "test_dataset")
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
-            raise InvalidParameterError("num_classes", num_classes, "is required with a torch Dataset: an integer "
-                                        ">= 2 (labels 0..num_classes-1)")
+            raise InvalidParameterError(
+                "num_classes",
+                num_classes,
+                "is required with a torch Dataset: an integer >= 2 (labels 0..num_classes-1)",
+            )
         x0, _ = _pair(train[0], "dataset")
         _pair(test[0], "test_dataset")
         self.train, self.test = train, test
@@ -80,8 +94,13 @@ class MapStyleData:
         self.input_shape = tuple(x0.shape)
         self.name = name or type(train).__name__
         self.preprocessing: dict = {}
-        self.source = {"format": "torch Dataset", "train": type(train).__name__, "test": type(test).__name__,
-                       "train_examples": self.n_train, "test_examples": self.n_test}
+        self.source = {
+            "format": "torch Dataset",
+            "train": type(train).__name__,
+            "test": type(test).__name__,
+            "train_examples": self.n_train,
+            "test_examples": self.n_test,
+        }
         self.split = None
         self.collate_fn = collate_fn or default_collate
         self._fingerprint = fingerprint
@@ -130,9 +149,12 @@ def as_training_data(dataset, test_dataset=None, num_classes=None, name=None, fi
     if isinstance(dataset, (Dataset, MapStyleData)):
         for arg, value in (("test_dataset", test_dataset), ("num_classes", num_classes), ("fingerprint", fingerprint)):
             if value is not None:
-                raise InvalidParameterError(arg, value if isinstance(value, (int, str)) else type(value).__name__,
-                                            "is only for torch Datasets: an idpsgd.data.Dataset carries its test "
-                                            "split, classes and fingerprint")
+                raise InvalidParameterError(
+                    arg,
+                    value if isinstance(value, (int, str)) else type(value).__name__,
+                    "is only for torch Datasets: an idpsgd.data.Dataset carries its test "
+                    "split, classes and fingerprint",
+                )
         return dataset
     return MapStyleData(dataset, test_dataset, num_classes, name=name, fingerprint=fingerprint)
 

@@ -39,6 +39,7 @@ bookkeeping is not backed by its theorems:
 6. ``threshold_loss="adaptive"`` (eq. 7) picks the AM–GM equality point waste_u = waste_s
    (:func:`~idpsgd.accounting.pdp.adaptive_threshold`), strictly inside the remaining budgets.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from ..accounting import SampledGaussianEvent, epsilon_sgm
@@ -74,12 +75,16 @@ from ..validation import InvalidParameterError, check_delta, check_positive
 log = logging.getLogger("idpsgd")
 
 PDP_METHODS = ("pdp-sgd", "pdp-sampling", "adapdp")
-DEFAULT_W1 = {"pdp-sgd": 0.7, "pdp-sampling": 0.7, "adapdp": 0.2}   # Heo et al. App. C.2
-GUARANTEE = ("(Phi, Delta)-personalized DP (Heo et al. Thm. 4.2-4.4): every example i gets "
-             "(epsilon_i, delta_i) with epsilon_i <= its budget; delta_i = sum over rounds of pi_i,R * delta_R")
-GUARANTEE_HISTORY = ("(Phi, Delta)-personalized DP with the rounds composed by the accountant (Alg. 4, our "
-                     "reading): epsilon_i = ln sum_m P_i(last round sampled = m) exp(E_m) <= its budget, "
-                     "delta_i = P_i(ever sampled) * delta")
+DEFAULT_W1 = {"pdp-sgd": 0.7, "pdp-sampling": 0.7, "adapdp": 0.2}  # Heo et al. App. C.2
+GUARANTEE = (
+    "(Phi, Delta)-personalized DP (Heo et al. Thm. 4.2-4.4): every example i gets "
+    "(epsilon_i, delta_i) with epsilon_i <= its budget; delta_i = sum over rounds of pi_i,R * delta_R"
+)
+GUARANTEE_HISTORY = (
+    "(Phi, Delta)-personalized DP with the rounds composed by the accountant (Alg. 4, our "
+    "reading): epsilon_i = ln sum_m P_i(last round sampled = m) exp(E_m) <= its budget, "
+    "delta_i = P_i(ever sampled) * delta"
+)
 
 
 @dataclass(frozen=True)
@@ -119,15 +124,34 @@ class PdpOptions:
     def from_config(cls, config) -> PdpOptions:
         """The options kept on a ``TrainConfig`` (until they move out of it)."""
         d = cls()
-        return cls(**{k: getattr(config, k, getattr(d, k)) for k in
-                      ("threshold_loss", "w1", "rounds", "noise_history", "per_round_delta")})
+        return cls(
+            **{
+                k: getattr(config, k, getattr(d, k))
+                for k in ("threshold_loss", "w1", "rounds", "noise_history", "per_round_delta")
+            }
+        )
 
 
-def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data, sampled, *, budgets: Budgets,
-                 noise_multiplier: float, sample_rate: float, clip_norm: float, steps: int, steps_per_epoch: int,
-                 expected_batch_size: float, seed: int | None, secure_mode: bool = False,
-                 noise_generator: torch.Generator | None = None, grad_sample_mode: str = "hooks",
-                 progress: bool = False, desc: str = "") -> torch.nn.Module:
+def run_dp_round(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data,
+    sampled,
+    *,
+    budgets: Budgets,
+    noise_multiplier: float,
+    sample_rate: float,
+    clip_norm: float,
+    steps: int,
+    steps_per_epoch: int,
+    expected_batch_size: float,
+    seed: int | None,
+    secure_mode: bool = False,
+    noise_generator: torch.Generator | None = None,
+    grad_sample_mode: str = "hooks",
+    progress: bool = False,
+    desc: str = "",
+) -> torch.nn.Module:
     """One round of DP-SGD on the sampled examples, through the engine, with explicit public parameters.
 
     ``data`` = (x, y) is the whole training set; the examples in ``sampled`` get rate
@@ -143,12 +167,14 @@ def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
 
     x, y = data
     device = next(model.parameters()).device
-    if len(sampled) == 0:   # the round still releases its noisy steps (the engine needs a rate > 0)
+    if len(sampled) == 0:  # the round still releases its noisy steps (the engine needs a rate > 0)
         params = [p for p in model.parameters() if p.requires_grad]
         for _ in range(int(steps)):
             for p in params:
-                p.grad = gaussian_like(noise_multiplier * clip_norm, p.detach(), noise_generator,
-                                       secure_mode) / expected_batch_size
+                p.grad = (
+                    gaussian_like(noise_multiplier * clip_norm, p.detach(), noise_generator, secure_mode)
+                    / expected_batch_size
+                )
             optimizer.step()
         return model
     rates = np.zeros(len(y))
@@ -157,11 +183,21 @@ def run_dp_round(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data,
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook.*")
         out = engine.make_private_with_parameters(
-            module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
-            budgets=budgets, sample_rates=rates, clip_norms=np.full(len(y), clip_norm),
-            noise_multiplier=noise_multiplier, max_grad_norm=clip_norm, steps=int(steps),
-            steps_per_epoch=steps_per_epoch, expected_batch_size=float(expected_batch_size), privacy_filter=None,
-            noise_generator=None if secure_mode else noise_generator, grad_sample_mode=grad_sample_mode)
+            module=model,
+            optimizer=optimizer,
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
+            budgets=budgets,
+            sample_rates=rates,
+            clip_norms=np.full(len(y), clip_norm),
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=clip_norm,
+            steps=int(steps),
+            steps_per_epoch=steps_per_epoch,
+            expected_batch_size=float(expected_batch_size),
+            privacy_filter=None,
+            noise_generator=None if secure_mode else noise_generator,
+            grad_sample_mode=grad_sample_mode,
+        )
         if grad_sample_mode == "ghost":
             gsm, dp_opt, criterion, loader = out
         else:
@@ -194,8 +230,9 @@ def _predict(models_weights, x, batch_size: int = 1024) -> torch.Tensor:
             m = getattr(model, "_module", model)
             m.eval()
             device = next(m.parameters()).device
-            probs = probs + w * torch.cat([F.softmax(m(x[i:i + batch_size].to(device)), dim=1).cpu()
-                                           for i in range(0, len(x), batch_size)])
+            probs = probs + w * torch.cat(
+                [F.softmax(m(x[i : i + batch_size].to(device)), dim=1).cpu() for i in range(0, len(x), batch_size)]
+            )
     return probs
 
 
@@ -251,7 +288,7 @@ def plan_rounds(budgets: Budgets, config, options: PdpOptions | None = None, *, 
         q = min(1.0, B / expected)
         spe = steps_per_epoch_for(q)
         first_tau = first_tau or tau
-        scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0   # adapdp: fresh models
+        scale = min(1.0, tau / first_tau) ** 2 if method == "pdp-sgd" else 1.0  # adapdp: fresh models
         epochs = max(1, round(int(config.epochs) * scale))
         steps = epochs * spe
         cumulative += tau
@@ -261,20 +298,37 @@ def plan_rounds(budgets: Budgets, config, options: PdpOptions | None = None, *, 
             sigma = _round_sigma(tau, delta_round, q, steps, config.accountant)
         round_eps = float(epsilon_sgm(q, sigma, steps, delta_round, config.accountant))
         events.append(SampledGaussianEvent(q, sigma, steps))
-        info = {"round": r + 1, "threshold": tau, "noise_multiplier": sigma, "sample_rate": q,
-                "expected_sample_size": expected, "epochs": epochs, "steps": steps, "steps_per_epoch": spe,
-                "delta_round": delta_round, "epsilon_round": round_eps}
+        info = {
+            "round": r + 1,
+            "threshold": tau,
+            "noise_multiplier": sigma,
+            "sample_rate": q,
+            "expected_sample_size": expected,
+            "epochs": epochs,
+            "steps": steps,
+            "steps_per_epoch": spe,
+            "delta_round": delta_round,
+            "epsilon_round": round_eps,
+        }
         if history_mode:
-            info.update(cumulative_threshold=cumulative, epsilon_composed=composed_epsilon(events, delta,
-                                                                                           config.accountant))
+            info.update(
+                cumulative_threshold=cumulative, epsilon_composed=composed_epsilon(events, delta, config.accountant)
+            )
         plan.append(info)
-        spent, _ = sampling_guarantee(b, tau, delta_round)      # Thm. 4.2, for every example
+        spent, _ = sampling_guarantee(b, tau, delta_round)  # Thm. 4.2, for every example
         remaining = np.maximum(remaining - spent, 0.0)
     return plan
 
 
-def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options: PdpOptions | None = None, *,
-              plan: list[dict] | None = None) -> dict:
+def train_pdp(
+    dataset: Dataset,
+    budgets: Budgets,
+    config,
+    out_dir=None,
+    options: PdpOptions | None = None,
+    *,
+    plan: list[dict] | None = None,
+) -> dict:
     """Run ``config.method`` in :data:`PDP_METHODS`; returns the report (and writes it to ``out_dir``).
 
     Args:
@@ -303,20 +357,25 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
     if plan is None:
         plan = plan_rounds(budgets, config, opts)
     elif len(plan) > rounds or any(not isinstance(p, dict) or ("epsilon_composed" in p) != history_mode for p in plan):
-        raise InvalidParameterError("plan", f"{len(plan)} rounds", f"must be a plan of at most {rounds} {method} "
-                                    "rounds with these options (plan_rounds)")
-    from ..engine.randomness import noise_generator as make_noise, randomness_note, resolve_seed, sampler_rng
+        raise InvalidParameterError(
+            "plan",
+            f"{len(plan)} rounds",
+            f"must be a plan of at most {rounds} {method} rounds with these options (plan_rounds)",
+        )
+    from ..engine.randomness import noise_generator as make_noise
+    from ..engine.randomness import randomness_note, resolve_seed, sampler_rng
     from .loop import resolve_device
+
     secure = bool(getattr(config, "secure_mode", False))
-    seed = resolve_seed(config.seed, secure)     # a fresh seed is drawn and recorded (privately) when none is given
+    seed = resolve_seed(config.seed, secure)  # a fresh seed is drawn and recorded (privately) when none is given
     device = resolve_device(getattr(config, "device", "cpu"))
-    rng = sampler_rng(seed, secure)              # the per-round personalized sampling (secret)
+    rng = sampler_rng(seed, secure)  # the per-round personalized sampling (secret)
     seeds = np.random.default_rng(seed) if not secure else None
     noise = make_noise(device, seed, secure)
     model_name = config.model or DEFAULT_MODEL.get(dataset.name, "mlp")
 
     def new_model(k):
-        if seed is None:       # secure mode: the initialisation is not privacy-relevant, nor recorded
+        if seed is None:  # secure mode: the initialisation is not privacy-relevant, nor recorded
             torch.seed()
         else:
             torch.manual_seed(seed + k)
@@ -330,39 +389,55 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
     first_tau = plan[0]["threshold"] if plan else None
     for r, round_plan in enumerate(plan):
         info = {k: v for k, v in round_plan.items() if k != "steps_per_epoch"}
-        tau, q, sigma, steps, expected = (round_plan[k] for k in ("threshold", "sample_rate", "noise_multiplier",
-                                                                   "steps", "expected_sample_size"))
+        tau, q, sigma, steps, expected = (
+            round_plan[k] for k in ("threshold", "sample_rate", "noise_multiplier", "steps", "expected_sample_size")
+        )
         active = remaining > 1e-9 * budgets.epsilons.max()
         b = np.where(active, remaining, 0.0)
         pi = sampling_probabilities(b, tau)
         if history_mode:
             composed.append(round_plan["epsilon_composed"])
-        spent, dl = sampling_guarantee(b, tau, round_plan["delta_round"])      # Thm. 4.2, for every example
+        spent, dl = sampling_guarantee(b, tau, round_plan["delta_round"])  # Thm. 4.2, for every example
         charges.append((spent, dl))
         pis.append(pi)
         remaining = np.maximum(remaining - spent, 0.0)
-        sampled = np.flatnonzero(rng.random(n) < pi)             # secret: never reported
+        sampled = np.flatnonzero(rng.random(n) < pi)  # secret: never reported
         if method == "adapdp" and r > 0:
             model, opt = new_model(r)
         elif r > 0:  # continuing one model: smaller steps as the thresholds shrink (μ_R of Alg. 1)
             for grp in opt.param_groups:
                 grp["lr"] = config.lr * min(1.0, tau / first_tau)
-        model = run_dp_round(model, opt, (x, y), sampled, budgets=budgets, noise_multiplier=sigma, sample_rate=q,
-                             clip_norm=c, steps=steps, steps_per_epoch=round_plan["steps_per_epoch"],
-                             expected_batch_size=q * expected,
-                             seed=int(seeds.integers(2 ** 62)) if seeds is not None else None, secure_mode=secure,
-                             noise_generator=noise, grad_sample_mode=getattr(config, "grad_sample_mode", "hooks"),
-                             progress=config.progress, desc=f"{method} round {r + 1}")
+        model = run_dp_round(
+            model,
+            opt,
+            (x, y),
+            sampled,
+            budgets=budgets,
+            noise_multiplier=sigma,
+            sample_rate=q,
+            clip_norm=c,
+            steps=steps,
+            steps_per_epoch=round_plan["steps_per_epoch"],
+            expected_batch_size=q * expected,
+            seed=int(seeds.integers(2**62)) if seeds is not None else None,
+            secure_mode=secure,
+            noise_generator=noise,
+            grad_sample_mode=getattr(config, "grad_sample_mode", "hooks"),
+            progress=config.progress,
+            desc=f"{method} round {r + 1}",
+        )
         total_steps += steps
-        info["test_accuracy_round_model"] = accuracies(_predict([(model, 1.0)], dataset.x_test).argmax(1),
-                                                       dataset.y_test, dataset.num_classes)["accuracy"]
+        info["test_accuracy_round_model"] = accuracies(
+            _predict([(model, 1.0)], dataset.x_test).argmax(1), dataset.y_test, dataset.num_classes
+        )["accuracy"]
         rounds_info.append(info)
         if method == "adapdp":
             ensemble.append((model, tau * expected))
     final = ensemble if method == "adapdp" else [(model, 1.0)]
     wsum = sum(w for _, w in final)
-    test = accuracies(_predict([(m, w / wsum) for m, w in final], dataset.x_test).argmax(1), dataset.y_test,
-                      dataset.num_classes)
+    test = accuracies(
+        _predict([(m, w / wsum) for m, w in final], dataset.x_test).argmax(1), dataset.y_test, dataset.num_classes
+    )
     if not charges:
         eps_i, delta_i = np.zeros(n), np.zeros(n)
     elif history_mode:
@@ -372,21 +447,40 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
     if np.any(eps_i > budgets.epsilons * (1 + 1e-9) + 1e-12):
         raise RuntimeError("internal error: a (Phi, Delta)-PDP guarantee exceeds a budget")
     values, counts, inverse = budgets.groups()
-    groups = [{"budget": float(v), "count": int(k), "epsilon_spent": float(eps_i[inverse == g].max()),
-               "delta": float(delta_i[inverse == g].max()),
-               # π of the group's *remaining* budget in each round (all members share it)
-               "mean_sampling_probability": [float(np.mean(p[inverse == g])) for p in pis]}
-              for g, (v, k) in enumerate(zip(values, counts))]
+    groups = [
+        {
+            "budget": float(v),
+            "count": int(k),
+            "epsilon_spent": float(eps_i[inverse == g].max()),
+            "delta": float(delta_i[inverse == g].max()),
+            # π of the group's *remaining* budget in each round (all members share it)
+            "mean_sampling_probability": [float(np.mean(p[inverse == g])) for p in pis],
+        }
+        for g, (v, k) in enumerate(zip(values, counts, strict=True))
+    ]
     report = {
-        "method": method, "dataset": dataset.name, "model": model_name, "accountant": config.accountant,
-        "guarantee": GUARANTEE_HISTORY if history_mode else GUARANTEE, "delta": delta,
+        "method": method,
+        "dataset": dataset.name,
+        "model": model_name,
+        "accountant": config.accountant,
+        "guarantee": GUARANTEE_HISTORY if history_mode else GUARANTEE,
+        "delta": delta,
         "delta_mode": "per-round" if opts.per_round_delta and not history_mode else "total",
         "max_delta": float(delta_i.max()),
-        "test_accuracy": test["accuracy"], "per_class_accuracy": test["per_class_accuracy"],
+        "test_accuracy": test["accuracy"],
+        "per_class_accuracy": test["per_class_accuracy"],
         "noise_multiplier": [ri["noise_multiplier"] for ri in rounds_info],
-        "steps": total_steps, "rounds": rounds_info, "threshold_loss": opts.threshold_loss, "w1": w1,
-        "noise_history": history_mode, "epochs_per_round": config.epochs, "batch_size": B, "lr": config.lr,
-        "clip_norm": c, "wall_seconds": time.perf_counter() - t0, "models": len(final),
+        "steps": total_steps,
+        "rounds": rounds_info,
+        "threshold_loss": opts.threshold_loss,
+        "w1": w1,
+        "noise_history": history_mode,
+        "epochs_per_round": config.epochs,
+        "batch_size": B,
+        "lr": config.lr,
+        "clip_norm": c,
+        "wall_seconds": time.perf_counter() - t0,
+        "models": len(final),
         "groups": groups,
     }
     report["secure_mode"] = secure
@@ -395,21 +489,37 @@ def train_pdp(dataset: Dataset, budgets: Budgets, config, out_dir=None, options:
     if out_dir is not None:
         from ..analysis.report import write_report
         from ..runfolder import RunFolder
+
         rf = out_dir if isinstance(out_dir, RunFolder) else RunFolder(out_dir, resume=True)
-        rf.write_csv("pdp_guarantees.csv", ["index", "label", "budget", "epsilon", "delta"],
-                     [np.arange(n), y.numpy(), budgets.epsilons, eps_i, delta_i], "private",
-                     "every example's (epsilon_i, delta_i) and budget (personal data)")
+        rf.write_csv(
+            "pdp_guarantees.csv",
+            ["index", "label", "budget", "epsilon", "delta"],
+            [np.arange(n), y.numpy(), budgets.epsilons, eps_i, delta_i],
+            "private",
+            "every example's (epsilon_i, delta_i) and budget (personal data)",
+        )
         if seed is not None:
-            rf.record_seed(seed, "the run's seed: the per-round sampling, every round's Poisson batches and noise, "
-                           "the initialisation; --seed with it replays the run")
-        rf.save_torch("model.pt", [getattr(m, "_module", m).state_dict() for m, _ in final], "public",
-                      "the trained model(s): a list of state_dicts (adapdp: the ensemble, weights in report.json)")
+            rf.record_seed(
+                seed,
+                "the run's seed: the per-round sampling, every round's Poisson batches and noise, "
+                "the initialisation; --seed with it replays the run",
+            )
+        rf.save_torch(
+            "model.pt",
+            [getattr(m, "_module", m).state_dict() for m, _ in final],
+            "public",
+            "the trained model(s): a list of state_dicts (adapdp: the ensemble, weights in report.json)",
+        )
         rf.file("report.html", "public", "the run's readable report")
         rf.file("report.json", "public", "the run's report")
         report["files"] = {k: v["kind"] for k, v in rf.files().items()}
-        rf.write_json("report.json", report, "public", "the run's report: (Phi, Delta)-PDP guarantee per group, "
-                      "rounds, test metrics, hyper-parameters")
+        rf.write_json(
+            "report.json",
+            report,
+            "public",
+            "the run's report: (Phi, Delta)-PDP guarantee per group, rounds, test metrics, hyper-parameters",
+        )
         write_report(rf)
     if seed is not None:
-        report["private"] = {"seed": seed}      # not in report.json; on stdout only with --show-private
+        report["private"] = {"seed": seed}  # not in report.json; on stdout only with --show-private
     return report

@@ -34,6 +34,7 @@ initialization"); batch draws and noise come from two seeded generators, so a se
 runs.  Nothing here is secure-mode randomness: per-instance analysis is a research measurement
 (the runner refuses secure mode).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -49,7 +50,7 @@ ACTIVATIONS = (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.GELU, nn.S
 #: Layers applied per example and channel (on the stacked batch as is).
 POOLS = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 #: Largest block of per-example values held at once (floats).
-MAX_BLOCK = 2 ** 25
+MAX_BLOCK = 2**25
 
 
 def _layers(model: nn.Module) -> list[nn.Module] | None:
@@ -69,7 +70,7 @@ def _layers(model: nn.Module) -> list[nn.Module] | None:
             out.append(m)
         elif isinstance(m, nn.Flatten) and m.start_dim != 1:
             return None
-        elif isinstance(m, (nn.Linear, nn.Flatten) + ACTIVATIONS + POOLS):
+        elif isinstance(m, (nn.Linear, nn.Flatten, *ACTIVATIONS, *POOLS)):
             out.append(m)
         else:
             return None
@@ -99,31 +100,52 @@ class ParallelRuns:
         device: where the runs train.
     """
 
-    def __init__(self, model: nn.Module, x_pool: torch.Tensor, y_pool: torch.Tensor, members,
-                 sample_rate: float, noise_multiplier: float, clip_norm: float, normaliser: float, lr: float,
-                 momentum: float, seed: int, device="cpu"):
+    def __init__(
+        self,
+        model: nn.Module,
+        x_pool: torch.Tensor,
+        y_pool: torch.Tensor,
+        members,
+        sample_rate: float,
+        noise_multiplier: float,
+        clip_norm: float,
+        normaliser: float,
+        lr: float,
+        momentum: float,
+        seed: int,
+        device="cpu",
+    ):
         layers = _layers(model)
         if layers is None:
-            raise InvalidParameterError("model", type(model).__name__, "must be an nn.Sequential of Conv2d (groups 1, "
-                                        "zero padding), Linear, pooling, Flatten and element-wise activations")
+            raise InvalidParameterError(
+                "model",
+                type(model).__name__,
+                "must be an nn.Sequential of Conv2d (groups 1, "
+                "zero padding), Linear, pooling, Flatten and element-wise activations",
+            )
         members = torch.as_tensor(np.asarray(members, dtype=bool))
         if members.ndim != 2 or members.shape[1] != len(y_pool):
             raise InvalidParameterError("members", tuple(members.shape), f"must be (runs, {len(y_pool)})")
         self.device = torch.device(device)
         self.layers = layers
         self.runs = int(members.shape[0])
-        self.params: list[dict] = []             # per parametric layer: {"weight": (M, ...), "bias": (M, ...)}
+        self.params: list[dict] = []  # per parametric layer: {"weight": (M, ...), "bias": (M, ...)}
         for m in layers:
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                self.params.append({k: v.detach().to(self.device).unsqueeze(0).repeat(self.runs, *([1] * v.ndim))
-                                    .contiguous() for k, v in (("weight", m.weight), ("bias", m.bias)) if v is not None})
+                self.params.append(
+                    {
+                        k: v.detach().to(self.device).unsqueeze(0).repeat(self.runs, *([1] * v.ndim)).contiguous()
+                        for k, v in (("weight", m.weight), ("bias", m.bias))
+                        if v is not None
+                    }
+                )
         self.momentum_buf = [{k: torch.zeros_like(v) for k, v in p.items()} for p in self.params]
         self.dim = sum(int(v[0].numel()) for p in self.params for v in p.values())
         self.x_pool, self.y_pool = x_pool.to(self.device), y_pool.to(self.device)
         self.members = members
         self.q, self.sigma, self.clip = float(sample_rate), float(noise_multiplier), float(clip_norm)
         self.normaliser, self.lr, self.mu = float(normaliser), float(lr), float(momentum)
-        self.sampling = seeded_generator("cpu", derive_seed(seed, 1))     # every bit of the seed counts
+        self.sampling = seeded_generator("cpu", derive_seed(seed, 1))  # every bit of the seed counts
         self.noise = seeded_generator("cpu", derive_seed(seed, 2))
         self.last_batches: list[torch.Tensor] = []
         self.padding_limit = 1.5
@@ -150,18 +172,20 @@ class ParallelRuns:
             if isinstance(m, nn.Conv2d):
                 p = self.params[i]
                 i += 1
-                cols = F.unfold(h, m.kernel_size, m.dilation, m.padding, m.stride)      # (n, cin·kh·kw, L)
-                size = [(h.shape[2 + d] + 2 * m.padding[d] - m.dilation[d] * (m.kernel_size[d] - 1) - 1)
-                        // m.stride[d] + 1 for d in (0, 1)]
+                cols = F.unfold(h, m.kernel_size, m.dilation, m.padding, m.stride)  # (n, cin·kh·kw, L)
+                size = [
+                    (h.shape[2 + d] + 2 * m.padding[d] - m.dilation[d] * (m.kernel_size[d] - 1) - 1) // m.stride[d] + 1
+                    for d in (0, 1)
+                ]
                 cout, length = p["weight"].shape[1], cols.shape[2]
                 if block:
                     w = p["weight"][lo:hi].reshape(r, cout, -1)
                     cc = cols.reshape(r, k, -1, length).permute(0, 2, 1, 3).reshape(r, -1, k * length)
-                    z = torch.bmm(w, cc).reshape(r, cout, k, length).permute(0, 2, 1, 3)   # (r, k, cout, L)
+                    z = torch.bmm(w, cc).reshape(r, cout, k, length).permute(0, 2, 1, 3)  # (r, k, cout, L)
                     if "bias" in p:
                         z = z + p["bias"][lo:hi][:, None, :, None]
                 else:
-                    z = torch.bmm(p["weight"][run].reshape(n, cout, -1), cols)               # (n, cout, L)
+                    z = torch.bmm(p["weight"][run].reshape(n, cout, -1), cols)  # (n, cout, L)
                     if "bias" in p:
                         z = z + p["bias"][run][:, :, None]
                 z = z.reshape(n, cout, *size)
@@ -199,16 +223,16 @@ class ParallelRuns:
         n = x.shape[0]
         sq = torch.zeros(n, device=self.device, dtype=logits.dtype)
         pieces = []
-        for (m, a, _), b in zip(saved, backs):
+        for (m, a, _), b in zip(saved, backs, strict=True):
             a = a.detach()
-            if isinstance(m, nn.Linear):               # g_W = b·aᵀ: ‖g_W‖ = ‖b‖·‖a‖
+            if isinstance(m, nn.Linear):  # g_W = b·aᵀ: ‖g_W‖ = ‖b‖·‖a‖
                 b = b.detach()
                 sq = sq + b.pow(2).sum(1) * a.pow(2).sum(1)
                 gb = b
                 pieces.append(("outer", b, a, gb))
-            else:                                      # g_W = B·colsᵀ per example
+            else:  # g_W = B·colsᵀ per example
                 b = b.detach().reshape(n, b.shape[1], -1)
-                gw = torch.bmm(b, a.transpose(1, 2))                                     # (n, cout, cin·kh·kw)
+                gw = torch.bmm(b, a.transpose(1, 2))  # (n, cout, cin·kh·kw)
                 sq = sq + gw.pow(2).sum((1, 2))
                 gb = b.sum(-1)
                 pieces.append(("full", gw, None, gb))
@@ -227,7 +251,7 @@ class ParallelRuns:
             r = hi - lo
             k = n // r
         sums = []
-        for (kind, u, v, gb), p in zip(pieces, self.params):
+        for (kind, u, v, gb), p in zip(pieces, self.params, strict=True):
             out = {}
             for name, shape in ((k_, p[k_].shape) for k_ in p):
                 if name == "bias":
@@ -237,7 +261,7 @@ class ParallelRuns:
                 else:
                     val = u * wt[:, :, None]
                 if block:
-                    if val is None:                    # Σ_k f·b·aᵀ as one batched product, never per example
+                    if val is None:  # Σ_k f·b·aᵀ as one batched product, never per example
                         part = torch.bmm((u * wt).reshape(r, k, -1).transpose(1, 2), v.reshape(r, k, -1))
                     else:
                         part = val.reshape(r, k, -1).sum(1)
@@ -247,7 +271,8 @@ class ParallelRuns:
                     if val is None:
                         val = torch.einsum("no,ni->noi", u * wt, v)
                     full = torch.zeros(shape, dtype=val.dtype, device=val.device).index_add_(
-                        0, run, val.reshape(n, *shape[1:]))
+                        0, run, val.reshape(n, *shape[1:])
+                    )
                 out[name] = full
             sums.append(out)
         return sums
@@ -260,7 +285,7 @@ class ParallelRuns:
         """Poisson batches: each drawn (run, pool row) pair, sorted by run."""
         u = torch.rand(self.members.shape, generator=self.sampling)
         drawn = (u < self.q) & self.members
-        runs, rows = torch.nonzero(drawn, as_tuple=True)                    # row-major: sorted by run
+        runs, rows = torch.nonzero(drawn, as_tuple=True)  # row-major: sorted by run
         counts = drawn.sum(dim=1)
         self.last_batches = list(torch.split(rows, counts.tolist()))
         return runs.to(self.device), rows.to(self.device), counts
@@ -272,11 +297,11 @@ class ParallelRuns:
         k = int(counts.max()) if len(runs) else 0
 
         def add(part):
-            for s, ps in zip(sums, part):
+            for s, ps in zip(sums, part, strict=True):
                 for n in s:
                     s[n] += ps[n]
 
-        if k and self.runs * k <= self.padding_limit * len(runs):   # many examples per run: padded blocks of runs
+        if k and self.runs * k <= self.padding_limit * len(runs):  # many examples per run: padded blocks of runs
             starts = torch.cumsum(counts, 0) - counts
             pos = torch.arange(len(runs)) - starts[runs.cpu()]
             idx = torch.zeros((self.runs, k), dtype=torch.long)
@@ -290,20 +315,20 @@ class ParallelRuns:
                 sq, pieces = self._per_example(self.x_pool[j], self.y_pool[j], (lo, hi))
                 factor = (self.clip / (sq.sqrt() + 1e-6)).clamp(max=1.0) * valid[lo:hi].reshape(-1)
                 add(self._sums(pieces, (lo, hi), factor))
-        else:                                          # few examples per run: each example with its run's weights
+        else:  # few examples per run: each example with its run's weights
             chunk = self._chunk()
             for lo in range(0, len(runs), chunk):
-                r, j = runs[lo:lo + chunk], rows[lo:lo + chunk]
+                r, j = runs[lo : lo + chunk], rows[lo : lo + chunk]
                 sq, pieces = self._per_example(self.x_pool[j], self.y_pool[j], r)
                 factor = (self.clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
                 add(self._sums(pieces, r, factor))
         noise = torch.randn((self.runs, self.dim), generator=self.noise).to(self.device)
         offset = 0
         with torch.no_grad():
-            for p, s, bufs in zip(self.params, sums, self.momentum_buf):
+            for p, s, bufs in zip(self.params, sums, self.momentum_buf, strict=True):
                 for n, v in p.items():
                     size = int(v[0].numel())
-                    z = noise[:, offset:offset + size].reshape(v.shape)
+                    z = noise[:, offset : offset + size].reshape(v.shape)
                     offset += size
                     g = (s[n] + self.sigma * self.clip * z) / self.normaliser
                     bufs[n].mul_(self.mu).add_(g)
@@ -315,9 +340,17 @@ class ParallelRuns:
         ``rows[i]``)."""
         runs = torch.as_tensor(np.asarray(runs, dtype=np.int64).ravel(), device=self.device)
         rows = torch.as_tensor(np.asarray(rows, dtype=np.int64).ravel(), device=self.device)
-        out = [self._per_example(self.x_pool[rows[lo:lo + self._chunk()]], self.y_pool[rows[lo:lo + self._chunk()]],
-                                 runs[lo:lo + self._chunk()])[0].sqrt().detach().cpu()
-               for lo in range(0, len(runs), self._chunk())]
+        out = [
+            self._per_example(
+                self.x_pool[rows[lo : lo + self._chunk()]],
+                self.y_pool[rows[lo : lo + self._chunk()]],
+                runs[lo : lo + self._chunk()],
+            )[0]
+            .sqrt()
+            .detach()
+            .cpu()
+            for lo in range(0, len(runs), self._chunk())
+        ]
         return torch.cat(out).double().numpy() if out else np.zeros(0)
 
     @torch.no_grad()
@@ -326,24 +359,44 @@ class ParallelRuns:
         out = np.zeros((self.runs, len(x)), dtype=np.int64)
         for m in range(self.runs):
             for lo in range(0, len(x), batch_size):
-                h = x[lo:lo + batch_size].to(self.device)
+                h = x[lo : lo + batch_size].to(self.device)
                 i = 0
                 for layer in self.layers:
                     if isinstance(layer, (nn.Conv2d, nn.Linear)):
                         p = self.params[i]
                         i += 1
                         w, b = p["weight"][m], p["bias"][m] if "bias" in p else None
-                        h = (F.conv2d(h, w, b, layer.stride, layer.padding, layer.dilation)
-                             if isinstance(layer, nn.Conv2d) else F.linear(h, w, b))
+                        h = (
+                            F.conv2d(h, w, b, layer.stride, layer.padding, layer.dilation)
+                            if isinstance(layer, nn.Conv2d)
+                            else F.linear(h, w, b)
+                        )
                     else:
                         h = layer(h)
-                out[m, lo:lo + len(h)] = h.argmax(-1).cpu().numpy()
+                out[m, lo : lo + len(h)] = h.argmax(-1).cpu().numpy()
         return out
 
 
-def parallel_chains(dataset, x_pts: torch.Tensor, y_pts: torch.Tensor, points: np.ndarray, target_set: str,
-                    runs: int, model: nn.Module, q: float, sigma: float, clip: float, normaliser: float, steps: int,
-                    every: int, lr: float, momentum: float, seed: int, device="cpu", progress: bool = False) -> dict:
+def parallel_chains(
+    dataset,
+    x_pts: torch.Tensor,
+    y_pts: torch.Tensor,
+    points: np.ndarray,
+    target_set: str,
+    runs: int,
+    model: nn.Module,
+    q: float,
+    sigma: float,
+    clip: float,
+    normaliser: float,
+    steps: int,
+    every: int,
+    lr: float,
+    momentum: float,
+    seed: int,
+    device="cpu",
+    progress: bool = False,
+) -> dict:
     """Train the per-instance analysis' runs together and record each target's clipped gradient norm.
 
     ``runs`` runs on the shared training set (X for test-set targets, X' for training-set targets)
@@ -371,28 +424,30 @@ def parallel_chains(dataset, x_pts: torch.Tensor, y_pts: torch.Tensor, points: n
         shared = np.ones((1, n_train), bool)
         own = np.repeat(shared, k, axis=0)
         own[np.arange(k), rows] = False
-    members = np.concatenate([np.repeat(shared, runs, axis=0), np.repeat(own, runs, axis=0)])   # own: target-major
+    members = np.concatenate([np.repeat(shared, runs, axis=0), np.repeat(own, runs, axis=0)])  # own: target-major
     pr = ParallelRuns(model, x_pool, y_pool, members, q, sigma, clip, normaliser, lr, momentum, seed, device)
     shared_ids = np.arange(runs)
     own_ids = runs + np.arange(k * runs)
     pair_runs = np.concatenate([np.repeat(shared_ids, k), own_ids])
     pair_rows = np.concatenate([np.tile(rows, runs), np.repeat(rows, runs)])
     ckpts, s_shared, s_own = [], [], []
-    for t in tqdm(range(steps), disable=None if progress else True, desc="per-instance runs", unit="step",
-                  leave=False):
+    for t in tqdm(range(steps), disable=None if progress else True, desc="per-instance runs", unit="step", leave=False):
         if t % every == 0:
             norms = np.minimum(pr.grad_norms(pair_runs, pair_rows), clip)
             ckpts.append(t)
-            s_shared.append(norms[:runs * k].reshape(runs, k))
-            s_own.append(norms[runs * k:].reshape(k, runs).T)
+            s_shared.append(norms[: runs * k].reshape(runs, k))
+            s_own.append(norms[runs * k :].reshape(k, runs).T)
         pr.step()
-    pred = pr.predict(x_pts)                                                  # (M, k)
+    pred = pr.predict(x_pts)  # (M, k)
     truth = y_pts.numpy()
     correct_shared = pred[:runs] == truth[None, :]
     correct_own = (pred[own_ids, np.repeat(np.arange(k), runs)] == np.repeat(truth, runs)).reshape(k, runs).T
     test_pred = pr.predict(dataset.x_test)
     acc = (test_pred == dataset.y_test.numpy()[None, :]).mean(axis=1)
-    return {"shared": {"sens": np.stack(s_shared, axis=1), "correct": correct_shared},
-            "own": {"sens": np.stack(s_own, axis=1), "correct": correct_own},
-            "checkpoints": np.asarray(ckpts), "test_accuracy_runs": [float(a) for a in acc[:runs]],
-            "test_accuracy_own_runs": [float(a) for a in acc[runs:]]}
+    return {
+        "shared": {"sens": np.stack(s_shared, axis=1), "correct": correct_shared},
+        "own": {"sens": np.stack(s_own, axis=1), "correct": correct_own},
+        "checkpoints": np.asarray(ckpts),
+        "test_accuracy_runs": [float(a) for a in acc[:runs]],
+        "test_accuracy_own_runs": [float(a) for a in acc[runs:]],
+    }

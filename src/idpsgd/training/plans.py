@@ -16,6 +16,7 @@
 Every phase's :class:`~idpsgd.assignment.Assignment` is calibrated so that each group in it
 spends at most its budget after the phase's planned steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..assignment import Assignment, Budgets, assign
-from ..validation import InvalidParameterError, check_positive
 from ..engine import steps_per_epoch_for
+from ..validation import InvalidParameterError, check_positive
 
 METHODS = ("uniform", "sample", "scale", "exclude", "sequential")
 
@@ -63,12 +64,24 @@ def _phase(name, budgets: Budgets, indices, method, batch_size, epochs, clip_nor
     sub = Budgets.from_array(budgets.epsilons[indices], budgets.delta)
     q = min(1.0, batch_size / len(indices))
     spe = steps_per_epoch_for(q)
-    return Phase(name, np.asarray(indices, dtype=np.int64),
-                 assign(sub, method, q, epochs * spe, clip_norm, accountant), epochs, spe)
+    return Phase(
+        name,
+        np.asarray(indices, dtype=np.int64),
+        assign(sub, method, q, epochs * spe, clip_norm, accountant),
+        epochs,
+        spe,
+    )
 
 
-def build_plan(budgets: Budgets, method: str, batch_size: int, epochs: int, clip_norm: float,
-               accountant: str = "rdp", exclude_below: float | None = None) -> TrainingPlan:
+def build_plan(
+    budgets: Budgets,
+    method: str,
+    batch_size: int,
+    epochs: int,
+    clip_norm: float,
+    accountant: str = "rdp",
+    exclude_below: float | None = None,
+) -> TrainingPlan:
     """Plan a run of ``epochs`` passes with expected batch size ``batch_size``.
 
     Args:
@@ -93,16 +106,24 @@ def build_plan(budgets: Budgets, method: str, batch_size: int, epochs: int, clip
     if method == "exclude":
         if exclude_below is None:
             if values.size < 2:
-                raise InvalidParameterError("budgets", values.tolist(),
-                                            "exclude needs at least two privacy groups (or --exclude-below)")
+                raise InvalidParameterError(
+                    "budgets", values.tolist(), "exclude needs at least two privacy groups (or --exclude-below)"
+                )
             exclude_below = float(values[1])
         if not exclude_below > values.min():
-            raise InvalidParameterError("exclude_below", exclude_below, f"must be above the smallest budget "
-                                        f"{values.min():g} (it would exclude no example; use --method uniform)")
+            raise InvalidParameterError(
+                "exclude_below",
+                exclude_below,
+                f"must be above the smallest budget "
+                f"{values.min():g} (it would exclude no example; use --method uniform)",
+            )
         keep = np.flatnonzero(eps >= exclude_below)
         if keep.size == 0:
-            raise InvalidParameterError("exclude_below", exclude_below,
-                                        f"must be <= the largest budget {values.max():g} (it would drop every example)")
+            raise InvalidParameterError(
+                "exclude_below",
+                exclude_below,
+                f"must be <= the largest budget {values.max():g} (it would drop every example)",
+            )
         return TrainingPlan(method, budgets, (_phase(f"budget>={exclude_below:g}", budgets, keep, "uniform", *args),))
     phases = tuple(_phase(f"group eps={v:g}", budgets, np.flatnonzero(eps == v), "uniform", *args) for v in values)
     return TrainingPlan(method, budgets, phases)

@@ -9,13 +9,21 @@
 
 Imported lazily: ``import idpsgd`` never imports transformers.
 """
+
 from __future__ import annotations
 
 import importlib
 
-_LAZY = {"IndividualizedTrainer": "trainer", "PrivacyArguments": "arguments", "PerExampleLoss": "losses",
-         "check_training_arguments": "arguments", "finetune": "finetune", "FinetuneOptions": "finetune",
-         "load_text_data": "text_data", "TextData": "text_data"}
+_LAZY = {
+    "IndividualizedTrainer": "trainer",
+    "PrivacyArguments": "arguments",
+    "PerExampleLoss": "losses",
+    "check_training_arguments": "arguments",
+    "finetune": "finetune",
+    "FinetuneOptions": "finetune",
+    "load_text_data": "text_data",
+    "TextData": "text_data",
+}
 
 
 def __getattr__(name):
@@ -34,5 +42,13 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FinetuneOptions", "IndividualizedTrainer", "PerExampleLoss", "PrivacyArguments", "TextData",
-           "check_training_arguments", "finetune", "load_text_data"]
+__all__ = [
+    "FinetuneOptions",
+    "IndividualizedTrainer",
+    "PerExampleLoss",
+    "PrivacyArguments",
+    "TextData",
+    "check_training_arguments",
+    "finetune",
+    "load_text_data",
+]

@@ -5,6 +5,7 @@ arguments it honours, maps or refuses.
 — every ``TrainingArguments`` option the private run cannot honour is refused with the reason; the
 ones it maps are documented on :class:`~.trainer.IndividualizedTrainer`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,12 +59,17 @@ class PrivacyArguments:
         if self.accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", self.accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         if self.grad_sample_mode == "ghost":
-            raise InvalidParameterError("grad_sample_mode", "ghost", "is not supported by the Trainer (its second "
-                                        "backward pass runs through Opacus's loss wrapper); use bk, the same update "
-                                        "in one backward pass")
+            raise InvalidParameterError(
+                "grad_sample_mode",
+                "ghost",
+                "is not supported by the Trainer (its second "
+                "backward pass runs through Opacus's loss wrapper); use bk, the same update "
+                "in one backward pass",
+            )
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise InvalidParameterError("grad_sample_mode", self.grad_sample_mode,
-                                        f"must be one of {', '.join(GRAD_SAMPLE_MODES)}")
+            raise InvalidParameterError(
+                "grad_sample_mode", self.grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
             raise InvalidParameterError("seed", self.seed, "must be an integer or None")
 
@@ -74,52 +80,90 @@ def _value(x):
 
 #: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
 _REFUSED = (
-    ("fp16", bool, "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
-                   "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
-                   "(bfloat16 autocast, no scaler)"),
-    ("gradient_checkpointing", bool, "recomputing activations in the backward pass is not supported by "
-                                     "per-example clipping here"),
-    ("activation_checkpointing", bool, "recomputing activations in the backward pass is not supported by "
-                                       "per-example clipping here"),
+    (
+        "fp16",
+        bool,
+        "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
+        "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
+        "(bfloat16 autocast, no scaler)",
+    ),
+    (
+        "gradient_checkpointing",
+        bool,
+        "recomputing activations in the backward pass is not supported by per-example clipping here",
+    ),
+    (
+        "activation_checkpointing",
+        bool,
+        "recomputing activations in the backward pass is not supported by per-example clipping here",
+    ),
     ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
     ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
-    ("auto_find_batch_size", bool, "the batch size is part of the privacy calibration and cannot change "
-                                   "during the run"),
+    (
+        "auto_find_batch_size",
+        bool,
+        "the batch size is part of the privacy calibration and cannot change during the run",
+    ),
     ("dataloader_drop_last", bool, "batches are Poisson samples with per-example rates (nothing to drop)"),
     ("push_to_hub", bool, "the run folder holds private files; publish its public model folder yourself"),
-    ("load_best_model_at_end", bool, "choosing among checkpoints by a metric needs intermediate checkpoints "
-                                     "(save_strategy='no' here)"),
-    ("neftune_noise_alpha", lambda v: v is not None, "NEFTune's embedding noise is not part of the privacy "
-                                                     "analysis; leave it unset"),
-    ("label_smoothing_factor", lambda v: v != 0, "the per-example loss is the plain cross-entropy (label "
-                                                 "smoothing is not implemented per example)"),
-    ("save_strategy", lambda v: _value(v) != "no", "must be 'no': intermediate Hugging Face checkpoints hold "
-                                                   "neither the privacy engine's state (so a resumed run would be "
-                                                   "mis-accounted) nor only public values (training losses, RNG "
-                                                   "states); the model and report are written at the end of train()"),
-    ("include_num_input_tokens_seen", lambda v: _value(v) not in ("no", False, None),
-     "token counts of the private batches are not covered by the guarantee"),
-    ("train_sampling_strategy", lambda v: _value(v) != "random", "batches are Poisson samples with per-example "
-                                                                 "rates"),
-    ("deepspeed", lambda v: bool(v), "DeepSpeed is not supported; train on one device"),
-    ("fsdp", lambda v: bool(v), "FSDP is not supported; train on one device"),
+    (
+        "load_best_model_at_end",
+        bool,
+        "choosing among checkpoints by a metric needs intermediate checkpoints (save_strategy='no' here)",
+    ),
+    (
+        "neftune_noise_alpha",
+        lambda v: v is not None,
+        "NEFTune's embedding noise is not part of the privacy analysis; leave it unset",
+    ),
+    (
+        "label_smoothing_factor",
+        lambda v: v != 0,
+        "the per-example loss is the plain cross-entropy (label smoothing is not implemented per example)",
+    ),
+    (
+        "save_strategy",
+        lambda v: _value(v) != "no",
+        "must be 'no': intermediate Hugging Face checkpoints hold "
+        "neither the privacy engine's state (so a resumed run would be "
+        "mis-accounted) nor only public values (training losses, RNG "
+        "states); the model and report are written at the end of train()",
+    ),
+    (
+        "include_num_input_tokens_seen",
+        lambda v: _value(v) not in ("no", False, None),
+        "token counts of the private batches are not covered by the guarantee",
+    ),
+    ("train_sampling_strategy", lambda v: _value(v) != "random", "batches are Poisson samples with per-example rates"),
+    ("deepspeed", bool, "DeepSpeed is not supported; train on one device"),
+    ("fsdp", bool, "FSDP is not supported; train on one device"),
 )
 
 
 def check_training_arguments(args) -> None:
     """Refuse the ``TrainingArguments`` a private run cannot honour (one line: which, why)."""
     if args is None or not hasattr(args, "per_device_train_batch_size"):
-        raise InvalidParameterError("args", type(args).__name__, "give transformers.TrainingArguments(output_dir="
-                                    "RUN_FOLDER, save_strategy='no', ...)")
+        raise InvalidParameterError(
+            "args",
+            type(args).__name__,
+            "give transformers.TrainingArguments(output_dir=RUN_FOLDER, save_strategy='no', ...)",
+        )
     for name, refused, why in _REFUSED:
         if hasattr(args, name) and refused(getattr(args, name)):
             raise InvalidParameterError(name, _value(getattr(args, name)), why)
     if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
-        raise InvalidParameterError("world_size", max(args.world_size, args.n_gpu), "the Trainer runs on one device; "
-                                    "for several use the engine's distributed mode (torchrun) with your own loop")
+        raise InvalidParameterError(
+            "world_size",
+            max(args.world_size, args.n_gpu),
+            "the Trainer runs on one device; "
+            "for several use the engine's distributed mode (torchrun) with your own loop",
+        )
     if not args.max_grad_norm > 0:
-        raise InvalidParameterError("max_grad_norm", args.max_grad_norm, "must be > 0: it is every example's clip "
-                                    "norm (the reference clip norm c of Scale)")
+        raise InvalidParameterError(
+            "max_grad_norm",
+            args.max_grad_norm,
+            "must be > 0: it is every example's clip norm (the reference clip norm c of Scale)",
+        )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         v = getattr(args, name)
         if isinstance(v, bool) or int(v) != v or v < 1:

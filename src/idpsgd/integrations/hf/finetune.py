@@ -10,6 +10,7 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
 * ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
   on the frozen model; ``model/`` then holds the adapter.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -23,10 +24,20 @@ from ...validation import InvalidParameterError, check_positive
 from .arguments import PrivacyArguments
 from .text_data import TextData, label_ids
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                   "spiece.model")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -36,11 +47,11 @@ class FinetuneOptions:
 
     method: str = "scale"
     epochs: float = 3.0
-    batch_size: int = 16                 # expected (Poisson) batch size B
-    physical_batch_size: int | None = None   # at most this many examples per forward pass (default B)
+    batch_size: int = 16  # expected (Poisson) batch size B
+    physical_batch_size: int | None = None  # at most this many examples per forward pass (default B)
     lr: float = 5e-4
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0           # every example's clip norm (the reference c of Scale)
+    max_grad_norm: float = 1.0  # every example's clip norm (the reference c of Scale)
     max_length: int = 128
     lora_r: int = 0
     grad_sample_mode: str = "bk"
@@ -60,8 +71,12 @@ class FinetuneOptions:
             if isinstance(pb, bool) or int(pb) != pb or pb < 1:
                 raise InvalidParameterError("physical_batch_size", pb, "must be an integer >= 1")
             if self.batch_size % pb:
-                raise InvalidParameterError("physical_batch_size", pb, f"must divide --batch-size={self.batch_size} "
-                                            "(the expected batch is that many physical batches' worth)")
+                raise InvalidParameterError(
+                    "physical_batch_size",
+                    pb,
+                    f"must divide --batch-size={self.batch_size} "
+                    "(the expected batch is that many physical batches' worth)",
+                )
         if isinstance(self.lora_r, bool) or int(self.lora_r) != self.lora_r or self.lora_r < 0:
             raise InvalidParameterError("lora_r", self.lora_r, "must be an integer >= 0 (0: full fine-tuning)")
         check_positive(self.epochs, "epochs")
@@ -77,17 +92,29 @@ def check_model_folder(path) -> Path:
     """A local model folder: ``config.json``, weights and a tokenizer (refused with what is missing)."""
     p = Path(path)
     if not p.is_dir():
-        raise InvalidParameterError("model", str(path), "not found: give a local folder as save_pretrained writes "
-                                    "it (config.json, model.safetensors, tokenizer files)" if not p.exists()
-                                    else "is not a folder (give the folder save_pretrained wrote)")
+        raise InvalidParameterError(
+            "model",
+            str(path),
+            "not found: give a local folder as save_pretrained writes "
+            "it (config.json, model.safetensors, tokenizer files)"
+            if not p.exists()
+            else "is not a folder (give the folder save_pretrained wrote)",
+        )
     if not (p / "config.json").is_file():
-        raise InvalidParameterError("model", str(path), "is not a model folder: it has no config.json (save the "
-                                    "model with model.save_pretrained(folder))")
+        raise InvalidParameterError(
+            "model",
+            str(path),
+            "is not a model folder: it has no config.json (save the model with model.save_pretrained(folder))",
+        )
     if not any((p / f).is_file() for f in WEIGHT_FILES):
         raise InvalidParameterError("model", str(path), f"has no weights ({' or '.join(WEIGHT_FILES[::2])})")
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        raise InvalidParameterError("model", str(path), "has no tokenizer (tokenizer.json or tokenizer_config.json): "
-                                    "save it into the folder with tokenizer.save_pretrained(folder)")
+        raise InvalidParameterError(
+            "model",
+            str(path),
+            "has no tokenizer (tokenizer.json or tokenizer_config.json): "
+            "save it into the folder with tokenizer.save_pretrained(folder)",
+        )
     return p
 
 
@@ -103,8 +130,9 @@ def model_label2id(folder: Path) -> dict | None:
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise InvalidParameterError("model", str(folder), f"its config.json cannot be read ({_first_line(exc)})") \
-            from None
+        raise InvalidParameterError(
+            "model", str(folder), f"its config.json cannot be read ({_first_line(exc)})"
+        ) from None
     return getattr(config, "label2id", None)
 
 
@@ -114,12 +142,17 @@ def load_tokenizer(folder: Path):
     try:
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise InvalidParameterError("model", str(folder), f"its tokenizer cannot be loaded ({_first_line(exc)})") \
-            from None
+        raise InvalidParameterError(
+            "model", str(folder), f"its tokenizer cannot be loaded ({_first_line(exc)})"
+        ) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise InvalidParameterError("model", str(folder), "its tokenizer has neither a padding token nor an "
-                                        "end-of-text token to pad with; set tokenizer.pad_token and save it again")
+            raise InvalidParameterError(
+                "model",
+                str(folder),
+                "its tokenizer has neither a padding token nor an "
+                "end-of-text token to pad with; set tokenizer.pad_token and save it again",
+            )
         tok.pad_token = tok.eos_token
     return tok
 
@@ -163,8 +196,16 @@ def tokenize(data: TextData, tokenizer, max_length: int, ids: list | None):
     return datasets.Dataset.from_dict(columns)
 
 
-def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: TextData | None = None,
-             options: FinetuneOptions = FinetuneOptions(), overwrite: bool = False) -> dict:
+def finetune(
+    model_dir,
+    train: TextData,
+    budgets: Budgets,
+    out,
+    *,
+    eval_data: TextData | None = None,
+    options: FinetuneOptions = FinetuneOptions(),
+    overwrite: bool = False,
+) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
     (also in the run folder ``out``: public model/, report.json, report.html; private/)."""
     import torch
@@ -174,14 +215,23 @@ def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: Te
     from .trainer import IndividualizedTrainer
 
     if not isinstance(budgets, Budgets) or len(budgets) != len(train):
-        raise InvalidParameterError("budgets", f"{len(budgets) if isinstance(budgets, Budgets) else budgets!r}",
-                                    f"need an idpsgd.Budgets with one budget per training row ({len(train)})")
+        raise InvalidParameterError(
+            "budgets",
+            f"{len(budgets) if isinstance(budgets, Budgets) else budgets!r}",
+            f"need an idpsgd.Budgets with one budget per training row ({len(train)})",
+        )
     if eval_data is not None and (eval_data.labels is None) != (train.labels is None):
-        raise InvalidParameterError("eval_data", eval_data.source.get("file"), "must have the label column exactly "
-                                    "when the training data has one")
+        raise InvalidParameterError(
+            "eval_data",
+            eval_data.source.get("file"),
+            "must have the label column exactly when the training data has one",
+        )
     if options.batch_size > len(train):
-        raise InvalidParameterError("batch_size", options.batch_size, f"must be <= the {len(train)} training rows "
-                                    "(it is the expected Poisson batch size)")
+        raise InvalidParameterError(
+            "batch_size",
+            options.batch_size,
+            f"must be <= the {len(train)} training rows (it is the expected Poisson batch size)",
+        )
     folder = check_model_folder(model_dir)
     if options.device == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", "cuda", "no CUDA device is available here; use cpu or auto")
@@ -189,37 +239,68 @@ def finetune(model_dir, train: TextData, budgets: Budgets, out, *, eval_data: Te
     task = "causal_lm" if train.labels is None else "sequence_classification"
     train_ids = eval_ids = id2label = None
     if task == "sequence_classification":
-        train_ids, eval_ids, id2label = label_ids(train.labels, eval_data.labels if eval_data else None,
-                                                  model_label2id(folder))
+        train_ids, eval_ids, id2label = label_ids(
+            train.labels, eval_data.labels if eval_data else None, model_label2id(folder)
+        )
     # the model's seed (new head, LoRA init, dropout): its own stream, derived from --seed by a hash so
     # that nothing the model's randomness reveals leads back to the privacy seed
-    init_seed = (int(np.random.SeedSequence([options.seed, 1]).generate_state(1)[0]) if options.seed is not None
-                 else secrets.randbits(32))
-    torch.manual_seed(init_seed)                 # a new classification head or LoRA adapter
+    init_seed = (
+        int(np.random.SeedSequence([options.seed, 1]).generate_state(1)[0])
+        if options.seed is not None
+        else secrets.randbits(32)
+    )
+    torch.manual_seed(init_seed)  # a new classification head or LoRA adapter
     model = load_model(folder, task, id2label, tokenizer.pad_token_id)
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
     physical = options.physical_batch_size or options.batch_size
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=physical,
-        gradient_accumulation_steps=options.batch_size // physical, num_train_epochs=options.epochs,
-        learning_rate=options.lr, weight_decay=options.weight_decay, max_grad_norm=options.max_grad_norm,
-        optim="adamw_torch", save_strategy="no", logging_strategy="epoch", report_to=[],
-        disable_tqdm=not options.progress, seed=init_seed, dataloader_pin_memory=False,
-        use_cpu=options.device == "cpu" or (options.device == "auto" and not torch.cuda.is_available()))
-    collator = (DataCollatorForLanguageModeling(tokenizer, mlm=False) if task == "causal_lm"
-                else DataCollatorWithPadding(tokenizer))
-    privacy = PrivacyArguments(budgets=budgets, method=options.method, accountant=options.accountant,
-                               grad_sample_mode=options.grad_sample_mode, seed=options.seed,
-                               secure_mode=options.secure_mode, overwrite=overwrite)
+        output_dir=str(out),
+        per_device_train_batch_size=physical,
+        gradient_accumulation_steps=options.batch_size // physical,
+        num_train_epochs=options.epochs,
+        learning_rate=options.lr,
+        weight_decay=options.weight_decay,
+        max_grad_norm=options.max_grad_norm,
+        optim="adamw_torch",
+        save_strategy="no",
+        logging_strategy="epoch",
+        report_to=[],
+        disable_tqdm=not options.progress,
+        seed=init_seed,
+        dataloader_pin_memory=False,
+        use_cpu=options.device == "cpu" or (options.device == "auto" and not torch.cuda.is_available()),
+    )
+    collator = (
+        DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        if task == "causal_lm"
+        else DataCollatorWithPadding(tokenizer)
+    )
+    privacy = PrivacyArguments(
+        budgets=budgets,
+        method=options.method,
+        accountant=options.accountant,
+        grad_sample_mode=options.grad_sample_mode,
+        seed=options.seed,
+        secure_mode=options.secure_mode,
+        overwrite=overwrite,
+    )
     trainer = IndividualizedTrainer(
-        model=model, args=args, train_dataset=tokenize(train, tokenizer, options.max_length, train_ids),
+        model=model,
+        args=args,
+        train_dataset=tokenize(train, tokenizer, options.max_length, train_ids),
         eval_dataset=tokenize(eval_data, tokenizer, options.max_length, eval_ids) if eval_data else None,
-        processing_class=tokenizer, data_collator=collator, privacy=privacy,
-        dataset_name=train.source.get("file"), data_source={"train": train.source,
-                                                              **({"test": eval_data.source} if eval_data else {}),
-                                                              "max_length": options.max_length})
-    if not options.progress:                     # nothing on stdout but the command's own output
+        processing_class=tokenizer,
+        data_collator=collator,
+        privacy=privacy,
+        dataset_name=train.source.get("file"),
+        data_source={
+            "train": train.source,
+            **({"test": eval_data.source} if eval_data else {}),
+            "max_length": options.max_length,
+        },
+    )
+    if not options.progress:  # nothing on stdout but the command's own output
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
     trainer.train()

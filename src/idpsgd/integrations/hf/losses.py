@@ -21,6 +21,7 @@ sensitivity bound of DP-SGD would not hold.  Here instead
 and the batch loss is the mean of the ℓ_i over the examples.  An example's clipped contribution
 then depends on nothing but itself.  (For evaluation the models' own loss is used unchanged.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,13 @@ from ...validation import InvalidParameterError
 
 IGNORE_INDEX = -100
 #: task -> (labels shifted by one position, loss family)
-TASKS = {"causal_lm": (True, "token"), "masked_lm": (False, "token"), "token_classification": (False, "token"),
-         "sequence_classification": (False, "sequence"), "image_classification": (False, "sequence")}
+TASKS = {
+    "causal_lm": (True, "token"),
+    "masked_lm": (False, "token"),
+    "token_classification": (False, "token"),
+    "sequence_classification": (False, "sequence"),
+    "image_classification": (False, "sequence"),
+}
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,22 +46,26 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> tup
     ``logits`` (B, T, V), ``labels`` (B, T) with ``-100`` for tokens without a label; ``shift``:
     token t predicts label t+1 (causal LM).  Computed in float32 (or float64 for float64 logits)."""
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"token-level losses need logits (B, T, V) and labels (B, T); got {tuple(logits.shape)} "
-                         f"and {tuple(labels.shape)}")
+        raise ValueError(
+            f"token-level losses need logits (B, T, V) and labels (B, T); got {tuple(logits.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     b, t = labels.shape
     work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    tok = F.cross_entropy(work.reshape(b * t, -1), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX,
-                          reduction="none").view(b, t)
+    tok = F.cross_entropy(
+        work.reshape(b * t, -1), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(b, t)
     return tok.sum(1), (labels != IGNORE_INDEX).sum(1)
 
 
-def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None,
-                    num_labels: int) -> torch.Tensor:
+def sequence_losses(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None, num_labels: int
+) -> torch.Tensor:
     """Per-example loss of a sequence (or image) classifier, shape (B,), as the models choose it."""
     b = logits.shape[0]
-    if problem_type is None:                       # the models' rule (e.g. BertForSequenceClassification)
+    if problem_type is None:  # the models' rule (e.g. BertForSequenceClassification)
         if num_labels == 1:
             problem_type = "regression"
         elif labels.dtype in (torch.long, torch.int):
@@ -69,10 +79,13 @@ def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, problem_type: st
     if problem_type == "single_label_classification":
         return F.cross_entropy(work.reshape(b, -1), labels.reshape(b).long(), reduction="none")
     if problem_type == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(work.reshape(b, -1), labels.reshape(b, -1).to(work.dtype),
-                                                  reduction="none").mean(1)
-    raise ValueError(f"problem_type {problem_type!r} is not one of regression, single_label_classification, "
-                     "multi_label_classification")
+        return F.binary_cross_entropy_with_logits(
+            work.reshape(b, -1), labels.reshape(b, -1).to(work.dtype), reduction="none"
+        ).mean(1)
+    raise ValueError(
+        f"problem_type {problem_type!r} is not one of regression, single_label_classification, "
+        "multi_label_classification"
+    )
 
 
 def base_model(model):
@@ -86,11 +99,13 @@ def task_of(model) -> str | None:
     from transformers.models.auto import modeling_auto as auto
 
     name = type(base_model(model)).__name__
-    mappings = {"causal_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                "masked_lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                "token_classification": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
-                "sequence_classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-                "image_classification": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+    mappings = {
+        "causal_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "masked_lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "token_classification": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        "sequence_classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "image_classification": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    }
     for task, mapping in mappings.items():
         for value in mapping.values():
             if name == value or (isinstance(value, (tuple, list)) and name in value):
@@ -117,9 +132,13 @@ class PerExampleLoss:
         """The loss of ``model``'s task; refused (with what to do) when the task is unknown."""
         task = task_of(model)
         if task is None:
-            raise InvalidParameterError("model", type(base_model(model)).__name__, "has no known per-example loss "
-                                        "(causal LM, masked LM, token, sequence or image classification); pass "
-                                        "per_example_loss=fn(outputs, labels) returning one loss per example")
+            raise InvalidParameterError(
+                "model",
+                type(base_model(model)).__name__,
+                "has no known per-example loss "
+                "(causal LM, masked LM, token, sequence or image classification); pass "
+                "per_example_loss=fn(outputs, labels) returning one loss per example",
+            )
         config = getattr(base_model(model), "config", None)
         return cls(task, getattr(config, "problem_type", None), getattr(config, "num_labels", 2))
 

@@ -8,6 +8,7 @@ Private (``private/``, mode 0600): ``epsilons.csv`` (each training example's bud
 ``ledger.csv`` (each step's real batch size and ε per group), ``history.json`` (training losses and
 other logged values the guarantee does not cover) and ``seed.json`` (the privacy seed).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE
 from ...engine.randomness import randomness_note
 from ...runfolder import PRIVATE, SEED_FILE
-from .losses import PerExampleLoss, base_model, token_losses, sequence_losses
+from .losses import PerExampleLoss, base_model, sequence_losses, token_losses
 
 
 @torch.no_grad()
@@ -84,37 +85,74 @@ def build_report(trainer) -> dict:
     eps = engine.get_epsilon()
     groups = []
     for g in engine.privacy_groups():
-        groups.append({"budget": g["budget"], "count": g["count"], "trained": True, "sample_rate": g["sample_rate"],
-                       "clip_norm": g["clip_norm"], "noise_multiplier": g["noise_multiplier"], "steps": engine.steps,
-                       "epsilon_spent": g["epsilon"], "epsilon_training": g["epsilon"], "delta": delta})
+        groups.append(
+            {
+                "budget": g["budget"],
+                "count": g["count"],
+                "trained": True,
+                "sample_rate": g["sample_rate"],
+                "clip_norm": g["clip_norm"],
+                "noise_multiplier": g["noise_multiplier"],
+                "steps": engine.steps,
+                "epsilon_spent": g["epsilon"],
+                "epsilon_training": g["epsilon"],
+                "delta": delta,
+            }
+        )
     p = engine.parameters
     metrics = test_metrics(trainer)
-    history = [dict(h) for h in trainer.state.log_history]      # public by construction (trainer.log)
+    history = [dict(h) for h in trainer.state.log_history]  # public by construction (trainer.log)
     return {
-        "method": trainer.privacy.method, "dataset": trainer.dataset_name, "model": model_name(trainer.model),
+        "method": trainer.privacy.method,
+        "dataset": trainer.dataset_name,
+        "model": model_name(trainer.model),
         "task": getattr(trainer.per_example_loss, "task", "custom per_example_loss"),
         "accountant": engine.accountant_name,
         "guarantee": f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
-        "delta": delta, "epsilon": eps.loosest,
-        "test_accuracy": metrics.get("test_accuracy"), "per_class_accuracy": metrics.get("per_class_accuracy", []),
+        "delta": delta,
+        "epsilon": eps.loosest,
+        "test_accuracy": metrics.get("test_accuracy"),
+        "per_class_accuracy": metrics.get("per_class_accuracy", []),
         "test_metrics": metrics,
-        "loss_convention": ("mean over the batch's examples of each example's own loss; per example: the mean over its "
-                 "labelled tokens (token-level tasks) or its loss (classification)"),
-        "noise_multiplier": p["noise_multiplier"], "steps": engine.steps, "planned_steps": trainer.planned_steps,
-        "stopped_early": trainer.stopped_early, "epochs": args.num_train_epochs if args.max_steps <= 0 else None,
+        "loss_convention": (
+            "mean over the batch's examples of each example's own loss; per example: the mean over its "
+            "labelled tokens (token-level tasks) or its loss (classification)"
+        ),
+        "noise_multiplier": p["noise_multiplier"],
+        "steps": engine.steps,
+        "planned_steps": trainer.planned_steps,
+        "stopped_early": trainer.stopped_early,
+        "epochs": args.num_train_epochs if args.max_steps <= 0 else None,
         "max_steps": args.max_steps if args.max_steps > 0 else None,
-        "batch_size": trainer.expected_batch_size, "physical_batch_size": trainer.physical_batch_size,
-        "lr": args.learning_rate, "optimizer": str(getattr(args.optim, "value", args.optim)),
+        "batch_size": trainer.expected_batch_size,
+        "physical_batch_size": trainer.physical_batch_size,
+        "lr": args.learning_rate,
+        "optimizer": str(getattr(args.optim, "value", args.optim)),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-        "weight_decay": args.weight_decay, "clip_norm": p["max_grad_norm"], "secure_mode": engine.secure_mode,
+        "weight_decay": args.weight_decay,
+        "clip_norm": p["max_grad_norm"],
+        "secure_mode": engine.secure_mode,
         "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
-        "grad_sample_mode": p["grad_sample_mode"], "layer_paths": trainer.layer_paths,
-        "phases": [{"name": "all", "examples": len(trainer.budgets), "steps": engine.steps,
-                    "sample_rate": float(np.mean(p["sample_rates"])), "noise_multiplier": p["noise_multiplier"]}],
-        "groups": groups, "history": history, **({"data": trainer.data_source} if trainer.data_source else {}),
+        "grad_sample_mode": p["grad_sample_mode"],
+        "layer_paths": trainer.layer_paths,
+        "phases": [
+            {
+                "name": "all",
+                "examples": len(trainer.budgets),
+                "steps": engine.steps,
+                "sample_rate": float(np.mean(p["sample_rates"])),
+                "noise_multiplier": p["noise_multiplier"],
+            }
+        ],
+        "groups": groups,
+        "history": history,
+        **({"data": trainer.data_source} if trainer.data_source else {}),
         "files": None,
-        "private": {"seed": engine.seed, "history": trainer.private_logs,
-                    "layer_paths_taken": trainer.layer_paths_taken},   # depend on the batches' shapes
+        "private": {
+            "seed": engine.seed,
+            "history": trainer.private_logs,
+            "layer_paths_taken": trainer.layer_paths_taken,
+        },  # depend on the batches' shapes
     }
 
 
@@ -127,8 +165,13 @@ def save_model_folder(trainer) -> None:
         model.save_pretrained(path)
         if tok is not None and hasattr(tok, "save_pretrained"):
             tok.save_pretrained(path)
-    trainer.run_folder.save_directory("model", "public", "the trained model (and its tokenizer) as save_pretrained "
-                                      "writes it: load with from_pretrained(folder)", write)
+
+    trainer.run_folder.save_directory(
+        "model",
+        "public",
+        "the trained model (and its tokenizer) as save_pretrained writes it: load with from_pretrained(folder)",
+        write,
+    )
 
 
 def write_run(trainer) -> dict:
@@ -140,18 +183,35 @@ def write_run(trainer) -> dict:
     report = build_report(trainer)
     save_model_folder(trainer)
     budgets = trainer.budgets
-    rf.write_csv("epsilons.csv", ["index", "budget", "epsilon"],
-                 [np.arange(len(budgets)), budgets.epsilons, engine.get_individual_epsilons()], "private",
-                 "each training example (in train_dataset order): its budget and the epsilon it received")
+    rf.write_csv(
+        "epsilons.csv",
+        ["index", "budget", "epsilon"],
+        [np.arange(len(budgets)), budgets.epsilons, engine.get_individual_epsilons()],
+        "private",
+        "each training example (in train_dataset order): its budget and the epsilon it received",
+    )
     header = ["step", "batch_size"] + [f"epsilon_rdp_budget_{v:g}" for v in engine.group_budgets]
-    cols = list(zip(*trainer.ledger_rows)) if trainer.ledger_rows else [[] for _ in header]
-    rf.write_csv("ledger.csv", header, cols, "private", "every step's real Poisson batch size and each group's "
-                 "epsilon (RDP bound at the order grid) after it")
-    rf.write_json("history.json", trainer.private_logs, "private", "logged values the guarantee does not cover: "
-                  "training losses on the private batches (before noise) and the like")
-    rf.write_json(SEED_FILE, {"seed": engine.seed, "secure_mode": engine.secure_mode}, "private",
-                  "the seed of the privacy randomness (Poisson sampling and noise): whoever knows it can remove the "
-                  "noise")
+    cols = list(zip(*trainer.ledger_rows, strict=True)) if trainer.ledger_rows else [[] for _ in header]
+    rf.write_csv(
+        "ledger.csv",
+        header,
+        cols,
+        "private",
+        "every step's real Poisson batch size and each group's epsilon (RDP bound at the order grid) after it",
+    )
+    rf.write_json(
+        "history.json",
+        trainer.private_logs,
+        "private",
+        "logged values the guarantee does not cover: "
+        "training losses on the private batches (before noise) and the like",
+    )
+    rf.write_json(
+        SEED_FILE,
+        {"seed": engine.seed, "secure_mode": engine.secure_mode},
+        "private",
+        "the seed of the privacy randomness (Poisson sampling and noise): whoever knows it can remove the noise",
+    )
     about = "the run's report: guarantee per group, test metrics, hyper-parameters"
     rf.file("report.json", "public", about)
     rf.file("report.html", "public", "the run's readable report")

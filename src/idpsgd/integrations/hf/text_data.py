@@ -5,6 +5,7 @@ column (each row's ε).
 Read in memory with the standard library (never through a cache in the home folder: the rows are
 personal data); every problem is reported with the file, the line and the column.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def _jsonl_rows(p: Path):
         except ValueError as exc:
             raise DatasetFileError(f"{p}, line {number}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
-            raise DatasetFileError(f"{p}, line {number}: a JSON Lines dataset has one object per line, got "
-                                   f"{type(row).__name__}")
+            raise DatasetFileError(
+                f"{p}, line {number}: a JSON Lines dataset has one object per line, got {type(row).__name__}"
+            )
         for k in row:
             if k not in columns:
                 columns.append(k)
@@ -67,11 +69,18 @@ def _csv_rows(p: Path):
     header, rows, lines = _read_rows(p)
     if not rows:
         raise DatasetFileError(f"{p} has a header but no data rows")
-    return header, [dict(zip(header, r)) for r in rows], lines
+    return header, [dict(zip(header, r, strict=True)) for r in rows], lines
 
 
-def load_text_data(path, text_column: str = "text", label_column: str | None = None,
-                   budget_column: str | None = None, *, budget_required: bool = False, flag: str = "data") -> TextData:
+def load_text_data(
+    path,
+    text_column: str = "text",
+    label_column: str | None = None,
+    budget_column: str | None = None,
+    *,
+    budget_required: bool = False,
+    flag: str = "data",
+) -> TextData:
     """Read ``path`` (``.jsonl``/``.json`` as JSON Lines, ``.csv`` with a header row).
 
     Args:
@@ -83,8 +92,13 @@ def load_text_data(path, text_column: str = "text", label_column: str | None = N
     """
     p = Path(path)
     if not p.is_file():
-        raise InvalidParameterError(flag, str(path), "not found (expected a .jsonl or .csv file)" if not p.exists()
-                                    else "is not a file (expected a .jsonl or .csv file)")
+        raise InvalidParameterError(
+            flag,
+            str(path),
+            "not found (expected a .jsonl or .csv file)"
+            if not p.exists()
+            else "is not a file (expected a .jsonl or .csv file)",
+        )
     fmt = FORMATS.get(p.suffix.lower())
     if fmt is None:
         raise InvalidParameterError(flag, str(path), "must be a JSON Lines (.jsonl, .json) or CSV (.csv) file")
@@ -97,38 +111,52 @@ def load_text_data(path, text_column: str = "text", label_column: str | None = N
         if c not in columns:
             raise DatasetFileError(f"{where}: no column {c!r} (columns: {', '.join(map(str, columns))})")
     texts = []
-    for row, line in zip(rows, lines):
+    for row, line in zip(rows, lines, strict=True):
         value = row.get(text_column)
         if not isinstance(value, str) or not value.strip():
-            raise DatasetFileError(f"{where}, line {line}, column {text_column!r}: "
-                                   + ("missing" if value is None else f"{value!r} is not a non-empty text"))
+            raise DatasetFileError(
+                f"{where}, line {line}, column {text_column!r}: "
+                + ("missing" if value is None else f"{value!r} is not a non-empty text")
+            )
         texts.append(value)
     labels = None
     if label_column is not None:
         labels = []
-        for row, line in zip(rows, lines):
+        for row, line in zip(rows, lines, strict=True):
             value = row.get(label_column)
             if value is None or (isinstance(value, str) and not value.strip()) or isinstance(value, (dict, list)):
-                raise DatasetFileError(f"{where}, line {line}, column {label_column!r}: "
-                                       + ("missing label" if value is None or isinstance(value, str)
-                                          else f"{value!r} is not a class label"))
+                raise DatasetFileError(
+                    f"{where}, line {line}, column {label_column!r}: "
+                    + (
+                        "missing label"
+                        if value is None or isinstance(value, str)
+                        else f"{value!r} is not a class label"
+                    )
+                )
             labels.append(value.strip() if isinstance(value, str) else value)
     budgets = None
     if budget_column is not None and budget_column in columns:
         values = []
-        for row, line in zip(rows, lines):
+        for row, line in zip(rows, lines, strict=True):
             value = row.get(budget_column)
             try:
                 eps = float(value)
             except (TypeError, ValueError):
                 eps = float("nan")
             if isinstance(value, bool) or not (np.isfinite(eps) and eps > 0):
-                raise DatasetFileError(f"{where}, line {line}, column {budget_column!r}: {value!r} is not a budget "
-                                       "(a number > 0)")
+                raise DatasetFileError(
+                    f"{where}, line {line}, column {budget_column!r}: {value!r} is not a budget (a number > 0)"
+                )
             values.append(eps)
         budgets = np.asarray(values, dtype=float)
-    source = {"format": fmt, "file": p.name, "rows": len(texts), "text_column": text_column,
-              "label_column": label_column, "budget_column": budget_column if budgets is not None else None}
+    source = {
+        "format": fmt,
+        "file": p.name,
+        "rows": len(texts),
+        "text_column": text_column,
+        "label_column": label_column,
+        "budget_column": budget_column if budgets is not None else None,
+    }
     return TextData(texts, labels, budgets, list(columns), source)
 
 
@@ -137,6 +165,7 @@ def label_ids(train_labels: list, eval_labels: list | None, label2id: dict | Non
 
     Integer labels (or texts of integers) are the class ids themselves (classes 0..max); other labels
     are mapped by ``label2id`` when the model's config names its classes, else in sorted order."""
+
     def as_int(v):
         if isinstance(v, bool):
             return None
@@ -156,7 +185,7 @@ def label_ids(train_labels: list, eval_labels: list | None, label2id: dict | Non
         k = max(ints) + 1
         if k < 2:
             raise InvalidParameterError("label_column", "every label is 0", "classification needs at least 2 classes")
-        ids = ints[:len(train_labels)], ints[len(train_labels):]
+        ids = ints[: len(train_labels)], ints[len(train_labels) :]
         return ids[0], ids[1] if eval_labels is not None else None, {i: str(i) for i in range(k)}
     text = [str(v) for v in every]
     named = label2id and not all(str(k).startswith("LABEL_") for k in label2id)
@@ -164,16 +193,17 @@ def label_ids(train_labels: list, eval_labels: list | None, label2id: dict | Non
         mapping = {str(k): int(v) for k, v in label2id.items()}
         unknown = sorted(set(text) - set(mapping))
         if unknown:
-            raise InvalidParameterError("label_column", unknown[0], f"is not a class of the model (its classes: "
-                                        f"{', '.join(sorted(mapping))})")
+            raise InvalidParameterError(
+                "label_column", unknown[0], f"is not a class of the model (its classes: {', '.join(sorted(mapping))})"
+            )
     else:
         classes = sorted({str(v) for v in train_labels})
         if len(classes) < 2:
             raise InvalidParameterError("label_column", classes[0], "classification needs at least 2 classes")
         mapping = {c: i for i, c in enumerate(classes)}
-        unknown = sorted(set(text[len(train_labels):]) - set(mapping))
+        unknown = sorted(set(text[len(train_labels) :]) - set(mapping))
         if unknown:
             raise InvalidParameterError("eval_data", unknown[0], "is a label that the training data does not have")
     ids = [mapping[t] for t in text]
     id2label = {i: c for c, i in mapping.items()}
-    return ids[:len(train_labels)], ids[len(train_labels):] if eval_labels is not None else None, id2label
+    return ids[: len(train_labels)], ids[len(train_labels) :] if eval_labels is not None else None, id2label

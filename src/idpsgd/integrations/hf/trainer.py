@@ -54,6 +54,7 @@ and resuming from them, multi-device training, ``auto_find_batch_size``, label s
 Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
 et al. eq. 3), ε_p from the run's accountant.
 """
+
 from __future__ import annotations
 
 import copy
@@ -74,8 +75,9 @@ from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
 
 #: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*)
-PUBLIC_LOG_KEYS = frozenset({"learning_rate", "epoch", "train_runtime", "train_samples_per_second",
-                             "train_steps_per_second"})
+PUBLIC_LOG_KEYS = frozenset(
+    {"learning_rate", "epoch", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+)
 
 
 def resolve_budgets(privacy: PrivacyArguments, dataset):
@@ -84,16 +86,21 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
     if isinstance(b, str):
         columns = getattr(dataset, "column_names", None)
         if columns is None:
-            raise InvalidParameterError("budgets", b, "a column name needs a datasets.Dataset; give an array of "
-                                        "per-example epsilons (or an idpsgd.Budgets) for other datasets")
+            raise InvalidParameterError(
+                "budgets",
+                b,
+                "a column name needs a datasets.Dataset; give an array of "
+                "per-example epsilons (or an idpsgd.Budgets) for other datasets",
+            )
         if b not in columns:
-            raise InvalidParameterError("budgets", b, f"is not a column of train_dataset (columns: "
-                                        f"{', '.join(columns)})")
+            raise InvalidParameterError(
+                "budgets", b, f"is not a column of train_dataset (columns: {', '.join(columns)})"
+            )
         try:
             values = np.asarray(dataset[b], dtype=float)
         except (TypeError, ValueError):
             raise InvalidParameterError("budgets", b, "the column must hold numbers (each example's epsilon)") from None
-        dataset = dataset.remove_columns([b])          # private: never a model input, never collated
+        dataset = dataset.remove_columns([b])  # private: never a model input, never collated
     else:
         values = b
     if isinstance(values, Budgets):
@@ -105,14 +112,18 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
             raise InvalidParameterError("delta", None, "is required (the global delta of the budgets)")
         arr = np.asarray(values, dtype=float)
         if arr.ndim != 1:
-            raise InvalidParameterError("budgets", f"array of shape {arr.shape}", "must hold one epsilon per "
-                                        "training example")
+            raise InvalidParameterError(
+                "budgets", f"array of shape {arr.shape}", "must hold one epsilon per training example"
+            )
         budgets = Budgets.from_array(arr, privacy.delta)
     try:
         n = len(dataset)
     except TypeError:
-        raise InvalidParameterError("train_dataset", type(dataset).__name__, "must be a map-style dataset with a "
-                                    "length (Poisson sampling picks examples by index)") from None
+        raise InvalidParameterError(
+            "train_dataset",
+            type(dataset).__name__,
+            "must be a map-style dataset with a length (Poisson sampling picks examples by index)",
+        ) from None
     if len(budgets) != n:
         raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
     return dataset, budgets
@@ -141,22 +152,27 @@ def physical_batches(inputs, n: int, size: int) -> list:
     """The batch as consecutive parts of at most ``size`` rows (tensors with ``n`` rows are sliced)."""
     if n <= size:
         return [inputs]
-    return [{k: v[s:s + size] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n else v
-             for k, v in inputs.items()} for s in range(0, n, size)]
+    return [
+        {
+            k: v[s : s + size] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n else v
+            for k, v in inputs.items()
+        }
+        for s in range(0, n, size)
+    ]
 
 
 def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     """``epsilon`` (the loosest group's ε, a bound for every example) and ``epsilon_group_<budget>``."""
     eps = engine.get_epsilon()
     out = {"epsilon": eps.loosest}
-    out.update({f"epsilon_group_{b:g}": float(e) for b, e in zip(engine.group_budgets, eps.per_group)})
+    out.update({f"epsilon_group_{b:g}": float(e) for b, e in zip(engine.group_budgets, eps.per_group, strict=True)})
     return out
 
 
 class _PrivacyCallback(TrainerCallback):
     """After every DP-SGD step: the private ledger row, and a stop before a step the filter refuses."""
 
-    def __init__(self, trainer: "IndividualizedTrainer"):
+    def __init__(self, trainer: IndividualizedTrainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -183,44 +199,66 @@ class IndividualizedTrainer(Trainer):
         data_source: a public description of the data for the report (files, columns).
     """
 
-    def __init__(self, model=None, args=None, train_dataset=None, *, privacy: PrivacyArguments,
-                 per_example_loss=None, dataset_name: str | None = None, data_source: dict | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        train_dataset=None,
+        *,
+        privacy: PrivacyArguments,
+        per_example_loss=None,
+        dataset_name: str | None = None,
+        data_source: dict | None = None,
+        **kwargs,
+    ):
         if not isinstance(privacy, PrivacyArguments):
             raise InvalidParameterError("privacy", type(privacy).__name__, "must be a PrivacyArguments")
         check_training_arguments(args)
         for name in ("model_init", "compute_loss_func"):
             if kwargs.get(name) is not None:
-                why = ("the model is wrapped for per-example gradients once" if name == "model_init" else
-                       "give per_example_loss=fn(outputs, labels) returning one loss per example")
+                why = (
+                    "the model is wrapped for per-example gradients once"
+                    if name == "model_init"
+                    else "give per_example_loss=fn(outputs, labels) returning one loss per example"
+                )
                 raise InvalidParameterError(name, type(kwargs[name]).__name__, f"is not supported: {why}")
         if not isinstance(model, torch.nn.Module):
             raise InvalidParameterError("model", type(model).__name__, "must be a transformers model (nn.Module)")
         if train_dataset is None:
             raise InvalidParameterError("train_dataset", None, "is required: the examples the budgets belong to")
         if isinstance(train_dataset, torch.utils.data.IterableDataset):
-            raise InvalidParameterError("train_dataset", type(train_dataset).__name__, "must be map-style (Poisson "
-                                        "sampling picks examples by index)")
+            raise InvalidParameterError(
+                "train_dataset",
+                type(train_dataset).__name__,
+                "must be map-style (Poisson sampling picks examples by index)",
+            )
         train_dataset, self.budgets = resolve_budgets(privacy, train_dataset)
         self.privacy = privacy
         self.physical_batch_size = int(args.per_device_train_batch_size)
         self.expected_batch_size = int(args.per_device_train_batch_size * args.gradient_accumulation_steps)
         if self.expected_batch_size > len(self.budgets):
-            raise InvalidParameterError("per_device_train_batch_size", args.per_device_train_batch_size,
-                                        f"times gradient_accumulation_steps ({self.expected_batch_size}) is the expected "
-                                        f"batch size and must be <= the {len(self.budgets)} training examples")
+            raise InvalidParameterError(
+                "per_device_train_batch_size",
+                args.per_device_train_batch_size,
+                f"times gradient_accumulation_steps ({self.expected_batch_size}) is the expected "
+                f"batch size and must be <= the {len(self.budgets)} training examples",
+            )
         if per_example_loss is not None and not callable(per_example_loss):
-            raise InvalidParameterError("per_example_loss", type(per_example_loss).__name__, "must be a function "
-                                        "(outputs, labels) -> one loss per example")
+            raise InvalidParameterError(
+                "per_example_loss",
+                type(per_example_loss).__name__,
+                "must be a function (outputs, labels) -> one loss per example",
+            )
         self.per_example_loss = per_example_loss if per_example_loss is not None else PerExampleLoss.for_model(model)
         self.label_name = (args.label_names or ["labels"])[0]
         self.dataset_name = dataset_name or type(train_dataset).__name__
         self.data_source = data_source
         self.user_args = args
-        inner = copy.copy(args)        # the Trainer's loop sees one batch per step (the engine splits it)
+        inner = copy.copy(args)  # the Trainer's loop sees one batch per step (the engine splits it)
         inner.gradient_accumulation_steps = 1
-        self.engine = IndividualizedPrivacyEngine(accountant=privacy.accountant, secure_mode=privacy.secure_mode,
-                                                  seed=privacy_seed(privacy))
+        self.engine = IndividualizedPrivacyEngine(
+            accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
+        )
         self.run_folder = RunFolder(args.output_dir, flag="output_dir", overwrite=privacy.overwrite)
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
@@ -232,10 +270,10 @@ class IndividualizedTrainer(Trainer):
         self.planned_steps: int | None = None
         self.stopped_early = False
         self.last_batch_size = 0
-        self.ledger_rows: list[list] = []       # private: step, real batch size, ε per group
-        self.private_logs: list[dict] = []      # private: training losses and other uncovered values
-        self.layer_paths: dict = {}             # public: the static rule per layer
-        self.layer_paths_taken: dict = {}       # private: the paths taken (depend on the batches' shapes)
+        self.ledger_rows: list[list] = []  # private: step, real batch size, ε per group
+        self.private_logs: list[dict] = []  # private: training losses and other uncovered values
+        self.layer_paths: dict = {}  # public: the static rule per layer
+        self.layer_paths_taken: dict = {}  # private: the paths taken (depend on the batches' shapes)
         self.report: dict | None = None
 
     # --- the private step ---------------------------------------------------------------------
@@ -243,8 +281,10 @@ class IndividualizedTrainer(Trainer):
         """The engine's private loader (Poisson batches of expected size B), set up with the
         optimizer and the calibration on first use."""
         if self.dp_optimizer is not None:
-            raise RuntimeError("an IndividualizedTrainer trains once (its budgets are spent by that run); "
-                               "create a new one for a new run")
+            raise RuntimeError(
+                "an IndividualizedTrainer trains once (its budgets are spent by that run); "
+                "create a new one for a new run"
+            )
         import datasets
 
         ds, collate = self.train_dataset, self.data_collator
@@ -253,19 +293,36 @@ class IndividualizedTrainer(Trainer):
         else:
             collate = self._get_collator_with_removed_columns(collate, description="training")
         a = self.args
-        extra = {"prefetch_factor": a.dataloader_prefetch_factor,
-                 "persistent_workers": a.dataloader_persistent_workers} if a.dataloader_num_workers > 0 else {}
-        loader = DataLoader(ds, batch_size=self.expected_batch_size, collate_fn=collate,
-                            num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory, **extra)
+        extra = (
+            {"prefetch_factor": a.dataloader_prefetch_factor, "persistent_workers": a.dataloader_persistent_workers}
+            if a.dataloader_num_workers > 0
+            else {}
+        )
+        loader = DataLoader(
+            ds,
+            batch_size=self.expected_batch_size,
+            collate_fn=collate,
+            num_workers=a.dataloader_num_workers,
+            pin_memory=a.dataloader_pin_memory,
+            **extra,
+        )
         n = len(ds)
         rate = self.expected_batch_size / n
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
         self.create_optimizer()
-        self.model.train()                     # from_pretrained returns a model in eval mode
+        self.model.train()  # from_pretrained returns a model in eval mode
         _, self.dp_optimizer, private = self.engine.make_private(
-            module=self.model, optimizer=self.optimizer, data_loader=loader, budgets=self.budgets,
-            method=self.privacy.method, steps=planned, max_grad_norm=a.max_grad_norm, sample_rate=rate,
-            grad_sample_mode=self.privacy.grad_sample_mode, loss_reduction="mean")
+            module=self.model,
+            optimizer=self.optimizer,
+            data_loader=loader,
+            budgets=self.budgets,
+            method=self.privacy.method,
+            steps=planned,
+            max_grad_norm=a.max_grad_norm,
+            sample_rate=rate,
+            grad_sample_mode=self.privacy.grad_sample_mode,
+            loss_reduction="mean",
+        )
         self.optimizer = self.dp_optimizer
         self.planned_steps = planned
         return private
@@ -288,7 +345,7 @@ class IndividualizedTrainer(Trainer):
         n = batch_size_of(inputs)
         self.last_batch_size = n
         opt.zero_grad(set_to_none=True)
-        if n == 0:                              # the step is noise only (engine: no backward pass needed)
+        if n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
         parts = physical_batches(inputs, n, self.physical_batch_size)
         total = torch.zeros((), device=self.args.device)
@@ -297,7 +354,7 @@ class IndividualizedTrainer(Trainer):
                 loss = self.compute_loss(model, part)
             self.accelerator.backward(loss)
             total = total + loss.detach() * batch_size_of(part)
-            if k < len(parts) - 1:              # clip and keep this part's gradients, no step yet
+            if k < len(parts) - 1:  # clip and keep this part's gradients, no step yet
                 opt.signal_skip_step(do_skip=True)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -307,26 +364,31 @@ class IndividualizedTrainer(Trainer):
         """Training: the mean over the examples of each example's own loss (:mod:`.losses`);
         evaluation: the model's own loss (as the Trainer computes it)."""
         if not model.training:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if self.label_name not in inputs:
-            raise ValueError(f"the training batch has no {self.label_name!r} (its keys: {', '.join(inputs)}); the "
-                             "per-example loss needs labels (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False) "
-                             "for a causal LM)")
+            raise ValueError(
+                f"the training batch has no {self.label_name!r} (its keys: {', '.join(inputs)}); the "
+                "per-example loss needs labels (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False) "
+                "for a causal LM)"
+            )
         inputs = dict(inputs)
         labels = inputs.pop(self.label_name)
         outputs = model(**inputs)
         losses = self.per_example_loss(outputs, labels)
         if not torch.is_tensor(losses) or losses.shape != (labels.shape[0],):
-            raise ValueError(f"per_example_loss must return one loss per example, shape ({labels.shape[0]},); got "
-                             f"{tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__}")
+            raise ValueError(
+                f"per_example_loss must return one loss per example, shape ({labels.shape[0]},); got "
+                f"{tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__}"
+            )
         loss = losses.mean()
         return (loss, outputs) if return_outputs else loss
 
-    def _clip_grad_norm(self, model):       # each example is clipped by the engine; no clipping of the sum
+    def _clip_grad_norm(self, model):  # each example is clipped by the engine; no clipping of the sum
         return None
 
-    def _get_grad_norm(self, model, grad_norm=None):   # the un-noised gradient's norm is not logged
+    def _get_grad_norm(self, model, grad_norm=None):  # the un-noised gradient's norm is not logged
         return None
 
     # --- logs -------------------------------------------------------------------------------------
@@ -345,11 +407,17 @@ class IndividualizedTrainer(Trainer):
         """Train with the budgets, then write the run folder (:meth:`save_run`); returns the Trainer's
         ``TrainOutput`` (its ``training_loss`` is private: on the private batches, before noise)."""
         if resume_from_checkpoint not in (None, False):
-            raise InvalidParameterError("resume_from_checkpoint", resume_from_checkpoint, "is not supported: Hugging "
-                                        "Face checkpoints do not hold the privacy engine's state")
+            raise InvalidParameterError(
+                "resume_from_checkpoint",
+                resume_from_checkpoint,
+                "is not supported: Hugging Face checkpoints do not hold the privacy engine's state",
+            )
         if trial is not None:
-            raise InvalidParameterError("trial", type(trial).__name__, "hyper-parameter search spends the budgets "
-                                        "once per trial; it is not supported")
+            raise InvalidParameterError(
+                "trial",
+                type(trial).__name__,
+                "hyper-parameter search spends the budgets once per trial; it is not supported",
+            )
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -377,12 +445,14 @@ class IndividualizedTrainer(Trainer):
         if output_dir is not None:
             return super().save_model(output_dir, _internal_call)
         from .outputs import save_model_folder
+
         save_model_folder(self)
 
     def save_run(self) -> dict:
         """Write the run folder: public model/, report.json, report.html; private/ per-example budgets
         and ε, ledger, private logs, the privacy seed.  Returns the report (with its private part)."""
         from .outputs import write_run
+
         self.layer_paths, self.layer_paths_taken = self.engine.layer_paths, self.engine.layer_paths_taken
         self.report = write_run(self)
         return self.report
