@@ -105,3 +105,23 @@ def test_hf_bench_smoke(monkeypatch, tmp_path):
     assert saved["verdict"]["gpt2_lora"]["runs"]
     with pytest.raises(Exception, match="models"):
         bench_hf.main(["--smoke", "--models", "gpt3"])
+
+
+def test_versions_bench_compares_two_checkouts(monkeypatch, tmp_path):
+    """bench/bench_versions.py with this checkout as its own base: every (version, configuration) ran
+    in every round, and the ratios are those of the medians."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_versions
+
+    out = tmp_path / "versions.json"
+    r = bench_versions.main(
+        ["--base", str(BENCH.parent), "--quick", "--repeats", "2", "--batch-size", "32", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == r
+    m = r["models"]["cifar_cnn"]
+    assert set(m["runs"]) == {"base:nonprivate", "base:ours_bk", "this:nonprivate", "this:ours_bk"}
+    assert all(len(v) == 2 and min(v) > 0 for v in m["runs"].values())
+    assert m["this_vs_base"]["ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["base:ours_bk"]
+    assert m["vs_nonprivate"]["this:ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["this:nonprivate"]
+    with pytest.raises(SystemExit):
+        bench_versions.main(["--base", str(tmp_path), "--quick"])
