@@ -830,7 +830,7 @@ def test_train_takes_a_torch_dataset_and_matches_the_tensor_dataset(data, tmp_pa
 
 # --- done when: the docs' Opacus 1.6 script (docs/opacus.md) runs as written ----------------------
 OPACUS_IMPORT = ("from idpsgd import IndividualizedPrivacyEngine", "from opacus import PrivacyEngine")
-BUDGETS_ARG = ("max_grad_norm=1.0)", "max_grad_norm=1.0, budgets=torch.where(y == 1, 1.0, 3.0).numpy())")
+BUDGETS_ARG = ("max_grad_norm=1.0,\n", "max_grad_norm=1.0,\n        budgets=torch.where(y == 1, 1.0, 3.0).numpy(),\n")
 
 
 def _run_block(code, tmp_path, monkeypatch, capsys):
