@@ -191,7 +191,7 @@ class _BookKeptForward:
         elif x.requires_grad:
             raise RuntimeError(
                 f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
-                f"requires a gradient while the step has {batch} examples: it is computed from the "
+                "requires a gradient while the step has several examples: it is computed from the "
                 "batch (a reduction over examples couples their gradients) or from a parameter "
                 "outside the layers book-keeping tracks; per-example gradients are undefined there"
             )
@@ -269,8 +269,8 @@ class _Layer:
         n = self.rule.batch_size(saved)
         if self.batch is not None and n != self.batch:
             raise ValueError(
-                f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
-                f"optimizer.step(); {ACCUMULATION_ERROR}"
+                f"layer {self.name!r} saw batches of different sizes before optimizer.step() (the sizes are "
+                f"private: not shown); {ACCUMULATION_ERROR}"
             )
         self.batch = n
         self.pending -= 1
@@ -374,7 +374,7 @@ class _FallbackUnit:
         g = grad_output[0].detach()
         if self.batch is not None and g.shape[0] != self.batch:
             raise ValueError(
-                f"layer {self.name!r} saw batches of {self.batch} and {g.shape[0]} examples before "
+                f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
                 f"optimizer.step(); {ACCUMULATION_ERROR}"
             )
         self.batch = int(g.shape[0])
@@ -437,7 +437,7 @@ class _DirectUnit:
             n = int(g.shape[0])
             if self.batch is not None and n != self.batch:
                 raise ValueError(
-                    f"layer {self.name!r} saw batches of {self.batch} and {n} examples before "
+                    f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
                     f"optimizer.step(); {ACCUMULATION_ERROR}"
                 )
             self.batch = n
@@ -747,7 +747,8 @@ class BookKeeper:
                 else ""
             )
             raise ValueError(
-                f"layers saw different batch sizes {sorted(batches)} in one step{shared}; {ACCUMULATION_ERROR}"
+                f"layers saw different batch sizes in one step (the sizes are private: not shown){shared}; "
+                f"{ACCUMULATION_ERROR}"
             )
         return parts, (batches.pop() if batches else None)
 
