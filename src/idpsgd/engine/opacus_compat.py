@@ -135,8 +135,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "per-sample gradients that are not the drawn batch's examples (wrong batch_first, partial batches)",
         WHOLE_BATCHES,
-        r"(trained on only part of a drawn batch|trained on a batch while|per-sample gradients "
-        r"but only \d+ drawn examples)",
+        r"(trained on only part of a drawn batch|trained on a batch while|clipped more per-sample "
+        r"gradients than drawn examples)",
         BatchMismatchError,
     ),
     Refusal(

@@ -64,8 +64,8 @@ class BatchIndexQueue:
         n = int(n)
         if n > self._size:
             raise BatchMismatchError(
-                f"the optimizer clipped {n} per-sample gradients but only {self._size} drawn "
-                "examples are waiting: every batch drawn from the private data loader must be "
+                "the optimizer clipped more per-sample gradients than drawn examples are waiting (the "
+                "counts are private: not shown): every batch drawn from the private data loader must be "
                 "followed by one backward pass and optimizer.step(), with one per-sample "
                 "gradient per example (is batch_first right for your data?)"
             )
