@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import bench
+from common import bench, parse_models, resolve_device
 
 RESULT_PATH = HERE / "results" / "engine_cost.json"
 DELTA = 1e-5
@@ -639,25 +639,15 @@ def main(argv=None) -> dict | None:
         print(json.dumps(run_config(json.loads(args.worker))))
         return None
 
-    import torch
-
     from idpsgd.io import write_json
     from idpsgd.validation import InvalidParameterError
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise InvalidParameterError("device", device, "must be cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError("device", device, "CUDA is not available on this machine (use cpu)")
+    device = resolve_device(args.device)
     if args.repeats < 1:
         raise InvalidParameterError("repeats", args.repeats, "must be an integer >= 1")
     if args.threads < 1:
         raise InvalidParameterError("threads", args.threads, "must be an integer >= 1")
-    models = tuple(m for m in args.models.split(",") if m)
-    if not models or any(m not in FULL for m in models):
-        raise InvalidParameterError("models", args.models, f"must be a comma-separated subset of {','.join(FULL)}")
+    models = parse_models(args.models, FULL)
     try:
         batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b)
     except ValueError:

@@ -55,7 +55,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from bench_engine import PROBE_ENV, _maxrss_mib, run_isolated
-from common import bench
+from common import bench, parse_models, resolve_device
 
 RESULT_PATH = HERE / "results" / "hf_cost.json"
 MODELS = ("gpt2_lm", "bert_cls", "gpt2_lora")
@@ -542,21 +542,11 @@ def main(argv=None) -> dict | None:
         print(json.dumps(run_config(json.loads(args.worker))))
         return None
 
-    import torch
-
     from idpsgd.io import write_json
     from idpsgd.validation import InvalidParameterError
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise InvalidParameterError("device", device, "must be cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError("device", device, "CUDA is not available on this machine (use cpu)")
-    models = tuple(m for m in args.models.split(",") if m)
-    if not models or any(m not in MODELS for m in models):
-        raise InvalidParameterError("models", args.models, f"must be a comma-separated subset of {','.join(MODELS)}")
+    device = resolve_device(args.device)
+    models = parse_models(args.models, MODELS)
     for name in ("layers", "batch_size", "seq_len", "steps", "repeats", "threads"):
         v = getattr(args, name)
         if v is not None and v < 1:

@@ -32,6 +32,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from bench_engine import FULL, QUICK
+from common import parse_models, resolve_device
 
 RESULT_PATH = HERE / "results" / "versions.json"
 
@@ -141,12 +142,11 @@ def main(argv=None) -> dict:
     base = Path(args.base)
     if not (base / "bench" / "bench_engine.py").is_file() or not (base / "src" / "idpsgd").is_dir():
         p.error(f"--base={args.base!r} is not a checkout of idpsgd (needs bench/bench_engine.py and src/idpsgd)")
-    models = [m for m in args.models.split(",") if m]
-    if not models or any(m not in FULL for m in models):
-        p.error(f"--models={args.models!r} must be a comma-separated subset of {','.join(FULL)}")
+    models = parse_models(args.models, FULL)
     configs = [c for c in args.configs.split(",") if c]
     sizes = QUICK if args.quick else FULL
-    result = compare(base, models, configs, args.batch_size, args.repeats, args.device, args.threads, sizes)
+    device = resolve_device(args.device)
+    result = compare(base, models, configs, args.batch_size, args.repeats, device, args.threads, sizes)
     out = args.out or (None if args.quick else str(RESULT_PATH))
     if out:
         write_json(out, result)

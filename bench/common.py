@@ -12,6 +12,31 @@ def bench(fn):
     return fn
 
 
+def resolve_device(name: str) -> str:
+    """``cpu``, ``cuda``, or ``auto`` (cuda when available) -> the device a benchmark runs on; refused
+    with the reason otherwise."""
+    import torch
+
+    from idpsgd.validation import InvalidParameterError
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    if device not in ("cpu", "cuda"):
+        raise InvalidParameterError("device", name, "must be cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device", name, "CUDA is not available on this machine (use cpu)")
+    return device
+
+
+def parse_models(text: str, known) -> tuple[str, ...]:
+    """A comma-separated subset of ``known`` (refused with the allowed names otherwise)."""
+    from idpsgd.validation import InvalidParameterError
+
+    models = tuple(m for m in text.split(",") if m)
+    if not models or any(m not in known for m in models):
+        raise InvalidParameterError("models", text, f"must be a comma-separated subset of {','.join(known)}")
+    return models
+
+
 def _timed(fn, repeat=3):
     best = float("inf")
     for _ in range(repeat):
