@@ -8,7 +8,11 @@
   file cannot run code.
 * ``svhn`` — ``train_32x32.mat`` / ``test_32x32.mat`` (scipy.io.loadmat; label 10 means 0).
 * ``csv`` — ``train.csv`` (and optional ``test.csv`` with the same feature columns) with an
-  integer label column (``--label-column``).  The model's inputs are the *feature columns*:
+  integer label column (``--label-column``) and a public class count ``num_classes`` K (required:
+  the labels are the class ids 0..K-1; a row with another label is refused with its file, line and
+  value).  The class count sizes the model's output layer and the report's per-class accuracy, so it
+  is never read from the rows (max label + 1 over the data would publish whether some row holds a
+  rare class).  The model's inputs are the *feature columns*:
   ``feature_columns`` if given, else every column but the label, the ``drop_columns``, the budget
   column (``budget_column``: per-example budgets are never model inputs) and identifier columns
   (:func:`is_id_column`: a pandas index or a column named like ``id``; a value unique to its row
@@ -138,6 +142,7 @@ def load_dataset(
     drop_columns=None,
     budget_column: str | None = None,
     normalization_rng: np.random.Generator | None = None,
+    num_classes: int | None = None,
 ) -> Dataset:
     """Read a dataset and normalize it inside the privacy guarantee.
 
@@ -151,9 +156,14 @@ def load_dataset(
     csv only: ``feature_columns`` (the model's inputs, in this order) or ``drop_columns`` (columns
     that are not inputs), as lists or comma-separated text; ``budget_column``, a column of budgets
     that is never an input (see the module doc).
+
+    ``num_classes``: the public class count K (labels 0..K-1).  Required for csv (there is no public
+    default: it is never inferred from the rows); for the named datasets it is their documented
+    count (:data:`NUM_CLASSES`, 10 for each) and may be given only as that.
     """
     if name not in LOADERS:
         raise InvalidParameterError("dataset", name, f"must be one of {sorted(LOADERS)}")
+    num_classes = check_num_classes(name, num_classes)
     if name != "csv" and label_column != "label":
         raise InvalidParameterError("label_column", label_column, "only used with dataset csv")
     for flag, value in (("feature_columns", feature_columns), ("drop_columns", drop_columns)):
@@ -172,6 +182,7 @@ def load_dataset(
         "feature_columns": _names(feature_columns, "feature_columns"),
         "drop_columns": _names(drop_columns, "drop_columns"),
         "budget_column": budget_column,
+        "num_classes": num_classes,
     }
     raw = LOADERS[name](data_dir, **(csv_args if name == "csv" else {}))
     xtr, xte, record = normalize(
@@ -197,6 +208,38 @@ def load_dataset(
         dict(raw.source),
         raw.split,
     )
+
+
+#: the documented, public class count of each named dataset (csv: none, give ``num_classes``)
+NUM_CLASSES = {"digits": 10, "mnist": 10, "fashion-mnist": 10, "cifar10": 10, "svhn": 10}
+
+
+def check_num_classes(name: str, num_classes) -> int | None:
+    """The public class count of dataset ``name``: ``num_classes`` for csv (required: an integer
+    2..MAX_CSV_CLASSES), the documented count for the named datasets (``num_classes``, if given,
+    must equal it)."""
+    if num_classes is not None and (
+        isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 2
+    ):
+        raise InvalidParameterError("num_classes", num_classes, "must be an integer >= 2 (labels 0..K-1)")
+    if name == "csv":
+        if num_classes is None:
+            raise InvalidParameterError(
+                "num_classes",
+                None,
+                "is required for dataset csv: the number of classes K (labels 0..K-1) is public information "
+                "you state, never inferred from the rows (max label + 1 would publish whether a row holds a "
+                "rare class)",
+            )
+        if num_classes > MAX_CSV_CLASSES:
+            raise InvalidParameterError("num_classes", num_classes, f"must be at most {MAX_CSV_CLASSES}")
+        return int(num_classes)
+    known = NUM_CLASSES.get(name)
+    if num_classes is not None and known is not None and int(num_classes) != known:
+        raise InvalidParameterError(
+            "num_classes", num_classes, f"dataset {name!r} has {known} classes (its documented, public count)"
+        )
+    return None if num_classes is None else int(num_classes)
 
 
 def _names(value, flag: str) -> list[str] | None:
@@ -613,10 +656,10 @@ def _read_rows(p: Path):
     return header, rows, lines
 
 
-def _read_table(p: Path, label_column: str, feats=None, **choose):
+def _read_table(p: Path, label_column: str, num_classes: int, feats=None, **choose):
     """Header, feature columns, excluded columns, feature matrix (float32, finite) and integer labels
-    of one CSV file; ``feats`` fixes the feature columns (the test file takes the training file's),
-    else they are chosen by :func:`choose_columns` with ``choose``."""
+    (class ids 0..``num_classes``-1) of one CSV file; ``feats`` fixes the feature columns (the test
+    file takes the training file's), else they are chosen by :func:`choose_columns` with ``choose``."""
     header, rows, lines = _read_rows(p)
     if label_column not in header:
         raise DatasetFileError(f"{p}: no column {label_column!r} (columns: {', '.join(header)}; use --label-column)")
@@ -655,12 +698,13 @@ def _read_table(p: Path, label_column: str, feats=None, **choose):
         )
     y = values[:, 0]
     li = header.index(label_column)
-    bad = np.flatnonzero(~np.isfinite(y) | (y != np.floor(y)) | (y < 0) | (y >= MAX_CSV_CLASSES))
+    bad = np.flatnonzero(~np.isfinite(y) | (y != np.floor(y)) | (y < 0) | (y >= num_classes))
     if bad.size:
         i = bad[0]
         raise DatasetFileError(
             f"{p}, line {lines[i]}, column {label_column!r}: {rows[i][li]!r} is not a class "
-            f"label (labels are integers 0..{MAX_CSV_CLASSES - 1})"
+            f"label (labels are the class ids 0..{num_classes - 1} of --num-classes {num_classes}; a label "
+            "outside them is refused, never a new class)"
         )
     return header, feats, excluded, x, y.astype(np.int64)
 
@@ -672,7 +716,9 @@ def load_csv(
     feature_columns=None,
     drop_columns=None,
     budget_column: str | None = None,
+    num_classes: int | None = None,
 ):
+    num_classes = check_num_classes("csv", num_classes)
     data_dir = _need_dir(data_dir, "csv", ["train.csv", "test.csv (optional)"])
     train = data_dir / "train.csv"
     if not train.is_file():
@@ -681,7 +727,12 @@ def load_csv(
             f"and optionally test.csv, with a {label_column!r} column)"
         )
     header, feats, excluded, x, y = _read_table(
-        train, label_column, feature_columns=feature_columns, drop_columns=drop_columns, budget_column=budget_column
+        train,
+        label_column,
+        num_classes,
+        feature_columns=feature_columns,
+        drop_columns=drop_columns,
+        budget_column=budget_column,
     )
     if len(x) < 2:
         raise DatasetFileError(f"{train} has {len(x)} data row; training needs at least 2")
@@ -713,7 +764,9 @@ def load_csv(
                 + (f"; missing {', '.join(missing)}" if missing else "")
                 + (f"; extra {', '.join(extra)}" if extra else "")
             )
-        _, _, _, xte, yte = _read_table(test, label_column, feats=feats)  # the same columns, in train's order
+        _, _, _, xte, yte = _read_table(
+            test, label_column, num_classes, feats=feats
+        )  # the same columns, in train's order
         xtr, ytr = x, y
         source["test"] = test.name
     else:
@@ -725,7 +778,5 @@ def load_csv(
             "hidden stratified 80/20 split of train.csv's rows (seed 0); training rows in file order; "
             "which rows train: private/data_split.csv"
         )
-    k = int(max(ytr.max(), yte.max()) + 1)
-    if k < 2:
-        raise DatasetFileError(f"{train}: every label is 0; classification needs at least 2 classes")
-    return _Raw(xtr, ytr, xte, yte, k, "none (values as in the file)", None, source, split)
+    source["num_classes"] = num_classes  # public: given, never read from the rows
+    return _Raw(xtr, ytr, xte, yte, num_classes, "none (values as in the file)", None, source, split)

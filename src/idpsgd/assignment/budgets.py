@@ -97,18 +97,35 @@ class Budgets:
         return cls.from_groups(values, weights / weights.sum(), num_examples, delta, seed=seed)
 
     @classmethod
-    def from_class_map(cls, labels, mapping: dict, delta: float) -> Budgets:
-        """Budget of each example from its label: ``mapping[label] = ε``."""
+    def from_class_map(cls, labels, mapping: dict, delta: float, *, classes=None) -> Budgets:
+        """Budget of each example from its label: ``mapping[label] = ε``.
+
+        ``classes``: the public class set (e.g. ``range(num_classes)``); ``mapping`` must then give a
+        budget to every class of it and to no other, whichever classes the examples happen to have
+        (the label set of the data is private).  Without it, the classes of ``labels`` are used."""
         labels = np.asarray(labels)
-        missing = sorted(set(np.unique(labels).tolist()) - set(mapping))
+        present = set(np.unique(labels).tolist())
+        if classes is not None:
+            public = list(classes)
+            outside = sorted(present - set(public), key=str)
+            if outside:
+                raise InvalidParameterError(
+                    "labels", outside[0], f"is not one of the {len(public)} public classes {_shown(public)}"
+                )
+            present = set(public)
+        missing = sorted(present - set(mapping), key=str)
         if missing:
             raise InvalidParameterError(
                 "budgets_per_class", mapping, f"has no budget for class(es) {missing}; give one per class"
             )
-        unknown = sorted(set(mapping) - set(np.unique(labels).tolist()), key=str)
+        unknown = sorted(set(mapping) - present, key=str)
         if unknown:
             raise InvalidParameterError(
-                "budgets_per_class", mapping, f"names class(es) {unknown} that no training example has"
+                "budgets_per_class",
+                mapping,
+                f"names class(es) {unknown} outside the public classes {_shown(sorted(present, key=str))}"
+                if classes is not None
+                else f"names class(es) {unknown} that no training example has",
             )
         lut = {k: float(v) for k, v in mapping.items()}
         return cls(
@@ -205,3 +222,10 @@ def parse_class_map(text: str) -> dict:
         except ValueError:
             raise InvalidParameterError("budgets_per_class", text, "epsilons must be numbers") from None
     return out
+
+
+def _shown(classes: list) -> str:
+    """A class list for messages (the first 20)."""
+    if len(classes) > 20:
+        return "[" + ", ".join(map(str, classes[:20])) + ", ...]"
+    return "[" + ", ".join(map(str, classes)) + "]"

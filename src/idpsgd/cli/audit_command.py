@@ -106,7 +106,7 @@ def audit_cmd(args):
     if args.resume and args.seed is None and not args.secure_mode:
         args.seed = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
     data = _load(args)
-    budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy())
+    budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), num_classes=data.num_classes)
     return run_audit(
         data,
         budgets,

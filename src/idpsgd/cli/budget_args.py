@@ -38,10 +38,14 @@ def budget_source_args(p, required=True):
     )
 
 
-def budgets_from_args(args, num_examples=None, labels=None, split=None):
+def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_classes=None, class_names=None):
     """The per-example budgets the flags describe.  ``split`` (``Dataset.split``: a csv dataset's
     hidden train/test split) maps a budgets file with one row per data row of train.csv to the rows
-    that train; a file with one row per training example is taken in training order."""
+    that train; a file with one row per training example is taken in training order.
+
+    ``--budgets-per-class`` needs one budget per class of the *public* class set: the class ids
+    0..``num_classes``-1, or the ids of ``class_names`` (whose names are accepted as keys too);
+    ``labels`` are the training rows' class ids."""
     from ..assignment import Budgets, parse_class_map, parse_float_list
 
     delta = check_delta(args.delta)
@@ -71,8 +75,23 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None):
             raise InvalidParameterError(
                 "budgets_per_class", args.budgets_per_class, "needs labels: use it with 'idpsgd train'"
             )
+        mapping = parse_class_map(args.budgets_per_class)
+        classes = None
+        if class_names is not None:
+            index = {c: i for i, c in enumerate(class_names)}
+            named = {}
+            for k, v in mapping.items():
+                key = k if isinstance(k, int) else index.get(k, k)
+                if key in named:
+                    raise InvalidParameterError(
+                        "budgets_per_class", args.budgets_per_class, f"gives class {k!r} (id {key}) two budgets"
+                    )
+                named[key] = v
+            mapping, classes = named, range(len(class_names))
+        elif num_classes is not None:
+            classes = range(int(num_classes))
         try:
-            return Budgets.from_class_map(labels, parse_class_map(args.budgets_per_class), delta)
+            return Budgets.from_class_map(labels, mapping, delta, classes=classes)
         except InvalidParameterError as exc:  # name the flag as typed, with the text the user gave
             detail = "" if exc.name == "budgets_per_class" else f" ({exc.name}={exc.value!r})"
             raise InvalidParameterError("budgets_per_class", args.budgets_per_class, exc.allowed + detail) from None

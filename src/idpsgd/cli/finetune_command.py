@@ -25,7 +25,19 @@ def _finetune_args(p):
     p.add_argument("--text-column", default="text", help="the column with each row's text (default text)")
     p.add_argument(
         "--label-column",
-        help="class labels: fine-tune a sequence classifier (default: none, causal language modelling)",
+        help="class labels: fine-tune a sequence classifier (default: none, causal language modelling); "
+        "the class set comes from the model's config (when it names its classes), --labels or --num-classes, "
+        "never from the data",
+    )
+    p.add_argument(
+        "--labels",
+        help="A,B,...: the classes' names, in class-id order (with --label-column; a row's label is a name or "
+        "its id); rows with another label are refused",
+    )
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        help="K: integer labels 0..K-1 (with --label-column); rows with another label are refused",
     )
     p.add_argument("--method", choices=METHODS, required=True, help="uniform, sample or scale (Boenisch et al. §3)")
     budget_source_args(p)
@@ -72,7 +84,7 @@ def _finetune_args(p):
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
 
 
-def _budgets(args, data, class_ids):
+def _budgets(args, data, class_ids, classes=None):
     """The budgets: the data file's --budget-column when it has one and no other source is given."""
     from ..assignment import Budgets
     from ..validation import InvalidParameterError, check_delta
@@ -98,7 +110,7 @@ def _budgets(args, data, class_ids):
         )
     import numpy as np
 
-    return budgets_from_args(args, len(data), None if class_ids is None else np.asarray(class_ids))
+    return budgets_from_args(args, len(data), None if class_ids is None else np.asarray(class_ids), class_names=classes)
 
 
 def _text(r):
@@ -127,7 +139,7 @@ def _text(r):
 @arguments(_finetune_args)
 def finetune_cmd(args):
     from ..integrations.hf.finetune import FinetuneOptions, check_model_folder, finetune, model_label2id
-    from ..integrations.hf.text_data import label_ids, load_text_data
+    from ..integrations.hf.text_data import label_ids, load_text_data, public_classes
 
     options = FinetuneOptions(
         method=args.method,
@@ -145,6 +157,8 @@ def finetune_cmd(args):
         secure_mode=args.secure_mode,
         device=args.device,
         progress=args.progress,
+        labels=args.labels,
+        num_classes=args.num_classes,
     )
     folder = check_model_folder(args.model)
     data = load_text_data(
@@ -155,10 +169,13 @@ def finetune_cmd(args):
         if args.eval_data
         else None
     )
-    class_ids = None
-    if data.labels is not None and args.budgets_per_class:
-        class_ids = label_ids(data.labels, eval_data.labels if eval_data else None, model_label2id(folder))[0]
-    budgets = _budgets(args, data, class_ids)
+    class_ids = classes = None
+    if data.labels is not None:  # the public class set, and every row checked against it
+        classes = public_classes(model_label2id(folder), options.labels, options.num_classes)
+        class_ids = label_ids(data, classes, "data")
+        if eval_data is not None:
+            label_ids(eval_data, classes, "eval_data")
+    budgets = _budgets(args, data, class_ids, classes)
     report = finetune(
         args.model, data, budgets, args.out, eval_data=eval_data, options=options, overwrite=args.overwrite
     )

@@ -47,6 +47,11 @@ def _experiment_parser(p: argparse.ArgumentParser, exp) -> None:
     defaults = exp.defaults()
     p.add_argument("--dataset", default="digits", help=_datasets_help(exp))
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        help="K: the class count of a csv dataset (labels 0..K-1; required for csv, never read from the rows)",
+    )
     p.add_argument("--model", help=_model_help(exp))
     for option in exp.options:
         _add_option(p, option, defaults[option.name])
@@ -101,7 +106,7 @@ def reproduce_cmd(args):
     _check_model(args.model)
     out = RunFolder(args.out, overwrite=args.overwrite)
     try:
-        data = load_dataset(args.dataset, args.data_dir)
+        data = load_dataset(args.dataset, args.data_dir, num_classes=args.num_classes)
         if exp.takes_folder():
             kwargs["out"] = out
         r = exp.run(data, model=args.model, progress=not args.no_progress, **kwargs)

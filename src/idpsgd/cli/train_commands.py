@@ -36,6 +36,13 @@ def _hyper_args(p):
     p.add_argument("--data-dir", help="folder with the dataset's files (all but digits)")
     p.add_argument("--label-column", default="label", help="label column of a csv dataset (default label)")
     p.add_argument(
+        "--num-classes",
+        type=int,
+        help="K: the number of classes of a csv dataset (required for csv: labels are the class ids 0..K-1, "
+        "a row with another label is refused; public information, never read from the rows); the named "
+        "datasets have their documented count (10)",
+    )
+    p.add_argument(
         "--feature-columns",
         help="A,B,...: the csv columns that are model inputs (default: every column "
         "but the label, the budget column (--budget-column) and row identifiers such as id; see --drop-columns)",
@@ -217,6 +224,7 @@ def _load(args, saved: dict | None = None):
         args.dataset,
         args.data_dir,
         label_column=args.label_column,
+        num_classes=args.num_classes,
         normalization=normalization,
         normalization_epsilon=args.normalization_epsilon,
         normalization_delta=args.normalization_delta,
@@ -341,7 +349,9 @@ def train_cmd(args):
         if filter_options is not None:
             check_filter_config(config, filter_options)
         data = _load(args, saved)
-        budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
+        budgets = budgets_from_args(
+            args, len(data.y_train), data.y_train.numpy(), split=data.split, num_classes=data.num_classes
+        )
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.loop import resolve_device

@@ -5,6 +5,11 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
   tokenizer's files; nothing is downloaded (``local_files_only=True``);
 * with a label column the model is loaded as a sequence classifier (a new classification head when
   the folder holds a language model), without one as a causal language model;
+* the classes (their names, number and order: the head's rows and the public ``model/config.json``'s
+  ``id2label``) come from public information only: the model's config when it names its classes,
+  else ``labels`` or ``num_classes`` (:func:`~.text_data.public_classes`); never from the training
+  rows, whose label set is private.  A row whose label is outside that set is refused (file, line,
+  value, the allowed classes);
 * texts are tokenized with the folder's tokenizer, truncated to ``max_length`` tokens and padded per
   batch (a tokenizer without a padding token pads with its end-of-text token);
 * ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
@@ -22,7 +27,7 @@ import numpy as np
 from ...assignment import Budgets
 from ...validation import InvalidParameterError, check_positive
 from .arguments import PrivacyArguments
-from .text_data import TextData, label_ids
+from .text_data import TextData, check_num_classes, label_ids, parse_labels, public_classes
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -60,8 +65,19 @@ class FinetuneOptions:
     secure_mode: bool = False
     device: str = "cpu"
     progress: bool = False
+    # the public class set of a classifier (one of them, unless the model's config names its classes):
+    labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
+    num_classes: int | None = None  # K: integer labels 0..K-1
 
     def __post_init__(self):
+        if self.labels is not None:
+            object.__setattr__(self, "labels", tuple(parse_labels(self.labels)))
+        if self.num_classes is not None:
+            object.__setattr__(self, "num_classes", check_num_classes(self.num_classes))
+        if self.labels is not None and self.num_classes is not None:
+            raise InvalidParameterError(
+                "num_classes", self.num_classes, "give the classes one way: labels (class names) or num_classes"
+            )
         for name in ("batch_size", "max_length"):
             v = getattr(self, name)
             if isinstance(v, bool) or int(v) != v or v < 1:
@@ -124,7 +140,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def model_label2id(folder: Path) -> dict | None:
-    """The class names of the model's config (``label2id``), or None."""
+    """The ``label2id`` of the model's config (public: the model folder is an input, not data), or None."""
     from transformers import AutoConfig
 
     try:
@@ -239,8 +255,16 @@ def finetune(
     task = "causal_lm" if train.labels is None else "sequence_classification"
     train_ids = eval_ids = id2label = None
     if task == "sequence_classification":
-        train_ids, eval_ids, id2label = label_ids(
-            train.labels, eval_data.labels if eval_data else None, model_label2id(folder)
+        classes = public_classes(model_label2id(folder), options.labels, options.num_classes)
+        train_ids = label_ids(train, classes, "data")
+        eval_ids = label_ids(eval_data, classes, "eval_data") if eval_data is not None else None
+        id2label = dict(enumerate(classes))
+    elif options.labels is not None or options.num_classes is not None:
+        flag = "labels" if options.labels is not None else "num_classes"
+        raise InvalidParameterError(
+            flag,
+            ",".join(options.labels) if options.labels is not None else options.num_classes,
+            "is for a sequence classifier: give the data's label column too (label_column / --label-column)",
         )
     # the model's seed (new head, LoRA init, dropout): its own stream, derived from --seed by a hash so
     # that nothing the model's randomness reveals leads back to the privacy seed

@@ -23,13 +23,16 @@ FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 @dataclass
 class TextData:
     """The rows of a text file: texts, raw labels (None without a label column), budgets (None
-    without a budget column), the file's columns and a public description of the source."""
+    without a budget column), the file's columns, a public description of the source and each row's
+    line in the file (for errors)."""
 
     texts: list[str]
     labels: list | None
     budgets: np.ndarray | None
     columns: list[str]
     source: dict = field(default_factory=dict)
+    lines: list[int] | None = None
+    path: str | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -157,53 +160,134 @@ def load_text_data(
         "label_column": label_column,
         "budget_column": budget_column if budgets is not None else None,
     }
-    return TextData(texts, labels, budgets, list(columns), source)
+    return TextData(texts, labels, budgets, list(columns), source, list(lines), str(p))
 
 
-def label_ids(train_labels: list, eval_labels: list | None, label2id: dict | None = None):
-    """(class ids of the training rows, of the evaluation rows, id2label).
-
-    Integer labels (or texts of integers) are the class ids themselves (classes 0..max); other labels
-    are mapped by ``label2id`` when the model's config names its classes, else in sorted order."""
-
-    def as_int(v):
-        if isinstance(v, bool):
-            return None
-        if isinstance(v, (int, np.integer)):
-            return int(v)
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, str) and v.lstrip("-").isdigit():
-            return int(v)
+def _as_int(v):
+    """An integer label (int, integral float, or the text of an integer), else None."""
+    if isinstance(v, bool):
         return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v.strip())
+    return None
 
-    every = list(train_labels) + list(eval_labels or [])
-    ints = [as_int(v) for v in every]
-    if all(i is not None for i in ints):
-        if min(ints) < 0:
-            raise InvalidParameterError("label_column", min(ints), "integer labels must be class ids >= 0")
-        k = max(ints) + 1
-        if k < 2:
-            raise InvalidParameterError("label_column", "every label is 0", "classification needs at least 2 classes")
-        ids = ints[: len(train_labels)], ints[len(train_labels) :]
-        return ids[0], ids[1] if eval_labels is not None else None, {i: str(i) for i in range(k)}
-    text = [str(v) for v in every]
-    named = label2id and not all(str(k).startswith("LABEL_") for k in label2id)
-    if named:
-        mapping = {str(k): int(v) for k, v in label2id.items()}
-        unknown = sorted(set(text) - set(mapping))
-        if unknown:
+
+def model_classes(label2id: dict | None) -> list[str] | None:
+    """The class names a model's config names, in class-id order; None when it names none (no
+    ``label2id``, or only the placeholders ``LABEL_0``, ``LABEL_1``, ... that ``transformers`` writes
+    for every config)."""
+    if not label2id or all(str(k).startswith("LABEL_") for k in label2id):
+        return None
+    by_id = {}
+    for name, i in label2id.items():
+        j = _as_int(i)
+        if j is None or j < 0 or j in by_id:
             raise InvalidParameterError(
-                "label_column", unknown[0], f"is not a class of the model (its classes: {', '.join(sorted(mapping))})"
+                "model",
+                f"label2id {label2id!r}",
+                "its config's label2id must map each class name to a distinct id >= 0",
             )
+        by_id[j] = str(name)
+    if sorted(by_id) != list(range(len(by_id))):
+        raise InvalidParameterError(
+            "model", f"label2id {label2id!r}", f"its config's class ids must be 0..{len(by_id) - 1}"
+        )
+    return [by_id[i] for i in range(len(by_id))]
+
+
+def parse_labels(value, flag: str = "labels") -> list[str]:
+    """Class names from ``a,b,c`` (or a list): their order gives the class ids 0, 1, 2, ..."""
+    if isinstance(value, str):
+        names = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        names = [str(v).strip() for v in value]
     else:
-        classes = sorted({str(v) for v in train_labels})
-        if len(classes) < 2:
-            raise InvalidParameterError("label_column", classes[0], "classification needs at least 2 classes")
-        mapping = {c: i for i, c in enumerate(classes)}
-        unknown = sorted(set(text[len(train_labels) :]) - set(mapping))
-        if unknown:
-            raise InvalidParameterError("eval_data", unknown[0], "is a label that the training data does not have")
-    ids = [mapping[t] for t in text]
-    id2label = {i: c for c, i in mapping.items()}
-    return ids[: len(train_labels)], ids[len(train_labels) :] if eval_labels is not None else None, id2label
+        raise InvalidParameterError(
+            flag, value, "must be class names a,b,c (their order gives the class ids 0, 1, ...)"
+        )
+    if any(not n for n in names):
+        raise InvalidParameterError(flag, value, "must be non-empty class names separated by commas, e.g. neg,pos")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise InvalidParameterError(flag, value, f"names class {dupes[0]!r} twice")
+    if len(names) < 2:
+        raise InvalidParameterError(flag, value, "classification needs at least 2 classes (e.g. neg,pos)")
+    return names
+
+
+def check_num_classes(value, flag: str = "num_classes") -> int:
+    """An integer >= 2 (the classes are 0..value-1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 2:
+        raise InvalidParameterError(flag, value, "must be an integer >= 2 (the labels are the class ids 0..K-1)")
+    return int(value)
+
+
+def public_classes(label2id: dict | None, labels=None, num_classes=None) -> list[str]:
+    """The class names, in class-id order, from public information only: the model's config when
+    it names its classes, ``labels`` (names, ``a,b,c``) or ``num_classes`` K (classes ``"0"``..
+    ``"K-1"``).  Never from the data: the label set of the training rows is private (one row with a
+    unique label would appear in the released model's config).
+
+    An explicit set must agree with classes the model names (its head already has them); without
+    any public source the call is refused."""
+    if labels is not None and num_classes is not None:
+        raise InvalidParameterError(
+            "num_classes", num_classes, "give the classes one way: labels (class names) or num_classes, not both"
+        )
+    named = model_classes(label2id)
+    given = None
+    if labels is not None:
+        given, flag, value = parse_labels(labels), "labels", labels
+    elif num_classes is not None:
+        k = check_num_classes(num_classes)
+        given, flag, value = [str(i) for i in range(k)], "num_classes", k
+    if named is not None:
+        if given is not None and given != named and not (flag == "num_classes" and len(named) == value):
+            raise InvalidParameterError(
+                flag,
+                value if isinstance(value, (int, str)) else ",".join(given),
+                f"differs from the classes the model's config names ({', '.join(named)}, in class-id order); "
+                "leave it out to use those",
+            )
+        return named
+    if given is None:
+        raise InvalidParameterError(
+            "labels",
+            None,
+            "the class set must come from public information, never from the training rows: give --labels "
+            "a,b,c (class names; their order gives the class ids) or --num-classes K (integer labels "
+            "0..K-1), or a model folder whose config names its classes (label2id)",
+        )
+    return given
+
+
+def label_ids(data: TextData, classes: list[str], flag: str = "data") -> list[int]:
+    """Each row's class id in the public class set ``classes`` (names, in class-id order).
+
+    A label is a class name, or an integer class id 0..K-1 (as a number or its text); anything else
+    is refused with the file, its line, the value and the allowed set -- never a new class."""
+    index = {c: i for i, c in enumerate(classes)}
+    lines = data.lines or list(range(1, len(data) + 1))
+    where = data.path or data.source.get("file", flag)
+    column = data.source.get("label_column")
+    ids = []
+    for value, line in zip(data.labels, lines, strict=True):
+        key = value if isinstance(value, str) else str(value)
+        i = index.get(key)
+        if i is None:
+            j = _as_int(value)
+            if j is not None and 0 <= j < len(classes):
+                i = j
+        if i is None:
+            shown = ", ".join(classes) if len(classes) <= 20 else f"{', '.join(classes[:20])}, ..."
+            raise DatasetFileError(
+                f"{where}, line {line}, column {column!r}: {value!r} is not one of the {len(classes)} public "
+                f"classes ({shown}; or their ids 0..{len(classes) - 1}); a label outside the class set "
+                "given by --labels / --num-classes / the model's config is refused, never a new class"
+            )
+        ids.append(i)
+    return ids

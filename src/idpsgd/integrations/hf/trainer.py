@@ -36,6 +36,15 @@ What the Trainer's machinery becomes:
 * **logs** — ``epsilon`` (the loosest group's ε) and ``epsilon_group_<budget>`` join every log;
   values that are not covered by the guarantee (training loss, token counts, FLOPs of the real
   batches) are kept out of the logs and go to the run folder's private part;
+* **what the Trainer exposes and saves** — only public values: ``state.total_flos`` stays 0 (the
+  FLOPs of the real Poisson batches are private: ``private_metrics["total_flos"]``), the
+  ``TrainOutput`` of ``train()`` has ``training_loss=None`` and ``metrics`` with ``train_runtime``
+  and the throughput computed from public values (``train_samples_per_second`` = expected batch size
+  × steps taken / runtime, ``train_steps_per_second``); the real training loss and FLOPs are in
+  ``trainer.private_metrics`` and the run folder's ``private/history.json``.  ``save_state()``
+  writes the (public) state to ``trainer_state.json``, ``save_metrics(split, metrics)`` writes the
+  public keys to ``<split>_results.json`` and any other key to ``private/<split>_results.json``
+  (mode 0600), both through the run folder's manifest;
 * **seed** — ``TrainingArguments.seed`` seeds the model as usual; the privacy randomness has its own
   seed (:class:`~.arguments.PrivacyArguments`), private;
 * **outputs** — ``output_dir`` is a :class:`~idpsgd.runfolder.RunFolder`: at the end of ``train()``
@@ -58,6 +67,7 @@ et al. eq. 3), ε_p from the run's accountant.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import secrets
 import warnings
@@ -74,10 +84,17 @@ from ...validation import InvalidParameterError
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
 
-#: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*)
+#: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*);
+#: the throughput is recomputed from public values (:meth:`IndividualizedTrainer.public_speed`)
 PUBLIC_LOG_KEYS = frozenset(
     {"learning_rate", "epoch", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 )
+
+
+def is_public_key(key: str) -> bool:
+    """Whether a logged or saved metric is covered by the guarantee: the keys of
+    :data:`PUBLIC_LOG_KEYS`, metrics on held-out data (``eval_*``, ``test_*``) and ``epsilon*``."""
+    return key in PUBLIC_LOG_KEYS or key.startswith(("eval_", "test_", "epsilon"))
 
 
 def resolve_budgets(privacy: PrivacyArguments, dataset):
@@ -274,6 +291,8 @@ class IndividualizedTrainer(Trainer):
         self.private_logs: list[dict] = []  # private: training losses and other uncovered values
         self.layer_paths: dict = {}  # public: the static rule per layer
         self.layer_paths_taken: dict = {}  # private: the paths taken (depend on the batches' shapes)
+        self.private_flos = 0.0  # private: FLOPs of the real Poisson batches (state.total_flos stays 0)
+        self.private_metrics: dict = {}  # private: train_loss, total_flos, ... of the last train()
         self.report: dict | None = None
 
     # --- the private step ---------------------------------------------------------------------
@@ -385,6 +404,14 @@ class IndividualizedTrainer(Trainer):
         loss = losses.mean()
         return (loss, outputs) if return_outputs else loss
 
+    def floating_point_ops(self, inputs) -> int:
+        """0: the FLOPs of a real Poisson batch are a function of its size (private); they are counted
+        in :attr:`private_flos`, never in ``state.total_flos`` (saved by ``save_state``)."""
+        real = super().floating_point_ops(inputs)
+        if isinstance(real, (int, float)):
+            self.private_flos += float(real)
+        return 0
+
     def _clip_grad_norm(self, model):  # each example is clipped by the engine; no clipping of the sum
         return None
 
@@ -392,20 +419,76 @@ class IndividualizedTrainer(Trainer):
         return None
 
     # --- logs -------------------------------------------------------------------------------------
+    def split_metrics(self, metrics: dict) -> tuple[dict, dict]:
+        """(public, private) parts of a metrics dict: public are the keys :func:`is_public_key`
+        admits, with the throughput recomputed from public values (:meth:`public_speed`)."""
+        public = {k: v for k, v in metrics.items() if is_public_key(k)}
+        private = {k: v for k, v in metrics.items() if k not in public}
+        return self.public_speed(public), private
+
+    def public_speed(self, metrics: dict) -> dict:
+        """``train_samples_per_second`` and ``train_steps_per_second`` from public values only: the
+        expected batch size, the logical steps taken and ``train_runtime``."""
+        runtime = metrics.get("train_runtime")
+        if runtime is None:
+            return metrics
+        out = {k: v for k, v in metrics.items() if k not in ("train_samples_per_second", "train_steps_per_second")}
+        steps = self.state.global_step - getattr(self, "_initial_global_step", 0)
+        if runtime > 0:
+            out["train_samples_per_second"] = round(self.expected_batch_size * steps / runtime, 3)
+            out["train_steps_per_second"] = round(steps / runtime, 3)
+        return out
+
     def log(self, logs: dict, start_time=None) -> None:
         """ε per group joins the logs; values the guarantee does not cover go to the private log."""
-        public = {k: v for k, v in logs.items() if k in PUBLIC_LOG_KEYS or k.startswith(("eval_", "test_"))}
-        private = {k: v for k, v in logs.items() if k not in public}
+        public, private = self.split_metrics(logs)
         if private:
             self.private_logs.append({"step": self.state.global_step, **private})
         if self.engine.accountant is not None:
             public.update(epsilon_logs(self.engine))
         super().log(public, start_time)
 
+    def save_state(self) -> None:
+        """``trainer_state.json`` in the run folder (public: the state holds the public log history,
+        ``total_flos`` 0 and the step counts; nothing of the real batches)."""
+        state = dataclasses.asdict(self.state)
+        if state.get("total_flos") or state.get("num_input_tokens_seen"):  # never: floating_point_ops is 0
+            raise RuntimeError("the Trainer state holds counts of the real batches; it is not saved")
+        self.run_folder.write_json(
+            "trainer_state.json",
+            state,
+            "public",
+            "the Hugging Face Trainer's state: step counts and the public log history (epsilon per group)",
+        )
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """``<split>_results.json`` (and ``all_results.json`` with ``combined``) with the public keys
+        of ``metrics``; any other key (``train_loss``, memory figures, ...) goes to
+        ``private/<split>_results.json`` (mode 0600)."""
+        import json
+
+        public, private = self.split_metrics(dict(metrics))
+        rf = self.run_folder
+        rf.write_json(f"{split}_results.json", public, "public", f"public {split} metrics (Trainer.save_metrics)")
+        if combined:
+            path = rf.path / "all_results.json"
+            merged = json.loads(path.read_text()) if path.is_file() else {}
+            merged.update(public)
+            rf.write_json("all_results.json", merged, "public", "public metrics of every split (Trainer.save_metrics)")
+        if private:
+            rf.write_json(
+                f"{split}_results.json",
+                private,
+                "private",
+                f"{split} metrics the guarantee does not cover (training loss on the private batches and the like)",
+            )
+
     # --- the run --------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """Train with the budgets, then write the run folder (:meth:`save_run`); returns the Trainer's
-        ``TrainOutput`` (its ``training_loss`` is private: on the private batches, before noise)."""
+        ``TrainOutput`` with public values only: ``training_loss`` is None and ``metrics`` holds
+        ``train_runtime`` and the public throughput (the real training loss and FLOPs, private, are
+        in :attr:`private_metrics`)."""
         if resume_from_checkpoint not in (None, False):
             raise InvalidParameterError(
                 "resume_from_checkpoint",
@@ -423,6 +506,7 @@ class IndividualizedTrainer(Trainer):
                 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
                 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
                 out = super().train(**kwargs)
+            out = self._public_output(out)
             self.save_run()
         except BaseException:
             self.run_folder.discard_if_unused()
@@ -430,6 +514,17 @@ class IndividualizedTrainer(Trainer):
         finally:
             self._release_model()
         return out
+
+    def _public_output(self, out):
+        """The ``TrainOutput`` with its private values (training loss, FLOPs of the real batches,
+        memory figures) moved to :attr:`private_metrics` and the private log."""
+        from transformers.trainer_utils import TrainOutput
+
+        public, private = self.split_metrics(dict(out.metrics))
+        private.update(train_loss=out.training_loss, total_flos=self.private_flos)
+        self.private_metrics = private
+        self.private_logs.append({"step": self.state.global_step, **private})
+        return TrainOutput(out.global_step, None, public)
 
     def _release_model(self) -> None:
         """Detach the engine's per-example machinery: the model is a plain model again."""
