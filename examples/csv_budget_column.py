@@ -1,13 +1,14 @@
 """A table whose rows chose their own privacy budget: a CSV with a ``budget`` column.
 
-``DIR/train.csv`` holds one row per person: feature columns, an integer ``label`` and the budget
-each person chose (here a consent tier: ε = 1, 2 or 4). The budget column is never a model input;
+``DIR/train.csv`` holds one row per person: feature columns, an integer ``label`` (the class ids
+0..K-1 of ``--num-classes K``, a public count: never read from the rows) and the budget each person
+chose (here a consent tier: ε = 1, 2 or 4). The budget column is never a model input;
 an identifier column (``id``) is left out too. Without a ``test.csv`` the rows are split 80/20
 (stratified, seed 0), and the budgets of the rows that train are picked with ``data.split``. The
 split is a function of the labels: the run folder keeps it in ``private/data_split.csv``.
 Training is IDP-SGD *Scale* (a clip norm per group) with the library's MLP.
 
-    python examples/csv_budget_column.py --data-dir DIR --out runs/csv
+    python examples/csv_budget_column.py --data-dir DIR --num-classes 2 --out runs/csv
     python examples/csv_budget_column.py --tiny       # writes a small synthetic table first
 
 ``--tiny`` (or ``IDPSGD_EXAMPLE_TINY=1``) writes 300 synthetic rows to ``OUT/table/train.csv``
@@ -47,6 +48,7 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, help="folder with train.csv (and optionally test.csv)")
     p.add_argument("--budget-column", default="budget")
     p.add_argument("--label-column", default="label")
+    p.add_argument("--num-classes", type=int, default=2, help="K: labels are the class ids 0..K-1 (default 2)")
     p.add_argument("--out", type=Path, default=Path("runs/csv_budget_column"))
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--tiny", action="store_true", default=tiny_default, help="a small synthetic table, two epochs")
@@ -55,7 +57,13 @@ def main() -> None:
         p.error("--data-dir is required (or --tiny for a synthetic table)")
     data_dir = args.data_dir or make_table(args.out / "table")
 
-    data = load_dataset("csv", data_dir, label_column=args.label_column, budget_column=args.budget_column)
+    data = load_dataset(
+        "csv",
+        data_dir,
+        label_column=args.label_column,
+        num_classes=args.num_classes,
+        budget_column=args.budget_column,
+    )
     budgets = Budgets.from_csv(data_dir / "train.csv", args.budget_column, delta=1e-5)  # one per row of train.csv
     if data.split is not None:  # no test.csv: keep the budgets of the rows that train
         budgets = Budgets(budgets.epsilons[data.split["train_rows"]], budgets.delta)

@@ -40,7 +40,7 @@ BASE = {
     "finetune": "--model {tmp}/hf_model --data {tmp}/texts.jsonl --method scale --epochs 1 --out {tmp}/ft",
 }
 
-CSV = "--dataset csv --data-dir {tmp}/"
+CSV = "--dataset csv --num-classes 3 --data-dir {tmp}/"
 
 CASES = [
     # --- unknown command / flag ---------------------------------------------------------------
@@ -236,7 +236,7 @@ CASES = [
     ("train", "--budgets-per-class 0:1", "--budgets-per-class='0:1'"),  # classes 1..9 missing
     ("train", "--budgets-per-class 0:x", "--budgets-per-class='0:x'"),
     ("train", "--budgets-per-class 0:-1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1", "--budgets-per-class"),
-    ("train", "--budgets-per-class 0:1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1,11:2", "no training example has"),
+    ("train", "--budgets-per-class 0:1,1:1,2:1,3:1,4:1,5:1,6:1,7:1,8:1,9:1,11:2", "outside the public classes"),
     ("train", "--budget-distribution exponential --range 0.5", "--range='0.5'"),
     ("train", "--budget-distribution exponential --range 0.5,1 --skew nan", "--skew=nan"),
     # --- train: data --------------------------------------------------------------------------
@@ -245,6 +245,11 @@ CASES = [
     ("train", "--dataset mnist --data-dir {tmp}/nowhere", "--data-dir={tmp}/nowhere"),
     ("train", "--data-dir {tmp}", "--data-dir='{tmp}'"),  # digits is bundled
     ("train", "--label-column y", "--label-column='y'"),  # only for csv
+    ("train", "--dataset csv --data-dir {tmp}/csv_good", "--num-classes=None"),  # no public default for csv
+    ("train", "--dataset csv --num-classes 1 --data-dir {tmp}/csv_good", "--num-classes=1"),
+    ("train", "--num-classes 3", "--num-classes=3"),  # digits has 10 classes
+    # a label outside --num-classes: a per-row error, never a new class
+    ("train", "--dataset csv --num-classes 2 --data-dir {tmp}/csv_one_member_class", "line 12, column 'label'"),
     ("train", CSV + "csv_ragged", "--data-dir={tmp}/csv_ragged"),
     ("train", CSV + "csv_one_member_class", "--data-dir={tmp}/csv_one_member_class"),
     ("train", CSV + "csv_one_row", "--data-dir={tmp}/csv_one_row"),
@@ -493,6 +498,11 @@ CASES = [
     ("finetune", "--data {tmp}/texts_plain.jsonl --budgets 1,2", "--fractions=None"),
     ("finetune", "--text-column body", "no column body"),
     ("finetune", "--label-column label", "no column label"),
+    ("finetune", "--labels neg", "--labels=neg"),  # one class
+    ("finetune", "--labels neg,neg", "--labels=neg,neg"),
+    ("finetune", "--num-classes 1", "--num-classes=1"),
+    ("finetune", "--labels a,b --num-classes 2", "--num-classes=2"),  # one way, not both
+    ("finetune", "--labels a,b", "--labels=a,b"),  # without --label-column
     ("finetune", "--eval-data {tmp}/nope.jsonl", "--eval-data={tmp}/nope.jsonl"),
 ]
 

@@ -159,9 +159,23 @@ BAD_FILES = [
         "csv",
         {"train.csv": csv_with("1,2,1e9")},
         {},
-        r"'1e9' is not a class label \(labels are integers 0..9999\)",
+        r"'1e9' is not a class label \(labels are the class ids 0..9 of --num-classes 10",
     ),
-    ("csv single class", "csv", {"train.csv": csv_with(*["1,2,0"] * 10, base=False)}, {}, r"at least 2 classes"),
+    (
+        "csv label beyond num_classes",
+        "csv",
+        {"train.csv": csv_with("1,2,3")},
+        {"num_classes": 3},
+        r"train.csv, line 32, column 'label': '3' is not a class label \(labels are the class ids 0..2 of "
+        r"--num-classes 3; a label outside them is refused, never a new class\)",
+    ),
+    (
+        "csv test label beyond num_classes",
+        "csv",
+        {"train.csv": CSV_OK, "test.csv": "a,b,label\n1,2,0\n3,4,5\n"},
+        {"num_classes": 3},
+        r"test.csv, line 3, column 'label': '5' is not a class label",
+    ),
     ("csv empty", "csv", {"train.csv": ""}, {}, r"train.csv is empty"),
     ("csv whitespace only", "csv", {"train.csv": "\n  \n"}, {}, r"train.csv is empty"),
     ("csv header only", "csv", {"train.csv": "a,b,label\n"}, {}, r"has a header but no data rows"),
@@ -418,6 +432,8 @@ def test_every_bad_data_file_is_one_clean_line(tmp_path, case):
     else:
         write(tmp_path, files)
         folder = tmp_path
+    if name == "csv":  # the public class count (labels 0..9 here)
+        kwargs = {"num_classes": 10, **kwargs}
     with pytest.raises(DatasetFileError, match=pattern) as err:
         load_dataset(name, folder, **kwargs)
     assert "\n" not in str(err.value)
@@ -429,11 +445,11 @@ def test_the_table_builders_make_valid_files(tmp_path):
         folder = tmp_path / name
         folder.mkdir()
         write(folder, files)
-        assert len(load_dataset(name, folder).x_train) > 0
+        assert len(load_dataset(name, folder, num_classes=3 if name == "csv" else None).x_train) > 0
     folder = tmp_path / "test-reordered"
     folder.mkdir()
     write(folder, {"train.csv": CSV_OK, "test.csv": "b,label,a\n5,1,7\n"})
-    d = load_dataset("csv", folder)
+    d = load_dataset("csv", folder, num_classes=3)
     assert d.x_test.tolist() == [[7.0, 5.0]] and d.y_test.tolist() == [1]  # columns matched by name
 
 
@@ -528,6 +544,14 @@ BAD_PARAMETERS = [
         r"needs its recorded epsilon >= 0",
     ),
     (
+        "csv without num_classes",
+        "csv",
+        {"data_dir": "/tmp"},
+        r"num_classes=None is invalid: is required for dataset csv: the number of classes K",
+    ),
+    ("num_classes of digits", "digits", {"num_classes": 2}, r"num_classes=2 is invalid: dataset 'digits' has 10"),
+    ("num_classes not an integer", "digits", {"num_classes": 2.5}, r"num_classes=2.5 is invalid: must be an integer"),
+    (
         "label column on mnist",
         "mnist",
         {"label_column": "y"},
@@ -559,7 +583,9 @@ def test_csv_private_normalization_needs_a_public_range(tmp_path):
         match=r"feature_range=None is invalid: required with "
         r"normalization='private' on csv data: a public range",
     ):
-        load_dataset("csv", tmp_path, normalization="private", normalization_epsilon=1, normalization_delta=1e-6)
+        load_dataset(
+            "csv", tmp_path, num_classes=3, normalization="private", normalization_epsilon=1, normalization_delta=1e-6
+        )
     for bad, msg in (
         ((1, 0), "needs low < high"),
         ((0, math.inf), "high needs 1 or 2 finite"),
@@ -569,6 +595,7 @@ def test_csv_private_normalization_needs_a_public_range(tmp_path):
             load_dataset(
                 "csv",
                 tmp_path,
+                num_classes=3,
                 normalization="private",
                 normalization_epsilon=1,
                 normalization_delta=1e-6,
@@ -577,6 +604,7 @@ def test_csv_private_normalization_needs_a_public_range(tmp_path):
     d = load_dataset(
         "csv",
         tmp_path,
+        num_classes=3,
         normalization="private",
         normalization_epsilon=1,
         normalization_delta=1e-6,

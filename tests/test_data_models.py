@@ -105,17 +105,17 @@ def test_svhn_mat_files(tmp_path, rng):
 def test_csv_tables(tmp_path):
     rows = ["a,b,target"] + [f"{i},{i % 3},{i % 2}" for i in range(30)]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
-    d = load_dataset("csv", tmp_path, label_column="target")
+    d = load_dataset("csv", tmp_path, label_column="target", num_classes=2)
     assert d.x_train.shape == (24, 2) and d.x_test.shape == (6, 2) and d.num_classes == 2
-    again = load_dataset("csv", tmp_path, label_column="target")
+    again = load_dataset("csv", tmp_path, label_column="target", num_classes=2)
     assert torch.equal(d.x_test, again.x_test)
     (tmp_path / "test.csv").write_text("a,b,target\n1,2,1\n3,4,0\n")
-    assert load_dataset("csv", tmp_path, label_column="target").x_test.shape == (2, 2)
+    assert load_dataset("csv", tmp_path, label_column="target", num_classes=2).x_test.shape == (2, 2)
     with pytest.raises(DatasetFileError, match="no column 'label'"):
-        load_dataset("csv", tmp_path)
+        load_dataset("csv", tmp_path, num_classes=2)
     (tmp_path / "train.csv").write_text("a,label\nx,1\n")
     with pytest.raises(DatasetFileError, match="line 2, column 'a': 'x' is not a number"):
-        load_dataset("csv", tmp_path)
+        load_dataset("csv", tmp_path, num_classes=2)
 
 
 def test_unknown_dataset_and_model():

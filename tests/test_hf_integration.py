@@ -616,6 +616,8 @@ def test_finetune_csv_classifier_with_group_flags(model_dir, tmp_path, capsys):
             str(tmp_path / "test.csv"),
             "--label-column",
             "label",
+            "--labels",
+            "neg,pos",
             "--method",
             "sample",
             "--budgets",

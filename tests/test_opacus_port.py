@@ -709,6 +709,8 @@ def test_csv_budget_and_id_columns_are_not_features_and_per_row_budgets_map_to_t
                 "sample",
                 "--dataset",
                 "csv",
+                "--num-classes",
+                "2",
                 "--data-dir",
                 str(data),
                 "--budgets-file",
@@ -754,7 +756,7 @@ def test_csv_columns_from_the_library(tmp_path):
 
     data = tmp_path / "data"
     _csv_with_budgets(data, test=True)
-    d = load_dataset("csv", data, drop_columns="f7", budget_column="epsilon")
+    d = load_dataset("csv", data, num_classes=2, drop_columns="f7", budget_column="epsilon")
     assert d.x_train.shape == (150, 7) and d.x_test.shape == (20, 7) and d.split is None
     assert d.source["excluded_columns"] == {
         "f7": "dropped (drop_columns)",
@@ -768,7 +770,7 @@ def test_csv_columns_from_the_library(tmp_path):
         (dict(feature_columns="f0", drop_columns="f1"), "not both"),
     ):
         with pytest.raises(InvalidParameterError, match=message):
-            load_dataset("csv", data, **kw)
+            load_dataset("csv", data, num_classes=2, **kw)
 
 
 # --- item 8: idpsgd.train on any map-style torch Dataset -----------------------------------------

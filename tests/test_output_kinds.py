@@ -34,7 +34,7 @@ def _csv_dataset(folder: Path) -> list[str]:
         rows = ["label," + ",".join(f"f{i}" for i in range(6))]
         rows += [f"{y[i]}," + ",".join(f"{v:.4f}" for v in x[i]) for i in range(n)]
         (folder / f"{name}.csv").write_text("\n".join(rows) + "\n")
-    return ["--dataset", "csv", "--data-dir", str(folder)]
+    return ["--dataset", "csv", "--num-classes", "3", "--data-dir", str(folder)]
 
 
 def _commands(data: list[str]) -> dict[str, list[str]]:

@@ -300,7 +300,7 @@ def test_library_harness_keeps_the_seed_private(tmp_path):
 
     data_dir = tmp_path / "data"
     _csv_dataset(data_dir)
-    data = load_dataset("csv", str(data_dir))
+    data = load_dataset("csv", str(data_dir), num_classes=3)
     budgets = Budgets.from_groups([1.0, 3.0], [0.5, 0.5], len(data.y_train), 1e-5, seed=0)
     cfg = TrainConfig(method="scale", epochs=1, batch_size=32, seed=S, progress=False)
     report = train(data, budgets, cfg, tmp_path / "run")
@@ -468,7 +468,7 @@ def test_experiments_draw_a_fresh_private_seed_and_replay_a_given_one(tmp_path):
     from idpsgd.experiments.boenisch import run_boenisch_table3
 
     _csv_dataset(tmp_path / "data")
-    data = load_dataset("csv", str(tmp_path / "data"))
+    data = load_dataset("csv", str(tmp_path / "data"), num_classes=3)
     kw = dict(seeds=1, calibrated_steps=2, progress=False)
     a, b = run_boenisch_table3(data, **kw), run_boenisch_table3(data, **kw)
     assert a["private"]["seed"] != b["private"]["seed"]

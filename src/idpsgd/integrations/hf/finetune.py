@@ -242,6 +242,13 @@ def finetune(
             eval_data.source.get("file"),
             "must have the label column exactly when the training data has one",
         )
+    if train.labels is None and (options.labels is not None or options.num_classes is not None):
+        flag = "labels" if options.labels is not None else "num_classes"
+        raise InvalidParameterError(
+            flag,
+            ",".join(options.labels) if options.labels is not None else options.num_classes,
+            "is for a sequence classifier: give the data's label column too (label_column / --label-column)",
+        )
     if options.batch_size > len(train):
         raise InvalidParameterError(
             "batch_size",
@@ -259,13 +266,6 @@ def finetune(
         train_ids = label_ids(train, classes, "data")
         eval_ids = label_ids(eval_data, classes, "eval_data") if eval_data is not None else None
         id2label = dict(enumerate(classes))
-    elif options.labels is not None or options.num_classes is not None:
-        flag = "labels" if options.labels is not None else "num_classes"
-        raise InvalidParameterError(
-            flag,
-            ",".join(options.labels) if options.labels is not None else options.num_classes,
-            "is for a sequence classifier: give the data's label column too (label_column / --label-column)",
-        )
     # the model's seed (new head, LoRA init, dropout): its own stream, derived from --seed by a hash so
     # that nothing the model's randomness reveals leads back to the privacy seed
     init_seed = (
