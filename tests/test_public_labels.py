@@ -446,3 +446,39 @@ def test_save_metrics_routes_private_keys_to_private(tok, tmp_path):  # noqa: F8
     private = tmp_path / "run" / PRIVATE / "train_results.json"
     assert json.loads(private.read_text()) == {"train_loss": 1.234, "train_mem_cpu_peaked_delta": 77}
     assert (private.stat().st_mode & 0o777) == 0o600
+
+
+def test_the_trainer_refuses_labels_outside_the_models_classes(tok, tmp_path):  # noqa: F811
+    """IndividualizedTrainer: the class set is the model's config (public); a training or evaluation
+    label outside it is refused before any work (on main: an IndexError in the first step, or for
+    evaluation a longer per_class_accuracy)."""
+    import datasets
+    from transformers import DataCollatorWithPadding, TrainingArguments
+
+    from idpsgd.integrations.hf import IndividualizedTrainer
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(_llama_config(tok, num_labels=2))
+    enc = tok(_lines(12, seed=2), truncation=True, max_length=16)
+
+    def ds(labels):
+        return datasets.Dataset.from_dict(
+            {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+        )
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, save_strategy="no", use_cpu=True, report_to=[]
+    )
+    good, bad = [i % 2 for i in range(12)], [i % 2 for i in range(11)] + [2]
+    for train, evaluation, flag in ((bad, good, "train_dataset"), (good, bad, "eval_dataset")):
+        with pytest.raises(InvalidParameterError, match=rf"{flag}='row 11: labels 2' is invalid: labels are the class"):
+            IndividualizedTrainer(
+                model=model,
+                args=args,
+                train_dataset=ds(train),
+                eval_dataset=ds(evaluation),
+                processing_class=tok,
+                data_collator=DataCollatorWithPadding(tok),
+                privacy=PrivacyArguments(budgets=np.full(12, 4.0), delta=1e-5, method="scale", seed=1),
+            )
+    assert not (tmp_path / "run").exists()

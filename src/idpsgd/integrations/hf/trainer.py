@@ -146,6 +146,31 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
     return dataset, budgets
 
 
+def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
+    """The labels of a single-label classifier's ``datasets.Dataset`` are class ids of the model's
+    classes (0..num_labels-1, from its config: public), refused with the row and value otherwise —
+    a label outside them is never a new class (the class set comes from public information only)."""
+    import datasets
+
+    if not isinstance(loss, PerExampleLoss) or loss.family == "token" or loss.num_labels < 2:
+        return
+    if loss.problem_type not in (None, "single_label_classification"):
+        return
+    if not isinstance(dataset, datasets.Dataset) or label_name not in dataset.column_names:
+        return
+    k = loss.num_labels
+    for row, value in enumerate(dataset[label_name]):
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (0 <= value < k or value == -100)
+        if not ok:
+            raise InvalidParameterError(
+                flag,
+                f"row {row}: {label_name} {value!r}",
+                f"labels are the class ids 0..{k - 1} of the model's config (num_labels={k}, id2label); "
+                "a label outside them is refused, never a new class: map the data to the model's "
+                "classes, or build the model with the public class set",
+            )
+
+
 def privacy_seed(privacy: PrivacyArguments) -> int | None:
     """The engine's seed: the given one, or a fresh one from OS entropy (None in secure mode).
 
@@ -268,6 +293,8 @@ class IndividualizedTrainer(Trainer):
             )
         self.per_example_loss = per_example_loss if per_example_loss is not None else PerExampleLoss.for_model(model)
         self.label_name = (args.label_names or ["labels"])[0]
+        check_class_ids(self.per_example_loss, train_dataset, self.label_name, "train_dataset")
+        check_class_ids(self.per_example_loss, kwargs.get("eval_dataset"), self.label_name, "eval_dataset")
         self.dataset_name = dataset_name or type(train_dataset).__name__
         self.data_source = data_source
         self.user_args = args
