@@ -231,6 +231,7 @@ def test_finetune_api_takes_the_class_set(lm_dir, tmp_path):
         options=FinetuneOptions(epochs=1, batch_size=8, seed=0, labels=["neg", "pos", RARE]),
     )
     assert report["task"] == "sequence_classification"
+    assert report["data"]["classes"] == ["neg", "pos", RARE] and report["data"]["classes_from"] == "labels"
     assert len(json.loads((tmp_path / "run" / "model" / "config.json").read_text())["id2label"]) == 3
 
 

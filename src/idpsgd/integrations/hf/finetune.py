@@ -27,7 +27,7 @@ import numpy as np
 from ...assignment import Budgets
 from ...validation import InvalidParameterError, check_positive
 from .arguments import PrivacyArguments
-from .text_data import TextData, check_num_classes, label_ids, parse_labels, public_classes
+from .text_data import TextData, check_num_classes, label_ids, model_classes, parse_labels, public_classes
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -261,8 +261,15 @@ def finetune(
     tokenizer = load_tokenizer(folder)
     task = "causal_lm" if train.labels is None else "sequence_classification"
     train_ids = eval_ids = id2label = None
+    classes_source = None
     if task == "sequence_classification":
-        classes = public_classes(model_label2id(folder), options.labels, options.num_classes)
+        label2id = model_label2id(folder)
+        classes = public_classes(label2id, options.labels, options.num_classes)
+        classes_source = (
+            "the model's config"
+            if model_classes(label2id) is not None
+            else ("labels" if options.labels is not None else "num_classes")
+        )
         train_ids = label_ids(train, classes, "data")
         eval_ids = label_ids(eval_data, classes, "eval_data") if eval_data is not None else None
         id2label = dict(enumerate(classes))
@@ -322,6 +329,7 @@ def finetune(
             "train": train.source,
             **({"test": eval_data.source} if eval_data else {}),
             "max_length": options.max_length,
+            **({"classes": list(classes), "classes_from": classes_source} if classes_source else {}),
         },
     )
     if not options.progress:  # nothing on stdout but the command's own output
