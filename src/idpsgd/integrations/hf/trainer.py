@@ -147,9 +147,10 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
 
 
 def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
-    """The labels of a single-label classifier's ``datasets.Dataset`` are class ids of the model's
-    classes (0..num_labels-1, from its config: public), refused with the row and value otherwise —
-    a label outside them is never a new class (the class set comes from public information only)."""
+    """The integer labels of a single-label classifier's ``datasets.Dataset`` are class ids of the
+    model's classes (0..num_labels-1, from its config: public; -100 is ignored), refused with the row
+    and value otherwise — a label outside them is never a new class (the class set comes from public
+    information only)."""
     import datasets
 
     if not isinstance(loss, PerExampleLoss) or loss.family == "token" or loss.num_labels < 2:
@@ -159,9 +160,11 @@ def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
     if not isinstance(dataset, datasets.Dataset) or label_name not in dataset.column_names:
         return
     k = loss.num_labels
-    for row, value in enumerate(dataset[label_name]):
-        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (0 <= value < k or value == -100)
-        if not ok:
+    values = dataset[label_name]
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        return  # not class ids (float or list labels: regression or multi-label by their dtype)
+    for row, value in enumerate(values):
+        if not (0 <= value < k or value == -100):
             raise InvalidParameterError(
                 flag,
                 f"row {row}: {label_name} {value!r}",
