@@ -485,7 +485,9 @@ Runner = Callable[[Path], Outputs]
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
     array = np.ascontiguousarray(array, dtype=np.uint8)
-    path.write_bytes(struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes())
+    path.write_bytes(
+        struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    )
 
 
 def write_mnist_data(folder: Path, *, outlier: bool, n: int = 60, n_test: int = 20) -> int:
