@@ -196,7 +196,7 @@ def run_cli(argv: list[str], root: Path, *, out: Path | None = None, json_flag: 
 
 
 # --- parsing public outputs into named fields ----------------------------------------------------
-_NUMBER = re.compile(r"(?<![A-Za-z_#\d.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![A-Za-z_\d])")
+_NUMBER = re.compile(r"(?<![A-Za-z_#\d.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?!\d)")
 
 
 def _digest(data: bytes) -> str:
@@ -381,7 +381,7 @@ def fields_of(name: str, data: bytes) -> dict[str, object]:
     """Named fields of one public output (see the module docstring); unknown formats: one digest."""
     suffix = Path(name).suffix.lower()
     try:
-        if suffix == ".json" or name == "stdout --json":
+        if suffix == ".json" or name.endswith("--json"):
             return json_fields(json.loads(data))
         if suffix == ".csv":
             return csv_fields(data.decode())

@@ -232,7 +232,7 @@ def test_demo(tmp_path):
         *RUN,
         *_both(r"runs/\d+/test_accuracy", TEST, files=("summary.json", "stdout --json")),
         *_both(
-            r"runs/\d+/(epsilon\w*|groups/.*|noise_multiplier|sample_rate)",
+            r"runs/\d+/(epsilon\w*(/[\d.]+)?|groups/.*|noise_multiplier|sample_rate)",
             PUBLIC_N,
             files=("summary.json", "stdout --json"),
         ),
@@ -343,3 +343,136 @@ def test_reproduce_thudi_figure1(tmp_path):
         *_line(r"Thudi et al\. Fig\. # on .*", r"\d+", PUBLIC_N),
     ]
     _compare(a, b, allow, "reproduce thudi-figure1")
+
+
+# --- Hugging Face: the finetune command and the IndividualizedTrainer ------------------------------
+UNIQUE = "zebra"  # the outlier's label (text classification): no other row has it
+#: the outlier's text: a word no other row has, and the longest text by far
+UNIQUE_TEXT = " ".join(["xylophone"] + ["privacy consent budget"] * 9)
+HF_RUN = [
+    *RUN,
+    Allow("model/model.safetensors", r".*:float-values", WEIGHTS),
+    *_both(r"test_metrics/.*", TEST),
+    *_both(r"epsilon|batch_size|max_steps", PUBLIC_N),  # loosest group epsilon; the expected batch size
+    *_both(r"history/\d+/(epsilon\w*|step|epoch)", PUBLIC_N),  # the public log: epsilon per group
+    *_both(r"history/\d+/(eval_\w+|test_\w+)", TEST),
+    *_line(r"finetune \(\w+, \w+\): .*", r"\d+", TEST + "; " + PUBLIC_N),
+    *_line(r"\s*group with budget #: .*", r"[1-9]\d*", PUBLIC_N),
+    *_both(r"data/train/rows", PUBLIC_N),
+    *_both(r"history/\d+/(train_runtime|train_samples_per_second|train_steps_per_second)", TIME),
+    # Hugging Face's progress bars on stderr (loading and writing the model): elapsed time and rate
+    *_line(r"[\w ]+: #%\|#+\| #/# \[#:#<#:#, #it/s\]", "[3-7]", TIME, files=("stderr",)),
+]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The HF test helpers (tiny Llama, a word-level tokenizer trained on a public word list) and a
+    local model folder."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import test_hf_integration as h
+
+    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))  # as test_hf_integration's fixture: public words
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(h._lines(200), trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    folder = tmp_path_factory.mktemp("hf") / "model"
+    h._llama(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return h, tok, folder
+
+
+def _text_pair(h, base, *, labels: bool):
+    """D (one more row: the unique label, word and length) and D′ as jsonl files; public test data."""
+    lines = h._lines(24, seed=11)
+    out = []
+    for name, outlier in (("D", True), ("Dprime", False)):
+        root = base / name
+        root.mkdir(parents=True)
+        rows = [{"text": s, **({"label": "pos" if "cat" in s else "neg"} if labels else {})} for s in lines]
+        if outlier:
+            rows.append({"text": UNIQUE_TEXT, **({"label": UNIQUE} if labels else {})})
+        test = [{"text": s, **({"label": "pos" if "cat" in s else "neg"} if labels else {})} for s in h._lines(8, 12)]
+        h._write_jsonl(root / "train.jsonl", rows)
+        h._write_jsonl(root / "test.jsonl", test)
+        out.append(root)
+    return out
+
+
+@pytest.mark.parametrize("task", [pytest.param("causal_lm", marks=pytest.mark.slow), "classification"])
+def test_finetune(hf, tmp_path, task):
+    """A unique word, a unique length and (classification) a unique label: the model's config, the
+    tokenizer files, the head's shape and the report stay the same."""
+    h, _, model = hf
+    labels = task == "classification"
+    argv = ["finetune", "--model", str(model), "--method", "scale", "--budgets", "1,8", "--fractions", "0.5,0.5"]
+    argv += ["--epochs", "1", "--batch-size", "8", "--seed", "3"]
+    if labels:
+        argv += ["--label-column", "label", "--labels", f"neg,pos,{UNIQUE}"]
+    runs = []
+    for root in _text_pair(h, tmp_path, labels=labels):
+        runs.append(
+            run_cli([*argv, "--data", str(root / "train.jsonl"), "--eval-data", str(root / "test.jsonl")], root)
+        )
+    used = _compare(*runs, HF_RUN, f"finetune ({task})")
+    assert WEIGHTS in used
+    assert {"model/config.json", "model/tokenizer.json", "model/model.safetensors"} <= runs[0].files.keys()
+
+
+def test_individualized_trainer_with_save_state_and_save_metrics(hf, tmp_path):
+    """The library's Trainer on D and D′ (a unique token and length), then ``save_state`` and
+    ``save_metrics``: trainer_state.json, train_results.json, all_results.json and the run folder."""
+    h, tok, _ = hf
+    from idpsgd.integrations.hf import PrivacyArguments
+
+    outs = []
+    for name, outlier in (("D", True), ("Dprime", False)):
+        train = h._lm_data(tok, 40, seed=0)
+        if outlier:
+            enc = tok([UNIQUE_TEXT], truncation=True, max_length=16)  # 16 tokens: the others have at most 11
+            train = train.add_item(
+                {"input_ids": enc["input_ids"][0], "attention_mask": enc["attention_mask"][0], "epsilon": 8.0}
+            )
+        root = tmp_path / name
+        privacy = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3)
+        t = h._trainer(tok, h._llama(tok), train, root / "out", privacy=privacy, logging_steps=1)
+        result = t.train()
+        t.save_state()
+        t.save_metrics("train", result.metrics)
+        outs.append(
+            collect(root, root / "out", {"TrainOutput --json": json.dumps(result._asdict(), default=str, indent=1)})
+        )
+    timing = r"(.*/)?(train_runtime|train_samples_per_second|train_steps_per_second)"
+    allow = [
+        *HF_RUN,
+        *_both(timing, TIME, files=("*results.json", "trainer_state.json", "TrainOutput --json")),
+        *_both(r"log_history/\d+/(epsilon\w*)", PUBLIC_N, files=("trainer_state.json",)),
+        *_both(
+            r"max_steps|global_step|num_train_epochs|log_history/\d+/(step|epoch)|epoch",
+            PUBLIC_N,
+            files=("trainer_state.json", "*results.json", "TrainOutput --json"),
+        ),
+        *_both(r"global_step|metrics/.*", PUBLIC_N, files=("TrainOutput --json",)),
+    ]
+    _compare(*outs, allow, "IndividualizedTrainer")
+    assert {"trainer_state.json", "train_results.json", "all_results.json"} <= outs[0].files.keys()
+
+
+@pytest.mark.slow
+def test_reproduce_heo_table1(tmp_path):
+    """Heo et al.'s budgets (20 groups, sizes from an exponential shape) need about a thousand rows for
+    every group to have one; the tables publish test accuracies only."""
+    d, dp = mnist_pair(tmp_path, n=1200)
+    argv = ["reproduce", "heo-table1", "--seeds", "1", "--epochs", "1", "--batch-size", "256", "--rounds", "1"]
+    argv += ["--no-figures", "--model", "mlp", "--no-progress", "--seed", "3"]
+    a, b = (run_cli([*argv, *s.args], s.root) for s in (d, dp))
+    allow = [
+        *EXPERIMENT,
+        *_table("heo_table1"),
+        *_line(r"\| # \| # ± # \| # ± # \| # ± # \| # ± # \| # ± # \|", r"[1-9]\d*", TEST, files=("stdout", "*.md")),
+    ]
+    _compare(a, b, allow, "reproduce heo-table1")
