@@ -476,3 +476,22 @@ def test_reproduce_heo_table1(tmp_path):
         *_line(r"\| # \| # ± # \| # ± # \| # ± # \| # ± # \| # ± # \|", r"[1-9]\d*", TEST, files=("stdout", "*.md")),
     ]
     _compare(a, b, allow, "reproduce heo-table1")
+
+
+def test_assign_from_a_budgets_file(tmp_path):
+    """``idpsgd assign`` reads per-example budgets (a column of the table): it prints only the groups'
+    parameters, computed from the group sizes."""
+    d, dp = csv_pair(tmp_path, extra={"budget": lambda i, label: (1, 2, 3)[i % 3] if label != 3 else 3})
+    argv = ["assign", "--method", "sample", "--budget-column", "budget", "--delta", "1e-5", "--sample-rate", "0.2"]
+    argv += ["--steps", "20", "--clip-norm", "1"]
+    a, b = (run_cli([*argv, "--budgets-file", str(s.root / "data" / "train.csv")], s.root, out=False) for s in (d, dp))
+    allow = [
+        *_both(
+            r"num_examples|" + GROUP_N + r"|noise_multiplier|groups/\d+/(epsilon|fraction)",
+            PUBLIC_N,
+            files=("stdout --json",),
+        ),
+        *_line(r".*", r"\d+", PUBLIC_N + " (the text of the same result)"),
+    ]
+    used = _compare(a, b, allow, "assign")
+    assert PUBLIC_N in used
