@@ -13,10 +13,13 @@ reason; anything else is a leak, reported with the file and the field.
 
 Use::
 
-    d, dp = Neighbours.csv(tmp_path)               # the two data sets
+    d, dp = csv_pair(tmp_path)                     # the two data sets (mnist_pair: IDX files)
     a = run_cli(["train", ..., *d.args], d.root)   # run on each (same argv but the data folder)
     b = run_cli(["train", ..., *dp.args], dp.root)
-    assert_same_public_outputs(a, b, ALLOW + [...])
+    assert_same_public_outputs(a, b, [Allow("report.json", "test_accuracy", TEST), ...])
+
+A library integration (e.g. the Hugging Face Trainer) runs in the test and hands its run folder to
+:func:`collect`.  Paths are compared with each side's root replaced by ``<ROOT>``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import re
 import stat
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -478,9 +481,6 @@ def fields_matching(outputs: Outputs, file: str, pattern: str) -> dict[str, obje
     harness sees what it should)."""
     data = outputs.files.get(file) if file in outputs.files else outputs.streams[file].encode()
     return {k: v for k, v in _fields(file, data, outputs.root).items() if re.fullmatch(pattern, k)}
-
-
-Runner = Callable[[Path], Outputs]
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
