@@ -308,16 +308,29 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
     r = run_audit(data, budgets, _config(), tmp_path / "a", opts, resume=True)
     assert len(calls) == 3  # shadows 2, 3 and the target; not 0 and 1 again
     folder, private = tmp_path / "a", tmp_path / "a" / "private"
-    for name in ("audit_scores.csv", "audit_settings.json", "models/shadow_000.pt", "models/target.pt"):
-        assert _mode(private / name) == 0o600  # per-example scores, models: private
-    for name in ("audit.json", "roc_by_group.png"):
-        assert _mode(folder / name) == 0o644  # aggregates per group: public
+    for name in (
+        "audit_scores.csv",
+        "audit_settings.json",
+        "models/shadow_000.pt",
+        "models/target.pt",
+        "audit.json",
+        "roc_by_group.png",
+    ):
+        assert _mode(private / name) == 0o600  # per-example scores, models, the results: private
+    assert _mode(folder / "audit.json") == 0o644 and not (folder / "roc_by_group.png").exists()
     manifest = json.loads((folder / "outputs.json").read_text())["files"]
     assert manifest["audit.json"]["kind"] == "public" and manifest["private/audit_scores.csv"]["kind"] == "private"
-    assert (folder / "roc_by_group.png").read_bytes()[:4] == b"\x89PNG"
-    saved = json.loads((folder / "audit.json").read_text())
+    assert manifest["private/audit.json"]["kind"] == "private"
+    assert (private / "roc_by_group.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((private / "audit.json").read_text())
     assert saved["groups"] == r["groups"] and "do not cover" in saved["disclosure"] and "private" not in saved
     assert saved["audit_passed"] is True and saved["failed_groups"] == []
+    # the public audit.json: settings, plan, group sizes and reported epsilon; no membership statistic
+    public = json.loads((folder / "audit.json").read_text())
+    assert public["results"] == "private/audit.json" and public["neighbouring"] == "zero-out"
+    assert [set(g) for g in public["groups"]] == [{"budget", "examples", "reported_epsilon", "delta"}] * 2
+    assert not {"all", "tests", "audit_passed", "failed_groups"} & set(public)
+    assert set(public["target"]) == {"test_accuracy", "noise_multiplier"} and public["plan"] == r["plan"]
     g = {row["budget"]: row for row in r["groups"]}
     assert set(g) == {1.0, 8.0} and r["all"]["examples"] == 240
     for row in g.values():
@@ -591,11 +604,15 @@ def test_cli_audit(capsys, tmp_path):
         "--no-progress",
     ]
     assert main(argv) == 0
+    out = capsys.readouterr().out  # by default: the plan and where the (private) results are
+    assert "one-run audit (Steinke et al. 2023)" not in out and "private/audit.json (mode 0600)" in out
+    assert main([*argv[:-3], "--out", str(tmp_path / "o"), "--resume", "--show-private"]) == 0
     out = capsys.readouterr().out
     assert "one-run audit (Steinke et al. 2023)" in out and "loose by design" in out
     assert main([*argv[:-3], "--out", str(tmp_path / "o"), "--resume", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert [g["budget"] for g in r["groups"]] == [1.0, 3.0] and r["canaries_per_group"] == 10
+    assert "private" not in r and "all" not in r and "attacks" not in r["groups"][0]
     # resuming without --seed reads the audit's recorded seed (same budgets' assignment, same design)
     assert main([*argv[:-5], "--out", str(tmp_path / "o"), "--no-progress", "--resume", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["groups"] == r["groups"]

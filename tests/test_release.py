@@ -123,3 +123,10 @@ def test_quantiles_handle_atoms_and_bad_input(rng):
         release_mean([], U, 1.0, 1e-5, rng)
     with pytest.raises(InvalidParameterError, match="release_epsilon"):
         release_statistics([1.0], U, epsilon=0)
+
+
+def test_an_empty_set_is_released_as_noise_when_allowed(rng):
+    """A set chosen by public values (a class of the public label set) is released even when empty:
+    skipping it would publish that it is empty (issue 35)."""
+    r = release_mean([], U, 1.0, 1e-5, rng, allow_empty=True)
+    assert 0.0 <= r["value"] <= U and r["noisy_sum"] != 0.0 and r["noisy_count"] != 0.0

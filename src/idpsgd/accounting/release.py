@@ -124,9 +124,17 @@ def _clipped(values, upper):
     return np.clip(v, 0.0, check_positive(upper, "upper"))
 
 
-def release_mean(values, upper: float, epsilon: float, delta: float, rng=None) -> dict:
-    """(ε, δ)-DP mean of values clipped to [0, upper] from a noisy sum and a noisy count (module doc)."""
-    v = _clipped(values, upper)
+def release_mean(values, upper: float, epsilon: float, delta: float, rng=None, *, allow_empty: bool = False) -> dict:
+    """(ε, δ)-DP mean of values clipped to [0, upper] from a noisy sum and a noisy count (module doc).
+
+    ``allow_empty``: an empty set is released as well (noise only).  Use it when the set is one of
+    several chosen by public values (e.g. every class of the dataset's public label set): skipping
+    the empty ones would publish which sets are empty, a function of the private data."""
+    if allow_empty and np.asarray(values).size == 0:
+        check_positive(upper, "upper")
+        v = np.zeros(0)
+    else:
+        v = _clipped(values, upper)
     sigma = analytic_gaussian_sigma(epsilon, delta, MEAN_SENSITIVITY)
     rng = secure_rng() if rng is None else rng
     noisy_sum = float(v.sum() / upper + rng.normal(0.0, sigma))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..accounting import DEFAULT_ORDERS, compute_rdp, rdp_to_epsilon
+from ..accounting.neighbouring import NEIGHBOURING, NEIGHBOURING_SENTENCE
 from ..validation import InvalidParameterError
 
 STYLE = """
@@ -161,6 +162,8 @@ def render(run_dir, include_private: bool = False) -> str:
         )
     parts.append("<h2>Guarantee</h2>")
     parts.append(f"<p>{e(str(r.get('guarantee', '')))}</p>")
+    if r.get("neighbouring") == NEIGHBOURING:
+        parts.append(f"<p class='note'>{e(NEIGHBOURING_SENTENCE)}</p>")
     groups = r.get("groups") or []
     rows = []
     for g in groups:

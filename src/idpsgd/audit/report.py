@@ -1,15 +1,19 @@
-"""The audit's outputs: ``audit.json``, ``audit_scores.csv``, ``roc_by_group.png``, and its text.
+"""The audit's outputs: ``audit.json``, ``private/audit.json``, ``audit_scores.csv``,
+``roc_by_group.png``, and its text.
 
-Through :class:`~idpsgd.runfolder.RunFolder`: ``audit.json`` (per group: budget, reported ε, AUC,
+Through :class:`~idpsgd.runfolder.RunFolder`.  The results — per group: budget, reported ε, AUC,
 TPR at low FPR with counts, the ε lower bound with its estimate and the largest ε the test could
-show, the one-run bound on the same guesses, the verdict's Bonferroni level, tests between
-groups, the one plan every model ran) and
-``roc_by_group.png`` are public aggregates for the data protection officer; the per-example
-scores ``audit_scores.csv`` are private (``private/``, mode 0600), as are the audit's models and
-settings.  Aggregates are not covered by the DP guarantees either (``disclosure`` in
-``audit.json`` says so).  A group whose lower bound exceeds its reported ε fails the audit: the
-result says ``audit_passed: false`` with the groups, the text starts with ``AUDIT FAILED`` and
-the failure is logged as an error.
+show, the one-run bound on the same guesses, the verdict's Bonferroni level, tests between groups
+— are statistics of the training data and of the secret membership of the audit's models, which
+no reported guarantee covers (issue 35: they differ between neighbouring data sets): they are for
+the auditor, in ``private/audit.json`` and ``private/roc_by_group.png`` (mode 0600) beside the
+per-example scores ``private/audit_scores.csv``, the models and the settings.  The public
+``audit.json`` (:func:`public_audit`) holds only what the guarantee covers or what is public:
+the settings, the one plan every model ran (calibrated from N and the group sizes, public inputs),
+each group's size and reported ε, the test accuracy of the models on public test data, where the
+results are.  A group whose lower bound exceeds its reported ε fails the audit: the result says
+``audit_passed: false`` with the groups, the text starts with ``AUDIT FAILED`` and the failure is
+logged as an error (on stderr: a failed audit means the reported guarantee is wrong).
 """
 
 from __future__ import annotations
@@ -18,9 +22,56 @@ import logging
 
 import numpy as np
 
+from ..accounting.neighbouring import neighbouring
 from . import bounds
 
 log = logging.getLogger("idpsgd")
+
+#: settings of the audit and the plan every model ran: public (no membership score enters them)
+PUBLIC_KEYS = (
+    "attack",
+    "primary_attack",
+    "lira",
+    "method",
+    "dataset",
+    "model",
+    "accountant",
+    "guarantee",
+    "delta",
+    "confidence",
+    "multiplicity",
+    "shadow_models",
+    "canaries_per_group",
+    "canary_kind",
+    "epochs",
+    "batch_size",
+    "lr",
+    "clip_norm",
+    "threshold_selection",
+    "plan",
+    "shadow_test_accuracy_mean",
+    "disclosure",
+)
+RESULTS = "audit.json"  # private/audit.json: every result of the audit
+
+
+def public_audit(result: dict) -> dict:
+    """The public part of an audit's result (what ``audit.json`` and stdout show by default): the
+    settings, the plan, each group's size and reported ε, the target's test accuracy (public test
+    data) and σ, where the private results are; never a statistic of membership scores."""
+    out = {k: result[k] for k in PUBLIC_KEYS if k in result}
+    out.update(neighbouring())
+    target = result.get("target") or {}
+    out["target"] = {k: target[k] for k in ("test_accuracy", "noise_multiplier") if k in target}
+    out["groups"] = [
+        {k: row[k] for k in ("budget", "examples", "reported_epsilon", "delta") if k in row}
+        for row in result.get("groups", [])
+    ]
+    out["results"] = f"private/{RESULTS}"
+    if "files" in result:
+        out["files"] = result["files"]
+    return out
+
 
 ATTACK_LABELS = {
     "lira-online": "LiRA online",
@@ -43,7 +94,7 @@ def write_outputs(folder, result: dict) -> dict:
             "(an accounting or implementation error)",
             ", ".join("all" if b is None else f"{b:g}" for b in failed),
         )
-    files = {"audit": str(folder.path / "audit.json")}
+    files = {"audit": str(folder.path / "audit.json"), "results": str(folder.path / "private" / RESULTS)}
     if result["attack"] == "one-run":
         _write_one_run_csv(folder, raw)
     else:
@@ -51,20 +102,27 @@ def write_outputs(folder, result: dict) -> dict:
         folder.save_figure(
             "roc_by_group.png",
             roc_figure(result, raw),
-            "public",
+            "private",
             "ROC of the membership inference attack per privacy group (Boenisch et al. Fig. 2 "
-            "style; log-log inset): aggregate statistic of membership scores",
+            "style; log-log inset): a statistic of membership scores, not covered by the guarantee",
         )
-        files["roc"] = str(folder.path / "roc_by_group.png")
+        files["roc"] = str(folder.path / "private" / "roc_by_group.png")
     files["scores"] = str(folder.path / "private" / "audit_scores.csv")
     result["files"] = files
     folder.write_json(
-        "audit.json",
+        RESULTS,
         {k: v for k, v in result.items() if k != "private"},
+        "private",
+        "the audit's results per privacy group: reported epsilon, AUC, TPR at low FPR with counts, "
+        "empirical epsilon lower bounds with confidence intervals, tests between groups, the verdict "
+        "(statistics of the training data and the secret membership: not covered by the DP guarantees)",
+    )
+    folder.write_json(
+        "audit.json",
+        public_audit(result),
         "public",
-        "the audit per privacy group: reported epsilon, AUC, TPR "
-        "at low FPR with counts, empirical epsilon lower bounds with confidence intervals, tests "
-        "between groups (aggregates of membership scores; not covered by the DP guarantees)",
+        "the audit's settings, the plan every model ran, each group's size and reported epsilon, the "
+        "target's test accuracy; the results are in private/audit.json",
     )
     return result
 
@@ -205,6 +263,22 @@ def _pct(f: float, digits: int = 6) -> str:
 def audit_text(r: dict) -> str:
     text = _one_run_text(r) if r["attack"] == "one-run" else _membership_text(r)
     return "\n".join([*_banner(r), text, *_banner(r)])
+
+
+def public_audit_text(r: dict) -> str:
+    """The text of :func:`public_audit`: the plan and reported ε per group, where the results are."""
+    rows = [f"{'budget':>7} {'examples':>8} {'reported eps':>12}"]
+    rows += [f"{g['budget']:>7g} {g.get('examples', ''):>8} {g['reported_epsilon']:>12.4f}" for g in r["groups"]]
+    acc = r.get("target", {}).get("test_accuracy")
+    return "\n".join(
+        [
+            f"idpsgd audit: {r['attack']} membership inference on {r['method']} ({r['dataset']}, {r['model']})"
+            + (f"; target test accuracy {_num(acc)}" if acc is not None else ""),
+            *rows,
+            f"results (statistics of the training data and the secret membership, not covered by the "
+            f"guarantee): {r['files']['results']} (mode 0600); --show-private prints them",
+        ]
+    )
 
 
 def _membership_text(r: dict) -> str:

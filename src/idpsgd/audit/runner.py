@@ -81,10 +81,12 @@ FPRS = (0.01, 0.001)
 SETTINGS = "audit_settings.json"
 DISCLOSURE = (
     "Aggregate statistics of membership scores per privacy group (AUC, TPR at FPR with counts, tests, "
-    "empirical epsilon bounds). They are computed from the training data and the secret membership of "
-    "the audit's models, outside the DP mechanisms, so the reported guarantees do not cover them; they "
-    "are aggregates over hundreds of examples and name none. The per-example scores are in "
-    "private/audit_scores.csv (mode 0600, personal data)."
+    "empirical epsilon bounds, the verdict). They are computed from the training data and the secret "
+    "membership of the audit's models, outside the DP mechanisms, so the reported guarantees do not "
+    "cover them: they are private (private/audit.json and private/roc_by_group.png, mode 0600, for "
+    "the auditor), as are the per-example scores in private/audit_scores.csv. The public audit.json "
+    "holds the settings, the plan every model ran, each group's reported epsilon and the target's "
+    "test accuracy."
 )
 
 

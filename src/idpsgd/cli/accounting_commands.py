@@ -296,6 +296,7 @@ def account_cmd(args):
 
     from ..accounting import account_from_norms
     from ..accounting.individual import DEFAULT_ROUNDING_FRACTION, offline_kind
+    from ..accounting.neighbouring import neighbouring
     from ..runfolder import RunFolder
 
     delta = check_delta(args.delta)
@@ -405,6 +406,7 @@ def account_cmd(args):
         "rounding": rounding,
         "kind": kind,
         "kind_reason": reason,
+        **neighbouring(),
     }
     folder.write_json(
         "account.json",

@@ -25,8 +25,9 @@ def _audit_args(p):
     p.add_argument(
         "--out",
         required=True,
-        help="audit folder: audit.json and roc_by_group.png (aggregates); "
-        "private/ (mode 0600): audit_scores.csv (per-example scores), models/ checkpoints, settings",
+        help="audit folder: audit.json (settings, plan, reported epsilon per group); private/ (mode "
+        "0600): audit.json and roc_by_group.png (the results), audit_scores.csv (per-example scores), "
+        "models/ checkpoints, settings",
     )
     p.add_argument(
         "--resume",
@@ -107,7 +108,9 @@ def audit_cmd(args):
         args.seed = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
     data = _load(args)
     budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), num_classes=data.num_classes)
-    return run_audit(
+    from ..audit.report import public_audit
+
+    result = run_audit(
         data,
         budgets,
         _config(args, args.method),
@@ -117,6 +120,10 @@ def audit_cmd(args):
         overwrite=args.overwrite,
         pdp=pdp,
     )
+    # the results are statistics of the training data and the secret membership (not covered by the
+    # guarantee): printed only with --show-private, as private/audit.json holds them
+    results = {k: v for k, v in result.items() if k != "private"}
+    return {**public_audit(result), "private": {**result.get("private", {}), "audit": results}}
 
 
 def _fprs(text):
@@ -143,9 +150,10 @@ def _saved_seed(out):
 
 
 def _text(r):
-    from ..audit.report import audit_text
+    from ..audit.report import audit_text, public_audit_text
 
-    return audit_text(r)
+    full = (r.get("private") or {}).get("audit")
+    return audit_text(full) if full is not None else public_audit_text(r)
 
 
 audit_cmd._text = _text

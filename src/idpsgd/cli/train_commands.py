@@ -417,6 +417,7 @@ def _demo_args(p):
 
 def run_demo(args) -> dict:
     """Budgets 1/2/3 at 34/43/23 %: uniform at ε=1, Sample, Scale, and uniform at ε=3 (upper bound)."""
+    from ..accounting.neighbouring import neighbouring
     from ..assignment import Budgets
     from ..engine.randomness import randomness_note
     from ..runfolder import RunFolder
@@ -460,6 +461,7 @@ def run_demo(args) -> dict:
         "accountant": args.accountant,
         "secure_mode": args.secure_mode,
         "randomness": randomness_note(args.secure_mode, "private/seed.json"),
+        **neighbouring(),
         "runs": rows,
     }
     top.write_json("summary.json", summary, "public", "the demo's four runs: test accuracy and epsilon per group")

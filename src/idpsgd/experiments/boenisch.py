@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from ..accounting.neighbouring import neighbouring
 from ..io import atomic_open
 from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
 from .summary import mean_std, percent, randomness, record_seed, repetition_seeds
@@ -218,6 +219,7 @@ def run_boenisch_table2(
         )
         + (f"; given: {', '.join(given)}" if given else ""),
         "randomness": randomness(),
+        **neighbouring(),
         "private": {"seed": base},
     }
 
@@ -445,6 +447,7 @@ def run_boenisch_table3(
         "seconds": time.perf_counter() - t0,
         "runs": 3 * int(seeds),
         "randomness": randomness(),
+        **neighbouring(),
         "columns": {k: {"label": T3_LABELS[k], **mean_std(acc[k]), "runs_detail": runs[k]} for k in T3_COLUMNS},
         "private": {
             "about": "statistics of private per-example values (active examples, realized epsilon): "

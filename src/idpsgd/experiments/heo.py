@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ..accounting.neighbouring import neighbouring
 from ..io import atomic_open
 from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
 from .summary import mean_std, randomness, record_seed, repetition_seeds
@@ -137,6 +138,7 @@ def run_heo_table1(
         "seconds": seconds,
         "runs": len(jobs),
         "randomness": randomness(),
+        **neighbouring(),
         "private": {"seed": base},
     }
     if figures:

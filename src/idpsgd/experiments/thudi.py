@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 
+from ..accounting.neighbouring import neighbouring
 from ..validation import InvalidParameterError
 from .registry import SEED, Experiment, Option, at_least_one, positive, register, valid_delta
 from .summary import randomness, record_seed, repetition_seeds
@@ -233,6 +234,7 @@ def run_thudi_figure1(
         "load_average_after": _load(),
         "cpu_count": os.cpu_count(),
         "randomness": randomness(),
+        **neighbouring(),
         "private": {
             "about": "statistics over the target points of their per-instance values (exact statistics "
             "of private values; estimates of Thm. 3.3)",

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from ..accounting.neighbouring import neighbouring
 from ..io import atomic_open
 from ..training.individual import _pearson
 from .registry import SEED, Experiment, Option, at_least_one, at_least_zero, positive, register, valid_delta
@@ -109,14 +110,16 @@ def _exact_statistics(pe: dict, num_classes: int) -> dict:
 
 
 def _class_release(pe: dict, num_classes: int, upper: float, epsilon: float, delta: float) -> list:
-    """Each class's mean ε, privately released ((epsilon, delta)-DP per class; disjoint classes)."""
+    """Each class's mean ε, privately released ((epsilon, delta)-DP per class; disjoint classes).
+
+    Every class of the public label set (``num_classes``) is released, a class without training
+    examples too (noise only): which classes have examples is a fact of the private data."""
     from ..accounting.release import release_mean
 
-    out = []
-    for k in range(num_classes):
-        m = pe["label"] == k
-        out.append(release_mean(pe["epsilon"][m], upper, epsilon, delta)["value"] if np.any(m) else None)
-    return out
+    return [
+        release_mean(pe["epsilon"][pe["label"] == k], upper, epsilon, delta, allow_empty=True)["value"]
+        for k in range(num_classes)
+    ]
 
 
 def run_yu_figure(
@@ -276,6 +279,7 @@ def run_yu_figure(
         "seconds": seconds,
         "trainings": len(jobs),
         "randomness": randomness(),
+        **neighbouring(),
         "private": {
             "about": "exact statistics of per-example values (not covered by the guarantee)",
             "statistics": exact,

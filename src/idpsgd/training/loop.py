@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from ..accounting.neighbouring import neighbouring
 from ..analysis.metrics import accuracies as accuracies  # re-exported
 from ..analysis.metrics import evaluate
 from ..assignment import Budgets
@@ -514,6 +515,7 @@ class Trainer:
             "model": self.model_name,
             "accountant": self.config.accountant,
             "guarantee": self.guarantee_text(extra),
+            **neighbouring(),
             "delta": self.budgets.delta,
             "test_accuracy": ev["accuracy"],
             "per_class_accuracy": ev["per_class_accuracy"],

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from ..accounting import SampledGaussianEvent, epsilon_sgm
+from ..accounting.neighbouring import neighbouring
 from ..accounting.pdp import (
     THRESHOLD_LOSSES,
     calibrate_round_noise,
@@ -464,6 +465,7 @@ def train_pdp(
         "model": model_name,
         "accountant": config.accountant,
         "guarantee": GUARANTEE_HISTORY if history_mode else GUARANTEE,
+        **neighbouring(),
         "delta": delta,
         "delta_mode": "per-round" if opts.per_round_delta and not history_mode else "total",
         "max_delta": float(delta_i.max()),

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from ..accounting import compute_rdp, epsilon_sgm
+from ..accounting.neighbouring import neighbouring
 from ..accounting.per_instance import (
     SumRuleTable,
     best_composition_order,
@@ -815,6 +816,7 @@ def _analyse(s: dict, out_dir, file_prefix: str, figures: bool = True) -> dict:
         "seed": s["seed"],
         "secure_mode": False,
         "randomness": randomness_note(False, f"private/{file_prefix}seed.json" if out_dir is not None else None),
+        **neighbouring(),
         "engine": s["engine"],
         "training_epsilon": float(s["epsilon"]),
         "training_epsilon_rule": "sum (the calibration of the noise)",

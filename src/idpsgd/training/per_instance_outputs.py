@@ -86,6 +86,8 @@ PUBLIC_KEYS = (
     "p",
     "secure_mode",
     "randomness",
+    "neighbouring",
+    "public_inputs",
 )  # never the seed: it is in private/seed.json
 
 

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import torch
 
+from ...accounting.neighbouring import neighbouring
 from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE
 from ...engine.randomness import randomness_note
@@ -109,6 +110,7 @@ def build_report(trainer) -> dict:
         "task": getattr(trainer.per_example_loss, "task", "custom per_example_loss"),
         "accountant": engine.accountant_name,
         "guarantee": f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
+        **neighbouring(),
         "delta": delta,
         "epsilon": eps.loosest,
         "test_accuracy": metrics.get("test_accuracy"),
