@@ -60,10 +60,15 @@ synchronisation, and a Python walk over the model's modules; per norm-pass batch
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
+import secrets
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
@@ -140,9 +145,33 @@ def _fingerprintable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_meta and not t.is_quantized and t.numel() > 0
 
 
-def _bit_sum(t: torch.Tensor) -> torch.Tensor:
-    """The exact sum of the tensor's bit patterns read as integers (int64, no overflow below 2³²
-    entries): changed by any change of one entry."""
+#: piece length of the position-weighted checksum (one weight per offset in a piece, one per piece);
+#: a tensor is read in chunks of ``_CHUNK`` entries, so the int64 temporary stays small
+_PIECE, _CHUNK = 1 << 16, 1 << 20
+_WEIGHTS: dict = {}  # device -> (offset weights [_PIECE], piece weights [growing]), int64
+
+
+def _random_int64(n: int, rng: np.random.Generator) -> torch.Tensor:
+    return torch.from_numpy(rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False).view(np.int64).copy())
+
+
+def _weights(device: torch.device, pieces: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checksum's weights on ``device``: uniform 64-bit integers drawn once per process from OS
+    entropy (model code cannot aim a change at a collision); the piece weights are odd."""
+    have = _WEIGHTS.get(device)
+    if have is None or have[1].numel() < pieces:
+        rng = np.random.default_rng(secrets.randbits(128))
+        offsets = have[0] if have is not None else _random_int64(_PIECE, rng).to(device)
+        grown = max(pieces, 64, 2 * (have[1].numel() if have is not None else 0))
+        per_piece = (_random_int64(grown, rng) | 1).to(device)
+        if have is not None:  # the weights of the pieces already used stay the same
+            per_piece[: have[1].numel()] = have[1]
+        have = _WEIGHTS[device] = (offsets, per_piece)
+    return have
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's entries as flat signed integers of their width (8-byte types as pairs of int32)."""
     t = t.detach()
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
@@ -150,35 +179,101 @@ def _bit_sum(t: torch.Tensor) -> torch.Tensor:
         t = t.view(torch.uint8)
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     bits = _BITS[flat.element_size()]
-    return (flat if flat.dtype == bits else flat.view(bits)).sum(dtype=torch.int64)
+    return flat if flat.dtype == bits else flat.view(bits)
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i·b_i mod 2⁶⁴ over the tensor's bit patterns b_i (int64 arithmetic, which wraps: exact
+    and independent of the reduction order), position i weighted by w_i = u_{i mod P}·v_{i div P}
+    with random 64-bit u, v (:func:`_weights`).  A change Δ of the bit patterns is missed only if
+    Σ_i w_i·Δ_i ≡ 0 (mod 2⁶⁴): for a change made without knowing the weights (a permutation of rows,
+    sign flips, one entry's last bit) about 2⁻³² (every |Δ_i| < 2³²); the unweighted sum missed every
+    permutation and every pair of opposite sign flips."""
+    bits = _bits(t)
+    n = bits.numel()
+    offsets, per_piece = _weights(bits.device, -(-n // _PIECE))
+    sums = []
+    for start in range(0, n, _CHUNK):  # _CHUNK is a multiple of _PIECE: pieces never straddle chunks
+        part = bits[start : start + _CHUNK]
+        full = part.numel() // _PIECE * _PIECE
+        if full:
+            sums.append((part[:full].view(-1, _PIECE) * offsets).sum(1))
+        if part.numel() > full:
+            sums.append((part[full:] * offsets[: part.numel() - full]).sum().reshape(1))
+    piece_sums = sums[0] if len(sums) == 1 else torch.cat(sums)
+    return (piece_sums * per_piece[: piece_sums.numel()]).sum()
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> dict:
-    """device → (indices, the tensors' bit-pattern sums): one read per tensor, compared exactly."""
+    """device → (indices, the tensors' position-weighted checksums): one read per tensor, compared
+    exactly."""
     groups: dict = {}
     for i, t in enumerate(tensors):
         if _fingerprintable(t):
             groups.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        return {device: (idx, torch.stack([_bit_sum(tensors[i]) for i in idx])) for device, idx in groups.items()}
+        return {device: (idx, torch.stack([_checksum(tensors[i]) for i in idx])) for device, idx in groups.items()}
+
+
+def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
+    """(parameter name, key) → value of the optimizer's per-parameter state (``momentum_buffer``,
+    Adam's ``exp_avg``, ``exp_avg_sq``, ``step``...), read without creating entries."""
+    out: dict = {}
+    if optimizer is None:
+        return out
+    state, seen = optimizer.state, set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            entries = state.get(p)
+            if entries:
+                name = parameter_names.get(id(p), f"#{len(seen) - 1}")
+                for key, value in entries.items():
+                    out[(name, key)] = value
+    return out
+
+
+def _what(module: nn.Module, name, kind: str, optimizer) -> str:
+    """How a refusal names a watched entry: a parameter or buffer with its module, or an optimizer state."""
+    if kind == "optimizer state":
+        return f"optimizer state {name[1]!r} of parameter {name[0]!r} ({type(optimizer).__name__})"
+    return f"{kind} {name!r}{_owner(module, name)}"
 
 
 @dataclass
 class _Snapshot:
     """What the released tensors were at one moment (references, version counters, storage
-    addresses, and optionally the value fingerprint)."""
+    addresses, and optionally the value fingerprint), and the optimizer's state."""
 
-    names: dict  # name -> (kind, index into tensors)
+    names: dict  # name -> (kind, index into tensors); an optimizer state's name is (parameter name, key)
     tensors: list
     versions: list
     pointers: list
     fingerprint: dict | None
     extra: dict  # name -> digest of a module's extra state
+    values: dict  # optimizer state that is not a tensor: (parameter name, key) -> a copy of the value
+
+    @staticmethod
+    def _read(module: nn.Module, optimizer) -> tuple[dict, dict]:
+        """(released tensors, optimizer state) now: name -> (kind, tensor or value)."""
+        released = released_tensors(module)
+        parameter_names: dict[int, str] = {}
+        for name, (kind, t) in released.items():
+            if kind == "parameter":
+                parameter_names.setdefault(id(t), name)
+        state = {k: ("optimizer state", v) for k, v in _optimizer_state(optimizer, parameter_names).items()}
+        return released, state
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool) -> _Snapshot:
-        names, tensors, index = {}, [], {}
-        for name, (kind, t) in released_tensors(module).items():
+    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None) -> _Snapshot:
+        names, tensors, index, values = {}, [], {}, {}
+        released, state = cls._read(module, optimizer)
+        for name, (kind, t) in [*released.items(), *state.items()]:
+            if not torch.is_tensor(t):
+                values[name] = copy.deepcopy(t)
+                continue
             if id(t) not in index:
                 index[id(t)] = len(tensors)
                 tensors.append(t)
@@ -190,41 +285,44 @@ class _Snapshot:
             [_pointer(t) for t in tensors],
             _fingerprint(tensors) if fingerprint else None,
             _extra_states(module),
+            values,
         )
 
-    def changes(self, module: nn.Module) -> list[str]:
-        """What changed since the snapshot, one phrase per parameter or buffer (empty: nothing)."""
-        now = released_tensors(module)
-        out = [
-            f"{kind} {name!r}{_owner(module, name)} was removed"
-            for name, (kind, _) in self.names.items()
-            if name not in now
-        ]
+    def changes(self, module: nn.Module, optimizer=None) -> list[str]:
+        """What changed since the snapshot, one phrase per parameter, buffer or optimizer state (empty:
+        nothing)."""
+        released, state = self._read(module, optimizer)
+        now = {**released, **state}
+        before = {**{n: k for n, (k, _) in self.names.items()}, **dict.fromkeys(self.values, "optimizer state")}
+
+        def what(name, kind):
+            return _what(module, name, kind, optimizer)
+
+        out = [f"{what(name, kind)} was removed" for name, kind in before.items() if name not in now]
         out += [
-            f"{kind} {name!r}{_owner(module, name)} appeared (registered during the pass)"
+            f"{what(name, kind)} appeared (registered during the pass)"
+            if kind != "optimizer state"
+            else f"{what(name, kind)} appeared (written outside optimizer.step())"
             for name, (kind, _) in now.items()
-            if name not in self.names
+            if name not in before
         ]
-        written = set()
+        for name, old in self.values.items():
+            if name in now and not _same_value(old, now[name][1]):
+                out.append(f"{what(name, 'optimizer state')} was changed outside optimizer.step()")
         for name, (kind, i) in self.names.items():
             if name not in now:
                 continue
             t = now[name][1]
             old = self.tensors[i]
             if t is not old:
-                out.append(
-                    f"{kind} {name!r}{_owner(module, name)} was replaced by another tensor (e.g. "
-                    "self.buf = self.buf + ...)"
-                )
+                out.append(f"{what(name, kind)} was replaced by another tensor (e.g. self.buf = self.buf + ...)")
             elif t._version != self.versions[i]:
-                written.add(i)
                 out.append(
-                    f"{kind} {name!r}{_owner(module, name)} was written in place (e.g. Embedding(max_norm), "
-                    "a no_grad in-place update, buf += ...)"
+                    f"{what(name, kind)} was written in place (e.g. Embedding(max_norm), a no_grad in-place "
+                    "update, buf += ...)"
                 )
             elif _pointer(t) != self.pointers[i]:
-                written.add(i)
-                out.append(f"{kind} {name!r}{_owner(module, name)} had its storage replaced (t.data = ...)")
+                out.append(f"{what(name, kind)} had its storage replaced (t.data = ...)")
         extra = _extra_states(module)
         out += [
             f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
@@ -234,20 +332,29 @@ class _Snapshot:
         if self.fingerprint is not None and not out:
             now_fp = _fingerprint(self.tensors)
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
-            for key, (idx, before) in self.fingerprint.items():
+            for key, (idx, before_fp) in self.fingerprint.items():
                 after = now_fp.get(key)
                 if after is None or after[0] != idx:
                     continue
-                same = before == after[1]
+                same = before_fp == after[1]
                 if bool(same.all()):
                     continue
                 for j in torch.nonzero(~same).flatten().tolist():
                     name = by_index[idx[j]]
                     out.append(
-                        f"{self.names[name][0]} {name!r}{_owner(module, name)} had its values changed "
-                        "through .data (a write autograd does not see)"
+                        f"{what(name, self.names[name][0])} had its values changed through .data (a write "
+                        "autograd does not see)"
                     )
         return out
+
+
+def _same_value(a, b) -> bool:
+    if torch.is_tensor(b):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value without a plain equality: compared by its text
+        return repr(a) == repr(b)
 
 
 def _pointer(t: torch.Tensor) -> int:
@@ -266,43 +373,77 @@ def _owner(module: nn.Module, name: str) -> str:
     return f" (module {path or '(root)'!r}, {type(sub).__name__})"
 
 
-class _SnapshotHook:
-    """The forward pre-hook on the model's root module (a copied or pickled model gets an inert one)."""
-
-    def __init__(self, guard: WriteGuard):
-        self.guard = guard
-
-    def __call__(self, _module, _args):
-        self.guard._first_forward()
-
-    def __deepcopy__(self, memo):
-        return _InertHook()
-
-    def __reduce__(self):
-        return _InertHook, ()
+# --- the trigger: the first call of any of the model's modules after arming ------------------------
+#: id(module) -> weak references to the armed guards watching that module
+_WAITING: dict[int, list] = {}
+_HOOK: dict = {}  # "handle": the one global forward pre-hook, registered while a guard is armed
 
 
-class _InertHook:
-    def __call__(self, _module, _args):
+def _first_call(module, _args):
+    """Global forward pre-hook (kept first of the global ones): a call of a watched module starts
+    its guard's step."""
+    refs = _WAITING.get(id(module))
+    if refs is None:
         return None
+    for ref in list(refs):
+        guard = ref()
+        if guard is None:  # its model was collected (the finaliser normally does this)
+            _unwait(ref, [id(module)])
+        else:
+            guard._first_forward()
+    return None
+
+
+def _wait(ref, ids) -> None:
+    """Watch the modules ``ids`` for ``ref``'s guard; register the global hook first of all."""
+    for i in ids:
+        refs = _WAITING.setdefault(i, [])
+        if ref not in refs:
+            refs.append(ref)
+    if "handle" not in _HOOK:
+        _HOOK["handle"] = torch.nn.modules.module.register_module_forward_pre_hook(_first_call)
+    handle, hooks = _HOOK["handle"], torch.nn.modules.module._global_forward_pre_hooks
+    if not isinstance(hooks, OrderedDict) or handle.id not in hooks:
+        raise RuntimeError(
+            "idpsgd.engine.integrity: torch.nn.modules.module._global_forward_pre_hooks is not the ordered "
+            "dict this version of the write guard expects; the snapshot cannot be placed before global "
+            "forward pre-hooks"
+        )
+    hooks.move_to_end(handle.id, last=False)  # before the global hooks registered earlier (they may write)
+
+
+def _unwait(ref, ids) -> None:
+    for i in ids:
+        refs = _WAITING.get(i)
+        if refs is not None and ref in refs:
+            refs.remove(ref)
+            if not refs:
+                del _WAITING[i]
+    if not _WAITING and "handle" in _HOOK:
+        _HOOK.pop("handle").remove()
 
 
 class WriteGuard:
-    """Watches one model's released tensors (one guard per model, shared by the training steps and
-    the norm passes; :meth:`attach`).
+    """Watches one model's released tensors and its optimizer's state (one guard per model, shared by
+    the training steps and the norm passes; :meth:`attach`).
 
-    Training: :meth:`arm` after ``make_private`` and after every step; the model's first call after
-    that takes the snapshot; :meth:`check` before the noise compares.  Norm passes: :meth:`watch`.
+    Training: :meth:`arm` after ``make_private`` and after every step; the first call of any of the
+    model's modules (or of the wrappers in :attr:`scope`) after that takes the snapshot; :meth:`check`
+    before the noise compares.  Norm passes: :meth:`watch`.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.optimizer = None  # the optimizer whose state is watched too (set by make_private)
+        self.scope: nn.Module | None = None  # a wrapper around the model (make_private's module)
         self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
         self._armed = False
         self._suspended = 0
-        # first of the model's forward pre-hooks: a user's hook that writes the model runs after the snapshot
-        self._handle = model.register_forward_pre_hook(_SnapshotHook(self), prepend=True)
+        self._ref = weakref.ref(self)
+        self._watched: list = []  # the modules the trigger waits for (kept alive: their ids stay theirs)
+        self._ids: list[int] = []
+        weakref.finalize(self, _unwait, self._ref, self._ids)
 
     @classmethod
     def attach(cls, model: nn.Module) -> WriteGuard:
@@ -320,27 +461,47 @@ class WriteGuard:
         return type(None), ()
 
     def detach(self) -> None:
-        self._handle.remove()
+        self._stop_waiting()
+        self._armed = False
         if self.model.__dict__.get("_idpsgd_write_guard") is self:
             del self.model.__dict__["_idpsgd_write_guard"]
 
     # --- training steps ------------------------------------------------------------------------
     def arm(self) -> None:
-        """A step ended (or training is set up): the next call of the model starts the next step."""
-        self._state = _Snapshot.take(self.model, fingerprint=False)
+        """A step ended (or training is set up): the next call of any of the model's modules starts
+        the next step."""
+        self._state = _Snapshot.take(self.model, fingerprint=False, optimizer=self.optimizer)
         self._armed = True
+        self._stop_waiting()
+        modules = {id(m): m for m in self.model.modules()}
+        if self.scope is not None:
+            modules.update((id(m), m) for m in self.scope.modules())
+        self._watched = list(modules.values())
+        self._ids[:] = modules
+        _wait(self._ref, self._ids)
+
+    def _stop_waiting(self) -> None:
+        _unwait(self._ref, self._ids)
+        self._ids.clear()
+        self._watched = []
 
     def _first_forward(self) -> None:
         if self._armed and not self._suspended:
-            self._state = _Snapshot.take(self.model, fingerprint=True)
             self._armed = False
+            self._stop_waiting()
+            self._state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
 
     def check(self, where: str = "the training step") -> None:
-        """Raise :class:`UnnoisedWriteError` if a released tensor changed since the snapshot (or the
-        model already holds such a write)."""
+        """Raise :class:`UnnoisedWriteError` if a released tensor or the optimizer's state changed since
+        the snapshot (or the model already holds such a write)."""
         self._refuse_if_tainted()
         if self._state is not None:
             self._compare(self._state, where, "The step was not taken: no noise was drawn and nothing was charged.")
+
+    def mark(self, reason: str) -> None:
+        """Mark the model as holding an un-noised write found elsewhere (another rank's replica)."""
+        if self.tainted is None:
+            self.tainted = reason
 
     # --- norm passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -348,7 +509,7 @@ class WriteGuard:
         """Snapshot now; yields a function that raises if anything changed since (call it after each
         batch).  The training snapshot is left alone meanwhile."""
         self._refuse_if_tainted()
-        state = _Snapshot.take(self.model, fingerprint=True)
+        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
         self._suspended += 1
         try:
             yield lambda: self._compare(state, where, "The norm pass was stopped.")
@@ -357,18 +518,20 @@ class WriteGuard:
 
     # --- the refusal ---------------------------------------------------------------------------
     def _compare(self, state: _Snapshot, where: str, outcome: str) -> None:
-        changes = state.changes(self.model)
+        changes = state.changes(self.model, self.optimizer)
         if not changes:
             return
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
         self.tainted = (
-            f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released, "
+            f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released "
+            "(and the optimizer's state with it in most checkpoints), "
             "and a write made by the forward or backward pass depends on the batch: it would be released without "
-            "noise and outside the privacy accounting (a buffer the forward writes and a later step reads, persistent "
-            "or not, makes later examples' gradients depend on this batch beyond their clip norms). Remove the write "
-            "(leave out Embedding(max_norm); update no parameter, buffer or extra state in forward: no running "
-            "statistics of the data); writes between steps (load_state_dict, a projection after optimizer.step()) "
-            "are allowed. This model "
+            "noise and outside the privacy accounting (a buffer or optimizer state the forward writes and a later "
+            "step reads, persistent or not, makes later examples' gradients depend on this batch beyond their clip "
+            "norms). Remove the write "
+            "(leave out Embedding(max_norm); update no parameter, buffer, extra state or optimizer state in forward "
+            "or backward: no running statistics of the data); writes between steps (load_state_dict, a projection "
+            "after optimizer.step()) are allowed. This model "
             "now holds the write and must not be released: further steps and norm passes on it are refused; "
             "train a fresh model"
         )
