@@ -886,36 +886,55 @@ def test_permutations_and_paired_sign_flips_through_data_are_refused(mode, how):
         per_example_grad_norms(_model(_Swap, how), [_data()])
 
 
-def test_the_checksum_is_exact_and_position_weighted():
-    """The int64 arithmetic wraps (the checksum is Σ w_i·b_i mod 2⁶⁴, computed here with Python integers)
-    and every row swap, paired sign flip or one-bit change of a table spanning several pieces changes it."""
+def _python_checksums(tensors):
+    """The checksums with Python integers: Σ_B v_B·Σ_k u_k·b_{B,k} mod 2⁶⁴ per tensor over its blocks of 1024
+    entries, small tensors padded to whole blocks and numbered across their pack."""
     from idpsgd.engine import integrity
 
-    t = torch.randn(3 * integrity._PIECE + 5)
-    bits = t.view(torch.int32).tolist()
-    offsets, pieces = (w.tolist() for w in integrity._weights(t.device, 4))
-    want = sum(b * offsets[i % integrity._PIECE] * pieces[i // integrity._PIECE] for i, b in enumerate(bits))
-    got = int(integrity._checksum(t)) % 2**64
-    assert got == want % 2**64
-    table = torch.randn(2 * integrity._PIECE // 64 + 3, 64)
-    before = integrity._checksum(table)
+    inner, per_block = integrity._weights(torch.device("cpu"), 4096)
+    inner, per_block = [int(u) for u in inner.tolist()], per_block.tolist()
+    out, block = [], 0
+    for t in tensors:
+        bits = t.reshape(-1).view(torch.int32).tolist()
+        blocks = -(-len(bits) // 1024)
+        first = 0 if blocks > integrity._ROWS else block
+        if blocks <= integrity._ROWS and block + blocks > integrity._ROWS:
+            first = 0
+        total = sum(inner[i % 1024] * b * per_block[first + i // 1024] for i, b in enumerate(bits))
+        out.append(total % 2**64)
+        if blocks <= integrity._ROWS:
+            block = first + blocks
+    return out
+
+
+def test_the_checksum_is_exact_and_position_weighted():
+    """The checksum is Σ w_i·b_i mod 2⁶⁴ exactly (checked with Python integers), for a large tensor and for
+    small ones packed together; every row swap, paired sign flip or one-bit change changes it."""
+    from idpsgd.engine import integrity
+
     g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        i, j = torch.randperm(table.shape[0], generator=g)[:2].tolist()
-        swapped = table.clone()
-        swapped[[i, j]] = swapped[[j, i]]
-        assert not torch.equal(integrity._checksum(swapped), before)
+    span = integrity._ROWS * 1024
+    tensors = [torch.randn(n, generator=g) for n in (span + 5, 3, span - 2000, 2000, 1024, span)]
+    got = [int(c) % 2**64 for c in integrity._checksums(tensors)]
+    assert got == _python_checksums(tensors)
+    for rows in (5, 2 * span // 64 + 3):  # packed; in chunks of a large tensor
+        table = torch.randn(rows, 64, generator=g)
+        before = integrity._checksums([table])
+        for _ in range(10):
+            i, j = torch.randperm(rows, generator=g)[:2].tolist()
+            swapped = table.clone()
+            swapped[[i, j]] = swapped[[j, i]]
+            assert not torch.equal(integrity._checksums([swapped]), before)
+            flat = table.clone().view(-1)
+            pos, neg = torch.nonzero(flat > 0).flatten(), torch.nonzero(flat < 0).flatten()
+            k = int(torch.randint(0, min(len(pos), len(neg)), (1,), generator=g))
+            flat[torch.stack([pos[k], neg[k]])] *= -1
+            assert not torch.equal(integrity._checksums([flat.view_as(table)]), before)
         flat = table.clone().view(-1)
-        pos, neg = torch.nonzero(flat > 0).flatten(), torch.nonzero(flat < 0).flatten()
-        k = int(torch.randint(0, min(len(pos), len(neg)), (1,), generator=g))
-        flat[torch.stack([pos[k], neg[k]])] *= -1
-        assert not torch.equal(integrity._checksum(flat.view_as(table)), before)
-    flat = table.clone().view(-1)
-    flat.view(torch.int32)[-1] ^= 1  # the last bit of the last entry
-    assert not torch.equal(integrity._checksum(flat), before)
-    for dtype in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64):
-        x = torch.zeros(10, dtype=dtype)
-        assert integrity._checksum(x).dtype == torch.int64
+        flat.view(torch.int32)[-1] ^= 1  # the last bit of the last entry
+        assert not torch.equal(integrity._checksums([flat]), before)
+    mixed = [torch.zeros(10, dtype=d) for d in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64)]
+    assert integrity._checksums(mixed).shape == (5,)
 
 
 def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alone():

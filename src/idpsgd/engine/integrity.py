@@ -145,28 +145,27 @@ def _fingerprintable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_meta and not t.is_quantized and t.numel() > 0
 
 
-#: piece length of the position-weighted checksum (one weight per offset in a piece, one per piece);
-#: a tensor is read in chunks of ``_CHUNK`` entries, so the int64 temporary stays small
-_PIECE, _CHUNK = 1 << 16, 1 << 20
-_WEIGHTS: dict = {}  # device -> (offset weights [_PIECE], piece weights [growing]), int64
+#: the checksum's blocks of 1024 entries: exact float64 sums of the bit patterns times distinct weights
+#: below 2¹² (|Σ| ≤ 2³¹·2¹²·2¹⁰ = 2⁵³: every partial sum is an integer that float64 holds exactly, in
+#: any order); up to _ROWS blocks per pack of small tensors and per chunk of a large one (2 MiB float64)
+_BLOCK, _ROWS = 1024, 256
+_WEIGHTS: dict = {}  # device -> (in-block weights [_BLOCK] float64, block weights [growing] int64)
 
 
-def _random_int64(n: int, rng: np.random.Generator) -> torch.Tensor:
-    return torch.from_numpy(rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False).view(np.int64).copy())
-
-
-def _weights(device: torch.device, pieces: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checksum's weights on ``device``: uniform 64-bit integers drawn once per process from OS
-    entropy (model code cannot aim a change at a collision); the piece weights are odd."""
+def _weights(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checksum's weights on ``device``, drawn once per process from OS entropy (model code cannot
+    aim a change at a collision): in a block 1024 distinct integers in [1, 4095], per block a uniform
+    random odd 64-bit integer."""
     have = _WEIGHTS.get(device)
-    if have is None or have[1].numel() < pieces:
+    if have is None or have[1].numel() < blocks:
         rng = np.random.default_rng(secrets.randbits(128))
-        offsets = have[0] if have is not None else _random_int64(_PIECE, rng).to(device)
-        grown = max(pieces, 64, 2 * (have[1].numel() if have is not None else 0))
-        per_piece = (_random_int64(grown, rng) | 1).to(device)
-        if have is not None:  # the weights of the pieces already used stay the same
-            per_piece[: have[1].numel()] = have[1]
-        have = _WEIGHTS[device] = (offsets, per_piece)
+        inner = have[0] if have is not None else torch.from_numpy(rng.choice(4095, _BLOCK, replace=False) + 1.0)
+        grown = max(blocks, 4 * _ROWS, 2 * (have[1].numel() if have is not None else 0))
+        per_block = rng.integers(0, 2**64, grown, dtype=np.uint64, endpoint=False) | np.uint64(1)
+        per_block = torch.from_numpy(per_block.view(np.int64))
+        if have is not None:  # the weights of the blocks already in use stay the same
+            per_block[: have[1].numel()] = have[1].cpu()
+        have = _WEIGHTS[device] = (inner.to(device), per_block.to(device))
     return have
 
 
@@ -182,26 +181,64 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == bits else flat.view(bits)
 
 
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Σ_i w_i·b_i mod 2⁶⁴ over the tensor's bit patterns b_i (int64 arithmetic, which wraps: exact
-    and independent of the reduction order), position i weighted by w_i = u_{i mod P}·v_{i div P}
-    with random 64-bit u, v (:func:`_weights`).  A change Δ of the bit patterns is missed only if
-    Σ_i w_i·Δ_i ≡ 0 (mod 2⁶⁴): for a change made without knowing the weights (a permutation of rows,
-    sign flips, one entry's last bit) about 2⁻³² (every |Δ_i| < 2³²); the unweighted sum missed every
-    permutation and every pair of opposite sign flips."""
-    bits = _bits(t)
-    n = bits.numel()
-    offsets, per_piece = _weights(bits.device, -(-n // _PIECE))
-    sums = []
-    for start in range(0, n, _CHUNK):  # _CHUNK is a multiple of _PIECE: pieces never straddle chunks
-        part = bits[start : start + _CHUNK]
-        full = part.numel() // _PIECE * _PIECE
-        if full:
-            sums.append((part[:full].view(-1, _PIECE) * offsets).sum(1))
-        if part.numel() > full:
-            sums.append((part[full:] * offsets[: part.numel() - full]).sum().reshape(1))
-    piece_sums = sums[0] if len(sums) == 1 else torch.cat(sums)
-    return (piece_sums * per_piece[: piece_sums.numel()]).sum()
+def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor (all on one device), Σ_B v_B·(Σ_k u_k·b_{B,k}) mod 2⁶⁴ over its blocks B of 1024 bit
+    patterns b (a short last block padded with zeros; small tensors packed together, B numbered across
+    the pack): the block sums exact in float64 (u: distinct integers below 2¹², :data:`_BLOCK`), their
+    v-weighted sum in int64 arithmetic, which wraps — exact and independent of the reduction order on
+    every device.
+
+    What it misses: in one block, a change Δ with Σ_k u_k·Δ_k = 0 exactly — never a swap of two
+    entries (the u are distinct) nor the sign flips of one or two entries (±2³¹·u_k), but possibly
+    changes of three or more entries by a few units in the last place that cancel for these random u;
+    across blocks, a change whose block sums cancel modulo 2⁶⁴ under the random odd v_B, about 2⁻³²
+    for a change made without knowing them (a swap of rows of a table, sign flips in two blocks).
+    The plain sum of the bit patterns, used before, missed every permutation and every pair of
+    opposite sign flips."""
+    device = tensors[0].device
+    inner, per_block = _weights(device, max(-(-t.numel() // _BLOCK) for t in tensors))
+    zeros = torch.zeros(_BLOCK, dtype=torch.int8, device=device)
+    pieces, order, pack, packed, ends = [], [], [], [], []
+
+    def flush():
+        if not pack:
+            return
+        rows = torch.cat(pack).view(-1, _BLOCK).to(torch.float64) @ inner  # exact block sums
+        weighted = rows.to(torch.int64).mul_(per_block[: rows.numel()]).cumsum(0)
+        at = weighted[torch.tensor(ends, device=device) - 1]
+        pieces.append(torch.diff(at, prepend=at.new_zeros(1)))
+        order.extend(packed)
+        pack.clear()
+        packed.clear()
+        ends.clear()
+
+    for i, t in enumerate(tensors):
+        bits = _bits(t)
+        n = bits.numel()
+        blocks, pad = -(-n // _BLOCK), -n % _BLOCK
+        if blocks > _ROWS:  # a large tensor, in chunks of _ROWS blocks
+            full = n - n % _BLOCK
+            rows = bits[:full].view(-1, _BLOCK)
+            sums = torch.empty(blocks, dtype=torch.float64, device=device)
+            chunk = torch.empty(_ROWS, _BLOCK, dtype=torch.float64, device=device)
+            for start in range(0, rows.shape[0], _ROWS):
+                part = rows[start : start + _ROWS]
+                torch.mv(chunk[: part.shape[0]].copy_(part), inner, out=sums[start : start + part.shape[0]])
+            if pad:
+                sums[-1] = bits[full:].to(torch.float64) @ inner[: n - full]
+            pieces.append((sums.to(torch.int64).mul_(per_block[:blocks])).sum().reshape(1))
+            order.append(i)
+            continue
+        if ends and ends[-1] + blocks > _ROWS:
+            flush()
+        pack.extend((bits, zeros[:pad]) if pad else (bits,))
+        ends.append((ends[-1] if ends else 0) + blocks)
+        packed.append(i)
+    flush()
+    out = torch.cat(pieces)
+    if order != sorted(order):
+        out = torch.empty_like(out).index_copy_(0, torch.tensor(order, device=device), out)
+    return out
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> dict:
@@ -212,7 +249,7 @@ def _fingerprint(tensors: list[torch.Tensor]) -> dict:
         if _fingerprintable(t):
             groups.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        return {device: (idx, torch.stack([_checksum(tensors[i]) for i in idx])) for device, idx in groups.items()}
+        return {device: (idx, _checksums([tensors[i] for i in idx])) for device, idx in groups.items()}
 
 
 def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
