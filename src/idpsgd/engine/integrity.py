@@ -17,13 +17,18 @@ Refused, in every ``grad_sample_mode`` and in the norm passes:
   looked-up rows of the weight in place during the forward;
 * **dynamically** (:class:`WriteGuard`): any parameter (trainable or frozen), buffer (persistent or
   not) or module extra state (``get_extra_state()``, released in ``state_dict`` as ``_extra_state``)
-  of the model that changes between the first call of the model after a step (or after
-  ``make_private``) and the next step's noise — an in-place write under ``torch.no_grad()``, a
-  running statistic updated in forward (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a
-  write through ``.data`` — and any that changes during a norm pass.  The step is then not taken
-  (no noise drawn, nothing charged; :class:`UnnoisedWriteError` names the parameter or buffer and
-  its module), and the model is marked: it holds the write, so every later step or norm pass on it
-  is refused too (train a fresh model without the write).
+  of the model, and any state of its optimizer (``momentum_buffer``, Adam's ``exp_avg``, ``step``...:
+  released with the model in most checkpoints, and it feeds later updates), that changes between the
+  first call of any of the model's modules after a step (or after ``make_private``) and the next
+  step's noise — an in-place write under ``torch.no_grad()``, a running statistic updated in forward
+  (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a write through ``.data``, a method
+  called before the forward that runs a submodule and writes a buffer, a global forward pre-hook —
+  and any that changes during a norm pass.  The step is then not taken (no noise drawn, nothing
+  charged; :class:`UnnoisedWriteError` names the parameter, buffer or optimizer state and its
+  module), and the model is marked: it holds the write, so every later step or norm pass on it is
+  refused too (train a fresh model without the write).  With data parallelism (DPDDP) the ranks
+  share their verdicts before the noise (:mod:`.distributed`): a write found on one rank refuses
+  the step on every rank and marks every replica.
 
 Non-persistent buffers are not released, but a forward that writes one from the batch and reads it
 in a later step (a running mean of the inputs used to normalise them) makes every later example's
@@ -33,28 +38,33 @@ that sampled it (Abadi et al. 2016's analysis assumes each step depends on the d
 its own batch and the previous noisy model).  The guard cannot tell whether a written buffer is
 read later, so writes to any buffer are refused.
 
-Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, a projection
-after ``optimizer.step()`` — which do not go through the model's forward on the batch: the snapshot
-is taken at the model's first call after each step (before the model's own forward pre-hooks), after
-such writes.  (A loop that never calls the model's root module — only its submodules — is compared
-against the state right after the step, without the value fingerprint: writes between steps are
-then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by Opacus's
-validator.
+Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, an optimizer's
+``load_state_dict``, a projection after ``optimizer.step()`` — which do not go through the model's
+forward on the batch: the snapshot is taken at the first call of any of the model's modules (or of
+the wrappers ``make_private`` put around it) after each step, by a global forward pre-hook kept
+first of the global ones, so before every other hook (global or per module) and after such writes.
+It is registered only while a guard waits for its step's first call.  (A write made before any of
+the model's modules runs — a plain method that writes a buffer without calling a module — cannot be
+told from a write between steps and is allowed.  A loop that calls none of the model's modules is
+compared against the state right after the step, without the value fingerprint: writes between
+steps are then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by
+Opacus's validator.
 
-How (cheap, no copy of the parameters): per tensor, its version counter (``t._version``, bumped by
-every in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its
-identity (a rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its
-name set (a tensor registered during the forward); and a value fingerprint for writes through
-``p.data``, which has its own version counter that ``p`` does not see: the exact integer sum of each
-tensor's bit patterns (one read per tensor; integer addition, so it is exact and independent of the
-reduction order on every device).  Any change of one entry changes it, however small (a Euclidean
-norm in float32 misses a change below its rounding: 1e-3 in one entry of a 50,000 × 64 table); it
-misses only changes whose bit-pattern differences cancel exactly, e.g. a permutation of entries or
-the sign flips of one positive and one negative entry.  Extra state is compared by a digest of its
-serialisation (``torch.save``), for the modules that define ``get_extra_state``.
-Cost per logical step: two reads of the parameters and buffers (at the first forward and before
-the noise; the optimizer's update alone reads and writes them several times), one device
-synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
+How (no copy of the parameters): per tensor, its version counter (``t._version``, bumped by every
+in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its identity (a
+rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its name set (a
+tensor registered during the forward; an optimizer state that appears); and a value fingerprint
+for writes through ``p.data``, which has its own version counter that ``p`` does not see: a
+position-weighted checksum of each tensor's bit patterns with weights drawn per process
+(:func:`_checksums`: exact, independent of the reduction order on every device; it sees any swap of
+rows or paired sign flips, which the plain bit-pattern sum used before missed, and misses a change
+only with probability about 2⁻³², or when three or more entries of one block of 1024 change by a few
+units in the last place and cancel).  Extra state is compared by a digest of its serialisation
+(``torch.save``), for the modules that define ``get_extra_state``; optimizer state that is not a
+tensor by equality.
+Cost per logical step: two reads of the parameters, buffers and optimizer state (at the first
+forward and before the noise; the optimizer's update alone reads and writes them several times), one
+device synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
 """
 
 from __future__ import annotations
