@@ -796,6 +796,21 @@ def test_a_global_forward_pre_hook_that_writes_a_parameter_is_refused(mode, regi
     assert engine.steps == 0
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_forward_pre_hook_on_the_module_make_private_returns_is_refused(mode):
+    """The wrapper ``make_private`` returns runs its own hooks before the model's root module is called."""
+    model = nn.Sequential(_model(nn.Linear, 4, 2))
+    model.register_buffer("seen", torch.zeros(4))
+    engine, module, *rest = _private(model, mode)
+
+    def record(_wrapper, args):
+        model.seen.add_(args[0].detach().mean(0))
+
+    module.register_forward_pre_hook(record)
+    what = r"persistent buffer 'seen' \(module '\(root\)', Sequential\) was written in place"
+    _refused(engine, [module, *rest], what)
+
+
 class _OptimizerWrite(_NoGradWrite):
     """A forward that writes the optimizer's state from the batch (released with the model in checkpoints)."""
 
