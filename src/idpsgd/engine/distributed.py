@@ -24,6 +24,11 @@ exactly the mechanism — and so exactly the privacy accounting — of one proce
   checkpoint).  The seed is rank 0's, broadcast.  Per-example gradient norms for individual
   accounting and the individual filter are computed on disjoint shards and all-gathered
   (:func:`sharded_grad_norms`), so every rank holds every example's norm.
+* **refusals** — each rank runs the engine's guard (un-noised writes to its replica, the filter)
+  before the noise, and the ranks all-reduce their verdicts (one integer per rank) right then: a
+  step refused on one rank is refused on every rank in the same step, before any noise is drawn or
+  anything charged (:meth:`_RankZeroNoise._share_verdict`), instead of leaving the others waiting
+  in the gradient all-reduce until the collective timeout.
 * **processes** — :func:`init_process_group` sets a timeout on every collective (a dying or stuck
   rank gives an error, not a hang); :func:`launch` spawns W processes (gloo on CPU, NCCL on GPUs),
   returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
