@@ -281,3 +281,80 @@ def test_rank_reports_are_read_without_unpickling_code(tmp_path):
     _save_error(tmp_path / "error0.pt", InvalidParameterError("lr", -1.0, "must be > 0"))
     err = _rebuild(_load_error(tmp_path / "error0.pt"))
     assert isinstance(err, InvalidParameterError) and str(err) == str(InvalidParameterError("lr", -1.0, "must be > 0"))
+
+
+def _a_write_on_one_rank(modes=("hooks", "ghost", "bk")):
+    """Two steps per grad_sample_mode; in the second, rank 1's forward writes a buffer of its replica from the
+    batch.  Returns each rank's record (gathered after the refusal: the ranks are still in step)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+    from idpsgd.engine.integrity import UnnoisedWriteError
+
+    rank, n = dist.get_rank(), 16
+    records = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        model.register_buffer("seen", torch.zeros(4))
+        write = {"on": False}
+
+        def record(module, args, write=write):
+            if write["on"] and rank == 1:
+                module.seen.add_(args[0].detach().mean(0))
+
+        model.register_forward_pre_hook(record)
+        engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
+        out = engine.make_private_with_parameters(
+            module=distributed.wrap_model(model),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=n),
+            budgets=np.full(n, 1e3),
+            target_delta=1e-5,
+            sample_rates=np.ones(n),
+            clip_norms=np.ones(n),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode=mode,
+            privacy_filter=None,
+        )
+        module, opt, loader = out[0], out[1], out[-1]
+        loss = out[2] if mode == "ghost" else F.cross_entropy
+        errors, seconds = [], []
+        for step in range(3):
+            write["on"] = step == 1
+            noise, params = engine._noise.get_state().clone(), [p.detach().clone() for p in model.parameters()]
+            start = time.perf_counter()
+            try:
+                for xb, yb in loader:
+                    opt.zero_grad()
+                    loss(module(xb), yb).backward()
+                    opt.step()
+            except UnnoisedWriteError as exc:
+                errors.append(str(exc))
+                seconds.append(time.perf_counter() - start)
+                assert torch.equal(engine._noise.get_state(), noise)  # no noise drawn
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+        records[mode] = {"steps": engine.steps, "charged": engine.accountant.steps, "errors": errors, "s": seconds}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, records)
+    return everyone
+
+
+def test_a_write_on_one_rank_refuses_the_step_on_every_rank_at_once():
+    """Issue 35, item 7: before, the rank that found the write raised and the other waited in the gradient
+    all-reduce until the collective timeout.  Now the verdict is all-reduced before the noise: both ranks
+    refuse the step within seconds, nothing is drawn or charged, and both refuse every later step."""
+    ranks = distributed.launch(_a_write_on_one_rank, 2, timeout_s=30)
+    for mode in ("hooks", "ghost", "bk"):
+        zero, one = ranks[0][mode], ranks[1][mode]
+        for r in (zero, one):
+            assert r["steps"] == r["charged"] == 1  # the first step only
+            assert len(r["errors"]) == 2 and "refused: earlier" in r["errors"][1]
+            assert max(r["s"]) < 10  # not the 30 s collective timeout
+        assert "persistent buffer 'seen' (module '(root)', Sequential) was written in place" in one["errors"][0]
+        assert "rank 1 of 2" in zero["errors"][0] and "persistent buffer 'seen'" in zero["errors"][0]
+        assert "no noise was drawn and nothing was charged" in zero["errors"][0]

@@ -35,7 +35,7 @@ def _data(seed=0):
     return torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g)
 
 
-def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
+def _private(model, mode, x=None, y=None, *, individual=False, optimizer=None, **kwargs):
     """(engine, module, optimizer, loss function, loader): every example in every batch (q = 1)."""
     x, y = _data() if x is None else (x, y)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
@@ -43,7 +43,7 @@ def _private(model, mode, x=None, y=None, *, individual=False, **kwargs):
         engine.enable_individual_accounting()
     out = engine.make_private_with_parameters(
         module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5) if optimizer is None else optimizer,
         data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
         budgets=np.full(N, 1e3),
         target_delta=1e-5,
@@ -717,3 +717,288 @@ def test_writes_are_refused_in_expanded_weights_mode_and_its_norm_passes_run():
         engine, *rest = _private(_model(nn.Sequential, nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), "ew", **kwargs)
         _train(engine, *rest, steps=2)
         assert engine.steps == 2 and engine.per_example_grad_norms()[0].shape == (N,)
+
+
+# --- issue 35, item 4: writes the guard missed ----------------------------------------------------------------
+ALL_MODES = (*MODES, "ew")
+
+
+def _refused(engine, rest, what):
+    noise = _noise_state(engine)
+    with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
+        _train(engine, *rest)
+    assert torch.equal(_noise_state(engine), noise)  # no noise drawn
+    with pytest.raises(UnnoisedWriteError, match="refused: earlier"):
+        _train(engine, *rest)
+
+
+class _Warm(nn.Module):
+    """``warm(x)``, called by the loop before the forward, runs a submodule and writes a buffer from the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.Tanh()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("stat", torch.zeros(4))
+
+    def warm(self, x):
+        with torch.no_grad():
+            self.stat.copy_(self.act(x).mean(0))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_write_before_the_root_forward_is_refused(mode):
+    """The snapshot is taken at the first call of *any* of the model's modules (before: at the root
+    module's first call, after the write)."""
+    model = _model(_Warm)
+    engine, module, optimizer, loss, loader = _private(model, mode)
+    _train(engine, module, optimizer, loss, loader)  # a plain step
+
+    def step(xb, yb):
+        optimizer.zero_grad()
+        model.warm(xb)  # as module._module.warm(xb)
+        loss(module(xb), yb).backward()
+        optimizer.step()
+
+    what = r"persistent buffer 'stat' \(module '\(root\)', _Warm\) was written in place"
+    with pytest.raises(UnnoisedWriteError, match=what + r".*The step was not taken"):
+        step(*next(iter(loader)))
+    assert engine.steps == 1
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("registered", ["before", "after"])
+def test_a_global_forward_pre_hook_that_writes_a_parameter_is_refused(mode, registered):
+    """``register_module_forward_pre_hook``: global hooks run before every module's own hooks; the
+    snapshot's hook is kept first of the global ones."""
+    model = _model(nn.Linear, 4, 2)
+
+    weight = model.weight  # (in ew mode the module holds an ExpandedWeight around it during the forward)
+
+    def write(module, args):
+        if module is model:
+            with torch.no_grad():
+                weight.add_(1e-3 * args[0].mean())
+
+    handle = None
+    try:
+        if registered == "before":
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(write)
+        engine, *rest = _private(model, mode)
+        if registered == "after":
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(write)
+        _refused(engine, rest, r"parameter 'weight' \(module '\(root\)', Linear\) was written in place")
+    finally:
+        handle.remove()
+    assert engine.steps == 0
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_forward_pre_hook_on_the_module_make_private_returns_is_refused(mode):
+    """The wrapper ``make_private`` returns runs its own hooks before the model's root module is called."""
+    model = nn.Sequential(_model(nn.Linear, 4, 2))
+    model.register_buffer("seen", torch.zeros(4))
+    engine, module, *rest = _private(model, mode)
+
+    def record(_wrapper, args):
+        model.seen.add_(args[0].detach().mean(0))
+
+    module.register_forward_pre_hook(record)
+    what = r"persistent buffer 'seen' \(module '\(root\)', Sequential\) was written in place"
+    _refused(engine, [module, *rest], what)
+
+
+class _OptimizerWrite(_NoGradWrite):
+    """A forward that writes the optimizer's state from the batch (released with the model in checkpoints)."""
+
+    how = "in place"
+    optimizer = None
+
+    def forward(self, x):
+        if self.optimizer is not None and self.optimizer.state:
+            state = self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]  # lin.weight (also in ew)
+            buf = state["momentum_buffer"] if "momentum_buffer" in state else state["exp_avg"]
+            if self.how == "in place":
+                buf.add_(x.mean())
+            elif self.how == ".data":
+                buf.data[0, 0] += 1e-3 * float(x[0, 0] > -10)
+            else:  # a new entry
+                state["seen"] = x.detach().mean()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize(
+    ("opt", "how", "what"),
+    [
+        (
+            "sgd",
+            "in place",
+            r"optimizer state 'momentum_buffer' of parameter 'lin.weight' \(SGD\) was written in place",
+        ),
+        ("adam", ".data", r"optimizer state 'exp_avg' of parameter 'lin.weight' \(Adam\) had its values changed"),
+        ("adam", "new", r"optimizer state 'seen' of parameter 'lin.weight' \(Adam\) appeared"),
+    ],
+)
+def test_a_write_to_the_optimizer_state_is_refused(mode, opt, how, what):
+    model = _model(_OptimizerWrite)
+    optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if opt == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.1)
+    )
+    engine, *rest = _private(model, mode, optimizer=optimizer)
+    model.optimizer, model.how = optimizer, how
+    _train(engine, *rest)  # the first step creates the state
+    _refused(engine, rest, what)  # the second's forward writes it
+    assert engine.steps == 1
+
+
+def test_the_optimizer_state_may_change_between_steps():
+    """``optimizer.step()`` and writes between steps (loading an optimizer checkpoint) are allowed."""
+    model = _model(nn.Linear, 4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    engine, *rest = _private(model, "bk", optimizer=optimizer)
+    _train(engine, *rest)
+    saved = copy.deepcopy(optimizer.state_dict())
+    _train(engine, *rest, between=lambda: optimizer.load_state_dict(saved))
+    assert engine.steps == 2
+
+
+class _Swap(nn.Module):
+    """Data-dependent writes through ``.data`` that the bit-pattern sum missed: a swap of two rows of a
+    table, or the sign flips of a positive and a negative entry."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.table = nn.Embedding(6, 4).requires_grad_(False)  # e.g. a frozen table (released all the same)
+        self.lin = nn.Linear(4, 2)
+        self.how = how
+        flat = self.table.weight.detach().reshape(-1)
+        self.pair = [int(torch.nonzero(flat > 0)[0]), int(torch.nonzero(flat < 0)[0])]
+
+    def forward(self, x):
+        if float(x[0, 0]) > -10:  # "from the batch"
+            w = self.table.weight.data
+            if self.how == "rows":
+                w[[0, 1]] = w[[1, 0]]
+            else:
+                w.view(-1)[self.pair] *= -1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("how", ["rows", "signs"])
+def test_permutations_and_paired_sign_flips_through_data_are_refused(mode, how):
+    engine, *rest = _private(_model(_Swap, how), mode)
+    _refused(
+        engine, rest, r"parameter 'table.weight' \(module 'table', Embedding\) had its values changed through .data"
+    )
+    with pytest.raises(UnnoisedWriteError, match="'table.weight'.*norm pass was stopped"):
+        per_example_grad_norms(_model(_Swap, how), [_data()])
+
+
+def _python_checksums(tensors):
+    """The checksums with Python integers: Σ_B v_B·Σ_k u_k·b_{B,k} mod 2⁶⁴ per tensor over its blocks of 1024
+    entries, small tensors padded to whole blocks and numbered across their pack."""
+    from idpsgd.engine import integrity
+
+    inner, per_block = integrity._weights(torch.device("cpu"), 4096)
+    inner, per_block = [int(u) for u in inner.tolist()], per_block.tolist()
+    out, block = [], 0
+    for t in tensors:
+        bits = t.reshape(-1).view(torch.int32).tolist()
+        blocks = -(-len(bits) // 1024)
+        first = 0 if blocks > integrity._ROWS else block
+        if blocks <= integrity._ROWS and block + blocks > integrity._ROWS:
+            first = 0
+        total = sum(inner[i % 1024] * b * per_block[first + i // 1024] for i, b in enumerate(bits))
+        out.append(total % 2**64)
+        if blocks <= integrity._ROWS:
+            block = first + blocks
+    return out
+
+
+def test_the_checksum_is_exact_and_position_weighted():
+    """The checksum is Σ w_i·b_i mod 2⁶⁴ exactly (checked with Python integers), for a large tensor and for
+    small ones packed together; every row swap, paired sign flip or one-bit change changes it."""
+    from idpsgd.engine import integrity
+
+    g = torch.Generator().manual_seed(0)
+    span = integrity._ROWS * 1024
+    tensors = [torch.randn(n, generator=g) for n in (span + 5, 3, span - 2000, 2000, 1024, span)]
+    got = [int(c) % 2**64 for c in integrity._checksums(tensors)]
+    assert got == _python_checksums(tensors)
+    for rows in (5, 2 * span // 64 + 3):  # packed; in chunks of a large tensor
+        table = torch.randn(rows, 64, generator=g)
+        before = integrity._checksums([table])
+        for _ in range(10):
+            i, j = torch.randperm(rows, generator=g)[:2].tolist()
+            swapped = table.clone()
+            swapped[[i, j]] = swapped[[j, i]]
+            assert not torch.equal(integrity._checksums([swapped]), before)
+            flat = table.clone().view(-1)
+            pos, neg = torch.nonzero(flat > 0).flatten(), torch.nonzero(flat < 0).flatten()
+            k = int(torch.randint(0, min(len(pos), len(neg)), (1,), generator=g))
+            flat[torch.stack([pos[k], neg[k]])] *= -1
+            assert not torch.equal(integrity._checksums([flat.view_as(table)]), before)
+        flat = table.clone().view(-1)
+        flat.view(torch.int32)[-1] ^= 1  # the last bit of the last entry
+        assert not torch.equal(integrity._checksums([flat]), before)
+    mixed = [torch.zeros(10, dtype=d) for d in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64)]
+    assert integrity._checksums(mixed).shape == (5,)
+
+
+def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alone():
+    """An evaluation forward under no_grad between steps (the snapshot is then taken there) and forwards of
+    other models while the guard waits are fine; the global hook is gone once no guard waits."""
+    from idpsgd.engine import integrity
+
+    model = _model(nn.Linear, 4, 2)
+    other = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    other.register_buffer("calls", torch.zeros(()))
+    other.register_forward_hook(lambda m, a, o: m.calls.add_(1) and None)  # another model's own writes
+    engine, *rest = _private(model, "bk")
+
+    def between():
+        with torch.no_grad():
+            model(_data()[0])
+            other(_data()[0])
+
+    _train(engine, *rest, steps=3, between=between)
+    _train(engine, *rest)
+    assert engine.steps == 4 and float(other.calls) == 3
+    guard = model.__dict__["_idpsgd_write_guard"]
+    assert guard._armed and integrity._HOOK and _waits(guard._ref)  # for the next step's first call
+    other(_data()[0])
+    assert guard._armed and float(other.calls) == 4
+    model(_data()[0])
+    assert not guard._armed and not _waits(guard._ref)
+
+
+def _waits(ref) -> bool:
+    from idpsgd.engine import integrity
+
+    return any(r is ref for refs in integrity._WAITING.values() for r in refs)
+
+
+def test_an_armed_guard_does_not_keep_its_model_or_the_global_hook_alive():
+    import gc
+    import weakref
+
+    from idpsgd.engine import integrity
+
+    model = _model(nn.Linear, 4, 2)
+    engine, *rest = _private(model, "hooks")
+    _train(engine, *rest)
+    guard = model.__dict__["_idpsgd_write_guard"]._ref
+    assert integrity._HOOK and _waits(guard)  # armed for a next step that never comes
+    ref = weakref.ref(model)
+    del model, engine, rest
+    gc.collect()
+    assert ref() is None and not _waits(guard)
+    if not integrity._WAITING:  # no other test's model waits either: the global hook is gone
+        assert not integrity._HOOK

@@ -24,6 +24,11 @@ exactly the mechanism — and so exactly the privacy accounting — of one proce
   checkpoint).  The seed is rank 0's, broadcast.  Per-example gradient norms for individual
   accounting and the individual filter are computed on disjoint shards and all-gathered
   (:func:`sharded_grad_norms`), so every rank holds every example's norm.
+* **refusals** — each rank runs the engine's guard (un-noised writes to its replica, the filter)
+  before the noise, and the ranks all-reduce their verdicts (one integer per rank) right then: a
+  step refused on one rank is refused on every rank in the same step, before any noise is drawn or
+  anything charged (:meth:`_RankZeroNoise._share_verdict`), instead of leaving the others waiting
+  in the gradient all-reduce until the collective timeout.
 * **processes** — :func:`init_process_group` sets a timeout on every collective (a dying or stuck
   rank gives an error, not a hang); :func:`launch` spawns W processes (gloo on CPU, NCCL on GPUs),
   returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
@@ -51,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..io import CheckpointError, load_torch, save_torch
 from ..validation import InvalidParameterError, UnreachableTargetError
 from .accountant import PrivacyBudgetExceeded
+from .integrity import UnnoisedWriteError
 from .optimizer import (
     IndividualizedDPOptimizer,
     IndividualizedDPOptimizerBookKeeping,
@@ -213,20 +219,55 @@ class _RankZeroNoise:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def add_noise(self):
+        refusal = None
+        try:  # this rank's share of the drawn batch is whole, and the guard admits the step here
+            self._admit_step()
+        except Exception as exc:
+            refusal = exc
+        self._share_verdict(refusal)  # every rank refuses together, or none does
         if self.rank == 0:
-            return super().add_noise()  # the guard, then N(0, σ²c²) once for the whole step
-        try:
-            self.clipping.queue.finish_step()  # this rank's share of the drawn batch, whole
-            if self.guard is not None:  # every rank holds the same ledger: the same decision
-                self.guard(self)
-        except BaseException:
-            self.clipping.end_step()
-            raise
+            return self._draw_noise()  # N(0, σ²c²) once for the whole step
         for p in self.params:
             _check_processed_flag(p.summed_grad)
             p.grad = p.summed_grad.view_as(p).clone()
             _mark_as_processed(p.summed_grad)
         self._noised = True
+
+    def _share_verdict(self, refusal: Exception | None) -> None:
+        """One all-reduce of each rank's verdict before the noise and the gradient all-reduce: if any
+        rank refused the step (an un-noised write to its replica, the filter, a batch mismatch), every
+        rank raises now, before any noise is drawn or anything charged.  Without it a refusal raised on
+        one rank only, and the others waited in the gradient all-reduce until the collective timeout.
+        The refusing ranks' messages are gathered (only then) so that every rank names the cause."""
+        code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=_comm_device())
+        flags[self.rank] = code
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        codes = flags.tolist()
+        if not any(codes):
+            return
+        reasons: list = [None] * self.world_size
+        dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+        if refusal is not None:
+            raise refusal
+        self.refuse_step()
+        writes = [r for r, c in enumerate(codes) if c == 1]
+        rank = writes[0] if writes else next(r for r, c in enumerate(codes) if c)
+        where = f"rank {rank} of {self.world_size}"
+        outcome = (
+            "every rank refuses the step together: no noise was drawn and nothing was charged on any rank "
+            f"(this is rank {self.rank})"
+        )
+        if not writes:
+            raise DistributedTrainingError(f"the step was refused on {where} ({reasons[rank]}); {outcome}")
+        found = (
+            f"an un-noised write was found on {where}: its replica holds it and the replicas now differ, so this "
+            f"run's model must not be released and every later step is refused on every rank; train a fresh "
+            f"model ({reasons[rank]})"
+        )
+        if self.write_guard is not None:
+            self.write_guard.mark(found)
+        raise UnnoisedWriteError(f"{found}. {outcome}")
 
     def pre_step(self, closure=None):
         ok = super().pre_step(closure)
@@ -425,6 +466,7 @@ _REBUILT = {
     for c in (
         UnreachableTargetError,
         PrivacyBudgetExceeded,
+        UnnoisedWriteError,
         BatchMismatchError,
         CheckpointError,
         FileNotFoundError,

@@ -17,13 +17,18 @@ Refused, in every ``grad_sample_mode`` and in the norm passes:
   looked-up rows of the weight in place during the forward;
 * **dynamically** (:class:`WriteGuard`): any parameter (trainable or frozen), buffer (persistent or
   not) or module extra state (``get_extra_state()``, released in ``state_dict`` as ``_extra_state``)
-  of the model that changes between the first call of the model after a step (or after
-  ``make_private``) and the next step's noise — an in-place write under ``torch.no_grad()``, a
-  running statistic updated in forward (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a
-  write through ``.data`` — and any that changes during a norm pass.  The step is then not taken
-  (no noise drawn, nothing charged; :class:`UnnoisedWriteError` names the parameter or buffer and
-  its module), and the model is marked: it holds the write, so every later step or norm pass on it
-  is refused too (train a fresh model without the write).
+  of the model, and any state of its optimizer (``momentum_buffer``, Adam's ``exp_avg``, ``step``...:
+  released with the model in most checkpoints, and it feeds later updates), that changes between the
+  first call of any of the model's modules after a step (or after ``make_private``) and the next
+  step's noise — an in-place write under ``torch.no_grad()``, a running statistic updated in forward
+  (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a write through ``.data``, a method
+  called before the forward that runs a submodule and writes a buffer, a global forward pre-hook —
+  and any that changes during a norm pass.  The step is then not taken (no noise drawn, nothing
+  charged; :class:`UnnoisedWriteError` names the parameter, buffer or optimizer state and its
+  module), and the model is marked: it holds the write, so every later step or norm pass on it is
+  refused too (train a fresh model without the write).  With data parallelism (DPDDP) the ranks
+  share their verdicts before the noise (:mod:`.distributed`): a write found on one rank refuses
+  the step on every rank and marks every replica.
 
 Non-persistent buffers are not released, but a forward that writes one from the batch and reads it
 in a later step (a running mean of the inputs used to normalise them) makes every later example's
@@ -33,37 +38,47 @@ that sampled it (Abadi et al. 2016's analysis assumes each step depends on the d
 its own batch and the previous noisy model).  The guard cannot tell whether a written buffer is
 read later, so writes to any buffer are refused.
 
-Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, a projection
-after ``optimizer.step()`` — which do not go through the model's forward on the batch: the snapshot
-is taken at the model's first call after each step (before the model's own forward pre-hooks), after
-such writes.  (A loop that never calls the model's root module — only its submodules — is compared
-against the state right after the step, without the value fingerprint: writes between steps are
-then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by Opacus's
-validator.
+Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, an optimizer's
+``load_state_dict``, a projection after ``optimizer.step()`` — which do not go through the model's
+forward on the batch: the snapshot is taken at the first call of any of the model's modules (or of
+the wrappers ``make_private`` put around it) after each step, by a global forward pre-hook kept
+first of the global ones, so before every other hook (global or per module) and after such writes.
+It is registered only while a guard waits for its step's first call.  (A write made before any of
+the model's modules runs — a plain method that writes a buffer without calling a module — cannot be
+told from a write between steps and is allowed.  A loop that calls none of the model's modules is
+compared against the state right after the step, without the value fingerprint: writes between
+steps are then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by
+Opacus's validator.
 
-How (cheap, no copy of the parameters): per tensor, its version counter (``t._version``, bumped by
-every in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its
-identity (a rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its
-name set (a tensor registered during the forward); and a value fingerprint for writes through
-``p.data``, which has its own version counter that ``p`` does not see: the exact integer sum of each
-tensor's bit patterns (one read per tensor; integer addition, so it is exact and independent of the
-reduction order on every device).  Any change of one entry changes it, however small (a Euclidean
-norm in float32 misses a change below its rounding: 1e-3 in one entry of a 50,000 × 64 table); it
-misses only changes whose bit-pattern differences cancel exactly, e.g. a permutation of entries or
-the sign flips of one positive and one negative entry.  Extra state is compared by a digest of its
-serialisation (``torch.save``), for the modules that define ``get_extra_state``.
-Cost per logical step: two reads of the parameters and buffers (at the first forward and before
-the noise; the optimizer's update alone reads and writes them several times), one device
-synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
+How (no copy of the parameters): per tensor, its version counter (``t._version``, bumped by every
+in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its identity (a
+rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its name set (a
+tensor registered during the forward; an optimizer state that appears); and a value fingerprint
+for writes through ``p.data``, which has its own version counter that ``p`` does not see: a
+position-weighted checksum of each tensor's bit patterns with weights drawn per process
+(:func:`_checksums`: exact, independent of the reduction order on every device; it sees any swap of
+rows or paired sign flips, which the plain bit-pattern sum used before missed, and misses a change
+only with probability about 2⁻³², or when three or more entries of one block of 1024 change by a few
+units in the last place and cancel).  Extra state is compared by a digest of its serialisation
+(``torch.save``), for the modules that define ``get_extra_state``; optimizer state that is not a
+tensor by equality.
+Cost per logical step: two reads of the parameters, buffers and optimizer state (at the first
+forward and before the noise; the optimizer's update alone reads and writes them several times), one
+device synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
+import secrets
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
@@ -140,9 +155,32 @@ def _fingerprintable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_meta and not t.is_quantized and t.numel() > 0
 
 
-def _bit_sum(t: torch.Tensor) -> torch.Tensor:
-    """The exact sum of the tensor's bit patterns read as integers (int64, no overflow below 2³²
-    entries): changed by any change of one entry."""
+#: the checksum's blocks of 1024 entries: exact float64 sums of the bit patterns times distinct weights
+#: below 2¹² (|Σ| ≤ 2³¹·2¹²·2¹⁰ = 2⁵³: every partial sum is an integer that float64 holds exactly, in
+#: any order); up to _ROWS blocks per pack of small tensors and per chunk of a large one (2 MiB float64)
+_BLOCK, _ROWS = 1024, 256
+_WEIGHTS: dict = {}  # device -> (in-block weights [_BLOCK] float64, block weights [growing] int64)
+
+
+def _weights(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checksum's weights on ``device``, drawn once per process from OS entropy (model code cannot
+    aim a change at a collision): in a block 1024 distinct integers in [1, 4095], per block a uniform
+    random odd 64-bit integer."""
+    have = _WEIGHTS.get(device)
+    if have is None or have[1].numel() < blocks:
+        rng = np.random.default_rng(secrets.randbits(128))
+        inner = have[0] if have is not None else torch.from_numpy(rng.choice(4095, _BLOCK, replace=False) + 1.0)
+        grown = max(blocks, 4 * _ROWS, 2 * (have[1].numel() if have is not None else 0))
+        per_block = rng.integers(0, 2**64, grown, dtype=np.uint64, endpoint=False) | np.uint64(1)
+        per_block = torch.from_numpy(per_block.view(np.int64))
+        if have is not None:  # the weights of the blocks already in use stay the same
+            per_block[: have[1].numel()] = have[1].cpu()
+        have = _WEIGHTS[device] = (inner.to(device), per_block.to(device))
+    return have
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's entries as flat signed integers of their width (8-byte types as pairs of int32)."""
     t = t.detach()
     if t.dtype.is_complex:
         t = torch.view_as_real(t)
@@ -150,35 +188,139 @@ def _bit_sum(t: torch.Tensor) -> torch.Tensor:
         t = t.view(torch.uint8)
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     bits = _BITS[flat.element_size()]
-    return (flat if flat.dtype == bits else flat.view(bits)).sum(dtype=torch.int64)
+    return flat if flat.dtype == bits else flat.view(bits)
+
+
+def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor (all on one device), Σ_B v_B·(Σ_k u_k·b_{B,k}) mod 2⁶⁴ over its blocks B of 1024 bit
+    patterns b (a short last block padded with zeros; small tensors packed together, B numbered across
+    the pack): the block sums exact in float64 (u: distinct integers below 2¹², :data:`_BLOCK`), their
+    v-weighted sum in int64 arithmetic, which wraps — exact and independent of the reduction order on
+    every device.
+
+    What it misses: in one block, a change Δ with Σ_k u_k·Δ_k = 0 exactly — never a swap of two
+    entries (the u are distinct) nor the sign flips of one or two entries (±2³¹·u_k), but possibly
+    changes of three or more entries by a few units in the last place that cancel for these random u;
+    across blocks, a change whose block sums cancel modulo 2⁶⁴ under the random odd v_B, about 2⁻³²
+    for a change made without knowing them (a swap of rows of a table, sign flips in two blocks).
+    The plain sum of the bit patterns, used before, missed every permutation and every pair of
+    opposite sign flips."""
+    device = tensors[0].device
+    inner, per_block = _weights(device, max(-(-t.numel() // _BLOCK) for t in tensors))
+    zeros = torch.zeros(_BLOCK, dtype=torch.int8, device=device)
+    pieces, order, pack, packed, ends = [], [], [], [], []
+
+    def flush():
+        if not pack:
+            return
+        rows = torch.cat(pack).view(-1, _BLOCK).to(torch.float64) @ inner  # exact block sums
+        weighted = rows.to(torch.int64).mul_(per_block[: rows.numel()]).cumsum(0)
+        at = weighted[torch.tensor(ends, device=device) - 1]
+        pieces.append(torch.diff(at, prepend=at.new_zeros(1)))
+        order.extend(packed)
+        pack.clear()
+        packed.clear()
+        ends.clear()
+
+    for i, t in enumerate(tensors):
+        bits = _bits(t)
+        n = bits.numel()
+        blocks, pad = -(-n // _BLOCK), -n % _BLOCK
+        if blocks > _ROWS:  # a large tensor, in chunks of _ROWS blocks
+            full = n - n % _BLOCK
+            rows = bits[:full].view(-1, _BLOCK)
+            sums = torch.empty(blocks, dtype=torch.float64, device=device)
+            chunk = torch.empty(_ROWS, _BLOCK, dtype=torch.float64, device=device)
+            for start in range(0, rows.shape[0], _ROWS):
+                part = rows[start : start + _ROWS]
+                torch.mv(chunk[: part.shape[0]].copy_(part), inner, out=sums[start : start + part.shape[0]])
+            if pad:
+                sums[-1] = bits[full:].to(torch.float64) @ inner[: n - full]
+            pieces.append((sums.to(torch.int64).mul_(per_block[:blocks])).sum().reshape(1))
+            order.append(i)
+            continue
+        if ends and ends[-1] + blocks > _ROWS:
+            flush()
+        pack.extend((bits, zeros[:pad]) if pad else (bits,))
+        ends.append((ends[-1] if ends else 0) + blocks)
+        packed.append(i)
+    flush()
+    out = torch.cat(pieces)
+    if order != sorted(order):
+        out = torch.empty_like(out).index_copy_(0, torch.tensor(order, device=device), out)
+    return out
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> dict:
-    """device → (indices, the tensors' bit-pattern sums): one read per tensor, compared exactly."""
+    """device → (indices, the tensors' position-weighted checksums): one read per tensor, compared
+    exactly."""
     groups: dict = {}
     for i, t in enumerate(tensors):
         if _fingerprintable(t):
             groups.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        return {device: (idx, torch.stack([_bit_sum(tensors[i]) for i in idx])) for device, idx in groups.items()}
+        return {device: (idx, _checksums([tensors[i] for i in idx])) for device, idx in groups.items()}
+
+
+def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
+    """(parameter name, key) → value of the optimizer's per-parameter state (``momentum_buffer``,
+    Adam's ``exp_avg``, ``exp_avg_sq``, ``step``...), read without creating entries."""
+    out: dict = {}
+    if optimizer is None:
+        return out
+    state, seen = optimizer.state, set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            entries = state.get(p)
+            if entries:
+                name = parameter_names.get(id(p), f"#{len(seen) - 1}")
+                for key, value in entries.items():
+                    out[(name, key)] = value
+    return out
+
+
+def _what(module: nn.Module, name, kind: str, optimizer) -> str:
+    """How a refusal names a watched entry: a parameter or buffer with its module, or an optimizer state."""
+    if kind == "optimizer state":
+        return f"optimizer state {name[1]!r} of parameter {name[0]!r} ({type(optimizer).__name__})"
+    return f"{kind} {name!r}{_owner(module, name)}"
 
 
 @dataclass
 class _Snapshot:
     """What the released tensors were at one moment (references, version counters, storage
-    addresses, and optionally the value fingerprint)."""
+    addresses, and optionally the value fingerprint), and the optimizer's state."""
 
-    names: dict  # name -> (kind, index into tensors)
+    names: dict  # name -> (kind, index into tensors); an optimizer state's name is (parameter name, key)
     tensors: list
     versions: list
     pointers: list
     fingerprint: dict | None
     extra: dict  # name -> digest of a module's extra state
+    values: dict  # optimizer state that is not a tensor: (parameter name, key) -> a copy of the value
+
+    @staticmethod
+    def _read(module: nn.Module, optimizer) -> tuple[dict, dict]:
+        """(released tensors, optimizer state) now: name -> (kind, tensor or value)."""
+        released = released_tensors(module)
+        parameter_names: dict[int, str] = {}
+        for name, (kind, t) in released.items():
+            if kind == "parameter":
+                parameter_names.setdefault(id(t), name)
+        state = {k: ("optimizer state", v) for k, v in _optimizer_state(optimizer, parameter_names).items()}
+        return released, state
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool) -> _Snapshot:
-        names, tensors, index = {}, [], {}
-        for name, (kind, t) in released_tensors(module).items():
+    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None) -> _Snapshot:
+        names, tensors, index, values = {}, [], {}, {}
+        released, state = cls._read(module, optimizer)
+        for name, (kind, t) in [*released.items(), *state.items()]:
+            if not torch.is_tensor(t):
+                values[name] = copy.deepcopy(t)
+                continue
             if id(t) not in index:
                 index[id(t)] = len(tensors)
                 tensors.append(t)
@@ -190,41 +332,44 @@ class _Snapshot:
             [_pointer(t) for t in tensors],
             _fingerprint(tensors) if fingerprint else None,
             _extra_states(module),
+            values,
         )
 
-    def changes(self, module: nn.Module) -> list[str]:
-        """What changed since the snapshot, one phrase per parameter or buffer (empty: nothing)."""
-        now = released_tensors(module)
-        out = [
-            f"{kind} {name!r}{_owner(module, name)} was removed"
-            for name, (kind, _) in self.names.items()
-            if name not in now
-        ]
+    def changes(self, module: nn.Module, optimizer=None) -> list[str]:
+        """What changed since the snapshot, one phrase per parameter, buffer or optimizer state (empty:
+        nothing)."""
+        released, state = self._read(module, optimizer)
+        now = {**released, **state}
+        before = {**{n: k for n, (k, _) in self.names.items()}, **dict.fromkeys(self.values, "optimizer state")}
+
+        def what(name, kind):
+            return _what(module, name, kind, optimizer)
+
+        out = [f"{what(name, kind)} was removed" for name, kind in before.items() if name not in now]
         out += [
-            f"{kind} {name!r}{_owner(module, name)} appeared (registered during the pass)"
+            f"{what(name, kind)} appeared (registered during the pass)"
+            if kind != "optimizer state"
+            else f"{what(name, kind)} appeared (written outside optimizer.step())"
             for name, (kind, _) in now.items()
-            if name not in self.names
+            if name not in before
         ]
-        written = set()
+        for name, old in self.values.items():
+            if name in now and not _same_value(old, now[name][1]):
+                out.append(f"{what(name, 'optimizer state')} was changed outside optimizer.step()")
         for name, (kind, i) in self.names.items():
             if name not in now:
                 continue
             t = now[name][1]
             old = self.tensors[i]
             if t is not old:
-                out.append(
-                    f"{kind} {name!r}{_owner(module, name)} was replaced by another tensor (e.g. "
-                    "self.buf = self.buf + ...)"
-                )
+                out.append(f"{what(name, kind)} was replaced by another tensor (e.g. self.buf = self.buf + ...)")
             elif t._version != self.versions[i]:
-                written.add(i)
                 out.append(
-                    f"{kind} {name!r}{_owner(module, name)} was written in place (e.g. Embedding(max_norm), "
-                    "a no_grad in-place update, buf += ...)"
+                    f"{what(name, kind)} was written in place (e.g. Embedding(max_norm), a no_grad in-place "
+                    "update, buf += ...)"
                 )
             elif _pointer(t) != self.pointers[i]:
-                written.add(i)
-                out.append(f"{kind} {name!r}{_owner(module, name)} had its storage replaced (t.data = ...)")
+                out.append(f"{what(name, kind)} had its storage replaced (t.data = ...)")
         extra = _extra_states(module)
         out += [
             f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
@@ -234,20 +379,29 @@ class _Snapshot:
         if self.fingerprint is not None and not out:
             now_fp = _fingerprint(self.tensors)
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
-            for key, (idx, before) in self.fingerprint.items():
+            for key, (idx, before_fp) in self.fingerprint.items():
                 after = now_fp.get(key)
                 if after is None or after[0] != idx:
                     continue
-                same = before == after[1]
+                same = before_fp == after[1]
                 if bool(same.all()):
                     continue
                 for j in torch.nonzero(~same).flatten().tolist():
                     name = by_index[idx[j]]
                     out.append(
-                        f"{self.names[name][0]} {name!r}{_owner(module, name)} had its values changed "
-                        "through .data (a write autograd does not see)"
+                        f"{what(name, self.names[name][0])} had its values changed through .data (a write "
+                        "autograd does not see)"
                     )
         return out
+
+
+def _same_value(a, b) -> bool:
+    if torch.is_tensor(b):
+        return False
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value without a plain equality: compared by its text
+        return repr(a) == repr(b)
 
 
 def _pointer(t: torch.Tensor) -> int:
@@ -266,43 +420,77 @@ def _owner(module: nn.Module, name: str) -> str:
     return f" (module {path or '(root)'!r}, {type(sub).__name__})"
 
 
-class _SnapshotHook:
-    """The forward pre-hook on the model's root module (a copied or pickled model gets an inert one)."""
-
-    def __init__(self, guard: WriteGuard):
-        self.guard = guard
-
-    def __call__(self, _module, _args):
-        self.guard._first_forward()
-
-    def __deepcopy__(self, memo):
-        return _InertHook()
-
-    def __reduce__(self):
-        return _InertHook, ()
+# --- the trigger: the first call of any of the model's modules after arming ------------------------
+#: id(module) -> weak references to the armed guards watching that module
+_WAITING: dict[int, list] = {}
+_HOOK: dict = {}  # "handle": the one global forward pre-hook, registered while a guard is armed
 
 
-class _InertHook:
-    def __call__(self, _module, _args):
+def _first_call(module, _args):
+    """Global forward pre-hook (kept first of the global ones): a call of a watched module starts
+    its guard's step."""
+    refs = _WAITING.get(id(module))
+    if refs is None:
         return None
+    for ref in list(refs):
+        guard = ref()
+        if guard is None:  # its model was collected (the finaliser normally does this)
+            _unwait(ref, [id(module)])
+        else:
+            guard._first_forward()
+    return None
+
+
+def _wait(ref, ids) -> None:
+    """Watch the modules ``ids`` for ``ref``'s guard; register the global hook first of all."""
+    for i in ids:
+        refs = _WAITING.setdefault(i, [])
+        if ref not in refs:
+            refs.append(ref)
+    if "handle" not in _HOOK:
+        _HOOK["handle"] = torch.nn.modules.module.register_module_forward_pre_hook(_first_call)
+    handle, hooks = _HOOK["handle"], torch.nn.modules.module._global_forward_pre_hooks
+    if not isinstance(hooks, OrderedDict) or handle.id not in hooks:
+        raise RuntimeError(
+            "idpsgd.engine.integrity: torch.nn.modules.module._global_forward_pre_hooks is not the ordered "
+            "dict this version of the write guard expects; the snapshot cannot be placed before global "
+            "forward pre-hooks"
+        )
+    hooks.move_to_end(handle.id, last=False)  # before the global hooks registered earlier (they may write)
+
+
+def _unwait(ref, ids) -> None:
+    for i in ids:
+        refs = _WAITING.get(i)
+        if refs is not None and ref in refs:
+            refs.remove(ref)
+            if not refs:
+                del _WAITING[i]
+    if not _WAITING and "handle" in _HOOK:
+        _HOOK.pop("handle").remove()
 
 
 class WriteGuard:
-    """Watches one model's released tensors (one guard per model, shared by the training steps and
-    the norm passes; :meth:`attach`).
+    """Watches one model's released tensors and its optimizer's state (one guard per model, shared by
+    the training steps and the norm passes; :meth:`attach`).
 
-    Training: :meth:`arm` after ``make_private`` and after every step; the model's first call after
-    that takes the snapshot; :meth:`check` before the noise compares.  Norm passes: :meth:`watch`.
+    Training: :meth:`arm` after ``make_private`` and after every step; the first call of any of the
+    model's modules (or of the wrappers in :attr:`scope`) after that takes the snapshot; :meth:`check`
+    before the noise compares.  Norm passes: :meth:`watch`.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.optimizer = None  # the optimizer whose state is watched too (set by make_private)
+        self.scope: nn.Module | None = None  # a wrapper around the model (make_private's module)
         self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
         self._armed = False
         self._suspended = 0
-        # first of the model's forward pre-hooks: a user's hook that writes the model runs after the snapshot
-        self._handle = model.register_forward_pre_hook(_SnapshotHook(self), prepend=True)
+        self._ref = weakref.ref(self)
+        self._watched: list = []  # the modules the trigger waits for (kept alive: their ids stay theirs)
+        self._ids: list[int] = []
+        weakref.finalize(self, _unwait, self._ref, self._ids)
 
     @classmethod
     def attach(cls, model: nn.Module) -> WriteGuard:
@@ -320,27 +508,47 @@ class WriteGuard:
         return type(None), ()
 
     def detach(self) -> None:
-        self._handle.remove()
+        self._stop_waiting()
+        self._armed = False
         if self.model.__dict__.get("_idpsgd_write_guard") is self:
             del self.model.__dict__["_idpsgd_write_guard"]
 
     # --- training steps ------------------------------------------------------------------------
     def arm(self) -> None:
-        """A step ended (or training is set up): the next call of the model starts the next step."""
-        self._state = _Snapshot.take(self.model, fingerprint=False)
+        """A step ended (or training is set up): the next call of any of the model's modules starts
+        the next step."""
+        self._state = _Snapshot.take(self.model, fingerprint=False, optimizer=self.optimizer)
         self._armed = True
+        self._stop_waiting()
+        modules = {id(m): m for m in self.model.modules()}
+        if self.scope is not None:
+            modules.update((id(m), m) for m in self.scope.modules())
+        self._watched = list(modules.values())
+        self._ids[:] = modules
+        _wait(self._ref, self._ids)
+
+    def _stop_waiting(self) -> None:
+        _unwait(self._ref, self._ids)
+        self._ids.clear()
+        self._watched = []
 
     def _first_forward(self) -> None:
         if self._armed and not self._suspended:
-            self._state = _Snapshot.take(self.model, fingerprint=True)
             self._armed = False
+            self._stop_waiting()
+            self._state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
 
     def check(self, where: str = "the training step") -> None:
-        """Raise :class:`UnnoisedWriteError` if a released tensor changed since the snapshot (or the
-        model already holds such a write)."""
+        """Raise :class:`UnnoisedWriteError` if a released tensor or the optimizer's state changed since
+        the snapshot (or the model already holds such a write)."""
         self._refuse_if_tainted()
         if self._state is not None:
             self._compare(self._state, where, "The step was not taken: no noise was drawn and nothing was charged.")
+
+    def mark(self, reason: str) -> None:
+        """Mark the model as holding an un-noised write found elsewhere (another rank's replica)."""
+        if self.tainted is None:
+            self.tainted = reason
 
     # --- norm passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -348,7 +556,7 @@ class WriteGuard:
         """Snapshot now; yields a function that raises if anything changed since (call it after each
         batch).  The training snapshot is left alone meanwhile."""
         self._refuse_if_tainted()
-        state = _Snapshot.take(self.model, fingerprint=True)
+        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
         self._suspended += 1
         try:
             yield lambda: self._compare(state, where, "The norm pass was stopped.")
@@ -357,18 +565,20 @@ class WriteGuard:
 
     # --- the refusal ---------------------------------------------------------------------------
     def _compare(self, state: _Snapshot, where: str, outcome: str) -> None:
-        changes = state.changes(self.model)
+        changes = state.changes(self.model, self.optimizer)
         if not changes:
             return
         shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
         self.tainted = (
-            f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released, "
+            f"un-noised write to the released model during {where}: {shown}. The model's state_dict is released "
+            "(and the optimizer's state with it in most checkpoints), "
             "and a write made by the forward or backward pass depends on the batch: it would be released without "
-            "noise and outside the privacy accounting (a buffer the forward writes and a later step reads, persistent "
-            "or not, makes later examples' gradients depend on this batch beyond their clip norms). Remove the write "
-            "(leave out Embedding(max_norm); update no parameter, buffer or extra state in forward: no running "
-            "statistics of the data); writes between steps (load_state_dict, a projection after optimizer.step()) "
-            "are allowed. This model "
+            "noise and outside the privacy accounting (a buffer or optimizer state the forward writes and a later "
+            "step reads, persistent or not, makes later examples' gradients depend on this batch beyond their clip "
+            "norms). Remove the write "
+            "(leave out Embedding(max_norm); update no parameter, buffer, extra state or optimizer state in forward "
+            "or backward: no running statistics of the data); writes between steps (load_state_dict, a projection "
+            "after optimizer.step()) are allowed. This model "
             "now holds the write and must not be released: further steps and norm passes on it are refused; "
             "train a fresh model"
         )

@@ -78,6 +78,7 @@ class _PrivacyHooks:
     def _init_privacy_hooks(self, clipping: PerExampleClipping) -> None:
         self.clipping = clipping
         self.guard: Callable[[_PrivacyHooks], None] | None = None
+        self.write_guard = None  # the model's WriteGuard (set by make_private; DPDDP marks it)
         self.post_step_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self.refusal_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self._noised = False
@@ -111,14 +112,26 @@ class _PrivacyHooks:
         return self.clipping.queue.empty_batch_pending and not self._recorded_any()
 
     def add_noise(self):
+        self._admit_step()
+        self._draw_noise()
+
+    def _admit_step(self) -> None:
+        """The step's batch is whole and the guard admits the step; on a refusal the step's examples
+        are dropped and its raw (unclipped, un-noised) gradients cleared."""
         try:
             self.clipping.queue.finish_step()  # exactly the drawn batch(es), whole
             if self.guard is not None:
                 self.guard(self)
-        except BaseException:  # a refused step: its examples are dropped and its
-            self.clipping.end_step()  # raw (unclipped, un-noised) gradients cleared
-            self.zero_grad(set_to_none=True)
+        except BaseException:
+            self.refuse_step()
             raise
+
+    def refuse_step(self) -> None:
+        """Drop the step's examples and clear its raw gradients (the step is not taken)."""
+        self.clipping.end_step()
+        self.zero_grad(set_to_none=True)
+
+    def _draw_noise(self) -> None:
         std = self.noise_multiplier * self.max_grad_norm
         for p in self.params:  # Opacus's add_noise, with the noise source of our mode
             _check_processed_flag(p.summed_grad)

@@ -725,7 +725,11 @@ class IndividualizedPrivacyEngine:
         self.privacy_filter, self.filter_action, self._warned = privacy_filter, filter_action, False
         raw = raw_module(wrapped)  # un-noised writes to the released model are refused (.integrity)
         self._writes, self._trainable = WriteGuard.attach(raw), trainable_names(raw)
+        # its state is released with the model in checkpoints and feeds later updates; the wrappers' own
+        # forward pre-hooks run before the model's: both are watched from the step's first call
+        self._writes.optimizer, self._writes.scope = dp_opt.original_optimizer, wrapped
         self._writes.arm()
+        dp_opt.write_guard = self._writes  # DPDDP: a write found on another rank marks this replica too
         dp_opt.post_step_hooks.append(lambda _opt: self._writes.arm())
         dp_opt.refusal_hooks.append(self._after_refusal)
         dp_opt.guard = self._guard
