@@ -1,6 +1,10 @@
-"""Issue 29 item 3: individual accounting says "guarantee" only when the charged sensitivities are
-enforced (individual clipping, Yu et al. Alg. 3) or checked against training's clipped norms at every
-step; otherwise "estimate" (engine/sensitivity_check.py, engine/individual.py)."""
+"""Individual accounting's ``kind`` (engine/individual.py, engine/sensitivity_check.py).
+
+Issue 29 item 3: "guarantee" only when the charged sensitivities bound what training adds.  Issue 35
+item 3: the label is public, so it is a function of the options alone: with individual clipping, or
+norms of every step with exact/ceil rounding, every example is clipped at its charge (enforced) and
+the ε are a guarantee; otherwise an estimate.  The comparison of training's norms with the norm
+pass's stays in the private record (it used to decide the label: one data-dependent bit)."""
 
 import json
 
@@ -62,24 +66,29 @@ def _ce(module, batch):
     return F.cross_entropy(module(batch[0]), batch[1], reduction="none")
 
 
-def test_dropout_makes_the_epsilons_an_estimate():
-    """Norms refreshed every step, ceil rounding — a guarantee before this fix — but dropout in training:
-    the eval-mode norm pass does not bound the random per-example gradient (the review's case: clipped
-    norms above the charged sensitivity), so "estimate", and get_individual_epsilons mixes nothing in."""
+ENFORCED = "every example clipped at the sensitivity it is charged at"
+
+
+def test_dropout_with_norms_every_step_is_enforced_a_guarantee():
+    """Norms refreshed every step, ceil rounding, dropout in training (an estimate before issue 35: the
+    eval-mode norm pass does not bound the random per-example gradient): each example is now clipped
+    at its charge, so a guarantee, and get_individual_epsilons takes the output-specific ε.  The
+    private record shows what enforcement did: norms that differed, clipped further."""
     engine = _train(_mlp(dropout=0.3), clip=50.0)  # clip above every norm: charges are the norms
     t = engine.individual
-    assert t.every == 1 and t.accountant.rounding == "ceil"
-    assert t.kind == "estimate" and "dropout active in training (2)" in t.kind_reason
+    assert t.every == 1 and t.accountant.rounding == "ceil" and t.enforces
+    assert t.kind == "guarantee" and ENFORCED in t.kind_reason and "dropout" not in t.kind_reason
     chk = t.sensitivity_check()
-    assert chk["steps"] == 8 and chk["examples"] > 0 and chk["compared"] == chk["examples"]
-    assert chk["mismatched"] > 0 and chk["exceeded"] > 0 and chk["max_ratio"] > 1.01 and chk["dropout"] == ["2"]
-    np.testing.assert_array_equal(engine.get_individual_epsilons(), engine.accountant.individual_epsilons(DELTA))
-    assert np.any(t.epsilons(DELTA) < engine.accountant.individual_epsilons(DELTA) - 1e-3)  # the estimates
+    assert chk["steps"] == chk["enforced_steps"] == 8 and chk["enforced"] and chk["examples"] > 0
+    assert chk["compared"] == chk["examples"] and chk["mismatched"] > 0 and chk["dropout"] == ["2"]
+    assert chk["exceeded"] > 0 and chk["max_ratio"] > 1.01  # clipped further by the enforcement
+    data_independent = engine.accountant.individual_epsilons(DELTA)
+    np.testing.assert_array_equal(engine.get_individual_epsilons(), np.minimum(data_independent, t.epsilons(DELTA)))
 
 
-def test_a_per_sample_loss_other_than_the_training_loss_makes_an_estimate():
-    """Training with label smoothing, norms of plain cross-entropy (the README example's set-up): the
-    norm pass is not the training computation."""
+def test_a_per_sample_loss_other_than_the_training_loss_is_enforced():
+    """Training with label smoothing, norms of plain cross-entropy (the Quick start's set-up): the
+    norm pass is not the training computation (recorded privately); the label does not say so."""
 
     def smoothed(logits, labels):
         return F.cross_entropy(logits, labels, label_smoothing=0.1)
@@ -87,42 +96,44 @@ def test_a_per_sample_loss_other_than_the_training_loss_makes_an_estimate():
     engine = _train(_mlp(), clip=50.0, train_loss=smoothed, per_sample_loss=_ce)
     t = engine.individual
     chk = t.sensitivity_check()
-    assert t.kind == "estimate" and "per_sample_loss is not the training loss" in t.kind_reason
+    assert t.kind == "guarantee" and ENFORCED in t.kind_reason
     assert chk["mismatched"] == chk["compared"] > 0 and chk["max_relative_mismatch"] > 1e-3 and not chk["dropout"]
 
 
-def test_charges_below_the_clipped_norms_are_caught():
-    """A norm pass that under-states the norms (a per-sample loss scaled by 0.1): the clipped norms
-    exceed their charges (all but the zero gradients of saturated examples), by 10× at most."""
+def test_charges_below_the_training_norms_are_enforced_and_recorded_privately():
+    """A norm pass that under-states the norms (a per-sample loss scaled by 0.1): the gradients clipped
+    at the clip norm exceed their charges (all but the zero gradients of saturated examples), by 10×
+    at most — enforcement clips them to the charges; the record has the counts."""
     engine = _train(_mlp(), clip=50.0, rounding="exact", per_sample_loss=lambda m, b: 0.1 * _ce(m, b))
     t = engine.individual
     chk = t.sensitivity_check()
-    assert t.kind == "estimate" and "exceeded the sensitivity it was charged" in t.kind_reason
+    assert t.kind == "guarantee" and ENFORCED in t.kind_reason
     assert chk["examples"] // 2 < chk["exceeded"] == chk["mismatched"] and 9.0 < chk["max_ratio"] <= 10.0 + 1e-3
 
 
 def test_individual_clipping_is_a_guarantee_even_with_dropout():
     """Alg. 3 enforces each charge (the example is clipped at it), whatever the gradient's randomness,
-    refresh interval or rounding."""
+    refresh interval or rounding; the record counts the sampled examples it clipped further."""
     engine = _train(_mlp(dropout=0.3), clip=50.0, individual_clipping=True, rounding="nearest", refreshes_per_epoch=2)
     t = engine.individual
     chk = t.sensitivity_check()
     assert t.every == 5 and t.kind == "guarantee" and "individual clipping" in t.kind_reason
-    assert chk["exceeded"] == 0 and chk["max_ratio"] <= 1 + 1e-6 and chk["dropout"] == ["2"]
+    assert chk["enforced"] and chk["enforced_steps"] == 8 and chk["exceeded"] > 0 and chk["dropout"] == ["2"]
     np.testing.assert_array_equal(
         engine.get_individual_epsilons(), np.minimum(engine.accountant.individual_epsilons(DELTA), t.epsilons(DELTA))
     )
 
 
 @pytest.mark.parametrize(("mode", "rounding"), [("hooks", "exact"), ("ghost", "ceil"), ("bk", "ceil")])
-def test_a_deterministic_model_with_the_training_loss_every_step_is_a_guarantee(mode, rounding):
+def test_a_deterministic_model_with_the_training_loss_every_step_is_unchanged_by_enforcement(mode, rounding):
     """Norms every step, exact/ceil rounding, the training loss, no train-mode randomness: every
-    trained example's norm equals the norm pass's (float tolerance) — a checked guarantee, and the
-    engine's per-example ε is the smaller of it and the data-independent bound."""
+    trained example's norm equals the norm pass's (float tolerance), so clipping at the charges
+    changes nothing beyond float tolerance (none exceeded) — a guarantee, and the engine's per-example
+    ε is the smaller of it and the data-independent bound."""
     engine = _train(_mlp(), mode=mode, clip=50.0, rounding=rounding)
     t = engine.individual
     chk = t.sensitivity_check()
-    assert t.kind == "guarantee" and "equal to the norm pass's at every step" in t.kind_reason
+    assert t.kind == "guarantee" and ENFORCED in t.kind_reason
     assert chk["compared"] == chk["examples"] > 0 and chk["mismatched"] == chk["exceeded"] == 0
     assert chk["max_relative_mismatch"] < 1e-5 and chk["max_ratio"] <= 1 + 1e-5
     data_independent = engine.accountant.individual_epsilons(DELTA)
@@ -132,30 +143,46 @@ def test_a_deterministic_model_with_the_training_loss_every_step_is_a_guarantee(
 
 
 def test_refreshes_less_often_than_every_step_or_nearest_rounding_stay_estimates():
-    assert "every 5 steps" in _train(_mlp(), refreshes_per_epoch=2).individual.kind_reason
+    """Without individual clipping nothing enforces a stale or rounded-down charge: estimates, and the
+    clip norms stay the examples' own (training unchanged)."""
+    t = _train(_mlp(), refreshes_per_epoch=2).individual
+    assert t.kind == "estimate" and "every 5 steps" in t.kind_reason and not t.enforces
     t = _train(_mlp(), rounding="nearest").individual
-    assert t.kind == "estimate" and "nearest rounding" in t.kind_reason
+    assert t.kind == "estimate" and "nearest rounding" in t.kind_reason and not t.enforces
+    np.testing.assert_array_equal(t.engine.clipping.clip_norms.numpy(), t.accountant.clip_norms)
+    assert t.sensitivity_check()["enforced_steps"] == 0
 
 
-def test_the_check_survives_a_checkpoint_and_an_older_one_counts_as_unchecked():
-    """state_dict carries the record and the last norm pass (the first step after a resume is checked
-    against it); a state from before the check leaves its steps unchecked: an estimate."""
+def test_the_record_survives_a_checkpoint_and_an_older_one_is_not_enforced():
+    """state_dict carries the record, the enforced steps and the last norm pass (the first step after a
+    resume is compared with it); a state from before enforcement at K = 1 (no ``enforced_steps``)
+    leaves its steps unbounded by their charges: an estimate — except with individual clipping, which
+    every version enforced."""
     engine = _train(_mlp(), run=4)
     state = engine.individual.state_dict()
     fresh = _train(_mlp(), run=0)
     fresh.individual.load_state_dict(state)
     assert fresh.individual.sensitivity_check() == engine.individual.sensitivity_check()
     assert fresh.individual._pass_at == engine.individual._pass_at == 4 and fresh.individual.kind == "guarantee"
-    old = {k: v for k, v in state.items() if k not in ("check", "pass_norms", "pass_at")}
+    np.testing.assert_array_equal(fresh.clipping.clip_norms.numpy(), fresh.individual.accountant.sensitivity)
+    old = {k: v for k, v in state.items() if k not in ("check", "pass_norms", "pass_at", "enforced_steps")}
     older = _train(_mlp(), run=0)
     older.individual.load_state_dict(old)
-    assert older.individual.kind == "estimate" and "were not checked" in older.individual.kind_reason
+    assert older.individual.kind == "estimate" and "did not clip each example" in older.individual.kind_reason
+    assert older.individual.kind_reason == "steps taken before a checkpoint of a version that did not clip each " + (
+        "example at its charged sensitivity with norms of every step were not bounded by their charges"
+    )
+    clipped = _train(_mlp(), run=4, individual_clipping=True).individual.state_dict()
+    resumed = _train(_mlp(), run=0, individual_clipping=True)
+    resumed.individual.load_state_dict({k: v for k, v in clipped.items() if k != "enforced_steps"})
+    assert resumed.individual.kind == "guarantee" and resumed.individual.enforced_steps == 4
 
 
 def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
-    """idpsgd.train with norms every step (ceil): a checked guarantee; report.json says why, the
-    check's statistics stay in private/; the norms file records the kind, so offline accounting
-    of it is a guarantee — and not with another clip norm, nor for a file without the record."""
+    """idpsgd.train with norms every step (ceil): an enforced guarantee; report.json says why, the
+    check's statistics stay in private/; the norms file records the kind and the enforcement, so
+    offline accounting of it is a guarantee with the run's rounding — not with another rounding (the
+    run clipped at the ceil charges), another clip norm, nor for a file without the record."""
     from idpsgd.cli import main
     from idpsgd.data import Dataset
     from idpsgd.training import TrainConfig, train
@@ -169,7 +196,7 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     opts = IndividualAccountingOptions(refreshes_per_epoch=8, rounding="ceil", validate_subset=0, record_norms=True)
     report = train(data, budgets, cfg, tmp_path / "run", individual=opts)
     public = json.loads((tmp_path / "run" / "report.json").read_text())["individual_privacy"]
-    assert public["kind"] == "guarantee" and "norm pass" in public["kind_reason"]
+    assert public["kind"] == "guarantee" and ENFORCED in public["kind_reason"]
     assert "sensitivity_check" not in public
     chk = report["private"]["individual_privacy"]["sensitivity_check"]
     assert chk["steps"] == report["steps"] and chk["mismatched"] == chk["exceeded"] == 0 and chk["examples"] > 0
@@ -181,9 +208,12 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     assert json.loads((tmp_path / "a" / "account.json").read_text())["kind"] == "guarantee"
     assert main([*base, "--clip-norm", "6", "--out", str(tmp_path / "b")]) == 0
     assert json.loads((tmp_path / "b" / "account.json").read_text())["kind"] == "estimate"
+    assert main([*base, "--rounding", "exact", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "account.json").read_text())["kind"] == "estimate"
     with np.load(norms) as z:
         np.savez(
-            tmp_path / "bare.npz", **{k: z[k] for k in z.files if k not in ("accounting_kind", "individual_clipping")}
+            tmp_path / "bare.npz",
+            **{k: z[k] for k in z.files if k not in ("accounting_kind", "individual_clipping", "enforced")},
         )
     assert main([*base[:2], str(tmp_path / "bare.npz"), *base[3:], "--out", str(tmp_path / "c")]) == 0
     out = json.loads((tmp_path / "c" / "account.json").read_text())

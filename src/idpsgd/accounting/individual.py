@@ -467,19 +467,22 @@ def offline_kind(
     rounding_step: float | None,
     steps,
     overridden: bool = False,
+    enforced: bool | None = None,
 ) -> tuple[str, str]:
     """(kind, reason) of offline accounting from recorded norms (:func:`account_from_norms`).
 
     A norms file holds the norm passes' values, not what training clipped; only the run that wrote
     it knows whether they bounded training's clipped norms (:mod:`idpsgd.engine.individual`), and
-    records it (``kind``; ``idpsgd train --save-norms``).  The offline ε are a **guarantee** only when
-    that record says ``guarantee``, the run's own rates, σ and clip norms are used
-    (``overridden=False``) and
+    records it (``kind``, ``enforced``; ``idpsgd train --save-norms``).  The offline ε are a
+    **guarantee** only when that record says ``guarantee``, the run's own rates, σ and clip norms are
+    used (``overridden=False``) and
 
-    * the run clipped individually (Yu et al. Alg. 3) and the offline rounding and step are the
-      recorded ones (the charges are then the run's clip thresholds); or
-    * it did not, and every refresh covered one step with rounding ``exact`` or ``ceil`` (never
-      below the checked norm).
+    * the run clipped every example at its charge (``enforced``: individual clipping, or norms of
+      every step with ``exact``/``ceil`` rounding; a file without ``enforced`` counts as enforced
+      when it records individual clipping) and the offline rounding and step are the recorded ones
+      (the charges are then the run's clip thresholds); or
+    * a file of a version that checked instead of enforcing (no ``enforced`` record, no individual
+      clipping) whose every refresh covered one step, with rounding ``exact`` or ``ceil``.
 
     Otherwise an **estimate**.
     """
@@ -487,18 +490,23 @@ def offline_kind(
     if recorded_kind != "guarantee":
         return "estimate", (
             "the norms file does not record a run whose individual accounting was a guarantee "
-            "(its norms were not checked against training's clipped norms)"
+            "(its norms were not charges the run enforced)"
         )
     if overridden:
         return "estimate", "the sample rate, noise multiplier or clip norm replaces the recorded run's"
-    if individual_clipping:
+    if enforced is None:
+        enforced = individual_clipping
+    if enforced:
         same_step = (
             recorded_step is not None
             and rounding_step is not None
             and abs(float(rounding_step) - float(recorded_step)) <= 1e-12 * float(recorded_step)
         )
         if rounding == recorded_rounding and (rounding == "exact" or same_step):
-            return "guarantee", "the run clipped every example at these sensitivities (individual clipping)"
+            return "guarantee", (
+                "the run clipped every example at these sensitivities (individual clipping, or its "
+                "charges enforced with norms of every step)"
+            )
         return "estimate", (
             "the run clipped at its recorded rounding; another rounding or step charges other "
             "sensitivities than the clip thresholds"
