@@ -218,3 +218,164 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     assert main([*base[:2], str(tmp_path / "bare.npz"), *base[3:], "--out", str(tmp_path / "c")]) == 0
     out = json.loads((tmp_path / "c" / "account.json").read_text())
     assert out["kind"] == "estimate" and "does not record" in out["kind_reason"]
+
+
+class _ClampInTraining(nn.Module):
+    """Clamps its inputs in training mode only: the eval-mode norm pass sees an outlier's raw input."""
+
+    def forward(self, x):
+        return x.clamp(-3.0, 3.0) if self.training else x
+
+
+def _outlier_data(with_outlier: bool):
+    g = torch.Generator().manual_seed(100)
+    x, y = torch.randn(40, 5, generator=g).clamp(-2.5, 2.5), torch.randint(0, 2, (40,), generator=g)
+    if with_outlier:  # z: far outside the clamp; its training gradient is not its norm pass's
+        z = torch.full((1, 5), 0.05)
+        z[0, 0] = 40.0
+        x, y = torch.cat([x, z]), torch.cat([y, torch.tensor([1])])
+    return x, y
+
+
+def _clamp_run(seed: int, with_outlier: bool):
+    """The review's set-up: a model that clamps its inputs in training only, norms refreshed every
+    step, validate_subset=0 (ceil rounding: the RDP table of exact rounding is slower to build, and
+    the rule is the same)."""
+    x, y = _outlier_data(with_outlier)
+    n = len(x)
+    torch.manual_seed(seed)
+    model = nn.Sequential(_ClampInTraining(), nn.Linear(5, 2))
+    engine = IndividualizedPrivacyEngine(seed=seed, accountant="rdp")
+    opts = IndividualAccountingOptions(refreshes_per_epoch=2, rounding="ceil", validate_subset=0)
+    engine.enable_individual_accounting(opts)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=21),  # 2 steps per epoch with z or without
+        budgets=Budgets.from_array(np.full(n, 3.0), DELTA),
+        method="uniform",
+        steps=6,
+        max_grad_norm=5.0,
+    )
+    done = 0
+    while done < 6:
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            done += 1
+            if done == 6:
+                break
+    return engine.individual
+
+
+def test_an_outliers_membership_does_not_change_the_public_kind():
+    """Issue 35 item 3: with the outlier z (its training norm differs from the norm pass's whenever it
+    is sampled) and without it, over 6 seeds: the same kind and kind_reason (before the fix: estimate
+    with z, guarantee without, in 6 of 6 seeds).  The difference stays in the private record."""
+    for seed in range(6):
+        with_z, without_z = _clamp_run(seed, True), _clamp_run(seed, False)
+        assert with_z.every == without_z.every == 1
+        assert (with_z.kind, with_z.kind_reason) == (without_z.kind, without_z.kind_reason), seed
+        assert with_z.kind == "guarantee" and ENFORCED in with_z.kind_reason
+        assert with_z.sensitivity_check()["mismatched"] > 0 == without_z.sensitivity_check()["mismatched"], seed
+
+
+def test_an_outliers_membership_leaves_the_public_report_unchanged(tmp_path):
+    """The same set-up through idpsgd.train: report.json's individual_privacy (but the privately
+    released statistics, noisy by design, and the example count) and the train text's kind line are
+    the same with z and without; the record that tells them apart is in private/ (0600)."""
+    from idpsgd.cli.train_commands import _train_text
+    from idpsgd.data import Dataset
+    from idpsgd.training import TrainConfig, train
+
+    seed, public, lines, private = 0, {}, {}, {}
+    for with_z in (True, False):
+        x, y = _outlier_data(with_z)
+        data = Dataset("toy", x, y, x[:8], y[:8], 2)
+        torch.manual_seed(seed)
+        model = nn.Sequential(_ClampInTraining(), nn.Linear(5, 2))
+        cfg = TrainConfig(method="uniform", epochs=3, batch_size=21, clip_norm=5.0, lr=0.5, progress=False, seed=seed)
+        opts = IndividualAccountingOptions(refreshes_per_epoch=2, rounding="ceil", validate_subset=0)
+        out = tmp_path / f"z{with_z}"
+        report = train(data, Budgets.from_array(np.full(len(x), 3.0), DELTA), cfg, out, model=model, individual=opts)
+        ip = json.loads((out / "report.json").read_text())["individual_privacy"]
+        public[with_z] = {k: v for k, v in ip.items() if k not in ("released", "examples")}
+        text = _train_text({**report, "out": str(out)})
+        lines[with_z] = [line for line in text.splitlines() if line.startswith("  guarantee")]
+        private[with_z] = json.loads((out / "private" / "individual_privacy.json").read_text())["sensitivity_check"]
+        assert (out / "private" / "individual_privacy.json").stat().st_mode & 0o777 == 0o600
+    assert public[True] == public[False] and public[True]["kind"] == "guarantee"
+    assert lines[True] == lines[False] and len(lines[True]) == 1
+    assert private[True]["mismatched"] > 0 == private[False]["mismatched"]
+
+
+class _AmplifyInTraining(nn.Module):
+    """×3 in training mode only: every training gradient is about 3× the norm pass's."""
+
+    def forward(self, x):
+        return 3 * x if self.training else x
+
+
+@pytest.mark.parametrize(
+    ("mode", "rounding"),
+    [("hooks", "ceil"), ("functorch", "ceil"), ("ew", "ceil"), ("ghost", "ceil"), ("bk", "ceil"), ("bk", "exact")],
+)
+def test_enforcement_caps_every_contribution_at_its_charge(mode, rounding):
+    """Each example's own contribution to the clipped sum, measured: one-hot inputs into a bias-free
+    linear layer, so example i's gradient lives in column i of the weight alone and column i of the
+    step's clipped sum (before the noise) is what training added for i.  Sample rate 1 (every example
+    in every step), float64, training gradients ~3× the norm pass's: every contribution is at most the
+    charge min(c_i, rounded norm) to 1e-9, those the enforcement cut are at it, the clip norms were
+    the charges, and the accountant composed exactly those charges."""
+    from idpsgd.accounting.rdp import compute_rdp
+    from idpsgd.engine.wrap import raw_module
+
+    n, steps = 12, 3
+    torch.manual_seed(0)
+    model = nn.Sequential(_AmplifyInTraining(), nn.Linear(n, 3, bias=False)).double()
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
+    t = engine.enable_individual_accounting(
+        IndividualAccountingOptions(refreshes_per_epoch=1, rounding=rounding, validate_subset=0)
+    )
+    out = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.eye(n, dtype=torch.float64), torch.arange(n) % 3), batch_size=n),
+        budgets=Budgets.from_array(np.full(n, 8.0), DELTA),
+        method="uniform",
+        steps=steps,
+        max_grad_norm=5.0,
+        grad_sample_mode=mode,
+    )
+    model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], F.cross_entropy, out[2])
+    assert t.every == 1 and t.enforces and np.all(engine.parameters["sample_rates"] == 1.0)
+    weight = raw_module(model)[1].weight
+    seen, add_noise = [], opt.add_noise
+
+    def record():  # the step's clipped sum, its charges and its clip norms, before the noise
+        seen.append((weight.summed_grad.detach().clone(), t.accountant.sensitivity.copy(), opt.clip_norms.clone()))
+        return add_noise()
+
+    opt.add_noise = record
+    for _ in range(steps):
+        xb, yb = next(iter(loader))
+        assert len(xb) == n
+        opt.zero_grad()
+        crit(model(xb), yb).backward()
+        opt.step()
+    assert len(seen) == steps and t.steps == steps
+    cut = 0
+    expected = np.zeros_like(t.accountant.rdp())
+    for summed, charged, clip_norms in seen:
+        np.testing.assert_array_equal(clip_norms.numpy(), charged)
+        assert np.all(charged <= 5.0) and np.all(charged > 0)
+        contribution = summed.norm(dim=0).numpy()  # column i: example i's clipped gradient
+        assert np.all(contribution <= charged * (1 + 1e-9)), (contribution / charged).max()
+        cut += int(np.sum(np.abs(contribution - charged) <= 1e-5 * charged))
+        expected += compute_rdp(np.ones(n), t.accountant.sigma * t.accountant.c / charged, t.accountant.ledger.orders)
+    assert cut >= n  # the enforcement did clip (the training gradients are ~3× the charges)
+    assert t.sensitivity_check()["exceeded"] >= cut
+    rtol = 1e-12 if rounding == "ceil" else 1e-3  # exact: the interpolated RDP, an upper bound
+    np.testing.assert_array_less(expected * (1 - 1e-12), t.accountant.rdp())
+    np.testing.assert_allclose(t.accountant.rdp(), expected, rtol=rtol)
