@@ -137,8 +137,8 @@ def _train_args(p):
         "--individual-clipping",
         action="store_true",
         help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee (without it, "
-        "a guarantee needs --refreshes-per-epoch = steps per epoch, --rounding exact or ceil, and "
-        "training's norms equal to the norm pass's at every step, which is checked)",
+        "--refreshes-per-epoch = steps per epoch with --rounding exact or ceil clips each example at its "
+        "charge every step, also a guarantee; anything else is an estimate)",
     )
     g.add_argument(
         "--validate-subset",
