@@ -293,13 +293,13 @@ def _train_text(r):
             chk = exact.get("sensitivity_check")
             if chk:
                 above = (
-                    "clipped further to their charged sensitivity (enforced)"
+                    "gradients above their charged sensitivity, clipped to it (enforced; "
                     if chk.get("enforced")
-                    else "above their charged sensitivity"
+                    else "clipped norms above their charged sensitivity ("
                 )
                 lines.append(
                     f"[private] sensitivity check: {chk['examples']} trained examples over {chk['steps']} "
-                    f"steps; {chk['exceeded']} norms clipped at the clip norm {above} (largest ratio "
+                    f"steps; {chk['exceeded']} {above}largest ratio "
                     f"{chk['max_ratio']:.4g}); {chk['mismatched']} of {chk['compared']} norms compared "
                     f"differed from the norm pass (largest relative difference "
                     f"{chk['max_relative_mismatch']:.3g})"
