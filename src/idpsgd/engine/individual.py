@@ -29,8 +29,9 @@ What the numbers are (:attr:`kind`, with :attr:`kind_reason`) is a function of t
   refreshes a norm is taken from the last refresh, ``nearest`` rounding can round down, and nothing
   makes the charges bound what training adds.
 
-A run resumed from a checkpoint of a version that did not enforce the charges at K = 1 (idpsgd ≤ the
-version before this rule) is an estimate: its earlier steps were not clipped at their charges.
+A run resumed from a checkpoint written by a version that did not enforce the charges at K = 1
+(before issue 35; the checkpoint has no ``enforced_steps``) is an estimate unless it clips
+individually: its earlier steps were not clipped at their charges.
 
 The check's record (:meth:`IndividualTracker.sensitivity_check`: sampled examples checked, how many
 would have exceeded their charge at their own clip norm — with enforcement, how often it clipped
