@@ -6,7 +6,7 @@ Output-specific individual DP (Yu et al. Def. 4) charges example i at step t the
 RDP at sensitivity Z_i,t; Thm. 3.3 makes the composed charge a guarantee when Z_i,t bounds the norm
 of the *clipped gradient training would add for i at θ_{t−1}*, whether or not i is sampled.
 Individual accounting (:mod:`.individual`) takes Z_i,t from a separate norm pass (eval mode, the
-given ``per_sample_loss``, :mod:`.norms`).  When it *enforces* the charges (individual clipping, and
+given ``per_sample_loss``, :mod:`.norms`).  When it *enforces* the charges (individual clipping, or
 norms of every step with ``exact``/``ceil`` rounding) every example is clipped at Z_i,t itself, so
 the bound holds by construction; otherwise the charges are estimates.  Training knows, at every
 step, the pre-clip norm ‖g_i‖ and the clip norm c_i of each *sampled* example
@@ -39,7 +39,7 @@ import torch
 #: Relative float tolerance of the comparisons: the same norm computed by the training step and by
 #: the norm pass (other batch composition, ghost norms vs per-sample gradients, float32) differs by
 #: far less: measured ≤ 5e-7 relative in every grad_sample_mode on MLPs, a CNN and a token-sequence
-#: model, 3.5e-6 on the Quick start's model with label smoothing and momentum (docs/individual-accounting.md).
+#: model, 3.5e-6 on the Quick start's model with label smoothing and momentum (measured for issue 29).
 RTOL = 1e-4
 #: Absolute tolerance, as a fraction of the largest clip norm: float32 gradients of a nearly
 #: saturated loss (p ≈ target) lose ~1e-7 absolute per logit, so small norms carry an absolute
