@@ -218,6 +218,13 @@ def test_harness_reports_kind_reason_publicly_and_the_check_privately(tmp_path):
     assert main([*base[:2], str(tmp_path / "bare.npz"), *base[3:], "--out", str(tmp_path / "c")]) == 0
     out = json.loads((tmp_path / "c" / "account.json").read_text())
     assert out["kind"] == "estimate" and "does not record" in out["kind_reason"]
+    # a file of a version that labelled K = 1 runs by a check (no 'enforced'): its label depended on
+    # the data, so the offline kind does not follow it (changed in issue 35: a guarantee before)
+    with np.load(norms) as z:
+        np.savez(tmp_path / "checked.npz", **{k: z[k] for k in z.files if k != "enforced"})
+    assert main([*base[:2], str(tmp_path / "checked.npz"), *base[3:], "--out", str(tmp_path / "d")]) == 0
+    out = json.loads((tmp_path / "d" / "account.json").read_text())
+    assert out["kind"] == "estimate" and "its label depended on the data" in out["kind_reason"]
 
 
 class _ClampInTraining(nn.Module):

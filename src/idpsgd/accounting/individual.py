@@ -465,7 +465,6 @@ def offline_kind(
     recorded_step: float | None,
     rounding: str,
     rounding_step: float | None,
-    steps,
     overridden: bool = False,
     enforced: bool | None = None,
 ) -> tuple[str, str]:
@@ -480,13 +479,12 @@ def offline_kind(
     * the run clipped every example at its charge (``enforced``: individual clipping, or norms of
       every step with ``exact``/``ceil`` rounding; a file without ``enforced`` counts as enforced
       when it records individual clipping) and the offline rounding and step are the recorded ones
-      (the charges are then the run's clip thresholds); or
-    * a file of a version that checked instead of enforcing (no ``enforced`` record, no individual
-      clipping) whose every refresh covered one step, with rounding ``exact`` or ``ceil``.
+      (the charges are then the run's clip thresholds).
 
-    Otherwise an **estimate**.
+    Otherwise an **estimate** — also for a file of a version that labelled K = 1 runs by checking
+    their norms instead of enforcing them (no ``enforced``, no individual clipping): that label
+    depended on the data, and the offline ``kind`` is public.
     """
-    steps = np.asarray(steps)
     if recorded_kind != "guarantee":
         return "estimate", (
             "the norms file does not record a run whose individual accounting was a guarantee "
@@ -511,11 +509,10 @@ def offline_kind(
             "the run clipped at its recorded rounding; another rounding or step charges other "
             "sensitivities than the clip thresholds"
         )
-    if rounding in ("exact", "ceil") and np.all(steps == 1):
-        return "guarantee", (
-            f"norms of every step, checked against training's clipped norms by the run, with {rounding} rounding"
-        )
-    return "estimate", ("a refresh covers several steps, or nearest rounding can round a sensitivity below the norm")
+    return "estimate", (
+        "the run did not clip every example at its charge (a norms file of a version that checked "
+        "norms of every step instead: its label depended on the data)"
+    )
 
 
 def account_from_norms(

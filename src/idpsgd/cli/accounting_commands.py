@@ -154,7 +154,7 @@ def _account_args(p):
         "optional 'sample_rates', 'clip_norms' (per example), 'noise_multiplier', 'clip_norm', "
         "'rounding', 'rounding_step' (as 'idpsgd train --save-norms' writes them to "
         "OUT/private/norms.npz) fill in the flags below; the result is a guarantee only for a file "
-        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters",
+        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters and rounding",
     )
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q in (0, 1] (default: the file's)")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier σ > 0 (default: the file's)")
@@ -367,7 +367,6 @@ def account_cmd(args):
         recorded_step,
         rounding,
         step_used,
-        steps,
         overridden=any(getattr(args, k) is not None for k in ("sample_rate", "noise_multiplier", "clip_norm")),
         enforced=extras.get("enforced"),
     )
