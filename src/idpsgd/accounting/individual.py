@@ -465,49 +465,54 @@ def offline_kind(
     recorded_step: float | None,
     rounding: str,
     rounding_step: float | None,
-    steps,
     overridden: bool = False,
+    enforced: bool | None = None,
 ) -> tuple[str, str]:
     """(kind, reason) of offline accounting from recorded norms (:func:`account_from_norms`).
 
     A norms file holds the norm passes' values, not what training clipped; only the run that wrote
     it knows whether they bounded training's clipped norms (:mod:`idpsgd.engine.individual`), and
-    records it (``kind``; ``idpsgd train --save-norms``).  The offline ε are a **guarantee** only when
-    that record says ``guarantee``, the run's own rates, σ and clip norms are used
-    (``overridden=False``) and
+    records it (``kind``, ``enforced``; ``idpsgd train --save-norms``).  The offline ε are a
+    **guarantee** only when that record says ``guarantee``, the run's own rates, σ and clip norms are
+    used (``overridden=False``) and
 
-    * the run clipped individually (Yu et al. Alg. 3) and the offline rounding and step are the
-      recorded ones (the charges are then the run's clip thresholds); or
-    * it did not, and every refresh covered one step with rounding ``exact`` or ``ceil`` (never
-      below the checked norm).
+    * the run clipped every example at its charge (``enforced``: individual clipping, or norms of
+      every step with ``exact``/``ceil`` rounding; a file without ``enforced`` counts as enforced
+      when it records individual clipping) and the offline rounding and step are the recorded ones
+      (the charges are then the run's clip thresholds).
 
-    Otherwise an **estimate**.
+    Otherwise an **estimate** — also for a file of a version that labelled K = 1 runs by checking
+    their norms instead of enforcing them (no ``enforced``, no individual clipping): that label
+    depended on the data, and the offline ``kind`` is public.
     """
-    steps = np.asarray(steps)
     if recorded_kind != "guarantee":
         return "estimate", (
             "the norms file does not record a run whose individual accounting was a guarantee "
-            "(its norms were not checked against training's clipped norms)"
+            "(its norms were not charges the run enforced)"
         )
     if overridden:
         return "estimate", "the sample rate, noise multiplier or clip norm replaces the recorded run's"
-    if individual_clipping:
+    if enforced is None:
+        enforced = individual_clipping
+    if enforced:
         same_step = (
             recorded_step is not None
             and rounding_step is not None
             and abs(float(rounding_step) - float(recorded_step)) <= 1e-12 * float(recorded_step)
         )
         if rounding == recorded_rounding and (rounding == "exact" or same_step):
-            return "guarantee", "the run clipped every example at these sensitivities (individual clipping)"
+            return "guarantee", (
+                "the run clipped every example at these sensitivities (individual clipping, or its "
+                "charges enforced with norms of every step)"
+            )
         return "estimate", (
             "the run clipped at its recorded rounding; another rounding or step charges other "
             "sensitivities than the clip thresholds"
         )
-    if rounding in ("exact", "ceil") and np.all(steps == 1):
-        return "guarantee", (
-            f"norms of every step, checked against training's clipped norms by the run, with {rounding} rounding"
-        )
-    return "estimate", ("a refresh covers several steps, or nearest rounding can round a sensitivity below the norm")
+    return "estimate", (
+        "the run did not clip every example at its charge (a norms file of a version that checked "
+        "norms of every step instead: its label depended on the data)"
+    )
 
 
 def account_from_norms(

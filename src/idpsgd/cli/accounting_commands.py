@@ -154,7 +154,7 @@ def _account_args(p):
         "optional 'sample_rates', 'clip_norms' (per example), 'noise_multiplier', 'clip_norm', "
         "'rounding', 'rounding_step' (as 'idpsgd train --save-norms' writes them to "
         "OUT/private/norms.npz) fill in the flags below; the result is a guarantee only for a file "
-        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters",
+        "whose 'accounting_kind' (written by the run) is guarantee, with the run's own parameters and rounding",
     )
     p.add_argument("--sample-rate", type=float, help="Poisson sampling rate q in (0, 1] (default: the file's)")
     p.add_argument("--noise-multiplier", type=float, help="noise multiplier σ > 0 (default: the file's)")
@@ -244,11 +244,13 @@ def read_norms_file(path):
         if kind.dtype.kind != "U" or kind.size != 1 or str(kind.ravel()[0]) not in ("guarantee", "estimate"):
             raise InvalidParameterError("norms", str(path), "array 'accounting_kind' must be guarantee or estimate")
         extras["accounting_kind"] = str(kind.ravel()[0])
-    if "individual_clipping" in arrays:
-        ic = arrays["individual_clipping"]
+    for flag in ("individual_clipping", "enforced"):
+        if flag not in arrays:
+            continue
+        ic = arrays[flag]
         if ic.dtype != np.bool_ or ic.size != 1:
-            raise InvalidParameterError("norms", str(path), "array 'individual_clipping' must be one boolean")
-        extras["individual_clipping"] = bool(ic.ravel()[0])
+            raise InvalidParameterError("norms", str(path), f"array '{flag}' must be one boolean")
+        extras[flag] = bool(ic.ravel()[0])
     for key, arr in (("norms", norms), ("steps", steps)):
         if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
             raise InvalidParameterError("norms", str(path), f"array '{key}' must be numeric (it has dtype {arr.dtype})")
@@ -366,8 +368,8 @@ def account_cmd(args):
         recorded_step,
         rounding,
         step_used,
-        steps,
         overridden=any(getattr(args, k) is not None for k in ("sample_rate", "noise_multiplier", "clip_norm")),
+        enforced=extras.get("enforced"),
     )
     header = (
         ["index", "epsilon", "source", "rdp_epsilon"]

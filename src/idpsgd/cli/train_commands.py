@@ -144,8 +144,8 @@ def _train_args(p):
         "--individual-clipping",
         action="store_true",
         help="clip each example at its latest norm estimate (Alg. 3): ε becomes a guarantee (without it, "
-        "a guarantee needs --refreshes-per-epoch = steps per epoch, --rounding exact or ceil, and "
-        "training's norms equal to the norm pass's at every step, which is checked)",
+        "--refreshes-per-epoch = steps per epoch with --rounding exact or ceil clips each example at its "
+        "charge every step, also a guarantee; anything else is an estimate)",
     )
     g.add_argument(
         "--validate-subset",
@@ -300,9 +300,14 @@ def _train_text(r):
             )
             chk = exact.get("sensitivity_check")
             if chk:
+                above = (
+                    "gradients above their charged sensitivity, clipped to it (enforced; "
+                    if chk.get("enforced")
+                    else "clipped norms above their charged sensitivity ("
+                )
                 lines.append(
                     f"[private] sensitivity check: {chk['examples']} trained examples over {chk['steps']} "
-                    f"steps; {chk['exceeded']} clipped norms above their charged sensitivity (largest ratio "
+                    f"steps; {chk['exceeded']} {above}largest ratio "
                     f"{chk['max_ratio']:.4g}); {chk['mismatched']} of {chk['compared']} norms compared "
                     f"differed from the norm pass (largest relative difference "
                     f"{chk['max_relative_mismatch']:.3g})"

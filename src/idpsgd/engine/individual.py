@@ -9,29 +9,34 @@ a random validation subset is tracked exactly at every step (§3.3).  Norms at �
 right after step t−1's parameter update (the optimizer's post-step hook), i.e. before batch t's
 gradients are clipped — in ghost mode too.
 
-What the numbers are (:attr:`kind`, with :attr:`kind_reason`):
+What the numbers are (:attr:`kind`, with :attr:`kind_reason`) is a function of the options alone
+(public; :meth:`IndividualTracker.verdict`), never of the data or the gradients:
 
 * **guarantee** — output-specific individual (ε_i, δ)-DP (Yu et al. Def. 4, Thm. 3.3): every
   example's charged sensitivity Z_i,t bounds the clipped gradient training adds for it at θ_{t−1}
-  (sampled or not), because it is
+  (sampled or not) because it is **enforced** — training clips example i at Z_i,t itself
+  (:attr:`IndividualTracker.enforces`), whatever its training gradient is (another loss than the
+  norm pass's, dropout, augmentation, train-mode-only layers).  Enforced when
 
-  - **enforced** — individual clipping (Alg. 3): example i is clipped at Z_i,t itself; or
-  - **checked** — norms refreshed every step (K = 1) with rounding ``exact`` or ``ceil``, no step on
-    stale norms, no dropout module active in training, and at every step every sampled example's
-    training gradient norm ‖g_i‖ equal to the norm pass's at the same parameters (relative
-    tolerance 1e-4, :mod:`.sensitivity_check`) — the norm pass is then the training computation
-    (same loss, no train-mode-only randomness), so its norms of the unsampled examples are the
-    ones training would clip;
+  - **individual clipping** (Alg. 3, ``individual_clipping=True``): Z_i,t is the last refresh's
+    (rounded) norm, any K, any rounding; or
+  - **norms of every step** (K = 1) with rounding ``exact`` or ``ceil`` (never below the norm pass's
+    norm): Z_i,t = min(c_i, ‖g_i(θ_{t−1})‖) from a norm pass at the step's own parameters, and the
+    step clips example i at it — individual clipping at fresh norms, which changes nothing when the
+    norm pass is the training computation and caps the example at its charge when it is not;
 
-  and in both cases no sampled example's clipped norm above its charge (checked at every step);
-* **estimate** — otherwise: between refreshes (K > 1) a norm is taken from the last refresh,
-  ``nearest`` rounding can round down, and a norm pass that is not the training computation (a
-  ``per_sample_loss`` other than the training loss, dropout, random augmentation) charges
-  sensitivities that training's clipped norms exceed.
+* **estimate** — otherwise (K > 1 or ``nearest`` rounding without individual clipping): between
+  refreshes a norm is taken from the last refresh, ``nearest`` rounding can round down, and nothing
+  makes the charges bound what training adds.
+
+A run resumed from a checkpoint written by a version that did not enforce the charges at K = 1
+(before issue 35; the checkpoint has no ``enforced_steps``) is an estimate unless it clips
+individually: its earlier steps were not clipped at their charges.
 
 The check's record (:meth:`IndividualTracker.sensitivity_check`: sampled examples checked, how many
-exceeded their charge and by how much at most, how many norms differed from the norm pass) is a
-statistic of the gradient norms: private.
+would have exceeded their charge at their own clip norm — with enforcement, how often it clipped
+them further — and by how much at most, how many norms differed from the norm pass) is a statistic
+of the gradient norms: private, and the label does not depend on it.
 
 Bounds (:meth:`IndividualTracker.report`): the example's RDP ε (adaptive-order conversion); with
 ``accountant="pld"`` also its PLD ε — the composition of its steps at each rounded sensitivity
@@ -53,7 +58,7 @@ from ..accounting import ROUNDING, IndividualAccountant, IndividualEpsilons
 from ..accounting.individual import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
 from .distributed import sharded_grad_norms
-from .sensitivity_check import RTOL, SensitivityCheck, active_dropout, dropout_modules
+from .sensitivity_check import SensitivityCheck, active_dropout, dropout_modules
 from .wrap import raw_module
 
 DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
@@ -115,6 +120,7 @@ class IndividualTracker:
         self.subset = np.zeros(0, dtype=np.int64)
         self.every = 1
         self.stale_steps = 0  # steps taken with norms that were due but not refreshed
+        self.enforced_steps = 0  # steps whose clip norms were the charges (configuration, not data)
         self.recorded: list[np.ndarray] = []  # refreshed norms (record_norms)
         self.recorded_steps: list[int] = []  # steps each recorded refresh covered
         self.check: SensitivityCheck | None = None
@@ -167,68 +173,62 @@ class IndividualTracker:
         self._prepare_step()
 
     @property
+    def enforces(self) -> bool:
+        """Whether every example is clipped at its charged sensitivity at every step: individual
+        clipping, or norms refreshed every step (K = 1) with ``exact`` or ``ceil`` rounding (options
+        and the steps per epoch only)."""
+        o = self.options
+        return bool(o.individual_clipping) or (self.every == 1 and o.rounding in ("exact", "ceil"))
+
+    @property
     def kind(self) -> str:
         """``guarantee`` or ``estimate`` (the rule: the module doc; why: :attr:`kind_reason`)."""
-        return self._verdict()[0]
+        return self.verdict()[0]
 
     @property
     def kind_reason(self) -> str:
-        """Why the ε are a guarantee or an estimate (depends on the options, the architecture and
-        whether the check passed; no statistic of the norms)."""
-        return self._verdict()[1]
+        """Why the ε are a guarantee or an estimate (a function of the options, the steps per epoch
+        and the checkpoint the run resumed from: no statistic of the data or the norms)."""
+        return self.verdict()[1]
 
-    def _verdict(self) -> tuple[str, str]:
-        """(kind, reason): every reason that makes the ε an estimate, joined; or why they are a guarantee."""
-        c, o = self.check.counts, self.options
-        broken = []  # the charges are not known to bound training's clipped norms
-        if c["steps"] < self.accountant.steps:
-            broken.append(
-                "steps taken before a checkpoint without the sensitivity check were not checked against "
-                "training's clipped norms"
-            )
-        if c["exceeded"]:
-            broken.append("a trained example's clipped gradient norm exceeded the sensitivity it was charged at")
-        if o.individual_clipping and not broken:
+    def verdict(self) -> tuple[str, str]:
+        """(kind, reason): a guarantee exactly when the charges are enforced (:attr:`enforces`) at
+        every step taken; otherwise every reason for the estimate, joined."""
+        o = self.options
+        if self.enforces:
+            if self.enforced_steps < self.accountant.steps:
+                return "estimate", (
+                    "steps taken before a checkpoint of a version that did not clip each example at its "
+                    "charged sensitivity with norms of every step were not bounded by their charges"
+                )
+            if o.individual_clipping:
+                return "guarantee", (
+                    "individual clipping (Yu et al. Alg. 3): every example is clipped at the sensitivity "
+                    "it is charged at"
+                )
             return "guarantee", (
-                "individual clipping (Yu et al. Alg. 3): every example is clipped at the sensitivity it is charged at"
+                f"norms refreshed every step ({self.accountant.rounding} rounding) and every example "
+                "clipped at the sensitivity it is charged at, min(its clip norm, its norm-pass gradient "
+                "norm) (Yu et al. Alg. 3 at every step): the charges bound what training adds"
             )
+        broken = []
         if self.every > 1:
             broken.append(
-                f"norms refreshed every {self.every} steps: between refreshes a sensitivity is taken from "
-                "the last refresh (Yu et al. Alg. 2, K > 1)"
+                f"norms refreshed every {self.every} steps without individual clipping: between refreshes "
+                "a sensitivity is taken from the last refresh (Yu et al. Alg. 2, K > 1)"
             )
         if self.accountant.rounding == "nearest":
-            broken.append("nearest rounding can round a sensitivity below the gradient norm")
-        if self.stale_steps:
-            broken.append("some steps ran on norms that were due for a refresh")
-        if self.check.dropout:
-            broken.append(
-                f"dropout active in training ({', '.join(self.check.dropout)}): a sampled example's "
-                "gradient is random and the norm pass's (eval mode) does not bound it"
-            )
-        if c["compared"] < c["examples"] and self.every == 1 and not self.stale_steps:
-            broken.append("some trained examples' norms were not compared with a norm pass at their step")
-        if c["mismatched"]:
-            broken.append(
-                "training's per-example gradient norms differed from the norm pass's: per_sample_loss is "
-                "not the training loss, or training has randomness the norm pass does not (dropout, "
-                "random augmentation)"
-            )
-        if broken:
-            return "estimate", "; ".join(broken)
-        return "guarantee", (
-            f"norms refreshed every step ({self.accountant.rounding} rounding) and every trained "
-            "example's gradient norm equal to the norm pass's at every step (relative tolerance "
-            f"{RTOL:g}): the charged sensitivities bound the clipped norms"
-        )
+            broken.append("nearest rounding without individual clipping can round a sensitivity below the norm")
+        return "estimate", "; ".join(broken)
 
     def sensitivity_check(self) -> dict:
         """The check's record (private: statistics of the gradient norms): logical ``steps`` checked,
-        sampled ``examples`` checked, how many ``exceeded`` their charged sensitivity and the
-        ``max_ratio`` clipped/charged, how many were ``compared`` with a norm pass at the same
-        parameters and how many ``mismatched`` (``max_relative_mismatch``), active ``dropout``
-        modules, and the tolerances."""
-        return self.check.summary()
+        sampled ``examples`` checked, how many ``exceeded`` their charged sensitivity when clipped at
+        their own clip norm (with enforcement: how many it clipped further) and the largest
+        ``max_ratio`` of the two, how many were ``compared`` with a norm pass at the same parameters
+        and how many ``mismatched`` (``max_relative_mismatch``), active ``dropout`` modules, the
+        tolerances, whether the charges were ``enforced`` and at how many steps."""
+        return {**self.check.summary(), "enforced": self.enforces, "enforced_steps": self.enforced_steps}
 
     @property
     def steps(self) -> int:
@@ -246,7 +246,8 @@ class IndividualTracker:
         )  # sharded across ranks and all-gathered when distributed
 
     def _apply_clip_norms(self) -> None:
-        if self.options.individual_clipping and self.accountant.refreshes:
+        """With enforcement, the coming steps clip every example at its charge (≤ its clip norm)."""
+        if self.enforces and self.accountant.refreshes:
             self.engine.clipping.set_clip_norms(self.accountant.sensitivity)
 
     def _prepare_step(self) -> None:
@@ -262,7 +263,7 @@ class IndividualTracker:
             self._apply_clip_norms()
         if self.exact is not None:
             norms = refreshed[self.subset] if refreshed is not None else self.grad_norms(self.subset)[0]
-            if self.options.individual_clipping:  # the clipped gradient's norm is at most Z_i
+            if self.enforces:  # the clipped gradient's norm is at most Z_i
                 norms = np.minimum(norms, self.accountant.sensitivity[self.subset])
             self.exact.update_norms(norms)
         self._due = False
@@ -271,6 +272,8 @@ class IndividualTracker:
         if self._due:  # this step ran on norms that should have been refreshed
             self.stale_steps += 1
         self._check(optimizer)
+        if self.enforces:
+            self.enforced_steps += 1
         self.accountant.add_steps(1)
         if self.recorded_steps:
             self.recorded_steps[-1] += 1
@@ -283,15 +286,25 @@ class IndividualTracker:
         self._prepare_step()
 
     def _check(self, optimizer) -> None:
-        """The step just taken: its sampled examples' training norms against their charges and, when
-        the norms were refreshed at this step's parameters, against the norm pass."""
+        """The step just taken: with enforcement, its clip norms must be its charges (else a
+        :class:`RuntimeError`: they were replaced); its sampled examples' training norms clipped at
+        their own clip norms against their charges and, when the norms were refreshed at this step's
+        parameters, against the norm pass (private record)."""
+        charged = self.accountant.sensitivity
+        if self.enforces and self.accountant.refreshes:
+            used = optimizer.clip_norms.detach().cpu().numpy()
+            if used.shape != charged.shape or np.any(used > charged):
+                raise RuntimeError(
+                    "individual accounting clips every example at its charged sensitivity, but this step's "
+                    "clip norms were not those charges (engine.clipping.set_clip_norms called during training?)"
+                )
         fresh = self._pass_at == self.accountant.steps and not self._due
         self.check.note_dropout(active_dropout(self._dropouts))
         self.check.observe(
             optimizer.last_norms,
             optimizer.last_indices,
-            optimizer.clip_norms,
-            self.accountant.sensitivity,
+            self.accountant.clip_norms,
+            charged,
             self._pass_norms if fresh else None,
         )
 
@@ -347,12 +360,14 @@ class IndividualTracker:
             "rounding_step": np.float64(self.accountant.rounding_step),
             "accounting_kind": np.str_(self.kind),
             "individual_clipping": np.bool_(self.options.individual_clipping),
+            "enforced": np.bool_(self.enforces),  # every example clipped at its charge
         }
 
     def state_dict(self) -> dict:
         return {
             "accountant": _tensors(self.accountant.state_dict()),
             "stale_steps": self.stale_steps,
+            "enforced_steps": self.enforced_steps,
             "check": self.check.state_dict(),
             "pass_at": self._pass_at,
             "pass_norms": None if self._pass_norms is None else torch.from_numpy(np.asarray(self._pass_norms)),
@@ -366,6 +381,9 @@ class IndividualTracker:
         if self.exact is not None and state.get("exact") is not None:
             self.exact.load_state_dict(_arrays(state["exact"]))
         self.stale_steps = int(state.get("stale_steps", 0))
+        # a checkpoint without the count: every version enforced individual clipping, none K = 1 alone
+        default = self.accountant.steps if self.options.individual_clipping else 0
+        self.enforced_steps = int(state.get("enforced_steps", default))
         self.check.load_state_dict(state.get("check"))
         saved = state.get("pass_norms")
         self._pass_norms = None if saved is None else np.asarray(saved, dtype=np.float64)

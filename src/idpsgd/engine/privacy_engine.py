@@ -211,9 +211,9 @@ class IndividualizedPrivacyEngine:
     def get_individual_epsilons(self, delta: float | None = None) -> np.ndarray:
         """ε of every example, each a valid (ε, δ) bound: its data-independent ε (its group's path);
         with the individual filter, the smaller of that and the filter's realized ε; with individual
-        accounting (Yu et al. 2023) whose ``engine.individual.kind`` is ``"guarantee"`` (the charged
-        sensitivities enforced by individual clipping or checked against training's clipped norms at
-        every step, :mod:`.individual`), the smaller of that and the output-specific ε.
+        accounting (Yu et al. 2023) whose ``engine.individual.kind`` is ``"guarantee"`` (every example
+        clipped at its charged sensitivity: individual clipping, or norms of every step with exact/ceil
+        rounding, :mod:`.individual`), the smaller of that and the output-specific ε.
 
         When individual accounting's ``kind`` is ``"estimate"`` the output-specific ε bounds nothing,
         so it is not mixed in: this returns the data-independent ε, and the estimates are

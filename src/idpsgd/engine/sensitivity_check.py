@@ -1,37 +1,31 @@
-"""The check behind individual accounting's "guarantee" label: the charged sensitivities against what
-training clipped (Yu et al. 2023, Thm. 3.3 and Alg. 3).
+"""The record behind individual accounting's charged sensitivities: what training clipped against
+what each example was charged (Yu et al. 2023, Thm. 3.3 and Alg. 3).  Private statistics only: the
+public ``kind`` never depends on them (:mod:`.individual`).
 
 Output-specific individual DP (Yu et al. Def. 4) charges example i at step t the sampled Gaussian's
 RDP at sensitivity Z_i,t; Thm. 3.3 makes the composed charge a guarantee when Z_i,t bounds the norm
 of the *clipped gradient training would add for i at θ_{t−1}*, whether or not i is sampled.
 Individual accounting (:mod:`.individual`) takes Z_i,t from a separate norm pass (eval mode, the
-given ``per_sample_loss``, :mod:`.norms`).  Training knows, at every step, the pre-clip norm ‖g_i‖
-and the clip norm c_i of each *sampled* example (:attr:`~.clipping.PerExampleClipping.last_norms`
-in every ``grad_sample_mode``); its clipped norm is ‖g_i‖·min(1, c_i/(‖g_i‖ + 1e−6)).
+given ``per_sample_loss``, :mod:`.norms`).  When it *enforces* the charges (individual clipping, or
+norms of every step with ``exact``/``ceil`` rounding) every example is clipped at Z_i,t itself, so
+the bound holds by construction; otherwise the charges are estimates.  Training knows, at every
+step, the pre-clip norm ‖g_i‖ and the clip norm c_i of each *sampled* example
+(:attr:`~.clipping.PerExampleClipping.last_norms` in every ``grad_sample_mode``).
 :class:`SensitivityCheck` records, over the run:
 
-* **exceeded** — sampled (example, step) pairs whose clipped norm was above the charged Z_i,t
-  (beyond the float tolerance :data:`RTOL`·Z + :data:`ATOL`·c_max): the charge did not bound what
-  training added;
+* **exceeded** — sampled (example, step) pairs whose gradient clipped at the example's own clip
+  norm c_i, ‖g_i‖·min(1, c_i/(‖g_i‖ + 1e−6)), was above the charged Z_i,t (beyond the float
+  tolerance :data:`RTOL`·Z + :data:`ATOL`·c_max): with enforcement, the examples that enforcement
+  clipped below c_i (training changed); without it, charges that did not bound what training added;
 * **mismatched** — at steps whose norm pass ran at the same parameters θ_{t−1} (norms refreshed
   for that very step), sampled examples whose training norm ‖g_i‖ differed from the norm pass's by
   more than the tolerance: the norm pass is not the training computation (another loss, dropout or
   other train-mode randomness, random augmentation in the collate, ...);
-* the largest ratio clipped/charged (against max(charge, :data:`ATOL`·c_max)) and the largest
-  relative mismatch (against max(norm, :data:`ATOL`/:data:`RTOL`·c_max), the norm below which the
-  absolute tolerance dominates) — private statistics, floored so that norms near 0 do not blow
-  them up;
-* ``steps`` — logical steps seen (an empty Poisson batch is checked vacuously).
-
-What the check can establish, and what it cannot: unsampled examples' gradients are not computed
-in training, so their charges are only as good as the norm pass.  When every sampled example's
-training norm equalled the norm pass's at every step (mismatched = 0), the norm pass computed the
-training function on every example training touched, and its values for the others are taken as
-the training function's too — an inference, not a measurement: a per-sample loss that differs
-from the training loss only on examples never sampled at a step, or randomness that left every
-checked norm unchanged, would pass.  With dropout active the per-example gradient is random and
-the mechanism's sensitivity is its largest value over the masks, which no single norm bounds; the
-engine therefore also records dropout modules active in training (:func:`dropout_modules`).
+* the largest ratio (clipped at c_i)/charged (against max(charge, :data:`ATOL`·c_max)) and the
+  largest relative mismatch (against max(norm, :data:`ATOL`/:data:`RTOL`·c_max), the norm below
+  which the absolute tolerance dominates) — floored so that norms near 0 do not blow them up;
+* ``steps`` — logical steps seen (an empty Poisson batch is checked vacuously), and the dropout
+  modules seen active in training (:func:`dropout_modules`; architecture, not data).
 
 Distributed (DPDDP): each rank checks its own examples; :meth:`SensitivityCheck.reduce_step` sums
 the counts and takes the maxima over ranks every step, so every rank holds the same record.
@@ -45,7 +39,7 @@ import torch
 #: Relative float tolerance of the comparisons: the same norm computed by the training step and by
 #: the norm pass (other batch composition, ghost norms vs per-sample gradients, float32) differs by
 #: far less: measured ≤ 5e-7 relative in every grad_sample_mode on MLPs, a CNN and a token-sequence
-#: model, 3.5e-6 on the Quick start's model with label smoothing and momentum (docs/individual-accounting.md).
+#: model, 3.5e-6 on the Quick start's model with label smoothing and momentum (measured for issue 29).
 RTOL = 1e-4
 #: Absolute tolerance, as a fraction of the largest clip norm: float32 gradients of a nearly
 #: saturated loss (p ≈ target) lose ~1e-7 absolute per logit, so small norms carry an absolute
@@ -88,10 +82,10 @@ class SensitivityCheck:
 
     def observe(self, norms, indices, clip_norms, charged, pass_norms=None) -> None:
         """One logical step: ``norms`` the sampled examples' pre-clip gradient norms in training,
-        ``indices`` their dataset indices, ``clip_norms``/``charged`` (all examples) the clip norms the
-        step used and the sensitivities it is charged at; ``pass_norms`` (all examples) the norm
-        pass's raw norms at the same parameters, or None when the step's norms were not refreshed at
-        them."""
+        ``indices`` their dataset indices, ``clip_norms``/``charged`` (all examples) the examples'
+        own clip norms c_i (not the enforced charges) and the sensitivities the step is charged at;
+        ``pass_norms`` (all examples) the norm pass's raw norms at the same parameters, or None when
+        the step's norms were not refreshed at them."""
         step = dict.fromkeys(self.FIELDS, 0)
         step["steps"] = 1
         top = dict.fromkeys(self.MAXIMA, 0.0)
@@ -99,7 +93,7 @@ class SensitivityCheck:
             raw = _numpy(norms)
             idx = _numpy(indices).astype(np.int64)
             clip, z = _take(clip_norms, idx), _take(charged, idx)
-            clipped = raw * np.minimum(1.0, clip / (raw + 1e-6))  # Opacus's factor, as the step applied it
+            clipped = raw * np.minimum(1.0, clip / (raw + 1e-6))  # Opacus's factor at the clip norm c_i
             over = clipped > z * (1 + RTOL) + self.atol
             step["examples"], step["exceeded"] = int(raw.size), int(over.sum())
             top["max_ratio"] = float(np.max(clipped / np.maximum(z, self.atol)))
@@ -122,7 +116,8 @@ class SensitivityCheck:
                 self.dropout.append(name)
 
     def summary(self) -> dict:
-        """The record (private statistics of the run's gradient norms, except ``dropout``)."""
+        """The record (private statistics of the run's gradient norms, except ``steps`` and
+        ``dropout``)."""
         return {**self.counts, **self.maxima, "dropout": list(self.dropout), "rtol": RTOL, "atol": self.atol}
 
     def state_dict(self) -> dict:
@@ -130,7 +125,7 @@ class SensitivityCheck:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore a record; ``None`` (a checkpoint of a version without the check) leaves the counts
-        at 0, so the steps before it count as unchecked."""
+        at 0."""
         if not state:
             return
         self.counts.update({k: int(state["counts"].get(k, 0)) for k in self.FIELDS})

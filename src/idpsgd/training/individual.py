@@ -8,10 +8,11 @@ the summary with the validation against exact tracking and the sensitivity check
 released statistics, and the plots.
 
 ``kind`` says what the output-specific numbers are (the tracker's rule, :mod:`idpsgd.engine.individual`):
-a **guarantee** when the charged sensitivities were enforced (individual clipping) or checked against
-training's clipped norms at every step, else an **estimate** (then each example's ε is an estimate
-capped by its data-independent bound); ``kind_reason`` says why (public: it depends on the options,
-the architecture and whether the check passed); the check's statistics are private.
+a **guarantee** when training clipped every example at its charged sensitivity (individual clipping,
+or norms of every step with exact/ceil rounding), else an **estimate** (then each example's ε is an
+estimate capped by its data-independent bound); ``kind`` and ``kind_reason`` are public and depend on
+the options only; the check's statistics (how often the enforcement clipped, norms that differed from
+the norm pass) are private.
 """
 
 from __future__ import annotations
