@@ -192,6 +192,11 @@ class _Snapshot:
             _extra_states(module),
         )
 
+    def rebound(self, module: nn.Module) -> bool:
+        """Whether a released tensor of the snapshot is now another tensor object (swapped in)."""
+        now = released_tensors(module)
+        return any(name in now and now[name][1] is not self.tensors[i] for name, (_, i) in self.names.items())
+
     def changes(self, module: nn.Module) -> list[str]:
         """What changed since the snapshot, one phrase per parameter or buffer (empty: nothing)."""
         now = released_tensors(module)
@@ -332,6 +337,12 @@ class WriteGuard:
 
     def _first_forward(self) -> None:
         if self._armed and not self._suspended:
+            if self._state is not None and self._state.rebound(self.model):
+                # the call runs on tensors swapped in for it (torch.func.functional_call, e.g. per-sample
+                # gradients for grad_sample_mode="no_op"): the state taken at the step's end stays the
+                # reference (without the value fingerprint, as for a loop that never calls the root module)
+                self._armed = False
+                return
             self._state = _Snapshot.take(self.model, fingerprint=True)
             self._armed = False
 
