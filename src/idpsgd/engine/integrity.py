@@ -38,7 +38,9 @@ after ``optimizer.step()`` — which do not go through the model's forward on th
 is taken at the model's first call after each step (before the model's own forward pre-hooks), after
 such writes.  (A loop that never calls the model's root module — only its submodules — is compared
 against the state right after the step, without the value fingerprint: writes between steps are
-then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by Opacus's
+then refused too, and ``.data`` writes are not seen; so is a step whose first call of the model runs
+on tensors swapped in for it — ``torch.func.functional_call``, as per-sample gradients computed by
+the user for ``grad_sample_mode="no_op"`` do.)  BatchNorm stays refused by Opacus's
 validator.
 
 How (cheap, no copy of the parameters): per tensor, its version counter (``t._version``, bumped by

@@ -372,10 +372,13 @@ class IndividualizedPrivacyEngine:
 
         **With budgets** (idpsgd): per-example rates / clip norms and σ are calibrated so that each
         group spends its budget exactly at the planned length.  **With ``noise_multiplier``**
-        (Opacus's ``make_private``): every example has that σ, the rate ``sample_rate`` and the clip
-        norm ``max_grad_norm``; without budgets nothing is filtered (ε is accounted and reported,
-        ``get_epsilon(delta)`` needs δ unless ``target_delta`` is given), with budgets the filter
-        keeps every group within its budget.
+        (Opacus's ``make_private``), without budgets: every example has that σ, the rate
+        ``sample_rate`` and the clip norm ``max_grad_norm``; nothing is filtered (ε is accounted and
+        reported, ``get_epsilon(delta)`` needs δ unless ``target_delta`` is given).  **With
+        ``noise_multiplier`` and budgets** (and ``epochs`` or ``steps``, required): σ is kept and each
+        group's sampling rate (``method="sample"``, the default) or clip norm (``"scale"``) is solved so
+        that the plan spends its budget (:func:`~idpsgd.assignment.methods.assign_for_noise_multiplier`);
+        the filter keeps every group within its budget.
 
         Args:
             module, optimizer, data_loader: as for Opacus's ``make_private``; the loader may be over
@@ -391,10 +394,14 @@ class IndividualizedPrivacyEngine:
             max_grad_norm: the (mean) clip norm c.
             sample_rate: the mean sampling rate; default ``1 / len(data_loader)`` (Opacus's: an epoch is
                 ``len(data_loader)`` steps).
-            noise_multiplier: σ for every example (Opacus's ``make_private``).
+            noise_multiplier: σ for every example (Opacus's ``make_private``); with ``budgets`` and
+                ``epochs``/``steps`` each group's rate (``sample``) or clip norm (``scale``) is
+                solved for its budget at that σ.
             criterion, batch_first, loss_reduction, noise_generator, grad_sample_mode: as Opacus.
-            poisson_sampling, clipping, wrap_model, rand_on_empty: Opacus's keywords; only their
-                defaults (True, "flat", True, False) can be honoured, the others are refused.
+            poisson_sampling, clipping, rand_on_empty: Opacus's keywords; only their defaults (True,
+                "flat", False) can be honoured, the others are refused.
+            wrap_model: ``False`` attaches Opacus's hooks to ``module`` itself (modes ``hooks``,
+                ``functorch``, ``no_op``; returned: Opacus's hooks object, keep training ``module``).
             **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
                 ``filter_action``, ``filter_options``, ``per_sample_loss``, ...).
 
