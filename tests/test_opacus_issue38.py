@@ -155,6 +155,15 @@ def test_wrap_model_false_a_second_phase_replaces_the_engines_hooks_and_refuses_
     for mode in ("ghost", "bk", "ew"):
         with pytest.raises(InvalidParameterError, match=f"wrap_model=False is invalid: is not supported with .*{mode}"):
             _setup(mode, wrap_model=False)
+    from idpsgd.engine.wrap import check_wrappable
+
+    class DistributedDataParallel(nn.Module):  # the name raw_module unwraps (no process group needed here)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(InvalidParameterError, match="wrap_model=False is invalid: is not supported for a Distributed"):
+        check_wrappable(DistributedDataParallel(_model()), "hooks", wrap_model=False)
 
 
 # --- item 2: budgets with make_private(noise_multiplier=...) ----------------------------------------------

@@ -81,7 +81,8 @@ WRAP = (
     "Opacus 1.6's unwrapped hooks (your module, hooks attached) are supported with grad_sample_mode 'hooks', "
     "'functorch' and 'no_op'; in 'ghost' and 'bk' mode each example's clip norm c_i enters through the engine's "
     "own wrapper (its clip factors, its book-keeper), which has no unwrapped form, and Opacus has none for 'ew' "
-    "— use the returned module there (not implemented, no privacy reason)"
+    "— use the returned module there, and for a data-parallel (DPDDP/DDP) module (not implemented, no privacy "
+    "reason)"
 )
 EMPTY = (
     "an empty Poisson batch keeps your batch structure with zero rows (a noise-only step); filling it with "

@@ -127,6 +127,13 @@ def check_wrappable(
                 type(module).__name__,
                 "is already wrapped by Opacus; with wrap_model=False pass the plain nn.Module",
             )
+        if raw_module(module) is not module:  # DPDDP / DDP: the per-rank norm passes find it through the wrapper
+            raise InvalidParameterError(
+                "wrap_model",
+                wrap_model,
+                f"is not supported for a {type(module).__name__} module (the engine's data-parallel steps and norm "
+                "passes work through the returned module): use the returned module (wrap_model=True)",
+            )
     if grad_sample_mode == "no_op" and not batch_first:
         raise InvalidParameterError(
             "batch_first",
