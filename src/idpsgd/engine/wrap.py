@@ -32,8 +32,8 @@
 
 ``wrap_model=False`` (Opacus 1.6's hooks without a wrapper; ``hooks``, ``functorch`` and ``no_op``):
 Opacus's ``GradSampleHooks`` / ``GradSampleHooksNoOp`` attach to your module, which you keep
-training; the returned hooks object is for ``cleanup()`` only.  The clipping, noise and accounting
-are those of the wrapped module.
+training; the returned hooks object is for ``remove_hooks()`` only.  The clipping, noise and
+accounting are those of the wrapped module.
 """
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ def check_wrappable(
         raise InvalidParameterError(
             "module",
             type(module).__name__,
-            "has Opacus's per-sample-gradient hooks attached already (make_private with wrap_model=False on "
-            "another engine?): call remove_hooks() on the hooks object that call returned, then make_private",
+            "has Opacus's per-sample-gradient hooks attached already (an earlier make_private wrapped it, or "
+            "attached hooks with wrap_model=False): pass the module that call returned, or call remove_hooks() on "
+            "it first",
         )
     if isinstance(module, AbstractGradSampleModule):
         if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
