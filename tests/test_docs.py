@@ -51,7 +51,14 @@ def _check_individual(ns, out):
     assert eps_i.shape == (400,) and np.all(eps_i <= 2.0 + 1e-9) and eps_i.min() < eps_i.max()
 
 
+def _check_noise_budgets(ns, out):
+    eps = ns["engine"].get_epsilon(1e-5).per_group  # each group at its own budget (issue 38: they did nothing)
+    assert np.all(eps <= [1.0, 2.0, 3.0]) and np.all(eps >= 0.999 * np.array([1.0, 2.0, 3.0]))
+    assert ns["engine"].steps == 30 and len(set(out.splitlines()[0].split(","))) == 3
+
+
 CHECKS = {
+    "opacus-noise-budgets": _check_noise_budgets,
     "byo": _check_byo,
     "readme-quickstart": _check_readme,
     "budgets": _check_budgets,
@@ -252,7 +259,10 @@ def test_refusals_table_is_generated_from_the_engine():
     for row, refusal in zip(rows, REFUSALS, strict=True):
         assert f"`{refusal.error.__name__}`" in row and refusal.reason in row
     page = (ROOT / "docs" / hooks.OPACUS_PAGE).read_text()
-    assert page.count(hooks.REFUSALS_MARKER) == 1
+    # the table is in the page as read in the repository (the README links there), exactly REFUSALS
+    assert hooks.refusals_block(page) == hooks.refusals_table(), "run python tools/docs_hooks.py"
+    for refusal in REFUSALS:
+        assert refusal.reason.replace("|", "\\|") in page
 
 
 def test_rst_roles_become_code_spans():
@@ -274,3 +284,15 @@ def test_doc_block_lookup_names_its_page():
     assert "make_private" in doc_block("byo")
     with pytest.raises(AssertionError, match="0 python blocks"):
         doc_block("no-such-block")
+
+
+def test_the_version_is_one_and_the_changelog_has_its_release():
+    """Issue 38: pyproject's version, idpsgd.__version__ and a CHANGELOG release section agree (the docs'
+    "in idpsgd 0.1.0 ..." notes refer to an earlier release, not the installed one)."""
+    import idpsgd
+
+    version = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert idpsgd.__version__ == version != "0.1.0"
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d{{2}}-\d{{2}}$", changelog, re.M)
+    assert changelog.index("## [Unreleased]") < changelog.index(f"## [{version}]") < changelog.index("## [0.1.0]")

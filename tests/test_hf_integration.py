@@ -595,6 +595,7 @@ def test_finetune_jsonl_causal_lm_with_a_budget_column(model_dir, tmp_path, caps
     )
     assert r["data"]["train"]["budget_column"] == "epsilon" and r["test_metrics"]["test_perplexity"] > 1
     assert "private" not in r and "seed" not in r
+    assert "test_accuracy" not in r and "per_class_accuracy" not in r  # a language model: omitted, not null / []
     assert (out / "model" / "config.json").is_file() and (out / "private" / "epsilons.csv").is_file()
     assert AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True) is not None
 
@@ -641,6 +642,30 @@ def test_finetune_csv_classifier_with_group_flags(model_dir, tmp_path, capsys):
     assert cfg["id2label"] == {"0": "neg", "1": "pos"}
 
 
+def test_finetune_aligns_special_tokens_before_the_trainer_so_it_does_not_warn(model_dir):
+    """Issue 38: transformers' "The tokenizer has new PAD/BOS/EOS tokens ..." was logged on every run."""
+    import logging
+
+    from transformers.trainer_utils import align_special_tokens
+
+    from idpsgd.integrations.hf.finetune import align_special_tokens_quietly, load_model, load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, "causal_lm", None, tok.pad_token_id)
+    align_special_tokens_quietly(model, tok)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.trainer_utils")
+    logger.addHandler(handler)
+    try:
+        align_special_tokens(model, tok)  # what the Trainer calls: nothing left to align, nothing logged
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "PAD/BOS/EOS" in r.getMessage()]
+    assert model.config.pad_token_id == tok.pad_token_id
+
+
 def test_finetune_bad_inputs(model_dir, tmp_path, capsys):
     data = _write_jsonl(tmp_path / "d.jsonl", [{"text": s, "epsilon": 2.0} for s in _lines(12)])
     no_tok = tmp_path / "notok"
@@ -660,7 +685,10 @@ def test_finetune_bad_inputs(model_dir, tmp_path, capsys):
             ["--model", str(model_dir), "--data", str(data), "--budgets", "1,2", "--fractions", ".5,.5"],
             "give the budgets one way",
         ),
-        (["--model", str(model_dir), "--data", str(plain)], "give each row's budget"),
+        (
+            ["--model", str(model_dir), "--data", str(plain)],
+            "--budget-column='epsilon' is invalid: is not a column of --data",
+        ),
         (
             ["--model", str(model_dir), "--data", str(data), "--batch-size", "6", "--physical-batch-size", "4"],
             "--physical-batch-size=4 is invalid: must divide",

@@ -232,7 +232,7 @@ def test_engine_accountant_has_opacus_interface_and_loads_into_opacus():
     acc = engine.accountant
     assert len(acc) == 0 and acc.mechanism() == "prv" and acc.history == [] and bool(acc)
     _epoch(model, opt, loader)
-    assert len(acc) == 4 and acc.history == [(1.0, 0.25, 4)]
+    assert len(acc) == 1 and acc.history == [(1.0, 0.25, 4)] and engine.steps == 4  # Opacus: history entries
     eps = acc.get_epsilon(DELTA)
     assert isinstance(eps, float) and eps == engine.get_epsilon(DELTA)
     state = acc.state_dict()
@@ -242,7 +242,7 @@ def test_engine_accountant_has_opacus_interface_and_loads_into_opacus():
     assert theirs.get_epsilon(DELTA) == pytest.approx(eps, rel=1e-9)
     other, _m2, _o2, _l2 = _private()
     other.accountant.load_state_dict(state)
-    assert len(other.accountant) == 4 and other.get_epsilon(DELTA) == eps
+    assert other.steps == 4 and other.get_epsilon(DELTA) == eps
     rdp, *_ = _private(IndividualizedPrivacyEngine(accountant="rdp"))
     with pytest.raises(ValueError, match="accountant state is for 'prv', this accountant is 'rdp'"):
         rdp.accountant.load_state_dict(state)
@@ -301,6 +301,7 @@ def test_an_opacus_checkpoint_loads_and_continues_its_accounting(tmp_path):
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         budgets=budgets,
+        epochs=2,
     )
     with pytest.raises(ValueError, match="one history for all examples; this engine has per-example budgets"):
         b_engine.load_checkpoint(path=tmp_path / "opacus.pt", module=bm, optimizer=bo)
@@ -361,7 +362,9 @@ def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
     triggers = {
         "poisson_sampling=False": lambda: make(poisson_sampling=False),
         'clipping="per_layer" / "adaptive"': lambda: make(clipping="adaptive"),
-        "wrap_model=False": lambda: make(wrap_model=False),
+        'wrap_model=False with grad_sample_mode="ghost"/"bk"/"ew"': lambda: make(
+            wrap_model=False, grad_sample_mode="bk"
+        ),
         "rand_on_empty=True": lambda: make(rand_on_empty=True),
         "noise_multiplier=0": lambda: make(noise_multiplier=0.0),
         "noise_scheduler= / grad_clip_scheduler=": lambda: engine.save_checkpoint(
@@ -371,7 +374,17 @@ def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
             path=tmp_path / "c.pt", module=model, torch_load_kwargs={"mmap": True}
         ),
         "secure_mode=True with a seed or noise_generator": lambda: resolve_seed(3, True),
-        "a step or plan beyond a budget": lambda: make(budgets=Budgets.from_array(np.full(100, 0.01), DELTA), steps=50),
+        "a step or plan beyond a budget": lambda: IndividualizedPrivacyEngine().make_private_with_parameters(
+            module=(m := _linear()),
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=30),
+            budgets=Budgets.from_array(np.full(100, 0.01), DELTA),
+            sample_rates=np.full(100, 0.25),
+            clip_norms=np.ones(100),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            steps=50,
+        ),
     }
     batch_option = next(r.option for r in REFUSALS if r.error.__name__ == "BatchMismatchError")
     assert set(triggers) | {batch_option} == {r.option for r in REFUSALS}

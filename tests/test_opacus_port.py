@@ -383,7 +383,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
     bad = [
         (dict(poisson_sampling=False), "poisson_sampling=False is invalid: only True"),
         (dict(clipping="per_layer"), "clipping='per_layer' is invalid: only 'flat'"),
-        (dict(wrap_model=False), "wrap_model=False is invalid"),
+        (dict(wrap_model=False, grad_sample_mode="ghost"), "wrap_model=False is invalid"),
         (dict(rand_on_empty=True), "rand_on_empty=True is invalid"),
         (dict(method="sample"), "method='sample' is invalid"),
         (dict(privacy_filter="group"), "privacy_filter='group' is invalid: needs budgets"),

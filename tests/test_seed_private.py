@@ -393,6 +393,8 @@ def test_stderr_of_a_real_process_warns_once_and_holds_no_seed(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("Secure RNG turned off") == 1
+    # the CLI's one clean line (issue 38), not Python's "path.py:229: UserWarning: ..." form
+    assert "idpsgd demo: warning: Secure RNG turned off" in proc.stderr and "UserWarning" not in proc.stderr
     assert seed_leaks(tmp_path / "d", proc.stdout + proc.stderr) == []
 
 

@@ -4,9 +4,12 @@
   (:func:`idpsgd.cli.main.build_parser`, every command and sub-command), so it cannot drift from
   the code: the page holds a ``<!-- cli-reference -->`` marker that :func:`on_page_markdown`
   replaces with each parser's ``--help`` text.
-* The table of refused Opacus options (``docs/opacus.md``) is generated from
-  :data:`idpsgd.engine.opacus_compat.REFUSALS`, the table the engine builds its refusal messages from:
-  the page's ``<!-- opacus-refusals -->`` marker is replaced by it.
+* The table of refused Opacus options (``docs/opacus.md``) is written into the page itself, between
+  the markers ``<!-- opacus-refusals:begin -->`` and ``<!-- opacus-refusals:end -->``, so that the page
+  read in the repository shows it too; it is generated from
+  :data:`idpsgd.engine.opacus_compat.REFUSALS` (the table the engine builds its refusal messages from)
+  by ``python tools/docs_hooks.py`` (rewrites the block), and the build fails when the block differs
+  from ``REFUSALS`` (as does ``tests/test_docs.py``).
 * The figures under ``bench/results/*.png`` are served as ``bench-results/NAME.png`` without a
   copy in ``docs/`` (:func:`on_files`).
 """
@@ -23,7 +26,8 @@ CLI_PAGE = "cli.md"
 CLI_MARKER = "<!-- cli-reference -->"
 HELP_WIDTH = 100  # columns of the rendered --help text (argparse reads $COLUMNS)
 OPACUS_PAGE = "opacus.md"
-REFUSALS_MARKER = "<!-- opacus-refusals -->"
+REFUSALS_BEGIN = "<!-- opacus-refusals:begin (generated from REFUSALS by python tools/docs_hooks.py) -->"
+REFUSALS_END = "<!-- opacus-refusals:end -->"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argparse.ArgumentParser]]:
@@ -87,13 +91,37 @@ def refusals_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def refusals_block(page: str) -> str:
+    """The table between the page's refusal markers (ValueError unless each marker is there once)."""
+    if page.count(REFUSALS_BEGIN) != 1 or page.count(REFUSALS_END) != 1:
+        raise ValueError(f"docs/{OPACUS_PAGE} must hold {REFUSALS_BEGIN} and {REFUSALS_END} once each")
+    return page.split(REFUSALS_BEGIN, 1)[1].split(REFUSALS_END, 1)[0].strip("\n") + "\n"
+
+
+def write_refusals(path: Path | None = None) -> bool:
+    """Rewrite the refusal table of ``docs/opacus.md`` from ``REFUSALS``; whether it changed."""
+    path = path or ROOT / "docs" / OPACUS_PAGE
+    page = path.read_text()
+    old = refusals_block(page)
+    new = refusals_table()
+    if old == new:
+        return False
+    head, rest = page.split(REFUSALS_BEGIN, 1)
+    tail = rest.split(REFUSALS_END, 1)[1]
+    path.write_text(f"{head}{REFUSALS_BEGIN}\n{new}{REFUSALS_END}{tail}")
+    return True
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    for name, marker, render in ((CLI_PAGE, CLI_MARKER, cli_reference), (OPACUS_PAGE, REFUSALS_MARKER, refusals_table)):
-        if page.file.src_uri != name:
-            continue
-        if markdown.count(marker) != 1:
-            raise ValueError(f"docs/{name} must hold the marker {marker} exactly once")
-        markdown = markdown.replace(marker, render())
+    if page.file.src_uri == CLI_PAGE:
+        if markdown.count(CLI_MARKER) != 1:
+            raise ValueError(f"docs/{CLI_PAGE} must hold the marker {CLI_MARKER} exactly once")
+        markdown = markdown.replace(CLI_MARKER, cli_reference())
+    if page.file.src_uri == OPACUS_PAGE and refusals_block(markdown) != refusals_table():
+        raise ValueError(
+            f"docs/{OPACUS_PAGE}'s table of refused options differs from idpsgd.engine.opacus_compat.REFUSALS: "
+            "run python tools/docs_hooks.py to rewrite it"
+        )
     return markdown
 
 
@@ -103,3 +131,7 @@ def on_files(files, config):
     for png in sorted((ROOT / "bench" / "results").glob("*.png")):
         files.append(File.generated(config, f"bench-results/{png.name}", abs_src_path=str(png)))
     return files
+
+
+if __name__ == "__main__":  # python tools/docs_hooks.py: rewrite docs/opacus.md's refusal table from REFUSALS
+    print("docs/opacus.md:", "refusal table rewritten" if write_refusals() else "refusal table up to date")

@@ -24,7 +24,7 @@ from .accounting import (
 from .assignment import Assignment, Budgets, assign
 from .validation import InvalidParameterError, UnreachableTargetError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "TrainConfig": "training",

@@ -19,8 +19,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def ratio(engine_cls, seed: int, steps: int = 3, sigma: float = 1.0, lr: float = 2.0, batch: int = 64) -> float:
-    """Noise norm² over its expectation steps·n·σ²·lr²/B², as the Opacus test computes it."""
+def ratio(
+    engine_cls, seed: int, steps: int = 3, sigma: float = 1.0, lr: float = 2.0, batch: int = 64, wrap_model: bool = True
+) -> float:
+    """Noise norm² over its expectation steps·n·σ²·lr²/B², as the Opacus test computes it (``wrap_model=False``:
+    its ``PrivacyEngineCustomLayerHooksTest`` variant, the user's module with Opacus 1.6's hooks)."""
     import torch
     from opacus.tests.privacy_engine_test import ModelWithCustomLinear
     from torch.utils.data import DataLoader, TensorDataset
@@ -29,13 +32,16 @@ def ratio(engine_cls, seed: int, steps: int = 3, sigma: float = 1.0, lr: float =
     data = TensorDataset(torch.randn(512, 4), torch.randint(0, 3, (512,)))
     model = ModelWithCustomLinear()
     engine = engine_cls()
-    model, opt, loader = engine.make_private(
+    wrapped, opt, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         data_loader=DataLoader(data, batch_size=batch),
         noise_multiplier=sigma,
         max_grad_norm=1.0,
+        wrap_model=wrap_model,
     )
+    if wrap_model:
+        model = wrapped
     for p in model.parameters():
         p.data.zero_()
     taken = 0
@@ -56,6 +62,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=40, help="torch seeds to try (default 40)")
     p.add_argument("--site", default=str(HERE.parents[1] / ".opacus-suite"), help="where torchvision is installed")
+    p.add_argument("--unwrapped", action="store_true", help="the wrap_model=False variant (...HooksTest)")
     args = p.parse_args(argv)
     sys.path[:0] = [args.site, str(HERE)]
     warnings.simplefilter("ignore")
@@ -66,7 +73,7 @@ def main(argv=None) -> None:
 
     harness.import_torchvision()
     for cls in (IndividualizedPrivacyEngine, PrivacyEngine):
-        r = [ratio(cls, s) for s in range(args.seeds)]
+        r = [ratio(cls, s, wrap_model=not args.unwrapped) for s in range(args.seeds)]
         within = sum(abs(x - 1) <= 0.15 for x in r)
         print(
             f"{cls.__name__}: ratio {statistics.mean(r):.3f} ± {statistics.stdev(r):.3f}, {within}/{len(r)} within 15 %"

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_positive
 from .conversion import rdp_to_epsilon
-from .events import SampledGaussianEvent
+from .events import MIN_NOISE_MULTIPLIER as MIN_NOISE_MULTIPLIER  # re-exported
+from .events import SampledGaussianEvent, _check_min_sigma
 from .orders import CachedRdp, search_orders, sgm_rdp_at
 from .prv import prv_epsilon
 from .rdp import DEFAULT_ORDERS, compute_rdp
@@ -30,24 +31,8 @@ PLD_DISCRETIZATION = 1e-3
 #: Largest PLD grid (points of one probability mass function, before or after composition) we
 #: build: 2^23 points are 64 MiB of float64 (the FFTs need a few times that).
 PLD_MAX_POINTS = 2**23
-#: Smallest noise multiplier accounted by the scalar API: below it one step alone costs ε > 1e5
-#: at any useful δ, and the numbers are meaningless.
-MIN_NOISE_MULTIPLIER = 1e-3
 #: Tail mass that dp_accounting truncates per composition (moved to the infinite loss).
 _TAIL_MASS = 1e-15
-
-
-def _check_min_sigma(noise_multiplier, name: str = "noise_multiplier") -> None:
-    s = np.asarray(noise_multiplier, dtype=float)
-    small = s < MIN_NOISE_MULTIPLIER
-    if np.any(small):
-        v = float(s[small].ravel()[0])
-        raise InvalidParameterError(
-            name,
-            v,
-            f"must be >= {MIN_NOISE_MULTIPLIER:g}: below it the privacy loss is "
-            "astronomically large and no accountant reports a meaningful epsilon",
-        )
 
 
 def _event_arrays(events: Sequence[SampledGaussianEvent]):

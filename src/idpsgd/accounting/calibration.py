@@ -34,7 +34,8 @@ from ..validation import (
     check_sample_rate,
     check_steps,
 )
-from .accountants import _check_min_sigma, epsilon_sgm, get_accountant
+from .accountants import epsilon_sgm, get_accountant
+from .events import _check_min_sigma
 from .orders import search_orders, sgm_rdp_at
 
 SIGMA_RANGE = (1e-2, 1e6)

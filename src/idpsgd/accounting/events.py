@@ -4,7 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validation import check_noise_multiplier, check_sample_rate
+import numpy as np
+
+from ..validation import InvalidParameterError, check_noise_multiplier, check_sample_rate
+
+#: Smallest noise multiplier accounted by the scalar API: below it one step alone costs ε > 1e5
+#: at any useful δ, and the numbers are meaningless.
+MIN_NOISE_MULTIPLIER = 1e-3
+
+
+def _check_min_sigma(noise_multiplier, name: str = "noise_multiplier") -> None:
+    """Refuse a noise multiplier below :data:`MIN_NOISE_MULTIPLIER` (here, below the accountants that
+    share it: :mod:`.accountants`, :mod:`.prv`, :mod:`.calibration`)."""
+    s = np.asarray(noise_multiplier, dtype=float)
+    small = s < MIN_NOISE_MULTIPLIER
+    if np.any(small):
+        v = float(s[small].ravel()[0])
+        raise InvalidParameterError(
+            name,
+            v,
+            f"must be >= {MIN_NOISE_MULTIPLIER:g}: below it the privacy loss is "
+            "astronomically large and no accountant reports a meaningful epsilon",
+        )
 
 
 @dataclass(frozen=True)

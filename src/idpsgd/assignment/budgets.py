@@ -132,6 +132,33 @@ class Budgets:
             np.array([lut[int(y)] if isinstance(y, (int, np.integer)) else lut[y] for y in labels.tolist()]), delta
         )
 
+    def for_subset(self, subset) -> Budgets:
+        """The budgets of a subset's examples, in the subset's order: ``subset`` is a
+        ``torch.utils.data.Subset`` (what ``random_split`` returns; nested subsets too) of the dataset
+        these budgets are for, or an array of its indices.  (Budgets are one per example of the data
+        loader's dataset: a loader over ``train`` from ``random_split(full, ...)`` needs
+        ``budgets.for_subset(train)``.)"""
+        from torch.utils.data import Subset
+
+        idx = None
+        while isinstance(subset, Subset):  # down to the dataset these budgets index
+            step = np.asarray(subset.indices, dtype=np.int64)
+            idx = step if idx is None else step[idx]
+            subset = subset.dataset
+        if idx is None:
+            idx = np.asarray(subset)
+            if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+                raise InvalidParameterError(
+                    "subset", type(subset).__name__, "must be a torch.utils.data.Subset or a 1-D array of indices"
+                )
+        if idx.size == 0 or idx.min() < -len(self) or idx.max() >= len(self):
+            raise InvalidParameterError(
+                "subset",
+                f"{idx.size} indices",
+                f"must index these budgets' {len(self)} examples (the dataset random_split was given)",
+            )
+        return Budgets(self.epsilons[idx], self.delta)
+
     @classmethod
     def from_csv(cls, path, column: str, delta: float) -> Budgets:
         """Budgets from one column of a CSV file with a header row (one row per example)."""

@@ -335,3 +335,79 @@ def assign(
     if note:
         warnings.warn(note, SparseSamplingWarning, stacklevel=2)
     return out
+
+
+#: the methods that can solve a group's parameter for a given σ (Opacus's make_private(noise_multiplier=))
+FIXED_SIGMA_METHODS = ("sample", "scale")
+
+
+def assign_for_noise_multiplier(
+    budgets: Budgets,
+    method: str,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    clip_norm: float,
+    accountant: str = "rdp",
+) -> Assignment:
+    """Per-group parameters for a **given** σ (Opacus's ``make_private(noise_multiplier=...)`` with budgets).
+
+    * ``sample``: each group's sampling rate q_p is solved so that ``steps`` steps at σ spend its
+      budget (ε in [(1 − 1e-4)·budget, budget]); the clip norm is ``clip_norm`` for all.  The mean
+      rate is then what the budgets give (not ``sample_rate``): σ is fixed, so it cannot also be
+      held.  A group whose budget is not spent even at q_p = 1 is sampled at rate 1 and spends less
+      (warned, with its ε).
+    * ``scale``: every group is sampled at ``sample_rate``; each group's effective noise multiplier
+      σ_p is solved for its budget and its clip norm is c_p = c·σ/σ_p (the noise std σ·c is the
+      same for all, so group p meets σ·c/c_p = σ_p).
+
+    ``uniform`` (every example at the smallest budget) has nothing to solve per group: calibrate σ
+    with ``make_private_with_epsilon`` instead.
+    """
+    if method not in FIXED_SIGMA_METHODS:
+        raise InvalidParameterError(
+            "method",
+            method,
+            f"with noise_multiplier must be one of {', '.join(FIXED_SIGMA_METHODS)} (each group's sampling rate or "
+            "clip norm is solved for its budget at that sigma); for uniform, calibrate sigma to the smallest budget "
+            "with make_private_with_epsilon(budgets=..., method='uniform', epochs=...)",
+        )
+    q = float(check_sample_rate(sample_rate))
+    steps = check_steps(steps)
+    c = check_positive(clip_norm, "max_grad_norm")
+    sigma = check_positive(noise_multiplier, "noise_multiplier")
+    values, counts, inverse = budgets.groups()
+    weights = counts / counts.sum()
+    n = values.size
+    if method == "sample":
+        at_one = np.atleast_1d(epsilon_sgm(np.ones(n), np.full(n, sigma), steps, budgets.delta, accountant))
+        full = at_one <= values
+        q_p = np.ones(n)
+        if np.any(~full):
+            q_p[~full] = np.atleast_1d(
+                calibrate_sample_rate(values[~full], budgets.delta, sigma, steps, accountant, name="budgets")
+            )
+        if np.any(full):
+            shown = ", ".join(f"budget {v:g}: epsilon {e:.4g}" for v, e in zip(values[full], at_one[full], strict=True))
+            warnings.warn(
+                f"method sample with noise_multiplier={sigma:g} and {steps} steps: even sampled at rate 1 (every "
+                f"example in every batch) these groups spend less than their budgets ({shown}); a smaller "
+                "noise_multiplier or more steps would use them",
+                UserWarning,
+                stacklevel=3,
+            )
+        c_p, sig_eff = np.full(n, c), np.full(n, sigma)
+    else:
+        sig_eff = np.atleast_1d(calibrate_noise_multiplier(values, budgets.delta, q, steps, accountant, name="budgets"))
+        q_p, c_p = np.full(n, q), c * sigma / sig_eff
+    eps = np.atleast_1d(epsilon_sgm(q_p, sig_eff, steps, budgets.delta, accountant))
+    groups = tuple(
+        GroupParams(float(v), int(k), float(w), float(a), float(b), float(s), float(e))
+        for v, k, w, a, b, s, e in zip(values, counts, weights, q_p, c_p, sig_eff, eps, strict=True)
+    )
+    mean_q = float(weights @ q_p)
+    out = Assignment(method, accountant, float(sigma), mean_q, c, steps, budgets.delta, groups, inverse)
+    note = sparse_sampling(out)
+    if note:
+        warnings.warn(note, SparseSamplingWarning, stacklevel=3)
+    return out

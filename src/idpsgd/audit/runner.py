@@ -447,41 +447,28 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
     tests = _tests(values, group_of, target_in, scores[primary], primary)
     protection = _protection_tests(values, group_of, loo[primary], design, primary) if m else []
     shadow_acc = [s["report"].get("test_accuracy") for s in shadows]
-    return {
-        "attack": options.attack,
-        "primary_attack": primary,
-        "lira": {"mode": options.lira_mode, "variance": options.lira_variance} if m else None,
-        "method": config.method,
-        "dataset": dataset.name,
-        "model": target["report"].get("model"),
-        "accountant": config.accountant,
-        "guarantee": target["report"].get("guarantee"),
-        "delta": budgets.delta,
-        "confidence": options.confidence,
-        "multiplicity": multiplicity,
-        "shadow_models": m,
-        "epochs": config.epochs,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "clip_norm": config.clip_norm,
-        "target": {
-            "examples": n,
-            "members": int(target_in.sum()),
-            "test_accuracy": target["report"].get("test_accuracy"),
-            "noise_multiplier": target["report"].get("noise_multiplier"),
+    return _report(
+        config,
+        dataset,
+        budgets,
+        options,
+        target,
+        multiplicity,
+        attack=options.attack,
+        primary=primary,
+        head={"lira": {"mode": options.lira_mode, "variance": options.lira_variance} if m else None},
+        setting={"shadow_models": m},
+        target_counts={"examples": n, "members": int(target_in.sum())},
+        after={
+            "shadow_test_accuracy_mean": float(np.mean(shadow_acc)) if shadow_acc else None,
+            "threshold_selection": (
+                "leave-one-out scores of the shadow models (independent of the target's membership)"
+                if m
+                else "a random half of each group; the bound is evaluated on the other half"
+            ),
         },
-        "shadow_test_accuracy_mean": float(np.mean(shadow_acc)) if shadow_acc else None,
-        "threshold_selection": (
-            "leave-one-out scores of the shadow models (independent of the target's membership)"
-            if m
-            else "a random half of each group; the bound is evaluated on the other half"
-        ),
-        "disclosure": DISCLOSURE,
-        "groups": groups,
-        "all": everyone,
-        "tests": tests,
-        "protection_tests": protection,
-        "_scores": {
+        results={"groups": groups, "all": everyone, "tests": tests, "protection_tests": protection},
+        scores={
             "target_in": target_in,
             "scores": scores,
             "group_of": group_of,
@@ -492,6 +479,42 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
             "labels": dataset.y_train.numpy(),
             "budgets": budgets.epsilons,
         },
+    )
+
+
+def _report(
+    config, dataset, budgets, options, target, multiplicity, *, attack, primary, head, setting, target_counts, after,
+    results, scores,
+) -> dict:  # fmt: skip
+    """The audit report of either attack (one place for the keys they share, in the report's order):
+    ``head`` after the attack's names, ``setting`` after the confidence, ``target_counts`` in
+    ``target``, ``after`` after it, ``results`` (groups, all, tests, ...) and the private ``_scores``."""
+    return {
+        "attack": attack,
+        "primary_attack": primary,
+        **head,
+        "method": config.method,
+        "dataset": dataset.name,
+        "model": target["report"].get("model"),
+        "accountant": config.accountant,
+        "guarantee": target["report"].get("guarantee"),
+        "delta": budgets.delta,
+        "confidence": options.confidence,
+        "multiplicity": multiplicity,
+        **setting,
+        "epochs": config.epochs,
+        "batch_size": config.batch_size,
+        "lr": config.lr,
+        "clip_norm": config.clip_norm,
+        "target": {
+            **target_counts,
+            "test_accuracy": target["report"].get("test_accuracy"),
+            "noise_multiplier": target["report"].get("noise_multiplier"),
+        },
+        **after,
+        "disclosure": DISCLOSURE,
+        **results,
+        "_scores": scores,
     }
 
 
@@ -653,40 +676,28 @@ def _one_run(dataset, budgets, config, options, folder, store, seed, values, gro
     eps_all = max((e for e, _ in guarantees.values()), default=None)
     delta_all = max((d for _, d in guarantees.values()), default=budgets.delta)
     everyone = _one_run_group(None, eps_all, delta_all, score[canary], included[canary], conf)
-    return {
-        "attack": "one-run",
-        "primary_attack": "one-run",
-        "method": config.method,
-        "dataset": dataset.name,
-        "model": target["report"].get("model"),
-        "accountant": config.accountant,
-        "guarantee": target["report"].get("guarantee"),
-        "delta": budgets.delta,
-        "confidence": options.confidence,
-        "multiplicity": multiplicity,
-        "canaries_per_group": options.canaries,
-        "canary_kind": options.canary_kind,
-        "epochs": config.epochs,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "clip_norm": config.clip_norm,
-        "target": {
-            "examples": int(train_mask.sum()),
-            "canaries_included": int((canary & included).sum()),
-            "test_accuracy": target["report"].get("test_accuracy"),
-            "noise_multiplier": target["report"].get("noise_multiplier"),
+    return _report(
+        config,
+        dataset,
+        budgets,
+        options,
+        target,
+        multiplicity,
+        attack="one-run",
+        primary="one-run",
+        head={},
+        setting={"canaries_per_group": options.canaries, "canary_kind": options.canary_kind},
+        target_counts={"examples": int(train_mask.sum()), "canaries_included": int((canary & included).sum())},
+        after={
+            "note": (
+                "Steinke et al. 2023's one-run bound: valid for this run's mechanism at the stated confidence, "
+                "loose by design: with m canaries it cannot exceed 'ceiling' whatever the algorithm, and a "
+                "black-box score of the final model sees far less than the analysis assumes. A bound far below "
+                "the reported epsilon is expected and is no evidence that the guarantee is tight or loose."
+            )
         },
-        "note": (
-            "Steinke et al. 2023's one-run bound: valid for this run's mechanism at the stated confidence, "
-            "loose by design: with m canaries it cannot exceed 'ceiling' whatever the algorithm, and a "
-            "black-box score of the final model sees far less than the analysis assumes. A bound far below "
-            "the reported epsilon is expected and is no evidence that the guarantee is tight or loose."
-        ),
-        "disclosure": DISCLOSURE,
-        "groups": groups,
-        "all": everyone,
-        "tests": [],
-        "_scores": {
+        results={"groups": groups, "all": everyone, "tests": []},
+        scores={
             "canary": canary,
             "included": included,
             "score": score,
@@ -696,7 +707,7 @@ def _one_run(dataset, budgets, config, options, folder, store, seed, values, gro
             "canary_labels": labels,
             "budgets": budgets.epsilons,
         },
-    }
+    )
 
 
 def _one_run_group(budget, eps, delta, score, inc, conf):

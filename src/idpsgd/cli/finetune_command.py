@@ -102,11 +102,11 @@ def _budgets(args, data, class_ids, classes=None):
         return Budgets.from_array(data.budgets, check_delta(args.delta))
     if not others:
         raise InvalidParameterError(
-            "budgets",
-            None,
-            f"give each row's budget: a column {args.budget_column!r} in "
-            "--data (--budget-column), or --budgets with --fractions, --budgets-per-class, "
-            "--budgets-file or --budget-distribution",
+            "budget_column",
+            args.budget_column,
+            f"is not a column of --data {str(args.data)!r}, and no other budget flag is given: give each row's "
+            "budget in that column (or name yours with --budget-column), or give --budgets with --fractions, "
+            "--budgets-per-class, --budgets-file or --budget-distribution",
         )
     import numpy as np
 

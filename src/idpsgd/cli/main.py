@@ -116,8 +116,8 @@ class _OnceAfterSuccess:
     error (a bad input's error stays the one line on stderr).  Filters (``-W``, a test runner's) still
     decide first whether a warning is shown at all."""
 
-    def __init__(self, prefix: str):
-        self.prefix, self.held = prefix, None
+    def __init__(self, prefix: str, command: str = ""):
+        self.prefix, self.held, self.command = prefix, None, command
 
     def __enter__(self):
         self.original = warnings.showwarning
@@ -136,9 +136,11 @@ class _OnceAfterSuccess:
         return False
 
     def show(self) -> None:
+        """The held warning as the CLI's one line, ``idpsgd COMMAND: warning: ...`` (no source path)."""
         if self.held is not None:
-            message, category, filename, lineno, file = self.held
-            self.original(message, category, filename, lineno, file, "")  # "" : no source line
+            message, _category, _filename, _lineno, file = self.held
+            text = " ".join(str(message).split())
+            (file or sys.stderr).write(f"idpsgd {self.command}: warning: {text}\n")
 
 
 def main(argv=None) -> int:
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     from ..data import DatasetFileError
 
     _help, _add, run = COMMANDS[args.command]
-    held = _OnceAfterSuccess("Secure RNG turned off")
+    held = _OnceAfterSuccess("Secure RNG turned off", args.command)
     try:
         with held:
             result = run(args)

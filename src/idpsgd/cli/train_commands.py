@@ -359,7 +359,7 @@ def train_cmd(args):
         )
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
-            from ..training.loop import resolve_device
+            from ..training.device import resolve_device
 
             check_nproc(args.nproc, pdp=args.method in PDP_METHODS, individual_filter=filter_options is not None)
             report = launch(

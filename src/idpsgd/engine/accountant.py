@@ -280,8 +280,10 @@ class GroupAccountant:
         return self.accountant
 
     def __len__(self) -> int:
-        """Opacus's ``len(accountant)``: the optimization steps accounted so far."""
-        return self.steps
+        """Opacus's ``len(accountant)``: the number of entries of :attr:`history` (one per run of steps with
+        the same noise multiplier and sampling rate — 1 for a one-phase run, as Opacus's accountants give);
+        the steps accounted are ``engine.steps``."""
+        return len(self.history)
 
     def __bool__(self) -> bool:  # an accountant is an accountant, also before its first step
         return True

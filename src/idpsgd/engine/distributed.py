@@ -312,6 +312,7 @@ OPTIMIZERS = {
     "hooks": DistributedIndividualizedDPOptimizer,
     "functorch": DistributedIndividualizedDPOptimizer,
     "ew": DistributedIndividualizedDPOptimizer,
+    "no_op": DistributedIndividualizedDPOptimizer,
     "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
     "bk": DistributedIndividualizedDPOptimizerBookKeeping,
 }

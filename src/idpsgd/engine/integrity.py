@@ -47,8 +47,10 @@ It is registered only while a guard waits for its step's first call.  (A write m
 the model's modules runs — a plain method that writes a buffer without calling a module — cannot be
 told from a write between steps and is allowed.  A loop that calls none of the model's modules is
 compared against the state right after the step, without the value fingerprint: writes between
-steps are then refused too, and ``.data`` writes are not seen.)  BatchNorm stays refused by
-Opacus's validator.
+steps are then refused too, and ``.data`` writes are not seen; so is a step whose first call of
+the model runs on tensors swapped in for it — ``torch.func.functional_call``, as per-sample gradients
+computed by the user for ``grad_sample_mode="no_op"`` are.)  BatchNorm stays refused by Opacus's
+validator.
 
 How (no copy of the parameters): per tensor, its version counter (``t._version``, bumped by every
 in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its identity (a
@@ -335,6 +337,14 @@ class _Snapshot:
             values,
         )
 
+    def rebound(self, module: nn.Module) -> bool:
+        """Whether a released tensor of the snapshot is now another tensor object (swapped in)."""
+        now = released_tensors(module)
+        return any(
+            kind != "optimizer state" and name in now and now[name][1] is not self.tensors[i]
+            for name, (kind, i) in self.names.items()
+        )
+
     def changes(self, module: nn.Module, optimizer=None) -> list[str]:
         """What changed since the snapshot, one phrase per parameter, buffer or optimizer state (empty:
         nothing)."""
@@ -536,6 +546,11 @@ class WriteGuard:
         if self._armed and not self._suspended:
             self._armed = False
             self._stop_waiting()
+            if self._state is not None and self._state.rebound(self.model):
+                # the call runs on tensors swapped in for it (torch.func.functional_call, e.g. per-sample
+                # gradients for grad_sample_mode="no_op"): the state taken at the step's end stays the
+                # reference (without the value fingerprint, as for a loop that calls none of the modules)
+                return
             self._state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
 
     def check(self, where: str = "the training step") -> None:

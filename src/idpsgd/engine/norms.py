@@ -19,7 +19,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from opacus.grad_sample import AbstractGradSampleModule
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 
 
 def _clear(module: torch.nn.Module) -> None:
@@ -56,7 +56,7 @@ def _norm_pass(model: torch.nn.Module):
     from .integrity import WriteGuard, check_static_writes
     from .wrap import raw_module
 
-    outer = model if isinstance(model, AbstractGradSampleModule) else None
+    outer = model if isinstance(model, AbstractGradSampleHooks) else None  # a module, or wrap_model=False's hooks
     if not hasattr(outer, "disable_hooks"):  # grad_sample_mode="ew": no hooks (its forward is not called here)
         outer = None
     raw = raw_module(model)

@@ -78,9 +78,11 @@ FLAT = (
     "charge"
 )
 WRAP = (
-    "the engine's per-example clip norms, norm passes and book-keeping work through the wrapped module "
-    "(GradSampleModule or the book-keeping wrapper); Opacus 1.6's unwrapped hooks mode is not implemented — "
-    "use the returned module"
+    "Opacus 1.6's unwrapped hooks (your module, hooks attached) are supported with grad_sample_mode 'hooks', "
+    "'functorch' and 'no_op'; in 'ghost' and 'bk' mode each example's clip norm c_i enters through the engine's "
+    "own wrapper (its clip factors, its book-keeper), which has no unwrapped form, and Opacus has none for 'ew' "
+    "— use the returned module there, and for a data-parallel (DPDDP/DDP) module (not implemented, no privacy "
+    "reason)"
 )
 EMPTY = (
     "an empty Poisson batch keeps your batch structure with zero rows (a noise-only step); filling it with "
@@ -118,7 +120,7 @@ BUDGET = (
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("poisson_sampling=False", POISSON, r"^poisson_sampling=False is invalid"),
     Refusal('clipping="per_layer" / "adaptive"', FLAT, r"^clipping='(per_layer|adaptive)' is invalid"),
-    Refusal("wrap_model=False", WRAP, r"^wrap_model=False is invalid"),
+    Refusal('wrap_model=False with grad_sample_mode="ghost"/"bk"/"ew"', WRAP, r"^wrap_model=False is invalid"),
     Refusal("rand_on_empty=True", EMPTY, r"^rand_on_empty=True is invalid"),
     Refusal("noise_multiplier=0", NO_NOISE, r"^noise_multiplier=0(\.0*)? is invalid"),
     Refusal(
@@ -148,7 +150,6 @@ REFUSALS: tuple[Refusal, ...] = (
 OPACUS_ONLY = {
     "poisson_sampling": (True, POISSON),
     "clipping": ("flat", FLAT),
-    "wrap_model": (True, WRAP),
     "rand_on_empty": (False, EMPTY),
 }
 

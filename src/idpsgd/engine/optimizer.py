@@ -40,6 +40,7 @@ from ..validation import InvalidParameterError, check_positive
 from .bk_layers import _acc_dtype
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
+from .sampler import BatchMismatchError
 
 
 class _PrivacyHooks:
@@ -216,7 +217,46 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         if self._noise_only():  # an empty batch without a backward pass: zero rows
             for p in self.params:
                 p.grad_sample = p.new_zeros((0, *p.shape))
+        if self.params:
+            self._check_grad_samples()
         return super().pre_step(closure)
+
+    def _check_grad_samples(self) -> None:
+        """Before clipping, every parameter's per-sample gradients, checked: one ``(rows, *p.shape)``
+        tensor per parameter, the same number of rows for all (one per example; the counts are
+        private and not shown).  A step that fails the check is refused before anything is clipped:
+        its drawn batch and gradients are dropped."""
+        problem, error, rows = None, BatchMismatchError, None
+        for i, p in enumerate(self.params):
+            if getattr(p, "grad_sample", None) is None:
+                problem, error = (
+                    f"Per sample gradient is not initialized for parameter {i} (shape {tuple(p.shape)}): no "
+                    "backward pass reached it, or (grad_sample_mode='no_op') no p.grad_sample was assigned to it "
+                    "before optimizer.step()",
+                    ValueError,
+                )
+                break
+            g = self._get_flat_grad_sample(p)
+            if g.dim() != p.dim() + 1 or tuple(g.shape[1:]) != tuple(p.shape):
+                problem = (
+                    f"parameter {i}'s per-sample gradient has shape (rows, {', '.join(map(str, g.shape[1:]))}), "
+                    f"not (rows, {', '.join(map(str, p.shape))}): p.grad_sample must hold one gradient of the "
+                    "parameter's shape per example"
+                )
+                break
+            if rows is not None and g.shape[0] != rows:
+                problem = (
+                    "the parameters' per-sample gradients differ in their number of rows (the counts are "
+                    "private: not shown): p.grad_sample must hold one row per example of the drawn batch, "
+                    "for every parameter"
+                )
+                break
+            rows = g.shape[0]
+        if problem is not None:
+            self.clipping.queue.clear()
+            self.clipping.end_step()
+            self.zero_grad(set_to_none=True)
+            raise error(problem + "; the step was not taken")
 
     def clip_and_accumulate(self):
         """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
@@ -315,6 +355,7 @@ OPTIMIZERS = {
     "hooks": IndividualizedDPOptimizer,
     "functorch": IndividualizedDPOptimizer,
     "ew": IndividualizedDPOptimizer,
+    "no_op": IndividualizedDPOptimizer,  # the user's p.grad_sample, clipped as the hooks mode's
     "ghost": IndividualizedDPOptimizerFastGradientClipping,
     "bk": IndividualizedDPOptimizerBookKeeping,
 }

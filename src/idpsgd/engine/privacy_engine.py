@@ -74,7 +74,7 @@ from .randomness import (
 )
 from .randomness import noise_generator as make_noise_generator
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .wrap import GRAD_SAMPLE_MODES, check_wrappable, layer_paths, raw_module, wrap_module
+from .wrap import ENGINE_MODES, check_wrappable, layer_paths, raw_module, release_hooks, wrap_module
 
 FILTERS = ("group", "individual", None)  # individual: engine/filter.py (Feldman & Zrnic 2021)
 FILTER_ACTIONS = ("raise", "warn")
@@ -92,6 +92,14 @@ def steps_per_epoch_for(sample_rates) -> int:
     active = q > 0
     total = float(q[active].sum())
     return max(1, int(round(active.sum() / total))) if total > 0 else 1
+
+
+def _expected_batch_size(sample_rates: np.ndarray) -> float | int:
+    """Σ q_i, the noisy sum's divisor; an integer when it is one up to float rounding (100 × 0.1 sums to
+    9.999999999999998: 10, as Opacus's ``int(len(dataset) · q)``)."""
+    total = float(np.sum(sample_rates))
+    near = round(total)
+    return int(near) if near >= 1 and abs(total - near) <= 1e-9 * near else total
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -364,10 +372,13 @@ class IndividualizedPrivacyEngine:
 
         **With budgets** (idpsgd): per-example rates / clip norms and σ are calibrated so that each
         group spends its budget exactly at the planned length.  **With ``noise_multiplier``**
-        (Opacus's ``make_private``): every example has that σ, the rate ``sample_rate`` and the clip
-        norm ``max_grad_norm``; without budgets nothing is filtered (ε is accounted and reported,
-        ``get_epsilon(delta)`` needs δ unless ``target_delta`` is given), with budgets the filter
-        keeps every group within its budget.
+        (Opacus's ``make_private``), without budgets: every example has that σ, the rate
+        ``sample_rate`` and the clip norm ``max_grad_norm``; nothing is filtered (ε is accounted and
+        reported, ``get_epsilon(delta)`` needs δ unless ``target_delta`` is given).  **With
+        ``noise_multiplier`` and budgets** (and ``epochs`` or ``steps``, required): σ is kept and each
+        group's sampling rate (``method="sample"``, the default) or clip norm (``"scale"``) is solved so
+        that the plan spends its budget (:func:`~idpsgd.assignment.methods.assign_for_noise_multiplier`);
+        the filter keeps every group within its budget.
 
         Args:
             module, optimizer, data_loader: as for Opacus's ``make_private``; the loader may be over
@@ -383,10 +394,14 @@ class IndividualizedPrivacyEngine:
             max_grad_norm: the (mean) clip norm c.
             sample_rate: the mean sampling rate; default ``1 / len(data_loader)`` (Opacus's: an epoch is
                 ``len(data_loader)`` steps).
-            noise_multiplier: σ for every example (Opacus's ``make_private``).
+            noise_multiplier: σ for every example (Opacus's ``make_private``); with ``budgets`` and
+                ``epochs``/``steps`` each group's rate (``sample``) or clip norm (``scale``) is
+                solved for its budget at that σ.
             criterion, batch_first, loss_reduction, noise_generator, grad_sample_mode: as Opacus.
-            poisson_sampling, clipping, wrap_model, rand_on_empty: Opacus's keywords; only their
-                defaults (True, "flat", True, False) can be honoured, the others are refused.
+            poisson_sampling, clipping, rand_on_empty: Opacus's keywords; only their defaults (True,
+                "flat", False) can be honoured, the others are refused.
+            wrap_model: ``False`` attaches Opacus's hooks to ``module`` itself (modes ``hooks``,
+                ``functorch``, ``no_op``; returned: Opacus's hooks object, keep training ``module``).
             **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
                 ``filter_action``, ``filter_options``, ``per_sample_loss``, ...).
 
@@ -397,7 +412,6 @@ class IndividualizedPrivacyEngine:
         refuse_opacus_options(
             poisson_sampling=poisson_sampling,
             clipping=clipping,
-            wrap_model=wrap_model,
             rand_on_empty=rand_on_empty,
             **kwargs,
         )
@@ -407,37 +421,40 @@ class IndividualizedPrivacyEngine:
             loss_reduction=loss_reduction,
             noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode,
+            wrap_model=wrap_model,
             **kwargs,
         )
         n = self._dataset_size(data_loader)
         q = self._sample_rate(data_loader, n, sample_rate)
         spe = steps_per_epoch_for(q)
-        if noise_multiplier is not None:  # Opacus's make_private: one σ for everyone
+        if noise_multiplier is not None and budgets is not None:  # σ given: each group's q_p or c_p solved
+            return self._private_for_noise_multiplier(
+                module, optimizer, data_loader, budgets, method, target_delta, epochs, steps, max_grad_norm,
+                noise_multiplier, n, q, spe, opts,
+            )  # fmt: skip
+        if noise_multiplier is not None:  # Opacus's make_private: one σ for everyone, no budget
             if method is not None:
                 raise InvalidParameterError(
                     "method",
                     method,
-                    "is calibrated from budgets; with noise_multiplier "
+                    "is calibrated from budgets; with noise_multiplier and no budgets "
                     "every example has the one σ, rate and clip norm (leave method out)",
                 )
             planned = None if epochs is None and steps is None else self._planned_steps(epochs, steps, spe)
-            if budgets is None:
-                if opts.get("privacy_filter") is not None:
-                    raise InvalidParameterError(
-                        "privacy_filter",
-                        opts["privacy_filter"],
-                        "needs budgets to filter against; give budgets= (or leave privacy_filter out)",
-                    )
-                opts["privacy_filter"] = None
-            else:
-                budgets = self._budgets(budgets, target_delta, n)
+            if opts.get("privacy_filter") is not None:
+                raise InvalidParameterError(
+                    "privacy_filter",
+                    opts["privacy_filter"],
+                    "needs budgets to filter against; give budgets= (or leave privacy_filter out)",
+                )
+            opts["privacy_filter"] = None
             check_positive(max_grad_norm, "max_grad_norm")
             return self.make_private_with_parameters(
                 module=module,
                 optimizer=optimizer,
                 data_loader=data_loader,
-                budgets=budgets,
-                target_delta=target_delta if budgets is None else None,
+                budgets=None,
+                target_delta=target_delta,
                 sample_rates=np.full(n, q),
                 clip_norms=np.full(n, float(max_grad_norm)),
                 noise_multiplier=noise_multiplier,
@@ -460,6 +477,52 @@ class IndividualizedPrivacyEngine:
         budgets = self._budgets(budgets, target_delta, n)
         planned = self._planned_steps(epochs, steps, spe)
         a = assign(budgets, method, q, planned, max_grad_norm, self.accountant_name)
+        self.assignment = a
+        return self.make_private_with_parameters(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            budgets=budgets,
+            sample_rates=a.sample_rates,
+            clip_norms=a.clip_norms,
+            noise_multiplier=a.noise_multiplier,
+            max_grad_norm=a.clip_norm,
+            steps=planned,
+            steps_per_epoch=spe,
+            **opts,
+        )
+
+    def _private_for_noise_multiplier(
+        self, module, optimizer, data_loader, budgets, method, target_delta, epochs, steps, max_grad_norm,
+        noise_multiplier, n, q, spe, opts,
+    ):  # fmt: skip
+        """``make_private(noise_multiplier=σ, budgets=B, epochs=E)``: with σ fixed, each group's sampling
+        rate (``sample``, the default) or clip norm (``scale``) is solved so that the planned steps spend
+        its budget (:func:`~idpsgd.assignment.methods.assign_for_noise_multiplier`)."""
+        from ..assignment.methods import assign_for_noise_multiplier
+
+        budgets = self._budgets(budgets, target_delta, n)
+        if epochs is None and steps is None:
+            raise InvalidParameterError(
+                "epochs",
+                None,
+                "give epochs= or steps= with budgets and noise_multiplier: each privacy group's sampling rate "
+                "(method 'sample') or clip norm ('scale') is solved so that it spends its budget in that many "
+                "steps at this noise_multiplier; or calibrate the noise multiplier too with "
+                "make_private_with_epsilon(budgets=..., epochs=...)",
+            )
+        planned = self._planned_steps(epochs, steps, spe)
+        check_positive(max_grad_norm, "max_grad_norm")
+        _check_noise(noise_multiplier, max_grad_norm, 1.0)
+        a = assign_for_noise_multiplier(
+            budgets,
+            "sample" if method is None else method,
+            float(noise_multiplier),
+            q,
+            planned,
+            float(max_grad_norm),
+            self.accountant_name,
+        )
         self.assignment = a
         return self.make_private_with_parameters(
             module=module,
@@ -588,6 +651,7 @@ class IndividualizedPrivacyEngine:
         noise_generator=None,
         filter_options=None,
         per_sample_loss=None,
+        wrap_model: bool = True,
     ):
         """Wrap for training with explicit per-example parameters (a phase of a recipe).
 
@@ -621,9 +685,9 @@ class IndividualizedPrivacyEngine:
                 )
         if not np.any(q > 0):
             raise InvalidParameterError("sample_rates", "all 0", "at least one example must have a rate > 0")
-        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        if grad_sample_mode not in ENGINE_MODES:
             raise InvalidParameterError(
-                "grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"
+                "grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(ENGINE_MODES)}"
             )
         if privacy_filter not in FILTERS:
             raise InvalidParameterError("privacy_filter", privacy_filter, "must be 'group', 'individual' or None")
@@ -646,7 +710,8 @@ class IndividualizedPrivacyEngine:
         if noise_generator is not None and self.secure_mode:
             raise InvalidParameterError("noise_generator", "a generator", "must not be given in secure mode")
         self._check_optimizer(module, optimizer)
-        check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
+        release_hooks(self.module, module)  # an earlier wrap_model=False phase's hooks on this module
+        check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
         if self._sampler_rng is None and self._follow_torch:
             self._loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
         ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)  # (rank, W) for DPDDP/DDP
@@ -695,7 +760,7 @@ class IndividualizedPrivacyEngine:
 
             queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
             self.clipping = PerExampleClipping(c, queue)
-            wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction)
+            wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction, wrap_model)
             wrapped.forbid_grad_accumulation()
             spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
             sampler = (
@@ -705,13 +770,13 @@ class IndividualizedPrivacyEngine:
             )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)
             base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
-            ebs = float(q.sum()) if expected_batch_size is None else float(expected_batch_size)
+            ebs = _expected_batch_size(q) if expected_batch_size is None else float(expected_batch_size)
             dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
                 base,
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm,
                 clipping=self.clipping,
-                expected_batch_size=ebs / (1 if ranks is None else ranks[1]),
+                expected_batch_size=ebs if ranks is None else ebs / ranks[1],
                 loss_reduction=loss_reduction,
                 generator=self._noise,
                 secure_mode=self.secure_mode,

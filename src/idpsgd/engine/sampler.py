@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from opacus.data_loader import DPDataLoader
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
@@ -136,7 +137,9 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         check_sample_rate(rates, "sample_rates", allow_zero=True)
         if int(steps_per_epoch) < 1:
             raise InvalidParameterError("steps_per_epoch", steps_per_epoch, "must be an integer >= 1")
-        super().__init__(num_samples=rates.size, sample_rate=float(rates.mean()), steps=int(steps_per_epoch))
+        # the mean rate; one rate for all is kept exactly (the mean of 10 times 0.1 is 0.09999999999999998)
+        mean = float(rates[0]) if np.all(rates == rates[0]) else float(rates.mean())
+        super().__init__(num_samples=rates.size, sample_rate=mean, steps=int(steps_per_epoch))
         self.sample_rates = rates
         self.rng = rng
         self.queue = queue if queue is not None else BatchIndexQueue()
@@ -222,9 +225,13 @@ class EmptyBatchCollate:
         )
 
 
-class PrivateDataLoader(DataLoader):
+class PrivateDataLoader(DPDataLoader):
     """The user's ``DataLoader`` with Poisson sampling at per-example rates (same dataset, collate,
-    workers, pinning, timeouts).  ``poisson_sampler`` is the :class:`PoissonBatchSampler`."""
+    workers, pinning, timeouts).  ``poisson_sampler`` is the :class:`PoissonBatchSampler`.
+
+    An instance of Opacus's ``DPDataLoader`` (as what Opacus's ``make_private`` returns), with its
+    attributes ``sample_rate`` (the mean rate) and ``distributed``; it is built from the user's loader
+    by the engine, not by ``DPDataLoader``'s constructor (one rate, Opacus's sampler)."""
 
     def __init__(self, data_loader: DataLoader, sampler: PoissonBatchSampler, batch_first: bool = True):
         collate = data_loader.collate_fn
@@ -236,7 +243,8 @@ class PrivateDataLoader(DataLoader):
                 "prefetch_factor": data_loader.prefetch_factor,
                 "persistent_workers": data_loader.persistent_workers,
             }
-        super().__init__(
+        DataLoader.__init__(  # not DPDataLoader's constructor: the batch sampler is the engine's
+            self,
             data_loader.dataset,
             batch_sampler=sampler,
             collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first),
@@ -250,3 +258,11 @@ class PrivateDataLoader(DataLoader):
         )
         self.poisson_sampler = sampler
         self.sample_rate = sampler.sample_rate
+        self.distributed = type(sampler) is not PoissonBatchSampler  # one shard per rank
+
+    @classmethod
+    def from_data_loader(cls, data_loader, **kwargs):
+        raise TypeError(
+            "PrivateDataLoader is built by IndividualizedPrivacyEngine.make_private (per-example rates); for "
+            "Opacus's own loader use opacus.data_loader.DPDataLoader.from_data_loader"
+        )

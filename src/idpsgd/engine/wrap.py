@@ -21,7 +21,19 @@
   pass, per-example norms without per-example gradients where the ghost norm is cheaper, and the
   clipped sum formed from each layer's kept input and output gradient; other layers take Opacus's
   per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
-  loop (no criterion wrapper).
+  loop (no criterion wrapper);
+* ``no_op`` — Opacus's ``GradSampleModuleNoOp``: per-sample gradients **you** compute (e.g. with
+  ``torch.func.vmap`` over ``grad`` of a per-example loss) and assign to ``p.grad_sample`` before
+  ``optimizer.step()``; the engine clips them per example at c_i, with the checks of the other
+  modes (one row per drawn example, the whole drawn batch) and a check of their shapes.  Each row
+  must be the gradient of one example's loss only (the clipping bounds each row's norm; a row that
+  mixes examples, e.g. through batch statistics, breaks the per-example guarantee, as in Opacus).
+  Only for the engine (``idpsgd train`` and ``idpsgd.train`` compute their own gradients).
+
+``wrap_model=False`` (Opacus 1.6's hooks without a wrapper; ``hooks``, ``functorch`` and ``no_op``):
+Opacus's ``GradSampleHooks`` / ``GradSampleHooksNoOp`` attach to your module, which you keep
+training; the returned hooks object is for ``remove_hooks()`` only.  The clipping, noise and
+accounting are those of the wrapped module.
 """
 
 from __future__ import annotations
@@ -29,10 +41,14 @@ from __future__ import annotations
 import torch
 from opacus.grad_sample import (
     AbstractGradSampleModule,
+    GradSampleHooks,
+    GradSampleHooksNoOp,
     GradSampleModule,
     GradSampleModuleExpandedWeights,
     GradSampleModuleFastGradientClipping,
+    GradSampleModuleNoOp,
 )
+from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
@@ -41,7 +57,12 @@ from .clipping import PerExampleClipping
 from .integrity import check_static_writes
 from .opacus_compat import UnsupportedModuleError
 
+#: the modes in which the engine (or Opacus) computes the per-example gradients or norms
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
+#: the engine's modes: those, and Opacus's ``no_op`` (per-sample gradients the user computes)
+ENGINE_MODES = (*GRAD_SAMPLE_MODES, "no_op")
+#: the modes Opacus 1.6's ``wrap_model=False`` (hooks without a wrapper) is supported in
+UNWRAPPED_MODES = ("hooks", "functorch", "no_op")
 
 
 class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
@@ -68,9 +89,10 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
 
 
 def raw_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside Opacus wrappers (GradSampleModule, DPDDP)."""
+    """The user's module inside Opacus wrappers (GradSampleModule, DPDDP) or under Opacus's hooks
+    object (``wrap_model=False``)."""
     while True:
-        if isinstance(module, AbstractGradSampleModule):
+        if isinstance(module, AbstractGradSampleHooks):
             module = module._module
         elif type(module).__name__ in ("DifferentiallyPrivateDistributedDataParallel", "DistributedDataParallel"):
             module = module.module
@@ -79,16 +101,55 @@ def raw_module(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_wrappable(
-    module: torch.nn.Module, grad_sample_mode: str, batch_first: bool = True, loss_reduction: str = "mean"
+    module: torch.nn.Module,
+    grad_sample_mode: str,
+    batch_first: bool = True,
+    loss_reduction: str = "mean",
+    wrap_model: bool = True,
 ) -> None:
     """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects)."""
-    if grad_sample_mode not in GRAD_SAMPLE_MODES:
-        raise InvalidParameterError(
-            "grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"
-        )
+    if grad_sample_mode not in ENGINE_MODES:
+        raise InvalidParameterError("grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(ENGINE_MODES)}")
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
+    if wrap_model is not True:
+        if wrap_model is not False:
+            raise InvalidParameterError("wrap_model", wrap_model, "must be True or False")
+        if grad_sample_mode not in UNWRAPPED_MODES:
+            from .opacus_compat import WRAP
+
+            raise InvalidParameterError(
+                "wrap_model", wrap_model, f"is not supported with grad_sample_mode={grad_sample_mode!r}: {WRAP}"
+            )
+        if isinstance(module, AbstractGradSampleModule):
+            raise InvalidParameterError(
+                "module",
+                type(module).__name__,
+                "is already wrapped by Opacus; with wrap_model=False pass the plain nn.Module",
+            )
+        if raw_module(module) is not module:  # DPDDP / DDP: the per-rank norm passes find it through the wrapper
+            raise InvalidParameterError(
+                "wrap_model",
+                wrap_model,
+                f"is not supported for a {type(module).__name__} module (the engine's data-parallel steps and norm "
+                "passes work through the returned module): use the returned module (wrap_model=True)",
+            )
+    if grad_sample_mode == "no_op" and not batch_first:
+        raise InvalidParameterError(
+            "batch_first",
+            batch_first,
+            "must be True with grad_sample_mode='no_op' (your p.grad_sample holds one row per example, first; "
+            "Opacus's GradSampleModuleNoOp has the same limit)",
+        )
     check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
+    if not isinstance(module, AbstractGradSampleModule) and hasattr(module, "autograd_grad_sample_hooks"):
+        raise InvalidParameterError(
+            "module",
+            type(module).__name__,
+            "has Opacus's per-sample-gradient hooks attached already (an earlier make_private wrapped it, or "
+            "attached hooks with wrap_model=False): pass the module that call returned, or call remove_hooks() on "
+            "it first",
+        )
     if isinstance(module, AbstractGradSampleModule):
         if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
             raise InvalidParameterError(
@@ -119,15 +180,29 @@ def check_wrappable(
         plan_layers(raw_module(module))
 
 
+def release_hooks(previous, module: torch.nn.Module) -> None:
+    """Remove the hooks of an earlier ``wrap_model=False`` phase (``previous``, the engine's own hooks
+    object) from ``module`` before a new phase attaches its own."""
+    unwrapped = isinstance(previous, AbstractGradSampleHooks) and not isinstance(previous, torch.nn.Module)
+    if unwrapped and previous._module is module:
+        previous.remove_hooks()
+
+
 def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = {"ghost": IndividualizedGhostModule, "bk": BookKeepingModule, "ew": GradSampleModuleExpandedWeights}.get(
-        grad_sample_mode, GradSampleModule
-    )
+    want = {
+        "ghost": IndividualizedGhostModule,
+        "bk": BookKeepingModule,
+        "ew": GradSampleModuleExpandedWeights,
+        "no_op": GradSampleModuleNoOp,
+    }.get(grad_sample_mode, GradSampleModule)
     return (
         type(module) is want
         and module.batch_first == batch_first
         and module.loss_reduction == loss_reduction
-        and (grad_sample_mode in ("ghost", "bk", "ew") or module.force_functorch == (grad_sample_mode == "functorch"))
+        and (
+            grad_sample_mode in ("ghost", "bk", "ew", "no_op")
+            or module.force_functorch == (grad_sample_mode == "functorch")
+        )
     )
 
 
@@ -137,9 +212,20 @@ def wrap_module(
     clipping: PerExampleClipping,
     batch_first: bool = True,
     loss_reduction: str = "mean",
-) -> AbstractGradSampleModule:
-    """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused)."""
-    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
+    wrap_model: bool = True,
+) -> AbstractGradSampleHooks:
+    """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused), or
+    with ``wrap_model=False`` Opacus's hooks object attached to ``module`` (which the user keeps)."""
+    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
+    if not wrap_model:
+        if grad_sample_mode == "no_op":
+            return GradSampleHooksNoOp(module, batch_first=batch_first, loss_reduction=loss_reduction)
+        return GradSampleHooks(
+            module,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            force_functorch=grad_sample_mode == "functorch",
+        )
     if isinstance(module, AbstractGradSampleModule):
         if grad_sample_mode == "ghost":
             module.clipping = clipping
@@ -157,6 +243,8 @@ def wrap_module(
         )
         wrapped.clipping = clipping
         return wrapped
+    if grad_sample_mode == "no_op":
+        return GradSampleModuleNoOp(module, batch_first=batch_first, loss_reduction=loss_reduction)
     if grad_sample_mode == "ew":
         return GradSampleModuleExpandedWeights(module, batch_first=batch_first, loss_reduction=loss_reduction)
     return GradSampleModule(
@@ -174,6 +262,7 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
         "hooks": "Opacus per-sample gradient (hooks)",
         "functorch": "Opacus per-sample gradient (functorch)",
         "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
+        "no_op": "your per-sample gradient (p.grad_sample, assigned before optimizer.step(); Opacus's no_op mode)",
         "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
         "two backward passes)",
     }[grad_sample_mode]

@@ -2,7 +2,8 @@
 exclude/sequential baselines), individual accounting reports, PDP-SGD rounds, per-instance runs."""
 
 from ..engine import GUARANTEE, IndividualAccountingOptions
-from .loop import TrainConfig, Trainer, evaluate, resolve_device, train
+from .device import resolve_device
+from .loop import TrainConfig, Trainer, evaluate, train
 from .plans import METHODS, Phase, TrainingPlan, build_plan
 
 __all__ = [

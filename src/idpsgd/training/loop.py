@@ -48,29 +48,14 @@ from ..io import fault_point, load_torch
 from ..models import DEFAULT_MODEL, create_model
 from ..runfolder import PRIVATE, SEED_FILE, RunFolder
 from ..validation import InvalidParameterError, check_delta, check_positive
+from .device import DEVICES as DEVICES  # re-exported
+from .device import resolve_device
 from .map_data import MapStyleData, as_training_data, num_train
 from .plans import Phase, TrainingPlan, build_plan
 
 log = logging.getLogger("idpsgd")
 
 CHECKPOINT = "checkpoint.pt"
-DEVICES = ("cpu", "cuda", "auto")
-
-
-def resolve_device(device: str) -> torch.device:
-    """``cpu``, ``cuda`` (refused when no GPU is visible), ``auto`` (cuda if available), or a torch
-    device string such as ``cuda:1``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InvalidParameterError(
-            "device", device, f"must be one of {', '.join(DEVICES)} or a torch device"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError("device", device, "no CUDA device is available here; use cpu or auto")
-    return dev
 
 
 #: Largest learning rate accepted (larger ones overflow float32 updates or diverge at once).

@@ -365,7 +365,7 @@ def train_pdp(
         )
     from ..engine.randomness import noise_generator as make_noise
     from ..engine.randomness import randomness_note, resolve_seed, sampler_rng
-    from .loop import resolve_device
+    from .device import resolve_device
 
     secure = bool(getattr(config, "secure_mode", False))
     seed = resolve_seed(config.seed, secure)  # a fresh seed is drawn and recorded (privately) when none is given

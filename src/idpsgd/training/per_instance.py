@@ -434,7 +434,7 @@ def run_per_instance(
     torch.manual_seed(seed)  # the shared initialisation (as the Trainer's)
     model = create_model(model_name, dataset.input_shape, dataset.num_classes)
     if update_rule == "sum" and supports(model):
-        from .loop import resolve_device
+        from .device import resolve_device
 
         res = parallel_chains(
             dataset,

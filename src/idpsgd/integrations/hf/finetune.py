@@ -192,6 +192,27 @@ def load_model(folder: Path, task: str, id2label: dict | None, pad_token_id: int
     return model
 
 
+def align_special_tokens_quietly(model, tokenizer) -> None:
+    """Align the model's (and generation config's) PAD/BOS/EOS ids with the tokenizer's before the
+    Trainer does: the Trainer's own alignment logs "The tokenizer has new PAD/BOS/EOS tokens ..." on
+    every run where they differ (a tokenizer padding with its end-of-text token, a saved GPT-2 without a
+    generation pad id), which this command arranges on purpose; after this the Trainer finds nothing to
+    change and stays silent."""
+    try:
+        from transformers.trainer_utils import align_special_tokens
+    except ImportError:  # an older transformers without the alignment: nothing to do
+        return
+    from transformers.utils import logging as hf_logging
+
+    log = hf_logging.get_logger("transformers.trainer_utils")
+    level = log.level
+    log.setLevel(hf_logging.ERROR)
+    try:
+        align_special_tokens(model, tokenizer)
+    finally:
+        log.setLevel(level)
+
+
 def with_lora(model, r: int, task: str):
     from peft import LoraConfig, get_peft_model
 
@@ -282,6 +303,7 @@ def finetune(
     )
     torch.manual_seed(init_seed)  # a new classification head or LoRA adapter
     model = load_model(folder, task, id2label, tokenizer.pad_token_id)
+    align_special_tokens_quietly(model, tokenizer)
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
     physical = options.physical_batch_size or options.batch_size

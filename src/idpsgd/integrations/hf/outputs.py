@@ -113,8 +113,8 @@ def build_report(trainer) -> dict:
         **neighbouring(),
         "delta": delta,
         "epsilon": eps.loosest,
-        "test_accuracy": metrics.get("test_accuracy"),
-        "per_class_accuracy": metrics.get("per_class_accuracy", []),
+        # accuracy only where it applies (classification with labelled test data): not null / [] for a language model
+        **{k: metrics[k] for k in ("test_accuracy", "per_class_accuracy") if k in metrics},
         "test_metrics": metrics,
         "loss_convention": (
             "mean over the batch's examples of each example's own loss; per example: the mean over its "
