@@ -531,7 +531,7 @@ class WriteGuard:
         self._armed = True
         self._stop_waiting()
         modules = {id(m): m for m in self.model.modules()}
-        if self.scope is not None:
+        if isinstance(self.scope, nn.Module):  # wrap_model=False returns hooks, not a module
             modules.update((id(m), m) for m in self.scope.modules())
         self._watched = list(modules.values())
         self._ids[:] = modules
