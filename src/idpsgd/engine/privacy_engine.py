@@ -399,6 +399,7 @@ class IndividualizedPrivacyEngine:
             clipping=clipping,
             wrap_model=wrap_model,
             rand_on_empty=rand_on_empty,
+            batch_first=batch_first,
             **kwargs,
         )
         opts = dict(

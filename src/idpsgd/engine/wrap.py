@@ -36,10 +36,11 @@ from opacus.grad_sample import (
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
-from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
+from .batch_independence import BatchIndependence
+from .bookkeeping import BookKeeper, BookKeepingModule, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
-from .opacus_compat import UnsupportedModuleError
+from .opacus_compat import UnsupportedModuleError, refuse_opacus_options
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 
@@ -89,6 +90,7 @@ def check_wrappable(
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
     check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
+    refuse_opacus_options(batch_first=batch_first)  # batch-second inputs, every mode (.opacus_compat.REFUSALS)
     if isinstance(module, AbstractGradSampleModule):
         if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
             raise InvalidParameterError(
@@ -107,15 +109,7 @@ def check_wrappable(
             "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
             "BatchNorm by GroupNorm)",
         )
-    if grad_sample_mode == "ew" and not batch_first:
-        raise InvalidParameterError(
-            "batch_first",
-            batch_first,
-            "must be True with grad_sample_mode='ew' (PyTorch's "
-            "ExpandedWeights takes the batch size from the first dimension)",
-        )
     if grad_sample_mode == "bk":
-        check_batch_first(batch_first)
         plan_layers(raw_module(module))
 
 
@@ -138,7 +132,16 @@ def wrap_module(
     batch_first: bool = True,
     loss_reduction: str = "mean",
 ) -> AbstractGradSampleModule:
-    """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused)."""
+    """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused), with the
+    check that its examples do not mix (:mod:`.batch_independence`) at its first forward pass with gradients."""
+    wrapped = _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction)
+    check = BatchIndependence.attach(raw_module(wrapped))
+    if grad_sample_mode == "ew":  # ExpandedWeights calls the model with its own parameters: check before
+        check.watch_wrapper(wrapped)
+    return wrapped
+
+
+def _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction) -> AbstractGradSampleModule:
     check_wrappable(module, grad_sample_mode, batch_first, loss_reduction)
     if isinstance(module, AbstractGradSampleModule):
         if grad_sample_mode == "ghost":

@@ -1,0 +1,419 @@
+"""Each example's output depends on that example alone: models that mix examples within a batch are refused.
+
+DP-SGD's sensitivity bound (Abadi et al. 2016; Boenisch et al. 2023, Alg. 1) clips each example's
+gradient g_i at c_i, so adding or removing one example z changes the clipped sum by at most c_z —
+*provided g_i of every other example i does not depend on z*.  A model whose forward mixes the
+examples of a batch — ``x - x.mean(0)``, ``F.batch_norm(..., training=True)``, attention over the
+batch dimension, a mean over a hidden layer — makes every g_i a function of the whole batch, and
+per-example clipping then bounds nothing: the reviewer measured ‖S(D ∪ {z}) − S(D)‖ of 4.8 to 10.3
+at c = 1.  Opacus trains such models silently; the engine refuses them, in every
+``grad_sample_mode`` and in the per-example norm passes (:mod:`.norms`), before the first noisy step.
+
+The check (data-independent, once per model and per combination of its modules' training flags):
+
+* at the model's first forward call with gradients enabled (its first training step, or the first
+  batch of a norm pass; a forward under ``torch.no_grad()`` does no per-example work and is not
+  checked), the call's arguments are replaced by a **synthetic batch**: every tensor argument whose
+  leading dimension is the call's batch dimension (that of its first tensor argument) becomes a
+  tensor of the same trailing shape, dtype and device with :func:`synthetic_batch_size` rows —
+  a fixed public number (the first of 5, 7, 11, … dividing no trailing dimension of the
+  arguments), never the drawn batch size — filled from a fixed generator (floating point: standard
+  normal values; integers and booleans: 1, a valid token id, mask or label for any vocabulary).
+  Other arguments (shared tensors, non-tensor options) are passed unchanged;
+* the model's ``forward`` runs twice under ``torch.no_grad()``, the second time with the middle
+  example replaced (floating point: ten times larger values of random sign; integers: 0; booleans:
+  False), each time from the same fixed RNG state (so dropout masks match), with every buffer
+  replaced by a copy (running statistics write the copy) and the global RNG state restored
+  afterwards: the check writes nothing to the model and leaves the run's randomness unchanged
+  (the write guard, :mod:`.integrity`, sees nothing);
+* every output tensor whose leading dimension is the synthetic batch (tensors, tuples, lists,
+  dicts, Hugging Face ``ModelOutput``) must keep every other example's rows within float rounding
+  (1e-4 of the output's scale); otherwise :class:`BatchMixingError` is raised, naming the first
+  operation (a ``TorchFunctionMode`` over both passes) and module whose inputs' other rows agree but
+  whose output rows differ, or — a reduction — whose floating-point output lost the batch dimension.
+
+What it cannot see, so the user must meet it: mixing inside the **loss function** (the engine never
+sees it: the per-example losses must each depend on their own example — a loss averaged over the
+tokens of the whole batch weighs each example by the others' token counts), mixing only in a custom
+autograd ``backward``, dependence on examples of *earlier* batches through module state (refused by
+the write guard when it is a buffer or parameter, not when it is a plain Python attribute), and a
+model whose outputs carry no batch dimension (refused: the check needs per-example outputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from .opacus_compat import UnsupportedModuleError
+
+#: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
+_SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
+#: how much an output row may move (relative to the output's largest magnitude) and still be unchanged
+RTOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+RTOL_DEFAULT = 1e-4
+_SEED = 0x1D95_6D  # the fixed seed of the synthetic values and of the passes' RNG state
+
+
+class BatchMixingError(UnsupportedModuleError):
+    """A model whose output for one example depends on other examples of the batch."""
+
+
+def _leaves(obj, out: list) -> list:
+    """The tensors of a nested output (tensor, tuple, list, dict, ``ModelOutput``), in order."""
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        for v in obj.values():
+            _leaves(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _leaves(v, out)
+    return out
+
+
+def _map(obj, fn):
+    """``obj`` with every tensor t replaced by fn(t) (tuples, namedtuples, lists, dicts)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()} if type(obj) is dict else type(obj)(
+            (k, _map(v, fn)) for k, v in obj.items()
+        )
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _batch_dim_of(args, kwargs) -> int | None:
+    first = next((t for t in _leaves((args, kwargs), []) if t.dim() > 0), None)
+    return None if first is None else int(first.shape[0])
+
+
+def synthetic_batch_size(args, kwargs) -> int:
+    """The synthetic batch's size: the first of 5, 7, 11, … dividing no trailing dimension of the
+    call's tensor arguments (a public function of the shapes, never the drawn batch size), so that
+    the batch dimension of the model's outputs and intermediates is recognisable by its size."""
+    dims = {int(d) for t in _leaves((args, kwargs), []) for d in t.shape[1:] if int(d) > 0}
+    for size in _SIZES:
+        if not any(d % size == 0 for d in dims):
+            return size
+    return _SIZES[-1]
+
+
+class _Synthetic:
+    """The synthetic batch: its base values and those with the middle example perturbed."""
+
+    def __init__(self, args, kwargs):
+        self.real = _batch_dim_of(args, kwargs)
+        self.size = synthetic_batch_size(args, kwargs)
+        self.mid = self.size // 2
+        self.generator = torch.Generator().manual_seed(_SEED)
+        self._made: set[int] = set()  # ids of the synthetic tensors (kept alive by self.base)
+        self.base = _map((args, kwargs), self._base)
+        self.perturbed = _map(self.base, self._perturb)
+
+    def _is_example(self, t: torch.Tensor) -> bool:
+        return self.real is not None and t.dim() > 0 and int(t.shape[0]) == self.real
+
+    def _base(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._is_example(t):
+            return t
+        shape = (self.size, *t.shape[1:])
+        if t.is_floating_point() or t.is_complex():
+            out = torch.randn(shape, generator=self.generator, dtype=torch.float64).to(t.dtype).to(t.device)
+        else:
+            out = torch.ones(shape, dtype=t.dtype, device=t.device)
+        self._made.add(id(out))
+        return out
+
+    def _perturb(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self._made:
+            return t
+        out = t.clone()
+        if t.is_floating_point() or t.is_complex():
+            row = 10 * torch.randn(t.shape[1:], generator=self.generator, dtype=torch.float64)
+            out[self.mid] = row.to(t.dtype).to(t.device)
+        else:
+            out[self.mid] = 0
+        return out
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` differs from ``a`` beyond float rounding (NaNs in the same places agree)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return not torch.equal(a, b)
+    tol = RTOL.get(a.dtype, RTOL_DEFAULT)
+    a, b = a.detach(), b.detach()
+    same_nan = torch.isnan(a) == torch.isnan(b)
+    if not bool(same_nan.all()):
+        return True
+    a, b = torch.nan_to_num(a.double(), nan=0.0), torch.nan_to_num(b.double(), nan=0.0)
+    scale = max(float(a.abs().max()) if a.numel() else 0.0, 1.0)
+    return bool(((a - b).abs() > tol * scale).any())
+
+
+def _others(t: torch.Tensor, size: int, mid: int) -> torch.Tensor | None:
+    """The rows of ``t`` that belong to other examples than ``mid`` (None: no batch layout seen)."""
+    dims = [d for d in range(t.dim()) if int(t.shape[d]) == size]
+    if len(dims) == 1:
+        d = dims[0]
+        return torch.cat([t.narrow(d, 0, mid), t.narrow(d, mid + 1, size - mid - 1)], d)
+    if not dims and t.dim() > 0 and int(t.shape[0]) > 0 and int(t.shape[0]) % size == 0:  # (B·T, ...) flattened
+        rows = t.reshape(size, -1)
+        return torch.cat([rows[:mid], rows[mid + 1 :]])
+    return None
+
+
+def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
+    """Whether any batched output tensor's other rows differ (None: no output has the batch dimension)."""
+    la, lb = _leaves(a, []), _leaves(b, [])
+    if len(la) != len(lb):
+        return True
+    seen = False
+    for x, y in zip(la, lb, strict=True):
+        if x.dim() == 0 or int(x.shape[0]) != size:
+            continue
+        seen = True
+        if x.shape != y.shape or _differs(torch.cat([x[:mid], x[mid + 1 :]]), torch.cat([y[:mid], y[mid + 1 :]])):
+            return True
+    return False if seen else None
+
+
+class _Recorder(TorchFunctionMode):
+    """Records every top-level torch function call: (name, module path, input tensors, output tensors)."""
+
+    def __init__(self, stack: list):
+        super().__init__()
+        self.stack, self.calls = stack, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") not in ("__get__", "__set__", "dim", "size", "numel", "__len__"):
+            try:
+                name = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+            except Exception:
+                name = repr(func)
+            ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if not isinstance(t, nn.Parameter)]
+            outs = [t.detach().clone() for t in _leaves(out, [])]
+            self.calls.append((name, self.stack[-1] if self.stack else ("", None), ins, outs))
+        return out
+
+
+def _locate(calls_a, calls_b, size: int, mid: int) -> tuple[str, str, str] | None:
+    """(operation, module path, module type) of the first call whose inputs' other rows agree but whose
+    output's other rows differ, or whose floating-point output lost the batch dimension and changed."""
+    for (name, where, ins_a, outs_a), (name_b, _, ins_b, outs_b) in zip(calls_a, calls_b, strict=False):
+        if name != name_b or len(ins_a) != len(ins_b) or len(outs_a) != len(outs_b):
+            return None  # the passes took other paths: no operation can be named
+        clean, batched = True, False
+        for x, y in zip(ins_a, ins_b, strict=True):
+            rx, ry = _others(x, size, mid), _others(y, size, mid)
+            if rx is not None and ry is not None and rx.shape == ry.shape:
+                batched = True
+                clean = clean and not _differs(rx, ry)
+            else:
+                clean = clean and not _differs(x, y)
+            if not clean:
+                break
+        if not clean or not batched:
+            continue
+        for x, y in zip(outs_a, outs_b, strict=True):
+            rx, ry = _others(x, size, mid), _others(y, size, mid)
+            if rx is not None and ry is not None and rx.shape == ry.shape:
+                mixed = _differs(rx, ry)
+            else:
+                mixed = x.is_floating_point() and _differs(x, y)  # a reduction over the batch
+            if mixed:
+                path, module = where
+                return name, path, type(module).__name__ if module is not None else ""
+    return None
+
+
+class BatchIndependence:
+    """The check attached to one model (:meth:`attach`): a forward pre-hook on its root module, and
+    on a training wrapper that calls it through other parameters (``grad_sample_mode="ew"``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.passed: set[tuple] = set()  # the training-flag signatures checked
+        self.running = False
+        self._handles = [model.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True)]
+        self._wrappers: weakref.WeakSet = weakref.WeakSet()
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> BatchIndependence:
+        found = model.__dict__.get("_idpsgd_batch_independence")
+        if found is None:
+            found = cls(model)
+            object.__setattr__(model, "_idpsgd_batch_independence", found)
+        return found
+
+    def watch_wrapper(self, wrapper: nn.Module) -> None:
+        """Check at ``wrapper``'s forward (before it swaps the model's parameters)."""
+        if wrapper not in self._wrappers:
+            self._wrappers.add(wrapper)
+            self._handles.append(wrapper.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True))
+
+    def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own check when it needs one
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+    def _signature(self) -> tuple:
+        return tuple(m.training for m in self.model.modules())
+
+    def before_forward(self, args, kwargs) -> None:
+        if self.running or not torch.is_grad_enabled():
+            return
+        key = self._signature()
+        if key in self.passed:
+            return
+        self.running = True
+        try:
+            check_batch_independence(self.model, args, kwargs)
+        finally:
+            self.running = False
+        self.passed.add(key)
+
+
+class _Hook:
+    def __init__(self, check: BatchIndependence | None):
+        self.check = check
+
+    def __call__(self, _module, args, kwargs):
+        if self.check is not None:
+            self.check.before_forward(args, kwargs)
+
+    def __deepcopy__(self, memo):
+        return _Hook(None)
+
+    def __reduce__(self):
+        return _Hook, (None,)
+
+
+@contextlib.contextmanager
+def _isolated(model: nn.Module):
+    """Buffers replaced by copies, the global RNG state forked, parameters watched for in-place writes."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    params = list(model.named_parameters())
+    versions = [p._version for _, p in params]
+    devices = sorted(
+        {t.device.index or 0 for t in [*(p for _, p in params), *buffers.values()] if t.device.type == "cuda"}
+    )
+    with torch.random.fork_rng(devices=devices), _reparametrize_module(model, buffers, strict=False):
+        yield
+    written = [name for (name, p), v in zip(params, versions, strict=True) if p._version != v]
+    if written:
+        raise BatchMixingError(
+            "module",
+            type(model).__name__,
+            f"wrote parameter {written[0]!r} in place during its forward pass (checking that its examples do "
+            "not mix); a forward that writes the model is refused (write the parameter between steps instead)",
+        )
+
+
+def _run(model: nn.Module, args, kwargs):
+    torch.manual_seed(_SEED)
+    with torch.no_grad():
+        return model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+
+
+def check_batch_independence(model: nn.Module, args, kwargs) -> None:
+    """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
+    example of the batch (module docstring: the synthetic batch, what is compared, what is not seen)."""
+    synth = _Synthetic(args, kwargs)
+    name = type(model).__name__
+    if synth.real is None:
+        raise BatchMixingError(
+            "module",
+            name,
+            "was called without a tensor argument: the check that each example's output depends on that example "
+            "alone needs the batch as tensor arguments of the model's forward",
+        )
+    (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
+    try:
+        with _isolated(model):
+            out_a = _run(model, a_args, a_kwargs)
+            out_b = _run(model, b_args, b_kwargs)
+            mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
+            where = _localise(model, synth) if mixes else None
+    except BatchMixingError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise BatchMixingError(
+            "module",
+            name,
+            f"could not be run on a synthetic batch of {synth.size} examples of the call's shapes (values from a fixed "
+            f"generator; integer inputs 1, one example 0) to check that each example's output depends on that "
+            f"example alone: {type(exc).__name__}: {first}",
+        ) from exc
+    if mixes is None:
+        raise BatchMixingError(
+            "module",
+            name,
+            "returns no tensor whose leading dimension is the batch: the check that each example's output depends "
+            "on that example alone compares per-example outputs; return them (e.g. the logits) and compute the loss "
+            "outside the model",
+        )
+    if mixes:
+        if where is None:
+            culprit = "the operation could not be localised"
+        else:
+            op, path, kind = where
+            culprit = f"first at {op} in module {path or '(root)'!r} ({kind})"
+        raise BatchMixingError(
+            "module",
+            name,
+            f"mixes examples within the batch ({culprit}): changing one example of a synthetic batch changed the "
+            "outputs of the others, so each example's gradient depends on the whole batch and per-example clipping "
+            "bounds no example's influence (batch normalisation in training mode, statistics or attention over the "
+            "batch dimension); use per-example layers (GroupNorm, LayerNorm; get_compatible_module replaces "
+            "BatchNorm), or batch_first=True inputs for layers that take the batch first",
+        )
+
+
+def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | None:
+    """Both passes again under a :class:`_Recorder`, with the module stack from forward hooks."""
+    stack: list = []
+    handles = []
+
+    def enter(path):
+        def hook(module, _args):
+            stack.append((path, module))
+
+        return hook
+
+    def leave(*_):
+        stack.pop()
+
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(path)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    stack.append(("", model))  # model.forward is called directly: its own hooks do not run
+    try:
+        calls = []
+        for args, kwargs in (synth.base, synth.perturbed):
+            with _Recorder(stack) as rec:
+                _run(model, args, kwargs)
+            calls.append(rec.calls)
+    finally:
+        for h in handles:
+            h.remove()
+    return _locate(calls[0], calls[1], synth.size, synth.mid)
+
+
+__all__ = ["BatchIndependence", "BatchMixingError", "check_batch_independence", "synthetic_batch_size"]
