@@ -81,8 +81,10 @@ def _map(obj, fn):
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()} if type(obj) is dict else type(obj)(
-            (k, _map(v, fn)) for k, v in obj.items()
+        return (
+            {k: _map(v, fn) for k, v in obj.items()}
+            if type(obj) is dict
+            else type(obj)((k, _map(v, fn)) for k, v in obj.items())
         )
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_map(v, fn) for v in obj))
@@ -197,15 +199,18 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__", "dim", "size", "numel", "__len__"):
+            return func(*args, **kwargs)
+        # the inputs as they were before the call (an in-place update changes them)
+        ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if not isinstance(t, nn.Parameter)]
         out = func(*args, **kwargs)
-        if getattr(func, "__name__", "") not in ("__get__", "__set__", "dim", "size", "numel", "__len__"):
-            try:
-                name = resolve_name(func) or getattr(func, "__qualname__", repr(func))
-            except Exception:
-                name = repr(func)
-            ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if not isinstance(t, nn.Parameter)]
-            outs = [t.detach().clone() for t in _leaves(out, [])]
-            self.calls.append((name, self.stack[-1] if self.stack else ("", None), ins, outs))
+        try:
+            name = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        except Exception:
+            name = repr(func)
+        outs = [t.detach().clone() for t in _leaves(out, [])]
+        self.calls.append((name, self.stack[-1] if self.stack else ("", None), ins, outs))
         return out
 
 
@@ -326,9 +331,11 @@ def _isolated(model: nn.Module):
 
 
 def _run(model: nn.Module, args, kwargs):
-    torch.manual_seed(_SEED)
-    with torch.no_grad():
-        return model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+    """One pass from the same state: fresh copies of the buffers, the RNG at the fixed seed (then restored)."""
+    with _isolated(model):
+        torch.manual_seed(_SEED)
+        with torch.no_grad():
+            return model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
 
 
 def check_batch_independence(model: nn.Module, args, kwargs) -> None:
@@ -345,11 +352,10 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
         )
     (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
     try:
-        with _isolated(model):
-            out_a = _run(model, a_args, a_kwargs)
-            out_b = _run(model, b_args, b_kwargs)
-            mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
-            where = _localise(model, synth) if mixes else None
+        out_a = _run(model, a_args, a_kwargs)
+        out_b = _run(model, b_args, b_kwargs)
+        mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
+        where = _localise(model, synth) if mixes else None
     except BatchMixingError:
         raise
     except Exception as exc:
