@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from batch_mixing_models import ACCEPTED, CNN, MIXING, N, accepted_case, mixing_case
 from idpsgd import IndividualizedPrivacyEngine
-from idpsgd.engine.batch_independence import BatchMixingError, check_batch_independence
+from idpsgd.engine.batch_independence import BatchIndependence, BatchMixingError, _Result, check_batch_independence
 from idpsgd.engine.opacus_compat import REFUSALS, UnsupportedModuleError, refusal_for
 from idpsgd.validation import InvalidParameterError
 from sensitivity_harness import MODES, clipped_sum, private, sensitivity
@@ -70,7 +70,7 @@ def test_batch_mixing_model_is_refused_before_any_noise(name, mode):
 @pytest.mark.parametrize("name", list(MIXING))
 def test_batch_mixing_exceeds_the_clip_norm_without_the_check(name):
     """The harness sees the violation the check prevents: ‖ΔS‖ far above c = 1 (review: 4.8 to 10.3)."""
-    with mock.patch("idpsgd.engine.batch_independence.check_batch_independence"):
+    with mock.patch.object(BatchIndependence, "before_forward"):
         assert sensitivity(mixing_case(name), "hooks", trials=2) > 1.5
 
 
@@ -176,15 +176,36 @@ def test_the_check_runs_once_writes_nothing_and_leaves_the_rng_alone():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_a_buffer_written_in_forward_is_not_written_by_the_check():
+def test_a_model_that_writes_itself_is_not_written_by_the_check():
+    """The check runs on copies of the buffers and trainable parameters: BatchNorm's running statistics and
+    a forward's in-place or .data write to a parameter stay in the copies (the model is refused for its
+    mixing when called directly; through the engine such a forward is the write guard's)."""
     bn = nn.BatchNorm1d(4)
     state = {k: v.clone() for k, v in bn.state_dict().items()}
-    versions = [b._version for b in bn.buffers()]
+    versions = [t._version for t in [*bn.parameters(), *bn.buffers()]]
     with pytest.raises(BatchMixingError, match=r"torch.nn.functional.batch_norm in module '\(root\)' \(BatchNorm1d\)"):
         check_batch_independence(bn.train(), (torch.randn(8, 4),), {})
     assert all(torch.equal(state[k], v) for k, v in bn.state_dict().items())
-    assert [b._version for b in bn.buffers()] == versions
+    assert [t._version for t in [*bn.parameters(), *bn.buffers()]] == versions
     check_batch_independence(bn.eval(), (torch.randn(8, 4),), {})  # running statistics: per example
+
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            self.lin.weight.data.mul_(2)
+            with torch.no_grad():
+                self.lin.bias.add_(1)
+            return self.lin(x)
+
+    model = Writes()
+    before = [p.detach().clone() for p in model.parameters()]
+    versions = [p._version for p in model.parameters()]
+    check_batch_independence(model, (torch.randn(8, 4),), {})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert [p._version for p in model.parameters()] == versions
 
 
 def test_the_refusal_does_not_depend_on_the_real_batch_size():
@@ -243,11 +264,12 @@ def test_outputs_without_a_batch_dimension_and_models_that_fail_are_refused_clea
 def test_no_grad_and_eval_passes_are_not_checked_but_training_after_eval_is():
     model = CNN().double()
     calls = []
-    with mock.patch(
-        "idpsgd.engine.batch_independence.check_batch_independence", side_effect=lambda *a: calls.append(1)
-    ):
-        from idpsgd.engine.batch_independence import BatchIndependence
 
+    def probe(*args):
+        calls.append(1)
+        return _Result(None, False, [])
+
+    with mock.patch("idpsgd.engine.batch_independence._probe", side_effect=probe):
         BatchIndependence.attach(model)
         x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
         with torch.no_grad():
@@ -296,6 +318,6 @@ def test_refusal_table_lists_both():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MIXING))
 def test_batch_mixing_exceeds_the_clip_norm_without_the_check_in_every_mode(name, mode):
-    with mock.patch("idpsgd.engine.batch_independence.check_batch_independence"):
+    with mock.patch.object(BatchIndependence, "before_forward"):
         assert sensitivity(mixing_case(name), mode, trials=3) > 1.5
     assert N == 6

@@ -43,12 +43,15 @@ model whose outputs carry no batch dimension (refused: the check needs per-examp
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from .integrity import _extra_states
 from .opacus_compat import UnsupportedModuleError
 
 #: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
@@ -193,9 +196,9 @@ def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
 class _Recorder(TorchFunctionMode):
     """Records every top-level torch function call: (name, module path, input tensors, output tensors)."""
 
-    def __init__(self, stack: list):
+    def __init__(self, stack: list, skip: set[int]):
         super().__init__()
-        self.stack, self.calls = stack, []
+        self.stack, self.calls, self.skip = stack, [], skip  # skip: the model's own tensors (not recorded)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -203,7 +206,7 @@ class _Recorder(TorchFunctionMode):
         if name in ("__get__", "__set__", "dim", "size", "numel", "__len__"):
             return func(*args, **kwargs)
         # the inputs as they were before the call (an in-place update changes them)
-        ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if not isinstance(t, nn.Parameter)]
+        ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if id(t) not in self.skip]
         out = func(*args, **kwargs)
         try:
             name = resolve_name(func) or getattr(func, "__qualname__", repr(func))
@@ -251,7 +254,7 @@ class BatchIndependence:
     def __init__(self, model: nn.Module):
         self.model = model
         self.passed: set[tuple] = set()  # the training-flag signatures checked
-        self.running = False
+        self.running = self.in_wrapper = False
         self._handles = [model.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True)]
         self._wrappers: weakref.WeakSet = weakref.WeakSet()
 
@@ -264,10 +267,12 @@ class BatchIndependence:
         return found
 
     def watch_wrapper(self, wrapper: nn.Module) -> None:
-        """Check at ``wrapper``'s forward (before it swaps the model's parameters)."""
+        """Check at ``wrapper``'s forward, before it calls the model with other parameters (PyTorch's
+        ExpandedWeights); the model's own hook stays out while the wrapper's forward runs."""
         if wrapper not in self._wrappers:
             self._wrappers.add(wrapper)
-            self._handles.append(wrapper.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True))
+            self._handles.append(wrapper.register_forward_pre_hook(_Hook(self, True), with_kwargs=True, prepend=True))
+            self._handles.append(wrapper.register_forward_hook(_Hook(self, False), always_call=True))
 
     def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own check when it needs one
         return None
@@ -286,61 +291,112 @@ class BatchIndependence:
             return
         self.running = True
         try:
-            check_batch_independence(self.model, args, kwargs)
+            result = _probe(self.model, args, kwargs)
         finally:
             self.running = False
+        if result.written:
+            # a forward that writes the model (on the check's copies: the model is unchanged) is the write
+            # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
+            return
+        _refuse(self.model, result)
         self.passed.add(key)
 
 
 class _Hook:
-    def __init__(self, check: BatchIndependence | None):
-        self.check = check
+    """The model's forward pre-hook; on a wrapper (``wrapper`` True/False) its pre-hook and its hook."""
 
-    def __call__(self, _module, args, kwargs):
-        if self.check is not None:
-            self.check.before_forward(args, kwargs)
+    def __init__(self, check: BatchIndependence | None, wrapper: bool | None = None):
+        self.check, self.wrapper = check, wrapper
+
+    def __call__(self, _module, args, *rest):
+        if self.check is None:
+            return
+        if self.wrapper is False:  # the wrapper's forward ended
+            self.check.in_wrapper = False
+            return
+        if self.wrapper is None and self.check.in_wrapper:  # checked by the wrapper's pre-hook
+            return
+        self.check.before_forward(args, rest[0])
+        if self.wrapper:
+            self.check.in_wrapper = True
 
     def __deepcopy__(self, memo):
-        return _Hook(None)
+        return _Hook(None, self.wrapper)
 
     def __reduce__(self):
-        return _Hook, (None,)
+        return _Hook, (None, self.wrapper)
 
 
-@contextlib.contextmanager
-def _isolated(model: nn.Module):
-    """Buffers replaced by copies, the global RNG state forked, parameters watched for in-place writes."""
+class _Copies:
+    """The tensors a synthetic pass runs on: copies of the buffers and of the trainable parameters (tied
+    ones stay tied), so that a forward that writes the model writes the copies; frozen parameters are
+    used as they are (no copy of a large frozen base model) and watched by their version counters."""
+
+    def __init__(self, model: nn.Module):
+        self.originals, self.copies, made = {}, {}, {}
+        named = [*model.named_buffers(remove_duplicate=False)]
+        named += [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        for name, t in named:
+            if id(t) not in made:
+                made[id(t)] = t.detach().clone()
+            self.originals[name], self.copies[name] = t, made[id(t)]
+        self.frozen = [(n, p, p._version) for n, p in model.named_parameters() if not p.requires_grad]
+        self.ids = {id(t) for t in made.values()} | {id(p) for _, p, _ in self.frozen}
+        # modules' extra state (state_dict's _extra_state): saved, compared and put back after the pass
+        self.extra = [
+            (m, copy.deepcopy(m.get_extra_state()))
+            for m in model.modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state
+        ]
+        self.extra_digests = _extra_states(model) if self.extra else {}
+
+    def restore_extra(self, model: nn.Module) -> list[str]:
+        """Put every module's extra state back; the names of those the pass changed."""
+        if not self.extra:
+            return []
+        now = _extra_states(model)
+        for m, state in self.extra:
+            m.set_extra_state(copy.deepcopy(state))
+        return [name for name in now if now[name] != self.extra_digests.get(name)]
+
+    def written(self, model: nn.Module) -> list[str]:
+        """What the pass wrote (called inside it): a copy rebound, written in place or through ``.data``."""
+        out = []
+        for name, twin in self.copies.items():
+            owner, _, attr = name.rpartition(".")
+            now = getattr(model.get_submodule(owner), attr, None)
+            if now is not twin or not torch.equal(twin, self.originals[name].detach()):
+                out.append(name)
+        return out + [n for n, p, v in self.frozen if p._version != v]
+
+
+def _run(model: nn.Module, args, kwargs, record: list | None = None):
+    """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
+    at the fixed seed (the global RNG state restored afterwards), no gradients."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}
-    params = list(model.named_parameters())
-    versions = [p._version for _, p in params]
-    devices = sorted(
-        {t.device.index or 0 for t in [*(p for _, p in params), *buffers.values()] if t.device.type == "cuda"}
-    )
-    with torch.random.fork_rng(devices=devices), _reparametrize_module(model, buffers, strict=False):
-        yield
-    written = [name for (name, p), v in zip(params, versions, strict=True) if p._version != v]
-    if written:
-        raise BatchMixingError(
-            "module",
-            type(model).__name__,
-            f"wrote parameter {written[0]!r} in place during its forward pass (checking that its examples do "
-            "not mix); a forward that writes the model is refused (write the parameter between steps instead)",
-        )
-
-
-def _run(model: nn.Module, args, kwargs):
-    """One pass from the same state: fresh copies of the buffers, the RNG at the fixed seed (then restored)."""
-    with _isolated(model):
+    copies = _Copies(model)
+    devices = sorted({t.device.index or 0 for t in copies.originals.values() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), _reparametrize_module(model, copies.copies, strict=False):
         torch.manual_seed(_SEED)
-        with torch.no_grad():
-            return model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if record is not None:
+                record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
+            try:
+                out = model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+            finally:
+                changed = copies.restore_extra(model)
+        return out, copies.written(model) + changed
 
 
-def check_batch_independence(model: nn.Module, args, kwargs) -> None:
-    """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
-    example of the batch (module docstring: the synthetic batch, what is compared, what is not seen)."""
+@dataclass
+class _Result:
+    synthetic: _Synthetic | None
+    mixes: bool | None  # None: no output with the batch dimension
+    written: list[str]
+
+
+def _probe(model: nn.Module, args, kwargs) -> _Result:
     synth = _Synthetic(args, kwargs)
     name = type(model).__name__
     if synth.real is None:
@@ -352,10 +408,9 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
         )
     (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
     try:
-        out_a = _run(model, a_args, a_kwargs)
-        out_b = _run(model, b_args, b_kwargs)
+        out_a, written = _run(model, a_args, a_kwargs)
+        out_b, written_b = _run(model, b_args, b_kwargs)
         mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
-        where = _localise(model, synth) if mixes else None
     except BatchMixingError:
         raise
     except Exception as exc:
@@ -367,7 +422,12 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
             f"generator; integer inputs 1, one example 0) to check that each example's output depends on that "
             f"example alone: {type(exc).__name__}: {first}",
         ) from exc
-    if mixes is None:
+    return _Result(synth, mixes, sorted(set(written) | set(written_b)))
+
+
+def _refuse(model: nn.Module, result: _Result) -> None:
+    name = type(model).__name__
+    if result.mixes is None:
         raise BatchMixingError(
             "module",
             name,
@@ -375,7 +435,8 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
             "on that example alone compares per-example outputs; return them (e.g. the logits) and compute the loss "
             "outside the model",
         )
-    if mixes:
+    if result.mixes:
+        where = _localise(model, result.synthetic)
         if where is None:
             culprit = "the operation could not be localised"
         else:
@@ -390,6 +451,13 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
             "batch dimension); use per-example layers (GroupNorm, LayerNorm; get_compatible_module replaces "
             "BatchNorm), or batch_first=True inputs for layers that take the batch first",
         )
+
+
+def check_batch_independence(model: nn.Module, args, kwargs) -> None:
+    """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
+    example of the batch, for a call ``model(*args, **kwargs)`` (module docstring: the synthetic batch,
+    what is compared, what is not seen).  Writes nothing to the model and restores the global RNG."""
+    _refuse(model, _probe(model, args, kwargs))
 
 
 def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | None:
@@ -413,9 +481,9 @@ def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | Non
     try:
         calls = []
         for args, kwargs in (synth.base, synth.perturbed):
-            with _Recorder(stack) as rec:
-                _run(model, args, kwargs)
-            calls.append(rec.calls)
+            record = [stack]
+            _run(model, args, kwargs, record)
+            calls.append(record[0].calls)
     finally:
         for h in handles:
             h.remove()
