@@ -22,13 +22,17 @@ The check (data-independent, once per model and per combination of its modules' 
   Other arguments (shared tensors, non-tensor options) are passed unchanged;
 * the model's ``forward`` runs twice under ``torch.no_grad()``, the second time with the middle
   example replaced (floating point: ten times larger values of random sign; integers: 0; booleans:
-  False), each time from the same fixed RNG state (so dropout masks match), with every buffer
-  replaced by a copy (running statistics write the copy) and the global RNG state restored
-  afterwards: the check writes nothing to the model and leaves the run's randomness unchanged
-  (the write guard, :mod:`.integrity`, sees nothing);
+  False), each time from the same state: the same fixed RNG state (so dropout masks match), fresh
+  copies of the buffers and trainable parameters (a forward that writes them writes the copies;
+  frozen parameters are not copied, so a frozen base model costs no memory, and are watched by
+  their version counters), the modules' extra state put back after each pass, and the global RNG
+  state restored afterwards: the check writes nothing to the model and leaves the run's randomness
+  unchanged (the write guard, :mod:`.integrity`, sees nothing).  A forward that wrote the copies
+  is left to the write guard, which refuses the step (or norm pass) before any noise, and every
+  later one; it is not judged here (nor cached);
 * every output tensor whose leading dimension is the synthetic batch (tensors, tuples, lists,
   dicts, Hugging Face ``ModelOutput``) must keep every other example's rows within float rounding
-  (1e-4 of the output's scale); otherwise :class:`BatchMixingError` is raised, naming the first
+  (1e-4 of the output's largest magnitude); otherwise :class:`BatchMixingError` is raised, naming the first
   operation (a ``TorchFunctionMode`` over both passes) and module whose inputs' other rows agree but
   whose output rows differ, or — a reduction — whose floating-point output lost the batch dimension.
 
@@ -36,8 +40,13 @@ What it cannot see, so the user must meet it: mixing inside the **loss function*
 sees it: the per-example losses must each depend on their own example — a loss averaged over the
 tokens of the whole batch weighs each example by the others' token counts), mixing only in a custom
 autograd ``backward``, dependence on examples of *earlier* batches through module state (refused by
-the write guard when it is a buffer or parameter, not when it is a plain Python attribute), and a
-model whose outputs carry no batch dimension (refused: the check needs per-example outputs).
+the write guard when it is a buffer or parameter, not when it is a plain Python attribute — which
+the check's own passes may also change, e.g. a call counter), and a model whose outputs carry no
+batch dimension (refused: the check needs per-example outputs).
+
+Cost: two forward passes of the synthetic batch without gradients and a copy of the trainable
+parameters and buffers, once per model (and per combination of training flags); the refusal runs
+both passes again under a ``TorchFunctionMode`` to name the operation.
 """
 
 from __future__ import annotations
@@ -158,11 +167,13 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
         return not torch.equal(a, b)
     tol = RTOL.get(a.dtype, RTOL_DEFAULT)
     a, b = a.detach(), b.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
     same_nan = torch.isnan(a) == torch.isnan(b)
-    if not bool(same_nan.all()):
-        return True
+    if not bool(same_nan.all()) or not a.numel():
+        return not bool(same_nan.all())
     a, b = torch.nan_to_num(a.double(), nan=0.0), torch.nan_to_num(b.double(), nan=0.0)
-    scale = max(float(a.abs().max()) if a.numel() else 0.0, 1.0)
+    scale = float(torch.maximum(a.abs().max(), b.abs().max()))  # relative to the output's own scale
     return bool(((a - b).abs() > tol * scale).any())
 
 
