@@ -119,7 +119,8 @@ MIXING = (
     "depend on it; a model that mixes the examples of a batch (BatchNorm in training mode, x - x.mean(0), "
     "attention over the batch dimension) makes every gradient a function of the whole batch, and the "
     "sensitivity exceeds the clip norm (Opacus trains it silently); the engine checks the model on a "
-    "synthetic batch at its first forward pass and refuses it before any noisy step"
+    "synthetic batch at its first forward pass and refuses it before any noisy step, as it refuses a model the "
+    "check cannot run (no per-example output, a forward that fails on the synthetic batch)"
 )
 BUDGET = (
     "the privacy filter refuses the step (or, at make_private, the plan) that would take a privacy group "
@@ -154,9 +155,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal("batch_first=False", BATCH_SECOND, r"^batch_first=False is invalid"),
     Refusal(
-        "a model that mixes examples within a batch",
+        "a model that mixes examples within a batch (or that the check cannot run)",
         MIXING,
-        r"mixes examples within the batch",
+        r"mixes examples within the batch|each example's output depends on that example alone",
         UnsupportedModuleError,
     ),
     Refusal(
