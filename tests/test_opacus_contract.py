@@ -217,9 +217,7 @@ def test_expanded_weights_mode_trains_as_hooks():
         out[mode] = _epoch(model, opt, loader)
         assert engine.steps == 4 and ("ExpandedWeights" in "".join(engine.layer_paths.values())) == (mode == "ew")
     assert torch.allclose(out["hooks"], out["ew"], atol=1e-6)
-    with pytest.raises(
-        InvalidParameterError, match="batch_first=False is invalid: must be True with grad_sample_mode='ew'"
-    ):
+    with pytest.raises(InvalidParameterError, match="batch_first=False is invalid: only True is supported"):
         _private(mode="ew", batch_first=False)
 
 
@@ -336,6 +334,17 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
 
 
 # --- the refusal table: every entry is what the engine raises for that option ------------------------------
+class _Centered(nn.Module):
+    """Mixes the examples of a batch (x - x.mean(0)): refused at its first forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0))
+
+
 def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
     """The Opacus-suite harness counts a failure as *refused* only when its error matches
     ``REFUSALS``; each entry must match the engine's own error for that option (no drift), and an
@@ -384,6 +393,10 @@ def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
             noise_multiplier=1.0,
             max_grad_norm=1.0,
             steps=50,
+        ),
+        "batch_first=False": lambda: make(batch_first=False),
+        "a model that mixes examples within a batch (or that the check cannot run)": lambda: make(model=_Centered())[0](
+            x[:4]
         ),
     }
     batch_option = next(r.option for r in REFUSALS if r.error.__name__ == "BatchMismatchError")

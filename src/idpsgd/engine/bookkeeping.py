@@ -569,12 +569,10 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
 
 
 def check_batch_first(batch_first: bool) -> None:
-    if not batch_first:
-        raise InvalidParameterError(
-            "batch_first",
-            batch_first,
-            "grad_sample_mode='bk' needs batch-first inputs; use grad_sample_mode='hooks' for batch_first=False",
-        )
+    """Refuse batch-second inputs, as every mode does (:data:`~.opacus_compat.REFUSALS`)."""
+    from .opacus_compat import refuse_opacus_options
+
+    refuse_opacus_options(batch_first=batch_first)
 
 
 class BookKeeper:

@@ -52,6 +52,7 @@ def _norm_pass(model: torch.nn.Module):
     writes the model in its forward (Embedding(max_norm)) is refused at the entry, and any parameter
     or persistent buffer the pass changes is refused by the check (:mod:`.integrity`): the pass runs
     the forward over every example, those that never train included."""
+    from .batch_independence import BatchIndependence
     from .bookkeeping import BookKeeper
     from .integrity import WriteGuard, check_static_writes
     from .wrap import raw_module
@@ -61,6 +62,7 @@ def _norm_pass(model: torch.nn.Module):
         outer = None
     raw = raw_module(model)
     check_static_writes(raw)
+    BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call (.batch_independence)
     guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
     saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation

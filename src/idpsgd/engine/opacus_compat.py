@@ -110,6 +110,20 @@ WHOLE_BATCHES = (
     "which Opacus clips and accounts as if they were examples), a partial batch or several batches "
     "in one step are refused before the noise"
 )
+BATCH_SECOND = (
+    "per-sample gradients are taken along the first dimension of each layer's activations; with batch-second "
+    "(T, B, ...) inputs the engine would have to find the batch dimension from the shapes, and when the "
+    "drawn batch size happens to equal T every mode clips the wrong units (Opacus too); give batch-first "
+    "(B, T, ...) inputs (e.g. nn.MultiheadAttention(batch_first=True), x.transpose(0, 1) in your collate)"
+)
+MIXING = (
+    "per-example clipping bounds an example's influence only when every other example's gradient does not "
+    "depend on it; a model that mixes the examples of a batch (BatchNorm in training mode, x - x.mean(0), "
+    "attention over the batch dimension) makes every gradient a function of the whole batch, and the "
+    "sensitivity exceeds the clip norm (Opacus trains it silently); the engine checks the model on a "
+    "synthetic batch at its first forward pass and refuses it before any noisy step, as it refuses a model the "
+    "check cannot run (no per-example output, a forward that fails on the synthetic batch)"
+)
 BUDGET = (
     "the privacy filter refuses the step (or, at make_private, the plan) that would take a privacy group "
     "over its budget, before its noise is drawn (filter_action='warn' warns instead); Opacus would train "
@@ -141,6 +155,13 @@ REFUSALS: tuple[Refusal, ...] = (
         r"gradients than drawn examples)",
         BatchMismatchError,
     ),
+    Refusal("batch_first=False", BATCH_SECOND, r"^batch_first=False is invalid"),
+    Refusal(
+        "a model that mixes examples within a batch (or that the check cannot run)",
+        MIXING,
+        r"mixes examples within the batch|each example's output depends on that example alone",
+        UnsupportedModuleError,
+    ),
     Refusal(
         "a step or plan beyond a budget", BUDGET, r"would take a privacy group over its budget", PrivacyBudgetExceeded
     ),
@@ -151,6 +172,7 @@ OPACUS_ONLY = {
     "poisson_sampling": (True, POISSON),
     "clipping": ("flat", FLAT),
     "rand_on_empty": (False, EMPTY),
+    "batch_first": (True, BATCH_SECOND),
 }
 
 

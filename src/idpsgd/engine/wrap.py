@@ -52,10 +52,11 @@ from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
 from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
-from .bookkeeping import BookKeeper, BookKeepingModule, check_batch_first, plan_layers
+from .batch_independence import BatchIndependence
+from .bookkeeping import BookKeeper, BookKeepingModule, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
-from .opacus_compat import UnsupportedModuleError
+from .opacus_compat import UnsupportedModuleError, refuse_opacus_options
 
 #: the modes in which the engine (or Opacus) computes the per-example gradients or norms
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
@@ -134,14 +135,8 @@ def check_wrappable(
                 f"is not supported for a {type(module).__name__} module (the engine's data-parallel steps and norm "
                 "passes work through the returned module): use the returned module (wrap_model=True)",
             )
-    if grad_sample_mode == "no_op" and not batch_first:
-        raise InvalidParameterError(
-            "batch_first",
-            batch_first,
-            "must be True with grad_sample_mode='no_op' (your p.grad_sample holds one row per example, first; "
-            "Opacus's GradSampleModuleNoOp has the same limit)",
-        )
     check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
+    refuse_opacus_options(batch_first=batch_first)  # batch-second inputs, every mode (.opacus_compat.REFUSALS)
     if not isinstance(module, AbstractGradSampleModule) and hasattr(module, "autograd_grad_sample_hooks"):
         raise InvalidParameterError(
             "module",
@@ -168,15 +163,7 @@ def check_wrappable(
             "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
             "BatchNorm by GroupNorm)",
         )
-    if grad_sample_mode == "ew" and not batch_first:
-        raise InvalidParameterError(
-            "batch_first",
-            batch_first,
-            "must be True with grad_sample_mode='ew' (PyTorch's "
-            "ExpandedWeights takes the batch size from the first dimension)",
-        )
     if grad_sample_mode == "bk":
-        check_batch_first(batch_first)
         plan_layers(raw_module(module))
 
 
@@ -215,7 +202,18 @@ def wrap_module(
     wrap_model: bool = True,
 ) -> AbstractGradSampleHooks:
     """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused), or
-    with ``wrap_model=False`` Opacus's hooks object attached to ``module`` (which the user keeps)."""
+    with ``wrap_model=False`` Opacus's hooks object attached to ``module`` (which the user keeps); with
+    the check that its examples do not mix (:mod:`.batch_independence`) at its first forward pass with
+    gradients (not in ``no_op`` mode: the per-sample gradients are the user's own computation)."""
+    wrapped = _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_model)
+    if grad_sample_mode != "no_op":
+        check = BatchIndependence.attach(raw_module(wrapped))
+        if grad_sample_mode == "ew":  # ExpandedWeights calls the model with its own parameters: check before
+            check.watch_wrapper(wrapped)
+    return wrapped
+
+
+def _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_model) -> AbstractGradSampleHooks:
     check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
     if not wrap_model:
         if grad_sample_mode == "no_op":

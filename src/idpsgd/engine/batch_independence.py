@@ -1,0 +1,506 @@
+"""Each example's output depends on that example alone: models that mix examples within a batch are refused.
+
+DP-SGD's sensitivity bound (Abadi et al. 2016; Boenisch et al. 2023, Alg. 1) clips each example's
+gradient g_i at c_i, so adding or removing one example z changes the clipped sum by at most c_z —
+*provided g_i of every other example i does not depend on z*.  A model whose forward mixes the
+examples of a batch — ``x - x.mean(0)``, ``F.batch_norm(..., training=True)``, attention over the
+batch dimension, a mean over a hidden layer — makes every g_i a function of the whole batch, and
+per-example clipping then bounds nothing: the reviewer measured ‖S(D ∪ {z}) − S(D)‖ of 4.8 to 10.3
+at c = 1.  Opacus trains such models silently; the engine refuses them, in every
+``grad_sample_mode`` and in the per-example norm passes (:mod:`.norms`), before the first noisy step.
+
+The check (data-independent, once per model and per combination of its modules' training flags):
+
+* at the model's first forward call with gradients enabled (its first training step, or the first
+  batch of a norm pass; a forward under ``torch.no_grad()`` does no per-example work and is not
+  checked), the call's arguments are replaced by a **synthetic batch**: every tensor argument whose
+  leading dimension is the call's batch dimension (that of its first tensor argument) becomes a
+  tensor of the same trailing shape, dtype and device with :func:`synthetic_batch_size` rows —
+  a fixed public number (the first of 5, 7, 11, … dividing no trailing dimension of the
+  arguments), never the drawn batch size — filled from a fixed generator (floating point: standard
+  normal values; integers and booleans: 1, a valid token id, mask or label for any vocabulary).
+  Other arguments (shared tensors, non-tensor options) are passed unchanged;
+* the model's ``forward`` runs twice under ``torch.no_grad()``, the second time with the middle
+  example replaced (floating point: ten times larger values of random sign; integers: 0; booleans:
+  False), each time from the same state: the same fixed RNG state (so dropout masks match), fresh
+  copies of the buffers and trainable parameters (a forward that writes them writes the copies;
+  frozen parameters are not copied, so a frozen base model costs no memory, and are watched by
+  their version counters), the modules' extra state put back after each pass, and the global RNG
+  state restored afterwards: the check writes nothing to the model and leaves the run's randomness
+  unchanged (the write guard, :mod:`.integrity`, sees nothing).  A forward that wrote the copies
+  is left to the write guard, which refuses the step (or norm pass) before any noise, and every
+  later one; it is not judged here (nor cached);
+* every output tensor whose leading dimension is the synthetic batch (tensors, tuples, lists,
+  dicts, Hugging Face ``ModelOutput``) must keep every other example's rows within float rounding
+  (1e-4 of the output's largest magnitude); otherwise :class:`BatchMixingError` is raised, naming the first
+  operation (a ``TorchFunctionMode`` over both passes) and module whose inputs' other rows agree but
+  whose output rows differ, or — a reduction — whose floating-point output lost the batch dimension.
+
+What it cannot see, so the user must meet it: mixing inside the **loss function** (the engine never
+sees it: the per-example losses must each depend on their own example — a loss averaged over the
+tokens of the whole batch weighs each example by the others' token counts), mixing only in a custom
+autograd ``backward``, dependence on examples of *earlier* batches through module state (refused by
+the write guard when it is a buffer or parameter, not when it is a plain Python attribute — which
+the check's own passes may also change, e.g. a call counter), and a model whose outputs carry no
+batch dimension (refused: the check needs per-example outputs).
+
+Cost: two forward passes of the synthetic batch without gradients and a copy of the trainable
+parameters and buffers, once per model (and per combination of training flags); the refusal runs
+both passes again under a ``TorchFunctionMode`` to name the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from .integrity import _extra_states
+from .opacus_compat import UnsupportedModuleError
+
+#: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
+_SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
+#: how much an output row may move (relative to the output's largest magnitude) and still be unchanged
+RTOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+RTOL_DEFAULT = 1e-4
+_SEED = 0x1D95_6D  # the fixed seed of the synthetic values and of the passes' RNG state
+
+
+class BatchMixingError(UnsupportedModuleError):
+    """A model whose output for one example depends on other examples of the batch."""
+
+
+def _leaves(obj, out: list) -> list:
+    """The tensors of a nested output (tensor, tuple, list, dict, ``ModelOutput``), in order."""
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        for v in obj.values():
+            _leaves(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _leaves(v, out)
+    return out
+
+
+def _map(obj, fn):
+    """``obj`` with every tensor t replaced by fn(t) (tuples, namedtuples, lists, dicts)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return (
+            {k: _map(v, fn) for k, v in obj.items()}
+            if type(obj) is dict
+            else type(obj)((k, _map(v, fn)) for k, v in obj.items())
+        )
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _batch_dim_of(args, kwargs) -> int | None:
+    first = next((t for t in _leaves((args, kwargs), []) if t.dim() > 0), None)
+    return None if first is None else int(first.shape[0])
+
+
+def synthetic_batch_size(args, kwargs) -> int:
+    """The synthetic batch's size: the first of 5, 7, 11, … dividing no trailing dimension of the
+    call's tensor arguments (a public function of the shapes, never the drawn batch size), so that
+    the batch dimension of the model's outputs and intermediates is recognisable by its size."""
+    dims = {int(d) for t in _leaves((args, kwargs), []) for d in t.shape[1:] if int(d) > 0}
+    for size in _SIZES:
+        if not any(d % size == 0 for d in dims):
+            return size
+    return _SIZES[-1]
+
+
+class _Synthetic:
+    """The synthetic batch: its base values and those with the middle example perturbed."""
+
+    def __init__(self, args, kwargs):
+        self.real = _batch_dim_of(args, kwargs)
+        self.size = synthetic_batch_size(args, kwargs)
+        self.mid = self.size // 2
+        self.generator = torch.Generator().manual_seed(_SEED)
+        self._made: set[int] = set()  # ids of the synthetic tensors (kept alive by self.base)
+        self.base = _map((args, kwargs), self._base)
+        self.perturbed = _map(self.base, self._perturb)
+
+    def _is_example(self, t: torch.Tensor) -> bool:
+        return self.real is not None and t.dim() > 0 and int(t.shape[0]) == self.real
+
+    def _base(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._is_example(t):
+            return t
+        shape = (self.size, *t.shape[1:])
+        if t.is_floating_point() or t.is_complex():
+            out = torch.randn(shape, generator=self.generator, dtype=torch.float64).to(t.dtype).to(t.device)
+        else:
+            out = torch.ones(shape, dtype=t.dtype, device=t.device)
+        self._made.add(id(out))
+        return out
+
+    def _perturb(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self._made:
+            return t
+        out = t.clone()
+        if t.is_floating_point() or t.is_complex():
+            row = 10 * torch.randn(t.shape[1:], generator=self.generator, dtype=torch.float64)
+            out[self.mid] = row.to(t.dtype).to(t.device)
+        else:
+            out[self.mid] = 0
+        return out
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` differs from ``a`` beyond float rounding (NaNs in the same places agree)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return not torch.equal(a, b)
+    tol = RTOL.get(a.dtype, RTOL_DEFAULT)
+    a, b = a.detach(), b.detach()
+    if torch.equal(a, b):  # the usual case, cheap
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    same_nan = torch.isnan(a) == torch.isnan(b)
+    if not bool(same_nan.all()) or not a.numel():
+        return not bool(same_nan.all())
+    a, b = torch.nan_to_num(a.double(), nan=0.0), torch.nan_to_num(b.double(), nan=0.0)
+    scale = float(torch.maximum(a.abs().max(), b.abs().max()))  # relative to the output's own scale
+    return bool(((a - b).abs() > tol * scale).any())
+
+
+def _others(t: torch.Tensor, size: int, mid: int) -> torch.Tensor | None:
+    """The rows of ``t`` that belong to other examples than ``mid`` (None: no batch layout seen)."""
+    dims = [d for d in range(t.dim()) if int(t.shape[d]) == size]
+    if len(dims) == 1:
+        d = dims[0]
+        return torch.cat([t.narrow(d, 0, mid), t.narrow(d, mid + 1, size - mid - 1)], d)
+    if not dims and t.dim() > 0 and int(t.shape[0]) > 0 and int(t.shape[0]) % size == 0:  # (B·T, ...) flattened
+        rows = t.reshape(size, -1)
+        return torch.cat([rows[:mid], rows[mid + 1 :]])
+    return None
+
+
+def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
+    """Whether any batched output tensor's other rows differ (None: no output has the batch dimension)."""
+    la, lb = _leaves(a, []), _leaves(b, [])
+    if len(la) != len(lb):
+        return True
+    seen = False
+    for x, y in zip(la, lb, strict=True):
+        if x.dim() == 0 or int(x.shape[0]) != size:
+            continue
+        seen = True
+        if x.shape != y.shape or _differs(x[:mid], y[:mid]) or _differs(x[mid + 1 :], y[mid + 1 :]):
+            return True
+    return False if seen else None
+
+
+class _Recorder(TorchFunctionMode):
+    """Records every top-level torch function call: (name, module path, input tensors, output tensors)."""
+
+    def __init__(self, stack: list, skip: set[int]):
+        super().__init__()
+        self.stack, self.calls, self.skip = stack, [], skip  # skip: the model's own tensors (not recorded)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__", "dim", "size", "numel", "__len__"):
+            return func(*args, **kwargs)
+        # the inputs as they were before the call (an in-place update changes them)
+        ins = [t.detach().clone() for t in _leaves((args, kwargs), []) if id(t) not in self.skip]
+        out = func(*args, **kwargs)
+        try:
+            name = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        except Exception:
+            name = repr(func)
+        outs = [t.detach().clone() for t in _leaves(out, [])]
+        self.calls.append((name, self.stack[-1] if self.stack else ("", None), ins, outs))
+        return out
+
+
+def _locate(calls_a, calls_b, size: int, mid: int) -> tuple[str, str, str] | None:
+    """(operation, module path, module type) of the first call whose inputs' other rows agree but whose
+    output's other rows differ, or whose floating-point output lost the batch dimension and changed."""
+    for (name, where, ins_a, outs_a), (name_b, _, ins_b, outs_b) in zip(calls_a, calls_b, strict=False):
+        if name != name_b or len(ins_a) != len(ins_b) or len(outs_a) != len(outs_b):
+            return None  # the passes took other paths: no operation can be named
+        clean, batched = True, False
+        for x, y in zip(ins_a, ins_b, strict=True):
+            rx, ry = _others(x, size, mid), _others(y, size, mid)
+            if rx is not None and ry is not None and rx.shape == ry.shape:
+                batched = True
+                clean = clean and not _differs(rx, ry)
+            else:
+                clean = clean and not _differs(x, y)
+            if not clean:
+                break
+        if not clean or not batched:
+            continue
+        for x, y in zip(outs_a, outs_b, strict=True):
+            rx, ry = _others(x, size, mid), _others(y, size, mid)
+            if rx is not None and ry is not None and rx.shape == ry.shape:
+                mixed = _differs(rx, ry)
+            else:
+                mixed = x.is_floating_point() and _differs(x, y)  # a reduction over the batch
+            if mixed:
+                path, module = where
+                return name, path, type(module).__name__ if module is not None else ""
+    return None
+
+
+class BatchIndependence:
+    """The check attached to one model (:meth:`attach`): a forward pre-hook on its root module, and
+    on a training wrapper that calls it through other parameters (``grad_sample_mode="ew"``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.passed: set[tuple] = set()  # the training-flag signatures checked
+        self.running = self.in_wrapper = False
+        self._handles = [model.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True)]
+        self._wrappers: weakref.WeakSet = weakref.WeakSet()
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> BatchIndependence:
+        found = model.__dict__.get("_idpsgd_batch_independence")
+        if found is None:
+            found = cls(model)
+            object.__setattr__(model, "_idpsgd_batch_independence", found)
+        return found
+
+    def watch_wrapper(self, wrapper: nn.Module) -> None:
+        """Check at ``wrapper``'s forward, before it calls the model with other parameters (PyTorch's
+        ExpandedWeights); the model's own hook stays out while the wrapper's forward runs."""
+        if wrapper not in self._wrappers:
+            self._wrappers.add(wrapper)
+            self._handles.append(wrapper.register_forward_pre_hook(_Hook(self, True), with_kwargs=True, prepend=True))
+            self._handles.append(wrapper.register_forward_hook(_Hook(self, False), always_call=True))
+
+    def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own check when it needs one
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+    def _signature(self) -> tuple:
+        return tuple(m.training for m in self.model.modules())
+
+    def before_forward(self, args, kwargs) -> None:
+        if self.running or not torch.is_grad_enabled():
+            return
+        key = self._signature()
+        if key in self.passed:
+            return
+        self.running = True
+        try:
+            result = _probe(self.model, args, kwargs)
+        finally:
+            self.running = False
+        if result.written:
+            # a forward that writes the model (on the check's copies: the model is unchanged) is the write
+            # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
+            return
+        _refuse(self.model, result)
+        self.passed.add(key)
+
+
+class _Hook:
+    """The model's forward pre-hook; on a wrapper (``wrapper`` True/False) its pre-hook and its hook."""
+
+    def __init__(self, check: BatchIndependence | None, wrapper: bool | None = None):
+        self.check, self.wrapper = check, wrapper
+
+    def __call__(self, _module, args, *rest):
+        if self.check is None:
+            return
+        if self.wrapper is False:  # the wrapper's forward ended
+            self.check.in_wrapper = False
+            return
+        if self.wrapper is None and self.check.in_wrapper:  # checked by the wrapper's pre-hook
+            return
+        self.check.before_forward(args, rest[0])
+        if self.wrapper:
+            self.check.in_wrapper = True
+
+    def __deepcopy__(self, memo):
+        return _Hook(None, self.wrapper)
+
+    def __reduce__(self):
+        return _Hook, (None, self.wrapper)
+
+
+class _Copies:
+    """The tensors a synthetic pass runs on: copies of the buffers and of the trainable parameters (tied
+    ones stay tied), so that a forward that writes the model writes the copies; frozen parameters are
+    used as they are (no copy of a large frozen base model) and watched by their version counters."""
+
+    def __init__(self, model: nn.Module):
+        self.originals, self.copies, made = {}, {}, {}
+        named = [*model.named_buffers(remove_duplicate=False)]
+        named += [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        for name, t in named:
+            if id(t) not in made:
+                made[id(t)] = t.detach().clone()
+            self.originals[name], self.copies[name] = t, made[id(t)]
+        self.frozen = [(n, p, p._version) for n, p in model.named_parameters() if not p.requires_grad]
+        self.ids = {id(t) for t in made.values()} | {id(p) for _, p, _ in self.frozen}
+        # modules' extra state (state_dict's _extra_state): saved, compared and put back after the pass
+        self.extra = [
+            (m, copy.deepcopy(m.get_extra_state()))
+            for m in model.modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state
+        ]
+        self.extra_digests = _extra_states(model) if self.extra else {}
+
+    def restore_extra(self, model: nn.Module) -> list[str]:
+        """Put every module's extra state back; the names of those the pass changed."""
+        if not self.extra:
+            return []
+        now = _extra_states(model)
+        for m, state in self.extra:
+            m.set_extra_state(copy.deepcopy(state))
+        return [name for name in now if now[name] != self.extra_digests.get(name)]
+
+    def written(self, model: nn.Module) -> list[str]:
+        """What the pass wrote (called inside it): a copy rebound, written in place or through ``.data``."""
+        out = []
+        for name, twin in self.copies.items():
+            owner, _, attr = name.rpartition(".")
+            now = getattr(model.get_submodule(owner), attr, None)
+            if now is not twin or not torch.equal(twin, self.originals[name].detach()):
+                out.append(name)
+        return out + [n for n, p, v in self.frozen if p._version != v]
+
+
+def _run(model: nn.Module, args, kwargs, record: list | None = None):
+    """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
+    at the fixed seed (the global RNG state restored afterwards), no gradients."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    copies = _Copies(model)
+    devices = sorted({t.device.index or 0 for t in copies.originals.values() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), _reparametrize_module(model, copies.copies, strict=False):
+        torch.manual_seed(_SEED)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if record is not None:
+                record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
+            try:
+                out = model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+            finally:
+                changed = copies.restore_extra(model)
+        return out, copies.written(model) + changed
+
+
+@dataclass
+class _Result:
+    synthetic: _Synthetic | None
+    mixes: bool | None  # None: no output with the batch dimension
+    written: list[str]
+
+
+def _probe(model: nn.Module, args, kwargs) -> _Result:
+    synth = _Synthetic(args, kwargs)
+    name = type(model).__name__
+    if synth.real is None:
+        raise BatchMixingError(
+            "module",
+            name,
+            "was called without a tensor argument: the check that each example's output depends on that example "
+            "alone needs the batch as tensor arguments of the model's forward",
+        )
+    (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
+    try:
+        out_a, written = _run(model, a_args, a_kwargs)
+        out_b, written_b = _run(model, b_args, b_kwargs)
+        mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
+    except BatchMixingError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise BatchMixingError(
+            "module",
+            name,
+            f"could not be run on a synthetic batch of {synth.size} examples of the call's shapes (values from a fixed "
+            f"generator; integer inputs 1, one example 0) to check that each example's output depends on that "
+            f"example alone: {type(exc).__name__}: {first}",
+        ) from exc
+    return _Result(synth, mixes, sorted(set(written) | set(written_b)))
+
+
+def _refuse(model: nn.Module, result: _Result) -> None:
+    name = type(model).__name__
+    if result.mixes is None:
+        raise BatchMixingError(
+            "module",
+            name,
+            "returns no tensor whose leading dimension is the batch: the check that each example's output depends "
+            "on that example alone compares per-example outputs; return them (e.g. the logits) and compute the loss "
+            "outside the model",
+        )
+    if result.mixes:
+        where = _localise(model, result.synthetic)
+        if where is None:
+            culprit = "the operation could not be localised"
+        else:
+            op, path, kind = where
+            culprit = f"first at {op} in module {path or '(root)'!r} ({kind})"
+        raise BatchMixingError(
+            "module",
+            name,
+            f"mixes examples within the batch ({culprit}): changing one example of a synthetic batch changed the "
+            "outputs of the others, so each example's gradient depends on the whole batch and per-example clipping "
+            "bounds no example's influence (batch normalisation in training mode, statistics or attention over the "
+            "batch dimension); use per-example layers (GroupNorm, LayerNorm; get_compatible_module replaces "
+            "BatchNorm), or batch_first=True inputs for layers that take the batch first",
+        )
+
+
+def check_batch_independence(model: nn.Module, args, kwargs) -> None:
+    """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
+    example of the batch, for a call ``model(*args, **kwargs)`` (module docstring: the synthetic batch,
+    what is compared, what is not seen).  Writes nothing to the model and restores the global RNG."""
+    _refuse(model, _probe(model, args, kwargs))
+
+
+def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | None:
+    """Both passes again under a :class:`_Recorder`, with the module stack from forward hooks."""
+    stack: list = []
+    handles = []
+
+    def enter(path):
+        def hook(module, _args):
+            stack.append((path, module))
+
+        return hook
+
+    def leave(*_):
+        stack.pop()
+
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(path)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    stack.append(("", model))  # model.forward is called directly: its own hooks do not run
+    try:
+        calls = []
+        for args, kwargs in (synth.base, synth.perturbed):
+            record = [stack]
+            _run(model, args, kwargs, record)
+            calls.append(record[0].calls)
+    finally:
+        for h in handles:
+            h.remove()
+    return _locate(calls[0], calls[1], synth.size, synth.mid)
+
+
+__all__ = ["BatchIndependence", "BatchMixingError", "check_batch_independence", "synthetic_batch_size"]
