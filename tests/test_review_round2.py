@@ -1,0 +1,94 @@
+"""Privacy review, round two (attacks on the issue 35 / 38 fixes): each test failed before its fix."""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from batch_mixing_models import D, K, N
+from idpsgd.engine.batch_independence import BatchMixingError
+from sensitivity_harness import MODES, Case, _no_noise, private
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 8), nn.Linear(8, K)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _build():
+    torch.manual_seed(1)
+    return _MLP().double()
+
+
+def _center_input(_module, args):
+    return (args[0] - args[0].mean(0),)
+
+
+def _center_output(_module, _args, out):
+    return out - out.mean(0)
+
+
+_X = torch.randn(N, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+_Y = torch.arange(N) % K
+
+
+def _step(on: str, hook: str, mode: str):
+    """One step with a batch-mixing forward (pre-)hook on the user's model or on the module make_private returns."""
+    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+        case = Case(_build, _X, _Y, None)
+        if on == "model":
+            model = _build()
+            case = Case(lambda: model, _X, _Y, None)
+            (
+                model.register_forward_pre_hook(_center_input)
+                if hook == "pre"
+                else model.register_forward_hook(_center_output)
+            )
+        _engine, module, optimizer, criterion, loader = private(case, _X, _Y, mode)
+        if on == "wrapper":
+            (
+                module.register_forward_pre_hook(_center_input)
+                if hook == "pre"
+                else module.register_forward_hook(_center_output)
+            )
+        xb, yb = next(iter(loader))
+        out = module(xb)
+        loss = criterion(out, yb) if criterion is not None else nn.functional.cross_entropy(out, yb, reduction="sum")
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("on", ["model", "wrapper"])
+@pytest.mark.parametrize("hook", ["pre", "post"])
+def test_a_batch_mixing_forward_hook_on_the_root_or_the_wrapper_is_refused(hook, on, mode):
+    """The check ran ``model.forward`` alone: a user's forward pre-hook or hook on the model (or on the module
+    make_private returns) that centres the batch trained with ‖ΔS‖ = 1.5 at c = 1 in every mode."""
+    with pytest.raises(BatchMixingError, match="mixes examples within the batch"):
+        _step(on, hook, mode)
+
+
+def test_a_per_example_root_hook_still_trains():
+    model = _build()
+    model.register_forward_pre_hook(lambda _m, args: (2 * args[0],))
+    model.register_forward_hook(lambda _m, _a, out: out.tanh())
+    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+        _engine, module, optimizer, _c, loader = private(Case(lambda: model, _X, _Y, None), _X, _Y, "hooks")
+        xb, yb = next(iter(loader))
+        nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
+        optimizer.step()
