@@ -92,3 +92,36 @@ def test_a_per_example_root_hook_still_trains():
         xb, yb = next(iter(loader))
         nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
         optimizer.step()
+
+
+# --- csv without test.csv: the hidden split is a function of N only --------------------------------------
+def _write_csv(path, labels):
+    rows = ["a,b,label", *(f"{i % 7 / 7:.3f},{(i * 3) % 5 / 5:.3f},{lab}" for i, lab in enumerate(labels))]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_the_hidden_csv_split_does_not_depend_on_the_labels(tmp_path):
+    """A split stratified by the labels moved 16 of 90 rows between train and test when one row's label
+    changed (24 when a row was added): the neighbours trained on sets differing in many rows."""
+    from idpsgd.data import load_dataset
+
+    labels = [i % 3 for i in range(90)]
+    other = list(labels)
+    other[10] = 2  # one row replaced (zero-out keeps N)
+    _write_csv(tmp_path / "D", labels)
+    _write_csv(tmp_path / "Dp", other)
+    a = load_dataset("csv", tmp_path / "D", num_classes=3).split
+    b = load_dataset("csv", tmp_path / "Dp", num_classes=3).split
+    assert a["train_rows"].tolist() == b["train_rows"].tolist()
+    assert a["test_rows"].tolist() == b["test_rows"].tolist()
+    assert len(a["test_rows"]) == 18
+
+
+def test_a_class_with_one_row_is_not_refused_by_the_hidden_split(tmp_path):
+    """The stratified split refused a class with a single row: a refusal that depended on one row's label."""
+    from idpsgd.data import load_dataset
+
+    _write_csv(tmp_path, [*(i % 2 for i in range(20)), 2])
+    data = load_dataset("csv", tmp_path, num_classes=3)
+    assert len(data.y_train) + len(data.split["test_rows"]) == 21
