@@ -125,3 +125,27 @@ def test_a_class_with_one_row_is_not_refused_by_the_hidden_split(tmp_path):
     _write_csv(tmp_path, [*(i % 2 for i in range(20)), 2])
     data = load_dataset("csv", tmp_path, num_classes=3)
     assert len(data.y_train) + len(data.split["test_rows"]) == 21
+
+
+# --- a language model's flattened logits (B·T, V) ----------------------------------------------------------
+class _FlatLogits(nn.Module):
+    def __init__(self, mix: bool = False):
+        super().__init__()
+        self.emb, self.out, self.mix = nn.Embedding(20, 8), nn.Linear(8, 20), mix
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.mix:
+            h = h - h.mean(0)
+        return self.out(h).view(-1, 20)  # (B·T, V), batch-first rows
+
+
+def test_flattened_batch_first_logits_are_checked_not_refused():
+    """``logits.view(-1, V)`` (the char-LM pattern) was refused as 'no tensor whose leading dimension is
+    the batch'; its rows are checked per example now, and a mixing one is still refused."""
+    from idpsgd.engine.batch_independence import check_batch_independence
+
+    x = torch.randint(1, 20, (6, 4))
+    check_batch_independence(_FlatLogits(), (x,), {})
+    with pytest.raises(BatchMixingError, match="mixes examples within the batch"):
+        check_batch_independence(_FlatLogits(mix=True), (x,), {})

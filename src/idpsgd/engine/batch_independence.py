@@ -200,10 +200,14 @@ def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
         return True
     seen = False
     for x, y in zip(la, lb, strict=True):
-        if x.dim() == 0 or int(x.shape[0]) != size:
+        if x.dim() == 0 or int(x.shape[0]) == 0 or int(x.shape[0]) % size:
             continue
+        if x.shape != y.shape:
+            return True
+        if int(x.shape[0]) != size:  # (B·T, ...) flattened batch-first (a language model's logits.view(-1, V))
+            x, y = x.reshape(size, -1), y.reshape(size, -1)
         seen = True
-        if x.shape != y.shape or _differs(x[:mid], y[:mid]) or _differs(x[mid + 1 :], y[mid + 1 :]):
+        if _differs(x[:mid], y[:mid]) or _differs(x[mid + 1 :], y[mid + 1 :]):
             return True
     return False if seen else None
 
