@@ -299,6 +299,14 @@ def _split(n, labels, where, test_fraction=0.2, seed=0):
         raise DatasetFileError(f"{where}: the stratified train/test split failed ({exc})") from None
 
 
+#: warned (a public, data-independent line) whenever a csv folder has no test.csv
+HIDDEN_SPLIT_WARNING = (
+    "csv without test.csv: the test metrics are computed on held-out rows of train.csv (a hidden 80/20 split) "
+    "that no privacy guarantee covers, so they are not differentially private; give a public test.csv before "
+    "publishing them"
+)
+
+
 def _position_split(n, test_fraction=0.2, seed=0):
     """Train/test indices of ``n`` rows from their positions alone (a fixed permutation of 0..n-1, seed
     0; the last ``ceil(test_fraction·n)`` test): a function of N only, never of the rows' values.
@@ -785,6 +793,7 @@ def load_csv(
         xtr, ytr = x, y
         source["test"] = test.name
     else:
+        warnings.warn(HIDDEN_SPLIT_WARNING, UserWarning, stacklevel=2)
         tr, te = _position_split(len(x))  # a function of N only (stratifying by label: of every label)
         tr, te = np.sort(tr), np.sort(te)  # both keep train.csv's row order
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
