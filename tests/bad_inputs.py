@@ -493,7 +493,7 @@ CASES = [
     ("finetune", "--data {tmp}/texts_bad_budget.jsonl", "column epsilon: lots is not a budget"),
     ("finetune", "--data {tmp}/texts_empty_text.jsonl", "line 2, column text:   is not a non-empty text"),
     ("finetune", "--data {tmp}/texts.jsonl --budgets 1,2 --fractions 0.5,0.5", "--budgets=1,2"),
-    ("finetune", "--data {tmp}/texts_plain.jsonl", "--budgets=None"),
+    ("finetune", "--data {tmp}/texts_plain.jsonl", "is not a column of --data"),
     ("finetune", "--data {tmp}/texts_plain.jsonl --budgets 1,2", "--fractions=None"),
     ("finetune", "--text-column body", "no column body"),
     ("finetune", "--label-column label", "no column label"),
