@@ -181,3 +181,74 @@ def test_the_hidden_split_is_warned_as_not_covered_once_on_one_line(tmp_path):
     assert "not differentially private" in json.dumps(report)
     with pytest.warns(UserWarning, match="csv without test.csv"):
         load_dataset("csv", tmp_path / "data", num_classes=3)
+
+
+# --- no_op with individual accounting: the user's vmap over the model -------------------------------------
+def test_no_op_per_sample_gradients_by_vmap_train_with_individual_accounting():
+    """Individual accounting's norm pass attaches the batch-independence check to the user's model; in no_op
+    mode the user's own ``vmap(grad(functional_call(model, ...)))`` then ran the check under vmap and failed
+    with "vmap: called random operation" (its synthetic batch is drawn from a generator)."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd import IndividualizedPrivacyEngine
+    from idpsgd.assignment import Budgets
+    from idpsgd.engine import IndividualAccountingOptions
+
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    engine = IndividualizedPrivacyEngine(seed=0)
+    engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=1, validate_subset=0))
+    _hooks, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=10),
+        budgets=Budgets.from_array(np.full(40, 4.0), 1e-5),
+        method="uniform",
+        epochs=1,
+        max_grad_norm=1.0,
+        grad_sample_mode="no_op",
+        wrap_model=False,
+    )
+
+    def loss(params, xi, yi):
+        return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
+
+    for xb, yb in loader:
+        opt.zero_grad()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, xb, yb)
+        for k, p in model.named_parameters():
+            p.grad_sample = per_sample[k]
+        opt.step()
+    assert engine.steps == 4
+
+
+def test_the_norm_pass_still_refuses_a_mixing_model_in_no_op_mode():
+    import numpy as np
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd import IndividualizedPrivacyEngine
+    from idpsgd.assignment import Budgets
+    from idpsgd.engine import IndividualAccountingOptions
+
+    model = _build()
+    model.register_forward_pre_hook(_center_input)
+    engine = IndividualizedPrivacyEngine(seed=0)
+    engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=1, validate_subset=0))
+    with pytest.raises(BatchMixingError, match="mixes examples within the batch"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(_X, _Y), batch_size=N),
+            budgets=Budgets.from_array(np.full(N, 4.0), 1e-5),
+            method="uniform",
+            epochs=1,
+            max_grad_norm=1.0,
+            grad_sample_mode="no_op",
+            wrap_model=False,
+        )

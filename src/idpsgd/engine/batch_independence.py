@@ -313,7 +313,9 @@ class BatchIndependence:
         return tuple(m.training for m in self.model.modules())
 
     def before_forward(self, args, kwargs) -> None:
-        if self.running or not torch.is_grad_enabled():
+        if self.running or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            # under vmap/grad the call is a per-sample computation (the user's own in no_op mode, Opacus's
+            # functorch per-layer pass): its inputs are not a batch, and the normal forward was checked
             return
         key = self._signature()
         if key in self.passed:
