@@ -17,11 +17,13 @@
   column (``budget_column``: per-example budgets are never model inputs) and identifier columns
   (:func:`is_id_column`: a pandas index or a column named like ``id``; a value unique to its row
   can only memorise, never generalise).  ``Dataset.source`` lists the feature columns and why each
-  other column was left out.  Without a test file, a deterministic stratified 80/20 split of the
-  rows (seed 0); training and test rows keep the file's order, and ``Dataset.split`` records which
-  data rows train and which test.  The split is a function of the labels, so the record is
-  private (the run folder keeps it in ``private/data_split.csv``, mode 0600); it is what aligns
-  per-row budgets of ``train.csv`` with the rows that train.
+  other column was left out.  Without a test file, a deterministic 80/20 split of the row
+  *positions* (seed 0; a function of the number of rows only, never of the labels: a stratified
+  split moved many rows between train and test when one row changed); training and test rows keep
+  the file's order, and ``Dataset.split`` records which data rows train and which test (kept in
+  ``private/data_split.csv``, mode 0600); it is what aligns per-row budgets of ``train.csv`` with
+  the rows that train.  The test rows are private rows no guarantee covers: metrics computed on
+  them are not differentially private (give a public ``test.csv`` for a report to publish).
 
 Every file is checked against its format (shapes, label ranges, finite numbers, counts): a bad
 file raises :class:`DatasetFileError`, one line naming the file, what is wrong and what is
@@ -295,6 +297,27 @@ def _split(n, labels, where, test_fraction=0.2, seed=0):
         return train_test_split(np.arange(n), test_size=test_fraction, random_state=seed, stratify=labels)
     except ValueError as exc:
         raise DatasetFileError(f"{where}: the stratified train/test split failed ({exc})") from None
+
+
+#: warned (a public, data-independent line) whenever a csv folder has no test.csv
+HIDDEN_SPLIT_WARNING = (
+    "csv without test.csv: the test metrics are computed on held-out rows of train.csv (a hidden 80/20 split) "
+    "that no privacy guarantee covers, so they are not differentially private; give a public test.csv before "
+    "publishing them"
+)
+
+
+def _position_split(n, test_fraction=0.2, seed=0):
+    """Train/test indices of ``n`` rows from their positions alone (a fixed permutation of 0..n-1, seed
+    0; the last ``ceil(test_fraction·n)`` test): a function of N only, never of the rows' values.
+
+    A split stratified by the labels is a function of every label: removing or relabelling one row
+    moved 16 to 24 of 90 rows between train and test, so neighbouring data sets trained on sets
+    differing in many rows and no reported ε held.  Under zero-out neighbouring (N public) this
+    split is the same for both neighbours: the training sets differ in the one example at most."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_test = math.ceil(test_fraction * n)
+    return perm[n_test:], perm[:n_test]
 
 
 @register("digits")
@@ -770,13 +793,15 @@ def load_csv(
         xtr, ytr = x, y
         source["test"] = test.name
     else:
-        tr, te = _split(len(x), y, train)
+        warnings.warn(HIDDEN_SPLIT_WARNING, UserWarning, stacklevel=2)
+        tr, te = _position_split(len(x))  # a function of N only (stratifying by label: of every label)
         tr, te = np.sort(tr), np.sort(te)  # both keep train.csv's row order
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
         split = {"rows": len(x), "train_rows": tr.astype(np.int64), "test_rows": te.astype(np.int64)}
         source["test"] = (
-            "hidden stratified 80/20 split of train.csv's rows (seed 0); training rows in file order; "
-            "which rows train: private/data_split.csv"
+            "hidden 80/20 split of train.csv's row positions (seed 0; a function of the row count only); "
+            "training rows in file order; which rows train: private/data_split.csv; the test rows are private rows no "
+            "guarantee covers, so the test metrics are not differentially private (give a public test.csv)"
         )
     source["num_classes"] = num_classes  # public: given, never read from the rows
     return _Raw(xtr, ytr, xte, yte, num_classes, "none (values as in the file)", None, source, split)

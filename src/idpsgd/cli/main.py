@@ -156,8 +156,9 @@ def main(argv=None) -> int:
 
     _help, _add, run = COMMANDS[args.command]
     held = _OnceAfterSuccess("Secure RNG turned off", args.command)
+    split = _OnceAfterSuccess("csv without test.csv", args.command)  # data.HIDDEN_SPLIT_WARNING
     try:
-        with held:
+        with held, split:
             result = run(args)
     except InvalidParameterError as exc:
         shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
     except (UnreachableTargetError, FileNotFoundError, CheckpointError) as exc:
         sys.stderr.write(f"idpsgd {args.command}: error: {_flagged_message(str(exc), args)}\n")
         return 2
+    split.show()
     held.show()
     if result is not None:
         if not getattr(args, "show_private", False):

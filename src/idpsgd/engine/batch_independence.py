@@ -20,7 +20,9 @@ The check (data-independent, once per model and per combination of its modules' 
   arguments), never the drawn batch size — filled from a fixed generator (floating point: standard
   normal values; integers and booleans: 1, a valid token id, mask or label for any vocabulary).
   Other arguments (shared tensors, non-tensor options) are passed unchanged;
-* the model's ``forward`` runs twice under ``torch.no_grad()``, the second time with the middle
+* the model's ``forward`` (with the user's forward pre-hooks and hooks on the model, on the module
+  ``make_private`` returned and global ones; the library's and Opacus's own hooks stay out) runs
+  twice under ``torch.no_grad()``, the second time with the middle
   example replaced (floating point: ten times larger values of random sign; integers: 0; booleans:
   False), each time from the same state: the same fixed RNG state (so dropout masks match), fresh
   copies of the buffers and trainable parameters (a forward that writes them writes the copies;
@@ -198,10 +200,14 @@ def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
         return True
     seen = False
     for x, y in zip(la, lb, strict=True):
-        if x.dim() == 0 or int(x.shape[0]) != size:
+        if x.dim() == 0 or int(x.shape[0]) == 0 or int(x.shape[0]) % size:
             continue
+        if x.shape != y.shape:
+            return True
+        if int(x.shape[0]) != size:  # (B·T, ...) flattened batch-first (a language model's logits.view(-1, V))
+            x, y = x.reshape(size, -1), y.reshape(size, -1)
         seen = True
-        if x.shape != y.shape or _differs(x[:mid], y[:mid]) or _differs(x[mid + 1 :], y[mid + 1 :]):
+        if _differs(x[:mid], y[:mid]) or _differs(x[mid + 1 :], y[mid + 1 :]):
             return True
     return False if seen else None
 
@@ -270,6 +276,7 @@ class BatchIndependence:
         self.running = self.in_wrapper = False
         self._handles = [model.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True)]
         self._wrappers: weakref.WeakSet = weakref.WeakSet()
+        self._outer: list = []  # weak references to the training wrappers around the model (their user hooks)
 
     @classmethod
     def attach(cls, model: nn.Module) -> BatchIndependence:
@@ -287,6 +294,15 @@ class BatchIndependence:
             self._handles.append(wrapper.register_forward_pre_hook(_Hook(self, True), with_kwargs=True, prepend=True))
             self._handles.append(wrapper.register_forward_hook(_Hook(self, False), always_call=True))
 
+    def wrapped_by(self, wrapper: nn.Module) -> None:
+        """``wrapper`` (the module ``make_private`` returns) calls the model: the user's hooks on it are part
+        of the model's forward and run in the synthetic passes, outside the model's own."""
+        if wrapper is not self.model and all(ref() is not wrapper for ref in self._outer):
+            self._outer.append(weakref.ref(wrapper))
+
+    def outer(self) -> tuple:
+        return tuple(w for w in (ref() for ref in self._outer) if w is not None)
+
     def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own check when it needs one
         return None
 
@@ -297,21 +313,23 @@ class BatchIndependence:
         return tuple(m.training for m in self.model.modules())
 
     def before_forward(self, args, kwargs) -> None:
-        if self.running or not torch.is_grad_enabled():
+        if self.running or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            # under vmap/grad the call is a per-sample computation (the user's own in no_op mode, Opacus's
+            # functorch per-layer pass): its inputs are not a batch, and the normal forward was checked
             return
         key = self._signature()
         if key in self.passed:
             return
         self.running = True
         try:
-            result = _probe(self.model, args, kwargs)
+            result = _probe(self.model, args, kwargs, self.outer())
         finally:
             self.running = False
         if result.written:
             # a forward that writes the model (on the check's copies: the model is unchanged) is the write
             # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
             return
-        _refuse(self.model, result)
+        _refuse(self.model, result, self.outer())
         self.passed.add(key)
 
 
@@ -383,7 +401,52 @@ class _Copies:
         return out + [n for n, p, v in self.frozen if p._version != v]
 
 
-def _run(model: nn.Module, args, kwargs, record: list | None = None):
+def _is_library_hook(hook) -> bool:
+    """Whether a hook is the library's or Opacus's own (the check, the write guard, the book-keeper,
+    Opacus's per-sample-gradient hooks): those stay out of the synthetic passes."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    name = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return name.split(".")[0] in ("idpsgd", "opacus")
+
+
+def _forward(model: nn.Module, args, kwargs, outer: tuple = ()):
+    """``model(*args, **kwargs)`` as ``Module.__call__`` runs it — the global and the root's own forward
+    pre-hooks and forward hooks around ``forward`` — but without the library's hooks (the check itself,
+    the write guard, the book-keeper): a user's hook on the root that mixes the batch (``x - x.mean(0)``
+    in a pre-hook, a batch-centred output in a forward hook) is part of the model the check must see."""
+    from torch.nn.modules import module as _m
+
+    if outer:  # a training wrapper's user hooks around the model's (its forward calls the model)
+        return _hooked(outer[0], args, kwargs, lambda a, k: _forward(model, a, k, outer[1:]), _m)
+    return _hooked(model, args, kwargs, lambda a, k: model.forward(*a, **k), _m)
+
+
+def _hooked(module: nn.Module, args, kwargs, forward, _m):
+    for hid, hook in (*_m._global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()):
+        if _is_library_hook(hook):
+            continue
+        if hid in module._forward_pre_hooks_with_kwargs:
+            res = hook(module, args, kwargs)
+            if res is not None:
+                args, kwargs = res
+        else:
+            res = hook(module, args)
+            if res is not None:
+                args = res if isinstance(res, tuple) else (res,)
+    out = forward(args, kwargs)
+    for hid, hook in (*_m._global_forward_hooks.items(), *module._forward_hooks.items()):
+        if _is_library_hook(hook):
+            continue
+        if hid in module._forward_hooks_with_kwargs or hid in _m._global_forward_hooks_with_kwargs:
+            res = hook(module, args, kwargs, out)
+        else:
+            res = hook(module, args, out)
+        if res is not None:
+            out = res
+    return out
+
+
+def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = ()):
     """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
     at the fixed seed (the global RNG state restored afterwards), no gradients."""
     from torch.nn.utils.stateless import _reparametrize_module
@@ -396,7 +459,7 @@ def _run(model: nn.Module, args, kwargs, record: list | None = None):
             if record is not None:
                 record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
             try:
-                out = model.forward(*args, **kwargs)  # the root's own hooks (guard, keeper, this check) stay out
+                out = _forward(model, args, kwargs, outer)  # the user's root hooks run; the library's stay out
             finally:
                 changed = copies.restore_extra(model)
         return out, copies.written(model) + changed
@@ -409,7 +472,7 @@ class _Result:
     written: list[str]
 
 
-def _probe(model: nn.Module, args, kwargs) -> _Result:
+def _probe(model: nn.Module, args, kwargs, outer: tuple = ()) -> _Result:
     synth = _Synthetic(args, kwargs)
     name = type(model).__name__
     if synth.real is None:
@@ -421,8 +484,8 @@ def _probe(model: nn.Module, args, kwargs) -> _Result:
         )
     (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
     try:
-        out_a, written = _run(model, a_args, a_kwargs)
-        out_b, written_b = _run(model, b_args, b_kwargs)
+        out_a, written = _run(model, a_args, a_kwargs, outer=outer)
+        out_b, written_b = _run(model, b_args, b_kwargs, outer=outer)
         mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
     except BatchMixingError:
         raise
@@ -438,7 +501,7 @@ def _probe(model: nn.Module, args, kwargs) -> _Result:
     return _Result(synth, mixes, sorted(set(written) | set(written_b)))
 
 
-def _refuse(model: nn.Module, result: _Result) -> None:
+def _refuse(model: nn.Module, result: _Result, outer: tuple = ()) -> None:
     name = type(model).__name__
     if result.mixes is None:
         raise BatchMixingError(
@@ -449,7 +512,7 @@ def _refuse(model: nn.Module, result: _Result) -> None:
             "outside the model",
         )
     if result.mixes:
-        where = _localise(model, result.synthetic)
+        where = _localise(model, result.synthetic, outer)
         if where is None:
             culprit = "the operation could not be localised"
         else:
@@ -473,7 +536,7 @@ def check_batch_independence(model: nn.Module, args, kwargs) -> None:
     _refuse(model, _probe(model, args, kwargs))
 
 
-def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | None:
+def _localise(model: nn.Module, synth: _Synthetic, outer: tuple = ()) -> tuple[str, str, str] | None:
     """Both passes again under a :class:`_Recorder`, with the module stack from forward hooks."""
     stack: list = []
     handles = []
@@ -495,7 +558,7 @@ def _localise(model: nn.Module, synth: _Synthetic) -> tuple[str, str, str] | Non
         calls = []
         for args, kwargs in (synth.base, synth.perturbed):
             record = [stack]
-            _run(model, args, kwargs, record)
+            _run(model, args, kwargs, record, outer)
             calls.append(record[0].calls)
     finally:
         for h in handles:

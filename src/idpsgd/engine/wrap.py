@@ -208,6 +208,8 @@ def wrap_module(
     wrapped = _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_model)
     if grad_sample_mode != "no_op":
         check = BatchIndependence.attach(raw_module(wrapped))
+        if isinstance(wrapped, torch.nn.Module):  # the user's hooks on the returned module are part of the forward
+            check.wrapped_by(wrapped)
         if grad_sample_mode == "ew":  # ExpandedWeights calls the model with its own parameters: check before
             check.watch_wrapper(wrapped)
     return wrapped

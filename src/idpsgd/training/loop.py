@@ -654,7 +654,7 @@ class Trainer:
                 ["row", "split", "index"],
                 [rows[order], [kind[i] for i in order], index[order]],
                 "private",
-                "the hidden stratified 80/20 split of train.csv: for each data row (0-based, header "
+                "the hidden 80/20 split of train.csv's row positions: for each data row (0-based, header "
                 "excluded) whether it trains or tests and its index there (training index = budget order)",
             )
         rf.save_torch(
