@@ -478,6 +478,10 @@ class IndividualizedPrivacyEngine:
         budgets = self._budgets(budgets, target_delta, n)
         planned = self._planned_steps(epochs, steps, spe)
         a = assign(budgets, method, q, planned, max_grad_norm, self.accountant_name)
+        return self._make_private_assigned(a, module, optimizer, data_loader, budgets, planned, spe, opts)
+
+    def _make_private_assigned(self, a, module, optimizer, data_loader, budgets, planned, spe, opts):
+        """Set up with an assignment's per-example rates, clip norms and σ (kept as ``self.assignment``)."""
         self.assignment = a
         return self.make_private_with_parameters(
             module=module,
@@ -524,20 +528,7 @@ class IndividualizedPrivacyEngine:
             float(max_grad_norm),
             self.accountant_name,
         )
-        self.assignment = a
-        return self.make_private_with_parameters(
-            module=module,
-            optimizer=optimizer,
-            data_loader=data_loader,
-            budgets=budgets,
-            sample_rates=a.sample_rates,
-            clip_norms=a.clip_norms,
-            noise_multiplier=a.noise_multiplier,
-            max_grad_norm=a.clip_norm,
-            steps=planned,
-            steps_per_epoch=spe,
-            **opts,
-        )
+        return self._make_private_assigned(a, module, optimizer, data_loader, budgets, planned, spe, opts)
 
     def make_private_with_epsilon(
         self,
