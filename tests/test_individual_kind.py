@@ -124,7 +124,10 @@ def test_individual_clipping_is_a_guarantee_even_with_dropout():
     )
 
 
-@pytest.mark.parametrize(("mode", "rounding"), [("hooks", "exact"), ("ghost", "ceil"), ("bk", "ceil")])
+@pytest.mark.parametrize(
+    ("mode", "rounding"),
+    [pytest.param("hooks", "exact", marks=pytest.mark.slow), ("ghost", "ceil"), ("bk", "ceil")],
+)
 def test_a_deterministic_model_with_the_training_loss_every_step_is_unchanged_by_enforcement(mode, rounding):
     """Norms every step, exact/ceil rounding, the training loss, no train-mode randomness: every
     trained example's norm equals the norm pass's (float tolerance), so clipping at the charges
@@ -153,6 +156,7 @@ def test_refreshes_less_often_than_every_step_or_nearest_rounding_stay_estimates
     assert t.sensitivity_check()["enforced_steps"] == 0
 
 
+@pytest.mark.slow  # 17 s; the resume of individual accounting runs fast in test_individual.py
 def test_the_record_survives_a_checkpoint_and_an_older_one_is_not_enforced():
     """state_dict carries the record, the enforced steps and the last norm pass (the first step after a
     resume is compared with it); a state from before enforcement at K = 1 (no ``enforced_steps``)
