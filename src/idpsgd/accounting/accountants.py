@@ -20,7 +20,7 @@ import numpy as np
 from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_positive
 from .conversion import rdp_to_epsilon
 from .events import MIN_NOISE_MULTIPLIER as MIN_NOISE_MULTIPLIER  # re-exported
-from .events import SampledGaussianEvent, _check_min_sigma
+from .events import SampledGaussianEvent, check_min_sigma
 from .orders import CachedRdp, search_orders, sgm_rdp_at
 from .prv import prv_epsilon
 from .rdp import DEFAULT_ORDERS, compute_rdp
@@ -58,7 +58,7 @@ def rdp_epsilon(
     ev, (q, s, c) = _event_arrays(events)
     if not ev:
         return 0.0, float(np.min(orders))
-    _check_min_sigma(s)
+    check_min_sigma(s)
     if not refine:
         rdp = np.zeros(np.size(orders))
         for e in ev:
@@ -122,7 +122,7 @@ def sgm_pld(
     if single is not None:  # the caller's one-step PLD of the same mechanism (already checked)
         pld = single
     else:
-        _check_min_sigma(noise_multiplier, names[1])
+        check_min_sigma(noise_multiplier, names[1])
         one = _single_pmf_points(sample_rate, noise_multiplier, d)
         if one > PLD_MAX_POINTS:
             raise InvalidParameterError(
@@ -222,7 +222,7 @@ def epsilon_sgm(
 
     check_sample_rate(q, allow_zero=True)
     check_noise_multiplier(s)
-    _check_min_sigma(s)
+    check_min_sigma(s)
     if accountant == "rdp":
         if not refine:
             return rdp_to_epsilon(compute_rdp(q, s, DEFAULT_ORDERS, steps=t), DEFAULT_ORDERS, delta)[0]
@@ -306,9 +306,9 @@ def _steps_epsilon_fn(events_before, q, sigma, delta, accountant):
     """ε(T) for T more steps, memoized; reuses the RDP of the events before at every order."""
     memo: dict[int, float] = {}
     if accountant == "rdp":
-        _check_min_sigma(sigma)
+        check_min_sigma(sigma)
         for ev in events_before:
-            _check_min_sigma(ev.noise_multiplier)
+            check_min_sigma(ev.noise_multiplier)
         before = CachedRdp(events_before)
         step = CachedRdp([SampledGaussianEvent(q, sigma, 1)])
 

@@ -35,7 +35,7 @@ from ..validation import (
     check_steps,
 )
 from .accountants import epsilon_sgm, get_accountant
-from .events import _check_min_sigma
+from .events import check_min_sigma
 from .orders import search_orders, sgm_rdp_at
 
 SIGMA_RANGE = (1e-2, 1e6)
@@ -277,7 +277,7 @@ def calibrate_sample_rate(
     """
     eps_t = check_epsilon(target_epsilon, name)
     sig = check_noise_multiplier(noise_multiplier, allow_inf=False)
-    _check_min_sigma(sig)
+    check_min_sigma(sig)
     eps_t, sig = np.broadcast_arrays(eps_t, sig)
     x = _calibrate(
         sig.ravel().astype(float),

@@ -13,7 +13,7 @@ from ..validation import InvalidParameterError, check_noise_multiplier, check_sa
 MIN_NOISE_MULTIPLIER = 1e-3
 
 
-def _check_min_sigma(noise_multiplier, name: str = "noise_multiplier") -> None:
+def check_min_sigma(noise_multiplier, name: str = "noise_multiplier") -> None:
     """Refuse a noise multiplier below :data:`MIN_NOISE_MULTIPLIER` (here, below the accountants that
     share it: :mod:`.accountants`, :mod:`.prv`, :mod:`.calibration`)."""
     s = np.asarray(noise_multiplier, dtype=float)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..validation import InvalidParameterError, check_delta
-from .events import SampledGaussianEvent, _check_min_sigma
+from .events import SampledGaussianEvent, check_min_sigma
 from .rdp import compute_rdp
 
 #: Opacus's default error bounds: ε within ±EPS_ERROR, δ within ±δ/1000.
@@ -73,7 +73,7 @@ def prv_epsilons(
     ev = [e for e in events if e.count > 0 and e.sample_rate > 0 and np.isfinite(e.noise_multiplier)]
     if not ev:
         return 0.0, 0.0, 0.0
-    _check_min_sigma([e.noise_multiplier for e in ev])
+    check_min_sigma([e.noise_multiplier for e in ev])
     from opacus.accountants.analysis.prv import (
         Domain,
         PoissonSubsampledGaussianPRV,

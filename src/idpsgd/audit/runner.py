@@ -438,8 +438,7 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
         groups.append(
             _group_stats(float(value), eps, delta, mask, target_in, scores, loo, design, split, options, conf)
         )
-    eps_all = max((e for e, _ in guarantees.values()), default=None)
-    delta_all = max((d for _, d in guarantees.values()), default=budgets.delta)
+    eps_all, delta_all = _loosest(guarantees, budgets.delta)
     everyone = _group_stats(
         None, eps_all, delta_all, np.ones(n, bool), target_in, scores, loo, design, split, options, conf
     )
@@ -479,6 +478,14 @@ def _membership(dataset, budgets, config, options, folder, store, seed, values, 
             "labels": dataset.y_train.numpy(),
             "budgets": budgets.epsilons,
         },
+    )
+
+
+def _loosest(guarantees: dict, delta: float) -> tuple:
+    """(ε, δ) that holds for every group: the loosest of the groups' guarantees."""
+    return (
+        max((e for e, _ in guarantees.values()), default=None),
+        max((d for _, d in guarantees.values()), default=delta),
     )
 
 
@@ -673,8 +680,7 @@ def _one_run(dataset, budgets, config, options, folder, store, seed, values, gro
         mask = canary & (group_of == g)
         eps, delta = guarantees.get(float(value), (None, budgets.delta))
         groups.append(_one_run_group(float(value), eps, delta, score[mask], included[mask], conf))
-    eps_all = max((e for e, _ in guarantees.values()), default=None)
-    delta_all = max((d for _, d in guarantees.values()), default=budgets.delta)
+    eps_all, delta_all = _loosest(guarantees, budgets.delta)
     everyone = _one_run_group(None, eps_all, delta_all, score[canary], included[canary], conf)
     return _report(
         config,

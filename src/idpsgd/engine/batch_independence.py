@@ -62,7 +62,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from .integrity import _extra_states
+from .integrity import extra_state_digests, per_model
 from .opacus_compat import UnsupportedModuleError
 
 #: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
@@ -280,11 +280,7 @@ class BatchIndependence:
 
     @classmethod
     def attach(cls, model: nn.Module) -> BatchIndependence:
-        found = model.__dict__.get("_idpsgd_batch_independence")
-        if found is None:
-            found = cls(model)
-            object.__setattr__(model, "_idpsgd_batch_independence", found)
-        return found
+        return per_model(model, "_idpsgd_batch_independence", cls)
 
     def watch_wrapper(self, wrapper: nn.Module) -> None:
         """Check at ``wrapper``'s forward, before it calls the model with other parameters (PyTorch's
@@ -379,13 +375,13 @@ class _Copies:
             for m in model.modules()
             if type(m).get_extra_state is not nn.Module.get_extra_state
         ]
-        self.extra_digests = _extra_states(model) if self.extra else {}
+        self.extra_digests = extra_state_digests(model) if self.extra else {}
 
     def restore_extra(self, model: nn.Module) -> list[str]:
         """Put every module's extra state back; the names of those the pass changed."""
         if not self.extra:
             return []
-        now = _extra_states(model)
+        now = extra_state_digests(model)
         for m, state in self.extra:
             m.set_extra_state(copy.deepcopy(state))
         return [name for name in now if now[name] != self.extra_digests.get(name)]

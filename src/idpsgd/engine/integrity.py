@@ -131,7 +131,17 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-def _extra_states(module: nn.Module) -> dict[str, bytes]:
+def per_model(model: nn.Module, key: str, factory):
+    """The object stored on ``model`` under ``key`` (a plain attribute, not a submodule), made by
+    ``factory(model)`` on first use: one write guard, one batch-independence check per model."""
+    found = model.__dict__.get(key)
+    if found is None:
+        found = factory(model)
+        object.__setattr__(model, key, found)
+    return found
+
+
+def extra_state_digests(module: nn.Module) -> dict[str, bytes]:
     """Name → digest of ``get_extra_state()`` for the modules that define it (``state_dict`` releases
     it as ``<module>._extra_state``)."""
     out = {}
@@ -333,7 +343,7 @@ class _Snapshot:
             [t._version for t in tensors],
             [_pointer(t) for t in tensors],
             _fingerprint(tensors) if fingerprint else None,
-            _extra_states(module),
+            extra_state_digests(module),
             values,
         )
 
@@ -380,7 +390,7 @@ class _Snapshot:
                 )
             elif _pointer(t) != self.pointers[i]:
                 out.append(f"{what(name, kind)} had its storage replaced (t.data = ...)")
-        extra = _extra_states(module)
+        extra = extra_state_digests(module)
         out += [
             f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
             for name in sorted(set(extra) | set(self.extra))
@@ -505,11 +515,7 @@ class WriteGuard:
     @classmethod
     def attach(cls, model: nn.Module) -> WriteGuard:
         """The model's guard, created on first use (a plain attribute, not a submodule)."""
-        guard = model.__dict__.get("_idpsgd_write_guard")
-        if guard is None:
-            guard = cls(model)
-            object.__setattr__(model, "_idpsgd_write_guard", guard)
-        return guard
+        return per_model(model, "_idpsgd_write_guard", cls)
 
     def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own guard when it needs one
         return None

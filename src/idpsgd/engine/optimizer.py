@@ -254,8 +254,7 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
             rows = g.shape[0]
         if problem is not None:
             self.clipping.queue.clear()
-            self.clipping.end_step()
-            self.zero_grad(set_to_none=True)
+            self.refuse_step()
             raise error(problem + "; the step was not taken")
 
     def clip_and_accumulate(self):
