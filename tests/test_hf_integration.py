@@ -504,7 +504,7 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
 
     cases = [
         (dict(fp16=True), "fp16=True is invalid: float16 needs a GradScaler"),
-        (dict(save_strategy="steps"), "save_strategy='steps' is invalid: must be 'no'"),
+        (dict(save_strategy="best"), "save_strategy='best' is invalid: must be 'no', 'steps' or 'epoch'"),
         (dict(max_grad_norm=0.0), "max_grad_norm=0.0 is invalid: must be > 0"),
         (dict(per_device_train_batch_size=17), "must be <= the 16 training examples"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is invalid"),
@@ -526,7 +526,7 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
         PrivacyArguments(budgets="epsilon", delta=1e-5, method="exclude")
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # refused runs leave nothing
     t = make(privacy=PrivacyArguments(budgets=Budgets.from_array(np.full(16, 4.0), 1e-5)))
-    with pytest.raises(InvalidParameterError, match="resume_from_checkpoint"):
+    with pytest.raises(InvalidParameterError, match="resume_from_checkpoint=True is invalid: .* holds no checkpoint"):
         t.train(resume_from_checkpoint=True)
     t.train()
     with pytest.raises(RuntimeError, match="trains once"):

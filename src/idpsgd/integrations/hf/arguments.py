@@ -109,7 +109,15 @@ _REFUSED = (
     (
         "load_best_model_at_end",
         bool,
-        "choosing among checkpoints by a metric needs intermediate checkpoints (save_strategy='no' here)",
+        "choosing the final model among checkpoints by a metric is not supported: the checkpoints are "
+        "private files the Trainer's best-model loader does not read, and the choice is covered by the "
+        "guarantee only when the metric is on public held-out data; keep the last model",
+    ),
+    (
+        "save_only_model",
+        bool,
+        "a checkpoint without the optimizer's and the privacy engine's state cannot be resumed (the private "
+        "checkpoint always holds both)",
     ),
     (
         "neftune_noise_alpha",
@@ -123,11 +131,9 @@ _REFUSED = (
     ),
     (
         "save_strategy",
-        lambda v: _value(v) != "no",
-        "must be 'no': intermediate Hugging Face checkpoints hold "
-        "neither the privacy engine's state (so a resumed run would be "
-        "mis-accounted) nor only public values (training losses, RNG "
-        "states); the model and report are written at the end of train()",
+        lambda v: _value(v) not in ("no", "steps", "epoch"),
+        "must be 'no', 'steps' or 'epoch' (checkpoints are kept by age, save_total_limit; choosing them by "
+        "a metric is not supported)",
     ),
     (
         "include_num_input_tokens_seen",

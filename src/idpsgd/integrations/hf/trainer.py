@@ -66,6 +66,7 @@ et al. eq. 3), ε_p from the run's accountant.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -79,10 +80,15 @@ from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, steps_per_epoch_for
+from ...engine.wrap import raw_module
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
+from . import checkpoints as ckpts
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
+
+#: ``resume_from_checkpoint`` as the Trainer's epoch loop sees it while a private checkpoint is resumed
+_RESUMING = "<idpsgd private checkpoint>"
 
 #: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*);
 #: the throughput is recomputed from public values (:meth:`IndividualizedTrainer.public_speed`)
@@ -214,6 +220,23 @@ def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     return out
 
 
+def open_run_folder(path, overwrite: bool) -> RunFolder:
+    """The run folder ``output_dir``: a new one, or (``overwrite``) a replaced one, or one that holds a
+    run with private checkpoints (to be resumed: ``train(resume_from_checkpoint=...)``; training it
+    afresh is refused in :meth:`IndividualizedTrainer.train`)."""
+    try:
+        return RunFolder(path, flag="output_dir", overwrite=overwrite)
+    except InvalidParameterError:
+        if overwrite or not ckpts.checkpoints_in(path):
+            raise
+        return RunFolder(path, flag="output_dir", resume=True)
+
+
+def _continue_where_saved(dataloader, num_batches=0):
+    """Resuming: the private loader continues from the sampler's saved state; nothing is skipped."""
+    return dataloader
+
+
 class _PrivacyCallback(TrainerCallback):
     """After every DP-SGD step: the private ledger row, and a stop before a step the filter refuses."""
 
@@ -306,7 +329,9 @@ class IndividualizedTrainer(Trainer):
         self.engine = IndividualizedPrivacyEngine(
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
-        self.run_folder = RunFolder(args.output_dir, flag="output_dir", overwrite=privacy.overwrite)
+        self.model_config_digest = ckpts.model_config_digest(model)  # before the Trainer aligns special tokens
+        self.run_folder = open_run_folder(args.output_dir, privacy.overwrite)
+        self._holds_checkpoints = bool(ckpts.checkpoints_in(args.output_dir)) and not self.run_folder.created
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
         except BaseException:
@@ -324,6 +349,9 @@ class IndividualizedTrainer(Trainer):
         self.private_flos = 0.0  # private: FLOPs of the real Poisson batches (state.total_flos stays 0)
         self.private_metrics: dict = {}  # private: train_loss, total_flos, ... of the last train()
         self.report: dict | None = None
+        self._resume: dict | None = None  # the private checkpoint being resumed (train(resume_from_checkpoint))
+        self._pending_sampler_states: collections.deque = collections.deque()  # drawn, not yet trained on
+        self._data_digest: str | None = None
 
     # --- the private step ---------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -374,7 +402,26 @@ class IndividualizedTrainer(Trainer):
         )
         self.optimizer = self.dp_optimizer
         self.planned_steps = planned
+        self._record_sampler_states(private)
+        if self._resume is not None:  # accountant history, filter, sampler and noise generators
+            self.engine.load_state_dict(self._resume["engine"])
         return private
+
+    def _record_sampler_states(self, loader) -> None:
+        """Keep the Poisson sampler's generator state before each draw until that batch is trained on:
+        a checkpoint saves the state before the first batch not yet trained on, so batches that
+        data-loader workers drew ahead are drawn again (and identically) by the resumed run."""
+        sampler = getattr(loader, "poisson_sampler", None)
+        bit_generator = getattr(getattr(sampler, "rng", None), "bit_generator", None)
+        if bit_generator is None:  # secure mode: no state to save
+            return
+        draw, pending = sampler.sample, self._pending_sampler_states
+
+        def sample():
+            pending.append(copy.deepcopy(bit_generator.state))
+            return draw()
+
+        sampler.sample = sample
 
     def planned_steps_for(self, per_epoch: int) -> int:
         """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
@@ -393,6 +440,8 @@ class IndividualizedTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         n = batch_size_of(inputs)
         self.last_batch_size = n
+        if self._pending_sampler_states:
+            self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
         if n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
@@ -518,13 +567,12 @@ class IndividualizedTrainer(Trainer):
         """Train with the budgets, then write the run folder (:meth:`save_run`); returns the Trainer's
         ``TrainOutput`` with public values only: ``training_loss`` is None and ``metrics`` holds
         ``train_runtime`` and the public throughput (the real training loss and FLOPs, private, are
-        in :attr:`private_metrics`)."""
-        if resume_from_checkpoint not in (None, False):
-            raise InvalidParameterError(
-                "resume_from_checkpoint",
-                resume_from_checkpoint,
-                "is not supported: Hugging Face checkpoints do not hold the privacy engine's state",
-            )
+        in :attr:`private_metrics`).
+
+        ``resume_from_checkpoint``: ``True`` (the latest private checkpoint of ``output_dir``) or the
+        path of one (:mod:`.checkpoints`): the run continues exactly where it was saved — the same
+        batches and noise, every step charged once — after its configuration, budgets and data are
+        checked against the checkpoint's."""
         if trial is not None:
             raise InvalidParameterError(
                 "trial",
@@ -532,6 +580,15 @@ class IndividualizedTrainer(Trainer):
                 "hyper-parameter search spends the budgets once per trial; it is not supported",
             )
         try:
+            if resume_from_checkpoint not in (None, False):
+                self._start_resume(resume_from_checkpoint)
+            elif self._holds_checkpoints:
+                raise InvalidParameterError(
+                    "output_dir",
+                    str(self.run_folder.path),
+                    "holds a run with checkpoints: train(resume_from_checkpoint=True) continues it, "
+                    "PrivacyArguments(overwrite=True) replaces it; or use a new folder",
+                )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
                 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
@@ -542,8 +599,143 @@ class IndividualizedTrainer(Trainer):
             self.run_folder.discard_if_unused()
             raise
         finally:
+            self._resume = None
             self._release_model()
         return out
+
+    # --- checkpoints and resume (private: :mod:`.checkpoints`) ------------------------------------
+    def data_digest(self) -> str:
+        """SHA-256 of the training data (private; a checkpoint of other data is refused)."""
+        if self._data_digest is None:
+            self._data_digest = ckpts.data_digest(self.train_dataset)
+        return self._data_digest
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``private/checkpoint-<step>.pt`` (mode 0600, atomic), then the oldest ones beyond
+        ``save_total_limit`` are removed.  Nothing is written to the public part of the run folder."""
+        if self.dp_optimizer is None:
+            return
+        step = int(self.state.global_step)
+        engine = self.engine.state_dict()
+        if not self.engine.secure_mode and self._pending_sampler_states:
+            engine["sampler"] = {"bit_generator": self._pending_sampler_states[0]}
+        s = self.state
+        state = {
+            "format": ckpts.FORMAT,
+            "signature": ckpts.signature(self),
+            "trainer_state": {
+                "global_step": s.global_step,
+                "epoch": s.epoch,
+                "log_history": [dict(h) for h in s.log_history],
+                "best_metric": s.best_metric,
+                "best_global_step": s.best_global_step,
+            },
+            "model": raw_module(self.model).state_dict(),
+            "optimizer": self.dp_optimizer.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "engine": engine,
+            "rng": ckpts.rng_state(),
+            "ledger_rows": self.ledger_rows,
+            "private_logs": self.private_logs,
+            "private_flos": self.private_flos,
+            "stopped_early": self.stopped_early,
+        }
+        self.run_folder.save_torch(
+            ckpts.checkpoint_name(step),
+            state,
+            "private",
+            "checkpoint: model, optimizer, schedule, privacy engine (accountant, filter, sampler and noise "
+            "states, seed), RNG states, private logs; train(resume_from_checkpoint=True) continues it",
+        )
+        limit = self.user_args.save_total_limit
+        if limit:
+            for _, path in ckpts.checkpoints_in(self.run_folder.path)[:-limit]:
+                self.run_folder.remove(path.name, "private")
+
+    def _start_resume(self, resume_from_checkpoint) -> None:
+        """Load a private checkpoint (refused if another configuration, budget set or data set wrote
+        it); the model's state now, the engine's when :meth:`get_train_dataloader` sets it up."""
+        if self.dp_optimizer is not None:
+            raise RuntimeError("an IndividualizedTrainer trains once; create a new one to resume a run")
+        path = ckpts.find_checkpoint(self.run_folder.path, resume_from_checkpoint)
+        state = ckpts.read_checkpoint(path)
+        differences = ckpts.signature_differences(state["signature"], ckpts.signature(self))
+        if differences:
+            raise InvalidParameterError(
+                "resume_from_checkpoint",
+                str(path),
+                "was written by a run with other settings or data (" + "; ".join(differences[:4]) + "): resume "
+                "with the same training data, budgets and arguments, or start a new run",
+            )
+        saved_seed = state["engine"].get("seed")
+        if self.privacy.secure_mode:
+            warnings.warn(
+                "secure mode: the resumed run draws fresh OS entropy for Poisson sampling and noise (no "
+                "generator state is saved), so it is not bit-equal to an uninterrupted run; the accounting "
+                "continues exactly from the checkpoint's steps",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif self.privacy.seed is not None and self.privacy.seed != saved_seed:
+            raise InvalidParameterError(
+                "seed",
+                "(not shown: private)",
+                "differs from the seed of the run that wrote the checkpoint: give the run's seed, or seed=None "
+                "(the checkpoint's seed is then used)",
+            )
+        else:  # continue with the checkpoint's seed (a fresh one was drawn for this trainer)
+            self.engine = IndividualizedPrivacyEngine(
+                accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
+            )
+        raw_module(self.model).load_state_dict(state["model"])
+        self.ledger_rows = [list(r) for r in state["ledger_rows"]]
+        self.private_logs = [dict(h) for h in state["private_logs"]]
+        self.private_flos = float(state["private_flos"])
+        self.stopped_early = bool(state["stopped_early"])
+        self._resume = state
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):  # noqa: E501
+        """The Trainer's state, from the private checkpoint when resuming (step, epoch, public log)."""
+        out = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
+        if self._resume is None:
+            return out
+        for key, value in self._resume["trainer_state"].items():
+            setattr(self.state, key, value)
+        step = int(self.state.global_step)
+        return step // num_update_steps_per_epoch, step % num_update_steps_per_epoch
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        model, loader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if self._resume is not None:
+            self.dp_optimizer.load_state_dict(self._resume["optimizer"])
+            if self._resume.get("scheduler") is not None:
+                self.lr_scheduler.load_state_dict(self._resume["scheduler"])
+        return model, loader
+
+    def _run_epoch(self, **kwargs):
+        """The Trainer's epoch; when resuming, its first epoch continues after the steps already taken:
+        the Poisson sampler continues from its saved state (the Trainer's own fast-forward, which would
+        draw and discard batches, is replaced by nothing) and the RNG states are the checkpoint's."""
+        if self._resume is None:
+            return super()._run_epoch(**kwargs)
+        import transformers.trainer as hf_trainer
+
+        kwargs["resume_from_checkpoint"] = _RESUMING
+        skip = hf_trainer.skip_first_batches
+        hf_trainer.skip_first_batches = _continue_where_saved
+        try:
+            return super()._run_epoch(**kwargs)
+        finally:
+            hf_trainer.skip_first_batches = skip
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if checkpoint == _RESUMING:
+            if self._resume is not None:
+                ckpts.set_rng_state(self._resume["rng"])
+            return
+        super()._load_rng_state(checkpoint)
 
     def _public_output(self, out):
         """The ``TrainOutput`` with its private values (training loss, FLOPs of the real batches,

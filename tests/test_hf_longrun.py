@@ -1,0 +1,195 @@
+"""Long fine-tuning runs with the private Trainer (issue 40): private checkpoints and exact resume,
+several processes, gradient checkpointing, fp16.  Tiny models from configs, a word-level tokenizer
+trained here: no download."""
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+import datasets
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    DataCollatorForLanguageModeling,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from idpsgd import InvalidParameterError
+from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lines(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(_lines(200), trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+def _gpt2(tok, seed=0):
+    """GPT-2 with its dropout (0.1): a resumed run must restore the global RNG states too."""
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=tok.vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=tok.pad_token_id
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _data(tok, n, seed=0):
+    enc = tok(_lines(n, seed), truncation=True, max_length=16)
+    eps = np.where(np.arange(n) % 2 == 0, 1.0, 8.0)
+    return datasets.Dataset.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "epsilon": eps}
+    )
+
+
+def _trainer(tok, out, train=None, privacy=None, callbacks=None, **kw):
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=4,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=2,
+        seed=0,
+    )
+    return IndividualizedTrainer(
+        model=_gpt2(tok),
+        args=TrainingArguments(**{**base, **kw}),
+        train_dataset=train if train is not None else _data(tok, 48),
+        processing_class=tok,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        privacy=privacy or PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3),
+        callbacks=callbacks,
+    )
+
+
+class _Crash(TrainerCallback):
+    """Dies (an exception, as a crash would) at the end of step ``at``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt(f"crash at step {self.at}")
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def _params(t):
+    return torch.cat([p.detach().flatten() for p in t.model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def full_run(tok, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "run"
+    t = _trainer(tok, out)
+    t.train()
+    return t, out
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_bit_equal(tok, tmp_path, full_run):
+    """12 steps (2 epochs of 6), a checkpoint every 4; the run dies at step 6 (mid-epoch, two steps after
+    its last checkpoint) and a new trainer resumes from checkpoint 4: the same parameters (bit-equal),
+    the same ε per group, the same ledger (every step charged exactly once) and per-example ε."""
+    full, full_out = full_run
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tok, out, callbacks=[_Crash(6)]).train()
+    assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-4.pt"]
+    with pytest.raises(InvalidParameterError, match="holds a run with checkpoints"):
+        _trainer(tok, out).train()  # not resumed: refused, never silently restarted
+    resumed = _trainer(tok, out, privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale"))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == full.state.global_step == 12
+    assert torch.equal(_params(resumed), _params(full))
+    assert resumed.engine.steps == full.engine.steps == 12
+    np.testing.assert_array_equal(resumed.engine.get_epsilon().per_group, full.engine.get_epsilon().per_group)
+    for name in ("ledger.csv", "epsilons.csv"):
+        assert (out / "private" / name).read_bytes() == (full_out / "private" / name).read_bytes(), name
+    public = [h for h in resumed.state.log_history if "train_runtime" not in h]
+    assert public == [h for h in full.state.log_history if "train_runtime" not in h]
+    a, b = (json.loads((d / "report.json").read_text()) for d in (out, full_out))
+    assert a["groups"] == b["groups"] and a["steps"] == b["steps"] == 12
+
+
+def test_checkpoints_are_private_files_only(full_run):
+    """Checkpoints are in private/ with mode 0600; nothing of them (seed, RNG or sampler states,
+    losses, batch sizes) is in a public file, and the public files are those of a run without them."""
+    _, out = full_run
+    names = sorted(p.name for p in (out / "private").glob("checkpoint-*.pt"))
+    assert names == ["checkpoint-12.pt", "checkpoint-4.pt", "checkpoint-8.pt"]
+    for name in names:
+        assert _mode(out / "private" / name) == 0o600
+    public = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and "private" not in p.parts}
+    assert not any("checkpoint" in p for p in public if p != "outputs.json")
+    manifest = json.loads((out / "outputs.json").read_text())["files"]
+    assert {k for k, v in manifest.items() if v["kind"] == "private" and "checkpoint" in k} == {
+        f"private/{n}" for n in names
+    }
+    ckpt = torch.load(out / "private" / "checkpoint-8.pt", weights_only=True)
+    assert ckpt["engine"]["seed"] == 3 and "sampler" in ckpt["engine"] and "noise" in ckpt["engine"]
+    text = "".join((out / p).read_text(errors="ignore") for p in public if not p.endswith(".safetensors"))
+    for secret in ('"seed": 3', "bit_generator", '"loss"', '"train_loss"'):
+        assert secret not in text, secret
+
+
+def test_save_total_limit_keeps_the_latest(tok, tmp_path):
+    out = tmp_path / "r"
+    _trainer(tok, out, save_total_limit=1, max_steps=8, num_train_epochs=1).train()
+    assert [p.name for p in (out / "private").glob("checkpoint-*.pt")] == ["checkpoint-8.pt"]
+    files = json.loads((out / "outputs.json").read_text())["files"]
+    assert "private/checkpoint-4.pt" not in files and "private/checkpoint-8.pt" in files
+
+
+def test_a_checkpoint_of_other_data_budgets_or_settings_is_refused(tok, tmp_path, full_run):
+    _, full_out = full_run
+    out = tmp_path / "other"
+    shutil.copytree(full_out, out)
+    other = _data(tok, 48, seed=7)
+    with pytest.raises(InvalidParameterError, match=r"other settings or data \(data_sha256 differs\)"):
+        _trainer(tok, out, train=other).train(resume_from_checkpoint=True)
+    flipped = _data(tok, 48).map(lambda r: {"epsilon": 9.0 - r["epsilon"]})
+    with pytest.raises(InvalidParameterError, match="budgets_sha256 differs"):
+        _trainer(tok, out, train=flipped).train(resume_from_checkpoint=True)
+    with pytest.raises(InvalidParameterError, match="learning_rate: 0.01 -> 0.02"):
+        _trainer(tok, out, learning_rate=2e-2).train(resume_from_checkpoint=True)
+    with pytest.raises(InvalidParameterError, match="privacy.method: 'scale' -> 'sample'"):
+        _trainer(tok, out, privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="sample")).train(
+            resume_from_checkpoint=True
+        )
+    with pytest.raises(InvalidParameterError, match="differs from the seed of the run that wrote the checkpoint"):
+        _trainer(tok, out, privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=4)).train(
+            resume_from_checkpoint=True
+        )
+    with pytest.raises(InvalidParameterError, match="resume_from_checkpoint=.* not found"):
+        _trainer(tok, out).train(resume_from_checkpoint=str(out / "private" / "checkpoint-5.pt"))
