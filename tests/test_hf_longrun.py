@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +195,72 @@ def test_a_checkpoint_of_other_data_budgets_or_settings_is_refused(tok, tmp_path
         )
     with pytest.raises(InvalidParameterError, match="resume_from_checkpoint=.* not found"):
         _trainer(tok, out).train(resume_from_checkpoint=str(out / "private" / "checkpoint-5.pt"))
+
+
+# --- finetune --save-every / --resume, with a real SIGKILL ------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tok, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "model"
+    _gpt2(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _finetune_argv(model_dir, data, out, *extra):
+    return [
+        "finetune",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--method",
+        "sample",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--physical-batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "3",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def test_finetune_killed_while_writing_a_checkpoint_resumes_exactly(model_dir, tmp_path, capsys):
+    """``finetune --save-every 3`` (8 steps) is SIGKILLed while writing checkpoint 6: checkpoint 3 is
+    whole and ``--resume`` (without --seed: the run's own seed, from its checkpoint) ends with the
+    uninterrupted run's model, ledger and per-example ε."""
+    from safetensors.torch import load_file
+
+    from idpsgd.cli.main import main
+
+    rows = [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(_lines(32, seed=5))]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(_finetune_argv(model_dir, data, full, "--seed", "11")) == 0
+    env = {**os.environ, "IDPSGD_TEST_KILL": "checkpoint-6.pt:1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "idpsgd", *_finetune_argv(model_dir, data, cut, "--seed", "11")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (cut / "private" / "checkpoint-3.pt").is_file() and not (cut / "private" / "checkpoint-6.pt").exists()
+    assert list((cut / "private").glob(".checkpoint-6.pt.*.tmp"))  # the write that was killed
+    assert main(_finetune_argv(model_dir, data, cut)) == 2  # not resumed: refused
+    assert "holds a run with checkpoints" in capsys.readouterr().err
+    assert main(_finetune_argv(model_dir, data, cut, "--resume", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 8
+    assert not list((cut / "private").glob(".*.tmp"))
+    a, b = (load_file(d / "model" / "model.safetensors") for d in (full, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("ledger.csv", "epsilons.csv"):
+        assert (cut / "private" / name).read_bytes() == (full / "private" / name).read_bytes(), name

@@ -40,7 +40,8 @@ from ...validation import InvalidParameterError
 FORMAT = "idpsgd.hf-trainer-checkpoint/1"
 PATTERN = re.compile(r"^checkpoint-(\d+)\.pt$")
 
-#: TrainingArguments that shape the run (a resumed run must be set up with the same values)
+#: TrainingArguments that shape the run (a resumed run must be set up with the same values; not ``seed``:
+#: the model's initialisation it seeds is replaced by the checkpoint's weights, the RNG states by its states)
 RUN_ARGUMENTS = (
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
@@ -56,7 +57,6 @@ RUN_ARGUMENTS = (
     "max_steps",
     "num_train_epochs",
     "max_grad_norm",
-    "seed",
     "bf16",
     "fp16",
     "gradient_checkpointing",
@@ -193,6 +193,15 @@ def find_checkpoint(folder, resume_from_checkpoint) -> Path:
     if not p.is_file():
         raise InvalidParameterError("resume_from_checkpoint", str(p), "not found")
     return p
+
+
+def checkpoint_seed(folder) -> int | None:
+    """The privacy seed of the latest checkpoint in a run folder (None if it has none or was secure):
+    a resumed command without ``--seed`` continues with it (its random budget assignment included)."""
+    found = checkpoints_in(folder)
+    if not found:
+        return None
+    return read_checkpoint(found[-1][1])["engine"].get("seed")
 
 
 def read_checkpoint(path) -> dict:

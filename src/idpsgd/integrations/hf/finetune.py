@@ -65,6 +65,7 @@ class FinetuneOptions:
     secure_mode: bool = False
     device: str = "cpu"
     progress: bool = False
+    save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
@@ -93,6 +94,9 @@ class FinetuneOptions:
                     f"must divide --batch-size={self.batch_size} "
                     "(the expected batch is that many physical batches' worth)",
                 )
+        se = self.save_every
+        if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
+            raise InvalidParameterError("save_every", se, "must be an integer >= 1 (steps between checkpoints)")
         if isinstance(self.lora_r, bool) or int(self.lora_r) != self.lora_r or self.lora_r < 0:
             raise InvalidParameterError("lora_r", self.lora_r, "must be an integer >= 0 (0: full fine-tuning)")
         check_positive(self.epochs, "epochs")
@@ -242,9 +246,14 @@ def finetune(
     eval_data: TextData | None = None,
     options: FinetuneOptions = FinetuneOptions(),
     overwrite: bool = False,
+    resume: bool = False,
 ) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
-    (also in the run folder ``out``: public model/, report.json, report.html; private/)."""
+    (also in the run folder ``out``: public model/, report.json, report.html; private/).
+
+    ``options.save_every``: a private checkpoint every that many steps (``private/checkpoint-<step>.pt``);
+    ``resume``: continue the run in ``out`` from its latest checkpoint, exactly as if it had not been
+    interrupted (same data, budgets and options; refused otherwise)."""
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -316,7 +325,8 @@ def finetune(
         weight_decay=options.weight_decay,
         max_grad_norm=options.max_grad_norm,
         optim="adamw_torch",
-        save_strategy="no",
+        save_strategy="steps" if options.save_every else "no",
+        save_steps=options.save_every or 500,
         logging_strategy="epoch",
         report_to=[],
         disable_tqdm=not options.progress,
@@ -357,5 +367,5 @@ def finetune(
     if not options.progress:  # nothing on stdout but the command's own output
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if resume else None)
     return trainer.report

@@ -586,8 +586,8 @@ class IndividualizedTrainer(Trainer):
                 raise InvalidParameterError(
                     "output_dir",
                     str(self.run_folder.path),
-                    "holds a run with checkpoints: train(resume_from_checkpoint=True) continues it, "
-                    "PrivacyArguments(overwrite=True) replaces it; or use a new folder",
+                    "holds a run with checkpoints: train(resume_from_checkpoint=True) (finetune --resume) "
+                    "continues it, PrivacyArguments(overwrite=True) (--overwrite) replaces it; or use a new folder",
                 )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
@@ -696,7 +696,7 @@ class IndividualizedTrainer(Trainer):
 
     def _init_training_state(
         self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
-    ):  # noqa: E501
+    ):
         """The Trainer's state, from the private checkpoint when resuming (step, epoch, public log)."""
         out = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
         if self._resume is None:
