@@ -103,6 +103,17 @@ class _Crash(TrainerCallback):
             raise KeyboardInterrupt(f"crash at step {self.at}")
 
 
+def _die_while_writing(monkeypatch, name):
+    """The process dies half-way through writing ``name`` (after the data, before the rename)."""
+    import idpsgd.io
+
+    def fault(point):
+        if point == name:
+            raise KeyboardInterrupt(f"killed while writing {name}")
+
+    monkeypatch.setattr(idpsgd.io, "fault_point", fault)
+
+
 def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
@@ -119,14 +130,22 @@ def full_run(tok, tmp_path_factory):
     return t, out
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_bit_equal(tok, tmp_path, full_run):
+@pytest.mark.parametrize("crash", ["step 6", "writing checkpoint 8"])
+def test_a_run_killed_after_a_checkpoint_resumes_bit_equal(tok, tmp_path, full_run, monkeypatch, crash):
     """12 steps (2 epochs of 6), a checkpoint every 4; the run dies at step 6 (mid-epoch, two steps after
-    its last checkpoint) and a new trainer resumes from checkpoint 4: the same parameters (bit-equal),
-    the same ε per group, the same ledger (every step charged exactly once) and per-example ε."""
+    its last checkpoint) or while writing checkpoint 8, and a new trainer resumes from checkpoint 4: the
+    same parameters (bit-equal), the same ε per group, the same ledger (every step charged exactly once)
+    and per-example ε.  (A real SIGKILL: the finetune test below.)"""
     full, full_out = full_run
     out = tmp_path / "cut"
-    with pytest.raises(KeyboardInterrupt):
-        _trainer(tok, out, callbacks=[_Crash(6)]).train()
+    with monkeypatch.context() as m:
+        if crash == "step 6":
+            crashing = _trainer(tok, out, callbacks=[_Crash(6)])
+        else:
+            _die_while_writing(m, "checkpoint-8.pt")
+            crashing = _trainer(tok, out)
+        with pytest.raises(KeyboardInterrupt):
+            crashing.train()
     assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-4.pt"]
     with pytest.raises(InvalidParameterError, match="holds a run with checkpoints"):
         _trainer(tok, out).train()  # not resumed: refused, never silently restarted
@@ -231,6 +250,7 @@ def _finetune_argv(model_dir, data, out, *extra):
     ]
 
 
+@pytest.mark.slow  # three finetune runs, one in a fresh interpreter (~10 s unloaded, ~35 s on a busy machine)
 def test_finetune_killed_while_writing_a_checkpoint_resumes_exactly(model_dir, tmp_path, capsys):
     """``finetune --save-every 3`` (8 steps) is SIGKILLed while writing checkpoint 6: checkpoint 3 is
     whole and ``--resume`` (without --seed: the run's own seed, from its checkpoint) ends with the
@@ -264,3 +284,77 @@ def test_finetune_killed_while_writing_a_checkpoint_resumes_exactly(model_dir, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for name in ("ledger.csv", "epsilons.csv"):
         assert (cut / "private" / name).read_bytes() == (full / "private" / name).read_bytes(), name
+
+
+# --- several processes: torchrun with the Trainer, finetune --nproc ----------------------------------
+@pytest.fixture(scope="module")
+def dropout_free_model_dir(tok, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "nodrop"
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=tok.vocab_size,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        pad_token_id=tok.pad_token_id,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow  # two torchrun processes and one plain one, each importing transformers (~30 s here)
+def test_torchrun_two_processes_equal_one_process(dropout_free_model_dir, tmp_path):
+    """``torchrun --nproc-per-node 2`` (gloo, CPU) with per-device batch 4 × accumulation 2 × 2 processes
+    is the one-process run with accumulation 4 (expected batch 16): the same ε per group, the same
+    ledger (real batch sizes over both processes) and the parameters to float64 rounding."""
+    job = str(ROOT / "tests" / "hf_torchrun_job.py")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    model = str(dropout_free_model_dir)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    runs = [[sys.executable, job, model, str(one), "4", "bk"], [*torchrun, job, model, str(two), "2", "bk"]]
+    for argv in runs:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(d / "result.pt", weights_only=True) for d in (one, two))
+    assert a["epsilon"] == b["epsilon"] and a["ledger"] == b["ledger"]
+    assert len(a["ledger"]) == 6
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=1e-12)
+    assert not (two / "private" / "history.json").read_text().count("rank")  # one run folder, rank 0's
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+
+@pytest.mark.slow  # spawns two processes (~35 s here)
+def test_finetune_nproc_2_equals_one_process(dropout_free_model_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from idpsgd.cli.main import main
+
+    rows = [{"text": s, "epsilon": 1.0 if i % 2 else 8.0} for i, s in enumerate(_lines(32, seed=5))]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = _finetune_argv(dropout_free_model_dir, data, tmp_path / "one", "--seed", "4")
+    assert main(argv) == 0
+    capsys.readouterr()
+    argv = _finetune_argv(dropout_free_model_dir, data, tmp_path / "two", "--seed", "4", "--nproc", "2", "--json")
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 8  # rank 0's report, the command's only output
+    a, b = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("one", "two"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    for name in ("ledger.csv", "epsilons.csv"):
+        assert (tmp_path / "one" / "private" / name).read_bytes() == (tmp_path / "two" / "private" / name).read_bytes()
+
+
+def test_finetune_nproc_is_checked_before_anything_starts():
+    from idpsgd.integrations.hf import FinetuneOptions
+
+    with pytest.raises(InvalidParameterError, match=r"nproc=3 is invalid: times --physical-batch-size \(12\)"):
+        FinetuneOptions(batch_size=16, physical_batch_size=4, nproc=3)
+    with pytest.raises(InvalidParameterError, match="nproc=0 is invalid"):
+        FinetuneOptions(nproc=0)
+    assert FinetuneOptions(batch_size=16, physical_batch_size=4, nproc=2).nproc == 2

@@ -83,6 +83,13 @@ def _finetune_args(p):
     )
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
     p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes (default 1): rank r trains on its own examples, the noise is added once; "
+        "the same run (ε and parameters) as one process; gloo on CPU, one GPU per process with --device cuda",
+    )
+    p.add_argument(
         "--save-every",
         type=int,
         metavar="N",
@@ -179,6 +186,7 @@ def finetune_cmd(args):
         labels=args.labels,
         num_classes=args.num_classes,
         save_every=args.save_every,
+        nproc=args.nproc,
     )
     folder = check_model_folder(args.model)
     data = load_text_data(

@@ -141,8 +141,20 @@ _REFUSED = (
         "token counts of the private batches are not covered by the guarantee",
     ),
     ("train_sampling_strategy", lambda v: _value(v) != "random", "batches are Poisson samples with per-example rates"),
-    ("deepspeed", bool, "DeepSpeed is not supported; train on one device"),
-    ("fsdp", bool, "FSDP is not supported; train on one device"),
+    (
+        "deepspeed",
+        bool,
+        "DeepSpeed reduces autograd's summed gradients itself, past the per-example clipping and the noise; "
+        "run several processes with torchrun instead (the engine's DPDDP: rank r clips its own examples, "
+        "the noise is added once)",
+    ),
+    (
+        "fsdp",
+        bool,
+        "FSDP shards and reduces autograd's summed gradients itself, past the per-example clipping and the "
+        "noise; run several processes with torchrun instead (the engine's DPDDP); sharded private training "
+        "waits for the engine's FSDP2 support",
+    ),
 )
 
 
@@ -157,12 +169,12 @@ def check_training_arguments(args) -> None:
     for name, refused, why in _REFUSED:
         if hasattr(args, name) and refused(getattr(args, name)):
             raise InvalidParameterError(name, _value(getattr(args, name)), why)
-    if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
+    if getattr(args, "n_gpu", 1) > 1:
         raise InvalidParameterError(
-            "world_size",
-            max(args.world_size, args.n_gpu),
-            "the Trainer runs on one device; "
-            "for several use the engine's distributed mode (torchrun) with your own loop",
+            "n_gpu",
+            args.n_gpu,
+            "one process driving several GPUs (torch.nn.DataParallel) is not supported: run one process per "
+            "GPU with torchrun --nproc-per-node N (the engine's DPDDP), or CUDA_VISIBLE_DEVICES=0",
         )
     if not args.max_grad_norm > 0:
         raise InvalidParameterError(

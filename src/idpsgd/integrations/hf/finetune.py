@@ -66,6 +66,7 @@ class FinetuneOptions:
     device: str = "cpu"
     progress: bool = False
     save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
+    nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
@@ -94,6 +95,16 @@ class FinetuneOptions:
                     f"must divide --batch-size={self.batch_size} "
                     "(the expected batch is that many physical batches' worth)",
                 )
+        if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
+            raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
+        per_step = (self.physical_batch_size or self.batch_size) * self.nproc
+        if self.nproc > 1 and self.batch_size % per_step:
+            raise InvalidParameterError(
+                "nproc",
+                self.nproc,
+                f"times --physical-batch-size ({per_step}) must divide --batch-size={self.batch_size}: each "
+                "process takes an equal share of the expected batch in physical batches",
+            )
         se = self.save_every
         if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
             raise InvalidParameterError("save_every", se, "must be an integer >= 1 (steps between checkpoints)")
@@ -258,8 +269,19 @@ def finetune(
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from ...engine import distributed
     from .trainer import IndividualizedTrainer
 
+    if options.nproc > 1 and not distributed.is_distributed():  # the same finetune on N ranks; rank 0 reports
+        return distributed.launch(
+            finetune,
+            options.nproc,
+            (model_dir, train, budgets, out),
+            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume),
+            device="cuda"
+            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+            else "cpu",
+        )
     if not isinstance(budgets, Budgets) or len(budgets) != len(train):
         raise InvalidParameterError(
             "budgets",
@@ -319,7 +341,7 @@ def finetune(
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=physical,
-        gradient_accumulation_steps=options.batch_size // physical,
+        gradient_accumulation_steps=options.batch_size // (physical * options.nproc),
         num_train_epochs=options.epochs,
         learning_rate=options.lr,
         weight_decay=options.weight_decay,

@@ -79,7 +79,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
-from ...engine import IndividualizedPrivacyEngine, steps_per_epoch_for
+from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
 from ...engine.wrap import raw_module
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
@@ -232,6 +232,24 @@ def open_run_folder(path, overwrite: bool) -> RunFolder:
         return RunFolder(path, flag="output_dir", resume=True)
 
 
+class _OtherRanksFolder:
+    """The run folder as ranks other than 0 see it: rank 0 alone checks and writes it."""
+
+    created = False
+
+    def __init__(self, path):
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.manifest: dict = {}
+
+    def discard_if_unused(self) -> None:
+        return None
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"only rank 0 writes the run folder (RunFolder.{name} called on another rank)")
+
+
 def _continue_where_saved(dataloader, num_batches=0):
     """Resuming: the private loader continues from the sampler's saved state; nothing is skipped."""
     return dataloader
@@ -245,7 +263,7 @@ class _PrivacyCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        t.ledger_rows.append([state.global_step, t.last_batch_size, *t.engine.accountant.grid_epsilon()])
+        t.ledger_rows.append([state.global_step, t.real_batch_size(), *t.engine.accountant.grid_epsilon()])
         if state.global_step < state.max_steps and not t.engine.can_step():
             t.stopped_early = True
             control.should_training_stop = True
@@ -303,12 +321,16 @@ class IndividualizedTrainer(Trainer):
         train_dataset, self.budgets = resolve_budgets(privacy, train_dataset)
         self.privacy = privacy
         self.physical_batch_size = int(args.per_device_train_batch_size)
-        self.expected_batch_size = int(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        self.world_size = max(int(getattr(args, "world_size", 1) or 1), 1)
+        self.expected_batch_size = int(
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
+        )
         if self.expected_batch_size > len(self.budgets):
             raise InvalidParameterError(
                 "per_device_train_batch_size",
                 args.per_device_train_batch_size,
-                f"times gradient_accumulation_steps ({self.expected_batch_size}) is the expected "
+                f"times gradient_accumulation_steps{' times the processes' if self.world_size > 1 else ''} "
+                f"({self.expected_batch_size}) is the expected "
                 f"batch size and must be <= the {len(self.budgets)} training examples",
             )
         if per_example_loss is not None and not callable(per_example_loss):
@@ -330,7 +352,11 @@ class IndividualizedTrainer(Trainer):
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
         self.model_config_digest = ckpts.model_config_digest(model)  # before the Trainer aligns special tokens
-        self.run_folder = open_run_folder(args.output_dir, privacy.overwrite)
+        self.run_folder = (
+            open_run_folder(args.output_dir, privacy.overwrite)
+            if args.process_index == 0
+            else _OtherRanksFolder(args.output_dir)
+        )
         self._holds_checkpoints = bool(ckpts.checkpoints_in(args.output_dir)) and not self.run_folder.created
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
@@ -352,6 +378,7 @@ class IndividualizedTrainer(Trainer):
         self._resume: dict | None = None  # the private checkpoint being resumed (train(resume_from_checkpoint))
         self._pending_sampler_states: collections.deque = collections.deque()  # drawn, not yet trained on
         self._data_digest: str | None = None
+        self._dp_module = None  # the DPDDP wrapper of the model under torch.distributed (engine/distributed.py)
 
     # --- the private step ---------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -388,8 +415,11 @@ class IndividualizedTrainer(Trainer):
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
         self.create_optimizer()
         self.model.train()  # from_pretrained returns a model in eval mode
+        module = self.model
+        if distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
+            module = self._dp_module = distributed.wrap_model(self.model)
         _, self.dp_optimizer, private = self.engine.make_private(
-            module=self.model,
+            module=module,
             optimizer=self.optimizer,
             data_loader=loader,
             budgets=self.budgets,
@@ -422,6 +452,36 @@ class IndividualizedTrainer(Trainer):
             return draw()
 
         sampler.sample = sample
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Under ``torch.distributed`` the engine's ``DPDDP`` wrapper (its optimizer all-reduces the
+        clipped, noised sums once per step); never accelerate's ``DistributedDataParallel``, whose
+        all-reduce of autograd's gradients would bypass the per-example clipping.  Evaluation runs
+        the plain model."""
+        if self._dp_module is None:
+            return super()._wrap_model(model, training, dataloader)
+        if training:
+            if self._dp_module not in self.accelerator._models:
+                self.accelerator._models.append(self._dp_module)  # accelerate wraps no other copy for eval
+            return self._dp_module
+        return self.model
+
+    def report_eval_dataloader(self):
+        """The whole ``eval_dataset`` in order, unsharded (the report's test metrics, computed by rank 0
+        alone under torch.distributed; one process: the same batches as the Trainer's eval loader)."""
+        import datasets
+
+        ds, collate = self.eval_dataset, self.data_collator
+        if isinstance(ds, datasets.Dataset):
+            ds = self._remove_unused_columns(ds, description="evaluation")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="evaluation")
+        return DataLoader(ds, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate, shuffle=False)
+
+    def real_batch_size(self) -> int:
+        """The last step's real (Poisson) batch size over all processes (private: the ledger's)."""
+        global_size = getattr(self.dp_optimizer, "last_global_batch_size", None)
+        return int(global_size) if self._dp_module is not None and global_size is not None else self.last_batch_size
 
     def planned_steps_for(self, per_epoch: int) -> int:
         """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
@@ -530,6 +590,8 @@ class IndividualizedTrainer(Trainer):
     def save_state(self) -> None:
         """``trainer_state.json`` in the run folder (public: the state holds the public log history,
         ``total_flos`` 0 and the step counts; nothing of the real batches)."""
+        if not self.is_world_process_zero():
+            return
         state = dataclasses.asdict(self.state)
         if state.get("total_flos") or state.get("num_input_tokens_seen"):  # never: floating_point_ops is 0
             raise RuntimeError("the Trainer state holds counts of the real batches; it is not saved")
@@ -546,6 +608,8 @@ class IndividualizedTrainer(Trainer):
         ``private/<split>_results.json`` (mode 0600)."""
         import json
 
+        if not self.is_world_process_zero():
+            return
         public, private = self.split_metrics(dict(metrics))
         rf = self.run_folder
         rf.write_json(f"{split}_results.json", public, "public", f"public {split} metrics (Trainer.save_metrics)")
@@ -594,7 +658,8 @@ class IndividualizedTrainer(Trainer):
                 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
                 out = super().train(**kwargs)
             out = self._public_output(out)
-            self.save_run()
+            if self.is_world_process_zero():  # rank 0 writes the run folder
+                self.save_run()
         except BaseException:
             self.run_folder.discard_if_unused()
             raise
@@ -614,6 +679,12 @@ class IndividualizedTrainer(Trainer):
         """``private/checkpoint-<step>.pt`` (mode 0600, atomic), then the oldest ones beyond
         ``save_total_limit`` are removed.  Nothing is written to the public part of the run folder."""
         if self.dp_optimizer is None:
+            return
+        if self._dp_module is not None:  # every rank holds the same ledger (the state rank 0 saves)
+            distributed.check_replicated(
+                "privacy ledger", [self.state.global_step, self.engine.steps, *self.engine.accountant.grid_epsilon()]
+            )
+        if not self.is_world_process_zero():
             return
         step = int(self.state.global_step)
         engine = self.engine.state_dict()
@@ -761,6 +832,8 @@ class IndividualizedTrainer(Trainer):
         folder's public ``model/``."""
         if output_dir is not None:
             return super().save_model(output_dir, _internal_call)
+        if not self.is_world_process_zero():
+            return None
         from .outputs import save_model_folder
 
         save_model_folder(self)
