@@ -358,3 +358,110 @@ def test_finetune_nproc_is_checked_before_anything_starts():
     with pytest.raises(InvalidParameterError, match="nproc=0 is invalid"):
         FinetuneOptions(nproc=0)
     assert FinetuneOptions(batch_size=16, physical_batch_size=4, nproc=2).nproc == 2
+
+
+# --- gradient (activation) checkpointing ------------------------------------------------------------
+def _tiny(arch, tok):
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=tok.vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=tok.pad_token_id
+        )
+        return GPT2LMHeadModel(cfg).double()
+    if arch == "bert":
+        cfg = BertConfig(
+            vocab_size=tok.vocab_size,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+            num_labels=2,
+            pad_token_id=tok.pad_token_id,
+        )
+        return BertForSequenceClassification(cfg).double()
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+    )
+    return LlamaForCausalLM(cfg).double()
+
+
+def _one_step(tok, tmp_path, arch, mode, checkpointing, model=None, **kw):
+    from transformers import DataCollatorWithPadding
+
+    n = 10
+    data = _data(tok, n, seed=3)
+    collate = DataCollatorForLanguageModeling(tok, mlm=False)
+    if arch == "bert":
+        data = data.add_column("labels", [i % 2 for i in range(n)])
+        collate = DataCollatorWithPadding(tok)
+    model = model if model is not None else _tiny(arch, tok)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"{arch}-{mode}-{checkpointing}-{len(list(tmp_path.iterdir()))}"),
+        per_device_train_batch_size=n,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        save_strategy="no",
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        gradient_checkpointing=checkpointing,
+        **kw,
+    )
+    t = IndividualizedTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=collate,
+        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="uniform", seed=1, grad_sample_mode=mode),
+    )
+    recomputed = []
+    layer = next(m for m in model.modules() if type(m).__name__ in ("Conv1D", "Linear"))
+    layer.register_forward_hook(lambda *_: recomputed.append(torch.is_grad_enabled()))
+    t.train()
+    opt = t.dp_optimizer
+    assert opt.last_indices.tolist() == list(range(n))  # rate 1: every example, one step
+    return opt.last_norms.detach().clone(), torch.cat([p.detach().flatten() for p in model.parameters()]), recomputed
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("gpt2", "bk"), ("bert", "bk"), ("llama", "hooks")])
+def test_gradient_checkpointing_leaves_norms_and_clipped_sums_unchanged(tok, tmp_path, arch, mode):
+    """float64, one step at sampling rate 1 with the same privacy seed: the per-example norms and the
+    noisy update (clipped sum + the same noise) with checkpointing equal those without it to 1e-10; the
+    checkpointed layers ran a forward without gradients, then their recompute (with gradients) once."""
+    plain_norms, plain_params, plain_calls = _one_step(tok, tmp_path, arch, mode, False)
+    norms, params, calls = _one_step(tok, tmp_path, arch, mode, True)
+    torch.testing.assert_close(norms, plain_norms, rtol=0, atol=1e-10)
+    torch.testing.assert_close(params, plain_params, rtol=0, atol=1e-10)
+    grad_calls = [c for c in calls if c]
+    assert calls.count(False) > plain_calls.count(False) and len(grad_calls) == plain_calls.count(True) == 1
+
+
+def test_what_gradient_checkpointing_cannot_honour_is_refused(tok, tmp_path):
+    with pytest.raises(InvalidParameterError, match="grad_sample_mode='functorch'"):
+        _one_step(tok, tmp_path, "llama", "functorch", True)
+    with pytest.raises(InvalidParameterError, match="use_reentrant=False is not supported"):
+        _one_step(tok, tmp_path, "gpt2", "bk", True, gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def test_checkpointing_enabled_on_the_model_beforehand(tok, tmp_path):
+    """``model.gradient_checkpointing_enable()`` before the Trainer (non-reentrant by default in
+    transformers 5) runs reentrant under the Trainer: the same step as without checkpointing."""
+    plain_norms, plain_params, _ = _one_step(tok, tmp_path, "gpt2", "bk", False)
+    model = _tiny("gpt2", tok)
+    model.gradient_checkpointing_enable()
+    norms, params, calls = _one_step(tok, tmp_path, "gpt2", "bk", False, model=model)
+    assert calls.count(True) == 1 and calls.count(False) >= 1
+    torch.testing.assert_close(norms, plain_norms, rtol=0, atol=1e-10)
+    torch.testing.assert_close(params, plain_params, rtol=0, atol=1e-10)

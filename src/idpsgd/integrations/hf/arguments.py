@@ -87,16 +87,6 @@ _REFUSED = (
         "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
         "(bfloat16 autocast, no scaler)",
     ),
-    (
-        "gradient_checkpointing",
-        bool,
-        "recomputing activations in the backward pass is not supported by per-example clipping here",
-    ),
-    (
-        "activation_checkpointing",
-        bool,
-        "recomputing activations in the backward pass is not supported by per-example clipping here",
-    ),
     ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
     ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
     (

@@ -220,6 +220,59 @@ def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     return out
 
 
+def checkpointing_setup(args, inner, model, grad_sample_mode: str) -> bool:
+    """Gradient (activation) checkpointing, asked for by ``TrainingArguments.gradient_checkpointing`` /
+    ``activation_checkpointing`` or by ``model.gradient_checkpointing_enable()`` beforehand: the
+    checkpointed blocks run with ``torch.utils.checkpoint``'s *reentrant* variant, whose first forward
+    runs without gradients — the engine records nothing then — and whose recompute, inside the backward
+    pass, is recorded once and consumed by that backward (per-example norms and clipped sums equal
+    those without checkpointing).  The non-reentrant variant is refused: its first forward runs with
+    gradients, so every layer's input would be recorded twice and the first copy held until the end of
+    the backward pass.  ``functorch`` is refused: Opacus's torch.func replay of each layer cannot run
+    inside the recompute.  Returns whether checkpointing is on."""
+    on = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    flag = "activation_checkpointing" if getattr(args, "activation_checkpointing", False) else "gradient_checkpointing"
+    from_model = not on and bool(getattr(model, "is_gradient_checkpointing", False))
+    if not (on or from_model):
+        return False
+    if grad_sample_mode == "functorch":
+        raise InvalidParameterError(
+            flag if on else "model",
+            True if on else "gradient checkpointing enabled",
+            "is not supported with grad_sample_mode='functorch' (Opacus's torch.func replay of each layer cannot "
+            "run inside the checkpoint's recompute); use bk or hooks",
+        )
+    raw = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    kwargs = dict(raw or {}) if not isinstance(raw, str) else {}
+    if kwargs.get("use_reentrant") is False:
+        raise InvalidParameterError(
+            f"{flag}_kwargs",
+            kwargs,
+            "use_reentrant=False is not supported: its first forward runs with gradients, so the per-example "
+            "machinery would record every layer's input twice (and hold the first copy through the backward "
+            "pass); leave use_reentrant unset (the Trainer uses the reentrant variant)",
+        )
+    if kwargs.get("offload"):
+        raise InvalidParameterError(
+            f"{flag}_kwargs",
+            kwargs,
+            "offload=True (activations moved to the CPU) is not supported with per-example clipping",
+        )
+    kwargs["use_reentrant"] = True
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        if hasattr(inner, name):
+            setattr(inner, name, dict(kwargs))
+    if from_model:  # enabled by the model's owner: again, with the reentrant variant
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if hasattr(model, "enable_input_require_grads"):  # reentrant blocks need an input that requires grad
+        model.enable_input_require_grads()  # (frozen embeddings, LoRA): else their parameters get no gradient
+    return True
+
+
 def open_run_folder(path, overwrite: bool) -> RunFolder:
     """The run folder ``output_dir``: a new one, or (``overwrite``) a replaced one, or one that holds a
     run with private checkpoints (to be resumed: ``train(resume_from_checkpoint=...)``; training it
@@ -348,6 +401,7 @@ class IndividualizedTrainer(Trainer):
         self.user_args = args
         inner = copy.copy(args)  # the Trainer's loop sees one batch per step (the engine splits it)
         inner.gradient_accumulation_steps = 1
+        self.activation_checkpointing = checkpointing_setup(args, inner, model, privacy.grad_sample_mode)
         self.engine = IndividualizedPrivacyEngine(
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
