@@ -465,3 +465,27 @@ def test_checkpointing_enabled_on_the_model_beforehand(tok, tmp_path):
     assert calls.count(True) == 1 and calls.count(False) >= 1
     torch.testing.assert_close(norms, plain_norms, rtol=0, atol=1e-10)
     torch.testing.assert_close(params, plain_params, rtol=0, atol=1e-10)
+
+
+# --- fp16: the GradScaler across physical batches ------------------------------------------------------
+def test_a_grad_scaler_across_physical_batches_changes_nothing_in_float32(tok, tmp_path):
+    """fp16's GradScaler (here on the CPU in float32, where scaling by 2^k is exact): every physical
+    batch's loss is scaled, the scale is divided out of each example's gradient before clipping — in the
+    parts (the Trainer hands it over) and at the step (GradScaler.step) — so the run equals the one
+    without a scaler bit for bit; the scale grows with the step count only (it sees no private gradient)."""
+    params, scales = {}, {}
+    for scaled in (False, True):
+        t = _trainer(tok, tmp_path / str(scaled), max_steps=4, save_strategy="no", gradient_accumulation_steps=4)
+        t.model = t.model.float()
+        if scaled:  # what accelerate sets up for fp16 on CUDA, on the CPU
+            t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+        t.train()
+        params[scaled] = _params(t)
+        scales[scaled] = t.accelerator.scaler.get_scale() if scaled else None
+    assert torch.equal(params[True], params[False])
+    assert scales[True] == 2.0**14  # grown twice in 4 steps: no overflow seen, none data-dependent
+
+
+def test_fp16_is_refused_where_it_cannot_be_honoured(tok, tmp_path):
+    with pytest.raises(InvalidParameterError, match="fp16=True is invalid: on cpu: accelerate runs neither"):
+        _trainer(tok, tmp_path / "r", fp16=True)

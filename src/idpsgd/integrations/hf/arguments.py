@@ -80,13 +80,6 @@ def _value(x):
 
 #: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
 _REFUSED = (
-    (
-        "fp16",
-        bool,
-        "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
-        "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
-        "(bfloat16 autocast, no scaler)",
-    ),
     ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
     ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
     (

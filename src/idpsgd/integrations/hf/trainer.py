@@ -232,7 +232,8 @@ def checkpointing_setup(args, inner, model, grad_sample_mode: str) -> bool:
     inside the recompute.  Returns whether checkpointing is on."""
     on = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
     flag = "activation_checkpointing" if getattr(args, "activation_checkpointing", False) else "gradient_checkpointing"
-    from_model = not on and bool(getattr(model, "is_gradient_checkpointing", False))
+    flagged = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    from_model = not on and bool(getattr(model, flagged or "is_gradient_checkpointing", False))
     if not (on or from_model):
         return False
     if grad_sample_mode == "functorch":
@@ -402,6 +403,21 @@ class IndividualizedTrainer(Trainer):
         inner = copy.copy(args)  # the Trainer's loop sees one batch per step (the engine splits it)
         inner.gradient_accumulation_steps = 1
         self.activation_checkpointing = checkpointing_setup(args, inner, model, privacy.grad_sample_mode)
+        if getattr(args, "fp16", False) and args.device.type != "cuda":
+            raise InvalidParameterError(
+                "fp16",
+                True,
+                f"on {args.device.type}: accelerate runs neither float16 autocast nor a GradScaler there (the run "
+                "would silently be float32); use bf16=True on the CPU, fp16 on a CUDA device",
+            )
+        if getattr(args, "fp16", False) and privacy.grad_sample_mode != "bk":
+            raise InvalidParameterError(
+                "fp16",
+                True,
+                f"needs grad_sample_mode='bk' (not {privacy.grad_sample_mode!r}): with Opacus's per-sample "
+                "gradients the GradScaler checks the summed, un-clipped gradient for overflow and adapts its "
+                "scale to it, so the scale would depend on the private data; use bk, or bf16=True",
+            )
         self.engine = IndividualizedPrivacyEngine(
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
@@ -568,9 +584,27 @@ class IndividualizedTrainer(Trainer):
             total = total + loss.detach() * batch_size_of(part)
             if k < len(parts) - 1:  # clip and keep this part's gradients, no step yet
                 opt.signal_skip_step(do_skip=True)
-                opt.step()
+                self._clip_part(opt)
                 opt.zero_grad(set_to_none=True)
         return total / n
+
+    def _clip_part(self, opt) -> None:
+        """Clip and accumulate one physical batch (no step).  With fp16's GradScaler the part's loss was
+        scaled: the scale is handed to the private optimizer as ``GradScaler.step`` hands it over at the
+        step (the amp-scaling protocol), so it divides the scale out of each example's gradient before
+        clipping; the scale itself changes only with the step count (the scaler never sees a private
+        gradient), and an example whose gradient overflowed is clipped to zero."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            opt.step()
+            return
+        opt.grad_scale = scaler._get_scale_async()
+        opt.found_inf = torch.zeros((), device=opt.grad_scale.device)
+        try:
+            opt.step()
+        finally:
+            opt.__dict__.pop("grad_scale", None)
+            opt.__dict__.pop("found_inf", None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training: the mean over the examples of each example's own loss (:mod:`.losses`);
