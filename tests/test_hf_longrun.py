@@ -489,3 +489,39 @@ def test_a_grad_scaler_across_physical_batches_changes_nothing_in_float32(tok, t
 def test_fp16_is_refused_where_it_cannot_be_honoured(tok, tmp_path):
     with pytest.raises(InvalidParameterError, match="fp16=True is invalid: on cpu: accelerate runs neither"):
         _trainer(tok, tmp_path / "r", fp16=True)
+
+
+def test_data_loader_workers_drawing_ahead_do_not_shift_the_resumed_batches(tok, tmp_path, full_run):
+    """With 2 workers the loader draws Poisson batches ahead of training; a checkpoint saves the sampler
+    as it was before the first batch not yet trained on, so the resumed run (and the whole run) equals
+    the run without workers."""
+    full, _ = full_run
+    out = tmp_path / "w"
+    crashing = _trainer(tok, out, callbacks=[_Crash(6)], dataloader_num_workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    resumed = _trainer(tok, out, dataloader_num_workers=2)
+    resumed.train(resume_from_checkpoint=True)
+    assert torch.equal(_params(resumed), _params(full))
+    assert [r[:2] for r in resumed.ledger_rows] == [r[:2] for r in full.ledger_rows]
+
+
+def test_secure_mode_resume_draws_fresh_entropy_and_says_so(tok, tmp_path):
+    """Secure mode saves no generator state: the resumed run continues with fresh OS entropy (a warning
+    says so) and the accounting continues exactly — every step charged once, the planned ε."""
+    secure = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", secure_mode=True)
+    out = tmp_path / "s"
+    crashing = _trainer(tok, out, privacy=secure, callbacks=[_Crash(6)], max_steps=8, num_train_epochs=1)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    ckpt = torch.load(out / "private" / "checkpoint-4.pt", weights_only=True)
+    assert "sampler" not in ckpt["engine"] and "noise" not in ckpt["engine"] and ckpt["engine"]["seed"] is None
+    resumed = _trainer(tok, out, privacy=secure, max_steps=8, num_train_epochs=1)
+    with pytest.warns(UserWarning, match="secure mode: the resumed run draws fresh OS entropy"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.engine.steps == 8 and [r[0] for r in resumed.ledger_rows] == list(range(1, 9))
+    uninterrupted = _trainer(tok, tmp_path / "u", privacy=secure, max_steps=8, num_train_epochs=1)
+    uninterrupted.train()
+    np.testing.assert_allclose(
+        resumed.engine.get_epsilon().per_group, uninterrupted.engine.get_epsilon().per_group, rtol=1e-12
+    )

@@ -80,12 +80,22 @@ def _value(x):
 
 #: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
 _REFUSED = (
-    ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
+    (
+        "torch_compile",
+        bool,
+        "is not supported yet: torch.compile traces the forward into graphs that skip the module hooks "
+        "through which the engine records each layer's input and output gradient (per-example norms and "
+        "clipped sums); it needs per-example rules expressed as compilable operations, tested against "
+        "the uncompiled ones",
+    ),
     ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
     (
         "auto_find_batch_size",
         bool,
-        "the batch size is part of the privacy calibration and cannot change during the run",
+        "the expected batch size is part of the privacy calibration (sampling rates, noise) and cannot change "
+        "mid-run; and retrying after an out-of-memory error would make the number of attempts depend on the "
+        "sampled batches. Set per_device_train_batch_size (the physical batch) to what fits: it changes no "
+        "privacy parameter (gradient_accumulation_steps keeps the expected batch)",
     ),
     ("dataloader_drop_last", bool, "batches are Poisson samples with per-example rates (nothing to drop)"),
     ("push_to_hub", bool, "the run folder holds private files; publish its public model folder yourself"),

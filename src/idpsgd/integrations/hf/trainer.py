@@ -305,8 +305,45 @@ class _OtherRanksFolder:
 
 
 def _continue_where_saved(dataloader, num_batches=0):
-    """Resuming: the private loader continues from the sampler's saved state; nothing is skipped."""
-    return dataloader
+    """Resuming in the middle of an epoch: the private loader's remaining batches of that epoch, drawn
+    by its Poisson sampler from the saved state — nothing is drawn and discarded, and no batch beyond
+    the epoch is drawn ahead (data-loader workers prefetch: a pass of the full epoch's length would
+    draw the next epoch's first batches and shift them)."""
+    remaining = len(dataloader) - int(num_batches)
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=_FirstBatches(dataloader.batch_sampler, remaining),
+        collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        **(
+            {"prefetch_factor": dataloader.prefetch_factor, "persistent_workers": False}
+            if dataloader.num_workers > 0
+            else {}
+        ),
+    )
+
+
+class _FirstBatches:
+    """The first ``n`` batches of a (lazy) batch sampler's pass."""
+
+    def __init__(self, sampler, n: int):
+        self.sampler, self.n = sampler, max(int(n), 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if self.n == 0:
+            return
+        for k, batch in enumerate(self.sampler, start=1):
+            yield batch
+            if k == self.n:
+                return
 
 
 class _PrivacyCallback(TrainerCallback):
