@@ -55,10 +55,23 @@ What the Trainer's machinery becomes:
 ``bf16=True`` runs the forward under bfloat16 autocast (accelerate's); the engine keeps
 per-example norms and clipped sums in float32 and the per-example loss is computed in float32.
 
-Refused, with the reason (:func:`~.arguments.check_training_arguments`): ``fp16`` (its GradScaler
-path through the physical batches), gradient checkpointing, compilation, intermediate checkpoints
-and resuming from them, multi-device training, ``auto_find_batch_size``, label smoothing, NEFTune,
-``model_init`` and ``compute_loss_func`` (give ``per_example_loss`` instead).
+Long runs (issue 40):
+
+* **checkpoints** — ``save_strategy="steps"``/``"epoch"`` write private, atomic
+  ``private/checkpoint-<step>.pt`` files (:mod:`.checkpoints`); ``train(resume_from_checkpoint=True)``
+  on a new trainer continues exactly (same batches and noise, each step charged once);
+* **several processes** — under ``torchrun`` the model runs in the engine's ``DPDDP`` (never
+  accelerate's DDP); the expected batch is per-device × accumulation × processes; rank 0 writes;
+* **gradient checkpointing** — in bk and hooks, with the reentrant variant
+  (:func:`checkpointing_setup`);
+* **fp16** — on CUDA in bk, the GradScaler's scale divided out of every physical batch's
+  per-example gradients (:meth:`IndividualizedTrainer._clip_part`).
+
+Refused, with the reason (:func:`~.arguments.check_training_arguments` and the constructor): what the
+privacy analysis does not cover (label smoothing, NEFTune, token counts, batch-size search, choosing
+checkpoints by a metric, DeepSpeed/FSDP's own gradient reduction, ...), ``torch_compile`` and Liger
+kernels (not supported yet: the errors say what would be needed), ``model_init`` and
+``compute_loss_func`` (give ``per_example_loss`` instead).
 
 Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
 et al. eq. 3), ε_p from the run's accountant.
