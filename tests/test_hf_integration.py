@@ -749,7 +749,8 @@ def test_example_script_runs_as_a_command(tmp_path):
 
 
 def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
-    """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``."""
+    """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``,
+    with private checkpoints (``--save-every``) and a ``--resume`` from them (issue 40)."""
     from test_seed_private import S, mode_problems, seed_leaks
 
     lines = _lines(24, seed=6)
@@ -775,6 +776,8 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
             "8",
             "--seed",
             str(S),
+            "--save-every",
+            "1",
             "--out",
             str(out),
             "--json",
@@ -783,4 +786,11 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
+    assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-1.pt", "checkpoint-2.pt"]
     assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []
+    argv = ["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test)]
+    argv += ["--method", "scale", "--epochs", "1", "--batch-size", "8", "--save-every", "1", "--out", str(out)]
+    code, stdout2, err2 = _run([*argv, "--resume"], capsys)  # no --seed: the checkpoint's, never printed
+    assert code == 0, err2
+    assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
+    assert seed_leaks(out, stdout2 + err2) == [] and mode_problems(out) == []
