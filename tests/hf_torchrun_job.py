@@ -2,16 +2,36 @@
 --nproc-per-node N`` (expected batch per_device × accumulation × N) and in one process.
 
     python tests/hf_torchrun_job.py MODEL_DIR OUT ACCUMULATION GRAD_SAMPLE_MODE
+
+With ``SAVE_STEPS=k`` private checkpoints every k steps; ``CRASH_AT=s`` dies at the end of step s;
+``RESUME=1`` resumes from the latest checkpoint (privacy seed None: the checkpoint's).
 """
 
+import os
 import sys
 
 import datasets
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
+
+
+class _Crash(TrainerCallback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise SystemExit(3)
+
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
 
@@ -32,7 +52,8 @@ def main(model_dir, out, accumulation, mode):
         gradient_accumulation_steps=int(accumulation),
         num_train_epochs=2,
         learning_rate=1e-2,
-        save_strategy="no",
+        save_strategy="steps" if os.environ.get("SAVE_STEPS") else "no",
+        save_steps=int(os.environ.get("SAVE_STEPS", "500")),
         use_cpu=True,
         report_to=[],
         disable_tqdm=True,
@@ -45,9 +66,17 @@ def main(model_dir, out, accumulation, mode):
         train_dataset=train,
         processing_class=tok,
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3, grad_sample_mode=mode),
+        privacy=PrivacyArguments(
+            budgets="epsilon",
+            delta=1e-5,
+            method="scale",
+            seed=None if os.environ.get("RESUME") else 3,
+            grad_sample_mode=mode,
+        ),
     )
-    t.train()
+    if os.environ.get("CRASH_AT"):
+        t.add_callback(_Crash(int(os.environ["CRASH_AT"])))
+    t.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
     if t.is_world_process_zero():
         torch.save(
             {

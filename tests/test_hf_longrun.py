@@ -329,6 +329,28 @@ def test_torchrun_two_processes_equal_one_process(dropout_free_model_dir, tmp_pa
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
 
 
+@pytest.mark.slow  # three torchrun runs of two processes (~60 s here)
+def test_torchrun_two_processes_killed_and_resumed_equal_the_uninterrupted_run(dropout_free_model_dir, tmp_path):
+    """2 processes, a checkpoint every 2 of 6 steps; both die at step 3 and resume from checkpoint 2
+    (every rank reads rank 0's checkpoint): bit-equal to the uninterrupted 2-process run."""
+    job = str(ROOT / "tests" / "hf_torchrun_job.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", job]
+    model = str(dropout_free_model_dir)
+    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "SAVE_STEPS": "2"}
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    runs = [(full, {}, 0), (cut, {"CRASH_AT": "3"}, "fail"), (cut, {"RESUME": "1"}, 0)]
+    for out, extra, expect in runs:
+        proc = subprocess.run(
+            [*torchrun, model, str(out), "2", "bk"], env={**base, **extra}, capture_output=True, text=True, timeout=600
+        )
+        assert (proc.returncode != 0) if expect == "fail" else proc.returncode == 0, proc.stderr[-3000:]
+        if expect == "fail":
+            assert sorted(p.name for p in (cut / "private").glob("checkpoint-*.pt")) == ["checkpoint-2.pt"]
+    a, b = (torch.load(d / "result.pt", weights_only=True) for d in (full, cut))
+    assert torch.equal(a["params"], b["params"]) and a["epsilon"] == b["epsilon"] and a["ledger"] == b["ledger"]
+    assert (full / "private" / "ledger.csv").read_bytes() == (cut / "private" / "ledger.csv").read_bytes()
+
+
 @pytest.mark.slow  # spawns two processes (~35 s here)
 def test_finetune_nproc_2_equals_one_process(dropout_free_model_dir, tmp_path, capsys):
     from safetensors.torch import load_file
