@@ -30,6 +30,7 @@ from transformers import (
 
 from idpsgd import InvalidParameterError
 from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
+from idpsgd.io import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
@@ -214,6 +215,12 @@ def test_a_checkpoint_of_other_data_budgets_or_settings_is_refused(tok, tmp_path
         )
     with pytest.raises(InvalidParameterError, match="resume_from_checkpoint=.* not found"):
         _trainer(tok, out).train(resume_from_checkpoint=str(out / "private" / "checkpoint-5.pt"))
+    (out / "private" / "checkpoint-99.pt").write_bytes(b"PK\x03\x04 truncated")  # the latest, unreadable
+    with pytest.raises(CheckpointError, match="checkpoint-99.pt is not a readable idpsgd checkpoint"):
+        _trainer(tok, out).train(resume_from_checkpoint=True)
+    torch.save({"weights": torch.zeros(2)}, out / "private" / "checkpoint-99.pt")  # another program's
+    with pytest.raises(CheckpointError, match="is not an idpsgd Trainer checkpoint"):
+        _trainer(tok, out).train(resume_from_checkpoint=True)
 
 
 # --- finetune --save-every / --resume, with a real SIGKILL ------------------------------------------

@@ -477,7 +477,9 @@ class IndividualizedTrainer(Trainer):
             if args.process_index == 0
             else _OtherRanksFolder(args.output_dir)
         )
-        self._holds_checkpoints = bool(ckpts.checkpoints_in(args.output_dir)) and not self.run_folder.created
+        self._holds_checkpoints = (  # (every rank decides alike: with overwrite, rank 0 is clearing them)
+            not privacy.overwrite and not self.run_folder.created and bool(ckpts.checkpoints_in(args.output_dir))
+        )
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
         except BaseException:
