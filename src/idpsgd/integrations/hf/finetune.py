@@ -282,6 +282,16 @@ def finetune(
             if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
             else "cpu",
         )
+    if resume:
+        from .checkpoints import checkpoints_in
+
+        if not checkpoints_in(out):
+            raise InvalidParameterError(
+                "resume",
+                True,
+                f"{str(out)!r} holds no checkpoint to resume (private/checkpoint-<step>.pt): write them with "
+                "--save-every N (FinetuneOptions(save_every=N))",
+            )
     if not isinstance(budgets, Budgets) or len(budgets) != len(train):
         raise InvalidParameterError(
             "budgets",
