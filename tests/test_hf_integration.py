@@ -503,7 +503,7 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
         )
 
     cases = [
-        (dict(fp16=True), "fp16=True is invalid: float16 needs a GradScaler"),
+        (dict(fp16=True), "fp16=True is invalid: on cpu: accelerate runs neither float16 autocast nor a GradScaler"),
         (dict(save_strategy="best"), "save_strategy='best' is invalid: must be 'no', 'steps' or 'epoch'"),
         (dict(max_grad_norm=0.0), "max_grad_norm=0.0 is invalid: must be > 0"),
         (dict(per_device_train_batch_size=17), "must be <= the 16 training examples"),
