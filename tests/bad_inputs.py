@@ -480,6 +480,10 @@ CASES = [
     ("finetune", "--method exclude", "--method=exclude"),
     ("finetune", "--device tpu", "--device=tpu"),
     ("finetune", "--seed 1 --secure-mode", "--seed=1"),
+    ("finetune", "--save-every 0", "--save-every=0"),
+    ("finetune", "--nproc 0", "--nproc=0"),
+    ("finetune", "--nproc 3", "--nproc=3"),  # 3 x the physical batch (16) does not divide --batch-size 16
+    ("finetune", "--resume", "--resume=True"),  # no checkpoint in --out
     ("!finetune", "--data {tmp}/texts.jsonl --method scale --out {tmp}/ft", "--model"),
     ("finetune", "--model {tmp}/nope", "--model={tmp}/nope"),
     ("finetune", "--model {tmp}/afile", "--model={tmp}/afile"),

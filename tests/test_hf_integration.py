@@ -503,8 +503,8 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
         )
 
     cases = [
-        (dict(fp16=True), "fp16=True is invalid: float16 needs a GradScaler"),
-        (dict(save_strategy="steps"), "save_strategy='steps' is invalid: must be 'no'"),
+        (dict(fp16=True), "fp16=True is invalid: on cpu: accelerate runs neither float16 autocast nor a GradScaler"),
+        (dict(save_strategy="best"), "save_strategy='best' is invalid: must be 'no', 'steps' or 'epoch'"),
         (dict(max_grad_norm=0.0), "max_grad_norm=0.0 is invalid: must be > 0"),
         (dict(per_device_train_batch_size=17), "must be <= the 16 training examples"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is invalid"),
@@ -526,7 +526,7 @@ def test_what_the_trainer_cannot_honour_is_refused(tok, tmp_path):
         PrivacyArguments(budgets="epsilon", delta=1e-5, method="exclude")
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # refused runs leave nothing
     t = make(privacy=PrivacyArguments(budgets=Budgets.from_array(np.full(16, 4.0), 1e-5)))
-    with pytest.raises(InvalidParameterError, match="resume_from_checkpoint"):
+    with pytest.raises(InvalidParameterError, match="resume_from_checkpoint=True is invalid: .* holds no checkpoint"):
         t.train(resume_from_checkpoint=True)
     t.train()
     with pytest.raises(RuntimeError, match="trains once"):
@@ -749,7 +749,8 @@ def test_example_script_runs_as_a_command(tmp_path):
 
 
 def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
-    """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``."""
+    """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``,
+    with private checkpoints (``--save-every``) and a ``--resume`` from them (issue 40)."""
     from test_seed_private import S, mode_problems, seed_leaks
 
     lines = _lines(24, seed=6)
@@ -775,6 +776,8 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
             "8",
             "--seed",
             str(S),
+            "--save-every",
+            "1",
             "--out",
             str(out),
             "--json",
@@ -783,4 +786,11 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     )
     assert code == 0, err
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
+    assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-1.pt", "checkpoint-2.pt"]
     assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []
+    argv = ["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test)]
+    argv += ["--method", "scale", "--epochs", "1", "--batch-size", "8", "--save-every", "1", "--out", str(out)]
+    code, stdout2, err2 = _run([*argv, "--resume"], capsys)  # no --seed: the checkpoint's, never printed
+    assert code == 0, err2
+    assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
+    assert seed_leaks(out, stdout2 + err2) == [] and mode_problems(out) == []

@@ -211,5 +211,12 @@ class RunFolder:
             raise
         return target
 
+    def remove(self, name: str, kind: str) -> None:
+        """Remove a file this run wrote (e.g. an old checkpoint) and its manifest entry."""
+        rel = f"{PRIVATE}/{name}" if kind == "private" else name
+        (self.path / rel).unlink(missing_ok=True)
+        if self.manifest.pop(rel, None) is not None:
+            self._write_manifest()
+
     def files(self, kind: str | None = None) -> dict[str, dict]:
         return {k: v for k, v in self.manifest.items() if kind is None or v["kind"] == kind}

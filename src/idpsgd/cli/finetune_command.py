@@ -82,6 +82,26 @@ def _finetune_args(p):
         "(mode 0600): per-example ε, ledger, training losses, seed",
     )
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes (default 1): rank r trains on its own examples, the noise is added once; "
+        "the same run (ε and parameters) as one process; gloo on CPU, one GPU per process with --device cuda",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        metavar="N",
+        help="write a private checkpoint every N steps (OUT/private/checkpoint-<step>.pt, mode 0600: model, "
+        "optimizer, privacy engine, sampler and noise states); --resume continues from the latest",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in OUT from its latest checkpoint, exactly as if uninterrupted (the same data, "
+        "budgets and options; refused otherwise)",
+    )
 
 
 def _budgets(args, data, class_ids, classes=None):
@@ -141,6 +161,12 @@ def finetune_cmd(args):
     from ..integrations.hf.finetune import FinetuneOptions, check_model_folder, finetune, model_label2id
     from ..integrations.hf.text_data import label_ids, load_text_data, public_classes
 
+    if args.resume and args.seed is None and not args.secure_mode:  # continue with the run's own seed
+        from ..integrations.hf.checkpoints import checkpoint_seed
+
+        seed = checkpoint_seed(args.out)
+        if seed is not None:
+            args._resolved_seed = int(seed)
     options = FinetuneOptions(
         method=args.method,
         epochs=args.epochs,
@@ -159,6 +185,8 @@ def finetune_cmd(args):
         progress=args.progress,
         labels=args.labels,
         num_classes=args.num_classes,
+        save_every=args.save_every,
+        nproc=args.nproc,
     )
     folder = check_model_folder(args.model)
     data = load_text_data(
@@ -177,7 +205,14 @@ def finetune_cmd(args):
             label_ids(eval_data, classes, "eval_data")
     budgets = _budgets(args, data, class_ids, classes)
     report = finetune(
-        args.model, data, budgets, args.out, eval_data=eval_data, options=options, overwrite=args.overwrite
+        args.model,
+        data,
+        budgets,
+        args.out,
+        eval_data=eval_data,
+        options=options,
+        overwrite=args.overwrite,
+        resume=args.resume,
     )
     return {**report, "out": str(Path(args.out))}
 

@@ -81,35 +81,36 @@ def _value(x):
 #: TrainingArguments options the private run cannot honour: (name, test of the given value, why)
 _REFUSED = (
     (
-        "fp16",
+        "torch_compile",
         bool,
-        "float16 needs a GradScaler, whose scale the engine must divide out of every physical "
-        "batch's per-example gradients; that path is not supported by the Trainer: use bf16=True "
-        "(bfloat16 autocast, no scaler)",
+        "is not supported yet: torch.compile traces the forward into graphs that skip the module hooks "
+        "through which the engine records each layer's input and output gradient (per-example norms and "
+        "clipped sums); it needs per-example rules expressed as compilable operations, tested against "
+        "the uncompiled ones",
     ),
-    (
-        "gradient_checkpointing",
-        bool,
-        "recomputing activations in the backward pass is not supported by per-example clipping here",
-    ),
-    (
-        "activation_checkpointing",
-        bool,
-        "recomputing activations in the backward pass is not supported by per-example clipping here",
-    ),
-    ("torch_compile", bool, "a compiled model bypasses the per-example gradient hooks"),
     ("use_liger_kernel", bool, "Liger kernels replace the layers and the loss the engine clips"),
     (
         "auto_find_batch_size",
         bool,
-        "the batch size is part of the privacy calibration and cannot change during the run",
+        "the expected batch size is part of the privacy calibration (sampling rates, noise) and cannot change "
+        "mid-run; and retrying after an out-of-memory error would make the number of attempts depend on the "
+        "sampled batches. Set per_device_train_batch_size (the physical batch) to what fits: it changes no "
+        "privacy parameter (gradient_accumulation_steps keeps the expected batch)",
     ),
     ("dataloader_drop_last", bool, "batches are Poisson samples with per-example rates (nothing to drop)"),
     ("push_to_hub", bool, "the run folder holds private files; publish its public model folder yourself"),
     (
         "load_best_model_at_end",
         bool,
-        "choosing among checkpoints by a metric needs intermediate checkpoints (save_strategy='no' here)",
+        "choosing the final model among checkpoints by a metric is not supported: the checkpoints are "
+        "private files the Trainer's best-model loader does not read, and the choice is covered by the "
+        "guarantee only when the metric is on public held-out data; keep the last model",
+    ),
+    (
+        "save_only_model",
+        bool,
+        "a checkpoint without the optimizer's and the privacy engine's state cannot be resumed (the private "
+        "checkpoint always holds both)",
     ),
     (
         "neftune_noise_alpha",
@@ -123,11 +124,9 @@ _REFUSED = (
     ),
     (
         "save_strategy",
-        lambda v: _value(v) != "no",
-        "must be 'no': intermediate Hugging Face checkpoints hold "
-        "neither the privacy engine's state (so a resumed run would be "
-        "mis-accounted) nor only public values (training losses, RNG "
-        "states); the model and report are written at the end of train()",
+        lambda v: _value(v) not in ("no", "steps", "epoch"),
+        "must be 'no', 'steps' or 'epoch' (checkpoints are kept by age, save_total_limit; choosing them by "
+        "a metric is not supported)",
     ),
     (
         "include_num_input_tokens_seen",
@@ -135,8 +134,20 @@ _REFUSED = (
         "token counts of the private batches are not covered by the guarantee",
     ),
     ("train_sampling_strategy", lambda v: _value(v) != "random", "batches are Poisson samples with per-example rates"),
-    ("deepspeed", bool, "DeepSpeed is not supported; train on one device"),
-    ("fsdp", bool, "FSDP is not supported; train on one device"),
+    (
+        "deepspeed",
+        bool,
+        "DeepSpeed reduces autograd's summed gradients itself, past the per-example clipping and the noise; "
+        "run several processes with torchrun instead (the engine's DPDDP: rank r clips its own examples, "
+        "the noise is added once)",
+    ),
+    (
+        "fsdp",
+        bool,
+        "FSDP shards and reduces autograd's summed gradients itself, past the per-example clipping and the "
+        "noise; run several processes with torchrun instead (the engine's DPDDP); sharded private training "
+        "waits for the engine's FSDP2 support",
+    ),
 )
 
 
@@ -151,12 +162,12 @@ def check_training_arguments(args) -> None:
     for name, refused, why in _REFUSED:
         if hasattr(args, name) and refused(getattr(args, name)):
             raise InvalidParameterError(name, _value(getattr(args, name)), why)
-    if getattr(args, "world_size", 1) > 1 or getattr(args, "n_gpu", 1) > 1:
+    if getattr(args, "n_gpu", 1) > 1:
         raise InvalidParameterError(
-            "world_size",
-            max(args.world_size, args.n_gpu),
-            "the Trainer runs on one device; "
-            "for several use the engine's distributed mode (torchrun) with your own loop",
+            "n_gpu",
+            args.n_gpu,
+            "one process driving several GPUs (torch.nn.DataParallel) is not supported: run one process per "
+            "GPU with torchrun --nproc-per-node N (the engine's DPDDP), or CUDA_VISIBLE_DEVICES=0",
         )
     if not args.max_grad_norm > 0:
         raise InvalidParameterError(

@@ -65,6 +65,8 @@ class FinetuneOptions:
     secure_mode: bool = False
     device: str = "cpu"
     progress: bool = False
+    save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
+    nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
@@ -93,6 +95,19 @@ class FinetuneOptions:
                     f"must divide --batch-size={self.batch_size} "
                     "(the expected batch is that many physical batches' worth)",
                 )
+        if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
+            raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
+        per_step = (self.physical_batch_size or self.batch_size) * self.nproc
+        if self.nproc > 1 and self.batch_size % per_step:
+            raise InvalidParameterError(
+                "nproc",
+                self.nproc,
+                f"times --physical-batch-size ({per_step}) must divide --batch-size={self.batch_size}: each "
+                "process takes an equal share of the expected batch in physical batches",
+            )
+        se = self.save_every
+        if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
+            raise InvalidParameterError("save_every", se, "must be an integer >= 1 (steps between checkpoints)")
         if isinstance(self.lora_r, bool) or int(self.lora_r) != self.lora_r or self.lora_r < 0:
             raise InvalidParameterError("lora_r", self.lora_r, "must be an integer >= 0 (0: full fine-tuning)")
         check_positive(self.epochs, "epochs")
@@ -242,15 +257,41 @@ def finetune(
     eval_data: TextData | None = None,
     options: FinetuneOptions = FinetuneOptions(),
     overwrite: bool = False,
+    resume: bool = False,
 ) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
-    (also in the run folder ``out``: public model/, report.json, report.html; private/)."""
+    (also in the run folder ``out``: public model/, report.json, report.html; private/).
+
+    ``options.save_every``: a private checkpoint every that many steps (``private/checkpoint-<step>.pt``);
+    ``resume``: continue the run in ``out`` from its latest checkpoint, exactly as if it had not been
+    interrupted (same data, budgets and options; refused otherwise)."""
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from ...engine import distributed
     from .trainer import IndividualizedTrainer
 
+    if options.nproc > 1 and not distributed.is_distributed():  # the same finetune on N ranks; rank 0 reports
+        return distributed.launch(
+            finetune,
+            options.nproc,
+            (model_dir, train, budgets, out),
+            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume),
+            device="cuda"
+            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+            else "cpu",
+        )
+    if resume:
+        from .checkpoints import checkpoints_in
+
+        if not checkpoints_in(out):
+            raise InvalidParameterError(
+                "resume",
+                True,
+                f"{str(out)!r} holds no checkpoint to resume (private/checkpoint-<step>.pt): write them with "
+                "--save-every N (FinetuneOptions(save_every=N))",
+            )
     if not isinstance(budgets, Budgets) or len(budgets) != len(train):
         raise InvalidParameterError(
             "budgets",
@@ -310,13 +351,14 @@ def finetune(
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=physical,
-        gradient_accumulation_steps=options.batch_size // physical,
+        gradient_accumulation_steps=options.batch_size // (physical * options.nproc),
         num_train_epochs=options.epochs,
         learning_rate=options.lr,
         weight_decay=options.weight_decay,
         max_grad_norm=options.max_grad_norm,
         optim="adamw_torch",
-        save_strategy="no",
+        save_strategy="steps" if options.save_every else "no",
+        save_steps=options.save_every or 500,
         logging_strategy="epoch",
         report_to=[],
         disable_tqdm=not options.progress,
@@ -357,5 +399,5 @@ def finetune(
     if not options.progress:  # nothing on stdout but the command's own output
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if resume else None)
     return trainer.report

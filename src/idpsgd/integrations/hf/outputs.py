@@ -37,7 +37,7 @@ def test_metrics(trainer) -> dict:
     tok_sum = tok_count = loss_sum = 0.0
     examples, preds, ys = 0, [], []
     try:
-        for batch in trainer.get_eval_dataloader():
+        for batch in trainer.report_eval_dataloader():
             batch = dict(trainer._prepare_inputs(batch))
             labels = batch.pop(label)
             out = model(**batch)

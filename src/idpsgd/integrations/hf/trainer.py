@@ -55,10 +55,23 @@ What the Trainer's machinery becomes:
 ``bf16=True`` runs the forward under bfloat16 autocast (accelerate's); the engine keeps
 per-example norms and clipped sums in float32 and the per-example loss is computed in float32.
 
-Refused, with the reason (:func:`~.arguments.check_training_arguments`): ``fp16`` (its GradScaler
-path through the physical batches), gradient checkpointing, compilation, intermediate checkpoints
-and resuming from them, multi-device training, ``auto_find_batch_size``, label smoothing, NEFTune,
-``model_init`` and ``compute_loss_func`` (give ``per_example_loss`` instead).
+Long runs (issue 40):
+
+* **checkpoints** — ``save_strategy="steps"``/``"epoch"`` write private, atomic
+  ``private/checkpoint-<step>.pt`` files (:mod:`.checkpoints`); ``train(resume_from_checkpoint=True)``
+  on a new trainer continues exactly (same batches and noise, each step charged once);
+* **several processes** — under ``torchrun`` the model runs in the engine's ``DPDDP`` (never
+  accelerate's DDP); the expected batch is per-device × accumulation × processes; rank 0 writes;
+* **gradient checkpointing** — in bk and hooks, with the reentrant variant
+  (:func:`checkpointing_setup`);
+* **fp16** — on CUDA in bk, the GradScaler's scale divided out of every physical batch's
+  per-example gradients (:meth:`IndividualizedTrainer._clip_part`).
+
+Refused, with the reason (:func:`~.arguments.check_training_arguments` and the constructor): what the
+privacy analysis does not cover (label smoothing, NEFTune, token counts, batch-size search, choosing
+checkpoints by a metric, DeepSpeed/FSDP's own gradient reduction, ...), ``torch_compile`` and Liger
+kernels (not supported yet: the errors say what would be needed), ``model_init`` and
+``compute_loss_func`` (give ``per_example_loss`` instead).
 
 Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
 et al. eq. 3), ε_p from the run's accountant.
@@ -66,6 +79,7 @@ et al. eq. 3), ε_p from the run's accountant.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -78,11 +92,16 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
-from ...engine import IndividualizedPrivacyEngine, steps_per_epoch_for
+from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
+from ...engine.wrap import raw_module
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
+from . import checkpoints as ckpts
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
+
+#: ``resume_from_checkpoint`` as the Trainer's epoch loop sees it while a private checkpoint is resumed
+_RESUMING = "<idpsgd private checkpoint>"
 
 #: log keys that the guarantee covers (besides eval_*/test_* metrics on held-out data and epsilon*);
 #: the throughput is recomputed from public values (:meth:`IndividualizedTrainer.public_speed`)
@@ -214,6 +233,132 @@ def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     return out
 
 
+def checkpointing_setup(args, inner, model, grad_sample_mode: str) -> bool:
+    """Gradient (activation) checkpointing, asked for by ``TrainingArguments.gradient_checkpointing`` /
+    ``activation_checkpointing`` or by ``model.gradient_checkpointing_enable()`` beforehand: the
+    checkpointed blocks run with ``torch.utils.checkpoint``'s *reentrant* variant, whose first forward
+    runs without gradients — the engine records nothing then — and whose recompute, inside the backward
+    pass, is recorded once and consumed by that backward (per-example norms and clipped sums equal
+    those without checkpointing).  The non-reentrant variant is refused: its first forward runs with
+    gradients, so every layer's input would be recorded twice and the first copy held until the end of
+    the backward pass.  ``functorch`` is refused: Opacus's torch.func replay of each layer cannot run
+    inside the recompute.  Returns whether checkpointing is on."""
+    on = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    flag = "activation_checkpointing" if getattr(args, "activation_checkpointing", False) else "gradient_checkpointing"
+    flagged = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    from_model = not on and bool(getattr(model, flagged or "is_gradient_checkpointing", False))
+    if not (on or from_model):
+        return False
+    if grad_sample_mode == "functorch":
+        raise InvalidParameterError(
+            flag if on else "model",
+            True if on else "gradient checkpointing enabled",
+            "is not supported with grad_sample_mode='functorch' (Opacus's torch.func replay of each layer cannot "
+            "run inside the checkpoint's recompute); use bk or hooks",
+        )
+    raw = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    kwargs = dict(raw or {}) if not isinstance(raw, str) else {}
+    if kwargs.get("use_reentrant") is False:
+        raise InvalidParameterError(
+            f"{flag}_kwargs",
+            kwargs,
+            "use_reentrant=False is not supported: its first forward runs with gradients, so the per-example "
+            "machinery would record every layer's input twice (and hold the first copy through the backward "
+            "pass); leave use_reentrant unset (the Trainer uses the reentrant variant)",
+        )
+    if kwargs.get("offload"):
+        raise InvalidParameterError(
+            f"{flag}_kwargs",
+            kwargs,
+            "offload=True (activations moved to the CPU) is not supported with per-example clipping",
+        )
+    kwargs["use_reentrant"] = True
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        if hasattr(inner, name):
+            setattr(inner, name, dict(kwargs))
+    if from_model:  # enabled by the model's owner: again, with the reentrant variant
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if hasattr(model, "enable_input_require_grads"):  # reentrant blocks need an input that requires grad
+        model.enable_input_require_grads()  # (frozen embeddings, LoRA): else their parameters get no gradient
+    return True
+
+
+def open_run_folder(path, overwrite: bool) -> RunFolder:
+    """The run folder ``output_dir``: a new one, or (``overwrite``) a replaced one, or one that holds a
+    run with private checkpoints (to be resumed: ``train(resume_from_checkpoint=...)``; training it
+    afresh is refused in :meth:`IndividualizedTrainer.train`)."""
+    try:
+        return RunFolder(path, flag="output_dir", overwrite=overwrite)
+    except InvalidParameterError:
+        if overwrite or not ckpts.checkpoints_in(path):
+            raise
+        return RunFolder(path, flag="output_dir", resume=True)
+
+
+class _OtherRanksFolder:
+    """The run folder as ranks other than 0 see it: rank 0 alone checks and writes it."""
+
+    created = False
+
+    def __init__(self, path):
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.manifest: dict = {}
+
+    def discard_if_unused(self) -> None:
+        return None
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"only rank 0 writes the run folder (RunFolder.{name} called on another rank)")
+
+
+def _continue_where_saved(dataloader, num_batches=0):
+    """Resuming in the middle of an epoch: the private loader's remaining batches of that epoch, drawn
+    by its Poisson sampler from the saved state — nothing is drawn and discarded, and no batch beyond
+    the epoch is drawn ahead (data-loader workers prefetch: a pass of the full epoch's length would
+    draw the next epoch's first batches and shift them)."""
+    remaining = len(dataloader) - int(num_batches)
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=_FirstBatches(dataloader.batch_sampler, remaining),
+        collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        **(
+            {"prefetch_factor": dataloader.prefetch_factor, "persistent_workers": False}
+            if dataloader.num_workers > 0
+            else {}
+        ),
+    )
+
+
+class _FirstBatches:
+    """The first ``n`` batches of a (lazy) batch sampler's pass."""
+
+    def __init__(self, sampler, n: int):
+        self.sampler, self.n = sampler, max(int(n), 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if self.n == 0:
+            return
+        for k, batch in enumerate(self.sampler, start=1):
+            yield batch
+            if k == self.n:
+                return
+
+
 class _PrivacyCallback(TrainerCallback):
     """After every DP-SGD step: the private ledger row, and a stop before a step the filter refuses."""
 
@@ -222,7 +367,7 @@ class _PrivacyCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
-        t.ledger_rows.append([state.global_step, t.last_batch_size, *t.engine.accountant.grid_epsilon()])
+        t.ledger_rows.append([state.global_step, t.real_batch_size(), *t.engine.accountant.grid_epsilon()])
         if state.global_step < state.max_steps and not t.engine.can_step():
             t.stopped_early = True
             control.should_training_stop = True
@@ -280,12 +425,16 @@ class IndividualizedTrainer(Trainer):
         train_dataset, self.budgets = resolve_budgets(privacy, train_dataset)
         self.privacy = privacy
         self.physical_batch_size = int(args.per_device_train_batch_size)
-        self.expected_batch_size = int(args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        self.world_size = max(int(getattr(args, "world_size", 1) or 1), 1)
+        self.expected_batch_size = int(
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
+        )
         if self.expected_batch_size > len(self.budgets):
             raise InvalidParameterError(
                 "per_device_train_batch_size",
                 args.per_device_train_batch_size,
-                f"times gradient_accumulation_steps ({self.expected_batch_size}) is the expected "
+                f"times gradient_accumulation_steps{' times the processes' if self.world_size > 1 else ''} "
+                f"({self.expected_batch_size}) is the expected "
                 f"batch size and must be <= the {len(self.budgets)} training examples",
             )
         if per_example_loss is not None and not callable(per_example_loss):
@@ -303,10 +452,34 @@ class IndividualizedTrainer(Trainer):
         self.user_args = args
         inner = copy.copy(args)  # the Trainer's loop sees one batch per step (the engine splits it)
         inner.gradient_accumulation_steps = 1
+        self.activation_checkpointing = checkpointing_setup(args, inner, model, privacy.grad_sample_mode)
+        if getattr(args, "fp16", False) and args.device.type != "cuda":
+            raise InvalidParameterError(
+                "fp16",
+                True,
+                f"on {args.device.type}: accelerate runs neither float16 autocast nor a GradScaler there (the run "
+                "would silently be float32); use bf16=True on the CPU, fp16 on a CUDA device",
+            )
+        if getattr(args, "fp16", False) and privacy.grad_sample_mode != "bk":
+            raise InvalidParameterError(
+                "fp16",
+                True,
+                f"needs grad_sample_mode='bk' (not {privacy.grad_sample_mode!r}): with Opacus's per-sample "
+                "gradients the GradScaler checks the summed, un-clipped gradient for overflow and adapts its "
+                "scale to it, so the scale would depend on the private data; use bk, or bf16=True",
+            )
         self.engine = IndividualizedPrivacyEngine(
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
-        self.run_folder = RunFolder(args.output_dir, flag="output_dir", overwrite=privacy.overwrite)
+        self.model_config_digest = ckpts.model_config_digest(model)  # before the Trainer aligns special tokens
+        self.run_folder = (
+            open_run_folder(args.output_dir, privacy.overwrite)
+            if args.process_index == 0
+            else _OtherRanksFolder(args.output_dir)
+        )
+        self._holds_checkpoints = (  # (every rank decides alike: with overwrite, rank 0 is clearing them)
+            not privacy.overwrite and not self.run_folder.created and bool(ckpts.checkpoints_in(args.output_dir))
+        )
         try:
             super().__init__(model=model, args=inner, train_dataset=train_dataset, **kwargs)
         except BaseException:
@@ -324,6 +497,10 @@ class IndividualizedTrainer(Trainer):
         self.private_flos = 0.0  # private: FLOPs of the real Poisson batches (state.total_flos stays 0)
         self.private_metrics: dict = {}  # private: train_loss, total_flos, ... of the last train()
         self.report: dict | None = None
+        self._resume: dict | None = None  # the private checkpoint being resumed (train(resume_from_checkpoint))
+        self._pending_sampler_states: collections.deque = collections.deque()  # drawn, not yet trained on
+        self._data_digest: str | None = None
+        self._dp_module = None  # the DPDDP wrapper of the model under torch.distributed (engine/distributed.py)
 
     # --- the private step ---------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -360,8 +537,11 @@ class IndividualizedTrainer(Trainer):
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
         self.create_optimizer()
         self.model.train()  # from_pretrained returns a model in eval mode
+        module = self.model
+        if distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
+            module = self._dp_module = distributed.wrap_model(self.model)
         _, self.dp_optimizer, private = self.engine.make_private(
-            module=self.model,
+            module=module,
             optimizer=self.optimizer,
             data_loader=loader,
             budgets=self.budgets,
@@ -374,7 +554,56 @@ class IndividualizedTrainer(Trainer):
         )
         self.optimizer = self.dp_optimizer
         self.planned_steps = planned
+        self._record_sampler_states(private)
+        if self._resume is not None:  # accountant history, filter, sampler and noise generators
+            self.engine.load_state_dict(self._resume["engine"])
         return private
+
+    def _record_sampler_states(self, loader) -> None:
+        """Keep the Poisson sampler's generator state before each draw until that batch is trained on:
+        a checkpoint saves the state before the first batch not yet trained on, so batches that
+        data-loader workers drew ahead are drawn again (and identically) by the resumed run."""
+        sampler = getattr(loader, "poisson_sampler", None)
+        bit_generator = getattr(getattr(sampler, "rng", None), "bit_generator", None)
+        if bit_generator is None:  # secure mode: no state to save
+            return
+        draw, pending = sampler.sample, self._pending_sampler_states
+
+        def sample():
+            pending.append(copy.deepcopy(bit_generator.state))
+            return draw()
+
+        sampler.sample = sample
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Under ``torch.distributed`` the engine's ``DPDDP`` wrapper (its optimizer all-reduces the
+        clipped, noised sums once per step); never accelerate's ``DistributedDataParallel``, whose
+        all-reduce of autograd's gradients would bypass the per-example clipping.  Evaluation runs
+        the plain model."""
+        if self._dp_module is None:
+            return super()._wrap_model(model, training, dataloader)
+        if training:
+            if self._dp_module not in self.accelerator._models:
+                self.accelerator._models.append(self._dp_module)  # accelerate wraps no other copy for eval
+            return self._dp_module
+        return self.model
+
+    def report_eval_dataloader(self):
+        """The whole ``eval_dataset`` in order, unsharded (the report's test metrics, computed by rank 0
+        alone under torch.distributed; one process: the same batches as the Trainer's eval loader)."""
+        import datasets
+
+        ds, collate = self.eval_dataset, self.data_collator
+        if isinstance(ds, datasets.Dataset):
+            ds = self._remove_unused_columns(ds, description="evaluation")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="evaluation")
+        return DataLoader(ds, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate, shuffle=False)
+
+    def real_batch_size(self) -> int:
+        """The last step's real (Poisson) batch size over all processes (private: the ledger's)."""
+        global_size = getattr(self.dp_optimizer, "last_global_batch_size", None)
+        return int(global_size) if self._dp_module is not None and global_size is not None else self.last_batch_size
 
     def planned_steps_for(self, per_epoch: int) -> int:
         """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
@@ -393,6 +622,8 @@ class IndividualizedTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         n = batch_size_of(inputs)
         self.last_batch_size = n
+        if self._pending_sampler_states:
+            self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
         if n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
@@ -405,9 +636,27 @@ class IndividualizedTrainer(Trainer):
             total = total + loss.detach() * batch_size_of(part)
             if k < len(parts) - 1:  # clip and keep this part's gradients, no step yet
                 opt.signal_skip_step(do_skip=True)
-                opt.step()
+                self._clip_part(opt)
                 opt.zero_grad(set_to_none=True)
         return total / n
+
+    def _clip_part(self, opt) -> None:
+        """Clip and accumulate one physical batch (no step).  With fp16's GradScaler the part's loss was
+        scaled: the scale is handed to the private optimizer as ``GradScaler.step`` hands it over at the
+        step (the amp-scaling protocol), so it divides the scale out of each example's gradient before
+        clipping; the scale itself changes only with the step count (the scaler never sees a private
+        gradient), and an example whose gradient overflowed is clipped to zero."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            opt.step()
+            return
+        opt.grad_scale = scaler._get_scale_async()
+        opt.found_inf = torch.zeros((), device=opt.grad_scale.device)
+        try:
+            opt.step()
+        finally:
+            opt.__dict__.pop("grad_scale", None)
+            opt.__dict__.pop("found_inf", None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training: the mean over the examples of each example's own loss (:mod:`.losses`);
@@ -481,6 +730,8 @@ class IndividualizedTrainer(Trainer):
     def save_state(self) -> None:
         """``trainer_state.json`` in the run folder (public: the state holds the public log history,
         ``total_flos`` 0 and the step counts; nothing of the real batches)."""
+        if not self.is_world_process_zero():
+            return
         state = dataclasses.asdict(self.state)
         if state.get("total_flos") or state.get("num_input_tokens_seen"):  # never: floating_point_ops is 0
             raise RuntimeError("the Trainer state holds counts of the real batches; it is not saved")
@@ -497,6 +748,8 @@ class IndividualizedTrainer(Trainer):
         ``private/<split>_results.json`` (mode 0600)."""
         import json
 
+        if not self.is_world_process_zero():
+            return
         public, private = self.split_metrics(dict(metrics))
         rf = self.run_folder
         rf.write_json(f"{split}_results.json", public, "public", f"public {split} metrics (Trainer.save_metrics)")
@@ -518,13 +771,12 @@ class IndividualizedTrainer(Trainer):
         """Train with the budgets, then write the run folder (:meth:`save_run`); returns the Trainer's
         ``TrainOutput`` with public values only: ``training_loss`` is None and ``metrics`` holds
         ``train_runtime`` and the public throughput (the real training loss and FLOPs, private, are
-        in :attr:`private_metrics`)."""
-        if resume_from_checkpoint not in (None, False):
-            raise InvalidParameterError(
-                "resume_from_checkpoint",
-                resume_from_checkpoint,
-                "is not supported: Hugging Face checkpoints do not hold the privacy engine's state",
-            )
+        in :attr:`private_metrics`).
+
+        ``resume_from_checkpoint``: ``True`` (the latest private checkpoint of ``output_dir``) or the
+        path of one (:mod:`.checkpoints`): the run continues exactly where it was saved — the same
+        batches and noise, every step charged once — after its configuration, budgets and data are
+        checked against the checkpoint's."""
         if trial is not None:
             raise InvalidParameterError(
                 "trial",
@@ -532,18 +784,169 @@ class IndividualizedTrainer(Trainer):
                 "hyper-parameter search spends the budgets once per trial; it is not supported",
             )
         try:
+            if resume_from_checkpoint not in (None, False):
+                self._start_resume(resume_from_checkpoint)
+            elif self._holds_checkpoints:
+                raise InvalidParameterError(
+                    "output_dir",
+                    str(self.run_folder.path),
+                    "holds a run with checkpoints: train(resume_from_checkpoint=True) (finetune --resume) "
+                    "continues it, PrivacyArguments(overwrite=True) (--overwrite) replaces it; or use a new folder",
+                )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Full backward hook.*")
                 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
                 out = super().train(**kwargs)
             out = self._public_output(out)
-            self.save_run()
+            if self.is_world_process_zero():  # rank 0 writes the run folder
+                self.save_run()
         except BaseException:
             self.run_folder.discard_if_unused()
             raise
         finally:
+            self._resume = None
             self._release_model()
         return out
+
+    # --- checkpoints and resume (private: :mod:`.checkpoints`) ------------------------------------
+    def data_digest(self) -> str:
+        """SHA-256 of the training data (private; a checkpoint of other data is refused)."""
+        if self._data_digest is None:
+            self._data_digest = ckpts.data_digest(self.train_dataset)
+        return self._data_digest
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``private/checkpoint-<step>.pt`` (mode 0600, atomic), then the oldest ones beyond
+        ``save_total_limit`` are removed.  Nothing is written to the public part of the run folder."""
+        if self.dp_optimizer is None:
+            return
+        if self._dp_module is not None:  # every rank holds the same ledger (the state rank 0 saves)
+            distributed.check_replicated(
+                "privacy ledger", [self.state.global_step, self.engine.steps, *self.engine.accountant.grid_epsilon()]
+            )
+        if not self.is_world_process_zero():
+            return
+        step = int(self.state.global_step)
+        engine = self.engine.state_dict()
+        if not self.engine.secure_mode and self._pending_sampler_states:
+            engine["sampler"] = {"bit_generator": self._pending_sampler_states[0]}
+        s = self.state
+        state = {
+            "format": ckpts.FORMAT,
+            "signature": ckpts.signature(self),
+            "trainer_state": {
+                "global_step": s.global_step,
+                "epoch": s.epoch,
+                "log_history": [dict(h) for h in s.log_history],
+                "best_metric": s.best_metric,
+                "best_global_step": s.best_global_step,
+            },
+            "model": raw_module(self.model).state_dict(),
+            "optimizer": self.dp_optimizer.state_dict(),
+            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "engine": engine,
+            "rng": ckpts.rng_state(),
+            "ledger_rows": self.ledger_rows,
+            "private_logs": self.private_logs,
+            "private_flos": self.private_flos,
+            "stopped_early": self.stopped_early,
+        }
+        self.run_folder.save_torch(
+            ckpts.checkpoint_name(step),
+            state,
+            "private",
+            "checkpoint: model, optimizer, schedule, privacy engine (accountant, filter, sampler and noise "
+            "states, seed), RNG states, private logs; train(resume_from_checkpoint=True) continues it",
+        )
+        limit = self.user_args.save_total_limit
+        if limit:
+            for _, path in ckpts.checkpoints_in(self.run_folder.path)[:-limit]:
+                self.run_folder.remove(path.name, "private")
+
+    def _start_resume(self, resume_from_checkpoint) -> None:
+        """Load a private checkpoint (refused if another configuration, budget set or data set wrote
+        it); the model's state now, the engine's when :meth:`get_train_dataloader` sets it up."""
+        if self.dp_optimizer is not None:
+            raise RuntimeError("an IndividualizedTrainer trains once; create a new one to resume a run")
+        path = ckpts.find_checkpoint(self.run_folder.path, resume_from_checkpoint)
+        state = ckpts.read_checkpoint(path)
+        differences = ckpts.signature_differences(state["signature"], ckpts.signature(self))
+        if differences:
+            raise InvalidParameterError(
+                "resume_from_checkpoint",
+                str(path),
+                "was written by a run with other settings or data (" + "; ".join(differences[:4]) + "): resume "
+                "with the same training data, budgets and arguments, or start a new run",
+            )
+        saved_seed = state["engine"].get("seed")
+        if self.privacy.secure_mode:
+            warnings.warn(
+                "secure mode: the resumed run draws fresh OS entropy for Poisson sampling and noise (no "
+                "generator state is saved), so it is not bit-equal to an uninterrupted run; the accounting "
+                "continues exactly from the checkpoint's steps",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif self.privacy.seed is not None and self.privacy.seed != saved_seed:
+            raise InvalidParameterError(
+                "seed",
+                "(not shown: private)",
+                "differs from the seed of the run that wrote the checkpoint: give the run's seed, or seed=None "
+                "(the checkpoint's seed is then used)",
+            )
+        else:  # continue with the checkpoint's seed (a fresh one was drawn for this trainer)
+            self.engine = IndividualizedPrivacyEngine(
+                accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
+            )
+        raw_module(self.model).load_state_dict(state["model"])
+        self.ledger_rows = [list(r) for r in state["ledger_rows"]]
+        self.private_logs = [dict(h) for h in state["private_logs"]]
+        self.private_flos = float(state["private_flos"])
+        self.stopped_early = bool(state["stopped_early"])
+        self._resume = state
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        """The Trainer's state, from the private checkpoint when resuming (step, epoch, public log)."""
+        out = super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
+        if self._resume is None:
+            return out
+        for key, value in self._resume["trainer_state"].items():
+            setattr(self.state, key, value)
+        step = int(self.state.global_step)
+        return step // num_update_steps_per_epoch, step % num_update_steps_per_epoch
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        model, loader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if self._resume is not None:
+            self.dp_optimizer.load_state_dict(self._resume["optimizer"])
+            if self._resume.get("scheduler") is not None:
+                self.lr_scheduler.load_state_dict(self._resume["scheduler"])
+        return model, loader
+
+    def _run_epoch(self, **kwargs):
+        """The Trainer's epoch; when resuming, its first epoch continues after the steps already taken:
+        the Poisson sampler continues from its saved state (the Trainer's own fast-forward, which would
+        draw and discard batches, is replaced by nothing) and the RNG states are the checkpoint's."""
+        if self._resume is None:
+            return super()._run_epoch(**kwargs)
+        import transformers.trainer as hf_trainer
+
+        kwargs["resume_from_checkpoint"] = _RESUMING
+        skip = hf_trainer.skip_first_batches
+        hf_trainer.skip_first_batches = _continue_where_saved
+        try:
+            return super()._run_epoch(**kwargs)
+        finally:
+            hf_trainer.skip_first_batches = skip
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if checkpoint == _RESUMING:
+            if self._resume is not None:
+                ckpts.set_rng_state(self._resume["rng"])
+            return
+        super()._load_rng_state(checkpoint)
 
     def _public_output(self, out):
         """The ``TrainOutput`` with its private values (training loss, FLOPs of the real batches,
@@ -569,6 +972,8 @@ class IndividualizedTrainer(Trainer):
         folder's public ``model/``."""
         if output_dir is not None:
             return super().save_model(output_dir, _internal_call)
+        if not self.is_world_process_zero():
+            return None
         from .outputs import save_model_folder
 
         save_model_folder(self)

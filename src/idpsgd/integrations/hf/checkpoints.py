@@ -1,0 +1,225 @@
+"""Private, resumable checkpoints of an :class:`~.trainer.IndividualizedTrainer` run.
+
+A checkpoint is one file, ``private/checkpoint-<step>.pt`` in the run folder (mode 0600, written to a
+temporary file and renamed into place: a run killed while writing it leaves the previous checkpoint
+whole).  It holds everything a resumed run needs to continue exactly as the uninterrupted one would:
+
+* the model's and the optimizer's state, the learning-rate schedule's, the GradScaler's (fp16);
+* the privacy engine's state (:meth:`~idpsgd.engine.IndividualizedPrivacyEngine.state_dict`): the
+  accountant's history (each step is charged exactly once: the resumed run starts from the steps
+  already composed), the privacy filter, the seed and the states of the Poisson sampler and of the
+  noise generator — the sampler's as it was before the first batch not yet trained on (batches
+  that data-loader workers drew ahead are drawn again);
+* the Trainer's public state (step, epoch, public log history) and its private values (ledger rows,
+  private logs: training losses, FLOPs of the real batches), and the global RNG states (dropout);
+* a signature: the public configuration (``TrainingArguments`` and ``PrivacyArguments`` that shape
+  the run, the model's class and configuration) and digests of the budgets and of the training data
+  (private: compared, never shown).  A checkpoint of another configuration, budget set or data set is
+  refused with what differs.
+
+Nothing of it is public: the file is in ``private/``, its name (the step) is the only thing the
+public manifest lists.  Secure mode saves no generator state; a resumed secure run draws fresh OS
+entropy for sampling and noise (the accounting still continues exactly) and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...io import CheckpointError, load_torch
+from ...runfolder import PRIVATE
+from ...validation import InvalidParameterError
+
+FORMAT = "idpsgd.hf-trainer-checkpoint/1"
+PATTERN = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+#: TrainingArguments that shape the run (a resumed run must be set up with the same values; not ``seed``:
+#: the model's initialisation it seeds is replaced by the checkpoint's weights, the RNG states by its states)
+RUN_ARGUMENTS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+    "num_train_epochs",
+    "max_grad_norm",
+    "bf16",
+    "fp16",
+    "gradient_checkpointing",
+    "label_names",
+)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{int(step)}.pt"
+
+
+def checkpoints_in(folder) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the checkpoints in a run folder's ``private/``, oldest first."""
+    private = Path(folder) / PRIVATE
+    if not private.is_dir():
+        return []
+    found = []
+    for p in private.iterdir():
+        m = PATTERN.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _plain(v):
+    v = getattr(v, "value", v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+def data_digest(dataset) -> str:
+    """SHA-256 of the training examples' content, in order (a ``datasets.Dataset`` by its columns in
+    batches; another map-style dataset item by item).  Private: it identifies the data."""
+    h = hashlib.sha256()
+
+    def default(o):
+        if torch.is_tensor(o):
+            return o.tolist()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        if isinstance(o, np.generic):
+            return o.item()
+        return repr(o)
+
+    iterate = getattr(dataset, "iter", None)
+    if callable(iterate) and hasattr(dataset, "column_names"):
+        h.update(json.dumps(sorted(dataset.column_names)).encode())
+        for batch in dataset.iter(batch_size=1024):
+            h.update(json.dumps(batch, sort_keys=True, default=default).encode())
+    else:
+        for i in range(len(dataset)):
+            h.update(json.dumps(dataset[i], sort_keys=True, default=default).encode())
+    return h.hexdigest()
+
+
+def signature(trainer) -> dict:
+    """What a checkpoint must have been written by: the public configuration and (by digest, private)
+    the budgets and the data."""
+    args, privacy = trainer.user_args, trainer.privacy
+    return {
+        "training_arguments": {name: _plain(getattr(args, name, None)) for name in RUN_ARGUMENTS},
+        "privacy": {
+            "method": privacy.method,
+            "accountant": privacy.accountant,
+            "grad_sample_mode": privacy.grad_sample_mode,
+            "secure_mode": privacy.secure_mode,
+            "delta": trainer.budgets.delta,
+        },
+        "model": type(trainer.model).__name__,
+        "model_config_sha256": trainer.model_config_digest,
+        "n": len(trainer.budgets),
+        "budgets_sha256": hashlib.sha256(np.ascontiguousarray(trainer.budgets.epsilons).tobytes()).hexdigest(),
+        "data_sha256": trainer.data_digest(),
+    }
+
+
+def model_config_digest(model) -> str:
+    """SHA-256 of the model's configuration as given to the Trainer (before the Trainer aligns its
+    special tokens with the tokenizer's)."""
+    config = getattr(model, "config", None)
+    text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__name__
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def rng_state() -> dict:
+    """The global RNG states (torch, CUDA, numpy, Python): dropout and anything else the model draws."""
+    np_state = np.random.get_state()  # noqa: NPY002 (the global state the model's code may draw from)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(  # noqa: NPY002
+        (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def find_checkpoint(folder, resume_from_checkpoint) -> Path:
+    """The checkpoint to resume from: ``True`` — the latest in the run folder; a path — that file
+    (or the latest in that run folder)."""
+    if resume_from_checkpoint is True:
+        found = checkpoints_in(folder)
+        if not found:
+            raise InvalidParameterError(
+                "resume_from_checkpoint",
+                True,
+                f"the run folder {str(folder)!r} holds no checkpoint (private/checkpoint-<step>.pt): train with "
+                "save_strategy='steps' or 'epoch' to write them",
+            )
+        return found[-1][1]
+    p = Path(resume_from_checkpoint)
+    if p.is_dir():
+        found = checkpoints_in(p)
+        if not found:
+            raise InvalidParameterError("resume_from_checkpoint", str(p), "holds no private/checkpoint-<step>.pt")
+        return found[-1][1]
+    if not p.is_file():
+        raise InvalidParameterError("resume_from_checkpoint", str(p), "not found")
+    return p
+
+
+def checkpoint_seed(folder) -> int | None:
+    """The privacy seed of the latest checkpoint in a run folder (None if it has none or was secure):
+    a resumed command without ``--seed`` continues with it (its random budget assignment included)."""
+    found = checkpoints_in(folder)
+    if not found:
+        return None
+    return read_checkpoint(found[-1][1])["engine"].get("seed")
+
+
+def read_checkpoint(path) -> dict:
+    """Load (``weights_only=True``: nothing in the file can run code) and check the format."""
+    state = load_torch(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an idpsgd Trainer checkpoint (written by IndividualizedTrainer)")
+    return state
+
+
+def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """What differs, as 'key: saved -> current'; digests and seeds by name only (never shown)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += signature_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            hidden = "sha256" in key or "seed" in key
+            out.append(f"{prefix}{key} differs" if hidden else f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
