@@ -8,13 +8,16 @@ configurations (the order reversed every other round), so machine load moves bot
 
 Figures: CPU seconds of one torch thread per epoch (wall seconds on CUDA), medians over rounds; per
 version the private configuration's ratio to non-private, and per configuration this checkout's
-ratio to the base.
+ratio to the base.  The Hugging Face models of :mod:`bench_hf` (``gpt2_lm``: GPT-2-small-shaped,
+``gpt2_lora``, ``bert_cls``; ``--hf-layers`` of their 12 layers, 2 by default on the CPU) run with
+that bench's worker and are judged on CPU seconds per example (wall seconds on CUDA).
 
 Usage::
 
     git worktree add ../base 452eada
-    python bench/bench_versions.py --base ../base [--models cifar_cnn] [--configs nonprivate,ours_bk]
-                                   [--batch-size 256] [--repeats 3] [--out bench/results/versions.json]
+    python bench/bench_versions.py --base ../base [--models cifar_cnn,gpt2_lm,gpt2_lora]
+                                   [--configs nonprivate,ours_bk] [--batch-size 256] [--hf-layers 2]
+                                   [--repeats 3] [--out bench/results/versions.json]
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from bench_engine import FULL, QUICK
+from bench_hf import FULL as HF_FULL
+from bench_hf import MODELS as HF_MODELS
+from bench_hf import SMOKE as HF_SMOKE
 from common import parse_models, resolve_device
 
 RESULT_PATH = HERE / "results" / "versions.json"
@@ -47,8 +53,9 @@ def _revision(root: Path) -> str:
 def run_version(root: Path, spec: dict) -> dict:
     """One configuration with the version at ``root`` (its bench worker, its ``src/``)."""
     env = os.environ | {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(root / "src")}
+    script = "bench_hf.py" if spec["model"] in HF_MODELS else "bench_engine.py"
     proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "bench_engine.py"), "--worker", json.dumps(spec)],
+        [sys.executable, str(root / "bench" / script), "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         env=env,
@@ -56,7 +63,18 @@ def run_version(root: Path, spec: dict) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{root}: benchmark worker failed for {spec}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "error" in out:
+        raise RuntimeError(f"{root}: {spec['model']} {spec['config']} does not run: {out['error']}")
+    return out
+
+
+def hf_sizes(quick: bool, layers: int, batch_size: int) -> dict:
+    """bench_hf's sizes for its models (``layers`` of 12; Poisson rate B/n with n = 4B)."""
+    sizes = dict(HF_SMOKE if quick else HF_FULL)
+    sizes.update({"layers": layers if not quick else sizes["layers"], "batch_size": batch_size})
+    sizes["n"] = max(4 * batch_size, 64)
+    return sizes
 
 
 def compare(
@@ -64,6 +82,7 @@ def compare(
 ) -> dict:
     versions = {"base": base.resolve(), "this": HERE.parent}
     primary = "cpu_seconds_per_epoch" if device == "cpu" else "seconds_per_epoch"
+    primary_hf = "cpu_seconds_per_example" if device == "cpu" else "seconds_per_example"
     out = {
         "revisions": {k: _revision(v) for k, v in versions.items()},
         "judged_on": primary,
@@ -82,19 +101,25 @@ def compare(
                 spec = {
                     "model": model,
                     "config": config,
-                    "batch_size": batch_size,
+                    "batch_size": sizes[model].get("batch_size", batch_size),
                     "device": device,
                     "threads": threads,
                     "seed": rnd,
                     **sizes[model],
                 }
+                key, unit = (primary_hf, "s/example") if model in HF_MODELS else (primary, "s/epoch")
                 before = os.getloadavg()[0]
                 r = run_version(versions[version], spec)
                 loads += [before, os.getloadavg()[0]]
-                raw[f"{version}:{config}"].append(r[primary])
-                log(f"  {model} round {rnd + 1}/{repeats} {version:>4} {config:<14} {r[primary]:8.3f} s/epoch")
+                raw[f"{version}:{config}"].append(r[key])
+                log(f"  {model} round {rnd + 1}/{repeats} {version:>4} {config:<14} {r[key]:8.4f} {unit}")
         med = {k: statistics.median(v) for k, v in raw.items()}
-        entry = {"median": med, "runs": raw}
+        entry = {
+            "median": med,
+            "runs": raw,
+            "judged_on": key,
+            "batch_size": sizes[model].get("batch_size", batch_size),
+        }
         if "nonprivate" in configs:
             entry["vs_nonprivate"] = {
                 f"{v}:{c}": med[f"{v}:{c}"] / med[f"{v}:nonprivate"]
@@ -111,9 +136,9 @@ def compare(
 def summarize(result: dict) -> str:
     lines = [f"versions: base {result['revisions']['base']}, this {result['revisions']['this']}"]
     for model, entry in result["models"].items():
-        lines.append(f"{model} (B={result['batch_size']}, {result['judged_on']} medians)")
+        lines.append(f"{model} (B={entry['batch_size']}, {entry['judged_on']} medians)")
         for key, value in entry["median"].items():
-            lines.append(f"  {key:<24} {value:8.3f}")
+            lines.append(f"  {key:<24} {value:10.5f}")
         for key, value in entry.get("vs_nonprivate", {}).items():
             lines.append(f"  {key:<24} x{value:.3f} of non-private")
         for key, value in entry["this_vs_base"].items():
@@ -128,7 +153,9 @@ def main(argv=None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="another checkout of idpsgd (the version to compare with)")
-    p.add_argument("--models", default="cifar_cnn", help=f"comma-separated subset of {','.join(FULL)}")
+    p.add_argument("--models", default="cifar_cnn", help=f"comma-separated subset of {','.join([*FULL, *HF_MODELS])}")
+    p.add_argument("--hf-layers", type=int, default=2, help="layers of the Hugging Face models (default 2 of 12)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="expected batch size of the HF models (default 16)")
     p.add_argument("--configs", default="nonprivate,ours_bk", help="comma-separated bench_engine configurations")
     p.add_argument("--batch-size", type=int, default=256, help="expected batch size (default 256)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
@@ -142,9 +169,11 @@ def main(argv=None) -> dict:
     base = Path(args.base)
     if not (base / "bench" / "bench_engine.py").is_file() or not (base / "src" / "idpsgd").is_dir():
         p.error(f"--base={args.base!r} is not a checkout of idpsgd (needs bench/bench_engine.py and src/idpsgd)")
-    models = parse_models(args.models, FULL)
+    models = parse_models(args.models, {**FULL, **dict.fromkeys(HF_MODELS)})
     configs = [c for c in args.configs.split(",") if c]
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    hf = hf_sizes(args.quick, args.hf_layers, args.hf_batch_size)
+    sizes.update(dict.fromkeys(HF_MODELS, hf))
     device = resolve_device(args.device)
     result = compare(base, models, configs, args.batch_size, args.repeats, device, args.threads, sizes)
     out = args.out or (None if args.quick else str(RESULT_PATH))
