@@ -592,6 +592,7 @@ class BookKeeper:
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
+        self.user_level = None  # user level: rows -> users, norms per user (set by the engine, units.py)
         self._plan()
 
     def _trainable(self) -> frozenset:
@@ -775,11 +776,13 @@ class BookKeeper:
             ref = next(iter(parts[0].params.values()))
             return torch.zeros(0, dtype=ref.dtype, device=ref.device)
         total = None
-        for part in parts:
+        if self.user_level is not None:  # user level: one norm per user (engine/units.py)
+            total = self.user_level.norms(self, parts, batch)
+        for part in parts if self.user_level is None else ():
             sq = part.norm_sq()
             if sq is not None:
                 total = sq if total is None else total + sq
-        for group in self.tied:  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
+        for group in self.tied if self.user_level is None else ():  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ (bk_tied)
             for k, (x, name_x) in enumerate(group):
                 for y, name_y in group[k + 1 :]:
                     cross, how = cross_term(x, name_x, y, name_y, batch)
@@ -793,6 +796,8 @@ class BookKeeper:
         if not bool(finite.all()):
             self._dropped = ~finite
             norms = norms.masked_fill(self._dropped, float("inf"))
+            if self.user_level is not None:  # user level: every row of the user
+                self._dropped = self.user_level.rows(self._dropped)
         return norms
 
     @torch.no_grad()
@@ -803,7 +808,8 @@ class BookKeeper:
         parts, batch = self._recorded()
         out = {}
         if batch:
-            w = factors * self.scale(batch, loss_scale)
+            w = factors if self.user_level is None else self.user_level.rows(factors)
+            w = w * self.scale(batch, loss_scale)
             if self._dropped is not None:
                 w = w.masked_fill(self._dropped, 0)
                 for part in parts:

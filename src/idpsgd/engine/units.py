@@ -1,0 +1,291 @@
+"""User-level DP-SGD (ULS): a user's rows in a step are clipped as one unit, in every grad_sample_mode.
+
+User-level sampling (Charles et al. 2024, "Fine-Tuning LLMs with User-Level DP", Alg. 2; Chua et al.
+2024, "Mind the Privacy Unit!", §3.2), individualized as IDP-SGD (Boenisch et al. 2023, §3):
+
+* **sampling** (:class:`UserPoissonBatchSampler`) — user u joins a step independently with its rate
+  q_u (Poisson); a sampled user contributes min(k, n_u) of its rows, chosen uniformly at random
+  without replacement at every step (k public, :class:`~idpsgd.users.Users`);
+* **clipping** (:class:`UnitClipping`) — the user's update is the **sum** of its chosen rows'
+  gradients, g_u = Σ_{i∈u} g_i, clipped as one vector to its clip norm c_u:
+  min(1, c_u / ‖g_u‖)·g_u.  ‖g_u‖ is the norm of the summed gradient (all cross terms ⟨g_i, g_j⟩
+  of the user's rows included), never a sum of per-row norms.  Each mode forms it exactly:
+  hooks/functorch sum the per-sample gradients by user (``index_add``); ghost forms per-sample
+  gradients layer by layer, sums them by user and keeps the per-user norms; book-keeping regroups
+  each layer's records by user (:func:`bk_unit_norms`: a sequence Linear's ghost records become one
+  longer sequence per user, other layers' per-sample gradients are summed by user).
+
+*Sum, not mean:* the clipped sum's sensitivity is c_u whichever is clipped, and both are valid; the
+sum is the gradient of the user's total loss — what one forward/backward pass over the user's rows
+computes, so book-keeping's ghost norms and a model's own sequence structure carry over — and needs
+no division by the user's private number of chosen rows.  (A user with more rows has a larger
+un-clipped gradient and is clipped more often; with clip norms chosen for users this is the
+papers' setting: Chua et al. clip the user's summed/averaged update the same way.)
+
+With the user as the unit of neighbouring (add/remove all of one user's rows), replacing user u
+changes the noisy sum by at most c_u (noise off, every user sampled: ‖S(D ∪ {u}) − S(D)‖ ≤ c_u), so
+user u's guarantee is the Poisson-subsampled Gaussian's at (q_u, σ·c/c_u) per step — the same
+per-unit accountant as example level (:class:`~idpsgd.engine.accountant.GroupAccountant`), indexed
+by user.  The rows of a user must be clipped in one piece: a user whose rows reach two clipping
+calls of one step (split by ``BatchMemoryManager`` into physical batches) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..users import Users
+from .bk_layers import LinearRule, _acc, _add_into
+from .bookkeeping import GHOST, PER_SAMPLE
+from .clipping import PerExampleClipping
+from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
+
+
+class UserPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson sampling of users at their rates q_u; each sampled user brings min(k, n_u) random rows.
+
+    ``sample_rates`` has one rate per user (``users.ids`` order); ``sample_rate`` and
+    ``expected_batch_size`` count users (the optimizer divides the noisy sum by Σ_u q_u)."""
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue: BatchIndexQueue | None, users: Users):
+        super().__init__(sample_rates, steps_per_epoch, rng, queue)
+        if self.sample_rates.size != users.num_users:
+            raise ValueError(f"sample_rates has {self.sample_rates.size} values, need one per user")
+        self.users = users
+        self.num_samples = users.num_rows
+
+    def sample(self) -> np.ndarray:
+        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+        return self.users.draw_rows(chosen, self.rng)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The rows of a batch (or physical batch) and their users: ``inverse[r]`` is row r's position in
+    ``units`` (the global user indices of the batch, ascending)."""
+
+    n_rows: int
+    inverse: torch.Tensor
+    units: torch.Tensor
+
+    @property
+    def num_units(self) -> int:
+        return int(self.units.numel())
+
+    def sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """(rows, ...) → (units, ...): the sum of each user's rows."""
+        out = rows.new_zeros((self.num_units, *rows.shape[1:]))
+        return out.index_add_(0, self.inverse.to(rows.device), rows)
+
+    def rank(self) -> tuple[torch.Tensor, int]:
+        """Each row's rank among its user's rows in this batch, and the largest count m."""
+        inv = self.inverse
+        if inv.numel() == 0:
+            return inv, 0
+        order = torch.argsort(inv, stable=True)
+        counts = torch.bincount(inv, minlength=self.num_units)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(inv)
+        rank[order] = torch.arange(inv.numel()) - starts[inv[order]]
+        return rank, int(counts.max())
+
+    def as_sequences(self, x: torch.Tensor, rank_m=None) -> torch.Tensor:
+        """(rows, T, d) → (units, m·T, d): a user's rows as one longer sequence, zero-padded (padding
+        rows have zero output gradient, so they add nothing to a ghost norm)."""
+        rank, m = self.rank() if rank_m is None else rank_m
+        out = x.new_zeros((self.num_units, m, *x.shape[1:]))
+        out[self.inverse.to(x.device), rank.to(x.device)] = x
+        return out.reshape(self.num_units, m * x.shape[1], *x.shape[2:])
+
+
+class UnitClipping(PerExampleClipping):
+    """Per-user clip norms c_u; the clip factors are per user, from the norms of the users' summed
+    gradients.  :attr:`last_norms`/:attr:`last_indices` are per user (user indices): the per-unit
+    accounting, filter and individual accounting work on users unchanged.
+
+    A mode first asks :meth:`grouping` for the next ``n`` drawn rows (without consuming them), forms
+    the per-user norms, then calls :meth:`factors` with them (one per user of the grouping)."""
+
+    def __init__(self, clip_norms, queue: BatchIndexQueue, users: Users):
+        super().__init__(clip_norms, queue)
+        if self.clip_norms.numel() != users.num_users:
+            raise ValueError(f"clip_norms has {self.clip_norms.numel()} values, need one per user")
+        self.users = users
+        self._unit_of_row = torch.from_numpy(users.unit_of_row)
+        self._pending: Grouping | None = None
+        self._seen: list[torch.Tensor] = []
+
+    def grouping(self, n_rows: int) -> Grouping:
+        """The users of the next ``n_rows`` drawn rows (cached until :meth:`factors` consumes them)."""
+        n_rows = int(n_rows)
+        if self._pending is not None and self._pending.n_rows == n_rows:
+            return self._pending
+        if n_rows > len(self.queue):
+            raise BatchMismatchError(
+                "the step has more rows than drawn rows are waiting (the counts are private: not shown): "
+                "every batch drawn from the private data loader must be followed by one backward pass and "
+                "optimizer.step() (is batch_first right for your data?)"
+            )
+        rows = self.queue.peek(n_rows)
+        units, inverse = torch.unique(self._unit_of_row[rows], return_inverse=True)
+        self._pending = Grouping(n_rows, inverse.reshape(-1), units)
+        return self._pending
+
+    def factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """min(1, c_u / (‖g_u‖ + 1e-6)) for the users of the pending grouping (``norms``: one per user)."""
+        if self._pending is None and norms.numel() == 0:  # an empty Poisson batch: no rows, no users
+            self.grouping(0)
+        g = self._pending
+        if g is None or norms.numel() != g.num_units:
+            self._pending = None
+            raise RuntimeError(
+                "user-level clipping needs the norms of the users' summed gradients (one per user of the "
+                "batch), formed after grouping(rows); got per-row norms: this mode does not support users"
+            )
+        self._pending = None
+        if self._seen and g.num_units and bool(torch.isin(g.units, torch.cat(self._seen)).any()):
+            raise BatchMismatchError(
+                "a user's rows reached two clipping calls of one step (BatchMemoryManager split a logical "
+                "batch into physical batches): a user's rows must be clipped as one unit; train on whole "
+                "batches (no BatchMemoryManager) with user-level privacy; the step was not taken"
+            )
+        self.queue.pop(g.n_rows)
+        self.last_grouping_inverse = g.inverse  # ghost clipping: each row takes its user's factor
+        self._seen.append(g.units)
+        self._norms.append(norms.detach())
+        self._indices.append(g.units)
+        if norms.numel() == 0:
+            return norms.new_zeros((0,))
+        clip = self.clip_norms[g.units].to(device=norms.device, dtype=norms.dtype)
+        return torch.where(torch.isfinite(norms), (clip / (norms + 1e-6)).clamp(max=1.0), 0.0)
+
+    def end_step(self) -> None:
+        self._pending, self._seen = None, []
+        super().end_step()
+
+
+def check_user_level(engine, users, privacy_filter) -> None:
+    """Refuse what user level does not support (yet), and a phase whose privacy unit differs."""
+    from ..validation import InvalidParameterError
+
+    if engine.accountant is not None and engine.users is not users:
+        raise InvalidParameterError(
+            "users",
+            repr(users),
+            "differ from this engine's earlier phases (another privacy unit); use a new IndividualizedPrivacyEngine",
+        )
+    if users is None:
+        return
+    if privacy_filter == "individual":
+        raise InvalidParameterError(
+            "privacy_filter", privacy_filter, "is not supported at user level yet; use 'group' (or None)"
+        )
+    if engine.individual is not None:
+        raise InvalidParameterError(
+            "users", repr(users), "individual accounting is not supported at user level yet; leave it off"
+        )
+
+
+def grouping_of(clipping, n_rows: int) -> Grouping | None:
+    """The grouping of the next ``n_rows`` rows under user-level clipping, else None (example level)."""
+    return clipping.grouping(n_rows) if isinstance(clipping, UnitClipping) else None
+
+
+# --- ghost clipping (Opacus's fast gradient clipping) ------------------------------------------
+def ghost_capture(gsm, module, backprops: torch.Tensor, activations) -> None:
+    """User-level replacement of the norm part of Opacus's ``capture_backprops_hook``: the layer's
+    per-sample gradients (its registered grad sampler, or functorch) summed by user; each parameter's
+    ``_norm_sample`` becomes the per-user norm of its summed gradient (a parameter used by several
+    layers, or several times, accumulates its per-row gradients first, as Opacus's hooks mode)."""
+    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+    from opacus.grad_sample.grad_sample_module import create_or_accumulate_grad_sample, promote_current_grad_sample
+    from opacus.utils.module_utils import trainable_parameters
+
+    if not gsm.force_functorch and type(module) in gsm.GRAD_SAMPLERS:
+        fn = gsm.GRAD_SAMPLERS[type(module)]
+    else:
+        fn = ft_compute_per_sample_gradient
+    grad_samples = fn(module, activations, backprops)
+    for param, gs in grad_samples.items():
+        create_or_accumulate_grad_sample(param=param, grad_sample=gs, max_batch_len=module.max_batch_len)
+    del grad_samples
+    for _, p in trainable_parameters(module):
+        p._forward_counter -= 1
+        if p._forward_counter == 0:
+            promote_current_grad_sample(p)
+            gs = p.grad_sample
+            grouping = gsm.clipping.grouping(gs.shape[0])
+            summed = grouping.sum(gs.float() if gs.dtype in (torch.float16, torch.bfloat16) else gs)
+            p._norm_sample = summed.reshape(summed.shape[0], -1).norm(2, dim=-1)
+            p.grad_sample = None
+
+
+# --- book-keeping -----------------------------------------------------------------------------
+class BookKeepingUsers:
+    """The book-keeper's user-level hook (``keeper.user_level``): the users of the recorded rows from
+    the clipping's queue, per-user norms (:func:`bk_unit_norms`) and per-row views of per-user values."""
+
+    def __init__(self, clipping: UnitClipping):
+        self.clipping = clipping
+        self._grouping: Grouping | None = None
+
+    def norms(self, keeper, parts, batch: int) -> torch.Tensor:
+        self._grouping = self.clipping.grouping(batch)
+        return bk_unit_norms(keeper, parts, self._grouping)
+
+    def rows(self, per_user: torch.Tensor) -> torch.Tensor:
+        """Per-user values (clip factors, overflow mask) → one per recorded row (its user's)."""
+        return per_user[self._grouping.inverse.to(per_user.device)]
+
+
+@torch.no_grad()
+def bk_unit_norms(keeper, parts, grouping: Grouping) -> torch.Tensor:
+    """Σ_layers ‖Σ_{i∈u} g_i^(l)‖² per user from what the backward pass kept (un-scaled output
+    gradients), exactly:
+
+    * a Linear layer (nn.Linear, transformers' Conv1D) kept on the ghost path, not tied: its records
+      (input a, output gradient b) are regrouped so that a user's rows are one longer sequence
+      (zero-padded), and its ghost norm ‖Σ_t a_t b_tᵀ‖² over that sequence is the user's norm;
+    * every other record (per-sample layers, deferred records, fallback and direct units, tied
+      parameters): per-sample gradients, summed per parameter over its layers and rows by user.
+
+    Records stay as they are for :meth:`~.bookkeeping.BookKeeper.clipped_sum`, which takes each row's
+    user's factor (Σ_u w_u g_u = Σ_i w_{u(i)} g_i)."""
+    tied = {id(layer) for group in keeper.tied for layer, _ in group}
+    rank_m = grouping.rank()
+    total = None
+    per_param: dict[int, torch.Tensor] = {}
+    for part in parts:
+        uses = getattr(part, "uses", None)
+        if uses is not None:  # a covered layer
+            for saved, g in part.deferred:
+                _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+            part.deferred = []
+            if uses and id(part) not in tied and isinstance(part.rule, LinearRule) and not part.grad_sample:
+                a, b = part.rule._cat(uses)
+                seq = [((grouping.as_sequences(a, rank_m),), grouping.as_sequences(b, rank_m))]
+                sq = part.rule.ghost_norm_sq(part.module, seq)
+                part.paths_taken.add(GHOST)
+                total = sq if total is None else total + sq
+                continue
+            for saved, g in uses:  # other ghost records: per-sample gradients (records kept for the sum)
+                _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+            part.uses = []
+            if part.grad_sample:
+                part.paths_taken.add(PER_SAMPLE)
+        for name, gs in part.grad_sample.items():
+            p = part.params.get(name)
+            if p is None:
+                continue
+            gs = _acc(gs)
+            per_param[id(p)] = gs if id(p) not in per_param else per_param[id(p)] + gs
+    for gs in per_param.values():
+        flat = grouping.sum(gs).reshape(grouping.num_units, -1)
+        sq = (flat * flat).sum(1)
+        total = sq if total is None else total + sq
+    if total is None:
+        total = torch.zeros(grouping.num_units)
+    return total

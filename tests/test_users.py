@@ -1,0 +1,305 @@
+"""User-level individualized DP (issue 37): data model, ULS sampling, per-user clipping in every mode.
+
+The replace-one-user test: with the noise off and every user sampled (rate 1, k at least the user's
+rows), adding a user u changes the step's clipped sum by at most c_u — in hooks, functorch, ghost and
+bk, on a CNN, a small transformer and GPT-2 from a config.  Per-row clipping would fail it: a user with
+m rows whose row gradients all exceed the clip norm moves the sum by up to m·c.
+"""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
+from idpsgd.engine.sampler import BatchIndexQueue
+from idpsgd.engine.units import UserPoissonBatchSampler
+
+MODES = ("hooks", "functorch", "ghost", "bk")
+
+
+# --- data model ------------------------------------------------------------------------------------
+def test_users_codes_counts_and_repr_hides_them():
+    u = Users(["b", "a", "b", "c", "b"], k=2)
+    assert u.ids.tolist() == ["a", "b", "c"]
+    assert u.unit_of_row.tolist() == [1, 0, 1, 2, 1]
+    assert u.rows_per_user.tolist() == [1, 3, 1]
+    assert repr(u) == "Users(k=2)"
+
+
+@pytest.mark.parametrize(
+    ("ids", "k", "name"),
+    [([], 1, "user_ids"), ([1.0, float("nan")], 1, "user_ids"), (["a", ""], 1, "user_ids"), ([1, 2], 0, "max_rows")],
+)
+def test_users_bad_input(ids, k, name):
+    with pytest.raises(InvalidParameterError, match=name):
+        Users(ids, k)
+
+
+def test_budgets_per_user_from_rows_and_mapping():
+    u = Users([3, 1, 3, 2], k=1)
+    b = u.budgets_from_rows([2.0, 1.0, 2.0, 8.0], 1e-5)
+    assert b.epsilons.tolist() == [1.0, 8.0, 2.0]
+    with pytest.raises(InvalidParameterError, match="same value"):
+        u.budgets_from_rows([2.0, 1.0, 3.0, 8.0], 1e-5)
+    assert u.budgets_from_mapping({1: 1, 2: 8, 3: 2}, 1e-5).epsilons.tolist() == [1.0, 8.0, 2.0]
+    with pytest.raises(InvalidParameterError, match="without a budget"):
+        u.budgets_from_mapping({1: 1}, 1e-5)
+
+
+def test_draw_rows_takes_min_k_rows_of_each_user_uniformly():
+    ids = np.repeat(np.arange(4), [1, 3, 5, 10])
+    u = Users(ids, k=3)
+    rng = np.random.default_rng(0)
+    seen = np.zeros(ids.size)
+    for _ in range(3000):
+        rows = u.draw_rows(np.arange(4), rng)
+        assert np.bincount(ids[rows], minlength=4).tolist() == [1, 3, 3, 3]
+        assert np.unique(rows).size == rows.size
+        seen[rows] += 1
+    freq = seen / 3000  # each of a user's n rows is chosen with probability min(k, n)/n
+    expect = np.minimum(3, u.rows_per_user)[ids] / u.rows_per_user[ids]
+    assert np.allclose(freq, expect, atol=0.04)
+
+
+def test_user_sampler_poisson_over_users():
+    ids = np.repeat(np.arange(50), 4)
+    u = Users(ids, k=2)
+    q = np.where(np.arange(50) < 25, 0.2, 0.6)
+    s = UserPoissonBatchSampler(q, 10, np.random.default_rng(1), BatchIndexQueue(), u)
+    hits = np.zeros(50)
+    for _ in range(400):
+        rows = s.sample()
+        users = np.unique(ids[rows])
+        assert np.bincount(ids[rows])[users].max() <= 2
+        hits[users] += 1
+    assert abs(hits[:25].mean() / 400 - 0.2) < 0.03 and abs(hits[25:].mean() / 400 - 0.6) < 0.03
+    assert s.expected_batch_size == pytest.approx(q.sum())
+
+
+# --- replace-one-user sensitivity ----------------------------------------------------------------
+def _no_noise(std, reference, *args, **kwargs):
+    return torch.zeros_like(reference)
+
+
+class _Crit(nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.loss, self.reduction = loss, "sum"
+
+    def forward(self, out, y):
+        per = self.loss(out, y)
+        return per if self.reduction == "none" else per.sum()
+
+
+def _ce(out, y):
+    if out.dim() == 3:  # a language model: summed token losses per row
+        return nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(1)
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def _step_sum(build, x, y, uids, mode, clip, k, call=None):
+    """The engine's clipped sum (noise 0, every user sampled) of one user-level step."""
+    model = build()
+    users = Users(uids, k)
+    crit = _Crit(_ce)
+    with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+        warnings.simplefilter("ignore")
+        engine = IndividualizedPrivacyEngine(seed=0)
+        out = engine.make_private_with_parameters(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+            budgets=None,
+            privacy_filter=None,
+            sample_rates=np.ones(users.num_users),
+            clip_norms=clip[: users.num_users],
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            loss_reduction="sum",
+            grad_sample_mode=mode,
+            criterion=crit if mode == "ghost" else None,
+            users=users,
+        )
+        module, opt, *rest = out
+        loader = rest[-1]
+        xb, yb = next(iter(loader))
+        opt.zero_grad()
+        o = module(xb) if call is None else call(module, xb)
+        loss = rest[0](o, yb) if mode == "ghost" else _ce(o, yb).sum()
+        loss.backward()
+        opt.step()
+    assert engine.steps == 1
+    return torch.cat([p.grad.detach().reshape(-1) for p in opt.params]), engine
+
+
+def _replace_one_user(build, draw, mode, sizes, call=None, base_users=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    base_sizes = rng.integers(1, 5, base_users)
+    xs, ys = zip(*(draw(g, int(n)) for n in base_sizes), strict=True)
+    x, y = torch.cat(xs), torch.cat(ys)
+    uids = np.repeat(np.arange(base_users), base_sizes)
+    clip = rng.uniform(0.3, 2.0, base_users + 1)  # per-user clip norms c_u (Scale)
+    k = int(max(*sizes, base_sizes.max()))
+    s0, _ = _step_sum(build, x, y, uids, mode, clip, k, call)
+    worst = []
+    for m in sizes:
+        xu, yu = draw(g, m)
+        s1, _ = _step_sum(
+            build,
+            torch.cat([x, xu]),
+            torch.cat([y, yu]),
+            np.concatenate([uids, np.full(m, base_users)]),
+            mode,
+            clip,
+            k,
+            call,
+        )
+        worst.append(float((s1 - s0).norm()) / clip[base_users])
+    return worst
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def _draw_img(g, n):
+    return torch.randn(n, 1, 8, 8, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+class _TinyTransformer(nn.Module):
+    def __init__(self, v=11, d=16, t=5):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.pos = nn.Parameter(torch.zeros(1, t, d))
+        self.ln = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.ln(self.emb(x))
+        a = torch.softmax(self.q(h) @ self.k(h).transpose(1, 2) / 4.0, -1) @ self.v(h)
+        return self.out((h + a).mean(1))
+
+
+def _transformer():
+    torch.manual_seed(0)
+    m = _TinyTransformer()
+    m.pos.requires_grad_(False)
+    return m
+
+
+def _draw_tokens(g, n):
+    return torch.randint(0, 11, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("build", "draw"), [(_cnn, _draw_img), (_transformer, _draw_tokens)], ids=["cnn", "transformer"]
+)
+def test_replace_one_user_moves_the_sum_by_at_most_its_clip_norm(mode, build, draw):
+    worst = _replace_one_user(build, draw, mode, sizes=(1, 9, 30))
+    assert max(worst) <= 1 + 1e-4, worst
+    assert worst[-1] > 0.99  # a user of 30 rows is clipped (the bound is tight): per-row clipping would give ~30
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=29,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _draw_text(g, n):
+    x = torch.randint(0, 29, (n, 6), generator=g)
+    return x, x
+
+
+def _logits(model, x):  # positions per row: Opacus's hooks need one per-sample gradient row per example
+    return model(input_ids=x, position_ids=torch.arange(x.shape[1]).expand(x.shape[0], -1)).logits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_replace_one_user_gpt2(mode):
+    worst = _replace_one_user(_gpt2, _draw_text, mode, sizes=(1, 12), call=_logits)
+    assert max(worst) <= 1 + 1e-4, worst
+    assert worst[-1] > 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_replace_one_user_up_to_500_rows(mode):
+    for build, draw, call in (
+        (_cnn, _draw_img, None),
+        (_transformer, _draw_tokens, None),
+        (_gpt2, _draw_text, _logits),
+    ):
+        worst = _replace_one_user(build, draw, mode, sizes=(1, 57, 500), call=call, seed=3)
+        assert max(worst) <= 1 + 1e-4, worst
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_user_norm_is_the_norm_of_the_summed_gradient(mode):
+    """The engine's per-user norms equal ‖Σ_{i∈u} g_i‖ from per-example autograd (cross terms included)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = _draw_tokens(g, 14)
+    uids = np.array([0, 0, 1, 2, 2, 2, 3, 1, 0, 4, 4, 4, 4, 2])
+    _, engine = _step_sum(_transformer, x, y, uids, mode, np.full(5, 1e6), k=10)
+    norms = engine.clipping.last_norms.double()
+    units = engine.clipping.last_indices
+    model = _transformer()
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = []
+    for u in units.tolist():
+        rows = np.flatnonzero(uids == u)
+        grads = torch.autograd.grad(_ce(model(x[rows]), y[rows]).sum(), params)
+        want.append(float(torch.cat([gr.reshape(-1) for gr in grads]).norm()))
+    assert np.allclose(norms.numpy(), want, rtol=1e-4)
+
+
+def test_batch_memory_manager_split_of_a_user_is_refused():
+    from idpsgd.engine.clipping import PerExampleClipping  # noqa: F401
+    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.units import UnitClipping
+
+    q = BatchIndexQueue()
+    u = Users([0, 0, 1, 1], k=2)
+    c = UnitClipping(np.ones(2), q, u)
+    q.push(np.array([0, 2, 1, 3]))
+    c.grouping(2)
+    c.factors(torch.ones(2))
+    c.grouping(2)
+    with pytest.raises(BatchMismatchError, match="one unit"):
+        c.factors(torch.ones(2))
+
+
+def test_users_must_cover_the_dataset():
+    x, y = _draw_img(torch.Generator().manual_seed(0), 5)
+    model = _cnn()
+    with pytest.raises(InvalidParameterError, match="users"):
+        IndividualizedPrivacyEngine(seed=0).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=2),
+            noise_multiplier=1.0,
+            users=Users([0, 1, 1], k=1),
+        )
