@@ -141,3 +141,53 @@ def group_privacy(epsilon, delta, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k < 1:
         raise InvalidParameterError("k", k, "must be an integer >= 1")
     return k * eps, k * np.exp((k - 1) * eps) * np.asarray(delta, dtype=float)
+
+
+def els_user_epsilon(
+    sample_rate, noise_multiplier, steps, k: int, delta: float, accountant: str = "rdp", iterations: int = 60
+) -> float:
+    """User-level ε of ELS — example-level Poisson sampling at rate q with at most ``k`` rows per user,
+    the example-level sampled Gaussian (q, σ, T) — through :func:`group_privacy`:
+
+        ε_user(δ) = k · ε_ex(δ_ex)  for the largest δ_ex with  k · e^{(k−1)·ε_ex(δ_ex)} · δ_ex ≤ δ,
+
+    ε_ex(δ_ex) by ``accountant`` (``rdp``, ``pld``, ``prv``: :func:`~idpsgd.accounting.epsilon_sgm`).
+    δ_ex is found by bisection on log δ_ex; the returned ε is at a δ_ex that meets the constraint
+    (checked), so it is a valid user-level (ε, δ) bound whether or not the search found the best
+    δ_ex.  k = 1 is the example-level ε."""
+    from .accounting import epsilon_sgm
+    from .validation import check_delta
+
+    delta = check_delta(delta)
+    k = int(k)
+    if k < 1:
+        raise InvalidParameterError("k", k, "must be an integer >= 1")
+
+    def eps_ex(d):
+        return float(epsilon_sgm(sample_rate, noise_multiplier, steps, d, accountant))
+
+    if k == 1:
+        return eps_ex(delta)
+
+    def feasible(log_d):
+        e = eps_ex(float(np.exp(log_d)))
+        return k * np.exp((k - 1) * e) * np.exp(log_d) <= delta, e
+
+    hi = np.log(delta / k)  # δ_ex ≤ δ/k always
+    ok, e = feasible(hi)
+    if ok:
+        return k * e
+    lo = np.log(delta / k) - 60.0
+    ok, e_lo = feasible(lo)
+    if not ok:
+        raise InvalidParameterError(
+            "k", k, f"group privacy gives no finite user-level ε at delta={delta:g} (ε_ex too large for k rows)"
+        )
+    for _ in range(int(iterations)):
+        mid = 0.5 * (lo + hi)
+        ok, e = feasible(mid)
+        if ok:
+            lo, e_lo = mid, e
+        else:
+            hi = mid
+    return k * e_lo
