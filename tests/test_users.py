@@ -418,3 +418,177 @@ def test_els_group_privacy_conversion_against_dp_accounting():
 
     e, d = group_privacy(1.0, 1e-6, 3)
     assert e == 3.0 and d == pytest.approx(3 * np.exp(2.0) * 1e-6)
+
+
+# --- the train command ------------------------------------------------------------------------------
+def _user_csv(folder, n_users=30, seed=0):
+    """train.csv/test.csv with a user column: heavy-tailed rows per user, ids that are easy to search for."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    counts = np.minimum(1 + rng.zipf(1.8, n_users), 40)
+    ids = np.repeat([f"person-{i:03d}-zq" for i in range(n_users)], counts)
+    rng.shuffle(ids)
+    for name, n in (("train", ids.size), ("test", 60)):
+        y = np.arange(n) % 3
+        x = rng.normal(size=(n, 4)) + y[:, None]
+        head = "label,user," + ",".join(f"f{i}" for i in range(4))
+        user = ids if name == "train" else np.array([f"t{i}" for i in range(n)])
+        rows = [head] + [f"{y[i]},{user[i]}," + ",".join(f"{v:.4f}" for v in x[i]) for i in range(n)]
+        (folder / f"{name}.csv").write_text("\n".join(rows) + "\n")
+    return ["--dataset", "csv", "--num-classes", "3", "--data-dir", str(folder)], ids
+
+
+def test_train_user_column_end_to_end_and_nothing_private_in_public_files(tmp_path, capsys):
+    import json
+    import os
+    import stat
+
+    from idpsgd.cli import main
+
+    data, _ids = _user_csv(tmp_path / "data")
+    seed = 987654321
+    out = tmp_path / "run"
+    argv = ["train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", *data]
+    argv += ["--user-column", "user", "--max-rows-per-user", "3", "--epochs", "2", "--batch-size", "6"]
+    argv += ["--no-progress", "--seed", str(seed), "--out", str(out), "--json"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert report["privacy_unit"] == "user" and report["max_rows_per_user"] == 3
+    assert "user" in report["neighbouring"]
+    assert [g["budget"] for g in report["groups"]] == [1.0, 3.0]
+    assert all(g["epsilon_spent"] <= g["budget"] * (1 + 1e-9) for g in report["groups"])
+    assert "user" not in report["data"]["feature_columns"]  # never a model input
+    public = [p for p in out.rglob("*") if p.is_file() and "private" not in p.relative_to(out).parts]
+    texts = [p.read_bytes() for p in public] + [(printed.out + printed.err).encode()]
+    for blob in texts:
+        assert b"person-" not in blob  # no user id
+        assert str(seed).encode() not in blob
+        assert b'"rows_per_user"' not in blob and b"num_rows" not in blob
+    for p in out.rglob("*"):
+        if "private" in p.relative_to(out).parts and p.is_file():
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+
+
+def test_train_user_column_refusals(tmp_path):
+    from idpsgd.cli import main
+
+    data, _ = _user_csv(tmp_path / "data")
+    base = ["train", "--method", "sample", *data, "--user-column", "user", "--epochs", "1", "--no-progress"]
+    base += ["--out", str(tmp_path / "r")]
+    assert main([*base, "--budgets-per-class", "0:1,1:2,2:3"]) == 2
+    assert main([*base, "--budgets", "1,3", "--fractions", "0.5,0.5", "--feature-columns", "user,f0"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "sample",
+                "--budgets",
+                "1",
+                *data,
+                "--user-column",
+                "nope",
+                "--out",
+                str(tmp_path / "s"),
+            ]
+        )
+        == 2
+    )
+
+
+# --- the individual filter and individual accounting at user level ----------------------------------
+def _user_setup(n_users=24, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.repeat(np.arange(n_users), rng.integers(1, 12, n_users))
+    x, y = _draw_img(torch.Generator().manual_seed(seed), ids.size)
+    return ids, x, y
+
+
+def test_per_user_norm_pass_matches_autograd():
+    ids, x, y = _user_setup()
+    users = Users(ids, k=3)
+    model = _cnn()
+    engine = IndividualizedPrivacyEngine(seed=0)
+    engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+        noise_multiplier=1.0,
+        users=users,
+        grad_sample_mode="bk",
+    )
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_copy = np.random.default_rng(0)
+    engine._sampler_rng = np.random.default_rng(0)
+    norms, losses = engine.per_example_grad_norms(indices=np.arange(users.num_users), batch_size=7)
+    assert norms.shape == (users.num_users,)
+    rows = users.draw_rows(np.arange(users.num_users), rng_copy)  # the same draw
+    ref = _cnn()
+    ref.load_state_dict(state)
+    params = list(ref.parameters())
+    for u in range(users.num_users):
+        r = rows[ids[rows] == u]
+        loss = nn.functional.cross_entropy(ref(x[r]), y[r], reduction="sum")
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(loss, params)])
+        assert float(g.norm()) == pytest.approx(norms[u], rel=1e-4)
+        assert float(loss.detach()) == pytest.approx(losses[u], rel=1e-5)
+
+
+def test_individual_filter_at_user_level_keeps_every_user_within_budget():
+    from idpsgd import Budgets
+
+    ids, x, y = _user_setup()
+    users = Users(ids, k=3)
+    budgets = Budgets.from_groups([0.5, 2.0], [0.5, 0.5], users.num_users, 1e-5, seed=0)
+    model = _cnn()
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
+    module, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.0,
+        budgets=budgets,
+        steps=30,
+        sample_rate=0.3,
+        privacy_filter="individual",
+        users=users,
+        grad_sample_mode="bk",
+    )
+    while engine.can_step():
+        for xb, yb in loader:
+            if not engine.can_step():
+                break
+            opt.zero_grad()
+            nn.functional.cross_entropy(module(xb), yb).backward()
+            opt.step()
+        if engine.steps >= 30:
+            break
+    eps = engine.get_individual_epsilons()
+    assert eps.shape == (users.num_users,)
+    assert np.all(eps <= budgets.epsilons * (1 + 1e-9))
+
+
+def test_individual_accounting_at_user_level():
+    ids, x, y = _user_setup()
+    users = Users(ids, k=3)
+    model = _cnn()
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
+    engine.enable_individual_accounting()
+    module, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        noise_multiplier=1.2,
+        sample_rate=0.3,
+        target_delta=1e-5,
+        users=users,
+        grad_sample_mode="bk",
+    )
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(module(xb), yb).backward()
+        opt.step()
+    eps = engine.get_individual_epsilons()
+    assert eps.shape == (users.num_users,)
+    assert np.all(eps <= float(engine.get_epsilon()) * (1 + 1e-9)) and np.all(eps >= 0)

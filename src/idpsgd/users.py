@@ -64,6 +64,12 @@ class Users:
     def __repr__(self) -> str:  # never the ids or the counts
         return f"Users(k={self.k})"
 
+    def digest(self) -> str:
+        """SHA-256 of the row → user assignment (for a checkpoint's signature; private)."""
+        import hashlib
+
+        return hashlib.sha256(np.ascontiguousarray(self.unit_of_row).tobytes()).hexdigest()
+
     @property
     def num_users(self) -> int:
         return int(self.ids.size)

@@ -305,9 +305,28 @@ class IndividualizedPrivacyEngine:
         batch collated from the loader's dataset (default: cross-entropy of ``(inputs, targets)``)."""
         self._require()
         loader = self.data_loader
-        idx = np.arange(len(loader.dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
+        n = len(loader.dataset) if self.users is None else self.users.num_users
+        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
+        if self.users is not None:  # user level: the users' norms, of each one's summed gradient (units.py)
+            return self.per_user_grad_norms(idx, collate, batch_size, per_sample_loss)
         return distributed.sharded_grad_norms(self.module, loader.dataset, idx, collate, batch_size, per_sample_loss)
+
+    def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
+        """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
+        of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
+        from .units import per_user_grad_norms
+
+        return per_user_grad_norms(  # rows chosen with the sampler's source (seeded, or secure)
+            self.module,
+            self.data_loader.dataset,
+            self.users,
+            units,
+            collate,
+            batch_size,
+            per_sample_loss,
+            self._sampler_rng,
+        )
 
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""

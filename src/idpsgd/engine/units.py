@@ -43,6 +43,13 @@ from .bookkeeping import GHOST, PER_SAMPLE
 from .clipping import PerExampleClipping
 from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
 
+#: the guarantee in words at user level (report.json's "guarantee")
+USER_GUARANTEE = (
+    "data-independent user-level individual (epsilon_p, delta)-DP for every user of group p: all of the user's "
+    "rows together, whatever their number, with the user as the unit of neighbouring (user-level sampling, "
+    "each sampled user's summed gradient over up to k of its rows clipped as one unit)"
+)
+
 
 class UserPoissonBatchSampler(PoissonBatchSampler):
     """Poisson sampling of users at their rates q_u; each sampled user brings min(k, n_u) random rows.
@@ -179,14 +186,6 @@ def check_user_level(engine, users, privacy_filter) -> None:
         )
     if users is None:
         return
-    if privacy_filter == "individual":
-        raise InvalidParameterError(
-            "privacy_filter", privacy_filter, "is not supported at user level yet; use 'group' (or None)"
-        )
-    if engine.individual is not None:
-        raise InvalidParameterError(
-            "users", repr(users), "individual accounting is not supported at user level yet; leave it off"
-        )
 
 
 def grouping_of(clipping, n_rows: int) -> Grouping | None:
@@ -289,3 +288,50 @@ def bk_unit_norms(keeper, parts, grouping: Grouping) -> torch.Tensor:
     if total is None:
         total = torch.zeros(grouping.num_units)
     return total
+
+
+# --- norm passes (individual filter, individual accounting) at user level --------------------------
+class StaticUsers:
+    """``keeper.user_level`` of one norm-pass batch made of whole users (its grouping known in advance)."""
+
+    def __init__(self, grouping: Grouping):
+        self._grouping = grouping
+
+    def norms(self, keeper, parts, batch: int) -> torch.Tensor:
+        if int(batch) != self._grouping.n_rows:
+            raise RuntimeError("the norm pass's batch does not match its users' rows")
+        return bk_unit_norms(keeper, parts, self._grouping)
+
+    def rows(self, per_user: torch.Tensor) -> torch.Tensor:
+        return per_user[self._grouping.inverse.to(per_user.device)]
+
+
+def per_user_grad_norms(module, dataset, users: Users, unit_indices, collate_fn, batch_size: int, per_sample_loss, rng):
+    """(norms, losses) of the given users at the current parameters: each user's norm is ‖Σ_{i∈S_u} g_i‖
+    over a fresh random choice S_u of min(k, n_u) of its rows (what a step would clip), its loss the sum
+    of those rows' losses (Yu et al. 2023, Alg. 2 line 3, with the user as the unit).  Batches hold
+    whole users (about ``batch_size`` rows); per-user norms by book-keeping (:func:`bk_unit_norms`)."""
+    from .norms import example_batches, per_example_grad_norms
+
+    units = np.asarray(unit_indices, dtype=np.int64)
+    if units.size == 0:
+        return np.zeros(0), np.zeros(0)
+    rows = users.draw_rows(units, rng)  # grouped by the position of the user in ``units``
+    sizes = np.minimum(users.k, users.rows_per_user[units])
+    owner = np.repeat(np.arange(units.size), sizes)
+    chunk_of_user = (np.cumsum(sizes) - sizes) // max(int(batch_size), 1)
+    chunk_of_row = chunk_of_user[owner]
+    bounds = np.flatnonzero(np.diff(chunk_of_row)) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [rows.size]])
+    hooks = []
+    for a, b in zip(starts, ends, strict=True):
+        own = owner[a:b] - owner[a]
+        hooks.append(StaticUsers(Grouping(int(b - a), torch.from_numpy(own), torch.arange(int(own[-1]) + 1))))
+
+    def batches():
+        for a, b in zip(starts, ends, strict=True):
+            yield from example_batches(dataset, rows[a:b], collate_fn, int(b - a))
+
+    norms, row_losses = per_example_grad_norms(module, batches(), per_sample_loss, hooks)
+    losses = np.bincount(owner, weights=row_losses, minlength=units.size) if row_losses.size else np.zeros(units.size)
+    return norms, losses
