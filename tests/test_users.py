@@ -573,8 +573,10 @@ def test_individual_accounting_at_user_level():
     ids, x, y = _user_setup()
     users = Users(ids, k=3)
     model = _cnn()
+    from idpsgd import IndividualAccountingOptions
+
     engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
-    engine.enable_individual_accounting()
+    engine.enable_individual_accounting(IndividualAccountingOptions(validate_subset=0))
     module, opt, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -592,3 +594,33 @@ def test_individual_accounting_at_user_level():
     eps = engine.get_individual_epsilons()
     assert eps.shape == (users.num_users,)
     assert np.all(eps <= float(engine.get_epsilon()) * (1 + 1e-9)) and np.all(eps >= 0)
+
+
+# --- audit, synthetic users -----------------------------------------------------------------------
+def test_synthetic_users_are_heavy_tailed_and_cover_every_row():
+    from idpsgd.users import synthetic_user_ids
+
+    ids = synthetic_user_ids(5000, 200, seed=0)
+    counts = np.bincount(ids)
+    assert ids.size == 5000 and counts.size == 200 and counts.min() >= 1
+    assert counts.max() > 8 * np.median(counts)  # a heavy tail
+    assert np.array_equal(ids, synthetic_user_ids(5000, 200, seed=0))
+
+
+def test_user_level_audit_runs_and_its_bounds_stay_below_the_reported_epsilon():
+    from idpsgd import Budgets
+    from idpsgd.audit.users import audit_users
+    from idpsgd.data import load_dataset
+    from idpsgd.users import synthetic_user_ids
+
+    data = load_dataset("digits")
+    ids = synthetic_user_ids(len(data.y_train), 300, seed=0)
+    users = Users(ids, k=4)
+    budgets = Budgets.from_groups([1.0, 4.0], [0.5, 0.5], users.num_users, 1e-5, seed=0)
+    out = audit_users(data, users, budgets, epochs=3, users_per_step=30, seed=0, model="mlp")
+    assert out["privacy_unit"] == "user" and len(out["groups"]) == 2
+    for g in out["groups"]:
+        assert g["auc"] is not None and 0 <= g["auc"] <= 1
+        assert g["verdict"] == "passed"
+        assert g["one_run_bound"] <= g["reported_epsilon"]
+    assert out["private"]["member"].shape == (users.num_users,)

@@ -197,3 +197,28 @@ def els_user_epsilon(
         else:
             hi = mid
     return k * e_lo
+
+
+def synthetic_user_ids(num_rows: int, num_users: int, seed: int = 0, tail: float = 1.5) -> np.ndarray:
+    """A heavy-tailed split of ``num_rows`` rows into ``num_users`` synthetic users (for experiments on
+    datasets without users).
+
+    Each user's share is drawn from a Pareto (Lomax) distribution with shape ``tail`` (smaller: heavier
+    tail; 1.5 gives a few users with tens of times the median), the row counts are the shares scaled
+    to ``num_rows`` by the largest remainder with at least one row per user, and the rows are
+    assigned to users at random (seeded).  Returns one user id (0..num_users-1) per row."""
+    n, u = int(num_rows), int(num_users)
+    if u < 1 or n < u:
+        raise InvalidParameterError("num_users", num_users, f"must be in [1, num_rows={n}]")
+    if not float(tail) > 0:
+        raise InvalidParameterError("tail", tail, "must be > 0")
+    rng = np.random.default_rng(seed)
+    share = rng.pareto(float(tail), u) + 1.0
+    raw = share / share.sum() * (n - u)
+    counts = np.floor(raw).astype(np.int64)
+    order = np.argsort(-(raw - counts), kind="stable")
+    counts[order[: (n - u) - int(counts.sum())]] += 1
+    counts += 1
+    ids = np.repeat(np.arange(u), counts)
+    rng.shuffle(ids)
+    return ids

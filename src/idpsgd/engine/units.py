@@ -83,9 +83,14 @@ class Grouping:
         return int(self.units.numel())
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
-        """(rows, ...) → (units, ...): the sum of each user's rows."""
-        out = rows.new_zeros((self.num_units, *rows.shape[1:]))
-        return out.index_add_(0, self.inverse.to(rows.device), rows)
+        """(rows, ...) → (units, ...): the sum of each user's rows (a (units × rows) 0/1 matrix product:
+        one BLAS call, much faster than ``index_add_`` on the CPU for wide rows)."""
+        n = rows.shape[0]
+        if n == 0:
+            return rows.new_zeros((self.num_units, *rows.shape[1:]))
+        onehot = rows.new_zeros((self.num_units, n))
+        onehot[self.inverse.to(rows.device), torch.arange(n, device=rows.device)] = 1
+        return (onehot @ rows.reshape(n, -1)).reshape(self.num_units, *rows.shape[1:])
 
     def rank(self) -> tuple[torch.Tensor, int]:
         """Each row's rank among its user's rows in this batch, and the largest count m."""
