@@ -754,6 +754,8 @@ class BookKeeper:
     def scale(self, batch: int, loss_scale: float = 1.0) -> float:
         """Output gradients × scale = the per-example loss's gradients (Opacus's convention: a "mean"
         loss is divided by the batch size; a ``GradScaler``'s scaled loss by its ``loss_scale``)."""
+        if self.user_level is not None:  # user level: the loss is a mean over the rows, not the users
+            batch = self.user_level.rows_batch
         return (float(batch) if self.loss_reduction == "mean" else 1.0) / float(loss_scale)
 
     @torch.no_grad()
@@ -775,14 +777,14 @@ class BookKeeper:
         if batch == 0:  # an empty Poisson batch
             ref = next(iter(parts[0].params.values()))
             return torch.zeros(0, dtype=ref.dtype, device=ref.device)
+        if self.user_level is not None:  # user level: records regrouped, one "example" per user (units.py)
+            parts, batch = self.user_level.regroup(self, parts, batch)
         total = None
-        if self.user_level is not None:  # user level: one norm per user (engine/units.py)
-            total = self.user_level.norms(self, parts, batch)
-        for part in parts if self.user_level is None else ():
+        for part in parts:
             sq = part.norm_sq()
             if sq is not None:
                 total = sq if total is None else total + sq
-        for group in self.tied if self.user_level is None else ():  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ (bk_tied)
+        for group in self.tied:  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
             for k, (x, name_x) in enumerate(group):
                 for y, name_y in group[k + 1 :]:
                     cross, how = cross_term(x, name_x, y, name_y, batch)
@@ -796,8 +798,6 @@ class BookKeeper:
         if not bool(finite.all()):
             self._dropped = ~finite
             norms = norms.masked_fill(self._dropped, float("inf"))
-            if self.user_level is not None:  # user level: every row of the user
-                self._dropped = self.user_level.rows(self._dropped)
         return norms
 
     @torch.no_grad()
@@ -808,8 +808,7 @@ class BookKeeper:
         parts, batch = self._recorded()
         out = {}
         if batch:
-            w = factors if self.user_level is None else self.user_level.rows(factors)
-            w = w * self.scale(batch, loss_scale)
+            w = factors * self.scale(batch, loss_scale)
             if self._dropped is not None:
                 w = w.masked_fill(self._dropped, 0)
                 for part in parts:

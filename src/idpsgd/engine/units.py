@@ -12,7 +12,7 @@ User-level sampling (Charles et al. 2024, "Fine-Tuning LLMs with User-Level DP",
   of the user's rows included), never a sum of per-row norms.  Each mode forms it exactly:
   hooks/functorch sum the per-sample gradients by user (``index_add``); ghost forms per-sample
   gradients layer by layer, sums them by user and keeps the per-user norms; book-keeping regroups
-  each layer's records by user (:func:`bk_unit_norms`: a sequence Linear's ghost records become one
+  each layer's records by user (:func:`regroup_records`: Linear and Embedding ghost records become one
   longer sequence per user, other layers' per-sample gradients are summed by user).
 
 *Sum, not mean:* the clipped sum's sensitivity is c_u whichever is clipped, and both are valid; the
@@ -38,8 +38,7 @@ import numpy as np
 import torch
 
 from ..users import Users
-from .bk_layers import LinearRule, _acc, _add_into
-from .bookkeeping import GHOST, PER_SAMPLE
+from .bk_layers import EmbeddingRule, LinearRule, _acc, _add_into
 from .clipping import PerExampleClipping
 from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
 
@@ -105,12 +104,18 @@ class Grouping:
         return rank, int(counts.max())
 
     def as_sequences(self, x: torch.Tensor, rank_m=None) -> torch.Tensor:
-        """(rows, T, d) → (units, m·T, d): a user's rows as one longer sequence, zero-padded (padding
-        rows have zero output gradient, so they add nothing to a ghost norm)."""
+        """(rows, T, ...) → (units, m·T, ...): a user's rows as one longer sequence, zero-padded to the
+        largest count m (padding rows have zero output gradient, so they add nothing to a ghost norm or
+        a clipped sum).  Rows already grouped by user with m each (every user of the step brought k
+        rows): a reshape, no copy."""
         rank, m = self.rank() if rank_m is None else rank_m
-        out = x.new_zeros((self.num_units, m, *x.shape[1:]))
-        out[self.inverse.to(x.device), rank.to(x.device)] = x
-        return out.reshape(self.num_units, m * x.shape[1], *x.shape[2:])
+        u, n = self.num_units, x.shape[0]
+        pos = self.inverse.to(x.device) * m + rank.to(x.device)
+        if u * m == n and bool((pos == torch.arange(n, device=x.device)).all()):
+            return x.reshape(u, m * x.shape[1], *x.shape[2:])
+        out = x.new_zeros((u * m, *x.shape[1:]))
+        out.index_copy_(0, pos, x)
+        return out.reshape(u, m * x.shape[1], *x.shape[2:])
 
 
 class UnitClipping(PerExampleClipping):
@@ -229,93 +234,80 @@ def ghost_capture(gsm, module, backprops: torch.Tensor, activations) -> None:
 
 # --- book-keeping -----------------------------------------------------------------------------
 class BookKeepingUsers:
-    """The book-keeper's user-level hook (``keeper.user_level``): the users of the recorded rows from
-    the clipping's queue, per-user norms (:func:`bk_unit_norms`) and per-row views of per-user values."""
+    """The book-keeper's user-level hook (``keeper.user_level``): before the norms, every record of the
+    backward pass is regrouped by user (:func:`regroup_records`), so the book-keeper's own per-example
+    machinery — ghost norms, per-sample norms, tied parameters' cross terms, the clipped sum — runs
+    unchanged with one "example" per user.  ``rows_batch`` is the number of rows (the "mean" loss
+    scale is by rows)."""
 
-    def __init__(self, clipping: UnitClipping):
-        self.clipping = clipping
-        self._grouping: Grouping | None = None
+    def __init__(self, clipping: UnitClipping | None = None, grouping: Grouping | None = None):
+        self.clipping, self._fixed = clipping, grouping
+        self.rows_batch: int | None = None
 
-    def norms(self, keeper, parts, batch: int) -> torch.Tensor:
-        self._grouping = self.clipping.grouping(batch)
-        return bk_unit_norms(keeper, parts, self._grouping)
+    def regroup(self, keeper, parts, batch: int):
+        grouping = self._fixed if self._fixed is not None else self.clipping.grouping(batch)
+        if grouping.n_rows != int(batch):
+            raise RuntimeError("the batch's rows do not match its users' rows")
+        self.rows_batch = int(batch)
+        regroup_records(parts, grouping)
+        return parts, grouping.num_units
 
-    def rows(self, per_user: torch.Tensor) -> torch.Tensor:
-        """Per-user values (clip factors, overflow mask) → one per recorded row (its user's)."""
-        return per_user[self._grouping.inverse.to(per_user.device)]
+
+def _full_batch(t, n: int):
+    """A record tensor with the batch's n rows (a batch-independent input of batch size 1 expanded)."""
+    if torch.is_tensor(t) and t.dim() and t.shape[0] == 1 and n != 1:
+        return t.expand(n, *t.shape[1:])
+    return t
+
+
+def _regroup_use(rule, module, saved, g, grouping: Grouping, rank_m):
+    """A sequence layer's record (input, output gradient) with each user's rows as one longer sequence
+    (zero-padded: padding positions have zero output gradient and add nothing)."""
+    n = g.shape[0]
+    saved = tuple(_full_batch(t, n) for t in saved)
+    if isinstance(rule, EmbeddingRule):
+        ids = saved[0].reshape(n, -1)
+        b = g.reshape(n, ids.shape[1], g.shape[-1])
+        return (grouping.as_sequences(ids, rank_m),), grouping.as_sequences(b, rank_m)
+    a, b = rule._flat(saved, g)
+    return (grouping.as_sequences(a, rank_m),), grouping.as_sequences(b, rank_m)
 
 
 @torch.no_grad()
-def bk_unit_norms(keeper, parts, grouping: Grouping) -> torch.Tensor:
-    """Σ_layers ‖Σ_{i∈u} g_i^(l)‖² per user from what the backward pass kept (un-scaled output
-    gradients), exactly:
+def regroup_records(parts, grouping: Grouping) -> None:
+    """Every recorded part at unit level, in place (exact: a user's gradient is the sum of its rows'):
 
-    * a Linear layer (nn.Linear, transformers' Conv1D) kept on the ghost path, not tied: its records
-      (input a, output gradient b) are regrouped so that a user's rows are one longer sequence
-      (zero-padded), and its ghost norm ‖Σ_t a_t b_tᵀ‖² over that sequence is the user's norm;
-    * every other record (per-sample layers, deferred records, fallback and direct units, tied
-      parameters): per-sample gradients, summed per parameter over its layers and rows by user.
-
-    Records stay as they are for :meth:`~.bookkeeping.BookKeeper.clipped_sum`, which takes each row's
-    user's factor (Σ_u w_u g_u = Σ_i w_{u(i)} g_i)."""
-    tied = {id(layer) for group in keeper.tied for layer, _ in group}
+    * Linear (nn.Linear, transformers' Conv1D) and Embedding records on the ghost path: a user's rows
+      become one longer sequence (:func:`_regroup_use`), so ghost norms, pairwise ghost cross terms
+      of tied parameters and the ghost clipped sum apply to users as they are;
+    * every other record (deferred and per-sample layers, convolutions, normalisation layers, fallback
+      and direct units): per-sample gradients summed by user (:meth:`Grouping.sum`)."""
     rank_m = grouping.rank()
-    total = None
-    per_param: dict[int, torch.Tensor] = {}
     for part in parts:
         uses = getattr(part, "uses", None)
         if uses is not None:  # a covered layer
-            for saved, g in part.deferred:
-                _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
-            part.deferred = []
-            if uses and id(part) not in tied and isinstance(part.rule, LinearRule) and not part.grad_sample:
-                a, b = part.rule._cat(uses)
-                seq = [((grouping.as_sequences(a, rank_m),), grouping.as_sequences(b, rank_m))]
-                sq = part.rule.ghost_norm_sq(part.module, seq)
-                part.paths_taken.add(GHOST)
-                total = sq if total is None else total + sq
-                continue
-            for saved, g in uses:  # other ghost records: per-sample gradients (records kept for the sum)
-                _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
-            part.uses = []
-            if part.grad_sample:
-                part.paths_taken.add(PER_SAMPLE)
-        for name, gs in part.grad_sample.items():
-            p = part.params.get(name)
-            if p is None:
-                continue
-            gs = _acc(gs)
-            per_param[id(p)] = gs if id(p) not in per_param else per_param[id(p)] + gs
-    for gs in per_param.values():
-        flat = grouping.sum(gs).reshape(grouping.num_units, -1)
-        sq = (flat * flat).sum(1)
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros(grouping.num_units)
-    return total
+            if isinstance(part.rule, (LinearRule, EmbeddingRule)):  # deferred records too: the layer's
+                # norm_sq then takes the ghost norm or forms per-user gradients, by the users' shapes
+                records = [*uses, *part.deferred]
+                part.uses = [_regroup_use(part.rule, part.module, s_, g, grouping, rank_m) for s_, g in records]
+                part.deferred = []
+            else:
+                for saved, g in part.deferred:
+                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                part.deferred = []
+                for saved, g in uses:
+                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                part.uses = []
+        part.grad_sample = {k: grouping.sum(_acc(v)) for k, v in part.grad_sample.items()}
+        part.batch = grouping.num_units
 
 
 # --- norm passes (individual filter, individual accounting) at user level --------------------------
-class StaticUsers:
-    """``keeper.user_level`` of one norm-pass batch made of whole users (its grouping known in advance)."""
-
-    def __init__(self, grouping: Grouping):
-        self._grouping = grouping
-
-    def norms(self, keeper, parts, batch: int) -> torch.Tensor:
-        if int(batch) != self._grouping.n_rows:
-            raise RuntimeError("the norm pass's batch does not match its users' rows")
-        return bk_unit_norms(keeper, parts, self._grouping)
-
-    def rows(self, per_user: torch.Tensor) -> torch.Tensor:
-        return per_user[self._grouping.inverse.to(per_user.device)]
-
-
 def per_user_grad_norms(module, dataset, users: Users, unit_indices, collate_fn, batch_size: int, per_sample_loss, rng):
     """(norms, losses) of the given users at the current parameters: each user's norm is ‖Σ_{i∈S_u} g_i‖
     over a fresh random choice S_u of min(k, n_u) of its rows (what a step would clip), its loss the sum
     of those rows' losses (Yu et al. 2023, Alg. 2 line 3, with the user as the unit).  Batches hold
-    whole users (about ``batch_size`` rows); per-user norms by book-keeping (:func:`bk_unit_norms`)."""
+    whole users (about ``batch_size`` rows); per-user norms by book-keeping (:func:`regroup_records`)."""
     from .norms import example_batches, per_example_grad_norms
 
     units = np.asarray(unit_indices, dtype=np.int64)
@@ -331,7 +323,8 @@ def per_user_grad_norms(module, dataset, users: Users, unit_indices, collate_fn,
     hooks = []
     for a, b in zip(starts, ends, strict=True):
         own = owner[a:b] - owner[a]
-        hooks.append(StaticUsers(Grouping(int(b - a), torch.from_numpy(own), torch.arange(int(own[-1]) + 1))))
+        grouping = Grouping(int(b - a), torch.from_numpy(own), torch.arange(int(own[-1]) + 1))
+        hooks.append(BookKeepingUsers(grouping=grouping))
 
     def batches():
         for a, b in zip(starts, ends, strict=True):
