@@ -624,3 +624,23 @@ def test_user_level_audit_runs_and_its_bounds_stay_below_the_reported_epsilon():
         assert g["verdict"] == "passed"
         assert g["one_run_bound"] <= g["reported_epsilon"]
     assert out["private"]["member"].shape == (users.num_users,)
+
+
+def test_reproduce_user_level_small(tmp_path):
+    import json
+
+    from idpsgd.cli import main
+
+    out = tmp_path / "ul"
+    argv = ["reproduce", "user-level", "--users", "24", "--epochs", "1", "--compute-factor", "2"]
+    argv += ["--users-per-step", "8", "--seed", "5", "--no-progress", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    r = json.loads((out / "user_level.json").read_text())
+    assert r["privacy_unit"] == "user" and r["max_rows_per_user"] == 4
+    methods = {x["method"] for x in r["results"]}
+    assert methods == {"ELS (group privacy)", "ULS uniform", "ULS sample", "ULS scale"}
+    for x in r["results"]:  # every group's user-level ε within its budget (uniform methods: the strictest)
+        for g in x["groups"]:
+            assert g["epsilon"] <= g["budget"] * (1 + 1e-6)
+    assert set(r["finding_checked"]) == {"moderate", "large"}
+    assert "private" not in r and b"5" not in json.dumps(r.get("randomness", "")).encode()

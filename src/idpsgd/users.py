@@ -169,11 +169,20 @@ def els_user_epsilon(
     if k < 1:
         raise InvalidParameterError("k", k, "must be an integer >= 1")
 
-    def eps_ex(d):
+    def exact(d):
         return float(epsilon_sgm(sample_rate, noise_multiplier, steps, d, accountant))
 
     if k == 1:
-        return eps_ex(delta)
+        return exact(delta)
+    if accountant == "rdp":  # the search on the RDP curve at the order grid, computed once (an upper
+        from .accounting import DEFAULT_ORDERS, compute_rdp, rdp_to_epsilon  # bound of the refined ε)
+
+        curve = compute_rdp(sample_rate, noise_multiplier, DEFAULT_ORDERS, steps=steps)
+
+        def eps_ex(d):
+            return float(rdp_to_epsilon(curve, DEFAULT_ORDERS, d)[0])
+    else:
+        eps_ex = exact
 
     def feasible(log_d):
         e = eps_ex(float(np.exp(log_d)))
@@ -182,7 +191,7 @@ def els_user_epsilon(
     hi = np.log(delta / k)  # δ_ex ≤ δ/k always
     ok, e = feasible(hi)
     if ok:
-        return k * e
+        return k * min(e, exact(float(np.exp(hi))))
     lo = np.log(delta / k) - 60.0
     ok, e_lo = feasible(lo)
     if not ok:
@@ -196,7 +205,8 @@ def els_user_epsilon(
             lo, e_lo = mid, e
         else:
             hi = mid
-    return k * e_lo
+    # the refined ε at the chosen δ_ex is at most the grid's, so the constraint still holds
+    return k * min(e_lo, exact(float(np.exp(lo))))
 
 
 def synthetic_user_ids(num_rows: int, num_users: int, seed: int = 0, tail: float = 1.5) -> np.ndarray:
@@ -222,3 +232,33 @@ def synthetic_user_ids(num_rows: int, num_users: int, seed: int = 0, tail: float
     ids = np.repeat(np.arange(u), counts)
     rng.shuffle(ids)
     return ids
+
+
+def els_noise_multiplier(
+    sample_rate: float, steps: int, k: int, epsilon: float, delta: float, accountant: str = "rdp"
+) -> float:
+    """The smallest σ (to 0.1 %) at which ELS — example-level sampling at ``sample_rate`` for ``steps``
+    steps, at most ``k`` rows per user — gives user-level (``epsilon``, ``delta``) by
+    :func:`els_user_epsilon` (bisection on log σ; the returned σ meets the target)."""
+    from .validation import UnreachableTargetError
+
+    def eps(s):
+        try:
+            return els_user_epsilon(sample_rate, s, steps, k, delta, accountant, iterations=40)
+        except InvalidParameterError:  # no δ_ex meets the group-privacy constraint at this σ
+            return float("inf")
+
+    lo, hi = np.log(0.5), np.log(2000.0)
+    if eps(float(np.exp(hi))) > epsilon:
+        raise UnreachableTargetError(
+            f"ELS cannot reach user-level epsilon={epsilon:g} with k={k} rows per user at delta={delta:g}"
+        )
+    if eps(float(np.exp(lo))) <= epsilon:
+        return float(np.exp(lo))
+    while hi - lo > 1e-3:
+        mid = 0.5 * (lo + hi)
+        if eps(float(np.exp(mid))) <= epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return float(np.exp(hi))
