@@ -58,3 +58,32 @@ def test_trainer_user_column_must_be_a_column(tok, tmp_path):  # noqa: F811
             processing_class=tok,
             privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, user_column="nope"),
         )
+
+
+def test_finetune_user_column(tok, tmp_path, capsys):  # noqa: F811
+    from idpsgd.cli import main
+    from test_hf_integration import _llama as build
+
+    model_dir = tmp_path / "model"
+    build(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    lines = _lines(36, seed=5)
+    rows = [
+        {"text": s, "who": f"member-{i // 4:02d}-xq", "epsilon": 1.0 if (i // 4) % 2 else 8.0}
+        for i, s in enumerate(lines)
+    ]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    argv = ["finetune", "--model", str(model_dir), "--data", str(train), "--method", "sample", "--epochs", "1"]
+    argv += ["--batch-size", "3", "--user-column", "who", "--max-rows-per-user", "2", "--seed", "0", "--out", str(out)]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)
+    assert r["privacy_unit"] == "user" and r["max_rows_per_user"] == 2
+    assert [g["budget"] for g in r["groups"]] == [1.0, 8.0]
+    assert all(g["epsilon_spent"] <= g["budget"] * (1 + 1e-9) for g in r["groups"])
+    assert "member-" not in captured.out + captured.err
+    for p in out.rglob("*"):
+        if p.is_file() and "private" not in p.relative_to(out).parts:
+            assert b"member-" not in p.read_bytes()

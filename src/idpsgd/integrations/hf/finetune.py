@@ -242,16 +242,18 @@ def finetune(
     eval_data: TextData | None = None,
     options: FinetuneOptions = FinetuneOptions(),
     overwrite: bool = False,
+    users=None,
 ) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
-    (also in the run folder ``out``: public model/, report.json, report.html; private/)."""
+    (also in the run folder ``out``: public model/, report.json, report.html; private/).  ``users``
+    (an :class:`idpsgd.Users` over ``train``'s rows): user-level privacy, one budget per user."""
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .trainer import IndividualizedTrainer
 
-    if not isinstance(budgets, Budgets) or len(budgets) != len(train):
+    if not isinstance(budgets, Budgets) or len(budgets) != (len(train) if users is None else users.num_users):
         raise InvalidParameterError(
             "budgets",
             f"{len(budgets) if isinstance(budgets, Budgets) else budgets!r}",
@@ -337,6 +339,7 @@ def finetune(
         seed=options.seed,
         secure_mode=options.secure_mode,
         overwrite=overwrite,
+        user_column=users,
     )
     trainer = IndividualizedTrainer(
         model=model,
