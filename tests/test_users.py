@@ -644,3 +644,60 @@ def test_reproduce_user_level_small(tmp_path):
             assert g["epsilon"] <= g["budget"] * (1 + 1e-6)
     assert set(r["finding_checked"]) == {"moderate", "large"}
     assert "private" not in r and b"5" not in json.dumps(r.get("randomness", "")).encode()
+
+
+# --- two ranks ----------------------------------------------------------------------------------
+def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
+    """User-level training on DPDDP (users routed to ranks) or on one process: the same run."""
+    from idpsgd import Budgets
+    from idpsgd.engine import distributed
+    from idpsgd.engine.wrap import raw_module
+
+    out = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        ids = np.repeat(np.arange(30), rng.integers(1, 9, 30))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(ids.size, 10, generator=g), torch.randint(0, 3, (ids.size,), generator=g)
+        model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+        if data_parallel:
+            model = distributed.wrap_model(model)
+        users = Users(ids, k=3)
+        engine = IndividualizedPrivacyEngine(accountant="rdp", seed=7)
+        module, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+            budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], users.num_users, 1e-5, seed=0),
+            method="sample",
+            epochs=2,
+            sample_rate=0.3,
+            users=users,
+            grad_sample_mode=mode,
+        )
+        for _ in range(2):
+            for xb, yb in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
+                opt.step()
+        out[mode] = {
+            "steps": engine.steps,
+            "eps": engine.get_epsilon().per_group,
+            "params": [p.detach().clone() for p in raw_module(module).parameters()],
+        }
+    return out
+
+
+def test_two_ranks_at_user_level_match_one_process():
+    """Users routed to ranks (each user's rows clipped as one unit on one rank): two gloo processes give
+    the single-process run (same draws, same clipped sum, noise once)."""
+    from idpsgd.engine import distributed
+
+    single = _user_ranks_trial(data_parallel=False)
+    two = distributed.launch(_user_ranks_trial, 2, timeout_s=90)
+    for mode in ("bk", "hooks"):
+        assert two[mode]["steps"] == single[mode]["steps"] > 0
+        np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
+        for a, b in zip(two[mode]["params"], single[mode]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

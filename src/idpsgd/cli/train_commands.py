@@ -365,15 +365,11 @@ def train_cmd(args):
             if users is None
             else user_budgets_from_args(args, users, data)
         )
-        if users is not None and (args.nproc != 1 or filter_options is not None or individual is not None):
-            what = (
-                "--nproc"
-                if args.nproc != 1
-                else "--filter"
-                if filter_options is not None
-                else "--individual-accounting"
+        if users is not None and (filter_options is not None or individual is not None):
+            what = "--filter" if filter_options is not None else "--individual-accounting"
+            raise InvalidParameterError(
+                "user_column", args.user_column, f"{what} is not supported by the train command at user level yet"
             )
-            raise InvalidParameterError("user_column", args.user_column, f"{what} is not supported at user level yet")
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.device import resolve_device
@@ -383,7 +379,7 @@ def train_cmd(args):
                 train,
                 args.nproc,
                 (data, budgets, config, folder),
-                dict(resume=args.resume, individual=individual, release_epsilon=args.release_epsilon),
+                dict(resume=args.resume, individual=individual, release_epsilon=args.release_epsilon, users=users),
                 device=resolve_device(config.device),
             )
         elif filter_options is not None:

@@ -74,7 +74,13 @@ from .randomness import (
 )
 from .randomness import noise_generator as make_noise_generator
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .units import BookKeepingUsers, UnitClipping, UserPoissonBatchSampler, check_user_level
+from .units import (
+    BookKeepingUsers,
+    DistributedUserPoissonBatchSampler,
+    UnitClipping,
+    UserPoissonBatchSampler,
+    check_user_level,
+)
 from .wrap import ENGINE_MODES, check_wrappable, layer_paths, raw_module, release_hooks, wrap_module
 
 FILTERS = ("group", "individual", None)  # individual: engine/filter.py (Feldman & Zrnic 2021)
@@ -736,9 +742,12 @@ class IndividualizedPrivacyEngine:
             self._loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
         check_user_level(self, users, privacy_filter)
         ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)  # (rank, W) for DPDDP/DDP
-        if users is not None and ranks is not None:
+        if users is not None and ranks is not None and (privacy_filter == "individual" or self.individual is not None):
             raise InvalidParameterError(
-                "users", repr(users), "user-level training on several ranks is not supported yet; train on one rank"
+                "users",
+                repr(users),
+                "the individual filter and individual accounting at user level run on one rank only (their "
+                "per-user norm passes are not sharded yet)",
             )
         check_positive_array(c, "clip_norms")
         if self.accountant is not None and (
@@ -793,11 +802,11 @@ class IndividualizedPrivacyEngine:
                 if users is None
                 else UserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users)
                 if ranks is None
-                else None
-            )
+                else DistributedUserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users, *ranks)
+            )  # user level on several ranks: users routed to ranks, whole (units.py)
             sampler = (
                 sampler
-                if ranks is None
+                if ranks is None or users is not None
                 else distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
             )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)

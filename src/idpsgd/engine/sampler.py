@@ -268,7 +268,7 @@ class PrivateDataLoader(DPDataLoader):
         )
         self.poisson_sampler = sampler
         self.sample_rate = sampler.sample_rate
-        self.distributed = type(sampler) is not PoissonBatchSampler  # one shard per rank
+        self.distributed = hasattr(sampler, "shard")  # one shard per rank
 
     @classmethod
     def from_data_loader(cls, data_loader, **kwargs):

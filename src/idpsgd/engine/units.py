@@ -68,6 +68,44 @@ class UserPoissonBatchSampler(PoissonBatchSampler):
         return self.users.draw_rows(chosen, self.rng)
 
 
+class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
+    """Two or more ranks at user level: **users are routed to ranks** (rank r holds the users u with
+    u mod W = r, all of their rows), so every user's rows are clipped as one unit on one rank.
+
+    Sensitivity: the step's update is the all-reduced sum over ranks of each rank's Σ_u clip(g_u), which
+    is Σ_u clip(g_u) over all sampled users — the single-process clipped sum — plus the noise drawn once
+    (rank 0).  Adding or removing user u changes one term, on one rank, by at most c_u: the same
+    sensitivity, hence the same per-user accounting, as on one rank.
+
+    In reproducible mode every rank draws the whole step (users, then rows) from the same stream and
+    keeps its users' rows, so the union over ranks is the single-process draw and the streams stay in
+    step; in secure mode each rank draws its users' uniforms from OS entropy."""
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue, users: Users, rank: int, world_size: int):
+        super().__init__(sample_rates, steps_per_epoch, rng, queue, users)
+        from ..validation import InvalidParameterError
+
+        if not 0 <= int(rank) < int(world_size):
+            raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.shard = np.arange(rank, self.sample_rates.size, world_size, dtype=np.int64)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """This rank's expected number of users Σ_{u in shard} q_u."""
+        return float(self.sample_rates[self.shard].sum())
+
+    def sample(self) -> np.ndarray:
+        from .randomness import SecureUniform
+
+        if isinstance(self.rng, SecureUniform):
+            chosen = self.shard[self.rng.random(self.shard.size) < self.sample_rates[self.shard]]
+            return self.users.draw_rows(chosen, self.rng)
+        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+        rows = self.users.draw_rows(chosen, self.rng)  # the single-process draw
+        return rows[self.users.unit_of_row[rows] % self.world_size == self.rank]
+
+
 @dataclass(frozen=True)
 class Grouping:
     """The rows of a batch (or physical batch) and their users: ``inverse[r]`` is row r's position in
