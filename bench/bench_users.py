@@ -93,7 +93,10 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 2048, (a.rows, a.seq), generator=g)
@@ -112,6 +115,7 @@ def main(argv=None):
         "example_level_s": example,
         "user_level_s": user,
         "ratio": user / example,
+        "threads": torch.get_num_threads(),
     }
     print(json.dumps(out, indent=2))
     return out
