@@ -626,6 +626,15 @@ def test_user_level_audit_runs_and_its_bounds_stay_below_the_reported_epsilon():
     assert out["private"]["member"].shape == (users.num_users,)
 
 
+def test_els_noise_multiplier_meets_its_target():
+    from idpsgd.users import els_noise_multiplier, els_user_epsilon
+
+    sigma = els_noise_multiplier(0.05, 200, 4, 2.0, 1e-5)
+    assert els_user_epsilon(0.05, sigma, 200, 4, 1e-5) <= 2.0
+    assert els_user_epsilon(0.05, sigma * 0.99, 200, 4, 1e-5) > 2.0  # the smallest σ, to 1 %
+
+
+@pytest.mark.slow
 def test_reproduce_user_level_small(tmp_path):
     import json
 
@@ -689,14 +698,15 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
     return out
 
 
-def test_two_ranks_at_user_level_match_one_process():
+@pytest.mark.parametrize("modes", [("bk",), pytest.param(("hooks", "functorch"), marks=pytest.mark.slow)])
+def test_two_ranks_at_user_level_match_one_process(modes):
     """Users routed to ranks (each user's rows clipped as one unit on one rank): two gloo processes give
     the single-process run (same draws, same clipped sum, noise once)."""
     from idpsgd.engine import distributed
 
-    single = _user_ranks_trial(data_parallel=False)
-    two = distributed.launch(_user_ranks_trial, 2, timeout_s=90)
-    for mode in ("bk", "hooks"):
+    single = _user_ranks_trial(data_parallel=False, modes=modes)
+    two = distributed.launch(_user_ranks_trial, 2, kwargs={"modes": modes}, timeout_s=120)
+    for mode in modes:
         assert two[mode]["steps"] == single[mode]["steps"] > 0
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
         for a, b in zip(two[mode]["params"], single[mode]["params"], strict=True):
