@@ -468,6 +468,11 @@ def test_train_user_column_end_to_end_and_nothing_private_in_public_files(tmp_pa
     for p in out.rglob("*"):
         if "private" in p.relative_to(out).parts and p.is_file():
             assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+    # resume: the checkpoint's signature holds k (and the users' digest): another k is refused
+    other = argv[: argv.index("--no-progress")]
+    other[other.index("--max-rows-per-user") + 1] = "2"
+    assert main([*other, "--no-progress", "--out", str(out), "--resume"]) == 2
+    assert "users_k" in capsys.readouterr().err
 
 
 def test_train_user_column_refusals(tmp_path):
