@@ -716,3 +716,22 @@ def test_two_ranks_at_user_level_match_one_process(modes):
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
         for a, b in zip(two[mode]["params"], single[mode]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_make_private_with_epsilon_at_user_level():
+    ids, x, y = _user_setup()
+    users = Users(ids, k=2)
+    model = _cnn()
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
+    module, opt, loader = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        epochs=2,
+        max_grad_norm=1.0,
+        users=users,
+    )
+    assert engine.parameters["privacy_unit"] == "user" and engine.parameters["sample_rates"].size == users.num_users
+    assert float(engine.get_epsilon(steps=engine.parameters["steps"])) <= 2.0 * (1 + 1e-9)

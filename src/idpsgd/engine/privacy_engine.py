@@ -604,7 +604,7 @@ class IndividualizedPrivacyEngine:
         (always met), refused below.
         Everything else as :meth:`make_private`.
         """
-        n = self._dataset_size(data_loader)
+        n = self._units(data_loader, kwargs.get("users"))  # users at user level
         if budgets is None:
             if target_epsilon is None:
                 raise InvalidParameterError("target_epsilon", None, "is required (or give per-example budgets=)")
