@@ -723,7 +723,7 @@ def test_make_private_with_epsilon_at_user_level():
     users = Users(ids, k=2)
     model = _cnn()
     engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")
-    module, opt, loader = engine.make_private_with_epsilon(
+    engine.make_private_with_epsilon(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
