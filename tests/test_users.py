@@ -735,3 +735,22 @@ def test_make_private_with_epsilon_at_user_level():
     )
     assert engine.parameters["privacy_unit"] == "user" and engine.parameters["sample_rates"].size == users.num_users
     assert float(engine.get_epsilon(steps=engine.parameters["steps"])) <= 2.0 * (1 + 1e-9)
+
+
+def test_gpt2_bk_user_norms_with_shared_positions_and_tied_embeddings():
+    """GPT-2 in bk with its own position ids (a (1, T) input shared by the batch, bk_shared) and tied
+    wte/lm_head (bk_tied): the per-user norms are those of the users' summed gradients by autograd."""
+
+    def call(m, x):
+        return m(input_ids=x).logits
+
+    g = torch.Generator().manual_seed(1)
+    x, y = _draw_text(g, 14)
+    uids = np.array([0, 0, 1, 2, 2, 2, 3, 1, 0, 4, 4, 4, 4, 2])
+    _, engine = _step_sum(_gpt2, x, y, uids, "bk", np.full(5, 1e6), k=10, call=call)
+    model = _gpt2()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for u, n in zip(engine.clipping.last_indices.tolist(), engine.clipping.last_norms.tolist(), strict=True):
+        rows = np.flatnonzero(uids == u)
+        grads = torch.autograd.grad(_ce(call(model, x[rows]), y[rows]).sum(), params)
+        assert n == pytest.approx(float(torch.cat([t.reshape(-1) for t in grads]).norm()), rel=1e-4)
