@@ -238,7 +238,9 @@ def _logits(model, x):  # positions per row: Opacus's hooks need one per-sample 
     return model(input_ids=x, position_ids=torch.arange(x.shape[1]).expand(x.shape[0], -1)).logits
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=pytest.mark.slow) if m in ("hooks", "functorch") else m for m in MODES]
+)
 def test_replace_one_user_gpt2(mode):
     worst = _replace_one_user(_gpt2, _draw_text, mode, sizes=(1, 12), call=_logits)
     assert max(worst) <= 1 + 1e-4, worst
