@@ -57,7 +57,15 @@ def _check_noise_budgets(ns, out):
     assert ns["engine"].steps == 30 and len(set(out.splitlines()[0].split(","))) == 3
 
 
+def _check_user_level(ns, out):
+    engine, budgets = ns["engine"], ns["budgets"]
+    eps = engine.get_epsilon()
+    assert engine.steps > 0 and engine.parameters["privacy_unit"] == "user"
+    assert np.all(eps.per_group <= np.unique(budgets.epsilons) + 1e-9)
+
+
 CHECKS = {
+    "user-level": _check_user_level,
     "opacus-noise-budgets": _check_noise_budgets,
     "byo": _check_byo,
     "readme-quickstart": _check_readme,

@@ -49,6 +49,9 @@ def _commands(data: list[str]) -> dict[str, list[str]]:
             "--save-norms",
         ],
         "filter": [*train, "--method", "sample", "--filter", "individual"],
+        # user level (issue 37): a column as the user id (dropped from the features), users sampled and
+        # clipped as units; nothing of the users, nor the seed, in a public output
+        "users": [*train, "--method", "scale", "--user-column", "f5", "--max-rows-per-user", "2"],
         "pdp-sgd": [*train, "--method", "pdp-sgd", "--rounds", "2"],
         "per-instance": [
             "per-instance",

@@ -22,6 +22,7 @@ from .accounting import (
     rdp_to_epsilon,
 )
 from .assignment import Assignment, Budgets, assign
+from .users import Users, group_privacy
 from .validation import InvalidParameterError, UnreachableTargetError
 
 __version__ = "0.2.0"
@@ -77,6 +78,8 @@ __all__ = [  # noqa: PLE0604  (*_LAZY: the names imported on first use, strings 
     "RdpLedger",
     "SampledGaussianEvent",
     "UnreachableTargetError",
+    "Users",
+    "group_privacy",
     "assign",
     "calibrate_noise_multiplier",
     "calibrate_sample_rate",

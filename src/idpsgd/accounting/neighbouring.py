@@ -31,10 +31,31 @@ NEIGHBOURING_SENTENCE = (
 )
 
 
-def neighbouring() -> dict:
+#: user level (issue 37): the unit of neighbouring is a user, all of its rows at once
+USER_NEIGHBOURING = "zero-out of one user (all of the user's rows)"
+USER_PUBLIC_INPUTS = (
+    "U: the number of users",
+    "the number of users in each budget group",
+    "k: the most rows of one user in one step",
+    "what is calibrated from them: the noise multiplier, the per-user sampling rates and clip norms, the "
+    "expected number of users per step and the planned steps",
+)
+
+
+def neighbouring(privacy_unit: str = "example") -> dict:
     """The fields every public report that states a guarantee carries: ``neighbouring`` and
-    ``public_inputs``."""
-    return {"neighbouring": NEIGHBOURING, "public_inputs": list(PUBLIC_INPUTS)}
+    ``public_inputs`` (``privacy_unit="user"``: a user — all of its rows — is the unit; the number of
+    rows and each user's row count are not inputs of the guarantee and are never released)."""
+    if privacy_unit == "user":
+        return {"privacy_unit": "user", "neighbouring": USER_NEIGHBOURING, "public_inputs": list(USER_PUBLIC_INPUTS)}
+    return {"privacy_unit": "example", "neighbouring": NEIGHBOURING, "public_inputs": list(PUBLIC_INPUTS)}
 
 
-__all__ = ["NEIGHBOURING", "NEIGHBOURING_SENTENCE", "PUBLIC_INPUTS", "neighbouring"]
+__all__ = [
+    "NEIGHBOURING",
+    "NEIGHBOURING_SENTENCE",
+    "PUBLIC_INPUTS",
+    "USER_NEIGHBOURING",
+    "USER_PUBLIC_INPUTS",
+    "neighbouring",
+]

@@ -102,9 +102,17 @@ def _finetune_args(p):
         help="continue the run in OUT from its latest checkpoint, exactly as if uninterrupted (the same data, "
         "budgets and options; refused otherwise)",
     )
+    p.add_argument(
+        "--user-column",
+        help="the column of --data with each row's user: user-level privacy (budgets per user, --batch-size "
+        "counts users; see the user-level docs)",
+    )
+    p.add_argument(
+        "--max-rows-per-user", type=int, default=4, help="k: the most rows of one user in one step (public; default 4)"
+    )
 
 
-def _budgets(args, data, class_ids, classes=None):
+def _budgets(args, data, class_ids, classes=None, users=None):
     """The budgets: the data file's --budget-column when it has one and no other source is given."""
     from ..assignment import Budgets
     from ..validation import InvalidParameterError, check_delta
@@ -119,7 +127,13 @@ def _budgets(args, data, class_ids, classes=None):
                 f"{args.budget_column!r}: give the budgets one way (drop the flag, or "
                 "choose another --budget-column)",
             )
+        if users is not None:  # a per-row column, constant within each user
+            return users.budgets_from_rows(data.budgets, check_delta(args.delta))
         return Budgets.from_array(data.budgets, check_delta(args.delta))
+    if users is not None and getattr(args, "budgets_per_class", None):
+        raise InvalidParameterError(
+            "budgets_per_class", args.budgets_per_class, "is not meaningful at user level; give budgets per user"
+        )
     if not others:
         raise InvalidParameterError(
             "budget_column",
@@ -130,7 +144,8 @@ def _budgets(args, data, class_ids, classes=None):
         )
     import numpy as np
 
-    return budgets_from_args(args, len(data), None if class_ids is None else np.asarray(class_ids), class_names=classes)
+    n = len(data) if users is None else users.num_users
+    return budgets_from_args(args, n, None if class_ids is None else np.asarray(class_ids), class_names=classes)
 
 
 def _text(r):
@@ -190,8 +205,17 @@ def finetune_cmd(args):
     )
     folder = check_model_folder(args.model)
     data = load_text_data(
-        args.data, args.text_column, args.label_column, None if args.budgets_file else args.budget_column
+        args.data,
+        args.text_column,
+        args.label_column,
+        None if args.budgets_file else args.budget_column,
+        user_column=args.user_column,
     )
+    users = None
+    if args.user_column:
+        from ..users import Users
+
+        users = Users(data.users, args.max_rows_per_user)
     eval_data = (
         load_text_data(args.eval_data, args.text_column, args.label_column, flag="eval_data")
         if args.eval_data
@@ -203,7 +227,7 @@ def finetune_cmd(args):
         class_ids = label_ids(data, classes, "data")
         if eval_data is not None:
             label_ids(eval_data, classes, "eval_data")
-    budgets = _budgets(args, data, class_ids, classes)
+    budgets = _budgets(args, data, class_ids, classes, users)
     report = finetune(
         args.model,
         data,
@@ -213,6 +237,7 @@ def finetune_cmd(args):
         options=options,
         overwrite=args.overwrite,
         resume=args.resume,
+        users=users,
     )
     return {**report, "out": str(Path(args.out))}
 

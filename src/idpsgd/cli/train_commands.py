@@ -8,6 +8,7 @@ from .budget_args import _accountant, _assignment_seed, budget_source_args, budg
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
+from .user_args import add_user_arguments, drop_user_column, user_budgets_from_args, users_from_args
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
 
@@ -115,6 +116,7 @@ def _train_args(p):
     )
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace another run already in OUT")
+    add_user_arguments(p)
     p.add_argument(
         "--release-epsilon",
         type=float,
@@ -353,10 +355,21 @@ def train_cmd(args):
         config = _config(args, args.method)
         if filter_options is not None:
             check_filter_config(config, filter_options)
+        drop_user_column(args)
         data = _load(args, saved)
-        budgets = budgets_from_args(
-            args, len(data.y_train), data.y_train.numpy(), split=data.split, num_classes=data.num_classes
+        users = users_from_args(args, data)
+        budgets = (
+            budgets_from_args(
+                args, len(data.y_train), data.y_train.numpy(), split=data.split, num_classes=data.num_classes
+            )
+            if users is None
+            else user_budgets_from_args(args, users, data)
         )
+        if users is not None and (filter_options is not None or individual is not None):
+            what = "--filter" if filter_options is not None else "--individual-accounting"
+            raise InvalidParameterError(
+                "user_column", args.user_column, f"{what} is not supported by the train command at user level yet"
+            )
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.device import resolve_device
@@ -366,7 +379,7 @@ def train_cmd(args):
                 train,
                 args.nproc,
                 (data, budgets, config, folder),
-                dict(resume=args.resume, individual=individual, release_epsilon=args.release_epsilon),
+                dict(resume=args.resume, individual=individual, release_epsilon=args.release_epsilon, users=users),
                 device=resolve_device(config.device),
             )
         elif filter_options is not None:
@@ -381,6 +394,7 @@ def train_cmd(args):
                 individual=individual,
                 release_epsilon=args.release_epsilon,
                 pdp=pdp,
+                users=users,
             )
     except BaseException:
         folder.discard_if_unused()

@@ -592,6 +592,7 @@ class BookKeeper:
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
+        self.user_level = None  # user level: rows -> users, norms per user (set by the engine, units.py)
         self._plan()
 
     def _trainable(self) -> frozenset:
@@ -753,6 +754,8 @@ class BookKeeper:
     def scale(self, batch: int, loss_scale: float = 1.0) -> float:
         """Output gradients × scale = the per-example loss's gradients (Opacus's convention: a "mean"
         loss is divided by the batch size; a ``GradScaler``'s scaled loss by its ``loss_scale``)."""
+        if self.user_level is not None:  # user level: the loss is a mean over the rows, not the users
+            batch = self.user_level.rows_batch
         return (float(batch) if self.loss_reduction == "mean" else 1.0) / float(loss_scale)
 
     @torch.no_grad()
@@ -774,6 +777,8 @@ class BookKeeper:
         if batch == 0:  # an empty Poisson batch
             ref = next(iter(parts[0].params.values()))
             return torch.zeros(0, dtype=ref.dtype, device=ref.device)
+        if self.user_level is not None:  # user level: records regrouped, one "example" per user (units.py)
+            parts, batch = self.user_level.regroup(self, parts, batch)
         total = None
         for part in parts:
             sq = part.norm_sq()

@@ -241,6 +241,8 @@ class IndividualTracker:
         n = self.accountant.num_examples
         idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
+        if self.engine.users is not None:  # user level: each user's norm (engine/units.py)
+            return self.engine.per_user_grad_norms(idx, collate, self.options.norm_batch_size, self.per_sample_loss)
         return sharded_grad_norms(
             self.engine.module, loader.dataset, idx, collate, self.options.norm_batch_size, self.per_sample_loss
         )  # sharded across ranks and all-gathered when distributed

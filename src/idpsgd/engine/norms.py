@@ -65,7 +65,8 @@ def _norm_pass(model: torch.nn.Module):
     BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call (.batch_independence)
     guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
-    saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation
+    saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation, keeper.user_level
+    keeper.user_level = None  # the norm pass sets its own per batch (user level)
     outer_hooks = getattr(outer, "hooks_enabled", None)
     if outer is not None and not hasattr(outer, "keeper"):
         outer.disable_hooks()
@@ -76,7 +77,7 @@ def _norm_pass(model: torch.nn.Module):
             yield raw, keeper, check_writes
     finally:
         keeper.clear()
-        keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = saved
+        keeper.active, keeper.loss_reduction, keeper.forbid_accumulation, keeper.user_level = saved
         if outer is not None and outer_hooks:
             outer.enable_hooks()
 
@@ -125,13 +126,16 @@ def example_batches(dataset, indices, collate_fn=None, batch_size: int = 256):
             yield collate([dataset[int(i)] for i in part])
 
 
-def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None):
+def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None, user_levels=None):
     """(norms, losses): the L2 norm of each example's loss gradient at the current parameters, and the
     loss, for every example of ``batches`` (an iterable of collated batches), as float64 numpy arrays.
 
     ``per_sample_loss(module, batch)`` returns one loss per example (any loss; default: cross-entropy
     of ``(inputs, targets)`` batches).  Batches are moved to the model's device.  A model whose forward
     writes a parameter or persistent buffer is refused (:class:`~.integrity.UnnoisedWriteError`).
+
+    ``user_levels`` (user level, :func:`~.units.per_user_grad_norms`): one book-keeper hook per batch
+    (whole users in each); the norms are then one per user of the batch, of the user's summed gradient.
     """
     loss_fn = per_sample_loss or default_per_sample_loss
     norms, losses = [], []
@@ -139,7 +143,9 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
         device = next(raw.parameters()).device
         with eval_mode_with_hooks(raw):
             _clear(raw)
+            hooks = iter(user_levels) if user_levels is not None else None
             for batch in batches:
+                keeper.user_level = next(hooks) if hooks is not None else None
                 loss = loss_fn(raw, to_device(batch, device))
                 if loss.dim() != 1:
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")

@@ -41,6 +41,7 @@ from .bk_layers import _acc_dtype
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
 from .sampler import BatchMismatchError
+from .units import grouping_of
 
 
 class _PrivacyHooks:
@@ -260,6 +261,9 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
     def clip_and_accumulate(self):
         """Clip g_i to c_i and add the clipped gradients into ``p.summed_grad``."""
         samples = self.grad_samples
+        grouping = grouping_of(self.clipping, len(samples[0]))
+        if grouping is not None:  # user level: a user's rows summed, clipped as one unit (engine/units.py)
+            samples = [grouping.sum(g) for g in samples]
         if len(samples[0]) == 0:  # empty Poisson batch: a noise-only step
             norms = torch.zeros((0,), device=samples[0].device)
         else:  # (half-precision per-sample gradients: norms in float32)
@@ -273,9 +277,9 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
         if overflowed is not None:
             norms = norms.masked_fill(overflowed, float("inf"))
         factor = self.clipping.factors(norms)
-        for p in self.params:
+        for p, grad_sample in zip(self.params, samples, strict=True):
             _check_processed_flag(p.grad_sample)
-            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            grad_sample = grad_sample.to(p.dtype)
             if overflowed is not None:
                 grad_sample = grad_sample.masked_fill(
                     overflowed.to(grad_sample.device).view((-1,) + (1,) * (grad_sample.dim() - 1)), 0

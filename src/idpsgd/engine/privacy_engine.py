@@ -74,6 +74,13 @@ from .randomness import (
 )
 from .randomness import noise_generator as make_noise_generator
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
+from .units import (
+    BookKeepingUsers,
+    DistributedUserPoissonBatchSampler,
+    UnitClipping,
+    UserPoissonBatchSampler,
+    check_user_level,
+)
 from .wrap import ENGINE_MODES, check_wrappable, layer_paths, raw_module, release_hooks, wrap_module
 
 FILTERS = ("group", "individual", None)  # individual: engine/filter.py (Feldman & Zrnic 2021)
@@ -154,6 +161,7 @@ class IndividualizedPrivacyEngine:
         self.parameters: dict | None = None  # the current phase's σ, c, q_i, c_i, planned steps
         self.individual = None  # IndividualTracker when individual accounting is on
         self.filter = None  # IndividualFilter with privacy_filter="individual"
+        self.users = None  # Users at user level (engine/units.py)
         self.privacy_filter, self.filter_action = "group", "raise"
         self._sampler_rng = None
         self._noise = None
@@ -303,9 +311,28 @@ class IndividualizedPrivacyEngine:
         batch collated from the loader's dataset (default: cross-entropy of ``(inputs, targets)``)."""
         self._require()
         loader = self.data_loader
-        idx = np.arange(len(loader.dataset)) if indices is None else np.asarray(indices, dtype=np.int64)
+        n = len(loader.dataset) if self.users is None else self.users.num_users
+        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
+        if self.users is not None:  # user level: the users' norms, of each one's summed gradient (units.py)
+            return self.per_user_grad_norms(idx, collate, batch_size, per_sample_loss)
         return distributed.sharded_grad_norms(self.module, loader.dataset, idx, collate, batch_size, per_sample_loss)
+
+    def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
+        """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
+        of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
+        from .units import per_user_grad_norms
+
+        return per_user_grad_norms(  # rows chosen with the sampler's source (seeded, or secure)
+            self.module,
+            self.data_loader.dataset,
+            self.users,
+            units,
+            collate,
+            batch_size,
+            per_sample_loss,
+            self._sampler_rng,
+        )
 
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""
@@ -366,6 +393,7 @@ class IndividualizedPrivacyEngine:
         grad_sample_mode: str = "hooks",
         wrap_model: bool = True,
         rand_on_empty: bool = False,
+        users=None,
         **kwargs,
     ):
         """Wrap for training: calibrated to per-example ``budgets``, or with one ``noise_multiplier``.
@@ -402,6 +430,10 @@ class IndividualizedPrivacyEngine:
                 "flat", False) can be honoured, the others are refused.
             wrap_model: ``False`` attaches Opacus's hooks to ``module`` itself (modes ``hooks``,
                 ``functorch``, ``no_op``; returned: Opacus's hooks object, keep training ``module``).
+            users: a :class:`~idpsgd.users.Users` (the user of every row of the dataset, and k) for
+                **user-level** individualized DP (:mod:`.units`): ``budgets``, rates and clip norms are
+                then one per user, users are Poisson-sampled and each sampled user's summed gradient
+                over up to k of its rows is clipped as one unit; ε is per user.
             **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
                 ``filter_action``, ``filter_options``, ``per_sample_loss``, ...).
 
@@ -423,9 +455,10 @@ class IndividualizedPrivacyEngine:
             noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode,
             wrap_model=wrap_model,
+            users=users,
             **kwargs,
         )
-        n = self._dataset_size(data_loader)
+        n = self._units(data_loader, users)
         q = self._sample_rate(data_loader, n, sample_rate)
         spe = steps_per_epoch_for(q)
         if noise_multiplier is not None and budgets is not None:  # σ given: each group's q_p or c_p solved
@@ -571,7 +604,7 @@ class IndividualizedPrivacyEngine:
         (always met), refused below.
         Everything else as :meth:`make_private`.
         """
-        n = self._dataset_size(data_loader)
+        n = self._units(data_loader, kwargs.get("users"))  # users at user level
         if budgets is None:
             if target_epsilon is None:
                 raise InvalidParameterError("target_epsilon", None, "is required (or give per-example budgets=)")
@@ -644,6 +677,7 @@ class IndividualizedPrivacyEngine:
         filter_options=None,
         per_sample_loss=None,
         wrap_model: bool = True,
+        users=None,
     ):
         """Wrap for training with explicit per-example parameters (a phase of a recipe).
 
@@ -666,7 +700,7 @@ class IndividualizedPrivacyEngine:
         (:class:`PrivacyBudgetExceeded`, or a warning with ``filter_action="warn"``).
         ``noise_multiplier`` must be > 0 (σ = 0 is no privacy; it is refused).
         """
-        n = self._dataset_size(data_loader)
+        n = self._units(data_loader, users)
         budgets = self._budgets(budgets, target_delta, n, allow_none=True)
         q = check_sample_rate(np.asarray(sample_rates, dtype=float).ravel(), "sample_rates", allow_zero=True)
         c = np.asarray(clip_norms, dtype=float).ravel()
@@ -706,7 +740,15 @@ class IndividualizedPrivacyEngine:
         check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
         if self._sampler_rng is None and self._follow_torch:
             self._loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
+        check_user_level(self, users, privacy_filter)
         ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)  # (rank, W) for DPDDP/DDP
+        if users is not None and ranks is not None and (privacy_filter == "individual" or self.individual is not None):
+            raise InvalidParameterError(
+                "users",
+                repr(users),
+                "the individual filter and individual accounting at user level run on one rank only (their "
+                "per-user norm passes are not sharded yet)",
+            )
         check_positive_array(c, "clip_norms")
         if self.accountant is not None and (
             (self.budgets is None) != (budgets is None)
@@ -751,13 +793,20 @@ class IndividualizedPrivacyEngine:
                 self._noise = self._new_noise_generator(device)
 
             queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
-            self.clipping = PerExampleClipping(c, queue)
+            self.clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
             wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction, wrap_model)
             wrapped.forbid_grad_accumulation()
             spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
             sampler = (
                 PoissonBatchSampler(q, spe, self._sampler_rng, queue)
+                if users is None
+                else UserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users)
                 if ranks is None
+                else DistributedUserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users, *ranks)
+            )  # user level on several ranks: users routed to ranks, whole (units.py)
+            sampler = (
+                sampler
+                if ranks is None or users is not None
                 else distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
             )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)
@@ -792,6 +841,7 @@ class IndividualizedPrivacyEngine:
         dp_opt.guard = self._guard
         if grad_sample_mode == "bk":
             dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
+            wrapped.keeper.user_level = BookKeepingUsers(self.clipping) if users is not None else None
         dp_opt.attach_step_hook(lambda _opt: self.accountant.step())
         self.parameters = {
             "sample_rates": q,
@@ -802,7 +852,10 @@ class IndividualizedPrivacyEngine:
             "steps_per_epoch": spe,
             "expected_batch_size": ebs,
             "grad_sample_mode": grad_sample_mode,
+            "privacy_unit": "example" if users is None else "user",
+            "max_rows_per_user": None if users is None else users.k,
         }
+        self.users = users
         self.module, self.optimizer, self.data_loader = wrapped, dp_opt, loader
         if self.individual is not None:
             self.individual.attach(self)
@@ -905,6 +958,21 @@ class IndividualizedPrivacyEngine:
                 "budgets", f"{len(budgets)} values", f"need one per example of the data loader's dataset ({n}){hint}"
             )
         return budgets
+
+    def _units(self, data_loader, users) -> int:
+        """The number of privacy units: users (user level) or the dataset's examples."""
+        n = self._dataset_size(data_loader)
+        if users is None:
+            return n
+        from ..users import Users
+
+        if not isinstance(users, Users):
+            raise InvalidParameterError("users", type(users).__name__, "must be an idpsgd.Users (user id per row, k)")
+        if users.num_rows != n:
+            raise InvalidParameterError(
+                "users", repr(users), f"must give a user for each of the data loader's {n} examples"
+            )
+        return users.num_users
 
     @staticmethod
     def _dataset_size(data_loader) -> int:

@@ -86,6 +86,16 @@ class BatchIndexQueue:
         self._consumed += n
         return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, dtype=np.int64))
 
+    def peek(self, n: int) -> torch.Tensor:
+        """The next ``n`` indices, not consumed (user-level clipping groups them by user first)."""
+        out, need = [], int(n)
+        for part in self._parts:
+            if need <= 0:
+                break
+            out.append(part[:need])
+            need -= min(need, part.size)
+        return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, dtype=np.int64))
+
     @property
     def empty_batch_pending(self) -> bool:
         """The next drawn batch is empty and this step clipped nothing yet (a noise-only step)."""
@@ -258,7 +268,7 @@ class PrivateDataLoader(DPDataLoader):
         )
         self.poisson_sampler = sampler
         self.sample_rate = sampler.sample_rate
-        self.distributed = type(sampler) is not PoissonBatchSampler  # one shard per rank
+        self.distributed = hasattr(sampler, "shard")  # one shard per rank
 
     @classmethod
     def from_data_loader(cls, data_loader, **kwargs):

@@ -57,6 +57,7 @@ from .bookkeeping import BookKeeper, BookKeepingModule, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
 from .opacus_compat import UnsupportedModuleError, refuse_opacus_options
+from .units import UnitClipping, ghost_capture
 
 #: the modes in which the engine (or Opacus) computes the per-example gradients or norms
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
@@ -86,7 +87,23 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
                 "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
                 "grad_sample_mode='bk', or bfloat16 autocast"
             )
-        return self.clipping.factors(norms)
+        factors = self.clipping.factors(norms)
+        if isinstance(self.clipping, UnitClipping):  # user level: per-user factors, one per row of the user
+            factors = factors[self.clipping.last_grouping_inverse.to(factors.device)]
+        return factors
+
+    def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
+        if not isinstance(self.clipping, UnitClipping):
+            return super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
+        if not self.hooks_enabled:
+            return
+        # user level (engine/units.py): per-user norms of the summed gradients, never ghost per-row norms
+        activations, backprops = self.rearrange_grad_samples(
+            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        ghost_capture(self, module, backprops, activations)
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
 
 
 def raw_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -229,6 +246,7 @@ def _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_
     if isinstance(module, AbstractGradSampleModule):
         if grad_sample_mode == "ghost":
             module.clipping = clipping
+            module.use_ghost_clipping = not isinstance(clipping, UnitClipping)
         if grad_sample_mode == "bk":
             module.keeper.refresh()  # parameters frozen or unfrozen since: planned anew
             module.keeper.loss_reduction, module.keeper.active = loss_reduction, True
@@ -238,8 +256,11 @@ def _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_
             module, keeper=BookKeeper.attach(raw_module(module)), batch_first=batch_first, loss_reduction=loss_reduction
         )
     if grad_sample_mode == "ghost":
-        wrapped = IndividualizedGhostModule(
-            module, batch_first=batch_first, loss_reduction=loss_reduction, use_ghost_clipping=True
+        wrapped = IndividualizedGhostModule(  # user level: per-sample gradients summed by user (units.py)
+            module,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            use_ghost_clipping=not isinstance(clipping, UnitClipping),
         )
         wrapped.clipping = clipping
         return wrapped

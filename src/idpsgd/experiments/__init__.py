@@ -17,7 +17,7 @@ import importlib
 from .registry import EXPERIMENTS, Experiment, Option, register
 
 #: modules under idpsgd.experiments that register experiments (in the order of ``idpsgd reproduce --help``)
-MODULES = ["heo", "boenisch", "yu", "thudi"]
+MODULES = ["heo", "boenisch", "yu", "thudi", "user_level"]
 
 
 def load() -> dict:

@@ -135,12 +135,16 @@ class Trainer:
         release_epsilon: float = 0.5,
         expected_batch_size: float | None = None,
         plan: TrainingPlan | None = None,
+        users=None,
     ):
         self.config = config.validate()
         self.expected_batch_size = expected_batch_size  # the noisy sum's public normaliser (default Σ q_i)
         self.release_epsilon = check_positive(release_epsilon, "release_epsilon")
         dataset = as_training_data(dataset)  # an idpsgd Dataset, or a MapStyleData over torch Datasets
         n_train = num_train(dataset)
+        self.users = check_users(users, n_train, budgets, config, individual)
+        if users is not None:
+            n_train = users.num_users  # user level: one budget, rate and clip norm per user
         if len(budgets) != n_train:
             hint = (
                 f"; for one budget per privacy group use Budgets.from_groups(budgets, fractions, {n_train}, delta)"
@@ -285,6 +289,7 @@ class Trainer:
             expected_batch_size=self.expected_batch_size,
             grad_sample_mode=self.config.grad_sample_mode,
             criterion=self.criterion,
+            **({"users": self.users} if self.users is not None else {}),
             **kwargs,
         )
         if self.config.grad_sample_mode == "ghost":
@@ -320,6 +325,7 @@ class Trainer:
             "planned_epochs": int(self.config.epochs),
             "preprocessing": getattr(self.dataset, "preprocessing", None),
             "individual": dataclasses.asdict(self.tracker.options) if self.tracker is not None else None,
+            **({"users_k": self.users.k, "users_sha256": self.users.digest()} if self.users is not None else {}),
         }
 
     def _module(self) -> torch.nn.Module:
@@ -500,7 +506,8 @@ class Trainer:
             "model": self.model_name,
             "accountant": self.config.accountant,
             "guarantee": self.guarantee_text(extra),
-            **neighbouring(),
+            **neighbouring("example" if self.users is None else "user"),
+            **({"max_rows_per_user": self.users.k} if self.users is not None else {}),
             "delta": self.budgets.delta,
             "test_accuracy": ev["accuracy"],
             "per_class_accuracy": ev["per_class_accuracy"],
@@ -591,8 +598,11 @@ class Trainer:
         """The run's guarantee in words: the model's per group, plus what the preprocessing and the
         released statistics add for every example."""
         eps_pre, delta_pre = self.preprocessing_cost
+        from ..engine.units import USER_GUARANTEE
+
+        what = GUARANTEE if self.users is None else USER_GUARANTEE
         text = (
-            f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = "
+            f"model: {what}, with epsilon_p = the group's epsilon_spent and delta = "
             f"{self.train_budgets.delta + delta_pre:g}"
         )
         if eps_pre:
@@ -671,6 +681,23 @@ class Trainer:
         write_report(rf)
 
 
+def check_users(users, n_rows: int, budgets: Budgets, config, individual):
+    """User level (issue 37): ``users`` must cover the training rows; the methods that support it."""
+    if users is None:
+        return None
+    from ..users import Users
+
+    if not isinstance(users, Users):
+        raise InvalidParameterError("users", type(users).__name__, "must be an idpsgd.Users")
+    if users.num_rows != n_rows:
+        raise InvalidParameterError("users", repr(users), f"must give a user for each of the {n_rows} training rows")
+    if config.method not in ("uniform", "sample", "scale"):
+        raise InvalidParameterError("method", config.method, "at user level must be uniform, sample or scale (ULS)")
+    if individual is not None:
+        raise InvalidParameterError("individual", "IndividualAccountingOptions", "is not supported at user level yet")
+    return users
+
+
 def training_budgets(budgets: Budgets, epsilon_pre: float, delta_pre: float) -> Budgets:
     """The budgets left for training after a private preprocessing step spent (ε_pre, δ_pre) of every
     example (basic composition)."""
@@ -727,6 +754,7 @@ def train(
     test_dataset=None,
     num_classes: int | None = None,
     fingerprint: str | None = None,
+    users=None,
 ) -> dict:
     """Train with individualized budgets; returns the report (also written to ``out_dir``).
 
@@ -749,6 +777,9 @@ def train(
         overwrite: replace another run already in ``out_dir``.
         release_epsilon: ε of the private release of individual-ε statistics.
         pdp: :class:`~idpsgd.training.pdp.PdpOptions` of the PDP methods (default options).
+        users: a :class:`~idpsgd.users.Users` (the user of every training row, and k): user-level
+            individualized DP (ULS, :mod:`idpsgd.engine.units`); ``budgets`` are then one per user
+            (``users.ids`` order) and ``config.batch_size`` is the expected number of users per step.
     """
     check_delta(budgets.delta)
     from .pdp import PDP_METHODS, train_pdp
@@ -773,6 +804,8 @@ def train(
             )
     if config.method in PDP_METHODS:  # (Φ, Δ)-PDP methods: their own round structure, no checkpoints
         config.validate()
+        if users is not None:
+            raise InvalidParameterError("method", config.method, "at user level must be uniform, sample or scale")
         if resume:
             raise InvalidParameterError("resume", True, f"{config.method} runs have no checkpoints to resume")
         if individual is not None:
@@ -798,6 +831,7 @@ def train(
             optimizer_factory=optimizer_factory,
             individual=individual,
             release_epsilon=release_epsilon,
+            users=users,
         ),
         config,
         out_dir,

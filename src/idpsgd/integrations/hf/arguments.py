@@ -42,6 +42,11 @@ class PrivacyArguments:
             predictable.
         secure_mode: Opacus's secure mode (sampling and noise from OS entropy; refuses ``seed``).
         overwrite: replace an earlier run in ``TrainingArguments.output_dir``.
+        user_column: user-level privacy (issue 37): the name of the ``datasets.Dataset`` column with each
+            row's user (removed from the model's inputs), or an :class:`idpsgd.Users`; budgets are then
+            per user (a budgets column must be constant within each user) and the expected batch size
+            (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
+        max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
     """
 
     budgets: Any
@@ -52,6 +57,8 @@ class PrivacyArguments:
     seed: int | None = None
     secure_mode: bool = False
     overwrite: bool = False
+    user_column: Any = None
+    max_rows_per_user: int = 4
 
     def __post_init__(self):
         if self.method not in METHODS:

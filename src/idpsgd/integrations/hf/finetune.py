@@ -258,13 +258,15 @@ def finetune(
     options: FinetuneOptions = FinetuneOptions(),
     overwrite: bool = False,
     resume: bool = False,
+    users=None,
 ) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
     (also in the run folder ``out``: public model/, report.json, report.html; private/).
 
     ``options.save_every``: a private checkpoint every that many steps (``private/checkpoint-<step>.pt``);
     ``resume``: continue the run in ``out`` from its latest checkpoint, exactly as if it had not been
-    interrupted (same data, budgets and options; refused otherwise)."""
+    interrupted (same data, budgets and options; refused otherwise).  ``users`` (an
+    :class:`idpsgd.Users` over ``train``'s rows): user-level privacy, one budget per user."""
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -277,7 +279,7 @@ def finetune(
             finetune,
             options.nproc,
             (model_dir, train, budgets, out),
-            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume),
+            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
             device="cuda"
             if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
             else "cpu",
@@ -292,7 +294,7 @@ def finetune(
                 f"{str(out)!r} holds no checkpoint to resume (private/checkpoint-<step>.pt): write them with "
                 "--save-every N (FinetuneOptions(save_every=N))",
             )
-    if not isinstance(budgets, Budgets) or len(budgets) != len(train):
+    if not isinstance(budgets, Budgets) or len(budgets) != (len(train) if users is None else users.num_users):
         raise InvalidParameterError(
             "budgets",
             f"{len(budgets) if isinstance(budgets, Budgets) else budgets!r}",
@@ -379,6 +381,7 @@ def finetune(
         seed=options.seed,
         secure_mode=options.secure_mode,
         overwrite=overwrite,
+        user_column=users,
     )
     trainer = IndividualizedTrainer(
         model=model,

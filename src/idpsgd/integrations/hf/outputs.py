@@ -109,8 +109,9 @@ def build_report(trainer) -> dict:
         "model": model_name(trainer.model),
         "task": getattr(trainer.per_example_loss, "task", "custom per_example_loss"),
         "accountant": engine.accountant_name,
-        "guarantee": f"model: {GUARANTEE}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
-        **neighbouring(),
+        "guarantee": f"model: {_guarantee(trainer)}, with epsilon_p = the group's epsilon_spent and delta = {delta:g}",
+        **neighbouring("example" if getattr(trainer, "users", None) is None else "user"),
+        **({"max_rows_per_user": trainer.users.k} if getattr(trainer, "users", None) is not None else {}),
         "delta": delta,
         "epsilon": eps.loosest,
         # accuracy only where it applies (classification with labelled test data): not null / [] for a language model
@@ -221,3 +222,10 @@ def write_run(trainer) -> dict:
     rf.write_json("report.json", public_report(report), "public", about)
     write_report(rf)
     return report
+
+
+def _guarantee(trainer) -> str:
+    """The guarantee in words: per example, or per user at user level (issue 37)."""
+    from ...engine.units import USER_GUARANTEE
+
+    return GUARANTEE if getattr(trainer, "users", None) is None else USER_GUARANTEE

@@ -33,6 +33,7 @@ class TextData:
     source: dict = field(default_factory=dict)
     lines: list[int] | None = None
     path: str | None = None
+    users: list | None = None  # user level: each row's user id (private; ``user_column``)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -83,6 +84,7 @@ def load_text_data(
     *,
     budget_required: bool = False,
     flag: str = "data",
+    user_column: str | None = None,
 ) -> TextData:
     """Read ``path`` (``.jsonl``/``.json`` as JSON Lines, ``.csv`` with a header row).
 
@@ -92,6 +94,7 @@ def load_text_data(
         budget_column: each row's budget ε (numbers); read when the file has it (``budget_required``:
             refused when it does not).
         flag: the argument that named the file (for errors).
+        user_column: each row's user (user-level privacy, issue 37; required when given).
     """
     p = Path(path)
     if not p.is_file():
@@ -107,7 +110,7 @@ def load_text_data(
         raise InvalidParameterError(flag, str(path), "must be a JSON Lines (.jsonl, .json) or CSV (.csv) file")
     columns, rows, lines = _jsonl_rows(p) if fmt == "jsonl" else _csv_rows(p)
     where = f"{p}"
-    needed = [c for c in (text_column, label_column) if c is not None]
+    needed = [c for c in (text_column, label_column, user_column) if c is not None]
     if budget_required and budget_column is not None:
         needed.append(budget_column)
     for c in needed:
@@ -160,7 +163,16 @@ def load_text_data(
         "label_column": label_column,
         "budget_column": budget_column if budgets is not None else None,
     }
-    return TextData(texts, labels, budgets, list(columns), source, list(lines), str(p))
+    users = None
+    if user_column is not None:
+        users = []
+        for row, line in zip(rows, lines, strict=True):
+            value = row.get(user_column)
+            if value is None or isinstance(value, (dict, list)) or not str(value).strip():
+                raise DatasetFileError(f"{where}, line {line}, column {user_column!r}: no user id")
+            users.append(str(value))
+        source["user_column"] = user_column
+    return TextData(texts, labels, budgets, list(columns), source, list(lines), str(p), users)
 
 
 def _as_int(v):

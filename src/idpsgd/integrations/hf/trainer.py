@@ -116,8 +116,25 @@ def is_public_key(key: str) -> bool:
     return key in PUBLIC_LOG_KEYS or key.startswith(("eval_", "test_", "epsilon"))
 
 
-def resolve_budgets(privacy: PrivacyArguments, dataset):
-    """(training set without the budget column, :class:`~idpsgd.assignment.Budgets`)."""
+def resolve_users(privacy: PrivacyArguments, dataset):
+    """(training set without the user column, :class:`~idpsgd.users.Users` or None): user level."""
+    from ...users import Users
+
+    col = privacy.user_column
+    if col is None or isinstance(col, Users):
+        return dataset, col
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(col, str) or columns is None or col not in columns:
+        raise InvalidParameterError(
+            "user_column", col, f"must be a column of the datasets.Dataset train_dataset ({columns}) or an idpsgd.Users"
+        )
+    users = Users(np.asarray(dataset[col], dtype=object), privacy.max_rows_per_user)
+    return dataset.remove_columns([col]), users  # private: never a model input, never collated
+
+
+def resolve_budgets(privacy: PrivacyArguments, dataset, users=None):
+    """(training set without the budget column, :class:`~idpsgd.assignment.Budgets`); with ``users``
+    one budget per user (a per-row column read per user)."""
     b = privacy.budgets
     if isinstance(b, str):
         columns = getattr(dataset, "column_names", None)
@@ -160,8 +177,15 @@ def resolve_budgets(privacy: PrivacyArguments, dataset):
             type(dataset).__name__,
             "must be a map-style dataset with a length (Poisson sampling picks examples by index)",
         ) from None
+    if users is not None:
+        if users.num_rows != n:
+            raise InvalidParameterError("user_column", repr(users), f"must give a user for each of the {n} rows")
+        if len(budgets) == n and users.num_users != n:  # a per-row column: one budget per user
+            budgets = users.budgets_from_rows(budgets.epsilons, budgets.delta)
+        n = users.num_users
     if len(budgets) != n:
-        raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per training example ({n})")
+        what = "user" if users is not None else "training example"
+        raise InvalidParameterError("budgets", f"{len(budgets)} values", f"need one per {what} ({n})")
     return dataset, budgets
 
 
@@ -422,10 +446,13 @@ class IndividualizedTrainer(Trainer):
                 type(train_dataset).__name__,
                 "must be map-style (Poisson sampling picks examples by index)",
             )
-        train_dataset, self.budgets = resolve_budgets(privacy, train_dataset)
+        train_dataset, self.users = resolve_users(privacy, train_dataset)
+        train_dataset, self.budgets = resolve_budgets(privacy, train_dataset, self.users)
         self.privacy = privacy
         self.physical_batch_size = int(args.per_device_train_batch_size)
         self.world_size = max(int(getattr(args, "world_size", 1) or 1), 1)
+        if self.users is not None:  # a user's rows are clipped as one unit: the logical batch is not split
+            self.physical_batch_size = 2**62
         self.expected_batch_size = int(
             args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         )
@@ -532,7 +559,7 @@ class IndividualizedTrainer(Trainer):
             pin_memory=a.dataloader_pin_memory,
             **extra,
         )
-        n = len(ds)
+        n = len(ds) if self.users is None else self.users.num_users
         rate = self.expected_batch_size / n
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
         self.create_optimizer()
@@ -551,6 +578,7 @@ class IndividualizedTrainer(Trainer):
             sample_rate=rate,
             grad_sample_mode=self.privacy.grad_sample_mode,
             loss_reduction="mean",
+            users=self.users,
         )
         self.optimizer = self.dp_optimizer
         self.planned_steps = planned

@@ -1,0 +1,92 @@
+"""``--user-column`` and ``--max-rows-per-user``: user-level individualized DP from the command line.
+
+The user column of a csv dataset's train.csv names the person each row belongs to; it is never a
+model input (it is dropped from the features), and the set of users, their row counts and their
+budgets stay private (nothing of them is printed or written outside ``private/``).  Budgets are
+per user: from groups (``--budgets``/``--fractions``: fractions of the users), from a budgets column
+(every row of a user must carry the same value) or from a distribution; per class is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+
+from ..validation import InvalidParameterError
+
+
+def add_user_arguments(p) -> None:
+    g = p.add_argument_group("user-level privacy (a budget per person, whatever their number of rows)")
+    g.add_argument(
+        "--user-column",
+        help="csv: the column of train.csv naming each row's user; the privacy unit becomes the user (all of "
+        "their rows), budgets are per user and --batch-size is the expected number of users per step "
+        "(user-level sampling: each sampled user's summed gradient over up to k rows, clipped as one unit)",
+    )
+    g.add_argument(
+        "--max-rows-per-user",
+        type=int,
+        default=4,
+        help="k: the most rows of one sampled user in one step, chosen at random every step (public; default 4)",
+    )
+
+
+def drop_user_column(args) -> None:
+    """The user column is never a model input: added to --drop-columns (refused in --feature-columns)."""
+    col = getattr(args, "user_column", None)
+    if not col:
+        return
+    if args.dataset != "csv":
+        raise InvalidParameterError("user_column", col, "is read from a csv dataset's train.csv (--dataset csv)")
+    if args.feature_columns and col in [c.strip() for c in args.feature_columns.split(",")]:
+        raise InvalidParameterError(
+            "feature_columns", args.feature_columns, f"includes the user column {col!r}: user ids are never inputs"
+        )
+    if args.feature_columns is None:
+        dropped = [c.strip() for c in (args.drop_columns or "").split(",") if c.strip()]
+        if col not in dropped:
+            args.drop_columns = ",".join([*dropped, col])
+
+
+def users_from_args(args, data):
+    """The :class:`~idpsgd.users.Users` of the training rows (None without --user-column)."""
+    col = getattr(args, "user_column", None)
+    if not col:
+        return None
+    from pathlib import Path
+
+    from ..users import Users
+
+    path = Path(args.data_dir) / "train.csv"
+    with path.open(newline="", encoding="utf-8-sig") as fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None or col not in reader.fieldnames:
+            raise InvalidParameterError("user_column", col, f"must be one of {path.name}'s columns {reader.fieldnames}")
+        ids = [row[col] for row in reader]
+    for i, v in enumerate(ids):
+        if v is None or not str(v).strip():
+            raise InvalidParameterError("user_column", col, f"row {i + 2} of {path.name} has no user id")
+    if data.split is not None:  # the hidden split: train.csv's rows -> training rows
+        import numpy as np
+
+        ids = list(np.asarray(ids, dtype=object)[data.split["train_rows"]])
+    if len(ids) != len(data.y_train):
+        raise InvalidParameterError(
+            "user_column", col, f"gives {len(ids)} ids; need one per training row ({len(data.y_train)})"
+        )
+    return Users(ids, args.max_rows_per_user)
+
+
+def user_budgets_from_args(args, users, data):
+    """Budgets per user (``users.ids`` order)."""
+    from .budget_args import budgets_from_args
+
+    if getattr(args, "budgets_per_class", None):
+        raise InvalidParameterError(
+            "budgets_per_class",
+            args.budgets_per_class,
+            "is not meaningful at user level (a user's rows may have different labels); give budgets per user",
+        )
+    if getattr(args, "budgets_file", None):
+        rows = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
+        return users.budgets_from_rows(rows.epsilons, rows.delta)
+    return budgets_from_args(args, users.num_users, None, num_classes=data.num_classes)

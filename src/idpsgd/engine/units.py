@@ -1,0 +1,373 @@
+"""User-level DP-SGD (ULS): a user's rows in a step are clipped as one unit, in every grad_sample_mode.
+
+User-level sampling (Charles et al. 2024, "Fine-Tuning LLMs with User-Level DP", Alg. 2; Chua et al.
+2024, "Mind the Privacy Unit!", §3.2), individualized as IDP-SGD (Boenisch et al. 2023, §3):
+
+* **sampling** (:class:`UserPoissonBatchSampler`) — user u joins a step independently with its rate
+  q_u (Poisson); a sampled user contributes min(k, n_u) of its rows, chosen uniformly at random
+  without replacement at every step (k public, :class:`~idpsgd.users.Users`);
+* **clipping** (:class:`UnitClipping`) — the user's update is the **sum** of its chosen rows'
+  gradients, g_u = Σ_{i∈u} g_i, clipped as one vector to its clip norm c_u:
+  min(1, c_u / ‖g_u‖)·g_u.  ‖g_u‖ is the norm of the summed gradient (all cross terms ⟨g_i, g_j⟩
+  of the user's rows included), never a sum of per-row norms.  Each mode forms it exactly:
+  hooks/functorch sum the per-sample gradients by user (``index_add``); ghost forms per-sample
+  gradients layer by layer, sums them by user and keeps the per-user norms; book-keeping regroups
+  each layer's records by user (:func:`regroup_records`: Linear and Embedding ghost records become one
+  longer sequence per user, other layers' per-sample gradients are summed by user).
+
+*Sum, not mean:* the clipped sum's sensitivity is c_u whichever is clipped, and both are valid; the
+sum is the gradient of the user's total loss — what one forward/backward pass over the user's rows
+computes, so book-keeping's ghost norms and a model's own sequence structure carry over — and needs
+no division by the user's private number of chosen rows.  (A user with more rows has a larger
+un-clipped gradient and is clipped more often; with clip norms chosen for users this is the
+papers' setting: Chua et al. clip the user's summed/averaged update the same way.)
+
+With the user as the unit of neighbouring (add/remove all of one user's rows), replacing user u
+changes the noisy sum by at most c_u (noise off, every user sampled: ‖S(D ∪ {u}) − S(D)‖ ≤ c_u), so
+user u's guarantee is the Poisson-subsampled Gaussian's at (q_u, σ·c/c_u) per step — the same
+per-unit accountant as example level (:class:`~idpsgd.engine.accountant.GroupAccountant`), indexed
+by user.  The rows of a user must be clipped in one piece: a user whose rows reach two clipping
+calls of one step (split by ``BatchMemoryManager`` into physical batches) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..users import Users
+from .bk_layers import EmbeddingRule, LinearRule, _acc, _add_into
+from .clipping import PerExampleClipping
+from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
+
+#: the guarantee in words at user level (report.json's "guarantee")
+USER_GUARANTEE = (
+    "data-independent user-level individual (epsilon_p, delta)-DP for every user of group p: all of the user's "
+    "rows together, whatever their number, with the user as the unit of neighbouring (user-level sampling, "
+    "each sampled user's summed gradient over up to k of its rows clipped as one unit)"
+)
+
+
+class UserPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson sampling of users at their rates q_u; each sampled user brings min(k, n_u) random rows.
+
+    ``sample_rates`` has one rate per user (``users.ids`` order); ``sample_rate`` and
+    ``expected_batch_size`` count users (the optimizer divides the noisy sum by Σ_u q_u)."""
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue: BatchIndexQueue | None, users: Users):
+        super().__init__(sample_rates, steps_per_epoch, rng, queue)
+        if self.sample_rates.size != users.num_users:
+            raise ValueError(f"sample_rates has {self.sample_rates.size} values, need one per user")
+        self.users = users
+        self.num_samples = users.num_rows
+
+    def sample(self) -> np.ndarray:
+        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+        return self.users.draw_rows(chosen, self.rng)
+
+
+class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
+    """Two or more ranks at user level: **users are routed to ranks** (rank r holds the users u with
+    u mod W = r, all of their rows), so every user's rows are clipped as one unit on one rank.
+
+    Sensitivity: the step's update is the all-reduced sum over ranks of each rank's Σ_u clip(g_u), which
+    is Σ_u clip(g_u) over all sampled users — the single-process clipped sum — plus the noise drawn once
+    (rank 0).  Adding or removing user u changes one term, on one rank, by at most c_u: the same
+    sensitivity, hence the same per-user accounting, as on one rank.
+
+    In reproducible mode every rank draws the whole step (users, then rows) from the same stream and
+    keeps its users' rows, so the union over ranks is the single-process draw and the streams stay in
+    step; in secure mode each rank draws its users' uniforms from OS entropy."""
+
+    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue, users: Users, rank: int, world_size: int):
+        super().__init__(sample_rates, steps_per_epoch, rng, queue, users)
+        from ..validation import InvalidParameterError
+
+        if not 0 <= int(rank) < int(world_size):
+            raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.shard = np.arange(rank, self.sample_rates.size, world_size, dtype=np.int64)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """This rank's expected number of users Σ_{u in shard} q_u."""
+        return float(self.sample_rates[self.shard].sum())
+
+    def sample(self) -> np.ndarray:
+        from .randomness import SecureUniform
+
+        if isinstance(self.rng, SecureUniform):
+            chosen = self.shard[self.rng.random(self.shard.size) < self.sample_rates[self.shard]]
+            return self.users.draw_rows(chosen, self.rng)
+        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+        rows = self.users.draw_rows(chosen, self.rng)  # the single-process draw
+        return rows[self.users.unit_of_row[rows] % self.world_size == self.rank]
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The rows of a batch (or physical batch) and their users: ``inverse[r]`` is row r's position in
+    ``units`` (the global user indices of the batch, ascending)."""
+
+    n_rows: int
+    inverse: torch.Tensor
+    units: torch.Tensor
+
+    @property
+    def num_units(self) -> int:
+        return int(self.units.numel())
+
+    def sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """(rows, ...) → (units, ...): the sum of each user's rows (a (units × rows) 0/1 matrix product:
+        one BLAS call, much faster than ``index_add_`` on the CPU for wide rows)."""
+        n = rows.shape[0]
+        if n == 0:
+            return rows.new_zeros((self.num_units, *rows.shape[1:]))
+        onehot = rows.new_zeros((self.num_units, n))
+        onehot[self.inverse.to(rows.device), torch.arange(n, device=rows.device)] = 1
+        return (onehot @ rows.reshape(n, -1)).reshape(self.num_units, *rows.shape[1:])
+
+    def rank(self) -> tuple[torch.Tensor, int]:
+        """Each row's rank among its user's rows in this batch, and the largest count m."""
+        inv = self.inverse
+        if inv.numel() == 0:
+            return inv, 0
+        order = torch.argsort(inv, stable=True)
+        counts = torch.bincount(inv, minlength=self.num_units)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(inv)
+        rank[order] = torch.arange(inv.numel()) - starts[inv[order]]
+        return rank, int(counts.max())
+
+    def as_sequences(self, x: torch.Tensor, rank_m=None) -> torch.Tensor:
+        """(rows, T, ...) → (units, m·T, ...): a user's rows as one longer sequence, zero-padded to the
+        largest count m (padding rows have zero output gradient, so they add nothing to a ghost norm or
+        a clipped sum).  Rows already grouped by user with m each (every user of the step brought k
+        rows): a reshape, no copy."""
+        rank, m = self.rank() if rank_m is None else rank_m
+        u, n = self.num_units, x.shape[0]
+        pos = self.inverse.to(x.device) * m + rank.to(x.device)
+        if u * m == n and bool((pos == torch.arange(n, device=x.device)).all()):
+            return x.reshape(u, m * x.shape[1], *x.shape[2:])
+        out = x.new_zeros((u * m, *x.shape[1:]))
+        out.index_copy_(0, pos, x)
+        return out.reshape(u, m * x.shape[1], *x.shape[2:])
+
+
+class UnitClipping(PerExampleClipping):
+    """Per-user clip norms c_u; the clip factors are per user, from the norms of the users' summed
+    gradients.  :attr:`last_norms`/:attr:`last_indices` are per user (user indices): the per-unit
+    accounting, filter and individual accounting work on users unchanged.
+
+    A mode first asks :meth:`grouping` for the next ``n`` drawn rows (without consuming them), forms
+    the per-user norms, then calls :meth:`factors` with them (one per user of the grouping)."""
+
+    def __init__(self, clip_norms, queue: BatchIndexQueue, users: Users):
+        super().__init__(clip_norms, queue)
+        if self.clip_norms.numel() != users.num_users:
+            raise ValueError(f"clip_norms has {self.clip_norms.numel()} values, need one per user")
+        self.users = users
+        self._unit_of_row = torch.from_numpy(users.unit_of_row)
+        self._pending: Grouping | None = None
+        self._seen: list[torch.Tensor] = []
+
+    def grouping(self, n_rows: int) -> Grouping:
+        """The users of the next ``n_rows`` drawn rows (cached until :meth:`factors` consumes them)."""
+        n_rows = int(n_rows)
+        if self._pending is not None and self._pending.n_rows == n_rows:
+            return self._pending
+        if n_rows > len(self.queue):
+            raise BatchMismatchError(
+                "the step has more rows than drawn rows are waiting (the counts are private: not shown): "
+                "every batch drawn from the private data loader must be followed by one backward pass and "
+                "optimizer.step() (is batch_first right for your data?)"
+            )
+        rows = self.queue.peek(n_rows)
+        units, inverse = torch.unique(self._unit_of_row[rows], return_inverse=True)
+        self._pending = Grouping(n_rows, inverse.reshape(-1), units)
+        return self._pending
+
+    def factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """min(1, c_u / (‖g_u‖ + 1e-6)) for the users of the pending grouping (``norms``: one per user)."""
+        if self._pending is None and norms.numel() == 0:  # an empty Poisson batch: no rows, no users
+            self.grouping(0)
+        g = self._pending
+        if g is None or norms.numel() != g.num_units:
+            self._pending = None
+            raise RuntimeError(
+                "user-level clipping needs the norms of the users' summed gradients (one per user of the "
+                "batch), formed after grouping(rows); got per-row norms: this mode does not support users"
+            )
+        self._pending = None
+        if self._seen and g.num_units and bool(torch.isin(g.units, torch.cat(self._seen)).any()):
+            raise BatchMismatchError(
+                "a user's rows reached two clipping calls of one step (BatchMemoryManager split a logical "
+                "batch into physical batches): a user's rows must be clipped as one unit; train on whole "
+                "batches (no BatchMemoryManager) with user-level privacy; the step was not taken"
+            )
+        self.queue.pop(g.n_rows)
+        self.last_grouping_inverse = g.inverse  # ghost clipping: each row takes its user's factor
+        self._seen.append(g.units)
+        self._norms.append(norms.detach())
+        self._indices.append(g.units)
+        if norms.numel() == 0:
+            return norms.new_zeros((0,))
+        clip = self.clip_norms[g.units].to(device=norms.device, dtype=norms.dtype)
+        return torch.where(torch.isfinite(norms), (clip / (norms + 1e-6)).clamp(max=1.0), 0.0)
+
+    def end_step(self) -> None:
+        self._pending, self._seen = None, []
+        super().end_step()
+
+
+def check_user_level(engine, users, privacy_filter) -> None:
+    """Refuse what user level does not support (yet), and a phase whose privacy unit differs."""
+    from ..validation import InvalidParameterError
+
+    if engine.accountant is not None and engine.users is not users:
+        raise InvalidParameterError(
+            "users",
+            repr(users),
+            "differ from this engine's earlier phases (another privacy unit); use a new IndividualizedPrivacyEngine",
+        )
+    if users is None:
+        return
+
+
+def grouping_of(clipping, n_rows: int) -> Grouping | None:
+    """The grouping of the next ``n_rows`` rows under user-level clipping, else None (example level)."""
+    return clipping.grouping(n_rows) if isinstance(clipping, UnitClipping) else None
+
+
+# --- ghost clipping (Opacus's fast gradient clipping) ------------------------------------------
+def ghost_capture(gsm, module, backprops: torch.Tensor, activations) -> None:
+    """User-level replacement of the norm part of Opacus's ``capture_backprops_hook``: the layer's
+    per-sample gradients (its registered grad sampler, or functorch) summed by user; each parameter's
+    ``_norm_sample`` becomes the per-user norm of its summed gradient (a parameter used by several
+    layers, or several times, accumulates its per-row gradients first, as Opacus's hooks mode)."""
+    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+    from opacus.grad_sample.grad_sample_module import create_or_accumulate_grad_sample, promote_current_grad_sample
+    from opacus.utils.module_utils import trainable_parameters
+
+    if not gsm.force_functorch and type(module) in gsm.GRAD_SAMPLERS:
+        fn = gsm.GRAD_SAMPLERS[type(module)]
+    else:
+        fn = ft_compute_per_sample_gradient
+    grad_samples = fn(module, activations, backprops)
+    for param, gs in grad_samples.items():
+        create_or_accumulate_grad_sample(param=param, grad_sample=gs, max_batch_len=module.max_batch_len)
+    del grad_samples
+    for _, p in trainable_parameters(module):
+        p._forward_counter -= 1
+        if p._forward_counter == 0:
+            promote_current_grad_sample(p)
+            gs = p.grad_sample
+            grouping = gsm.clipping.grouping(gs.shape[0])
+            summed = grouping.sum(gs.float() if gs.dtype in (torch.float16, torch.bfloat16) else gs)
+            p._norm_sample = summed.reshape(summed.shape[0], -1).norm(2, dim=-1)
+            p.grad_sample = None
+
+
+# --- book-keeping -----------------------------------------------------------------------------
+class BookKeepingUsers:
+    """The book-keeper's user-level hook (``keeper.user_level``): before the norms, every record of the
+    backward pass is regrouped by user (:func:`regroup_records`), so the book-keeper's own per-example
+    machinery — ghost norms, per-sample norms, tied parameters' cross terms, the clipped sum — runs
+    unchanged with one "example" per user.  ``rows_batch`` is the number of rows (the "mean" loss
+    scale is by rows)."""
+
+    def __init__(self, clipping: UnitClipping | None = None, grouping: Grouping | None = None):
+        self.clipping, self._fixed = clipping, grouping
+        self.rows_batch: int | None = None
+
+    def regroup(self, keeper, parts, batch: int):
+        grouping = self._fixed if self._fixed is not None else self.clipping.grouping(batch)
+        if grouping.n_rows != int(batch):
+            raise RuntimeError("the batch's rows do not match its users' rows")
+        self.rows_batch = int(batch)
+        regroup_records(parts, grouping)
+        return parts, grouping.num_units
+
+
+def _full_batch(t, n: int):
+    """A record tensor with the batch's n rows (a batch-independent input of batch size 1 expanded)."""
+    if torch.is_tensor(t) and t.dim() and t.shape[0] == 1 and n != 1:
+        return t.expand(n, *t.shape[1:])
+    return t
+
+
+def _regroup_use(rule, module, saved, g, grouping: Grouping, rank_m):
+    """A sequence layer's record (input, output gradient) with each user's rows as one longer sequence
+    (zero-padded: padding positions have zero output gradient and add nothing)."""
+    n = g.shape[0]
+    saved = tuple(_full_batch(t, n) for t in saved)
+    if isinstance(rule, EmbeddingRule):
+        ids = saved[0].reshape(n, -1)
+        b = g.reshape(n, ids.shape[1], g.shape[-1])
+        return (grouping.as_sequences(ids, rank_m),), grouping.as_sequences(b, rank_m)
+    a, b = rule._flat(saved, g)
+    return (grouping.as_sequences(a, rank_m),), grouping.as_sequences(b, rank_m)
+
+
+@torch.no_grad()
+def regroup_records(parts, grouping: Grouping) -> None:
+    """Every recorded part at unit level, in place (exact: a user's gradient is the sum of its rows'):
+
+    * Linear (nn.Linear, transformers' Conv1D) and Embedding records on the ghost path: a user's rows
+      become one longer sequence (:func:`_regroup_use`), so ghost norms, pairwise ghost cross terms
+      of tied parameters and the ghost clipped sum apply to users as they are;
+    * every other record (deferred and per-sample layers, convolutions, normalisation layers, fallback
+      and direct units): per-sample gradients summed by user (:meth:`Grouping.sum`)."""
+    rank_m = grouping.rank()
+    for part in parts:
+        uses = getattr(part, "uses", None)
+        if uses is not None:  # a covered layer
+            if isinstance(part.rule, (LinearRule, EmbeddingRule)):  # deferred records too: the layer's
+                # norm_sq then takes the ghost norm or forms per-user gradients, by the users' shapes
+                records = [*uses, *part.deferred]
+                part.uses = [_regroup_use(part.rule, part.module, s_, g, grouping, rank_m) for s_, g in records]
+                part.deferred = []
+            else:
+                for saved, g in part.deferred:
+                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                part.deferred = []
+                for saved, g in uses:
+                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                part.uses = []
+        part.grad_sample = {k: grouping.sum(_acc(v)) for k, v in part.grad_sample.items()}
+        part.batch = grouping.num_units
+
+
+# --- norm passes (individual filter, individual accounting) at user level --------------------------
+def per_user_grad_norms(module, dataset, users: Users, unit_indices, collate_fn, batch_size: int, per_sample_loss, rng):
+    """(norms, losses) of the given users at the current parameters: each user's norm is ‖Σ_{i∈S_u} g_i‖
+    over a fresh random choice S_u of min(k, n_u) of its rows (what a step would clip), its loss the sum
+    of those rows' losses (Yu et al. 2023, Alg. 2 line 3, with the user as the unit).  Batches hold
+    whole users (about ``batch_size`` rows); per-user norms by book-keeping (:func:`regroup_records`)."""
+    from .norms import example_batches, per_example_grad_norms
+
+    units = np.asarray(unit_indices, dtype=np.int64)
+    if units.size == 0:
+        return np.zeros(0), np.zeros(0)
+    rows = users.draw_rows(units, rng)  # grouped by the position of the user in ``units``
+    sizes = np.minimum(users.k, users.rows_per_user[units])
+    owner = np.repeat(np.arange(units.size), sizes)
+    chunk_of_user = (np.cumsum(sizes) - sizes) // max(int(batch_size), 1)
+    chunk_of_row = chunk_of_user[owner]
+    bounds = np.flatnonzero(np.diff(chunk_of_row)) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [rows.size]])
+    hooks = []
+    for a, b in zip(starts, ends, strict=True):
+        own = owner[a:b] - owner[a]
+        grouping = Grouping(int(b - a), torch.from_numpy(own), torch.arange(int(own[-1]) + 1))
+        hooks.append(BookKeepingUsers(grouping=grouping))
+
+    def batches():
+        for a, b in zip(starts, ends, strict=True):
+            yield from example_batches(dataset, rows[a:b], collate_fn, int(b - a))
+
+    norms, row_losses = per_example_grad_norms(module, batches(), per_sample_loss, hooks)
+    losses = np.bincount(owner, weights=row_losses, minlength=units.size) if row_losses.size else np.zeros(units.size)
+    return norms, losses
