@@ -55,6 +55,7 @@ def _tf():
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     return transformers
 
 
@@ -847,6 +848,87 @@ def check(name: str, B: int, T: int, *, lora: bool = False, bf16: bool = False) 
     return Outcome("exact", "", norm_err, sum_err, elapsed)
 
 
+# --- idpsgd finetune on a model folder of each architecture -----------------------------------------
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "a",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "privacy",
+    "budget",
+    "consent",
+    "group",
+]
+GENERATIVE = DECODERS  # fine-tuned as causal language models; the others as sequence classifiers (3 classes)
+
+
+def tokenizer():
+    """A word-level tokenizer of :data:`WORDS` trained here ([PAD] 0, [UNK] 1, [EOS] 2, appended to each text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    tk.post_processor = processors.TemplateProcessing(single="$A [EOS]", special_tokens=[("[EOS]", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+def save_model_folder(name: str, folder) -> None:
+    """The float32 model of ``name`` as ``save_pretrained`` writes it, with :func:`tokenizer` (CLIP: its text
+    model, CLIPTextModel, the Hugging Face class a user would save)."""
+    case = build(name, 2, 8, dtype=torch.float32)
+    model = case.model.text if isinstance(case.model, _CLIPTextClassifier) else case.model
+    model.save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+
+
+def finetune(name: str, root, *, lora_r: int = 0) -> tuple[int | str, str]:
+    """Run ``idpsgd finetune`` (in process, the CLI's ``main``) on a saved folder of ``name`` and a JSONL file of
+    16 rows (budgets 1 and 8; labels for classifiers): (exit code, or "traceback", and stderr's last line)."""
+    import io
+    import json
+    import random
+    from contextlib import redirect_stderr, redirect_stdout
+    from pathlib import Path
+
+    from idpsgd.cli.main import main
+
+    root = Path(root)
+    folder = root / f"{name}-model"
+    if not folder.exists():
+        save_model_folder(name, folder)
+    rng = random.Random(0)
+    rows = [
+        {"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 9))), "epsilon": 1.0 if i % 2 else 8.0, "label": i % 3}
+        for i in range(16)
+    ]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["finetune", "--model", str(folder), "--data", str(data), "--method", "scale", "--epochs", "1"]
+    argv += ["--batch-size", "4", "--max-length", "12", "--seed", "0", "--out", str(root / f"{name}-run{lora_r}")]
+    argv += ["--overwrite", "--lora-r", str(lora_r)]
+    if name not in GENERATIVE:
+        argv += ["--label-column", "label", "--num-classes", "3"]
+    err = io.StringIO()
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(err):
+            code = main(argv)
+    except Exception as exc:
+        return "traceback", _first_line(exc, 300)
+    lines = [line.replace(str(root), "…") for line in err.getvalue().splitlines() if line.strip()]
+    return code, (lines[-1] if lines else "")
+
+
 COLUMNS = ("T!=B", "T=B", "LoRA", "bf16")
 
 
@@ -886,13 +968,30 @@ def survey(names=None, columns=COLUMNS, out=sys.stdout) -> dict:
     return table
 
 
-if __name__ == "__main__":
-    import argparse
+def finetune_survey(names=None, out=sys.stdout) -> dict:
+    """Print the table (markdown) of ``idpsgd finetune`` per architecture, full and LoRA (r = 2)."""
+    import tempfile
+    import warnings
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"architectures (default: all): {', '.join(ALL)}")
-    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma-separated subset of " + ",".join(COLUMNS))
-    args = parser.parse_args()
-    t0 = time.perf_counter()
-    survey(args.names or None, tuple(args.columns.split(",")))
-    print(f"\n{time.perf_counter() - t0:.0f} s; tolerance {TOL_FLOAT64:g} (float64), {TOL_BF16:g} (bf16 vs float32)")
+    warnings.filterwarnings("ignore")
+    table = {}
+    print("| architecture | task | finetune | finetune --lora-r 2 |", file=out)
+    print("|---|---|---|---|", file=out)
+    with tempfile.TemporaryDirectory() as root:
+        for name in names or ALL:
+            cells = []
+            for r in (0, 2):
+                code, line = finetune(name, root, lora_r=r)
+                table[name, r] = code, line
+                cells.append("exit 0" if code == 0 else f"{'exit ' if code != 'traceback' else ''}{code}: {line}")
+            task = "causal LM" if name in GENERATIVE else "classifier"
+            print(f"| {name} | {task} | " + " | ".join(c.replace("|", "/") for c in cells) + " |", file=out, flush=True)
+    return table
+
+
+if __name__ == "__main__":  # the command line is bench/survey_architectures.py's
+    import runpy
+    from pathlib import Path
+
+    sys.argv[0] = str(Path(__file__).resolve().parents[1] / "bench" / "survey_architectures.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")
