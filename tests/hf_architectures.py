@@ -196,13 +196,12 @@ def _llama_like(cls_cfg, cls_model, B, T, **extra):
         hidden_size=H,
         num_attention_heads=2,
         num_key_value_heads=1,
-        intermediate_size=37,
         vocab_size=V,
         max_position_embeddings=64,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=1,
-        **extra,
+        **{"intermediate_size": 37, **extra},
     )
     return _decoder(getattr(t, cls_model)(cfg), B, T)
 
@@ -250,10 +249,11 @@ def mixtral(B, T):
         "MixtralForCausalLM",
         B,
         T,
+        intermediate_size=36,  # grouped_mm (float32 default of the experts) needs rows of a multiple of 16 bytes
         num_local_experts=4,
         num_experts_per_tok=2,
         router_jitter_noise=0.0,
-        experts_implementation="eager",
+        experts_implementation="eager",  # grouped_mm has no float64 (a saved folder is loaded with the default)
     )
 
 
@@ -265,8 +265,8 @@ def qwen2_moe(B, T):
         T,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=11,
-        shared_expert_intermediate_size=13,
+        moe_intermediate_size=12,
+        shared_expert_intermediate_size=16,
         decoder_sparse_step=1,
         experts_implementation="eager",
     )

@@ -1,16 +1,17 @@
 """Book-keeping on tiny Hugging Face models of 24 architectures (and a held-out set) against brute force
 (issue 36): per-example norms and clipped sums equal one backward pass per example in float64 (1e-8
-relative), at T ≠ B and at T = B; with LoRA on the decoders and encoder-decoders; under bf16 autocast
-(against float32, a loose tolerance).  The harness is :mod:`hf_architectures` (``python
-tests/hf_architectures.py`` prints the whole table).
+relative), at T ≠ B and at T = B; with LoRA on every model with attention; under bf16 autocast
+(against float32, a loose tolerance); and ``idpsgd finetune`` on a saved folder of each.  The harness
+is :mod:`hf_architectures` (``python bench/survey_architectures.py`` prints the whole table).
 
 Every case must be exact.  :data:`KNOWN` lists the cases today's engine does not handle, as strict
 xfails that only accept the failure they name: a case known to be *refused* that starts giving a wrong
 result fails the suite (a silent misattribution never passes), and a case that becomes exact fails as
 an unexpected pass (remove its entry then).
 
-Default suite: a few architectures at both shapes (including T5 at T = B, the silent case); everything
-else is ``slow`` (``make test-slow``, or ``pytest -m slow tests/test_hf_architectures.py``)."""
+Default suite: four cases (GPT-2 at T = B, BERT at T != B, ViT, T5 at T = B — the silent case) and
+``idpsgd finetune`` on GPT-2 and ViT; everything else is ``slow`` (``make test-slow``, or
+``pytest -m slow tests/test_hf_architectures.py``)."""
 
 import pytest
 
@@ -67,15 +68,7 @@ def _case(name, column):
     return pytest.param(name, column, marks=marks, id=f"{name}-{column}")
 
 
-FAST = {
-    ("gpt2", "T!=B"),
-    ("gpt2", "T=B"),
-    ("bert", "T!=B"),
-    ("bert", "T=B"),
-    ("vit", "T=B"),
-    ("t5", "T=B"),
-    ("llama", "LoRA"),
-}
+FAST = {("gpt2", "T=B"), ("bert", "T!=B"), ("vit", "T=B"), ("t5", "T=B")}  # T5 at T = B: the silent case
 CASES = [_case(name, column) for name in hf.ALL for column in hf.COLUMNS if column != "LoRA" or name in hf.LORA]
 
 
@@ -122,7 +115,13 @@ def test_a_wrong_result_is_never_taken_for_exact(monkeypatch):
 
 # --- idpsgd finetune on a model folder of each architecture ---------------------------------------
 # architecture → (the outcome on today's main, why): "traceback" where the command raises instead of its one line
-FINETUNE_KNOWN = {}
+FINETUNE_KNOWN = {
+    "opt": "the engine's ValueError (layers saw different batch sizes) is not the CLI's one line",
+    "falcon": "RuntimeError from the fallback's backward hook (a view modified in place)",
+    "deberta_v2": "the engine's RuntimeError (pos_key_proj got an input of batch size 1) is not the CLI's one line",
+    "mixtral": "TypeError: the fallback re-calls the experts' forward without its routing arguments",
+    "qwen2_moe": "TypeError: the fallback re-calls the experts' forward without its routing arguments",
+}
 FINETUNE_FAST = ("gpt2", "vit")  # one that trains, one refused in one line (no sequence classifier for ViT)
 
 
