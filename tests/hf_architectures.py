@@ -70,20 +70,23 @@ def _labels(B, seed=2):
 
 
 def _lm_loss(model, inputs):
-    """The mean next-token loss of each example."""
-    ids = inputs["input_ids"]
-    logits = model(input_ids=ids).logits
+    """The mean next-token loss of each example (over its unpadded tokens, with an attention mask)."""
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    logits = model(input_ids=ids, attention_mask=mask).logits
     tokens = nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float() if logits.dtype == torch.bfloat16 else logits[:, :-1].flatten(0, 1),
         ids[:, 1:].flatten(),
         reduction="none",
-    )
-    return tokens.view(ids.shape[0], -1).mean(1)
+    ).view(ids.shape[0], -1)
+    if mask is None:
+        return tokens.mean(1)
+    m = mask[:, 1:].to(tokens.dtype)
+    return (tokens * m).sum(1) / m.sum(1)
 
 
 def _seq2seq_loss(model, inputs):
     """The mean token loss of each example's target sequence (teacher forcing)."""
-    out = model(input_ids=inputs["input_ids"], labels=inputs["labels"])
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), labels=inputs["labels"])
     logits = out.logits.float() if out.logits.dtype == torch.bfloat16 else out.logits
     tokens = nn.functional.cross_entropy(logits.flatten(0, 1), inputs["labels"].flatten(), reduction="none")
     return tokens.view(inputs["labels"].shape[0], -1).mean(1)
@@ -477,10 +480,11 @@ class _CLIPTextClassifier(nn.Module):
         self.head = nn.Linear(text.config.hidden_size, LABELS)
         self.config = text.config
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, attention_mask=None):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
-        return SequenceClassifierOutput(logits=self.head(self.text(input_ids=input_ids).pooler_output))
+        pooled = self.text(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+        return SequenceClassifierOutput(logits=self.head(pooled))
 
 
 def clip_text(B, T):
@@ -721,17 +725,25 @@ class Outcome:
         return f"{self.status}: {self.detail}"
 
 
-def _first_line(exc: BaseException, limit: int = 160) -> str:
+def _first_line(exc: BaseException, limit: int = 320) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def build(name: str, B: int, T: int, *, dtype=torch.float64, lora: bool = False) -> Case:
+def padding_mask(B: int, T: int) -> torch.Tensor:
+    """An attention mask of a right-padded batch: example i has T - (i mod 3) tokens (at least 2)."""
+    lengths = torch.tensor([max(2, T - i % 3) for i in range(B)])
+    return (torch.arange(T)[None, :] < lengths[:, None]).long()
+
+
+def build(name: str, B: int, T: int, *, dtype=torch.float64, lora: bool = False, mask: bool = False) -> Case:
     _tf()
     torch.manual_seed(0)
     case = ALL[name](B, T)
     case.model.to(dtype).train()
     case.inputs = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in case.inputs.items()}
+    if mask:
+        case.inputs["attention_mask"] = padding_mask(B, T)
     if lora:
         case = with_lora(case, name)
     return case
@@ -797,12 +809,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
-def check(name: str, B: int, T: int, *, lora: bool = False, bf16: bool = False) -> Outcome:
+def check(name: str, B: int, T: int, *, lora: bool = False, bf16: bool = False, mask: bool = False) -> Outcome:
     """Norms and clipped sum of the engine vs brute force (float64; ``bf16``: the engine under bf16 autocast on
     a float32 model, against the float32 reference, tolerance :data:`TOL_BF16`)."""
     start = time.perf_counter()
     try:
-        case = build(name, B, T, dtype=torch.float32 if bf16 else torch.float64, lora=lora)
+        case = build(name, B, T, dtype=torch.float32 if bf16 else torch.float64, lora=lora, mask=mask)
         params, grads = reference(case)
     except Exception as exc:  # the harness or the model, not the engine
         return Outcome("error", _first_line(exc), seconds=time.perf_counter() - start)
@@ -929,19 +941,23 @@ def finetune(name: str, root, *, lora_r: int = 0) -> tuple[int | str, str]:
     return code, (lines[-1] if lines else "")
 
 
-COLUMNS = ("T!=B", "T=B", "LoRA", "bf16")
+COLUMNS = ("T!=B", "T=B", "mask", "LoRA", "bf16")
+MASKED = tuple(name for name in ALL if name not in (*VISION, "whisper_encoder"))  # the models with an attention mask
 
 
 def run(name: str, column: str) -> Outcome:
-    """One cell of the survey table: T ≠ B, T = B, or LoRA (decoders and encoder-decoders only) and bf16 at
-    both shapes (the first outcome that is not exact, its shape case named, else exact)."""
+    """One cell of the survey table: T ≠ B, T = B; or, at both shapes (the first outcome that is not exact,
+    its shape case named, else exact): "mask" (a right-padded batch with its attention mask, text models),
+    "LoRA" (models with attention), "bf16"."""
     if column in SHAPES:
         return check(name, *shape(name, column))
-    if column == "LoRA" and name not in LORA:
+    if (column == "LoRA" and name not in LORA) or (column == "mask" and name not in MASKED):
         return Outcome("n/a")
     seconds, worst = 0.0, None
     for case_name in SHAPES:
-        outcome = check(name, *shape(name, case_name), lora=column == "LoRA", bf16=column == "bf16")
+        outcome = check(
+            name, *shape(name, case_name), lora=column == "LoRA", bf16=column == "bf16", mask=column == "mask"
+        )
         seconds += outcome.seconds
         if outcome.status != "exact" and worst is None:
             worst = dataclasses.replace(outcome, detail=f"[{case_name}] {outcome.detail}")
