@@ -113,14 +113,14 @@ def test_a_wrong_result_is_never_taken_for_exact(monkeypatch):
         return out
 
     monkeypatch.setattr(BookKeeper, "clipped_sum", off)
-    outcome = hf.check("gpt2", 3, 7)
+    outcome = hf.check("distilbert", 3, 7)
     assert outcome.status == "WRONG" and 1e-9 < outcome.sum_err < 1e-5, outcome
 
     def refuse(self, loss_scale=1.0):
         raise RuntimeError("refused by the test")
 
     monkeypatch.setattr(BookKeeper, "norms", refuse)
-    outcome = hf.check("gpt2", 3, 7)
+    outcome = hf.check("distilbert", 3, 7)
     assert outcome.status == "crash" and "refused by the test" in outcome.detail  # raised here, not in idpsgd
     from idpsgd.engine.bookkeeping import check_batch_first
 
