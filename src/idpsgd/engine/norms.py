@@ -53,7 +53,7 @@ def _norm_pass(model: torch.nn.Module):
     or persistent buffer the pass changes is refused by the check (:mod:`.integrity`): the pass runs
     the forward over every example, those that never train included."""
     from .batch_independence import BatchIndependence
-    from .bookkeeping import BookKeeper
+    from .bk.keeper import BookKeeper
     from .integrity import WriteGuard, check_static_writes
     from .wrap import raw_module
 
