@@ -72,8 +72,9 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
 from ...validation import InvalidParameterError
-from .rules import Rule, acc, add_into, rule_for
-from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use
+from .rules import Rule, acc, add_into, routed_rule, rule_for
+from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
+from . import provenance
 from .tied import cross_term
 
 GHOST, PER_SAMPLE, FALLBACK = "ghost norm", "per-sample gradient", "Opacus per-sample gradient (fallback)"
@@ -119,17 +120,19 @@ class _BookKeptOp(torch.autograd.Function):
             gx = layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2])
             layer.record(saved, g)
             return (None, None, gx, *rest)
-        # a batch-1 input while the step has B examples: the per-example output gradients came from
-        # where the output met the batch (bk_shared); the input is the same for every example
+        # an input shared by the batch: the per-example output gradients came from where the output met
+        # the batch (shared.py); the input is the same for every example
         ctx.shared = None
         batch, source = shared.source.batch, shared.source
         check_complete(source, g)  # no part of g came through an operation the tracking missed
-        gb = (
-            source.grad.reshape((batch, *tuple(g.shape[1:])))
-            if source.grad is not None
-            else g.new_zeros((batch, *tuple(g.shape[1:])))
-        )
-        saved_b = tuple(t.expand((batch, *tuple(t.shape[1:]))) if t.dim() and t.shape[0] == 1 else t for t in saved)
+        lead = tuple(g.shape) if shared.whole else tuple(g.shape[1:])
+        gb = source.grad.reshape((batch, *lead)) if source.grad is not None else g.new_zeros((batch, *lead))
+        if shared.whole:
+            saved_b = tuple(t.unsqueeze(0).expand((batch, *tuple(t.shape))) if t.dim() else t for t in saved)
+        else:
+            saved_b = tuple(
+                t.expand((batch, *tuple(t.shape[1:]))) if t.dim() and t.shape[0] == 1 else t for t in saved
+            )
         layer.record(saved_b, gb)
         if not shared.roots:
             return (None, None, layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2]), *rest)
@@ -137,16 +140,17 @@ class _BookKeptOp(torch.autograd.Function):
         if gx is None:
             return (None, None, None, *rest)
         distribute(shared.input, shared.roots, gx.reshape((batch, *tuple(shared.input.shape))))
-        return (None, None, gx.sum(0, keepdim=True), *rest)
+        return (None, None, gx.sum(0) if shared.whole else gx.sum(0, keepdim=True), *rest)
 
 
 class _SharedUse:
-    """A covered layer's forward on an input shared by the batch: its output's :class:`~.bk_shared.Source`,
-    and the input's sources when the input is itself batch-independent (per-example input gradients
-    go to them)."""
+    """A covered layer's forward on an input shared by the batch: its output's :class:`~.shared.Source`,
+    the input's sources when the input is itself batch-independent (per-example input gradients
+    go to them), and whether the input is one value taken whole (``whole``: the examples' copies
+    are stacked in a new leading dimension) or has a leading dimension of 1 that the batch replaces."""
 
-    def __init__(self, source: Source, input_tensor, roots):
-        self.source, self.input, self.roots = source, input_tensor, roots
+    def __init__(self, source: Source, input_tensor, roots, whole: bool = False):
+        self.source, self.input, self.roots, self.whole = source, input_tensor, roots, whole
 
 
 class _BookKeptForward:
@@ -162,50 +166,101 @@ class _BookKeptForward:
         module = layer.module
         if args or kwargs or not (layer.keeper.active and torch.is_grad_enabled()):
             return type(module).forward(module, x, *args, **kwargs)
-        x = layer.rule.prepare(module, x)  # (under autocast: the input cast as autocast casts it)
-        batch = layer.keeper.step_batch
-        if isinstance(x, SharedTensor) or (
-            batch not in (None, 1) and torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == 1
-        ):
-            return self._shared(x, batch)
-        return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+        mode = provenance.current()
+        if mode is None:  # outside the model's forward (a layer called on its own): as a batch
+            x = layer.rule.prepare(module, x)
+            return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+        return self.apply(mode, x)
 
-    def _shared(self, x, batch):
-        """The layer on an input shared by the batch (batch size 1, or batch-independent): a source of
-        per-example gradients (:mod:`.bk_shared`), its output batch-independent."""
+    def apply(self, mode, x):
+        """The layer on ``x`` inside the model's forward: book-kept as the provenance of ``x`` says."""
         layer = self.layer
+        module = layer.module
+        if isinstance(x, nn.Parameter) and id(x) in mode.sources:  # a covered parameter fed to a layer
+            x = mode.make_source(x, mode.batch)
+        rows = mode.tags.get(x) if torch.is_tensor(x) and not isinstance(x, SharedTensor) else None
+        x = layer.rule.prepare(module, x)  # (under autocast: the input cast as autocast casts it)
+        if isinstance(x, SharedTensor):
+            return self._shared(x, mode)
+        if rows is None:  # not derived from the batch: shared by it, whatever its shape
+            return self._shared(x, mode)
+        if not rows.known:
+            raise provenance.refusal(f"layer {layer.name!r} ({type(module).__name__})", rows)
+        mode.paused += 1
+        try:
+            if rows.dim == 0 and rows.group == 1:
+                out = _BookKeptOp.apply(layer, None, x, *layer.params.values())
+            else:
+                out = self._rows(mode, x, rows)
+        finally:
+            mode.paused -= 1
+        mode.tags[out] = rows
+        return out
+
+    def _rows(self, mode, x, rows):
+        """A row-wise layer on batch rows that are not (B, ...) with one example per row: the batch
+        dimension moved to the front and the rows of one example grouped, (B·T, d) → (B, T, d)."""
+        layer = self.layer
+        trailing = layer.rule.trailing(layer.module)
+        if trailing is None or rows.dim >= x.dim() - trailing:
+            raise RuntimeError(
+                f"grad_sample_mode='bk': layer {layer.name!r} ({type(layer.module).__name__}) gets its input with "
+                f"the batch in dimension {rows.dim} (rows grouped by {rows.group}); this layer type needs the "
+                "batch as the leading dimension, one example per row: move it there (x.movedim(...)), or use "
+                "grad_sample_mode='hooks'"
+            )
+        xb = x.movedim(rows.dim, 0)
+        shape = tuple(xb.shape)
+        if rows.group != 1:
+            xb = xb.reshape((shape[0] // rows.group, rows.group, *shape[1:]))
+        out = _BookKeptOp.apply(layer, None, xb, *layer.params.values())
+        if rows.group != 1:
+            out = out.reshape((shape[0], *tuple(out.shape[2:])))
+        return out.movedim(0, rows.dim)
+
+    def _shared(self, x, mode):
+        """The layer on an input shared by the batch (not derived from it): a source of per-example
+        gradients (:mod:`.shared`), its output batch-independent.  A row-wise layer takes the input
+        whole, as one value (a (T, T) bucket index, a relative-position table); any other layer needs
+        it with a leading dimension of 1."""
+        layer = self.layer
+        batch = mode.batch
         expand = False
         roots = ()
         if isinstance(x, SharedTensor):
             x, roots, batch = x._plain, x._roots, x._batch
             if batch == 0 and x.dim() > 0 and x.shape[0] == 0:  # an empty batch: nothing to attribute
-                return _BookKeptOp.apply(layer, None, x, *layer.params.values())
-            if x.dim() > 0 and x.shape[0] == batch and x.stride(0) == 0:
+                mode.paused += 1
+                try:
+                    return _BookKeptOp.apply(layer, None, x, *layer.params.values())
+                finally:
+                    mode.paused -= 1
+            if x.dim() > 0 and x.shape[0] == batch and batch > 1 and x.stride(0) == 0:
                 x, expand = x.narrow(0, 0, 1), True  # rows of one value (an expand to the batch)
-            elif x.dim() == 0 or x.shape[0] != 1:
-                raise RuntimeError(
-                    f"grad_sample_mode='bk': layer {layer.name!r} got an input of shape "
-                    f"{tuple(x.shape)} computed from values shared by the batch, without a batch "
-                    f"dimension of 1; {BK_HINT}"
-                )
+        elif not x.requires_grad and same_rows(x, x.dim(), batch):
+            x, expand = x.narrow(0, 0, 1), True  # B identical rows not from the batch (arange(T).repeat(B, 1))
         elif x.requires_grad:
             raise RuntimeError(
-                f"grad_sample_mode='bk': layer {layer.name!r} got an input of batch size 1 that "
-                "requires a gradient while the step has several examples: it is computed from the "
-                "batch (a reduction over examples couples their gradients) or from a parameter "
-                "outside the layers book-keeping tracks; per-example gradients are undefined there"
+                f"grad_sample_mode='bk': layer {layer.name!r} ({type(layer.module).__name__}) got an input "
+                "that requires a gradient but is not derived from the batch nor tracked as shared by it: it "
+                "is computed from a parameter book-keeping does not track (a fallback layer's output, a "
+                "parameter frozen in one place and used in another); per-example gradients are undefined "
+                "there; use grad_sample_mode='hooks'"
             )
-        elif x.is_floating_point() or x.is_complex():
+        trailing = layer.rule.trailing(layer.module)
+        whole = trailing is not None and x.dim() > trailing
+        if not whole and (x.dim() == 0 or x.shape[0] != 1):
             raise RuntimeError(
-                f"grad_sample_mode='bk': layer {layer.name!r} got a floating-point input of batch size "
-                "1 while the step's batch has more examples; book-keeping shares an untracked input "
-                "with the batch only for indices (an Embedding's position ids): a floating-point one may "
-                "be a statistic of the batch (x.mean(0, keepdim=True), x[:1]), which would couple the "
-                "examples' gradients beyond their clip norms. If it is a constant, expand it to the "
-                f"batch (x.expand(batch_size, ...)); {BK_HINT}"
+                f"grad_sample_mode='bk': layer {layer.name!r} ({type(layer.module).__name__}) got an input of "
+                f"shape {tuple(x.shape)} that is not derived from the batch, without a leading dimension of 1; "
+                f"{BK_HINT}"
             )
         source = Source(layer.name, batch)
-        out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots), x, *layer.params.values())
+        mode.paused += 1
+        try:
+            out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots, whole), x, *layer.params.values())
+        finally:
+            mode.paused -= 1
         shared = SharedTensor.wrap(out, ((out, source),), batch)
         return shared.expand((batch, *tuple(out.shape[1:]))) if expand else shared
 
@@ -287,6 +342,22 @@ class _Layer:
             self.deferred.append((saved, g.detach()))  # the per-sample gradients are larger: form them at the end
         else:
             add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
+
+    def sink(self, name: str):
+        """Where the per-example gradients of parameter ``name`` used directly in the forward go (a value
+        shared by the batch, :meth:`BookKeeper.parameter_source`)."""
+
+        def add(g):
+            n = int(g.shape[0])
+            if self.batch is not None and n != self.batch:
+                raise ValueError(
+                    f"layer {self.name!r} saw batches of different sizes before optimizer.step() (the sizes are "
+                    f"private: not shown); {ACCUMULATION_ERROR}"
+                )
+            self.batch = n
+            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
+
+        return add
 
     @staticmethod
     def _kept_size(saved, g) -> int:
@@ -490,6 +561,20 @@ class _DirectForward:
         return _PlainForward, (self.unit.module,)
 
 
+class Routed:
+    """The plan of a covered layer's subclass whose own forward calls the base class's
+    (:func:`~.rules.routed_rule`): its rule applies where that forward's operation meets the weight."""
+
+    def __init__(self, rule, fn, pos):
+        self.rule, self.fn, self.pos = rule, fn, pos
+
+    def __repr__(self):
+        return f"Routed({type(self.rule).__name__} at {getattr(self.fn, '__name__', self.fn)})"
+
+
+_BASES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d, nn.Conv2d)
+
+
 def _unit_kind(module: nn.Module, rule):
     """How a module owning trainable parameters is book-kept: its rule; ``DIRECT_UNIT`` when no rule and no
     Opacus grad sampler covers it, it has trainable submodules (functorch over the whole module would
@@ -499,12 +584,14 @@ def _unit_kind(module: nn.Module, rule):
     sampler, or functorch over the whole module, which any forward of independent examples allows)."""
     if rule is not None or type(module) in GradSampleModule.GRAD_SAMPLERS:
         return rule
-    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    routed = routed_rule(module)
+    if routed is not None:
+        return Routed(*routed)
+    if isinstance(module, _BASES) and type(module).forward not in {b.forward for b in _BASES}:
+        return DIRECT_UNIT  # a layer's subclass with a forward of its own (FalconLinear: x @ W.T + b)
     mine = {id(p) for p in module.parameters(recurse=False)}
-    if all(p.dim() > 0 and p.shape[0] == 1 for p in own) and any(
-        p.requires_grad and id(p) not in mine for p in module.parameters()
-    ):
-        return DIRECT_UNIT
+    if any(p.requires_grad and id(p) not in mine for p in module.parameters()):
+        return DIRECT_UNIT  # own parameters used directly, trainable submodules on their own rules
     return None
 
 
@@ -544,6 +631,8 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
             if rule is not None:
                 _check_rule_parameters(name, module, rule)
             kind = None if parametrized else _unit_kind(module, rule)
+            if isinstance(kind, Routed):
+                _check_rule_parameters(name, module, kind.rule)
             whole = kind is None and type(module) not in GradSampleModule.GRAD_SAMPLERS
             params = module.parameters(recurse=whole)
             covered = kind is not None and kind != DIRECT_UNIT
@@ -589,6 +678,10 @@ class BookKeeper:
         self.direct: list[_DirectUnit] = []
         self.tied: list[list[tuple[_Layer, str]]] = []  # (layer, parameter name) of each tied parameter's uses
         self._batches: list[int | None] = []  # the batch size of each model forward in progress
+        self._modes: list = []  # the provenance mode of each model forward in progress (None: none entered)
+        self._routes: dict = {}  # id(weight) -> (functional operation, weight position, layer's forward)
+        self._sources: dict = {}  # id(parameter) -> the keeper's parameter_source (covered layers' parameters)
+        self._owner: dict = {}  # id(parameter) -> (layer, name)
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
@@ -610,12 +703,19 @@ class BookKeeper:
                     self.direct.append(unit)
                     params = unit.params
                 else:
-                    layer = _Layer(self, name, module, kind)
+                    routed = kind if isinstance(kind, Routed) else None
+                    layer = _Layer(self, name, module, routed.rule if routed else kind)
                     self.layers.append(layer)
-                    module.forward = _BookKeptForward(layer)
+                    forward = _BookKeptForward(layer)
+                    if routed:  # its own forward runs; the rule applies at the base class's operation
+                        self._routes[id(module.weight)] = (routed.fn, routed.pos, forward)
+                    else:
+                        module.forward = forward
                     params = layer.params
                     for pname, p in params.items():
                         uses.setdefault(id(p), []).append((layer, pname))
+                        self._sources[id(p)] = p
+                        self._owner.setdefault(id(p), (layer, pname))
                 for pname, p in params.items():
                     if len(uses.get(id(p), ())) <= 1:  # one leak hook per parameter
                         self._handles.append(p.register_hook(self._leak_hook(f"{name}.{pname}")))
@@ -636,6 +736,7 @@ class BookKeeper:
         for h in self._handles:
             h.remove()
         self.layers, self.units, self.direct, self.tied, self._handles = [], [], [], [], []
+        self._routes, self._sources, self._owner = {}, {}, {}
 
     def refresh(self) -> None:
         """Plan the model anew if its trainable parameters changed since it was planned (a layer
@@ -671,14 +772,33 @@ class BookKeeper:
 
     def _enter(self, _module, args, kwargs):
         batch = None
+        mode = None
         if self.active and torch.is_grad_enabled():
-            first = next((t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0), None)
-            batch = None if first is None else int(first.shape[0])
+            leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0]
+            batch = int(leaves[0].shape[0]) if leaves else None
+            if batch is not None and provenance.current() is None:
+                mode = provenance.ProvenanceMode(batch)
+                for t in leaves:  # the loader's batch (batch-first): the forward's tensors of B rows
+                    if int(t.shape[0]) == batch:
+                        mode.tags[t] = provenance.BATCH
+                mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
+                mode.__enter__()
         self._batches.append(batch)
+        self._modes.append(mode)
 
     def _exit(self, *_):
         if self._batches:
             self._batches.pop()
+        mode = self._modes.pop() if self._modes else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def parameter_source(self, p: torch.Tensor, batch: int) -> torch.Tensor:
+        """The tensor an operation of the forward uses for a covered layer's parameter ``p`` used directly
+        (outside its layer's own operation: DeBERTa's relative-position table fed to a LayerNorm): a value
+        shared by the batch whose per-example gradients go to the layer's record (:func:`.shared.parameter_use`)."""
+        layer, name = self._owner[id(p)]
+        return parameter_use(p, f"{layer.name}.{name}", batch, layer.sink(name))
 
     def _leak_hook(self, qualified: str):
         def hook(grad):  # a covered parameter's autograd gradient is None unless it was used elsewhere

@@ -154,6 +154,12 @@ class Rule:
     def covers(module: nn.Module) -> bool:
         raise NotImplementedError
 
+    def trailing(self, module) -> int | None:
+        """How many trailing dimensions the layer's operation acts on (a row-wise layer: any dimensions
+        before them are rows, wherever the batch dimension is among them); None when the operation
+        needs the batch as its leading dimension (convolutions, group normalisation)."""
+        return None
+
     def prepare(self, module, x):
         """Differentiable preprocessing outside the book-kept operation (default: none)."""
         return x
@@ -211,6 +217,9 @@ class LinearRule(Rule):
     @staticmethod
     def covers(module):
         return _own_forward(module, nn.Linear)
+
+    def trailing(self, module):
+        return 1
 
     def prepare(self, module, x):
         return autocast_input(x, self.amp_op, module.weight)
@@ -512,12 +521,14 @@ class EmbeddingRule(Rule):
 
     @staticmethod
     def covers(module):
-        return (
-            _own_forward(module, nn.Embedding)
-            and not module.scale_grad_by_freq
-            and not module.sparse
-            and module.max_norm is None
-        )
+        return _own_forward(module, nn.Embedding) and EmbeddingRule.semantics(module)
+
+    @staticmethod
+    def semantics(module):
+        return not module.scale_grad_by_freq and not module.sparse and module.max_norm is None
+
+    def trailing(self, module):
+        return 0
 
     def forward(self, module, ids):
         return F.embedding(ids, module.weight, module.padding_idx), (ids,)
@@ -661,6 +672,9 @@ class LayerNormRule(_AffineNormRule):
     @staticmethod
     def covers(module):
         return _own_forward(module, nn.LayerNorm) and module.elementwise_affine
+
+    def trailing(self, module):
+        return len(module.normalized_shape)
 
     def prepare(self, module, x):
         return autocast_input(x, "layer_norm", module.weight)
@@ -855,6 +869,9 @@ class ScaleNormRule(Rule):
         weight = getattr(module, "weight", None)
         return isinstance(weight, nn.Parameter) and self.form(module) is not None
 
+    def trailing(self, module):
+        return module.weight.dim()
+
     def forward(self, module, x):
         if x.dim() < 2:
             raise ValueError(
@@ -893,4 +910,36 @@ def rule_for(module: nn.Module) -> Rule | None:
     for rule in RULES:
         if rule.covers(module):
             return rule
+    return None
+
+
+def _calls_super(fn) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and "super" in code.co_names and "forward" in code.co_names
+
+
+#: (rule, base class, the functional operation its forward calls, the position of the weight in it)
+ROUTED = (
+    (LinearRule(), nn.Linear, F.linear, 1),
+    (EmbeddingRule(), nn.Embedding, F.embedding, 1),
+    (LayerNormRule(), nn.LayerNorm, F.layer_norm, 2),
+)
+
+
+def routed_rule(module: nn.Module):
+    """(rule, functional operation, weight position) for a subclass of a covered layer with a forward
+    of its own that calls the base class's (``super().forward(ids) * scale``: Gemma's and BART's scaled
+    word embeddings, OPT's learned positions): the rule applies where the base forward's operation
+    meets the module's own weight (:mod:`.provenance` routes it); None otherwise."""
+    if rule_for(module) is not None:
+        return None
+    for rule, base, fn, pos in ROUTED:
+        if (
+            isinstance(module, base)
+            and type(module).forward is not base.forward
+            and _calls_super(type(module).forward)
+            and (base is not nn.Embedding or EmbeddingRule.semantics(module))
+            and (base is not nn.LayerNorm or module.elementwise_affine)
+        ):
+            return rule, fn, pos
     return None

@@ -44,6 +44,8 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from . import provenance
+
 _HALF = (torch.float16, torch.bfloat16)
 BK_HINT = (
     "give the input a batch dimension of the step's batch size (e.g. position_ids expanded to (B, T)), "
@@ -215,8 +217,27 @@ BACKWARD = _names(_T.backward, torch.autograd.backward, torch.autograd.grad)
 
 
 def _batch_first(t: torch.Tensor, rank: int, batch: int) -> bool:
-    """Whether ``t``, aligned (right-justified) with a result of ``rank`` dimensions, is part of the batch."""
-    return t.dim() == rank and rank > 0 and t.shape[0] == batch
+    """Whether ``t``, aligned (right-justified) with a result of ``rank`` dimensions, is the batch with one
+    example per row of its leading dimension (:mod:`.provenance`; by its shape outside a model forward)."""
+    if provenance.current() is None:
+        return t.dim() == rank and rank > 0 and t.shape[0] == batch
+    rows = provenance.rows_of(t)
+    return rows is not None and rows.known and rows.dim == 0 and rows.group == 1 and t.dim() == rank and rank > 0
+
+
+def same_rows(t: torch.Tensor, rank: int, batch: int) -> bool:
+    """``t`` (aligned with ``rank`` dimensions) is a constant of B identical rows, not from the batch (the
+    comparison reads no example's data)."""
+    if t.requires_grad or t.dim() != rank or batch < 2 or t.shape[0] != batch or _from_batch(t, batch) is not None:
+        return False
+    return t.stride(0) == 0 or bool((t == t.narrow(0, 0, 1)).all())
+
+
+def _from_batch(t: torch.Tensor, batch: int):
+    """The rows of ``t`` when it derives from the batch (None: it does not; by its shape outside a forward)."""
+    if provenance.current() is None:
+        return provenance.BATCH if t.dim() > 0 and t.shape[0] == batch else None
+    return provenance.rows_of(t)
 
 
 class SharedTensor(torch.Tensor):
@@ -248,20 +269,45 @@ class SharedTensor(torch.Tensor):
                 for x, orig in zip(plain, flat, strict=True)
                 if torch.is_tensor(x) and not isinstance(orig, SharedTensor)
             ]
+            for t in partners:
+                rows = _from_batch(t, first._batch)
+                if rows is not None and not rows.known:
+                    raise provenance.refusal(
+                        f"a value shared by the batch (from {_describe(first._roots)}) in {provenance.op_name(func)!r}",
+                        rows,
+                    )
             rank = _meeting_rank(func, args, kwargs, [x for x in plain if torch.is_tensor(x)])
             if rank is not None and any(_batch_first(t, rank, first._batch) for t in partners):
                 if func in CAT and any(s._plain.shape[0] != s._batch for s in shared):
                     a, k = tree_unflatten(plain, spec)  # sizes that differ in the batch dimension: torch's error
                     return func(*a, **k)
+                if func in MATMUL and rank == 2 and isinstance(flat[1], SharedTensor) and len(shared) == 1:
+                    # (B, d) @ W: as (B, 1, d) @ (B, d, p), each example with its copy of W
+                    return func(plain[0].unsqueeze(1), broadcast(flat[1], 3)).squeeze(1)
                 met = [broadcast(x, rank) if isinstance(x, SharedTensor) else x for x in flat]
                 a, k = tree_unflatten(met, spec)
                 return func(*a, **k)
+            full = None
+            if func in ELEMENTWISE and rank:
+                # a constant of B identical rows (torch.ones(B, T) as a mask, arange(T).repeat(B, 1)): one
+                # row of it, the result expanded back (stride 0: broadcast over the batch where it meets it)
+                narrowed = [
+                    x.narrow(0, 0, 1)
+                    if torch.is_tensor(x) and not isinstance(orig, SharedTensor) and same_rows(x, rank, first._batch)
+                    else x
+                    for x, orig in zip(plain, flat, strict=True)
+                ]
+                if any(n is not x for n, x in zip(narrowed, plain, strict=True)):
+                    full = torch.broadcast_shapes(*(tuple(x.shape) for x in plain if torch.is_tensor(x)))
+                    plain = narrowed
             a, k = tree_unflatten(plain, spec)
             out = func(*a, **k)
+            if full is not None and torch.is_tensor(out):
+                out = out.expand(full)
             results = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
             if not results:  # metadata, comparisons, detach(), no_grad: nothing to attribute
                 return out
-            if any(t.dim() > 0 and t.shape[0] == first._batch for t in partners):
+            if any(_from_batch(t, first._batch) is not None for t in partners):
                 raise _refusal("an operand together with the batch", first, func)
             if any(t.requires_grad for t in partners):
                 raise _refusal(
