@@ -91,6 +91,11 @@ def op_name(func) -> str:
     return name
 
 
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name.startswith("__i")
+
+
 _STACK: list[ProvenanceMode] = []
 
 
@@ -297,7 +302,7 @@ class ProvenanceMode(TorchFunctionMode):
             route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
             if route is not None and route[0] is func:
                 return route[2].apply(self, args[0])  # a covered layer's subclass: its rule, at its operation
-        if self.sources:
+        if self.sources and torch.is_grad_enabled() and not _inplace(func):
             args, kwargs = self._substitute(args, kwargs)
         out = func(*args, **kwargs)
         if func in SETITEM:
@@ -329,7 +334,7 @@ class ProvenanceMode(TorchFunctionMode):
         rows = self._propagate(func, args, kwargs, out)
         if rows is SHARED:
             return out
-        if not rows.known:
+        if not rows.known and torch.is_grad_enabled():
             self._check_parameters(func, args, kwargs, rows)
         if torch.is_tensor(out):
             tags[out] = rows
@@ -595,6 +600,25 @@ class ProvenanceMode(TorchFunctionMode):
             return Rows(pos_out + (r.dim - pos_in), r.group)
         return None
 
+    def _gather(self, args, kwargs):
+        """``gather(input, dim, index)``: out[i][j] = input[i][index[i][j]] (for dim 1): rows follow the
+        batch rows of either operand, along another dimension than ``dim``; a constant operand must be
+        the same for every row (size 1 or stride 0 there), else the result depends on an example's place."""
+        inp, index = args[0], _arg(args, kwargs, 2, "index", _arg(args, kwargs, 1, "indices"))
+        dim = _arg(args, kwargs, 1, "dim")
+        if not (torch.is_tensor(inp) and torch.is_tensor(index) and isinstance(dim, int)):
+            return None
+        rx, ri = self.tags.get(inp), self.tags.get(index)
+        rows = rx or ri
+        if rx is not None and ri is not None and (rx.dim != ri.dim or rx.group != ri.group):
+            return None
+        if rows.dim == dim % inp.dim():
+            return None
+        for t, r in ((inp, rx), (index, ri)):
+            if r is None and not (t.shape[rows.dim] == 1 or t.stride(rows.dim) == 0):
+                return None
+        return rows
+
     def _functional(self, func, name, args, kwargs, tagged, res):
         x, r = tagged[0]
         nd = x.dim()
@@ -652,7 +676,9 @@ class ProvenanceMode(TorchFunctionMode):
             return r if r.dim < nd - len(pad) // 2 else None
         if name in ("tril", "triu", "tril_", "triu_", "diagonal") and only_first:
             return r if r.dim < nd - 2 else None
-        if name in ("gather", "take_along_dim", "scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
+        if name in ("gather", "take_along_dim"):
+            return self._gather(args, kwargs)
+        if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
             dim = int(_arg(args, kwargs, 1, "dim")) % nd
             if dim == r.dim or args[0] is not x:
                 return None
