@@ -66,15 +66,14 @@ import contextlib
 
 import torch
 from opacus.grad_sample import AbstractGradSampleModule, GradSampleModule
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...validation import InvalidParameterError
+from . import provenance
 from .rules import Rule, acc, add_into, routed_rule, rule_for
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
-from . import provenance
 from .tied import cross_term
 
 GHOST, PER_SAMPLE, FALLBACK = "ghost norm", "per-sample gradient", "Opacus per-sample gradient (fallback)"
@@ -403,14 +402,15 @@ class _FallbackUnit:
         self.keeper, self.name, self.module = keeper, name, module
         self.sampler = GradSampleModule.GRAD_SAMPLERS.get(type(module))
         whole = self.sampler is None
-        if whole:
-            prepare_layer(module, batch_first=True)
-            self.sampler = ft_compute_per_sample_gradient
+        self.whole = whole
         named = module.named_parameters() if whole else module.named_parameters(recurse=False)
         self.params = {n: p for n, p in named if p.requires_grad}
         self._names = {id(p): n for n, p in self.params.items()}
         self.activations: list = []
-        self.handles = [module.register_forward_hook(self._capture), module.register_full_backward_hook(self._backward)]
+        self.handles = [
+            module.register_forward_hook(self._capture, with_kwargs=True),
+            module.register_full_backward_hook(self._backward),
+        ]
         self.clear()
 
     def clear(self) -> None:
@@ -424,10 +424,26 @@ class _FallbackUnit:
     def recorded(self) -> bool:
         return self.batch is not None
 
-    def _capture(self, module, inputs, _output):
+    def _capture(self, module, inputs, kwargs, _output):
         if self.keeper.active and torch.is_grad_enabled():
+            mode = provenance.current()
+            if mode is not None:
+                self._check_rows(mode, inputs, kwargs)
             if module.training:
-                self.activations.append([t.detach() if torch.is_tensor(t) else t for t in inputs])
+                detach = lambda t: t.detach() if torch.is_tensor(t) else t  # noqa: E731
+                batched = None
+                if self.whole:  # which tensors are the batch's (per example), the rest passed whole
+                    leaves = tree_flatten((inputs, kwargs))[0]
+                    batched = [
+                        torch.is_tensor(t)
+                        and (mode.tags.get(t) is provenance.BATCH or _is_batch(mode.tags.get(t)))
+                        if mode is not None
+                        else torch.is_tensor(t) and t.dim() > 0
+                        for t in leaves
+                    ]
+                self.activations.append(
+                    ([detach(t) for t in inputs], {k: detach(v) for k, v in kwargs.items()}, batched)
+                )
             else:
                 self.eval_forwards += 1
 
@@ -449,11 +465,15 @@ class _FallbackUnit:
                 f"optimizer.step(); {ACCUMULATION_ERROR}"
             )
         self.batch = int(g.shape[0])
-        activations = self.activations.pop()
+        activations, kwargs, batched = self.activations.pop()
         if self.batch == 0:
             return
         got = set()
-        for p, gs in self.sampler(module, activations, g).items():
+        if self.whole:
+            grads = _functorch_per_sample(module, activations, kwargs, batched, g, self.params)
+        else:
+            grads = self.sampler(module, activations, g)
+        for p, gs in grads.items():
             if id(p) in self._names:
                 got.add(self._names[id(p)])
                 add_into(self.grad_sample, {self._names[id(p)]: gs})
@@ -462,6 +482,27 @@ class _FallbackUnit:
             self.untrained = (
                 f"got no per-sample gradient from Opacus's grad sampler for {', '.join(missing)}: they "
                 "would receive noise only; use grad_sample_mode='hooks'"
+            )
+
+    def _check_rows(self, mode, inputs, kwargs) -> None:
+        """A fallback's per-example gradients (functorch over the first dimension, or Opacus's grad sampler)
+        need its batch inputs batch-first, one example per row: refused otherwise, by provenance."""
+        rows = [mode.tags.get(t) for t in tree_flatten((inputs, kwargs))[0] if torch.is_tensor(t)]
+        for r in rows:
+            if r is not None and not r.known:
+                raise provenance.refusal(f"layer {self.name!r} ({type(self.module).__name__}, a fallback)", r)
+            if r is not None and not _is_batch(r):
+                raise RuntimeError(
+                    f"grad_sample_mode='bk': layer {self.name!r} ({type(self.module).__name__}) is a fallback "
+                    f"(Opacus's per-sample gradient) and gets the batch in dimension {r.dim} (rows grouped by "
+                    f"{r.group}); a fallback needs it as the leading dimension, one example per row; use "
+                    "grad_sample_mode='hooks'"
+                )
+        if not any(r is not None for r in rows):
+            raise RuntimeError(
+                f"grad_sample_mode='bk': layer {self.name!r} ({type(self.module).__name__}) is a fallback "
+                "(Opacus's per-sample gradient) called on values that are not derived from the batch (shared "
+                f"by it): its per-example gradients are not defined by its inputs' rows; {BK_HINT}"
             )
 
     def norm_sq(self):
@@ -478,8 +519,35 @@ class _FallbackUnit:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        if hasattr(self.module, "ft_compute_sample_grad"):
-            delattr(self.module, "ft_compute_sample_grad")
+
+
+def _is_batch(rows) -> bool:
+    return rows is not None and rows.known and rows.dim == 0 and rows.group == 1
+
+
+def _functorch_per_sample(module, args, kwargs, batched, g, params) -> dict:
+    """{parameter: (B, *shape)} per-example gradients of a whole module (a fallback no rule or grad sampler
+    covers): ``torch.func`` over the examples of its original call — every positional and keyword argument,
+    tensors of the batch split per example (``batched``), everything else passed as it was."""
+    from torch.func import grad, vmap
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    leaves, spec = tree_flatten((list(args), kwargs))
+    trainable = {n: p.detach() for n, p in params.items()}
+    frozen = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trainable}
+    per = [t for t, b in zip(leaves, batched, strict=True) if b]
+
+    def loss(tr, per_example, g_i):
+        it = iter(per_example)
+        filled = [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched, strict=True)]
+        a, k = tree_unflatten(filled, spec)
+        with _reparametrize_module(module, {**frozen, **tr}):
+            out = module.forward(*a, **k)  # the module's forward without its hooks (this unit's capture)
+        out = out if torch.is_tensor(out) else next(t for t in tree_flatten(out)[0] if torch.is_tensor(t))
+        return (out * g_i.unsqueeze(0).to(out.dtype)).sum()
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(trainable, per, g)
+    return {params[n]: gs for n, gs in grads.items()}
 
 
 class _DirectUnit:
