@@ -376,15 +376,20 @@ class ProvenanceMode(TorchFunctionMode):
         )
         if vr is None and not ir:
             return  # constants written into a tensor: its rows are unchanged
-        if tr is not None and tr.known and not ir and vr is not None and vr.known:
-            probe = self._index_rows(target, index, tr)
-            if (
-                probe is not None
-                and probe.known
-                and value.dim() - vr.dim == probe_rank(target, index) - probe.dim
-                and vr.group == probe.group
-            ):
-                return  # batch rows written into the same rows
+        if not ir and vr is not None and vr.known and (tr is None or tr.known):
+            # batch rows written into the same rows: into a tensor of the batch, or into a constant (BART's
+            # shift_tokens_right: new_zeros(ids.shape)[:, 1:] = ids[:, :-1]), whose other rows stay constant
+            rank = probe_rank(target, index)
+            for d in [tr.dim] if tr is not None else range(target.dim()):
+                group = vr.group if tr is None else tr.group
+                probe = self._index_rows(target, index, Rows(d, group))
+                if probe is None or rank - probe.dim != value.dim() - vr.dim or vr.group != probe.group:
+                    continue
+                if tr is None and target.shape[d] != value.shape[vr.dim]:
+                    continue
+                if tr is None:
+                    self.tags[target] = Rows(d, group)
+                return
         self.tags[target] = _mixed("__setitem__")
 
     # --- the rules ---------------------------------------------------------------------------
@@ -627,8 +632,20 @@ class ProvenanceMode(TorchFunctionMode):
             return r if r.dim != nd - 1 else None
         if name == "addmm" and len(args) > 1 and args[1] is x and len(tagged) == 1:
             return r if r.dim == 0 else None
-        if name in ("baddbmm", "addbmm") and len(tagged) == 1:
-            return None
+        if name == "baddbmm":  # input + batch1 @ batch2 (a batch of products)
+            got = None
+            pair = (_arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2"))
+            if self.tags.get(pair[0]) is not None or self.tags.get(pair[1]) is not None:
+                got = self._matmul(pair, res)
+                if got is None:
+                    return None
+            ri = self.tags.get(args[0])
+            if ri is not None:
+                ra = self._aligned([(args[0], ri)], res.dim(), res)
+                if ra is None or (got is not None and (ra.dim, ra.group) != (got.dim, got.group)):
+                    return None
+                got = got or ra
+            return got
         if name == "embedding" and len(tagged) == 1 and args[0] is x:
             return r
         if name == "one_hot" and only_first:

@@ -210,6 +210,8 @@ ELEMENTWISE = _names(
     torch.where,
     _T.where,
 )
+#: attention: query, key, value and mask broadcast against each other over the leading dimensions
+ATTENTION = _names(torch.nn.functional.scaled_dot_product_attention)
 MATMUL = _names(torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__)
 CAT = _names(torch.cat, torch.concat, torch.concatenate)
 #: a loss that never met the batch: its gradient belongs to no example
@@ -329,7 +331,7 @@ class SharedTensor(torch.Tensor):
 
 def _meeting_rank(func, args, kwargs, tensors):
     """The rank at which the operands of a broadcasting operation are aligned (None: not one)."""
-    if func in ELEMENTWISE:
+    if func in ELEMENTWISE or func in ATTENTION:
         return max(t.dim() for t in tensors)
     if func in MATMUL:
         return max(t.dim() for t in tensors) if len(tensors) == 2 and all(t.dim() >= 2 for t in tensors) else None
