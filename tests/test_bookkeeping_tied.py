@@ -11,7 +11,7 @@ from torch import nn
 
 from idpsgd.engine.bk_tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
 from idpsgd.engine.bookkeeping import GHOST, PER_SAMPLE, BookKeeper, plan_layers
-from test_bookkeeping import N, _check_equal, _data, _private, _step
+from test_bookkeeping import N, _check_equal, _data, _private
 
 
 class TiedLM(nn.Module):

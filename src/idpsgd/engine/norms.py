@@ -145,7 +145,14 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")
                 if loss.numel():
                     loss.sum().backward()  # "sum": each example's own loss gradient
-                    norms.append(keeper.norms().detach().double().cpu())
+                    got = keeper.norms().detach().double().cpu()
+                    if got.shape[0] != loss.shape[0]:
+                        keeper.clear()
+                        raise RuntimeError(
+                            f"per_example_grad_norms: the book-keeper gave {got.shape[0]} norms for {loss.shape[0]} "
+                            "per-example losses: the model's forward batch and per_sample_loss's examples differ"
+                        )
+                    norms.append(got)
                 losses.append(loss.detach().double().cpu())
                 keeper.clear()
                 _clear(raw)

@@ -129,9 +129,7 @@ class _BookKeptOp(torch.autograd.Function):
         if shared.whole:
             saved_b = tuple(t.unsqueeze(0).expand((batch, *tuple(t.shape))) if t.dim() else t for t in saved)
         else:
-            saved_b = tuple(
-                t.expand((batch, *tuple(t.shape[1:]))) if t.dim() and t.shape[0] == 1 else t for t in saved
-            )
+            saved_b = tuple(t.expand((batch, *tuple(t.shape[1:]))) if t.dim() and t.shape[0] == 1 else t for t in saved)
         layer.record(saved_b, gb)
         if not shared.roots:
             return (None, None, layer.rule.backward_input(layer.module, saved, g, ctx.needs_input_grad[2]), *rest)
@@ -435,8 +433,7 @@ class _FallbackUnit:
                 if self.whole:  # which tensors are the batch's (per example), the rest passed whole
                     leaves = tree_flatten((inputs, kwargs))[0]
                     batched = [
-                        torch.is_tensor(t)
-                        and (mode.tags.get(t) is provenance.BATCH or _is_batch(mode.tags.get(t)))
+                        torch.is_tensor(t) and (mode.tags.get(t) is provenance.BATCH or _is_batch(mode.tags.get(t)))
                         if mode is not None
                         else torch.is_tensor(t) and t.dim() > 0
                         for t in leaves
@@ -932,9 +929,14 @@ class BookKeeper:
                 if 1 in batches
                 else ""
             )
+            accumulated = any(getattr(p, "completed", 0) > 1 for p in parts)  # two backward passes before a step
             raise ValueError(
                 f"layers saw different batch sizes in one step (the sizes are private: not shown){shared}; "
-                f"{ACCUMULATION_ERROR}"
+                + (
+                    ACCUMULATION_ERROR
+                    if accumulated
+                    else "a layer was called on rows of another batch than the model's forward (e.g. outside it)"
+                )
             )
         return parts, (batches.pop() if batches else None)
 

@@ -93,7 +93,7 @@ def op_name(func) -> str:
 
 def _inplace(func) -> bool:
     name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__") or name.startswith("__i")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
 _STACK: list[ProvenanceMode] = []
@@ -136,7 +136,22 @@ def _fns(*names, modules=(torch, _T, F)):
 
 
 #: elementwise operations (with broadcasting): each tagged input's batch dimension, right-aligned
-_POINTWISE_NAMES = ["add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "subtract", "__sub__", "__rsub__", "__isub__", "rsub", "mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__", "div", "div_", "divide", "true_divide", "__truediv__", "__rtruediv__", "__itruediv__", "floor_divide", "__floordiv__", "__rfloordiv__", "remainder", "__mod__", "fmod", "pow", "pow_", "__pow__", "__rpow__", "neg", "__neg__", "negative", "abs", "exp", "exp_", "expm1", "log", "log_", "log1p", "log2", "log10", "sqrt", "rsqrt", "sin", "cos", "tan", "tanh", "tanh_", "sigmoid", "sigmoid_", "erf", "erfc", "relu", "relu_", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "softplus", "softsign", "tanhshrink", "logsigmoid", "threshold", "relu6", "sign", "sgn", "clamp", "clamp_", "clip", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill", "masked_fill_", "lerp", "addcmul", "addcdiv", "square", "reciprocal", "floor", "ceil", "round", "trunc", "frac", "isnan", "isinf", "isfinite", "nan_to_num", "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "__and__", "__or__", "__xor__", "__invert__", "__rand__", "__ror__", "__iand__", "__ior__", "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq_", "ne_", "float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type", "type_as", "contiguous", "clone", "detach", "detach_", "requires_grad_", "cpu", "cuda", "fill_", "zero_", "copy_", "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "atan2", "hypot", "xlogy", "logaddexp", "heaviside", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "deg2rad", "rad2deg", "digamma", "lgamma", "exp2", "square_"]
+_POINTWISE_NAMES = """
+add add_ __add__ __radd__ __iadd__ sub sub_ subtract __sub__ __rsub__ __isub__ rsub mul mul_
+multiply __mul__ __rmul__ __imul__ div div_ divide true_divide __truediv__ __rtruediv__ __itruediv__
+floor_divide __floordiv__ __rfloordiv__ remainder __mod__ fmod pow pow_ __pow__ __rpow__ neg __neg__
+negative abs exp exp_ expm1 log log_ log1p log2 log10 sqrt rsqrt sin cos tan tanh tanh_ sigmoid
+sigmoid_ erf erfc relu relu_ gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid
+softplus softsign tanhshrink logsigmoid threshold relu6 sign sgn clamp clamp_ clip clamp_min
+clamp_max maximum minimum where masked_fill masked_fill_ lerp addcmul addcdiv square reciprocal
+floor ceil round trunc frac isnan isinf isfinite nan_to_num logical_not logical_and logical_or
+logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor __and__ __or__ __xor__ __invert__
+__rand__ __ror__ __iand__ __ior__ eq ne lt le gt ge __eq__ __ne__ __lt__ __le__ __gt__ __ge__ eq_
+ne_ float double half bfloat16 int long bool to type type_as contiguous clone detach detach_
+requires_grad_ cpu cuda fill_ zero_ copy_ dropout dropout_ alpha_dropout feature_alpha_dropout
+dropout1d dropout2d dropout3d atan2 hypot xlogy logaddexp heaviside sinh cosh asin acos atan asinh
+acosh atanh deg2rad rad2deg digamma lgamma exp2 square_
+""".split()  # noqa: SIM905
 POINTWISE = _fns(*_POINTWISE_NAMES)
 #: operations along one dimension (``dim``): mixing when it is the batch dimension
 ALONG_DIM = _fns(
@@ -320,10 +335,14 @@ class ProvenanceMode(TorchFunctionMode):
                 if r is not None:
                     found = True
                     break
-            elif isinstance(a, (list, tuple)) and a and torch.is_tensor(a[0]):
-                if any(tags.get(x) is not None for x in a if torch.is_tensor(x)):
-                    found = True
-                    break
+            elif (
+                isinstance(a, (list, tuple))
+                and a
+                and torch.is_tensor(a[0])
+                and any(tags.get(x) is not None for x in a if torch.is_tensor(x))
+            ):
+                found = True
+                break
         if found is None and kwargs:
             for v in kwargs.values():
                 if torch.is_tensor(v) and tags.get(v) is not None:
