@@ -33,17 +33,17 @@ Where a trainable parameter meets a tensor whose rows are mixed or unknown — a
 step is refused, naming the operation that mixed the rows and where they met the parameter.
 
 The mode is not entered when B ≤ 1 (one example: its gradient is the summed one).  Tags live in a
-weak dictionary keyed by tensor identity, for the forward only.
+dictionary keyed by tensor identity (with weak references), for the forward only.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 _T = torch.Tensor
 
@@ -89,6 +89,9 @@ def op_name(func) -> str:
     if name == "__get__":  # a property (Tensor.T, Tensor.mT)
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     return name
+
+
+_Parameter = torch.nn.Parameter
 
 
 def _inplace(func) -> bool:
@@ -282,6 +285,25 @@ def _permute_rows(func, args, kwargs, nd, rows) -> Rows | None:
     return None
 
 
+class Tags:
+    """Rows by tensor identity for one forward: ``id(t)`` → (a weak reference to ``t``, its rows); a reused
+    id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self):
+        self._d = {}
+
+    def get(self, t, default=None):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        return e[1]
+
+    def __setitem__(self, t, rows):
+        self._d[id(t)] = (weakref.ref(t), rows)
+
+
 class ProvenanceMode(TorchFunctionMode):
     """Tags every tensor of the forward computed from the batch with its :class:`Rows` (module docstring).
     ``paused`` > 0 inside book-kept layers' own kernels (their outputs are tagged by the layer)."""
@@ -289,7 +311,7 @@ class ProvenanceMode(TorchFunctionMode):
     def __init__(self, batch: int):
         super().__init__()
         self.batch = batch
-        self.tags = WeakIdKeyDictionary()
+        self.tags = Tags()
         self.paused = 0
         self.routes: dict = {}  # id(weight) -> (operation, weight position, book-kept forward)
         self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
@@ -317,8 +339,13 @@ class ProvenanceMode(TorchFunctionMode):
             route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
             if route is not None and route[0] is func:
                 return route[2].apply(self, args[0])  # a covered layer's subclass: its rule, at its operation
-        if self.sources and torch.is_grad_enabled() and not _inplace(func):
-            args, kwargs = self._substitute(args, kwargs)
+        if self.sources:
+            sources = self.sources
+            for a in args if not kwargs else (*args, *kwargs.values()):
+                if isinstance(a, _Parameter) and id(a) in sources:
+                    if torch.is_grad_enabled() and not _inplace(func):
+                        args, kwargs = self._substitute(args, kwargs)
+                    break
         out = func(*args, **kwargs)
         if func in SETITEM:
             self._setitem(args)
