@@ -579,7 +579,8 @@ class ProvenanceMode(TorchFunctionMode):
         if func in MATMULS:
             return self._matmul(args, res)
         if func in GETITEM:
-            return self._index_rows(x, args[1], r) if args[0] is x and len(tagged) == 1 else None
+            r = self.tags.get(args[0])
+            return self._index_rows(args[0], args[1], r) if r is not None else None
         return self._functional(func, name, args, kwargs, tagged, res)
 
     def _matmul(self, args, res):
@@ -609,6 +610,8 @@ class ProvenanceMode(TorchFunctionMode):
             )
             idx = idx[:k] + (slice(None),) * (nd - used) + idx[k + 1 :]
         advanced = [i for i in idx if torch.is_tensor(i) or isinstance(i, list)]
+        if advanced and r.dim == 0 and r.group == 1 and self._per_row(x, idx):
+            return Rows(0, 1)  # x[arange(B), j] with j one index per example: row i is example i's
         if advanced:
             if any(torch.is_tensor(i) and self.tags.get(i) is not None for i in advanced):
                 return None
@@ -650,6 +653,26 @@ class ProvenanceMode(TorchFunctionMode):
                 return None
             return Rows(pos_out + (r.dim - pos_in), r.group)
         return None
+
+    def _per_row(self, x, idx) -> bool:
+        """``idx`` picks one element per batch row: an untagged ``arange(B)`` on the batch dimension
+        (compared by value: no example's data), then 1-D indices of B rows (the batch's, or one for all)."""
+        first = idx[0]
+        n = x.shape[0]
+        if not (torch.is_tensor(first) and first.dim() == 1 and first.shape[0] == n and not first.is_floating_point()):
+            return False
+        if self.tags.get(first) is not None or not torch.equal(first, torch.arange(n, device=first.device)):
+            return False
+        for i in idx[1:]:
+            if torch.is_tensor(i):
+                ri = self.tags.get(i)
+                if i.dim() != 1 or (ri is not None and not (ri.known and ri.dim == 0 and ri.group == 1)):
+                    return False
+                if ri is None and i.shape[0] != 1 and i.stride(0) != 0:
+                    return False
+            elif not isinstance(i, (int, slice)) or (isinstance(i, slice) and i != slice(None)):
+                return False
+        return True
 
     def _gather(self, args, kwargs):
         """``gather(input, dim, index)``: out[i][j] = input[i][index[i][j]] (for dim 1): rows follow the
@@ -735,8 +758,9 @@ class ProvenanceMode(TorchFunctionMode):
                 else None
             )
         if name in ("pad",) and only_first:
-            pad = _arg(args, kwargs, 1, "pad")
-            return r if r.dim < nd - len(pad) // 2 else None
+            pad = list(_arg(args, kwargs, 1, "pad"))
+            k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
+            return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
         if name in ("tril", "triu", "tril_", "triu_", "diagonal") and only_first:
             return r if r.dim < nd - 2 else None
         if name in ("gather", "take_along_dim"):
