@@ -405,10 +405,12 @@ class _FallbackUnit:
         self.params = {n: p for n, p in named if p.requires_grad}
         self._names = {id(p): n for n, p in self.params.items()}
         self.activations: list = []
-        self.handles = [
-            module.register_forward_hook(self._capture, with_kwargs=True),
-            module.register_full_backward_hook(self._backward),
-        ]
+        self._skip_capture = False
+        if whole:
+            module.forward = _FallbackForward(self)
+        self.handles = [module.register_forward_hook(self._capture, with_kwargs=True)]
+        if not whole:  # Opacus's grad sampler: its module's full backward hook, as Opacus
+            self.handles.append(module.register_full_backward_hook(self._backward))
         self.clear()
 
     def clear(self) -> None:
@@ -423,6 +425,9 @@ class _FallbackUnit:
         return self.batch is not None
 
     def _capture(self, module, inputs, kwargs, _output):
+        if self._skip_capture:  # a call on values shared by the batch (_FallbackForward)
+            self._skip_capture = False
+            return
         if self.keeper.active and torch.is_grad_enabled():
             mode = provenance.current()
             if mode is not None:
@@ -443,6 +448,11 @@ class _FallbackUnit:
                 )
             else:
                 self.eval_forwards += 1
+            if self.whole:  # the output's gradient, by a hook on the output tensor (no module backward hook,
+                # which an in-place operation on the output, or an output shared by the batch, breaks)
+                out = next((t for t in tree_flatten(_output)[0] if torch.is_tensor(t) and t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda g: self._backward(module, None, (g,)))
 
     def _backward(self, module, _grad_input, grad_output):
         if not self.keeper.active:
@@ -513,9 +523,59 @@ class _FallbackUnit:
     def drop(self, mask: torch.Tensor) -> None:
         self.grad_sample = {k: _drop_rows(v, mask) for k, v in self.grad_sample.items()}
 
+    def sink(self, name: str):
+        """Where the per-example gradients of parameter ``name`` go when the module is called on values shared
+        by the batch (its parameters then used as values shared by it, :class:`_FallbackForward`)."""
+
+        def add(g):
+            n = int(g.shape[0])
+            if self.batch is not None and n != self.batch:
+                raise ValueError(
+                    f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
+                    f"optimizer.step(); {ACCUMULATION_ERROR}"
+                )
+            self.batch = n
+            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
+
+        return add
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.module.__dict__.pop("forward", None)
+
+
+class _FallbackForward:
+    """A whole-module fallback's ``forward``: as it is on the batch; called on values shared by the batch only
+    (Swin's relative-position bias module: a parameter table gathered by an index buffer, no input from the
+    batch), its trainable parameters become values shared by the batch for the call (:func:`~.shared.parameter_use`),
+    whose per-example gradients are collected where the output meets the batch."""
+
+    def __init__(self, unit: _FallbackUnit):
+        self.unit = unit
+
+    def __call__(self, *args, **kwargs):
+        unit = self.unit
+        module = unit.module
+        mode = provenance.current()
+        if (
+            mode is None
+            or not (unit.keeper.active and torch.is_grad_enabled())
+            or any(torch.is_tensor(t) and mode.tags.get(t) is not None for t in tree_flatten((args, kwargs))[0])
+        ):
+            return type(module).forward(module, *args, **kwargs)
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        shared = {n: parameter_use(p, f"{unit.name}.{n}", mode.batch, unit.sink(n)) for n, p in unit.params.items()}
+        unit._skip_capture = True
+        with _reparametrize_module(module, shared):
+            return type(module).forward(module, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return _PlainForward(memo.get(id(self.unit.module), self.unit.module))
+
+    def __reduce__(self):
+        return _PlainForward, (self.unit.module,)
 
 
 def _is_batch(rows) -> bool:

@@ -130,19 +130,21 @@ class _Broadcast(torch.autograd.Function):
     backward hands the per-example gradients to the value's sources and returns their sum."""
 
     @staticmethod
-    def forward(ctx, base, batch, info):
-        ctx.batch, ctx.info = batch, info
-        return base.expand((batch, *tuple(base.shape[1:])))
+    def forward(ctx, base, batch, info, group=1):
+        ctx.batch, ctx.info, ctx.group = batch, info, group
+        return base.expand((batch * group, *tuple(base.shape[1:])))
 
     @staticmethod
     def backward(ctx, g):
         tensor, roots = ctx.info
+        if ctx.group != 1:  # rows grouped by example ((B·g, ...): Swin's windows): the sum over each group
+            g = g.reshape((ctx.batch, ctx.group, *tuple(g.shape[1:]))).sum(1)
         distribute(tensor, roots, g.reshape((ctx.batch, *tuple(tensor.shape))))
         ctx.info = None
-        return g.sum(0, keepdim=True), None, None
+        return g.sum(0, keepdim=True), None, None, None
 
 
-def broadcast(shared: SharedTensor, rank: int) -> torch.Tensor:
+def broadcast(shared: SharedTensor, rank: int, group: int = 1) -> torch.Tensor:
     """The batch-independent value ``shared`` broadcast to the batch: a (B, …) tensor whose rows are its
     value, with the leading dimensions padded to ``rank`` (that of the operation where it meets the
     batch).  Refused unless its (padded) leading dimension is 1, or B with all rows one value by
@@ -155,10 +157,10 @@ def broadcast(shared: SharedTensor, rank: int) -> torch.Tensor:
     if batch == 0 and padded[0] == 0:  # an empty batch: nothing to attribute
         return view
     if padded[0] == 1:
-        return _Broadcast.apply(view, batch, (plain, shared._roots))
+        return _Broadcast.apply(view, batch, (plain, shared._roots), group)
     if padded[0] == batch and view.stride(0) == 0:
         base = view.narrow(0, 0, 1)
-        return _Broadcast.apply(base, batch, (base, shared._roots))
+        return _Broadcast.apply(base, batch, (base, shared._roots), group)
     raise _refusal(f"an operand of shape {tuple(plain.shape)} aligned row by row with the batch", shared)
 
 
@@ -218,13 +220,14 @@ CAT = _names(torch.cat, torch.concat, torch.concatenate)
 BACKWARD = _names(_T.backward, torch.autograd.backward, torch.autograd.grad)
 
 
-def _batch_first(t: torch.Tensor, rank: int, batch: int) -> bool:
-    """Whether ``t``, aligned (right-justified) with a result of ``rank`` dimensions, is the batch with one
-    example per row of its leading dimension (:mod:`.provenance`; by its shape outside a model forward)."""
+def _batch_group(t: torch.Tensor, rank: int, batch: int) -> int | None:
+    """Rows per example when ``t``, aligned with ``rank`` dimensions, is the batch in its leading dimension
+    (one example per row, or contiguous groups of rows: (B·g, ...)); None otherwise."""
     if provenance.current() is None:
-        return t.dim() == rank and rank > 0 and t.shape[0] == batch
+        return 1 if t.dim() == rank and rank > 0 and t.shape[0] == batch else None
     rows = provenance.rows_of(t)
-    return rows is not None and rows.known and rows.dim == 0 and rows.group == 1 and t.dim() == rank and rank > 0
+    ok = rows is not None and rows.known and rows.dim == 0 and t.dim() == rank and rank > 0
+    return rows.group if ok else None
 
 
 def same_rows(t: torch.Tensor, rank: int, batch: int) -> bool:
@@ -279,14 +282,16 @@ class SharedTensor(torch.Tensor):
                         rows,
                     )
             rank = _meeting_rank(func, args, kwargs, [x for x in plain if torch.is_tensor(x)])
-            if rank is not None and any(_batch_first(t, rank, first._batch) for t in partners):
+            groups = {_batch_group(t, rank, first._batch) for t in partners} - {None} if rank is not None else set()
+            if len(groups) == 1:
+                group = groups.pop()
                 if func in CAT and any(s._plain.shape[0] != s._batch for s in shared):
                     a, k = tree_unflatten(plain, spec)  # sizes that differ in the batch dimension: torch's error
                     return func(*a, **k)
                 if func in MATMUL and rank == 2 and isinstance(flat[1], SharedTensor) and len(shared) == 1:
                     # (B, d) @ W: as (B, 1, d) @ (B, d, p), each example with its copy of W
                     return func(plain[0].unsqueeze(1), broadcast(flat[1], 3)).squeeze(1)
-                met = [broadcast(x, rank) if isinstance(x, SharedTensor) else x for x in flat]
+                met = [broadcast(x, rank, group) if isinstance(x, SharedTensor) else x for x in flat]
                 a, k = tree_unflatten(met, spec)
                 return func(*a, **k)
             full = None
