@@ -437,12 +437,24 @@ class _FallbackUnit:
                 batched = None
                 if self.whole:  # which tensors are the batch's (per example), the rest passed whole
                     leaves = tree_flatten((inputs, kwargs))[0]
+                    # rows per example of each leaf of the call (None: passed whole); of the output too
                     batched = [
-                        torch.is_tensor(t) and (mode.tags.get(t) is provenance.BATCH or _is_batch(mode.tags.get(t)))
+                        _group(mode.tags.get(t))
                         if mode is not None
-                        else torch.is_tensor(t) and t.dim() > 0
+                        else (1 if t.dim() > 0 else None)
+                        if torch.is_tensor(t)
+                        else None
                         for t in leaves
                     ]
+                    out = next((t for t in tree_flatten(_output)[0] if torch.is_tensor(t)), None)
+                    out_group = _group(mode.tags.get(out)) if mode is not None and out is not None else 1
+                    if out_group is None:
+                        raise RuntimeError(
+                            f"grad_sample_mode='bk': layer {self.name!r} ({type(module).__name__}) is a fallback whose "
+                            "output is not batch-first rows of the examples (by provenance): its per-example "
+                            "gradients cannot be formed; use grad_sample_mode='hooks'"
+                        )
+                    batched = (batched, out_group, mode.batch if mode is not None else None)
                 self.activations.append(
                     ([detach(t) for t in inputs], {k: detach(v) for k, v in kwargs.items()}, batched)
                 )
@@ -466,13 +478,14 @@ class _FallbackUnit:
                 )
             return
         g = grad_output[0].detach()
-        if self.batch is not None and g.shape[0] != self.batch:
+        activations, kwargs, batched = self.activations.pop()
+        n = batched[2] if self.whole and batched[2] is not None else int(g.shape[0])  # examples (rows may be grouped)
+        if self.batch is not None and n != self.batch:
             raise ValueError(
                 f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
                 f"optimizer.step(); {ACCUMULATION_ERROR}"
             )
-        self.batch = int(g.shape[0])
-        activations, kwargs, batched = self.activations.pop()
+        self.batch = n
         if self.batch == 0:
             return
         got = set()
@@ -498,11 +511,12 @@ class _FallbackUnit:
         for r in rows:
             if r is not None and not r.known:
                 raise provenance.refusal(f"layer {self.name!r} ({type(self.module).__name__}, a fallback)", r)
-            if r is not None and not _is_batch(r):
+            if r is not None and not (r.dim == 0 and (self.whole or r.group == 1)):
                 raise RuntimeError(
                     f"grad_sample_mode='bk': layer {self.name!r} ({type(self.module).__name__}) is a fallback "
                     f"(Opacus's per-sample gradient) and gets the batch in dimension {r.dim} (rows grouped by "
-                    f"{r.group}); a fallback needs it as the leading dimension, one example per row; use "
+                    f"{r.group}); a fallback needs it as the leading dimension (one example per row, or a module no "
+                    "grad sampler covers: contiguous rows of one example); use "
                     "grad_sample_mode='hooks'"
                 )
         if not any(r is not None for r in rows):
@@ -558,12 +572,25 @@ class _FallbackForward:
         unit = self.unit
         module = unit.module
         mode = provenance.current()
-        if (
-            mode is None
-            or not (unit.keeper.active and torch.is_grad_enabled())
-            or any(torch.is_tensor(t) and mode.tags.get(t) is not None for t in tree_flatten((args, kwargs))[0])
-        ):
+        if mode is None or not (unit.keeper.active and torch.is_grad_enabled()):
             return type(module).forward(module, *args, **kwargs)
+        rows = [mode.tags.get(t) for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
+        first = next((r for r in rows if r is not None), None)
+        if first is not None:
+            # on the batch: functorch re-runs the module per example (its rows), so its own operations are
+            # not tracked; its output has the rows of its first batch input (the module acts per example
+            # along its leading dimension: functorch's and Opacus's assumption for a module no rule covers)
+            unit._check_rows(mode, args, kwargs)
+            mode.paused += 1
+            try:
+                out = type(module).forward(module, *args, **kwargs)
+            finally:
+                mode.paused -= 1
+            lead = next((t for t, r in zip(tree_flatten((args, kwargs))[0], rows, strict=False) if r is first), None)
+            for t in tree_flatten(out)[0]:
+                if torch.is_tensor(t) and lead is not None and t.dim() > 0 and t.shape[0] == lead.shape[0]:
+                    mode.tags[t] = first
+            return out
         from torch.nn.utils.stateless import _reparametrize_module
 
         shared = {n: parameter_use(p, f"{unit.name}.{n}", mode.batch, unit.sink(n)) for n, p in unit.params.items()}
@@ -582,6 +609,11 @@ def _is_batch(rows) -> bool:
     return rows is not None and rows.known and rows.dim == 0 and rows.group == 1
 
 
+def _group(rows) -> int | None:
+    """Rows per example of a tensor whose batch is its leading dimension (None: not one)."""
+    return rows.group if rows is not None and rows.known and rows.dim == 0 else None
+
+
 def _functorch_per_sample(module, args, kwargs, batched, g, params) -> dict:
     """{parameter: (B, *shape)} per-example gradients of a whole module (a fallback no rule or grad sampler
     covers): ``torch.func`` over the examples of its original call — every positional and keyword argument,
@@ -589,21 +621,32 @@ def _functorch_per_sample(module, args, kwargs, batched, g, params) -> dict:
     from torch.func import grad, vmap
     from torch.nn.utils.stateless import _reparametrize_module
 
+    groups, out_group, batch = batched
+    batch = int(g.shape[0]) // out_group if batch is None else batch
     leaves, spec = tree_flatten((list(args), kwargs))
     trainable = {n: p.detach() for n, p in params.items()}
     frozen = {n: t for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in trainable}
-    per = [t for t, b in zip(leaves, batched, strict=True) if b]
+    # each example's rows: (B·k, ...) → (B, k, ...), so that vmap hands example i its k rows (MoE experts
+    # called on a decoder's (B·T, d) token rows: each example's tokens, with their routing)
+    per = [t.reshape((batch, k, *tuple(t.shape[1:]))) for t, k in zip(leaves, groups, strict=True) if k is not None]
 
     def loss(tr, per_example, g_i):
         it = iter(per_example)
-        filled = [next(it).unsqueeze(0) if b else t for t, b in zip(leaves, batched, strict=True)]
-        a, k = tree_unflatten(filled, spec)
+        filled = [next(it) if k is not None else t for t, k in zip(leaves, groups, strict=True)]
+        a, kw = tree_unflatten(filled, spec)
         with _reparametrize_module(module, {**frozen, **tr}):
-            out = module.forward(*a, **k)  # the module's forward without its hooks (this unit's capture)
+            out = module.forward(*a, **kw)  # the module's forward without its hooks (this unit's capture)
         out = out if torch.is_tensor(out) else next(t for t in tree_flatten(out)[0] if torch.is_tensor(t))
-        return (out * g_i.unsqueeze(0).to(out.dtype)).sum()
+        return (out * g_i.to(out.dtype)).sum()
 
-    grads = vmap(grad(loss), in_dims=(None, 0, 0))(trainable, per, g)
+    g = g.reshape((batch, out_group, *tuple(g.shape[1:])))
+    try:
+        grads = vmap(grad(loss), in_dims=(None, 0, 0))(trainable, per, g)
+    except RuntimeError as exc:  # data-dependent control flow (MoE routing): one example at a time
+        if "vmap" not in str(exc):
+            raise
+        each = [grad(loss)(trainable, [t[i] for t in per], g[i]) for i in range(batch)]
+        grads = {n: torch.stack([e[n] for e in each]) for n in trainable}
     return {params[n]: gs for n, gs in grads.items()}
 
 
