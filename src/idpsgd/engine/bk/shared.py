@@ -152,6 +152,9 @@ def broadcast(shared: SharedTensor, rank: int, group: int = 1) -> torch.Tensor:
     plain, batch = shared._plain, shared._batch
     if rank == 0:
         raise _refusal("a scalar", shared)
+    tile = getattr(shared, "_tile", None)
+    if tile is not None and plain.dim() == rank and tile[1] == group:
+        return _TiledBroadcast.apply(tile[0], batch, (tile[0], shared._roots))
     padded = (1,) * (rank - plain.dim()) + tuple(plain.shape)
     view = plain.reshape(padded)
     if batch == 0 and padded[0] == 0:  # an empty batch: nothing to attribute
@@ -214,7 +217,7 @@ ELEMENTWISE = _names(
 )
 #: attention: query, key, value and mask broadcast against each other over the leading dimensions
 ATTENTION = _names(torch.nn.functional.scaled_dot_product_attention)
-MATMUL = _names(torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__)
+MATMUL = _names(torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.bmm, _T.bmm)
 CAT = _names(torch.cat, torch.concat, torch.concatenate)
 #: a loss that never met the batch: its gradient belongs to no example
 BACKWARD = _names(_T.backward, torch.autograd.backward, torch.autograd.grad)
@@ -255,6 +258,7 @@ class SharedTensor(torch.Tensor):
     def wrap(plain: torch.Tensor, roots, batch: int) -> SharedTensor:
         shared = plain.as_subclass(SharedTensor)
         shared._plain, shared._roots, shared._batch = plain, tuple(roots), batch
+        shared._tile = None
         return shared
 
     @classmethod
@@ -328,10 +332,60 @@ class SharedTensor(torch.Tensor):
                 for root, src in s._roots:
                     roots[id(src)] = (root, src)
             roots = tuple(roots.values())
-            return tree_map(
+            wrapped = tree_map(
                 lambda t: SharedTensor.wrap(t, roots, first._batch) if torch.is_tensor(t) and t.requires_grad else t,
                 out,
             )
+            if isinstance(wrapped, SharedTensor) and len(shared) == 1 and flat[0] is first:
+                wrapped._tile = _tiled(func, first, plain, spec, wrapped)
+            return wrapped
+
+
+#: operations that keep a tiled value's leading dimension (applied to its tile alike)
+_KEEPS_ROWS = frozenset(
+    {torch.Tensor.transpose, torch.transpose, torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.float}
+    | {torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.div, torch.Tensor.__truediv__}
+)
+
+
+def _tiled(func, first: SharedTensor, plain, spec, result):
+    """(tile, rows) when ``result`` is B copies of a tile of ``rows`` rows stacked along its leading dimension —
+    ``value.repeat(B, 1, ...)`` (DeBERTa's relative positions, repeated for a (B·H, ...) batch of heads), or a
+    row-keeping operation on such a value (applied to the tile); None otherwise."""
+    flat_args = tree_unflatten(plain, spec)[0]
+    batch = first._batch
+    if func is torch.Tensor.repeat:
+        sizes = flat_args[1:] if len(flat_args) > 2 or isinstance(flat_args[1], int) else tuple(flat_args[1])
+        base = first._plain
+        if len(sizes) == base.dim() and sizes[0] == batch and all(k == 1 for k in sizes[1:]) and base.dim() > 0:
+            return base, base.shape[0]
+        return None
+    if first._tile is not None and func in _KEEPS_ROWS:
+        base, rows = first._tile
+        if func in (torch.Tensor.transpose, torch.transpose) and 0 in {int(d) % base.dim() for d in flat_args[1:3]}:
+            return None
+        tile = func(base, *flat_args[1:])
+        if torch.is_tensor(tile) and tile.shape[0] == rows and tuple(tile.shape[1:]) == tuple(result.shape[1:]):
+            return tile, rows
+    return None
+
+
+class _TiledBroadcast(torch.autograd.Function):
+    """``tile.repeat(B, 1, ...)`` met by the batch in rows grouped like its copies (example i's rows are copy
+    i): the backward hands example i the gradient of its copy."""
+
+    @staticmethod
+    def forward(ctx, tile, batch, info):
+        ctx.batch, ctx.info = batch, info
+        return tile.repeat((batch,) + (1,) * (tile.dim() - 1))
+
+    @staticmethod
+    def backward(ctx, g):
+        tile, roots = ctx.info
+        per = g.reshape((ctx.batch, *tuple(tile.shape)))
+        distribute(tile, roots, per)
+        ctx.info = None
+        return per.sum(0), None, None
 
 
 def _meeting_rank(func, args, kwargs, tensors):
