@@ -5,6 +5,8 @@ the operation named; the T = B cases are those a shape guess silently misattribu
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -249,3 +251,18 @@ def test_per_example_grad_norms_returns_one_norm_per_example():
         per_example_grad_norms(model, [(x, y)], half)
     norms, _ = per_example_grad_norms(model, [(x, y)])
     assert norms.shape == (N,) and np.all(norms > 0)
+
+
+@pytest.mark.parametrize("make", [MergedRows, TimeFirst, ScaledTiedLM, DirectTable, WithGate], ids=lambda m: m.__name__)
+def test_a_batch_of_one_example(make):
+    """A Poisson batch of one: its norm is the summed gradient's (rows of size 1 are not moved about)."""
+    model = _model(make)
+    x, y = _data((5,), classes=V if make is ScaledTiedLM else C, ids=V)
+    x, y = x[:1], y[:1]
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.grad is not None]).norm()
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    F.cross_entropy(model(x), y).backward()
+    torch.testing.assert_close(keeper.norms(), want.reshape(1), rtol=1e-10, atol=1e-12)

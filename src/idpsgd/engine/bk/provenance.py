@@ -245,7 +245,12 @@ def _reshape_rows(shape_in, rows: Rows, shape_out) -> Rows | None:
         k += 1
     if acc != before:
         return None
-    while k < len(shape_out) - 1 and shape_out[k] == 1 and math.prod(shape_out[k + 1 :]) == math.prod(shape_in[b:]):
+    while (
+        shape_in[b] != 1  # a batch dimension of size 1 (one example) stays where it is
+        and k < len(shape_out) - 1
+        and shape_out[k] == 1
+        and math.prod(shape_out[k + 1 :]) == math.prod(shape_in[b:])
+    ):
         k += 1  # skip size-1 dims in front of the batch
     if k >= len(shape_out):
         return None
@@ -655,20 +660,24 @@ class ProvenanceMode(TorchFunctionMode):
         return None
 
     def _per_row(self, x, idx) -> bool:
-        """``idx`` picks one element per batch row: an untagged ``arange(B)`` on the batch dimension
-        (compared by value: no example's data), then 1-D indices of B rows (the batch's, or one for all)."""
+        """``idx`` picks, for each batch row i, elements of row i only: an untagged ``arange(B)`` on the batch
+        dimension (any shape (B, 1, ..., 1); compared by value: no example's data), the other indices
+        broadcast against it — of the batch (tagged, B leading rows) or one for all rows (leading size 1).
+        CLIP's ``h[arange(B), eos]``, transformers' ``mask[arange(B)[:, None, None, None], kv_idx]``."""
         first = idx[0]
         n = x.shape[0]
-        if not (torch.is_tensor(first) and first.dim() == 1 and first.shape[0] == n and not first.is_floating_point()):
+        if not (torch.is_tensor(first) and first.dim() >= 1 and first.shape[0] == n and not first.is_floating_point()):
             return False
-        if self.tags.get(first) is not None or not torch.equal(first, torch.arange(n, device=first.device)):
+        if first.numel() != n or self.tags.get(first) is not None:
+            return False
+        if not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
             return False
         for i in idx[1:]:
             if torch.is_tensor(i):
                 ri = self.tags.get(i)
-                if i.dim() != 1 or (ri is not None and not (ri.known and ri.dim == 0 and ri.group == 1)):
+                if ri is not None and not (ri.known and ri.dim == 0 and ri.group == 1 and i.dim() <= first.dim()):
                     return False
-                if ri is None and i.shape[0] != 1 and i.stride(0) != 0:
+                if ri is None and i.dim() >= first.dim() and i.shape[i.dim() - first.dim()] != 1:
                     return False
             elif not isinstance(i, (int, slice)) or (isinstance(i, slice) and i != slice(None)):
                 return False
