@@ -59,6 +59,11 @@ class Source:
 
     def __init__(self, name: str, batch: int, sink=None):
         self.name, self.batch, self.sink = name, batch, sink
+        # the dtype autocast computed in when the value was made (its gradients rounded there), or None
+        self.half = next(
+            (torch.get_autocast_dtype(d) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)),
+            None,
+        )
         self.grad = None
         self.total = self.mass = None
 
@@ -91,7 +96,9 @@ def check_complete(source: Source, g: torch.Tensor) -> None:
     gap = float((g.to(total.dtype) - total).abs().max())
     if not (math.isfinite(gap) and math.isfinite(mass)):  # an overflow (autocast): those examples are left out
         return
-    if gap > (INCOMPLETE + 8 * torch.finfo(g.dtype).eps * (g.dtype in _HALF)) * mass + torch.finfo(g.dtype).tiny:
+    half = g.dtype if g.dtype in _HALF else source.half if source.half in _HALF else None
+    rounding = 8 * torch.finfo(half).eps if half is not None else 0.0  # per-example and summed paths round apart
+    if gap > (INCOMPLETE + rounding) * mass + torch.finfo(g.dtype).tiny:
         raise RuntimeError(
             f"grad_sample_mode='bk': part of the gradient of a value shared by the batch (from {source.name!r}) "
             "reached it through an operation book-keeping does not track (e.g. an assignment h[...] = value into a "
