@@ -245,19 +245,15 @@ def _reshape_rows(shape_in, rows: Rows, shape_out) -> Rows | None:
         k += 1
     if acc != before:
         return None
-    while (
-        shape_in[b] != 1  # a batch dimension of size 1 (one example) stays where it is
-        and k < len(shape_out) - 1
-        and shape_out[k] == 1
-        and math.prod(shape_out[k + 1 :]) == math.prod(shape_in[b:])
-    ):
-        k += 1  # skip size-1 dims in front of the batch
-    if k >= len(shape_out):
-        return None
-    rest = math.prod(shape_out[k + 1 :])
-    if rest == 0 or block % rest:
-        return None
-    return Rows(k, block // rest)
+    # the batch starts at dimension k, or after size-1 dimensions in front of it ((B, T, d).unsqueeze(0))
+    while k < len(shape_out):
+        rest = math.prod(shape_out[k + 1 :])
+        if rest and block % rest == 0:
+            return Rows(k, block // rest)
+        if shape_out[k] != 1:
+            return None
+        k += 1
+    return None
 
 
 def _permute_rows(func, args, kwargs, nd, rows) -> Rows | None:
