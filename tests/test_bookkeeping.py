@@ -362,10 +362,21 @@ def test_functional_use_of_a_covered_weight_is_refused():
         def forward(self, x):
             return self.lin(x) + x[:, :3] @ self.lin.weight[:, :3].t()
 
+    class Regularised(Leaky):  # a use outside the model's forward: no provenance there
+        def forward(self, x):
+            return self.lin(x)
+
     torch.manual_seed(0)
     x, y = _data((4,))
+    # issue 36: inside the forward, the functional use is tracked (exact); outside it, refused
+    _check_equal(Leaky().double(), x, y, opacus=False)
+    model = Regularised().double()
+    _, module, opt, loader = _private(model, x, y, "bk")
+    xb, yb = next(iter(loader))
+    loss = nn.functional.cross_entropy(module(xb), yb) + (model.lin.weight**2).sum()
+    loss.backward()
     with pytest.raises(RuntimeError, match="un-clipped gradient outside"):
-        _step(Leaky().double(), x, y, "bk", np.ones(N))
+        opt.step()
 
 
 def test_two_backward_passes_before_a_step_are_refused():

@@ -45,23 +45,13 @@ _EXPERTS = "the experts module falls back; the fallback re-calls forward without
 _THREE = ("T!=B", "T=B", "mask", "bf16")  # mask, bf16: at T != B first
 # (architecture, case) → (the outcome on today's main, why); case: "T!=B", "T=B", "LoRA", "bf16"
 KNOWN = {
-    **{("opt", c): ("refused", "fc1/fc2/final_layer_norm on (B*T, d) rows: " + _MIXED) for c in _THREE},
-    **{("falcon", c): ("crash", "FalconLinear falls back; its backward hook meets an in-place add") for c in _THREE},
-    **{("gemma", c): ("refused", _TIE) for c in _THREE},
-    **{("bart", c): ("refused", _TIE) for c in _THREE},
-    ("t5", "T!=B"): ("refused", "relative_attention_bias, an Embedding on a (T, T) bucket index: " + _MIXED),
-    ("t5", "T=B"): ("WRONG", "relative_attention_bias's (T, T) bucket index taken for the batch: misattributed"),
-    ("t5", "bf16"): ("refused", "as at T != B"),
-    ("t5", "mask"): ("refused", "as at T != B"),
-    **{("deberta_v2", c): ("refused", "rel_embeddings used directly, then pos_key_proj on batch 1") for c in _THREE},
+    # issue 36 (provenance) made every case of the 24 exact; what remains is refused, never silent:
+    # with LoRA the experts are frozen, so no fallback re-runs them per example and their routing
+    # (an index_add_ of expert outputs into token rows) is tracked as rows mixed across the batch
     **{
-        ("swin", c): ("crash", "SwinRelativePositionBias: a fallback Opacus refuses (buffers)")
-        for c in ("T!=B", "T=B", "bf16")  # no attention mask
+        (moe, "LoRA"): ("refused", "frozen experts: routing rows without per-row provenance")
+        for moe in ("mixtral", "qwen2_moe")
     },
-    ("swin", "LoRA"): ("refused", "windows: q_proj/v_proj on (B*windows, w*w, d): " + _MIXED),
-    ("convnext", "bf16"): ("crash", "the fallback's backward under autocast: a dtype mismatch"),
-    **{("mixtral", c): ("crash", _EXPERTS) for c in _THREE},
-    **{("qwen2_moe", c): ("crash", _EXPERTS) for c in _THREE},
 }
 
 

@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     from ..data import DatasetFileError
+    from ..engine.bk.provenance import RefusedRows
 
     _help, _add, run = COMMANDS[args.command]
     held = _OnceAfterSuccess("Secure RNG turned off", args.command)
@@ -170,6 +171,9 @@ def main(argv=None) -> int:
         return 2
     except (UnreachableTargetError, FileNotFoundError, CheckpointError) as exc:
         sys.stderr.write(f"idpsgd {args.command}: error: {_flagged_message(str(exc), args)}\n")
+        return 2
+    except RefusedRows as exc:  # book-keeping: a model whose examples' rows mix (the operation named)
+        sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")
         return 2
     split.show()
     held.show()

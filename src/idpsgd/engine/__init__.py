@@ -3,7 +3,7 @@ module, optimizer, data loader and accountant of individualized DP-SGD (Boenisch
 any model, data and device; individual accounting (Yu et al. 2023) runs on it."""
 
 from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
-from .bookkeeping import BookKeeper, BookKeepingModule
+from .bk.keeper import BookKeeper, BookKeepingModule
 from .filter import FilterOptions, IndividualFilter
 from .individual import IndividualAccountingOptions, IndividualTracker
 from .optimizer import (

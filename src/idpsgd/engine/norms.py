@@ -53,7 +53,7 @@ def _norm_pass(model: torch.nn.Module):
     or persistent buffer the pass changes is refused by the check (:mod:`.integrity`): the pass runs
     the forward over every example, those that never train included."""
     from .batch_independence import BatchIndependence
-    from .bookkeeping import BookKeeper
+    from .bk.keeper import BookKeeper
     from .integrity import WriteGuard, check_static_writes
     from .wrap import raw_module
 
@@ -151,7 +151,14 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")
                 if loss.numel():
                     loss.sum().backward()  # "sum": each example's own loss gradient
-                    norms.append(keeper.norms().detach().double().cpu())
+                    got = keeper.norms().detach().double().cpu()
+                    if got.shape[0] != loss.shape[0]:
+                        keeper.clear()
+                        raise RuntimeError(
+                            f"per_example_grad_norms: the book-keeper gave {got.shape[0]} norms for {loss.shape[0]} "
+                            "per-example losses: the model's forward batch and per_sample_loss's examples differ"
+                        )
+                    norms.append(got)
                 losses.append(loss.detach().double().cpu())
                 keeper.clear()
                 _clear(raw)

@@ -37,7 +37,7 @@ from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from ..validation import InvalidParameterError, check_positive
-from .bk_layers import _acc_dtype
+from .bk.rules import acc_dtype
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
 from .sampler import BatchMismatchError
@@ -268,7 +268,7 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
             norms = torch.zeros((0,), device=samples[0].device)
         else:  # (half-precision per-sample gradients: norms in float32)
             per_param = [
-                torch.linalg.vector_norm(g.reshape(len(g), -1), dim=-1, dtype=_acc_dtype(g.dtype)) for g in samples
+                torch.linalg.vector_norm(g.reshape(len(g), -1), dim=-1, dtype=acc_dtype(g.dtype)) for g in samples
             ]
             device = per_param[0].device
             norms = torch.stack([n.to(device) for n in per_param], dim=1).norm(2, dim=1)

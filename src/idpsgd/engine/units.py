@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..users import Users
-from .bk_layers import EmbeddingRule, LinearRule, _acc, _add_into
+from .bk.rules import EmbeddingRule, LinearRule, acc, add_into
 from .clipping import PerExampleClipping
 from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
 
@@ -331,12 +331,12 @@ def regroup_records(parts, grouping: Grouping) -> None:
                 part.deferred = []
             else:
                 for saved, g in part.deferred:
-                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                    add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
                 part.deferred = []
                 for saved, g in uses:
-                    _add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
+                    add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
                 part.uses = []
-        part.grad_sample = {k: grouping.sum(_acc(v)) for k, v in part.grad_sample.items()}
+        part.grad_sample = {k: grouping.sum(acc(v)) for k, v in part.grad_sample.items()}
         part.batch = grouping.num_units
 
 

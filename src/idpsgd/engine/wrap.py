@@ -53,7 +53,7 @@ from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
 from .batch_independence import BatchIndependence
-from .bookkeeping import BookKeeper, BookKeepingModule, plan_layers
+from .bk.keeper import BookKeeper, BookKeepingModule, plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
 from .opacus_compat import UnsupportedModuleError, refuse_opacus_options

@@ -1,0 +1,12 @@
+"""Book-keeping clipping (``grad_sample_mode="bk"``), one module per step of the mechanism:
+
+1. :mod:`.provenance` — which tensors of the forward derive from the batch, and which of their rows
+   belong to which example (a torch function mode active during the model's forward);
+2. :mod:`.rules` — per-operation rules: a trainable parameter meeting batch-derived rows (Linear,
+   convolution, Embedding, the norms, transformers' Conv1D, RMSNorm forms): ghost norm or
+   per-sample gradient;
+3. :mod:`.shared` and :mod:`.tied` — values shared by the batch (parameters used directly,
+   batch-independent inputs) and parameters used by several layers (cross terms);
+4. :mod:`.keeper` — the book-keeper: the plan of a model, one backward pass, per-example norms and
+   the clipped sum.
+"""

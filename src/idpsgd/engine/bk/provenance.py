@@ -1,0 +1,813 @@
+"""Provenance in book-keeping: which tensors of the model's forward derive from the batch, and which of
+their rows belong to which example.
+
+Book-keeping used to take a tensor for the batch when its leading dimension equalled the step's batch
+size B.  That guess fails silently when a value that does not come from the batch happens to have B
+rows (T5's (T, T) relative-position buckets at T = B, a constant bank of B scales), when the batch is
+not the leading dimension ((T, B, d) with T = B), or when a batch-1 value is computed from the batch
+(``ids.max(0, keepdim=True)``).  Here the batch dimension is a *fact*: :class:`ProvenanceMode`, a
+torch function mode active during the model's forward (entered and left by the keeper's forward
+pre-hook and hook), sees every torch operation and tags each result computed from a tagged tensor
+with its :class:`Rows`:
+
+* the forward's tensor arguments whose leading dimension is B (the loader's batch, batch-first: the
+  engine refuses ``batch_first=False``) are tagged ``Rows(dim=0, group=1)``;
+* an operation known to act row by row keeps the rows: elementwise operations with broadcasting,
+  transposes, permutes, ``movedim``, (un)squeeze, ``expand``, indexing and slicing along other
+  dimensions, ``cat``/``stack`` along other dimensions, reductions and ``softmax``/``sort``/``cumsum``
+  along other dimensions, ``matmul`` contracting another dimension, ``linear``, ``embedding``,
+  convolutions and the norms acting on other dimensions, attention (``scaled_dot_product_attention``);
+* a ``view``/``reshape``/``flatten`` that merges the batch with the dimensions after it — (B, T, d) →
+  (B·T, d), as OPT's decoder layer does — gives ``Rows(dim=0, group=T)``: row r belongs to example
+  r // T; splitting it back restores ``group=1``.  (:class:`Rows` can carry any grouping; only
+  contiguous groups are produced.)
+* an operation that reduces or mixes over the batch rows (a reduction, ``sort``/``topk``/``cumsum``
+  along the batch dimension, ``batch_norm`` in training, ``matmul`` contracting the batch dimension,
+  a ``cat`` along it) gives rows that belong to no single example: ``Rows.mixed`` names the operation;
+* any other operation on a tagged tensor gives rows of unknown attribution (``Rows.mixed`` names it
+  too): never assumed to be row-wise.
+
+A tensor with no tag does not derive from the batch: it is *shared* by the batch, whatever its shape.
+Where a trainable parameter meets a tensor whose rows are mixed or unknown — a covered layer's input
+(:mod:`.keeper`), a shared value (:mod:`.shared`), or any operation taking a trainable parameter — the
+step is refused, naming the operation that mixed the rows and where they met the parameter.
+
+The mode is not entered when B ≤ 1 (one example: its gradient is the summed one).  Tags live in a
+dictionary keyed by tensor identity (with weak references), for the forward only.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_T = torch.Tensor
+
+
+class Rows:
+    """Which example each row along a tensor's batch dimension belongs to.
+
+    ``dim`` is the batch dimension; row r belongs to unit r // ``group`` (contiguous groups: a
+    reshape that merged the batch with the next dimensions).  ``mixed`` (a string naming the
+    operation) when the rows belong to no single example, or nobody knows: then ``dim`` is None."""
+
+    __slots__ = ("dim", "group", "mixed")
+
+    def __init__(self, dim: int | None, group: int = 1, mixed: str | None = None):
+        self.dim, self.group, self.mixed = dim, group, mixed
+
+    @property
+    def known(self) -> bool:
+        return self.mixed is None
+
+    def moved(self, dim: int) -> Rows:
+        return self if dim == self.dim else Rows(dim, self.group)
+
+    def example_of(self, rows: int, device=None) -> torch.Tensor:
+        """The example (unit) of each of ``rows`` rows along the batch dimension."""
+        return torch.div(torch.arange(rows, device=device), self.group, rounding_mode="floor")
+
+    def __repr__(self):
+        return f"Rows(mixed by {self.mixed})" if self.mixed else f"Rows(dim={self.dim}, group={self.group})"
+
+
+BATCH = Rows(0, 1)
+#: a rule's answer for a result that does not derive from the batch's values (a constant viewed as a batch tensor)
+SHARED = Rows(None, 1, "shared")
+
+
+def _mixed(why) -> Rows:
+    return Rows(None, 1, why)
+
+
+def op_name(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__":  # a property (Tensor.T, Tensor.mT)
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+_Parameter = torch.nn.Parameter
+
+
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+_STACK: list[ProvenanceMode] = []
+
+
+def current() -> ProvenanceMode | None:
+    """The provenance mode of the model forward in progress (None outside one, or with B ≤ 1)."""
+    return _STACK[-1] if _STACK else None
+
+
+def rows_of(t) -> Rows | None:
+    """The rows of ``t`` in the forward in progress (None: not derived from the batch, or no forward)."""
+    mode = current()
+    return None if mode is None or not torch.is_tensor(t) else mode.tags.get(t)
+
+
+class RefusedRows(RuntimeError):
+    """A trainable parameter met rows that belong to no single example."""
+
+
+def refusal(where: str, rows: Rows) -> RefusedRows:
+    return RefusedRows(
+        f"grad_sample_mode='bk': {where} meets a tensor whose rows are not each one example's: they come "
+        f"from {rows.mixed!r}, which reduces, mixes or selects across the batch dimension (a reduction, sort, "
+        "cumsum or product over it, a slice of it, batch_norm in training) or which book-keeping does not "
+        "know to act row by row; per-example gradients are undefined there. Keep such operations off the "
+        "batch dimension, or use grad_sample_mode='hooks' for a model whose examples interact"
+    )
+
+
+# --- the operations --------------------------------------------------------------------------------
+def _fns(*names, modules=(torch, _T, F)):
+    out = set()
+    for name in names:
+        for m in modules:
+            f = getattr(m, name, None)
+            if f is not None:
+                out.add(f)
+    return out
+
+
+#: elementwise operations (with broadcasting): each tagged input's batch dimension, right-aligned
+_POINTWISE_NAMES = """
+add add_ __add__ __radd__ __iadd__ sub sub_ subtract __sub__ __rsub__ __isub__ rsub mul mul_
+multiply __mul__ __rmul__ __imul__ div div_ divide true_divide __truediv__ __rtruediv__ __itruediv__
+floor_divide __floordiv__ __rfloordiv__ remainder __mod__ fmod pow pow_ __pow__ __rpow__ neg __neg__
+negative abs exp exp_ expm1 log log_ log1p log2 log10 sqrt rsqrt sin cos tan tanh tanh_ sigmoid
+sigmoid_ erf erfc relu relu_ gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid
+softplus softsign tanhshrink logsigmoid threshold relu6 sign sgn clamp clamp_ clip clamp_min
+clamp_max maximum minimum where masked_fill masked_fill_ lerp addcmul addcdiv square reciprocal
+floor ceil round trunc frac isnan isinf isfinite nan_to_num logical_not logical_and logical_or
+logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor __and__ __or__ __xor__ __invert__
+__rand__ __ror__ __iand__ __ior__ eq ne lt le gt ge __eq__ __ne__ __lt__ __le__ __gt__ __ge__ eq_
+ne_ float double half bfloat16 int long bool to type type_as contiguous clone detach detach_
+requires_grad_ cpu cuda fill_ zero_ copy_ dropout dropout_ alpha_dropout feature_alpha_dropout
+dropout1d dropout2d dropout3d atan2 hypot xlogy logaddexp heaviside sinh cosh asin acos atan asinh
+acosh atanh deg2rad rad2deg digamma lgamma exp2 square_
+""".split()  # noqa: SIM905
+POINTWISE = _fns(*_POINTWISE_NAMES)
+#: operations along one dimension (``dim``): mixing when it is the batch dimension
+ALONG_DIM = _fns(
+    "softmax",
+    "log_softmax",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "logcumsumexp",
+    "sort",
+    "argsort",
+    "topk",
+    "kthvalue",
+    "flip",
+    "roll",
+    "normalize",
+    "glu",
+    "softmin",
+    "diff",
+)
+#: reductions (``dim`` an int, a sequence, or all)
+REDUCTIONS = _fns(
+    "sum",
+    "mean",
+    "nansum",
+    "nanmean",
+    "prod",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "std",
+    "var",
+    "var_mean",
+    "std_mean",
+    "norm",
+    "logsumexp",
+    "all",
+    "any",
+    "count_nonzero",
+    "median",
+    "nanmedian",
+    "aminmax",
+)
+RESHAPES = _fns("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze")
+EXPANDS = _fns("expand", "expand_as", "broadcast_to")
+PERMUTES = _fns("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t")
+SPLITS = _fns("split", "chunk", "unbind", "tensor_split", "narrow", "select", "index_select", "split_with_sizes")
+JOINS = _fns("cat", "concat", "concatenate", "stack")
+MATMULS = _fns("matmul", "__matmul__", "__rmatmul__", "bmm", "mm")
+GETITEM = {_T.__getitem__}
+#: the operations of covered layers' base forwards (the weight's position), routed for their subclasses
+ROUTABLE = {F.linear: 1, F.embedding: 1, F.layer_norm: 2}
+#: tensors of a tagged tensor's shape but not of its values: not derived from the batch's data
+LIKE = _fns(
+    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like"
+)
+SETITEM = {_T.__setitem__}
+PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
+
+
+def _dims(d, nd):
+    if d is None:
+        return None
+    if isinstance(d, (list, tuple)):
+        return tuple(int(x) % nd for x in d) if nd else ()
+    return (int(d) % nd,) if nd else ()
+
+
+def _arg(args, kwargs, pos, name, default=None):
+    if len(args) > pos:
+        return args[pos]
+    return kwargs.get(name, default)
+
+
+def _reshape_rows(shape_in, rows: Rows, shape_out) -> Rows | None:
+    """Rows after a reshape from ``shape_in`` to ``shape_out`` (None: not one example per row)."""
+    b = rows.dim
+    before = math.prod(shape_in[:b])
+    per_row = math.prod(shape_in[b + 1 :])
+    block = rows.group * per_row  # numbers of one example, contiguous (given the dims before)
+    k, acc = 0, 1
+    while k < len(shape_out) and acc < before:
+        acc *= shape_out[k]
+        k += 1
+    if acc != before:
+        return None
+    # the batch starts at dimension k, or after size-1 dimensions in front of it ((B, T, d).unsqueeze(0))
+    while k < len(shape_out):
+        rest = math.prod(shape_out[k + 1 :])
+        if rest and block % rest == 0:
+            return Rows(k, block // rest)
+        if shape_out[k] != 1:
+            return None
+        k += 1
+    return None
+
+
+def _permute_rows(func, args, kwargs, nd, rows) -> Rows | None:
+    name = op_name(func)
+    d = rows.dim
+    if name == "t":
+        return rows.moved(nd - 1 - d) if nd == 2 else rows
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a = int(_arg(args, kwargs, 1, "dim0")) % nd
+        c = int(_arg(args, kwargs, 2, "dim1")) % nd
+        return rows.moved(c if d == a else a if d == c else d)
+    if name == "permute":
+        dims = (
+            args[1:]
+            if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int))
+            else _arg(args, kwargs, 1, "dims")
+        )
+        dims = [int(x) % nd for x in dims]
+        return rows.moved(dims.index(d))
+    if name in ("movedim", "moveaxis"):
+        src = _dims(_arg(args, kwargs, 1, "source"), nd)
+        dst = _dims(_arg(args, kwargs, 2, "destination"), nd)
+        order = [i for i in range(nd) if i not in src]
+        perm = [None] * nd
+        for s, t in zip(src, dst, strict=True):
+            perm[t] = s
+        it = iter(order)
+        perm = [p if p is not None else next(it) for p in perm]
+        return rows.moved(perm.index(d))
+    return None
+
+
+class Tags:
+    """Rows by tensor identity for one forward: ``id(t)`` → (a weak reference to ``t``, its rows); a reused
+    id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self):
+        self._d = {}
+
+    def get(self, t, default=None):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        return e[1]
+
+    def __setitem__(self, t, rows):
+        self._d[id(t)] = (weakref.ref(t), rows)
+
+
+class ProvenanceMode(TorchFunctionMode):
+    """Tags every tensor of the forward computed from the batch with its :class:`Rows` (module docstring).
+    ``paused`` > 0 inside book-kept layers' own kernels (their outputs are tagged by the layer)."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+        self.tags = Tags()
+        self.paused = 0
+        self.routes: dict = {}  # id(weight) -> (operation, weight position, book-kept forward)
+        self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
+        self.make_source = None
+
+    def tag(self, t, rows: Rows | None) -> None:
+        if rows is not None and torch.is_tensor(t):
+            self.tags[t] = rows
+
+    def __enter__(self):
+        _STACK.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if _STACK and _STACK[-1] is self:
+            _STACK.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if self.routes and func in ROUTABLE:
+            w = _arg(args, kwargs, ROUTABLE[func], "weight")
+            route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
+            if route is not None and route[0] is func:
+                return route[2].apply(self, args[0])  # a covered layer's subclass: its rule, at its operation
+        if self.sources:
+            sources = self.sources
+            for a in args if not kwargs else (*args, *kwargs.values()):
+                if isinstance(a, _Parameter) and id(a) in sources:
+                    if torch.is_grad_enabled() and not _inplace(func):
+                        args, kwargs = self._substitute(args, kwargs)
+                    break
+        out = func(*args, **kwargs)
+        if func in SETITEM:
+            self._setitem(args)
+            return out
+        if func in LIKE or not (
+            torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]))
+        ):
+            return out
+        tags = self.tags
+        found = None
+        for a in args:
+            if torch.is_tensor(a):
+                r = tags.get(a)
+                if r is not None:
+                    found = True
+                    break
+            elif (
+                isinstance(a, (list, tuple))
+                and a
+                and torch.is_tensor(a[0])
+                and any(tags.get(x) is not None for x in a if torch.is_tensor(x))
+            ):
+                found = True
+                break
+        if found is None and kwargs:
+            for v in kwargs.values():
+                if torch.is_tensor(v) and tags.get(v) is not None:
+                    found = True
+                    break
+        if found is None:
+            return out
+        rows = self._propagate(func, args, kwargs, out)
+        if rows is SHARED:
+            return out
+        if not rows.known and torch.is_grad_enabled():
+            self._check_parameters(func, args, kwargs, rows)
+        if torch.is_tensor(out):
+            tags[out] = rows
+        else:
+            for o in out:
+                if torch.is_tensor(o):
+                    tags[o] = rows
+        return out
+
+    def _substitute(self, args, kwargs):
+        """A covered layer's parameter used directly by an operation of the forward (outside its layer's
+        own operation) becomes a value shared by the batch, whose per-example gradients go to the layer
+        (:meth:`.keeper.BookKeeper.parameter_source`)."""
+        sources = self.sources
+        if any(isinstance(a, torch.nn.Parameter) and id(a) in sources for a in args):
+            args = tuple(
+                self.make_source(a, self.batch) if isinstance(a, torch.nn.Parameter) and id(a) in sources else a
+                for a in args
+            )
+        if kwargs and any(isinstance(a, torch.nn.Parameter) and id(a) in sources for a in kwargs.values()):
+            kwargs = {
+                k: self.make_source(a, self.batch) if isinstance(a, torch.nn.Parameter) and id(a) in sources else a
+                for k, a in kwargs.items()
+            }
+        return args, kwargs
+
+    def _check_parameters(self, func, args, kwargs, rows):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                raise refusal(f"a trainable parameter (shape {tuple(a.shape)}) in {op_name(func)!r}", rows)
+
+    def _setitem(self, args):
+        target, index, value = args[0], args[1], args[2] if len(args) > 2 else None
+        tr = self.tags.get(target) if torch.is_tensor(target) else None
+        vr = self.tags.get(value) if torch.is_tensor(value) else None
+        ir = any(
+            torch.is_tensor(i) and self.tags.get(i) is not None
+            for i in (index if isinstance(index, tuple) else (index,))
+        )
+        if vr is None and not ir:
+            return  # constants written into a tensor: its rows are unchanged
+        if not ir and vr is not None and vr.known and (tr is None or tr.known):
+            # batch rows written into the same rows: into a tensor of the batch, or into a constant (BART's
+            # shift_tokens_right: new_zeros(ids.shape)[:, 1:] = ids[:, :-1]), whose other rows stay constant
+            rank = probe_rank(target, index)
+            for d in [tr.dim] if tr is not None else range(target.dim()):
+                group = vr.group if tr is None else tr.group
+                probe = self._index_rows(target, index, Rows(d, group))
+                if probe is None or rank - probe.dim != value.dim() - vr.dim or vr.group != probe.group:
+                    continue
+                if tr is None and target.shape[d] != value.shape[vr.dim]:
+                    continue
+                if tr is None:
+                    self.tags[target] = Rows(d, group)
+                return
+        self.tags[target] = _mixed("__setitem__")
+
+    # --- the rules ---------------------------------------------------------------------------
+    def _inputs(self, args, kwargs):
+        out = []
+        for a in (*args, *kwargs.values()):
+            if torch.is_tensor(a):
+                r = self.tags.get(a)
+                if r is not None:
+                    out.append((a, r))
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if torch.is_tensor(x):
+                        r = self.tags.get(x)
+                        if r is not None:
+                            out.append((x, r))
+        return out
+
+    def _propagate(self, func, args, kwargs, out) -> Rows:
+        tagged = self._inputs(args, kwargs)
+        name = op_name(func)
+        for _, r in tagged:
+            if not r.known:
+                return r
+        first = tagged[0][1]
+        res = out if torch.is_tensor(out) else out[0]
+        try:
+            got = self._rule(func, name, args, kwargs, tagged, res)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            got = None
+        return got if got is not None else _mixed(name) if first.known else first
+
+    def _aligned(self, tagged, nd_out, res) -> Rows | None:
+        dim = group = None
+        for t, r in tagged:
+            d = r.dim + nd_out - t.dim()
+            if dim is not None and (d != dim or r.group != group):
+                return None
+            if t.shape[r.dim] != res.shape[d]:
+                return None  # batch rows broadcast against each other
+            dim, group = d, r.group
+        return Rows(dim, group)
+
+    def _rule(self, func, name, args, kwargs, tagged, res):
+        x, r = tagged[0]
+        nd = x.dim()
+        if func in POINTWISE:
+            return self._aligned(tagged, res.dim(), res)
+        if func in PROPS:
+            if name == "T":
+                return r.moved(nd - 1 - r.dim)
+            return r.moved(2 * nd - 3 - r.dim) if r.dim >= nd - 2 else r
+        if func in RESHAPES or func in EXPANDS:
+            x = args[0]
+            r = self.tags.get(x)
+            if r is None:  # a tensor not from the batch viewed or expanded as one from it
+                return SHARED
+            if not r.known:
+                return r
+            nd = x.dim()
+        if func in RESHAPES:
+            return _reshape_rows(tuple(x.shape), r, tuple(res.shape))
+        if func in EXPANDS:
+            d = r.dim + res.dim() - nd
+            return Rows(d, r.group) if res.shape[d] == x.shape[r.dim] else None
+        if func in PERMUTES:
+            return _permute_rows(func, args, kwargs, nd, r) if args[0] is x else None
+        if func in ALONG_DIM:
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            dim = _arg(
+                args,
+                kwargs,
+                1,
+                "dim",
+                -1
+                if name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "glu", "softmin", "diff")
+                else None,
+            )
+            if name == "topk":
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+            if name in ("flip", "roll"):
+                dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
+                dims = _dims(dims, nd) if dims is not None else tuple(range(nd))
+            elif name == "normalize":
+                dims = _dims(kwargs.get("dim", args[2] if len(args) > 2 else 1), nd)
+            else:
+                dims = _dims(dim, nd) if isinstance(dim, (int, list, tuple)) else None
+            if dims is None or r.dim in dims:
+                return None
+            return r if res.dim() == nd else None
+        if func in REDUCTIONS:
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            dim = _arg(args, kwargs, 1, "dim")
+            if name == "norm":
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if dim is None or not isinstance(dim, (int, list, tuple)) or (isinstance(dim, (list, tuple)) and not dim):
+                return None
+            dims = _dims(dim, nd)
+            if r.dim in dims:
+                return None
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+            return r if keep else r.moved(r.dim - sum(1 for d in dims if d < r.dim))
+        if func in SPLITS:
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            if name == "unbind":
+                dim = int(_arg(args, kwargs, 1, "dim", 0)) % nd
+                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+            if name == "select":
+                dim = int(_arg(args, kwargs, 1, "dim")) % nd
+                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+            if name == "index_select":
+                dim = int(_arg(args, kwargs, 1, "dim")) % nd
+                return None if dim == r.dim else r
+            dim = (
+                _arg(args, kwargs, 2, "dim", 0)
+                if name in ("split", "chunk", "tensor_split", "split_with_sizes")
+                else _arg(args, kwargs, 1, "dim")
+            )
+            dim = int(dim) % nd
+            return None if dim == r.dim else r
+        if func in JOINS:
+            tensors = args[0] if args else kwargs.get("tensors")
+            dim = _arg(args, kwargs, 1, "dim", 0)
+            if not isinstance(dim, int):
+                return None
+            rows = None
+            for t in tensors:
+                tr = self.tags.get(t)
+                if tr is None:
+                    continue
+                if rows is not None and (tr.dim != rows.dim or tr.group != rows.group):
+                    return None
+                rows = tr
+            if name == "stack":
+                d = dim % (nd + 1)
+                return None if rows is None else rows.moved(rows.dim + (d <= rows.dim))
+            return None if rows is None or dim % nd == rows.dim else rows
+        if func in MATMULS:
+            return self._matmul(args, res)
+        if func in GETITEM:
+            r = self.tags.get(args[0])
+            return self._index_rows(args[0], args[1], r) if r is not None else None
+        return self._functional(func, name, args, kwargs, tagged, res)
+
+    def _matmul(self, args, res):
+        a, b = args[0], args[1]
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        ra, rb, n = a.dim(), b.dim(), res.dim()
+        got = set()
+        for t, rank, contracted, kept, out_kept in ((a, ra, ra - 1, ra - 2, n - 2), (b, rb, rb - 2, rb - 1, n - 1)):
+            rr = self.tags.get(t)
+            if rr is None:
+                continue
+            if rr.dim == contracted:
+                return None
+            got.add((out_kept if rr.dim == kept else n - rank + rr.dim, rr.group))
+        return Rows(*got.pop()) if len(got) == 1 else None
+
+    def _index_rows(self, x, index, r):
+        idx = index if isinstance(index, tuple) else (index,)
+        nd = x.dim()
+        if any(i is Ellipsis for i in idx):
+            k = idx.index(Ellipsis)
+            used = sum(
+                1
+                for i in idx
+                if i is not None and i is not Ellipsis and not (torch.is_tensor(i) and i.dtype == torch.bool)
+            )
+            idx = idx[:k] + (slice(None),) * (nd - used) + idx[k + 1 :]
+        advanced = [i for i in idx if torch.is_tensor(i) or isinstance(i, list)]
+        if advanced and r.dim == 0 and r.group == 1 and self._per_row(x, idx):
+            return Rows(0, 1)  # x[arange(B), j] with j one index per example: row i is example i's
+        if advanced:
+            if any(torch.is_tensor(i) and self.tags.get(i) is not None for i in advanced):
+                return None
+            if any(torch.is_tensor(i) and i.dtype == torch.bool for i in advanced):
+                return None
+        pos_in = pos_out = 0
+        adv_seen = False
+        for i in idx:
+            if i is None:
+                pos_out += 1
+                continue
+            if pos_in == r.dim:
+                if isinstance(i, slice) and i == slice(None):
+                    if advanced and adv_seen:
+                        return None  # advanced indices before the batch dim: torch moves dims around
+                    return Rows(pos_out, r.group)
+                if (
+                    isinstance(i, slice)
+                    and (i.start in (None, 0))
+                    and i.step in (None, 1)
+                    and (i.stop is None or i.stop >= x.shape[r.dim])
+                ):
+                    return Rows(pos_out, r.group)
+                return None
+            if isinstance(i, int):
+                pos_in += 1
+            elif torch.is_tensor(i) or isinstance(i, list):
+                if adv_seen:
+                    return None
+                adv_seen = True
+                k = torch.as_tensor(i).dim() if isinstance(i, list) else i.dim()
+                pos_in += 1
+                pos_out += k
+            else:
+                pos_in += 1
+                pos_out += 1
+        if pos_in <= r.dim:
+            if advanced and adv_seen:
+                return None
+            return Rows(pos_out + (r.dim - pos_in), r.group)
+        return None
+
+    def _per_row(self, x, idx) -> bool:
+        """``idx`` picks, for each batch row i, elements of row i only: an untagged ``arange(B)`` on the batch
+        dimension (any shape (B, 1, ..., 1); compared by value: no example's data), the other indices
+        broadcast against it — of the batch (tagged, B leading rows) or one for all rows (leading size 1).
+        CLIP's ``h[arange(B), eos]``, transformers' ``mask[arange(B)[:, None, None, None], kv_idx]``."""
+        first = idx[0]
+        n = x.shape[0]
+        if not (torch.is_tensor(first) and first.dim() >= 1 and first.shape[0] == n and not first.is_floating_point()):
+            return False
+        if first.numel() != n or self.tags.get(first) is not None:
+            return False
+        if not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
+            return False
+        for i in idx[1:]:
+            if torch.is_tensor(i):
+                ri = self.tags.get(i)
+                if ri is not None and not (ri.known and ri.dim == 0 and ri.group == 1 and i.dim() <= first.dim()):
+                    return False
+                if ri is None and i.dim() >= first.dim() and i.shape[i.dim() - first.dim()] != 1:
+                    return False
+            elif not isinstance(i, (int, slice)) or (isinstance(i, slice) and i != slice(None)):
+                return False
+        return True
+
+    def _gather(self, args, kwargs):
+        """``gather(input, dim, index)``: out[i][j] = input[i][index[i][j]] (for dim 1): rows follow the
+        batch rows of either operand, along another dimension than ``dim``; a constant operand must be
+        the same for every row (size 1 or stride 0 there), else the result depends on an example's place."""
+        inp, index = args[0], _arg(args, kwargs, 2, "index", _arg(args, kwargs, 1, "indices"))
+        dim = _arg(args, kwargs, 1, "dim")
+        if not (torch.is_tensor(inp) and torch.is_tensor(index) and isinstance(dim, int)):
+            return None
+        rx, ri = self.tags.get(inp), self.tags.get(index)
+        rows = rx or ri
+        if rx is not None and ri is not None and (rx.dim != ri.dim or rx.group != ri.group):
+            return None
+        if rows.dim == dim % inp.dim():
+            return None
+        for t, r in ((inp, rx), (index, ri)):
+            if r is None and not (t.shape[rows.dim] == 1 or t.stride(rows.dim) == 0):
+                return None
+        return rows
+
+    def _functional(self, func, name, args, kwargs, tagged, res):
+        x, r = tagged[0]
+        nd = x.dim()
+        only_first = len(tagged) == 1 and args and args[0] is x
+        if name in ("linear",) and only_first:
+            return r if r.dim != nd - 1 else None
+        if name == "addmm" and len(args) > 1 and args[1] is x and len(tagged) == 1:
+            return r if r.dim == 0 else None
+        if name == "baddbmm":  # input + batch1 @ batch2 (a batch of products)
+            got = None
+            pair = (_arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2"))
+            if self.tags.get(pair[0]) is not None or self.tags.get(pair[1]) is not None:
+                got = self._matmul(pair, res)
+                if got is None:
+                    return None
+            ri = self.tags.get(args[0])
+            if ri is not None:
+                ra = self._aligned([(args[0], ri)], res.dim(), res)
+                if ra is None or (got is not None and (ra.dim, ra.group) != (got.dim, got.group)):
+                    return None
+                got = got or ra
+            return got
+        if name == "embedding" and len(tagged) == 1 and args[0] is x:
+            return r
+        if name == "one_hot" and only_first:
+            return r
+        if name in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
+            return r if only_first and r.dim == 0 and r.group == 1 else None
+        if name in (
+            "max_pool1d",
+            "max_pool2d",
+            "max_pool3d",
+            "avg_pool1d",
+            "avg_pool2d",
+            "avg_pool3d",
+            "adaptive_avg_pool1d",
+            "adaptive_avg_pool2d",
+            "adaptive_max_pool1d",
+            "adaptive_max_pool2d",
+            "interpolate",
+            "upsample",
+            "pixel_shuffle",
+            "unfold",
+            "fold",
+        ):
+            return r if only_first and r.dim == 0 and r.group == 1 and nd >= 3 else None
+        if name in ("layer_norm", "rms_norm") and only_first:
+            shape = _arg(args, kwargs, 1, "normalized_shape")
+            k = 1 if isinstance(shape, int) else len(shape)
+            return r if r.dim < nd - k else None
+        if name in ("group_norm", "instance_norm") and only_first:
+            return r if r.dim == 0 and r.group == 1 else None
+        if name == "batch_norm" and only_first:
+            training = _arg(args, kwargs, 5, "training", False)
+            running = _arg(args, kwargs, 1, "running_mean")
+            if training or running is None:
+                return None
+            return r if r.dim != 1 else None
+        if name == "scaled_dot_product_attention":
+            return (
+                self._aligned(tagged, res.dim(), res)
+                if all(t.dim() == res.dim() or t is not x for t, _ in tagged) and r.dim < nd - 2
+                else None
+            )
+        if name in ("pad",) and only_first:
+            pad = list(_arg(args, kwargs, 1, "pad"))
+            k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
+            return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
+        if name in ("tril", "triu", "tril_", "triu_", "diagonal") and only_first:
+            return r if r.dim < nd - 2 else None
+        if name in ("gather", "take_along_dim"):
+            return self._gather(args, kwargs)
+        if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
+            dim = int(_arg(args, kwargs, 1, "dim")) % nd
+            if dim == r.dim or args[0] is not x:
+                return None
+            return self._aligned(tagged, res.dim(), res)
+        if name in ("repeat_interleave",):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            return r if dim is not None and int(dim) % nd != r.dim and only_first else None
+        if name == "repeat" and only_first:
+            sizes = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+            sizes = list(sizes)
+            d = r.dim + len(sizes) - nd
+            return Rows(d, r.group) if sizes[d] == 1 else None
+        if name in (
+            "cross_entropy",
+            "nll_loss",
+            "mse_loss",
+            "l1_loss",
+            "binary_cross_entropy",
+            "binary_cross_entropy_with_logits",
+            "kl_div",
+            "smooth_l1_loss",
+            "huber_loss",
+        ):
+            red = kwargs.get("reduction", "mean")
+            return r if red == "none" and r.dim == 0 else None
+        return None
+
+
+def probe_rank(target, index) -> int:
+    with torch.no_grad():
+        return target[index].dim()
+
+
+def enter(batch: int) -> ProvenanceMode:
+    mode = ProvenanceMode(batch)
+    mode.__enter__()
+    return mode
+
+
+__all__ = ["BATCH", "ProvenanceMode", "RefusedRows", "Rows", "current", "enter", "op_name", "refusal", "rows_of"]

@@ -1,0 +1,268 @@
+"""Book-keeping by provenance (issue 36): which rows belong to which example is known from where a tensor
+comes from, not guessed from its shape.  Each case is exact against one backward pass per example
+(float64, :func:`test_bookkeeping._check_equal`: norms to 1e-10 relative, clipped sums) or refused with
+the operation named; the T = B cases are those a shape guess silently misattributes."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.norms import per_example_grad_norms
+from test_bookkeeping import N, _check_equal, _data
+
+D, C, V = 4, 3, 11
+LENGTHS = [5, N]  # T != B and T = B (the step's batch is N examples)
+
+
+def _model(cls, *args):
+    torch.manual_seed(0)
+    return cls(*args).double()
+
+
+class MergedRows(nn.Module):
+    """OPT's decoder layer: (B, T, d) → (B·T, d) before fc/norm, and back."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.norm, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        b, t, d = h.shape
+        r = self.norm(torch.tanh(self.fc(h.reshape(b * t, d))))
+        return self.head(r.view(b, t, d)).mean(1)
+
+
+class TimeFirst(nn.Module):
+    """A (T, B, d) layout inside the forward (batch-first inputs, as the engine requires)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = torch.tanh(self.fc(self.emb(ids.t())))  # (T, B, d)
+        return self.head(h.transpose(0, 1)).mean(1)
+
+
+class MatmulLinear(nn.Linear):
+    """FalconLinear: a Linear subclass whose forward is x @ W.T + b."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class WithMatmulLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(V, D), MatmulLinear(D, D), nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.fc(self.emb(ids)))).mean(1)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's and BART's scaled word embeddings."""
+
+    def __init__(self, n, d, scale):
+        super().__init__(n, d)
+        self.scale = scale
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+class LearnedPositions(nn.Embedding):
+    """OPT's learned positions: an Embedding subclass that builds its own (batch-independent) indices."""
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        return super().forward(positions + 2)
+
+
+class ScaledTiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = ScaledEmbedding(V, D, 2.0)
+        self.pos = LearnedPositions(N + 2, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied with the subclass
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids) + self.pos(ids))).mean(1)
+
+
+class GatheredTable(nn.Module):
+    """Swin's relative-position bias: a parameter table gathered by an index buffer, added to scores."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.emb, self.q, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.table = nn.Parameter(torch.randn(2 * t - 1))
+        self.register_buffer("index", torch.arange(t)[:, None] - torch.arange(t)[None, :] + t - 1)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        t = h.shape[1]
+        scores = self.q(h) @ h.transpose(-1, -2) + self.table[self.index.view(-1)].view(t, t)
+        return self.head(torch.softmax(scores, -1) @ h).mean(1)
+
+
+class Buckets(nn.Module):
+    """T5's relative_attention_bias: an Embedding called on a (T, T) bucket index (no batch dimension)."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.emb, self.rel, self.head = nn.Embedding(V, D), nn.Embedding(2 * t - 1, 1), nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        t = h.shape[1]
+        buckets = torch.arange(t)[:, None] - torch.arange(t)[None, :] + t - 1
+        scores = h @ h.transpose(-1, -2) + self.rel(buckets)[..., 0]
+        return self.head(torch.softmax(scores, -1) @ h).mean(1)
+
+
+class DirectTable(nn.Module):
+    """DeBERTa-v2: an Embedding's weight used directly → LayerNorm → a Linear, then met by the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rel, self.norm = nn.Embedding(V, D), nn.Embedding(5, D), nn.LayerNorm(D)
+        self.proj, self.head = nn.Linear(D, D), nn.Linear(5, C)
+
+    def forward(self, ids):
+        keys = self.proj(self.norm(self.rel.weight))  # (5, d): shared by the batch
+        return self.head(torch.tanh(self.emb(ids) @ keys.T)).mean(1)
+
+
+class Gate(nn.Module):
+    """A layer no rule covers (functorch fallback), called with keyword and non-tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x, *, mask=None, power=1):
+        y = x * self.w**power
+        return y if mask is None else y * mask
+
+
+class WithGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.gate, self.head = nn.Embedding(V, D), Gate(), nn.Linear(D, C)
+
+    def forward(self, ids):
+        mask = (ids % 3 != 0).unsqueeze(-1).to(torch.float64)
+        return self.head(torch.tanh(self.gate(self.emb(ids), mask=mask, power=2))).mean(1)
+
+
+@pytest.mark.parametrize("t", LENGTHS)
+@pytest.mark.parametrize(
+    "make",
+    [MergedRows, TimeFirst, WithMatmulLinear, ScaledTiedLM, GatheredTable, Buckets, DirectTable, WithGate],
+    ids=lambda m: m.__name__,
+)
+def test_exact_against_one_backward_per_example(make, t):
+    model = _model(make, t) if make in (GatheredTable, Buckets) else _model(make)
+    classes = V if make is ScaledTiedLM else C
+    paths = _check_equal(model, *_data((t,), classes=classes, ids=V), opacus=False)
+    if make is WithMatmulLinear:
+        assert paths["fc"] == DIRECT
+    if make is GatheredTable:
+        assert paths["GatheredTable"] == DIRECT
+    if make is WithGate:
+        assert paths["gate"] == FALLBACK
+
+
+def _refused(model, x, match):
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    with pytest.raises(RuntimeError, match=match):
+        model(x)
+    assert keeper.step_batch is None
+
+
+def test_a_batch_one_index_computed_from_the_batch_is_refused():
+    class Max(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(V, D), nn.Linear(D, C)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids) + self.pos(ids.max(0, keepdim=True).values)).mean(1)
+
+    _refused(_model(Max), _data((5,), ids=V)[0], r"layer 'pos' \(Embedding\) meets .* they come from 'max'")
+
+
+def test_a_reduction_over_the_batch_is_refused_with_the_operation_named():
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(D, D), nn.Linear(D, C)
+
+        def forward(self, x):
+            return self.head(self.fc(x - x.mean(0)))
+
+    _refused(_model(Centred), _data((D,))[0], r"layer 'fc' \(Linear\) meets .* they come from 'mean'")
+
+
+def test_a_parameter_meeting_sorted_batch_rows_is_refused_at_once():
+    class Sorted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(D))
+            self.head = nn.Linear(D, C)
+
+        def forward(self, x):
+            return self.head(x.sort(0).values * self.w)
+
+    _refused(_model(Sorted), _data((D,))[0], r"'mul' meets .* they come from 'sort'")
+
+
+def test_provenance_is_not_entered_outside_the_model_forward_and_tags_nothing_after():
+    from idpsgd.engine.bk import provenance
+
+    model = _model(MergedRows)
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    x, y = _data((5,), ids=V)
+    F.cross_entropy(model(x), y).backward()
+    assert provenance.current() is None and keeper.norms().shape == (N,)
+
+
+def test_per_example_grad_norms_returns_one_norm_per_example():
+    model = _model(MergedRows)
+    x, y = _data((5,), ids=V)
+
+    def half(module, batch):  # the forward sees 6 examples, the losses claim 12
+        xs, ys = batch
+        return F.cross_entropy(module(xs[:6]), ys[:6], reduction="none").repeat(2)
+
+    with pytest.raises(RuntimeError, match="gave 6 norms for 12 per-example losses"):
+        per_example_grad_norms(model, [(x, y)], half)
+    norms, _ = per_example_grad_norms(model, [(x, y)])
+    assert norms.shape == (N,) and np.all(norms > 0)
+
+
+@pytest.mark.parametrize("make", [MergedRows, TimeFirst, ScaledTiedLM, DirectTable, WithGate], ids=lambda m: m.__name__)
+def test_a_batch_of_one_example(make):
+    """A Poisson batch of one: its norm is the summed gradient's (rows of size 1 are not moved about)."""
+    model = _model(make)
+    x, y = _data((5,), classes=V if make is ScaledTiedLM else C, ids=V)
+    x, y = x[:1], y[:1]
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y).backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.grad is not None]).norm()
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    F.cross_entropy(model(x), y).backward()
+    torch.testing.assert_close(keeper.norms(), want.reshape(1), rtol=1e-10, atol=1e-12)
