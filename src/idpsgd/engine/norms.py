@@ -152,11 +152,15 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                 if loss.numel():
                     loss.sum().backward()  # "sum": each example's own loss gradient
                     got = keeper.norms().detach().double().cpu()
-                    if got.shape[0] != loss.shape[0]:
+                    units = "per-example losses"
+                    expected = loss.shape[0]
+                    if keeper.user_level is not None:  # one norm per user of the batch
+                        units, expected = f"users of {loss.shape[0]} rows", keeper.user_level.units(loss.shape[0])
+                    if got.shape[0] != expected:
                         keeper.clear()
                         raise RuntimeError(
-                            f"per_example_grad_norms: the book-keeper gave {got.shape[0]} norms for {loss.shape[0]} "
-                            "per-example losses: the model's forward batch and per_sample_loss's examples differ"
+                            f"per_example_grad_norms: the book-keeper gave {got.shape[0]} norms for {expected} "
+                            f"{units}: the model's forward batch and per_sample_loss's examples differ"
                         )
                     norms.append(got)
                 losses.append(loss.detach().double().cpu())

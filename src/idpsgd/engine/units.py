@@ -282,8 +282,15 @@ class BookKeepingUsers:
         self.clipping, self._fixed = clipping, grouping
         self.rows_batch: int | None = None
 
+    def _grouping(self, batch: int) -> Grouping:
+        return self._fixed if self._fixed is not None else self.clipping.grouping(batch)
+
+    def units(self, rows: int) -> int:
+        """The number of users in a batch of ``rows`` rows."""
+        return int(self._grouping(rows).num_units)
+
     def regroup(self, keeper, parts, batch: int):
-        grouping = self._fixed if self._fixed is not None else self.clipping.grouping(batch)
+        grouping = self._grouping(batch)
         if grouping.n_rows != int(batch):
             raise RuntimeError("the batch's rows do not match its users' rows")
         self.rows_batch = int(batch)
