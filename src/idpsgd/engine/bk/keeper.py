@@ -295,6 +295,23 @@ def _drop_rows(t, mask: torch.Tensor):
     return t.masked_fill(mask.view((-1,) + (1,) * (t.dim() - 1)), 0)
 
 
+def per_example_sink(part, name: str):
+    """Where the per-example gradients (B, …) of ``part``'s parameter ``name`` go when it is used as a value
+    shared by the batch: added into ``part.grad_sample`` (one batch size per step)."""
+
+    def add(g):
+        n = int(g.shape[0])
+        if part.batch is not None and n != part.batch:
+            raise ValueError(
+                f"layer {part.name!r} saw batches of different sizes (private: not shown) before "
+                f"optimizer.step(); {ACCUMULATION_ERROR}"
+            )
+        part.batch = n
+        add_into(part.grad_sample, {name: g.reshape((n, *tuple(part.params[name].shape)))})
+
+    return add
+
+
 class _Layer:
     """One covered layer: its rule, its trainable parameters, and what the current backward pass kept."""
 
@@ -344,17 +361,7 @@ class _Layer:
         """Where the per-example gradients of parameter ``name`` used directly in the forward go (a value
         shared by the batch, :meth:`BookKeeper.parameter_source`)."""
 
-        def add(g):
-            n = int(g.shape[0])
-            if self.batch is not None and n != self.batch:
-                raise ValueError(
-                    f"layer {self.name!r} saw batches of different sizes before optimizer.step() (the sizes are "
-                    f"private: not shown); {ACCUMULATION_ERROR}"
-                )
-            self.batch = n
-            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
-
-        return add
+        return per_example_sink(self, name)
 
     @staticmethod
     def _kept_size(saved, g) -> int:
@@ -541,17 +548,7 @@ class _FallbackUnit:
         """Where the per-example gradients of parameter ``name`` go when the module is called on values shared
         by the batch (its parameters then used as values shared by it, :class:`_FallbackForward`)."""
 
-        def add(g):
-            n = int(g.shape[0])
-            if self.batch is not None and n != self.batch:
-                raise ValueError(
-                    f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
-                    f"optimizer.step(); {ACCUMULATION_ERROR}"
-                )
-            self.batch = n
-            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
-
-        return add
+        return per_example_sink(self, name)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -672,17 +669,7 @@ class _DirectUnit:
         return self.batch is not None
 
     def sink(self, name: str):
-        def add(g):
-            n = int(g.shape[0])
-            if self.batch is not None and n != self.batch:
-                raise ValueError(
-                    f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
-                    f"optimizer.step(); {ACCUMULATION_ERROR}"
-                )
-            self.batch = n
-            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
-
-        return add
+        return per_example_sink(self, name)
 
     def norm_sq(self):
         if not self.grad_sample or not self.batch:
