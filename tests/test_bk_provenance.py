@@ -287,11 +287,14 @@ class Bank(nn.Module):
             "where": lambda: torch.where(b > 1, x, 0.0),
             "cat": lambda: torch.cat([x, b], 1)[:, :D],
             "bmm": lambda: torch.bmm(x[:, None, :], torch.diag_embed(b))[:, 0],
+            "sdpa_mask": lambda: F.scaled_dot_product_attention(
+                x[:, None, None], x[:, None, None], x[:, None, None], attn_mask=b[:, None, None, :1]
+            )[:, 0, 0],
         }[self.how]()
         return self.head(torch.tanh(self.fc(h)))
 
 
-@pytest.mark.parametrize("how", ["mul", "add", "where", "cat", "bmm"])
+@pytest.mark.parametrize("how", ["mul", "add", "where", "cat", "bmm", "sdpa_mask"])
 def test_a_constant_whose_rows_differ_met_row_by_row_by_the_batch_is_refused(how):
     match = r"layer 'fc' \(Linear\) meets .* batch-independent operand whose rows differ"
     _refused(_model(Bank, how), _data((D,))[0], match)
