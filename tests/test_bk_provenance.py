@@ -266,3 +266,106 @@ def test_a_batch_of_one_example(make):
     keeper.active = True
     F.cross_entropy(model(x), y).backward()
     torch.testing.assert_close(keeper.norms(), want.reshape(1), rtol=1e-10, atol=1e-12)
+
+
+class Bank(nn.Module):
+    """A constant of B rows that differ (a per-position bank of scales), met row by row by the batch: example
+    i would get row i's constant, so its gradient depends on its place in the batch — one example more or
+    less before it shifts it.  The same for a parameter-free operand (no shared value to refuse it)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, C)
+        self.register_buffer("bank", torch.linspace(0.5, 2.0, N * D).view(N, D))
+
+    def forward(self, x):
+        b = self.bank[: x.shape[0]]
+        h = {
+            "mul": lambda: x * b,
+            "add": lambda: x + b,
+            "where": lambda: torch.where(b > 1, x, 0.0),
+            "cat": lambda: torch.cat([x, b], 1)[:, :D],
+            "bmm": lambda: torch.bmm(x[:, None, :], torch.diag_embed(b))[:, 0],
+            "sdpa_mask": lambda: F.scaled_dot_product_attention(
+                x[:, None, None], x[:, None, None], x[:, None, None], attn_mask=b[:, None, None, :1]
+            )[:, 0, 0],
+        }[self.how]()
+        return self.head(torch.tanh(self.fc(h)))
+
+
+@pytest.mark.parametrize("how", ["mul", "add", "where", "cat", "bmm", "sdpa_mask"])
+def test_a_constant_whose_rows_differ_met_row_by_row_by_the_batch_is_refused(how):
+    match = r"layer 'fc' \(Linear\) meets .* batch-independent operand whose rows differ"
+    _refused(_model(Bank, how), _data((D,))[0], match)
+
+
+def test_a_constant_of_b_equal_rows_is_shared():
+    """Rows made per row but equal (rotary cos/sin tables computed from expanded positions): not refused."""
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, C)
+
+        def forward(self, ids):
+            b, t = ids.shape
+            pos = torch.arange(t, dtype=torch.float64)[None, :, None].expand(b, t, 1)
+            cos = (pos @ torch.linspace(0.1, 1.0, D, dtype=torch.float64)[None, None, :].expand(b, 1, D)).cos()
+            return self.head(torch.tanh(self.fc(self.emb(ids) * cos))).mean(1)
+
+    _check_equal(_model(Rotary), *_data((5,), ids=V), opacus=False)
+
+
+def _rows_2(h):
+    """Example 2's row written over example 1's through a view of the batch tensor."""
+    hv = h.view(-1)
+    hv[D : 2 * D] = hv[2 * D : 3 * D].clone()
+
+
+WRITES = {
+    # in-place writes through a view: the view's tag said "mixed", the base's still "one example per row"
+    "select_copy": lambda h, bank: h[0].copy_(h[1]),
+    "flat_view_setitem": lambda h, bank: _rows_2(h),
+    "narrow_zero": lambda h, bank: h.narrow(0, 0, 1).zero_(),
+    "select_zero": lambda h, bank: h[0].zero_(),
+    # a constant written into some batch rows only, or with rows that differ: it depends on the place
+    "row_constant": lambda h, bank: h.__setitem__(0, 1.0),
+    "row_of_bank": lambda h, bank: h.__setitem__(0, bank[0]),
+    "bank_column": lambda h, bank: h.__setitem__((slice(None), 0), bank[:, 0]),
+    "bank_all": lambda h, bank: h.__setitem__(slice(None), bank),
+    "bool_first_row": lambda h, bank: h.__setitem__(torch.arange(h.shape[0]) == 0, 0.0),
+    # an in-place operation on a constant whose rows differ
+    "bank_add_": lambda h, bank: h.copy_(bank.clone().add_(h)),
+}
+
+
+class Written(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc0, self.fc, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.register_buffer("bank", torch.linspace(0.5, 2.0, N * D).view(N, D))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc0(x)).clone()
+        if self.how in WRITES:
+            WRITES[self.how](h, self.bank[: x.shape[0]])
+        elif self.how == "column_zero":  # the same constant into every row: exact
+            h[:, 0] = 0.0
+        elif self.how == "constant_add_":  # an in-place operation on a constant of equal rows: exact
+            h = torch.ones_like(h).mul_(2.0).add_(h)
+        elif self.how == "copy_into_constant":
+            buf = torch.zeros(x.shape[0], D, dtype=x.dtype)
+            h = buf.copy_(h)
+        return self.head(torch.tanh(self.fc(h)))
+
+
+@pytest.mark.parametrize("how", list(WRITES))
+def test_a_write_into_some_batch_rows_or_through_a_view_is_refused(how):
+    _refused(_model(Written, how), _data((D,))[0], r"layer 'fc' \(Linear\) meets a tensor whose rows are not each")
+
+
+@pytest.mark.parametrize("how", ["column_zero", "constant_add_", "copy_into_constant"])
+def test_writes_the_same_for_every_row_are_exact(how):
+    _check_equal(_model(Written, how), *_data((D,)), opacus=False)

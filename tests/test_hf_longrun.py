@@ -555,3 +555,36 @@ def test_secure_mode_resume_draws_fresh_entropy_and_says_so(tok, tmp_path):
     np.testing.assert_allclose(
         resumed.engine.get_epsilon().per_group, uninterrupted.engine.get_epsilon().per_group, rtol=1e-12
     )
+
+
+def _user_rows(tok, grouping):
+    """48 rows in 16 users of 3 rows, one budget for all (the per-user budgets the same for either grouping)."""
+    ids = np.arange(48) // 3 if grouping == "blocks" else np.arange(48) % 16
+    return _data(tok, 48).map(lambda r: {"epsilon": 8.0}).add_column("user", [f"u{i}" for i in ids])
+
+
+def test_a_user_level_checkpoint_of_other_users_or_k_is_refused(tok, tmp_path):
+    """The data digest is of the rows without the user column: another grouping of the same rows into users
+    (or another k) resumed silently, charging one user's history to another."""
+
+    def user_level(k=4):
+        return PrivacyArguments(
+            budgets="epsilon", delta=1e-5, method="scale", seed=3, user_column="user", max_rows_per_user=k
+        )
+
+    small = dict(num_train_epochs=1, save_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    out = tmp_path / "run"
+    first = _trainer(tok, out, train=_user_rows(tok, "blocks"), privacy=user_level(), callbacks=[_Crash(2)], **small)
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    with pytest.raises(InvalidParameterError, match=r"\(users_sha256 differs\)"):
+        _trainer(tok, out, train=_user_rows(tok, "strided"), privacy=user_level(), **small).train(
+            resume_from_checkpoint=True
+        )
+    with pytest.raises(InvalidParameterError, match=r"users_k: 4 -> 2"):
+        _trainer(tok, out, train=_user_rows(tok, "blocks"), privacy=user_level(k=2), **small).train(
+            resume_from_checkpoint=True
+        )
+    resumed = _trainer(tok, out, train=_user_rows(tok, "blocks"), privacy=user_level(), **small)
+    resumed.train(resume_from_checkpoint=True)  # the same users and k resume
+    assert resumed.state.global_step > 2

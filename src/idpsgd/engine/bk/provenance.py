@@ -290,16 +290,32 @@ class Tags:
     """Rows by tensor identity for one forward: ``id(t)`` → (a weak reference to ``t``, its rows); a reused
     id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups)."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "dirty")
 
     def __init__(self):
         self._d = {}
+        self.dirty = None  # Tags of root tensors whose memory took rows of no single example (:meth:`spoil`)
 
     def get(self, t, default=None):
+        if self.dirty is not None:
+            with torch._C.DisableTorchFunction():
+                root = t._base if torch.is_tensor(t) and t._base is not None else t
+            spoilt = self.dirty.get(root)
+            if spoilt is not None:
+                return spoilt
         e = self._d.get(id(t))
         if e is None or e[0]() is not t:
             return default
         return e[1]
+
+    def spoil(self, t, rows) -> None:
+        """An in-place write left ``t`` with rows of no single example: so are its base and every view of
+        that base, whenever made (views share the memory; tags are by identity)."""
+        with torch._C.DisableTorchFunction():
+            root = t._base if t._base is not None else t
+        if self.dirty is None:
+            self.dirty = Tags()
+        self.dirty[root] = rows
 
     def __setitem__(self, t, rows):
         self._d[id(t)] = (weakref.ref(t), rows)
@@ -313,10 +329,12 @@ class ProvenanceMode(TorchFunctionMode):
         super().__init__()
         self.batch = batch
         self.tags = Tags()
+        self.constants = Tags()  # batch-independent operands checked for rows that differ
         self.paused = 0
         self.routes: dict = {}  # id(weight) -> (operation, weight position, book-kept forward)
         self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
         self.make_source = None
+        self._before = None  # an in-place operation's target before the write (:meth:`_positional`)
 
     def tag(self, t, rows: Rows | None) -> None:
         if rows is not None and torch.is_tensor(t):
@@ -347,9 +365,23 @@ class ProvenanceMode(TorchFunctionMode):
                     if torch.is_grad_enabled() and not _inplace(func):
                         args, kwargs = self._substitute(args, kwargs)
                     break
+        self._before = None
+        # an in-place operation on a tensor not from the batch: its values before the write are an operand
+        # (``buf.add_(h)``), compared row by row in :meth:`_positional`; ``copy_`` overwrites them
+        if (
+            args
+            and torch.is_tensor(args[0])
+            and _inplace(func)
+            and self.tags.get(args[0]) is None
+            and op_name(func) != "copy_"
+            and self._inputs(args[1:], kwargs)
+        ):
+            with torch.no_grad():
+                self._before = args[0].detach().clone()
         out = func(*args, **kwargs)
         if func in SETITEM:
             self._setitem(args)
+            self._spoil_if_mixed(args[0])
             return out
         if func in LIKE or not (
             torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]))
@@ -385,11 +417,22 @@ class ProvenanceMode(TorchFunctionMode):
             self._check_parameters(func, args, kwargs, rows)
         if torch.is_tensor(out):
             tags[out] = rows
+            if not rows.known and _inplace(func) and args and out is args[0]:
+                self._spoil_if_mixed(out)
         else:
             for o in out:
                 if torch.is_tensor(o):
                     tags[o] = rows
         return out
+
+    def _spoil_if_mixed(self, t) -> None:
+        """A write into ``t`` (in place) that left rows of no single example: the write went to memory that
+        ``t``'s base and its other views share (``h[0].copy_(h[1])``, ``h.view(-1)[:d] = ...``), whose tags
+        would otherwise still say one example per row."""
+        if torch.is_tensor(t):
+            r = self.tags.get(t)
+            if r is not None and not r.known:
+                self.tags.spoil(t, r)
 
     def _substitute(self, args, kwargs):
         """A covered layer's parameter used directly by an operation of the forward (outside its layer's
@@ -422,7 +465,27 @@ class ProvenanceMode(TorchFunctionMode):
             for i in (index if isinstance(index, tuple) else (index,))
         )
         if vr is None and not ir:
-            return  # constants written into a tensor: its rows are unchanged
+            if tr is None or not tr.known:
+                return  # constants written into a constant (or into rows already mixed)
+            # constants written into a tensor of the batch: its rows are unchanged if every row gets the same
+            # (``h[:, 0] = 0``); not when only some batch rows are written (``h[0] = c``: whoever lands first)
+            # or the constant's rows differ along the batch (``h[:, 0] = bank[:, 0]``): by place in the batch
+            probe = self._index_rows(target, index, tr)
+            if probe is not None:
+                if not torch.is_tensor(value):
+                    return
+                d = probe.dim - (probe_rank(target, index) - value.dim())
+                size = target.shape[tr.dim]
+                if not (
+                    0 <= d < value.dim()
+                    and value.shape[d] == size
+                    and size > 1
+                    and value.stride(d) != 0
+                    and self._rows_differ(value, d, probe.group)
+                ):
+                    return
+            self.tags[target] = _mixed("__setitem__ of a batch-independent value into some batch rows only")
+            return
         if not ir and vr is not None and vr.known and (tr is None or tr.known):
             # batch rows written into the same rows: into a tensor of the batch, or into a constant (BART's
             # shift_tokens_right: new_zeros(ids.shape)[:, 1:] = ids[:, :-1]), whose other rows stay constant
@@ -465,9 +528,68 @@ class ProvenanceMode(TorchFunctionMode):
         res = out if torch.is_tensor(out) else out[0]
         try:
             got = self._rule(func, name, args, kwargs, tagged, res)
+            if got is not None and got.known and self._positional(func, name, args, kwargs, tagged, res, got):
+                return _mixed(f"{name} with a batch-independent operand whose rows differ along the batch dimension")
         except (TypeError, ValueError, IndexError, AttributeError):
             got = None
         return got if got is not None else _mixed(name) if first.known else first
+
+    def _positional(self, func, name, args, kwargs, tagged, res, got) -> bool:
+        """Whether a tensor not derived from the batch meets the batch rows row by row with rows that differ
+        (``x * bank`` with a constant (B, d) bank): example i would get row i's constant, so its gradient
+        depends on its place in the batch, which the other examples decide (one example more or less shifts
+        every later one); the sensitivity is then not one example's clipped gradient.  A constant the same
+        for every row (size 1 or stride 0 there, or equal rows: rotary cos/sin tables made per row) is
+        fine; for rows grouped by example (B·T rows) the B blocks must be equal."""
+        if func in POINTWISE or name in ("where", "masked_fill", "lerp", "addcmul", "addcdiv"):
+            kind = "aligned"
+        elif name == "scaled_dot_product_attention":  # a constant attn_mask of B rows that differ
+            if got.dim >= res.dim() - 2:
+                return False
+            kind = "aligned"
+        elif func in JOINS:
+            kind = "join"
+        elif func in MATMULS or name == "baddbmm":
+            if got.dim >= res.dim() - 2:
+                return False
+            kind = "aligned"
+        else:
+            return False
+        tagged_ids = {id(t) for t, _ in tagged}
+        operands = list(args[0]) if kind == "join" and args and isinstance(args[0], (list, tuple)) else list(args)
+        if _inplace(func) and operands and operands[0] is args[0]:  # its values before the write (or none)
+            operands[0] = self._before
+        operands += [v for v in kwargs.values() if torch.is_tensor(v)]
+        n = res.dim()
+        size = res.shape[got.dim]
+        for t in operands:
+            if not torch.is_tensor(t) or id(t) in tagged_ids or self.tags.get(t) is not None:
+                continue
+            if kind == "join" and name == "stack":
+                d = got.dim - (got.dim > _arg(args, kwargs, 1, "dim", 0) % n)
+            elif kind == "join":
+                d = got.dim
+            else:
+                d = got.dim - (n - t.dim())
+            if d < 0 or d >= t.dim() or t.shape[d] != size or size <= 1 or t.stride(d) == 0:
+                continue
+            if self._rows_differ(t, d, got.group):
+                return True
+        return False
+
+    def _rows_differ(self, t, d, group) -> bool:
+        key = (d, group)
+        seen = self.constants.get(t)
+        if seen is not None and key in seen:
+            return seen[key]
+        with torch.no_grad():
+            blocks = t.unflatten(d, (-1, group))
+            differ = not bool((blocks == blocks.narrow(d, 0, 1)).all())
+        if seen is None:
+            seen = {}
+            self.constants[t] = seen
+        seen[key] = differ
+        return differ
 
     def _aligned(self, tagged, nd_out, res) -> Rows | None:
         dim = group = None

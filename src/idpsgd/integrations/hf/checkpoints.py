@@ -131,6 +131,13 @@ def signature(trainer) -> dict:
         "n": len(trainer.budgets),
         "budgets_sha256": hashlib.sha256(np.ascontiguousarray(trainer.budgets.epsilons).tobytes()).hexdigest(),
         "data_sha256": trainer.data_digest(),
+        # user level: k (public) and the row → user assignment (private, by digest); the data digest is of
+        # the rows without the user column, so another grouping of the same rows would resume silently
+        **(
+            {"users_k": int(trainer.users.k), "users_sha256": trainer.users.digest()}
+            if getattr(trainer, "users", None) is not None
+            else {}
+        ),
     }
 
 
