@@ -861,38 +861,14 @@ def check(name: str, B: int, T: int, *, lora: bool = False, bf16: bool = False, 
 
 
 # --- idpsgd finetune on a model folder of each architecture -----------------------------------------
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dog",
-    "a",
-    "cat",
-    "sat",
-    "on",
-    "mat",
-    "privacy",
-    "budget",
-    "consent",
-    "group",
-]
+from hf_text import WORDS, word_tokenizer
+
 GENERATIVE = DECODERS  # fine-tuned as causal language models; the others as sequence classifiers (3 classes)
 
 
 def tokenizer():
     """A word-level tokenizer of :data:`WORDS` trained here ([PAD] 0, [UNK] 1, [EOS] 2, appended to each text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
-    tk.post_processor = processors.TemplateProcessing(single="$A [EOS]", special_tokens=[("[EOS]", 2)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    return word_tokenizer([" ".join(WORDS)], append_eos=True)
 
 
 def save_model_folder(name: str, folder) -> None:

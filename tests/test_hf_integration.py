@@ -18,7 +18,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 import datasets
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -26,34 +25,15 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
-    PreTrainedTokenizerFast,
     TrainingArguments,
 )
 
+from hf_text import WORDS, word_tokenizer
 from idpsgd import Budgets, InvalidParameterError
 from idpsgd.cli.main import main
 from idpsgd.integrations.hf import IndividualizedTrainer, PerExampleLoss, PrivacyArguments
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dog",
-    "a",
-    "cat",
-    "sat",
-    "on",
-    "mat",
-    "privacy",
-    "budget",
-    "consent",
-    "group",
-]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,10 +44,7 @@ def _lines(n, seed=0):
 
 @pytest.fixture(scope="module")
 def tok():
-    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(_lines(200), trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    return word_tokenizer(_lines(200))
 
 
 def _llama_config(tok, **kw):

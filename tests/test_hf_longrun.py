@@ -18,16 +18,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 import datasets
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import (
     DataCollatorForLanguageModeling,
     GPT2Config,
     GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
     TrainerCallback,
     TrainingArguments,
 )
 
+from hf_text import word_tokenizer
 from idpsgd import InvalidParameterError
 from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 from idpsgd.io import CheckpointError
@@ -44,10 +43,7 @@ def _lines(n, seed=0):
 
 @pytest.fixture(scope="module")
 def tok():
-    tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(_lines(200), trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    return word_tokenizer(_lines(200))
 
 
 def _gpt2(tok, seed=0):
