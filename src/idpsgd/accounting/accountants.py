@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..names import ACCOUNTANTS as ACCOUNTANT_NAMES
 from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_positive
 from .conversion import rdp_to_epsilon
 from .events import MIN_NOISE_MULTIPLIER as MIN_NOISE_MULTIPLIER  # re-exported
@@ -190,11 +191,11 @@ def _rdp(events, delta):
     return rdp_epsilon(events, delta)[0]
 
 
-ACCOUNTANTS: dict[str, Callable[[Sequence[SampledGaussianEvent], float], float]] = {
-    "rdp": _rdp,
-    "pld": pld_epsilon,
-    "prv": prv_epsilon,  # Gopi et al. 2021 via Opacus's PRV code, its upper bound (.prv)
-}
+#: Each accountant's ε of a list of events, keyed by its name (:data:`idpsgd.names.ACCOUNTANTS`);
+#: prv: Gopi et al. 2021 via Opacus's PRV code, its upper bound (:mod:`.prv`).
+ACCOUNTANTS: dict[str, Callable[[Sequence[SampledGaussianEvent], float], float]] = dict(
+    zip(ACCOUNTANT_NAMES, (_rdp, pld_epsilon, prv_epsilon), strict=True)
+)
 
 
 def get_accountant(name: str) -> Callable[[Sequence[SampledGaussianEvent], float], float]:

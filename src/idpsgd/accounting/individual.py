@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..names import INDIVIDUAL_ACCOUNTANTS as INDIVIDUAL_ACCOUNTANTS  # re-exported
 from ..validation import InvalidParameterError, _bad_where, check_positive, check_positive_array, check_sample_rate
 from .ledger import RdpLedger
 from .orders import chord_refined_epsilon
@@ -110,8 +111,6 @@ class RdpInterpolator:
 MAX_ROUNDING_LEVELS = 100_000
 #: Largest per-example level-count table kept for PLD (examples × levels × 4 bytes).
 MAX_LEVEL_COUNT_BYTES = 2 * 2**30
-#: Accountants of :meth:`IndividualAccountant.report`.
-INDIVIDUAL_ACCOUNTANTS = ("rdp", "pld")
 
 
 @dataclass(frozen=True)

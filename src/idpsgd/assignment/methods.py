@@ -29,6 +29,8 @@ import numpy as np
 
 from ..accounting import calibrate_noise_multiplier, calibrate_sample_rate, epsilon_sgm, solve_monotone
 from ..accounting.calibration import RTOL, SIGMA_RANGE, sample_rates_rdp
+from ..names import FIXED_SIGMA_METHODS as FIXED_SIGMA_METHODS  # re-exported
+from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, UnreachableTargetError, check_positive, check_sample_rate, check_steps
 from .budgets import Budgets
 
@@ -249,7 +251,8 @@ def _scale(p: _Problem):
     return sigma_scale, np.full(p.values.size, p.q), c_p, sig_p
 
 
-METHODS: dict[str, Callable[[_Problem], tuple]] = {"uniform": _uniform, "sample": _sample, "scale": _scale}
+#: Each IDP method's calibration, keyed by its name (:data:`idpsgd.names.IDP_METHODS`).
+METHODS: dict[str, Callable[[_Problem], tuple]] = dict(zip(IDP_METHODS, (_uniform, _sample, _scale), strict=True))
 
 #: A group whose examples are expected to be sampled fewer times than FEW_DRAWS over the whole plan
 #: (q_p × planned steps) and at a rate below SPARSE_RATIO × the mean rate barely trains while the
@@ -335,10 +338,6 @@ def assign(
     if note:
         warnings.warn(note, SparseSamplingWarning, stacklevel=2)
     return out
-
-
-#: the methods that can solve a group's parameter for a given σ (Opacus's make_private(noise_multiplier=))
-FIXED_SIGMA_METHODS = ("sample", "scale")
 
 
 def assign_for_noise_multiplier(

@@ -40,12 +40,11 @@ import torch.nn.functional as F
 from ..assignment import Budgets
 from ..data import Dataset
 from ..io import CheckpointError, load_torch
+from ..names import AUDIT_METHODS, IDP_METHODS, PDP_AUDIT_METHODS
 from ..validation import InvalidParameterError
 from .lira import logit_confidence
 
-TRAINER_METHODS = ("uniform", "sample", "scale")
-PDP_AUDIT_METHODS = ("pdp-sgd",)
-AUDIT_METHODS = TRAINER_METHODS + PDP_AUDIT_METHODS
+TRAINER_METHODS = IDP_METHODS  # the audit's shadows trained by the engine (the others: PDP_AUDIT_METHODS)
 
 
 def check_method(method: str) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..accounting import calibrate_noise_multiplier, epsilon_sgm, rdp_epsilon
 from ..accounting.events import SampledGaussianEvent
+from ..names import IDP_METHODS, INDIVIDUAL_ACCOUNTANTS
 from ..validation import (
     InvalidParameterError,
     UnreachableTargetError,
@@ -82,7 +83,7 @@ def noise_multiplier_cmd(args):
 
 
 def _assign_args(p):
-    p.add_argument("--method", choices=["uniform", "sample", "scale"], required=True)
+    p.add_argument("--method", choices=IDP_METHODS, required=True)
     budget_source_args(p)
     p.add_argument("--delta", type=float, required=True, help="global δ in (0, 1)")
     p.add_argument("--sample-rate", type=float, required=True, help="requested (mean) sampling rate q")
@@ -172,7 +173,7 @@ def _account_args(p):
     )
     p.add_argument(
         "--accountant",
-        choices=["rdp", "pld"],
+        choices=INDIVIDUAL_ACCOUNTANTS,
         default="rdp",
         help="rdp: per-example RDP (adaptive orders); pld: per-example PLD as well (needs rounding "
         "ceil or nearest), each example's ε the smaller bound",

@@ -17,7 +17,7 @@ def _audit_args(p):
         DEFAULT_SHADOW_MODELS,
         FPRS,
     )
-    from ..audit.shadows import AUDIT_METHODS
+    from ..names import AUDIT_METHODS
 
     p.add_argument("--method", required=True, help=f"training method to audit: {', '.join(AUDIT_METHODS)}")
     budget_source_args(p)

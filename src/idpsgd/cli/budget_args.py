@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError, check_delta, check_epsilon
 
 
 def _accountant(p):
     p.add_argument(
         "--accountant",
-        choices=["rdp", "pld", "prv"],
+        choices=ACCOUNTANTS,
         default="rdp",
         help="rdp: Rényi DP with the improved conversion; pld: dp_accounting's PLD; prv: Opacus's PRV "
         "accountant (its default; ε is its upper error bound) (default rdp)",

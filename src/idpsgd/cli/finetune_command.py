@@ -12,7 +12,7 @@ _OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distri
 
 
 def _finetune_args(p):
-    from ..integrations.hf.arguments import METHODS
+    from ..names import IDP_METHODS as METHODS
 
     p.add_argument(
         "--model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..names import INDIVIDUAL_ACCOUNTANTS
 from .budget_args import _accountant, _assignment_seed, budget_source_args, budgets_from_args, resolved_seed
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
@@ -90,10 +91,9 @@ def _hyper_args(p):
 
 
 def _train_args(p):
-    from ..training.pdp import PDP_METHODS
-    from ..training.plans import METHODS
+    from ..names import PDP_METHODS, PLAN_METHODS
 
-    p.add_argument("--method", choices=METHODS + PDP_METHODS, required=True)
+    p.add_argument("--method", choices=PLAN_METHODS + PDP_METHODS, required=True)
     budget_source_args(p)
     _hyper_args(p)
     p.add_argument(
@@ -157,7 +157,7 @@ def _train_args(p):
     )
     g.add_argument(
         "--individual-accountant",
-        choices=["rdp", "pld"],
+        choices=INDIVIDUAL_ACCOUNTANTS,
         default="rdp",
         help="per-example bound: rdp, or pld (its PLD as well; needs --rounding ceil or nearest); each "
         "example's ε is the smallest of its bounds and its group's (default rdp)",
@@ -329,10 +329,10 @@ def _train_text(r):
 @command("train", "train a model with individualized privacy budgets (IDP-SGD) and report ε per group")
 @arguments(_train_args)
 def train_cmd(args):
+    from ..names import PDP_METHODS
     from ..runfolder import RunFolder
     from ..training import train
     from ..training.filtered import check_filter_config, train_filtered
-    from ..training.pdp import PDP_METHODS
     from ..validation import InvalidParameterError
 
     individual = _individual(args)

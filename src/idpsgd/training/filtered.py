@@ -39,11 +39,12 @@ import numpy as np
 from ..assignment import Budgets
 from ..data import Dataset
 from ..engine.filter import DEFINITION, FilterOptions
+from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, check_delta
 from .loop import TrainConfig, Trainer, run_in_folder
 
 #: Calibrations the filtered recipes accept (one phase over all examples).
-FILTER_METHODS = ("uniform", "sample", "scale")
+FILTER_METHODS = IDP_METHODS
 
 
 def check_filter_config(config: TrainConfig, options: FilterOptions | None) -> FilterOptions:

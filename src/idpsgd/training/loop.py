@@ -46,6 +46,7 @@ from ..engine.randomness import randomness_note, resolve_seed
 from ..engine.wrap import raw_module
 from ..io import fault_point, load_torch
 from ..models import DEFAULT_MODEL, create_model
+from ..names import ACCOUNTANTS, IDP_METHODS, PDP_METHODS, one_of
 from ..runfolder import PRIVATE, SEED_FILE, RunFolder
 from ..validation import InvalidParameterError, check_delta, check_positive
 from .device import DEVICES as DEVICES  # re-exported
@@ -91,8 +92,8 @@ class TrainConfig:
             )
         if not 0 <= self.momentum < 1:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
-        if self.accountant not in ("rdp", "pld", "prv"):
-            raise InvalidParameterError("accountant", self.accountant, "must be rdp, pld or prv")
+        if self.accountant not in ACCOUNTANTS:
+            raise InvalidParameterError("accountant", self.accountant, f"must be {one_of(ACCOUNTANTS)}")
         from ..engine.wrap import GRAD_SAMPLE_MODES
 
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
@@ -691,8 +692,8 @@ def check_users(users, n_rows: int, budgets: Budgets, config, individual):
         raise InvalidParameterError("users", type(users).__name__, "must be an idpsgd.Users")
     if users.num_rows != n_rows:
         raise InvalidParameterError("users", repr(users), f"must give a user for each of the {n_rows} training rows")
-    if config.method not in ("uniform", "sample", "scale"):
-        raise InvalidParameterError("method", config.method, "at user level must be uniform, sample or scale (ULS)")
+    if config.method not in IDP_METHODS:
+        raise InvalidParameterError("method", config.method, f"at user level must be {one_of(IDP_METHODS)} (ULS)")
     if individual is not None:
         raise InvalidParameterError("individual", "IndividualAccountingOptions", "is not supported at user level yet")
     return users
@@ -782,7 +783,7 @@ def train(
             (``users.ids`` order) and ``config.batch_size`` is the expected number of users per step.
     """
     check_delta(budgets.delta)
-    from .pdp import PDP_METHODS, train_pdp
+    from .pdp import train_pdp
 
     dataset = as_training_data(dataset, test_dataset, num_classes, fingerprint=fingerprint)
     if isinstance(dataset, MapStyleData):

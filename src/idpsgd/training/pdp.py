@@ -71,11 +71,12 @@ from ..assignment import Budgets
 from ..data import Dataset
 from ..engine import steps_per_epoch_for
 from ..models import DEFAULT_MODEL, create_model
+from ..names import INDIVIDUAL_ACCOUNTANTS, one_of
+from ..names import PDP_METHODS as PDP_METHODS  # re-exported
 from ..validation import InvalidParameterError, check_delta, check_positive
 
 log = logging.getLogger("idpsgd")
 
-PDP_METHODS = ("pdp-sgd", "pdp-sampling", "adapdp")
 DEFAULT_W1 = {"pdp-sgd": 0.7, "pdp-sampling": 0.7, "adapdp": 0.2}  # Heo et al. App. C.2
 GUARANTEE = (
     "(Phi, Delta)-personalized DP (Heo et al. Thm. 4.2-4.4): every example i gets "
@@ -246,8 +247,8 @@ def _check_hyper(config) -> None:
     check_positive(config.clip_norm, "clip_norm")
     if not 0 <= config.momentum < 1:
         raise InvalidParameterError("momentum", config.momentum, "must be in [0, 1)")
-    if config.accountant not in ("rdp", "pld"):
-        raise InvalidParameterError("accountant", config.accountant, "must be rdp or pld")
+    if config.accountant not in INDIVIDUAL_ACCOUNTANTS:  # the PDP rounds' accountants
+        raise InvalidParameterError("accountant", config.accountant, f"must be {one_of(INDIVIDUAL_ACCOUNTANTS)}")
     # options of the shared config the PDP rounds cannot honour yet (they arrive with the engine)
 
 

@@ -25,9 +25,10 @@ import numpy as np
 
 from ..assignment import Assignment, Budgets, assign
 from ..engine import steps_per_epoch_for
+from ..names import IDP_METHODS, PLAN_METHODS
 from ..validation import InvalidParameterError, check_positive
 
-METHODS = ("uniform", "sample", "scale", "exclude", "sequential")
+METHODS = PLAN_METHODS  # the old name (idpsgd.training.METHODS)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def build_plan(
     args = (int(batch_size), int(epochs), float(clip_norm), accountant)
     if int(batch_size) > n:
         raise InvalidParameterError("batch_size", batch_size, f"must be <= the {n} training examples")
-    if method in ("uniform", "sample", "scale"):
+    if method in IDP_METHODS:
         return TrainingPlan(method, budgets, (_phase("all", budgets, np.arange(n), method, *args),))
     values = budgets.values
     if method == "exclude":

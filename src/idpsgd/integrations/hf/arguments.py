@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...names import ACCOUNTANTS
+from ...names import IDP_METHODS as METHODS
 from ...validation import InvalidParameterError
 
-METHODS = ("uniform", "sample", "scale")
-ACCOUNTANTS = ("rdp", "pld", "prv")
 #: the engine's modes the Trainer runs (one backward pass per physical batch, its own loss)
 GRAD_SAMPLE_MODES = ("bk", "hooks", "functorch")
 
