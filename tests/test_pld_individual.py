@@ -14,7 +14,7 @@ from idpsgd.accounting import (
     individual_pld_epsilon,
     rdp_epsilon,
 )
-from idpsgd.accounting import individual as individual_module
+from idpsgd.accounting import output_specific as individual_module
 from idpsgd.assignment import Budgets, assign
 from idpsgd.validation import InvalidParameterError
 

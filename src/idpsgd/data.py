@@ -646,7 +646,7 @@ def choose_columns(
     return feats, excluded
 
 
-def _read_rows(p: Path):
+def read_csv_rows(p: Path):
     """(header, rows, file line of each row) of one CSV file, checked for shape and encoding."""
     try:
         raw = p.read_bytes()
@@ -683,7 +683,7 @@ def _read_table(p: Path, label_column: str, num_classes: int, feats=None, **choo
     """Header, feature columns, excluded columns, feature matrix (float32, finite) and integer labels
     (class ids 0..``num_classes``-1) of one CSV file; ``feats`` fixes the feature columns (the test
     file takes the training file's), else they are chosen by :func:`choose_columns` with ``choose``."""
-    header, rows, lines = _read_rows(p)
+    header, rows, lines = read_csv_rows(p)
     if label_column not in header:
         raise DatasetFileError(f"{p}: no column {label_column!r} (columns: {', '.join(header)}; use --label-column)")
     if len(header) < 2:
@@ -778,7 +778,7 @@ def load_csv(
     test = data_dir / "test.csv"
     split = None
     if test.is_file():
-        theader = _read_rows(test)[0]
+        theader = read_csv_rows(test)[0]
         missing = [f for f in [*feats, label_column] if f not in theader]
         extra = sorted(set(theader) - set(header))
         if missing or extra:

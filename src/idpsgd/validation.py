@@ -38,7 +38,7 @@ def _show(value: Any) -> str:
     )
 
 
-def _bad_where(name: str, arr: np.ndarray, bad: np.ndarray, allowed: str) -> None:
+def refuse_where(name: str, arr: np.ndarray, bad: np.ndarray, allowed: str) -> None:
     if np.any(bad):
         if arr.ndim == 0:
             raise InvalidParameterError(name, arr.item(), allowed)
@@ -49,14 +49,14 @@ def _bad_where(name: str, arr: np.ndarray, bad: np.ndarray, allowed: str) -> Non
 def check_sample_rate(value, name: str = "sample_rate", allow_zero: bool = False) -> np.ndarray:
     arr = np.asarray(value, dtype=float)
     lo_ok = arr >= 0 if allow_zero else arr > 0
-    _bad_where(name, arr, ~(lo_ok & (arr <= 1)), "must be in [0, 1]" if allow_zero else "must be in (0, 1]")
+    refuse_where(name, arr, ~(lo_ok & (arr <= 1)), "must be in [0, 1]" if allow_zero else "must be in (0, 1]")
     return arr
 
 
 def check_noise_multiplier(value, name: str = "noise_multiplier", allow_inf: bool = True) -> np.ndarray:
     arr = np.asarray(value, dtype=float)
     ok = (arr > 0) & (np.isfinite(arr) | (allow_inf & (arr == np.inf)))
-    _bad_where(name, arr, ~ok, "must be > 0" + (" (inf allowed)" if allow_inf else " and finite"))
+    refuse_where(name, arr, ~ok, "must be > 0" + (" (inf allowed)" if allow_inf else " and finite"))
     return arr
 
 
@@ -69,7 +69,7 @@ def check_delta(value, name: str = "delta") -> float:
 
 def check_epsilon(value, name: str = "epsilon") -> np.ndarray:
     arr = np.asarray(value, dtype=float)
-    _bad_where(name, arr, ~((arr > 0) & np.isfinite(arr)), "must be > 0 and finite")
+    refuse_where(name, arr, ~((arr > 0) & np.isfinite(arr)), "must be > 0 and finite")
     return arr
 
 
@@ -95,7 +95,7 @@ def check_positive(value, name: str) -> float:
 def check_positive_array(value, name: str) -> np.ndarray:
     """Every value > 0 and finite (returns a float array)."""
     arr = np.asarray(value, dtype=float)
-    _bad_where(name, arr, ~((arr > 0) & np.isfinite(arr)), "must be > 0 and finite")
+    refuse_where(name, arr, ~((arr > 0) & np.isfinite(arr)), "must be > 0 and finite")
     return arr
 
 
@@ -103,5 +103,5 @@ def check_orders(orders) -> np.ndarray:
     arr = np.atleast_1d(np.asarray(orders, dtype=float))
     if arr.ndim != 1 or arr.size == 0:
         raise InvalidParameterError("orders", orders, "must be a non-empty 1-D sequence")
-    _bad_where("orders", arr, ~((arr > 1) & np.isfinite(arr)), "every order must be > 1 and finite")
+    refuse_where("orders", arr, ~((arr > 1) & np.isfinite(arr)), "every order must be > 1 and finite")
     return arr

@@ -50,7 +50,7 @@ __all__ = [
     "search_orders",
     "solve_monotone",
 ]
-from .individual import (
+from .output_specific import (
     ROUNDING,
     IndividualAccountant,
     IndividualEpsilons,

@@ -71,7 +71,7 @@ def rdp_epsilon(
 
 
 # --- PLD ------------------------------------------------------------------------------------
-def _single_pmf_points(sample_rate: float, noise_multiplier: float, discretization: float) -> float:
+def single_pmf_points(sample_rate: float, noise_multiplier: float, discretization: float) -> float:
     """Points of dp_accounting's connect-the-dots PMF of one SGM step (both directions), before building it."""
     from dp_accounting.pld import privacy_loss_mechanism as plm
 
@@ -124,7 +124,7 @@ def sgm_pld(
         pld = single
     else:
         check_min_sigma(noise_multiplier, names[1])
-        one = _single_pmf_points(sample_rate, noise_multiplier, d)
+        one = single_pmf_points(sample_rate, noise_multiplier, d)
         if one > PLD_MAX_POINTS:
             raise InvalidParameterError(
                 names[1],

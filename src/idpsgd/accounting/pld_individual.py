@@ -44,7 +44,7 @@ import numpy as np
 from scipy import fft as sfft
 
 from ..validation import InvalidParameterError, check_delta, check_positive
-from .accountants import PLD_MAX_POINTS, _single_pmf_points
+from .accountants import PLD_MAX_POINTS, single_pmf_points
 from .rdp import run_in_threads
 
 #: Default loss discretization of per-example PLDs (coarser than the scalar default 1e-3: per-example
@@ -84,7 +84,7 @@ def _one_level(q: float, s: float, discretization: float) -> dict:
     if key in _PMF_CACHE:
         _PMF_CACHE.move_to_end(key)
         return _PMF_CACHE[key]
-    pts = _single_pmf_points(q, s, discretization)
+    pts = single_pmf_points(q, s, discretization)
     if pts > PLD_MAX_POINTS:
         raise InvalidParameterError(
             "noise_multiplier",

@@ -37,7 +37,7 @@ from ..validation import InvalidParameterError, check_delta
 CONFIDENCE = 0.95
 
 
-def _check_confidence(confidence: float) -> float:
+def check_confidence(confidence: float) -> float:
     c = float(confidence)
     if not 0.5 <= c < 1:
         raise InvalidParameterError("confidence", confidence, "must be in [0.5, 1)")
@@ -57,7 +57,7 @@ def clopper_pearson(k, n, confidence: float = CONFIDENCE):
     """Two-sided Clopper–Pearson interval (lo, hi) for a binomial proportion with ``k`` successes in
     ``n`` trials (vectorized).  Each end fails with probability ≤ (1 − confidence)/2."""
     k, n = _counts(k, n, "counts")
-    a = (1 - _check_confidence(confidence)) / 2
+    a = (1 - check_confidence(confidence)) / 2
     with np.errstate(invalid="ignore"):
         lo = np.where(k > 0, stats.beta.ppf(a, np.maximum(k, 1), n - k + 1), 0.0)
         hi = np.where(k < n, stats.beta.ppf(1 - a, k + 1, np.maximum(n - k, 1)), 1.0)
@@ -250,7 +250,7 @@ def one_run_epsilon(m: int, r: int, v: int, delta: float, confidence: float = CO
     (App. D ``get_eps_audit``: bisection keeping p(ε_lo) < 1 − confidence ≤ p(ε_hi)); 0 when even
     ε = 0 is not rejected."""
     m, r, v, delta = _one_run_args(m, r, v, delta)
-    level = 1 - _check_confidence(confidence)
+    level = 1 - check_confidence(confidence)
     if one_run_p_value(m, r, v, 0.0, delta) >= level:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -298,7 +298,7 @@ def one_run_audit(scores, included, delta: float, confidence: float = CONFIDENCE
     m = scores.size
     if m < 2:
         raise InvalidParameterError("canaries", m, "the one-run audit needs at least 2 randomized examples")
-    per = 1 - (1 - _check_confidence(confidence)) / len(fractions)
+    per = 1 - (1 - check_confidence(confidence)) / len(fractions)
     rows = []
     for f in fractions:
         k = max(1, math.ceil(f * m / 2))
@@ -322,7 +322,7 @@ def one_run_audit(scores, included, delta: float, confidence: float = CONFIDENCE
 def one_run_ceiling(m: int, delta: float, confidence: float = CONFIDENCE, fractions=GUESS_FRACTIONS) -> float:
     """The largest bound :func:`one_run_audit` can return with ``m`` examples (every guess correct):
     no audit of this size can show more, whatever the algorithm."""
-    per = 1 - (1 - _check_confidence(confidence)) / len(fractions)
+    per = 1 - (1 - check_confidence(confidence)) / len(fractions)
     best = 0.0
     for f in fractions:
         k = max(1, math.ceil(f * m / 2))

@@ -130,7 +130,7 @@ class AuditOptions:
             raise InvalidParameterError("canaries", self.canaries, "only used with --attack one-run")
         if self.canary_kind not in CANARY_KINDS:
             raise InvalidParameterError("canary_kind", self.canary_kind, f"must be one of {', '.join(CANARY_KINDS)}")
-        bounds._check_confidence(self.confidence)
+        bounds.check_confidence(self.confidence)
         fprs = check_fprs(self.fprs)
         out = dataclasses.replace(self, fprs=fprs)
         if self.attack == "lira":

@@ -21,7 +21,7 @@ from ..validation import (
     check_sample_rate,
     check_steps,
 )
-from .budget_args import _accountant, budget_source_args, budgets_from_args, group_spec
+from .budget_args import accountant_arg, budget_source_args, budgets_from_args, group_spec
 from .registry import arguments, command
 
 
@@ -41,7 +41,7 @@ def _sgm_args(p, with_sigma=True):
         p.add_argument("--noise-multiplier", type=float, required=True, help="noise multiplier σ > 0")
     p.add_argument("--steps", type=int, required=True, help="number of steps (>= 1)")
     p.add_argument("--delta", type=float, required=True, help="target δ in (0, 1)")
-    _accountant(p)
+    accountant_arg(p)
 
 
 @command("epsilon", "ε spent by DP-SGD (Poisson-subsampled Gaussian) after a number of steps")
@@ -92,7 +92,7 @@ def _assign_args(p):
     p.add_argument(
         "--num-examples", type=int, help="dataset size: group sizes by largest remainder (default: exact fractions)"
     )
-    _accountant(p)
+    accountant_arg(p)
 
 
 def _assign_text(r):
@@ -298,8 +298,8 @@ def read_norms_file(path):
 def account_cmd(args):
 
     from ..accounting import account_from_norms
-    from ..accounting.individual import DEFAULT_ROUNDING_FRACTION, offline_kind
     from ..accounting.neighbouring import neighbouring
+    from ..accounting.output_specific import DEFAULT_ROUNDING_FRACTION, offline_kind
     from ..runfolder import RunFolder
 
     delta = check_delta(args.delta)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .budget_args import budget_source_args, budgets_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
-from .train_commands import _config, _hyper_args, _load
+from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 
 def _audit_args(p):
@@ -21,7 +21,7 @@ def _audit_args(p):
 
     p.add_argument("--method", required=True, help=f"training method to audit: {', '.join(AUDIT_METHODS)}")
     budget_source_args(p)
-    _hyper_args(p)
+    hyper_args(p)
     p.add_argument(
         "--out",
         required=True,
@@ -106,14 +106,14 @@ def audit_cmd(args):
         _refuse_pdp_flags(args)
     if args.resume and args.seed is None and not args.secure_mode:
         args.seed = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
-    data = _load(args)
+    data = dataset_from_args(args)
     budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), num_classes=data.num_classes)
     from ..audit.report import public_audit
 
     result = run_audit(
         data,
         budgets,
-        _config(args, args.method),
+        config_from_args(args, args.method),
         args.out,
         options,
         resume=args.resume,

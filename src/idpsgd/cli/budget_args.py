@@ -6,7 +6,7 @@ from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError, check_delta, check_epsilon
 
 
-def _accountant(p):
+def accountant_arg(p):
     p.add_argument(
         "--accountant",
         choices=ACCOUNTANTS,
@@ -69,7 +69,7 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_c
         if len(bounds) != 2:
             raise InvalidParameterError("range", args.range, "must be A,B (two numbers)")
         return Budgets.from_exponential(
-            num_examples, bounds[0], bounds[1], args.skew, delta, seed=_assignment_seed(args)
+            num_examples, bounds[0], bounds[1], args.skew, delta, seed=assignment_seed(args)
         )
     if args.budgets_per_class:
         if labels is None:
@@ -103,7 +103,7 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_c
             "give --budgets with --fractions, --budgets-per-class, --budgets-file, or --budget-distribution",
         )
     values, fractions = group_spec(args)
-    return Budgets.from_groups(values, fractions, num_examples, delta, seed=_assignment_seed(args))
+    return Budgets.from_groups(values, fractions, num_examples, delta, seed=assignment_seed(args))
 
 
 def _budgets_file(path, column):
@@ -148,7 +148,7 @@ def resolved_seed(args):
     return args._resolved_seed
 
 
-def _assignment_seed(args):
+def assignment_seed(args):
     """Seed of the random assignment of group budgets to examples (OS entropy in secure mode)."""
     import secrets
 

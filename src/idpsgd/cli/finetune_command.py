@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .budget_args import _accountant, budget_source_args, budgets_from_args, resolved_seed
+from .budget_args import accountant_arg as _accountant
+from .budget_args import budget_source_args, budgets_from_args, resolved_seed
 from .registry import arguments, command
 
 _OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distribution")

@@ -15,7 +15,8 @@ import warnings
 
 from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError
-from .registry import COMMANDS, _emit, _flag, _Parser, add_output_flags
+from .registry import COMMANDS, Parser, add_output_flags, flag_name
+from .registry import emit as _emit  # a module global: tests replace it to capture the output
 
 #: the modules whose import registers the commands (registry.COMMANDS), in the order of ``idpsgd --help``
 COMMAND_MODULES = (
@@ -40,7 +41,7 @@ _ARGPARSE_ERRORS = (  # argparse's wording -> ours: "--flag=value is invalid: wh
 )
 
 
-class _CliParser(_Parser):
+class _CliParser(Parser):
     """One error line naming the flag as typed and its value; ``--lr -1e-3`` and ``--budgets -1,2``
     read as values (argparse takes only plain negative numbers such as ``-1`` for values)."""
 
@@ -80,7 +81,7 @@ def _flagged_message(message: str, args) -> str:
     """``budgets=1e-09 cannot be met ...`` -> ``--budgets=1e-09 cannot be met ...`` when ``budgets`` is a flag."""
     m = re.match(r"^(\w+)=", message)
     if m and hasattr(args, m[1]) and not message.startswith("--"):
-        return _flag(m[1]) + message[len(m[1]) :]
+        return flag_name(m[1]) + message[len(m[1]) :]
     return message
 
 
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
         with held, split:
             result = run(args)
     except InvalidParameterError as exc:
-        shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else _flag(exc.name)
+        shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else flag_name(exc.name)
         sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name) :]}\n")
         return 2
     except DatasetFileError as exc:  # names the file; the flag that led there is --data-dir

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .registry import arguments, command
-from .train_commands import _config, _hyper_args, _load
+from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 
 def _defaults() -> dict:
@@ -18,7 +18,7 @@ def _defaults() -> dict:
 
 def _per_instance_args(p):
     d = _defaults()
-    _hyper_args(p)  # the paper's settings are the training defaults: --clip-norm 1, --batch-size 128
+    hyper_args(p)  # the paper's settings are the training defaults: --clip-norm 1, --batch-size 128
     p.add_argument(
         "--target-set",
         choices=["test", "train"],
@@ -194,7 +194,7 @@ def per_instance_cmd(args):
     samples = _integers(args.samples, "samples", "must be OUTER,INNER: two integers >= 1")
     if len(samples) != 2 or min(samples) < 1:
         raise InvalidParameterError("samples", args.samples, "must be OUTER,INNER: two integers >= 1")
-    data = _load(args)
+    data = dataset_from_args(args)
     size = len(data.y_test) if args.target_set == "test" else len(data.y_train)
     if args.points is None:
         if not 1 <= args.num_points <= size:
@@ -212,7 +212,7 @@ def per_instance_cmd(args):
         args.runs,
         args.alpha,
         args.update_rule,
-        _config(args, "uniform"),
+        config_from_args(args, "uniform"),
         args.epsilon,
         args.delta,
         args.checkpoint_every,

@@ -31,7 +31,7 @@ def arguments(add: Callable[[argparse.ArgumentParser], None]):
     return deco
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage as well by default)
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
@@ -50,11 +50,11 @@ def add_output_flags(p: argparse.ArgumentParser, default=False) -> None:
     )
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None) -> None:
+def emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None) -> None:
     if as_json:
         print(json.dumps(result, indent=2, default=float))
     else:

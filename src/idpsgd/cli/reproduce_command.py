@@ -12,20 +12,20 @@ from __future__ import annotations
 import argparse
 
 from ..experiments import load
-from .registry import _flag, add_output_flags, arguments, command
+from .registry import add_output_flags, arguments, command, flag_name
 
 
 def _add_option(p: argparse.ArgumentParser, option, default) -> None:
     if isinstance(default, bool):
         if default:  # --no-NAME switches a default-on part off
             p.add_argument(
-                "--no-" + _flag(option.name)[2:], dest="no_" + option.name, action="store_true", help=option.help
+                "--no-" + flag_name(option.name)[2:], dest="no_" + option.name, action="store_true", help=option.help
             )
         else:
-            p.add_argument(_flag(option.name), action="store_true", help=option.help)
+            p.add_argument(flag_name(option.name), action="store_true", help=option.help)
         return
     kind = option.type or (type(default) if default is not None else str)
-    p.add_argument(_flag(option.name), type=kind, default=default, help=option.help)
+    p.add_argument(flag_name(option.name), type=kind, default=default, help=option.help)
 
 
 def _datasets_help(exp) -> str:

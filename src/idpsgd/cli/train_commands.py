@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..names import INDIVIDUAL_ACCOUNTANTS
-from .budget_args import _accountant, _assignment_seed, budget_source_args, budgets_from_args, resolved_seed
+from .budget_args import accountant_arg, assignment_seed, budget_source_args, budgets_from_args, resolved_seed
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
@@ -14,7 +14,7 @@ from .user_args import add_user_arguments, drop_user_column, user_budgets_from_a
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
 
 
-def _hyper_args(p):
+def hyper_args(p):
     from ..training import TrainConfig
 
     d = TrainConfig()
@@ -87,7 +87,7 @@ def _hyper_args(p):
         action="store_true",
         help="Opacus's secure mode: sampling and noise from OS entropy, secure noise sampling; refuses --seed",
     )
-    _accountant(p)
+    accountant_arg(p)
 
 
 def _train_args(p):
@@ -95,7 +95,7 @@ def _train_args(p):
 
     p.add_argument("--method", choices=PLAN_METHODS + PDP_METHODS, required=True)
     budget_source_args(p)
-    _hyper_args(p)
+    hyper_args(p)
     p.add_argument(
         "--exclude-below",
         type=float,
@@ -169,7 +169,7 @@ def _train_args(p):
     )
 
 
-def _config(args, method):
+def config_from_args(args, method):
     from ..training import TrainConfig
 
     return TrainConfig(
@@ -211,7 +211,7 @@ def _individual(args):
     )
 
 
-def _load(args, saved: dict | None = None):
+def dataset_from_args(args, saved: dict | None = None):
     """The dataset; a resumed run re-applies the normalization record of its checkpoint's
     signature ``saved`` (the same privately estimated constants, charged once)."""
     from ..data import load_dataset
@@ -352,11 +352,11 @@ def train_cmd(args):
         if recorded is not None:
             args._resolved_seed = recorded
     try:
-        config = _config(args, args.method)
+        config = config_from_args(args, args.method)
         if filter_options is not None:
             check_filter_config(config, filter_options)
         drop_user_column(args)
-        data = _load(args, saved)
+        data = dataset_from_args(args, saved)
         users = users_from_args(args, data)
         budgets = (
             budgets_from_args(
@@ -423,7 +423,7 @@ def demo_budgets(n: int, delta: float, seed: int):
 
 
 def _demo_args(p):
-    _hyper_args(p)
+    hyper_args(p)
     p.add_argument(
         "--seed",
         type=int,
@@ -443,14 +443,14 @@ def run_demo(args) -> dict:
     from ..training import train
 
     top = RunFolder(args.out, overwrite=args.overwrite)
-    data = _load(args)
+    data = dataset_from_args(args)
     n = len(data.y_train)
-    grouped = demo_budgets(n, args.delta, _assignment_seed(args))
+    grouped = demo_budgets(n, args.delta, assignment_seed(args))
     rows = []
     for label, method, budgets, fractions in DEMO_RUNS:
         b = grouped if fractions else Budgets.from_array([float(budgets)] * n, args.delta)
         out = Path(args.out) / label.replace(" ", "_").replace("=", "")
-        report = train(data, b, _config(args, method), out, overwrite=True)
+        report = train(data, b, config_from_args(args, method), out, overwrite=True)
         # the ε=3 run trains everyone at 3: show it against the demo's groups for comparison
         spent = {g["budget"]: g["epsilon_spent"] for g in report["groups"]}
         rows.append(

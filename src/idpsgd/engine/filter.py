@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from ..accounting import DEFAULT_ORDERS, RdpLedger, compute_rdp_pointwise, order_universe, round_sensitivities
-from ..accounting.individual import DEFAULT_ROUNDING_FRACTION
+from ..accounting.output_specific import DEFAULT_ROUNDING_FRACTION
 from ..validation import InvalidParameterError, check_delta, check_positive
 from .accountant import PrivacyBudgetExceeded
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from ..accounting import ROUNDING, IndividualAccountant, IndividualEpsilons
-from ..accounting.individual import INDIVIDUAL_ACCOUNTANTS
+from ..accounting.output_specific import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
 from .distributed import sharded_grad_norms
 from .sensitivity_check import SensitivityCheck, active_dropout, dropout_modules

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..accounting.neighbouring import neighbouring
 from ..io import atomic_open
-from ..training.individual import _pearson
+from ..training.individual_outputs import pearson
 from .registry import SEED, Experiment, Option, at_least_one, at_least_zero, positive, register, valid_delta
 from .summary import mean_std, percent, randomness, record_seed, repetition_seeds
 
@@ -63,7 +63,7 @@ def per_example(trainer) -> dict:
     reported ε_i, min of its own bound and the cap), ``estimate_rdp`` (its own RDP ε), ``worst``
     (the data-independent ε), final ``loss`` and ``correct``, ``label``; on the exact-tracked subset
     ``subset`` (indices) and ``exact``."""
-    from ..training.individual import final_losses
+    from ..training.individual_outputs import final_losses
 
     tracker, delta = trainer.tracker, trainer.train_budgets.delta
     eps_pre = trainer.preprocessing_cost[0]
@@ -92,7 +92,7 @@ def _exact_statistics(pe: dict, num_classes: int) -> dict:
         "max": float(eps.max()),
         "quantiles": {f"{q:g}": float(np.quantile(eps, q)) for q in (0.1, 0.3, 0.5, 0.7, 0.9)},
         "share_at_worst_case": float(np.mean(eps >= worst * (1 - 1e-3))),
-        "pearson_r_log_loss": _pearson(eps, np.log(np.maximum(pe["loss"], 1e-12))),
+        "pearson_r_log_loss": pearson(eps, np.log(np.maximum(pe["loss"], 1e-12))),
         "class_mean_epsilon": [
             float(eps[labels == k].mean()) if np.any(labels == k) else None for k in range(num_classes)
         ],
@@ -101,7 +101,7 @@ def _exact_statistics(pe: dict, num_classes: int) -> dict:
         est = pe["estimate_rdp"][pe["subset"]]
         stats["estimate_vs_exact"] = {
             "examples": int(pe["subset"].size),
-            "pearson_r": _pearson(est, pe["exact"]),
+            "pearson_r": pearson(est, pe["exact"]),
             "mean_abs_error": float(np.mean(np.abs(est - pe["exact"]))),
             "max_abs_error": float(np.max(np.abs(est - pe["exact"]))),
             "min_estimate_minus_exact": float(np.min(est - pe["exact"])),
@@ -237,7 +237,7 @@ def run_yu_figure(
                 for q in rs[0]["released"]["quantiles"]["values"]
             },
             "per_class": per_class,
-            "class_accuracy_vs_released_epsilon_pearson_r": _pearson(
+            "class_accuracy_vs_released_epsilon_pearson_r": pearson(
                 [c["test_accuracy"] for c in ok], [c["released_mean_epsilon"] for c in ok]
             ),
             "lowest_accuracy_class": worst_acc and worst_acc["class"],
@@ -437,7 +437,7 @@ def _private_plots(out, r) -> list[str]:
     ax.scatter(np.maximum(est["loss"], 1e-8), est["epsilon"], s=5, alpha=0.5)
     ax.set_xscale("log")
     ax.axhline(worst, color="black", ls="--", lw=1)
-    rr = _pearson(est["epsilon"], np.log(np.maximum(est["loss"], 1e-12)))
+    rr = pearson(est["epsilon"], np.log(np.maximum(est["loss"], 1e-12)))
     ax.set_xlabel("final training loss (log scale)")
     ax.set_ylabel("individual ε (estimate)")
     ax.set_title(

@@ -193,7 +193,7 @@ class Trainer:
             )
         )
         if individual is not None and individual.rounding != "exact" and individual.rounding_step is not None:
-            from ..accounting.individual import check_rounding_step  # refused before any work
+            from ..accounting.output_specific import check_rounding_step  # refused before any work
 
             check_rounding_step(
                 individual.rounding_step, max(float(np.max(ph.assignment.clip_norms)) for ph in self.plan.phases)
@@ -497,7 +497,7 @@ class Trainer:
         sigmas = [p.assignment.noise_multiplier for p in plan.phases]
         extra, private = {}, {}
         if self.tracker is not None:
-            from .individual import individual_report
+            from .individual_outputs import individual_report
 
             released, exact = individual_report(self, ev["per_class_accuracy"], self.release_epsilon)
             extra["individual_privacy"], private["individual_privacy"] = released, exact

@@ -231,7 +231,9 @@ class LinearRule(Rule):
         return torch.matmul(g, module.weight) if need_input else None
 
     @staticmethod
-    def _flat(saved, g):
+    def flat_factors(saved, g):
+        """(a (B, T, d), b (B, T, p)): one record's input and output gradient with the positions in one
+        dimension; example i's weight gradient is Σ_t b_it a_itᵀ (Li et al. 2022, the ghost norm's factors)."""
         x = saved[0]
         b = x.shape[0]
         return x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1])
@@ -243,11 +245,11 @@ class LinearRule(Rule):
     def prefers_ghost(self, module, uses):
         if not _trainable(module, "weight"):
             return False
-        t = sum(self._flat(s, g)[0].shape[1] for s, g in uses)
+        t = sum(self.flat_factors(s, g)[0].shape[1] for s, g in uses)
         return 2 * t * t < module.weight.numel()
 
     def per_sample(self, module, saved, g):
-        a, b = self._flat(saved, g)
+        a, b = self.flat_factors(saved, g)
         a, b = acc(a), acc(b)
         out = {}
         if _trainable(module, "weight"):
@@ -259,14 +261,15 @@ class LinearRule(Rule):
             out["bias"] = b.sum(1)
         return out
 
-    def _cat(self, uses):
-        pairs = [self._flat(s, g) for s, g in uses]
+    def joined_factors(self, uses):
+        """:meth:`flat_factors` of every use of the layer, joined along the positions."""
+        pairs = [self.flat_factors(s, g) for s, g in uses]
         if len(pairs) == 1:
             return pairs[0]
         return torch.cat([a for a, _ in pairs], 1), torch.cat([b for _, b in pairs], 1)
 
     def ghost_norm_sq(self, module, uses):
-        a, b = self._cat(uses)
+        a, b = self.joined_factors(uses)
         t = a.shape[1]
         out = a.new_zeros(a.shape[0], dtype=acc_dtype(a.dtype))
         for s in chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2])):
@@ -279,7 +282,7 @@ class LinearRule(Rule):
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ for explicit per-example tensors M (B, *shape) of parameter ``name``: Σ_t b_tᵀ M a_t
         (weight) or Σ_t b_t·M (bias) from the kept factors (for tied parameters, :mod:`.bk_tied`)."""
-        a, b = (acc(t) for t in self._cat(uses))
+        a, b = (acc(t) for t in self.joined_factors(uses))
         m = acc(m).to(a.dtype)
         if name == "bias":
             return (b.sum(1) * m).sum(1)
@@ -291,7 +294,7 @@ class LinearRule(Rule):
     def ghost_clipped_sum(self, module, uses, w):
         out = {}
         for saved, g in uses:
-            a, b = self._flat(saved, g)
+            a, b = self.flat_factors(saved, g)
             # half precision: float32 copies, a chunk of examples at a time
             parts_of = (
                 chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in _HALF else (slice(None),)
@@ -539,7 +542,7 @@ class EmbeddingRule(Rule):
     def prefers_ghost(self, module, uses):
         return True
 
-    def _flat(self, module, uses):
+    def token_gradients(self, module, uses):
         """(ids (B, T), b (B, T, p)) over all uses, padding positions zeroed."""
         ids = torch.cat([s[0].reshape(s[0].shape[0], -1) for s, _ in uses], 1)
         b = torch.cat([acc(g).reshape(g.shape[0], -1, g.shape[-1]) for _, g in uses], 1)
@@ -548,7 +551,7 @@ class EmbeddingRule(Rule):
         return ids, b
 
     def ghost_norm_sq(self, module, uses):
-        ids, b = self._flat(module, uses)
+        ids, b = self.token_gradients(module, uses)
         n, _t = ids.shape
         key = torch.arange(n, device=ids.device).unsqueeze(1) * module.num_embeddings + ids
         uniq, inv = torch.unique(key.reshape(-1), return_inverse=True)
@@ -560,7 +563,7 @@ class EmbeddingRule(Rule):
     def per_sample(self, module, saved, g):
         """G_i (B, V, d): row v of example i is the sum of its output gradients at token v (used where a
         tied parameter's cross term has no ghost rule, a chunk of examples at a time)."""
-        ids, b = self._flat(module, [(saved, g)])
+        ids, b = self.token_gradients(module, [(saved, g)])
         n, v = ids.shape[0], module.num_embeddings
         key = (torch.arange(n, device=ids.device).unsqueeze(1) * v + ids).reshape(-1)
         rows = b.new_zeros((n * v, b.shape[-1])).index_add_(0, key, b.reshape(-1, b.shape[-1]))
@@ -568,14 +571,14 @@ class EmbeddingRule(Rule):
 
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ = Σ_t e_t·M_i[x_t] for explicit per-example tensors M (B, V, d) (tied parameters)."""
-        ids, b = self._flat(module, uses)
+        ids, b = self.token_gradients(module, uses)
         b = acc(b)
         m = acc(m).to(b.dtype)
         picked = torch.gather(m, 1, ids.unsqueeze(-1).expand(-1, -1, m.shape[-1]))
         return (picked * b).sum((1, 2))
 
     def ghost_clipped_sum(self, module, uses, w):
-        ids, b = self._flat(module, uses)
+        ids, b = self.token_gradients(module, uses)
         bw = (b * w.to(b.dtype).view(-1, 1, 1)).reshape(-1, b.shape[-1])
         return {"weight": torch.zeros_like(module.weight, dtype=bw.dtype).index_add_(0, ids.reshape(-1), bw)}
 

@@ -42,8 +42,8 @@ def _flat_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_linear(a_layer, b_layer):
-    a1, b1 = (acc(t) for t in LinearRule()._cat(a_layer.uses))  # float32 for half precision (autocast)
-    a2, b2 = (acc(t) for t in LinearRule()._cat(b_layer.uses))
+    a1, b1 = (acc(t) for t in LinearRule().joined_factors(a_layer.uses))  # float32 for half precision (autocast)
+    a2, b2 = (acc(t) for t in LinearRule().joined_factors(b_layer.uses))
     n, t1, t2 = a1.shape[0], a1.shape[1], a2.shape[1]
     out = a1.new_zeros(n)
     for s in chunks(n, 2 * t1 * t2):
@@ -52,9 +52,9 @@ def _linear_linear(a_layer, b_layer):
 
 
 def _embedding_linear(e_layer, l_layer):
-    ids, e = EmbeddingRule()._flat(e_layer.module, e_layer.uses)
+    ids, e = EmbeddingRule().token_gradients(e_layer.module, e_layer.uses)
     e = acc(e)
-    h, b = (acc(t).to(e.dtype) for t in LinearRule()._cat(l_layer.uses))
+    h, b = (acc(t).to(e.dtype) for t in LinearRule().joined_factors(l_layer.uses))
     n, t1, t2 = ids.shape[0], ids.shape[1], h.shape[1]
     out = e.new_zeros(n)
     for s in chunks(n, 2 * t1 * t2):
@@ -65,8 +65,8 @@ def _embedding_linear(e_layer, l_layer):
 
 
 def _embedding_embedding(a_layer, b_layer):
-    ids1, e1 = EmbeddingRule()._flat(a_layer.module, a_layer.uses)
-    ids2, e2 = EmbeddingRule()._flat(b_layer.module, b_layer.uses)
+    ids1, e1 = EmbeddingRule().token_gradients(a_layer.module, a_layer.uses)
+    ids2, e2 = EmbeddingRule().token_gradients(b_layer.module, b_layer.uses)
     e1 = acc(e1)
     e2 = acc(e2).to(e1.dtype)
     n, t1, t2 = ids1.shape[0], ids1.shape[1], ids2.shape[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...data import DatasetFileError, _read_rows
+from ...data import DatasetFileError, read_csv_rows
 from ...validation import InvalidParameterError
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
@@ -70,7 +70,7 @@ def _jsonl_rows(p: Path):
 
 
 def _csv_rows(p: Path):
-    header, rows, lines = _read_rows(p)
+    header, rows, lines = read_csv_rows(p)
     if not rows:
         raise DatasetFileError(f"{p} has a header but no data rows")
     return header, [dict(zip(header, r, strict=True)) for r in rows], lines
