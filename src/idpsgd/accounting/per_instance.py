@@ -1,44 +1,16 @@
-"""Per-instance Rényi DP of DP-SGD (Thudi et al., "Gradients look alike", §3.1–3.2, §5.4).
+"""Per-instance Rényi DP of DP-SGD (Thudi et al., "Gradients look alike", §3.1–3.2, §5.4): the maths.
 
 Per-instance DP bounds the distinguishability of training on X and on X' = X ∪ {x*} for one
-point x* and one dataset X — the distribution over training runs, not one trajectory.
-
-* :func:`sum_rule_step_rdp` — Thm. 3.2: the sampled Gaussian mechanism with the sum update rule
-  at order α, sensitivity ‖g(x*)‖ (clipped), noise std σ; it is our exact SGM RDP with effective
-  noise multiplier σ/‖g(x*)‖ (both directions).  The paper states it for integer α; the proof's
-  reduction holds at every real α > 1 (below), so real orders are accepted.
-* :func:`mean_rule_bound` — Thm. 3.6 for any update rule (used for the mean rule): from sampled
-  mini-batch updates, (1/(α−1)) E_{outer} ln E_{α-tuples} exp(−Δ_{U,α}/(2σ²)) with
-  Δ_{U,α} = Σ_i‖μ_i‖² − (α−1)‖μ‖² − ‖Σ_i μ_i − (α−1)μ‖² (the exponent of the theorem's proof).
-* :func:`composition_orders`, :func:`composition_bound` — Thm. 3.3: the Hölder composition over
-  n steps with exponent p (default 3n, Fact 3.4), per-step orders g_p^i(α) rounded up
-  (:func:`step_orders`: to integers for Thm. 3.6, onto a fine lattice for Thm. 3.2; RDP grows
-  with the order, so rounding up only loosens the bound), expectations estimated by means over
-  training runs.  g_p(a) = p/(p−1)·a − 1/(p−1), as derived in the theorem's proof (the statement
-  prints −1/p); then g_p^i(α) − 1 = (p/(p−1))^i·(α − 1).
-* :func:`same_composition_rdp` — Thm. 3.3 applied with sensitivity C at every step (every run
-  alike): the data-independent quantity the per-instance composition should be compared with to
-  isolate the data-dependent effect (it is ≥ the plain data-independent n·ρ_α(C): the
-  composition's orders grow towards the first steps).
-* :func:`best_order` — the order at which a run's data-independent ε is smallest;
-  :func:`best_composition_order` — the order at which the same-composition ε is smallest (the
-  per-instance analysis' default: it keeps the composition's growing orders below the phase
-  transition).
-* :func:`fact_3_5_samples` — how many runs estimate a per-step term to a precision (Hoeffding);
-  :func:`composition_bound` (``worst_step_rdp``) and :func:`exponents_to_upper` turn the same
-  Hoeffding argument into confidence upper bounds next to the plug-in estimates.
-* :func:`corollary_3_1` — the per-instance (ε, δ) form for one step, from Lemma A.1.
-* :func:`npiu_decisions` — §5.4's Naive Per-Instance Unlearning: keep or retrain per request.
-
-Bounds estimated from finitely many runs or mini-batches are **estimates** of the theorems'
-expectations, and are labelled so in reports.
-
-**Thm. 3.2 at real orders.**  For the sum rule, M(X') = Σ_B P(B)[(1−q)N(U(B), σ²) + q N(U(B)+g, σ²)]
-and M(X) = Σ_B P(B) N(U(B), σ²) with the same batch distribution (Poisson sampling).  For every
-real α > 1, (P, Q) ↦ ∫P^α Q^{1−α} is jointly convex, so both divergences are at most the largest
-over B of the divergence between (1−q)N(0, σ²) + qN(g, σ²) and N(0, σ²) (translation
-invariance), which is the sampled Gaussian mechanism's RDP with noise multiplier σ/‖g‖
-(Mironov et al. 2019 §3.3 at real orders; their Thm. 5 for the order of the two mixtures).
+point x* and one dataset X — the distribution over training runs, not one trajectory.  This module
+owns the theorems as numpy functions: the per-step bound of the sum rule (Thm. 3.2,
+:func:`sum_rule_step_rdp`, at real orders) and of any rule from sampled mini-batches (Thm. 3.6,
+:func:`mean_rule_bound`), their Hölder composition over the steps (Thm. 3.3, Fact 3.4:
+:func:`composition_orders`, :func:`composition_bound`), the data-independent comparisons
+(:func:`same_composition_rdp`, :func:`best_order`), Hoeffding's run counts and confidence upper
+bounds (Fact 3.5), Corollary 3.1 and §5.4's unlearning decisions (:func:`npiu_decisions`).
+Values estimated from finitely many runs are **estimates** of the theorems' expectations and are
+labelled so.  The runs themselves: :mod:`idpsgd.training.per_instance`; user guide:
+``docs/per-instance.md``.
 """
 
 from __future__ import annotations
@@ -66,8 +38,17 @@ def _check_order(alpha) -> float:
 
 
 def sum_rule_step_rdp(sample_rate, sensitivity, noise_std: float, alpha) -> np.ndarray:
-    """Thm. 3.2 at order ``alpha`` (any real α > 1, see the module doc) for arrays of (q, ‖g(x*)‖) with
-    noise std ``noise_std``: a bound on both per-step divergences D_α(M(X')‖M(X)) and D_α(M(X)‖M(X'))."""
+    """Thm. 3.2 at order ``alpha`` (any real α > 1) for arrays of (q, ‖g(x*)‖) with noise std
+    ``noise_std``: a bound on both per-step divergences D_α(M(X')‖M(X)) and D_α(M(X)‖M(X')) — our
+    exact SGM RDP with effective noise multiplier σ/‖g(x*)‖.
+
+    **Real orders.**  The paper states Thm. 3.2 for integer α; the proof's reduction holds at every
+    real α > 1.  For the sum rule, M(X') = Σ_B P(B)[(1−q)N(U(B), σ²) + q N(U(B)+g, σ²)] and
+    M(X) = Σ_B P(B) N(U(B), σ²) with the same batch distribution (Poisson sampling).  (P, Q) ↦
+    ∫P^α Q^{1−α} is jointly convex, so both divergences are at most the largest over B of the
+    divergence between (1−q)N(0, σ²) + qN(g, σ²) and N(0, σ²) (translation invariance), which is
+    the sampled Gaussian mechanism's RDP with noise multiplier σ/‖g‖ (Mironov et al. 2019 §3.3 at
+    real orders; their Thm. 5 for the order of the two mixtures)."""
     a = _check_order(alpha)
     s = np.asarray(sensitivity, dtype=float)
     if np.any(s < 0):
@@ -178,7 +159,8 @@ def exponents_to_upper(delta, alpha: int, noise_std: float, outer_norms, clip: f
 
 
 def composition_orders(alpha, p: float, n: int) -> np.ndarray:
-    """g_p^i(α) for i = 0 … n−1 (g_p^0(α) = α)."""
+    """g_p^i(α) for i = 0 … n−1 (g_p^0(α) = α), with g_p(a) = p/(p−1)·a − 1/(p−1) as derived in the
+    proof of Thm. 3.3 (the statement prints −1/p); then g_p^i(α) − 1 = (p/(p−1))^i·(α − 1)."""
     if not p > 1:
         raise InvalidParameterError("p", p, "must be > 1")
     out = np.empty(int(n))

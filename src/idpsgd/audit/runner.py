@@ -1,46 +1,18 @@
 """``run_audit``: membership inference per privacy group and empirical ε lower bounds.
 
-Three audits of one training method with its budgets and hyper-parameters:
+This module runs one of three audits of a training method with its budgets and hyper-parameters:
+``lira`` (Boenisch et al. §4.2 / App. B.5, D.3, scaled down: shadow models, LiRA of Carlini et al.
+2022 and the loss threshold of Yeom et al. 2018, per-group ROC/AUC, group tests, Clopper–Pearson and
+one-run ε lower bounds), ``loss`` (the loss-threshold attack on the target alone) and ``one-run``
+(Steinke, Nasr & Jagielski 2023, Alg. 1: canaries each included with probability 1/2, one run).
+Every model runs one plan, calibrated before the audit for the expected model
+(:class:`~idpsgd.audit.shadows.SharedPlan`), so a model's public parameters never depend on which
+examples it holds; thresholds are chosen on the shadows' leave-one-out scores, never on the
+target's membership.  A lower bound above the reported ε is a FAILED audit (a bug): each row's
+bounds are taken at level (1 − confidence)/tests (Bonferroni), so a correct implementation fails
+with probability at most 1 − confidence.  The maths: :mod:`.bounds`; the outputs: :mod:`.report`.
 
-* ``lira`` — Boenisch et al. §4.2 / App. B.5, D.3 (Fig. 2, 8, 9; Table 10), scaled down: M shadow
-  models, each on about half of the training examples (every example in exactly ⌊M/2⌋ of them),
-  and a target model whose training set includes every example independently with probability
-  1/2.  LiRA (online and offline; Carlini et al. 2022) and the loss-threshold baseline (Yeom et
-  al. 2018) score every example on the target; per privacy group: ROC, AUC, TPR at low FPR with
-  its counts, Student and Mann–Whitney tests of the scores between groups (Table 10 form), the
-  protection test (every shadow model as a target with leave-one-out fits: per-model AUCs of two
-  groups paired over the models, one-sided t and Wilcoxon), and an empirical ε lower bound with
-  Clopper–Pearson intervals (:mod:`idpsgd.audit.bounds`) beside the ε the target run reports,
-  and the one-run bound of Steinke et al. on the same scores (the target's membership is
-  independent coins, Alg. 1, so their theorem applies with no independence assumption between
-  the examples).  The test's threshold is chosen on the shadow models' leave-one-out scores,
-  never on the target's membership.
-* ``loss`` — the loss-threshold attack alone: only the target is trained; the threshold of the
-  bound is chosen on a random half of each group (membership of that half) and the bound
-  evaluated on the other half.
-* ``one-run`` — Steinke, Nasr & Jagielski 2023, Alg. 1: m canaries per group (training examples,
-  by default with a wrong label), each included independently with probability 1/2, one training
-  run; the bound per group from the guesses (:func:`~idpsgd.audit.bounds.one_run_audit`).
-
-One plan for every model (:class:`~idpsgd.audit.shadows.SharedPlan`): calibrated once, before
-the audit folder is made, for the expected model (each example in it with its inclusion
-probability); every shadow and the target run the same σ, q_p, c_p, steps and normaliser, so
-a model's public parameters never depend on which examples it holds.
-
-Validity of the bounds.  A group's guarantee is individual (ε_p, δ)-DP for each of its examples
-with the run's other randomness (other examples' inclusion included) fixed or averaged, so the
-bounds apply per group.  The plan's rates follow from the design's expected group counts, not
-from any model's membership.  A lower bound above the reported ε is a FAILED audit: a bug in the
-accounting or the implementation.  The verdict tests every row (each group and, with several
-groups, all data) with two bounds (Clopper–Pearson and one-run; the one-run audit: its one
-bound), so each bound is taken at level (1 − confidence)/tests (Bonferroni): a correct
-implementation fails the audit with probability at most 1 − confidence (for Clopper–Pearson
-under its approximation that the examples are independent trials; exactly for the one-run
-bound).
-
-Outputs (:mod:`.report`): public ``audit.json`` and ``roc_by_group.png`` (aggregates per group);
-private ``audit_scores.csv``, the models and the settings (with the seed, which fixes who is in
-which model).
+User guide (attacks, validity, verdict, outputs, power): ``docs/audit.md``.
 """
 
 from __future__ import annotations

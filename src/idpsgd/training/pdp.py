@@ -1,43 +1,17 @@
 """PDP-SGD and its baselines (Heo et al., Alg. 1–2, 4, App. B): personalized sampling before DP-SGD.
 
-Each round R: pick a threshold τ_R from the remaining budgets (eq. 6 or 7), sample every
-example with π_{i,R} (eq. 4), run DP-SGD on the sample with a noise multiplier calibrated for the
-round, and charge the round's cost.  Methods:
+Each round R: pick a threshold τ_R from the remaining budgets (eq. 6 or 7), sample every example
+with π_{i,R} (eq. 4), run DP-SGD on the sample with a noise multiplier calibrated for the round,
+and charge the round's cost.  Methods: ``pdp-sgd`` (Alg. 1, ``rounds`` rounds continuing one
+model), ``pdp-sampling`` (App. B.1, Jorgensen et al.: one round) and ``adapdp`` (App. B.2, Niu et
+al.: a fresh model per round, predictions combined with weights τ_T·E|D_T|); options in
+:class:`PdpOptions`, the accounting in :mod:`idpsgd.accounting.pdp`.  Where the paper is ambiguous
+or its bookkeeping is not backed by its theorems, this module follows the theorems: every example
+is charged every round (Thm. 4.2), round parameters are public (expected sample sizes, never
+|D_R|; an empty sample still runs its noise-only steps), δ is the total the user asked for, and
+with ``noise_history`` the guarantee is :func:`~idpsgd.accounting.pdp.history_guarantee`.
 
-* ``pdp-sgd`` (Alg. 1) — ``rounds`` rounds continuing one model;
-* ``pdp-sampling`` (App. B.1, Jorgensen et al.) — one round;
-* ``adapdp`` (App. B.2, Niu et al.) — ``rounds`` rounds, a fresh model per round, predictions
-  combined with weights τ_T·E|D_T| (softmax outputs).
-
-The method's options are :class:`PdpOptions`.  Our reading, where the paper is ambiguous or its
-bookkeeping is not backed by its theorems:
-
-1. **Every example is charged every round**, sampled or not: by Thm. 4.2 round R is
-   (min(b_i, τ_R), π_{i,R} δ_R)-PDP for *every* user i (b_i its remaining budget).  Alg. 1 charges
-   only the sampled examples; then the next round's sampling rates depend on the secret
-   sampling outcome, which Thm. 4.3 does not cover.
-2. **Round parameters are public**: the sampling rate q_R = B / E|D_R| (E|D_R| = Σ_i π_{i,R}), the
-   steps and the normalisation of the noisy sum use the expected sample size, never |D_R|, and
-   AdaPDP's combination weights use E|D_T| instead of |D_T|.  An empty sample still runs its
-   (noise-only) steps: skipping them would reveal that the sample was empty.
-3. **δ as the user asked** (``per_round_delta=False``, the default): ``budgets.delta`` is the total
-   per example; each round is calibrated at δ_R = δ/rounds, so δ_i = Σ_R π_{i,R} δ_R ≤ δ.  With
-   ``per_round_delta=True`` every round gets δ (the paper's Thm. 4.5: δ_i ≤ R_max·δ).  The report
-   states ``max_delta`` either way.
-4. **σ per round**: without ``noise_history``, calibrated so that the round's DP-SGD alone is
-   (τ_R, δ_R)-DP, which is what Thm. 4.2 needs; ε_i = Σ_R min(b_{i,R}, τ_R) (Thm. 4.3).
-   With ``noise_history`` (Alg. 4, our reading): σ_R is calibrated so that the accountant's
-   composition of rounds 1..R stays within the *cumulative* thresholds τ_1 + … + τ_R at δ
-   (Alg. 4 as printed targets τ_R alone, which is below what rounds 1..R−1 already spent: no σ
-   reaches it).  A round alone is then not (τ_R, δ)-DP, so the guarantee is not Thm. 4.2 per
-   round but :func:`~idpsgd.accounting.pdp.history_guarantee`: ε_i = ln Σ_m P_i(last round
-   sampled = m)·e^{E_m} ≤ its budget, δ_i = P_i(ever sampled)·δ ≤ δ.
-5. Epochs per round (Alg. 1 leaves n and μ_R per round open): for pdp-sgd ``epochs`` in the
-   first round, then E·(τ_R/τ_1)² (adapdp trains each fresh model for ``epochs``) — for a fixed
-   rate, ε grows about like √steps/σ, so this keeps the noise multiplier roughly constant across
-   rounds.  pdp-sgd's learning rate μ_R is scaled by τ_R/τ_1 for the same reason.
-6. ``threshold_loss="adaptive"`` (eq. 7) picks the AM–GM equality point waste_u = waste_s
-   (:func:`~idpsgd.accounting.pdp.adaptive_threshold`), strictly inside the remaining budgets.
+Our reading point by point, and what was measured: ``docs/pdp-sgd.md``.
 """
 
 from __future__ import annotations

@@ -1,73 +1,16 @@
 """The per-instance runner (Thudi et al. §3.2, §4): per-instance Rényi DP of DP-SGD in both directions.
 
 A per-instance RDP guarantee for X and X' = X ∪ {x*} is the maximum of D_α(Train(X') ‖ Train(X))
-and D_α(Train(X) ‖ Train(X')) (§3.2 "Applying to DP-SGD", Thm. 3.6, Fig. 1c, Fig. 4a–b).  Thm. 3.3
-bounds each direction by expectations over the Markov chain of its *first* argument, so the runner
-trains on both datasets:
-
-* ``target_set="test"`` (Fig. 1a): x* from the test set, X = the training set, X' = X ∪ {x*}.
-  ``runs`` runs on X are shared by all targets; each target gets ``runs`` runs on its X'.
-* ``target_set="train"`` (Fig. 1c): x* from the training set, X' = the training set,
-  X = X' \\ {x*}; ``runs`` shared runs on X', ``runs`` runs on each X.
-
-Every run is the same public algorithm: uniform DP-SGD with the rate q = B/N, noise multiplier σ
-calibrated to (``epsilon``, δ) on the training set (N examples), T steps and the noisy sum divided
-by q·N — on X and X' alike (their sizes differ by one; the algorithm does not).  All runs start
-from one initialisation; sampling and noise differ per run.
-
-Before every ``checkpoint_every``-th step each run records, for its targets,
-
-* ``sum`` rule (DP-SGD as implemented): the clipped gradient norm ‖g(x*)‖; the per-step
-  divergence is Thm. 3.2 at each step's composition order (it bounds both directions), at real
-  orders (Thm. 3.3's orders rounded up onto a 1.1 % lattice instead of to integers) and with ‖g(x*)‖
-  rounded up to a fine grid (:class:`~idpsgd.accounting.per_instance.SumRuleTable`; rounding up
-  keeps every per-step value a bound);
-* ``mean`` rule: Thm. 3.6 estimated from ``samples`` = (outer, inner) sampled mini-batches of
-  every training example's clipped gradient, in the direction of the run's chain (runs on X':
-  D(M(X') ‖ M(X)); runs on X: D(M(X) ‖ M(X'))), noise std σc/(qN), at the largest order the
-  checkpoint's steps need.  These runs are *trained with the mean rule*: each update is the mean
-  of the realised batch's clipped gradients plus N(0, (σc/(qN))²) — the mechanism analysed.
-
-A checkpoint's value stands for the steps up to the next one (``checkpoint_every=1``: every step's
-own value).  Between checkpoints the sensitivity of a step is *not measured* but taken from the last
-checkpoint, so Thm. 3.3's per-step terms there are guesses: the ``*_upper`` values and the
-``guarantee_*`` fields are confidence bounds **only with** ``checkpoint_every=1`` (or a one-step
-run) — :func:`upper_kind` says which, in the summary as ``upper_kind`` — and with sparser
-checkpoints ``*_upper`` is an estimate and ``guarantee_*`` is the data-independent bound alone.
-
-The failure probability is **per point**: each point's confidence bounds hold with probability
-≥ 1 − ``failure`` for that point (a union over its two directions and, for the mean rule, its
-estimated steps); there is no union bound over the points — all of them hold at once with
-probability ≥ 1 − (points × ``failure``) (:data:`FAILURE_SCOPE`).
-
-Per point the report has
-
-* ``rdp_add`` = D(Train(X') ‖ Train(X)) (chain X'), ``rdp_remove`` = D(Train(X) ‖ Train(X')) (chain
-  X) and ``rdp`` = their maximum: **plug-in estimates** of Thm. 3.3's bound (its expectations over
-  training runs replaced by means over ``runs`` runs; the log of a sample mean is biased low) —
-  estimates, not bounds;
-* ``*_upper``: confidence upper bounds on Thm. 3.3's bound from the same runs (Hoeffding, Fact 3.5's
-  argument, with the data-independent per-step bound as the range), each holding with probability
-  ≥ 1 − ``failure`` per point — bounds with ``checkpoint_every=1``, estimates otherwise; with few
-  runs they sit near the worst case;
-* the **per-step ratios** (Fig. 1a–c): step t's contribution to Thm. 3.3's sum divided by the
-  data-independent per-step RDP at α (Mironov et al. §3.3, sensitivity C), per direction — their
-  mean, 10th percentile and late-training (second half) mean over the steps; and
-  ``late_thm32_ratio_*``: Thm. 3.2 alone at α and the measured sensitivities (mean over the runs)
-  over the same baseline, i.e. the per-step ratio without the composition's order growth and
-  L_p norm over runs (it tells which of the two keeps a ratio above 1);
-* ``same_composition_rdp``: Thm. 3.3 with sensitivity C at every step (data-independent, the same
-  for every point) and ``ratio_to_same_composition`` = rdp over it: the data-dependent effect alone;
-* ``guarantee_rdp`` = min(``rdp_upper``, the data-independent RDP n·ρ_α(C)) and ``guarantee_epsilon``
-  = min(``epsilon_upper``, the run's data-independent ε at its best order) with
-  ``checkpoint_every=1``: both terms are valid (the first with probability ≥ 1 − ``failure`` for
-  this point), so the stated guarantee is never worse than DP-SGD's own; with sparser checkpoints
-  only the data-independent terms (``guarantee_rule`` says which); ``estimate_min_epsilon`` is the
-  same minimum with the plug-in estimate (an estimate).
-
-ε values convert RDP at α with the library's conversion (Balle et al. 2020 Thm. 21).  NPIU (§5.4,
-sum rule) treats the points, in order, as deletion requests and uses the add direction,
-D(A(D ∪ {x*}) ‖ A(D)).
+and D_α(Train(X) ‖ Train(X')) (§3.2, Thm. 3.6, Fig. 1c, Fig. 4a–b).  Thm. 3.3 bounds each direction
+by expectations over the Markov chain of its *first* argument, so this module trains on both
+datasets (``target_set="test"``: x* from the test set, X the training set; ``"train"``: x* from the
+training set, X = X' \\ {x*}), every run the same public algorithm (uniform DP-SGD, one
+initialisation, sampling and noise per run), records x*'s sensitivity every ``checkpoint_every``
+steps (``sum`` rule: ‖g(x*)‖, Thm. 3.2; ``mean`` rule: Thm. 3.6 from sampled mini-batches, the runs
+trained with the mean rule) and composes them into plug-in estimates and Hoeffding upper bounds
+(:mod:`idpsgd.accounting.per_instance`).  The upper values are bounds only with
+``checkpoint_every=1`` (:func:`upper_kind`), and their failure probability is per point
+(:data:`FAILURE_SCOPE`).  User guide, with every reported field: ``docs/per-instance.md``.
 """
 
 from __future__ import annotations

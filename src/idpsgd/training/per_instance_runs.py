@@ -2,37 +2,17 @@
 (Thudi et al. §3.2.2 "Estimating Theorem 3.3", §4).
 
 Thm. 3.3 needs expectations over training runs on X and on every target's X' = X ∪ {x*}; at the
-paper's sampling rate (q = 128/60,000 ≈ 0.002; on digits an expected batch of 3) a run is
-thousands of tiny steps, and one model per process spends its time in per-step overhead
-(about 10–14 ms a step with Opacus on digits).  Here M runs share every step: their parameters are
-stacked and every layer runs once for all runs' examples (convolutions as unfold + batched matrix
-products, linear layers as batched matrix products; with few examples per run each example gets
-its run's weights, with many the runs' batches are padded into blocks).  Per-example gradients
-follow Opacus's construction (Goodfellow 2015; Rochette et al. 2019): the gradient of the summed
-loss with respect to each layer's output (its "backprop") for every example, then
-
-* linear: g_W = b·aᵀ (norm ‖b‖·‖a‖, never materialised);
-* convolution: g_W = B·unfold(A)ᵀ per example;
-
-so each run's clipped sum Σ_k min(1, C/(‖g_k‖ + 1e-6))·g_k is exact.  Supported architectures:
-``nn.Sequential`` (nested ones too) of Conv2d (groups 1, zero padding), Linear, pooling,
-Flatten and element-wise activations — every registry model except ``resnet20``
-(:func:`supports`).
-
-Each run is uniform DP-SGD (Abadi et al. 2016), the algorithm of the library's
-:class:`~idpsgd.training.loop.Trainer` with ``method="uniform"`` and the analysis' public settings:
-
-1. every example of the run's dataset (``members[m]``) is drawn with probability q (Poisson);
-2. each drawn example's gradient of the cross-entropy is clipped to C with Opacus's factor
-   min(1, C/(‖g‖ + 1e-6));
-3. the clipped sum plus N(0, σ²C²·I) is divided by the public normaliser (q·N of the training set,
-   the same on X and X');
-4. ``torch.optim.SGD``'s update with momentum μ (dampening 0): b ← μ·b + g, θ ← θ − η·b.
-
-All runs start from one initialisation (as in the paper: "10 different models ... with the same
-initialization"); batch draws and noise come from two seeded generators, so a seed reproduces the
-runs.  Nothing here is secure-mode randomness: per-instance analysis is a research measurement
-(the runner refuses secure mode).
+paper's sampling rate (q ≈ 0.002; on digits an expected batch of 3) a run is thousands of tiny
+steps, and one model per process spends its time in per-step overhead.  Here M runs share every
+step: their parameters are stacked and every layer runs once for all runs' examples, with
+Opacus's per-example gradients (Goodfellow 2015; Rochette et al. 2019: linear g_W = b·aᵀ, never
+materialised; convolution B·unfold(A)ᵀ), so each run's clipped sum is exact.  Each run is uniform
+DP-SGD (Abadi et al. 2016) as the library's :class:`~idpsgd.training.loop.Trainer` runs it:
+Poisson draws at rate q, Opacus's clip factor min(1, C/(‖g‖ + 1e-6)), Gaussian noise σC, the
+public normaliser q·N (the same on X and X'), ``torch.optim.SGD`` with momentum.  All runs start
+from one initialisation; draws and noise come from two seeded generators (research measurement:
+no secure mode).  Architectures: ``nn.Sequential`` of Conv2d, Linear, pooling, Flatten and
+element-wise activations (:func:`supports`).  User guide: ``docs/per-instance.md``.
 """
 
 from __future__ import annotations

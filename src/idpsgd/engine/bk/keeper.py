@@ -4,60 +4,16 @@ pass, with a clip norm per example.
 Bu, Wang, Zha & Karypis 2023 ("Differentially private optimization on large model at small cost",
 ICML, Alg. 1, *BK*) with Bu, Mao & Xu 2022's mixed ghost norms, generalised to a clip norm c_i per
 example (IDP-SGD *Scale*'s c_p, Boenisch et al. 2023 §3.4; individual clipping, Yu et al. 2023
-Alg. 3):
+Alg. 3).  This module owns the :class:`BookKeeper`: it routes every covered layer's forward through
+its rule (:mod:`.rules`), keeps per layer either (input, output gradient) or per-example gradients
+in the one backward pass, and forms from them the per-example norms (:meth:`BookKeeper.norms`) and
+the clipped sum Σ_i min(1, c_i/‖g_i‖) g_i (:meth:`BookKeeper.clipped_sum`).  Layers no rule covers
+are *fallback units* (Opacus's per-sample gradient for that layer), modules using parameters
+directly in forward are *direct units*; tied parameters (:mod:`.tied`) and values shared by the
+batch (:mod:`.shared`, :mod:`.provenance`) are kept exactly.  Every trainable parameter is either
+clipped per example or refused — never left with noise only or an un-clipped gradient.
 
-1. forward — every covered layer (:mod:`.bk_layers`: Linear, Conv1d/Conv2d, Embedding, GroupNorm,
-   InstanceNorm, LayerNorm, transformers' Conv1D, RMSNorm and its Hugging Face forms) runs through
-   :class:`_BookKeptOp`, which computes the layer's output with PyTorch's own kernel and keeps its
-   input (under ``torch.autocast`` as the module would: :func:`.bk_layers.autocast_input`);
-2. one backward pass — each covered layer passes the input gradient on (PyTorch's kernel) and keeps,
-   instead of letting autograd form the summed weight gradient, either (input, output gradient)
-   (ghost layers) or the per-example gradients (per-sample layers; whichever is cheaper for its
-   shapes, :meth:`~.bk_layers.Rule.prefers_ghost`).  A per-sample layer whose per-example
-   gradients are larger than its input and output gradient keeps those instead and forms the
-   per-example gradients after the backward pass, when the activations are freed (the same work,
-   a lower memory peak);
-3. :meth:`BookKeeper.norms` — ‖g_i‖² = Σ_layers ‖g_i^(l)‖² (ghost norms or per-sample norms);
-4. :meth:`BookKeeper.clipped_sum` — Σ_i w_i g_i with w_i = min(1, c_i/‖g_i‖) from the engine's
-   :class:`~.clipping.PerExampleClipping`, per layer from what step 2 kept.
-
-A layer with trainable parameters that no rule covers (e.g. ``nn.Conv3d``, a custom module, an
-Embedding with ``scale_grad_by_freq``, a layer with a parametrization such as
-``torch.nn.utils.parametrizations.weight_norm``) is a *fallback unit*: Opacus's per-sample gradient
-for that layer only (its registered grad sampler, or functorch for the whole module), kept like a
-per-sample layer.  :attr:`BookKeeper.rules` says which path each layer takes, as a function of the
-model only (public); :attr:`BookKeeper.paths` which it took (the ghost/per-sample choice of Linear
-and convolution layers depends on the batch's shapes, e.g. its longest sequence: private).
-
-No trainable parameter is left with noise only: a covered layer owning a trainable parameter its
-rule does not train (``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v``) is refused when the
-model is planned; a fallback unit that ran its forward in eval mode (Opacus captures no activations
-there) or whose sampler gave no per-sample gradient for a trainable parameter is refused at the
-step; a parameter made trainable after planning is planned anew by the next norm pass (and refused
-by the engine's step until ``make_private`` is called again).
-
-Three structures of Hugging Face models are book-kept exactly as well:
-
-* **tied parameters** — one parameter in several covered layers (GPT-2's ``wte``/``lm_head``): each
-  layer keeps its own record, the per-example norm adds the cross terms 2⟨G_i^(l), G_i^(m)⟩
-  (:mod:`.bk_tied`), the clipped sum adds the layers' contributions;
-* **inputs shared by the batch** — a covered layer fed an input of batch size 1 while the step has B
-  examples (BERT's and GPT-2's position embeddings, looked up with ``position_ids`` of shape (1, T)):
-  its output is tracked as a batch-independent value, and its per-example output gradients are
-  taken where that value meets the batch (:mod:`.bk_shared`);
-* **parameters used directly in forward** — a module no rule covers, with trainable submodules and
-  parameters shaped to broadcast over the batch (ViT's class token and position embedding): a
-  *direct unit* (:class:`_DirectUnit`) tracks them through its forward the same way; its submodules
-  keep their own rules.
-
-Mixed precision: norms and clipped sums are accumulated in float32; an example whose gradient
-overflowed contributes nothing (:meth:`BookKeeper.norms`); a ``torch.amp.GradScaler``'s scale is
-divided out before clipping (:meth:`~.optimizer._PrivacyHooks.loss_scale`).
-
-Nothing else changes: the batch, the loss, the user's loop.  A covered parameter used outside the
-covered layers' forwards (a functional call on ``layer.weight``) would receive an un-clipped
-autograd gradient: that is detected (a gradient hook on the parameter) and refused, as are
-parameters shared between a covered layer and a fallback or direct unit.
+User guide (what is covered, refused and measured): ``docs/performance.md``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,18 @@
 """Provenance in book-keeping: which tensors of the model's forward derive from the batch, and which of
 their rows belong to which example.
 
-Book-keeping used to take a tensor for the batch when its leading dimension equalled the step's batch
-size B.  That guess fails silently when a value that does not come from the batch happens to have B
-rows (T5's (T, T) relative-position buckets at T = B, a constant bank of B scales), when the batch is
-not the leading dimension ((T, B, d) with T = B), or when a batch-1 value is computed from the batch
-(``ids.max(0, keepdim=True)``).  Here the batch dimension is a *fact*: :class:`ProvenanceMode`, a
-torch function mode active during the model's forward (entered and left by the keeper's forward
-pre-hook and hook), sees every torch operation and tags each result computed from a tagged tensor
-with its :class:`Rows`:
+Taking a tensor for the batch because its leading dimension equals the batch size B fails silently
+(T5's (T, T) buckets at T = B, a constant bank of B scales, (T, B, d) with T = B, a batch-1 value
+computed from the batch).  Here the batch dimension is a *fact*: :class:`ProvenanceMode`, a torch
+function mode active during the model's forward, tags the forward's batch-first tensor arguments
+with their :class:`Rows` and every result computed from them: operations known to act row by row
+keep the rows, a ``view`` merging the batch with later dimensions groups them (row r of (B·T, d)
+belongs to example r // T), and anything that mixes the rows, or has no rule, gives rows of no single
+example (``Rows.mixed`` names the operation).  An untagged tensor is *shared* by the batch,
+whatever its shape.  A trainable parameter meeting mixed rows (:mod:`.keeper`, :mod:`.shared`) is
+refused, naming both operations.  Nothing is tracked when B ≤ 1.
 
-* the forward's tensor arguments whose leading dimension is B (the loader's batch, batch-first: the
-  engine refuses ``batch_first=False``) are tagged ``Rows(dim=0, group=1)``;
-* an operation known to act row by row keeps the rows: elementwise operations with broadcasting,
-  transposes, permutes, ``movedim``, (un)squeeze, ``expand``, indexing and slicing along other
-  dimensions, ``cat``/``stack`` along other dimensions, reductions and ``softmax``/``sort``/``cumsum``
-  along other dimensions, ``matmul`` contracting another dimension, ``linear``, ``embedding``,
-  convolutions and the norms acting on other dimensions, attention (``scaled_dot_product_attention``);
-* a ``view``/``reshape``/``flatten`` that merges the batch with the dimensions after it — (B, T, d) →
-  (B·T, d), as OPT's decoder layer does — gives ``Rows(dim=0, group=T)``: row r belongs to example
-  r // T; splitting it back restores ``group=1``.  (:class:`Rows` can carry any grouping; only
-  contiguous groups are produced.)
-* an operation that reduces or mixes over the batch rows (a reduction, ``sort``/``topk``/``cumsum``
-  along the batch dimension, ``batch_norm`` in training, ``matmul`` contracting the batch dimension,
-  a ``cat`` along it) gives rows that belong to no single example: ``Rows.mixed`` names the operation;
-* any other operation on a tagged tensor gives rows of unknown attribution (``Rows.mixed`` names it
-  too): never assumed to be row-wise.
-
-A tensor with no tag does not derive from the batch: it is *shared* by the batch, whatever its shape.
-Where a trainable parameter meets a tensor whose rows are mixed or unknown — a covered layer's input
-(:mod:`.keeper`), a shared value (:mod:`.shared`), or any operation taking a trainable parameter — the
-step is refused, naming the operation that mixed the rows and where they met the parameter.
-
-The mode is not entered when B ≤ 1 (one example: its gradient is the summed one).  Tags live in a
-dictionary keyed by tensor identity (with weak references), for the forward only.
+The operations and their rules, with what is refused: ``docs/performance.md`` (Provenance).
 """
 
 from __future__ import annotations

@@ -1,53 +1,20 @@
 """Per-layer rules of book-keeping clipping: per-example gradient norms and clipped sums from a layer's
 input and output gradient, without the per-example gradient tensor where a ghost norm is cheaper.
 
-For a layer with weight W applied at T positions (a Linear on a sequence, a convolution's output
-positions), example i's weight gradient is G_i = Σ_t b_{i,t} a_{i,t}ᵀ, with a the layer's input at
-position t (a convolution's unfolded patch) and b the gradient of the loss w.r.t. its output there.
-Two ways to its norm (Li et al. 2022, "Large language models can be strong differentially private
-learners", ghost norm; Bu, Mao & Xu 2022, "Scalable and efficient training of large convolutional
-neural networks with differential privacy", mixed ghost clipping):
+For a layer with weight W applied at T positions, example i's weight gradient is
+G_i = Σ_t b_{i,t} a_{i,t}ᵀ (a the layer's input at position t, b the loss gradient w.r.t. its
+output there).  Its norm is either the **ghost norm** ‖G_i‖²_F = Σ_{t,t'} (a_{i,t}·a_{i,t'})
+(b_{i,t}·b_{i,t'}) (Li et al. 2022; cost ∝ T²·(d + p), nothing of size d·p) or that of the
+**per-sample gradient** G_i (cost ∝ T·d·p); Bu, Mao & Xu 2022's mixed rule takes the ghost norm when
+2T² < d·p, per layer and per backward pass (:meth:`Rule.prefers_ghost`).  The clipped sum
+Σ_i min(1, c_i/‖g_i‖) G_i is then formed directly (Bu, Wang, Zha & Karypis 2023, Alg. 1): a ghost
+layer's ordinary weight gradient with b_i scaled, or Σ_i w_i G_i — no second backward pass.
 
-* **ghost norm** — ‖G_i‖²_F = Σ_{t,t'} (a_{i,t}·a_{i,t'}) (b_{i,t}·b_{i,t'}): two T×T Gram matrices,
-  cost ∝ T²·(d + p) per example, nothing of size d·p;
-* **per-sample gradient** — G_i itself (d·p numbers per example), cost ∝ T·d·p.
-
-Bu, Mao & Xu's mixed rule takes the ghost norm when 2T² < d·p (per convolution group), else the
-per-sample gradient; we apply it per layer and per backward pass (:meth:`Rule.prefers_ghost`).
-In book-keeping the per-sample path costs no more time than the summed weight gradient it replaces
-(the clipped sum Σ_i w_i G_i is then cheap), while a ghost layer adds its Gram matrices to an
-ordinary weight gradient; the ghost norm is what keeps the memory of layers with few positions and
-large d·p (fully connected layers, late convolutions) small.
-
-Book-keeping (Bu, Wang, Zha & Karypis 2023, "Differentially private optimization on large model at
-small cost", Alg. 1): one backward pass keeps what each layer needs — (a, b) for ghost layers, G_i
-for per-sample layers — and once every layer's norm is known the clipped sum
-Σ_i w_i G_i (w_i = min(1, c_i/‖g_i‖), each example's own c_i) is formed directly: for a ghost
-layer as the layer's ordinary weight gradient with b_i scaled by w_i (one matrix product, or the
-convolution's weight-gradient kernel), for a per-sample layer as Σ_i w_i G_i.  No second backward
-pass; autograd never forms the un-clipped summed gradient of a covered parameter.
-
-Each rule has: ``covers(module)`` (exact semantics known), ``forward`` (the layer's output and the
-tensors to keep), ``backward_input`` (the gradient w.r.t. the layer's input, as PyTorch's own
-kernel gives it), and — from the kept tensors of one backward pass, possibly several uses of the
-layer (weight sharing, an RNN cell) — ``prefers_ghost``, ``per_sample`` (G_i per parameter),
-``ghost_norm_sq`` and ``ghost_clipped_sum``.  Per-sample results are exact; ghost results equal
-them up to floating-point rounding (tests/test_bookkeeping.py, float64).
-
-Layers of Hugging Face ``transformers`` models are matched by what their forward *does*, not by
-their names: transformers' ``Conv1D`` (GPT-2) and the weight-only normalisations (``LlamaRMSNorm``
-and its copies in other models, ``T5LayerNorm``, ``GemmaRMSNorm``, ...) are covered when their class's
-forward compiles to the same code as a verbatim copy kept here (:func:`_same_code`), so a model
-whose layer computes something else takes the fallback instead (tests/test_bk_hf_layers.py checks
-each rule against per-example autograd on the real classes).  transformers is never imported here.
-
-Mixed precision (``torch.autocast``): a rule's :meth:`Rule.prepare` casts the layer's input as
-autocast casts the input of the layer's own operation (:func:`autocast_input`, probed once per
-device and dtypes), the book-kept forward runs under the caller's autocast state and the input
-gradient under the same state, so outputs and input gradients are those of the module under
-autocast.  The kept inputs and output gradients stay in half precision (as autocast's own saved
-tensors); per-example norms and clipped sums are accumulated in float32 (:func:`acc`): a
-half-precision clip factor or sum could round an example's contribution above its clip norm.
+This module owns one :class:`Rule` per layer kind (``covers``, ``forward``, ``backward_input``,
+``per_sample``, ``ghost_norm_sq``, ``ghost_clipped_sum``); transformers' layers are matched by what
+their forward computes (:func:`_same_code`), never by name; norms and sums accumulate in float32
+(:func:`acc`), half-precision inputs cast as autocast would (:func:`autocast_input`).  The covered
+layers and the mixed-precision rules: ``docs/performance.md``.
 """
 
 from __future__ import annotations

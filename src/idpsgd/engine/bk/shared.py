@@ -1,40 +1,19 @@
 """Values shared by the batch in book-keeping (``grad_sample_mode="bk"``): covered layers fed an input
 of batch size 1, and parameters used directly in a module's forward.
 
-A position-embedding table looked up with ``position_ids`` of shape (1, T) and added to (B, T, d)
-token embeddings (BERT, GPT-2), or ViT's class token and position embedding (parameters expanded
-and added in ``ViTEmbeddings.forward``), are *batch-independent*: one value, broadcast over the
-batch.  Example i's gradient of such a value v is the gradient of the loss w.r.t. example i's copy
-of v at the point where it is broadcast — the (B, …) gradient there, before autograd sums it over
-the batch.  Autograd never exposes that (the broadcasting op's backward already reduced it), so
-the book-keeper tracks batch-independent values through the forward:
+A position-embedding table looked up with ``position_ids`` of shape (1, T) (BERT, GPT-2), or ViT's
+class token and position embedding, is one value v broadcast over the batch.  Example i's gradient
+of v is the loss gradient w.r.t. example i's copy of v where it is broadcast — which autograd never
+exposes (the broadcast's backward already summed it).  This module owns that tracking: a value
+computed from such *sources* without touching the batch is a :class:`SharedTensor`; where it meets
+the batch it is replaced by ``v.expand(B, …)`` through :class:`_Broadcast`, whose backward receives
+the per-example gradients (the forward values are unchanged); a batched vector-Jacobian product
+carries them back to the sources; a covered layer with a batch-independent input is a source
+itself.  Any other use of a shared value is refused, naming the operation, and a use it cannot see
+(an in-place write, a custom ``autograd.Function``) is refused in the backward pass, where the
+summed gradient of a source must equal the sum of its per-example ones (:func:`check_complete`).
 
-* a **source** is the output of a covered layer whose input has batch size 1 while the step has B
-  examples (B ≠ 1), or a trainable parameter of a module no rule covers, substituted during that
-  module's own forward (:func:`parameter_use`; a *direct unit* of :mod:`.bookkeeping`);
-* every value computed from sources without touching the batch stays batch-independent (a
-  :class:`SharedTensor`: a subclass whose ``__torch_function__`` sees each operation on it);
-* where a batch-independent value v meets the batch — an elementwise ``+ - * /``, ``torch.where``,
-  ``matmul`` or ``torch.cat`` (not along the batch dimension) with a batch-first tensor of B rows,
-  or a covered layer — v is replaced by ``v.expand(B, …)`` through :class:`_Broadcast`, whose
-  backward receives the per-example gradients (B, …): the forward values are the same (v is
-  broadcast over the batch either way), and the gradient of row i is exactly example i's;
-* per-example gradients of a source follow from those of a value derived from it by a batched
-  vector-Jacobian product (``torch.autograd.grad(..., is_grads_batched=True)``) through the
-  batch-independent operations between them (none for a plain position embedding);
-* a covered layer whose input is batch-independent is itself a source: its per-example weight
-  gradients come from its per-example output gradients with its (batch-1) input broadcast, and it
-  passes per-example input gradients on to the sources of its input.
-
-A batch-independent value used otherwise — combined with the batch by any other operation, or
-with a tensor that requires a gradient but is not batch-first — is refused with an error naming the
-operation: book-keeping could not attribute its gradient to examples.  A use that
-``__torch_function__`` does not see (an assignment ``h[...] = v`` into a batch tensor, a custom
-``autograd.Function``) is refused in the backward pass: there the summed gradient autograd gives a
-source must equal the sum of its per-example gradients (:func:`check_complete`).  The step's batch size B is
-the leading dimension of the first tensor argument of the model's forward (batch-first inputs); a
-tensor is taken as part of the batch when, aligned with the operation's result, its leading
-dimension is B.  With B = 1 nothing is tracked (the one example's gradient is the summed one).
+User guide: ``docs/performance.md`` (Values shared by the batch).
 """
 
 from __future__ import annotations

@@ -1,80 +1,18 @@
 """``IndividualizedTrainer``: Hugging Face's ``transformers.Trainer`` with a privacy budget per example.
 
-Individualized DP-SGD (Boenisch et al. 2023, IDP-SGD *Sample* / *Scale*, Alg. 1–3) on the
-Trainer people fine-tune with; anchor: dp-transformers' ``OpacusDPTrainer`` (Microsoft), here on
-:class:`~idpsgd.engine.IndividualizedPrivacyEngine`, which owns everything private::
+Individualized DP-SGD (Boenisch et al. 2023, IDP-SGD *Sample* / *Scale*, Alg. 1–3) on the Trainer
+people fine-tune with (anchor: dp-transformers' ``OpacusDPTrainer``).  This module owns the mapping
+of the Trainer's machinery onto :class:`~idpsgd.engine.IndividualizedPrivacyEngine`, which owns
+everything private: the engine's Poisson sampler replaces the Trainer's loader, its clipping
+optimizer wraps the Trainer's optimizer, one optimizer step is one DP-SGD step over a logical batch
+processed in physical batches, each example's loss is its own (:mod:`.losses`), and only public
+values reach the logs, ``TrainOutput`` and saved state (the rest goes to the run folder's private
+part).  Checkpoints are :mod:`.checkpoints`'; options the analysis does not cover are refused
+(:func:`~.arguments.check_training_arguments`).  Guarantee: data-independent individual
+(ε_p, δ)-DP for every example of privacy group p (Boenisch et al. eq. 3).
 
-    trainer = IndividualizedTrainer(
-        model=model, args=TrainingArguments(output_dir="runs/ft", save_strategy="no", ...),
-        train_dataset=train,                      # a datasets.Dataset with a column "epsilon"
-        eval_dataset=test, processing_class=tokenizer, data_collator=collator,
-        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale"))
-    trainer.train()      # logs epsilon per group; writes the run folder runs/ft
-
-What the Trainer's machinery becomes:
-
-* **data** — the Trainer's own sampler and ``accelerate`` loader are not used: the engine's Poisson
-  sampler draws every batch with the examples' own rates (a ``DataLoader`` over the training set,
-  with the Trainer's collator and worker options, wrapped by ``make_private``); an empty batch is a
-  noise-only step (the model never sees zero rows);
-* **optimizer** — the one ``TrainingArguments`` describes (``optim``, ``learning_rate``,
-  ``weight_decay``, ...), wrapped by the engine's clipping optimizer; the ``lr_scheduler_type``
-  schedule acts on its learning rate as usual;
-* **batch size** — ``per_device_train_batch_size × gradient_accumulation_steps`` is the *expected*
-  logical batch size B (mean sampling rate B/n); a Poisson batch is processed in physical batches
-  of at most ``per_device_train_batch_size`` examples (their clipped gradients accumulate) and one
-  optimizer step is taken per logical batch, so ``global_step`` counts DP-SGD steps;
-* **length** — ``num_train_epochs`` (fractions allowed) or ``max_steps``: the planned steps the
-  budgets are calibrated for; the privacy filter refuses any step beyond the budgets and the run
-  stops (``stopped_early``) if one would exceed them;
-* **clipping** — ``max_grad_norm`` is every example's clip norm (the reference c of Scale); the
-  Trainer's own clipping of the summed gradient and its ``grad_norm`` log (a norm of the un-noised
-  gradient) are switched off;
-* **loss** — the mean over the batch's examples of each example's own loss (:mod:`.losses`): for
-  language models ℓ_i is the mean over example i's tokens, not the Hugging Face mean over all the
-  batch's tokens, whose per-example gradients depend on the other examples' lengths;
-* **logs** — ``epsilon`` (the loosest group's ε) and ``epsilon_group_<budget>`` join every log;
-  values that are not covered by the guarantee (training loss, token counts, FLOPs of the real
-  batches) are kept out of the logs and go to the run folder's private part;
-* **what the Trainer exposes and saves** — only public values: ``state.total_flos`` stays 0 (the
-  FLOPs of the real Poisson batches are private: ``private_metrics["total_flos"]``), the
-  ``TrainOutput`` of ``train()`` has ``training_loss=None`` and ``metrics`` with ``train_runtime``
-  and the throughput computed from public values (``train_samples_per_second`` = expected batch size
-  × steps taken / runtime, ``train_steps_per_second``); the real training loss and FLOPs are in
-  ``trainer.private_metrics`` and the run folder's ``private/history.json``.  ``save_state()``
-  writes the (public) state to ``trainer_state.json``, ``save_metrics(split, metrics)`` writes the
-  public keys to ``<split>_results.json`` and any other key to ``private/<split>_results.json``
-  (mode 0600), both through the run folder's manifest;
-* **seed** — ``TrainingArguments.seed`` seeds the model as usual; the privacy randomness has its own
-  seed (:class:`~.arguments.PrivacyArguments`), private;
-* **outputs** — ``output_dir`` is a :class:`~idpsgd.runfolder.RunFolder`: at the end of ``train()``
-  the public ``model/`` (``save_pretrained`` of the model and tokenizer), ``report.json`` and
-  ``report.html`` (guarantee per group, test metrics on ``eval_dataset``), and private/ (mode 0600:
-  per-example budgets and ε, the privacy seed, training losses, real batch sizes).
-
-``bf16=True`` runs the forward under bfloat16 autocast (accelerate's); the engine keeps
-per-example norms and clipped sums in float32 and the per-example loss is computed in float32.
-
-Long runs (issue 40):
-
-* **checkpoints** — ``save_strategy="steps"``/``"epoch"`` write private, atomic
-  ``private/checkpoint-<step>.pt`` files (:mod:`.checkpoints`); ``train(resume_from_checkpoint=True)``
-  on a new trainer continues exactly (same batches and noise, each step charged once);
-* **several processes** — under ``torchrun`` the model runs in the engine's ``DPDDP`` (never
-  accelerate's DDP); the expected batch is per-device × accumulation × processes; rank 0 writes;
-* **gradient checkpointing** — in bk and hooks, with the reentrant variant
-  (:func:`checkpointing_setup`);
-* **fp16** — on CUDA in bk, the GradScaler's scale divided out of every physical batch's
-  per-example gradients (:meth:`IndividualizedTrainer._clip_part`).
-
-Refused, with the reason (:func:`~.arguments.check_training_arguments` and the constructor): what the
-privacy analysis does not cover (label smoothing, NEFTune, token counts, batch-size search, choosing
-checkpoints by a metric, DeepSpeed/FSDP's own gradient reduction, ...), ``torch_compile`` and Liger
-kernels (not supported yet: the errors say what would be needed), ``model_init`` and
-``compute_loss_func`` (give ``per_example_loss`` instead).
-
-Guarantee: data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch
-et al. eq. 3), ε_p from the run's accountant.
+User guide — what each ``TrainingArguments`` option becomes, logs, outputs, checkpoints,
+``torchrun``, gradient checkpointing, fp16/bf16, refusals: ``docs/huggingface.md``.
 """
 
 from __future__ import annotations
