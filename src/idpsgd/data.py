@@ -1,34 +1,15 @@
 """Datasets from local files in their standard formats (no network), as in-memory tensors.
 
-* ``digits`` — scikit-learn's bundled 8×8 digits (the default); a deterministic, stratified
-  80/20 train/test split (seed 0: a public choice that depends on nothing but the labels' order).
-* ``mnist``, ``fashion-mnist`` — IDX files (``train-images-idx3-ubyte`` etc., gzipped or not).
-* ``cifar10`` — the python pickle batches (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``),
-  read through a restricted unpickler: only numpy's array reconstruction is admitted, so a crafted
-  file cannot run code.
-* ``svhn`` — ``train_32x32.mat`` / ``test_32x32.mat`` (scipy.io.loadmat; label 10 means 0).
-* ``csv`` — ``train.csv`` (and optional ``test.csv`` with the same feature columns) with an
-  integer label column (``--label-column``) and a public class count ``num_classes`` K (required:
-  the labels are the class ids 0..K-1; a row with another label is refused with its file, line and
-  value).  The class count sizes the model's output layer and the report's per-class accuracy, so it
-  is never read from the rows (max label + 1 over the data would publish whether some row holds a
-  rare class).  The model's inputs are the *feature columns*:
-  ``feature_columns`` if given, else every column but the label, the ``drop_columns``, the budget
-  column (``budget_column``: per-example budgets are never model inputs) and identifier columns
-  (:func:`is_id_column`: a pandas index or a column named like ``id``; a value unique to its row
-  can only memorise, never generalise).  ``Dataset.source`` lists the feature columns and why each
-  other column was left out.  Without a test file, a deterministic 80/20 split of the row
-  *positions* (seed 0; a function of the number of rows only, never of the labels: a stratified
-  split moved many rows between train and test when one row changed); training and test rows keep
-  the file's order, and ``Dataset.split`` records which data rows train and which test (kept in
-  ``private/data_split.csv``, mode 0600); it is what aligns per-row budgets of ``train.csv`` with
-  the rows that train.  The test rows are private rows no guarantee covers: metrics computed on
-  them are not differentially private (give a public ``test.csv`` for a report to publish).
-
-Every file is checked against its format (shapes, label ranges, finite numbers, counts): a bad
-file raises :class:`DatasetFileError`, one line naming the file, what is wrong and what is
-expected.  Pixels are scaled to [0, 1]; standardization is a separate, explicit choice that stays
-inside the privacy guarantee (:mod:`idpsgd.preprocessing`), recorded in ``Dataset.preprocessing``.
+This module owns reading and checking the bundled ``digits`` and the files of ``mnist``,
+``fashion-mnist`` (IDX), ``cifar10`` (python pickle batches, through a restricted unpickler that
+admits only numpy's array reconstruction, so a crafted file cannot run code), ``svhn`` (.mat) and
+``csv`` (a label column and a public class count).  What the model may see is decided here too: a
+CSV's budget column and identifier columns are never model inputs, the class count is never read
+from the rows (it would publish whether some row holds a rare class), and without a test file the
+80/20 split is a function of the row count only.  Every file is checked against its format; a bad
+file raises :class:`DatasetFileError` naming the file, what is wrong and what is expected.  Pixels
+are scaled to [0, 1]; standardization is a separate choice inside the guarantee
+(:mod:`idpsgd.preprocessing`).  The formats, file names and CSV rules: ``docs/api/data.md``.
 """
 
 from __future__ import annotations

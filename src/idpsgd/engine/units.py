@@ -1,33 +1,17 @@
 """User-level DP-SGD (ULS): a user's rows in a step are clipped as one unit, in every grad_sample_mode.
 
 User-level sampling (Charles et al. 2024, "Fine-Tuning LLMs with User-Level DP", Alg. 2; Chua et al.
-2024, "Mind the Privacy Unit!", §3.2), individualized as IDP-SGD (Boenisch et al. 2023, §3):
+2024, "Mind the Privacy Unit!", §3.2), individualized as IDP-SGD (Boenisch et al. 2023, §3).  This
+module owns the user as the unit: :class:`UserPoissonBatchSampler` (user u joins a step with its
+rate q_u and brings min(k, n_u) random rows, k public), :class:`UnitClipping` (the **sum** of the
+user's row gradients clipped as one vector to c_u, its norm with every cross term, never a sum of
+per-row norms) and how each mode forms that sum exactly (``index_add`` for hooks/functorch,
+:func:`ghost_capture`, and :func:`regroup_records` for book-keeping).  Replacing user u moves the
+noisy sum by at most c_u, so its guarantee is the sampled Gaussian's at (q_u, σ·c/c_u) per step —
+the example-level accountant indexed by user; a user whose rows reach two clipping calls of one
+step is refused.  The user-level norm pass is :mod:`.user_norms`.
 
-* **sampling** (:class:`UserPoissonBatchSampler`) — user u joins a step independently with its rate
-  q_u (Poisson); a sampled user contributes min(k, n_u) of its rows, chosen uniformly at random
-  without replacement at every step (k public, :class:`~idpsgd.users.Users`);
-* **clipping** (:class:`UnitClipping`) — the user's update is the **sum** of its chosen rows'
-  gradients, g_u = Σ_{i∈u} g_i, clipped as one vector to its clip norm c_u:
-  min(1, c_u / ‖g_u‖)·g_u.  ‖g_u‖ is the norm of the summed gradient (all cross terms ⟨g_i, g_j⟩
-  of the user's rows included), never a sum of per-row norms.  Each mode forms it exactly:
-  hooks/functorch sum the per-sample gradients by user (``index_add``); ghost forms per-sample
-  gradients layer by layer, sums them by user and keeps the per-user norms; book-keeping regroups
-  each layer's records by user (:func:`regroup_records`: Linear and Embedding ghost records become one
-  longer sequence per user, other layers' per-sample gradients are summed by user).
-
-*Sum, not mean:* the clipped sum's sensitivity is c_u whichever is clipped, and both are valid; the
-sum is the gradient of the user's total loss — what one forward/backward pass over the user's rows
-computes, so book-keeping's ghost norms and a model's own sequence structure carry over — and needs
-no division by the user's private number of chosen rows.  (A user with more rows has a larger
-un-clipped gradient and is clipped more often; with clip norms chosen for users this is the
-papers' setting: Chua et al. clip the user's summed/averaged update the same way.)
-
-With the user as the unit of neighbouring (add/remove all of one user's rows), replacing user u
-changes the noisy sum by at most c_u (noise off, every user sampled: ‖S(D ∪ {u}) − S(D)‖ ≤ c_u), so
-user u's guarantee is the Poisson-subsampled Gaussian's at (q_u, σ·c/c_u) per step — the same
-per-unit accountant as example level (:class:`~idpsgd.engine.accountant.GroupAccountant`), indexed
-by user.  The rows of a user must be clipped in one piece: a user whose rows reach two clipping
-calls of one step (split by ``BatchMemoryManager`` into physical batches) is refused.
+User guide (sum or mean, several ranks, what is refused): ``docs/user-level.md``.
 """
 
 from __future__ import annotations

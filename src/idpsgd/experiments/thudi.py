@@ -1,39 +1,18 @@
 """Thudi et al. (2024, "Gradients look alike"), Fig. 1a–1c as one experiment (``idpsgd reproduce thudi-figure1``).
 
 For each data-independent ε (the paper's lines), DP-SGD runs at the paper's sampling rate
-(q = 128/60,000 ≈ 0.002; on a dataset of N examples the expected batch round(q·N): 3 on digits,
-128 on MNIST) with C = 1 and δ = 1e-5, ``seeds`` runs on the training set X and ``seeds`` runs on
-each target's X' = X ∪ {x*} (``points`` random test-set points; Fig. 1a/1b), all from one
-initialisation.  Per point and step, Thm. 3.3's contribution of the step (with Thm. 3.2 at the
-measured clipped gradient norm of x*) is divided by the data-independent per-step RDP at α
-(Mironov et al. §3.3); the figure shows the mean over points (Fig. 1a, 1c) and the 10th
-percentile (Fig. 1b) over training, in both directions: D(Train(X')‖Train(X)) (runs on X') and
-D(Train(X)‖Train(X')) (runs on X; Fig. 1c).
+(q ≈ 0.002) with C = 1 and δ = 1e-5 on the training set X and on each target's X' = X ∪ {x*}, all
+from one initialisation (:func:`~idpsgd.training.per_instance.run_per_instance`).  Per point and
+step, Thm. 3.3's contribution of the step (Thm. 3.2 at x*'s measured clipped gradient norm) is
+divided by the data-independent per-step RDP at α (Mironov et al. §3.3); the figure shows the mean
+(Fig. 1a, 1c) and 10th percentile (Fig. 1b) over the points, in both directions.  Every value is an
+**estimate** (means over ``seeds`` runs, the paper's "10 trials"); α defaults to the order at which
+the data-independent ε of Thm. 3.3 at sensitivity C is smallest (the paper's α = 8 is past the
+phase transition at ε = 10).  Privacy hygiene: the curves are exact statistics of per-point values,
+so the figure and every per-point file go to ``private/`` (mode 0600); the public JSON holds the
+settings, test accuracy and data-independent quantities only.
 
-Every value is an **estimate** (Thm. 3.3's expectations over training runs replaced by means over
-``seeds`` runs, the paper's "10 trials"); the per-instance analysis' files next to it hold the
-Hoeffding upper bounds, the same-composition baseline and the per-point guarantee
-min(per-instance bound, data-independent bound) (:func:`~idpsgd.training.per_instance.run_per_instance`)
-— confidence bounds (probability ≥ 1 − J per point, no union bound over the points) with the
-default ``checkpoint_every=1``; with sparser measurements the upper values are estimates and the
-guarantee is the data-independent bound (``upper_kind`` in each public ``per_epsilon`` entry).
-
-α: by default the order at which the data-independent ε of Thm. 3.3 at sensitivity C (the
-composition the analysis uses; its per-step orders grow to 1 + 1.4·(α − 1)) is smallest: 2.19 at
-ε = 10 (q ≈ 0.002, σ ≈ 0.48), 9 at ε = 1 (the run's own best order there, 11.6, pushes the
-composition's orders past the sampled Gaussian's phase transition: ε ≈ 1,700).  The paper's α = 8
-(``--alpha 8``) is far past the phase transition at ε = 10 (the run's RDP at order 8 is about
-5·10⁴), which inflates the per-step baseline the ratios are taken against.
-
-Privacy hygiene: the curves are exact means and percentiles of per-point values, so the figure,
-the curves and every per-point file go to ``private/`` (mode 0600); the public JSON holds the
-settings, the runs' test accuracy and the data-independent quantities only.
-
-What differs from the paper on digits: 1,437 training examples instead of 60,000, so q ≈ 0.002 is
-an expected batch of 3 (the same q and, at 10 epochs, about the same number of steps, 4,790 vs
-4,690, hence the same σ); a two-layer perceptron instead of LeNet-5 (8×8 images are too small for
-LeNet-5's convolutions; the small CNN reaches 70–80 % at a batch of 3), lr 0.03 without momentum
-(tuned for a batch of 3); fewer points and runs (2 runs instead of 10, 20 points instead of 100).
+What was measured, and what differs from the paper on digits: ``docs/reproducing.md``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """Yu et al. 2023 (individual privacy accounting for DP-SGD): Figs. 1, 2/6, 4 and 5 as one experiment
 (``idpsgd reproduce yu-figure``).
 
-DP-SGD at one target ε for every example (σ calibrated by the run's accountant), with individual
-accounting (Alg. 2: every example's gradient norm refreshed ``refreshes_per_epoch`` times per
-epoch — the paper's γ = 3 in §4 —, rounded to the nearest multiple of r = 0.01·C, per-example RDP,
-each ε the minimum of its own bound and the data-independent one).  Per repetition (each with a seed
-derived from the private base ``seed``):
+DP-SGD at one target ε for every example, with individual accounting (Alg. 2: norms refreshed
+``refreshes_per_epoch`` times per epoch, rounded to the nearest multiple of 0.01·C, per-example
+RDP): the distribution of the individual ε against the worst case (Fig. 1), ε against the final
+training loss (Fig. 5), per class mean ε against test accuracy (Figs. 2/6), and estimate against
+exact tracking on ``validate_subset`` examples (Fig. 4), with a second run that clips each example
+at its latest estimate (App. B.2, Alg. 3: every ε a guarantee).  Privacy hygiene: per-example ε,
+losses and exact statistics of them go to ``private/`` (mode 0600); the public outputs hold
+accuracies, hyper-parameters, σ, the worst-case ε and **privately released statistics** (§3.4,
+:mod:`idpsgd.accounting.release`: the ε_i's mean and quantiles at ``release_epsilon``, each class's
+mean at ``class_release_epsilon`` by parallel composition), so a run's releases cost
+(``release_epsilon`` + ``class_release_epsilon``, 2δ) on top of its training guarantee.
 
-* **Fig. 1** — the distribution of the individual ε (an *estimate*: norms between refreshes are
-  stale), against the worst case (the data-independent ε every example has);
-* **Fig. 5** — ε against the final training loss (Pearson r of ε and log loss);
-* **Figs. 2/6** — per class: mean ε against test accuracy (the paper: groups with lower accuracy
-  have larger ε);
-* **Fig. 4** — estimate vs exact: on ``validate_subset`` examples the norms are also computed at
-  every step without rounding (Thm. 3's exact output-specific ε); with ``individual_clipping`` a
-  second run clips each example at its latest estimate (App. B.2, Alg. 3), which makes every ε a
-  guarantee (``kind`` = guarantee; on its own exact-tracked subset every ε is checked to be at or
-  above the exact value), and its accuracy and released statistics are reported beside.
-
-Privacy hygiene.  Per-example ε, losses and exact statistics of them (means, quantiles, Pearson r,
-the exact-vs-estimate errors, per-class exact means) are private: they go to ``private/`` (mode
-0600), figures included.  The public outputs hold test accuracies (overall and per class), the
-hyper-parameters, σ, the worst-case ε and **privately released statistics** (§3.4;
-:mod:`idpsgd.accounting.release`): the mean and quantiles of the ε_i at ``release_epsilon`` (the
-trainer's release) and each class's mean ε at ``class_release_epsilon`` (classes are disjoint:
-parallel composition), so a run's releases cost (``release_epsilon`` + ``class_release_epsilon``, 2δ)
-in total by basic composition, on top of its training guarantee (given the released trajectory,
-Yu et al. Thm. 3.4).  The public
-Fig. 2 plots the released class means.
-
-What differs from the paper: digits (1,437 examples, 8×8) instead of MNIST/CIFAR-10/UTKFace; the
-library's small CNN instead of ResNet-20/WRN16-4; C = 2, about the median per-example gradient
-norm at initialisation on digits (1.84; the paper's rule for MNIST), fixed in advance rather than
-computed from the data inside the run (the paper does not charge that median either); 20 epochs.
+What was measured, and what differs from the paper: ``docs/reproducing.md``.
 """
 
 from __future__ import annotations

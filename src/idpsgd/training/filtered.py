@@ -2,31 +2,16 @@
 
 Boenisch et al. 2023, §5 ("Synergy between individualized privacy accounting and assignment"),
 App. D.5, Table 3, Fig. 3: Feldman & Zrnic's individual Rényi filter (2021) with individualized
-budgets.  Two recipes, both on :class:`~idpsgd.engine.IndividualizedPrivacyEngine` with
-``privacy_filter="individual"`` (:mod:`idpsgd.engine.filter` has the filter and why it is valid):
+budgets, on :class:`~idpsgd.engine.IndividualizedPrivacyEngine` with ``privacy_filter="individual"``
+(:mod:`idpsgd.engine.filter` has the filter and why it is valid).  This module owns the two
+recipes — full-batch DP-GD (``FilterOptions(gd=True)``, Feldman & Zrnic Alg. 3: each step charged
+at the exact sensitivity min(c, ‖g_i(θ_t)‖)) and Poisson-subsampled DP-SGD with individual clipping
+(Yu et al. 2023 Alg. 3) — and their run folder.  Calibration is the ordinary one
+(:func:`~idpsgd.training.plans.build_plan`) for ``config.epochs``; the run lasts ``extend`` × that
+long, a length fixed in advance (public), so an example whose gradients stay below its clip bound
+keeps training until its own filter drops it.
 
-* **full-batch DP-GD** (``FilterOptions(gd=True)``; Feldman & Zrnic Alg. 3): every step uses all
-  active examples (q = 1); example i's step costs the Gaussian mechanism's RDP at its exact
-  sensitivity min(c, ‖g_i(θ_t)‖), computed at the current parameters before the step;
-* **Poisson-subsampled DP-SGD** (the scalable one): each example is clipped at its own bound,
-  its gradient norm at the last refresh rounded up (individual clipping, Yu et al. 2023 Alg. 3),
-  and charged the sampled Gaussian mechanism's RDP at that bound.
-
-Calibration is the ordinary one (:func:`~idpsgd.training.plans.build_plan`): σ and the per-group
-rates (``sample``) or clip norms (``scale``), or everyone at the smallest budget (``uniform``), so
-that the worst case — every step at the clip norm — spends each budget after ``config.epochs``
-epochs.  The run then lasts ``extend`` × that long, a length fixed in advance (public): an
-example whose gradients stay below its clip bound costs less per step and keeps training after
-the calibrated horizon, until its own filter drops it.  With ``uniform`` calibration and several
-budgets, the groups with larger budgets train longer (Boenisch et al. Fig. 3).
-
-Outputs (run folder): public ``report.json`` (the guarantee per group — for each example its
-budget ε_i at δ, by the filter, or the smaller data-independent ε of the steps run —, test
-metrics, the filter's orders and RDP budgets) and ``model.pt``; private (mode 0600, ``private/``):
-``active.csv`` and ``active.png`` (active examples of each budget group at every step: counts of
-private data that the guarantee does not cover), ``filter_epsilons.csv`` (every example's
-realized ε at its filter order, its RDP spent and the step it was dropped), ``filter.json``
-(exact statistics) and ``history.json``.
+User guide and outputs: ``docs/filter.md``.
 """
 
 from __future__ import annotations
