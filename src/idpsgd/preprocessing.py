@@ -14,18 +14,8 @@ guarantee does not cover.  The options here are the ones that are covered:
   values clipped to a *public* range, for add/remove neighbours.  Its (ε, δ) is recorded so
   the training layer charges it to every example (basic composition).
 
-The private estimate releases one Gaussian-noised vector per dataset: with every value mapped
-to u = (clip(x, a, b) − (a+b)/2) / (b − a) ∈ [−½, ½], each example contributes, per channel c,
-its mean m_c = mean(u) ∈ [−½, ½] and its centred second moment s_c = mean(u²) − ⅛ ∈ [−⅛, ⅛],
-plus a count coordinate ½ (the number of examples is not public under add/remove).  Adding or
-removing one example changes the vector (Σm, Σs, ½·n) by at most
-
-    Δ = sqrt(C·(¼ + 1/64) + ¼)        (both maxima are reached together, at u ≡ ±½),
-
-so N(0, σ²·I) noise with σ = analytic_gaussian_sigma(ε, δ, Δ) makes the release (ε, δ)-DP.
-mean = Σm/n̂, E[u²] = Σs/n̂ + ⅛ and var = E[u²] − mean² are post-processing, clamped to
-what values in [−½, ½] allow (std ≤ ½; a floor of 1e-3 keeps the division finite), then
-mapped back to the data's units.  The noise comes from OS entropy (never a recorded seed).
+The estimate's sensitivity and post-processing: :func:`private_mean_std`.  User guide:
+``docs/guarantees.md``.
 """
 
 from __future__ import annotations
@@ -134,6 +124,19 @@ def private_mean_std(
     channel/feature).  Returns the record: released ``mean``/``std`` plus the mechanism's
     parameters and its cost ``epsilon``/``delta``.  ``rng`` only for tests: by default the noise
     comes from OS entropy and is recorded nowhere.
+
+    The private estimate releases one Gaussian-noised vector per dataset: with every value mapped
+    to u = (clip(x, a, b) − (a+b)/2) / (b − a) ∈ [−½, ½], each example contributes, per channel c,
+    its mean m_c = mean(u) ∈ [−½, ½] and its centred second moment s_c = mean(u²) − ⅛ ∈ [−⅛, ⅛],
+    plus a count coordinate ½ (the number of examples is not public under add/remove).  Adding or
+    removing one example changes the vector (Σm, Σs, ½·n) by at most
+
+        Δ = sqrt(C·(¼ + 1/64) + ¼)        (both maxima are reached together, at u ≡ ±½),
+
+    so N(0, σ²·I) noise with σ = analytic_gaussian_sigma(ε, δ, Δ) makes the release (ε, δ)-DP.
+    mean = Σm/n̂, E[u²] = Σs/n̂ + ⅛ and var = E[u²] − mean² are post-processing, clamped to
+    what values in [−½, ½] allow (std ≤ ½; a floor of 1e-3 keeps the division finite), then
+    mapped back to the data's units.  The noise comes from OS entropy (never a recorded seed).
     """
     epsilon = float(check_epsilon(epsilon, "normalization_epsilon"))
     delta = check_delta(delta, "normalization_delta")

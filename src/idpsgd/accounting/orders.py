@@ -5,38 +5,13 @@ interpretations and Rényi DP", Thm. 21; Canonne, Kamath & Steinke 2020, Prop. 1
 
     ε(α) = r(α) + log(1 − 1/α) − (log δ + log α)/(α − 1),
 
-so ε = min over *any* set of orders is a valid bound.  A fixed grid of orders misses the
-optimum when it falls between grid points right before the RDP's steep rise (issue 15 measured
-up to 16 % excess on 59 orders).  Here the minimum is taken over the **order universe** U of a
-grid G: G itself, every integer in [min G, max G], and the lattice α = 1 + 2^{k/64} (a relative
-spacing of 1.1 % in α − 1), restricted to [min G, max G] — about 2,100 orders for the default grid.
-With every integer in U, the result is never above an integer-grid RDP ε (dp_accounting's dense
-integer grid in the bench: ratio ≤ 1 on 200 random cases).
-
-**Search** (vectorized over rows, each row one composition): ε on G; the U-indices between the
-grid neighbours of the grid's best order; then rounds of 9 evenly spaced U-points, each round
-keeping the interval between the neighbours of its best point, until ≤ 9 points are left, all
-evaluated.  About 59 + 30 exact RDP evaluations per row.  Every evaluated ε(α) is exact at its
-order (:func:`~idpsgd.accounting.rdp.compute_rdp_pointwise`), so the result is a valid bound
-whatever ε(α) looks like; when ε(α) is unimodal over U (it is in every case we have checked,
-including the tests' dense scans) the search returns exactly min_{α∈U} ε(α), a monotone function
-of the mechanism's parameters — which calibration relies on.
-
-**Window** mode (calibration): when the caller knows the best U-index near a row's answer (from
-nearby parameter values), only the points of a small window are evaluated; a minimum strictly
-inside the window is, under unimodality, the same minimum, and a minimum on the window's edge
-falls back to the full search.
-
-**Chord bound** (per-example ledgers, which store the RDP only on G): the cumulant generating
-function K(λ) = λ·D_{λ+1} of the privacy loss is convex in λ (a log-moment generating function),
-and a sum of convex functions is convex, so for a composition (α − 1)·r(α) is convex in α.
-Between two grid orders α₁ < α < α₂ it therefore lies below the chord:
-
-    (α − 1)·r(α) ≤ [(α₂ − α)(α₁ − 1)·r(α₁) + (α − α₁)(α₂ − 1)·r(α₂)] / (α₂ − α₁),
-
-a valid upper bound on r(α) from grid values alone (the grid values being upper bounds of the
-true RDP keeps it one).  :func:`chord_refined_epsilon` minimizes the conversion of this bound on
-the two grid intervals beside each row's best grid order.
+so ε = min over *any* set of orders is a valid bound.  A fixed grid misses the optimum when it falls
+between grid points (issue 15 measured up to 16 % excess on 59 orders).  This module owns the
+**order universe** U of a grid G (G, every integer in [min G, max G], and the lattice
+α = 1 + 2^{k/64}, about 2,100 orders for the default grid; never above an integer-grid ε), the
+search for its best order (:func:`search_orders`, exact at every evaluated order, so always a valid
+bound) and the chord bound between grid orders for ledgers that keep only the grid
+(:func:`chord_refined_epsilon`).
 """
 
 from __future__ import annotations
@@ -115,9 +90,23 @@ def search_orders(
     orders=DEFAULT_ORDERS,
     window: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> OrderSearch:
-    """min over the order universe of ε(α) for ``num_rows`` compositions (see the module doc).
+    """min over the order universe of ε(α) for ``num_rows`` compositions.
 
     ``window=(lo, hi)`` (U-indices per row, −1 for none) evaluates only those points where given.
+
+    **Search** (vectorized over rows, each row one composition): ε on G; the U-indices between the
+    grid neighbours of the grid's best order; then rounds of 9 evenly spaced U-points, each round
+    keeping the interval between the neighbours of its best point, until ≤ 9 points are left, all
+    evaluated.  About 59 + 30 exact RDP evaluations per row.  Every evaluated ε(α) is exact at its
+    order (:func:`~idpsgd.accounting.rdp.compute_rdp_pointwise`), so the result is a valid bound
+    whatever ε(α) looks like; when ε(α) is unimodal over U (it is in every case we have checked,
+    including the tests' dense scans) the search returns exactly min_{α∈U} ε(α), a monotone function
+    of the mechanism's parameters — which calibration relies on.
+
+    **Window** mode (calibration): when the caller knows the best U-index near a row's answer (from
+    nearby parameter values), only the points of a small window are evaluated; a minimum strictly
+    inside the window is, under unimodality, the same minimum, and a minimum on the window's edge
+    falls back to the full search.
     """
     delta = check_delta(delta)
     u, gidx = order_universe(orders)
@@ -238,9 +227,20 @@ def chord_refined_epsilon(rdp, orders, delta: float, iterations: int = 40):
     """Per row: ε minimized over the grid orders and over the chord bound between them.
 
     ``rdp`` is (rows × len(orders)) with orders ascending; returns ``(epsilon, order)``.  The
-    chord bound (module doc) is converted on the two intervals beside each row's best grid
+    chord bound (below) is converted on the two intervals beside each row's best grid
     order; the minimum of each interval's (smooth, one-dimensional) ε(α) is located by
     golden-section search — any α it lands on gives a valid bound.
+
+    **Chord bound** (per-example ledgers, which store the RDP only on G): the cumulant generating
+    function K(λ) = λ·D_{λ+1} of the privacy loss is convex in λ (a log-moment generating function),
+    and a sum of convex functions is convex, so for a composition (α − 1)·r(α) is convex in α.
+    Between two grid orders α₁ < α < α₂ it therefore lies below the chord:
+
+        (α − 1)·r(α) ≤ [(α₂ − α)(α₁ − 1)·r(α₁) + (α − α₁)(α₂ − 1)·r(α₂)] / (α₂ − α₁),
+
+    a valid upper bound on r(α) from grid values alone (the grid values being upper bounds of the
+    true RDP keeps it one).  :func:`chord_refined_epsilon` minimizes the conversion of this bound on
+    the two grid intervals beside each row's best grid order.
     """
     delta = check_delta(delta)
     alphas = check_orders(orders)

@@ -11,26 +11,9 @@ so with few distinct levels the log characteristic functions are computed **once
 every example's composition is one row of a (examples × levels) @ (levels × frequencies) product
 followed by an inverse real FFT — in chunks of examples with similar support widths.
 
-**Discretization (pessimistic).** Each level's single-step PMF is dp_accounting's pessimistic
-connect-the-dots discretization (Doroshenko et al. 2022) of the Poisson-subsampled Gaussian on the
-grid Δ·Z — the same PMF that dp_accounting's ``PLDAccountant`` composes — for the remove and the
-add direction; ε_i is the larger of the two directions' ε, as in dp_accounting.  Composition of
-these PMFs is exact except for three error terms, each bounded and charged to δ (so ε_i stays an
-upper bound):
-
-1. *Upper tail beyond the FFT window.* The window [t_lo, t_hi] of example i is chosen from
-   Chernoff bounds on its composed PMF, P(X > t) ≤ exp(log M_i(λ) − λt) with
-   log M_i(λ) = Σ_l T_il log M_l(λ) (exact MGFs of the discretized PMFs); mass above t_hi would
-   wrap to low losses and vanish from δ, so its bound (≤ ``TAIL_MASS``) is added to δ.
-2. *Lower tail below the window* wraps to the top: it can only increase δ (pessimistic).
-3. *Floating point.* The composed characteristic function carries a relative error at most
-   c·u·(Σ_l T_il + log₂N) (u the unit round-off); its ℓ1 norm over frequencies bounds the error
-   of every sum of the PMF, and that bound is added to δ.  Negative PMF values from round-off are
-   set to 0 (δ's coefficients are ≥ 0, so this only increases δ).
-
-The remaining difference to dp_accounting composing the same events one by one is its own tail
-truncation (1e-15 per composition) — both are pessimistic.  dp_accounting's ``PLDAccountant`` with the
-same ``discretization`` is the reference in the tests.
+Each level's PMF is dp_accounting's pessimistic connect-the-dots discretization (Doroshenko et al.
+2022), and every error of the composition is bounded and charged to δ, so ε_i stays an upper bound
+(:func:`individual_pld_epsilon`).
 """
 
 from __future__ import annotations
@@ -249,6 +232,27 @@ def individual_pld_epsilon(
 
     Returns:
         ε per example (inf where δ is not reachable within the window).
+
+    **Discretization (pessimistic).** Each level's single-step PMF is dp_accounting's pessimistic
+    connect-the-dots discretization (Doroshenko et al. 2022) of the Poisson-subsampled Gaussian on the
+    grid Δ·Z — the same PMF that dp_accounting's ``PLDAccountant`` composes — for the remove and the
+    add direction; ε_i is the larger of the two directions' ε, as in dp_accounting.  Composition of
+    these PMFs is exact except for three error terms, each bounded and charged to δ (so ε_i stays an
+    upper bound):
+
+    1. *Upper tail beyond the FFT window.* The window [t_lo, t_hi] of example i is chosen from
+       Chernoff bounds on its composed PMF, P(X > t) ≤ exp(log M_i(λ) − λt) with
+       log M_i(λ) = Σ_l T_il log M_l(λ) (exact MGFs of the discretized PMFs); mass above t_hi would
+       wrap to low losses and vanish from δ, so its bound (≤ ``TAIL_MASS``) is added to δ.
+    2. *Lower tail below the window* wraps to the top: it can only increase δ (pessimistic).
+    3. *Floating point.* The composed characteristic function carries a relative error at most
+       c·u·(Σ_l T_il + log₂N) (u the unit round-off); its ℓ1 norm over frequencies bounds the error
+       of every sum of the PMF, and that bound is added to δ.  Negative PMF values from round-off are
+       set to 0 (δ's coefficients are ≥ 0, so this only increases δ).
+
+    The remaining difference to dp_accounting composing the same events one by one is its own tail
+    truncation (1e-15 per composition) — both are pessimistic.  dp_accounting's ``PLDAccountant`` with the
+    same ``discretization`` is the reference in the tests.
     """
     delta = check_delta(delta)
     d = check_positive(discretization, "discretization")

@@ -10,24 +10,8 @@ effective noise multiplier ``σ·c/s`` (see the product guide).  Its RDP at orde
 (Mironov, Talwar & Zhang 2019, "Rényi Differential Privacy of the Sampled Gaussian Mechanism",
 Thm. 4/§3.3; the order of the two mixtures is the worst case, their Thm. 5).
 
-Three exact evaluations are used, chosen per (pair, order):
-
-* **integer α** — the binomial expansion (their §3.2) written so that every term is positive,
-  ``A_α − 1 = Σ_{k≥2} C(α,k) q^k (1−q)^{α−k} (e^{k(k−1)/(2σ²)} − 1)``, summed in log space; chunks
-  of terms that a cheap upper bound proves negligible (< e^-40 of the running sum) are skipped.
-* **α ≤ 2σ²** (the integrand is log-concave, so unimodal) — Gauss–Hermite quadrature centred at
-  the mode and scaled by the curvature there (Laplace scaling), again of the positive quantity
-  ``(1+y)^α − 1 − αy`` (its integral equals ``A_α − 1`` because ``E[y] = 0``).  Used for
-  fractional orders, and for integer orders above the number of nodes where it is cheaper.
-* **fractional α > 2σ²** — Mironov et al.'s two-sided series (§3.3) summed with signs (not the
-  absolute values that dp_accounting sums, which over-estimate at small α) and stopped only
-  past every region where terms can grow again (Opacus's absolute cut-off can stop too early).
-  The size of the last terms is added — a valid upper bound of the alternating tails — and a
-  debug message is logged when the cap on terms is hit first.
-
-Writing ``A_α − 1`` as a sum of positive terms keeps full relative precision when the RDP is
-tiny (σ up to 1e6, q down to 1e-9).  ``q = 1`` is the plain Gaussian, ``α/(2σ²)``; ``q = 0`` or
-``σ = inf`` (a zero gradient) gives 0.
+This module owns the exact evaluation of A_α (three methods, chosen per pair and order, each
+summing positive terms so that tiny RDP keeps its relative precision): :func:`compute_rdp`.
 """
 
 from __future__ import annotations
@@ -132,6 +116,25 @@ def compute_rdp(sample_rate, noise_multiplier, orders=DEFAULT_ORDERS, steps=1) -
 
     Returns:
         Array of shape ``broadcast(q, σ).shape + (len(orders),)``.
+
+    Three exact evaluations are used, chosen per (pair, order):
+
+    * **integer α** — the binomial expansion (their §3.2) written so that every term is positive,
+      ``A_α − 1 = Σ_{k≥2} C(α,k) q^k (1−q)^{α−k} (e^{k(k−1)/(2σ²)} − 1)``, summed in log space; chunks
+      of terms that a cheap upper bound proves negligible (< e^-40 of the running sum) are skipped.
+    * **α ≤ 2σ²** (the integrand is log-concave, so unimodal) — Gauss–Hermite quadrature centred at
+      the mode and scaled by the curvature there (Laplace scaling), again of the positive quantity
+      ``(1+y)^α − 1 − αy`` (its integral equals ``A_α − 1`` because ``E[y] = 0``).  Used for
+      fractional orders, and for integer orders above the number of nodes where it is cheaper.
+    * **fractional α > 2σ²** — Mironov et al.'s two-sided series (§3.3) summed with signs (not the
+      absolute values that dp_accounting sums, which over-estimate at small α) and stopped only
+      past every region where terms can grow again (Opacus's absolute cut-off can stop too early).
+      The size of the last terms is added — a valid upper bound of the alternating tails — and a
+      debug message is logged when the cap on terms is hit first.
+
+    Writing ``A_α − 1`` as a sum of positive terms keeps full relative precision when the RDP is
+    tiny (σ up to 1e6, q down to 1e-9).  ``q = 1`` is the plain Gaussian, ``α/(2σ²)``; ``q = 0`` or
+    ``σ = inf`` (a zero gradient) gives 0.
 
     >>> float(compute_rdp(1.0, 2.0, [3.0])[0])   # plain Gaussian: α/(2σ²)
     0.375

@@ -1,32 +1,19 @@
 """Boenisch et al. 2023 (IDP-SGD): Table 2 and Table 3 as experiments (``idpsgd reproduce
 boenisch-table2`` / ``boenisch-table3``).
 
-* **Table 2** (§4.1, with Table 4's hyper-parameters as in Table 7) — test accuracy, mean ± std over
-  seeds, of standard DP-SGD at the strictest budget (ε = 1 for everyone), Sample (Alg. 1) and Scale
-  (Alg. 2) for budgets ε = 1 / 2 / 3 held by 34 / 43 / 23 % of the examples (Alaggan et al.) and
-  54 / 37 / 9 % (Niu et al.), plus DP-SGD at ε = 3 for everyone — the unattainable upper bound of
-  §4.1 (it breaks the ε = 1 and 2 budgets).  As in the paper, DP-SGD's hyper-parameters (tuned for
-  ε = 1) are reused for Sample and Scale: on mnist, svhn and cifar10 Table 4's (lr, B, epochs, C);
-  on digits uniform ε = 1's best on the bench's grid (``bench/bench_comparison.py``, the
-  ``TrainConfig`` defaults).  Each repetition's seed (derived from the private base ``seed``) fixes
-  the random group assignment, the initialisation, the sampling and the noise; every method sees
-  the same groups in the same repetition.  The
-  individualization parameters each method derived (Table 6: σ, per-group q or c) are recorded:
-  they depend on the budgets, the fractions and n only (public).
+* **Table 2** (§4.1, Table 4's hyper-parameters as in Table 7) — test accuracy over seeds of DP-SGD
+  at the strictest budget, Sample (Alg. 1) and Scale (Alg. 2) for the paper's two budget
+  distributions, and DP-SGD at the loosest budget for everyone (the unattainable upper bound of
+  §4.1); DP-SGD's hyper-parameters are reused for Sample and Scale, as in the paper.  The
+  individualization parameters each method derived (Table 6) depend on public inputs only.
 * **Table 3** (§5, App. D.5) — full-batch DP-GD with the individual Rényi filter (Feldman & Zrnic
-  2021): vanilla DP-GD at one budget ε (σ calibrated for ``calibrated_steps`` steps, stops there);
-  + individual accounting (the same σ and budget, the filter drops an example when its own budget
-  is spent; the run lasts ``extend`` × the calibrated steps, fixed in advance); + individualized
-  assignment (half of the examples, at random, at ``epsilon_high``).  The paper: MNIST (60,000
-  examples), ε = 0.3 / 0.31.  Digits has 1,437 training examples: ε = 10 / 10.33 gives DP-GD about
-  the noise relative to the summed gradients that ε = 0.3 gives on MNIST (the noise std ∝ 1/ε, the
-  signal ∝ n); 10.33/10 is the paper's 0.31/0.30.  Softmax regression by default (same model,
-  hyper-parameters and initialisation in all three columns).
+  2021): vanilla, + individual accounting (the run lasts ``extend`` × the calibrated steps, fixed
+  in advance), + individualized assignment.
 
-Public outputs: accuracies (test set), the per-group guarantees and hyper-parameters; the base seed
-is private (``private/seed.json``).  Table 3's
-active examples per step (Fig. 3) and realized ε are statistics of private per-example values: they
-go to ``private/`` (mode 0600), never to the public files.
+Each repetition's seed (derived from the private base ``seed``) fixes the group assignment,
+initialisation, sampling and noise.  Public outputs: accuracies, per-group guarantees and
+hyper-parameters; the seed and Table 3's active examples and realized ε go to ``private/``.
+What was measured, and how digits stands in for the paper's data: ``docs/reproducing.md``.
 """
 
 from __future__ import annotations
