@@ -3,22 +3,13 @@
 :func:`train` runs a :class:`~idpsgd.training.plans.TrainingPlan` (one phase for uniform, Sample
 and Scale; one per group for the sequential baseline) on one engine.  Each phase is one
 ``make_private_with_parameters`` call with the phase's per-example rates and clip norms (0 rate
-outside the phase); each step
-
-1. asks the engine's privacy filter whether one more step keeps every group within its budget
-   (with the run's accountant, RDP or PLD), and stops the run otherwise,
-2. draws a Poisson batch with the examples' own rates (Boenisch et al. 2023, Alg. 1/3) and takes
-   the DP-SGD step (per-example clipping at c_i, noise σ·c, division by Σ q_i),
-3. is charged by the engine's accountant to every example of the phase, sampled or not.
-
-The guarantee reported is data-independent individual (ε_p, δ)-DP for every example of group p
-(Boenisch et al. eq. 3).  Checkpoints (model, optimizer, engine state: accountant, sampler and
-noise generators, individual accounting) are written atomically at the end of every epoch and
-load with ``weights_only=True``; ``resume=True`` continues exactly.
-
-The model may be a registry name (``config.model``) or any ``nn.Module``; the loss any criterion
-with a ``reduction`` attribute (default ``nn.CrossEntropyLoss``); the optimizer any
-``optimizer_factory(params)`` (default SGD with ``lr`` and ``momentum``).
+outside the phase); each step asks the engine's privacy filter whether every group stays within its
+budget (and stops the run otherwise), draws a Poisson batch with the examples' own rates (Boenisch
+et al. 2023, Alg. 1/3), takes the DP-SGD step, and is charged to every example of the phase,
+sampled or not.  The guarantee reported is data-independent individual (ε_p, δ)-DP for every
+example of group p (Boenisch et al. eq. 3).  Checkpoints are written atomically every epoch and
+``resume=True`` continues exactly.  Model, loss and optimizer may be the user's own
+(:class:`TrainConfig`, :class:`Trainer`); user guide: ``docs/quickstart.md``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Private, resumable checkpoints of an :class:`~.trainer.IndividualizedTrainer` run.
 
-A checkpoint is one file, ``private/checkpoint-<step>.pt`` in the run folder (mode 0600, written to a
-temporary file and renamed into place: a run killed while writing it leaves the previous checkpoint
-whole).  It holds everything a resumed run needs to continue exactly as the uninterrupted one would:
+A checkpoint is one file, ``private/checkpoint-<step>.pt`` (mode 0600, written atomically: a run
+killed while writing leaves the previous one whole), holding everything a resumed run needs to
+continue exactly as the uninterrupted one would — model, optimizer, schedule, GradScaler, the
+privacy engine's state (accountant history, so each step is charged once; filter; seed; the Poisson
+sampler's state before the first untrained batch and the noise generator's), the Trainer's public
+and private values and the global RNG states — and a signature (the public configuration, digests
+of the budgets and data: compared, never shown) so that a checkpoint of another run is refused
+with what differs.  Nothing of it is public but its name; secure mode saves no generator state
+and a resumed secure run draws fresh OS entropy (and says so).
 
-* the model's and the optimizer's state, the learning-rate schedule's, the GradScaler's (fp16);
-* the privacy engine's state (:meth:`~idpsgd.engine.IndividualizedPrivacyEngine.state_dict`): the
-  accountant's history (each step is charged exactly once: the resumed run starts from the steps
-  already composed), the privacy filter, the seed and the states of the Poisson sampler and of the
-  noise generator — the sampler's as it was before the first batch not yet trained on (batches
-  that data-loader workers drew ahead are drawn again);
-* the Trainer's public state (step, epoch, public log history) and its private values (ledger rows,
-  private logs: training losses, FLOPs of the real batches), and the global RNG states (dropout);
-* a signature: the public configuration (``TrainingArguments`` and ``PrivacyArguments`` that shape
-  the run, the model's class and configuration) and digests of the budgets and of the training data
-  (private: compared, never shown).  A checkpoint of another configuration, budget set or data set is
-  refused with what differs.
-
-Nothing of it is public: the file is in ``private/``, its name (the step) is the only thing the
-public manifest lists.  Secure mode saves no generator state; a resumed secure run draws fresh OS
-entropy for sampling and noise (the accounting still continues exactly) and says so.
+User guide: ``docs/huggingface.md`` (Checkpoints and resume).
 """
 
 from __future__ import annotations
