@@ -18,8 +18,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ENGINE_TOP = SRC / "idpsgd" / "engine"
 
 #: Constants and private imports that live in the engine's top-level modules, which the engine-layout
-#: change of issue 41 moves onto :mod:`idpsgd.names` / public names; each entry is exact, so a new one
-#: anywhere else fails.
+#: change of issue 41 moves onto :mod:`idpsgd.names` / public names: at most these, so a new one
+#: anywhere fails (empty both once that change is merged).
 ENGINE_LITERALS = {"idpsgd.engine.privacy_engine": 1, "idpsgd.engine.accountant": 1}
 ENGINE_PRIVATE_IMPORTS = {
     ("idpsgd.engine.privacy_engine", "idpsgd.engine.optimizer", "_check_noise"),
@@ -101,7 +101,7 @@ def test_no_module_imports_another_modules_private_name():
         if name and name.startswith("_") and not name.startswith("__") and f"{target}.{name}" not in mods
         if target.startswith("idpsgd")
     }
-    assert private == ENGINE_PRIVATE_IMPORTS
+    assert private <= ENGINE_PRIVATE_IMPORTS
 
 
 def _name_literals(tree) -> list[tuple[str, ...]]:
@@ -123,7 +123,7 @@ def test_every_method_and_accountant_list_is_spelled_once_in_names():
             literals = _name_literals(ast.parse(f.read_text()))
             if literals:
                 found[m] = len(literals)
-    assert found == ENGINE_LITERALS
+    assert all(count <= ENGINE_LITERALS.get(m, 0) for m, count in found.items()), found
 
 
 def test_the_names_derive_from_the_canonical_tuples():
