@@ -3,24 +3,14 @@
 Every model of an audit — the shadows and the target — is trained exactly as ``idpsgd train``
 trains (same method, budgets, hyper-parameters), on a subset of the training examples:
 :class:`~idpsgd.training.Trainer` for uniform, Sample and Scale; :func:`~idpsgd.training.pdp.train_pdp`
-for PDP-SGD, whose single model is read back from the ``model.pt`` it writes.  A finished model is
-saved atomically (its membership mask, per-example φ and loss on all examples, the weights and the
-guarantees its run reported), so an interrupted audit resumes without retraining it.
-
-**One plan for every model** (:class:`SharedPlan`).  The models train on subsets of different
-sizes (the target includes every example with probability 1/2).  Calibrated per subset, the
-steps per epoch round(n_sub/B) would split them into two populations (on digits 150 and 180
-steps at 30 epochs, with different σ), and the public parameters of a model would depend on
-how many examples it holds — on the membership the attack guesses.  So the plan is calibrated
-once, before any model trains, for the expected subset (half of every privacy group: the group
-weights of the whole data, rate q = B/(N/2)), and every model runs it: the same σ, the same
-per-group q_p and c_p, the same number of steps and the same normaliser of the noisy sum (B).
-Each example's guarantee depends only on its own (q_p, c_p/c, σ, T), so every group still
-spends at most its budget in every model (the engine's filter checks the planned steps against
-the budgets of each model's own examples; :func:`check_model_report` checks the reports).  For
-PDP-SGD the rounds' public parameters (τ_R, q_R = B/E|D_R|, epochs, σ_R) are planned once with
-E|D_R| of the expected half (:func:`~idpsgd.training.pdp.plan_rounds`); every example's
-sampling probability and charge follow from its own budget and the thresholds.
+for PDP-SGD.  A finished model is saved atomically (membership mask, per-example φ and loss, weights
+and reported guarantees), so an interrupted audit resumes without retraining it.  **One plan for
+every model** (:class:`SharedPlan`): calibrated once for the expected subset (half of every privacy
+group), so a model's public parameters (σ, q_p, c_p, steps, normaliser; PDP-SGD's rounds,
+:func:`~idpsgd.training.pdp.plan_rounds`) never depend on the membership the attack guesses; each
+example's guarantee depends only on its own (q_p, c_p/c, σ, T), so every group still spends at most
+its budget in every model (:func:`check_model_report` checks the reports).  Why, and what was
+measured: ``docs/audit.md`` (One plan for every model).
 """
 
 from __future__ import annotations

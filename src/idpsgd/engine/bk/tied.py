@@ -2,25 +2,15 @@
 (an input embedding and an output head — GPT-2's ``wte``/``lm_head``, Llama with
 ``tie_word_embeddings`` —, encoder and decoder sharing a table).
 
-Example i's gradient of a tied parameter is the sum of its layers' contributions, so its squared norm
-is ‖Σ_l G_i^(l)‖² = Σ_l ‖G_i^(l)‖² + 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩: each layer's rule gives the first
-sum (its own norm, :mod:`.bk_layers`), and this module the inner products of each pair of uses,
-exactly and, where a pairwise ghost rule exists, without forming a per-example gradient (Li et
-al. 2022's ghost norm, applied to two layers' factors instead of one's):
-
-* Linear × Linear (weights W, inputs a / a', output gradients b / b'):
-  ⟨Σ_t b_t a_tᵀ, Σ_s b'_s a'_sᵀ⟩ = Σ_{t,s} (a_t·a'_s)(b_t·b'_s) — a T×T' Gram of each, O(T T'(d+p));
-* Embedding × Linear (ids x, output gradient e of the embedding; input h, output gradient b of the
-  head whose weight is the V×d table): G1 = Σ_t onehot(x_t) e_tᵀ, G2 = Σ_s b_s h_sᵀ, so
-  ⟨G1, G2⟩ = Σ_{t,s} b_s[x_t] (e_t·h_s) — a T×T' Gram and a gather of b at the token ids,
-  O(T T' d), nothing of size V×d;
-* Embedding × Embedding: Σ_{t,s} [x_t = x'_s] (e_t·e'_s).
-
-A layer that took the per-sample path contributes its per-example gradient M_i, and the other side's
-rule gives ⟨G_i, M_i⟩ from its own factors where it can (``Rule.ghost_inner``).  Any other pair
-forms both per-example gradients of the parameter, a chunk of examples at a time (memory bounded
-by :data:`~.bk_layers.CHUNK_FLOATS`).  The clipped sum needs nothing more: each layer adds its
-clipped contribution, with the same per-example weights, into the shared parameter.
+Example i's squared gradient norm of a tied parameter is ‖Σ_l G_i^(l)‖² = Σ_l ‖G_i^(l)‖² +
+2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩: each layer's rule (:mod:`.rules`) gives its own norm, and this module
+the inner products of each pair of uses, exactly and, where a pairwise ghost rule exists
+(:data:`PAIR_RULES`: Linear × Linear, Embedding × Linear, Embedding × Embedding), without forming a
+per-example gradient (Li et al. 2022's ghost norm applied to two layers' factors; nothing of size
+V×d for a tied vocabulary).  A per-sample side contributes its per-example gradient M_i, and the
+other side's rule gives ⟨G_i, M_i⟩ (``Rule.ghost_inner``); any other pair forms both per-example
+gradients a chunk of examples at a time (:data:`~.rules.CHUNK_FLOATS`).  The clipped sum needs
+nothing more: each layer adds its clipped contribution into the shared parameter.
 """
 
 from __future__ import annotations
@@ -42,6 +32,8 @@ def _flat_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_linear(a_layer, b_layer):
+    """Linear × Linear (inputs a / a', output gradients b / b'): ⟨Σ_t b_t a_tᵀ, Σ_s b'_s a'_sᵀ⟩ =
+    Σ_{t,s} (a_t·a'_s)(b_t·b'_s) — a T×T' Gram of each, O(T T'(d+p))."""
     a1, b1 = (acc(t) for t in LinearRule().joined_factors(a_layer.uses))  # float32 for half precision (autocast)
     a2, b2 = (acc(t) for t in LinearRule().joined_factors(b_layer.uses))
     n, t1, t2 = a1.shape[0], a1.shape[1], a2.shape[1]
@@ -52,6 +44,10 @@ def _linear_linear(a_layer, b_layer):
 
 
 def _embedding_linear(e_layer, l_layer):
+    """Embedding × Linear (ids x, output gradient e of the embedding; input h, output gradient b of
+    the head whose weight is the V×d table): G1 = Σ_t onehot(x_t) e_tᵀ, G2 = Σ_s b_s h_sᵀ, so
+    ⟨G1, G2⟩ = Σ_{t,s} b_s[x_t] (e_t·h_s) — a T×T' Gram and a gather of b at the token ids,
+    O(T T' d), nothing of size V×d."""
     ids, e = EmbeddingRule().token_gradients(e_layer.module, e_layer.uses)
     e = acc(e)
     h, b = (acc(t).to(e.dtype) for t in LinearRule().joined_factors(l_layer.uses))
@@ -65,6 +61,7 @@ def _embedding_linear(e_layer, l_layer):
 
 
 def _embedding_embedding(a_layer, b_layer):
+    """Embedding × Embedding: Σ_{t,s} [x_t = x'_s] (e_t·e'_s)."""
     ids1, e1 = EmbeddingRule().token_gradients(a_layer.module, a_layer.uses)
     ids2, e2 = EmbeddingRule().token_gradients(b_layer.module, b_layer.uses)
     e1 = acc(e1)

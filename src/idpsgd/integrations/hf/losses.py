@@ -1,25 +1,15 @@
 """Per-example losses of Hugging Face models: the loss convention of private fine-tuning.
 
-The engine clips each example's gradient g_i = ∇ℓ_i, the gradient of *that example's* loss, and
-takes the batch loss to be the mean over the batch's examples, L = (1/|B|) Σ_i ℓ_i (Opacus's
-``loss_reduction="mean"``; the engine multiplies the recorded output gradients by |B|).  So the
-per-example loss must depend on example i alone.
-
-Hugging Face models do not compute such a loss for token-level tasks: a causal LM's ``loss`` is the
-mean over *all* target tokens of the batch, Σ_i Σ_t ℓ_it / Σ_i T_i, and its gradient splits into
-per-example parts (1/Σ_j T_j) Σ_t ∇ℓ_it that depend on the other examples' lengths T_j — adding or
-removing one example would change every other example's clipped contribution, so the per-example
-sensitivity bound of DP-SGD would not hold.  Here instead
-
-* **token-level tasks** (causal LM — labels shifted by one —, masked LM, token classification):
-  ℓ_i = the mean over example i's labelled tokens (labels ≠ -100) of the token cross-entropy, and 0
-  for an example without labelled tokens (its gradient is zero);
-* **sequence / image classification**: ℓ_i = cross-entropy (single-label), mean squared error over
-  the outputs (regression, ``num_labels == 1``) or mean binary cross-entropy over the labels
-  (multi-label), following ``config.problem_type`` as the models do;
-
-and the batch loss is the mean of the ℓ_i over the examples.  An example's clipped contribution
-then depends on nothing but itself.  (For evaluation the models' own loss is used unchanged.)
+The engine clips each example's gradient g_i = ∇ℓ_i and takes the batch loss to be the mean over
+the batch's examples (Opacus's ``loss_reduction="mean"``), so ℓ_i must depend on example i alone.
+Hugging Face's token-level losses do not: a causal LM's ``loss`` is the mean over *all* target
+tokens of the batch, whose per-example parts depend on the other examples' lengths — adding or
+removing one example would change every other example's clipped contribution, and DP-SGD's
+sensitivity bound would not hold.  This module owns the per-example loss instead: for token-level
+tasks the mean over example i's labelled tokens (0 without any), for sequence and image
+classification the loss ``config.problem_type`` names; the batch loss is the mean of the ℓ_i.
+Evaluation keeps the models' own loss.  User guide: ``docs/huggingface.md`` (The loss and the
+clipping convention).
 """
 
 from __future__ import annotations
