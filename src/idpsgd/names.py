@@ -13,26 +13,33 @@ and PRV (Gopi et al. 2021, Opacus's code). Derived tuples are built from these, 
 
 from __future__ import annotations
 
-#: The individualized DP-SGD methods (one phase over all examples): what the engine takes.
 IDP_METHODS = ("uniform", "sample", "scale")
-#: IDP methods that keep the noise multiplier fixed and solve each group's rate or clip norm.
-FIXED_SIGMA_METHODS = IDP_METHODS[1:]
-#: The training plans' baselines (several phases, or some examples left out).
-BASELINE_METHODS = ("exclude", "sequential")
-#: Methods of :func:`idpsgd.training.build_plan` (the trainer's group-based methods).
-PLAN_METHODS = IDP_METHODS + BASELINE_METHODS
-#: The (Φ, Δ)-PDP trainers (Heo et al. 2023): their own round structure.
-PDP_METHODS = ("pdp-sgd", "pdp-sampling", "adapdp")
-#: PDP trainers the membership-inference audit runs.
-PDP_AUDIT_METHODS = PDP_METHODS[:1]
-#: Methods the membership-inference audit runs (the engine's, and PDP-SGD).
-AUDIT_METHODS = IDP_METHODS + PDP_AUDIT_METHODS
+"""The individualized DP-SGD methods (one phase over all examples): what the engine takes."""
 
-#: Accountants of a whole run's ε (group / dataset level).
+FIXED_SIGMA_METHODS = IDP_METHODS[1:]
+"""IDP methods that keep the noise multiplier fixed and solve each group's rate or clip norm."""
+
+BASELINE_METHODS = ("exclude", "sequential")
+"""The training plans' baselines (several phases, or some examples left out)."""
+
+PLAN_METHODS = IDP_METHODS + BASELINE_METHODS
+"""Methods of :func:`idpsgd.training.build_plan` (the trainer's group-based methods)."""
+
+PDP_METHODS = ("pdp-sgd", "pdp-sampling", "adapdp")
+"""The (Φ, Δ)-PDP trainers (Heo et al. 2023): their own round structure."""
+
+PDP_AUDIT_METHODS = PDP_METHODS[:1]
+"""PDP trainers the membership-inference audit runs."""
+
+AUDIT_METHODS = IDP_METHODS + PDP_AUDIT_METHODS
+"""Methods the membership-inference audit runs (the engine's, and PDP-SGD)."""
+
 ACCOUNTANTS = ("rdp", "pld", "prv")
-#: Accountants that also give each example its own ε (per-example RDP, or PLD as well), and those
-#: the PDP rounds take.
+"""Accountants of a whole run's ε (group / dataset level)."""
+
 INDIVIDUAL_ACCOUNTANTS = ACCOUNTANTS[:2]
+"""Accountants that also give each example its own ε (per-example RDP, or PLD as well); the PDP
+rounds take these too."""
 
 
 def one_of(names: tuple[str, ...]) -> str:
