@@ -76,7 +76,7 @@ def check_complete(source: Source, g: torch.Tensor) -> None:
     if not (math.isfinite(gap) and math.isfinite(mass)):  # an overflow (autocast): those examples are left out
         return
     half = g.dtype if g.dtype in _HALF else source.half if source.half in _HALF else None
-    rounding = 8 * torch.finfo(half).eps if half is not None else 0.0  # per-example and summed paths round apart
+    rounding = 8 * torch.finfo(half).eps if half is not None else 0.0  # per-example and summed computations round apart
     if gap > (INCOMPLETE + rounding) * mass + torch.finfo(g.dtype).tiny:
         raise RuntimeError(
             f"grad_sample_mode='bk': part of the gradient of a value shared by the batch (from {source.name!r}) "
