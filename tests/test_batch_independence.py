@@ -45,7 +45,7 @@ class _Noise:
         return torch.zeros_like(reference)
 
 
-# --- item 2: batch-mixing models are refused ----------------------------------------------------------
+# --- batch-mixing models are refused ------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MIXING))
 def test_batch_mixing_model_is_refused_before_any_noise(name, mode):
@@ -284,7 +284,7 @@ def test_no_grad_and_eval_passes_are_not_checked_but_training_after_eval_is():
         assert len(calls) == 2
 
 
-# --- item 6: batch_first=False ------------------------------------------------------------------------
+# --- batch_first=False --------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("entry", ["make_private", "make_private_with_epsilon", "make_private_with_parameters"])
 def test_batch_first_false_is_refused_in_every_mode(mode, entry):

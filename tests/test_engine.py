@@ -12,11 +12,11 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import epsilon_sgm
 from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualizedPrivacyEngine, PrivacyBudgetExceeded
+from support import toy_classification
 
 N, DELTA = 240, 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -3,7 +3,6 @@ full-batch DP-GD and Poisson-subsampled DP-SGD with individual clipping, against
 
 import copy
 import math
-import os
 import warnings
 
 import numpy as np
@@ -14,7 +13,6 @@ from dp_accounting.rdp import rdp_privacy_accountant as dpa
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import max_steps_within, order_universe, rdp_to_epsilon
 from idpsgd.assignment import Budgets
@@ -23,6 +21,7 @@ from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngi
 from idpsgd.engine.filter import FilterOptions, conversion_cost, rdp_budget, worst_case_orders
 from idpsgd.training import TrainConfig
 from idpsgd.training.filtered import train_filtered
+from support import file_mode, per_example_norms, toy_classification
 
 N, DELTA = 48, 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -118,12 +117,7 @@ def _norms_at(state, x, y):
     """Per-example gradient norms by plain autograd, one example at a time (the slow reference)."""
     model = _model()
     model.load_state_dict(state)
-    out = []
-    for i in range(len(x)):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        out.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
-    return np.array(out)
+    return per_example_norms(model, x, y)
 
 
 def _budget_ref(eps, alpha, delta=DELTA):
@@ -480,8 +474,8 @@ def test_train_filtered_writes_private_active_counts_and_epsilons(tmp_path, gd, 
     steps = report["steps"]
     assert steps == report["filter"]["run_steps"] == 2 * report["filter"]["calibrated_steps"]
     for name in ("active.csv", "active.png", "filter_epsilons.csv", "filter.json", "history.json", "checkpoint.pt"):
-        assert os.stat(run / "private" / name).st_mode & 0o777 == 0o600, name
-    assert os.stat(run / "report.json").st_mode & 0o777 == 0o644
+        assert file_mode(run / "private" / name) == 0o600, name
+    assert file_mode(run / "report.json") == 0o644
     public = (run / "report.json").read_text()
     assert "realized" not in public and "active_per_step" not in public
     table = np.genfromtxt(run / "private" / "filter_epsilons.csv", delimiter=",", names=True)

@@ -5,7 +5,6 @@ tokenizer trained here: no download."""
 import copy
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from hf_text import WORDS, word_tokenizer
 from idpsgd import Budgets, InvalidParameterError
 from idpsgd.cli.main import main
 from idpsgd.integrations.hf import IndividualizedTrainer, PerExampleLoss, PrivacyArguments
+from support import file_mode
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +104,6 @@ def _trainer(tok, model, train, out, privacy=None, **kw):
     )
 
 
-def _mode(path):
-    return stat.S_IMODE(os.stat(path).st_mode)
-
-
 def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
     """Two consent groups (ε = 1, 8) from a Dataset column: ε per group in the logs and the report, each
     within its budget; the budget column never reaches the model; public/private run folder; the
@@ -155,10 +151,10 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
         "private/seed.json",
     }
     for name in ("report.json", "report.html", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
-        assert _mode(out / name) == 0o644, name
-    assert _mode(out / "model") == 0o755 and _mode(out / "private") == 0o700
+        assert file_mode(out / name) == 0o644, name
+    assert file_mode(out / "model") == 0o755 and file_mode(out / "private") == 0o700
     for name in ("epsilons.csv", "ledger.csv", "history.json", "seed.json"):
-        assert _mode(out / "private" / name) == 0o600, name
+        assert file_mode(out / "private" / name) == 0o600, name
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == 3
     rows = np.genfromtxt(out / "private" / "epsilons.csv", delimiter=",", names=True)
     assert np.array_equal(rows["budget"], np.asarray(train["epsilon"])) and np.all(rows["epsilon"] <= rows["budget"])

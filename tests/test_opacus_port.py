@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.assignment import Budgets
 from idpsgd.engine import FilterOptions, IndividualizedPrivacyEngine, PrivacyBudgetExceeded
+from support import file_mode, per_example_norms, toy_classification
 
 N, DELTA = 240, 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -32,16 +32,7 @@ def _model(seed=1):
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def _autograd_norms(model, x, y):
-    """‖∇ loss_i‖ of each example by plain autograd (the reference)."""
-    out = []
-    for i in range(len(x)):
-        grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
-        out.append(float(torch.sqrt(sum((g**2).sum() for g in grads))))
-    return np.array(out)
-
-
-# --- bug 1: every norm pass goes through the loader's own collate_fn ------------------------------
+# --- every norm pass goes through the loader's own collate_fn -------------------------------------
 MEAN, SCALE = 0.5, 3.0
 
 
@@ -73,7 +64,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     x, y = data
     budgets = Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0)
     model = _model()
-    ref = _autograd_norms(model, (x - MEAN) * SCALE, y)
+    ref = per_example_norms(model, (x - MEAN) * SCALE, y)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     tracker = engine.enable_individual_accounting(per_sample_loss=loss)
     model, _opt, _loader = engine.make_private(
@@ -109,7 +100,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     assert np.allclose(filt.per_example_grad_norms(loss)[0], ref, rtol=1e-4)
 
 
-# --- bug 3: plans beyond a spent budget and σ = 0 are refused at set-up ---------------------------
+# --- plans beyond a spent budget and σ = 0 are refused at set-up ----------------------------------
 def _two_groups(n=N):
     return Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, DELTA, seed=0)
 
@@ -274,7 +265,7 @@ def test_noise_multiplier_zero_is_refused_at_once(data):
     assert engine.accountant is None
 
 
-# --- item 4: Opacus's make_private_with_epsilon / make_private on the same engine -----------------
+# --- Opacus's make_private_with_epsilon / make_private on the same engine -------------------------
 OPACUS_METHODS = ("make_private", "make_private_with_epsilon", "get_epsilon", "save_checkpoint", "load_checkpoint")
 
 
@@ -421,7 +412,7 @@ def test_budgets_of_the_wrong_length_point_to_from_groups(data):
         )
 
 
-# --- item 5: ε formats as a float, per-group table, planned ε, history ----------------------------
+# --- ε formats as a float, per-group table, planned ε, history ------------------------------------
 def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
     x, y = data
     budgets = _two_groups()
@@ -461,7 +452,7 @@ def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
         engine.get_epsilon(steps=3)
 
 
-# --- item 6: the PRV accountant, against Opacus's --------------------------------------------------
+# --- the PRV accountant, against Opacus's ----------------------------------------------------------
 def test_prv_accountant_matches_opacus_per_group(data):
     from opacus.accountants import PRVAccountant
 
@@ -508,7 +499,7 @@ def test_prv_calibration_spends_each_budget_with_sample():
         assert 0.9999 * g.budget <= g.epsilon <= g.budget
 
 
-# --- item 7: checkpoints with Opacus's names, resumable from the file alone -----------------------
+# --- checkpoints with Opacus's names, resumable from the file alone -------------------------------
 def _ckpt_setup(data, seed, epochs=2, **kw):
     x, y = data
     model = _model()
@@ -535,7 +526,7 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_engine_without_a_seed(data, t
     engine, model, opt, loader = _ckpt_setup(data, seed=None)
     _train_steps(model, opt, loader, 10)
     engine.save_checkpoint(path=path, module=model, optimizer=opt, checkpoint_dict={"epoch": 1})
-    assert (path.stat().st_mode & 0o777) == 0o600
+    assert file_mode(path) == 0o600
     torch.load(path, weights_only=True)  # plain data: loads without unpickling code
     _train_steps(model, opt, loader, 10)
     reference = _params(model)
@@ -606,7 +597,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
     assert np.array_equal(fresh.individual.epsilons(DELTA), engine.individual.epsilons(DELTA))  # the estimates
 
 
-# --- item 9: Sample with a wide spread says its strict group barely trains ------------------------
+# --- Sample with a wide spread says its strict group barely trains --------------------------------
 def test_sample_with_a_wide_spread_warns_with_expected_draws():
     from idpsgd.assignment import SparseSamplingWarning, assign
 
@@ -644,7 +635,7 @@ def test_the_report_states_the_sparse_sampling_warning(data):
     )
 
 
-# --- item 10 -------------------------------------------------------------------------------------------
+# --- the package lists its lazy names ------------------------------------------------------------------
 def test_dir_lists_the_lazy_names():
     import idpsgd
 
@@ -655,7 +646,7 @@ def test_dir_lists_the_lazy_names():
     assert all(hasattr(idpsgd, n) for n in idpsgd._LAZY)
 
 
-# --- bug 2: CSV budget and id columns are never features; the hidden split is recorded --------------
+# --- CSV budget and id columns are never features; the hidden split is recorded ---------------------
 def _csv_with_budgets(folder, n=150, test=False):
     rng = np.random.default_rng(0)
     folder.mkdir()
@@ -740,7 +731,7 @@ def test_csv_budget_and_id_columns_are_not_features_and_per_row_budgets_map_to_t
     assert report["data"]["feature_columns"] == [f"f{i}" for i in range(8)]
     assert set(report["data"]["excluded_columns"]) == {"id", "epsilon"}
     split_file = out / PRIVATE / "data_split.csv"
-    assert (split_file.stat().st_mode & 0o777) == 0o600
+    assert file_mode(split_file) == 0o600
     assert json.loads((out / MANIFEST).read_text())["files"][f"{PRIVATE}/data_split.csv"]["kind"] == "private"
     lines = split_file.read_text().splitlines()
     assert lines[0] == "row,split,index" and len(lines) == 151
@@ -773,7 +764,7 @@ def test_csv_columns_from_the_library(tmp_path):
             load_dataset("csv", data, num_classes=2, **kw)
 
 
-# --- item 8: idpsgd.train on any map-style torch Dataset -----------------------------------------
+# --- idpsgd.train on any map-style torch Dataset -------------------------------------------------
 class Pairs(Dataset):
     def __init__(self, x, y):
         self.x, self.y = x, y
