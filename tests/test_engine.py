@@ -19,7 +19,6 @@ from idpsgd.engine import IndividualizedPrivacyEngine, PrivacyBudgetExceeded
 from support import toy_classification
 
 N, DELTA = 240, 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _data(n=100, seed=0):
@@ -306,6 +305,7 @@ def test_an_opacus_checkpoint_loads_and_continues_its_accounting(tmp_path):
     assert b_engine.steps == 0
 
 
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha:UserWarning")  # Opacus's RDP accountant
 # --- Opacus's defaults ---------------------------------------------------------------------------------
 def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
     """N = 100, B = 30: Opacus takes q = 1/len(data_loader) = 1/4 and 4 steps per epoch (not

@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from idpsgd import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ENGINES = {"opacus": PrivacyEngine, "idpsgd": IndividualizedPrivacyEngine}
 
 

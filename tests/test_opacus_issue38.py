@@ -18,7 +18,6 @@ from idpsgd import InvalidParameterError
 from idpsgd.engine import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _data(n=100, seed=0):

@@ -19,7 +19,6 @@ from idpsgd.engine import FilterOptions, IndividualizedPrivacyEngine, PrivacyBud
 from support import file_mode, per_example_norms, toy_classification
 
 N, DELTA = 240, 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
@@ -747,7 +746,8 @@ def test_csv_columns_from_the_library(tmp_path):
 
     data = tmp_path / "data"
     _csv_with_budgets(data, test=True)
-    d = load_dataset("csv", data, num_classes=2, drop_columns="f7", budget_column="epsilon")
+    with pytest.warns(UserWarning, match="train.csv: not used as features: 'id' .*'epsilon'"):
+        d = load_dataset("csv", data, num_classes=2, drop_columns="f7", budget_column="epsilon")
     assert d.x_train.shape == (150, 7) and d.x_test.shape == (20, 7) and d.split is None
     assert d.source["excluded_columns"] == {
         "f7": "dropped (drop_columns)",

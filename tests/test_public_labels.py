@@ -33,7 +33,6 @@ from idpsgd.runfolder import PRIVATE
 from support import file_mode
 from test_hf_integration import _lines, _llama, _llama_config, _lm_data, _trainer, _write_jsonl, tok  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
 RARE = "hiv_positive"
 
 
