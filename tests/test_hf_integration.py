@@ -735,7 +735,8 @@ def test_example_script_runs_as_a_command(tmp_path):
 def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     """Issue 29's search over every public output (test_seed_private), for ``idpsgd finetune --seed S``,
     with private checkpoints (``--save-every``) and a ``--resume`` from them (issue 40)."""
-    from test_seed_private import S, mode_problems, seed_leaks
+    from support import mode_problems
+    from test_seed_private import S, seed_leaks
 
     lines = _lines(24, seed=6)
     train = _write_jsonl(

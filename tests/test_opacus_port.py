@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from idpsgd import InvalidParameterError
 from idpsgd.assignment import Budgets
 from idpsgd.engine import FilterOptions, IndividualizedPrivacyEngine, PrivacyBudgetExceeded
-from support import file_mode, per_example_norms, toy_classification
+from support import file_mode, per_example_norms, toy_classification, toy_model
 
 N, DELTA = 240, 1e-5
 
@@ -24,11 +23,6 @@ N, DELTA = 240, 1e-5
 @pytest.fixture(scope="module")
 def data():
     return toy_classification(N, 0.3)
-
-
-def _model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 # --- every norm pass goes through the loader's own collate_fn -------------------------------------
@@ -62,7 +56,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     (bug 1: a TensorDataset was sliced directly, skipping the collate)."""
     x, y = data
     budgets = Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0)
-    model = _model()
+    model = toy_model()
     ref = per_example_norms(model, (x - MEAN) * SCALE, y)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     tracker = engine.enable_individual_accounting(per_sample_loss=loss)
@@ -80,7 +74,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     assert np.allclose(first, ref[:10], rtol=1e-4)
 
     filt = IndividualizedPrivacyEngine(accountant="rdp", seed=0)  # the individual filter's norm pass
-    m2 = _model()
+    m2 = toy_model()
     filt.make_private_with_parameters(
         module=m2,
         optimizer=torch.optim.SGD(m2.parameters(), lr=0.0),
@@ -121,7 +115,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     spent) is refused by make_private, not at its first step; the engine is left as it was."""
     x, y = data
     budgets = _two_groups()
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     model, opt, private = engine.make_private(
@@ -159,7 +153,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     assert fits > 6
     model, opt, private = engine.make_private_with_parameters(sample_rates=rest, steps=fits, **again)
     assert engine.get_epsilon(steps=6 + fits).per_group[1] <= 3.0 < engine.get_epsilon(steps=7 + fits).per_group[1]
-    m = _model()
+    m = toy_model()
     with pytest.warns(RuntimeWarning, match="filter_action='warn'"):  # warn mode warns at set-up and goes on
         IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_parameters(
             module=m,
@@ -190,7 +184,7 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
         raise RuntimeError("wrapping failed")
 
     monkeypatch.setattr(pe, "wrap_module", failing)
-    m = _model()
+    m = toy_model()
     with pytest.raises(RuntimeError, match="wrapping failed"):
         engine.make_private(
             module=m,
@@ -235,7 +229,7 @@ def test_noise_multiplier_zero_is_refused_at_once(data):
     from idpsgd.engine.sampler import BatchIndexQueue
 
     x, y = data
-    model = _model()
+    model = toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
@@ -291,7 +285,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
 
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private_with_epsilon(
         module=model,
@@ -309,7 +303,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
     eps = engine.get_epsilon(DELTA)
     assert eps.per_group.shape == (1,) and 0.999 * 2.0 <= eps <= 2.0
     # per-example budgets: one extra argument; target_epsilon bounds every budget
-    m2 = _model()
+    m2 = toy_model()
     two = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     per_example = torch.where(y == 1, 1.0, 3.0).numpy()
     m2, o2, l2 = two.make_private_with_epsilon(
@@ -331,7 +325,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
     )
     rates = [g["sample_rate"] for g in two.privacy_groups()]
     assert rates[0] < 0.1 < rates[1]  # Sample: the default with budgets
-    m3 = _model()
+    m3 = toy_model()
     with pytest.raises(InvalidParameterError, match=r"target_epsilon=2.0 is invalid: is below the largest budget 3"):
         IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_epsilon(
             module=m3,
@@ -351,7 +345,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
     from idpsgd.accounting import epsilon_sgm
 
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(
         module=model,
@@ -379,7 +373,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
         (dict(privacy_filter="group"), "privacy_filter='group' is invalid: needs budgets"),
     ]
     for change, message in bad:
-        m = _model()
+        m = toy_model()
         with pytest.raises(InvalidParameterError, match=message):
             IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private(
                 module=m,
@@ -393,7 +387,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
 
 def test_budgets_of_the_wrong_length_point_to_from_groups(data):
     x, y = data
-    model = _model()
+    model = toy_model()
     with pytest.raises(
         InvalidParameterError,
         match=r"need one per example of the data loader's dataset \(240\); "
@@ -415,7 +409,7 @@ def test_budgets_of_the_wrong_length_point_to_from_groups(data):
 def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
     x, y = data
     budgets = _two_groups()
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(
         module=model,
@@ -466,7 +460,7 @@ def test_prv_accountant_matches_opacus_per_group(data):
     assert upper == pytest.approx(theirs, rel=1e-9) and lower < estimate < upper  # the upper bound is reported
     assert prv_epsilon(events, DELTA) == upper
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="prv", seed=0)
     model, opt, private = engine.make_private_with_parameters(
         module=model,
@@ -501,7 +495,7 @@ def test_prv_calibration_spends_each_budget_with_sample():
 # --- checkpoints with Opacus's names, resumable from the file alone -------------------------------
 def _ckpt_setup(data, seed, epochs=2, **kw):
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     model, opt, loader = engine.make_private_with_epsilon(
         module=model,
@@ -570,7 +564,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
 
     def setup():
         x, y = data
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp")
         engine.enable_individual_accounting(opts)
         model, opt, loader = engine.make_private(
