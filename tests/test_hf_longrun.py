@@ -31,7 +31,8 @@ from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 from idpsgd.io import CheckpointError
 from support import file_mode
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
+# transformers' own calls to its deprecated gradient-checkpointing names
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -111,7 +111,12 @@ def _step_sum(build, x, y, uids, mode, clip, k, call=None):
     users = Users(uids, k)
     crit = _Crit(_ce)
     with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
-        warnings.simplefilter("ignore")
+        for message in (
+            "Secure RNG turned off",
+            "Full backward hook is firing",
+            "In CPU autocast, but the target dtype",
+        ):
+            warnings.filterwarnings("ignore", message, UserWarning)  # Opacus's and torch's notices
         engine = IndividualizedPrivacyEngine(seed=0)
         out = engine.make_private_with_parameters(
             module=model,
