@@ -1,4 +1,4 @@
-"""Issue 35, items 2 and 6: models that mix the examples of a batch, and batch-second inputs, are refused.
+"""Models that mix the examples of a batch, and batch-second inputs, are refused (issue 35).
 
 The sensitivity harness (``tests/sensitivity_harness.py``) measures ‖S(D ∪ {z}) − S(D)‖ of the engine's
 clipped sum with the noise patched to 0 and every sampling rate 1: c for an MLP in every mode.  The four

@@ -1,7 +1,7 @@
 """Individual accounting's ``kind`` (engine/individual.py, engine/sensitivity_check.py).
 
-Issue 29 item 3: "guarantee" only when the charged sensitivities bound what training adds.  Issue 35
-item 3: the label is public, so it is a function of the options alone: with individual clipping, or
+"guarantee" only when the charged sensitivities bound what training adds (issue 29), and the label is
+public (issue 35), so it is a function of the options alone: with individual clipping, or
 norms of every step with exact/ceil rounding, every example is clipped at its charge (enforced) and
 the ε are a guarantee; otherwise an estimate.  The comparison of training's norms with the norm
 pass's stays in the private record (it used to decide the label: one data-dependent bit)."""
@@ -282,7 +282,7 @@ def _clamp_run(seed: int, with_outlier: bool):
 
 
 def test_an_outliers_membership_does_not_change_the_public_kind():
-    """Issue 35 item 3: with the outlier z (its training norm differs from the norm pass's whenever it
+    """The label is public (issue 35): with the outlier z (its training norm differs from the norm pass's whenever it
     is sampled) and without it, over 6 seeds: the same kind and kind_reason (before the fix: estimate
     with z, guarantee without, in 6 of 6 seeds).  The difference stays in the private record."""
     for seed in range(6):

@@ -1,7 +1,7 @@
-"""Issue 31: the contract an Opacus 1.6 script relies on, item by item (each failed before the fix).
+"""The contract an Opacus 1.6 script relies on, a section per part (each failed before its fix; issue 31).
 
 The acceptance test is Opacus's own test suite with the engine swapped in (``make test-opacus``,
-``tests/opacus_suite``); these are the fast, default-suite versions of each item."""
+``tests/opacus_suite``); these are the fast, default-suite versions of each part."""
 
 from __future__ import annotations
 

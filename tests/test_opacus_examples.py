@@ -1,4 +1,4 @@
-"""Issue 38, item 6: the API surface of Opacus's example scripts and tutorials, on Opacus's engine and ours.
+"""The API surface of Opacus's example scripts and tutorials, on Opacus's engine and ours (issue 38).
 
 Opacus's example scripts are not in its wheel and their code is not ours to copy, so each scenario
 here is a short script of our own that uses what one example uses — ``make_private`` /

@@ -1,4 +1,4 @@
-"""Issue 38: Opacus's examples and tutorials as clients — each item's fast test (each failed before).
+"""Opacus's examples and tutorials as clients: a fast test of each thing they use (each failed before; issue 38).
 
 ``grad_sample_mode="no_op"`` (per-sample gradients the user computes), ``wrap_model=False`` (Opacus
 1.6's hooks without a wrapper), budgets with ``make_private(noise_multiplier=...)``, and the small

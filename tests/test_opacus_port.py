@@ -1,6 +1,5 @@
-"""Issue 24: an Opacus 1.6 user ports in two lines (the engine's Opacus-compatible API), and the
-friction a port hits (norm passes through the loader's collate_fn, CSV budget columns, set-up
-refusals)."""
+"""An Opacus 1.6 user ports in two lines (the engine's Opacus-compatible API), and the friction a
+port hits: norm passes through the loader's collate_fn, CSV budget columns, set-up refusals (issue 24)."""
 
 from __future__ import annotations
 

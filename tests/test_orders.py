@@ -32,7 +32,7 @@ def random_cases(rng, n):
     return (10 ** rng.uniform(-4, -0.7, n), rng.uniform(0.6, 6.0, n), np.round(10 ** rng.uniform(1, 4, n)))
 
 
-def test_issue_example_beats_the_grid_and_dense_integer_orders():
+def test_a_small_rate_long_run_beats_the_grid_and_dense_integer_orders():
     # issue 15: grid 0.0793 (0.0791 today), dp_accounting with a dense integer grid 0.0685 (0.0680 on 2..399)
     eps, order = rdp_epsilon([SampledGaussianEvent(0.0021, 3.17, 727)], DELTA)
     grid, _ = rdp_epsilon([SampledGaussianEvent(0.0021, 3.17, 727)], DELTA, refine=False)

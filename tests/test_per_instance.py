@@ -464,7 +464,7 @@ def test_runner_reports_ratios_baselines_and_guarantees(digits, tmp_path):
 
 @pytest.mark.parametrize("every", [1, 4])
 def test_upper_values_are_confidence_bounds_only_when_every_step_is_measured(digits, tmp_path, every):
-    """Issue 29 item 4: steps between checkpoints reuse the last measured sensitivity, so *_upper and
+    """Steps between checkpoints reuse the last measured sensitivity, so *_upper and
     guarantee_* are confidence bounds only with checkpoint_every = 1; the summary, settings.json and the
     command's text say which, and that the failure probability is per point."""
     from idpsgd.training import TrainConfig

@@ -1,4 +1,4 @@
-"""Per-instance estimates with their error (issue 19, item 10) and mean-rule training (item 9)."""
+"""Per-instance estimates with their error and mean-rule training (issue 19)."""
 
 import math
 

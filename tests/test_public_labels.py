@@ -1,14 +1,13 @@
-"""Issue 35, items 1 and 5: nothing public derives from the private rows' label set or from the real
-batches.
+"""Nothing public derives from the private rows' label set or from the real batches (issue 35).
 
-Item 1: the class set (names, number, order) of a released model comes from public information only
+The label set: the class set (names, number, order) of a released model comes from public information only
 (the model folder's config when it names its classes, ``--labels`` / ``--num-classes``; for
 ``train --dataset csv`` a required ``--num-classes``).  Neighbouring data sets D (with one extra row
 whose label is unique) and D' (without it), same seed, non-secure mode: the public model config
 and the classifier head are identical, or both runs give the same refusal; a label outside the
 public set is a per-row error.
 
-Item 5: what ``IndividualizedTrainer`` exposes or saves (``TrainOutput``, ``save_state``,
+The real batches: what ``IndividualizedTrainer`` exposes or saves (``TrainOutput``, ``save_state``,
 ``save_metrics``) holds no value derived from the real batch sizes or training losses.
 """
 

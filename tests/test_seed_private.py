@@ -1,4 +1,4 @@
-"""The seed never reaches a public output (issue 29, item 1).
+"""The seed never reaches a public output (issue 29).
 
 With the seed and every record but one, anyone can replay a run on both neighbouring data sets and
 compare with the released model (ε = ∞).  Every command that trains is run with ``--seed S`` on a
