@@ -7,6 +7,14 @@ def rng():
     return np.random.default_rng(12345)
 
 
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's digits (:func:`idpsgd.data.load_dataset`), loaded once per test module."""
+    from idpsgd.data import load_dataset
+
+    return load_dataset("digits")
+
+
 class CheckpointCrash(Exception):
     """Raised right after a run's first checkpoint is written (a simulated crash)."""
 
@@ -38,12 +46,3 @@ def crash_after_first_checkpoint(monkeypatch):
             monkeypatch.setattr(Trainer, "save_checkpoint", original)
 
     return crashing
-
-
-def toy_classification(n: int, weight: float):
-    """``n`` standard-normal 6-feature points labelled by the sign of x0 + weight·x1 (seeded)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 6, generator=g)
-    return x, (x[:, 0] + weight * x[:, 1] > 0).long()

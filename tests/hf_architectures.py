@@ -105,19 +105,22 @@ def _decoder(model, B, T):
     return Case(model, {"input_ids": _ids(B, T)}, _lm_loss, T)
 
 
-def gpt2(B, T):
+def gpt2(B, T, **config):
     t = _tf()
     cfg = t.GPT2Config(
-        n_layer=2,
-        n_embd=H,
-        n_head=2,
-        vocab_size=V,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
+        **{
+            "n_layer": 2,
+            "n_embd": H,
+            "n_head": 2,
+            "vocab_size": V,
+            "n_positions": 64,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            **config,
+        }
     )
     return _decoder(t.GPT2LMHeadModel(cfg), B, T)
 
@@ -195,22 +198,25 @@ def falcon(B, T):
 def _llama_like(cls_cfg, cls_model, B, T, **extra):
     t = _tf()
     cfg = getattr(t, cls_cfg)(
-        num_hidden_layers=2,
-        hidden_size=H,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=V,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-        **{"intermediate_size": 37, **extra},
+        **{
+            "num_hidden_layers": 2,
+            "hidden_size": H,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": V,
+            "max_position_embeddings": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "pad_token_id": 1,
+            "intermediate_size": 37,
+            **extra,
+        }
     )
     return _decoder(getattr(t, cls_model)(cfg), B, T)
 
 
-def llama(B, T):
-    return _llama_like("LlamaConfig", "LlamaForCausalLM", B, T)
+def llama(B, T, **config):
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", B, T, **config)
 
 
 def mistral(B, T):
@@ -376,9 +382,9 @@ _BERTLIKE = dict(
 )
 
 
-def bert(B, T):
+def bert(B, T, **config):
     t = _tf()
-    return _encoder(t.BertForSequenceClassification(t.BertConfig(**_BERTLIKE)), B, T)
+    return _encoder(t.BertForSequenceClassification(t.BertConfig(**{**_BERTLIKE, **config})), B, T)
 
 
 def roberta(B, T):
@@ -541,18 +547,21 @@ def _image(model, B, seq):
     return Case(model, {"pixel_values": torch.randn((B, 3, 8, 8), generator=g), "labels": _labels(B)}, _cls_loss, seq)
 
 
-def vit(B, T):
+def vit(B, T, **config):
     t = _tf()
     cfg = t.ViTConfig(
-        num_hidden_layers=2,
-        hidden_size=H,
-        num_attention_heads=2,
-        intermediate_size=37,
-        image_size=8,
-        patch_size=4,
-        num_labels=LABELS,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        **{
+            "num_hidden_layers": 2,
+            "hidden_size": H,
+            "num_attention_heads": 2,
+            "intermediate_size": 37,
+            "image_size": 8,
+            "patch_size": 4,
+            "num_labels": LABELS,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+            **config,
+        }
     )
     return _image(t.ViTForImageClassification(cfg), B, 5)
 
@@ -747,6 +756,13 @@ def build(name: str, B: int, T: int, *, dtype=torch.float64, lora: bool = False,
     if lora:
         case = with_lora(case, name)
     return case
+
+
+def tiny_model(name: str, **config) -> nn.Module:
+    """The model alone of the factory ``name`` (of :data:`ALL`), its config's fields overridden by ``config``
+    (``gpt2``, ``llama``, ``bert`` and ``vit`` take overrides): built in float32 from the global seed, as
+    the factory builds it; the caller seeds, converts and sets train mode."""
+    return ALL[name](1, 1, **config).model
 
 
 def _slice(inputs: dict, i: int) -> dict:

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from support import public_files
+
 PRIVATE = "private"
 
 # --- the allow-list ----------------------------------------------------------------------------
@@ -135,18 +137,6 @@ class Outputs:
     files: dict[str, bytes] = field(default_factory=dict)
     streams: dict[str, str] = field(default_factory=dict)
     modes: dict[str, int] = field(default_factory=dict)
-
-
-def public_files(folder: Path) -> list[Path]:
-    """Files outside any ``private/`` folder, and every file that group or others can read."""
-    out = []
-    for p in sorted(folder.rglob("*")):
-        if not p.is_file():
-            continue
-        mode = stat.S_IMODE(p.stat().st_mode)
-        if PRIVATE not in p.relative_to(folder).parts or mode & 0o077:
-            out.append(p)
-    return out
 
 
 def collect(root: Path, folder: Path | None = None, streams: dict[str, str] | None = None) -> Outputs:

@@ -80,7 +80,7 @@ def private(case: Case, x, y, mode: str, c: float = 1.0):
     model = case.build()
     crit = _Criterion(case.loss)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.filterwarnings("ignore", "Secure RNG turned off", UserWarning)
         engine = IndividualizedPrivacyEngine(seed=0)
     out = engine.make_private(
         module=model,

@@ -18,14 +18,11 @@ Q, T, C, DELTA = 0.02, 400, 1.0, 1e-5
 def independent_epsilons(q, sigma, steps, delta):
     """ε by dp_accounting (not our code): its RDP at the order our adaptive conversion chose (its
     fractional-order series sums absolute values, an upper bound), and its PLD accountant."""
-    import warnings
 
     from dp_accounting.pld import pld_privacy_accountant
 
     _, order = rdp_epsilon([SampledGaussianEvent(q, sigma, steps)], delta)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rdp = dpa._compute_rdp_poisson_subsampled_gaussian(q, sigma, [order]) * steps
+    rdp = dpa._compute_rdp_poisson_subsampled_gaussian(q, sigma, [order]) * steps
     rdp_eps = dpa.compute_epsilon([order], rdp, delta)[0]
     pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)  # pessimistic: a bound
     pld.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)

@@ -3,8 +3,6 @@
 import itertools
 import json
 import math
-import os
-import stat
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from idpsgd.assignment import Budgets
 from idpsgd.audit import AuditOptions, bounds, lira, run_audit
 from idpsgd.audit.shadows import subset
 from idpsgd.validation import InvalidParameterError
+from support import file_mode
 
 # ---------------------------------------------------------------- bounds on known mechanisms
 
@@ -282,10 +281,6 @@ def _pdp(**kw):
     return PdpOptions(**kw)
 
 
-def _mode(p):
-    return stat.S_IMODE(os.stat(p).st_mode)
-
-
 def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small, tmp_path, monkeypatch):
     from idpsgd.audit import runner
 
@@ -316,8 +311,8 @@ def test_lira_audit_writes_private_outputs_and_resumes_without_retraining(small,
         "audit.json",
         "roc_by_group.png",
     ):
-        assert _mode(private / name) == 0o600  # per-example scores, models, the results: private
-    assert _mode(folder / "audit.json") == 0o644 and not (folder / "roc_by_group.png").exists()
+        assert file_mode(private / name) == 0o600  # per-example scores, models, the results: private
+    assert file_mode(folder / "audit.json") == 0o644 and not (folder / "roc_by_group.png").exists()
     manifest = json.loads((folder / "outputs.json").read_text())["files"]
     assert manifest["audit.json"]["kind"] == "public" and manifest["private/audit_scores.csv"]["kind"] == "private"
     assert manifest["private/audit.json"]["kind"] == "private"

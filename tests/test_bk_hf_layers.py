@@ -28,6 +28,8 @@ from idpsgd.engine.bk_layers import Conv1DRule, ScaleNormRule, rule_for
 from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
 
 transformers = pytest.importorskip("transformers")
+import hf_architectures as hf
+from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data  # the float64 harness of the other rules
 
 B = 6  # examples of the whole-model checks
@@ -187,80 +189,29 @@ def test_book_kept_forward_and_input_gradient_are_the_modules(dtype):
 
 # --- whole Hugging Face models ------------------------------------------------------------------
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=40,
-            n_positions=16,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            tie_word_embeddings=False,
-        )
-    )
+    return hf.tiny_model("gpt2", vocab_size=40, n_positions=16, n_embd=16, tie_word_embeddings=False)
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=40,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-        )
+    return hf.tiny_model(
+        "llama",
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
 
 
 def _bert():
-    from transformers import BertConfig, BertForSequenceClassification
-
-    return BertForSequenceClassification(
-        BertConfig(
-            vocab_size=40,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=24,
-            max_position_embeddings=16,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
+    return hf.tiny_model(
+        "bert", vocab_size=40, hidden_size=16, num_hidden_layers=1, intermediate_size=24, max_position_embeddings=16
     )
 
 
 def _vit():
-    from transformers import ViTConfig, ViTForImageClassification
-
-    return ViTForImageClassification(
-        ViTConfig(
-            image_size=8,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=24,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
+    return hf.tiny_model("vit", hidden_size=16, num_hidden_layers=1, intermediate_size=24)
 
 
 def _batch(kind, n=B, seed=0):
@@ -370,17 +321,6 @@ def _image():
     return _Image(), torch.randn(N, 3, 8, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
 
 
-def _reference_grads(model, x, y):
-    """float32, no autocast: each example's gradient by its own backward pass."""
-    rows = []
-    for i in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    model.zero_grad()
-    return torch.stack(rows)
-
-
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative, per-example norms vs float32
 
 
@@ -392,7 +332,7 @@ def test_autocast_book_keeping_is_the_module_under_autocast(make, dtype):
     un-clipped sum is autocast's own summed gradient up to half-precision rounding (autocast's
     gradient itself may be further from float32's: 4 % on the first convolution of _Image in bf16)."""
     model, x, y = make()
-    ref = _reference_grads(model, x, y).norm(dim=1)
+    ref = per_example_grads(model, x, y).norm(dim=1)
     losses, input_grads = [], []
     for book_kept in (False, True):
         m = copy.deepcopy(model)
@@ -477,7 +417,7 @@ def test_autocast_training_step_in_every_mode(mode, dtype):
     """A private step under autocast: per-example norms within tolerance of float32 autograd and the
     update close to the float32 step's (same batch, same noise); parameters stay float32."""
     model, x, y = _tokens()
-    ref = _reference_grads(model, x, y).norm(dim=1)
+    ref = per_example_grads(model, x, y).norm(dim=1)
     clips = np.where(np.arange(N) % 2 == 0, 0.5, 2.0) * ref.numpy()  # half the examples clipped
     eng32, m32 = _run(model, x, y, mode, clips=clips)
     engh, mh = _run(model, x, y, mode, dtype=dtype, clips=clips)
@@ -495,7 +435,7 @@ def test_grad_scaler_changes_no_clipping_decision():
     scaler sees no overflow of the private gradients); under fp16 autocast the norms are within fp16
     tolerance of float32 and the same examples are clipped."""
     model, x, y = _image()
-    ref = _reference_grads(model, x, y).norm(dim=1)
+    ref = per_example_grads(model, x, y).norm(dim=1)
     clips = np.where(np.arange(N) % 2 == 0, 0.5, 2.0) * ref.numpy()
     clipped = torch.as_tensor(clips) < ref
     assert clipped.any() and not clipped.all()

@@ -19,6 +19,7 @@ from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, p
 from idpsgd.engine.norms import per_example_grad_norms
 from idpsgd.models import TransformerClassifier, wide_resnet
 from idpsgd.validation import InvalidParameterError
+from support import per_example_grads
 
 N = 12
 
@@ -56,18 +57,6 @@ def _step(model, x, y, mode, clips, *, reduction="mean"):
     return engine.clipping.last_norms.numpy()[order], [p.detach().clone() for p in model.parameters()], engine
 
 
-def _brute_force(model, x, y):
-    """Each example's loss gradient by its own backward pass (flattened, parameters in order)."""
-    model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
-    return torch.stack(rows)
-
-
 def _bk_clipped_sum(model, x, y, clips, reduction):
     """The book-keeper alone: (norms, Σ_i min(1, c_i/‖g_i‖) g_i flattened)."""
     model = copy.deepcopy(model)
@@ -84,7 +73,7 @@ def _check_equal(model, x, y, *, opacus=True, reduction="mean"):
     """bk == an example-by-example backward pass (norms and clipped sum), and — where Opacus's
     per-sample gradients are right — one engine step in bk mode == hooks mode, with half the
     examples clipped (even indices) and half not."""
-    grads = _brute_force(model, x, y)
+    grads = per_example_grads(copy.deepcopy(model), x, y)
     norms = grads.norm(dim=1).numpy()
     clips = np.where(np.arange(N) % 2 == 0, 0.3, 3.0) * norms
     bk_norms, bk_sum, paths = _bk_clipped_sum(model, x, y, clips, reduction)
@@ -311,7 +300,7 @@ def test_norm_pass_equals_per_sample_gradient_norms():
     model = _small_resnet()
     x, y = _data((3, 8, 8))
     norms, losses = per_example_grad_norms(model, [(x[:5], y[:5]), (x[5:], y[5:])])
-    np.testing.assert_allclose(norms, _brute_force(model, x, y).norm(dim=1).numpy(), rtol=1e-10)
+    np.testing.assert_allclose(norms, per_example_grads(copy.deepcopy(model), x, y).norm(dim=1).numpy(), rtol=1e-10)
     np.testing.assert_allclose(losses, nn.functional.cross_entropy(model(x), y, reduction="none").detach().numpy())
     assert all(p.grad is None for p in model.parameters())
 

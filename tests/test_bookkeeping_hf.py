@@ -17,73 +17,28 @@ from torch.utils.data import DataLoader, TensorDataset
 
 transformers = pytest.importorskip("transformers")
 
+import hf_architectures as hf
 from idpsgd import Budgets, IndividualizedPrivacyEngine
 from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
+from support import per_example_grads
 
-N, B, T, V = 16, 8, 9, 97
+N, B, T, V = 16, 8, 9, hf.V
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=V,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return hf.tiny_model("gpt2")
 
 
 def _bert():
-    cfg = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=37,
-        vocab_size=V,
-        max_position_embeddings=64,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertForSequenceClassification(cfg)
+    return hf.tiny_model("bert")
 
 
-def _llama():
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=37,
-        vocab_size=V,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+def _llama():  # tied embeddings, two key-value heads
+    return hf.tiny_model("llama", num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True)
 
 
-def _vit():
-    cfg = transformers.ViTConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=37,
-        image_size=16,
-        patch_size=4,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.ViTForImageClassification(cfg)
+def _vit():  # 16 × 16 images: 16 patches and the class token
+    return hf.tiny_model("vit", image_size=16)
 
 
 MODELS = {"gpt2": (_gpt2, "lm"), "bert": (_bert, "cls"), "llama_tied": (_llama, "lm"), "vit": (_vit, "image")}
@@ -125,13 +80,9 @@ def test_per_example_norms_and_clipped_sums_equal_autograd(name):
     x, y = _data(kind)
     x, y = x[:6], y[:6]
     ref = copy.deepcopy(model)
-    params = list(ref.parameters())
-    rows = []
-    for i in range(len(x)):
-        ref.zero_grad()
-        _per_example_loss(ref, kind, x[i : i + 1], y[i : i + 1]).sum().backward()
-        rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
-    grads = torch.stack(rows)
+    grads = per_example_grads(
+        ref, x, y, lambda m, xi, yi: _per_example_loss(m, kind, xi, yi).sum(), list(ref.parameters())
+    )
     keeper = BookKeeper.attach(model)
     keeper.active, keeper.loss_reduction = True, "sum"
     _per_example_loss(model, kind, x, y).sum().backward()
@@ -217,15 +168,9 @@ def test_bf16_autocast_norms_and_scale_step(name):
     if kind == "image":
         x = x.float()
     ref = copy.deepcopy(model)
-    params = list(ref.parameters())
-    rows = []
-    for i in range(len(x)):
-        ref.zero_grad()
-        _per_example_loss(
-            ref, kind, x[i : i + 1], y[i : i + 1].long() if kind == "image" else y[i : i + 1]
-        ).sum().backward()
-        rows.append(torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]))
-    expected = torch.stack(rows).norm(dim=1)
+    y_ref = y.long() if kind == "image" else y
+    loss = lambda m, xi, yi: _per_example_loss(m, kind, xi, yi).sum()  # noqa: E731
+    expected = per_example_grads(ref, x, y_ref, loss, list(ref.parameters())).norm(dim=1)
     keeper = BookKeeper.attach(model)
     keeper.active, keeper.loss_reduction = True, "sum"
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -15,7 +15,8 @@ from torch import nn
 
 from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
 from idpsgd.engine.norms import per_example_grad_norms
-from test_bookkeeping import N, _brute_force, _check_equal, _data, _private
+from support import per_example_grads
+from test_bookkeeping import N, _check_equal, _data, _private
 
 T, D, C = 5, 4, 3
 
@@ -158,7 +159,9 @@ def test_batches_of_one_and_of_none(make, shape, ids, batch):
     F.cross_entropy(keeper.model(x[:batch]), y[:batch], reduction="sum").backward()
     norms = keeper.norms()
     if batch:
-        np.testing.assert_allclose(norms.numpy(), _brute_force(model, x[:1], y[:1]).norm(dim=1).numpy(), rtol=1e-12)
+        np.testing.assert_allclose(
+            norms.numpy(), per_example_grads(copy.deepcopy(model), x[:1], y[:1]).norm(dim=1).numpy(), rtol=1e-12
+        )
     else:
         assert norms.shape == (0,) and keeper.clipped_sum(torch.zeros(0, dtype=torch.float64)) == {}
 
@@ -241,7 +244,7 @@ def test_engine_step_and_norm_pass():
     torch.manual_seed(0)
     model = Positions("linear").double()
     x, y = _data((T,), ids=11)
-    expected = _brute_force(model, x, y).norm(dim=1).numpy()
+    expected = per_example_grads(copy.deepcopy(model), x, y).norm(dim=1).numpy()
     engine, module, optimizer, loader = _private(copy.deepcopy(model), x, y, "bk")
     for xb, yb in loader:  # q = 1: every example in the one batch
         optimizer.zero_grad()
@@ -263,7 +266,7 @@ def test_copies_of_a_kept_model_are_plain():
         assert all(p.grad is not None for p in twin.parameters())
 
 
-# --- review attacks ------------------------------------------------------------------------------------------
+# --- shared values built to escape attribution: refused, or attributed right ---------------------------------
 class BatchStatistic(nn.Module):
     """A covered layer fed a floating-point value of batch size 1 computed from the batch without a gradient
     (a statistic of the raw inputs, or the first example): every example's gradient would depend on the

@@ -11,6 +11,7 @@ from torch import nn
 
 from idpsgd.engine.bk_tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
 from idpsgd.engine.bookkeeping import GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data, _private
 
 
@@ -213,7 +214,7 @@ def test_engine_layer_paths_name_the_tie():
     assert "tied with" in module.layer_paths["emb"]
 
 
-# --- review attacks ------------------------------------------------------------------------------------------
+# --- ties and shared positions together, against per-example autograd ----------------------------------------
 class TinyGPT(nn.Module):
     """GPT-2's structure in small: token embedding tied with the head, a position embedding looked up with
     ids of batch 1 (shared by the batch) and tied with a second head over the positions, padding_idx."""
@@ -235,21 +236,6 @@ class TinyGPT(nn.Module):
         return self.lm_head(h).mean(1)[:, :3] + self.pos_head(h).mean(1)[:, :3]
 
 
-def _per_example_grads(model, x, y):
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(len(x)):
-        grads = torch.autograd.grad(
-            nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params, allow_unused=True
-        )
-        rows.append(
-            torch.cat(
-                [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]
-            )
-        )
-    return torch.stack(rows)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_clip_norms_half_clipped_tied_and_shared(seed):
     """Per-example norms and the clipped sum equal per-example autograd in float64 with random clip norms,
@@ -257,7 +243,7 @@ def test_random_clip_norms_half_clipped_tied_and_shared(seed):
     model = _model(TinyGPT)
     x, y = _data((5,), ids=13, seed=seed)
     x[:, -1] = 0  # padding positions
-    grads = _per_example_grads(model, x, y)
+    grads = per_example_grads(model, x, y)
     norms = grads.norm(dim=1)
     g = torch.Generator().manual_seed(seed)
     clipped = torch.randperm(N, generator=g)[: N // 2]

@@ -9,6 +9,7 @@ import pytest
 
 from idpsgd.accounting import epsilon_sgm
 from idpsgd.cli import main
+from support import file_mode
 
 
 def run_json(capsys, *argv):
@@ -459,7 +460,6 @@ def test_train_save_norms_then_account_round_trip(capsys, tmp_path):
     """``train --save-norms`` writes private/norms.npz; ``account`` reads it with no other flag than δ
     and reproduces the run's per-example ε (same norms, same bounds, same accountants)."""
     import csv
-    import os
 
     run = tmp_path / "run"
     assert (
@@ -504,7 +504,7 @@ def test_train_save_norms_then_account_round_trip(capsys, tmp_path):
     )
     capsys.readouterr()
     npz = run / "private" / "norms.npz"
-    assert os.stat(npz).st_mode & 0o777 == 0o600
+    assert file_mode(npz) == 0o600
     with np.load(npz) as f:
         assert f["norms"].shape[0] == f["steps"].size == 2 and f["norms"].shape[1] == f["sample_rates"].size
     out = run_json(

@@ -40,7 +40,7 @@ def test_train_json_and_report_file(capsys, tmp_path):
     assert (tmp_path / "private" / "ledger.csv").is_file() and (tmp_path / "report.html").is_file()
     assert "private" not in out
     # book-keeping by default; the report gives each layer's path rule, a function of the model only — not
-    # the path taken, which depends on the batches' shapes (issue 29 item 5) (digits CNN: no fallback)
+    # the path taken, which depends on the batches' shapes (digits CNN: no fallback)
     assert saved["grad_sample_mode"] == "bk"
     assert set(saved["layer_paths"].values()) <= {BY_SHAPES, "ghost norm", "per-sample gradient"}
     assert BY_SHAPES in saved["layer_paths"].values()

@@ -1,13 +1,12 @@
 """RDP→(ε,δ) conversion against dp_accounting and Opacus; the per-example ledger."""
 
-import os
-
 import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as dpa
 from opacus.accountants.analysis.rdp import get_privacy_spent
 
 from idpsgd.accounting import DEFAULT_ORDERS, RdpLedger, compute_rdp, rdp_to_delta, rdp_to_epsilon
+from support import file_mode
 
 
 def test_epsilon_matches_dp_accounting_and_opacus(rng):
@@ -75,7 +74,7 @@ def test_ledger_accumulates_like_direct_composition(tmp_path):
     eps, _ = led.epsilon(1e-5)
     assert eps[3] == 0 and eps[0] == eps[2] and eps[1] > 0
     path = led.save(tmp_path / "ledger.npz")
-    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert oct(file_mode(path)) == "0o600"
     back = RdpLedger.load(path)
     np.testing.assert_array_equal(back.rdp, led.rdp)
     assert back.steps == 2

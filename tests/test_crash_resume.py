@@ -11,7 +11,6 @@ import torch
 
 from idpsgd.assignment import Budgets
 from idpsgd.cli import main
-from idpsgd.data import load_dataset
 from idpsgd.io import CheckpointError
 from idpsgd.training import TrainConfig, train
 
@@ -80,11 +79,6 @@ def test_sigkill_at_every_point_with_the_validation_subset_then_resume_is_exact(
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {_Evil.marker}",))
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 def test_a_crafted_checkpoint_runs_no_code_and_fails_in_one_line(tmp_path, capsys, digits):

@@ -1,5 +1,5 @@
-"""Issue 17 (no code runs from a data file; every bad data file is one clean line) and issue 16
-item 2 (normalization inside the guarantee), plus the models' shape checks and Dataset.fingerprint."""
+"""No code runs from a data file and every bad data file is one clean line (issue 17); normalization
+stays inside the guarantee (issue 16); the models' shape checks and Dataset.fingerprint."""
 
 import gzip
 import io

@@ -345,7 +345,7 @@ def _a_write_on_one_rank(modes=("hooks", "ghost", "bk")):
 
 
 def test_a_write_on_one_rank_refuses_the_step_on_every_rank_at_once():
-    """Issue 35, item 7: before, the rank that found the write raised and the other waited in the gradient
+    """Before (issue 35), the rank that found the write raised and the other waited in the gradient
     all-reduce until the collective timeout.  Now the verdict is all-reduced before the noise: both ranks
     refuse the step within seconds, nothing is drawn or charged, and both refuse every later step."""
     ranks = distributed.launch(_a_write_on_one_rank, 2, timeout_s=30)

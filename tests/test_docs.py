@@ -92,7 +92,6 @@ def test_block_names_are_unique_and_checked():
         assert f'doc_block("{name}")' in (ROOT / "tests" / test_file).read_text()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.name for b in RUNNABLE])
 def test_doc_block_runs(block, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

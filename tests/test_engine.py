@@ -12,14 +12,13 @@ from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import epsilon_sgm
 from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualizedPrivacyEngine, PrivacyBudgetExceeded
+from support import toy_classification, toy_model
 
 N, DELTA = 240, 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +44,13 @@ class DictData(Dataset):
         return {"features": self.x[i], "label": self.y[i], "id": i}
 
 
-def _model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
 def _params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def test_dict_loader_trains_and_spends_each_groups_budget_at_the_plan(data, budgets):
     x, y = data
-    model = _model()
+    model = toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     loader = DataLoader(DictData(x, y), batch_size=24)
@@ -90,7 +84,7 @@ def test_dict_loader_trains_and_spends_each_groups_budget_at_the_plan(data, budg
 def test_filter_refuses_the_step_over_budget_and_warn_mode_continues(data, budgets):
     x, y = data
     for action in ("raise", "warn"):
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
         model, opt, loader = engine.make_private(
             module=model,
@@ -135,7 +129,7 @@ def test_filter_refuses_the_step_over_budget_and_warn_mode_continues(data, budge
 
 def _run_mode(data, budgets, mode, bmm=None, seed=3, clip=0.05):
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     out = engine.make_private(
         module=model,
@@ -189,7 +183,7 @@ def test_batch_memory_manager_splits_batches_without_changing_the_update(data, b
 
 def test_clipping_uses_each_examples_norm_and_exposes_norms(data, budgets):
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, loader = engine.make_private(
         module=model,
@@ -262,7 +256,7 @@ def test_seeds_replay_secure_mode_refuses_them_and_draws_fresh_randomness(data, 
     runs = []
     for _ in range(2):
         x, y = data
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp", secure_mode=True)
         model, opt, loader = engine.make_private(
             module=model,
@@ -287,7 +281,7 @@ def test_state_dict_round_trip_continues_identically(data, budgets):
     x, y = data
 
     def setup():
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=5)
         model, opt, loader = engine.make_private(
             module=model,
@@ -320,7 +314,7 @@ def test_state_dict_round_trip_continues_identically(data, budgets):
 def test_bad_input_is_a_clear_error(data, budgets):
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
-    model = _model()
+    model = toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
 
@@ -331,7 +325,7 @@ def test_bad_input_is_a_clear_error(data, budgets):
     cases = [
         (dict(data_loader=DataLoader(Stream(), batch_size=4)), "map-style Dataset"),
         (dict(budgets=Budgets.from_array(np.ones(10), DELTA)), "need one per example of the data loader's dataset"),
-        (dict(optimizer=torch.optim.SGD(_model().parameters(), lr=0.1)), "not the module's"),
+        (dict(optimizer=torch.optim.SGD(toy_model().parameters(), lr=0.1)), "not the module's"),
         (dict(method="fancy"), "method='fancy' is invalid"),
         (dict(epochs=None, steps=None), "exactly one of epochs and steps"),
         (dict(grad_sample_mode="ghost_fsdp"), "grad_sample_mode='ghost_fsdp' is invalid"),
@@ -352,7 +346,7 @@ def test_bad_input_is_a_clear_error(data, budgets):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trains_on_cuda(data, budgets):
     x, y = data
-    model = _model().cuda()
+    model = toy_model().cuda()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, loader = engine.make_private(
         module=model,
@@ -372,7 +366,7 @@ def test_trains_on_cuda(data, budgets):
 
 def _private(data, budgets, **kw):
     x, y = data
-    model = _model()
+    model = toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = IndividualizedPrivacyEngine(**{"accountant": "rdp", **kw})
     model, opt, loader = engine.make_private(
@@ -447,7 +441,7 @@ def test_an_empty_batch_needs_no_backward_pass(data, mode):
     x, y = data
     runs = []
     for skip in (False, True):
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(seed=5)
         model, opt, loader = engine.make_private(
             module=model,
@@ -476,7 +470,7 @@ def test_an_empty_batch_needs_no_backward_pass(data, mode):
 
 def test_a_step_without_a_backward_pass_over_a_drawn_batch_is_refused(data):
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(seed=0)
     model, opt, loader = engine.make_private(
         module=model,

@@ -3,7 +3,6 @@ full-batch DP-GD and Poisson-subsampled DP-SGD with individual clipping, against
 
 import copy
 import math
-import os
 import warnings
 
 import numpy as np
@@ -14,7 +13,6 @@ from dp_accounting.rdp import rdp_privacy_accountant as dpa
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.accounting import max_steps_within, order_universe, rdp_to_epsilon
 from idpsgd.assignment import Budgets
@@ -23,19 +21,14 @@ from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngi
 from idpsgd.engine.filter import FilterOptions, conversion_cost, rdp_budget, worst_case_orders
 from idpsgd.training import TrainConfig
 from idpsgd.training.filtered import train_filtered
+from support import file_mode, per_example_norms, toy_classification, toy_model
 
 N, DELTA = 48, 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
 def data():
     return toy_classification(N, 0.5)
-
-
-def _model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def _raw(module):
@@ -63,7 +56,7 @@ def _run(
     every step)."""
     stop = steps if stop is None else stop
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     module, opt, loader = engine.make_private_with_parameters(
@@ -103,7 +96,7 @@ def _run(
     if record:
         opt.post_step_hooks.append(record_step)  # after the filter's own hook
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)  # torch, ghost clipping
         while engine.steps < stop:
             for xb, yb in loader:
                 opt.zero_grad()
@@ -116,14 +109,9 @@ def _run(
 
 def _norms_at(state, x, y):
     """Per-example gradient norms by plain autograd, one example at a time (the slow reference)."""
-    model = _model()
+    model = toy_model()
     model.load_state_dict(state)
-    out = []
-    for i in range(len(x)):
-        model.zero_grad()
-        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        out.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
-    return np.array(out)
+    return per_example_norms(model, x, y)
 
 
 def _budget_ref(eps, alpha, delta=DELTA):
@@ -156,7 +144,7 @@ def test_budgets_too_small_for_one_step_are_refused(data):
         worst_case_orders(0.1, 0.5, [0.05], DELTA)
     b = Budgets.from_groups([0.05, 3.0], [0.5, 0.5], N, DELTA)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
-    model = _model()
+    model = toy_model()
     with pytest.raises(InvalidParameterError, match="budgets=0.05 is invalid: .*too small for even one step"):
         engine.make_private_with_parameters(
             module=model,
@@ -214,7 +202,7 @@ def test_pld_accountant_workers_individual_accounting_and_second_phase_are_refus
     }
 
     def make(engine, loader=None):
-        model = _model()
+        model = toy_model()
         return engine.make_private_with_parameters(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -361,7 +349,7 @@ def test_guard_refuses_a_batch_with_a_dropped_example(data):
     """A batch drawn before the filter's decision (e.g. prefetched) is refused before the noise."""
     budgets = Budgets.from_array(np.full(N, 2.0), DELTA)
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     module, opt, loader = engine.make_private_with_parameters(
         module=model,
@@ -425,7 +413,7 @@ def test_engine_state_round_trip_continues_identically(data):
     state = part.state_dict()
     # a fresh engine on the same phase, loaded with the state, takes the remaining steps
     x, y = data
-    model = _model()
+    model = toy_model()
     _raw(part.module)  # the first run's model at step 8
     model.load_state_dict(_raw(part.module).state_dict())
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
@@ -480,8 +468,8 @@ def test_train_filtered_writes_private_active_counts_and_epsilons(tmp_path, gd, 
     steps = report["steps"]
     assert steps == report["filter"]["run_steps"] == 2 * report["filter"]["calibrated_steps"]
     for name in ("active.csv", "active.png", "filter_epsilons.csv", "filter.json", "history.json", "checkpoint.pt"):
-        assert os.stat(run / "private" / name).st_mode & 0o777 == 0o600, name
-    assert os.stat(run / "report.json").st_mode & 0o777 == 0o644
+        assert file_mode(run / "private" / name) == 0o600, name
+    assert file_mode(run / "report.json") == 0o644
     public = (run / "report.json").read_text()
     assert "realized" not in public and "active_per_step" not in public
     table = np.genfromtxt(run / "private" / "filter_epsilons.csv", delimiter=",", names=True)
@@ -561,7 +549,7 @@ def test_ghost_clipping_takes_the_same_filter_decisions_as_per_sample_gradients(
     x, y = data
     out = {}
     for mode in ("hooks", "ghost"):
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
         res = engine.make_private_with_parameters(
             module=model,

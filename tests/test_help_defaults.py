@@ -1,4 +1,4 @@
-"""Help texts show the defaults the code uses (issue 17, item 6).
+"""Help texts show the defaults the code uses (issue 17).
 
 Two checks over every command's parser:
 

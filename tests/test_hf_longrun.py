@@ -5,7 +5,6 @@ trained here: no download."""
 import json
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +29,10 @@ from hf_text import word_tokenizer
 from idpsgd import InvalidParameterError
 from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 from idpsgd.io import CheckpointError
+from support import file_mode
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
+# transformers' own calls to its deprecated gradient-checkpointing names
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,10 +112,6 @@ def _die_while_writing(monkeypatch, name):
     monkeypatch.setattr(idpsgd.io, "fault_point", fault)
 
 
-def _mode(path):
-    return stat.S_IMODE(os.stat(path).st_mode)
-
-
 def _params(t):
     return torch.cat([p.detach().flatten() for p in t.model.parameters()])
 
@@ -167,7 +164,7 @@ def test_checkpoints_are_private_files_only(full_run):
     names = sorted(p.name for p in (out / "private").glob("checkpoint-*.pt"))
     assert names == ["checkpoint-12.pt", "checkpoint-4.pt", "checkpoint-8.pt"]
     for name in names:
-        assert _mode(out / "private" / name) == 0o600
+        assert file_mode(out / "private" / name) == 0o600
     public = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and "private" not in p.parts}
     assert not any("checkpoint" in p for p in public if p != "outputs.json")
     manifest = json.loads((out / "outputs.json").read_text())["files"]

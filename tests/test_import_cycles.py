@@ -1,4 +1,4 @@
-"""Issue 38 (house-keeping): no two idpsgd modules import each other, also through imports inside
+"""No two idpsgd modules import each other, also through imports inside
 functions (``accounting/accountants.py`` ↔ ``prv.py`` over ``_check_min_sigma`` and
 ``training/loop.py`` ↔ ``pdp.py`` over ``resolve_device`` did: the shared piece moved down a layer,
 to ``accounting/events.py`` and ``training/device.py``)."""

@@ -1,7 +1,6 @@
 """Individual privacy accounting (Yu et al. 2023): rounding, per-example RDP, release, training, CLI."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from idpsgd.accounting import (
 )
 from idpsgd.accounting.release import analytic_gaussian_sigma, release_mean, release_quantile
 from idpsgd.cli import main
+from support import file_mode
 
 DELTA = 1e-5
 
@@ -113,13 +113,6 @@ def test_analytic_gaussian_and_private_release(rng):
 
 
 # --- inside training ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def digits():
-    from idpsgd.data import load_dataset
-
-    return load_dataset("digits")
-
-
 def _autograd_norm(model, loss):
     model.zero_grad()
     loss.backward()
@@ -250,7 +243,7 @@ def test_uniform_run_individual_epsilons(digits, tmp_path):
         "epsilon_vs_loss.png",
         "class_epsilon_vs_accuracy.png",
     ):
-        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+        assert file_mode(tmp_path / "private" / name) == 0o600
     public = json.loads((tmp_path / "report.json").read_text())["individual_privacy"]
     assert not {"mean", "max", "quantiles", "validation", "pearson_r_log_loss"} & set(
         public
@@ -342,7 +335,7 @@ def test_account_cli(capsys, tmp_path, rng):
     assert {"epsilons", "worst_case_epsilon"} <= set(out) and {"mean", "max", "quantiles"} <= set(out["private"])
     assert out["private"]["max"] <= out["worst_case_epsilon"]
     assert out["epsilons"] == str(tmp_path / "acc" / "private" / "individual_epsilons.csv")
-    assert os.stat(out["epsilons"]).st_mode & 0o777 == 0o600
+    assert file_mode(out["epsilons"]) == 0o600
     assert out["worst_case_epsilon"] == pytest.approx(float(epsilon_sgm(0.1, 1.5, 50, 1e-5)), rel=1e-9)
     saved = json.loads((tmp_path / "acc" / "account.json").read_text())
     assert "private" not in saved and saved["worst_case_epsilon"] == out["worst_case_epsilon"]

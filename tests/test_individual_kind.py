@@ -1,7 +1,7 @@
 """Individual accounting's ``kind`` (engine/individual.py, engine/sensitivity_check.py).
 
-Issue 29 item 3: "guarantee" only when the charged sensitivities bound what training adds.  Issue 35
-item 3: the label is public, so it is a function of the options alone: with individual clipping, or
+"guarantee" only when the charged sensitivities bound what training adds (issue 29), and the label is
+public (issue 35), so it is a function of the options alone: with individual clipping, or
 norms of every step with exact/ceil rounding, every example is clipped at its charge (enforced) and
 the ε are a guarantee; otherwise an estimate.  The comparison of training's norms with the norm
 pass's stays in the private record (it used to decide the label: one data-dependent bit)."""
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
+from support import file_mode
 
 N, STEPS_PER_EPOCH, DELTA = 120, 10, 1e-5
 
@@ -281,7 +282,7 @@ def _clamp_run(seed: int, with_outlier: bool):
 
 
 def test_an_outliers_membership_does_not_change_the_public_kind():
-    """Issue 35 item 3: with the outlier z (its training norm differs from the norm pass's whenever it
+    """The label is public (issue 35): with the outlier z (its training norm differs from the norm pass's whenever it
     is sampled) and without it, over 6 seeds: the same kind and kind_reason (before the fix: estimate
     with z, guarantee without, in 6 of 6 seeds).  The difference stays in the private record."""
     for seed in range(6):
@@ -315,7 +316,7 @@ def test_an_outliers_membership_leaves_the_public_report_unchanged(tmp_path):
         text = _train_text({**report, "out": str(out)})
         lines[with_z] = [line for line in text.splitlines() if line.startswith("  guarantee")]
         private[with_z] = json.loads((out / "private" / "individual_privacy.json").read_text())["sensitivity_check"]
-        assert (out / "private" / "individual_privacy.json").stat().st_mode & 0o777 == 0o600
+        assert file_mode(out / "private" / "individual_privacy.json") == 0o600
     assert public[True] == public[False] and public[True]["kind"] == "guarantee"
     assert lines[True] == lines[False] and len(lines[True]) == 1
     assert private[True]["mismatched"] > 0 == private[False]["mismatched"]

@@ -1,7 +1,7 @@
-"""Issue 31: the contract an Opacus 1.6 script relies on, item by item (each failed before the fix).
+"""The contract an Opacus 1.6 script relies on, a section per part (each failed before its fix; issue 31).
 
 The acceptance test is Opacus's own test suite with the engine swapped in (``make test-opacus``,
-``tests/opacus_suite``); these are the fast, default-suite versions of each item."""
+``tests/opacus_suite``); these are the fast, default-suite versions of each part."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from idpsgd.assignment import Budgets
 from idpsgd.engine import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _data(n=100, seed=0):
@@ -63,7 +62,7 @@ def _epoch(model, opt, loader):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-# --- item 1: Opacus's module checks ---------------------------------------------------------------
+# --- Opacus's module checks -----------------------------------------------------------------------
 def test_get_compatible_module_is_compatible_and_validate_as_opacus():
     from opacus.validators.errors import UnsupportedModuleError as OpacusError
 
@@ -86,7 +85,7 @@ def test_get_compatible_module_is_compatible_and_validate_as_opacus():
     assert issubclass(UnsupportedModuleError, OpacusError) and issubclass(UnsupportedModuleError, InvalidParameterError)
 
 
-# --- item 2: Opacus's error types and wording at make_private --------------------------------------
+# --- Opacus's error types and wording at make_private ----------------------------------------------
 def test_make_private_raises_opacus_errors_for_a_bad_module_or_optimizer():
     from opacus.validators.errors import UnsupportedModuleError as OpacusError
 
@@ -112,7 +111,7 @@ def test_make_private_raises_opacus_errors_for_a_bad_module_or_optimizer():
         )
 
 
-# --- item 3: get_epsilon is a float --------------------------------------------------------------
+# --- get_epsilon is a float ----------------------------------------------------------------------
 def test_get_epsilon_is_a_float_in_every_way_with_one_budget():
     from opacus.accountants import PRVAccountant
 
@@ -156,7 +155,7 @@ def test_get_epsilon_with_several_budgets_is_the_loosest_groups_with_the_table()
     assert engine.accountant.get_epsilon() == eps  # the accountant's is the same float
 
 
-# --- item 4: randomness follows torch's RNG and the loader's generator --------------------------------
+# --- randomness follows torch's RNG and the loader's generator ----------------------------------------
 def test_torch_manual_seed_reproduces_a_run_without_a_seed():
     """As with Opacus: no seed, torch.manual_seed before training (here after make_private) replays the
     run exactly; the seed drawn from torch is recorded on the engine (never printed)."""
@@ -209,7 +208,7 @@ def test_an_unseeded_torch_generator_is_not_a_source_and_secure_mode_ignores_tor
     assert not torch.equal(runs[0], runs[1])
 
 
-# --- item 5: grad_sample_mode="ew" -----------------------------------------------------------------
+# --- grad_sample_mode="ew" -------------------------------------------------------------------------
 def test_expanded_weights_mode_trains_as_hooks():
     out = {}
     for mode in ("hooks", "ew"):
@@ -221,7 +220,7 @@ def test_expanded_weights_mode_trains_as_hooks():
         _private(mode="ew", batch_first=False)
 
 
-# --- item 6: Opacus's accountant interface -----------------------------------------------------------
+# --- Opacus's accountant interface -------------------------------------------------------------------
 def test_engine_accountant_has_opacus_interface_and_loads_into_opacus():
     from opacus.accountants import PRVAccountant
 
@@ -246,7 +245,7 @@ def test_engine_accountant_has_opacus_interface_and_loads_into_opacus():
         rdp.accountant.load_state_dict(state)
 
 
-# --- item 7: checkpoints ---------------------------------------------------------------------------
+# --- checkpoints -----------------------------------------------------------------------------------
 def test_checkpoint_to_a_file_object_returns_what_opacus_returns():
     torch.manual_seed(0)
     engine, model, opt, loader = _private()
@@ -306,7 +305,8 @@ def test_an_opacus_checkpoint_loads_and_continues_its_accounting(tmp_path):
     assert b_engine.steps == 0
 
 
-# --- item 8: Opacus's defaults -------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha:UserWarning")  # Opacus's RDP accountant
+# --- Opacus's defaults ---------------------------------------------------------------------------------
 def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
     """N = 100, B = 30: Opacus takes q = 1/len(data_loader) = 1/4 and 4 steps per epoch (not
     q = B/N = 0.3 and 3 steps), and accounts with PRV; so does the engine by default."""

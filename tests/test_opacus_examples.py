@@ -1,4 +1,4 @@
-"""Issue 38, item 6: the API surface of Opacus's example scripts and tutorials, on Opacus's engine and ours.
+"""The API surface of Opacus's example scripts and tutorials, on Opacus's engine and ours (issue 38).
 
 Opacus's example scripts are not in its wheel and their code is not ours to copy, so each scenario
 here is a short script of our own that uses what one example uses — ``make_private`` /
@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from idpsgd import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ENGINES = {"opacus": PrivacyEngine, "idpsgd": IndividualizedPrivacyEngine}
 
 

@@ -1,4 +1,4 @@
-"""Issue 38: Opacus's examples and tutorials as clients — each item's fast test (each failed before).
+"""Opacus's examples and tutorials as clients: a fast test of each thing they use (each failed before; issue 38).
 
 ``grad_sample_mode="no_op"`` (per-sample gradients the user computes), ``wrap_model=False`` (Opacus
 1.6's hooks without a wrapper), budgets with ``make_private(noise_multiplier=...)``, and the small
@@ -18,7 +18,6 @@ from idpsgd import InvalidParameterError
 from idpsgd.engine import IndividualizedPrivacyEngine
 
 DELTA = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _data(n=100, seed=0):
@@ -78,7 +77,7 @@ def _flat(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-# --- item 1: grad_sample_mode="no_op" ------------------------------------------------------------------
+# --- grad_sample_mode="no_op" --------------------------------------------------------------------------
 def test_no_op_clips_the_users_per_sample_gradients_as_hooks_mode():
     """The user's per-sample gradients (vmap over grad), clipped at c_i, noised and accounted: the same
     update as hooks mode with the same seed (hooks' "mean" reduction gives the same per-example rows)."""
@@ -117,7 +116,7 @@ def test_no_op_refuses_gradients_that_are_not_one_row_per_drawn_example():
         _setup("no_op", batch_first=False)
 
 
-# --- item 3: wrap_model=False ---------------------------------------------------------------------------
+# --- wrap_model=False -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "no_op"])
 def test_wrap_model_false_trains_the_users_module_as_the_wrapped_one(mode):
     e1, m1, w1, o1, l1 = _setup(mode)
@@ -166,7 +165,7 @@ def test_wrap_model_false_a_second_phase_replaces_the_engines_hooks_and_refuses_
         check_wrappable(DistributedDataParallel(_model()), "hooks", wrap_model=False)
 
 
-# --- item 2: budgets with make_private(noise_multiplier=...) ----------------------------------------------
+# --- budgets with make_private(noise_multiplier=...) ------------------------------------------------------
 def _budgeted(sigma, method=None, accountant="rdp", **kw):
     from idpsgd.assignment import Budgets
 
@@ -213,7 +212,7 @@ def test_budgets_with_a_noise_multiplier_scale_solves_clip_norms_and_needs_a_pla
         _budgeted(3.0, method="uniform", epochs=1)
 
 
-# --- item 5: small contract differences ------------------------------------------------------------------
+# --- small contract differences --------------------------------------------------------------------------
 def test_expected_batch_size_sample_rate_loader_type_and_accountant_length_as_opacus():
     from opacus.data_loader import DPDataLoader
 
@@ -227,7 +226,7 @@ def test_expected_batch_size_sample_rate_loader_type_and_accountant_length_as_op
         type(loader).from_data_loader(loader)
 
 
-# --- item 4: budgets for a random_split subset ---------------------------------------------------------------
+# --- budgets for a random_split subset -----------------------------------------------------------------------
 def test_budgets_for_a_random_split_subset():
     from torch.utils.data import Subset, random_split
 

@@ -1,6 +1,5 @@
-"""Issue 24: an Opacus 1.6 user ports in two lines (the engine's Opacus-compatible API), and the
-friction a port hits (norm passes through the loader's collate_fn, CSV budget columns, set-up
-refusals)."""
+"""An Opacus 1.6 user ports in two lines (the engine's Opacus-compatible API), and the friction a
+port hits: norm passes through the loader's collate_fn, CSV budget columns, set-up refusals (issue 24)."""
 
 from __future__ import annotations
 
@@ -10,16 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import toy_classification
 from idpsgd import InvalidParameterError
 from idpsgd.assignment import Budgets
 from idpsgd.engine import FilterOptions, IndividualizedPrivacyEngine, PrivacyBudgetExceeded
+from support import file_mode, per_example_norms, toy_classification, toy_model
 
 N, DELTA = 240, 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +24,7 @@ def data():
     return toy_classification(N, 0.3)
 
 
-def _model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _autograd_norms(model, x, y):
-    """‖∇ loss_i‖ of each example by plain autograd (the reference)."""
-    out = []
-    for i in range(len(x)):
-        grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
-        out.append(float(torch.sqrt(sum((g**2).sum() for g in grads))))
-    return np.array(out)
-
-
-# --- bug 1: every norm pass goes through the loader's own collate_fn ------------------------------
+# --- every norm pass goes through the loader's own collate_fn -------------------------------------
 MEAN, SCALE = 0.5, 3.0
 
 
@@ -72,8 +55,8 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     (bug 1: a TensorDataset was sliced directly, skipping the collate)."""
     x, y = data
     budgets = Budgets.from_groups([2.0, 4.0], [0.5, 0.5], N, DELTA, seed=0)
-    model = _model()
-    ref = _autograd_norms(model, (x - MEAN) * SCALE, y)
+    model = toy_model()
+    ref = per_example_norms(model, (x - MEAN) * SCALE, y)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     tracker = engine.enable_individual_accounting(per_sample_loss=loss)
     model, _opt, _loader = engine.make_private(
@@ -90,7 +73,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     assert np.allclose(first, ref[:10], rtol=1e-4)
 
     filt = IndividualizedPrivacyEngine(accountant="rdp", seed=0)  # the individual filter's norm pass
-    m2 = _model()
+    m2 = toy_model()
     filt.make_private_with_parameters(
         module=m2,
         optimizer=torch.optim.SGD(m2.parameters(), lr=0.0),
@@ -109,7 +92,7 @@ def test_norm_passes_use_the_loaders_collate_on_a_tensor_dataset(data, collate, 
     assert np.allclose(filt.per_example_grad_norms(loss)[0], ref, rtol=1e-4)
 
 
-# --- bug 3: plans beyond a spent budget and σ = 0 are refused at set-up ---------------------------
+# --- plans beyond a spent budget and σ = 0 are refused at set-up ----------------------------------
 def _two_groups(n=N):
     return Budgets.from_groups([1.0, 3.0], [0.5, 0.5], n, DELTA, seed=0)
 
@@ -131,7 +114,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     spent) is refused by make_private, not at its first step; the engine is left as it was."""
     x, y = data
     budgets = _two_groups()
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     model, opt, private = engine.make_private(
@@ -169,7 +152,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
     assert fits > 6
     model, opt, private = engine.make_private_with_parameters(sample_rates=rest, steps=fits, **again)
     assert engine.get_epsilon(steps=6 + fits).per_group[1] <= 3.0 < engine.get_epsilon(steps=7 + fits).per_group[1]
-    m = _model()
+    m = toy_model()
     with pytest.warns(RuntimeWarning, match="filter_action='warn'"):  # warn mode warns at set-up and goes on
         IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_parameters(
             module=m,
@@ -200,7 +183,7 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
         raise RuntimeError("wrapping failed")
 
     monkeypatch.setattr(pe, "wrap_module", failing)
-    m = _model()
+    m = toy_model()
     with pytest.raises(RuntimeError, match="wrapping failed"):
         engine.make_private(
             module=m,
@@ -245,7 +228,7 @@ def test_noise_multiplier_zero_is_refused_at_once(data):
     from idpsgd.engine.sampler import BatchIndexQueue
 
     x, y = data
-    model = _model()
+    model = toy_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
@@ -274,7 +257,7 @@ def test_noise_multiplier_zero_is_refused_at_once(data):
     assert engine.accountant is None
 
 
-# --- item 4: Opacus's make_private_with_epsilon / make_private on the same engine -----------------
+# --- Opacus's make_private_with_epsilon / make_private on the same engine -------------------------
 OPACUS_METHODS = ("make_private", "make_private_with_epsilon", "get_epsilon", "save_checkpoint", "load_checkpoint")
 
 
@@ -301,7 +284,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
 
     x, y = data
     loader = DataLoader(TensorDataset(x, y), batch_size=24)
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private_with_epsilon(
         module=model,
@@ -319,7 +302,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
     eps = engine.get_epsilon(DELTA)
     assert eps.per_group.shape == (1,) and 0.999 * 2.0 <= eps <= 2.0
     # per-example budgets: one extra argument; target_epsilon bounds every budget
-    m2 = _model()
+    m2 = toy_model()
     two = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     per_example = torch.where(y == 1, 1.0, 3.0).numpy()
     m2, o2, l2 = two.make_private_with_epsilon(
@@ -341,7 +324,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
     )
     rates = [g["sample_rate"] for g in two.privacy_groups()]
     assert rates[0] < 0.1 < rates[1]  # Sample: the default with budgets
-    m3 = _model()
+    m3 = toy_model()
     with pytest.raises(InvalidParameterError, match=r"target_epsilon=2.0 is invalid: is below the largest budget 3"):
         IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_epsilon(
             module=m3,
@@ -361,7 +344,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
     from idpsgd.accounting import epsilon_sgm
 
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(
         module=model,
@@ -389,7 +372,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
         (dict(privacy_filter="group"), "privacy_filter='group' is invalid: needs budgets"),
     ]
     for change, message in bad:
-        m = _model()
+        m = toy_model()
         with pytest.raises(InvalidParameterError, match=message):
             IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private(
                 module=m,
@@ -403,7 +386,7 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
 
 def test_budgets_of_the_wrong_length_point_to_from_groups(data):
     x, y = data
-    model = _model()
+    model = toy_model()
     with pytest.raises(
         InvalidParameterError,
         match=r"need one per example of the data loader's dataset \(240\); "
@@ -421,11 +404,11 @@ def test_budgets_of_the_wrong_length_point_to_from_groups(data):
         )
 
 
-# --- item 5: ε formats as a float, per-group table, planned ε, history ----------------------------
+# --- ε formats as a float, per-group table, planned ε, history ------------------------------------
 def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
     x, y = data
     budgets = _two_groups()
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
     model, opt, private = engine.make_private(
         module=model,
@@ -461,7 +444,7 @@ def test_get_epsilon_formats_as_the_loosest_group_and_projects_a_plan(data):
         engine.get_epsilon(steps=3)
 
 
-# --- item 6: the PRV accountant, against Opacus's --------------------------------------------------
+# --- the PRV accountant, against Opacus's ----------------------------------------------------------
 def test_prv_accountant_matches_opacus_per_group(data):
     from opacus.accountants import PRVAccountant
 
@@ -476,7 +459,7 @@ def test_prv_accountant_matches_opacus_per_group(data):
     assert upper == pytest.approx(theirs, rel=1e-9) and lower < estimate < upper  # the upper bound is reported
     assert prv_epsilon(events, DELTA) == upper
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="prv", seed=0)
     model, opt, private = engine.make_private_with_parameters(
         module=model,
@@ -508,10 +491,10 @@ def test_prv_calibration_spends_each_budget_with_sample():
         assert 0.9999 * g.budget <= g.epsilon <= g.budget
 
 
-# --- item 7: checkpoints with Opacus's names, resumable from the file alone -----------------------
+# --- checkpoints with Opacus's names, resumable from the file alone -------------------------------
 def _ckpt_setup(data, seed, epochs=2, **kw):
     x, y = data
-    model = _model()
+    model = toy_model()
     engine = IndividualizedPrivacyEngine(accountant="rdp", seed=seed)
     model, opt, loader = engine.make_private_with_epsilon(
         module=model,
@@ -535,7 +518,7 @@ def test_checkpoint_resumes_bit_exactly_in_a_fresh_engine_without_a_seed(data, t
     engine, model, opt, loader = _ckpt_setup(data, seed=None)
     _train_steps(model, opt, loader, 10)
     engine.save_checkpoint(path=path, module=model, optimizer=opt, checkpoint_dict={"epoch": 1})
-    assert (path.stat().st_mode & 0o777) == 0o600
+    assert file_mode(path) == 0o600
     torch.load(path, weights_only=True)  # plain data: loads without unpickling code
     _train_steps(model, opt, loader, 10)
     reference = _params(model)
@@ -580,7 +563,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
 
     def setup():
         x, y = data
-        model = _model()
+        model = toy_model()
         engine = IndividualizedPrivacyEngine(accountant="rdp")
         engine.enable_individual_accounting(opts)
         model, opt, loader = engine.make_private(
@@ -606,7 +589,7 @@ def test_checkpoint_with_individual_accounting_resumes_without_a_seed(data, tmp_
     assert np.array_equal(fresh.individual.epsilons(DELTA), engine.individual.epsilons(DELTA))  # the estimates
 
 
-# --- item 9: Sample with a wide spread says its strict group barely trains ------------------------
+# --- Sample with a wide spread says its strict group barely trains --------------------------------
 def test_sample_with_a_wide_spread_warns_with_expected_draws():
     from idpsgd.assignment import SparseSamplingWarning, assign
 
@@ -644,7 +627,7 @@ def test_the_report_states_the_sparse_sampling_warning(data):
     )
 
 
-# --- item 10 -------------------------------------------------------------------------------------------
+# --- the package lists its lazy names ------------------------------------------------------------------
 def test_dir_lists_the_lazy_names():
     import idpsgd
 
@@ -655,7 +638,7 @@ def test_dir_lists_the_lazy_names():
     assert all(hasattr(idpsgd, n) for n in idpsgd._LAZY)
 
 
-# --- bug 2: CSV budget and id columns are never features; the hidden split is recorded --------------
+# --- CSV budget and id columns are never features; the hidden split is recorded ---------------------
 def _csv_with_budgets(folder, n=150, test=False):
     rng = np.random.default_rng(0)
     folder.mkdir()
@@ -740,7 +723,7 @@ def test_csv_budget_and_id_columns_are_not_features_and_per_row_budgets_map_to_t
     assert report["data"]["feature_columns"] == [f"f{i}" for i in range(8)]
     assert set(report["data"]["excluded_columns"]) == {"id", "epsilon"}
     split_file = out / PRIVATE / "data_split.csv"
-    assert (split_file.stat().st_mode & 0o777) == 0o600
+    assert file_mode(split_file) == 0o600
     assert json.loads((out / MANIFEST).read_text())["files"][f"{PRIVATE}/data_split.csv"]["kind"] == "private"
     lines = split_file.read_text().splitlines()
     assert lines[0] == "row,split,index" and len(lines) == 151
@@ -756,7 +739,8 @@ def test_csv_columns_from_the_library(tmp_path):
 
     data = tmp_path / "data"
     _csv_with_budgets(data, test=True)
-    d = load_dataset("csv", data, num_classes=2, drop_columns="f7", budget_column="epsilon")
+    with pytest.warns(UserWarning, match="train.csv: not used as features: 'id' .*'epsilon'"):
+        d = load_dataset("csv", data, num_classes=2, drop_columns="f7", budget_column="epsilon")
     assert d.x_train.shape == (150, 7) and d.x_test.shape == (20, 7) and d.split is None
     assert d.source["excluded_columns"] == {
         "f7": "dropped (drop_columns)",
@@ -773,7 +757,7 @@ def test_csv_columns_from_the_library(tmp_path):
             load_dataset("csv", data, num_classes=2, **kw)
 
 
-# --- item 8: idpsgd.train on any map-style torch Dataset -----------------------------------------
+# --- idpsgd.train on any map-style torch Dataset -------------------------------------------------
 class Pairs(Dataset):
     def __init__(self, x, y):
         self.x, self.y = x, y

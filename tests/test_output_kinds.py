@@ -1,4 +1,4 @@
-"""Two kinds of output, by construction (issue 16 item 1): a run folder of every command that writes
+"""Two kinds of output, by construction (issue 16): a run folder of every command that writes
 one, each file's mode checked against the kind its manifest (``outputs.json``) declares, every file
 on disk in the manifest, and nothing private on stdout without ``--show-private``.
 

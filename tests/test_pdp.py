@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from idpsgd.accounting.pdp import (
 )
 from idpsgd.assignment import Budgets
 from idpsgd.cli import main
+from support import file_mode
 
 DELTA = 1e-5
 
@@ -85,13 +85,6 @@ def test_exponential_budget_distribution():
         Budgets.from_exponential(100, 3, 1, 0.0, DELTA)
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from idpsgd.data import load_dataset
-
-    return load_dataset("digits")
-
-
 @pytest.mark.parametrize("method", ["pdp-sgd", "pdp-sampling", "adapdp"])
 def test_pdp_training_respects_every_budget(digits, method, tmp_path):
     from idpsgd.training import TrainConfig, train
@@ -114,7 +107,7 @@ def test_pdp_training_respects_every_budget(digits, method, tmp_path):
     dl = np.array([float(r["delta"]) for r in rows])
     bud = np.array([float(r["budget"]) for r in rows])
     assert np.all(eps <= bud + 1e-12) and np.all(dl <= DELTA * (1 + 1e-12))  # δ is the total by default
-    assert os.stat(tmp_path / "private" / "pdp_guarantees.csv").st_mode & 0o777 == 0o600
+    assert file_mode(tmp_path / "private" / "pdp_guarantees.csv") == 0o600
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["method"] == method and len(saved["groups"]) == 20
     assert saved["max_delta"] == pytest.approx(dl.max()) and saved["delta_mode"] == "total"

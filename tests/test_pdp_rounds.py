@@ -89,13 +89,6 @@ def test_calibrate_round_noise_with_history():
     assert rdp_epsilon([SampledGaussianEvent(0.2, alone, 20)], DELTA)[0] <= 0.5
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from idpsgd.data import load_dataset
-
-    return load_dataset("digits")
-
-
 def _budgets(digits, low=0.5, high=1.0, skew=0.0):
     return Budgets.from_exponential(len(digits.y_train), low, high, skew, DELTA, seed=0)
 

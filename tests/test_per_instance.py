@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from idpsgd.accounting.per_instance import (
     sum_rule_step_rdp,
 )
 from idpsgd.cli import main
+from support import file_mode
 
 
 def thm_3_2(q, delta_norm, sigma, alpha):
@@ -177,13 +177,6 @@ def test_npiu_recursion_by_hand():
     assert [d["decision"] for d in npiu_decisions([lambda a: math.inf], 2.0, 1.0)] == ["retrain"]
 
 
-@pytest.fixture(scope="module")
-def digits():
-    from idpsgd.data import load_dataset
-
-    return load_dataset("digits")
-
-
 def test_runner_sum_rule_both_directions(digits, tmp_path):
     from idpsgd.training import TrainConfig
     from idpsgd.training.per_instance import run_per_instance
@@ -214,7 +207,7 @@ def test_runner_sum_rule_both_directions(digits, tmp_path):
         "per_instance.png",
         "per_instance_stages.png",
     ):
-        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+        assert file_mode(tmp_path / "private" / name) == 0o600
     assert [r["point"] for r in s["unlearning"]["requests"]] == [0, 5] and s["unlearning"]["direction"] == "add"
 
 
@@ -287,7 +280,7 @@ def test_per_instance_cli(capsys, tmp_path):
     assert "--points=" in capsys.readouterr().err
 
 
-# --- issue 25: many runs at once, the paper's regime, the reproduce experiment --------------------
+# --- many runs at once, the paper's regime, the reproduce experiment ------------------------------
 def _small_cnn():
     from torch import nn
 
@@ -464,14 +457,14 @@ def test_runner_reports_ratios_baselines_and_guarantees(digits, tmp_path):
     )
     settings = json.loads((tmp_path / "settings.json").read_text())
     assert "points" not in settings and "curves" not in settings and settings["alpha"] == s["alpha"]
-    assert os.stat(tmp_path / "private" / "per_instance_curves.csv").st_mode & 0o777 == 0o600
+    assert file_mode(tmp_path / "private" / "per_instance_curves.csv") == 0o600
     fixed = run_per_instance(digits, [0], runs=1, alpha=8, config=cfg, checkpoint_every=3)
     assert fixed["alpha"] == 8 and fixed["alpha_rule"] == "given" and fixed["baseline_rdp"] > 100 * s["baseline_rdp"]
 
 
 @pytest.mark.parametrize("every", [1, 4])
 def test_upper_values_are_confidence_bounds_only_when_every_step_is_measured(digits, tmp_path, every):
-    """Issue 29 item 4: steps between checkpoints reuse the last measured sensitivity, so *_upper and
+    """Steps between checkpoints reuse the last measured sensitivity, so *_upper and
     guarantee_* are confidence bounds only with checkpoint_every = 1; the summary, settings.json and the
     command's text say which, and that the failure probability is per point."""
     from idpsgd.training import TrainConfig
@@ -546,7 +539,7 @@ def test_thudi_figure1_smoke(tmp_path, capsys):
         "eps2_per_instance_curves.csv",
         "eps10_per_instance_steps.csv",
     ):
-        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+        assert file_mode(tmp_path / "private" / name) == 0o600
     assert (tmp_path / "eps10_settings.json").exists()
     assert _thudi(tmp_path, "--overwrite", "--alpha", "1") == 2
     assert "--alpha='1' is invalid" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Per-instance estimates with their error (issue 19, item 10) and mean-rule training (item 9)."""
+"""Per-instance estimates with their error and mean-rule training (issue 19)."""
 
 import math
 
@@ -118,7 +118,7 @@ def test_mean_rule_training_divides_by_the_realised_batch():
     assert not torch.allclose(change, mean * len(yb) / (q * 40), atol=4e-4)  # the sum rule's update differs
 
 
-# --- issue 25: orders, the same-composition baseline, the default order -------------------------
+# --- orders, the same-composition baseline, the default order -----------------------------------
 def _composition_reference(d, alpha, p, worst=None, failure=0.05):
     """Thm. 3.3 step by step (the loop the vectorized composition_bound replaced)."""
     from idpsgd.accounting.per_instance import _log_mean_upper, composition_orders

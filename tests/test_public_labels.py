@@ -1,14 +1,13 @@
-"""Issue 35, items 1 and 5: nothing public derives from the private rows' label set or from the real
-batches.
+"""Nothing public derives from the private rows' label set or from the real batches (issue 35).
 
-Item 1: the class set (names, number, order) of a released model comes from public information only
+The label set: the class set (names, number, order) of a released model comes from public information only
 (the model folder's config when it names its classes, ``--labels`` / ``--num-classes``; for
 ``train --dataset csv`` a required ``--num-classes``).  Neighbouring data sets D (with one extra row
 whose label is unique) and D' (without it), same seed, non-secure mode: the public model config
 and the classifier head are identical, or both runs give the same refusal; a label outside the
 public set is a per-row error.
 
-Item 5: what ``IndividualizedTrainer`` exposes or saves (``TrainOutput``, ``save_state``,
+The real batches: what ``IndividualizedTrainer`` exposes or saves (``TrainOutput``, ``save_state``,
 ``save_metrics``) holds no value derived from the real batch sizes or training losses.
 """
 
@@ -30,9 +29,9 @@ from idpsgd.data import DatasetFileError, load_dataset
 from idpsgd.integrations.hf import PrivacyArguments
 from idpsgd.io import load_torch
 from idpsgd.runfolder import PRIVATE
+from support import file_mode
 from test_hf_integration import _lines, _llama, _llama_config, _lm_data, _trainer, _write_jsonl, tok  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::RuntimeWarning")
 RARE = "hiv_positive"
 
 
@@ -377,7 +376,7 @@ def test_load_dataset_num_classes(tmp_path):
         load_dataset("digits", num_classes=3)
 
 
-# --- item 5: the Trainer exposes and saves public values only ------------------------------------
+# --- the Trainer exposes and saves public values only --------------------------------------------
 def _public_files(out):
     return [p for p in out.rglob("*") if p.is_file() and PRIVATE not in p.relative_to(out).parts]
 
@@ -446,7 +445,7 @@ def test_save_metrics_routes_private_keys_to_private(tok, tmp_path):  # noqa: F8
     assert public == {"eval_loss": 2.5, "epoch": 1.0}
     private = tmp_path / "run" / PRIVATE / "train_results.json"
     assert json.loads(private.read_text()) == {"train_loss": 1.234, "train_mem_cpu_peaked_delta": 77}
-    assert (private.stat().st_mode & 0o777) == 0o600
+    assert file_mode(private) == 0o600
 
 
 def test_the_trainer_refuses_labels_outside_the_models_classes(tok, tmp_path):  # noqa: F811

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import stat
 import subprocess
 
 import pytest
 
 from idpsgd.cli import main
+from support import file_mode
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -54,7 +53,7 @@ def test_public_report_is_self_contained_and_has_no_private_section(run_dir):
 def test_private_report_is_mode_0600(run_dir, capsys):
     assert main(["report", str(run_dir), "--include-private"]) == 0
     path = run_dir / "private" / "report.html"
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert file_mode(path) == 0o600
     assert "Private: not covered" in path.read_text(encoding="utf-8")
 
 

@@ -1,4 +1,4 @@
-"""The seed never reaches a public output (issue 29, item 1).
+"""The seed never reaches a public output (issue 29).
 
 With the seed and every record but one, anyone can replay a run on both neighbouring data sets and
 compare with the released model (ε = ∞).  Every command that trains is run with ``--seed S`` on a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 
 from idpsgd.cli import main
 from idpsgd.runfolder import PRIVATE, SEED_FILE
+from support import mode_problems, public_files
 from test_output_kinds import _csv_dataset
 
 S = 987654321
@@ -181,45 +181,19 @@ def _blobs(path: Path) -> list[bytes]:
     return out
 
 
-def _public_files(folder: Path) -> list[Path]:
-    """Files outside any private/ folder, and every file group or others can read."""
-    out = []
-    for p in folder.rglob("*"):
-        if not p.is_file():
-            continue
-        mode = stat.S_IMODE(p.stat().st_mode)
-        if PRIVATE not in p.relative_to(folder).parts or mode & 0o077:
-            out.append(p)
-    return out
-
-
 def seed_leaks(folder: Path, printed: str) -> list[str]:
     """Where a seed of the run appears in a public output."""
     leaks = []
     for seed in sorted(_private_seeds(folder)):
         text, raw = _forms(seed)
         leaks += [f"stdout/stderr holds {t}" for t in text if t in printed]
-        for p in _public_files(folder):
+        for p in public_files(folder):
             for blob in _blobs(p):
                 found = [t for t in text if t.encode() in blob] + [r.hex() for r in raw if r in blob]
                 if found:
                     leaks.append(f"{p.relative_to(folder)} holds seed {seed} as {found}")
                     break
     return leaks
-
-
-def mode_problems(folder: Path) -> list[str]:
-    problems = []
-    for p in folder.rglob("*"):
-        rel = p.relative_to(folder)
-        mode = stat.S_IMODE(p.stat().st_mode)
-        if p.is_dir() and p.name == PRIVATE and mode != 0o700:
-            problems.append(f"{rel}: mode {mode:o}, expected 700")
-        elif PRIVATE in rel.parts and p.is_dir() and mode != 0o700:
-            problems.append(f"{rel}: private folder with mode {mode:o}, expected 700")
-        elif PRIVATE in rel.parts and p.is_file() and mode != 0o600:
-            problems.append(f"{rel}: private file with mode {mode:o}, expected 600")
-    return problems
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Every solver reaches its target or says why (issue 19 item 1), refined calibration, and
+"""Every solver reaches its target or says why (issue 19), refined calibration, and
 max_steps_within."""
 
 import numpy as np

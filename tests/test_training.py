@@ -3,7 +3,6 @@
 import csv
 import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
@@ -12,16 +11,11 @@ from dp_accounting import dp_event, rdp
 
 from idpsgd.accounting import DEFAULT_ORDERS
 from idpsgd.assignment import Budgets
-from idpsgd.data import load_dataset
 from idpsgd.training import TrainConfig, Trainer, train
 from idpsgd.training.loop import CHECKPOINT
+from support import file_mode
 
 DELTA = 1e-5
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +72,9 @@ def test_outputs_ledger_csv_and_private_files(digits, budgets, tmp_path):
             and col[-1] >= g["epsilon_spent"]
         )
     for name in (CHECKPOINT, "ledger.csv", "history.json"):
-        assert os.stat(tmp_path / "private" / name).st_mode & 0o777 == 0o600
+        assert file_mode(tmp_path / "private" / name) == 0o600
     for name in ("model.pt", "report.json", "report.html", "outputs.json"):
-        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o644
+        assert file_mode(tmp_path / name) == 0o644
     assert len(report["history"]) == 2 and all(0 <= h["test_accuracy"] <= 1 for h in report["history"])
     assert all("train_loss" not in h for h in saved["history"])  # training losses are private
     assert "private" not in saved and set(saved["files"]) == set(

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
 from idpsgd.engine.sampler import BatchIndexQueue
 from idpsgd.engine.units import UserPoissonBatchSampler
+from support import file_mode
 
 MODES = ("hooks", "functorch", "ghost", "bk")
 
@@ -110,7 +111,12 @@ def _step_sum(build, x, y, uids, mode, clip, k, call=None):
     users = Users(uids, k)
     crit = _Crit(_ce)
     with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
-        warnings.simplefilter("ignore")
+        for message in (
+            "Secure RNG turned off",
+            "Full backward hook is firing",
+            "In CPU autocast, but the target dtype",
+        ):
+            warnings.filterwarnings("ignore", message, UserWarning)  # Opacus's and torch's notices
         engine = IndividualizedPrivacyEngine(seed=0)
         out = engine.make_private_with_parameters(
             module=model,
@@ -442,8 +448,6 @@ def _user_csv(folder, n_users=30, seed=0):
 
 def test_train_user_column_end_to_end_and_nothing_private_in_public_files(tmp_path, capsys):
     import json
-    import os
-    import stat
 
     from idpsgd.cli import main
 
@@ -469,7 +473,7 @@ def test_train_user_column_end_to_end_and_nothing_private_in_public_files(tmp_pa
         assert b'"rows_per_user"' not in blob and b"num_rows" not in blob
     for p in out.rglob("*"):
         if "private" in p.relative_to(out).parts and p.is_file():
-            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+            assert file_mode(p) == 0o600
     # resume: the checkpoint's signature holds k (and the users' digest): another k is refused
     other = argv[: argv.index("--no-progress")]
     other[other.index("--max-rows-per-user") + 1] = "2"
