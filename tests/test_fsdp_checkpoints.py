@@ -1,0 +1,241 @@
+"""Sharded (FSDP2, DCP) checkpoints: bit-exact resume, a rank crashing, resharding, export, refusals.
+
+Two gloo processes on the CPU (``distributed.launch``; each launch imports torch in two fresh
+processes, so the default suite launches once and the crash tests across launches are slow).  A run
+of STEPS steps is compared with the same run stopped after a checkpoint and resumed: parameters
+bit-identical."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from idpsgd.engine import distributed
+from idpsgd.engine import sharded_checkpoint as sc
+from idpsgd.io import CheckpointError
+from idpsgd.validation import InvalidParameterError
+
+STEPS = 6
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 10)
+        self.drop = torch.nn.Dropout(0.2)
+        self.b = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def _sharded_net():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = _Net()
+    if distributed.is_distributed():
+        fully_shard(net.a)
+        fully_shard(net.b)
+        fully_shard(net)
+    return net
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(1000 * step + distributed.rank_and_world()[0])
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _plain_run(folder, *, start=None, stop=STEPS, save_at=(), crash_at=None, crash_rank=1, reshard=False):
+    """Train a fully_shard model (AdamW, dropout) from step ``start`` (a checkpoint) to ``stop``; return
+    rank 0's full parameters.  ``crash_at``: rank ``crash_rank`` raises in the middle of that step."""
+    net = _sharded_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    first = 0
+    if start is not None:
+        extra = sc.load_sharded_checkpoint(folder, module=net, optimizer=opt, allow_reshard=reshard)
+        sched.load_state_dict(extra["scheduler"])
+        first = extra["step"]
+    for step in range(first, stop):
+        x, y = _batch(step)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        if step == crash_at and distributed.rank_and_world()[0] == crash_rank:
+            raise RuntimeError("rank crashed mid-step")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step + 1 in save_at:
+            sc.save_sharded_checkpoint(
+                folder, step + 1, module=net, optimizer=opt, extra={"scheduler": sched.state_dict(), "step": step + 1}
+            )
+    full = sc.full_model_state(net)
+    return {k: v.clone() for k, v in full.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _modes(folder) -> dict:
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in Path(folder).rglob("*")}
+
+
+def _scenario(folder):
+    """In one launch: the uninterrupted run; a run saving at steps 2 and 4 and abandoned in the middle
+    of step 5; a fresh model and optimizer (other RNG state) resumed from the latest checkpoint."""
+    whole = _plain_run(folder + "/whole")
+    _plain_run(folder + "/b", stop=4, save_at=(2, 4))
+    torch.manual_seed(12345)  # the resumed run must not depend on this process's RNG state
+    resumed = _plain_run(folder + "/b", start=4)
+    at4 = _plain_run(folder + "/c", stop=4)  # the state the checkpoint holds (for the resharding check)
+    return {"whole": whole, "resumed": resumed, "at4": at4, "modes": _modes(folder + "/b")}
+
+
+def test_resume_is_bit_exact_private_and_reshards(tmp_path):
+    out = distributed.launch(_scenario, 2, (str(tmp_path),), timeout_s=120)
+    assert _same(out["whole"], out["resumed"])
+    assert not _same(out["whole"], out["at4"])
+    found = sc.sharded_checkpoints(tmp_path / "b")
+    assert [s for s, _ in found] == [2, 4]
+    modes = out["modes"]
+    assert modes["checkpoint-4"] == 0o700
+    files = {k: m for k, m in modes.items() if "/" in k}
+    assert {Path(k).name for k in files} >= {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"}
+    assert set(files.values()) == {0o600}
+    state = sc.read_sharded_state(found[-1][1])
+    assert state["world_size"] == 2 and len(state["ranks"]) == 2 and state["step"] == 4
+    # one process (world size 1): refused unless resharding is asked for; nothing changes when refused
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(InvalidParameterError, match="differs from the 2 processes.*allow_reshard=True"):
+        sc.load_sharded_checkpoint(tmp_path / "b", module=net, optimizer=opt)
+    assert _same(before, net.state_dict())
+    extra = sc.load_sharded_checkpoint(tmp_path / "b", module=net, optimizer=opt, allow_reshard=True)
+    assert extra["step"] == 4
+    assert _same(out["at4"], net.state_dict())  # DCP joined the two ranks' shards exactly
+    assert int(opt.state_dict()["state"][0]["step"]) == 4
+
+
+def _one_process_checkpoint(folder, **kwargs):
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    x, y = _batch(0)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return net, opt, sc.save_sharded_checkpoint(folder, 1, module=net, optimizer=opt, **kwargs)
+
+
+def test_one_process_round_trip_and_keep(tmp_path):
+    for step in (1, 2, 3):
+        net, opt, _ = _one_process_checkpoint(tmp_path, extra={"k": step})
+        sc.save_sharded_checkpoint(tmp_path, step, module=net, optimizer=opt, extra={"k": step}, keep=2)
+    assert [s for s, _ in sc.sharded_checkpoints(tmp_path)] == [2, 3]
+    assert not list(tmp_path.glob(".*.tmp"))
+    other = _Net()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.05)
+    assert sc.load_sharded_checkpoint(tmp_path, module=other, optimizer=other_opt) == {"k": 3}
+    assert _same(net.state_dict(), other.state_dict())
+    assert _same(opt.state_dict()["state"][0], other_opt.state_dict()["state"][0])
+
+
+def test_foreign_model_optimizer_or_signature_is_refused(tmp_path):
+    _one_process_checkpoint(tmp_path, signature={"data_sha256": "a", "lr": 0.05})
+    with pytest.raises(InvalidParameterError, match="another model.*layout.model"):
+        sc.load_sharded_checkpoint(tmp_path, module=torch.nn.Sequential(torch.nn.Linear(6, 3)))
+    net = _Net()
+    with pytest.raises(InvalidParameterError, match="optimizer: 'AdamW' -> 'SGD'"):
+        sc.load_sharded_checkpoint(
+            tmp_path, module=net, optimizer=torch.optim.SGD(net.parameters(), lr=1), signature={"data_sha256": "a"}
+        )
+    with pytest.raises(InvalidParameterError, match=r"data_sha256 differs; lr: 0.05 -> 0.1") as err:
+        sc.load_sharded_checkpoint(
+            tmp_path,
+            module=net,
+            optimizer=torch.optim.AdamW(net.parameters()),
+            signature={"data_sha256": "b", "lr": 0.1},
+        )
+    assert "'a'" not in str(err.value)  # digests are named, never shown
+    with pytest.raises(CheckpointError, match="holds no complete sharded checkpoint"):
+        sc.load_sharded_checkpoint(tmp_path / "nothing", module=net)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidParameterError, match="step"):
+            sc.save_sharded_checkpoint(tmp_path, bad, module=net)
+
+
+def test_tampered_checkpoint_runs_no_code(tmp_path):
+    import pickle
+
+    _, _, ck = _one_process_checkpoint(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    net = _Net()
+    (ck / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="not allowed"):
+        sc.load_sharded_checkpoint(ck, module=net, optimizer=torch.optim.AdamW(net.parameters()))
+    (ck / "state.pt").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="not a readable"):
+        sc.load_sharded_checkpoint(ck, module=net)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=20, n_embd=8, n_layer=2, n_head=2, n_positions=16))
+
+
+def test_export_pretrained_holds_only_the_model(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import GPT2LMHeadModel
+
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    opt.step()
+    sc.save_sharded_checkpoint(tmp_path / "ck", 1, module=model, optimizer=opt, extra={"loss": 1.5})
+    fresh = _tiny_gpt2().apply(lambda m: torch.nn.init.zeros_(m.weight) if isinstance(m, torch.nn.Linear) else None)
+    out = sc.export_pretrained(tmp_path / "ck", fresh, tmp_path / "model")
+    names = {p.name for p in out.iterdir()}
+    assert names <= {"config.json", "generation_config.json", "model.safetensors"}, names
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
+    back = GPT2LMHeadModel.from_pretrained(out)
+    assert _same(dict(model.state_dict()), dict(back.state_dict()))
+    with pytest.raises(InvalidParameterError, match="is not the checkpoint's model"):
+        sc.export_pretrained(tmp_path / "ck", _Net(), tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+# --- across launches (slow: each launch starts two fresh processes) -----------------------------------
+@pytest.mark.slow
+def test_rank_crash_keeps_last_checkpoint_and_resumes_bit_exactly(tmp_path):
+    whole = distributed.launch(_plain_run, 2, (str(tmp_path / "a"),), timeout_s=60)
+    with pytest.raises(RuntimeError, match="crashed mid-step"):
+        distributed.launch(_plain_run, 2, (str(tmp_path / "b"),), {"save_at": (2,), "crash_at": 3}, timeout_s=20)
+    assert [s for s, _ in sc.sharded_checkpoints(tmp_path / "b")] == [2]
+    resumed = distributed.launch(_plain_run, 2, (str(tmp_path / "b"),), {"start": 2}, timeout_s=60)
+    assert _same(whole, resumed)
+
+
+def _die_while_saving(folder):
+    if distributed.rank_and_world()[0] == 1:
+        os.environ["IDPSGD_TEST_KILL"] = "checkpoint-4.tmp:1"  # rank 1 SIGKILLed after writing its shards
+    return _plain_run(folder, stop=STEPS, save_at=(2, 4))
+
+
+@pytest.mark.slow
+def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
+    with pytest.raises(distributed.DistributedTrainingError, match="rank 1 of 2"):
+        distributed.launch(_die_while_saving, 2, (str(tmp_path),), timeout_s=10)
+    assert [s for s, _ in sc.sharded_checkpoints(tmp_path)] == [2]
+    assert (tmp_path / ".checkpoint-4.tmp").is_dir()  # the unfinished one is never listed
+    assert sc.latest_sharded_checkpoint(tmp_path).name == "checkpoint-2"
