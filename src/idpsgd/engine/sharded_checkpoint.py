@@ -142,7 +142,7 @@ def save_sharded_checkpoint(
     if keep is not None and (isinstance(keep, bool) or int(keep) != keep or keep < 1):
         raise InvalidParameterError("keep", keep, "must be an integer >= 1 (complete checkpoints kept), or None")
     folder = Path(folder)
-    rank, world = distributed.rank_and_world()
+    world = distributed.rank_and_world()[1]
     final = folder / checkpoint_name(step)
     tmp = folder / f".{final.name}.tmp"
 
@@ -402,9 +402,7 @@ def _dcp_load(tensors: dict, path: Path) -> None:
 # --- export -------------------------------------------------------------------------------------
 def full_model_state(module: torch.nn.Module) -> dict:
     """The whole model's state dict on rank 0 (on the CPU; empty on the other ranks): collective."""
-    return get_model_state_dict(
-        raw_module(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    return get_model_state_dict(raw_module(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def export_pretrained(checkpoint, model: torch.nn.Module, out, *, tokenizer=None) -> Path:
