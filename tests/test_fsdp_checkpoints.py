@@ -239,3 +239,70 @@ def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     assert [s for s, _ in sc.sharded_checkpoints(tmp_path)] == [2]
     assert (tmp_path / ".checkpoint-4.tmp").is_dir()  # the unfinished one is never listed
     assert sc.latest_sharded_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+# --- the Trainer and finetune with fsdp: refusals and checkpoint discovery (one process, fast) ---------
+def _hf_bits():
+    pytest.importorskip("datasets")
+    import datasets
+    from transformers import TrainingArguments
+
+    from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
+
+    return datasets, TrainingArguments, IndividualizedTrainer, PrivacyArguments
+
+
+def test_fsdp_refusals(tmp_path, monkeypatch):
+    datasets, TrainingArguments, IndividualizedTrainer, PrivacyArguments = _hf_bits()
+    from idpsgd.integrations.hf.finetune import FinetuneOptions
+
+    train = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8, "epsilon": [1.0] * 8})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, use_cpu=True, report_to=[]
+    )
+
+    def trainer(**privacy):
+        return IndividualizedTrainer(
+            model=_tiny_gpt2(), args=args, train_dataset=train, privacy=PrivacyArguments(**privacy)
+        )
+
+    base = {"budgets": "epsilon", "delta": 1e-5, "fsdp": True}
+    with pytest.raises(InvalidParameterError, match="fsdp.*torchrun --nproc-per-node"):
+        trainer(**base)
+    with pytest.raises(InvalidParameterError, match="grad_sample_mode.*only 'bk'"):
+        trainer(**base, grad_sample_mode="hooks")
+    with pytest.raises(InvalidParameterError, match="user_column.*not supported with fsdp"):
+        trainer(**base, user_column="u")
+    with pytest.raises(InvalidParameterError, match="fsdp.*True or False"):
+        PrivacyArguments(budgets="epsilon", fsdp="yes")
+    with pytest.raises(InvalidParameterError, match="grad_sample_mode.*only bk"):
+        FinetuneOptions(fsdp=True, grad_sample_mode="hooks")
+    with pytest.raises(InvalidParameterError, match="lora_r.*not supported with fsdp"):
+        FinetuneOptions(fsdp=True, lora_r=4)
+    assert not (tmp_path / "run").exists()  # a refused run leaves no folder
+
+
+def test_finetune_under_torchrun_refuses_nproc_and_uneven_batches(tmp_path, monkeypatch):
+    _hf_bits()
+    from idpsgd.integrations.hf.finetune import FinetuneOptions, finetune
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(InvalidParameterError, match="nproc.*torchrun already started 3 processes"):
+        finetune("m", None, None, tmp_path, options=FinetuneOptions(nproc=2, batch_size=8, physical_batch_size=4))
+    with pytest.raises(InvalidParameterError, match="batch_size.*multiple of the 3 processes"):
+        finetune("m", None, None, tmp_path, options=FinetuneOptions(batch_size=8, physical_batch_size=4))
+
+
+def test_trainer_finds_sharded_checkpoints_and_their_seed(tmp_path):
+    _hf_bits()
+    from idpsgd.integrations.hf import checkpoints as ckpts
+
+    net = _Net()
+    private = tmp_path / "private"
+    sc.save_sharded_checkpoint(private, 3, module=net, extra={"engine": {"seed": 77}})
+    (private / ".checkpoint-5.tmp").mkdir()  # an unfinished save is never found
+    assert [(s, p.name) for s, p in ckpts.checkpoints_in(tmp_path)] == [(3, "checkpoint-3")]
+    assert ckpts.checkpoint_seed(tmp_path) == 77
+    assert ckpts.find_checkpoint(tmp_path, True).name == "checkpoint-3"
+    assert ckpts.find_checkpoint(tmp_path, private / "checkpoint-3").name == "checkpoint-3"

@@ -572,12 +572,11 @@ class IndividualizedTrainer(Trainer):
         self.model.train()  # from_pretrained returns a model in eval mode
         module = self.model
         if self.privacy.fsdp:
-            module = self._dp_module = self.model
             if self._resume is not None:  # the shards of model and optimizer, the RNG states
                 sharding.load(self, self._resume_path)
         elif distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
             module = self._dp_module = distributed.wrap_model(self.model)
-        _, self.dp_optimizer, private = self.engine.make_private(
+        wrapped, self.dp_optimizer, private = self.engine.make_private(
             module=module,
             optimizer=self.optimizer,
             data_loader=loader,
@@ -591,6 +590,8 @@ class IndividualizedTrainer(Trainer):
             users=self.users,
         )
         self.optimizer = self.dp_optimizer
+        if self.privacy.fsdp:  # the engine's wrapper runs the steps (never accelerate's DDP around the model)
+            self._dp_module = wrapped
         self.planned_steps = planned
         self._record_sampler_states(private)
         if self._resume is not None:  # accountant history, filter, sampler and noise generators
