@@ -149,6 +149,36 @@ def save(trainer, folder, step: int, state: dict, keep: int | None) -> None:
             trainer.run_folder.remove(name, "private")
 
 
+def export_checkpoint(checkpoint, out, *, tokenizer=None):
+    """The model of a sharded Trainer checkpoint (a ``checkpoint-<step>/`` folder, or a run folder: its
+    latest) as one ``save_pretrained`` folder ``out`` (one process, no ``torchrun``): the model is
+    rebuilt from the configuration the run saved, its weights read from every rank's shards.  ``out``
+    holds the model (and ``tokenizer``, e.g. ``AutoTokenizer.from_pretrained(model_dir)``) only: no
+    optimizer, engine state, seed or RNG state.  Returns ``out``."""
+    from pathlib import Path
+
+    import transformers
+
+    from .checkpoints import find_checkpoint
+
+    path = Path(checkpoint)
+    if not is_sharded_checkpoint(path):
+        path = find_checkpoint(path, True)
+    if not is_sharded_checkpoint(path):
+        raise InvalidParameterError("checkpoint", str(checkpoint), "holds no sharded checkpoint (checkpoint-<step>/)")
+    state = sc.read_sharded_state(path)
+    config = state["ranks"][0]["extra"].get("model_config")
+    cls = getattr(transformers, state["layout"]["model"], None)
+    if config is None or cls is None:
+        raise InvalidParameterError(
+            "checkpoint", str(path), f"is not a Trainer checkpoint of a transformers model ({state['layout']['model']})"
+        )
+    config = transformers.AutoConfig.for_model(**config)
+    with torch.random.fork_rng(devices=[]):
+        model = cls._from_config(config)
+    return sc.export_pretrained(path, model, out, tokenizer=tokenizer)
+
+
 def load(trainer, path) -> None:
     """Every rank, after sharding and creating the optimizer (before ``make_private``): the model's and
     optimizer's shards and this rank's RNG states."""

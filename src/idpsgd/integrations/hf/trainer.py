@@ -893,7 +893,8 @@ class IndividualizedTrainer(Trainer):
             "stopped_early": self.stopped_early,
         }
         limit = self.user_args.save_total_limit
-        if self.privacy.fsdp:  # every rank: its shards and its state (sharding.py)
+        if self.privacy.fsdp:  # every rank: its shards and its state (sharding.py); the config for export
+            state["model_config"] = raw_module(self.model).config.to_dict()
             sharding.save(self, self.run_folder.path / ckpts.PRIVATE, step, state, limit or None)
             return
         state.update(model=raw_module(self.model).state_dict(), optimizer=self.dp_optimizer.state_dict())
