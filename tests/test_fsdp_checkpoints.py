@@ -306,3 +306,72 @@ def test_trainer_finds_sharded_checkpoints_and_their_seed(tmp_path):
     assert ckpts.checkpoint_seed(tmp_path) == 77
     assert ckpts.find_checkpoint(tmp_path, True).name == "checkpoint-3"
     assert ckpts.find_checkpoint(tmp_path, private / "checkpoint-3").name == "checkpoint-3"
+
+
+# --- the private Trainer sharded under torchrun (slow: each run starts two processes with transformers)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model_dir(folder: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_text import word_tokenizer
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
+    tok = word_tokenizer([" ".join(words[i:] + words[:i]) for i in range(len(words))])
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=tok.vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=tok.pad_token_id
+    )
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _torchrun(model, out, **env):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    argv += [str(ROOT / "tests" / "hf_fsdp_job.py"), str(model), str(out)]
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # three torchrun runs of two processes
+def test_trainer_fsdp_crash_resume_and_export(tmp_path):
+    pytest.importorskip("datasets")
+    from transformers import GPT2LMHeadModel
+
+    from idpsgd.integrations.hf import export_checkpoint
+
+    model = _model_dir(tmp_path / "model")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    proc = _torchrun(model, full)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "epsilon" not in proc.stdout and "loss" not in proc.stdout  # nothing private on stdout
+    proc = _torchrun(model, cut, SAVE_STEPS="2", CRASH_AT="3")  # rank 1 dies after step 3
+    assert proc.returncode != 0
+    private = cut / "private"
+    assert sorted(p.name for p in private.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+    assert stat.S_IMODE((private / "checkpoint-2").stat().st_mode) == 0o700
+    manifest = (cut / "manifest.json").read_text()
+    assert "private/checkpoint-2" in manifest
+    exported = export_checkpoint(cut, tmp_path / "exported")
+    assert {p.name for p in exported.iterdir()} <= {"config.json", "generation_config.json", "model.safetensors"}
+    GPT2LMHeadModel.from_pretrained(exported)
+    proc = _torchrun(model, cut, SAVE_STEPS="2", RESUME="1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = (torch.load(d / "result.pt", weights_only=True) for d in (full, cut))
+    assert a["epsilon"] == b["epsilon"] and a["ledger"] == b["ledger"] and len(a["ledger"]) == 6
+    assert torch.equal(a["params"], b["params"])
+    assert (full / "private" / "ledger.csv").read_bytes() == (cut / "private" / "ledger.csv").read_bytes()
+    back = GPT2LMHeadModel.from_pretrained(full / "model")  # rank 0's plain copy of the sharded model
+    assert torch.equal(torch.cat([p.detach().flatten() for p in back.parameters()]), a["params"])
+    assert json_arch(full / "model") == ["GPT2LMHeadModel"]
+
+
+def json_arch(folder: Path):
+    import json
+
+    return json.loads((folder / "config.json").read_text())["architectures"]
