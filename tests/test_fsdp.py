@@ -134,7 +134,17 @@ def _noise_partition():
         counts.append(rows.tolist())
         ok.append(torch.equal(torch.cat([piece for _, piece in gathered]), want))
         assert tuple(shard.shape) == tuple(p.to_local().shape)
-    return {"noise_equal": ok, "noise_rows": counts}
+    from idpsgd.engine.fsdp import reduce_scatter_sums
+
+    rank = dist.get_rank()
+    fulls = [(rank + 1) * torch.arange(float(np.prod(s))).reshape(s) for s in shapes]
+    chunks = reduce_scatter_sums(list(zip(params, fulls, strict=True)))
+    summed = []
+    for p, chunk, s in zip(params, chunks, shapes, strict=True):  # Σ_r (r+1)·x, this rank's rows
+        start, n = shard_rows(p)
+        want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
+        summed.append(torch.equal(chunk, want))
+    return {"noise_equal": ok, "noise_rows": counts, "reduce_scatter_equal": summed}
 
 
 def _refusals():
@@ -186,6 +196,7 @@ def test_two_processes_match_one_process():
     _check(two, single, 1e-5)
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
+    assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
     refused = two["refused"]
     assert "grad_sample_mode='bk' only" in refused["hooks"]
     assert "grad_sample_mode='bk' only" in refused["ghost"]

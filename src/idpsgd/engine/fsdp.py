@@ -168,19 +168,65 @@ def shard_rows(p: torch.Tensor) -> tuple[int, int]:
     return start, min(size, n - start)
 
 
+#: the largest number of gradient entries per reduce-scatter (a bucket: 2²⁶ float32 = 256 MiB)
+BUCKET_ENTRIES = 1 << 26
+
+
 def reduce_scatter_sum(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's Shard(0) chunk of Σ_ranks ``full`` (every rank passes a tensor of ``p``'s full
-    shape).  One ``reduce_scatter_tensor`` over the chunks padded to ⌈n/W⌉ rows."""
-    world = p.device_mesh.size()
-    group = p.device_mesh.get_group()
-    n = int(full.shape[0])
-    size = -(-n // world)
-    padded = full.new_zeros((size * world, *full.shape[1:]))
-    padded[:n] = full
-    out = full.new_empty((size, *full.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    _start, rows = shard_rows(p)
-    return out[:rows]
+    """This rank's Shard(0) chunk of Σ_ranks ``full`` (every rank passes a tensor of ``p``'s full shape)."""
+    return reduce_scatter_sums([(p, full)])[0]
+
+
+def reduce_scatter_sums(pairs) -> list[torch.Tensor]:
+    """This rank's Shard(0) chunk of Σ_ranks ``full`` for each (p, full) of ``pairs`` (the same
+    parameters, in the same order, on every rank): a SUM ``reduce_scatter_tensor`` per bucket of
+    parameters of one dtype, each parameter's rows padded to W·⌈n/W⌉ (FSDP2's padded layout), so
+    rank r receives the rows of its chunk of every parameter of the bucket in one collective.
+    (The bucket's buffer is transient; each ``full`` is released once copied in.)"""
+    pairs = list(pairs)
+    out: list = [None] * len(pairs)
+    bucket: list[int] = []
+    size = 0
+    for i, (_p, full) in enumerate(pairs):
+        if bucket and (size + full.numel() > BUCKET_ENTRIES or full.dtype != pairs[bucket[0]][1].dtype):
+            _flush(pairs, bucket, out)
+            bucket, size = [], 0
+        bucket.append(i)
+        size += full.numel()
+    if bucket:
+        _flush(pairs, bucket, out)
+    return out
+
+
+def _flush(pairs: list, bucket: list[int], out: list) -> None:
+    first, ref = pairs[bucket[0]]
+    world, group = first.device_mesh.size(), first.device_mesh.get_group()
+    layout = []  # (index, rows per chunk, entries per row)
+    for i in bucket:
+        p, full = pairs[i]
+        row = full[0].numel() if full.dim() else 1
+        layout.append((i, -(-int(full.shape[0] if full.dim() else 1) // world), row))
+    width = sum(rows * row for _, rows, row in layout)
+    send = ref.new_zeros((world, width))
+    at = 0
+    for i, rows, row in layout:
+        p, full = pairs[i]
+        flat, span = full.reshape(-1), rows * row
+        piece = send[:, at : at + span]  # row r: rank r's chunk of this parameter (zeros past its end)
+        whole = flat.numel() // span
+        piece[:whole] = flat[: whole * span].view(whole, span)
+        if flat.numel() > whole * span:
+            piece[whole, : flat.numel() - whole * span] = flat[whole * span :]
+        pairs[i] = (p, None)  # the full-size sum is released here
+        at += span
+    recv = ref.new_empty(width)
+    dist.reduce_scatter_tensor(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    at = 0
+    for i, rows, row in layout:
+        p = pairs[i][0]
+        _start, mine = shard_rows(p)
+        out[i] = recv[at : at + mine * row].view((mine, *tuple(p.shape[1:])))
+        at += rows * row
 
 
 def noise_shard(std: float, p: torch.Tensor, local: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:
@@ -305,12 +351,15 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         finally:
             keeper.clear()
         self._share_verdict(refusal)
-        for p in self.params:  # the same order on every rank: one collective per parameter
+        pairs = []
+        for p in self.params:  # the same order on every rank
             local = local_shard(p)
             g = sums.pop(p, None)
             g = torch.zeros(tuple(p.shape), dtype=local.dtype, device=local.device) if g is None else g
-            chunk = reduce_scatter_sum(g.to(local.dtype), p)
+            pairs.append((p, g.to(local.dtype)))
             del g
+        chunks = reduce_scatter_sums(pairs)
+        for p, chunk in zip(self.params, chunks, strict=True):
             p.grad = None
             if p.summed_grad is not None:
                 p.summed_grad.add_(chunk)
