@@ -299,7 +299,7 @@ def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
             if entries:
                 name = parameter_names.get(id(p), f"#{len(seen) - 1}")
                 for key, value in entries.items():
-                    out[(name, key)] = value
+                    out[(name, key)] = local_tensor(value) if torch.is_tensor(value) else value
     return out
 
 
