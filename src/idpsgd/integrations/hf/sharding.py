@@ -33,6 +33,14 @@ def check_fsdp(privacy, args, model, kwargs: dict) -> None:
         )
     if getattr(args, "fp16", False):
         raise InvalidParameterError("fp16", True, "is not supported with fsdp=True (use bf16=True or float32)")
+    if int(getattr(args, "gradient_accumulation_steps", 1)) != 1:
+        raise InvalidParameterError(
+            "gradient_accumulation_steps",
+            args.gradient_accumulation_steps,
+            "with fsdp=True each rank runs its share of a step in one forward pass (FSDP2's all-gathers need "
+            "the same passes on every rank, and the ranks' Poisson shares differ): set "
+            "per_device_train_batch_size to the expected batch / the processes, and gradient_accumulation_steps=1",
+        )
     if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
         raise InvalidParameterError(
             "gradient_checkpointing",
@@ -86,9 +94,9 @@ def shard_model(model: torch.nn.Module, device) -> torch.nn.Module:
         raise InvalidParameterError(
             "model", type(model).__name__, f"has no module of its block classes {sorted(blocks)} to shard"
         )
-    for block in found:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for block in found:  # gathered from forward to backward: the backward pass needs no collective
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
 
 
@@ -106,6 +114,26 @@ def plain_copy(model: torch.nn.Module, full_state: dict) -> torch.nn.Module:
     copy.load_state_dict(full_state)
     copy.generation_config = getattr(model, "generation_config", None) or copy.generation_config
     return copy.train(model.training)
+
+
+def forward_without_rows(model, inputs, n: int) -> None:
+    """A rank whose share of the step is empty still takes part in FSDP2's all-gathers (every rank's
+    forward pass all-gathers each block's parameters, in the same order): it runs one forward pass of
+    a dummy row (zeros: no data) without gradients — the engine records nothing, the output is
+    discarded — and then frees the gathered parameters locally (:func:`shard_model` keeps them
+    gathered from forward to backward, so the ranks that have rows need no all-gather in backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    dummy = {}
+    for k, v in inputs.items():
+        if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n and k not in ("labels", "label"):
+            shape = (1, *(max(int(d), 1) for d in v.shape[1:]))
+            dummy[k] = v.new_ones(shape) if k == "attention_mask" else v.new_zeros(shape)
+    with torch.no_grad():
+        model(**dummy)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

@@ -664,9 +664,15 @@ class IndividualizedTrainer(Trainer):
         if self._pending_sampler_states:
             self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
-        if n == 0:  # the step is noise only (engine: no backward pass needed)
+        if self.privacy.fsdp and n == 0:  # FSDP2's all-gathers: a pass without rows, nothing recorded
+            sharding.forward_without_rows(model, inputs, n)
             return torch.zeros((), device=self.args.device)
-        parts = physical_batches(inputs, n, self.physical_batch_size)
+        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank)
+            parts = [inputs]
+        elif n == 0:  # the step is noise only (engine: no backward pass needed)
+            return torch.zeros((), device=self.args.device)
+        else:
+            parts = physical_batches(inputs, n, self.physical_batch_size)
         total = torch.zeros((), device=self.args.device)
         for k, part in enumerate(parts):
             with self.compute_loss_context_manager():
