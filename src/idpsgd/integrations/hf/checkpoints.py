@@ -130,7 +130,7 @@ def signature(trainer) -> dict:
             "secure_mode": privacy.secure_mode,
             "delta": trainer.budgets.delta,
         },
-        "model": type(trainer.model).__name__,
+        "model": next(c for c in type(trainer.model).__mro__ if not c.__name__.startswith("FSDP")).__name__,
         "model_config_sha256": trainer.model_config_digest,
         "n": len(trainer.budgets),
         "budgets_sha256": hashlib.sha256(np.ascontiguousarray(trainer.budgets.epsilons).tobytes()).hexdigest(),
