@@ -980,10 +980,15 @@ class IndividualizedTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        if self._resume is not None and "optimizer" in self._resume:  # (sharded: loaded with the shards)
-            self.dp_optimizer.load_state_dict(self._resume["optimizer"])
+        if self._resume is not None:
+            sharded = "optimizer" not in self._resume  # (sharded: loaded with the shards, before the schedule)
+            if not sharded:
+                self.dp_optimizer.load_state_dict(self._resume["optimizer"])
             if self._resume.get("scheduler") is not None:
                 self.lr_scheduler.load_state_dict(self._resume["scheduler"])
+                if sharded:  # creating the schedule reset the learning rate the optimizer's state held
+                    for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+                        group["lr"] = lr
         return model, loader
 
     def _run_epoch(self, **kwargs):
