@@ -99,7 +99,7 @@ class FinetuneOptions:
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
         per_step = (self.physical_batch_size or self.batch_size) * self.nproc
-        if self.nproc > 1 and self.batch_size % per_step:
+        if self.nproc > 1 and self.batch_size % per_step and not self.fsdp:
             raise InvalidParameterError(
                 "nproc",
                 self.nproc,
@@ -307,12 +307,22 @@ def finetune(
             "--nproc-per-node N, or --nproc N without torchrun)",
         )
     procs = torchrun or options.nproc
-    if procs > 1 and options.batch_size % ((options.physical_batch_size or options.batch_size) * procs):
+    per_step = (options.physical_batch_size or options.batch_size) * procs
+    if procs > 1 and options.batch_size % per_step and not options.fsdp:
         raise InvalidParameterError(
             "batch_size",
             options.batch_size,
             f"must be a multiple of the {procs} processes times --physical-batch-size: each process takes an "
             "equal share of the expected batch in physical batches",
+        )
+    if options.fsdp and (
+        options.batch_size % procs or options.physical_batch_size not in (None, options.batch_size // procs)
+    ):
+        raise InvalidParameterError(
+            "physical_batch_size" if options.physical_batch_size is not None else "batch_size",
+            options.physical_batch_size or options.batch_size,
+            f"with fsdp each of the {procs} processes runs its share of a step in one forward pass: --batch-size "
+            "must be a multiple of the processes, and --physical-batch-size left out (or --batch-size / processes)",
         )
     if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
         # the same finetune on N ranks (fsdp: a process group even for one); rank 0 reports
@@ -391,6 +401,8 @@ def finetune(
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
     physical = options.physical_batch_size or options.batch_size
+    if options.fsdp:  # one forward pass of each rank's share per step (sharding.check_fsdp)
+        physical = options.batch_size // procs
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=physical,
