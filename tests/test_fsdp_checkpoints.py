@@ -387,7 +387,7 @@ def test_trainer_finds_sharded_checkpoints_and_their_seed(tmp_path):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _model_dir(folder: Path) -> Path:
+def _model_dir(folder: Path, dropout: float = 0.1) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_text import word_tokenizer
@@ -398,6 +398,7 @@ def _model_dir(folder: Path) -> Path:
     cfg = GPT2Config(
         vocab_size=tok.vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=32, pad_token_id=tok.pad_token_id
     )
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = dropout
     GPT2LMHeadModel(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -451,3 +452,35 @@ def json_arch(folder: Path):
     import json
 
     return json.loads((folder / "config.json").read_text())["architectures"]
+
+
+@pytest.mark.slow  # finetune in one process and on two spawned processes (~45 s here)
+def test_finetune_fsdp_equals_one_process(tmp_path, capsys):
+    import json
+
+    from safetensors.torch import load_file
+
+    from idpsgd.cli.main import main
+
+    model = _model_dir(tmp_path / "model", dropout=0.0)  # the ranks' dropout draws differ from one process's
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat"]
+    rows = [{"text": " ".join(words[i % 7 : i % 7 + 3 + i % 4]), "epsilon": 1.0 if i % 2 else 8.0} for i in range(32)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["finetune", "--model", str(model), "--data", str(data), "--method", "sample", "--epochs", "2"]
+    base += ["--batch-size", "8", "--lr", "1e-2", "--seed", "4"]
+    assert main([*base, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    assert main([*base, "--fsdp", "--nproc", "2", "--save-every", "3", "--out", str(tmp_path / "two"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 8  # rank 0's report, the only output
+    a, b = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("one", "two"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    for name in ("ledger.csv", "epsilons.csv"):
+        assert (tmp_path / "one" / "private" / name).read_bytes() == (tmp_path / "two" / "private" / name).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "two" / "private").glob("checkpoint-*")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    rc = main([*base, "--fsdp", "--nproc", "2", "--physical-batch-size", "2", "--out", str(tmp_path / "x")])
+    assert rc == 2 and "--physical-batch-size" in capsys.readouterr().err
