@@ -48,7 +48,8 @@ class PrivacyArguments:
             (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
         max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
         fsdp: shard the model with FSDP2 under ``torchrun`` (issue 39): each transformer block and the
-            root are wrapped with ``fully_shard`` before ``make_private``; ``bk`` only, no user level, no
+            root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of a
+            step in one forward pass (``gradient_accumulation_steps=1``); ``bk`` only, no user level, no
             fp16, no gradient checkpointing, no LoRA (refused with the reason); checkpoints are sharded
             folders (``private/checkpoint-<step>/``).
     """
