@@ -69,6 +69,7 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
     if checks:
         out.update(_noise_partition())
         out.update(_refusals())
+        out.update(_write_guard())
     model = _model(lora)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
@@ -180,6 +181,47 @@ def _refusals():
     return {"refused": found}
 
 
+def _write_guard():
+    """A forward hook that writes a buffer on rank 1 only: the step is refused on every rank (the verdicts
+    are shared before any collective of the step), with the write named; nothing is noised or charged."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+    from idpsgd.engine.integrity import UnnoisedWriteError
+
+    model = _gpt2(n_layer=1)
+    ln = model.transformer.ln_f
+    ln.register_buffer("seen", torch.zeros(()))
+    if dist.get_rank() == 1:
+        ln.register_forward_hook(lambda m, i, o: m.seen.add_(1.0) and None)  # (None: the output is kept)
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    ids = torch.ones(16, T, dtype=torch.long)
+    engine = IndividualizedPrivacyEngine(seed=1)
+    wrapped, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="bk",
+    )
+    (x,) = next(iter(loader))
+    wrapped(x).logits.sum().backward()
+    try:
+        opt.step()
+        caught = None
+    except UnnoisedWriteError as exc:
+        caught = str(exc)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (caught, engine.steps))
+    return {"write_guard": everyone}
+
+
 def _check(sharded, single, rtol):
     assert sharded["steps"] == single["steps"] == STEPS
     np.testing.assert_array_equal(sharded["eps"], single["eps"])  # the same per-group ledger
@@ -201,6 +243,9 @@ def test_two_processes_match_one_process():
     assert "grad_sample_mode='bk' only" in refused["hooks"]
     assert "grad_sample_mode='bk' only" in refused["ghost"]
     assert "only partly wrapped" in refused["partly"]
+    (mine, steps0), (other, steps1) = two["write_guard"]
+    assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
+    assert steps0 == steps1 == 0  # nothing charged on any rank
 
 
 @pytest.mark.slow
@@ -233,3 +278,20 @@ def test_bf16_parameters_match_one_process_to_bf16_rounding():
         scale = float(v.abs().max())
         torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
         assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
+
+
+def test_an_empty_draw_becomes_one_phantom_row_of_zeros():
+    """Every rank runs FSDP2's forward and backward (its all-gathers): an empty share of the Poisson draw
+    becomes one row of zeros shaped as the batches (the optimizer gives it no weight)."""
+    from torch.utils.data import TensorDataset
+
+    from idpsgd.engine.fsdp import PhantomCollate
+    from idpsgd.engine.sampler import EmptyBatchCollate
+
+    data = TensorDataset(torch.arange(1, 13).reshape(4, 3), torch.ones(4, 2))
+    collate = PhantomCollate(EmptyBatchCollate(None, data))
+    ids, x = collate([data[0], data[2]])
+    assert ids.shape == (2, 3) and bool((ids > 0).all())  # real batches pass unchanged
+    ids, x = collate([])
+    assert ids.shape == (1, 3) and x.shape == (1, 2)
+    assert not ids.any() and not x.any()  # zeros: no example's values

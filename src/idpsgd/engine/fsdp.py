@@ -144,6 +144,44 @@ def settle_shards(module: torch.nn.Module) -> None:
             m.reshard()
 
 
+class PhantomCollate:
+    """A rank whose share of the Poisson draw is empty must still run the forward and backward pass:
+    FSDP2 all-gathers each block's parameters in them, and the other ranks wait for every rank.
+    Many models cannot run on zero rows (Hugging Face transformers reshape by ``-1``), so an empty
+    batch becomes one *phantom* row of zeros (the structure and trailing shapes of the empty batch,
+    which :class:`~.sampler.EmptyBatchCollate` gives; no example's values).  The optimizer gives it
+    no weight: a step whose drawn batch is empty on this rank adds a zero clipped sum, as a
+    noise-only step (:meth:`ShardedBookKeepingOptimizer.accumulate`); nothing of the phantom row
+    reaches the update, and the accounting counts the drawn examples only."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch):
+        out = self.collate_fn(batch)
+        return out if len(batch) else _phantom(out)
+
+
+def _phantom(sample):
+    from torch.utils._pytree import tree_map
+
+    def one(t):
+        if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == 0:
+            return t.new_zeros((1, *tuple(t.shape[1:])))
+        return t
+
+    return tree_map(one, sample)
+
+
+def phantom_batches(loader, batch_first: bool) -> None:
+    """Make ``loader`` (the engine's private loader) yield a phantom row for an empty draw (:class:`PhantomCollate`)."""
+    if not batch_first:
+        raise InvalidParameterError(
+            "batch_first", batch_first, "a fully_shard model needs batch-first inputs (batch_first=True)"
+        )
+    loader.collate_fn = PhantomCollate(loader.collate_fn)
+
+
 def check_keeper(keeper) -> None:
     """Refuse the book-keeper's units that FSDP2 cannot serve (they read the registered — sharded —
     parameters in their own per-sample passes)."""
@@ -182,8 +220,8 @@ def reduce_scatter_sums(pairs) -> list[torch.Tensor]:
     parameters, in the same order, on every rank): a SUM ``reduce_scatter_tensor`` per bucket of
     parameters of one dtype, each parameter's rows padded to W·⌈n/W⌉ (FSDP2's padded layout), so
     rank r receives the rows of its chunk of every parameter of the bucket in one collective.
-    (The bucket's buffer is transient; each ``full`` is released once copied in.)"""
-    pairs = list(pairs)
+    ``pairs`` (a list) is consumed: each ``full`` in it is released (replaced by None) once copied into
+    its bucket, so the transient memory is the full-size sums not yet sent plus one bucket."""
     out: list = [None] * len(pairs)
     bucket: list[int] = []
     size = 0
@@ -220,7 +258,9 @@ def _flush(pairs: list, bucket: list[int], out: list) -> None:
         pairs[i] = (p, None)  # the full-size sum is released here
         at += span
     recv = ref.new_empty(width)
-    dist.reduce_scatter_tensor(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch < 2.13)
+    reduce_scatter(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    del send
     at = 0
     for i, rows, row in layout:
         p = pairs[i][0]
@@ -340,12 +380,11 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
                     "(used outside the book-kept layers' forwards: a functional call on a layer's weight, "
                     "or a layer no rule covers): it would not be clipped per example; the step was not taken"
                 )
-            if self._noise_only():
-                ref = self.params[0]
-                norms = torch.zeros(0, dtype=ref.dtype, device=local_shard(ref).device)
-            else:
+            if not self.clipping.queue.empty_batch_pending:
                 norms = keeper.norms(self._loss_scale)
-            sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
+                sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
+            # else: this rank's draw is empty: its backward pass (if any) ran on a phantom row
+            # (PhantomCollate), which gets no weight: a zero clipped sum, as a noise-only step
         except Exception as exc:
             refusal = exc
         finally:
@@ -358,7 +397,8 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             g = torch.zeros(tuple(p.shape), dtype=local.dtype, device=local.device) if g is None else g
             pairs.append((p, g.to(local.dtype)))
             del g
-        chunks = reduce_scatter_sums(pairs)
+        del sums
+        chunks = reduce_scatter_sums(pairs)  # (empties pairs: each full-size sum freed once sent)
         for p, chunk in zip(self.params, chunks, strict=True):
             p.grad = None
             if p.summed_grad is not None:
