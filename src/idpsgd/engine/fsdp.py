@@ -2,20 +2,22 @@
 
 Boenisch et al. 2023, Alg. 3 with the book-keeping clipped sum (Bu et al. 2023, Alg. 1), run by W
 ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the mechanism — and so
-the accounting — of one process.  API (what :mod:`.privacy_engine` and :mod:`.distributed` call):
-:func:`is_sharded` (a ``fully_shard`` model?), :func:`setup` (refusals; rank 0's seed everywhere),
-:func:`local_shard` (a DTensor's local tensor: the write guard watches it),
-:func:`reduce_scatter_sum`, :func:`noise_shard`, :class:`ShardedBookKeepingOptimizer`.
+the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`setup`
+(``make_private``'s refusals, rank 0's seed on every rank); :func:`phantom_batches` (an empty draw
+becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`ShardedBookKeepingOptimizer`
+(``OPTIMIZERS["bk"]``); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
+:func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
 
 * **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
   all-gathered (unsharded) parameters, so the book-keeper sees whole activations and output
-  gradients and forms each of its examples' *full* norm ‖g_i‖ locally; no partial-norm all-reduce.
+  gradients and forms each of its examples' *full* norm ‖g_i‖ locally: no partial-norm all-reduce.
 * **clipped sum** — Σ_{i on rank r} w_i g_i (full shape, w_i = min(1, c_i/‖g_i‖)) is reduce-scattered
-  (SUM) into the Shard(0) chunks, one parameter at a time: our collective, not FSDP2's (bk leaves
-  the unsharded parameters without autograd gradients, so FSDP2 reduces nothing; a gradient it does
-  reduce — a parameter used outside the book-kept layers — is refused).
+  (SUM, bucketed) into the Shard(0) chunks: our collective, not FSDP2's (bk leaves the unsharded
+  parameters without autograd gradients, so FSDP2 reduces nothing; a gradient it does reduce — a
+  parameter used outside the book-kept layers — refuses the step), so nothing is reduced twice.
 * **noise** — exactly one N(0, σ²c²I) over the full vector, see :func:`noise_shard` (proof there).
-* **normalisation** — (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process.
+* **normalisation** — (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process; refusals are shared
+  before the step's collectives (every rank refuses together).
 """
 
 from __future__ import annotations
