@@ -135,17 +135,31 @@ def _noise_partition():
         counts.append(rows.tolist())
         ok.append(torch.equal(torch.cat([piece for _, piece in gathered]), want))
         assert tuple(shard.shape) == tuple(p.to_local().shape)
-    from idpsgd.engine.fsdp import reduce_scatter_sums
+    from idpsgd.engine import fsdp
 
     rank = dist.get_rank()
-    fulls = [(rank + 1) * torch.arange(float(np.prod(s))).reshape(s) for s in shapes]
-    chunks = reduce_scatter_sums(list(zip(params, fulls, strict=True)))
     summed = []
-    for p, chunk, s in zip(params, chunks, shapes, strict=True):  # Σ_r (r+1)·x, this rank's rows
-        start, n = shard_rows(p)
-        want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
-        summed.append(torch.equal(chunk, want))
-    return {"noise_equal": ok, "noise_rows": counts, "reduce_scatter_equal": summed}
+    for bucket in (fsdp.BUCKET_ENTRIES, 7):  # one bucket; several (and a float64 one between float32 ones)
+        fulls = [(rank + 1) * torch.arange(float(np.prod(s))).reshape(s) for s in shapes]
+        fulls[1] = fulls[1].double()
+        saved, fsdp.BUCKET_ENTRIES = fsdp.BUCKET_ENTRIES, bucket
+        try:
+            chunks = fsdp.reduce_scatter_sums(list(zip(params, fulls, strict=True)))
+        finally:
+            fsdp.BUCKET_ENTRIES = saved
+        for p, chunk, s in zip(params, chunks, shapes, strict=True):  # Σ_r (r+1)·x, this rank's rows
+            start, n = shard_rows(p)
+            want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
+            summed.append(torch.equal(chunk.float(), want))
+    from idpsgd.engine.randomness import noise_generator
+
+    secure = noise_generator("cpu", None, True)  # secure mode: each rank draws its own chunk, from OS entropy
+    drawn = [noise_shard(1.0, p, p.to_local(), secure, True) for p in params]
+    secure_ok = all(
+        tuple(d.shape) == tuple(p.to_local().shape) and bool(torch.isfinite(d).all())
+        for d, p in zip(drawn, params, strict=True)
+    )
+    return {"noise_equal": ok, "noise_rows": counts, "reduce_scatter_equal": summed, "secure_ok": secure_ok}
 
 
 def _refusals():
@@ -239,6 +253,7 @@ def test_two_processes_match_one_process():
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
+    assert two["secure_ok"]
     refused = two["refused"]
     assert "grad_sample_mode='bk' only" in refused["hooks"]
     assert "grad_sample_mode='bk' only" in refused["ghost"]

@@ -208,8 +208,8 @@ def shard_rows(p: torch.Tensor) -> tuple[int, int]:
     return start, min(size, n - start)
 
 
-#: the largest number of gradient entries per reduce-scatter (a bucket: 2²⁶ float32 = 256 MiB)
-BUCKET_ENTRIES = 1 << 26
+#: the number of gradient entries per reduce-scatter (a bucket, 2²⁴: 64 MiB of float32; a larger parameter alone)
+BUCKET_ENTRIES = 1 << 24
 
 
 def reduce_scatter_sum(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -318,9 +318,10 @@ class UnshardedParameters:
         self.seen: dict = {}
         self.handles = [layer.module.register_forward_hook(self._record) for layer in keeper.layers]
 
-    def _record(self, module, _args, _out):
-        if module not in self.seen:
-            self.seen[module] = {n: p for n, p in module._parameters.items() if p is not None and not is_dtensor(p)}
+    def _record(self, module, _args, _out):  # at every forward: FSDP2 may make new ones (load_state_dict)
+        params = {n: p for n, p in module._parameters.items() if p is not None and not is_dtensor(p)}
+        if params:
+            self.seen[module] = params
 
     @contextlib.contextmanager
     def swapped(self):
