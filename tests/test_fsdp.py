@@ -70,6 +70,7 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
         out.update(_noise_partition())
         out.update(_refusals())
         out.update(_write_guard())
+        out.update(_leak())
     model = _model(lora)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
@@ -236,6 +237,37 @@ def _write_guard():
     return {"write_guard": everyone}
 
 
+def _leak():
+    """A layer's weight used outside its book-kept forward (a hook adds a function of it to the output):
+    FSDP2 reduce-scatters its un-clipped autograd gradient; the step is refused, naming it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    model = _gpt2(n_layer=1)
+    model.transformer.h[0].mlp.register_forward_hook(lambda m, i, o: o + 1e-3 * m.c_fc.weight.sum())
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    wrapped, opt, loader = IndividualizedPrivacyEngine(seed=1).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.ones(16, T, dtype=torch.long)), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="bk",
+    )
+    (x,) = next(iter(loader))
+    wrapped(x).logits.sum().backward()
+    try:
+        opt.step()
+        return {"leak": None}
+    except RuntimeError as exc:
+        return {"leak": str(exc)}
+
+
 def _check(sharded, single, rtol):
     assert sharded["steps"] == single["steps"] == STEPS
     np.testing.assert_array_equal(sharded["eps"], single["eps"])  # the same per-group ledger
@@ -261,6 +293,7 @@ def test_two_processes_match_one_process():
     (mine, steps0), (other, steps1) = two["write_guard"]
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
     assert steps0 == steps1 == 0  # nothing charged on any rank
+    assert "'transformer.h.0.mlp.c_fc.weight' received an autograd gradient" in two["leak"]
 
 
 @pytest.mark.slow

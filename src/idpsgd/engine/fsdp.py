@@ -376,10 +376,12 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             # non-zero one is a parameter used outside the book-kept layers (the keeper's own leak hook watches
             # the registered, sharded, parameter, which FSDP2's forward does not use).  (A zero .grad is the
             # keeper's GradScaler marker, or nothing: discarded as in one process.)
-            leaked = [i for i, p in enumerate(self.params) if p.grad is not None and bool(local_shard(p.grad).any())]
+            leaked = [p for p in self.params if p.grad is not None and bool(local_shard(p.grad).any())]
             if leaked:
+                names = {id(p): n for n, p in keeper.model.named_parameters()}
+                shown = ", ".join(repr(names.get(id(p), "?")) for p in leaked[:5])
                 raise RuntimeError(
-                    f"parameter(s) {leaked[:5]} of the optimizer received an autograd gradient through FSDP2 "
+                    f"parameter(s) {shown} received an autograd gradient through FSDP2 "
                     "(used outside the book-kept layers' forwards: a functional call on a layer's weight, "
                     "or a layer no rule covers): it would not be clipped per example; the step was not taken"
                 )
