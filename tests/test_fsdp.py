@@ -259,13 +259,20 @@ def _leak():
         target_delta=1e-5,
         grad_sample_mode="bk",
     )
+    from idpsgd import InvalidParameterError
+
+    try:  # BatchMemoryManager's physical batches: refused (ranks would run different numbers of passes)
+        opt.signal_skip_step(True)
+        physical = None
+    except InvalidParameterError as exc:
+        physical = str(exc)
     (x,) = next(iter(loader))
     wrapped(x).logits.sum().backward()
     try:
         opt.step()
-        return {"leak": None}
+        return {"leak": None, "physical": physical}
     except RuntimeError as exc:
-        return {"leak": str(exc)}
+        return {"leak": str(exc), "physical": physical}
 
 
 def _check(sharded, single, rtol):
@@ -294,6 +301,7 @@ def test_two_processes_match_one_process():
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
     assert steps0 == steps1 == 0  # nothing charged on any rank
     assert "'transformer.h.0.mlp.c_fc.weight' received an autograd gradient" in two["leak"]
+    assert "BatchMemoryManager" in two["physical"]
 
 
 @pytest.mark.slow

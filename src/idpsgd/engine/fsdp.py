@@ -368,6 +368,20 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         if keeper is not None:
             keeper.parameter_view = self.unsharded.swapped
 
+    def signal_skip_step(self, do_skip=True):
+        if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones
+            self.clipping.queue.clear()
+            self.refuse_step()
+            raise InvalidParameterError(
+                "optimizer",
+                "BatchMemoryManager (physical batches)",
+                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
+                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
+                "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
+                "activation checkpointing)",
+            )
+        return super().signal_skip_step(do_skip)
+
     def accumulate(self):
         keeper = self.keeper
         refusal, sums = None, {}
