@@ -57,9 +57,7 @@ def measure(sharded: bool, layers: int, hidden: int, vocab: int, batch: int, tok
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=vocab, n_positions=tokens, n_embd=hidden, n_layer=layers, n_head=max(1, hidden // 64)
-    )
+    cfg = GPT2Config(vocab_size=vocab, n_positions=tokens, n_embd=hidden, n_layer=layers, n_head=max(1, hidden // 64))
     model = GPT2LMHeadModel(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if sharded:

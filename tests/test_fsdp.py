@@ -69,6 +69,8 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
     if checks:
         out.update(_noise_partition())
         out.update(_refusals())
+        out.update(_write_guard())
+        out.update(_leak())
     model = _model(lora)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
@@ -134,17 +136,31 @@ def _noise_partition():
         counts.append(rows.tolist())
         ok.append(torch.equal(torch.cat([piece for _, piece in gathered]), want))
         assert tuple(shard.shape) == tuple(p.to_local().shape)
-    from idpsgd.engine.fsdp import reduce_scatter_sums
+    from idpsgd.engine import fsdp
 
     rank = dist.get_rank()
-    fulls = [(rank + 1) * torch.arange(float(np.prod(s))).reshape(s) for s in shapes]
-    chunks = reduce_scatter_sums(list(zip(params, fulls, strict=True)))
     summed = []
-    for p, chunk, s in zip(params, chunks, shapes, strict=True):  # Σ_r (r+1)·x, this rank's rows
-        start, n = shard_rows(p)
-        want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
-        summed.append(torch.equal(chunk, want))
-    return {"noise_equal": ok, "noise_rows": counts, "reduce_scatter_equal": summed}
+    for bucket in (fsdp.BUCKET_ENTRIES, 7):  # one bucket; several (and a float64 one between float32 ones)
+        fulls = [(rank + 1) * torch.arange(float(np.prod(s))).reshape(s) for s in shapes]
+        fulls[1] = fulls[1].double()
+        saved, fsdp.BUCKET_ENTRIES = fsdp.BUCKET_ENTRIES, bucket
+        try:
+            chunks = fsdp.reduce_scatter_sums(list(zip(params, fulls, strict=True)))
+        finally:
+            fsdp.BUCKET_ENTRIES = saved
+        for p, chunk, s in zip(params, chunks, shapes, strict=True):  # Σ_r (r+1)·x, this rank's rows
+            start, n = shard_rows(p)
+            want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
+            summed.append(torch.equal(chunk.float(), want))
+    from idpsgd.engine.randomness import noise_generator
+
+    secure = noise_generator("cpu", None, True)  # secure mode: each rank draws its own chunk, from OS entropy
+    drawn = [noise_shard(1.0, p, p.to_local(), secure, True) for p in params]
+    secure_ok = all(
+        tuple(d.shape) == tuple(p.to_local().shape) and bool(torch.isfinite(d).all())
+        for d, p in zip(drawn, params, strict=True)
+    )
+    return {"noise_equal": ok, "noise_rows": counts, "reduce_scatter_equal": summed, "secure_ok": secure_ok}
 
 
 def _refusals():
@@ -180,6 +196,85 @@ def _refusals():
     return {"refused": found}
 
 
+def _write_guard():
+    """A forward hook that writes a buffer on rank 1 only: the step is refused on every rank (the verdicts
+    are shared before any collective of the step), with the write named; nothing is noised or charged."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+    from idpsgd.engine.integrity import UnnoisedWriteError
+
+    model = _gpt2(n_layer=1)
+    ln = model.transformer.ln_f
+    ln.register_buffer("seen", torch.zeros(()))
+    if dist.get_rank() == 1:
+        ln.register_forward_hook(lambda m, i, o: m.seen.add_(1.0) and None)  # (None: the output is kept)
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    ids = torch.ones(16, T, dtype=torch.long)
+    engine = IndividualizedPrivacyEngine(seed=1)
+    wrapped, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="bk",
+    )
+    (x,) = next(iter(loader))
+    wrapped(x).logits.sum().backward()
+    try:
+        opt.step()
+        caught = None
+    except UnnoisedWriteError as exc:
+        caught = str(exc)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (caught, engine.steps))
+    return {"write_guard": everyone}
+
+
+def _leak():
+    """A layer's weight used outside its book-kept forward (a hook adds a function of it to the output):
+    FSDP2 reduce-scatters its un-clipped autograd gradient; the step is refused, naming it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    model = _gpt2(n_layer=1)
+    model.transformer.h[0].mlp.register_forward_hook(lambda m, i, o: o + 1e-3 * m.c_fc.weight.sum())
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    wrapped, opt, loader = IndividualizedPrivacyEngine(seed=1).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.ones(16, T, dtype=torch.long)), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="bk",
+    )
+    from idpsgd import InvalidParameterError
+
+    try:  # BatchMemoryManager's physical batches: refused (ranks would run different numbers of passes)
+        opt.signal_skip_step(True)
+        physical = None
+    except InvalidParameterError as exc:
+        physical = str(exc)
+    (x,) = next(iter(loader))
+    wrapped(x).logits.sum().backward()
+    try:
+        opt.step()
+        return {"leak": None, "physical": physical}
+    except RuntimeError as exc:
+        return {"leak": str(exc), "physical": physical}
+
+
 def _check(sharded, single, rtol):
     assert sharded["steps"] == single["steps"] == STEPS
     np.testing.assert_array_equal(sharded["eps"], single["eps"])  # the same per-group ledger
@@ -197,10 +292,16 @@ def test_two_processes_match_one_process():
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
+    assert two["secure_ok"]
     refused = two["refused"]
     assert "grad_sample_mode='bk' only" in refused["hooks"]
     assert "grad_sample_mode='bk' only" in refused["ghost"]
     assert "only partly wrapped" in refused["partly"]
+    (mine, steps0), (other, steps1) = two["write_guard"]
+    assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
+    assert steps0 == steps1 == 0  # nothing charged on any rank
+    assert "'transformer.h.0.mlp.c_fc.weight' received an autograd gradient" in two["leak"]
+    assert "BatchMemoryManager" in two["physical"]
 
 
 @pytest.mark.slow
@@ -233,3 +334,20 @@ def test_bf16_parameters_match_one_process_to_bf16_rounding():
         scale = float(v.abs().max())
         torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
         assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
+
+
+def test_an_empty_draw_becomes_one_phantom_row_of_zeros():
+    """Every rank runs FSDP2's forward and backward (its all-gathers): an empty share of the Poisson draw
+    becomes one row of zeros shaped as the batches (the optimizer gives it no weight)."""
+    from torch.utils.data import TensorDataset
+
+    from idpsgd.engine.fsdp import PhantomCollate
+    from idpsgd.engine.sampler import EmptyBatchCollate
+
+    data = TensorDataset(torch.arange(1, 13).reshape(4, 3), torch.ones(4, 2))
+    collate = PhantomCollate(EmptyBatchCollate(None, data))
+    ids, x = collate([data[0], data[2]])
+    assert ids.shape == (2, 3) and bool((ids > 0).all())  # real batches pass unchanged
+    ids, x = collate([])
+    assert ids.shape == (1, 3) and x.shape == (1, 2)
+    assert not ids.any() and not x.any()  # zeros: no example's values

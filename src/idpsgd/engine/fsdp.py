@@ -2,20 +2,22 @@
 
 Boenisch et al. 2023, Alg. 3 with the book-keeping clipped sum (Bu et al. 2023, Alg. 1), run by W
 ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the mechanism — and so
-the accounting — of one process.  API (what :mod:`.privacy_engine` and :mod:`.distributed` call):
-:func:`is_sharded` (a ``fully_shard`` model?), :func:`setup` (refusals; rank 0's seed everywhere),
-:func:`local_shard` (a DTensor's local tensor: the write guard watches it),
-:func:`reduce_scatter_sum`, :func:`noise_shard`, :class:`ShardedBookKeepingOptimizer`.
+the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`setup`
+(``make_private``'s refusals, rank 0's seed on every rank); :func:`phantom_batches` (an empty draw
+becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`ShardedBookKeepingOptimizer`
+(``OPTIMIZERS["bk"]``); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
+:func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
 
 * **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
   all-gathered (unsharded) parameters, so the book-keeper sees whole activations and output
-  gradients and forms each of its examples' *full* norm ‖g_i‖ locally; no partial-norm all-reduce.
+  gradients and forms each of its examples' *full* norm ‖g_i‖ locally: no partial-norm all-reduce.
 * **clipped sum** — Σ_{i on rank r} w_i g_i (full shape, w_i = min(1, c_i/‖g_i‖)) is reduce-scattered
-  (SUM) into the Shard(0) chunks, one parameter at a time: our collective, not FSDP2's (bk leaves
-  the unsharded parameters without autograd gradients, so FSDP2 reduces nothing; a gradient it does
-  reduce — a parameter used outside the book-kept layers — is refused).
+  (SUM, bucketed) into the Shard(0) chunks: our collective, not FSDP2's (bk leaves the unsharded
+  parameters without autograd gradients, so FSDP2 reduces nothing; a gradient it does reduce — a
+  parameter used outside the book-kept layers — refuses the step), so nothing is reduced twice.
 * **noise** — exactly one N(0, σ²c²I) over the full vector, see :func:`noise_shard` (proof there).
-* **normalisation** — (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process.
+* **normalisation** — (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process; refusals are shared
+  before the step's collectives (every rank refuses together).
 """
 
 from __future__ import annotations
@@ -144,6 +146,44 @@ def settle_shards(module: torch.nn.Module) -> None:
             m.reshard()
 
 
+class PhantomCollate:
+    """A rank whose share of the Poisson draw is empty must still run the forward and backward pass:
+    FSDP2 all-gathers each block's parameters in them, and the other ranks wait for every rank.
+    Many models cannot run on zero rows (Hugging Face transformers reshape by ``-1``), so an empty
+    batch becomes one *phantom* row of zeros (the structure and trailing shapes of the empty batch,
+    which :class:`~.sampler.EmptyBatchCollate` gives; no example's values).  The optimizer gives it
+    no weight: a step whose drawn batch is empty on this rank adds a zero clipped sum, as a
+    noise-only step (:meth:`ShardedBookKeepingOptimizer.accumulate`); nothing of the phantom row
+    reaches the update, and the accounting counts the drawn examples only."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch):
+        out = self.collate_fn(batch)
+        return out if len(batch) else _phantom(out)
+
+
+def _phantom(sample):
+    from torch.utils._pytree import tree_map
+
+    def one(t):
+        if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == 0:
+            return t.new_zeros((1, *tuple(t.shape[1:])))
+        return t
+
+    return tree_map(one, sample)
+
+
+def phantom_batches(loader, batch_first: bool) -> None:
+    """Make ``loader`` (the engine's private loader) yield a phantom row for an empty draw (:class:`PhantomCollate`)."""
+    if not batch_first:
+        raise InvalidParameterError(
+            "batch_first", batch_first, "a fully_shard model needs batch-first inputs (batch_first=True)"
+        )
+    loader.collate_fn = PhantomCollate(loader.collate_fn)
+
+
 def check_keeper(keeper) -> None:
     """Refuse the book-keeper's units that FSDP2 cannot serve (they read the registered — sharded —
     parameters in their own per-sample passes)."""
@@ -168,8 +208,8 @@ def shard_rows(p: torch.Tensor) -> tuple[int, int]:
     return start, min(size, n - start)
 
 
-#: the largest number of gradient entries per reduce-scatter (a bucket: 2²⁶ float32 = 256 MiB)
-BUCKET_ENTRIES = 1 << 26
+#: the number of gradient entries per reduce-scatter (a bucket, 2²⁴: 64 MiB of float32; a larger parameter alone)
+BUCKET_ENTRIES = 1 << 24
 
 
 def reduce_scatter_sum(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -182,8 +222,8 @@ def reduce_scatter_sums(pairs) -> list[torch.Tensor]:
     parameters, in the same order, on every rank): a SUM ``reduce_scatter_tensor`` per bucket of
     parameters of one dtype, each parameter's rows padded to W·⌈n/W⌉ (FSDP2's padded layout), so
     rank r receives the rows of its chunk of every parameter of the bucket in one collective.
-    (The bucket's buffer is transient; each ``full`` is released once copied in.)"""
-    pairs = list(pairs)
+    ``pairs`` (a list) is consumed: each ``full`` in it is released (replaced by None) once copied into
+    its bucket, so the transient memory is the full-size sums not yet sent plus one bucket."""
     out: list = [None] * len(pairs)
     bucket: list[int] = []
     size = 0
@@ -220,7 +260,9 @@ def _flush(pairs: list, bucket: list[int], out: list) -> None:
         pairs[i] = (p, None)  # the full-size sum is released here
         at += span
     recv = ref.new_empty(width)
-    dist.reduce_scatter_tensor(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch < 2.13)
+    reduce_scatter(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    del send
     at = 0
     for i, rows, row in layout:
         p = pairs[i][0]
@@ -276,9 +318,10 @@ class UnshardedParameters:
         self.seen: dict = {}
         self.handles = [layer.module.register_forward_hook(self._record) for layer in keeper.layers]
 
-    def _record(self, module, _args, _out):
-        if module not in self.seen:
-            self.seen[module] = {n: p for n, p in module._parameters.items() if p is not None and not is_dtensor(p)}
+    def _record(self, module, _args, _out):  # at every forward: FSDP2 may make new ones (load_state_dict)
+        params = {n: p for n, p in module._parameters.items() if p is not None and not is_dtensor(p)}
+        if params:
+            self.seen[module] = params
 
     @contextlib.contextmanager
     def swapped(self):
@@ -325,6 +368,20 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         if keeper is not None:
             keeper.parameter_view = self.unsharded.swapped
 
+    def signal_skip_step(self, do_skip=True):
+        if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones
+            self.clipping.queue.clear()
+            self.refuse_step()
+            raise InvalidParameterError(
+                "optimizer",
+                "BatchMemoryManager (physical batches)",
+                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
+                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
+                "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
+                "activation checkpointing)",
+            )
+        return super().signal_skip_step(do_skip)
+
     def accumulate(self):
         keeper = self.keeper
         refusal, sums = None, {}
@@ -333,19 +390,20 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             # non-zero one is a parameter used outside the book-kept layers (the keeper's own leak hook watches
             # the registered, sharded, parameter, which FSDP2's forward does not use).  (A zero .grad is the
             # keeper's GradScaler marker, or nothing: discarded as in one process.)
-            leaked = [i for i, p in enumerate(self.params) if p.grad is not None and bool(local_shard(p.grad).any())]
+            leaked = [p for p in self.params if p.grad is not None and bool(local_shard(p.grad).any())]
             if leaked:
+                names = {id(p): n for n, p in keeper.model.named_parameters()}
+                shown = ", ".join(repr(names.get(id(p), "?")) for p in leaked[:5])
                 raise RuntimeError(
-                    f"parameter(s) {leaked[:5]} of the optimizer received an autograd gradient through FSDP2 "
+                    f"parameter(s) {shown} received an autograd gradient through FSDP2 "
                     "(used outside the book-kept layers' forwards: a functional call on a layer's weight, "
                     "or a layer no rule covers): it would not be clipped per example; the step was not taken"
                 )
-            if self._noise_only():
-                ref = self.params[0]
-                norms = torch.zeros(0, dtype=ref.dtype, device=local_shard(ref).device)
-            else:
+            if not self.clipping.queue.empty_batch_pending:
                 norms = keeper.norms(self._loss_scale)
-            sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
+                sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
+            # else: this rank's draw is empty: its backward pass (if any) ran on a phantom row
+            # (PhantomCollate), which gets no weight: a zero clipped sum, as a noise-only step
         except Exception as exc:
             refusal = exc
         finally:
@@ -358,7 +416,8 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             g = torch.zeros(tuple(p.shape), dtype=local.dtype, device=local.device) if g is None else g
             pairs.append((p, g.to(local.dtype)))
             del g
-        chunks = reduce_scatter_sums(pairs)
+        del sums
+        chunks = reduce_scatter_sums(pairs)  # (empties pairs: each full-size sum freed once sent)
         for p, chunk in zip(self.params, chunks, strict=True):
             p.grad = None
             if p.summed_grad is not None:

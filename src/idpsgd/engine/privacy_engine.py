@@ -813,6 +813,8 @@ class IndividualizedPrivacyEngine:
                 else distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
             )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)
+            if sharded:  # every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
+                fsdp.phantom_batches(loader, batch_first)
             base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
             ebs = _expected_batch_size(q) if expected_batch_size is None else float(expected_batch_size)
             dp_opt = (OPTIMIZERS if ranks is None else fsdp.OPTIMIZERS if sharded else distributed.OPTIMIZERS)[
