@@ -2,7 +2,9 @@
 
 Under ``torchrun`` each transformer block (the model's ``_no_split_modules`` classes) and then the
 root are wrapped with ``torch.distributed.fsdp.fully_shard`` before ``make_private`` (the engine's
-sharded book-keeping: :mod:`idpsgd.engine.fsdp`).  Checkpoints are
+sharded book-keeping: :mod:`idpsgd.engine.fsdp`), gathered from forward to backward; each rank runs
+its Poisson share of a step in one forward pass, an empty share as a pass of a dummy row without
+gradients (FSDP2's all-gathers need the same passes on every rank).  Checkpoints are
 :mod:`idpsgd.engine.sharded_checkpoint` folders ``private/checkpoint-<step>/`` (every rank writes its
 shards; the Trainer's private state rides in each rank's ``extra``); the final public ``model/`` is
 ``save_pretrained`` of a plain copy rebuilt on rank 0 from the gathered full state dict.  What the
@@ -83,7 +85,8 @@ def block_classes(model) -> set[str]:
 
 
 def shard_model(model: torch.nn.Module, device) -> torch.nn.Module:
-    """``fully_shard`` each transformer block, then the root (in place; returns the model)."""
+    """``fully_shard`` each transformer block, then the root (in place; returns the model), with the
+    parameters kept gathered from forward to backward (``reshard_after_forward=False``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
