@@ -2,9 +2,9 @@
 
 Under ``torchrun`` each transformer block (the model's ``_no_split_modules`` classes) and then the
 root are wrapped with ``torch.distributed.fsdp.fully_shard`` before ``make_private`` (the engine's
-sharded book-keeping: :mod:`idpsgd.engine.fsdp`), gathered from forward to backward; each rank runs
-its Poisson share of a step in one forward pass, an empty share as a pass of a dummy row without
-gradients (FSDP2's all-gathers need the same passes on every rank).  Checkpoints are
+sharded book-keeping: :mod:`idpsgd.engine.fsdp`); each rank runs its Poisson share of a step in one
+forward pass (FSDP2's all-gathers need the same passes on every rank; an empty share arrives as the
+engine's phantom row, which carries no weight).  Checkpoints are
 :mod:`idpsgd.engine.sharded_checkpoint` folders ``private/checkpoint-<step>/`` (every rank writes its
 shards; the Trainer's private state rides in each rank's ``extra``); the final public ``model/`` is
 ``save_pretrained`` of a plain copy rebuilt on rank 0 from the gathered full state dict.  What the
@@ -85,8 +85,7 @@ def block_classes(model) -> set[str]:
 
 
 def shard_model(model: torch.nn.Module, device) -> torch.nn.Module:
-    """``fully_shard`` each transformer block, then the root (in place; returns the model), with the
-    parameters kept gathered from forward to backward (``reshard_after_forward=False``)."""
+    """``fully_shard`` each transformer block, then the root (in place; returns the model)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -97,9 +96,9 @@ def shard_model(model: torch.nn.Module, device) -> torch.nn.Module:
         raise InvalidParameterError(
             "model", type(model).__name__, f"has no module of its block classes {sorted(blocks)} to shard"
         )
-    for block in found:  # gathered from forward to backward: the backward pass needs no collective
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    for block in found:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -117,26 +116,6 @@ def plain_copy(model: torch.nn.Module, full_state: dict) -> torch.nn.Module:
     copy.load_state_dict(full_state)
     copy.generation_config = getattr(model, "generation_config", None) or copy.generation_config
     return copy.train(model.training)
-
-
-def forward_without_rows(model, inputs, n: int) -> None:
-    """A rank whose share of the step is empty still takes part in FSDP2's all-gathers (every rank's
-    forward pass all-gathers each block's parameters, in the same order): it runs one forward pass of
-    a dummy row (zeros: no data) without gradients — the engine records nothing, the output is
-    discarded — and then frees the gathered parameters locally (:func:`shard_model` keeps them
-    gathered from forward to backward, so the ranks that have rows need no all-gather in backward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    dummy = {}
-    for k, v in inputs.items():
-        if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n and k not in ("labels", "label"):
-            shape = (1, *(max(int(d), 1) for d in v.shape[1:]))
-            dummy[k] = v.new_ones(shape) if k == "attention_mask" else v.new_zeros(shape)
-    with torch.no_grad():
-        model(**dummy)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

@@ -664,11 +664,8 @@ class IndividualizedTrainer(Trainer):
         if self._pending_sampler_states:
             self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
-        if self.privacy.fsdp and n == 0:  # FSDP2's all-gathers: a pass without rows, nothing recorded
-            sharding.forward_without_rows(model, inputs, n)
-            return torch.zeros((), device=self.args.device)
-        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank)
-            parts = [inputs]
+        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank; an
+            parts = [inputs]  # empty draw arrives as the engine's phantom row, which carries no weight)
         elif n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
         else:
