@@ -118,6 +118,16 @@ def plain_copy(model: torch.nn.Module, full_state: dict) -> torch.nn.Module:
     return copy.train(model.training)
 
 
+def phantom(inputs):
+    """The engine's phantom row for a rank whose share of the draw is empty (:class:`idpsgd.engine.fsdp.PhantomCollate`:
+    one row of zeros with the batch's structure, no example's values; the optimizer gives it no weight): every
+    rank runs a forward and backward pass, as FSDP2's collectives need."""
+    from ...engine.fsdp import PhantomCollate
+
+    # a plain dict: the collators' BatchEncoding is no pytree container, so the phantom map would pass it unchanged
+    return PhantomCollate(lambda _rows: dict(inputs))([])
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 def is_sharded_checkpoint(path) -> bool:
     from pathlib import Path

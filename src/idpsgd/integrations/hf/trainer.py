@@ -664,8 +664,13 @@ class IndividualizedTrainer(Trainer):
         if self._pending_sampler_states:
             self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
-        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank; an
-            parts = [inputs]  # empty draw arrives as the engine's phantom row, which carries no weight)
+        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank)
+            if n == 0:  # an empty draw: the engine's phantom row (zeros; the optimizer gives it no weight)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, sharding.phantom(inputs))
+                self.accelerator.backward(loss)
+                return torch.zeros((), device=self.args.device)
+            parts = [inputs]
         elif n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
         else:
