@@ -468,7 +468,7 @@ def test_finetune_fsdp_equals_one_process(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = ["finetune", "--model", str(model), "--data", str(data), "--method", "sample", "--epochs", "2"]
-    base += ["--batch-size", "2", "--lr", "1e-2", "--seed", "4"]  # 1 row per rank expected: empty shares (phantom rows) occur
+    base += ["--batch-size", "2", "--lr", "1e-2", "--seed", "4"]  # 1 row per rank expected: phantom rows occur
     assert main([*base, "--out", str(tmp_path / "one")]) == 0
     capsys.readouterr()
     assert main([*base, "--fsdp", "--nproc", "2", "--save-every", "10", "--out", str(tmp_path / "two"), "--json"]) == 0
