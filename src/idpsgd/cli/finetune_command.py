@@ -91,6 +91,13 @@ def _finetune_args(p):
         "the same run (ε and parameters) as one process; gloo on CPU, one GPU per process with --device cuda",
     )
     p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (each transformer block and the root, fully_shard) over the processes "
+        "of torchrun --nproc-per-node N (or --nproc N); bk only; checkpoints are sharded folders "
+        "(OUT/private/checkpoint-<step>/)",
+    )
+    p.add_argument(
         "--save-every",
         type=int,
         metavar="N",
@@ -203,6 +210,7 @@ def finetune_cmd(args):
         num_classes=args.num_classes,
         save_every=args.save_every,
         nproc=args.nproc,
+        fsdp=args.fsdp,
     )
     folder = check_model_folder(args.model)
     data = load_text_data(
@@ -240,6 +248,8 @@ def finetune_cmd(args):
         resume=args.resume,
         users=users,
     )
+    if report is None:  # another rank than 0 under torchrun: rank 0 reports
+        return None
     return {**report, "out": str(Path(args.out))}
 
 

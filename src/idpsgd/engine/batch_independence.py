@@ -62,7 +62,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from .integrity import extra_state_digests, per_model
+from .integrity import extra_state_digests, local_tensor, per_model
 from .opacus_compat import UnsupportedModuleError
 
 #: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
@@ -362,12 +362,22 @@ class _Copies:
     def __init__(self, model: nn.Module):
         self.originals, self.copies, made = {}, {}, {}
         named = [*model.named_buffers(remove_duplicate=False)]
-        named += [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        # FSDP2's sharded (DTensor) parameters are not copied: the forward runs on the unsharded tensors
+        # FSDP2 gathers from them and frees after it; their local shards are watched as frozen ones are
+        named += [
+            (n, p)
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad and p is local_tensor(p)
+        ]
         for name, t in named:
             if id(t) not in made:
                 made[id(t)] = t.detach().clone()
             self.originals[name], self.copies[name] = t, made[id(t)]
-        self.frozen = [(n, p, p._version) for n, p in model.named_parameters() if not p.requires_grad]
+        self.frozen = [
+            (n, local_tensor(p), local_tensor(p)._version)
+            for n, p in model.named_parameters()
+            if not p.requires_grad or p is not local_tensor(p)
+        ]
         self.ids = {id(t) for t in made.values()} | {id(p) for _, p, _ in self.frozen}
         # modules' extra state (state_dict's _extra_state): saved, compared and put back after the pass
         self.extra = [

@@ -136,7 +136,7 @@ def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return DPDDP(model)
 
 
-def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter) -> tuple[int, int] | None:
+def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter, users=None) -> tuple[int, int] | None:
     """Checks of a data-parallel ``module`` for ``make_private`` (None for a plain module): the
     process group exists, the combination is supported; rank 0's seed becomes every rank's."""
     wrapper = data_parallel_wrapper(module)

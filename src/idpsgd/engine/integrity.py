@@ -121,7 +121,7 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
         dot = f"{prefix}." if prefix else ""
         for n, p in m._parameters.items():
             if p is not None:  # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
-                out[dot + n] = ("parameter", p.orig_weight if isinstance(p, ExpandedWeight) else p)
+                out[dot + n] = ("parameter", local_tensor(p.orig_weight if isinstance(p, ExpandedWeight) else p))
         for n, b in m._buffers.items():
             if b is not None:
                 out[dot + n] = (
@@ -129,6 +129,15 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
                     b,
                 )
     return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (FSDP2's sharded parameters: each rank watches its shard;
+    the tensor object itself, not a view), ``t`` otherwise.  (``DTensor.to_local()`` returns a fresh view
+    of a parameter's local tensor at each call: its identity would change between snapshots.)"""
+    if type(t).__name__ != "DTensor":
+        return t
+    return t._local_tensor
 
 
 def per_model(model: nn.Module, key: str, factory):
@@ -290,7 +299,7 @@ def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
             if entries:
                 name = parameter_names.get(id(p), f"#{len(seen) - 1}")
                 for key, value in entries.items():
-                    out[(name, key)] = value
+                    out[(name, key)] = local_tensor(value) if torch.is_tensor(value) else value
     return out
 
 
@@ -636,6 +645,7 @@ __all__ = [
     "WriteGuard",
     "check_no_new_trainable",
     "check_static_writes",
+    "local_tensor",
     "released_tensors",
     "trainable_names",
 ]

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets, assign
 from ..validation import InvalidParameterError, check_epsilon, check_positive, check_positive_array, check_sample_rate
-from . import distributed
+from . import distributed, fsdp
 from .accountant import ACCOUNTANTS, GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
 from .clipping import PerExampleClipping
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
@@ -741,7 +741,8 @@ class IndividualizedPrivacyEngine:
         if self._sampler_rng is None and self._follow_torch:
             self._loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
         check_user_level(self, users, privacy_filter)
-        ranks = distributed.setup(self, module, grad_sample_mode, privacy_filter)  # (rank, W) for DPDDP/DDP
+        sharded = fsdp.is_sharded(module)  # FSDP2 (engine/fsdp.py), or DPDDP/DDP: (rank, W)
+        ranks = (fsdp.setup if sharded else distributed.setup)(self, module, grad_sample_mode, privacy_filter, users)
         if users is not None and ranks is not None and (privacy_filter == "individual" or self.individual is not None):
             raise InvalidParameterError(
                 "users",
@@ -796,6 +797,8 @@ class IndividualizedPrivacyEngine:
             self.clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
             wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction, wrap_model)
             wrapped.forbid_grad_accumulation()
+            if sharded:
+                fsdp.check_keeper(wrapped.keeper)
             spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
             sampler = (
                 PoissonBatchSampler(q, spe, self._sampler_rng, queue)
@@ -810,9 +813,13 @@ class IndividualizedPrivacyEngine:
                 else distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
             )
             loader = PrivateDataLoader(data_loader, sampler, batch_first)
+            if sharded:  # every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
+                fsdp.phantom_batches(loader, batch_first)
             base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
             ebs = _expected_batch_size(q) if expected_batch_size is None else float(expected_batch_size)
-            dp_opt = (OPTIMIZERS if ranks is None else distributed.OPTIMIZERS)[grad_sample_mode](
+            dp_opt = (OPTIMIZERS if ranks is None else fsdp.OPTIMIZERS if sharded else distributed.OPTIMIZERS)[
+                grad_sample_mode
+            ](
                 base,
                 noise_multiplier=noise_multiplier,
                 max_grad_norm=max_grad_norm,

@@ -796,6 +796,9 @@ class BookKeeper:
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
+        #: the modules' parameters as the rules see them after the backward pass (FSDP2 swaps the unsharded
+        #: tensors back in: engine/fsdp.py); by default the model's own
+        self.parameter_view = contextlib.nullcontext
         self.user_level = None  # user level: rows -> users, norms per user (set by the engine, ..units)
         self._plan()
 
@@ -826,7 +829,8 @@ class BookKeeper:
                     params = layer.params
                     for pname, p in params.items():
                         uses.setdefault(id(p), []).append((layer, pname))
-                        self._sources[id(p)] = p
+                        if type(p).__name__ != "DTensor":  # FSDP2's forward uses the unsharded tensors, not p
+                            self._sources[id(p)] = p
                         self._owner.setdefault(id(p), (layer, pname))
                 for pname, p in params.items():
                     if len(uses.get(id(p), ())) <= 1:  # one leak hook per parameter
@@ -1016,18 +1020,19 @@ class BookKeeper:
         if self.user_level is not None:  # user level: records regrouped, one "example" per user (..units)
             parts, batch = self.user_level.regroup(self, parts, batch)
         total = None
-        for part in parts:
-            sq = part.norm_sq()
-            if sq is not None:
-                total = sq if total is None else total + sq
-        for group in self.tied:  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
-            for k, (x, name_x) in enumerate(group):
-                for y, name_y in group[k + 1 :]:
-                    cross, how = cross_term(x, name_x, y, name_y, batch)
-                    if cross is not None:
-                        total = total + 2 * cross
-                        x.cross_taken.setdefault(y.name, set()).add(how)
-                        y.cross_taken.setdefault(x.name, set()).add(how)
+        with self.parameter_view():
+            for part in parts:
+                sq = part.norm_sq()
+                if sq is not None:
+                    total = sq if total is None else total + sq
+            for group in self.tied:  # 2 Σ_{l<m} ⟨G_i^(l), G_i^(m)⟩ of each tied parameter (bk_tied)
+                for k, (x, name_x) in enumerate(group):
+                    for y, name_y in group[k + 1 :]:
+                        cross, how = cross_term(x, name_x, y, name_y, batch)
+                        if cross is not None:
+                            total = total + 2 * cross
+                            x.cross_taken.setdefault(y.name, set()).add(how)
+                            y.cross_taken.setdefault(x.name, set()).add(how)
         norms = total.clamp_min(0).sqrt() * self.scale(batch, loss_scale)
         finite = torch.isfinite(norms)
         self._dropped = None
@@ -1049,8 +1054,9 @@ class BookKeeper:
                 w = w.masked_fill(self._dropped, 0)
                 for part in parts:
                     part.drop(self._dropped)
-            for part in parts:
-                add_into(out, part.clipped_sum(w))  # a tied parameter: the sum of its layers' contributions
+            with self.parameter_view():
+                for part in parts:
+                    add_into(out, part.clipped_sum(w))  # a tied parameter: the sum of its layers' contributions
         return out
 
     def clear(self) -> None:

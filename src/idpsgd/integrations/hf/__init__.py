@@ -23,6 +23,7 @@ _LAZY = {
     "FinetuneOptions": "finetune",
     "load_text_data": "text_data",
     "TextData": "text_data",
+    "export_checkpoint": "sharding",
 }
 
 
@@ -49,6 +50,7 @@ __all__ = [
     "PrivacyArguments",
     "TextData",
     "check_training_arguments",
+    "export_checkpoint",
     "finetune",
     "load_text_data",
 ]

@@ -47,6 +47,11 @@ class PrivacyArguments:
             per user (a budgets column must be constant within each user) and the expected batch size
             (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
         max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
+        fsdp: shard the model with FSDP2 under ``torchrun`` (issue 39): each transformer block and the
+            root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of a
+            step in one forward pass (``gradient_accumulation_steps=1``); ``bk`` only, no user level, no
+            fp16, no gradient checkpointing, no LoRA (refused with the reason); checkpoints are sharded
+            folders (``private/checkpoint-<step>/``).
     """
 
     budgets: Any
@@ -59,6 +64,7 @@ class PrivacyArguments:
     overwrite: bool = False
     user_column: Any = None
     max_rows_per_user: int = 4
+    fsdp: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -79,6 +85,8 @@ class PrivacyArguments:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
             raise InvalidParameterError("seed", self.seed, "must be an integer or None")
+        if self.fsdp is not False and self.fsdp is not True:
+            raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
 
 
 def _value(x):
@@ -152,8 +160,8 @@ _REFUSED = (
         "fsdp",
         bool,
         "FSDP shards and reduces autograd's summed gradients itself, past the per-example clipping and the "
-        "noise; run several processes with torchrun instead (the engine's DPDDP); sharded private training "
-        "waits for the engine's FSDP2 support",
+        "noise; run several processes with torchrun instead: PrivacyArguments(fsdp=True) shards the model "
+        "with FSDP2 under the engine's clipping and noise (or the engine's DPDDP without it)",
     ),
 )
 

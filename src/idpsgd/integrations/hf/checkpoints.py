@@ -30,6 +30,7 @@ from ...validation import InvalidParameterError
 
 FORMAT = "idpsgd.hf-trainer-checkpoint/1"
 PATTERN = re.compile(r"^checkpoint-(\d+)\.pt$")
+SHARDED = re.compile(r"^checkpoint-(\d+)$")  # a sharded (fsdp) checkpoint folder (engine/sharded_checkpoint.py)
 
 #: TrainingArguments that shape the run (a resumed run must be set up with the same values; not ``seed``:
 #: the model's initialisation it seeds is replaced by the checkpoint's weights, the RNG states by its states)
@@ -60,7 +61,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def checkpoints_in(folder) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the checkpoints in a run folder's ``private/``, oldest first."""
+    """``(step, path)`` of the checkpoints in a run folder's ``private/``, oldest first: files
+    ``checkpoint-<step>.pt`` and complete sharded folders ``checkpoint-<step>/`` (fsdp runs)."""
+    from ...engine.sharded_checkpoint import sharded_checkpoints
+
     private = Path(folder) / PRIVATE
     if not private.is_dir():
         return []
@@ -69,7 +73,7 @@ def checkpoints_in(folder) -> list[tuple[int, Path]]:
         m = PATTERN.match(p.name)
         if m and p.is_file():
             found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted(found + sharded_checkpoints(private))
 
 
 def _plain(v):
@@ -117,7 +121,7 @@ def signature(trainer) -> dict:
             "secure_mode": privacy.secure_mode,
             "delta": trainer.budgets.delta,
         },
-        "model": type(trainer.model).__name__,
+        "model": next(c for c in type(trainer.model).__mro__ if not c.__name__.startswith("FSDP")).__name__,
         "model_config_sha256": trainer.model_config_digest,
         "n": len(trainer.budgets),
         "budgets_sha256": hashlib.sha256(np.ascontiguousarray(trainer.budgets.epsilons).tobytes()).hexdigest(),
@@ -183,6 +187,8 @@ def find_checkpoint(folder, resume_from_checkpoint) -> Path:
             )
         return found[-1][1]
     p = Path(resume_from_checkpoint)
+    if p.is_dir() and SHARDED.match(p.name):
+        return p
     if p.is_dir():
         found = checkpoints_in(p)
         if not found:
@@ -199,7 +205,12 @@ def checkpoint_seed(folder) -> int | None:
     found = checkpoints_in(folder)
     if not found:
         return None
-    return read_checkpoint(found[-1][1])["engine"].get("seed")
+    path = found[-1][1]
+    if path.is_dir():  # sharded: every rank saved the same seed (rank 0's, broadcast)
+        from ...engine.sharded_checkpoint import read_sharded_state
+
+        return read_sharded_state(path)["ranks"][0]["extra"]["engine"].get("seed")
+    return read_checkpoint(path)["engine"].get("seed")
 
 
 def read_checkpoint(path) -> dict:

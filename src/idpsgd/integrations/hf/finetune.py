@@ -67,6 +67,7 @@ class FinetuneOptions:
     progress: bool = False
     save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
     nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
+    fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk only): torchrun or nproc
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
@@ -98,12 +99,24 @@ class FinetuneOptions:
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
         per_step = (self.physical_batch_size or self.batch_size) * self.nproc
-        if self.nproc > 1 and self.batch_size % per_step:
+        if self.nproc > 1 and self.batch_size % per_step and not self.fsdp:
             raise InvalidParameterError(
                 "nproc",
                 self.nproc,
                 f"times --physical-batch-size ({per_step}) must divide --batch-size={self.batch_size}: each "
                 "process takes an equal share of the expected batch in physical batches",
+            )
+        if self.fsdp is not False and self.fsdp is not True:
+            raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
+        if self.fsdp and self.grad_sample_mode != "bk":
+            raise InvalidParameterError(
+                "grad_sample_mode",
+                self.grad_sample_mode,
+                "with fsdp only bk is supported (the sharded engine's book-keeping clipped sum)",
+            )
+        if self.fsdp and self.lora_r:
+            raise InvalidParameterError(
+                "lora_r", self.lora_r, "LoRA is not supported with fsdp (the sharded engine trains every parameter)"
             )
         se = self.save_every
         if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
@@ -117,6 +130,17 @@ class FinetuneOptions:
             raise InvalidParameterError("weight_decay", self.weight_decay, "must be >= 0")
         if self.device not in DEVICES:
             raise InvalidParameterError("device", self.device, f"must be one of {', '.join(DEVICES)}")
+
+
+def torchrun_world() -> int:
+    """The processes ``torchrun`` started (its WORLD_SIZE) when this process is one of them, else 0."""
+    import os
+
+    from ...engine import distributed
+
+    if distributed.is_distributed() or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 0
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_model_folder(path) -> Path:
@@ -274,7 +298,34 @@ def finetune(
     from ...engine import distributed
     from .trainer import IndividualizedTrainer
 
-    if options.nproc > 1 and not distributed.is_distributed():  # the same finetune on N ranks; rank 0 reports
+    torchrun = torchrun_world()
+    if torchrun and options.nproc > 1:
+        raise InvalidParameterError(
+            "nproc",
+            options.nproc,
+            f"is given while torchrun already started {torchrun} processes: give one of them (torchrun "
+            "--nproc-per-node N, or --nproc N without torchrun)",
+        )
+    procs = torchrun or options.nproc
+    per_step = (options.physical_batch_size or options.batch_size) * procs
+    if procs > 1 and options.batch_size % per_step and not options.fsdp:
+        raise InvalidParameterError(
+            "batch_size",
+            options.batch_size,
+            f"must be a multiple of the {procs} processes times --physical-batch-size: each process takes an "
+            "equal share of the expected batch in physical batches",
+        )
+    if options.fsdp and (
+        options.batch_size % procs or options.physical_batch_size not in (None, options.batch_size // procs)
+    ):
+        raise InvalidParameterError(
+            "physical_batch_size" if options.physical_batch_size is not None else "batch_size",
+            options.physical_batch_size or options.batch_size,
+            f"with fsdp each of the {procs} processes runs its share of a step in one forward pass: --batch-size "
+            "must be a multiple of the processes, and --physical-batch-size left out (or --batch-size / processes)",
+        )
+    if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
+        # the same finetune on N ranks (fsdp: a process group even for one); rank 0 reports
         return distributed.launch(
             finetune,
             options.nproc,
@@ -350,10 +401,12 @@ def finetune(
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
     physical = options.physical_batch_size or options.batch_size
+    if options.fsdp:  # one forward pass of each rank's share per step (sharding.check_fsdp)
+        physical = options.batch_size // procs
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=physical,
-        gradient_accumulation_steps=options.batch_size // (physical * options.nproc),
+        gradient_accumulation_steps=options.batch_size // (physical * procs),
         num_train_epochs=options.epochs,
         learning_rate=options.lr,
         weight_decay=options.weight_decay,
@@ -382,6 +435,7 @@ def finetune(
         secure_mode=options.secure_mode,
         overwrite=overwrite,
         user_column=users,
+        fsdp=options.fsdp,
     )
     trainer = IndividualizedTrainer(
         model=model,

@@ -35,6 +35,7 @@ from ...engine.wrap import raw_module
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
 from . import checkpoints as ckpts
+from . import sharding
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
 
@@ -384,6 +385,8 @@ class IndividualizedTrainer(Trainer):
                 type(train_dataset).__name__,
                 "must be map-style (Poisson sampling picks examples by index)",
             )
+        if privacy.fsdp:  # sharded (FSDP2): what the sharded engine cannot honour is refused first
+            sharding.check_fsdp(privacy, args, model, kwargs)
         train_dataset, self.users = resolve_users(privacy, train_dataset)
         train_dataset, self.budgets = resolve_budgets(privacy, train_dataset, self.users)
         self.privacy = privacy
@@ -466,6 +469,7 @@ class IndividualizedTrainer(Trainer):
         self._pending_sampler_states: collections.deque = collections.deque()  # drawn, not yet trained on
         self._data_digest: str | None = None
         self._dp_module = None  # the DPDDP wrapper of the model under torch.distributed (engine/distributed.py)
+        self._resume_path = None  # the checkpoint being resumed (a sharded one is loaded after sharding)
 
     # --- the private step ---------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -500,12 +504,17 @@ class IndividualizedTrainer(Trainer):
         n = len(ds) if self.users is None else self.users.num_users
         rate = self.expected_batch_size / n
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
+        if self.privacy.fsdp:  # each block and the root sharded before the optimizer sees the parameters
+            sharding.shard_model(self.model, self.args.device)
         self.create_optimizer()
         self.model.train()  # from_pretrained returns a model in eval mode
         module = self.model
-        if distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
+        if self.privacy.fsdp:
+            if self._resume is not None:  # the shards of model and optimizer, the RNG states
+                sharding.load(self, self._resume_path)
+        elif distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
             module = self._dp_module = distributed.wrap_model(self.model)
-        _, self.dp_optimizer, private = self.engine.make_private(
+        wrapped, self.dp_optimizer, private = self.engine.make_private(
             module=module,
             optimizer=self.optimizer,
             data_loader=loader,
@@ -519,6 +528,8 @@ class IndividualizedTrainer(Trainer):
             users=self.users,
         )
         self.optimizer = self.dp_optimizer
+        if self.privacy.fsdp:  # the engine's wrapper runs the steps (never accelerate's DDP around the model)
+            self._dp_module = wrapped
         self.planned_steps = planned
         self._record_sampler_states(private)
         if self._resume is not None:  # accountant history, filter, sampler and noise generators
@@ -591,9 +602,17 @@ class IndividualizedTrainer(Trainer):
         if self._pending_sampler_states:
             self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
-        if n == 0:  # the step is noise only (engine: no backward pass needed)
+        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank)
+            if n == 0:  # an empty draw: the engine's phantom row (zeros; the optimizer gives it no weight)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, sharding.phantom(inputs))
+                self.accelerator.backward(loss)
+                return torch.zeros((), device=self.args.device)
+            parts = [inputs]
+        elif n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
-        parts = physical_batches(inputs, n, self.physical_batch_size)
+        else:
+            parts = physical_batches(inputs, n, self.physical_batch_size)
         total = torch.zeros((), device=self.args.device)
         for k, part in enumerate(parts):
             with self.compute_loss_context_manager():
@@ -764,6 +783,10 @@ class IndividualizedTrainer(Trainer):
                 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
                 out = super().train(**kwargs)
             out = self._public_output(out)
+            if self.privacy.fsdp:  # every rank gives its shards; rank 0's model becomes the whole, plain one
+                full = sharding.full_state(self.model)
+                if self.is_world_process_zero():
+                    self.model = sharding.plain_copy(self.model, full)
             if self.is_world_process_zero():  # rank 0 writes the run folder
                 self.save_run()
         except BaseException:
@@ -790,7 +813,7 @@ class IndividualizedTrainer(Trainer):
             distributed.check_replicated(
                 "privacy ledger", [self.state.global_step, self.engine.steps, *self.engine.accountant.grid_epsilon()]
             )
-        if not self.is_world_process_zero():
+        if not self.is_world_process_zero() and not self.privacy.fsdp:
             return
         step = int(self.state.global_step)
         engine = self.engine.state_dict()
@@ -807,8 +830,6 @@ class IndividualizedTrainer(Trainer):
                 "best_metric": s.best_metric,
                 "best_global_step": s.best_global_step,
             },
-            "model": raw_module(self.model).state_dict(),
-            "optimizer": self.dp_optimizer.state_dict(),
             "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "engine": engine,
             "rng": ckpts.rng_state(),
@@ -817,6 +838,12 @@ class IndividualizedTrainer(Trainer):
             "private_flos": self.private_flos,
             "stopped_early": self.stopped_early,
         }
+        limit = self.user_args.save_total_limit
+        if self.privacy.fsdp:  # every rank: its shards and its state (sharding.py); the config for export
+            state["model_config"] = raw_module(self.model).config.to_dict()
+            sharding.save(self, self.run_folder.path / ckpts.PRIVATE, step, state, limit or None)
+            return
+        state.update(model=raw_module(self.model).state_dict(), optimizer=self.dp_optimizer.state_dict())
         self.run_folder.save_torch(
             ckpts.checkpoint_name(step),
             state,
@@ -824,7 +851,6 @@ class IndividualizedTrainer(Trainer):
             "checkpoint: model, optimizer, schedule, privacy engine (accountant, filter, sampler and noise "
             "states, seed), RNG states, private logs; train(resume_from_checkpoint=True) continues it",
         )
-        limit = self.user_args.save_total_limit
         if limit:
             for _, path in ckpts.checkpoints_in(self.run_folder.path)[:-limit]:
                 self.run_folder.remove(path.name, "private")
@@ -835,7 +861,14 @@ class IndividualizedTrainer(Trainer):
         if self.dp_optimizer is not None:
             raise RuntimeError("an IndividualizedTrainer trains once; create a new one to resume a run")
         path = ckpts.find_checkpoint(self.run_folder.path, resume_from_checkpoint)
-        state = ckpts.read_checkpoint(path)
+        if sharding.is_sharded_checkpoint(path) != bool(self.privacy.fsdp):
+            raise InvalidParameterError(
+                "resume_from_checkpoint",
+                str(path),
+                f"was written by a run {'with' if not self.privacy.fsdp else 'without'} fsdp: resume it "
+                f"{'with' if not self.privacy.fsdp else 'without'} fsdp (--fsdp), as it was written",
+            )
+        state = sharding.read_rank_state(path) if self.privacy.fsdp else ckpts.read_checkpoint(path)
         differences = ckpts.signature_differences(state["signature"], ckpts.signature(self))
         if differences:
             raise InvalidParameterError(
@@ -864,7 +897,9 @@ class IndividualizedTrainer(Trainer):
             self.engine = IndividualizedPrivacyEngine(
                 accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
             )
-        raw_module(self.model).load_state_dict(state["model"])
+        if "model" in state:  # a sharded checkpoint's shards load after sharding (get_train_dataloader)
+            raw_module(self.model).load_state_dict(state["model"])
+        self._resume_path = path
         self.ledger_rows = [list(r) for r in state["ledger_rows"]]
         self.private_logs = [dict(h) for h in state["private_logs"]]
         self.private_flos = float(state["private_flos"])
@@ -886,9 +921,14 @@ class IndividualizedTrainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, None)
         if self._resume is not None:
-            self.dp_optimizer.load_state_dict(self._resume["optimizer"])
+            sharded = "optimizer" not in self._resume  # (sharded: loaded with the shards, before the schedule)
+            if not sharded:
+                self.dp_optimizer.load_state_dict(self._resume["optimizer"])
             if self._resume.get("scheduler") is not None:
                 self.lr_scheduler.load_state_dict(self._resume["scheduler"])
+                if sharded:  # creating the schedule reset the learning rate the optimizer's state held
+                    for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+                        group["lr"] = lr
         return model, loader
 
     def _run_epoch(self, **kwargs):

@@ -1,0 +1,501 @@
+"""Sharded IDP-SGD on PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``, DTensor parameters).
+
+Boenisch et al. 2023, Alg. 3 with the book-keeping clipped sum (Bu et al. 2023, Alg. 1), run by W
+ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the mechanism — and so
+the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`setup`
+(``make_private``'s refusals, rank 0's seed on every rank); :func:`phantom_batches` (an empty draw
+becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`ShardedBookKeepingOptimizer`
+(``OPTIMIZERS["bk"]``); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
+:func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
+
+* **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
+  all-gathered (unsharded) parameters, so the book-keeper sees whole activations and output
+  gradients and forms each of its examples' *full* norm ‖g_i‖ locally: no partial-norm all-reduce.
+* **clipped sum** — Σ_{i on rank r} w_i g_i (full shape, w_i = min(1, c_i/‖g_i‖)) is reduce-scattered
+  (SUM, bucketed) into the Shard(0) chunks: our collective, not FSDP2's (bk leaves the unsharded
+  parameters without autograd gradients, so FSDP2 reduces nothing; a gradient it does reduce — a
+  parameter used outside the book-kept layers — refuses the step), so nothing is reduced twice.
+* **noise** — exactly one N(0, σ²c²I) over the full vector, see :func:`noise_shard` (proof there).
+* **normalisation** — (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process; refusals are shared
+  before the step's collectives (every rank refuses together).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+from ..validation import InvalidParameterError
+from .integrity import UnnoisedWriteError, local_tensor
+from .optimizer import IndividualizedDPOptimizerBookKeeping
+from .randomness import OsEntropyNormal, gaussian_like
+
+
+class ShardedTrainingError(RuntimeError):
+    """A rank of a sharded (FSDP2) run refused a step; every rank refuses it together."""
+
+
+# --- the model --------------------------------------------------------------------------------
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    kind = _dtensor_type()
+    return kind is not None and isinstance(t, kind)
+
+
+#: this rank's local tensor of a DTensor (the tensor object itself), ``t`` otherwise
+local_shard = local_tensor
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) was wrapped with ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _check_parameters(module: torch.nn.Module) -> None:
+    from torch.distributed.tensor import Shard
+
+    for name, p in module.named_parameters():
+        if not is_dtensor(p):
+            raise InvalidParameterError(
+                "module",
+                f"parameter {name!r}",
+                "is not sharded by fully_shard while other parameters are: a model only partly wrapped is "
+                "refused (its replicated parameters would be summed over the ranks without a reduction); call "
+                "fully_shard on the root module too (after the blocks), as FSDP2's examples do",
+            )
+        mesh = p.device_mesh
+        if mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise InvalidParameterError(
+                "module",
+                f"parameter {name!r} placed {tuple(p.placements)} on a {mesh.ndim}-D mesh",
+                "sharded training supports a 1-D device mesh with Shard(0) placements (fully_shard's default); "
+                "HSDP (2-D meshes) and shard_placement_fn are not supported",
+            )
+        if mesh.size() != dist.get_world_size():
+            raise InvalidParameterError(
+                "module",
+                f"a device mesh of {mesh.size()} ranks",
+                f"must span the whole process group ({dist.get_world_size()} ranks): the Poisson sampling "
+                "shards the data over every rank",
+            )
+
+
+def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter, users=None) -> tuple[int, int]:
+    """Checks of a ``fully_shard`` model for ``make_private``; rank 0's seeds become every rank's.
+    Returns (rank, W)."""
+    from . import distributed
+
+    if not distributed.is_distributed():
+        raise InvalidParameterError(
+            "module",
+            "a fully_shard model",
+            "needs an initialised torch.distributed process group "
+            "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)",
+        )
+    if grad_sample_mode != "bk":
+        raise InvalidParameterError(
+            "grad_sample_mode",
+            grad_sample_mode,
+            "a fully_shard (FSDP2) model trains with grad_sample_mode='bk' only: hooks/functorch/ew/no_op "
+            "materialise per-sample gradients of the unsharded parameters, which FSDP2 frees after each "
+            "module's forward and backward, and ghost clipping is not wired to the sharded noise yet",
+        )
+    if users is not None:
+        raise InvalidParameterError(
+            "users", repr(users), "user-level privacy is not supported with a fully_shard model yet"
+        )
+    if privacy_filter == "individual" or engine.individual is not None:
+        raise InvalidParameterError(
+            "privacy_filter" if privacy_filter == "individual" else "individual accounting",
+            privacy_filter,
+            "the individual filter and individual accounting are not supported with a fully_shard model yet "
+            "(their per-example norm passes are not sharded); use privacy_filter='group'",
+        )
+    _check_parameters(module)
+    settle_shards(module)
+    if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
+        seed, sampler_seed = distributed.broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
+        engine.seed, engine.sampler_seed = seed, sampler_seed
+    return distributed.rank_and_world()
+
+
+def settle_shards(module: torch.nn.Module) -> None:
+    """FSDP2 re-pads unevenly sharded parameters, replacing their local tensors, at its lazy
+    initialisation (the first forward, otherwise): done here, by one public ``unshard()`` /
+    ``reshard()`` of each FSDP module (the same order on every rank), so that the write guard's
+    snapshot of the local shards (:mod:`.integrity`) is taken of the tensors the training writes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+            m.reshard()
+
+
+class PhantomCollate:
+    """A rank whose share of the Poisson draw is empty must still run the forward and backward pass:
+    FSDP2 all-gathers each block's parameters in them, and the other ranks wait for every rank.
+    Many models cannot run on zero rows (Hugging Face transformers reshape by ``-1``), so an empty
+    batch becomes one *phantom* row of zeros (the structure and trailing shapes of the empty batch,
+    which :class:`~.sampler.EmptyBatchCollate` gives; no example's values).  The optimizer gives it
+    no weight: a step whose drawn batch is empty on this rank adds a zero clipped sum, as a
+    noise-only step (:meth:`ShardedBookKeepingOptimizer.accumulate`); nothing of the phantom row
+    reaches the update, and the accounting counts the drawn examples only."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch):
+        out = self.collate_fn(batch)
+        return out if len(batch) else _phantom(out)
+
+
+def _phantom(sample):
+    from torch.utils._pytree import tree_map
+
+    def one(t):
+        if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == 0:
+            return t.new_zeros((1, *tuple(t.shape[1:])))
+        return t
+
+    return tree_map(one, sample)
+
+
+def phantom_batches(loader, batch_first: bool) -> None:
+    """Make ``loader`` (the engine's private loader) yield a phantom row for an empty draw (:class:`PhantomCollate`)."""
+    if not batch_first:
+        raise InvalidParameterError(
+            "batch_first", batch_first, "a fully_shard model needs batch-first inputs (batch_first=True)"
+        )
+    loader.collate_fn = PhantomCollate(loader.collate_fn)
+
+
+def check_keeper(keeper) -> None:
+    """Refuse the book-keeper's units that FSDP2 cannot serve (they read the registered — sharded —
+    parameters in their own per-sample passes)."""
+    units = [*keeper.units, *keeper.direct]
+    if units:
+        raise InvalidParameterError(
+            "module",
+            ", ".join(f"{u.name!r} ({type(u.module).__name__})" for u in units[:5]),
+            "layers no book-keeping rule covers (fallback or direct units) are not supported with fully_shard: "
+            "their per-sample gradients are formed from the registered parameters, which are sharded",
+        )
+
+
+# --- shards ------------------------------------------------------------------------------------
+def shard_rows(p: torch.Tensor) -> tuple[int, int]:
+    """(first row, rows) of this rank's Shard(0) chunk of ``p``: ``torch.chunk`` of dim 0 into W
+    chunks of ⌈n/W⌉ rows (the last ones shorter or empty), FSDP2's and DTensor's layout."""
+    rank, world = p.device_mesh.get_local_rank(), p.device_mesh.size()
+    n = int(p.shape[0])
+    size = -(-n // world)
+    start = min(rank * size, n)
+    return start, min(size, n - start)
+
+
+#: the number of gradient entries per reduce-scatter (a bucket, 2²⁴: 64 MiB of float32; a larger parameter alone)
+BUCKET_ENTRIES = 1 << 24
+
+
+def reduce_scatter_sum(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's Shard(0) chunk of Σ_ranks ``full`` (every rank passes a tensor of ``p``'s full shape)."""
+    return reduce_scatter_sums([(p, full)])[0]
+
+
+def reduce_scatter_sums(pairs) -> list[torch.Tensor]:
+    """This rank's Shard(0) chunk of Σ_ranks ``full`` for each (p, full) of ``pairs`` (the same
+    parameters, in the same order, on every rank): a SUM ``reduce_scatter_tensor`` per bucket of
+    parameters of one dtype, each parameter's rows padded to W·⌈n/W⌉ (FSDP2's padded layout), so
+    rank r receives the rows of its chunk of every parameter of the bucket in one collective.
+    ``pairs`` (a list) is consumed: each ``full`` in it is released (replaced by None) once copied into
+    its bucket, so the transient memory is the full-size sums not yet sent plus one bucket."""
+    out: list = [None] * len(pairs)
+    bucket: list[int] = []
+    size = 0
+    for i, (_p, full) in enumerate(pairs):
+        if bucket and (size + full.numel() > BUCKET_ENTRIES or full.dtype != pairs[bucket[0]][1].dtype):
+            _flush(pairs, bucket, out)
+            bucket, size = [], 0
+        bucket.append(i)
+        size += full.numel()
+    if bucket:
+        _flush(pairs, bucket, out)
+    return out
+
+
+def _flush(pairs: list, bucket: list[int], out: list) -> None:
+    first, ref = pairs[bucket[0]]
+    world, group = first.device_mesh.size(), first.device_mesh.get_group()
+    layout = []  # (index, rows per chunk, entries per row)
+    for i in bucket:
+        p, full = pairs[i]
+        row = full[0].numel() if full.dim() else 1
+        layout.append((i, -(-int(full.shape[0] if full.dim() else 1) // world), row))
+    width = sum(rows * row for _, rows, row in layout)
+    send = ref.new_zeros((world, width))
+    at = 0
+    for i, rows, row in layout:
+        p, full = pairs[i]
+        flat, span = full.reshape(-1), rows * row
+        piece = send[:, at : at + span]  # row r: rank r's chunk of this parameter (zeros past its end)
+        whole = flat.numel() // span
+        piece[:whole] = flat[: whole * span].view(whole, span)
+        if flat.numel() > whole * span:
+            piece[whole, : flat.numel() - whole * span] = flat[whole * span :]
+        pairs[i] = (p, None)  # the full-size sum is released here
+        at += span
+    recv = ref.new_empty(width)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (torch < 2.13)
+    reduce_scatter(recv, send.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    del send
+    at = 0
+    for i, rows, row in layout:
+        p = pairs[i][0]
+        _start, mine = shard_rows(p)
+        out[i] = recv[at : at + mine * row].view((mine, *tuple(p.shape[1:])))
+        at += rows * row
+
+
+def noise_shard(std: float, p: torch.Tensor, local: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:
+    """This rank's Shard(0) chunk of the step's noise for parameter ``p`` (``local``: its chunk's shape).
+
+    Exactly one N(0, σ²c²I) over the full vector, each entry noised once:
+
+    * reproducible mode — every rank holds the same seeded generator (rank 0's seed, broadcast) and
+      draws, parameter by parameter in the optimizer's order, the *full-shape* noise the
+      one-process optimizer draws (same generator state, shape, dtype and device: the same values),
+      then keeps rows [start, start + rows) of its chunk.  The chunks of the W ranks partition the
+      rows 0..n−1 (:func:`shard_rows`: disjoint, covering), so the union of the kept noise is the
+      one full draw N_full — identical to the one-process noise, whatever W, and no entry is kept
+      twice or left out.  All ranks advance their generators identically, so this holds at every
+      step.  Cost: each rank generates the full noise of each parameter, transiently (one
+      parameter at a time; W× the noise generation of a sharded draw, none of it communicated).
+    * secure mode — each rank draws its own chunk from OS entropy (:class:`~.randomness.OsEntropyNormal`):
+      independent Gaussian entries on disjoint chunks that cover the vector, so again one
+      N(0, σ²c²I) over the full vector (not reproducible, by design)."""
+    if secure_mode or isinstance(generator, OsEntropyNormal):
+        return gaussian_like(std, local, generator, secure_mode)
+    reference = torch.empty(tuple(p.shape), dtype=local.dtype, device=local.device)
+    start, rows = shard_rows(p)
+    return gaussian_like(std, reference, generator, secure_mode)[start : start + rows]
+
+
+def as_sharded(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's chunk) as a DTensor laid out as ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+# --- the book-keeper after the backward pass ----------------------------------------------------
+class UnshardedParameters:
+    """The covered layers' unsharded parameter tensors, recorded in their forwards (FSDP2 swaps them
+    in while a module runs, and frees their storage — keeping the tensor objects — when it reshards).
+
+    The book-keeper forms norms and clipped sums after the backward pass, when the modules hold their
+    sharded DTensor parameters again; its rules read a weight's shape, dtype and device there
+    (``zeros_like(module.weight)``).  :meth:`swapped` puts the recorded unsharded tensors back for that
+    time: the full shapes and the dtype FSDP2's ``MixedPrecisionPolicy`` computed in, no memory
+    (their storage stays freed), and a rule that would read a weight's *values* there fails loudly
+    instead of reading a shard."""
+
+    def __init__(self, keeper):
+        self.seen: dict = {}
+        self.handles = [layer.module.register_forward_hook(self._record) for layer in keeper.layers]
+
+    def _record(self, module, _args, _out):  # at every forward: FSDP2 may make new ones (load_state_dict)
+        params = {n: p for n, p in module._parameters.items() if p is not None and not is_dtensor(p)}
+        if params:
+            self.seen[module] = params
+
+    @contextlib.contextmanager
+    def swapped(self):
+        saved = []
+        try:
+            for module, params in self.seen.items():
+                saved.append((module, {n: module._parameters[n] for n in params}))
+                module._parameters.update(params)
+            yield
+        finally:
+            for module, params in saved:
+                module._parameters.update(params)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# --- the optimizer ----------------------------------------------------------------------------
+class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
+    """Book-keeping clipping for a ``fully_shard`` model.  ``expected_batch_size`` is the per-rank
+    Σ_i q_i / W (as for DPDDP); the update is (Σ_i w_i g_i + noise) / Σ_i q_i, as in one process.
+
+    ``p.summed_grad`` holds this rank's chunk (a plain tensor); ``p.grad`` is set to a DTensor
+    laid out as ``p`` (the wrapped optimizer steps on the shards)."""
+
+    last_global_batch_size: int | None = None
+    unsharded: UnshardedParameters | None = None
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def keeper(self):
+        return self.__dict__.get("_keeper")
+
+    @keeper.setter
+    def keeper(self, keeper) -> None:
+        if self.unsharded is not None:
+            self.unsharded.remove()
+        self.__dict__["_keeper"] = keeper
+        self.unsharded = UnshardedParameters(keeper) if keeper is not None else None
+        if keeper is not None:
+            keeper.parameter_view = self.unsharded.swapped
+
+    def signal_skip_step(self, do_skip=True):
+        if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones
+            self.clipping.queue.clear()
+            self.refuse_step()
+            raise InvalidParameterError(
+                "optimizer",
+                "BatchMemoryManager (physical batches)",
+                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
+                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
+                "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
+                "activation checkpointing)",
+            )
+        return super().signal_skip_step(do_skip)
+
+    def accumulate(self):
+        keeper = self.keeper
+        refusal, sums = None, {}
+        try:
+            # bk leaves the unsharded parameters without autograd gradients, so FSDP2 reduce-scatters none; a
+            # non-zero one is a parameter used outside the book-kept layers (the keeper's own leak hook watches
+            # the registered, sharded, parameter, which FSDP2's forward does not use).  (A zero .grad is the
+            # keeper's GradScaler marker, or nothing: discarded as in one process.)
+            leaked = [p for p in self.params if p.grad is not None and bool(local_shard(p.grad).any())]
+            if leaked:
+                names = {id(p): n for n, p in keeper.model.named_parameters()}
+                shown = ", ".join(repr(names.get(id(p), "?")) for p in leaked[:5])
+                raise RuntimeError(
+                    f"parameter(s) {shown} received an autograd gradient through FSDP2 "
+                    "(used outside the book-kept layers' forwards: a functional call on a layer's weight, "
+                    "or a layer no rule covers): it would not be clipped per example; the step was not taken"
+                )
+            if not self.clipping.queue.empty_batch_pending:
+                norms = keeper.norms(self._loss_scale)
+                sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
+            # else: this rank's draw is empty: its backward pass (if any) ran on a phantom row
+            # (PhantomCollate), which gets no weight: a zero clipped sum, as a noise-only step
+        except Exception as exc:
+            refusal = exc
+        finally:
+            keeper.clear()
+        self._share_verdict(refusal)
+        pairs = []
+        for p in self.params:  # the same order on every rank
+            local = local_shard(p)
+            g = sums.pop(p, None)
+            g = torch.zeros(tuple(p.shape), dtype=local.dtype, device=local.device) if g is None else g
+            pairs.append((p, g.to(local.dtype)))
+            del g
+        del sums
+        chunks = reduce_scatter_sums(pairs)  # (empties pairs: each full-size sum freed once sent)
+        for p, chunk in zip(self.params, chunks, strict=True):
+            p.grad = None
+            if p.summed_grad is not None:
+                p.summed_grad.add_(chunk)
+            else:
+                p.summed_grad = chunk
+
+    def add_noise(self):
+        refusal = None
+        try:
+            self._admit_step()
+        except Exception as exc:
+            refusal = exc
+        self._share_verdict(refusal, count=True)
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            local = p.summed_grad
+            p.grad = as_sharded(local + noise_shard(std, p, local, self.generator, self.secure_mode), p)
+            _mark_as_processed(p.summed_grad)
+        self._noised = True
+
+    def scale_grad(self):
+        if self.loss_reduction == "mean":  # Σq/W per rank, times W: Σ q_i
+            for p in self.params:
+                p.grad /= self.expected_batch_size * self.world_size * self.accumulated_iterations
+
+    def _share_verdict(self, refusal: Exception | None, count: bool = False) -> None:
+        """One all-reduce of every rank's verdict (and, with ``count``, its batch size) before any
+        collective of the step's gradients or noise: a step refused on one rank is refused on all."""
+        code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
+        dev = local_shard(self.params[0]).device if self.params else torch.device("cpu")
+        dev = dev if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=dev)
+        flags[self.rank] = code
+        if count and refusal is None:
+            flags[-1] = sum(int(t.numel()) for t in self.clipping.pending_indices)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        codes = flags[:-1].tolist()
+        if not any(codes):
+            if count:
+                self.last_global_batch_size = int(flags[-1])
+            return
+        reasons: list = [None] * self.world_size
+        dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+        if refusal is not None:
+            raise refusal
+        self.refuse_step()
+        writes = [r for r, c in enumerate(codes) if c == 1]
+        rank = writes[0] if writes else next(r for r, c in enumerate(codes) if c)
+        where = f"rank {rank} of {self.world_size}"
+        outcome = (
+            "every rank refuses the step together: no noise was drawn and nothing was charged "
+            f"(this is rank {self.rank})"
+        )
+        if not writes:
+            raise ShardedTrainingError(f"the step was refused on {where} ({reasons[rank]}); {outcome}")
+        found = (
+            f"an un-noised write was found on {where}: its shard holds it, so this run's model must not be "
+            f"released and every later step is refused on every rank; train a fresh model ({reasons[rank]})"
+        )
+        if self.write_guard is not None:
+            self.write_guard.mark(found)
+        raise UnnoisedWriteError(f"{found}. {outcome}")
+
+
+OPTIMIZERS = {"bk": ShardedBookKeepingOptimizer}
+
+__all__ = [
+    "ShardedBookKeepingOptimizer",
+    "ShardedTrainingError",
+    "as_sharded",
+    "check_keeper",
+    "is_dtensor",
+    "is_sharded",
+    "local_shard",
+    "noise_shard",
+    "reduce_scatter_sum",
+    "setup",
+    "shard_rows",
+]
