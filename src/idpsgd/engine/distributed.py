@@ -136,12 +136,14 @@ def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return DPDDP(model)
 
 
-def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter) -> tuple[int, int] | None:
-    """Checks of a data-parallel ``module`` for ``make_private`` (None for a plain module): the
-    process group exists, the combination is supported; rank 0's seed becomes every rank's."""
+def setup(engine, module: torch.nn.Module, record, privacy_filter) -> tuple[tuple[int, int] | None, object]:
+    """Checks of a data-parallel ``module`` for ``make_private``: ``(ranks, seeds)`` — ranks None for
+    a plain module — where ``seeds`` (a :class:`~.randomness.RunSeeds`) holds rank 0's seeds, which
+    every rank uses (the engine's own when nothing is shared).  ``record``: the mode's
+    :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
     wrapper = data_parallel_wrapper(module)
     if wrapper is None:
-        return None
+        return None, engine.seeds
     name = type(wrapper).__name__
     if not is_distributed():
         raise InvalidParameterError(
@@ -151,11 +153,11 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
             "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)",
         )
     if isinstance(wrapper, DDP):
-        if grad_sample_mode in ("ghost", "bk"):
+        if not record.autograd_sum:
             raise InvalidParameterError(
                 "module",
                 name,
-                f"with grad_sample_mode={grad_sample_mode!r} is not supported "
+                f"with grad_sample_mode={record.name!r} is not supported "
                 "(DDP all-reduces autograd's summed gradients, which ghost clipping forms twice "
                 "and book-keeping never forms); wrap the model in "
                 "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead",
@@ -168,12 +170,10 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
                 "per-example norm passes without DDP's gradient all-reduce; wrap the model "
                 "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
             )
+    seeds = engine.seeds
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
-        seed, sampler_seed = broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
-        if engine.individual is not None and engine.individual.seed == engine.seed:
-            engine.individual.seed = seed
-        engine.seed, engine.sampler_seed = seed, sampler_seed
-    return rank_and_world()
+        seeds = seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
+    return rank_and_world(), seeds
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ class _RankZeroNoise:
         one rank only, and the others waited in the gradient all-reduce until the collective timeout.
         The refusing ranks' messages are gathered (only then) so that every rank names the cause."""
         code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
-        flags = torch.zeros(self.world_size, dtype=torch.int64, device=_comm_device())
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=comm_device())
         flags[self.rank] = code
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         codes = flags.tolist()
@@ -308,18 +308,9 @@ class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, Individual
     examples' clipped sum from its own backward pass; noise on rank 0; one all-reduce."""
 
 
-OPTIMIZERS = {
-    "hooks": DistributedIndividualizedDPOptimizer,
-    "functorch": DistributedIndividualizedDPOptimizer,
-    "ew": DistributedIndividualizedDPOptimizer,
-    "no_op": DistributedIndividualizedDPOptimizer,
-    "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
-    "bk": DistributedIndividualizedDPOptimizerBookKeeping,
-}
-
-
 # --- collectives ----------------------------------------------------------------------------
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
+    """The device collectives run on: the current CUDA device with NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -328,7 +319,7 @@ def broadcast_object(obj, src: int = 0):
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    dist.broadcast_object_list(box, src=src, device=comm_device())
     return box[0]
 
 
@@ -341,7 +332,7 @@ def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
     if local.size != sizes[rank]:
         raise RuntimeError(f"rank {rank} holds {local.size} values, expected {sizes[rank]}")
     width = max([1, *(int(s) for s in sizes)])
-    dev = _comm_device()
+    dev = comm_device()
     buf = torch.zeros(width, dtype=torch.float64, device=dev)
     buf[: local.size] = torch.from_numpy(local).to(dev)
     out = [torch.empty_like(buf) for _ in range(world)]
@@ -397,7 +388,7 @@ def check_replicated(name: str, values) -> None:
         return
     arr = np.ascontiguousarray(np.asarray(values, dtype=np.float64).ravel())
     digest = int.from_bytes(__import__("hashlib").sha256(arr.tobytes()).digest()[:7], "little")
-    dev = _comm_device()
+    dev = comm_device()
     mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     both = mine.clone()
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # max of h and of -h: equal on all ranks iff min == max

@@ -253,7 +253,7 @@ class IndividualFilter:
         prepared (norms at θ_0, bounds, admissions)."""
         if self.engine is not None:
             raise RuntimeError("this filter is already attached to an engine")
-        spe = engine.parameters["steps_per_epoch"]
+        spe = engine.parameters.steps_per_epoch
         self.every = 1 if self.options.gd else max(1, round(spe / float(self.options.refreshes_per_epoch)))
         self.engine = engine
         engine.data_loader.poisson_sampler.sample_rates = self.rates
@@ -336,7 +336,7 @@ class IndividualFilter:
         batch drawn before the filter's decision is refused, nothing is released)."""
         if not self._prepared:
             raise PrivacyBudgetExceeded(
-                f"individual filter: step {self.steps + 1} is beyond the {self.engine.parameters.get('steps')} steps "
+                f"individual filter: step {self.steps + 1} is beyond the {self.engine.parameters.steps} steps "
                 "planned for this phase; no bounds were set for it (give make_private the run's length as steps)"
             )
         pending = self.engine.clipping.pending_indices  # this step's clipped examples, in clipping order
@@ -361,7 +361,7 @@ class IndividualFilter:
         self.steps += 1
         self.history.append(np.bincount(self.group_of[self.active], minlength=self.group_values.size))
         self._prepared = False
-        planned = self.engine.parameters.get("steps")
+        planned = self.engine.parameters.steps
         if planned is None or self.steps < planned:
             self._prepare_step()
 

@@ -136,15 +136,15 @@ class IndividualTracker:
                 "individual_accounting", True, "supports one-phase runs (a second make_private on this engine)"
             )
         p = engine.parameters
-        n = p["sample_rates"].size
+        n = p.sample_rates.size
         if self.accountant is None:
             o = self.options
-            self.every = max(1, int(round(p["steps_per_epoch"] / float(o.refreshes_per_epoch))))
+            self.every = max(1, int(round(p.steps_per_epoch / float(o.refreshes_per_epoch))))
             self.accountant = IndividualAccountant(
-                p["sample_rates"],
-                p["noise_multiplier"],
-                p["max_grad_norm"],
-                p["clip_norms"],
+                p.sample_rates,
+                p.noise_multiplier,
+                p.max_grad_norm,
+                p.clip_norms,
                 rounding=o.rounding,
                 rounding_step=o.rounding_step,
             )
@@ -156,21 +156,26 @@ class IndividualTracker:
             )
             self.exact = (
                 IndividualAccountant(
-                    p["sample_rates"][self.subset],
-                    p["noise_multiplier"],
-                    p["max_grad_norm"],
-                    p["clip_norms"][self.subset],
+                    p.sample_rates[self.subset],
+                    p.noise_multiplier,
+                    p.max_grad_norm,
+                    p.clip_norms[self.subset],
                     rounding="exact",
                 )
                 if m
                 else None
             )
-            self.check = SensitivityCheck(float(p["clip_norms"].max()))
+            self.check = SensitivityCheck(float(p.clip_norms.max()))
         self.engine = engine
         self._dropouts = dropout_modules(raw_module(engine.module))
         engine.optimizer.post_step_hooks.append(self._after_step)
         self._due = True
         self._prepare_step()
+
+    def detach(self) -> None:
+        """Unhook from the engine's optimizer (a tracker replaced by one with another seed)."""
+        if self.engine is not None and self._after_step in self.engine.optimizer.post_step_hooks:
+            self.engine.optimizer.post_step_hooks.remove(self._after_step)
 
     @property
     def enforces(self) -> bool:
@@ -282,7 +287,7 @@ class IndividualTracker:
         if self.exact is not None:
             self.exact.add_steps(1)
         self._due = True
-        planned = self.engine.parameters.get("steps")
+        planned = self.engine.parameters.steps
         if (planned is not None and self.engine.steps >= planned) or not self.engine.can_step():
             return  # no further step is planned: no norm pass for it
         self._prepare_step()
@@ -354,10 +359,10 @@ class IndividualTracker:
         return {
             "norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
             "steps": np.asarray(self.recorded_steps, dtype=np.int64),
-            "sample_rates": p["sample_rates"],
-            "clip_norms": p["clip_norms"],
-            "noise_multiplier": np.float64(p["noise_multiplier"]),
-            "clip_norm": np.float64(p["max_grad_norm"]),
+            "sample_rates": p.sample_rates,
+            "clip_norms": p.clip_norms,
+            "noise_multiplier": np.float64(p.noise_multiplier),
+            "clip_norm": np.float64(p.max_grad_norm),
             "rounding": np.str_(self.accountant.rounding),
             "rounding_step": np.float64(self.accountant.rounding_step),
             "accounting_kind": np.str_(self.kind),

@@ -29,15 +29,14 @@ other modes (see :meth:`_PrivacyHooks.loss_scale`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from ..validation import InvalidParameterError, check_positive
 from .bk.rules import acc_dtype
+from .checks import check_noise
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
 from .sampler import BatchMismatchError
@@ -64,7 +63,7 @@ class _PrivacyHooks:
         secure_mode: bool = False,
         **kwargs,
     ):
-        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
         super().__init__(
             optimizer,
             noise_multiplier=float(noise_multiplier),
@@ -189,15 +188,6 @@ class _PrivacyHooks:
             for hook in self.post_step_hooks:
                 hook(self)
         return out
-
-
-def _check_noise(noise_multiplier, max_grad_norm, expected_batch_size):
-    if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
-        raise InvalidParameterError(
-            "noise_multiplier", noise_multiplier, "must be > 0 and finite (0 adds no noise: no privacy)"
-        )
-    check_positive(max_grad_norm, "max_grad_norm")
-    check_positive(expected_batch_size, "expected_batch_size")
 
 
 class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
@@ -352,13 +342,3 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 p.summed_grad.add_(g.to(p.summed_grad.dtype))
             else:
                 p.summed_grad = g.to(p.dtype)
-
-
-OPTIMIZERS = {
-    "hooks": IndividualizedDPOptimizer,
-    "functorch": IndividualizedDPOptimizer,
-    "ew": IndividualizedDPOptimizer,
-    "no_op": IndividualizedDPOptimizer,  # the user's p.grad_sample, clipped as the hooks mode's
-    "ghost": IndividualizedDPOptimizerFastGradientClipping,
-    "bk": IndividualizedDPOptimizerBookKeeping,
-}

@@ -247,6 +247,54 @@ def noise_generator(device, seed: int | None, secure_mode: bool):
     return seeded_generator(device, int(seed))
 
 
+class RunSeeds:
+    """The run's seeds, in one object: the noise's (``seed``) and the Poisson sampler's
+    (``sampler_seed``), how they are chosen (given, followed from torch, or none in secure mode),
+    and the sources built from them.  The engine holds one; distributed set-up returns the one
+    every rank uses (:meth:`with_values`) instead of writing the engine's."""
+
+    def __init__(self, seed: int | None, secure_mode: bool):
+        self.secure_mode = bool(secure_mode)
+        self.follow_torch = seed is None and not self.secure_mode  # drawn from torch at the first draw
+        self.given = seed is not None  # a drawn seed yields to a checkpoint's on load
+        self.seed = None if self.follow_torch else resolve_seed(seed, self.secure_mode)
+        self.sampler_seed = self.seed  # the Poisson sampler's (the loader generator's when followed)
+        self.loader_generator = None  # the data loader's generator, followed by the sampler
+
+    def with_values(self, seed: int | None, sampler_seed: int | None) -> RunSeeds:
+        """A copy holding these seeds (rank 0's, broadcast), chosen the same way."""
+        out = RunSeeds.__new__(RunSeeds)
+        out.__dict__.update(self.__dict__)
+        out.seed, out.sampler_seed = seed, sampler_seed
+        return out
+
+    def draw(self) -> int | None:
+        """The noise's seed; without one given (non-secure), drawn now from torch's global generator."""
+        if self.seed is None and self.follow_torch:
+            self.seed = seed_from_torch(None)
+        return self.seed
+
+    def draw_sampler(self) -> int | None:
+        """The Poisson sampler's seed: the engine's, or drawn now from the data loader's generator."""
+        if self.sampler_seed is None and self.follow_torch:
+            self.sampler_seed = (
+                seed_from_torch(self.loader_generator) if self.loader_generator is not None else self.draw()
+            )
+        return self.sampler_seed
+
+    def sampler_rng(self):
+        """The Poisson sampler's source; built at its first draw when the seed follows torch."""
+        if self.follow_torch and self.sampler_seed is None:
+            return DeferredUniform(lambda: sampler_rng(self.draw_sampler(), False))
+        return sampler_rng(self.sampler_seed, self.secure_mode)
+
+    def noise_generator(self, device):
+        """The noise's source on ``device``; built at its first draw when the seed follows torch."""
+        if self.follow_torch and self.seed is None:
+            return DeferredGenerator(lambda: noise_generator(device, self.draw(), False), device)
+        return noise_generator(device, self.seed, self.secure_mode)
+
+
 def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:
     """N(0, std²) noise shaped like ``reference`` on its device and dtype: Opacus's
     ``_generate_noise`` with a torch generator, or OS-entropy normals (four draws summed and

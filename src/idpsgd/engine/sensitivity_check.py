@@ -155,10 +155,10 @@ def _reduce(counts: dict, maxima: dict) -> tuple[dict, dict]:
         return counts, maxima
     import torch.distributed as dist
 
-    from .distributed import _comm_device
+    from .distributed import comm_device
 
     keys = [k for k in counts if k != "steps"]
-    dev = _comm_device()
+    dev = comm_device()
     s = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=dev)
     m = torch.tensor([float(maxima[k]) for k in maxima], dtype=torch.float64, device=dev)
     dist.all_reduce(s, op=dist.ReduceOp.SUM)
