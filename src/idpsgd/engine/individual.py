@@ -59,7 +59,7 @@ from ..accounting.individual import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
 from .distributed import sharded_grad_norms
 from .sensitivity_check import SensitivityCheck, active_dropout, dropout_modules
-from .wrap import raw_module
+from .unwrap import raw_module
 
 DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
 

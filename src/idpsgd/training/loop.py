@@ -43,7 +43,7 @@ from ..data import Dataset
 from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
 from ..engine.randomness import randomness_note, resolve_seed
-from ..engine.wrap import raw_module
+from ..engine.unwrap import raw_module
 from ..io import fault_point, load_torch
 from ..models import DEFAULT_MODEL, create_model
 from ..runfolder import PRIVATE, SEED_FILE, RunFolder
@@ -93,7 +93,7 @@ class TrainConfig:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
         if self.accountant not in ("rdp", "pld", "prv"):
             raise InvalidParameterError("accountant", self.accountant, "must be rdp, pld or prv")
-        from ..engine.wrap import GRAD_SAMPLE_MODES
+        from ..engine.modes import GRAD_SAMPLE_MODES
 
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise InvalidParameterError(
