@@ -13,16 +13,22 @@ derived sizes.  Kept out of ``privacy_engine.py`` so that the engine reads as ch
 from __future__ import annotations
 
 import itertools
-import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets
-from ..validation import InvalidParameterError, check_positive, check_sample_rate
+from ..validation import InvalidParameterError, check_positive_array, check_sample_rate
+from . import distributed
 from .opacus_compat import OPACUS_PARAMETER_MISMATCH
+from .optimizer import check_noise
+from .options import SetupOptions
+from .randomness import RunSeeds
+from .units import check_user_level
 from .unwrap import raw_module
+from .wrap import check_wrappable, release_hooks
 
 
 def steps_per_epoch_for(sample_rates) -> int:
@@ -211,20 +217,62 @@ def check_same_budgets(earlier: Budgets | None, budgets: Budgets | None) -> None
         )
 
 
-def check_noise(noise_multiplier, max_grad_norm, expected_batch_size) -> None:
-    """σ > 0 and finite, c > 0, the normaliser > 0 (σ = 0 is no privacy: refused)."""
-    if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
-        raise InvalidParameterError(
-            "noise_multiplier", noise_multiplier, "must be > 0 and finite (0 adds no noise: no privacy)"
-        )
-    check_positive(max_grad_norm, "max_grad_norm")
-    check_positive(expected_batch_size, "expected_batch_size")
+@dataclass(frozen=True)
+class CheckedPhase:
+    """What the check stage of ``make_private_with_parameters`` found usable."""
+
+    units: int
+    budgets: Budgets | None
+    sample_rates: np.ndarray
+    clip_norms: np.ndarray
+    options: SetupOptions
+    ranks: tuple[int, int] | None  # (rank, world size) with data parallelism
+    seeds: RunSeeds  # the run's seeds (rank 0's with data parallelism)
+    device: torch.device
+    individual_filter: object = None  # the prepared IndividualFilter with privacy_filter="individual"
+
+
+def check_phase(
+    engine, *, module, optimizer, data_loader, budgets, target_delta, sample_rates, clip_norms, noise_multiplier,
+    max_grad_norm, options: SetupOptions,
+) -> CheckedPhase:  # fmt: skip
+    """Every check of a phase's set-up, in order; the engine is read, not written (an earlier
+    ``wrap_model=False`` phase's hooks are released from ``module``)."""
+    n = count_units(data_loader, options.users)
+    budgets = check_budgets(budgets, target_delta, n, allow_none=True)
+    q, c = per_example_parameters(sample_rates, clip_norms, n)
+    opts = options.validate(engine.secure_mode, budgets is not None, engine.filter is not None)
+    check_optimizer(module, optimizer)
+    release_hooks(engine.module, module)  # an earlier wrap_model=False phase's hooks on this module
+    check_wrappable(module, opts.grad_sample_mode, opts.batch_first, opts.loss_reduction, opts.wrap_model)
+    first = engine.accountant is None  # the sampler follows the loader's generator, as Opacus's DPDataLoader
+    seeds = engine.seeds.following(data_loader.generator) if first else engine.seeds
+    check_user_level(engine, opts.users, opts.privacy_filter)
+    ranks, seeds = distributed.setup(engine, module, opts.mode, opts.privacy_filter, seeds)  # DPDDP/DDP: (rank, W)
+    per_user_passes = opts.privacy_filter == "individual" or engine.individual is not None
+    check_sharded_user_level(opts.users, ranks, per_user_passes)
+    check_positive_array(c, "clip_norms")
+    if not first:
+        check_same_budgets(engine.budgets, budgets)
+    device = device_of(module)
+    normaliser = float(q.sum()) if opts.expected_batch_size is None else opts.expected_batch_size
+    check_noise(noise_multiplier, max_grad_norm, normaliser)
+    new_filter = None
+    if opts.privacy_filter == "individual":  # orders, RDP budgets, checks (engine/filter.py)
+        from .filter import prepare_filter
+
+        new_filter = prepare_filter(
+            engine, data_loader, opts.filter_options, opts.per_sample_loss, budgets, q, c, noise_multiplier,
+            max_grad_norm,
+        )  # fmt: skip
+    return CheckedPhase(n, budgets, q, c, opts, ranks, seeds, device, new_filter)
 
 
 __all__ = [
+    "CheckedPhase",
     "check_budgets",
-    "check_noise",
     "check_optimizer",
+    "check_phase",
     "check_same_budgets",
     "check_sharded_user_level",
     "count_units",

@@ -136,14 +136,14 @@ def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return DPDDP(model)
 
 
-def setup(engine, module: torch.nn.Module, record, privacy_filter) -> tuple[tuple[int, int] | None, object]:
+def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds) -> tuple[tuple[int, int] | None, object]:
     """Checks of a data-parallel ``module`` for ``make_private``: ``(ranks, seeds)`` — ranks None for
-    a plain module — where ``seeds`` (a :class:`~.randomness.RunSeeds`) holds rank 0's seeds, which
-    every rank uses (the engine's own when nothing is shared).  ``record``: the mode's
+    a plain module — where the returned seeds (a :class:`~.randomness.RunSeeds`) are rank 0's, which
+    every rank uses (``seeds`` itself when nothing is shared).  ``record``: the mode's
     :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
     wrapper = data_parallel_wrapper(module)
     if wrapper is None:
-        return None, engine.seeds
+        return None, seeds
     name = type(wrapper).__name__
     if not is_distributed():
         raise InvalidParameterError(
@@ -170,7 +170,6 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter) -> tuple[tupl
                 "per-example norm passes without DDP's gradient all-reduce; wrap the model "
                 "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
             )
-    seeds = engine.seeds
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
         seeds = seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
     return rank_and_world(), seeds

@@ -29,14 +29,15 @@ other modes (see :meth:`_PrivacyHooks.loss_scale`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
+from ..validation import InvalidParameterError, check_positive
 from .bk.rules import acc_dtype
-from .checks import check_noise
 from .clipping import PerExampleClipping
 from .randomness import gaussian_like
 from .sampler import BatchMismatchError
@@ -188,6 +189,16 @@ class _PrivacyHooks:
             for hook in self.post_step_hooks:
                 hook(self)
         return out
+
+
+def check_noise(noise_multiplier, max_grad_norm, expected_batch_size) -> None:
+    """σ > 0 and finite, c > 0, the normaliser > 0 (σ = 0 is no privacy: refused)."""
+    if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
+        raise InvalidParameterError(
+            "noise_multiplier", noise_multiplier, "must be > 0 and finite (0 adds no noise: no privacy)"
+        )
+    check_positive(max_grad_norm, "max_grad_norm")
+    check_positive(expected_batch_size, "expected_batch_size")
 
 
 class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):

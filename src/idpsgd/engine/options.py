@@ -45,6 +45,22 @@ class PhaseParameters(Mapping):
     privacy_unit: str = "example"
     max_rows_per_user: int | None = None
 
+    @classmethod
+    def of(cls, q, c, noise_multiplier, max_grad_norm, steps, steps_per_epoch, ebs, grad_sample_mode, users=None):
+        """The plan of a phase (``users``: a :class:`~idpsgd.users.Users` at user level)."""
+        return cls(
+            sample_rates=q,
+            clip_norms=c,
+            noise_multiplier=float(noise_multiplier),
+            max_grad_norm=float(max_grad_norm),
+            steps=None if steps is None else int(steps),
+            steps_per_epoch=int(steps_per_epoch),
+            expected_batch_size=ebs,
+            grad_sample_mode=grad_sample_mode,
+            privacy_unit="example" if users is None else "user",
+            max_rows_per_user=None if users is None else users.k,
+        )
+
     # read as a mapping, as the dict ``engine.parameters`` was
     def __getitem__(self, key: str) -> Any:
         if key not in self._names():

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..assignment import Budgets, assign
 from ..validation import InvalidParameterError, check_epsilon, check_positive
-from .checks import check_budgets, check_noise, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
+from .checks import check_budgets, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
+from .optimizer import check_noise
 from .options import METHODS
 
 

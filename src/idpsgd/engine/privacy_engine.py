@@ -24,37 +24,22 @@ from torch.utils.data import DataLoader
 
 from ..assignment import Budgets
 from ..names import ACCOUNTANTS
-from ..validation import InvalidParameterError, check_positive_array
+from ..validation import InvalidParameterError
 from . import checkpoint, distributed
 from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
-from .checks import (
-    check_budgets,
-    check_noise,
-    check_optimizer,
-    check_same_budgets,
-    check_sharded_user_level,
-    count_units,
-    device_of,
-    expected_batch_size_of,
-    per_example_parameters,
-    steps_per_epoch_for,
-)
+from .checks import check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
 from .clipping import PerExampleClipping
 from .group_filter import GroupFilter
 from .opacus_compat import refuse_opacus_options, validate_module
 from .options import FILTER_ACTIONS, FILTERS, METHODS, PhaseParameters, SetupOptions
 from .plan import epsilon_budgets, plan_phase
 from .randomness import SECURE_RNG_WARNING, RunSeeds
-from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
+from .step import build_step
 from .step_guard import StepGuard
 from .units import (
     BookKeepingUsers,
-    DistributedUserPoissonBatchSampler,
-    UnitClipping,
-    UserPoissonBatchSampler,
-    check_user_level,
 )
-from .wrap import check_wrappable, layer_paths, release_hooks, wrap_module
+from .wrap import layer_paths
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
@@ -118,18 +103,10 @@ class IndividualizedPrivacyEngine:
         follows torch, and in secure mode."""
         return self.seeds.seed
 
-    @seed.setter
-    def seed(self, value) -> None:
-        self.seeds.seed = value
-
     @property
     def sampler_seed(self) -> int | None:
         """The Poisson sampler's seed (the engine's, or drawn from the data loader's generator)."""
         return self.seeds.sampler_seed
-
-    @sampler_seed.setter
-    def sampler_seed(self, value) -> None:
-        self.seeds.sampler_seed = value
 
     @property
     def noise_source(self):
@@ -283,15 +260,9 @@ class IndividualizedPrivacyEngine:
         of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
         from .units import per_user_grad_norms
 
-        return per_user_grad_norms(  # rows chosen with the sampler's source (seeded, or secure)
-            self.module,
-            self.data_loader.dataset,
-            self.users,
-            units,
-            collate,
-            batch_size,
-            per_sample_loss,
-            self._sampler_rng,
+        loader = self.data_loader  # rows chosen with the sampler's source (seeded, or secure)
+        return per_user_grad_norms(
+            self.module, loader.dataset, self.users, units, collate, batch_size, per_sample_loss, self._sampler_rng
         )
 
     def can_step(self) -> bool:
@@ -459,25 +430,12 @@ class IndividualizedPrivacyEngine:
         n = count_units(data_loader, kwargs.get("users"))  # users at user level
         budgets, method = epsilon_budgets(n, budgets, target_epsilon, target_delta, method, epsilon_tolerance)
         return self.make_private(
-            module=module,
-            optimizer=optimizer,
-            data_loader=data_loader,
-            budgets=budgets,
-            method=method,
-            epochs=epochs,
-            steps=steps,
-            max_grad_norm=max_grad_norm,
-            sample_rate=sample_rate,
-            criterion=criterion,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            poisson_sampling=poisson_sampling,
-            clipping=clipping,
-            noise_generator=noise_generator,
-            grad_sample_mode=grad_sample_mode,
-            wrap_model=wrap_model,
-            **kwargs,
-        )
+            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
+            epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate, criterion=criterion,
+            batch_first=batch_first, loss_reduction=loss_reduction, poisson_sampling=poisson_sampling,
+            clipping=clipping, noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
+            wrap_model=wrap_model, **kwargs,
+        )  # fmt: skip
 
     def make_private_with_parameters(
         self,
@@ -527,11 +485,8 @@ class IndividualizedPrivacyEngine:
         (:class:`PrivacyBudgetExceeded`, or a warning with ``filter_action="warn"``).
         ``noise_multiplier`` must be > 0 (σ = 0 is no privacy; it is refused).
         """
-        # --- check: nothing changes until every input is known to be usable ---------------------
-        n = count_units(data_loader, users)
-        budgets = check_budgets(budgets, target_delta, n, allow_none=True)
-        q, c = per_example_parameters(sample_rates, clip_norms, n)
-        opts = SetupOptions(
+        # --- check: nothing changes until every input is known to be usable (engine/checks.py) -----
+        options = SetupOptions(
             grad_sample_mode=grad_sample_mode,
             criterion=criterion,
             batch_first=batch_first,
@@ -544,44 +499,19 @@ class IndividualizedPrivacyEngine:
             wrap_model=wrap_model,
             users=users,
             expected_batch_size=expected_batch_size,
-        ).validate(self.secure_mode, budgets is not None, self.filter is not None)
-        check_optimizer(module, optimizer)
-        release_hooks(self.module, module)  # an earlier wrap_model=False phase's hooks on this module
-        check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
-        if self._sampler_rng is None and self.seeds.follow_torch:
-            self.seeds.loader_generator = data_loader.generator  # the sampler follows it, as Opacus's DPDataLoader
-        check_user_level(self, users, privacy_filter)
-        ranks, seeds = distributed.setup(self, module, opts.mode, privacy_filter)  # (rank, W) for DPDDP/DDP
-        check_sharded_user_level(users, ranks, privacy_filter == "individual" or self.individual is not None)
-        check_positive_array(c, "clip_norms")
-        if self.accountant is not None:
-            check_same_budgets(self.budgets, budgets)
-        device = device_of(module)
-        check_noise(
-            noise_multiplier, max_grad_norm, float(q.sum()) if expected_batch_size is None else expected_batch_size
         )
-        if privacy_filter == "individual":  # orders, RDP budgets, checks (engine/filter.py)
-            from .filter import prepare_filter
-
-            new_filter = prepare_filter(
-                self, data_loader, filter_options, per_sample_loss, budgets, q, c, noise_multiplier, max_grad_norm
-            )
+        checked = check_phase(
+            self, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+            target_delta=target_delta, sample_rates=sample_rates, clip_norms=clip_norms,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, options=options,
+        )  # fmt: skip
+        n, budgets, opts = checked.units, checked.budgets, checked.options
+        q, c = checked.sample_rates, checked.clip_norms
 
         # --- plan: the phase's public parameters, charged to the ledger --------------------------
         spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
         ebs = expected_batch_size_of(q) if opts.expected_batch_size is None else float(opts.expected_batch_size)
-        plan = PhaseParameters(
-            sample_rates=q,
-            clip_norms=c,
-            noise_multiplier=float(noise_multiplier),
-            max_grad_norm=float(max_grad_norm),
-            steps=None if steps is None else int(steps),
-            steps_per_epoch=spe,
-            expected_batch_size=ebs,
-            grad_sample_mode=grad_sample_mode,
-            privacy_unit="example" if users is None else "user",
-            max_rows_per_user=None if users is None else users.k,
-        )
+        plan = PhaseParameters.of(q, c, noise_multiplier, max_grad_norm, steps, spe, ebs, grad_sample_mode, users)
         accountant = (
             self.accountant
             if self.accountant is not None
@@ -593,6 +523,7 @@ class IndividualizedPrivacyEngine:
         step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
 
         # --- build: sampler -> per-example norms -> clipping -> noise; undone if it fails -----------
+        seeds, device = checked.seeds, checked.device
         before = (self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping)
         try:
             if step_filter is not None:  # the plan against the budgets, earlier phases included: here, not at step 1
@@ -604,15 +535,19 @@ class IndividualizedPrivacyEngine:
                 self._noise = noise_generator
             elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
                 self._noise = seeds.noise_generator(device)
-            wrapped, dp_opt, loader = self._build_step(module, optimizer, data_loader, plan, opts, ranks)
+            built = build_step(
+                module, optimizer, data_loader, plan, opts, checked.ranks, self._sampler_rng, self._noise,
+                self.secure_mode,
+            )  # fmt: skip
+            self.clipping, wrapped, dp_opt, loader = built.clipping, built.module, built.optimizer, built.data_loader
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was
             accountant.discard_phase()
             self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping = before
             raise
 
         # --- wire: the guards around the step, then the engine's state ------------------------------
-        if self.individual is not None and seeds is not before[2] and self.individual.seed == before[2].seed:
-            self.individual.seed = seeds.seed  # rank 0's seed, as the engine's
+        if self.individual is not None and self.individual.seed == before[2].seed != seeds.seed:
+            self.individual.seed = seeds.seed  # rank 0's seed (data parallelism), as the engine's
         self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step)
         if opts.mode.book_keeping:
             dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
@@ -624,49 +559,13 @@ class IndividualizedPrivacyEngine:
         if self.individual is not None:
             self.individual.attach(self)
         if privacy_filter == "individual":
-            self.filter = self._step_filter = self._guard.step_filter = new_filter.attach(self)
+            self.filter = self._step_filter = self._guard.step_filter = checked.individual_filter.attach(self)
         if opts.mode.returns_criterion:
             from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
             crit = criterion if criterion is not None else torch.nn.CrossEntropyLoss(reduction=loss_reduction)
             self.criterion = DPLossFastGradientClipping(wrapped, dp_opt, crit, loss_reduction)
             return wrapped, dp_opt, self.criterion, loader
-        return wrapped, dp_opt, loader
-
-    def _build_step(self, module, optimizer, data_loader, plan: PhaseParameters, opts: SetupOptions, ranks):
-        """The phase's step, in the order it runs: the Poisson sampler (:mod:`.sampler`), the mode's
-        wrapper for per-example norms (:mod:`.modes`), the clipping at c_i (:mod:`.clipping`) and the
-        noisy optimizer (:mod:`.optimizer`; per rank Σq/W with data parallelism, as Opacus)."""
-        q, c, spe, users = plan.sample_rates, plan.clip_norms, plan.steps_per_epoch, opts.users
-        queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
-        self.clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
-        if users is not None:  # user level: users Poisson-sampled (on several ranks routed whole; units.py)
-            sampler = (
-                UserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users)
-                if ranks is None
-                else DistributedUserPoissonBatchSampler(q, spe, self._sampler_rng, queue, users, *ranks)
-            )
-        elif ranks is None:
-            sampler = PoissonBatchSampler(q, spe, self._sampler_rng, queue)
-        else:
-            sampler = distributed.DistributedPoissonBatchSampler(q, spe, self._sampler_rng, queue, *ranks)
-        wrapped = wrap_module(
-            module, opts.grad_sample_mode, self.clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model
-        )
-        wrapped.forbid_grad_accumulation()
-        loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
-        base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
-        record = opts.mode
-        dp_opt = (record.optimizer if ranks is None else record.distributed_optimizer)(
-            base,
-            noise_multiplier=plan.noise_multiplier,
-            max_grad_norm=plan.max_grad_norm,
-            clipping=self.clipping,
-            expected_batch_size=plan.expected_batch_size if ranks is None else plan.expected_batch_size / ranks[1],
-            loss_reduction=opts.loss_reduction,
-            generator=self._noise,
-            secure_mode=self.secure_mode,
-        )
         return wrapped, dp_opt, loader
 
     # --- Opacus's module checks -------------------------------------------------------------
@@ -700,19 +599,14 @@ class IndividualizedPrivacyEngine:
 
     # --- checkpoints (engine/checkpoint.py) ---------------------------------------------------
     def state_dict(self) -> dict:
-        """Seed, accountant, sampler and noise-generator states and the phase's plan (plain types and
-        tensors; in secure mode the generators' states are not saved: a resumed secure run draws
-        fresh entropy)."""
+        """Seed, accountant, sampler and noise-generator states and the phase's plan
+        (:func:`~idpsgd.engine.checkpoint.state_dict`)."""
         self._require()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore after :meth:`make_private` set up the same phase as at saving time.
-
-        An engine created with ``seed=None`` continues with the state's seed (the sampler and noise
-        generators are restored from the state either way); one created with another explicit seed,
-        or set up with another plan (other epochs, batch size, clip norm, budgets), is refused with
-        what to change.  Nothing is changed when the state is refused."""
+        """Restore after :meth:`make_private` set up the same phase as at saving time; refused,
+        changing nothing, for another plan, seed or accountant (:func:`~idpsgd.engine.checkpoint.load_state_dict`)."""
         self._require()
         checkpoint.load_state_dict(self, state, self._resume_seeds)
 
@@ -744,14 +638,8 @@ class IndividualizedPrivacyEngine:
         module_state_dict_kwargs: dict | None = None,
         torch_save_kwargs: dict | None = None,
     ) -> None:
-        """Opacus's ``save_checkpoint``, with Opacus's keys: ``module_state_dict`` (the module
-        unwrapped, so it loads into the wrapped or the plain module), ``optimizer_state_dict``,
-        ``privacy_accountant_state_dict`` (:meth:`GroupAccountant.state_dict`, Opacus's ``history``
-        and ``mechanism`` included), your ``checkpoint_dict`` entries (plain types and tensors), and
-        ``privacy_engine_state_dict``: the rest of :meth:`state_dict` (seed, sampler and noise
-        generators, individual accounting or filter).  ``path``: a file path — written atomically
-        with mode 0600, since it holds training state — or a binary file object (``io.BytesIO``, as
-        Opacus's ``BinaryIO``), written in place.  Loadable with ``weights_only=True``."""
+        """Opacus's ``save_checkpoint`` with Opacus's keys; a path is written atomically with mode 0600
+        (:func:`~idpsgd.engine.checkpoint.save_checkpoint`)."""
         self._require()
         checkpoint.save_checkpoint(
             self,
@@ -776,18 +664,8 @@ class IndividualizedPrivacyEngine:
         module_load_dict_kwargs: dict | None = None,
         torch_load_kwargs: dict | None = None,
     ) -> dict:
-        """Opacus's ``load_checkpoint``, after :meth:`make_private` set up the run as when it was
-        saved: restores the engine (with the checkpoint's seed when this engine was created with
-        ``seed=None``), the module and the optimizer, and returns what Opacus returns — the
-        checkpoint without the optimizer's state: ``module_state_dict``,
-        ``privacy_accountant_state_dict`` and your ``checkpoint_dict`` entries.
-
-        Also loads a checkpoint written by **Opacus's** ``save_checkpoint`` into an engine set up
-        with ``make_private(noise_multiplier=...)`` (no budgets): its accountant history becomes the
-        earlier steps (:meth:`GroupAccountant.load_state_dict`); the sampler and noise continue from
-        this engine's generators (Opacus saves none).  ``path``: a file path or a binary file
-        object.  Loads with ``weights_only=True``: nothing in the file can run code.  A checkpoint
-        of another plan or seed is refused before anything changes."""
+        """Opacus's ``load_checkpoint`` (this engine's checkpoints or Opacus's), after :meth:`make_private`
+        set up the run as when it was saved (:func:`~idpsgd.engine.checkpoint.load_checkpoint`)."""
         self._require()
         return checkpoint.load_checkpoint(
             self,

@@ -268,6 +268,13 @@ class RunSeeds:
         out.seed, out.sampler_seed = seed, sampler_seed
         return out
 
+    def following(self, loader_generator) -> RunSeeds:
+        """A copy whose sampler follows the data loader's ``generator`` (when the seeds follow torch)."""
+        out = self.with_values(self.seed, self.sampler_seed)
+        if out.follow_torch:
+            out.loader_generator = loader_generator
+        return out
+
     def draw(self) -> int | None:
         """The noise's seed; without one given (non-secure), drawn now from torch's global generator."""
         if self.seed is None and self.follow_torch:
