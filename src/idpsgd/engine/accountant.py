@@ -1,29 +1,14 @@
-"""The engine's privacy accountant: data-independent ε per privacy group, and its filter.
+"""The engine's privacy accountant: data-independent ε per privacy group, and what the filter asks it.
 
-The guarantee is *data-independent individual (ε_p, δ)-DP* for every example of privacy group p
-(Boenisch et al. 2023, eq. 3): at every step each example i is a Poisson-subsampled Gaussian
-mechanism with its rate q_i and effective noise multiplier σ·c/c_i (the product guide's one
-model of a DP-SGD step), charged whether or not it was sampled.  Examples that share a budget,
-a rate and a clip norm in every phase (a *cohort*) share their composition; a group's ε is the
-largest over its cohorts.  A phase is one ``make_private`` call (the sequential baseline has one per
-group; an example with q_i = 0 in a phase is not charged there).
-
-ε comes from the accountant the run was calibrated with — ``rdp`` (:func:`idpsgd.accounting.rdp_epsilon`),
-``pld`` (:func:`idpsgd.accounting.pld_epsilon`) or ``prv`` (:func:`idpsgd.accounting.prv.prv_epsilon`:
-Gopi et al. 2021, Opacus 1.6's default, its upper bound eps_upper) — so the filter and the reported ε
-agree with the calibration.  Without budgets (Opacus's ``make_private(noise_multiplier=...)``) there
-is one group with no budget: ε is accounted and reported, nothing is filtered.
-
-:class:`GroupEpsilons` is what ``get_epsilon`` returns: a float — the loosest group's ε, the one
-bound that holds for every example — carrying every group's ε.  :class:`GroupAccountant` also has
-Opacus's accountant interface (``len``, ``history``, ``mechanism()``, ``get_epsilon(delta)``,
-``state_dict`` / ``load_state_dict``, an Opacus accountant's state included).
-
-The filter asks, before every step, whether one more step keeps every cohort of
-the phase within its budget.  ε grows with the number of steps of a phase, so the answer is the
-step count against the largest admissible count, found once per cohort by search and cached (a
-step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
-cheaply, for the per-step ledger).
+Data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch et al.
+2023, eq. 3): at every step each example i is a Poisson-subsampled Gaussian mechanism with its rate
+q_i and effective noise multiplier σ·c/c_i, charged whether or not it was sampled.  Examples with
+one budget, rate and clip norm in every phase (a *cohort*) share their composition; a group's ε is
+the largest over its cohorts.  ε comes from the run's accountant (``rdp``, ``pld``, ``prv``;
+:func:`idpsgd.accounting.get_accountant`), so filter, report and calibration agree.
+:class:`GroupAccountant` has Opacus's accountant interface; :class:`GroupEpsilons` is what
+``get_epsilon`` returns.  Whether one more step fits is answered by cached step-count searches
+(:mod:`.group_filter` asks); details: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """Distributed individualized DP-SGD on ``torch.distributed`` (data parallelism, Opacus's DPDDP path).
 
-Boenisch et al. 2023, Alg. 1/3 (IDP-SGD) run by W processes ("ranks") on one data set, with
-exactly the mechanism — and so exactly the privacy accounting — of one process:
-
-* **sampling** — the index set is sharded across ranks (rank r owns the examples i with
-  i mod W = r, as Opacus's ``DistributedUniformWithReplacementSampler`` with ``shuffle=False``);
-  at every step each rank keeps the examples *of its shard* with U_i < q_i.  Every example is
-  decided by exactly one rank with its own rate, so the union over ranks is one Poisson draw over
-  the whole data set.  In reproducible mode all ranks read the same seeded stream of n uniforms per
-  step, so the union is *the same draw* a single process with that seed makes; in secure mode
-  each rank draws its shard's uniforms from OS entropy.  Empty local batches are yielded (unlike
-  Opacus's distributed sampler, which skips them and can desynchronise the ranks' step counts).
-* **clipping, noise, normalisation** — each rank clips its examples at their c_i and sums them;
-  the Gaussian noise N(0, σ²c²) is added **once**, on rank 0 (Opacus's ``DistributedDPOptimizer``);
-  each rank divides by the per-rank expected batch size Σ_i q_i / W and the all-reduce averages over
-  the W ranks, so the update is (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process (with
-  ``loss_reduction="sum"`` neither division happens, as in Opacus).  The gradients are all-reduced
-  as one flat buffer (one collective per step), which also carries the global batch size.
-* **accounting** — identical deterministic bookkeeping on every rank: the per-group ledger
-  (:class:`~idpsgd.engine.accountant.GroupAccountant`) is charged once per step on each rank, from
-  data-independent quantities only, so every rank holds the single-process ledger and the privacy
-  filter decides identically everywhere (:func:`check_replicated` verifies it, e.g. at every
-  checkpoint).  The seed is rank 0's, broadcast.  Per-example gradient norms for individual
-  accounting and the individual filter are computed on disjoint shards and all-gathered
-  (:func:`sharded_grad_norms`), so every rank holds every example's norm.
-* **refusals** — each rank runs the engine's guard (un-noised writes to its replica, the filter)
-  before the noise, and the ranks all-reduce their verdicts (one integer per rank) right then: a
-  step refused on one rank is refused on every rank in the same step, before any noise is drawn or
-  anything charged (:meth:`_RankZeroNoise._share_verdict`), instead of leaving the others waiting
-  in the gradient all-reduce until the collective timeout.
-* **processes** — :func:`init_process_group` sets a timeout on every collective (a dying or stuck
-  rank gives an error, not a hang); :func:`launch` spawns W processes (gloo on CPU, NCCL on GPUs),
-  returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
-  are written by rank 0 only (:func:`is_main_process`), atomically (``idpsgd.io``).
+Boenisch et al. 2023, Alg. 1/3 run by W processes ("ranks") with exactly the mechanism, and so the
+accounting, of one process: each rank Poisson-samples its shard (i mod W = r) from the same seeded
+stream, so the union is the single-process draw; each rank clips its examples at c_i, the noise
+N(0, σ²c²) is added once on rank 0 and one all-reduce averages the per-rank sums divided by
+Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`setup`
+checks a data-parallel module and returns rank 0's seeds; :func:`launch` spawns the ranks with a
+timeout on every collective.  The mechanism in full and how to run it: docs/distributed.md.
 """
 
 from __future__ import annotations

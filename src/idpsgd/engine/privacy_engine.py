@@ -11,7 +11,7 @@ order it runs (Poisson sampler :mod:`.sampler` → per-example norms by the mode
 → the filter :mod:`.group_filter` / :mod:`.filter`), and its guards are wired (:mod:`.integrity`).
 Checkpoints: :mod:`.checkpoint`.  Opacus 1.6's API is kept (``make_private_with_epsilon``,
 ``get_epsilon``, checkpoints); what it cannot honour is refused (:data:`~.opacus_compat.REFUSALS`).
-User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/engine.md.
+User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Sources of randomness for the privacy-relevant draws: Poisson sampling and Gaussian noise.
 
-Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
-
-* **reproducible** (default) — every draw comes from generators seeded by one integer seed.  A
-  given seed replays a run exactly.  Without a seed the engine follows **torch's RNG**, as
-  Opacus's non-secure mode does: at the first draw (the first batch, or the first noise) its seed
-  is drawn from torch's global generator — and the Poisson sampler's from the data loader's
-  ``generator`` when the loader has one — so ``torch.manual_seed(0)`` (or a seeded
-  ``DataLoader(generator=...)``) anywhere before training reproduces a run (:func:`seed_from_torch`,
-  :class:`Deferred`).  A torch generator that was never seeded runs torch's public default stream;
-  the seed is then drawn from OS entropy instead.  The seed used is recorded (``engine.seed``,
-  ``engine.sampler_seed``; private, never printed; a run folder keeps it in
-  ``private/seed.json``, mode 0600), so the run can be replayed.  Unlike Opacus, the engine draws
-  one seed from torch, not every number: re-seeding torch after the first draw does not change the
-  run's stream, and the engine consumes one number of the user's torch stream.
-  The seed is as secret as the data: with it and every record but one, anyone can replay the run
-  on both neighbouring data sets and compare with the released model (ε = ∞), so it never appears
-  in a public file or on stdout (:func:`randomness_note` is what the public reports say instead).
-  Every bit of the seed matters: the Poisson sampler is numpy's PCG64 seeded through
-  ``SeedSequence``, and a CPU noise generator gets its whole Mersenne-Twister state from
-  ``SeedSequence`` (:func:`seeded_generator`; ``torch.Generator.manual_seed`` alone keeps only 32
-  bits of a seed on CPU: at most 2^32 noise streams).  The model's initialisation
-  (``torch.manual_seed``) is not a privacy matter (the guarantee holds for any fixed start).
-* **secure** — a seed is refused (privacy beats replay).  Poisson sampling draws its uniforms
-  straight from the operating system's CSPRNG (``os.urandom``); the noise is drawn as
-  Opacus does in secure mode (the sum of four normals halved, after a discarded draw: robust to
-  the floating-point attacks of Mironov 2012 / Haney et al. 2022, see
-  ``opacus.optimizers.optimizer._generate_noise``).  When ``torchcsprng`` is installed its
-  ``/dev/urandom`` generator draws the normals, exactly as Opacus does; otherwise they come from
-  ``os.urandom`` through :class:`OsEntropyNormal` — never from a seeded PyTorch generator.
-  Nothing about a secure run's randomness is written anywhere.
+Opacus's two modes (``PrivacyEngine(secure_mode=...)``): **reproducible**, every draw from
+generators seeded by one integer (every bit used: numpy's PCG64 and a full Mersenne-Twister state
+through ``SeedSequence``; without a seed the engine follows torch's RNG, drawing its seed from it
+at the first draw), and **secure**, where a seed is refused, the sampler's uniforms come from
+``os.urandom`` and the noise is drawn as Opacus does in secure mode (robust to Mironov 2012's and
+Haney et al. 2022's floating-point attacks).  The seed is as secret as the data: never printed or
+written publicly.  :class:`RunSeeds` holds a run's seeds and builds its sources.  The modes in
+full: docs/guarantees.md.
 """
 
 from __future__ import annotations

@@ -18,11 +18,10 @@ from ..validation import InvalidParameterError
 from .batch_independence import BatchIndependence
 from .bk.keeper import plan_layers
 from .clipping import PerExampleClipping
-from .ghost import IndividualizedGhostModule
 from .integrity import check_static_writes
-from .modes import ENGINE_MODES, GRAD_SAMPLE_MODES, UNWRAPPED_MODES, mode
+from .modes import mode
 from .opacus_compat import WRAP, refuse_opacus_options, validate_module
-from .unwrap import raw_module
+from .unwrap import raw_module  # re-exported: its home is engine/unwrap.py
 
 
 def check_wrappable(
@@ -132,14 +131,28 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
     }
 
 
-__all__ = [
-    "ENGINE_MODES",
-    "GRAD_SAMPLE_MODES",
-    "UNWRAPPED_MODES",
-    "IndividualizedGhostModule",
-    "check_wrappable",
-    "layer_paths",
-    "raw_module",
-    "release_hooks",
-    "wrap_module",
-]
+#: names that moved in 0.x (issue 41), importable from here for one release with a DeprecationWarning
+MOVED = {
+    "ENGINE_MODES": "idpsgd.engine.modes",
+    "GRAD_SAMPLE_MODES": "idpsgd.engine.modes",
+    "UNWRAPPED_MODES": "idpsgd.engine.modes",
+    "IndividualizedGhostModule": "idpsgd.engine.ghost",
+}
+
+
+def __getattr__(name: str):
+    if name in MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"idpsgd.engine.wrap.{name} moved to {MOVED[name]}; import it from there (this alias goes in the next "
+            "release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["check_wrappable", "layer_paths", "raw_module", "release_hooks", "wrap_module"]
