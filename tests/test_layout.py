@@ -125,3 +125,37 @@ def test_every_grad_sample_mode_has_one_record_that_builds_its_wrapper_and_optim
         assert record.name == name and issubclass(record.distributed_optimizer, record.optimizer)
     assert MODES["ghost"].returns_criterion and MODES["bk"].book_keeping
     assert MODES["no_op"].optimizer is IndividualizedDPOptimizer and not MODES["no_op"].engine_computes
+
+
+def test_a_set_up_that_fails_while_building_leaves_the_engine_as_it_was(monkeypatch):
+    """The rollback is complete: a first phase whose build fails leaves no ledger, clipping, noise
+    source, sampler source or new seeds behind (issue 41: the noise and sampler sources were left
+    set), and the next set-up works."""
+    import pytest
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import idpsgd.engine.step as step
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+    model = nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    engine = IndividualizedPrivacyEngine(accountant="rdp")  # seed followed from torch: drawn at set-up
+    seeds = engine.seeds
+    kwargs = dict(data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, target_delta=1e-5, steps=2)
+    built = step.PrivateDataLoader
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the loader could not be built")
+
+    monkeypatch.setattr(step, "PrivateDataLoader", broken)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    state = (engine.accountant, engine.budgets, engine.clipping, engine.noise_source, engine._sampler_rng)
+    assert state == (None, None, None, None, None) and engine.seeds is seeds and engine.parameters is None
+    monkeypatch.setattr(step, "PrivateDataLoader", built)
+    engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert engine.accountant is not None and len(engine.accountant.phases) == 1 and engine.steps == 0

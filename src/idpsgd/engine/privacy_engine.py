@@ -39,7 +39,7 @@ from .step_guard import StepGuard
 from .units import (
     BookKeepingUsers,
 )
-from .wrap import layer_paths
+from .wrap import layer_paths, wrap_module
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
@@ -537,7 +537,7 @@ class IndividualizedPrivacyEngine:
                 self._noise = seeds.noise_generator(device)
             built = build_step(
                 module, optimizer, data_loader, plan, opts, checked.ranks, self._sampler_rng, self._noise,
-                self.secure_mode,
+                self.secure_mode, wrap=wrap_module,
             )  # fmt: skip
             self.clipping, wrapped, dp_opt, loader = built.clipping, built.module, built.optimizer, built.data_loader
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was

@@ -32,9 +32,19 @@ class BuiltStep:
 
 
 def build_step(
-    module, optimizer, data_loader, plan: PhaseParameters, opts: SetupOptions, ranks, sampler_rng, noise, secure_mode
+    module,
+    optimizer,
+    data_loader,
+    plan: PhaseParameters,
+    opts: SetupOptions,
+    ranks,
+    sampler_rng,
+    noise,
+    secure_mode,
+    wrap=wrap_module,
 ) -> BuiltStep:
-    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None)."""
+    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None; ``wrap``:
+    :func:`~.wrap.wrap_module`, or what the caller wraps with)."""
     q, c, spe, users = plan.sample_rates, plan.clip_norms, plan.steps_per_epoch, opts.users
     queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
     # sample rows: Poisson at q_i (user level: users, on several ranks routed whole; units.py)
@@ -50,23 +60,26 @@ def build_step(
         sampler = distributed.DistributedPoissonBatchSampler(q, spe, sampler_rng, queue, *ranks)
     # per-example norms and clipping at c_i: the mode's wrapper, reading the clip norms of the drawn rows
     clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
-    wrapped = wrap_module(
-        module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model
-    )
-    wrapped.forbid_grad_accumulation()
-    loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
-    # noise σ·c and the division by Σ q_i: the mode's noisy optimizer
-    base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
-    dp_opt = (opts.mode.optimizer if ranks is None else opts.mode.distributed_optimizer)(
-        base,
-        noise_multiplier=plan.noise_multiplier,
-        max_grad_norm=plan.max_grad_norm,
-        clipping=clipping,
-        expected_batch_size=plan.expected_batch_size if ranks is None else plan.expected_batch_size / ranks[1],
-        loss_reduction=opts.loss_reduction,
-        generator=noise,
-        secure_mode=secure_mode,
-    )
+    wrapped = wrap(module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model)
+    try:
+        wrapped.forbid_grad_accumulation()
+        loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
+        # noise σ·c and the division by Σ q_i: the mode's noisy optimizer
+        base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
+        dp_opt = (opts.mode.optimizer if ranks is None else opts.mode.distributed_optimizer)(
+            base,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=plan.max_grad_norm,
+            clipping=clipping,
+            expected_batch_size=plan.expected_batch_size if ranks is None else plan.expected_batch_size / ranks[1],
+            loss_reduction=opts.loss_reduction,
+            generator=noise,
+            secure_mode=secure_mode,
+        )
+    except BaseException:  # a wrapper made here leaves no hooks on the user's module (a complete rollback)
+        if wrapped is not module:
+            wrapped.remove_hooks()
+        raise
     return BuiltStep(clipping, wrapped, dp_opt, loader)
 
 
