@@ -1,42 +1,27 @@
-"""The engine's privacy accountant: data-independent ε per privacy group, and its filter.
+"""The engine's privacy accountant: data-independent ε per privacy group, and what the filter asks it.
 
-The guarantee is *data-independent individual (ε_p, δ)-DP* for every example of privacy group p
-(Boenisch et al. 2023, eq. 3): at every step each example i is a Poisson-subsampled Gaussian
-mechanism with its rate q_i and effective noise multiplier σ·c/c_i (the product guide's one
-model of a DP-SGD step), charged whether or not it was sampled.  Examples that share a budget,
-a rate and a clip norm in every phase (a *path*) share their composition; a group's ε is the
-largest over its paths.  A phase is one ``make_private`` call (the sequential baseline has one per
-group; an example with q_i = 0 in a phase is not charged there).
-
-ε comes from the accountant the run was calibrated with — ``rdp`` (:func:`idpsgd.accounting.rdp_epsilon`),
-``pld`` (:func:`idpsgd.accounting.pld_epsilon`) or ``prv`` (:func:`idpsgd.accounting.prv.prv_epsilon`:
-Gopi et al. 2021, Opacus 1.6's default, its upper bound eps_upper) — so the filter and the reported ε
-agree with the calibration.  Without budgets (Opacus's ``make_private(noise_multiplier=...)``) there
-is one group with no budget: ε is accounted and reported, nothing is filtered.
-
-:class:`GroupEpsilons` is what ``get_epsilon`` returns: a float — the loosest group's ε, the one
-bound that holds for every example — carrying every group's ε.  :class:`GroupAccountant` also has
-Opacus's accountant interface (``len``, ``history``, ``mechanism()``, ``get_epsilon(delta)``,
-``state_dict`` / ``load_state_dict``, an Opacus accountant's state included).
-
-The filter asks, before every step, whether one more step keeps every path of
-the phase within its budget.  ε grows with the number of steps of a phase, so the answer is the
-step count against the largest admissible count, found once per path by search and cached (a
-step inside the calibrated plan costs an integer comparison; RDP-grid ε per step is also kept,
-cheaply, for the per-step ledger).
+Data-independent individual (ε_p, δ)-DP for every example of privacy group p (Boenisch et al.
+2023, eq. 3): at every step each example i is a Poisson-subsampled Gaussian mechanism with its rate
+q_i and effective noise multiplier σ·c/c_i, charged whether or not it was sampled.  Examples with
+one budget, rate and clip norm in every phase (a *cohort*) share their composition; a group's ε is
+the largest over its cohorts.  ε comes from the run's accountant (``rdp``, ``pld``, ``prv``;
+:func:`idpsgd.accounting.get_accountant`), so filter, report and calibration agree.
+:class:`GroupAccountant` has Opacus's accountant interface; :class:`GroupEpsilons` is what
+``get_epsilon`` returns.  Whether one more step fits is answered by cached step-count searches
+(:mod:`.group_filter` asks); details: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
-from ..accounting import DEFAULT_ORDERS, SampledGaussianEvent, compute_rdp, pld_epsilon, rdp_epsilon, rdp_to_epsilon
-from ..accounting.prv import prv_epsilon
+from ..accounting import DEFAULT_ORDERS, SampledGaussianEvent, compute_rdp, get_accountant, rdp_to_epsilon
 from ..assignment import Budgets
+from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError, check_delta
-
-ACCOUNTANTS = ("rdp", "pld", "prv")
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -45,13 +30,8 @@ class PrivacyBudgetExceeded(RuntimeError):
 
 
 def _epsilon(events, delta: float, accountant: str) -> float:
-    if not events:
-        return 0.0
-    if accountant == "rdp":
-        return float(rdp_epsilon(events, delta)[0])
-    if accountant == "prv":
-        return float(prv_epsilon(events, delta))
-    return float(pld_epsilon(events, delta))
+    """ε of a composition by the named accountant (:func:`idpsgd.accounting.get_accountant`); 0 for none."""
+    return float(get_accountant(accountant)(events, delta)) if events else 0.0
 
 
 class GroupEpsilons(float):
@@ -144,9 +124,9 @@ class GroupAccountant:
             self.delta = None if delta is None else check_delta(delta)
         self.orders = np.asarray(orders, dtype=float)
         self.phases: list[dict] = []
-        self._paths = None  # (path of every example, [per-path class index per phase])
-        self._ok: dict = {}  # (phase, path) -> largest phase step count known within budget
-        self._bad: dict = {}  # (phase, path) -> smallest phase step count known over budget
+        self._cohorts = None  # (cohort of every example, [per-cohort class index per phase])
+        self._ok: dict = {}  # (phase, cohort) -> largest phase step count known within budget
+        self._bad: dict = {}  # (phase, cohort) -> smallest phase step count known over budget
 
     @property
     def num_examples(self) -> int:
@@ -197,8 +177,8 @@ class GroupAccountant:
         self._forget_phase(len(self.phases))
 
     def _forget_phase(self, k: int) -> None:
-        """Drop the cached paths and the filter's cache of phase index ``k`` (it belongs to one phase only)."""
-        self._paths = None
+        """Drop the cached cohorts and the filter's cache of phase index ``k`` (it belongs to one phase only)."""
+        self._cohorts = None
         self._ok = {key: v for key, v in self._ok.items() if key[0] != k}
         self._bad = {key: v for key, v in self._bad.items() if key[0] != k}
 
@@ -211,32 +191,33 @@ class GroupAccountant:
         """Charge one step of the current phase to every example with q_i > 0 in it."""
         self._require_phase()["steps"] += 1
 
-    # --- paths and events ------------------------------------------------------------------
-    def paths(self):
-        """(path index per example, class index per phase for each path: array paths × phases)."""
-        if self._paths is None:
+    # --- cohorts (examples with one rate and clip norm in every phase) and events -----------
+    def cohorts(self):
+        """(cohort index per example, class index per phase for each cohort: array cohorts × phases)."""
+        if self._cohorts is None:
             table = (
                 np.stack([p["class_of"] for p in self.phases], axis=1)
                 if self.phases
                 else np.full((self.num_examples, 0), -1)
             )
             uniq, inv = np.unique(np.concatenate([self.group_of[:, None], table], axis=1), axis=0, return_inverse=True)
-            self._paths = (inv.ravel(), uniq[:, 1:], uniq[:, 0].astype(np.int64))
-        return self._paths
+            self._cohorts = (inv.ravel(), uniq[:, 1:], uniq[:, 0].astype(np.int64))
+        return self._cohorts
 
-    def _events(self, path: int, extra_steps: int = 0, phase_steps=None) -> list[SampledGaussianEvent]:
-        _, table, _ = self.paths()
+    def _events(self, cohort: int, extra_steps: int = 0, phase_steps=None) -> list[SampledGaussianEvent]:
+        _, table, _ = self.cohorts()
         events = []
         last = len(self.phases) - 1
         for k, ph in enumerate(self.phases):
-            cls = table[path, k]
+            cls = table[cohort, k]
             steps = ph["steps"] if phase_steps is None or k != last else phase_steps
             steps += extra_steps if k == last else 0
             if cls >= 0 and steps > 0:
                 events.append(SampledGaussianEvent(float(ph["q"][cls]), float(ph["sigma"][cls]), int(steps)))
         return events
 
-    def _delta(self, delta: float | None) -> float:
+    def resolve_delta(self, delta: float | None) -> float:
+        """``delta``, checked, or the budgets' δ (``target_delta`` without budgets)."""
         if delta is not None:
             return check_delta(delta)
         if self.delta is None:
@@ -247,25 +228,35 @@ class GroupAccountant:
             )
         return self.delta
 
+    def paths(self):
+        """Deprecated alias of :meth:`cohorts` (removed in the next release: "paths" are layer routes)."""
+        warnings.warn("GroupAccountant.paths() is renamed cohorts()", DeprecationWarning, stacklevel=2)
+        return self.cohorts()
+
     def path_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
-        delta = self._delta(delta)
-        _, table, _ = self.paths()
+        """Deprecated alias of :meth:`cohort_epsilons` (removed in the next release)."""
+        warnings.warn("GroupAccountant.path_epsilons() is renamed cohort_epsilons()", DeprecationWarning, stacklevel=2)
+        return self.cohort_epsilons(delta, extra_steps)
+
+    def cohort_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
+        delta = self.resolve_delta(delta)
+        _, table, _ = self.cohorts()
         return np.array([_epsilon(self._events(p, extra_steps), delta, self.accountant) for p in range(table.shape[0])])
 
     def group_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
         """ε per privacy group (ascending budgets): the largest over the group's examples; with
         ``extra_steps``, after that many more steps of the current phase (a plan, not a spend)."""
-        _path_of, _, path_group = self.paths()
-        eps = self.path_epsilons(delta, extra_steps)
+        _cohort_of, _, cohort_group = self.cohorts()
+        eps = self.cohort_epsilons(delta, extra_steps)
         out = np.zeros(self.values.size)
-        np.maximum.at(out, path_group, eps)
+        np.maximum.at(out, cohort_group, eps)
         return out
 
     # --- Opacus's accountant interface ---------------------------------------------------------
     def get_epsilon(self, delta: float | None = None, extra_steps: int = 0) -> GroupEpsilons:
         """Opacus's ``accountant.get_epsilon(delta)``: a float, the loosest group's ε (a
         :class:`GroupEpsilons`, which also carries every group's); ``delta`` defaults to the budgets'."""
-        delta = self._delta(delta)
+        delta = self.resolve_delta(delta)
         return GroupEpsilons(
             self.group_epsilons(delta, extra_steps),
             self.values,
@@ -299,7 +290,7 @@ class GroupAccountant:
         """Per group (ascending budgets), the SGM events composing its ε, in Opacus's history form
         ``(noise_multiplier, sample_rate, steps)``, one per phase that charged the group.
 
-        A group whose examples share one path (every ``make_private`` method) gets exactly its
+        A group whose examples share one cohort (every ``make_private`` method) gets exactly its
         composition.  Examples of one group with different rates or clip norms in a phase (explicit
         per-example parameters) are covered by the phase's largest rate with its smallest effective
         noise multiplier, which dominates each of them (the SGM's ε grows with q and falls with σ).
@@ -315,15 +306,15 @@ class GroupAccountant:
         return out
 
     def individual_epsilons(self, delta: float | None = None) -> np.ndarray:
-        """Data-independent ε of every example (its path's composition)."""
-        path_of, _, _ = self.paths()
-        return self.path_epsilons(delta)[path_of]
+        """Data-independent ε of every example (its cohort's composition)."""
+        cohort_of, _, _ = self.cohorts()
+        return self.cohort_epsilons(delta)[cohort_of]
 
     def grid_epsilon(self, delta: float | None = None) -> np.ndarray:
         """Cheap per-group ε from the RDP at the fixed order grid (an upper bound, looser than
         :meth:`get_epsilon` with the RDP accountant); for per-step ledgers."""
-        delta = self._delta(delta)
-        _, table, path_group = self.paths()
+        delta = self.resolve_delta(delta)
+        _, table, cohort_group = self.cohorts()
         rdp = np.zeros((table.shape[0], self.orders.size))
         for k, ph in enumerate(self.phases):
             cls = table[:, k]
@@ -331,21 +322,21 @@ class GroupAccountant:
             rdp[on] += ph["steps"] * ph["step_rdp"][cls[on]]
         eps = rdp_to_epsilon(rdp, self.orders, delta)[0]
         out = np.zeros(self.values.size)
-        np.maximum.at(out, path_group, eps)
+        np.maximum.at(out, cohort_group, eps)
         return out
 
     # --- the filter ------------------------------------------------------------------------
-    def _within(self, phase: int, path: int, steps: int) -> bool:
-        key = (phase, path)
+    def _within(self, phase: int, cohort: int, steps: int) -> bool:
+        key = (phase, cohort)
         if steps <= self._ok.get(key, 0):
             return True
         if steps >= self._bad.get(key, np.iinfo(np.int64).max):
             return False
-        _, _, path_group = self.paths()
-        if not np.isfinite(self.values[path_group[path]]):  # no budget: every step is within it
+        _, _, cohort_group = self.cohorts()
+        if not np.isfinite(self.values[cohort_group[cohort]]):  # no budget: every step is within it
             return True
-        eps = _epsilon(self._events(path, phase_steps=steps), self.delta, self.accountant)
-        if eps <= self.values[path_group[path]]:
+        eps = _epsilon(self._events(cohort, phase_steps=steps), self.delta, self.accountant)
+        if eps <= self.values[cohort_group[cohort]]:
             self._ok[key] = steps
             return True
         self._bad[key] = steps
@@ -355,7 +346,7 @@ class GroupAccountant:
         """Would every example stay within its budget with ``phase_steps`` steps in this phase?"""
         ph = self._require_phase()
         k = len(self.phases) - 1
-        _, table, _ = self.paths()
+        _, table, _ = self.cohorts()
         active = np.flatnonzero(table[:, k] >= 0)
         del ph
         return all(self._within(k, int(p), int(phase_steps)) for p in active)
@@ -443,7 +434,7 @@ class GroupAccountant:
                     "the same parameters"
                 )
         self.phases = phases
-        self._paths, self._ok, self._bad = None, {}, {}
+        self._cohorts, self._ok, self._bad = None, {}, {}
 
     def _phase(self, q, sig, group, class_of, steps: int) -> dict:
         def arr(v, dtype):

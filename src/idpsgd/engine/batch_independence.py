@@ -1,54 +1,13 @@
 """Each example's output depends on that example alone: models that mix examples within a batch are refused.
 
 DP-SGD's sensitivity bound (Abadi et al. 2016; Boenisch et al. 2023, Alg. 1) clips each example's
-gradient g_i at c_i, so adding or removing one example z changes the clipped sum by at most c_z —
-*provided g_i of every other example i does not depend on z*.  A model whose forward mixes the
-examples of a batch — ``x - x.mean(0)``, ``F.batch_norm(..., training=True)``, attention over the
-batch dimension, a mean over a hidden layer — makes every g_i a function of the whole batch, and
-per-example clipping then bounds nothing: the reviewer measured ‖S(D ∪ {z}) − S(D)‖ of 4.8 to 10.3
-at c = 1.  Opacus trains such models silently; the engine refuses them, in every
-``grad_sample_mode`` and in the per-example norm passes (:mod:`.norms`), before the first noisy step.
-
-The check (data-independent, once per model and per combination of its modules' training flags):
-
-* at the model's first forward call with gradients enabled (its first training step, or the first
-  batch of a norm pass; a forward under ``torch.no_grad()`` does no per-example work and is not
-  checked), the call's arguments are replaced by a **synthetic batch**: every tensor argument whose
-  leading dimension is the call's batch dimension (that of its first tensor argument) becomes a
-  tensor of the same trailing shape, dtype and device with :func:`synthetic_batch_size` rows —
-  a fixed public number (the first of 5, 7, 11, … dividing no trailing dimension of the
-  arguments), never the drawn batch size — filled from a fixed generator (floating point: standard
-  normal values; integers and booleans: 1, a valid token id, mask or label for any vocabulary).
-  Other arguments (shared tensors, non-tensor options) are passed unchanged;
-* the model's ``forward`` (with the user's forward pre-hooks and hooks on the model, on the module
-  ``make_private`` returned and global ones; the library's and Opacus's own hooks stay out) runs
-  twice under ``torch.no_grad()``, the second time with the middle
-  example replaced (floating point: ten times larger values of random sign; integers: 0; booleans:
-  False), each time from the same state: the same fixed RNG state (so dropout masks match), fresh
-  copies of the buffers and trainable parameters (a forward that writes them writes the copies;
-  frozen parameters are not copied, so a frozen base model costs no memory, and are watched by
-  their version counters), the modules' extra state put back after each pass, and the global RNG
-  state restored afterwards: the check writes nothing to the model and leaves the run's randomness
-  unchanged (the write guard, :mod:`.integrity`, sees nothing).  A forward that wrote the copies
-  is left to the write guard, which refuses the step (or norm pass) before any noise, and every
-  later one; it is not judged here (nor cached);
-* every output tensor whose leading dimension is the synthetic batch (tensors, tuples, lists,
-  dicts, Hugging Face ``ModelOutput``) must keep every other example's rows within float rounding
-  (1e-4 of the output's largest magnitude); otherwise :class:`BatchMixingError` is raised, naming the first
-  operation (a ``TorchFunctionMode`` over both passes) and module whose inputs' other rows agree but
-  whose output rows differ, or — a reduction — whose floating-point output lost the batch dimension.
-
-What it cannot see, so the user must meet it: mixing inside the **loss function** (the engine never
-sees it: the per-example losses must each depend on their own example — a loss averaged over the
-tokens of the whole batch weighs each example by the others' token counts), mixing only in a custom
-autograd ``backward``, dependence on examples of *earlier* batches through module state (refused by
-the write guard when it is a buffer or parameter, not when it is a plain Python attribute — which
-the check's own passes may also change, e.g. a call counter), and a model whose outputs carry no
-batch dimension (refused: the check needs per-example outputs).
-
-Cost: two forward passes of the synthetic batch without gradients and a copy of the trainable
-parameters and buffers, once per model (and per combination of training flags); the refusal runs
-both passes again under a ``TorchFunctionMode`` to name the operation.
+gradient at c_i, which bounds one example's influence only if no other example's gradient depends
+on it.  At the model's first forward with gradients (a training step or a norm pass) the model is
+run twice on a public synthetic batch, the second time with its middle example replaced, and every
+other example's outputs must stay within float rounding; otherwise :class:`BatchMixingError` names
+the first mixing operation.  Data-independent, once per model and training-flag combination, and
+free of side effects (copies of buffers and trainable parameters, the RNG restored).  What it
+cannot see (mixing in the loss or a custom backward) and what it costs: docs/guarantees.md.
 """
 
 from __future__ import annotations

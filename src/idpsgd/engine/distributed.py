@@ -1,38 +1,12 @@
 """Distributed individualized DP-SGD on ``torch.distributed`` (data parallelism, Opacus's DPDDP path).
 
-Boenisch et al. 2023, Alg. 1/3 (IDP-SGD) run by W processes ("ranks") on one data set, with
-exactly the mechanism — and so exactly the privacy accounting — of one process:
-
-* **sampling** — the index set is sharded across ranks (rank r owns the examples i with
-  i mod W = r, as Opacus's ``DistributedUniformWithReplacementSampler`` with ``shuffle=False``);
-  at every step each rank keeps the examples *of its shard* with U_i < q_i.  Every example is
-  decided by exactly one rank with its own rate, so the union over ranks is one Poisson draw over
-  the whole data set.  In reproducible mode all ranks read the same seeded stream of n uniforms per
-  step, so the union is *the same draw* a single process with that seed makes; in secure mode
-  each rank draws its shard's uniforms from OS entropy.  Empty local batches are yielded (unlike
-  Opacus's distributed sampler, which skips them and can desynchronise the ranks' step counts).
-* **clipping, noise, normalisation** — each rank clips its examples at their c_i and sums them;
-  the Gaussian noise N(0, σ²c²) is added **once**, on rank 0 (Opacus's ``DistributedDPOptimizer``);
-  each rank divides by the per-rank expected batch size Σ_i q_i / W and the all-reduce averages over
-  the W ranks, so the update is (Σ_i clipped g_i + noise) / Σ_i q_i, as in one process (with
-  ``loss_reduction="sum"`` neither division happens, as in Opacus).  The gradients are all-reduced
-  as one flat buffer (one collective per step), which also carries the global batch size.
-* **accounting** — identical deterministic bookkeeping on every rank: the per-group ledger
-  (:class:`~idpsgd.engine.accountant.GroupAccountant`) is charged once per step on each rank, from
-  data-independent quantities only, so every rank holds the single-process ledger and the privacy
-  filter decides identically everywhere (:func:`check_replicated` verifies it, e.g. at every
-  checkpoint).  The seed is rank 0's, broadcast.  Per-example gradient norms for individual
-  accounting and the individual filter are computed on disjoint shards and all-gathered
-  (:func:`sharded_grad_norms`), so every rank holds every example's norm.
-* **refusals** — each rank runs the engine's guard (un-noised writes to its replica, the filter)
-  before the noise, and the ranks all-reduce their verdicts (one integer per rank) right then: a
-  step refused on one rank is refused on every rank in the same step, before any noise is drawn or
-  anything charged (:meth:`_RankZeroNoise._share_verdict`), instead of leaving the others waiting
-  in the gradient all-reduce until the collective timeout.
-* **processes** — :func:`init_process_group` sets a timeout on every collective (a dying or stuck
-  rank gives an error, not a hang); :func:`launch` spawns W processes (gloo on CPU, NCCL on GPUs),
-  returns rank 0's result and turns a rank's failure into one clear error.  Checkpoints and reports
-  are written by rank 0 only (:func:`is_main_process`), atomically (``idpsgd.io``).
+Boenisch et al. 2023, Alg. 1/3 run by W processes ("ranks") with exactly the mechanism, and so the
+accounting, of one process: each rank Poisson-samples its shard (i mod W = r) from the same seeded
+stream, so the union is the single-process draw; each rank clips its examples at c_i, the noise
+N(0, σ²c²) is added once on rank 0 and one all-reduce averages the per-rank sums divided by
+Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`setup`
+checks a data-parallel module and returns rank 0's seeds; :func:`launch` spawns the ranks with a
+timeout on every collective.  The mechanism in full and how to run it: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -136,12 +110,14 @@ def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return DPDDP(model)
 
 
-def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter, users=None) -> tuple[int, int] | None:
-    """Checks of a data-parallel ``module`` for ``make_private`` (None for a plain module): the
-    process group exists, the combination is supported; rank 0's seed becomes every rank's."""
+def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds) -> tuple[tuple[int, int] | None, object]:
+    """Checks of a data-parallel ``module`` for ``make_private``: ``(ranks, seeds)`` — ranks None for
+    a plain module — where the returned seeds (a :class:`~.randomness.RunSeeds`) are rank 0's, which
+    every rank uses (``seeds`` itself when nothing is shared).  ``record``: the mode's
+    :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
     wrapper = data_parallel_wrapper(module)
     if wrapper is None:
-        return None
+        return None, seeds
     name = type(wrapper).__name__
     if not is_distributed():
         raise InvalidParameterError(
@@ -151,11 +127,11 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
             "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)",
         )
     if isinstance(wrapper, DDP):
-        if grad_sample_mode in ("ghost", "bk"):
+        if not record.autograd_sum:
             raise InvalidParameterError(
                 "module",
                 name,
-                f"with grad_sample_mode={grad_sample_mode!r} is not supported "
+                f"with grad_sample_mode={record.name!r} is not supported "
                 "(DDP all-reduces autograd's summed gradients, which ghost clipping forms twice "
                 "and book-keeping never forms); wrap the model in "
                 "opacus.distributed.DifferentiallyPrivateDistributedDataParallel instead",
@@ -169,11 +145,8 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
                 "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
             )
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
-        seed, sampler_seed = broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
-        if engine.individual is not None and engine.individual.seed == engine.seed:
-            engine.individual.seed = seed
-        engine.seed, engine.sampler_seed = seed, sampler_seed
-    return rank_and_world()
+        seeds = seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
+    return rank_and_world(), seeds
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -240,7 +213,7 @@ class _RankZeroNoise:
         one rank only, and the others waited in the gradient all-reduce until the collective timeout.
         The refusing ranks' messages are gathered (only then) so that every rank names the cause."""
         code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
-        flags = torch.zeros(self.world_size, dtype=torch.int64, device=_comm_device())
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=comm_device())
         flags[self.rank] = code
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         codes = flags.tolist()
@@ -308,18 +281,9 @@ class DistributedIndividualizedDPOptimizerBookKeeping(_RankZeroNoise, Individual
     examples' clipped sum from its own backward pass; noise on rank 0; one all-reduce."""
 
 
-OPTIMIZERS = {
-    "hooks": DistributedIndividualizedDPOptimizer,
-    "functorch": DistributedIndividualizedDPOptimizer,
-    "ew": DistributedIndividualizedDPOptimizer,
-    "no_op": DistributedIndividualizedDPOptimizer,
-    "ghost": DistributedIndividualizedDPOptimizerFastGradientClipping,
-    "bk": DistributedIndividualizedDPOptimizerBookKeeping,
-}
-
-
 # --- collectives ----------------------------------------------------------------------------
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
+    """The device collectives run on: the current CUDA device with NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -328,7 +292,7 @@ def broadcast_object(obj, src: int = 0):
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    dist.broadcast_object_list(box, src=src, device=comm_device())
     return box[0]
 
 
@@ -341,7 +305,7 @@ def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
     if local.size != sizes[rank]:
         raise RuntimeError(f"rank {rank} holds {local.size} values, expected {sizes[rank]}")
     width = max([1, *(int(s) for s in sizes)])
-    dev = _comm_device()
+    dev = comm_device()
     buf = torch.zeros(width, dtype=torch.float64, device=dev)
     buf[: local.size] = torch.from_numpy(local).to(dev)
     out = [torch.empty_like(buf) for _ in range(world)]
@@ -397,7 +361,7 @@ def check_replicated(name: str, values) -> None:
         return
     arr = np.ascontiguousarray(np.asarray(values, dtype=np.float64).ravel())
     digest = int.from_bytes(__import__("hashlib").sha256(arr.tobytes()).digest()[:7], "little")
-    dev = _comm_device()
+    dev = comm_device()
     mine = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     both = mine.clone()
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # max of h and of -h: equal on all ranks iff min == max

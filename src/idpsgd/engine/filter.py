@@ -2,74 +2,13 @@
 
 Feldman & Zrnic 2021 ("Individual privacy accounting via a Rényi filter", arXiv:2008.11193) with
 individual budgets, as Boenisch et al. 2023 combine it with individualized assignment (§5,
-App. D.5, Table 3, Fig. 3).  :class:`IndividualFilter` attaches to an
-:class:`~idpsgd.engine.IndividualizedPrivacyEngine` (``privacy_filter="individual"``).
-
-**The filter.**  Example i has a fixed Rényi order α_i and an RDP budget B_i = B(ε_i, α_i)
-(below).  Before step t the filter knows, for every still-active example, a bound ρ_{i,t} on the
-step's Rényi divergence of order α_i between the output distributions with and without example i
-(both directions), given the outputs so far.  It admits i to step t only while
-Σ_{s≤t} ρ_{i,s} ≤ B_i; the first time that would fail, i is dropped for good: its sampling rate
-becomes 0, so it never enters a batch again and costs nothing from then on.
-
-**Why it is a valid filter (adaptive composition with predictable parameters).**  Feldman &
-Zrnic's Rényi filter — their composition theorem for RDP with adaptively chosen parameters, in
-its individual form (section numbers not restated here) — says: if every step's individual RDP
-bound ρ_{i,t} at the fixed order α_i is chosen from the past outputs (and example i's own data)
-*before* the step, and example i takes part only while the running sum stays ≤ B_i, then the
-whole run is (α_i, B_i)-RDP with respect to adding or removing example i, however the ρ's were
-chosen.  Here every condition holds by construction:
-
-1. *Predictable bound.*  Before step t example i gets a clip bound C_{i,t} computed from its
-   gradient norm at a parameter vector θ_s, s ≤ t, that was already released (θ_t itself right
-   after the update of step t−1, or the last refresh), from its own data x_i and from public
-   constants.  The step then clips i's gradient **at C_{i,t}** (individual clipping, Yu et al.
-   2023 Alg. 3), so whatever the gradient at θ_t really is, i's contribution has norm ≤ C_{i,t}.
-   Its step is the sampled Gaussian mechanism with rate q_i and effective noise multiplier
-   σ·c/C_{i,t}, whose RDP at α_i (both directions; Mironov, Talwar & Zhang 2019) is
-   ρ_{i,t} = :func:`~idpsgd.accounting.compute_rdp_pointwise` (q_i, σc/C_{i,t}, α_i) — charged
-   whether or not i is sampled.
-2. *Everything else is the same in both worlds.*  The other examples' clip bounds and drops
-   depend on their own data and on the released outputs only; the noise std σ·c and the
-   normaliser (the expected batch size fixed when the phase started) are public constants, and
-   the number of steps is fixed in advance by the recipe — the run never stops because examples
-   ran out (that stopping time would be a function of the data, not of the released outputs; a
-   training loop on the engine must not stop on the private active counts either).
-3. *Dropped means absent.*  A dropped example has rate 0: the step's output distribution is the
-   same with and without it (ρ = 0), and the engine's guard refuses, before the noise, any step
-   whose batch holds a dropped example.
-
-Full-batch DP-GD (``gd=True``; Feldman & Zrnic Alg. 3, Boenisch et al. App. D.5): q_i = 1 and the
-bound is refreshed at every step to the exact current sensitivity C_{i,t} = min(c_i, ‖g_i(θ_t)‖),
-so ρ_{i,t} = α_i·C_{i,t}²/(2σ²c²) (the Gaussian mechanism, no subsampling).  Poisson-subsampled
-DP-SGD (the scalable variant): norms are refreshed ``refreshes_per_epoch`` times per epoch and the
-bound is the refreshed norm rounded **up** to a multiple of r (:func:`~idpsgd.accounting.round_sensitivities`,
-``ceil``; at most c_i) — few distinct bounds, so the per-step RDP is a vectorized lookup.
-
-**Budget conversion.**  A pair of distributions with D_α(P‖Q) ≤ ρ is (ε, δ)-indistinguishable
-for ε = ρ + log(1 − 1/α) − (log δ + log α)/(α − 1) (Balle et al. 2020, Thm. 21; Canonne, Kamath
-& Steinke 2020, Prop. 12 — the conversion of :mod:`idpsgd.accounting.conversion`).  It is a
-statement about one pair of distributions, so it applies to the filter's bound for each
-neighbouring pair; solving for ρ gives the RDP budget
-
-    B(ε_i, α_i) = ε_i − log(1 − 1/α_i) + (log δ + log α_i)/(α_i − 1),
-
-larger than the classical ε − log(1/δ)/(α − 1) by −log(1 − 1/α) + log α/(α − 1) > 0.  The
-guarantee holds at α_i only: the filter never takes a minimum over orders after the fact (the sum
-at another order is not controlled by any filter).
-
-**Order choice.**  ``order=A`` fixes α_i = A for everyone.  By default every class of examples
-sharing (ε_i, q_i, c_i) gets, before training and from public quantities and its own budget, the
-order of the order universe U (:func:`~idpsgd.accounting.order_universe`: the default grid, every
-integer and a 0.54 %-spaced lattice on [1.01, 1024]) that maximizes B(ε, α)/ρ(q, σc/c_i, α) —
-the order at which the worst case (every step at the clip norm) lasts longest.  For DP-GD,
-ρ ∝ α·C² for every C, so this order is the best fixed order for every realization of the
-norms; with all norms at the clip norm the filter then stops exactly where ordinary DP-SGD's
-RDP accountant (minimum over U) stops.  Budgets that cannot pay for one worst-case step are refused.
-
-What is private.  The per-example running RDP, realized ε, drop steps and the per-step counts of
-active examples are functions of the training data that the released model does not cover
-(each count changes by one with one example): private outputs, mode 0600.
+App. D.5).  Example i has a fixed Rényi order α_i and an RDP budget B(ε_i, α_i) (Balle et al.
+2020, Thm. 21); before each step the filter bounds the step's RDP at α_i from a clip bound C_{i,t}
+fixed from already-released parameters, clips i at it, and admits i only while the running sum
+stays within B_i; a dropped example gets rate 0 and is refused in any batch.
+:class:`IndividualFilter` is the engine's filter with ``privacy_filter="individual"`` (the
+:class:`~.group_filter.StepFilter` interface); :func:`prepare_filter` builds it at set-up.  Why it
+is a valid filter, the order choice and what is private: docs/filter.md.
 """
 
 from __future__ import annotations
@@ -253,7 +192,7 @@ class IndividualFilter:
         prepared (norms at θ_0, bounds, admissions)."""
         if self.engine is not None:
             raise RuntimeError("this filter is already attached to an engine")
-        spe = engine.parameters["steps_per_epoch"]
+        spe = engine.parameters.steps_per_epoch
         self.every = 1 if self.options.gd else max(1, round(spe / float(self.options.refreshes_per_epoch)))
         self.engine = engine
         engine.data_loader.poisson_sampler.sample_rates = self.rates
@@ -336,7 +275,7 @@ class IndividualFilter:
         batch drawn before the filter's decision is refused, nothing is released)."""
         if not self._prepared:
             raise PrivacyBudgetExceeded(
-                f"individual filter: step {self.steps + 1} is beyond the {self.engine.parameters.get('steps')} steps "
+                f"individual filter: step {self.steps + 1} is beyond the {self.engine.parameters.steps} steps "
                 "planned for this phase; no bounds were set for it (give make_private the run's length as steps)"
             )
         pending = self.engine.clipping.pending_indices  # this step's clipped examples, in clipping order
@@ -361,7 +300,7 @@ class IndividualFilter:
         self.steps += 1
         self.history.append(np.bincount(self.group_of[self.active], minlength=self.group_values.size))
         self._prepared = False
-        planned = self.engine.parameters.get("steps")
+        planned = self.engine.parameters.steps
         if planned is None or self.steps < planned:
             self._prepare_step()
 

@@ -5,7 +5,7 @@ ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the m
 the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`setup`
 (``make_private``'s refusals, rank 0's seed on every rank); :func:`phantom_batches` (an empty draw
 becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`ShardedBookKeepingOptimizer`
-(``OPTIMIZERS["bk"]``); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
+(bk's ``sharded_optimizer`` in :mod:`.modes`); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
 :func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
 
 * **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
@@ -94,9 +94,10 @@ def _check_parameters(module: torch.nn.Module) -> None:
             )
 
 
-def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter, users=None) -> tuple[int, int]:
-    """Checks of a ``fully_shard`` model for ``make_private``; rank 0's seeds become every rank's.
-    Returns (rank, W)."""
+def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=None):
+    """Checks of a ``fully_shard`` model for ``make_private``: ``((rank, W), seeds)``, the seeds (a
+    :class:`~.randomness.RunSeeds`) rank 0's, which every rank uses — as :func:`.distributed.setup`.
+    ``record``: the mode's :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
     from . import distributed
 
     if not distributed.is_distributed():
@@ -106,10 +107,10 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
             "needs an initialised torch.distributed process group "
             "(torchrun, or idpsgd.engine.distributed.init_process_group / launch)",
         )
-    if grad_sample_mode != "bk":
+    if record.sharded_optimizer is None:
         raise InvalidParameterError(
             "grad_sample_mode",
-            grad_sample_mode,
+            record.name,
             "a fully_shard (FSDP2) model trains with grad_sample_mode='bk' only: hooks/functorch/ew/no_op "
             "materialise per-sample gradients of the unsharded parameters, which FSDP2 frees after each "
             "module's forward and backward, and ghost clipping is not wired to the sharded noise yet",
@@ -128,9 +129,8 @@ def setup(engine, module: torch.nn.Module, grad_sample_mode: str, privacy_filter
     _check_parameters(module)
     settle_shards(module)
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
-        seed, sampler_seed = distributed.broadcast_object((engine._draw_seed(), engine._draw_sampler_seed()))
-        engine.seed, engine.sampler_seed = seed, sampler_seed
-    return distributed.rank_and_world()
+        seeds = seeds.with_values(*distributed.broadcast_object((seeds.draw(), seeds.draw_sampler())))
+    return distributed.rank_and_world(), seeds
 
 
 def settle_shards(module: torch.nn.Module) -> None:
@@ -483,8 +483,6 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             self.write_guard.mark(found)
         raise UnnoisedWriteError(f"{found}. {outcome}")
 
-
-OPTIMIZERS = {"bk": ShardedBookKeepingOptimizer}
 
 __all__ = [
     "ShardedBookKeepingOptimizer",

@@ -1,50 +1,14 @@
 """Individual privacy accounting on the engine (Yu et al. 2023, Alg. 2 and 3, §3.3).
 
-:class:`IndividualTracker` attaches to an :class:`~idpsgd.engine.IndividualizedPrivacyEngine` and,
-along the trajectory the model actually takes, composes every example's per-step RDP at its
-sensitivity min(c_i, ‖g_i(θ_t)‖): the gradient norms of all examples are refreshed every K steps
-(K = steps per epoch / γ, γ refreshes per epoch) with the user's own per-sample loss; optionally
-every example is then clipped at its latest (rounded) norm estimate (individual clipping, Alg. 3);
-a random validation subset is tracked exactly at every step (§3.3).  Norms at θ_t are computed
-right after step t−1's parameter update (the optimizer's post-step hook), i.e. before batch t's
-gradients are clipped — in ghost mode too.
-
-What the numbers are (:attr:`kind`, with :attr:`kind_reason`) is a function of the options alone
-(public; :meth:`IndividualTracker.verdict`), never of the data or the gradients:
-
-* **guarantee** — output-specific individual (ε_i, δ)-DP (Yu et al. Def. 4, Thm. 3.3): every
-  example's charged sensitivity Z_i,t bounds the clipped gradient training adds for it at θ_{t−1}
-  (sampled or not) because it is **enforced** — training clips example i at Z_i,t itself
-  (:attr:`IndividualTracker.enforces`), whatever its training gradient is (another loss than the
-  norm pass's, dropout, augmentation, train-mode-only layers).  Enforced when
-
-  - **individual clipping** (Alg. 3, ``individual_clipping=True``): Z_i,t is the last refresh's
-    (rounded) norm, any K, any rounding; or
-  - **norms of every step** (K = 1) with rounding ``exact`` or ``ceil`` (never below the norm pass's
-    norm): Z_i,t = min(c_i, ‖g_i(θ_{t−1})‖) from a norm pass at the step's own parameters, and the
-    step clips example i at it — individual clipping at fresh norms, which changes nothing when the
-    norm pass is the training computation and caps the example at its charge when it is not;
-
-* **estimate** — otherwise (K > 1 or ``nearest`` rounding without individual clipping): between
-  refreshes a norm is taken from the last refresh, ``nearest`` rounding can round down, and nothing
-  makes the charges bound what training adds.
-
-A run resumed from a checkpoint written by a version that did not enforce the charges at K = 1
-(before issue 35; the checkpoint has no ``enforced_steps``) is an estimate unless it clips
-individually: its earlier steps were not clipped at their charges.
-
-The check's record (:meth:`IndividualTracker.sensitivity_check`: sampled examples checked, how many
-would have exceeded their charge at their own clip norm — with enforcement, how often it clipped
-them further — and by how much at most, how many norms differed from the norm pass) is a statistic
-of the gradient norms: private, and the label does not depend on it.
-
-Bounds (:meth:`IndividualTracker.report`): the example's RDP ε (adaptive-order conversion); with
-``accountant="pld"`` also its PLD ε — the composition of its steps at each rounded sensitivity
-level (:mod:`idpsgd.accounting.pld_individual`); and its data-independent ε from the engine's group
-accountant (the run's accountant, ≤ its budget by calibration).  The reported ε is the minimum of
-these, with the name of the one that gave it — a guarantee or an estimate as :attr:`kind` says.
-:meth:`~idpsgd.engine.IndividualizedPrivacyEngine.get_individual_epsilons` returns this minimum only
-for a guarantee, and the data-independent ε otherwise.
+:class:`IndividualTracker` attaches to the engine and composes every example's per-step RDP at its
+sensitivity min(c_i, ‖g_i(θ_t)‖) along the trajectory the model takes: norms refreshed every K
+steps with the user's per-sample loss (right after the previous update), optionally individual
+clipping at the latest rounded norm (Alg. 3), and an exactly tracked validation subset (§3.3).
+Whether the numbers are a **guarantee** (output-specific individual DP, Yu et al. Def. 4,
+Thm. 3.3: every charge is enforced by clipping at it) or an **estimate** is a function of the
+options alone (:attr:`IndividualTracker.kind`, :meth:`IndividualTracker.verdict`); the reported ε
+is the minimum of the RDP, PLD and data-independent bounds.  The rules in full, the check's
+private record (:mod:`.sensitivity_check`) and the outputs: docs/individual-accounting.md.
 """
 
 from __future__ import annotations
@@ -59,7 +23,7 @@ from ..accounting.output_specific import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
 from .distributed import sharded_grad_norms
 from .sensitivity_check import SensitivityCheck, active_dropout, dropout_modules
-from .wrap import raw_module
+from .unwrap import raw_module
 
 DEFINITION = "output-specific individual (epsilon_i, delta)-DP (Yu et al. 2023, Def. 4, Thm. 3.3)"
 
@@ -136,15 +100,15 @@ class IndividualTracker:
                 "individual_accounting", True, "supports one-phase runs (a second make_private on this engine)"
             )
         p = engine.parameters
-        n = p["sample_rates"].size
+        n = p.sample_rates.size
         if self.accountant is None:
             o = self.options
-            self.every = max(1, int(round(p["steps_per_epoch"] / float(o.refreshes_per_epoch))))
+            self.every = max(1, int(round(p.steps_per_epoch / float(o.refreshes_per_epoch))))
             self.accountant = IndividualAccountant(
-                p["sample_rates"],
-                p["noise_multiplier"],
-                p["max_grad_norm"],
-                p["clip_norms"],
+                p.sample_rates,
+                p.noise_multiplier,
+                p.max_grad_norm,
+                p.clip_norms,
                 rounding=o.rounding,
                 rounding_step=o.rounding_step,
             )
@@ -156,21 +120,26 @@ class IndividualTracker:
             )
             self.exact = (
                 IndividualAccountant(
-                    p["sample_rates"][self.subset],
-                    p["noise_multiplier"],
-                    p["max_grad_norm"],
-                    p["clip_norms"][self.subset],
+                    p.sample_rates[self.subset],
+                    p.noise_multiplier,
+                    p.max_grad_norm,
+                    p.clip_norms[self.subset],
                     rounding="exact",
                 )
                 if m
                 else None
             )
-            self.check = SensitivityCheck(float(p["clip_norms"].max()))
+            self.check = SensitivityCheck(float(p.clip_norms.max()))
         self.engine = engine
         self._dropouts = dropout_modules(raw_module(engine.module))
         engine.optimizer.post_step_hooks.append(self._after_step)
         self._due = True
         self._prepare_step()
+
+    def detach(self) -> None:
+        """Unhook from the engine's optimizer (a tracker replaced by one with another seed)."""
+        if self.engine is not None and self._after_step in self.engine.optimizer.post_step_hooks:
+            self.engine.optimizer.post_step_hooks.remove(self._after_step)
 
     @property
     def enforces(self) -> bool:
@@ -282,7 +251,7 @@ class IndividualTracker:
         if self.exact is not None:
             self.exact.add_steps(1)
         self._due = True
-        planned = self.engine.parameters.get("steps")
+        planned = self.engine.parameters.steps
         if (planned is not None and self.engine.steps >= planned) or not self.engine.can_step():
             return  # no further step is planned: no norm pass for it
         self._prepare_step()
@@ -354,10 +323,10 @@ class IndividualTracker:
         return {
             "norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
             "steps": np.asarray(self.recorded_steps, dtype=np.int64),
-            "sample_rates": p["sample_rates"],
-            "clip_norms": p["clip_norms"],
-            "noise_multiplier": np.float64(p["noise_multiplier"]),
-            "clip_norm": np.float64(p["max_grad_norm"]),
+            "sample_rates": p.sample_rates,
+            "clip_norms": p.clip_norms,
+            "noise_multiplier": np.float64(p.noise_multiplier),
+            "clip_norm": np.float64(p.max_grad_norm),
             "rounding": np.str_(self.accountant.rounding),
             "rounding_step": np.float64(self.accountant.rounding_step),
             "accounting_kind": np.str_(self.kind),

@@ -1,72 +1,14 @@
 """The released model holds only what the noisy step wrote: un-noised writes to it are refused.
 
 DP-SGD's guarantee (Abadi et al. 2016; Boenisch et al. 2023, Alg. 3 line 9) covers the model as a
-post-processing of the noisy updates θ_{t+1} = θ_t − η·(Σ_i clip_{c_i}(g_i) + N(0, σ²c²I))/Σ_i q_i:
-every value of the released ``state_dict`` must be a function of those updates and of public
-values.  A forward pass that writes a parameter or a *persistent* buffer (one in ``state_dict``)
-from the batch releases that write without noise, outside the accounting (issue 29: with
-``nn.Embedding(max_norm=1)`` and the target the only holder of token 7, ‖row 7‖ is 1.00 with it
-and 4.05 without, at a reported ε of 0.45).  The per-example norm passes (:mod:`.norms`: individual
-accounting, the individual filter, per-instance bounds) run the forward over *every* example,
-those with q_i = 0 and ε = 0 included, so a write there leaks even examples that never train.
-
-Refused, in every ``grad_sample_mode`` and in the norm passes:
-
-* **statically** (:func:`check_static_writes`, at ``make_private`` and at the entry of every norm
-  pass): ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``max_norm`` — PyTorch renormalises the
-  looked-up rows of the weight in place during the forward;
-* **dynamically** (:class:`WriteGuard`): any parameter (trainable or frozen), buffer (persistent or
-  not) or module extra state (``get_extra_state()``, released in ``state_dict`` as ``_extra_state``)
-  of the model, and any state of its optimizer (``momentum_buffer``, Adam's ``exp_avg``, ``step``...:
-  released with the model in most checkpoints, and it feeds later updates), that changes between the
-  first call of any of the model's modules after a step (or after ``make_private``) and the next
-  step's noise — an in-place write under ``torch.no_grad()``, a running statistic updated in forward
-  (``self.count += 1``, ``self.mean = 0.9 * self.mean + …``), a write through ``.data``, a method
-  called before the forward that runs a submodule and writes a buffer, a global forward pre-hook —
-  and any that changes during a norm pass.  The step is then not taken (no noise drawn, nothing
-  charged; :class:`UnnoisedWriteError` names the parameter, buffer or optimizer state and its
-  module), and the model is marked: it holds the write, so every later step or norm pass on it is
-  refused too (train a fresh model without the write).  With data parallelism (DPDDP) the ranks
-  share their verdicts before the noise (:mod:`.distributed`): a write found on one rank refuses
-  the step on every rank and marks every replica.
-
-Non-persistent buffers are not released, but a forward that writes one from the batch and reads it
-in a later step (a running mean of the inputs used to normalise them) makes every later example's
-gradient a function of earlier examples: example j's influence on a later step is then bounded by
-the sum of that step's clip norms, not by c_j, and the accountant charges j only for the steps
-that sampled it (Abadi et al. 2016's analysis assumes each step depends on the data only through
-its own batch and the previous noisy model).  The guard cannot tell whether a written buffer is
-read later, so writes to any buffer are refused.
-
-Allowed: writes *between* steps — ``load_state_dict``, ``engine.load_checkpoint``, an optimizer's
-``load_state_dict``, a projection after ``optimizer.step()`` — which do not go through the model's
-forward on the batch: the snapshot is taken at the first call of any of the model's modules (or of
-the wrappers ``make_private`` put around it) after each step, by a global forward pre-hook kept
-first of the global ones, so before every other hook (global or per module) and after such writes.
-It is registered only while a guard waits for its step's first call.  (A write made before any of
-the model's modules runs — a plain method that writes a buffer without calling a module — cannot be
-told from a write between steps and is allowed.  A loop that calls none of the model's modules is
-compared against the state right after the step, without the value fingerprint: writes between
-steps are then refused too, and ``.data`` writes are not seen; so is a step whose first call of
-the model runs on tensors swapped in for it — ``torch.func.functional_call``, as per-sample gradients
-computed by the user for ``grad_sample_mode="no_op"`` are.)  BatchNorm stays refused by Opacus's
-validator.
-
-How (no copy of the parameters): per tensor, its version counter (``t._version``, bumped by every
-in-place operation on it or on a view or ``detach()`` of it, under ``no_grad`` too), its identity (a
-rebinding ``self.buf = self.buf + 1``), its storage address (``p.data = …``) and its name set (a
-tensor registered during the forward; an optimizer state that appears); and a value fingerprint
-for writes through ``p.data``, which has its own version counter that ``p`` does not see: a
-position-weighted checksum of each tensor's bit patterns with weights drawn per process
-(:func:`_checksums`: exact, independent of the reduction order on every device; it sees any swap of
-rows or paired sign flips, which the plain bit-pattern sum used before missed, and misses a change
-only with probability about 2⁻³², or when three or more entries of one block of 1024 change by a few
-units in the last place and cancel).  Extra state is compared by a digest of its serialisation
-(``torch.save``), for the modules that define ``get_extra_state``; optimizer state that is not a
-tensor by equality.
-Cost per logical step: two reads of the parameters, buffers and optimizer state (at the first
-forward and before the noise; the optimizer's update alone reads and writes them several times), one
-device synchronisation, and a Python walk over the model's modules; per norm-pass batch one read.
+post-processing of the noisy updates: a forward pass that writes a parameter, buffer, extra state
+or optimizer state from the batch releases that write without noise.  Refused in every
+``grad_sample_mode`` and in the per-example norm passes (:mod:`.norms`): statically
+(:func:`check_static_writes`: ``nn.Embedding(max_norm=...)``) and dynamically (:class:`WriteGuard`:
+a change between the first call of the model's modules after a step and the next step's noise,
+seen by version counters, identities, storage addresses and a value fingerprint); the step is not
+taken (:class:`UnnoisedWriteError`) and the model is marked.  Writes between steps are allowed.
+What is refused and why, how it is detected and what it costs: docs/guarantees.md.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def _norm_pass(model: torch.nn.Module):
     from .batch_independence import BatchIndependence
     from .bk.keeper import BookKeeper
     from .integrity import WriteGuard, check_static_writes
-    from .wrap import raw_module
+    from .unwrap import raw_module
 
     outer = model if isinstance(model, AbstractGradSampleHooks) else None  # a module, or wrap_model=False's hooks
     if not hasattr(outer, "disable_hooks"):  # grad_sample_mode="ew": no hooks (its forward is not called here)

@@ -186,6 +186,25 @@ def refuse_opacus_options(**given) -> None:
             raise InvalidParameterError(name, type(given[name]).__name__, f"is not supported: {SCHEDULES}")
 
 
+def validate_module(module, *, first_with_fix: bool = False) -> None:
+    """Raise :class:`UnsupportedModuleError` when Opacus's ``ModuleValidator`` finds ``module``
+    cannot be trained privately: every reason (Opacus's ``validate``), or with ``first_with_fix``
+    the first one and the fix (``make_private``'s message)."""
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(module, strict=False)
+    if not errors:
+        return
+    if first_with_fix:
+        why = (
+            f"{errors[0]} (IndividualizedPrivacyEngine.get_compatible_module, i.e. "
+            "opacus.validators.ModuleValidator.fix, replaces e.g. BatchNorm by GroupNorm)"
+        )
+    else:
+        why = "; ".join(str(e) for e in errors)
+    raise UnsupportedModuleError("module", type(module).__name__, "cannot be trained privately by Opacus: " + why)
+
+
 def refusal_for(error: BaseException) -> Refusal | None:
     """The :data:`REFUSALS` entry an exception is, or None."""
     line = f"{type(error).__name__}: {error}"
@@ -199,4 +218,5 @@ __all__ = [
     "UnsupportedModuleError",
     "refusal_for",
     "refuse_opacus_options",
+    "validate_module",
 ]

@@ -1,30 +1,13 @@
 """Opacus ``DPOptimizer`` with per-example clip norms (IDP-SGD *Scale* and *Sample*).
 
-Boenisch et al. 2023, Alg. 3 with individualized parameters: the per-example gradient g_i is
-clipped to c_i (line 6; *Scale* gives each privacy group its own c_p, §3.4), the clipped
-gradients are summed, Gaussian noise of standard deviation σ·c is added (line 8; c is the
-reference clip norm, so group p meets effective noise multiplier σ·c/c_p), and the sum is divided
-by the expected batch size Σ_i q_i (*Sample* gives each group its own q_p, §3.3).
-
-Only the clip factor differs from Opacus: min(1, c_i / (‖g_i‖ + 1e-6)) instead of
-min(1, c / (‖g_i‖ + 1e-6)) (:class:`~idpsgd.engine.clipping.PerExampleClipping`).  Noise
-(``add_noise``, std ``noise_multiplier · max_grad_norm``) and normalisation (``scale_grad``, by
-``expected_batch_size``) are Opacus's own, with ``max_grad_norm = c`` and
-``expected_batch_size = Σ q_i``.  Two hooks make the optimizer privacy-aware:
-
-* ``guard`` runs once per logical step, right before the noise is drawn: the engine's privacy
-  filter, which raises to refuse a step that would exceed a budget (nothing is released then);
-* ``step_hook`` (Opacus's accounting hook) runs after the noisy gradient is formed: the engine's
-  accountant charges the step; ``post_step_hooks`` run after the parameter update (θ_{t+1}: the
-  individual accountant refreshes norms there); ``refusal_hooks`` run when ``step()`` raises (a
-  refused step, wherever it was refused), before the error propagates.
-
-Mixed precision: per-example norms and clipped sums are accumulated in float32; an example whose
-gradient overflowed (inf/nan) gets clip factor 0 (it contributes nothing; the step is taken and
-charged).  ``torch.amp.GradScaler`` is supported in book-keeping mode through the optimizer
-protocol of ``GradScaler.step`` (``_step_supports_amp_scaling``: the scaler hands its scale to
-:meth:`step`, which divides the per-example gradients by it before clipping) and refused in the
-other modes (see :meth:`_PrivacyHooks.loss_scale`).
+Boenisch et al. 2023, Alg. 3 with individualized parameters: g_i is clipped to c_i (line 6), the
+clipped gradients are summed, Gaussian noise of std σ·c is added (line 8) and the sum is divided by
+Σ_i q_i; only the clip factor differs from Opacus (:class:`~.clipping.PerExampleClipping`).  Hooks
+make it privacy-aware: ``guard`` before the noise (:mod:`.step_guard`; a refusal releases
+nothing), Opacus's step hook after it (the ledger), ``post_step_hooks`` after the update and
+``refusal_hooks`` when ``step()`` raises.  Mixed precision: float32 accumulation, an overflowed
+example gets factor 0, ``GradScaler`` in bk mode only.  :func:`check_noise` refuses σ = 0.  Which
+optimizer each ``grad_sample_mode`` uses: :mod:`.modes`; details: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations
@@ -64,7 +47,7 @@ class _PrivacyHooks:
         secure_mode: bool = False,
         **kwargs,
     ):
-        _check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
         super().__init__(
             optimizer,
             noise_multiplier=float(noise_multiplier),
@@ -191,7 +174,8 @@ class _PrivacyHooks:
         return out
 
 
-def _check_noise(noise_multiplier, max_grad_norm, expected_batch_size):
+def check_noise(noise_multiplier, max_grad_norm, expected_batch_size) -> None:
+    """σ > 0 and finite, c > 0, the normaliser > 0 (σ = 0 is no privacy: refused)."""
     if not (float(noise_multiplier) > 0 and math.isfinite(float(noise_multiplier))):
         raise InvalidParameterError(
             "noise_multiplier", noise_multiplier, "must be > 0 and finite (0 adds no noise: no privacy)"
@@ -352,13 +336,3 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 p.summed_grad.add_(g.to(p.summed_grad.dtype))
             else:
                 p.summed_grad = g.to(p.dtype)
-
-
-OPTIMIZERS = {
-    "hooks": IndividualizedDPOptimizer,
-    "functorch": IndividualizedDPOptimizer,
-    "ew": IndividualizedDPOptimizer,
-    "no_op": IndividualizedDPOptimizer,  # the user's p.grad_sample, clipped as the hooks mode's
-    "ghost": IndividualizedDPOptimizerFastGradientClipping,
-    "bk": IndividualizedDPOptimizerBookKeeping,
-}

@@ -1,35 +1,13 @@
 """Sources of randomness for the privacy-relevant draws: Poisson sampling and Gaussian noise.
 
-Two modes, with Opacus's semantics (``PrivacyEngine(secure_mode=...)``):
-
-* **reproducible** (default) — every draw comes from generators seeded by one integer seed.  A
-  given seed replays a run exactly.  Without a seed the engine follows **torch's RNG**, as
-  Opacus's non-secure mode does: at the first draw (the first batch, or the first noise) its seed
-  is drawn from torch's global generator — and the Poisson sampler's from the data loader's
-  ``generator`` when the loader has one — so ``torch.manual_seed(0)`` (or a seeded
-  ``DataLoader(generator=...)``) anywhere before training reproduces a run (:func:`seed_from_torch`,
-  :class:`Deferred`).  A torch generator that was never seeded runs torch's public default stream;
-  the seed is then drawn from OS entropy instead.  The seed used is recorded (``engine.seed``,
-  ``engine.sampler_seed``; private, never printed; a run folder keeps it in
-  ``private/seed.json``, mode 0600), so the run can be replayed.  Unlike Opacus, the engine draws
-  one seed from torch, not every number: re-seeding torch after the first draw does not change the
-  run's stream, and the engine consumes one number of the user's torch stream.
-  The seed is as secret as the data: with it and every record but one, anyone can replay the run
-  on both neighbouring data sets and compare with the released model (ε = ∞), so it never appears
-  in a public file or on stdout (:func:`randomness_note` is what the public reports say instead).
-  Every bit of the seed matters: the Poisson sampler is numpy's PCG64 seeded through
-  ``SeedSequence``, and a CPU noise generator gets its whole Mersenne-Twister state from
-  ``SeedSequence`` (:func:`seeded_generator`; ``torch.Generator.manual_seed`` alone keeps only 32
-  bits of a seed on CPU: at most 2^32 noise streams).  The model's initialisation
-  (``torch.manual_seed``) is not a privacy matter (the guarantee holds for any fixed start).
-* **secure** — a seed is refused (privacy beats replay).  Poisson sampling draws its uniforms
-  straight from the operating system's CSPRNG (``os.urandom``); the noise is drawn as
-  Opacus does in secure mode (the sum of four normals halved, after a discarded draw: robust to
-  the floating-point attacks of Mironov 2012 / Haney et al. 2022, see
-  ``opacus.optimizers.optimizer._generate_noise``).  When ``torchcsprng`` is installed its
-  ``/dev/urandom`` generator draws the normals, exactly as Opacus does; otherwise they come from
-  ``os.urandom`` through :class:`OsEntropyNormal` — never from a seeded PyTorch generator.
-  Nothing about a secure run's randomness is written anywhere.
+Opacus's two modes (``PrivacyEngine(secure_mode=...)``): **reproducible**, every draw from
+generators seeded by one integer (every bit used: numpy's PCG64 and a full Mersenne-Twister state
+through ``SeedSequence``; without a seed the engine follows torch's RNG, drawing its seed from it
+at the first draw), and **secure**, where a seed is refused, the sampler's uniforms come from
+``os.urandom`` and the noise is drawn as Opacus does in secure mode (robust to Mironov 2012's and
+Haney et al. 2022's floating-point attacks).  The seed is as secret as the data: never printed or
+written publicly.  :class:`RunSeeds` holds a run's seeds and builds its sources.  The modes in
+full: docs/guarantees.md.
 """
 
 from __future__ import annotations
@@ -245,6 +223,61 @@ def noise_generator(device, seed: int | None, secure_mode: bool):
         except ImportError:
             return OsEntropyNormal()
     return seeded_generator(device, int(seed))
+
+
+class RunSeeds:
+    """The run's seeds, in one object: the noise's (``seed``) and the Poisson sampler's
+    (``sampler_seed``), how they are chosen (given, followed from torch, or none in secure mode),
+    and the sources built from them.  The engine holds one; distributed set-up returns the one
+    every rank uses (:meth:`with_values`) instead of writing the engine's."""
+
+    def __init__(self, seed: int | None, secure_mode: bool):
+        self.secure_mode = bool(secure_mode)
+        self.follow_torch = seed is None and not self.secure_mode  # drawn from torch at the first draw
+        self.given = seed is not None  # a drawn seed yields to a checkpoint's on load
+        self.seed = None if self.follow_torch else resolve_seed(seed, self.secure_mode)
+        self.sampler_seed = self.seed  # the Poisson sampler's (the loader generator's when followed)
+        self.loader_generator = None  # the data loader's generator, followed by the sampler
+
+    def with_values(self, seed: int | None, sampler_seed: int | None) -> RunSeeds:
+        """A copy holding these seeds (rank 0's, broadcast), chosen the same way."""
+        out = RunSeeds.__new__(RunSeeds)
+        out.__dict__.update(self.__dict__)
+        out.seed, out.sampler_seed = seed, sampler_seed
+        return out
+
+    def following(self, loader_generator) -> RunSeeds:
+        """A copy whose sampler follows the data loader's ``generator`` (when the seeds follow torch)."""
+        out = self.with_values(self.seed, self.sampler_seed)
+        if out.follow_torch:
+            out.loader_generator = loader_generator
+        return out
+
+    def draw(self) -> int | None:
+        """The noise's seed; without one given (non-secure), drawn now from torch's global generator."""
+        if self.seed is None and self.follow_torch:
+            self.seed = seed_from_torch(None)
+        return self.seed
+
+    def draw_sampler(self) -> int | None:
+        """The Poisson sampler's seed: the engine's, or drawn now from the data loader's generator."""
+        if self.sampler_seed is None and self.follow_torch:
+            self.sampler_seed = (
+                seed_from_torch(self.loader_generator) if self.loader_generator is not None else self.draw()
+            )
+        return self.sampler_seed
+
+    def sampler_rng(self):
+        """The Poisson sampler's source; built at its first draw when the seed follows torch."""
+        if self.follow_torch and self.sampler_seed is None:
+            return DeferredUniform(lambda: sampler_rng(self.draw_sampler(), False))
+        return sampler_rng(self.sampler_seed, self.secure_mode)
+
+    def noise_generator(self, device):
+        """The noise's source on ``device``; built at its first draw when the seed follows torch."""
+        if self.follow_torch and self.seed is None:
+            return DeferredGenerator(lambda: noise_generator(device, self.draw(), False), device)
+        return noise_generator(device, self.seed, self.secure_mode)
 
 
 def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: bool) -> torch.Tensor:

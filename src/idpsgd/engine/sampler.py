@@ -1,18 +1,11 @@
 """Poisson sampling with per-example rates for any map-style ``Dataset`` and ``DataLoader``.
 
 IDP-SGD *Sample* (Boenisch et al. 2023, Alg. 1, Alg. 3 line 3 with per-point rates): at every
-step example i joins the batch independently with probability q_i.  Batches have random size —
-possibly zero, in which case the step is noise only, as in Opacus's ``DPDataLoader`` — and each
-example's privacy analysis is that of a Poisson-subsampled Gaussian mechanism with its own rate.
-
-The engine replaces the user's ``DataLoader``'s batch sampler by :class:`PoissonBatchSampler`
-and keeps everything else (dataset, ``collate_fn``, workers, pinning): the loader yields **the
-user's batches unchanged**.  The per-example clip norms need to know which examples a batch
-holds, so every batch's indices also go into a :class:`BatchIndexQueue`, a FIFO the optimizer
-(or the ghost-clipping module) reads from when it clips.  Batches reach the training loop in the
-order the sampler drew them (also with worker prefetching, which only draws ahead), and
-Opacus's ``BatchMemoryManager`` splits a logical batch into physical ones in order, so the k-th
-per-sample gradient clipped belongs to the k-th index in the queue.
+step example i joins the batch independently with probability q_i; batches have random size,
+possibly zero (a noise-only step, as Opacus's ``DPDataLoader``).  :class:`PoissonBatchSampler`
+replaces the user's batch sampler and keeps everything else, so the loader yields the user's
+batches unchanged; every batch's indices also go into a :class:`BatchIndexQueue`, the FIFO the
+clipping reads to find each example's c_i.  Ordering and worker prefetching: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """The record behind individual accounting's charged sensitivities: what training clipped against
-what each example was charged (Yu et al. 2023, Thm. 3.3 and Alg. 3).  Private statistics only: the
-public ``kind`` never depends on them (:mod:`.individual`).
+what each example was charged (Yu et al. 2023, Thm. 3.3 and Alg. 3).
 
-Output-specific individual DP (Yu et al. Def. 4) charges example i at step t the sampled Gaussian's
-RDP at sensitivity Z_i,t; Thm. 3.3 makes the composed charge a guarantee when Z_i,t bounds the norm
-of the *clipped gradient training would add for i at θ_{t−1}*, whether or not i is sampled.
-Individual accounting (:mod:`.individual`) takes Z_i,t from a separate norm pass (eval mode, the
-given ``per_sample_loss``, :mod:`.norms`).  When it *enforces* the charges (individual clipping, or
-norms of every step with ``exact``/``ceil`` rounding) every example is clipped at Z_i,t itself, so
-the bound holds by construction; otherwise the charges are estimates.  Training knows, at every
-step, the pre-clip norm ‖g_i‖ and the clip norm c_i of each *sampled* example
-(:attr:`~.clipping.PerExampleClipping.last_norms` in every ``grad_sample_mode``).
-:class:`SensitivityCheck` records, over the run:
-
-* **exceeded** — sampled (example, step) pairs whose gradient clipped at the example's own clip
-  norm c_i, ‖g_i‖·min(1, c_i/(‖g_i‖ + 1e−6)), was above the charged Z_i,t (beyond the float
-  tolerance :data:`RTOL`·Z + :data:`ATOL`·c_max): with enforcement, the examples that enforcement
-  clipped below c_i (training changed); without it, charges that did not bound what training added;
-* **mismatched** — at steps whose norm pass ran at the same parameters θ_{t−1} (norms refreshed
-  for that very step), sampled examples whose training norm ‖g_i‖ differed from the norm pass's by
-  more than the tolerance: the norm pass is not the training computation (another loss, dropout or
-  other train-mode randomness, random augmentation in the collate, ...);
-* the largest ratio (clipped at c_i)/charged (against max(charge, :data:`ATOL`·c_max)) and the
-  largest relative mismatch (against max(norm, :data:`ATOL`/:data:`RTOL`·c_max), the norm below
-  which the absolute tolerance dominates) — floored so that norms near 0 do not blow them up;
-* ``steps`` — logical steps seen (an empty Poisson batch is checked vacuously), and the dropout
-  modules seen active in training (:func:`dropout_modules`; architecture, not data).
-
-Distributed (DPDDP): each rank checks its own examples; :meth:`SensitivityCheck.reduce_step` sums
-the counts and takes the maxima over ranks every step, so every rank holds the same record.
+Thm. 3.3 makes the composed charge Z_i,t a guarantee when it bounds the clipped gradient training
+adds for example i; :class:`SensitivityCheck` compares, at every step and for every sampled
+example, the training norm ‖g_i‖ and clip norm c_i (:attr:`~.clipping.PerExampleClipping.last_norms`)
+with the charge and with the norm pass's norm: how many exceeded and mismatched, the largest
+ratios, the steps seen and the active dropout modules.  Private statistics only: the public
+``kind`` never depends on them (:mod:`.individual`).  With DPDDP the ranks' records are reduced
+every step.  The fields in full: docs/individual-accounting.md.
 """
 
 from __future__ import annotations
@@ -155,10 +134,10 @@ def _reduce(counts: dict, maxima: dict) -> tuple[dict, dict]:
         return counts, maxima
     import torch.distributed as dist
 
-    from .distributed import _comm_device
+    from .distributed import comm_device
 
     keys = [k for k in counts if k != "steps"]
-    dev = _comm_device()
+    dev = comm_device()
     s = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=dev)
     m = torch.tensor([float(maxima[k]) for k in maxima], dtype=torch.float64, device=dev)
     dist.all_reduce(s, op=dist.ReduceOp.SUM)

@@ -1,121 +1,27 @@
-"""Wrapping a user's module for per-sample gradients (or ghost norms), as Opacus's ``make_private``.
+"""Wrapping a user's module for per-example gradients or norms, as Opacus's ``make_private``.
 
-``grad_sample_mode``:
-
-* ``hooks`` — Opacus's ``GradSampleModule``: per-sample gradients from registered per-layer
-  samplers (functorch for layers without one);
-* ``functorch`` — the same module forced to compute every per-sample gradient with functorch;
-* ``ew`` — Opacus's ``GradSampleModuleExpandedWeights``: per-sample gradients from PyTorch's
-  ExpandedWeights (``torch.nn.utils._per_sample_grad``), batch-first inputs only; a layer
-  ExpandedWeights does not support raises PyTorch's ``RuntimeError`` in the forward pass, as with
-  Opacus.  The clipping, noise and accounting are those of ``hooks``;
-* ``ghost`` — fast gradient clipping (Li et al. 2022; Bu et al. 2023; Opacus's
-  ``GradSampleModuleFastGradientClipping``): per-example gradient *norms* without materialising
-  per-example gradients (ghost norms for Linear layers).  :class:`IndividualizedGhostModule`
-  returns the clip factors min(1, c_i/‖g_i‖) with each example's own c_i, which Opacus's loss
-  wrapper (``DPLossFastGradientClipping``) multiplies into the per-sample losses of a second
-  backward pass — the same update as clipping each per-sample gradient at c_i;
-* ``bk`` — book-keeping (Bu et al. 2023) with mixed ghost norms (Bu, Mao & Xu 2022) for Linear,
-  Conv1d/Conv2d, Embedding, GroupNorm/InstanceNorm/LayerNorm, transformers' Conv1D and RMSNorm forms
-  (:mod:`.bookkeeping`, :mod:`.bk_layers`): one backward
-  pass, per-example norms without per-example gradients where the ghost norm is cheaper, and the
-  clipped sum formed from each layer's kept input and output gradient; other layers take Opacus's
-  per-sample gradient (the wrapper's ``layer_paths`` says which).  The user's loop is the hooks
-  loop (no criterion wrapper);
-* ``no_op`` — Opacus's ``GradSampleModuleNoOp``: per-sample gradients **you** compute (e.g. with
-  ``torch.func.vmap`` over ``grad`` of a per-example loss) and assign to ``p.grad_sample`` before
-  ``optimizer.step()``; the engine clips them per example at c_i, with the checks of the other
-  modes (one row per drawn example, the whole drawn batch) and a check of their shapes.  Each row
-  must be the gradient of one example's loss only (the clipping bounds each row's norm; a row that
-  mixes examples, e.g. through batch statistics, breaks the per-example guarantee, as in Opacus).
-  Only for the engine (``idpsgd train`` and ``idpsgd.train`` compute their own gradients).
-
-``wrap_model=False`` (Opacus 1.6's hooks without a wrapper; ``hooks``, ``functorch`` and ``no_op``):
-Opacus's ``GradSampleHooks`` / ``GradSampleHooksNoOp`` attach to your module, which you keep
-training; the returned hooks object is for ``remove_hooks()`` only.  The clipping, noise and
-accounting are those of the wrapped module.
+:func:`check_wrappable` refuses what cannot be wrapped before anything changes; :func:`wrap_module`
+builds the mode's wrapper (the record in :mod:`.modes` says which) — or, with ``wrap_model=False``,
+Opacus 1.6's hooks attached to the user's module — and attaches the check that examples do not mix
+(:mod:`.batch_independence`); :func:`layer_paths` says how each layer's norms are formed.  The
+modes and their trade-offs (hooks, functorch, ew, ghost, bk, no_op) are described for users in
+docs/opacus.md and docs/performance.md.
 """
 
 from __future__ import annotations
 
 import torch
-from opacus.grad_sample import (
-    AbstractGradSampleModule,
-    GradSampleHooks,
-    GradSampleHooksNoOp,
-    GradSampleModule,
-    GradSampleModuleExpandedWeights,
-    GradSampleModuleFastGradientClipping,
-    GradSampleModuleNoOp,
-)
+from opacus.grad_sample import AbstractGradSampleModule
 from opacus.grad_sample.gsm_base import AbstractGradSampleHooks
-from opacus.validators import ModuleValidator
 
 from ..validation import InvalidParameterError
 from .batch_independence import BatchIndependence
-from .bk.keeper import BookKeeper, BookKeepingModule, plan_layers
+from .bk.keeper import plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
-from .opacus_compat import UnsupportedModuleError, refuse_opacus_options
-from .units import UnitClipping, ghost_capture
-
-#: the modes in which the engine (or Opacus) computes the per-example gradients or norms
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
-#: the engine's modes: those, and Opacus's ``no_op`` (per-sample gradients the user computes)
-ENGINE_MODES = (*GRAD_SAMPLE_MODES, "no_op")
-#: the modes Opacus 1.6's ``wrap_model=False`` (hooks without a wrapper) is supported in
-UNWRAPPED_MODES = ("hooks", "functorch", "no_op")
-
-
-class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
-    """Ghost-clipping module whose clip factors use each example's own clip norm c_i."""
-
-    clipping: PerExampleClipping | None = None
-
-    def get_clipping_coef(self) -> torch.Tensor:
-        norms = self.get_norm_sample()
-        if self.clipping is None:
-            raise RuntimeError(
-                "IndividualizedGhostModule has no per-example clip norms: use it through "
-                "IndividualizedPrivacyEngine.make_private"
-            )
-        if not bool(torch.isfinite(norms).all()):
-            # the second backward pass multiplies each example's loss by its factor: 0 · inf is nan, in
-            # every parameter (book-keeping leaves such an example out instead)
-            raise RuntimeError(
-                "an example's gradient overflowed (inf/nan, half precision): "
-                "grad_sample_mode='ghost' cannot leave it out of its second backward pass; use "
-                "grad_sample_mode='bk', or bfloat16 autocast"
-            )
-        factors = self.clipping.factors(norms)
-        if isinstance(self.clipping, UnitClipping):  # user level: per-user factors, one per row of the user
-            factors = factors[self.clipping.last_grouping_inverse.to(factors.device)]
-        return factors
-
-    def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
-        if not isinstance(self.clipping, UnitClipping):
-            return super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
-        if not self.hooks_enabled:
-            return
-        # user level (engine/units.py): per-user norms of the summed gradients, never ghost per-row norms
-        activations, backprops = self.rearrange_grad_samples(
-            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction, batch_first=batch_first
-        )
-        ghost_capture(self, module, backprops, activations)
-        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
-            del module.max_batch_len
-
-
-def raw_module(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside Opacus wrappers (GradSampleModule, DPDDP) or under Opacus's hooks
-    object (``wrap_model=False``)."""
-    while True:
-        if isinstance(module, AbstractGradSampleHooks):
-            module = module._module
-        elif type(module).__name__ in ("DifferentiallyPrivateDistributedDataParallel", "DistributedDataParallel"):
-            module = module.module
-        else:
-            return module
+from .modes import mode
+from .opacus_compat import WRAP, refuse_opacus_options, validate_module
+from .unwrap import raw_module  # re-exported: its home is engine/unwrap.py
 
 
 def check_wrappable(
@@ -126,16 +32,13 @@ def check_wrappable(
     wrap_model: bool = True,
 ) -> None:
     """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects)."""
-    if grad_sample_mode not in ENGINE_MODES:
-        raise InvalidParameterError("grad_sample_mode", grad_sample_mode, f"must be one of {', '.join(ENGINE_MODES)}")
+    record = mode(grad_sample_mode)
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
     if wrap_model is not True:
         if wrap_model is not False:
             raise InvalidParameterError("wrap_model", wrap_model, "must be True or False")
-        if grad_sample_mode not in UNWRAPPED_MODES:
-            from .opacus_compat import WRAP
-
+        if record.hooks is None:
             raise InvalidParameterError(
                 "wrap_model", wrap_model, f"is not supported with grad_sample_mode={grad_sample_mode!r}: {WRAP}"
             )
@@ -163,7 +66,7 @@ def check_wrappable(
             "it first",
         )
     if isinstance(module, AbstractGradSampleModule):
-        if not _reusable(module, grad_sample_mode, batch_first, loss_reduction):
+        if not record.reusable(module, batch_first, loss_reduction):
             raise InvalidParameterError(
                 "module",
                 type(module).__name__,
@@ -171,16 +74,8 @@ def check_wrappable(
                 f"for grad_sample_mode={grad_sample_mode!r}",
             )
         return
-    errors = ModuleValidator.validate(module, strict=False)
-    if errors:
-        raise UnsupportedModuleError(
-            "module",
-            type(module).__name__,
-            f"cannot be trained privately by Opacus: {errors[0]} (IndividualizedPrivacyEngine."
-            "get_compatible_module, i.e. opacus.validators.ModuleValidator.fix, replaces e.g. "
-            "BatchNorm by GroupNorm)",
-        )
-    if grad_sample_mode == "bk":
+    validate_module(module, first_with_fix=True)
+    if record.book_keeping:
         plan_layers(raw_module(module))
 
 
@@ -190,24 +85,6 @@ def release_hooks(previous, module: torch.nn.Module) -> None:
     unwrapped = isinstance(previous, AbstractGradSampleHooks) and not isinstance(previous, torch.nn.Module)
     if unwrapped and previous._module is module:
         previous.remove_hooks()
-
-
-def _reusable(module, grad_sample_mode, batch_first, loss_reduction) -> bool:
-    want = {
-        "ghost": IndividualizedGhostModule,
-        "bk": BookKeepingModule,
-        "ew": GradSampleModuleExpandedWeights,
-        "no_op": GradSampleModuleNoOp,
-    }.get(grad_sample_mode, GradSampleModule)
-    return (
-        type(module) is want
-        and module.batch_first == batch_first
-        and module.loss_reduction == loss_reduction
-        and (
-            grad_sample_mode in ("ghost", "bk", "ew", "no_op")
-            or module.force_functorch == (grad_sample_mode == "functorch")
-        )
-    )
 
 
 def wrap_module(
@@ -222,73 +99,60 @@ def wrap_module(
     with ``wrap_model=False`` Opacus's hooks object attached to ``module`` (which the user keeps); with
     the check that its examples do not mix (:mod:`.batch_independence`) at its first forward pass with
     gradients (not in ``no_op`` mode: the per-sample gradients are the user's own computation)."""
-    wrapped = _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_model)
-    if grad_sample_mode != "no_op":
+    record = mode(grad_sample_mode)
+    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
+    if not wrap_model:
+        wrapped = record.hooks_object(module, batch_first, loss_reduction)
+    elif isinstance(module, AbstractGradSampleModule):  # an earlier phase's wrapper of this mode
+        record.reuse(module, clipping, loss_reduction)
+        wrapped = module
+    else:
+        wrapped = record.build(module, clipping, batch_first, loss_reduction)
+    if record.engine_computes:
         check = BatchIndependence.attach(raw_module(wrapped))
         if isinstance(wrapped, torch.nn.Module):  # the user's hooks on the returned module are part of the forward
             check.wrapped_by(wrapped)
-        if grad_sample_mode == "ew":  # ExpandedWeights calls the model with its own parameters: check before
+        if record.wrapper_calls_model:  # ExpandedWeights calls the model with its own parameters: check before
             check.watch_wrapper(wrapped)
     return wrapped
-
-
-def _wrap(module, grad_sample_mode, clipping, batch_first, loss_reduction, wrap_model) -> AbstractGradSampleHooks:
-    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
-    if not wrap_model:
-        if grad_sample_mode == "no_op":
-            return GradSampleHooksNoOp(module, batch_first=batch_first, loss_reduction=loss_reduction)
-        return GradSampleHooks(
-            module,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            force_functorch=grad_sample_mode == "functorch",
-        )
-    if isinstance(module, AbstractGradSampleModule):
-        if grad_sample_mode == "ghost":
-            module.clipping = clipping
-            module.use_ghost_clipping = not isinstance(clipping, UnitClipping)
-        if grad_sample_mode == "bk":
-            module.keeper.refresh()  # parameters frozen or unfrozen since: planned anew
-            module.keeper.loss_reduction, module.keeper.active = loss_reduction, True
-        return module
-    if grad_sample_mode == "bk":
-        return BookKeepingModule(
-            module, keeper=BookKeeper.attach(raw_module(module)), batch_first=batch_first, loss_reduction=loss_reduction
-        )
-    if grad_sample_mode == "ghost":
-        wrapped = IndividualizedGhostModule(  # user level: per-sample gradients summed by user (units.py)
-            module,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            use_ghost_clipping=not isinstance(clipping, UnitClipping),
-        )
-        wrapped.clipping = clipping
-        return wrapped
-    if grad_sample_mode == "no_op":
-        return GradSampleModuleNoOp(module, batch_first=batch_first, loss_reduction=loss_reduction)
-    if grad_sample_mode == "ew":
-        return GradSampleModuleExpandedWeights(module, batch_first=batch_first, loss_reduction=loss_reduction)
-    return GradSampleModule(
-        module, batch_first=batch_first, loss_reduction=loss_reduction, force_functorch=grad_sample_mode == "functorch"
-    )
 
 
 def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = False) -> dict[str, str]:
     """Layer name → how its per-example norms are computed: the public rule (a function of the model
     and the mode), or with ``taken`` the paths the layers took (private in bk mode: see
     ``IndividualizedPrivacyEngine.layer_paths``)."""
-    if grad_sample_mode == "bk":
+    what = mode(grad_sample_mode).layer_path
+    if what is None:  # book-keeping: per layer, from the keeper
         return wrapped.layer_paths if taken else wrapped.layer_path_rules
-    what = {
-        "hooks": "Opacus per-sample gradient (hooks)",
-        "functorch": "Opacus per-sample gradient (functorch)",
-        "ew": "PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
-        "no_op": "your per-sample gradient (p.grad_sample, assigned before optimizer.step(); Opacus's no_op mode)",
-        "ghost": "Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient otherwise; "
-        "two backward passes)",
-    }[grad_sample_mode]
     return {
         name or type(m).__name__: what
         for name, m in raw_module(wrapped).named_modules()
         if any(p.requires_grad for p in m.parameters(recurse=False))
     }
+
+
+#: names that moved in 0.x (issue 41), importable from here for one release with a DeprecationWarning
+MOVED = {
+    "ENGINE_MODES": "idpsgd.engine.modes",
+    "GRAD_SAMPLE_MODES": "idpsgd.engine.modes",
+    "UNWRAPPED_MODES": "idpsgd.engine.modes",
+    "IndividualizedGhostModule": "idpsgd.engine.ghost",
+}
+
+
+def __getattr__(name: str):
+    if name in MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"idpsgd.engine.wrap.{name} moved to {MOVED[name]}; import it from there (this alias goes in the next "
+            "release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["check_wrappable", "layer_paths", "raw_module", "release_hooks", "wrap_module"]

@@ -34,7 +34,7 @@ from ..data import Dataset
 from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
 from ..engine.randomness import randomness_note, resolve_seed
-from ..engine.wrap import raw_module
+from ..engine.unwrap import raw_module
 from ..io import fault_point, load_torch
 from ..models import DEFAULT_MODEL, create_model
 from ..names import ACCOUNTANTS, IDP_METHODS, PDP_METHODS, one_of
@@ -85,7 +85,7 @@ class TrainConfig:
             raise InvalidParameterError("momentum", self.momentum, "must be in [0, 1)")
         if self.accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", self.accountant, f"must be {one_of(ACCOUNTANTS)}")
-        from ..engine.wrap import GRAD_SAMPLE_MODES
+        from ..engine.modes import GRAD_SAMPLE_MODES
 
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise InvalidParameterError(

@@ -77,7 +77,7 @@ def per_example_clipped_grads(model, x, y, clip: float, batch_size: int = 256) -
 
     from torch.func import functional_call, grad, vmap
 
-    from ..engine.wrap import raw_module
+    from ..engine.unwrap import raw_module
 
     net = copy.deepcopy(raw_module(model)).eval()
     params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
@@ -205,7 +205,7 @@ def _install_mean_rule(optimizer: torch.optim.Optimizer, normaliser: float, modu
     a forward pre-hook on ``module`` (the user's module) recorded in training mode (an empty batch
     contributes 0).  Returns a handle whose ``remove()`` takes both hooks off.
     """
-    from ..engine.wrap import raw_module
+    from ..engine.unwrap import raw_module
 
     seen: dict = {}
 

@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
-from ...engine.wrap import raw_module
+from ...engine.unwrap import raw_module
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
 from . import checkpoints as ckpts

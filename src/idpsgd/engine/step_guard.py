@@ -1,0 +1,56 @@
+"""The guards around one DP-SGD step, run by the optimizer right before the noise is drawn.
+
+Boenisch et al. 2023, Alg. 3: a step releases θ_{t+1} from the noisy clipped sum only.  Before the
+noise of each logical step :class:`StepGuard` refuses, in this order, un-noised writes to the
+released model or its optimizer state since the step began (:class:`~.integrity.WriteGuard`),
+parameters made trainable since ``make_private`` (they would train without clipping), and a step
+the privacy filter does not admit (:mod:`.group_filter`, :mod:`.filter`).  A refused step draws no
+noise and charges nothing; after any refusal in ``optimizer.step()`` the write check re-arms so
+the next step starts clean.  The ledger is charged after the noise (Opacus's step hook).
+"""
+
+from __future__ import annotations
+
+from .integrity import WriteGuard, check_no_new_trainable, trainable_names
+from .unwrap import raw_module
+
+
+class StepGuard:
+    """One phase's guards, wired into its optimizer (``guard``, ``refusal_hooks``, ``post_step_hooks``).
+
+    ``step_filter``: the privacy filter in use (a :class:`~.group_filter.StepFilter`, or None:
+    accounted, not filtered); set by the engine once the filter is attached."""
+
+    def __init__(self, wrapped, optimizer, grad_sample_mode: str, charge):
+        raw = raw_module(wrapped)
+        self.module, self.grad_sample_mode, self.step_filter = wrapped, grad_sample_mode, None
+        self.writes, self.trainable = WriteGuard.attach(raw), trainable_names(raw)
+        # its state is released with the model in checkpoints and feeds later updates; the wrappers' own
+        # forward pre-hooks run before the model's: both are watched from the step's first call
+        self.writes.optimizer, self.writes.scope = optimizer.original_optimizer, wrapped
+        self.writes.arm()
+        optimizer.write_guard = self.writes  # DPDDP: a write found on another rank marks this replica too
+        optimizer.post_step_hooks.append(lambda _opt: self.writes.arm())
+        optimizer.refusal_hooks.append(self.after_refusal)
+        optimizer.guard = self
+        optimizer.attach_step_hook(lambda _opt: charge())  # the ledger, after the noise
+
+    def __call__(self, optimizer) -> None:
+        """Before the noise of each logical step: refuse un-noised writes to the released model and
+        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
+        self.writes.check()
+        check_no_new_trainable(raw_module(self.module), self.trainable, self.grad_sample_mode)
+        if self.step_filter is not None:
+            self.step_filter.guard(optimizer)
+
+    def after_refusal(self, _optimizer) -> None:
+        """A step refused anywhere in ``optimizer.step()`` (the guard, the book-keeper, Opacus): its
+        forward/backward pass is checked for writes (it may have been refused before the guard
+        compared), then the next call of the model starts the next step — so writes between steps
+        after a refused step are not taken for writes in it."""
+        if self.writes.tainted is None:
+            self.writes.check()
+            self.writes.arm()
+
+
+__all__ = ["StepGuard"]
