@@ -258,7 +258,7 @@ class IndividualizedPrivacyEngine:
     def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
         of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
-        from .units import per_user_grad_norms
+        from .user_norms import per_user_grad_norms
 
         loader = self.data_loader  # rows chosen with the sampler's source (seeded, or secure)
         return per_user_grad_norms(
