@@ -5,6 +5,8 @@
 
 With ``SAVE_STEPS=k`` private checkpoints every k steps; ``CRASH_AT=s`` dies at the end of step s;
 ``RESUME=1`` resumes from the latest checkpoint (privacy seed None: the checkpoint's).
+
+:func:`run` is the run itself, shared with ``tests/hf_fsdp_job.py`` (its FSDP2 twin).
 """
 
 import os
@@ -25,20 +27,24 @@ from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 
 
 class _Crash(TrainerCallback):
-    def __init__(self, at):
-        self.at = at
+    """Raise at the end of step ``at``: on every rank, or on rank ``rank`` only."""
+
+    def __init__(self, at, rank=None):
+        self.at, self.rank = at, rank
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            raise SystemExit(3)
+        if state.global_step == self.at and self.rank in (None, args.process_index):
+            raise SystemExit(3)  # with a rank: one rank dies; the others fail in the next collective
 
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on", "mat", "privacy"]
 
 
-def main(model_dir, out, accumulation, mode):
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+def run(tok, model, out, accumulation, crash_rank=None, **privacy):
+    """Train ``model`` privately on 48 seeded lines (ε 1 and 8 by turns), ``privacy`` added to the
+    :class:`PrivacyArguments`, following the environment (``SAVE_STEPS``, ``CRASH_AT``: on every rank, or
+    on ``crash_rank`` only; ``RESUME``); rank 0 saves the trainer's final parameters, ε and ledger to
+    ``OUT/result.pt``."""
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for _ in range(48)]
     enc = tok(lines, truncation=True, max_length=16)
@@ -71,21 +77,28 @@ def main(model_dir, out, accumulation, mode):
             delta=1e-5,
             method="scale",
             seed=None if os.environ.get("RESUME") else 3,
-            grad_sample_mode=mode,
+            **privacy,
         ),
     )
     if os.environ.get("CRASH_AT"):
-        t.add_callback(_Crash(int(os.environ["CRASH_AT"])))
+        t.add_callback(_Crash(int(os.environ["CRASH_AT"]), crash_rank))
     t.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
     if t.is_world_process_zero():
         torch.save(
             {
-                "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                # the trainer's model: ``model`` itself, or under FSDP rank 0's gathered plain copy
+                "params": torch.cat([p.detach().flatten() for p in t.model.parameters()]),
                 "epsilon": t.engine.get_epsilon().per_group.tolist(),
                 "ledger": [[float(v) for v in row] for row in t.ledger_rows],
             },
             f"{out}/result.pt",
         )
+
+
+def main(model_dir, out, accumulation, mode):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    run(tok, model, out, accumulation, grad_sample_mode=mode)
 
 
 if __name__ == "__main__":

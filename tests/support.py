@@ -6,13 +6,18 @@
 * :func:`file_mode`: the permission bits of a file, for the checks that private outputs are 0600 and
   private folders 0700; :func:`mode_problems` checks a whole run folder so, and :func:`public_files`
   lists what anyone may read.
+* :func:`package_modules`, :func:`imported_names`, :func:`import_edges`, :func:`import_cycles` and
+  :func:`private_imports`: the package's import graph read with ``ast`` (relative imports resolved, lazy
+  in-function imports counted), for the layout checks (``test_layout.py``, ``test_names.py``,
+  ``test_import_cycles.py``).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +106,103 @@ def toy_model(seed: int = 1) -> nn.Module:
     """A 6 → 8 → 2 tanh MLP for :func:`toy_classification`, initialised from ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the ``idpsgd`` package by dotted name (a package by its own name, not ``.__init__``)."""
+    out = {}
+    for f in (SRC / "idpsgd").rglob("*.py"):
+        out[".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")] = f
+    return out
+
+
+def imported_names(mods: dict[str, Path] | None = None) -> Iterator[tuple[str, str, str | None]]:
+    """(module, imported module, name) of every import in ``mods`` (default: :func:`package_modules`), at
+    any depth (imports inside functions included): ``from X import name`` gives ``(m, X, name)`` with a
+    relative ``X`` resolved against ``m``'s package; ``import X`` gives ``(m, X, None)``."""
+    mods = package_modules() if mods is None else mods
+    for m, f in mods.items():
+        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    yield m, target, alias.name
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield m, alias.name, None
+
+
+def import_edges(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """The package's import graph: module → the other package modules it imports (lazy imports included;
+    ``from X import y`` is an edge to the module ``X.y`` where there is one, else to ``X``, so
+    ``from . import x`` is an edge to ``x``)."""
+    mods = package_modules() if mods is None else mods
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, target, name in imported_names(mods):
+        full = f"{target}.{name}"
+        dep = full if name is not None and full in mods else target
+        if dep in mods and dep != m:
+            edges[m].add(dep)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The import circles of ``edges`` (default: :func:`import_edges`): its strongly connected components
+    of more than one module, each sorted (Tarjan, iterative)."""
+    edges = import_edges() if edges is None else edges
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def private_imports(mods: dict[str, Path] | None = None) -> list[tuple[str, str, str]]:
+    """(importer, defining module, name) of every private name (``_x``, not ``__x``) imported from an
+    ``idpsgd`` module, lazy imports included (a private *module* imported as ``from . import _x`` is not a
+    private name), sorted."""
+    mods = package_modules() if mods is None else mods
+    return sorted(
+        {
+            (m, target, name)
+            for m, target, name in imported_names(mods)
+            if name and name.startswith("_") and not name.startswith("__")
+            if target.startswith("idpsgd") and f"{target}.{name}" not in mods
+        }
+    )

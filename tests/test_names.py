@@ -8,14 +8,11 @@ from __future__ import annotations
 import ast
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
 
 from idpsgd import names
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-ENGINE_TOP = SRC / "idpsgd" / "engine"
+from support import import_cycles, import_edges, package_modules, private_imports
 
 #: Constants and private imports allowed in the engine's top-level modules: none (issue 41 moved them
 #: onto :mod:`idpsgd.names` and public names), kept as tables so an exception has to be written down.
@@ -23,81 +20,16 @@ ENGINE_LITERALS: dict[str, int] = {}
 ENGINE_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for f in (SRC / "idpsgd").rglob("*.py"):
-        out[".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")] = f
-    return out
-
-
-def _import_froms(mods):
-    """(module, imported module, name) of every ``from ... import name`` into idpsgd, at any depth."""
-    for m, f in mods.items():
-        package = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - (node.level - 1)] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    yield m, target, alias.name
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    yield m, alias.name, None
-
-
-def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in edges:
-        if v not in index:
-            visit(v)
-    return out
-
-
 def test_no_import_circle_of_any_length_in_the_package():
-    mods = _modules()
-    edges = {m: set() for m in mods}
-    for m, target, name in _import_froms(mods):
-        dep = f"{target}.{name}" if f"{target}.{name}" in mods else target
-        if dep in mods and dep != m:
-            edges[m].add(dep)
-    assert _cycles(edges) == []
+    edges = import_edges()
+    assert import_cycles(edges) == []
     # the user-level norm pass joins units and norms, so neither imports the other
     assert "idpsgd.engine.norms" not in edges["idpsgd.engine.units"]
     assert {"idpsgd.engine.norms", "idpsgd.engine.units"} <= edges["idpsgd.engine.user_norms"]
 
 
 def test_no_module_imports_another_modules_private_name():
-    mods = _modules()
-    private = {
-        (m, target, name)
-        for m, target, name in _import_froms(mods)
-        if name and name.startswith("_") and not name.startswith("__") and f"{target}.{name}" not in mods
-        if target.startswith("idpsgd")
-    }
-    assert private <= ENGINE_PRIVATE_IMPORTS
+    assert set(private_imports()) <= ENGINE_PRIVATE_IMPORTS
 
 
 def _name_literals(tree) -> list[tuple[str, ...]]:
@@ -114,7 +46,7 @@ def _name_literals(tree) -> list[tuple[str, ...]]:
 
 def test_every_method_and_accountant_list_is_spelled_once_in_names():
     found = {}
-    for m, f in _modules().items():
+    for m, f in package_modules().items():
         if m != "idpsgd.names":
             literals = _name_literals(ast.parse(f.read_text()))
             if literals:
