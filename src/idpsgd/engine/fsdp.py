@@ -29,12 +29,13 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from ..validation import InvalidParameterError
+from .distributed import DistributedTrainingError
 from .integrity import UnnoisedWriteError, local_tensor
 from .optimizer import IndividualizedDPOptimizerBookKeeping
 from .randomness import OsEntropyNormal, gaussian_like
 
 
-class ShardedTrainingError(RuntimeError):
+class ShardedTrainingError(DistributedTrainingError):
     """A rank of a sharded (FSDP2) run refused a step; every rank refuses it together."""
 
 
