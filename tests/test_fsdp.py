@@ -1,7 +1,7 @@
 """Sharded training on FSDP2 (engine/fsdp.py): a GPT-2-shaped model wrapped with ``fully_shard`` (per
-block and at the root) and trained in book-keeping mode with two privacy groups on W gloo processes
-gives the parameters of the one-process run (no FSDP, same seed) with the noise on, and the same
-per-group ε; the noise shards partition one full draw; what cannot be honoured is refused."""
+block and at the root) and trained in book-keeping mode, and in ghost-clipping mode, with two privacy
+groups on W gloo processes gives the parameters of the one-process run (no FSDP, same seed) with the
+noise on, and the same per-group ε; the noise shards partition one full draw; what cannot be honoured is refused."""
 
 import numpy as np
 import pytest
@@ -33,8 +33,8 @@ def _gpt2(n_layer=2, n_embd=16, tie=True):
     )
 
 
-def _model(lora: bool):
-    model = _gpt2()
+def _model(lora: bool, tie: bool = True):
+    model = _gpt2(tie=tie)
     if lora:
         import peft
 
@@ -58,8 +58,9 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
-    """A few noisy steps; returns rank 0's parameters (full tensors) and per-group ε."""
+def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="bk", ghost=False):
+    """A few noisy steps in ``mode``; returns rank 0's parameters (full tensors) and per-group ε.  With
+    ``ghost`` (on the sharded run), also a ghost-mode run, under ``out["ghost"]`` (one spawned job)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from idpsgd.engine import IndividualizedPrivacyEngine
@@ -71,7 +72,11 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
         out.update(_refusals())
         out.update(_write_guard())
         out.update(_leak())
-    model = _model(lora)
+    if ghost:
+        out["ghost"] = _train(shard=shard, steps=steps, mode="ghost")
+    model = _model(lora, tie=mode != "ghost")  # Opacus's ghost clipping refuses tied parameters
+    if mode == "ghost":  # and forms wpe's norms of its (1, T) position ids as one example's: frozen
+        model.transformer.wpe.weight.requires_grad_(False)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
         model = _shard(model, bf16)
@@ -79,15 +84,16 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     engine = IndividualizedPrivacyEngine(seed=5)
     budgets = np.where(np.arange(N) % 2 == 0, 1.0, 3.0)  # two privacy groups
-    wrapped, dp_opt, loader = engine.make_private(
+    made = engine.make_private(
         module=model,
         optimizer=opt,
         data_loader=DataLoader(TensorDataset(ids), batch_size=16),
         budgets=budgets,
         target_delta=1e-5,
         steps=steps,
-        grad_sample_mode="bk",
+        grad_sample_mode=mode,
     )
+    wrapped, dp_opt, loader = (made[0], made[1], made[3]) if mode == "ghost" else made
     batches = iter(loader)
     for _ in range(steps):
         (x,) = next(batches)
@@ -96,7 +102,11 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
         )
         with ctx:
             logits = wrapped(x).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        pred, target = logits[:, :-1].float(), x[:, 1:]
+        if mode == "ghost":  # per-sequence losses (Opacus's DPLossFastGradientClipping): two backward passes
+            loss = made[2](pred.reshape(-1, VOCAB), target.reshape(-1), shape=tuple(pred.shape))
+        else:
+            loss = torch.nn.functional.cross_entropy(pred.reshape(-1, VOCAB), target.reshape(-1))
         loss.backward()
         dp_opt.step()
         dp_opt.zero_grad()
@@ -173,7 +183,7 @@ def _refusals():
 
     found = {}
     data = DataLoader(TensorDataset(torch.zeros(8, T, dtype=torch.long)), batch_size=4)
-    for case in ("hooks", "ghost", "partly"):
+    for case in ("hooks", "functorch", "partly"):
         model = _gpt2(n_layer=1)
         for block in model.transformer.h:
             fully_shard(block)
@@ -287,15 +297,16 @@ def _check(sharded, single, rtol):
 
 def test_two_processes_match_one_process():
     single = _train(shard=False)
-    two = distributed.launch(_train, 2, kwargs={"checks": True}, timeout_s=120)
+    two = distributed.launch(_train, 2, kwargs={"checks": True, "ghost": True}, timeout_s=180)
     _check(two, single, 1e-5)
+    _check(two["ghost"], _train(shard=False, mode="ghost"), 1e-5)  # ghost clipping: two backward passes
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
     assert two["secure_ok"]
     refused = two["refused"]
-    assert "grad_sample_mode='bk' only" in refused["hooks"]
-    assert "grad_sample_mode='bk' only" in refused["ghost"]
+    assert "grad_sample_mode='bk' or 'ghost' only" in refused["hooks"]
+    assert "grad_sample_mode='bk' or 'ghost' only" in refused["functorch"]
     assert "only partly wrapped" in refused["partly"]
     (mine, steps0), (other, steps1) = two["write_guard"]
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
@@ -307,8 +318,9 @@ def test_two_processes_match_one_process():
 @pytest.mark.slow
 def test_four_processes_match_one_process():
     single = _train(shard=False)
-    four = distributed.launch(_train, 4, kwargs={"checks": True}, timeout_s=300)
+    four = distributed.launch(_train, 4, kwargs={"checks": True, "ghost": True}, timeout_s=400)
     _check(four, single, 1e-5)
+    _check(four["ghost"], _train(shard=False, mode="ghost"), 1e-5)
     assert all(four["noise_equal"])
     assert all(set(rows) == {1} for rows in four["noise_rows"])
 

@@ -798,7 +798,7 @@ class IndividualizedPrivacyEngine:
             wrapped = wrap_module(module, grad_sample_mode, self.clipping, batch_first, loss_reduction, wrap_model)
             wrapped.forbid_grad_accumulation()
             if sharded:
-                fsdp.check_keeper(wrapped.keeper)
+                wrapped = fsdp.check_wrapped(wrapped, grad_sample_mode)
             spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
             sampler = (
                 PoissonBatchSampler(q, spe, self._sampler_rng, queue)
