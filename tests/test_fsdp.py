@@ -9,7 +9,7 @@ import torch
 
 from idpsgd.engine import distributed
 
-N, T, VOCAB, STEPS = 48, 8, 40, 3
+N, T, VOCAB, STEPS, SPARSE_STEPS = 48, 8, 40, 3, 4
 
 
 def _gpt2(n_layer=2, n_embd=16, tie=True):
@@ -58,9 +58,10 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="bk", ghost=False):
+def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="bk", ghost=False, n=N, batch=16):
     """A few noisy steps in ``mode``; returns rank 0's parameters (full tensors) and per-group ε.  With
-    ``ghost`` (on the sharded run), also a ghost-mode run, under ``out["ghost"]`` (one spawned job)."""
+    ``ghost`` (on the sharded run), also ghost-mode runs, under ``out["ghost"]`` and (``n`` = 4 examples,
+    an expected batch of 1: empty shares, phantom rows) ``out["ghost_sparse"]``, in the one spawned job."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from idpsgd.engine import IndividualizedPrivacyEngine
@@ -74,20 +75,22 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
         out.update(_leak())
     if ghost:
         out["ghost"] = _train(shard=shard, steps=steps, mode="ghost")
+        out["ghost_sparse"] = _train(shard=shard, steps=SPARSE_STEPS, mode="ghost", n=4, batch=1)
+        out["ghost_plain"] = _ghost_plain_backward()
     model = _model(lora, tie=mode != "ghost")  # Opacus's ghost clipping refuses tied parameters
     if mode == "ghost":  # and forms wpe's norms of its (1, T) position ids as one example's: frozen
         model.transformer.wpe.weight.requires_grad_(False)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
         model = _shard(model, bf16)
-    ids = torch.randint(0, VOCAB, (N, T), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (n, T), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     engine = IndividualizedPrivacyEngine(seed=5)
-    budgets = np.where(np.arange(N) % 2 == 0, 1.0, 3.0)  # two privacy groups
+    budgets = np.where(np.arange(n) % 2 == 0, 1.0, 3.0)  # two privacy groups
     made = engine.make_private(
         module=model,
         optimizer=opt,
-        data_loader=DataLoader(TensorDataset(ids), batch_size=16),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=batch),
         budgets=budgets,
         target_delta=1e-5,
         steps=steps,
@@ -95,8 +98,14 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
     )
     wrapped, dp_opt, loader = (made[0], made[1], made[3]) if mode == "ghost" else made
     batches = iter(loader)
+    phantoms = 0
     for _ in range(steps):
         (x,) = next(batches)
+        if len(x) == 0:  # one process, an empty draw: GPT-2 cannot run on zero rows; a noise-only step
+            dp_opt.step()
+            dp_opt.zero_grad()
+            continue
+        phantoms += int(shard and not x.any())  # (the tokens are drawn from 1..VOCAB-1: zeros are a phantom row)
         ctx = (
             torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and not shard else torch.autocast("cpu", enabled=False)
         )
@@ -110,6 +119,12 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
         loss.backward()
         dp_opt.step()
         dp_opt.zero_grad()
+    if shard:
+        import torch.distributed as dist
+
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, phantoms)
+        out["phantoms"] = sum(counts)
     out["params"] = {k: _full(v) for k, v in model.state_dict().items()}
     out["init"] = init
     out["eps"] = np.asarray(engine.get_epsilon().per_group)
@@ -285,8 +300,42 @@ def _leak():
         return {"leak": str(exc), "physical": physical}
 
 
-def _check(sharded, single, rtol):
-    assert sharded["steps"] == single["steps"] == STEPS
+def _ghost_plain_backward():
+    """Ghost mode, but a plain ``loss.backward()`` (not the engine's criterion): one backward pass leaves
+    FSDP2's reduce-scatter of the *un-clipped* sum in the gradients; the step is refused on every rank
+    (the drawn examples were never clipped), nothing noised or charged."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    model = _gpt2(n_layer=1, tie=False)
+    model.transformer.wpe.weight.requires_grad_(False)
+    model = _shard(model, bf16=False)
+    engine = IndividualizedPrivacyEngine(seed=1)
+    wrapped, opt, _criterion, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.ones(16, T, dtype=torch.long)), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="ghost",
+    )
+    (x,) = next(iter(loader))
+    wrapped(x).logits.sum().backward()
+    try:
+        opt.step()
+        caught = None
+    except Exception as exc:
+        caught = f"{type(exc).__name__}: {exc}"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (caught, engine.steps))
+    return everyone
+
+
+def _check(sharded, single, rtol, steps=STEPS):
+    assert sharded["steps"] == single["steps"] == steps
     np.testing.assert_array_equal(sharded["eps"], single["eps"])  # the same per-group ledger
     moved = 0
     for k, v in single["params"].items():
@@ -300,6 +349,10 @@ def test_two_processes_match_one_process():
     two = distributed.launch(_train, 2, kwargs={"checks": True, "ghost": True}, timeout_s=180)
     _check(two, single, 1e-5)
     _check(two["ghost"], _train(shard=False, mode="ghost"), 1e-5)  # ghost clipping: two backward passes
+    sparse = _train(shard=False, mode="ghost", steps=SPARSE_STEPS, n=4, batch=1)
+    _check(two["ghost_sparse"], sparse, 1e-5, SPARSE_STEPS)
+    assert two["ghost_sparse"]["phantoms"] > 0  # some rank's share was empty: a phantom row, given no weight
+    assert all(caught is not None and steps == 0 for caught, steps in two["ghost_plain"]), two["ghost_plain"]
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
