@@ -77,6 +77,7 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
         out["ghost"] = _train(shard=shard, steps=steps, mode="ghost")
         out["ghost_sparse"] = _train(shard=shard, steps=SPARSE_STEPS, mode="ghost", n=4, batch=1)
         out["ghost_plain"] = _ghost_plain_backward()
+        out["ghost_refused"] = _ghost_plain_backward(overflow_on=1)
     model = _model(lora, tie=mode != "ghost")  # Opacus's ghost clipping refuses tied parameters
     if mode == "ghost":  # and forms wpe's norms of its (1, T) position ids as one example's: frozen
         model.transformer.wpe.weight.requires_grad_(False)
@@ -300,10 +301,13 @@ def _leak():
         return {"leak": str(exc), "physical": physical}
 
 
-def _ghost_plain_backward():
+def _ghost_plain_backward(overflow_on=None):
     """Ghost mode, but a plain ``loss.backward()`` (not the engine's criterion): one backward pass leaves
     FSDP2's reduce-scatter of the *un-clipped* sum in the gradients; the step is refused on every rank
-    (the drawn examples were never clipped), nothing noised or charged."""
+    (the drawn examples were never clipped), nothing noised or charged.  With ``overflow_on`` (a rank),
+    the engine's criterion, and that rank's activations made infinite: its norms are not finite, so it
+    refuses between the two backward passes; the verdict is shared, so every rank refuses there (none
+    waits in the second pass's collectives)."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -311,9 +315,11 @@ def _ghost_plain_backward():
 
     model = _gpt2(n_layer=1, tie=False)
     model.transformer.wpe.weight.requires_grad_(False)
+    if overflow_on == dist.get_rank():
+        model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * float("inf"))
     model = _shard(model, bf16=False)
     engine = IndividualizedPrivacyEngine(seed=1)
-    wrapped, opt, _criterion, loader = engine.make_private(
+    wrapped, opt, criterion, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
         data_loader=DataLoader(TensorDataset(torch.ones(16, T, dtype=torch.long)), batch_size=8),
@@ -323,8 +329,13 @@ def _ghost_plain_backward():
         grad_sample_mode="ghost",
     )
     (x,) = next(iter(loader))
-    wrapped(x).logits.sum().backward()
+    logits = wrapped(x).logits
     try:
+        if overflow_on is None:
+            logits.sum().backward()
+        else:
+            pred = logits[:, :-1].float()
+            criterion(pred.reshape(-1, VOCAB), x[:, 1:].reshape(-1), shape=tuple(pred.shape)).backward()
         opt.step()
         caught = None
     except Exception as exc:
@@ -353,6 +364,8 @@ def test_two_processes_match_one_process():
     _check(two["ghost_sparse"], sparse, 1e-5, SPARSE_STEPS)
     assert two["ghost_sparse"]["phantoms"] > 0  # some rank's share was empty: a phantom row, given no weight
     assert all(caught is not None and steps == 0 for caught, steps in two["ghost_plain"]), two["ghost_plain"]
+    (mine, steps0), (other, steps1) = two["ghost_refused"]
+    assert "overflowed" in other and "refused on rank 1 of 2" in mine and steps0 == steps1 == 0
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
