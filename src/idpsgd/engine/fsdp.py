@@ -8,6 +8,13 @@ becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`Sharded
 (``OPTIMIZERS["bk"]``); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
 :func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
 
+Ghost clipping (``grad_sample_mode="ghost"``, Opacus's two backward passes) is served too:
+:func:`check_wrapped` makes the engine's ghost wrapper a :class:`ShardedGhostModule` (full norms of
+each rank's own examples in the first pass, the verdict shared before the second), :func:`sum_reduction`
+sets FSDP2's own reduce-scatter of the second pass's clipped sums to a SUM, and
+:class:`ShardedGhostOptimizer` (``OPTIMIZERS["ghost"]``) takes those shards and adds the same noise,
+verdicts and normalisation as the book-keeping optimizer.  What follows describes bk.
+
 * **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
   all-gathered (unsharded) parameters, so the book-keeper sees whole activations and output
   gradients and forms each of its examples' *full* norm ‖g_i‖ locally: no partial-norm all-reduce.
