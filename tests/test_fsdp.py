@@ -403,15 +403,16 @@ def test_lora_on_a_frozen_sharded_base_matches_one_process():
 def test_bf16_parameters_match_one_process_to_bf16_rounding():
     """FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) against the one-process float32
     run: the forward and backward run in bfloat16 (8 bits of mantissa), the norms, clipped sums, noise and
-    update in float32; measured 1.7e-3 of the largest entry, asserted to 1e-2."""
-    single = _train(shard=False)
-    two = distributed.launch(_train, 2, kwargs={"bf16": True}, timeout_s=300)
-    assert two["steps"] == single["steps"] == STEPS
-    np.testing.assert_array_equal(two["eps"], single["eps"])
-    for k, v in single["params"].items():
-        scale = float(v.abs().max())
-        torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
-        assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
+    update in float32; measured 1.7e-3 of the largest entry (ghost mode: 1.1e-3), asserted to 1e-2."""
+    for mode in ("bk", "ghost"):
+        single = _train(shard=False, mode=mode)
+        two = distributed.launch(_train, 2, kwargs={"bf16": True, "mode": mode}, timeout_s=300)
+        assert two["steps"] == single["steps"] == STEPS
+        np.testing.assert_array_equal(two["eps"], single["eps"])
+        for k, v in single["params"].items():
+            scale = float(v.abs().max())
+            torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
+            assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
 
 
 def test_an_empty_draw_becomes_one_phantom_row_of_zeros():
