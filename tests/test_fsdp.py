@@ -78,6 +78,7 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
         out["ghost_sparse"] = _train(shard=shard, steps=SPARSE_STEPS, mode="ghost", n=4, batch=1)
         out["ghost_plain"] = _ghost_plain_backward()
         out["ghost_refused"] = _ghost_plain_backward(overflow_on=1)
+        out["ghost_no_sync"] = _ghost_plain_backward(no_sync=True)
     model = _model(lora, tie=mode != "ghost")  # Opacus's ghost clipping refuses tied parameters
     if mode == "ghost":  # and forms wpe's norms of its (1, T) position ids as one example's: frozen
         model.transformer.wpe.weight.requires_grad_(False)
@@ -301,13 +302,14 @@ def _leak():
         return {"leak": str(exc), "physical": physical}
 
 
-def _ghost_plain_backward(overflow_on=None):
+def _ghost_plain_backward(overflow_on=None, no_sync=False):
     """Ghost mode, but a plain ``loss.backward()`` (not the engine's criterion): one backward pass leaves
     FSDP2's reduce-scatter of the *un-clipped* sum in the gradients; the step is refused on every rank
     (the drawn examples were never clipped), nothing noised or charged.  With ``overflow_on`` (a rank),
     the engine's criterion, and that rank's activations made infinite: its norms are not finite, so it
     refuses between the two backward passes; the verdict is shared, so every rank refuses there (none
-    waits in the second pass's collectives)."""
+    waits in the second pass's collectives).  With ``no_sync``: FSDP2's gradient sync off (it would keep
+    the first pass's un-clipped gradients), refused on every rank between the passes."""
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -318,6 +320,8 @@ def _ghost_plain_backward(overflow_on=None):
     if overflow_on == dist.get_rank():
         model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * float("inf"))
     model = _shard(model, bf16=False)
+    if no_sync:
+        model.set_requires_gradient_sync(False)
     engine = IndividualizedPrivacyEngine(seed=1)
     wrapped, opt, criterion, loader = engine.make_private(
         module=model,
@@ -331,7 +335,7 @@ def _ghost_plain_backward(overflow_on=None):
     (x,) = next(iter(loader))
     logits = wrapped(x).logits
     try:
-        if overflow_on is None:
+        if overflow_on is None and not no_sync:
             logits.sum().backward()
         else:
             pred = logits[:, :-1].float()
@@ -366,6 +370,7 @@ def test_two_processes_match_one_process():
     assert all(caught is not None and steps == 0 for caught, steps in two["ghost_plain"]), two["ghost_plain"]
     (mine, steps0), (other, steps1) = two["ghost_refused"]
     assert "overflowed" in other and "refused on rank 1 of 2" in mine and steps0 == steps1 == 0
+    assert all("set_requires_gradient_sync(False)" in caught and steps == 0 for caught, steps in two["ghost_no_sync"])
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks

@@ -456,9 +456,36 @@ class ShardedGhostModule(_ghost_module_base()):
         self.per_sample_gradient_norms = norm
         return norm
 
+    def _check_reduced(self) -> None:
+        """The first pass's gradients must have been reduce-scattered (and so discarded by the optimizer's
+        ``zero_grad``): with ``set_requires_gradient_sync(False)`` FSDP2 keeps them, un-clipped, on the
+        unsharded parameters and would add them to the second pass's clipped sums."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self._module.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None)
+            if groups is None:
+                raise RuntimeError("cannot read FSDP2's parameter groups to check that the first pass was reduced")
+            for group in groups:
+                kept = [
+                    fp
+                    for fp in group.fsdp_params
+                    if getattr(fp, "unsharded_accumulated_grad", None) is not None
+                    or (hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None)
+                ]
+                if not group.reduce_grads or kept:
+                    raise RuntimeError(
+                        "FSDP2 kept the first backward pass's un-clipped gradients (set_requires_gradient_sync(False), "
+                        "or gradients accumulated across passes): ghost clipping would add them to the clipped sums; "
+                        "keep gradient sync on with grad_sample_mode='ghost'; the step was not taken"
+                    )
+
     def get_clipping_coef(self) -> torch.Tensor:
         refusal, coef = None, None
         try:
+            self._check_reduced()
             if self.clipping is not None and self.clipping.queue.empty_batch_pending:
                 norms = self.get_norm_sample()  # the phantom row's: read (and forgotten), no weight
                 self.clipping.factors(norms.new_zeros((0,)))  # the empty draw: no example, as in one process
