@@ -1,7 +1,7 @@
 """Sharded training on FSDP2 (engine/fsdp.py): a GPT-2-shaped model wrapped with ``fully_shard`` (per
-block and at the root) and trained in book-keeping mode with two privacy groups on W gloo processes
-gives the parameters of the one-process run (no FSDP, same seed) with the noise on, and the same
-per-group ε; the noise shards partition one full draw; what cannot be honoured is refused."""
+block and at the root) and trained in book-keeping mode, and in ghost-clipping mode, with two privacy
+groups on W gloo processes gives the parameters of the one-process run (no FSDP, same seed) with the
+noise on, and the same per-group ε; the noise shards partition one full draw; what cannot be honoured is refused."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 from idpsgd.engine import distributed
 
-N, T, VOCAB, STEPS = 48, 8, 40, 3
+N, T, VOCAB, STEPS, SPARSE_STEPS = 48, 8, 40, 3, 4
 
 
 def _gpt2(n_layer=2, n_embd=16, tie=True):
@@ -33,8 +33,8 @@ def _gpt2(n_layer=2, n_embd=16, tie=True):
     )
 
 
-def _model(lora: bool):
-    model = _gpt2()
+def _model(lora: bool, tie: bool = True):
+    model = _gpt2(tie=tie)
     if lora:
         import peft
 
@@ -58,8 +58,10 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
-    """A few noisy steps; returns rank 0's parameters (full tensors) and per-group ε."""
+def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="bk", ghost=False, n=N, batch=16):
+    """A few noisy steps in ``mode``; returns rank 0's parameters (full tensors) and per-group ε.  With
+    ``ghost`` (on the sharded run), also ghost-mode runs, under ``out["ghost"]`` and (``n`` = 4 examples,
+    an expected batch of 1: empty shares, phantom rows) ``out["ghost_sparse"]``, in the one spawned job."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from idpsgd.engine import IndividualizedPrivacyEngine
@@ -71,35 +73,60 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False):
         out.update(_refusals())
         out.update(_write_guard())
         out.update(_leak())
-    model = _model(lora)
+    if ghost:
+        out["ghost"] = _train(shard=shard, steps=steps, mode="ghost")
+        out["ghost_sparse"] = _train(shard=shard, steps=SPARSE_STEPS, mode="ghost", n=4, batch=1)
+        out["ghost_plain"] = _ghost_plain_backward()
+        out["ghost_refused"] = _ghost_plain_backward(overflow_on=1)
+        out["ghost_no_sync"] = _ghost_plain_backward(no_sync=True)
+    model = _model(lora, tie=mode != "ghost")  # Opacus's ghost clipping refuses tied parameters
+    if mode == "ghost":  # and forms wpe's norms of its (1, T) position ids as one example's: frozen
+        model.transformer.wpe.weight.requires_grad_(False)
     init = {k: _full(v) for k, v in model.state_dict().items()}
     if shard:
         model = _shard(model, bf16)
-    ids = torch.randint(0, VOCAB, (N, T), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (n, T), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     engine = IndividualizedPrivacyEngine(seed=5)
-    budgets = np.where(np.arange(N) % 2 == 0, 1.0, 3.0)  # two privacy groups
-    wrapped, dp_opt, loader = engine.make_private(
+    budgets = np.where(np.arange(n) % 2 == 0, 1.0, 3.0)  # two privacy groups
+    made = engine.make_private(
         module=model,
         optimizer=opt,
-        data_loader=DataLoader(TensorDataset(ids), batch_size=16),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=batch),
         budgets=budgets,
         target_delta=1e-5,
         steps=steps,
-        grad_sample_mode="bk",
+        grad_sample_mode=mode,
     )
+    wrapped, dp_opt, loader = (made[0], made[1], made[3]) if mode == "ghost" else made
     batches = iter(loader)
+    phantoms = 0
     for _ in range(steps):
         (x,) = next(batches)
+        if len(x) == 0:  # one process, an empty draw: GPT-2 cannot run on zero rows; a noise-only step
+            dp_opt.step()
+            dp_opt.zero_grad()
+            continue
+        phantoms += int(shard and not x.any())  # (the tokens are drawn from 1..VOCAB-1: zeros are a phantom row)
         ctx = (
             torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and not shard else torch.autocast("cpu", enabled=False)
         )
         with ctx:
             logits = wrapped(x).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        pred, target = logits[:, :-1].float(), x[:, 1:]
+        if mode == "ghost":  # per-sequence losses (Opacus's DPLossFastGradientClipping): two backward passes
+            loss = made[2](pred.reshape(-1, VOCAB), target.reshape(-1), shape=tuple(pred.shape))
+        else:
+            loss = torch.nn.functional.cross_entropy(pred.reshape(-1, VOCAB), target.reshape(-1))
         loss.backward()
         dp_opt.step()
         dp_opt.zero_grad()
+    if shard:
+        import torch.distributed as dist
+
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, phantoms)
+        out["phantoms"] = sum(counts)
     out["params"] = {k: _full(v) for k, v in model.state_dict().items()}
     out["init"] = init
     out["eps"] = np.asarray(engine.get_epsilon().per_group)
@@ -173,7 +200,7 @@ def _refusals():
 
     found = {}
     data = DataLoader(TensorDataset(torch.zeros(8, T, dtype=torch.long)), batch_size=4)
-    for case in ("hooks", "ghost", "partly"):
+    for case in ("hooks", "functorch", "partly"):
         model = _gpt2(n_layer=1)
         for block in model.transformer.h:
             fully_shard(block)
@@ -275,8 +302,55 @@ def _leak():
         return {"leak": str(exc), "physical": physical}
 
 
-def _check(sharded, single, rtol):
-    assert sharded["steps"] == single["steps"] == STEPS
+def _ghost_plain_backward(overflow_on=None, no_sync=False):
+    """Ghost mode, but a plain ``loss.backward()`` (not the engine's criterion): one backward pass leaves
+    FSDP2's reduce-scatter of the *un-clipped* sum in the gradients; the step is refused on every rank
+    (the drawn examples were never clipped), nothing noised or charged.  With ``overflow_on`` (a rank),
+    the engine's criterion, and that rank's activations made infinite: its norms are not finite, so it
+    refuses between the two backward passes; the verdict is shared, so every rank refuses there (none
+    waits in the second pass's collectives).  With ``no_sync``: FSDP2's gradient sync off (it would keep
+    the first pass's un-clipped gradients), refused on every rank between the passes."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+
+    model = _gpt2(n_layer=1, tie=False)
+    model.transformer.wpe.weight.requires_grad_(False)
+    if overflow_on == dist.get_rank():
+        model.transformer.ln_f.register_forward_hook(lambda m, i, o: o * float("inf"))
+    model = _shard(model, bf16=False)
+    if no_sync:
+        model.set_requires_gradient_sync(False)
+    engine = IndividualizedPrivacyEngine(seed=1)
+    wrapped, opt, criterion, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.ones(16, T, dtype=torch.long)), batch_size=8),
+        noise_multiplier=1.0,
+        sample_rate=0.5,
+        target_delta=1e-5,
+        grad_sample_mode="ghost",
+    )
+    (x,) = next(iter(loader))
+    logits = wrapped(x).logits
+    try:
+        if overflow_on is None and not no_sync:
+            logits.sum().backward()
+        else:
+            pred = logits[:, :-1].float()
+            criterion(pred.reshape(-1, VOCAB), x[:, 1:].reshape(-1), shape=tuple(pred.shape)).backward()
+        opt.step()
+        caught = None
+    except Exception as exc:
+        caught = f"{type(exc).__name__}: {exc}"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (caught, engine.steps))
+    return everyone
+
+
+def _check(sharded, single, rtol, steps=STEPS):
+    assert sharded["steps"] == single["steps"] == steps
     np.testing.assert_array_equal(sharded["eps"], single["eps"])  # the same per-group ledger
     moved = 0
     for k, v in single["params"].items():
@@ -287,15 +361,23 @@ def _check(sharded, single, rtol):
 
 def test_two_processes_match_one_process():
     single = _train(shard=False)
-    two = distributed.launch(_train, 2, kwargs={"checks": True}, timeout_s=120)
+    two = distributed.launch(_train, 2, kwargs={"checks": True, "ghost": True}, timeout_s=180)
     _check(two, single, 1e-5)
+    _check(two["ghost"], _train(shard=False, mode="ghost"), 1e-5)  # ghost clipping: two backward passes
+    sparse = _train(shard=False, mode="ghost", steps=SPARSE_STEPS, n=4, batch=1)
+    _check(two["ghost_sparse"], sparse, 1e-5, SPARSE_STEPS)
+    assert two["ghost_sparse"]["phantoms"] > 0  # some rank's share was empty: a phantom row, given no weight
+    assert all(caught is not None and steps == 0 for caught, steps in two["ghost_plain"]), two["ghost_plain"]
+    (mine, steps0), (other, steps1) = two["ghost_refused"]
+    assert "overflowed" in other and "refused on rank 1 of 2" in mine and steps0 == steps1 == 0
+    assert all("set_requires_gradient_sync(False)" in caught and steps == 0 for caught, steps in two["ghost_no_sync"])
     assert all(two["noise_equal"])  # the shards' noise is the one-process noise
     assert all(set(rows) == {1} for rows in two["noise_rows"])  # every row noised exactly once
     assert all(two["reduce_scatter_equal"])  # each rank holds its chunk of the sum over ranks
     assert two["secure_ok"]
     refused = two["refused"]
-    assert "grad_sample_mode='bk' only" in refused["hooks"]
-    assert "grad_sample_mode='bk' only" in refused["ghost"]
+    assert "grad_sample_mode='bk' or 'ghost' only" in refused["hooks"]
+    assert "grad_sample_mode='bk' or 'ghost' only" in refused["functorch"]
     assert "only partly wrapped" in refused["partly"]
     (mine, steps0), (other, steps1) = two["write_guard"]
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
@@ -307,8 +389,9 @@ def test_two_processes_match_one_process():
 @pytest.mark.slow
 def test_four_processes_match_one_process():
     single = _train(shard=False)
-    four = distributed.launch(_train, 4, kwargs={"checks": True}, timeout_s=300)
+    four = distributed.launch(_train, 4, kwargs={"checks": True, "ghost": True}, timeout_s=400)
     _check(four, single, 1e-5)
+    _check(four["ghost"], _train(shard=False, mode="ghost"), 1e-5)
     assert all(four["noise_equal"])
     assert all(set(rows) == {1} for rows in four["noise_rows"])
 
@@ -325,15 +408,16 @@ def test_lora_on_a_frozen_sharded_base_matches_one_process():
 def test_bf16_parameters_match_one_process_to_bf16_rounding():
     """FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) against the one-process float32
     run: the forward and backward run in bfloat16 (8 bits of mantissa), the norms, clipped sums, noise and
-    update in float32; measured 1.7e-3 of the largest entry, asserted to 1e-2."""
-    single = _train(shard=False)
-    two = distributed.launch(_train, 2, kwargs={"bf16": True}, timeout_s=300)
-    assert two["steps"] == single["steps"] == STEPS
-    np.testing.assert_array_equal(two["eps"], single["eps"])
-    for k, v in single["params"].items():
-        scale = float(v.abs().max())
-        torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
-        assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
+    update in float32; measured 1.7e-3 of the largest entry (ghost mode: 1.1e-3), asserted to 1e-2."""
+    for mode in ("bk", "ghost"):
+        single = _train(shard=False, mode=mode)
+        two = distributed.launch(_train, 2, kwargs={"bf16": True, "mode": mode}, timeout_s=300)
+        assert two["steps"] == single["steps"] == STEPS
+        np.testing.assert_array_equal(two["eps"], single["eps"])
+        for k, v in single["params"].items():
+            scale = float(v.abs().max())
+            torch.testing.assert_close(two["params"][k], v, rtol=1e-2, atol=1e-2 * scale)
+            assert two["params"][k].dtype == torch.float32  # the sharded parameters stay float32
 
 
 def test_an_empty_draw_becomes_one_phantom_row_of_zeros():

@@ -8,6 +8,13 @@ becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`Sharded
 (bk's ``sharded_optimizer`` in :mod:`.modes`); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
 :func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
 
+Ghost clipping (``grad_sample_mode="ghost"``, Opacus's two backward passes) is served too:
+:func:`check_wrapped` makes the engine's ghost wrapper a :class:`ShardedGhostModule` (full norms of
+each rank's own examples in the first pass, the verdict shared before the second), :func:`sum_reduction`
+sets FSDP2's own reduce-scatter of the second pass's clipped sums to a SUM, and
+:class:`ShardedGhostOptimizer` (ghost's ``sharded_optimizer``) takes those shards and adds the same noise,
+verdicts and normalisation as the book-keeping optimizer.  What follows describes bk.
+
 * **norms** — FSDP2 is data parallel: each rank runs forward/backward on its own examples with the
   all-gathered (unsharded) parameters, so the book-keeper sees whole activations and output
   gradients and forms each of its examples' *full* norm ‖g_i‖ locally: no partial-norm all-reduce.
@@ -29,12 +36,13 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from ..validation import InvalidParameterError
+from .distributed import DistributedTrainingError
 from .integrity import UnnoisedWriteError, local_tensor
-from .optimizer import IndividualizedDPOptimizerBookKeeping
+from .optimizer import IndividualizedDPOptimizerBookKeeping, IndividualizedDPOptimizerFastGradientClipping
 from .randomness import OsEntropyNormal, gaussian_like
 
 
-class ShardedTrainingError(RuntimeError):
+class ShardedTrainingError(DistributedTrainingError):
     """A rank of a sharded (FSDP2) run refused a step; every rank refuses it together."""
 
 
@@ -111,9 +119,9 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
         raise InvalidParameterError(
             "grad_sample_mode",
             record.name,
-            "a fully_shard (FSDP2) model trains with grad_sample_mode='bk' only: hooks/functorch/ew/no_op "
-            "materialise per-sample gradients of the unsharded parameters, which FSDP2 frees after each "
-            "module's forward and backward, and ghost clipping is not wired to the sharded noise yet",
+            "a fully_shard (FSDP2) model trains with grad_sample_mode='bk' or 'ghost' only: hooks/functorch/ew/"
+            "no_op materialise per-sample gradients of the unsharded parameters, which FSDP2 frees after each "
+            "module's forward and backward",
         )
     if users is not None:
         raise InvalidParameterError(
@@ -127,10 +135,33 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
             "(their per-example norm passes are not sharded); use privacy_filter='group'",
         )
     _check_parameters(module)
+    if record.name == "ghost":
+        sum_reduction(module)
     settle_shards(module)
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
         seeds = seeds.with_values(*distributed.broadcast_object((seeds.draw(), seeds.draw_sampler())))
     return distributed.rank_and_world(), seeds
+
+
+def sum_reduction(module: torch.nn.Module) -> None:
+    """Ghost mode: FSDP2 reduce-scatters the second backward pass's gradients (the clipped sums); it
+    averages over the ranks by default (ReduceOp.AVG, or a SUM then a division by W).  Set here to a plain
+    SUM (divide factor 1, sum-type collectives), so that each rank's shard holds Σ_ranks Σ_i w_i g_i
+    exactly, as in one process; the optimizer divides by Σ_i q_i."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            if not (hasattr(m, "set_gradient_divide_factor") and hasattr(m, "set_force_sum_reduction_for_comms")):
+                raise InvalidParameterError(
+                    "grad_sample_mode",
+                    "ghost",
+                    "with fully_shard needs FSDPModule.set_gradient_divide_factor and "
+                    "set_force_sum_reduction_for_comms (torch >= 2.8) to reduce the clipped sums by SUM; "
+                    "use grad_sample_mode='bk'",
+                )
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def settle_shards(module: torch.nn.Module) -> None:
@@ -182,6 +213,31 @@ def phantom_batches(loader, batch_first: bool) -> None:
             "batch_first", batch_first, "a fully_shard model needs batch-first inputs (batch_first=True)"
         )
     loader.collate_fn = PhantomCollate(loader.collate_fn)
+
+
+def check_wrapped(wrapped, grad_sample_mode: str):
+    """The engine's wrapper of a ``fully_shard`` model, checked (bk: :func:`check_keeper`) or made
+    sharded (ghost: :class:`ShardedGhostModule`)."""
+    if grad_sample_mode == "bk":
+        check_keeper(wrapped.keeper)
+    elif grad_sample_mode == "ghost":
+        from .wrap import IndividualizedGhostModule
+
+        if type(wrapped) not in (IndividualizedGhostModule, ShardedGhostModule):
+            raise InvalidParameterError(
+                "module", type(wrapped).__name__, "a fully_shard model in ghost mode needs the engine's ghost wrapper"
+            )
+        if wrapped.clipping is not None and not wrapped.use_ghost_clipping:  # user level (UnitClipping)
+            raise InvalidParameterError("users", "given", "user-level privacy is not supported with fully_shard")
+        if type(wrapped) is not ShardedGhostModule:  # (adds methods only: no state of its own to initialise)
+            wrapped.remove_hooks()  # Opacus's hooks are bound methods: re-registered as the sharded module's
+            wrapped.__class__ = ShardedGhostModule
+            wrapped.add_hooks(
+                loss_reduction=wrapped.loss_reduction,
+                batch_first=wrapped.batch_first,
+                force_functorch=wrapped.force_functorch,
+            )
+    return wrapped
 
 
 def check_keeper(keeper) -> None:
@@ -340,6 +396,129 @@ class UnshardedParameters:
             h.remove()
 
 
+# --- ghost clipping ------------------------------------------------------------------------------
+def _ghost_module_base():
+    from .wrap import IndividualizedGhostModule
+
+    return IndividualizedGhostModule
+
+
+class ShardedGhostModule(_ghost_module_base()):
+    """Opacus's ghost clipping (two backward passes, ``DPLossFastGradientClipping``) on a ``fully_shard`` model.
+
+    * **norms** — the first backward pass's hooks run while FSDP2 has a block's unsharded parameters
+      swapped in: each rank forms the *full* norms of its own examples, stored on the unsharded
+      parameter tensors (FSDP2 keeps those objects; only their storage is freed when it reshards).
+      The parameters whose hooks ran in this pass are recorded; :meth:`get_norm_sample` reads their
+      norms and refuses unless every trainable parameter was seen (a stale norm of an earlier pass is
+      never read).
+    * **first pass's gradients** — FSDP2 reduce-scatters them (un-clipped) into ``p.grad``;
+      ``DPTensorFastGradientClipping.backward`` then calls the optimizer's ``zero_grad`` before the
+      second pass, which discards them exactly (the second pass's sums are written to zeroed or fresh
+      gradients).
+    * **clip factors** — min(1, c_i/‖g_i‖) with each example's own c_i (:class:`~.clipping.PerExampleClipping`);
+      a phantom row (an empty draw, :class:`PhantomCollate`) gets factor 0 and the step pops no index,
+      as an empty batch in one process.  The verdict (factors formed, or refused) is shared by one
+      all-reduce before the second pass, so that a refusal on one rank stops every rank (FSDP2's
+      second-pass collectives would otherwise wait for it).
+    * **clipped sum** — the second pass of Σ_i w_i·loss_i: FSDP2 reduce-scatters Σ_ranks Σ_i w_i g_i
+      into the Shard(0) gradients with a SUM (:func:`sum_reduction`)."""
+
+    def capture_activations_hook(self, module, forward_input, _forward_output):
+        from opacus.utils.module_utils import trainable_parameters
+
+        for _, p in trainable_parameters(module):  # FSDP2's unsharded tensors: Opacus set the counter on the shards
+            if not hasattr(p, "_forward_counter"):  # (as GradSampleModule's __init__ does)
+                p._forward_counter, p.grad_sample = 0, None
+        return super().capture_activations_hook(module, forward_input, _forward_output)
+
+    def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
+        if self.hooks_enabled:
+            from opacus.utils.module_utils import trainable_parameters
+
+            seen = self.__dict__.setdefault("_sharded_seen", {})
+            for _, p in trainable_parameters(module):  # FSDP2's unsharded tensors (swapped in for the backward)
+                seen[id(p)] = p
+        return super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
+
+    def get_norm_sample(self) -> torch.Tensor:
+        seen = list(self.__dict__.pop("_sharded_seen", {}).values())
+        if len(seen) != len(self.trainable_parameters) or any(getattr(p, "_norm_sample", None) is None for p in seen):
+            raise RuntimeError(
+                f"the ghost-norm hooks saw {len(seen)} of the {len(self.trainable_parameters)} trainable parameters in "
+                "the first backward pass (a parameter unused by this batch, used outside its module's forward, or "
+                "shared by two modules): the per-example norms would miss its gradient; the step was not taken"
+            )
+        norms = [p._norm_sample.to(seen[0]._norm_sample.device) for p in seen]
+        for p in seen:
+            p._norm_sample = None
+        norm = torch.stack(norms, dim=0).norm(2, dim=0)
+        self.per_sample_gradient_norms = norm
+        return norm
+
+    def _check_reduced(self) -> None:
+        """The first pass's gradients must have been reduce-scattered (and so discarded by the optimizer's
+        ``zero_grad``): with ``set_requires_gradient_sync(False)`` FSDP2 keeps them, un-clipped, on the
+        unsharded parameters and would add them to the second pass's clipped sums."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self._module.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None)
+            if groups is None:
+                raise RuntimeError("cannot read FSDP2's parameter groups to check that the first pass was reduced")
+            for group in groups:
+                kept = [
+                    fp
+                    for fp in group.fsdp_params
+                    if getattr(fp, "unsharded_accumulated_grad", None) is not None
+                    or (hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None)
+                ]
+                if not group.reduce_grads or kept:
+                    raise RuntimeError(
+                        "FSDP2 kept the first backward pass's un-clipped gradients (set_requires_gradient_sync(False), "
+                        "or gradients accumulated across passes): ghost clipping would add them to the clipped sums; "
+                        "keep gradient sync on with grad_sample_mode='ghost'; the step was not taken"
+                    )
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        refusal, coef = None, None
+        try:
+            self._check_reduced()
+            if self.clipping is not None and self.clipping.queue.empty_batch_pending:
+                norms = self.get_norm_sample()  # the phantom row's: read (and forgotten), no weight
+                self.clipping.factors(norms.new_zeros((0,)))  # the empty draw: no example, as in one process
+                coef = torch.zeros_like(norms)
+            else:
+                coef = super().get_clipping_coef()
+        except Exception as exc:
+            refusal = exc
+        share_verdict(refusal, self.trainable_parameters)
+        return coef
+
+
+def share_verdict(refusal: Exception | None, params) -> None:
+    """One all-reduce of every rank's verdict; raises on every rank if any rank refused."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = local_shard(params[0]).device if params and dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = torch.zeros(world, dtype=torch.int64, device=dev)
+    flags[rank] = 0 if refusal is None else 1
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    codes = flags.tolist()
+    if not any(codes):
+        return
+    reasons: list = [None] * world
+    dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+    if refusal is not None:
+        raise refusal
+    where = next(r for r, c in enumerate(codes) if c)
+    raise ShardedTrainingError(
+        f"the step was refused on rank {where} of {world} ({reasons[where]}); every rank refuses it together "
+        f"(this is rank {rank})"
+    )
+
+
 # --- the optimizer ----------------------------------------------------------------------------
 class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
     """Book-keeping clipping for a ``fully_shard`` model.  ``expected_batch_size`` is the per-rank
@@ -484,11 +663,55 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         raise UnnoisedWriteError(f"{found}. {outcome}")
 
 
+class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
+    """Ghost clipping for a ``fully_shard`` model (:class:`ShardedGhostModule`): after the second backward
+    pass ``p.grad`` holds this rank's Shard(0) chunk of Σ_ranks Σ_i w_i g_i (FSDP2's SUM reduce-scatter,
+    :func:`sum_reduction`); it becomes ``p.summed_grad`` (a plain tensor), and the noise, the shared
+    verdicts and the division by Σ_i q_i are the book-keeping optimizer's (:class:`ShardedBookKeepingOptimizer`):
+    one N(0, σ²c²I) over the full vector, each rank keeping its chunk of the one-process draw."""
+
+    last_global_batch_size: int | None = None
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def signal_skip_step(self, do_skip=True):
+        if do_skip:
+            self.clipping.queue.clear()
+            self.refuse_step()
+            raise InvalidParameterError(
+                "optimizer",
+                "BatchMemoryManager (physical batches)",
+                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
+                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
+                "forward and backward pass; give each rank a batch that fits",
+            )
+        return super().signal_skip_step(do_skip)
+
+    def accumulate(self):
+        for p in self.params:  # the same order on every rank; no collective (FSDP2 reduced the clipped sums)
+            local = local_shard(p)
+            g = local_shard(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(local)
+            p.grad = None
+            if p.summed_grad is not None:
+                p.summed_grad.add_(g.to(p.summed_grad.dtype))
+            else:
+                p.summed_grad = g.to(local.dtype)
+
+    add_noise = ShardedBookKeepingOptimizer.add_noise
+    scale_grad = ShardedBookKeepingOptimizer.scale_grad
+    _share_verdict = ShardedBookKeepingOptimizer._share_verdict
+
+
 __all__ = [
     "ShardedBookKeepingOptimizer",
+    "ShardedGhostModule",
+    "ShardedGhostOptimizer",
     "ShardedTrainingError",
     "as_sharded",
     "check_keeper",
+    "check_wrapped",
     "is_dtensor",
     "is_sharded",
     "local_shard",

@@ -31,7 +31,7 @@ from .distributed import (
     DistributedIndividualizedDPOptimizerBookKeeping,
     DistributedIndividualizedDPOptimizerFastGradientClipping,
 )
-from .fsdp import ShardedBookKeepingOptimizer
+from .fsdp import ShardedBookKeepingOptimizer, ShardedGhostOptimizer
 from .ghost import IndividualizedGhostModule
 from .optimizer import (
     IndividualizedDPOptimizer,
@@ -162,6 +162,7 @@ MODES: dict[str, GradSampleMode] = {
             wrapper=IndividualizedGhostModule,
             optimizer=IndividualizedDPOptimizerFastGradientClipping,
             distributed_optimizer=DistributedIndividualizedDPOptimizerFastGradientClipping,
+            sharded_optimizer=ShardedGhostOptimizer,
             build=_build_ghost,
             reuse=_reuse_ghost,
             autograd_sum=False,

@@ -65,8 +65,8 @@ def build_step(
     wrapped = wrap(module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model)
     try:
         wrapped.forbid_grad_accumulation()
-        if sharded:
-            fsdp.check_keeper(wrapped.keeper)
+        if sharded:  # bk: every unit book-kept; ghost: the sharded ghost wrapper (engine/fsdp.py)
+            wrapped = fsdp.check_wrapped(wrapped, opts.grad_sample_mode)
         loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
         if sharded:  # every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
             fsdp.phantom_batches(loader, opts.batch_first)
