@@ -36,7 +36,9 @@ import torch.distributed as dist
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from ..validation import InvalidParameterError
+from . import distributed
 from .distributed import DistributedTrainingError
+from .ghost import IndividualizedGhostModule
 from .integrity import UnnoisedWriteError, local_tensor
 from .optimizer import IndividualizedDPOptimizerBookKeeping, IndividualizedDPOptimizerFastGradientClipping
 from .randomness import OsEntropyNormal, gaussian_like
@@ -106,8 +108,6 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
     """Checks of a ``fully_shard`` model for ``make_private``: ``((rank, W), seeds)``, the seeds (a
     :class:`~.randomness.RunSeeds`) rank 0's, which every rank uses — as :func:`.distributed.setup`.
     ``record``: the mode's :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
-    from . import distributed
-
     if not distributed.is_distributed():
         raise InvalidParameterError(
             "module",
@@ -221,8 +221,6 @@ def check_wrapped(wrapped, grad_sample_mode: str):
     if grad_sample_mode == "bk":
         check_keeper(wrapped.keeper)
     elif grad_sample_mode == "ghost":
-        from .wrap import IndividualizedGhostModule
-
         if type(wrapped) not in (IndividualizedGhostModule, ShardedGhostModule):
             raise InvalidParameterError(
                 "module", type(wrapped).__name__, "a fully_shard model in ghost mode needs the engine's ghost wrapper"
@@ -397,13 +395,7 @@ class UnshardedParameters:
 
 
 # --- ghost clipping ------------------------------------------------------------------------------
-def _ghost_module_base():
-    from .wrap import IndividualizedGhostModule
-
-    return IndividualizedGhostModule
-
-
-class ShardedGhostModule(_ghost_module_base()):
+class ShardedGhostModule(IndividualizedGhostModule):
     """Opacus's ghost clipping (two backward passes, ``DPLossFastGradientClipping``) on a ``fully_shard`` model.
 
     * **norms** — the first backward pass's hooks run while FSDP2 has a block's unsharded parameters
