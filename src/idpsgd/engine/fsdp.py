@@ -512,6 +512,20 @@ def share_verdict(refusal: Exception | None, params) -> None:
 
 
 # --- the optimizer ----------------------------------------------------------------------------
+def refuse_physical_batches(optimizer) -> None:
+    """Refuse BatchMemoryManager's physical batches on a ``fully_shard`` model (the step is dropped first)."""
+    optimizer.clipping.queue.clear()
+    optimizer.refuse_step()
+    raise InvalidParameterError(
+        "optimizer",
+        "BatchMemoryManager (physical batches)",
+        "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
+        "run different numbers of physical batches while FSDP2's collectives need every rank in each "
+        "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
+        "activation checkpointing)",
+    )
+
+
 class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
     """Book-keeping clipping for a ``fully_shard`` model.  ``expected_batch_size`` is the per-rank
     Σ_i q_i / W (as for DPDDP); the update is (Σ_i w_i g_i + noise) / Σ_i q_i, as in one process.
@@ -541,16 +555,7 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
 
     def signal_skip_step(self, do_skip=True):
         if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones
-            self.clipping.queue.clear()
-            self.refuse_step()
-            raise InvalidParameterError(
-                "optimizer",
-                "BatchMemoryManager (physical batches)",
-                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
-                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
-                "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
-                "activation checkpointing)",
-            )
+            refuse_physical_batches(self)
         return super().signal_skip_step(do_skip)
 
     def accumulate(self):
@@ -669,16 +674,8 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def signal_skip_step(self, do_skip=True):
-        if do_skip:
-            self.clipping.queue.clear()
-            self.refuse_step()
-            raise InvalidParameterError(
-                "optimizer",
-                "BatchMemoryManager (physical batches)",
-                "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
-                "run different numbers of physical batches while FSDP2's collectives need every rank in each "
-                "forward and backward pass; give each rank a batch that fits",
-            )
+        if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones
+            refuse_physical_batches(self)
         return super().signal_skip_step(do_skip)
 
     def accumulate(self):
@@ -709,6 +706,7 @@ __all__ = [
     "local_shard",
     "noise_shard",
     "reduce_scatter_sum",
+    "refuse_physical_batches",
     "setup",
     "shard_rows",
 ]
