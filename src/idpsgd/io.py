@@ -146,3 +146,17 @@ def load_torch(path, what: str = "checkpoint"):
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path} is not a readable idpsgd {what} ({first[:200]})") from None
+
+
+def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """What differs between a checkpoint's signature and the current run's, as 'key: saved -> current'
+    (nested keys dotted).  Digests and seeds by name only: an error message is not a private file."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += signature_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            hidden = "sha256" in key or "seed" in key
+            out.append(f"{prefix}{key} differs" if hidden else f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ..assignment import Budgets
 from ..data import Dataset
 from ..engine.randomness import derive_seed, resolve_seed
+from ..io import signature_differences
 from ..runfolder import RunFolder
 from ..validation import InvalidParameterError, check_delta
 from . import bounds, lira
@@ -199,8 +200,6 @@ def _open_folder(out_dir, dataset, budgets, config, options, pdp, plan, resume: 
     OS-entropy sampling and noise; the design still needs a recorded seed (the auditor's own
     randomness, not the mechanism's: membership must be known to score it), drawn fresh and kept
     in the private settings file so that a resumed audit keeps its design."""
-    from ..training.loop import signature_differences
-
     saved = _saved_settings(out_dir, resume)
     seed = resolve_seed(config.seed, config.secure_mode)  # refuses a seed in secure mode
     if saved is not None and isinstance(saved.get("seed"), int) and (config.seed is None or config.secure_mode):

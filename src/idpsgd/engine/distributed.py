@@ -179,6 +179,40 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
 
 
 # --- the optimizer --------------------------------------------------------------------------
+def refusal_code(refusal: Exception | None) -> int:
+    """A rank's verdict as one integer for the all-reduce: 0 step, 1 un-noised write, 2 other refusal."""
+    return 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
+
+
+def raise_shared_refusal(optimizer, codes: list, refusal: Exception | None, holder: str, error) -> None:
+    """After the ranks all-reduced their verdicts ``codes`` (:func:`refusal_code`, at least one not 0):
+    gather the refusing ranks' messages, then raise on every rank — the own refusal where this rank
+    refused, else ``error`` naming the refusing rank, or an :class:`UnnoisedWriteError` (marking the
+    write guard) for a write found on another rank, whose copy of the parameters (``holder``) holds it."""
+    rank_, world = optimizer.rank, optimizer.world_size
+    reasons: list = [None] * world
+    dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+    if refusal is not None:
+        raise refusal
+    optimizer.refuse_step()
+    writes = [r for r, c in enumerate(codes) if c == 1]
+    rank = writes[0] if writes else next(r for r, c in enumerate(codes) if c)
+    where = f"rank {rank} of {world}"
+    outcome = (
+        "every rank refuses the step together: no noise was drawn and nothing was charged on any rank "
+        f"(this is rank {rank_})"
+    )
+    if not writes:
+        raise error(f"the step was refused on {where} ({reasons[rank]}); {outcome}")
+    found = (
+        f"an un-noised write was found on {where}: {holder}, so this run's model must not be released and "
+        f"every later step is refused on every rank; train a fresh model ({reasons[rank]})"
+    )
+    if optimizer.write_guard is not None:
+        optimizer.write_guard.mark(found)
+    raise UnnoisedWriteError(f"{found}. {outcome}")
+
+
 class _RankZeroNoise:
     """Noise on rank 0 only; one all-reduce of the flattened gradients (and the batch size) per step."""
 
@@ -212,35 +246,15 @@ class _RankZeroNoise:
         rank raises now, before any noise is drawn or anything charged.  Without it a refusal raised on
         one rank only, and the others waited in the gradient all-reduce until the collective timeout.
         The refusing ranks' messages are gathered (only then) so that every rank names the cause."""
-        code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
         flags = torch.zeros(self.world_size, dtype=torch.int64, device=comm_device())
-        flags[self.rank] = code
+        flags[self.rank] = refusal_code(refusal)
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         codes = flags.tolist()
         if not any(codes):
             return
-        reasons: list = [None] * self.world_size
-        dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
-        if refusal is not None:
-            raise refusal
-        self.refuse_step()
-        writes = [r for r, c in enumerate(codes) if c == 1]
-        rank = writes[0] if writes else next(r for r, c in enumerate(codes) if c)
-        where = f"rank {rank} of {self.world_size}"
-        outcome = (
-            "every rank refuses the step together: no noise was drawn and nothing was charged on any rank "
-            f"(this is rank {self.rank})"
+        raise_shared_refusal(
+            self, codes, refusal, "its replica holds it and the replicas now differ", DistributedTrainingError
         )
-        if not writes:
-            raise DistributedTrainingError(f"the step was refused on {where} ({reasons[rank]}); {outcome}")
-        found = (
-            f"an un-noised write was found on {where}: its replica holds it and the replicas now differ, so this "
-            f"run's model must not be released and every later step is refused on every rank; train a fresh "
-            f"model ({reasons[rank]})"
-        )
-        if self.write_guard is not None:
-            self.write_guard.mark(found)
-        raise UnnoisedWriteError(f"{found}. {outcome}")
 
     def pre_step(self, closure=None):
         ok = super().pre_step(closure)
@@ -574,7 +588,9 @@ __all__ = [
     "launch",
     "local_device",
     "main_first",
+    "raise_shared_refusal",
     "rank_and_world",
+    "refusal_code",
     "sharded_grad_norms",
     "wrap_model",
 ]

@@ -39,7 +39,7 @@ from ..validation import InvalidParameterError
 from . import distributed
 from .distributed import DistributedTrainingError
 from .ghost import IndividualizedGhostModule
-from .integrity import UnnoisedWriteError, local_tensor
+from .integrity import local_tensor
 from .optimizer import IndividualizedDPOptimizerBookKeeping, IndividualizedDPOptimizerFastGradientClipping
 from .randomness import OsEntropyNormal, gaussian_like
 
@@ -624,11 +624,10 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
     def _share_verdict(self, refusal: Exception | None, count: bool = False) -> None:
         """One all-reduce of every rank's verdict (and, with ``count``, its batch size) before any
         collective of the step's gradients or noise: a step refused on one rank is refused on all."""
-        code = 0 if refusal is None else (1 if isinstance(refusal, UnnoisedWriteError) else 2)
         dev = local_shard(self.params[0]).device if self.params else torch.device("cpu")
         dev = dev if dist.get_backend() == "nccl" else torch.device("cpu")
         flags = torch.zeros(self.world_size + 1, dtype=torch.int64, device=dev)
-        flags[self.rank] = code
+        flags[self.rank] = distributed.refusal_code(refusal)
         if count and refusal is None:
             flags[-1] = sum(int(t.numel()) for t in self.clipping.pending_indices)
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
@@ -637,27 +636,7 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
             if count:
                 self.last_global_batch_size = int(flags[-1])
             return
-        reasons: list = [None] * self.world_size
-        dist.all_gather_object(reasons, None if refusal is None else f"{type(refusal).__name__}: {refusal}")
-        if refusal is not None:
-            raise refusal
-        self.refuse_step()
-        writes = [r for r, c in enumerate(codes) if c == 1]
-        rank = writes[0] if writes else next(r for r, c in enumerate(codes) if c)
-        where = f"rank {rank} of {self.world_size}"
-        outcome = (
-            "every rank refuses the step together: no noise was drawn and nothing was charged "
-            f"(this is rank {self.rank})"
-        )
-        if not writes:
-            raise ShardedTrainingError(f"the step was refused on {where} ({reasons[rank]}); {outcome}")
-        found = (
-            f"an un-noised write was found on {where}: its shard holds it, so this run's model must not be "
-            f"released and every later step is refused on every rank; train a fresh model ({reasons[rank]})"
-        )
-        if self.write_guard is not None:
-            self.write_guard.mark(found)
-        raise UnnoisedWriteError(f"{found}. {outcome}")
+        distributed.raise_shared_refusal(self, codes, refusal, "its shard holds it", ShardedTrainingError)
 
 
 class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):

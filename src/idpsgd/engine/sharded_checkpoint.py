@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..io import CheckpointError, fault_point, load_torch, save_torch
+from ..io import CheckpointError, fault_point, load_torch, save_torch, signature_differences
 from ..validation import InvalidParameterError
 from . import distributed
-from .wrap import raw_module
+from .unwrap import raw_module
 
 FORMAT = "idpsgd.sharded-checkpoint/1"
 STATE_FILE = "state.pt"
@@ -292,19 +292,6 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """What differs between two signatures, as 'key: saved -> current'; digests and seeds by name only."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            hidden = "sha256" in key or "seed" in key
-            out.append(f"{prefix}{key} differs" if hidden else f"{prefix}{key}: {a!r} -> {b!r}")
-    return out
-
-
 def load_sharded_checkpoint(
     path,
     *,
@@ -333,11 +320,11 @@ def load_sharded_checkpoint(
     state = read_sharded_state(path)
     rank, world = distributed.rank_and_world()
     raw = raw_module(module)
-    problems = differences({"layout": state["layout"]}, {"layout": _layout(raw)})
+    problems = signature_differences({"layout": state["layout"]}, {"layout": _layout(raw)})
     kind = type(_inner_optimizer(optimizer)).__name__ if optimizer is not None else None
     if state["optimizer"] != kind:
         problems.append(f"optimizer: {state['optimizer']!r} -> {kind!r}")
-    problems += differences(state["signature"], dict(signature or {}))
+    problems += signature_differences(state["signature"], dict(signature or {}))
     if problems:
         raise InvalidParameterError(
             "checkpoint",
@@ -418,7 +405,7 @@ def export_pretrained(checkpoint, model: torch.nn.Module, out, *, tokenizer=None
             raise CheckpointError(f"{checkpoint} holds no complete sharded checkpoint")
         checkpoint = latest
     state = read_sharded_state(checkpoint)
-    problems = differences({"layout": state["layout"]}, {"layout": _layout(model)})
+    problems = signature_differences({"layout": state["layout"]}, {"layout": _layout(model)})
     if problems:
         raise InvalidParameterError(
             "model", type(model).__name__, f"is not the checkpoint's model ({'; '.join(problems[:4])})"

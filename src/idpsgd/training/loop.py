@@ -35,7 +35,7 @@ from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
 from ..engine.randomness import randomness_note, resolve_seed
 from ..engine.unwrap import raw_module
-from ..io import fault_point, load_torch
+from ..io import fault_point, load_torch, signature_differences
 from ..models import DEFAULT_MODEL, create_model
 from ..names import ACCOUNTANTS, IDP_METHODS, PDP_METHODS, one_of
 from ..runfolder import PRIVATE, SEED_FILE, RunFolder
@@ -711,22 +711,6 @@ def training_budgets(budgets: Budgets, epsilon_pre: float, delta_pre: float) -> 
 def public_report(report: dict) -> dict:
     """The report without its private section (what report.json and stdout show by default)."""
     return {k: v for k, v in report.items() if k != "private"}
-
-
-def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """What differs between two run signatures, as 'key: saved -> current' (the budgets only by hash)."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += signature_differences(a, b, f"{prefix}{key}.")
-        elif a != b:  # hashes by name only, and seeds never (an error message is not a private file)
-            out.append(
-                f"{prefix}{key}: {a!r} -> {b!r}"
-                if "sha256" not in key and "seed" not in key
-                else f"{prefix}{key} differs"
-            )
-    return out
 
 
 def train(

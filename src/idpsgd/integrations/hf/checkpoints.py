@@ -219,16 +219,3 @@ def read_checkpoint(path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an idpsgd Trainer checkpoint (written by IndividualizedTrainer)")
     return state
-
-
-def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """What differs, as 'key: saved -> current'; digests and seeds by name only (never shown)."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += signature_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            hidden = "sha256" in key or "seed" in key
-            out.append(f"{prefix}{key} differs" if hidden else f"{prefix}{key}: {a!r} -> {b!r}")
-    return out

@@ -32,6 +32,7 @@ from transformers import Trainer, TrainerCallback
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
 from ...engine.unwrap import raw_module
+from ...io import signature_differences
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
 from . import checkpoints as ckpts
@@ -869,7 +870,7 @@ class IndividualizedTrainer(Trainer):
                 f"{'with' if not self.privacy.fsdp else 'without'} fsdp (--fsdp), as it was written",
             )
         state = sharding.read_rank_state(path) if self.privacy.fsdp else ckpts.read_checkpoint(path)
-        differences = ckpts.signature_differences(state["signature"], ckpts.signature(self))
+        differences = signature_differences(state["signature"], ckpts.signature(self))
         if differences:
             raise InvalidParameterError(
                 "resume_from_checkpoint",
