@@ -144,8 +144,25 @@ def load_torch(path, what: str = "checkpoint"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable idpsgd {what} ({first[:200]})") from None
+        raise CheckpointError(f"{path} is not a readable idpsgd {what} ({torch_load_problem(exc)})") from None
+
+
+def torch_load_problem(exc: BaseException) -> str:
+    """Why ``torch.load(..., weights_only=True)`` failed, in one line: for a refused file, what it
+    named — never torch's advice to retry with ``weights_only=False``, which would run the file."""
+    import re
+
+    text = str(exc).strip()
+    if text.startswith("Weights only load failed"):
+        named = re.search(
+            r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+|Unsupported operand \S+"
+            r"|WeightsUnpickler error: [^\n.]+)",
+            text,
+        )
+        why = f": {named.group(1)[:200]}" if named else ""
+        return f"it holds more than tensors and plain values, refused without running it{why}"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first[:200]
 
 
 class RefusedPickle(pickle.UnpicklingError):
