@@ -306,6 +306,16 @@ def test_an_allowed_class_cannot_be_modified(tmp_path, module, name):
         assert "idpsgd_pwned" not in vars(cls), proto
 
 
+def test_an_allowed_enum_member_cannot_be_modified(tmp_path):
+    """``_MEM_FORMAT_ENCODING(1)`` is the process's one member: its state is not the file's to set."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", 4) + b"(K\x01tR"
+    err = _dcp_metadata(tmp_path, _pickle(member + b"(N}" + _text("idpsgd_pwned", 4) + b"\x88stb", 4))
+    assert "setting the state of a _MEM_FORMAT_ENCODING is not allowed" in str(err.value)
+    assert not hasattr(_MEM_FORMAT_ENCODING(1), "idpsgd_pwned")
+
+
 def test_the_allow_lists_are_exact_undotted_names():
     names = sc.metadata_globals()
     assert all("." not in n for _, n in names)

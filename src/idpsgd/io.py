@@ -9,6 +9,7 @@ for per-example budgets and ε, which are personal data.  Reading back runs no c
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import json
 import os
@@ -182,9 +183,9 @@ class _RestrictedUnpickler(pickle._Unpickler):
       that exact ``(module, name)`` pair, never imports anything, and refuses a dotted name outright
       (from protocol 4 on, pickle resolves ``name`` attribute by attribute: ``os.system`` reached
       through an allowed module's own ``import os``);
-    - ``BUILD`` (an object's state) only fills in an instance of an allowed class; on a class, a
-      function or anything else it would ``setattr`` on it — rewrite an allowed class for the rest
-      of the process — and is refused;
+    - ``BUILD`` (an object's state) only fills in an instance of an allowed class; on a class, an
+      enum member, a function or anything else it would ``setattr`` on an object the whole process
+      shares (rewrite an allowed class for the rest of the run) and is refused;
     - extension codes (EXT1/2/4, :mod:`copyreg`'s registry) are refused: the unpickler answers them from
       a process-wide cache that a permissive unpickler may have filled, without asking ``find_class``.
 
@@ -195,7 +196,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
     def __init__(self, file, allowed: Mapping[tuple[str, str], Any], encoding: str):
         super().__init__(file, encoding=encoding)
         self._allowed = allowed
-        self._buildable = tuple(v for v in allowed.values() if isinstance(v, type))
+        # (not an Enum's: its members are the process's singletons)
+        self._buildable = tuple(v for v in allowed.values() if isinstance(v, type) and not issubclass(v, enum.Enum))
 
     def find_class(self, module, name):
         if "." in name:
