@@ -522,6 +522,22 @@ def test_engine_and_trainer_checkpoints_refuse_crafted_files(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_metadata_written_by_python_3_13_reads(real_checkpoint, tmp_path, monkeypatch):
+    """Python 3.13 pickles the checkpoint's path as ``pathlib._local.PosixPath`` (a module this Python,
+    like 3.14, lacks)."""
+    import sys
+
+    ck = _copy(real_checkpoint, tmp_path)
+    metadata = _real_metadata(ck)
+    with monkeypatch.context() as m:  # pickle it as 3.13 does
+        m.setitem(sys.modules, "pathlib._local", pathlib)
+        m.setattr(pathlib.PosixPath, "__module__", "pathlib._local")
+        data = pickle.dumps(metadata, protocol=4)
+    assert b"pathlib._local" in data and "pathlib._local" not in sys.modules
+    (ck / ".metadata").write_bytes(data)
+    assert sc.read_metadata(ck).storage_meta.checkpoint_id == metadata.storage_meta.checkpoint_id
+
+
 def test_read_metadata_reads_what_dcp_writes_in_every_dtype(tmp_path):
     """A module of bfloat16, float16, float64 and int64 tensors (and an SGD optimizer's momentum)
     round-trips through the allow-list."""

@@ -227,8 +227,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
 
 def load_restricted(file, allowed: Mapping[tuple[str, str], Any], *, encoding: str = "ASCII"):
     """Unpickle ``file`` (an open binary file) naming only the exact ``(module, name)`` pairs of
-    ``allowed`` (each mapped to the object it stands for; no name may contain a dot) — nothing else
-    is imported or called, so the file runs no code of its own.  A name outside the list raises
+    ``allowed`` (each mapped to the object it stands for; no name may contain a dot) — nothing outside
+    the list is imported or called, so the file runs no code of its own.  A name outside the list raises
     :class:`RefusedPickle`; a file that is not a whole pickle, ``EOFError`` or ``pickle.UnpicklingError``.
     ``encoding``: for Python 2 byte strings (``"bytes"`` keeps them as bytes)."""
     dotted = sorted(f"{m}.{n}" for m, n in allowed if "." in n)

@@ -229,9 +229,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 # --- loading ------------------------------------------------------------------------------------
-#: What DCP's ``.metadata`` pickle names (torch 2.6-2.13, listed from saved checkpoints with
-#: ``pickletools``): its metadata classes, the storage record of its file writer, the layout lookup,
-#: ``torch.Size``, dtypes and the checkpoint's path.  Exact (module, name) pairs; nothing else loads.
+#: What DCP's ``.metadata`` pickle names (listed from checkpoints torch 2.13 writes — fp32, bf16,
+#: AdamW and SGD states, a GPT-2 — by unpickling them with a recording ``find_class``): its metadata
+#: classes, its file writer's storage record, the layout lookup, ``torch.Size``, dtypes and the
+#: checkpoint's path.  Exact (module, name) pairs; nothing else loads.
 _METADATA_NAMES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata",
@@ -246,24 +247,25 @@ _METADATA_NAMES = {
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     "torch.serialization": ("_get_layout",),  # a lookup in a table of torch's layouts
     "torch": ("Size",),
-    "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
-    "pathlib._local": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),  # Python 3.13
 }
+#: the checkpoint's path (``StorageMeta.checkpoint_id``): pathlib's classes, which Python 3.13 pickles
+#: as ``pathlib._local.*`` (a module other versions lack): both names stand for pathlib's classes
+_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 
 
 def metadata_globals() -> dict[tuple[str, str], object]:
     """The exact ``(module, name) -> object`` allow-list DCP's metadata is unpickled with
-    (:func:`idpsgd.io.load_restricted`): :data:`_METADATA_NAMES` and each dtype (``torch.float32``...)."""
+    (:func:`idpsgd.io.load_restricted`): :data:`_METADATA_NAMES`, each dtype (``torch.float32``...)
+    and pathlib's path classes."""
     import importlib
+    import pathlib
 
     out = {}
     for module, names in _METADATA_NAMES.items():
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:  # pathlib._local before Python 3.13
-            continue
+        mod = importlib.import_module(module)
         out.update({(module, n): getattr(mod, n) for n in names if hasattr(mod, n)})
     out.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    out.update({(m, n): getattr(pathlib, n) for m in ("pathlib", "pathlib._local") for n in _PATH_CLASSES})
     return out
 
 
