@@ -150,7 +150,7 @@ def load_torch(path, what: str = "checkpoint"):
 
 def torch_load_problem(exc: BaseException) -> str:
     """Why ``torch.load(..., weights_only=True)`` failed, in one line: for a refused file, what it
-    named — never torch's advice to retry with ``weights_only=False``, which would run the file."""
+    named — never torch's advice to retry without ``weights_only``, which would run the file."""
     import re
 
     text = str(exc).strip()
