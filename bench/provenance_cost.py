@@ -8,6 +8,7 @@ times the expected batch size), the median of ``--steps`` steps after two warm-u
 per source tree and round, rounds interleaved (order reversed every other round).
 
     python bench/provenance_cost.py --src /path/to/base/src --src src [--rounds 3] [--steps 8]
+    python bench/provenance_cost.py --src /path/to/base/src --src src --per-op   # µs per operation
 """
 
 from __future__ import annotations
@@ -75,6 +76,50 @@ def _worker(layers: int, d: int, batch: int, seq: int, steps: int) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
+def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
+    """Microseconds per torch operation under each tree's ``ProvenanceMode`` (its ``provenance.py`` loaded from
+    the tree; the module imports only torch), in one process, interleaved: a GPT-2-like mix of operations on
+    tagged tensors, on untagged ones, and reads of shapes (``size``, ``dim``, ``shape``: the non-tensor
+    results the host-read check looks at)."""
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    modules = []
+    for i, src in enumerate(srcs):
+        spec = importlib.util.spec_from_file_location(f"_prov{i}", os.path.join(src, "idpsgd/engine/bk/provenance.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        modules.append(mod)
+    x, w, c = torch.randn(8, 16, 32), torch.randn(32, 32), torch.randn(16, 32)
+
+    def ops(x):
+        k = 0
+        for _ in range(n // 10):
+            h = F.linear(x, w)  # tagged
+            h = torch.tanh(h + c)  # tagged, a constant operand
+            h = h.view(8, 16, 4, 8).transpose(1, 2)
+            k += h.size(0) + h.dim() + h.shape[-1]  # shape reads: non-tensor results
+            pos = torch.arange(16).expand(8, 16)  # untagged
+            k += int(pos.shape[0])
+            h.softmax(-1)
+        return k
+
+    per = {src: [] for src in srcs}
+    pairs = list(zip(srcs, modules, strict=True))
+    for r in range(rounds):
+        for src, mod in pairs if r % 2 == 0 else pairs[::-1]:
+            mode = mod.ProvenanceMode(8)
+            mode.tags[x] = mod.BATCH
+            start = time.process_time()
+            with mode:
+                ops(x)
+            per[src].append((time.process_time() - start) / n * 1e6)
+    return {src: statistics.median(v) for src, v in per.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", action="append", required=True, help="a source tree (its idpsgd package); give two")
@@ -84,8 +129,14 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--per-op", action="store_true", help="microseconds per operation under each tree's mode instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.per_op:
+        got = per_op(a.src)
+        for src, us in got.items():
+            print(f"{src}: {us:.2f} µs per operation; {us / got[a.src[0]]:.3f}x")
+        return got
     shape = (a.layers, a.d, a.batch, a.seq, a.steps)
     if a.worker:
         print(json.dumps(_worker(*shape)))

@@ -10,7 +10,10 @@ keep the rows, a ``view`` merging the batch with later dimensions groups them (r
 belongs to example r // T), and anything that mixes the rows, or has no rule, gives rows of no single
 example (``Rows.mixed`` names the operation).  An untagged tensor is *shared* by the batch,
 whatever its shape.  A trainable parameter meeting mixed rows (:mod:`.keeper`, :mod:`.shared`) is
-refused, naming both operations.  Nothing is tracked when B ≤ 1.
+refused, naming both operations; so is a read into Python (``.item()``, ``.tolist()``, ``bool(t)``, ...) of
+such rows, where the value would leave the tags (but at transformers' mask fast paths, :data:`HOST_READ_SITES`).
+The rule tables are checked against a perturbed example by ``tests/test_provenance_rules.py``.  Nothing is
+tracked when B ≤ 1.
 
 The operations and their rules, with what is refused: ``docs/performance.md`` (Provenance).
 """
