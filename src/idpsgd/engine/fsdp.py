@@ -104,6 +104,28 @@ def _check_parameters(module: torch.nn.Module) -> None:
             )
 
 
+def _check_ghost_layers(module: torch.nn.Module) -> None:
+    """Ghost mode: refuse ``fully_shard`` on a module with trainable parameters of its own (a ``Linear``).
+    FSDP2 makes its class a subclass (``FSDPLinear``) that Opacus's ghost hooks do not know by type; they
+    would take it for an unknown layer and deep-copy it for functorch, which FSDP2 cannot do (``FSDP does
+    not support deepcopy``).  Refused here, before the engine changes anything."""
+    from torch.distributed.fsdp import FSDPModule
+
+    own = [
+        (name or "(root)", type(m).__mro__[2].__name__ if len(type(m).__mro__) > 2 else type(m).__name__)
+        for name, m in module.named_modules()
+        if isinstance(m, FSDPModule) and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    if own:
+        raise InvalidParameterError(
+            "module",
+            ", ".join(f"{n!r} ({kind})" for n, kind in own[:5]),
+            "fully_shard on a layer with trainable parameters of its own is not supported with "
+            "grad_sample_mode='ghost' (Opacus's ghost hooks cannot serve FSDP2's layer classes); call fully_shard "
+            "on the blocks that contain such layers and on the root, or use grad_sample_mode='bk'",
+        )
+
+
 def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=None):
     """Checks of a ``fully_shard`` model for ``make_private``: ``((rank, W), seeds)``, the seeds (a
     :class:`~.randomness.RunSeeds`) rank 0's, which every rank uses — as :func:`.distributed.setup`.
@@ -136,6 +158,7 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
         )
     _check_parameters(module)
     if record.name == "ghost":
+        _check_ghost_layers(module)
         sum_reduction(module)
     settle_shards(module)
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
