@@ -513,7 +513,7 @@ class IndividualizedTrainer(Trainer):
         if self.privacy.fsdp:
             if self._resume is not None:  # the shards of model and optimizer, the RNG states
                 sharding.load(self, self._resume_path)
-        elif distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
+        elif distributed.is_distributed():  # each rank samples its share (rank_balance); noise once, on rank 0
             module = self._dp_module = distributed.wrap_model(self.model)
         wrapped, self.dp_optimizer, private = self.engine.make_private(
             module=module,
