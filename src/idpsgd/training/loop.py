@@ -134,7 +134,7 @@ class Trainer:
         self.release_epsilon = check_positive(release_epsilon, "release_epsilon")
         dataset = as_training_data(dataset)  # an idpsgd Dataset, or a MapStyleData over torch Datasets
         n_train = num_train(dataset)
-        self.users = check_users(users, n_train, budgets, config, individual)
+        self.users = check_users(users, n_train, budgets, config)
         if users is not None:
             n_train = users.num_users  # user level: one budget, rate and clip norm per user
         if len(budgets) != n_train:
@@ -673,7 +673,7 @@ class Trainer:
         write_report(rf)
 
 
-def check_users(users, n_rows: int, budgets: Budgets, config, individual):
+def check_users(users, n_rows: int, budgets: Budgets, config):
     """User level (issue 37): ``users`` must cover the training rows; the methods that support it."""
     if users is None:
         return None
@@ -685,8 +685,6 @@ def check_users(users, n_rows: int, budgets: Budgets, config, individual):
         raise InvalidParameterError("users", repr(users), f"must give a user for each of the {n_rows} training rows")
     if config.method not in IDP_METHODS:
         raise InvalidParameterError("method", config.method, f"at user level must be {one_of(IDP_METHODS)} (ULS)")
-    if individual is not None:
-        raise InvalidParameterError("individual", "IndividualAccountingOptions", "is not supported at user level yet")
     return users
 
 
