@@ -193,3 +193,32 @@ def test_equal_parts_give_every_rank_the_same_number_of_passes():
     parts = equal_parts({"labels": torch.arange(1)}, 1, 3)
     assert parts[0]["labels"].tolist() == [0] and parts[1:] == [None, None]  # empty parts: phantom rows
     assert equal_parts({"labels": torch.zeros(0)}, 0, 2) == [None, None]
+
+
+@pytest.mark.slow  # finetune in one process and on two spawned processes
+def test_finetune_fsdp_lora_with_accumulation_equals_one_process(tmp_path, capsys):
+    """``idpsgd finetune --fsdp --nproc 2 --lora-r 4`` with two passes per process and step (--batch-size 4,
+    --physical-batch-size 1) against the same finetune in one process: the adapter to 1e-5, the same
+    ledger and ε."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from idpsgd.cli.main import main
+    from test_fsdp_checkpoints import _model_dir
+
+    model = _model_dir(tmp_path / "model", dropout=0.0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat"]
+    rows = [{"text": " ".join(words[i % 7 : i % 7 + 3 + i % 4]), "epsilon": 1.0 if i % 2 else 8.0} for i in range(24)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["finetune", "--model", str(model), "--data", str(data), "--method", "sample", "--epochs", "1"]
+    base += ["--batch-size", "4", "--physical-batch-size", "1", "--lr", "1e-2", "--seed", "4", "--lora-r", "4"]
+    assert main([*base, "--out", str(tmp_path / "one")]) == 0
+    assert main([*base, "--fsdp", "--nproc", "2", "--out", str(tmp_path / "two")]) == 0
+    capsys.readouterr()
+    a, b = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("one", "two"))
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    for name in ("ledger.csv", "epsilons.csv"):
+        assert (tmp_path / "one" / "private" / name).read_bytes() == (tmp_path / "two" / "private" / name).read_bytes()

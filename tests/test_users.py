@@ -485,7 +485,7 @@ def _individual_cli_run(tmp_path, nproc: int):
     """``idpsgd train --user-column ... --individual-accounting`` on ``nproc`` processes; returns the run folder."""
     from idpsgd.cli import main
 
-    data, _ = _user_csv(tmp_path / "data")
+    data, _ = _user_csv(tmp_path / f"data{nproc}")  # (the same rows for every nproc)
     out = tmp_path / f"ia{nproc}"
     argv = ["train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", *data, "--user-column"]
     argv += ["user", "--max-rows-per-user", "3", "--epochs", "2", "--batch-size", "6", "--individual-accounting"]
@@ -515,6 +515,26 @@ def test_train_individual_accounting_at_user_level(tmp_path):
     assert n_users == len(set(_user_csv(tmp_path / "again")[1].tolist())) and cols["rows"].sum() > n_users
     assert np.all(cols["epsilon"] <= cols["budget"] * (1 + 1e-9)) and np.ptp(cols["epsilon"]) > 0
     assert np.all((cols["share_correct"] >= 0) & (cols["share_correct"] <= 1))
+
+
+def test_train_individual_filter_at_user_level(tmp_path):
+    """``idpsgd train --user-column ... --filter individual``: the filter with the user as the unit, one
+    realized ε per user within its budget; full-batch DP-GD (--gd) is refused at user level."""
+    import json
+
+    from idpsgd.cli import main
+
+    data, ids = _user_csv(tmp_path / "data")
+    out = tmp_path / "f"
+    argv = ["train", "--method", "uniform", "--budgets", "1,3", "--fractions", "0.5,0.5", *data, "--user-column"]
+    argv += ["user", "--max-rows-per-user", "3", "--epochs", "2", "--batch-size", "6", "--filter", "individual"]
+    assert main([*argv, "--no-progress", "--seed", "5", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["privacy_unit"] == "user" and "filter" in report
+    cols = _csv_columns(out / "private" / "filter_epsilons.csv")
+    assert cols["rows"].size == len(set(ids.tolist())) and cols["rows"].sum() == ids.size
+    assert np.all(cols["epsilon"] <= cols["budget"] * (1 + 1e-9))
+    assert main([*argv, "--gd", "--no-progress", "--out", str(tmp_path / "g")]) == 2
 
 
 @pytest.mark.slow  # two spawned processes
@@ -713,7 +733,8 @@ def test_reproduce_user_level_small(tmp_path):
 # --- two ranks ----------------------------------------------------------------------------------
 def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
     """User-level training on DPDDP (users routed to ranks) or on one process: the same run.  A mode
-    ``"<mode>+individual"`` adds individual accounting (per-user norm passes, sharded over the ranks)."""
+    ``"<mode>+individual"`` adds individual accounting, ``"<mode>+filter"`` the individual filter (their
+    per-user norm passes sharded over the ranks)."""
     from idpsgd import Budgets, IndividualAccountingOptions
     from idpsgd.engine import distributed
     from idpsgd.engine.wrap import raw_module
@@ -733,19 +754,27 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=7)
         if extra == "individual":  # every user's norm refreshed twice an epoch
             engine.enable_individual_accounting(IndividualAccountingOptions(validate_subset=0, refreshes_per_epoch=2.0))
+        plan = (  # the filter: a fixed σ and as many steps as the budgets admit
+            dict(privacy_filter="individual", noise_multiplier=1.0, steps=40)
+            if extra == "filter"
+            else dict(method="sample", epochs=2)
+        )
         module, opt, loader = engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-            budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], users.num_users, 1e-5, seed=0),
-            method="sample",
-            epochs=2,
+            budgets=Budgets.from_groups(
+                [0.5 if extra == "filter" else 1.0, 3.0], [0.5, 0.5], users.num_users, 1e-5, seed=0
+            ),
             sample_rate=0.3,
             users=users,
             grad_sample_mode=mode,
+            **plan,
         )
         for _ in range(2):
             for xb, yb in loader:
+                if not engine.can_step():
+                    break
                 opt.zero_grad()
                 nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
                 opt.step()
@@ -754,18 +783,19 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
             "eps": engine.get_epsilon().per_group,
             "params": [p.detach().clone() for p in raw_module(module).parameters()],
         }
-        if extra == "individual":
+        if extra:
             out[name]["individual"] = engine.get_individual_epsilons()
     return out
 
 
 @pytest.mark.parametrize(
-    "modes", [("bk", "bk+individual"), pytest.param(("hooks", "functorch"), marks=pytest.mark.slow)]
+    "modes", [("bk", "bk+individual", "bk+filter"), pytest.param(("hooks", "functorch"), marks=pytest.mark.slow)]
 )
 def test_two_ranks_at_user_level_match_one_process(modes):
     """Users routed to ranks (each user's rows clipped as one unit on one rank): two gloo processes give
     the single-process run (same draws, same clipped sum, noise once); with individual accounting the
-    per-user norm passes are sharded over the ranks and all-gathered: the same individual ε per user."""
+    per-user norm passes are sharded over the ranks and all-gathered: the same individual ε per user, and
+    the individual filter lets the same users go at the same steps."""
     from idpsgd.engine import distributed
 
     single = _user_ranks_trial(data_parallel=False, modes=modes)

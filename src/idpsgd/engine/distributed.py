@@ -313,6 +313,16 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def sum_over_ranks(value: int) -> int:
+    """Σ over the ranks of an integer every rank calls this with (``value`` itself without a process
+    group): e.g. the rows of a user-level step, of which the optimizer counts the users."""
+    if not is_distributed():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t)
+
+
 def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
     """Concatenation, in rank order, of every rank's 1-D float array (rank r holds ``sizes[r]`` values)."""
     local = np.asarray(local, dtype=np.float64).ravel()
@@ -595,5 +605,6 @@ __all__ = [
     "rank_and_world",
     "refusal_code",
     "sharded_grad_norms",
+    "sum_over_ranks",
     "wrap_model",
 ]

@@ -418,7 +418,13 @@ class Trainer:
                 phase_steps += 1
                 if len(y):
                     losses.append(float(loss.detach()))
-                real = self.dp_optimizer.last_global_batch_size if distributed.is_distributed() else len(y)
+                real = (  # the real batch in rows (the optimizer counts the users at user level)
+                    distributed.sum_over_ranks(len(y))
+                    if self.users is not None
+                    else self.dp_optimizer.last_global_batch_size
+                    if distributed.is_distributed()
+                    else len(y)
+                )
                 self.ledger_rows.append(
                     [self.step, self.phase_idx, len(self.history) + 1, real, *self.engine.accountant.grid_epsilon()]
                 )

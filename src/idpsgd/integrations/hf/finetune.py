@@ -99,6 +99,8 @@ class FinetuneOptions:
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
         per_step = (self.physical_batch_size or self.batch_size) * self.nproc
+        if self.fsdp and self.physical_batch_size is None:  # one pass per process and step
+            per_step = self.nproc
         if self.nproc > 1 and self.batch_size % per_step:
             raise InvalidParameterError(
                 "nproc",

@@ -622,11 +622,7 @@ class IndividualizedTrainer(Trainer):
         global_size = getattr(self.dp_optimizer, "last_global_batch_size", None)
         if self._dp_module is None or global_size is None:
             return self.last_batch_size
-        if self.users is not None:
-            rows = torch.tensor([self.last_batch_size], dtype=torch.int64, device=distributed.comm_device())
-            torch.distributed.all_reduce(rows)
-            return int(rows)
-        return int(global_size)
+        return distributed.sum_over_ranks(self.last_batch_size) if self.users is not None else int(global_size)
 
     def planned_steps_for(self, per_epoch: int) -> int:
         """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
