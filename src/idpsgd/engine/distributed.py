@@ -519,7 +519,13 @@ def check_nproc(nproc, *, pdp: bool = False, individual_filter: bool = False) ->
     if nproc > 1 and pdp:
         raise InvalidParameterError("nproc", nproc, "PDP-SGD methods run in one process only (use --nproc 1)")
     if nproc > 1 and individual_filter:
-        raise InvalidParameterError("nproc", nproc, "--filter individual runs in one process only (use --nproc 1)")
+        raise InvalidParameterError(
+            "nproc",
+            nproc,
+            "--filter individual runs in one process only (use --nproc 1): the command's filter harness is not "
+            "launched on several ranks (the engine's privacy_filter='individual' runs on DPDDP ranks, at example "
+            "or user level, from the library)",
+        )
     return int(nproc)
 
 

@@ -67,7 +67,7 @@ class FinetuneOptions:
     progress: bool = False
     save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
     nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
-    fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk only): torchrun or nproc
+    fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk or ghost): torchrun or nproc
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
