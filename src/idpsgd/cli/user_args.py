@@ -37,6 +37,9 @@ def drop_user_column(args) -> None:
         return
     if args.dataset != "csv":
         raise InvalidParameterError("user_column", col, "is read from a csv dataset's train.csv (--dataset csv)")
+    header = _train_csv_header(args)
+    if header is not None and col not in header:  # named here, not as a --drop-columns the user never gave
+        raise InvalidParameterError("user_column", col, f"must be one of train.csv's columns {header}")
     if args.feature_columns and col in [c.strip() for c in args.feature_columns.split(",")]:
         raise InvalidParameterError(
             "feature_columns", args.feature_columns, f"includes the user column {col!r}: user ids are never inputs"
@@ -45,6 +48,17 @@ def drop_user_column(args) -> None:
         dropped = [c.strip() for c in (args.drop_columns or "").split(",") if c.strip()]
         if col not in dropped:
             args.drop_columns = ",".join([*dropped, col])
+
+
+def _train_csv_header(args) -> list[str] | None:
+    """The column names of DATA_DIR/train.csv (None when it cannot be read: the loader reports that)."""
+    from pathlib import Path
+
+    try:
+        with (Path(args.data_dir) / "train.csv").open(newline="", encoding="utf-8-sig") as fh:
+            return [h.strip() for h in next(csv.reader(fh))]
+    except (OSError, TypeError, StopIteration, csv.Error, UnicodeDecodeError):
+        return None
 
 
 def users_from_args(args, data):
