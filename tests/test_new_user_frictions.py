@@ -254,6 +254,22 @@ def test_finetune_user_level_spellings_and_budget_flags(docs_folder, tmp_path, c
     assert {line.split(",")[0] for line in lines[1:]} == {f"u{i}" for i in range(40)}
 
 
+def test_a_trainer_resume_says_secure_rng_once(tmp_path):
+    """The resumed trainer replaced its engine by one with the checkpoint's seed, which warned again."""
+    pytest.importorskip("transformers")
+    from idpsgd.integrations.hf import PrivacyArguments
+    from test_hf_longrun import _trainer
+    from test_hf_longrun import tok as tok_fixture
+
+    tok = tok_fixture.__wrapped__()
+    _trainer(tok, tmp_path / "run", num_train_epochs=1).train()
+    privacy = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale")  # seed=None: the checkpoint's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tok, tmp_path / "run", privacy=privacy, num_train_epochs=1).train(resume_from_checkpoint=True)
+    assert sum("Secure RNG turned off" in str(w.message) for w in caught) == 1
+
+
 # --- the docs' examples, verbatim ------------------------------------------------------------------
 def _run_block_commands(tag, monkeypatch, capsys):
     (block,) = [b for b in blocks("bash") if b.tag == tag]

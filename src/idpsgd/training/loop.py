@@ -698,7 +698,7 @@ def write_users_summary(rf, users) -> None:
 
 
 def check_users(users, n_rows: int, budgets: Budgets, config, individual):
-    """User level (issue 37): ``users`` must cover the training rows; the methods that support it."""
+    """User level: ``users`` must cover the training rows; the methods that support it."""
     if users is None:
         return None
     from ..users import Users

@@ -42,12 +42,12 @@ class PrivacyArguments:
             predictable.
         secure_mode: Opacus's secure mode (sampling and noise from OS entropy; refuses ``seed``).
         overwrite: replace an earlier run in ``TrainingArguments.output_dir``.
-        user_column: user-level privacy (issue 37): the name of the ``datasets.Dataset`` column with each
+        user_column: user-level privacy: the name of the ``datasets.Dataset`` column with each
             row's user (removed from the model's inputs), or an :class:`idpsgd.Users`; budgets are then
             per user (a budgets column must be constant within each user) and the expected batch size
             (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
         max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
-        fsdp: shard the model with FSDP2 under ``torchrun`` (issue 39): each transformer block and the
+        fsdp: shard the model with FSDP2 under ``torchrun``: each transformer block and the
             root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of a
             step in one forward pass (``gradient_accumulation_steps=1``); ``bk`` only, no user level, no
             fp16, no gradient checkpointing, no LoRA (refused with the reason); checkpoints are sharded

@@ -240,7 +240,7 @@ def write_run(trainer) -> dict:
 
 
 def _guarantee(trainer) -> str:
-    """The guarantee in words: per example, or per user at user level (issue 37)."""
+    """The guarantee in words: per example, or per user at user level."""
     from ...engine.units import USER_GUARANTEE
 
     return GUARANTEE if getattr(trainer, "users", None) is None else USER_GUARANTEE
