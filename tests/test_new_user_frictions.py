@@ -45,9 +45,9 @@ def test_cli_errors_name_the_flags_and_values_the_user_gave():
     args = _args(user_column="user", out="run", resume=True, budgets=None, clip_norm=0.0)
     args._typed = {"clip_norm": "--max-grad-norm"}
     line = refusal_line(InvalidParameterError("user_column", Users([1, 2], 4), "x"), args)
-    assert line == "--user-column=user is invalid: x"  # never "Users(k=4)"
+    assert line == "--user-column='user' is invalid: x"  # never "Users(k=4)"
     assert refusal_line(InvalidParameterError("output_dir", "/abs/run", "holds a run"), args) == (
-        "--out=run is invalid: holds a run"
+        "--out='run' is invalid: holds a run"
     )
     assert refusal_line(InvalidParameterError("resume_from_checkpoint", "/a/b.pt", "differs"), args) == (
         "--resume is invalid: differs"
@@ -58,6 +58,9 @@ def test_cli_errors_name_the_flags_and_values_the_user_gave():
     assert refusal_line(InvalidParameterError("max_grad_norm", 0.0, "must be > 0"), args) == (
         "--max-grad-norm=0.0 is invalid: must be > 0"  # the alias the user typed
     )
+    # a value from a data column, not from the flag (not given): no --flag the user never typed
+    rows = InvalidParameterError("budgets", "a per-row column", "differ")
+    assert refusal_line(rows, _args(budgets=None)) == "budgets='a per-row column' is invalid: differ"
     # a library name that is no flag of the command: left as it is, never a made-up --flag
     assert refusal_line(InvalidParameterError("num_examples", 3, "x"), args) == "num_examples=3 is invalid: x"
 
@@ -128,8 +131,10 @@ def test_users_spelling_and_the_rows_of_an_inconsistent_budget():
     assert u.k == u.max_rows_per_user == 3 and repr(u) == "Users(max_rows_per_user=3)"
     with pytest.raises(InvalidParameterError, match="once"):
         Users(["a"], 2, max_rows_per_user=2)
-    with pytest.raises(InvalidParameterError, match=r"rows 1 and 4 \(1-based, in file order\) have 1 and 3"):
+    with pytest.raises(InvalidParameterError, match=r"row 1 and row 4 have 1 and 3"):
         u.budgets_from_rows([1.0, 1.0, 2.0, 3.0], 1e-5)
+    with pytest.raises(InvalidParameterError, match=r"line 2 and line 5 have"):
+        u.budgets_from_rows([1.0, 1.0, 2.0, 3.0], 1e-5, row_names=[f"line {i + 2}" for i in range(4)])
     with pytest.raises(InvalidParameterError, match="must hold numbers"):
         u.budgets_from_rows(["1", "x", "2", "1"], 1e-5)
     assert u.rows_beyond_k() == {
@@ -268,6 +273,25 @@ def test_a_trainer_resume_says_secure_rng_once(tmp_path):
         warnings.simplefilter("always")
         _trainer(tok, tmp_path / "run", privacy=privacy, num_train_epochs=1).train(resume_from_checkpoint=True)
     assert sum("Secure RNG turned off" in str(w.message) for w in caught) == 1
+
+
+def test_finetune_refuses_before_it_spawns_the_processes(docs_folder, tmp_path, monkeypatch):
+    """What a rank would refuse is refused in the launching process: no rank starts for a bad argument."""
+    from idpsgd import Budgets
+    from idpsgd.engine import distributed
+    from idpsgd.integrations.hf.finetune import FinetuneOptions, finetune
+    from idpsgd.integrations.hf.text_data import load_text_data
+
+    def spawned(*a, **k):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(distributed, "launch", spawned)
+    data = load_text_data(docs_folder / "texts.jsonl", "text", None, None)
+    options = FinetuneOptions(nproc=2, batch_size=8)
+    with pytest.raises(InvalidParameterError, match="budgets"):
+        finetune(docs_folder / "models" / "tiny-gpt2", data, Budgets(np.ones(5), 1e-5), tmp_path / "r", options=options)
+    with pytest.raises(InvalidParameterError, match="model"):
+        finetune(tmp_path / "nope", data, Budgets(np.ones(len(data)), 1e-5), tmp_path / "r", options=options)
 
 
 # --- the docs' examples, verbatim ------------------------------------------------------------------

@@ -130,8 +130,10 @@ class Users:
         return np.sort(rows)
 
     # --- budgets per user ------------------------------------------------------------------
-    def budgets_from_rows(self, row_epsilons, delta: float) -> Budgets:
-        """Per-user budgets from a per-row column (every row of a user must carry the same ε)."""
+    def budgets_from_rows(self, row_epsilons, delta: float, *, row_names=None) -> Budgets:
+        """Per-user budgets from a per-row column (every row of a user must carry the same ε).  A user
+        whose rows differ is refused naming two of those rows — ``row_names[i]`` names row i (e.g.
+        ``"train.csv line 7"``; default ``"row i+1"``) — for the operator's terminal, never a file."""
         try:
             eps = np.asarray(row_epsilons, dtype=float).ravel()
         except (TypeError, ValueError):
@@ -148,12 +150,13 @@ class Users:
         if differs.size:  # the rows, for the operator's terminal (an error, never a file)
             row = int(differs[0])
             other = int(self.order[self.offsets[self.unit_of_row[row]]])
+            name = (lambda i: f"row {i + 1}") if row_names is None else (lambda i: str(row_names[i]))
             raise InvalidParameterError(
                 "budgets",
                 "a per-row column",
-                f"gives one user's rows different budgets: data rows {other + 1} and {row + 1} (1-based, in file "
-                f"order) have {eps[other]:g} and {eps[row]:g}; with a user column the budget is per user: every row "
-                "of a user must carry the same value",
+                f"gives one user's rows different budgets: {name(other)} and {name(row)} have {eps[other]:g} and "
+                f"{eps[row]:g}; with a user column the budget is per user: every row of a user must carry the "
+                "same value",
             )
         return Budgets(first, delta)
 

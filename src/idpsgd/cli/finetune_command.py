@@ -196,7 +196,8 @@ def _budgets(args, data, class_ids, classes=None, users=None):
                 "choose another --budget-column)",
             )
         if users is not None:  # a per-row column, constant within each user
-            return users.budgets_from_rows(data.budgets, check_delta(args.delta))
+            names = [f"{args.data} data row {i + 1}" for i in range(len(data.budgets))]
+            return users.budgets_from_rows(data.budgets, check_delta(args.delta), row_names=names)
         return Budgets.from_array(data.budgets, check_delta(args.delta))
     if users is not None and getattr(args, "budgets_per_class", None):
         raise InvalidParameterError(

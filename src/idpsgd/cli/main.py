@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from ..io import CheckpointError
-from ..validation import InvalidParameterError, UnreachableTargetError
+from ..validation import InvalidParameterError, UnreachableTargetError, shown_value
 from .registry import COMMANDS, Parser, add_output_flags, flag_name
 from .registry import emit as _emit  # a module global: tests replace it to capture the output
 
@@ -108,10 +108,12 @@ def refusal_line(exc: InvalidParameterError, args, positionals=()) -> str:
     if exc.value is None and given in (None, False):
         verb = exc.allowed.startswith(("is ", "are "))
         return f"{shown} {exc.allowed}" if verb else f"{shown} is missing: {exc.allowed}"
+    if given is None:  # a flag the user did not give: the value came from elsewhere (a data column)
+        return f"{exc.name}{rest}"
     if name != exc.name or not isinstance(exc.value, _PLAIN):  # the value as the user typed it
-        if given is True or given is None or given is False:
+        if given is True or given is False:
             return f"{shown} is invalid: {exc.allowed}"
-        return f"{shown}={given} is invalid: {exc.allowed}"
+        return f"{shown}={shown_value(given)} is invalid: {exc.allowed}"
     return f"{shown}{rest}"
 
 

@@ -101,6 +101,10 @@ def user_budgets_from_args(args, users, data):
             "is not meaningful at user level (a user's rows may have different labels); give budgets per user",
         )
     if getattr(args, "budgets_file", None):
+        import numpy as np
+
         rows = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
-        return users.budgets_from_rows(rows.epsilons, rows.delta)
+        data_rows = data.split["train_rows"] if data.split is not None else np.arange(len(data.y_train))
+        names = [f"data row {r + 1} of {args.budgets_file}" for r in data_rows]  # the operator's own file
+        return users.budgets_from_rows(rows.epsilons, rows.delta, row_names=names)
     return budgets_from_args(args, users.num_users, None, num_classes=data.num_classes)

@@ -256,7 +256,7 @@ def _text(r) -> str:
 register(
     Experiment(
         "user-level",
-        "user-level DP: ELS with group privacy vs uniform and individualized ULS (Charles et al. 2024; Chua et al. 2024)",
+        "user-level DP: ELS with group privacy vs uniform and individualized ULS (Charles et al.; Chua et al. 2024)",
         run_user_level,
         write_user_level,
         options=(

@@ -341,17 +341,6 @@ def finetune(
         )
     procs = torchrun or options.nproc
     physical_per_process(options, procs)
-    if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
-        # the same finetune on N ranks (fsdp: a process group even for one); rank 0 reports
-        return distributed.launch(
-            finetune,
-            options.nproc,
-            (model_dir, train, budgets, out),
-            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
-            device="cuda"
-            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-            else "cpu",
-        )
     if resume:  # a folder without a checkpoint: a new run (as train(resume=True)); the CLI says so
         from .checkpoints import checkpoints_in
 
@@ -375,15 +364,29 @@ def finetune(
             ",".join(options.labels) if options.labels is not None else options.num_classes,
             "is for a sequence classifier: give the data's label column too (label_column / --label-column)",
         )
-    if options.batch_size > len(train):
+    units = len(train) if users is None else users.num_users
+    if options.batch_size > units:
         raise InvalidParameterError(
             "batch_size",
             options.batch_size,
-            f"must be <= the {len(train)} training rows (it is the expected Poisson batch size)",
+            f"must be <= the {units} training {'rows' if users is None else 'users'} (it is the expected Poisson "
+            "batch size)",
         )
     folder = check_model_folder(model_dir)
     if options.device == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", "cuda", "no CUDA device is available here; use cpu or auto")
+    if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
+        # the same finetune on N ranks (fsdp: a process group even for one), once the arguments are
+        # checked here (a refusal in a rank costs the start of every rank); rank 0 reports
+        return distributed.launch(
+            finetune,
+            options.nproc,
+            (model_dir, train, budgets, out),
+            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
+            device="cuda"
+            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+            else "cpu",
+        )
     tokenizer = load_tokenizer(folder)
     task = "causal_lm" if train.labels is None else "sequence_classification"
     train_ids = eval_ids = id2label = None
