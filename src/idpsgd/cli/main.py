@@ -195,23 +195,23 @@ class _OnceAfterSuccess:
 
 class _OneLineWarnings:
     """Every other warning as one line ``idpsgd COMMAND: warning: ...`` on stderr — never Python's
-    ``file:line: UserWarning:`` followed by the source line.  Filters still decide what is shown."""
+    ``file:line: UserWarning:`` followed by the source line.  Through ``warnings.formatwarning`` (the
+    documented hook): filters still decide what is shown, and code that records warnings still gets them."""
 
     def __init__(self, command: str):
         self.command = command
 
     def __enter__(self):
-        self.original = warnings.showwarning
+        self.original = warnings.formatwarning
 
-        def show(message, category, filename, lineno, file=None, line=None):
-            text = " ".join(str(message).split())
-            (file or sys.stderr).write(f"idpsgd {self.command}: warning: {text}\n")
+        def one_line(message, category, filename, lineno, line=None):
+            return f"idpsgd {self.command}: warning: {' '.join(str(message).split())}\n"
 
-        warnings.showwarning = show
+        warnings.formatwarning = one_line
         return self
 
     def __exit__(self, *exc):
-        warnings.showwarning = self.original
+        warnings.formatwarning = self.original
         return False
 
 
