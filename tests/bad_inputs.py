@@ -104,7 +104,7 @@ CASES = [
     ("assign", "--fractions 1.5,-0.5", "--fractions=1.5,-0.5"),
     ("assign", "--fractions=1.5,-0.5", "--fractions=1.5,-0.5"),
     ("assign", "--fractions nan,0.5", "--fractions=nan,0.5"),
-    ("assign", "--fractions 0,1", "--fractions=0.0,1.0"),
+    ("assign", "--fractions 0,1", "--fractions=0,1"),  # as typed
     (
         "!assign",
         "--method sample --budgets 1,2 --delta 1e-5 --sample-rate 0.01 --steps 100 --clip-norm 1",
@@ -245,7 +245,7 @@ CASES = [
     ("train", "--dataset mnist --data-dir {tmp}/nowhere", "--data-dir={tmp}/nowhere"),
     ("train", "--data-dir {tmp}", "--data-dir='{tmp}'"),  # digits is bundled
     ("train", "--label-column y", "--label-column='y'"),  # only for csv
-    ("train", "--dataset csv --data-dir {tmp}/csv_good", "--num-classes=None"),  # no public default for csv
+    ("train", "--dataset csv --data-dir {tmp}/csv_good", "--num-classes is required"),  # no public default for csv
     ("train", "--dataset csv --num-classes 1 --data-dir {tmp}/csv_good", "--num-classes=1"),
     ("train", "--num-classes 3", "--num-classes=3"),  # digits has 10 classes
     # a label outside --num-classes: a per-row error, never a new class
@@ -482,8 +482,7 @@ CASES = [
     ("finetune", "--seed 1 --secure-mode", "--seed=1"),
     ("finetune", "--save-every 0", "--save-every=0"),
     ("finetune", "--nproc 0", "--nproc=0"),
-    ("finetune", "--nproc 3", "--nproc=3"),  # 3 x the physical batch (16) does not divide --batch-size 16
-    ("finetune", "--resume", "--resume=True"),  # no checkpoint in --out
+    ("finetune", "--nproc 3", "--batch-size=16 is invalid: must be a multiple of the 3 processes (--nproc"),
     ("!finetune", "--data {tmp}/texts.jsonl --method scale --out {tmp}/ft", "--model"),
     ("finetune", "--model {tmp}/nope", "--model={tmp}/nope"),
     ("finetune", "--model {tmp}/afile", "--model={tmp}/afile"),
@@ -496,9 +495,10 @@ CASES = [
     ("finetune", "--data {tmp}/texts_bad_json.jsonl", "line 2: not valid JSON"),
     ("finetune", "--data {tmp}/texts_bad_budget.jsonl", "column epsilon: lots is not a budget"),
     ("finetune", "--data {tmp}/texts_empty_text.jsonl", "line 2, column text:   is not a non-empty text"),
-    ("finetune", "--data {tmp}/texts.jsonl --budgets 1,2 --fractions 0.5,0.5", "--budgets=1,2"),
+    # a budget column named explicitly and another source (unnamed, the --budgets flag wins: issue 48)
+    ("finetune", "--data {tmp}/texts.jsonl --budget-column epsilon --budgets 1,2 --fractions 0.5,0.5", "--budgets=1,2"),
     ("finetune", "--data {tmp}/texts_plain.jsonl", "is not a column of --data"),
-    ("finetune", "--data {tmp}/texts_plain.jsonl --budgets 1,2", "--fractions=None"),
+    ("finetune", "--data {tmp}/texts_plain.jsonl --budgets 1,2", "--fractions are required"),
     ("finetune", "--text-column body", "no column body"),
     ("finetune", "--label-column label", "no column label"),
     ("finetune", "--labels neg", "--labels=neg"),  # one class

@@ -663,7 +663,8 @@ def test_finetune_bad_inputs(model_dir, tmp_path, capsys):
         (["--model", str(model_dir), "--data", str(bad_eps)], "line 1, column 'epsilon': 'x' is not a budget"),
         (["--model", str(model_dir), "--data", str(no_text)], "no column 'text'"),
         (
-            ["--model", str(model_dir), "--data", str(data), "--budgets", "1,2", "--fractions", ".5,.5"],
+            # the column named explicitly (unnamed, --budgets wins over the default epsilon column: issue 48)
+            ["--model", str(model_dir), "--data", str(data), "--budget-column", "epsilon", "--budgets", "1,2"],
             "give the budgets one way",
         ),
         (

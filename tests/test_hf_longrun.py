@@ -375,7 +375,7 @@ def test_finetune_nproc_2_equals_one_process(dropout_free_model_dir, tmp_path, c
 def test_finetune_nproc_is_checked_before_anything_starts():
     from idpsgd.integrations.hf import FinetuneOptions
 
-    with pytest.raises(InvalidParameterError, match=r"nproc=3 is invalid: times --physical-batch-size \(12\)"):
+    with pytest.raises(InvalidParameterError, match=r"batch_size=16 is invalid: must be a multiple of the 3 processes"):
         FinetuneOptions(batch_size=16, physical_batch_size=4, nproc=3)
     with pytest.raises(InvalidParameterError, match="nproc=0 is invalid"):
         FinetuneOptions(nproc=0)

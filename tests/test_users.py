@@ -31,7 +31,7 @@ def test_users_codes_counts_and_repr_hides_them():
     assert u.ids.tolist() == ["a", "b", "c"]
     assert u.unit_of_row.tolist() == [1, 0, 1, 2, 1]
     assert u.rows_per_user.tolist() == [1, 3, 1]
-    assert repr(u) == "Users(k=2)"
+    assert repr(u) == "Users(max_rows_per_user=2)"
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,7 @@ def load_dataset(
     budget_column: str | None = None,
     normalization_rng: np.random.Generator | None = None,
     num_classes: int | None = None,
+    split_column: str | None = None,
 ) -> Dataset:
     """Read a dataset and normalize it inside the privacy guarantee.
 
@@ -138,7 +139,8 @@ def load_dataset(
 
     csv only: ``feature_columns`` (the model's inputs, in this order) or ``drop_columns`` (columns
     that are not inputs), as lists or comma-separated text; ``budget_column``, a column of budgets
-    that is never an input (see the module doc).
+    that is never an input (see the module doc); ``split_column`` (user level: the user column), a
+    train.csv without test.csv is split by user, each user's rows all train or all test.
 
     ``num_classes``: the public class count K (labels 0..K-1).  Required for csv (there is no public
     default: it is never inferred from the rows); for the named datasets it is their documented
@@ -166,7 +168,10 @@ def load_dataset(
         "drop_columns": _names(drop_columns, "drop_columns"),
         "budget_column": budget_column,
         "num_classes": num_classes,
+        **({"split_column": split_column} if split_column is not None else {}),
     }
+    if split_column is not None and name != "csv":
+        raise InvalidParameterError("user_column", split_column, "is read from a csv dataset's train.csv")
     raw = LOADERS[name](data_dir, **(csv_args if name == "csv" else {}))
     xtr, xte, record = normalize(
         name,
@@ -299,6 +304,34 @@ def _position_split(n, test_fraction=0.2, seed=0):
     perm = np.random.default_rng(seed).permutation(n)
     n_test = math.ceil(test_fraction * n)
     return perm[n_test:], perm[:n_test]
+
+
+#: the public salt of :func:`_user_split` (fixed: the split is a published rule, not a secret)
+USER_SPLIT_SALT = b"idpsgd user split v1\0"
+
+
+def _user_split(ids, where, test_fraction=0.2):
+    """Train/test row indices with each user's rows all on one side: user u's rows are test rows when
+    the first 8 bytes of SHA-256(salt, u's id) read as a fraction of 2^64 fall below ``test_fraction``.
+
+    At user level the unit of neighbouring is the user; a split by row position puts rows of one user
+    on both sides (their test rows come from a trained user) and leaves some users untrained.  Each
+    user's side is a function of their own id and the public salt alone, never of another user's rows
+    or of the number of rows: adding or removing one user moves nobody else between train and test."""
+    import hashlib
+
+    keys = {}
+    for u in ids:
+        if u not in keys:
+            digest = hashlib.sha256(USER_SPLIT_SALT + str(u).encode("utf-8")).digest()
+            keys[u] = int.from_bytes(digest[:8], "big") / 2.0**64 < test_fraction
+    test = np.fromiter((keys[u] for u in ids), dtype=bool, count=len(ids))
+    if test.all() or not test.any():
+        raise DatasetFileError(
+            f"{where}: the {len(keys)} users are too few for a {test_fraction:.0%} test split by user (every user "
+            f"fell on one side); give a test.csv"
+        )
+    return np.flatnonzero(~test), np.flatnonzero(test)
 
 
 @register("digits")
@@ -711,6 +744,7 @@ def load_csv(
     drop_columns=None,
     budget_column: str | None = None,
     num_classes: int | None = None,
+    split_column: str | None = None,
 ):
     num_classes = check_num_classes("csv", num_classes)
     data_dir = _need_dir(data_dir, "csv", ["train.csv", "test.csv (optional)"])
@@ -765,14 +799,27 @@ def load_csv(
         source["test"] = test.name
     else:
         warnings.warn(HIDDEN_SPLIT_WARNING, UserWarning, stacklevel=2)
-        tr, te = _position_split(len(x))  # a function of N only (stratifying by label: of every label)
+        if split_column is not None:  # user level: whole users on each side
+            theader, rows, _lines = read_csv_rows(train)
+            if split_column not in theader:
+                raise InvalidParameterError(
+                    "user_column", split_column, f"must be one of {train.name}'s columns {theader}"
+                )
+            col = theader.index(split_column)
+            tr, te = _user_split([r[col].strip() for r in rows], train)
+            how = (
+                f"hidden split of train.csv by user (column {split_column!r}): a user's rows are test rows when "
+                "SHA-256 of a public salt and their id falls in the lowest 20% (a function of each user's own id only)"
+            )
+        else:
+            tr, te = _position_split(len(x))  # a function of N only (stratifying by label: of every label)
+            how = "hidden 80/20 split of train.csv's row positions (seed 0; a function of the row count only)"
         tr, te = np.sort(tr), np.sort(te)  # both keep train.csv's row order
         xtr, ytr, xte, yte = x[tr], y[tr], x[te], y[te]
         split = {"rows": len(x), "train_rows": tr.astype(np.int64), "test_rows": te.astype(np.int64)}
         source["test"] = (
-            "hidden 80/20 split of train.csv's row positions (seed 0; a function of the row count only); "
-            "training rows in file order; which rows train: private/data_split.csv; the test rows are private rows no "
-            "guarantee covers, so the test metrics are not differentially private (give a public test.csv)"
+            f"{how}; training rows in file order; which rows train: private/data_split.csv; the test rows are private "
+            "rows no guarantee covers, so the test metrics are not differentially private (give a public test.csv)"
         )
     source["num_classes"] = num_classes  # public: given, never read from the rows
     return _Raw(xtr, ytr, xte, yte, num_classes, "none (values as in the file)", None, source, split)

@@ -92,6 +92,8 @@ def _fmt(v) -> str:
         return repr(float(v))
     if isinstance(v, (np.integer, np.bool_)):
         return str(v.item())
+    if isinstance(v, str) and any(c in v for c in ',"\r\n'):  # a user id with a comma: quoted as CSV does
+        return '"' + v.replace('"', '""') + '"'
     return str(v)
 
 

@@ -27,7 +27,9 @@ class Users:
     Args:
         ids: one user id per row (ints or strings; any hashable numpy can sort), in dataset order.
         k: at most this many of a sampled user's rows go into one step's update (chosen uniformly at
-            random without replacement at every step); public configuration.
+            random without replacement at every step); public configuration.  ``max_rows_per_user=``
+            is the same number under the name the CLI (``--max-rows-per-user``), ``PrivacyArguments``
+            and ``report.json`` use; give one of them.
 
     Attributes (private):
         ids: the distinct user ids, sorted; user j of the engine's arrays is ``ids[j]``.
@@ -35,7 +37,14 @@ class Users:
         rows_per_user: the number of rows of every user.
     """
 
-    def __init__(self, ids, k: int):
+    def __init__(self, ids, k: int | None = None, *, max_rows_per_user: int | None = None):
+        if (k is None) == (max_rows_per_user is None):
+            raise InvalidParameterError(
+                "max_rows_per_user",
+                max_rows_per_user,
+                "give the per-step cap once: Users(ids, k) or Users(ids, max_rows_per_user=k)",
+            )
+        k = k if k is not None else max_rows_per_user
         raw = np.asarray(ids)
         if raw.ndim != 1 or raw.size == 0:
             raise InvalidParameterError("user_ids", f"array of shape {raw.shape}", "must be a non-empty 1-D array")
@@ -62,7 +71,25 @@ class Users:
         self.offsets = np.concatenate([[0], np.cumsum(self.rows_per_user)]).astype(np.int64)
 
     def __repr__(self) -> str:  # never the ids or the counts
-        return f"Users(k={self.k})"
+        return f"Users(max_rows_per_user={self.k})"
+
+    @property
+    def max_rows_per_user(self) -> int:
+        """k, under the name of the CLI flag and ``report.json``."""
+        return self.k
+
+    def rows_beyond_k(self) -> dict:
+        """How many rows lie beyond k (private: statistics of the users' row counts): the users with
+        more than k rows and their rows beyond the first k — rows a step never takes together with
+        all of their user's other rows (each step draws k of them afresh)."""
+        over = np.maximum(self.rows_per_user - self.k, 0)
+        return {
+            "max_rows_per_user": self.k,
+            "users": self.num_users,
+            "rows": self.num_rows,
+            "users_with_more_than_k_rows": int(np.count_nonzero(over)),
+            "rows_beyond_k": int(over.sum()),
+        }
 
     def digest(self) -> str:
         """SHA-256 of the row → user assignment (for a checkpoint's signature; private)."""
@@ -103,21 +130,33 @@ class Users:
         return np.sort(rows)
 
     # --- budgets per user ------------------------------------------------------------------
-    def budgets_from_rows(self, row_epsilons, delta: float) -> Budgets:
-        """Per-user budgets from a per-row column (every row of a user must carry the same ε)."""
-        eps = np.asarray(row_epsilons, dtype=float).ravel()
+    def budgets_from_rows(self, row_epsilons, delta: float, *, row_names=None) -> Budgets:
+        """Per-user budgets from a per-row column (every row of a user must carry the same ε).  A user
+        whose rows differ is refused naming two of those rows — ``row_names[i]`` names row i (e.g.
+        ``"train.csv line 7"``; default ``"row i+1"``) — for the operator's terminal, never a file."""
+        try:
+            eps = np.asarray(row_epsilons, dtype=float).ravel()
+        except (TypeError, ValueError):
+            raise InvalidParameterError(
+                "budgets", "a per-row column", "must hold numbers (each row's epsilon)"
+            ) from None
         if eps.size != self.num_rows:
             raise InvalidParameterError(
                 "budgets", f"{eps.size} values", f"need one per row ({self.num_rows}) to read the users' budgets"
             )
         check_epsilon(eps, "budgets")
         first = eps[self.order[self.offsets[:-1]]]
-        if not np.array_equal(eps, first[self.unit_of_row]):
+        differs = np.flatnonzero(eps != first[self.unit_of_row])
+        if differs.size:  # the rows, for the operator's terminal (an error, never a file)
+            row = int(differs[0])
+            other = int(self.order[self.offsets[self.unit_of_row[row]]])
+            name = (lambda i: f"row {i + 1}") if row_names is None else (lambda i: str(row_names[i]))
             raise InvalidParameterError(
                 "budgets",
                 "a per-row column",
-                "gives one user's rows different budgets (the user is not shown); with a user column the "
-                "budget is per user: every row of a user must carry the same value",
+                f"gives one user's rows different budgets: {name(other)} and {name(row)} have {eps[other]:g} and "
+                f"{eps[row]:g}; with a user column the budget is per user: every row of a user must carry the "
+                "same value",
             )
         return Budgets(first, delta)
 

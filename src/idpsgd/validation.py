@@ -18,16 +18,18 @@ class InvalidParameterError(ValueError):
 
     def __init__(self, name: str, value: Any, allowed: str):
         self.name, self.value, self.allowed = name, value, allowed
-        super().__init__(f"{name}={_show(value)} is invalid: {allowed}")
+        super().__init__(f"{name}={shown_value(value)} is invalid: {allowed}")
 
 
 class UnreachableTargetError(ValueError):
     """A calibration target cannot be met; the message says what is reachable."""
 
 
-def _show(value: Any) -> str:
+def shown_value(value: Any) -> str:
+    """A value as an error message shows it: plain numbers (never ``np.float64(0.0)``), strings
+    quoted, lists joined by commas, an array by its shape and range (never its entries)."""
     if isinstance(value, (list, tuple)):
-        return ",".join(_show(v) for v in value)
+        return ",".join(shown_value(v) for v in value)
     arr = np.asarray(value)
     if arr.ndim == 0:
         v = value.item() if hasattr(value, "item") else value

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..names import ACCOUNTANTS as ACCOUNTANT_NAMES
-from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_positive
+from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_positive, shown_value
 from .conversion import rdp_to_epsilon
 from .events import MIN_NOISE_MULTIPLIER as MIN_NOISE_MULTIPLIER  # re-exported
 from .events import SampledGaussianEvent, check_min_sigma
@@ -278,7 +278,7 @@ def max_steps_within(
     e0 = eps_at(0)
     if e0 > budget:
         raise UnreachableTargetError(
-            f"budget={budget!r} is already exceeded before the next step: the events so far spend "
+            f"budget={shown_value(budget)} is already exceeded before the next step: the events so far spend "
             f"epsilon={e0:.6g} ({accountant}, delta={delta:g}); not even 0 more steps fit"
         )
     lo, hi = 0, 1
@@ -286,7 +286,7 @@ def max_steps_within(
         if hi > limit:
             if eps_at(limit) <= budget:
                 raise UnreachableTargetError(
-                    f"budget={budget!r} is not exhausted by limit={limit} more steps "
+                    f"budget={shown_value(budget)} is not exhausted by limit={limit} more steps "
                     f"({accountant}, delta={delta:g}); raise the limit"
                 )
             hi = limit

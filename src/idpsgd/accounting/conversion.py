@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..validation import check_delta, check_orders
+from ..validation import check_delta, check_orders, shown_value
 
 
 def _prepare(rdp, orders):
@@ -48,7 +48,7 @@ def rdp_to_delta(rdp, orders, epsilon: float):
     """Smallest δ over the orders for each row at a given ε ≥ 0. Returns ``(delta, best_order)``."""
     eps = float(epsilon)
     if not eps >= 0:
-        raise ValueError(f"epsilon={epsilon!r} is invalid: must be >= 0")
+        raise ValueError(f"epsilon={shown_value(epsilon)} is invalid: must be >= 0")
     r, alphas = _prepare(rdp, orders)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         log_delta = (alphas - 1) * (r - eps + np.log1p(-1.0 / alphas)) - np.log(alphas)

@@ -31,7 +31,7 @@ NEIGHBOURING_SENTENCE = (
 )
 
 
-#: user level (issue 37): the unit of neighbouring is a user, all of its rows at once
+#: user level: the unit of neighbouring is a user, all of its rows at once
 USER_NEIGHBOURING = "zero-out of one user (all of the user's rows)"
 USER_PUBLIC_INPUTS = (
     "U: the number of users",

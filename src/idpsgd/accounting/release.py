@@ -35,7 +35,14 @@ from scipy.optimize import brentq
 from scipy.special import log_ndtr
 from scipy.stats import norm
 
-from ..validation import InvalidParameterError, UnreachableTargetError, check_delta, check_epsilon, check_positive
+from ..validation import (
+    InvalidParameterError,
+    UnreachableTargetError,
+    check_delta,
+    check_epsilon,
+    check_positive,
+    shown_value,
+)
 
 #: Default total ε of the released statistics (also ``idpsgd train --release-epsilon``'s default).
 #: On 1,437 examples (digits; synthetic ε with 30 % at the worst case U = 3), over 200 releases:
@@ -99,12 +106,14 @@ def analytic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float) ->
     f_lo, f_hi = excess(lo), excess(hi)
     if not f_lo > 0:
         raise UnreachableTargetError(
-            f"epsilon={epsilon!r} is too large for the analytic Gaussian mechanism at delta={delta!r}: noise "
+            f"epsilon={shown_value(epsilon)} is too large for the analytic Gaussian mechanism at "
+            f"delta={shown_value(delta)}: noise "
             f"below {math.exp(lo) / d:.3g} x sensitivity would already suffice (use a smaller epsilon)"
         )
     if not f_hi < 0:
         raise UnreachableTargetError(
-            f"epsilon={epsilon!r} is unreachable for the analytic Gaussian mechanism at delta={delta!r}: it would "
+            f"epsilon={shown_value(epsilon)} is unreachable for the analytic Gaussian mechanism at "
+            f"delta={shown_value(delta)}: it would "
             f"need noise above {math.exp(hi) / d:.3g} x sensitivity (use a larger epsilon or delta)"
         )
     root, info = brentq(excess, lo, hi, xtol=1e-12, full_output=True)

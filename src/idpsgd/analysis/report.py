@@ -164,13 +164,20 @@ def render(run_dir, include_private: bool = False) -> str:
     parts.append(f"<p>{e(str(r.get('guarantee', '')))}</p>")
     if r.get("neighbouring") == NEIGHBOURING:
         parts.append(f"<p class='note'>{e(NEIGHBOURING_SENTENCE)}</p>")
+    unit = "user" if r.get("privacy_unit") == "user" else "example"
+    if unit == "user":
+        parts.append(
+            f"<p class='note'>User-level privacy: the unit is a user (all of their rows); at most "
+            f"k = {_fmt(r.get('max_rows_per_user'))} rows of a sampled user per step (max_rows_per_user, public). "
+            "The groups count users.</p>"
+        )
     groups = r.get("groups") or []
     rows = []
     for g in groups:
         spent, budget = g.get("epsilon_spent"), g.get("budget")
         ok = spent is not None and budget is not None and spent <= budget * (1 + 1e-12)
         words = (
-            f"every example with budget {budget:g} received ({spent:.4g}, {g.get('delta', r.get('delta')):g})-DP"
+            f"every {unit} with budget {budget:g} received ({spent:.4g}, {g.get('delta', r.get('delta')):g})-DP"
             if spent is not None
             else ""
         )
@@ -187,12 +194,12 @@ def render(run_dir, include_private: bool = False) -> str:
             ]
         )
     parts.append(
-        _table(["budget", "examples", "sampling rate", "clip norm", "effective σ", "ε spent", "", "in words"], rows)
+        _table(["budget", f"{unit}s", "sampling rate", "clip norm", "effective σ", "ε spent", "", "in words"], rows)
     )
     pre = r.get("preprocessing") or {}
     if pre:
         cost = (
-            f" — charged ({pre.get('epsilon', 0):g}, {pre.get('delta', 0):g}) to every example"
+            f" — charged ({pre.get('epsilon', 0):g}, {pre.get('delta', 0):g}) to every {unit}"
             if pre.get("epsilon")
             else ""
         )

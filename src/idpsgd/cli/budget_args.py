@@ -16,13 +16,60 @@ def accountant_arg(p):
     )
 
 
+#: the budget flags other than a budget column of the data itself
+OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distribution")
+
+
+def budget_column_of_train_csv(args) -> None:
+    """``train --dataset csv``: the budgets of train.csv's own ``--budget-column`` (default epsilon) when
+    it has that column and no other budget flag is given — as ``finetune`` reads its ``--data``'s —
+    read as ``--budgets-file DATA_DIR/train.csv``."""
+    import csv
+    from pathlib import Path
+
+    if getattr(args, "dataset", None) != "csv" or not args.data_dir:
+        return
+    if any(getattr(args, s, None) for s in OTHER_SOURCES):
+        return
+    path = Path(args.data_dir) / "train.csv"
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            header = [h.strip() for h in next(csv.reader(fh))]
+    except (OSError, StopIteration, csv.Error, UnicodeDecodeError):
+        return  # the dataset loader reports the file
+    if args.budget_column in header:
+        args.budgets_file = str(path)
+
+
+def warn_nproc(nproc: int, device) -> None:
+    """A warning (stderr) when ``--nproc`` CPU processes exceed the machine's cores: they share them,
+    and every collective waits for the slowest."""
+    import os
+    import sys
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if str(device).startswith("cpu") and nproc > cores:
+        sys.stderr.write(
+            f"idpsgd: warning: --nproc {nproc} processes on {cores} CPU core(s): they share the cores (each gets "
+            "one torch thread) and run slower than fewer processes would\n"
+        )
+
+
 def budget_source_args(p, required=True):
     """Flags that describe where per-example budgets come from (shared by assign and train)."""
     p.add_argument("--budgets", help="comma-separated group budgets, e.g. 1,2,3 (with --fractions)")
     p.add_argument("--fractions", help="comma-separated group fractions summing to 1")
-    p.add_argument("--budgets-per-class", help="per-class budgets, e.g. 0:1,1:2,2:3 (train only)")
+    p.add_argument(
+        "--budgets-per-class",
+        help="per-class budgets, e.g. 0:1,1:2,2:3 (needs the rows' classes: train, or finetune with --label-column)",
+    )
     p.add_argument("--budgets-file", help="CSV file with one row per example")
-    p.add_argument("--budget-column", default="epsilon", help="column of --budgets-file (default: epsilon)")
+    p.add_argument(
+        "--budget-column",
+        default="epsilon",
+        help="column of --budgets-file; train with --dataset csv: also of train.csv, read when it has the column "
+        "and no other budget flag is given (default: epsilon)",
+    )
     p.add_argument(
         "--budget-distribution",
         choices=["exponential"],

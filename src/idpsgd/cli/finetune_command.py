@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
+from .budget_args import OTHER_SOURCES as _OTHER_SOURCES
 from .budget_args import accountant_arg as _accountant
-from .budget_args import budget_source_args, budgets_from_args, resolved_seed
-from .registry import arguments, command
-
-_OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distribution")
+from .budget_args import budget_source_args, budgets_from_args, resolved_seed, warn_nproc
+from .registry import TypedStore, arguments, command, count_label
 
 
 def _finetune_args(p):
@@ -43,10 +44,11 @@ def _finetune_args(p):
     p.add_argument("--method", choices=METHODS, required=True, help="uniform, sample or scale (Boenisch et al. §3)")
     budget_source_args(p)
     for action in p._actions:
-        if action.dest == "budget_column":
+        if action.dest == "budget_column":  # None: epsilon, read from --data only without another budget flag
+            action.default = None
             action.help = (
                 "column with each row's budget: of --budgets-file if given, else of --data (used when "
-                "--data has it and no other budget flag is given) (default: epsilon)"
+                "--data has it and no other budget flag is given; named explicitly, always) (default: epsilon)"
             )
     p.add_argument("--delta", type=float, default=1e-5, help="global δ in (0, 1) (default 1e-5)")
     p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3)")
@@ -54,11 +56,21 @@ def _finetune_args(p):
     p.add_argument(
         "--physical-batch-size",
         type=int,
-        help="at most this many examples per forward pass (must divide --batch-size; default: --batch-size)",
+        help="at most this many examples per forward pass on each process (must divide --batch-size / --nproc; "
+        "default: --batch-size / --nproc)",
     )
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate, linear decay (default 5e-4)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="every example's clip norm (default 1)")
+    p.add_argument(
+        "--clip-norm",
+        "--max-grad-norm",
+        dest="clip_norm",
+        action=TypedStore,
+        type=float,
+        default=1.0,
+        help="every example's clip norm, as train's --clip-norm (default 1); --max-grad-norm is its former "
+        "name, kept for one release",
+    )
     p.add_argument("--max-length", type=int, default=128, help="tokens per text after truncation (default 128)")
     p.add_argument(
         "--lora-r",
@@ -75,7 +87,16 @@ def _finetune_args(p):
     )
     p.add_argument("--secure-mode", action="store_true", help="sampling and noise from OS entropy; refuses --seed")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
-    p.add_argument("--progress", action="store_true", help="show the Trainer's progress bar (stderr)")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        help="a progress bar on stderr with each group's ε spent so far (default: on when stderr is a terminal)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (less memory; torch's reentrant checkpointing, bk or hooks)",
+    )
     _accountant(p)
     p.add_argument(
         "--out",
@@ -122,12 +143,51 @@ def _finetune_args(p):
     )
 
 
+def other_sources(args) -> list[str]:
+    return [s for s in _OTHER_SOURCES if getattr(args, s, None)]
+
+
+def _budget_column_of_data(args) -> str | None:
+    """The column of --data to read budgets from: --budget-column (default epsilon), unless the budgets
+    come from --budgets-file, or from another flag while --budget-column was not given."""
+    explicit = args.budget_column is not None
+    args.budget_column = args.budget_column or "epsilon"
+    if args.budgets_file or (other_sources(args) and not explicit):
+        return None
+    return args.budget_column
+
+
+def _resume_note(args) -> bool:
+    """Whether to resume: --resume continues from the latest checkpoint in OUT or, when OUT holds
+    none, starts a new run there (as train --resume does); which, the command says on stderr when it
+    succeeds.  Without --resume or --overwrite a folder with checkpoints is refused."""
+    from ..integrations.hf.checkpoints import checkpoints_in
+    from ..validation import InvalidParameterError
+
+    found = checkpoints_in(args.out)
+    if args.resume and found:
+        step, path = found[-1]
+        args._notes = [f"resumed from {path} (step {step})"]
+        return True
+    if args.resume:
+        args._notes = [f"--resume: {args.out} held no checkpoint (private/checkpoint-<step>.pt); a new run started"]
+        return False
+    if found and not args.overwrite:
+        raise InvalidParameterError(
+            "out",
+            str(args.out),
+            f"holds a run with checkpoints (the latest at step {found[-1][0]}): --resume continues it, "
+            "--overwrite replaces it; or give a new folder",
+        )
+    return False
+
+
 def _budgets(args, data, class_ids, classes=None, users=None):
     """The budgets: the data file's --budget-column when it has one and no other source is given."""
     from ..assignment import Budgets
     from ..validation import InvalidParameterError, check_delta
 
-    others = [s for s in _OTHER_SOURCES if getattr(args, s, None)]
+    others = other_sources(args)
     if data.budgets is not None:
         if others:
             raise InvalidParameterError(
@@ -138,7 +198,8 @@ def _budgets(args, data, class_ids, classes=None, users=None):
                 "choose another --budget-column)",
             )
         if users is not None:  # a per-row column, constant within each user
-            return users.budgets_from_rows(data.budgets, check_delta(args.delta))
+            names = [f"{args.data} data row {i + 1}" for i in range(len(data.budgets))]
+            return users.budgets_from_rows(data.budgets, check_delta(args.delta), row_names=names)
         return Budgets.from_array(data.budgets, check_delta(args.delta))
     if users is not None and getattr(args, "budgets_per_class", None):
         raise InvalidParameterError(
@@ -169,11 +230,11 @@ def _text(r):
         f"finetune ({r['method']}, {r['task']}) of {r['model']} on {r['dataset']}: {r['steps']} steps"
         + (" (stopped by the privacy filter)" if r["stopped_early"] else "")
         + (f"; {shown}" if shown else ""),
-        f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
+        f"{'budget':>8} {count_label(r):>8} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
     ]
     for g in r["groups"]:
         lines.append(
-            f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {g['clip_norm']:>10.4f} "
+            f"{g['budget']:>8.4g} {g['count']:>8d} {g['sample_rate']:>12.5f} {g['clip_norm']:>10.4f} "
             f"{g['epsilon_spent']:>10.4f}"
         )
     lines.append(f"model: {r['out']}/model; report: {r['out']}/report.json")
@@ -186,6 +247,7 @@ def finetune_cmd(args):
     from ..integrations.hf.finetune import FinetuneOptions, check_model_folder, finetune, model_label2id
     from ..integrations.hf.text_data import label_ids, load_text_data, public_classes
 
+    args.resume = _resume_note(args)
     if args.resume and args.seed is None and not args.secure_mode:  # continue with the run's own seed
         from ..integrations.hf.checkpoints import checkpoint_seed
 
@@ -199,7 +261,7 @@ def finetune_cmd(args):
         physical_batch_size=args.physical_batch_size,
         lr=args.lr,
         weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
+        max_grad_norm=args.clip_norm,
         max_length=args.max_length,
         lora_r=args.lora_r,
         grad_sample_mode=args.grad_sample_mode,
@@ -207,19 +269,22 @@ def finetune_cmd(args):
         seed=resolved_seed(args),
         secure_mode=args.secure_mode,
         device=args.device,
-        progress=args.progress,
+        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        gradient_checkpointing=args.gradient_checkpointing,
         labels=args.labels,
         num_classes=args.num_classes,
         save_every=args.save_every,
         nproc=args.nproc,
         fsdp=args.fsdp,
     )
+    if args.nproc > 1:
+        warn_nproc(args.nproc, "cuda" if args.device == "cuda" else "cpu")
     folder = check_model_folder(args.model)
     data = load_text_data(
         args.data,
         args.text_column,
         args.label_column,
-        None if args.budgets_file else args.budget_column,
+        _budget_column_of_data(args),
         user_column=args.user_column,
     )
     users = None

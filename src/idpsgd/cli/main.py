@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from ..io import CheckpointError
-from ..validation import InvalidParameterError, UnreachableTargetError
+from ..validation import InvalidParameterError, UnreachableTargetError, shown_value
 from .registry import COMMANDS, Parser, add_output_flags, flag_name
 from .registry import emit as _emit  # a module global: tests replace it to capture the output
 
@@ -75,6 +75,55 @@ class _HelpFormatter(argparse.HelpFormatter):
         if "default" in text.lower() or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
             return text
         return f"{text} (default %(default)s)"
+
+
+#: a library's name for a value -> the flag of the command that feeds it (an error names what the user typed)
+LIBRARY_FLAGS = {
+    "finetune": {
+        "output_dir": "out",
+        "resume_from_checkpoint": "resume",
+        "train_dataset": "data",
+        "eval_dataset": "eval_data",
+        "max_grad_norm": "clip_norm",
+        "num_train_epochs": "epochs",
+        "per_device_train_batch_size": "physical_batch_size",
+    },
+}
+_PLAIN = (str, int, float, bool)
+
+
+def refusal_line(exc: InvalidParameterError, args, positionals=()) -> str:
+    """An :class:`InvalidParameterError` as the CLI's one line: the flag the user typed (a library's
+    argument name mapped to its flag), the value as typed when the error holds an object (``Users``,
+    ``PrivacyArguments``) or a library name, ``--flag is missing`` for a value not given, and a name
+    that is no flag of the command left as it is (never a made-up ``--flag``)."""
+    text = str(exc)
+    rest = text[len(exc.name) :] if text.startswith(exc.name) else f"={exc.value} is invalid: {exc.allowed}"
+    name = LIBRARY_FLAGS.get(args.command, {}).get(exc.name, exc.name)
+    if name in positionals:
+        return f"{name}{rest}"
+    if not hasattr(args, name):  # no flag of this command: the library's own name
+        return f"{exc.name}{rest}"
+    shown, given = getattr(args, "_typed", {}).get(name) or flag_name(name), getattr(args, name)
+    if exc.value is None and given in (None, False):
+        verb = exc.allowed.startswith(("is ", "are "))
+        return f"{shown} {exc.allowed}" if verb else f"{shown} is missing: {exc.allowed}"
+    if given is None:  # a flag the user did not give: the value came from elsewhere (a data column)
+        return f"{exc.name}{rest}"
+    if name != exc.name or not isinstance(exc.value, _PLAIN):  # the value as the user typed it
+        if given is True or given is False:
+            return f"{shown} is invalid: {exc.allowed}"
+        return f"{shown}={shown_value(given)} is invalid: {exc.allowed}"
+    return f"{shown}{rest}"
+
+
+def _other_rank() -> int:
+    """This process's rank under torchrun when it is not rank 0 (else 0): rank 0 speaks for the run."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return 0
+    return int(os.environ.get("RANK", "0"))
 
 
 def _flagged_message(message: str, args) -> str:
@@ -144,15 +193,37 @@ class _OnceAfterSuccess:
             (file or sys.stderr).write(f"idpsgd {self.command}: warning: {text}\n")
 
 
+class _OneLineWarnings:
+    """Every other warning as one line ``idpsgd COMMAND: warning: ...`` on stderr — never Python's
+    ``file:line: UserWarning:`` followed by the source line.  Through ``warnings.formatwarning`` (the
+    documented hook): filters still decide what is shown, and code that records warnings still gets them."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __enter__(self):
+        self.original = warnings.formatwarning
+
+        def one_line(message, category, filename, lineno, line=None):
+            return f"idpsgd {self.command}: warning: {' '.join(str(message).split())}\n"
+
+        warnings.formatwarning = one_line
+        return self
+
+    def __exit__(self, *exc):
+        warnings.formatwarning = self.original
+        return False
+
+
 def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(levelname)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:  # `idpsgd` alone: the list of commands
-        parser.print_help(sys.stderr)
-        return 2
+    if args.command is None:  # `idpsgd` alone: the list of commands, as `idpsgd --help` (asked for, not an error)
+        parser.print_help(sys.stdout)
+        return 0
     from ..data import DatasetFileError
     from ..engine.bk.provenance import RefusedRows
 
@@ -160,11 +231,12 @@ def main(argv=None) -> int:
     held = _OnceAfterSuccess("Secure RNG turned off", args.command)
     split = _OnceAfterSuccess("csv without test.csv", args.command)  # data.HIDDEN_SPLIT_WARNING
     try:
-        with held, split:
+        with _OneLineWarnings(args.command), held, split:
             result = run(args)
     except InvalidParameterError as exc:
-        shown = exc.name if exc.name in parser.positionals.get(args.command, ()) else flag_name(exc.name)
-        sys.stderr.write(f"idpsgd {args.command}: error: {shown}{str(exc)[len(exc.name) :]}\n")
+        if not _other_rank():  # under torchrun every rank refuses the same arguments: rank 0 says it once
+            line = refusal_line(exc, args, parser.positionals.get(args.command, ()))
+            sys.stderr.write(f"idpsgd {args.command}: error: {line}\n")
         return 2
     except DatasetFileError as exc:  # names the file; the flag that led there is --data-dir
         where = f"--data-dir={args.data_dir!r}: " if getattr(args, "data_dir", None) else ""
@@ -176,6 +248,9 @@ def main(argv=None) -> int:
     except RefusedRows as exc:  # book-keeping: a model whose examples' rows mix (the operation named)
         sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")
         return 2
+    for note in getattr(args, "_notes", ()):  # e.g. which checkpoint a --resume continued from
+        if not _other_rank():
+            sys.stderr.write(f"idpsgd {args.command}: {note}\n")
     split.show()
     held.show()
     if result is not None:

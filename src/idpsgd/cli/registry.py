@@ -50,6 +50,17 @@ def add_output_flags(p: argparse.ArgumentParser, default=False) -> None:
     )
 
 
+class TypedStore(argparse.Action):
+    """``store`` that also records which of the flag's spellings was typed (``args._typed[dest]``), so
+    that an error names the flag as the user wrote it (an alias kept for one release)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        typed = dict(getattr(namespace, "_typed", {}))
+        typed[self.dest] = option_string
+        namespace._typed = typed
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -59,3 +70,8 @@ def emit(result: dict, as_json: bool, text: Callable[[dict], str] | None = None)
         print(json.dumps(result, indent=2, default=float))
     else:
         print(text(result) if text else "\n".join(f"{k}: {v}" for k, v in result.items()))
+
+
+def count_label(report: dict) -> str:
+    """The header of a group table's count column: what the group counts (users at user level)."""
+    return "users" if report.get("privacy_unit") == "user" else "examples"

@@ -55,7 +55,11 @@ def _experiment_parser(p: argparse.ArgumentParser, exp) -> None:
     p.add_argument("--model", help=_model_help(exp))
     for option in exp.options:
         _add_option(p, option, defaults[option.name])
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        help="a progress bar on stderr (default: on a terminal; --no-progress: none)",
+    )
     p.add_argument("--out", required=True, help=exp.out_help)
     p.add_argument("--overwrite", action="store_true", help="replace earlier results in --out")
     add_output_flags(p, default=argparse.SUPPRESS)  # the command's parser sets the defaults
@@ -109,7 +113,7 @@ def reproduce_cmd(args):
         data = load_dataset(args.dataset, args.data_dir, num_classes=args.num_classes)
         if exp.takes_folder():
             kwargs["out"] = out
-        r = exp.run(data, model=args.model, progress=not args.no_progress, **kwargs)
+        r = exp.run(data, model=args.model, progress=args.progress is not False, **kwargs)
     except BaseException:
         out.discard_if_unused()
         raise

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from ..names import INDIVIDUAL_ACCOUNTANTS
-from .budget_args import accountant_arg, assignment_seed, budget_source_args, budgets_from_args, resolved_seed
+from .budget_args import (
+    accountant_arg,
+    assignment_seed,
+    budget_column_of_train_csv,
+    budget_source_args,
+    budgets_from_args,
+    resolved_seed,
+    warn_nproc,
+)
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
-from .registry import arguments, command
+from .registry import arguments, command, count_label
 from .user_args import add_user_arguments, drop_user_column, user_budgets_from_args, users_from_args
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
@@ -68,7 +77,12 @@ def hyper_args(p):
         help="δ of the private mean/std estimate (with private; charged on top of the training δ)",
     )
     n.add_argument("--feature-range", help="A,B: public value range of csv features (with private)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        help="progress on stderr with each group's ε spent so far: a bar on a terminal, else one line per epoch "
+        "(default: on; --no-progress: nothing)",
+    )
     p.add_argument(
         "--device",
         default=d.device,
@@ -186,7 +200,7 @@ def config_from_args(args, method):
         device=args.device,
         grad_sample_mode=args.grad_sample_mode,
         exclude_below=getattr(args, "exclude_below", None),
-        progress=not args.no_progress,
+        progress=args.progress is not False,
     )
 
 
@@ -234,19 +248,26 @@ def dataset_from_args(args, saved: dict | None = None):
         feature_columns=args.feature_columns,
         drop_columns=args.drop_columns,
         budget_column=getattr(args, "budget_column", None),
+        split_column=getattr(args, "user_column", None) or None,
     )
 
 
-def saved_signature(folder) -> dict:
-    """The settings recorded in a run folder's checkpoint ({} without one)."""
+def saved_signature(folder, notes: list | None = None) -> dict:
+    """The settings recorded in a run folder's checkpoint ({} without one).  ``notes`` (shown on stderr
+    when the command succeeds) gets which checkpoint and step the run continued from, or that the
+    folder held none and a new run started (``--resume`` on a folder without a checkpoint)."""
     from ..io import load_torch
     from ..runfolder import PRIVATE
     from ..training.loop import CHECKPOINT
 
     ckpt = folder.path / PRIVATE / CHECKPOINT
     if not ckpt.is_file():
+        if notes is not None:
+            notes.append(f"--resume: {folder.path} held no checkpoint; a new run started")
         return {}
     state = load_torch(ckpt)
+    if notes is not None and isinstance(state, dict):
+        notes.append(f"resumed from {ckpt} (step {state.get('step')})")
     signature = state.get("signature") if isinstance(state, dict) else None
     return signature if isinstance(signature, dict) else {}
 
@@ -262,9 +283,9 @@ def _pdp_text(r):
             f"{x['round']:>5} {x['threshold']:>9.4f} {x['noise_multiplier']:>8.4f} {x['sample_rate']:>8.5f} "
             f"{x['expected_sample_size']:>8.1f}"
         )
-    lines.append(f"{'budget':>8} {'count':>6} {'eps_spent':>10} {'delta':>10}")
+    lines.append(f"{'budget':>8} {count_label(r):>8} {'eps_spent':>10} {'delta':>10}")
     for g in r["groups"]:
-        lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['epsilon_spent']:>10.4f} {g['delta']:>10.3g}")
+        lines.append(f"{g['budget']:>8.4g} {g['count']:>8d} {g['epsilon_spent']:>10.4f} {g['delta']:>10.3g}")
     lines.append(
         f"per-example (epsilon, delta): {r['out']}/private/pdp_guarantees.csv (personal data); "
         f"report: {r['out']}/report.json"
@@ -278,11 +299,11 @@ def _train_text(r):
     lines = [
         f"{r['method']} on {r['dataset']} ({r['model']}): test accuracy {r['test_accuracy']:.4f} "
         f"after {r['steps']} steps" + (" (stopped by the privacy filter)" if r["stopped_early"] else ""),
-        f"{'budget':>8} {'count':>6} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
+        f"{'budget':>8} {count_label(r):>8} {'sample_rate':>12} {'clip_norm':>10} {'eps_spent':>10}",
     ]
     for g in r["groups"]:
         c = f"{g['clip_norm']:>10.4f}" if g["clip_norm"] is not None else f"{'excluded':>10}"
-        lines.append(f"{g['budget']:>8.4g} {g['count']:>6d} {g['sample_rate']:>12.5f} {c} {g['epsilon_spent']:>10.4f}")
+        lines.append(f"{g['budget']:>8.4g} {g['count']:>8d} {g['sample_rate']:>12.5f} {c} {g['epsilon_spent']:>10.4f}")
     ip = r.get("individual_privacy")
     if ip:
         rel = ip["released"]
@@ -346,7 +367,8 @@ def train_cmd(args):
         )
     pdp = pdp_options_from_args(args)
     folder = RunFolder(args.out, resume=args.resume, overwrite=args.overwrite)
-    saved = saved_signature(folder) if args.resume else {}
+    args._notes = []
+    saved = saved_signature(folder, args._notes) if args.resume else {}
     if args.resume and args.seed is None and not args.secure_mode:  # continue with the recorded seed
         recorded = saved.get("config", {}).get("seed")
         if recorded is not None:
@@ -356,6 +378,7 @@ def train_cmd(args):
         if filter_options is not None:
             check_filter_config(config, filter_options)
         drop_user_column(args)
+        budget_column_of_train_csv(args)
         data = dataset_from_args(args, saved)
         users = users_from_args(args, data)
         budgets = (
@@ -370,6 +393,7 @@ def train_cmd(args):
             from ..training.device import resolve_device
 
             check_nproc(args.nproc, pdp=args.method in PDP_METHODS, individual_filter=filter_options is not None)
+            warn_nproc(args.nproc, resolve_device(config.device))
             report = launch(
                 train,
                 args.nproc,

@@ -37,6 +37,9 @@ def drop_user_column(args) -> None:
         return
     if args.dataset != "csv":
         raise InvalidParameterError("user_column", col, "is read from a csv dataset's train.csv (--dataset csv)")
+    header = _train_csv_header(args)
+    if header is not None and col not in header:  # named here, not as a --drop-columns the user never gave
+        raise InvalidParameterError("user_column", col, f"must be one of train.csv's columns {header}")
     if args.feature_columns and col in [c.strip() for c in args.feature_columns.split(",")]:
         raise InvalidParameterError(
             "feature_columns", args.feature_columns, f"includes the user column {col!r}: user ids are never inputs"
@@ -45,6 +48,17 @@ def drop_user_column(args) -> None:
         dropped = [c.strip() for c in (args.drop_columns or "").split(",") if c.strip()]
         if col not in dropped:
             args.drop_columns = ",".join([*dropped, col])
+
+
+def _train_csv_header(args) -> list[str] | None:
+    """The column names of DATA_DIR/train.csv (None when it cannot be read: the loader reports that)."""
+    from pathlib import Path
+
+    try:
+        with (Path(args.data_dir) / "train.csv").open(newline="", encoding="utf-8-sig") as fh:
+            return [h.strip() for h in next(csv.reader(fh))]
+    except (OSError, TypeError, StopIteration, csv.Error, UnicodeDecodeError):
+        return None
 
 
 def users_from_args(args, data):
@@ -87,6 +101,10 @@ def user_budgets_from_args(args, users, data):
             "is not meaningful at user level (a user's rows may have different labels); give budgets per user",
         )
     if getattr(args, "budgets_file", None):
+        import numpy as np
+
         rows = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
-        return users.budgets_from_rows(rows.epsilons, rows.delta)
+        data_rows = data.split["train_rows"] if data.split is not None else np.arange(len(data.y_train))
+        names = [f"data row {r + 1} of {args.budgets_file}" for r in data_rows]  # the operator's own file
+        return users.budgets_from_rows(rows.epsilons, rows.delta, row_names=names)
     return budgets_from_args(args, users.num_users, None, num_classes=data.num_classes)

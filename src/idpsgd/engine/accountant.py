@@ -50,23 +50,24 @@ class GroupEpsilons(float):
     shows the table when there are several groups.  Arithmetic gives plain floats.
 
     Attributes: ``per_group``, ``budgets`` (the groups' budgets; inf without budgets), ``counts``
-    (examples per group), ``delta``, ``accountant``, ``steps`` (the step count the values are for).
+    (units per group), ``delta``, ``accountant``, ``steps`` (the step count the values are for),
+    ``unit`` (what a group counts: ``"example"``, or ``"user"`` at user level).
     """
 
-    def __new__(cls, epsilons, budgets, counts, delta, accountant: str, steps: int):
+    def __new__(cls, epsilons, budgets, counts, delta, accountant: str, steps: int, unit: str = "example"):
         per_group = np.array(epsilons, dtype=float).reshape(-1)
         obj = super().__new__(cls, float(per_group.max()) if per_group.size else 0.0)
         per_group.setflags(write=False)
         obj.per_group = per_group
         obj.budgets = np.asarray(budgets, dtype=float)
         obj.counts = np.asarray(counts, dtype=np.int64)
-        obj.delta, obj.accountant, obj.steps = delta, accountant, int(steps)
+        obj.delta, obj.accountant, obj.steps, obj.unit = delta, accountant, int(steps), str(unit)
         return obj
 
     def __reduce__(self):  # pickles and deep-copies whole
         return (
             GroupEpsilons,
-            (self.per_group.copy(), self.budgets, self.counts, self.delta, self.accountant, self.steps),
+            (self.per_group.copy(), self.budgets, self.counts, self.delta, self.accountant, self.steps, self.unit),
         )
 
     @property
@@ -86,7 +87,7 @@ class GroupEpsilons(float):
             f"GroupEpsilons({float.__repr__(self)}: {self.accountant}, delta={self.delta:g}, after {self.steps} "
             "steps; as a number the loosest group's)"
         )
-        rows = [f"  {'budget':>10} {'examples':>9} {'epsilon':>10}"]
+        rows = [f"  {'budget':>10} {self.unit + 's':>9} {'epsilon':>10}"]
         for b, n, e in zip(self.budgets, self.counts, self.per_group, strict=True):
             rows.append(f"  {'-' if not np.isfinite(b) else format(b, '.4g'):>10} {int(n):>9d} {e:>10.4f}")
         return "\n".join([head, *rows])
@@ -114,6 +115,7 @@ class GroupAccountant:
         if accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.budgets, self.accountant = budgets, accountant
+        self.unit = "example"  # "user" at user level (set by the engine): what the groups count
         if budgets is not None:
             self.values, self.counts, self.group_of = budgets.groups()
             self.delta = budgets.delta
@@ -264,6 +266,7 @@ class GroupAccountant:
             delta,
             self.accountant,
             self.steps + int(extra_steps),
+            unit=self.unit,
         )
 
     def mechanism(self) -> str:

@@ -11,12 +11,14 @@ timeout on every collective.  The mechanism in full and how to run it: docs/dist
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import logging
 import os
 import socket
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..io import CheckpointError, load_torch, save_torch
-from ..validation import InvalidParameterError, UnreachableTargetError
+from ..validation import InvalidParameterError, UnreachableTargetError, shown_value
 from .accountant import PrivacyBudgetExceeded
 from .integrity import UnnoisedWriteError
 from .optimizer import (
@@ -420,9 +422,12 @@ def _worker(rank, fn, args, kwargs, nproc, port, backend, timeout_s, folder):
         logging.getLogger("idpsgd").setLevel(logging.ERROR)
     try:
         init_process_group(backend, timeout_s)
-        out = fn(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:  # rank 0's go to the launching process
+            warnings.simplefilter("default")
+            out = fn(*args, **kwargs)
         if rank == 0:
-            save_torch(Path(folder) / "result.pt", {"result": _tag_arrays(out)})
+            shown = [(w.category.__name__, str(w.message)) for w in caught]
+            save_torch(Path(folder) / "result.pt", {"result": _tag_arrays(out), "warnings": shown})
     except BaseException as exc:
         _save_error(Path(folder) / f"error{rank}.pt", exc)
         raise
@@ -471,20 +476,18 @@ _REBUILT = {
 
 
 def _save_error(path: Path, exc: BaseException) -> None:
-    """A rank's error as plain data (type, message, the fields of an InvalidParameterError), in a
-    file that loads with ``weights_only=True``: nothing read back from the run's files can run code."""
+    """A rank's error as plain text (type name, message, the fields of an InvalidParameterError, the
+    value as the message shows it), in a file that loads with ``weights_only=True``: nothing read back
+    from the run's files can run code, and any error — whatever object its value is — is readable."""
     record = {
         "type": type(exc).__name__,
         "message": str(exc),
-        "communication": _communication_error(exc),
+        "communication": bool(_communication_error(exc)),
         "traceback": traceback.format_exc(),
     }
     if isinstance(exc, InvalidParameterError):
-        record.update(name=exc.name, value=exc.value, allowed=exc.allowed)
-    try:
-        save_torch(path, record)
-    except Exception:  # a value torch cannot save: its text
-        save_torch(path, {**record, "value": str(record.get("value"))})
+        record.update(name=str(exc.name), value=shown_value(exc.value), allowed=str(exc.allowed))
+    save_torch(path, record)
 
 
 def _load_error(path: Path) -> dict:
@@ -496,8 +499,10 @@ def _load_error(path: Path) -> dict:
 
 
 def _rebuild(record: dict) -> BaseException:
-    if "allowed" in record:
-        return InvalidParameterError(record["name"], record["value"], record["allowed"])
+    if "allowed" in record:  # the value as text; the message as the rank wrote it
+        err = InvalidParameterError(record["name"], record["value"], record["allowed"])
+        err.args = (record["message"],)
+        return err
     cls = _REBUILT.get(record["type"])
     return (
         cls(record["message"])
@@ -557,7 +562,11 @@ def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: flo
                 pass
         except (ProcessExitedException, ProcessRaisedException):
             raise _failure(ctx, folder, nproc, timeout_s) from None
-        return _untag_arrays(load_torch(Path(folder) / "result.pt", "distributed result")["result"])
+        done = load_torch(Path(folder) / "result.pt", "distributed result")
+        for category, message in done.get("warnings", ()):  # rank 0's, once, where the caller shows them
+            kind = getattr(builtins, category, None)
+            warnings.warn(message, kind if isinstance(kind, type) and issubclass(kind, Warning) else UserWarning, 2)
+        return _untag_arrays(done["result"])
 
 
 def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:

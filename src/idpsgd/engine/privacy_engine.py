@@ -148,7 +148,13 @@ class IndividualizedPrivacyEngine:
         eps = np.zeros(self.accountant.values.size)
         np.maximum.at(eps, self.accountant.group_of, per_example)  # the group's largest
         return GroupEpsilons(
-            eps, self.accountant.values, self.accountant.counts, delta, self.accountant_name, self.steps
+            eps,
+            self.accountant.values,
+            self.accountant.counts,
+            delta,
+            self.accountant_name,
+            self.steps,
+            unit=self.accountant.unit,
         )
 
     @property
@@ -520,6 +526,7 @@ class IndividualizedPrivacyEngine:
             )
         )
         accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
+        accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
         step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
 
         # --- build: sampler -> per-example norms -> clipping -> noise; undone if it fails -----------

@@ -1,5 +1,5 @@
 """``idpsgd reproduce user-level``: user-level DP — ELS with group privacy against ULS, uniform and
-individualized (issue 37; Charles et al. 2024, "Fine-Tuning Large Language Models with User-Level
+individualized (Charles et al. 2024, "Fine-Tuning Large Language Models with User-Level
 Differential Privacy"; Chua et al. 2024, "Mind the Privacy Unit!").
 
 **Data.**  A bundled dataset (digits by default) split into synthetic users with a heavy-tailed number of
@@ -256,7 +256,7 @@ def _text(r) -> str:
 register(
     Experiment(
         "user-level",
-        "user-level DP: ELS with group privacy vs uniform and individualized ULS (issue 37)",
+        "user-level DP: ELS with group privacy vs uniform and individualized ULS (Charles et al.; Chua et al. 2024)",
         run_user_level,
         write_user_level,
         options=(

@@ -394,6 +394,11 @@ class Trainer:
                 self._start_phase(self.plan.phases[-1])
         return self.report()
 
+    def _epsilon_text(self) -> str:
+        """``ε 0.41/1, 1.2/3``: each group's ε after the last step (the ledger's RDP bound) / its budget."""
+        spent = self.ledger_rows[-1][4:] if self.ledger_rows else [0.0] * len(self.group_values)
+        return "ε " + ", ".join(f"{e:.3g}/{b:g}" for e, b in zip(spent, self.group_values, strict=True))
+
     def _run_phase(self, phase: Phase, bar) -> None:
         dev = self.device
         self._start_phase(phase)
@@ -429,6 +434,8 @@ class Trainer:
                     [self.step, self.phase_idx, len(self.history) + 1, real, *self.engine.accountant.grid_epsilon()]
                 )
                 bar.update(1)
+                if not bar.disable:  # each group's ε spent so far (public, per group) against its budget
+                    bar.set_postfix_str(self._epsilon_text(), refresh=False)
             if self.stopped_early:
                 break
             self.phase_epoch += 1
@@ -446,7 +453,7 @@ class Trainer:
             if self.config.progress and not sys.stderr.isatty() and distributed.is_main_process():  # one line per epoch
                 print(
                     f"idpsgd {self.plan.method}: epoch {len(self.history)}/{self.plan.epochs} (step {self.step}/"
-                    f"{self.plan.steps}): test accuracy {ev['accuracy']:.4f}",
+                    f"{self.plan.steps}): test accuracy {ev['accuracy']:.4f}; {self._epsilon_text()}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -522,12 +529,14 @@ class Trainer:
                 self.config.secure_mode, f"{PRIVATE}/{SEED_FILE}" if self.run_folder else None
             ),
             "device": str(self.device),
+            "nproc": distributed.rank_and_world()[1],  # data-parallel processes (--nproc); 1 without
             "grad_sample_mode": self.config.grad_sample_mode,
             "layer_paths": self.engine.layer_paths if self.engine.accountant is not None else {},  # the rule
             "phases": [
                 {
                     "name": p.name,
-                    "examples": int(p.indices.size),
+                    "examples": int(p.indices.size),  # the key is stable; "unit" says what it counts
+                    "unit": "example" if self.users is None else "user",
                     "steps": p.steps,
                     "sample_rate": p.assignment.sample_rate,
                     "noise_multiplier": p.assignment.noise_multiplier,
@@ -662,9 +671,12 @@ class Trainer:
                 ["row", "split", "index"],
                 [rows[order], [kind[i] for i in order], index[order]],
                 "private",
-                "the hidden 80/20 split of train.csv's row positions: for each data row (0-based, header "
-                "excluded) whether it trains or tests and its index there (training index = budget order)",
+                "the hidden split of train.csv (80/20 by row position; by user at user level): for each data row "
+                "(0-based, header excluded) whether it trains or tests and its index there (training index = "
+                "budget order)",
             )
+        if self.users is not None:
+            write_users_summary(rf, self.users)
         rf.save_torch(
             "model.pt",
             self._module().state_dict(),
@@ -679,8 +691,20 @@ class Trainer:
         write_report(rf)
 
 
+def write_users_summary(rf, users) -> None:
+    """User level: ``private/users.json`` — the numbers of users and rows and how many rows lay beyond k
+    (statistics of the private row counts: for the operator choosing k, never public)."""
+    rf.write_json(
+        "users.json",
+        users.rows_beyond_k(),
+        "private",
+        "user level: the users, their rows, and how many rows lay beyond max_rows_per_user (k): the users with "
+        "more than k rows and their rows beyond the first k (a step takes k of a user's rows at random)",
+    )
+
+
 def check_users(users, n_rows: int, budgets: Budgets, config):
-    """User level (issue 37): ``users`` must cover the training rows; the methods that support it."""
+    """User level: ``users`` must cover the training rows; the methods that support it."""
     if users is None:
         return None
     from ..users import Users

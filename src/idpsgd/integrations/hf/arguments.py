@@ -43,12 +43,12 @@ class PrivacyArguments:
             predictable.
         secure_mode: Opacus's secure mode (sampling and noise from OS entropy; refuses ``seed``).
         overwrite: replace an earlier run in ``TrainingArguments.output_dir``.
-        user_column: user-level privacy (issue 37): the name of the ``datasets.Dataset`` column with each
+        user_column: user-level privacy: the name of the ``datasets.Dataset`` column with each
             row's user (removed from the model's inputs), or an :class:`idpsgd.Users`; budgets are then
             per user (a budgets column must be constant within each user) and the expected batch size
             (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
         max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
-        fsdp: shard the model with FSDP2 under ``torchrun`` (issues 39, 51): each transformer block and
+        fsdp: shard the model with FSDP2 under ``torchrun``: each transformer block and
             the root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of
             a step in exactly ``gradient_accumulation_steps`` passes (the same number on every rank: an
             empty part is the engine's phantom row); ``bk`` or ``ghost``; LoRA (a PEFT model: its frozen

@@ -18,6 +18,7 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,8 @@ class FinetuneOptions:
     seed: int | None = None
     secure_mode: bool = False
     device: str = "cpu"
-    progress: bool = False
+    progress: bool = False  # a progress bar on stderr with each group's ε spent so far
+    gradient_checkpointing: bool = False  # reentrant activation checkpointing (the Trainer's option)
     save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
     nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
     fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk or ghost): torchrun or nproc
@@ -98,16 +100,8 @@ class FinetuneOptions:
                 )
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
-        per_step = (self.physical_batch_size or self.batch_size) * self.nproc
-        if self.fsdp and self.physical_batch_size is None:  # one pass per process and step
-            per_step = self.nproc
-        if self.nproc > 1 and self.batch_size % per_step:
-            raise InvalidParameterError(
-                "nproc",
-                self.nproc,
-                f"times --physical-batch-size ({per_step}) must divide --batch-size={self.batch_size}: each "
-                "process takes an equal share of the expected batch in physical batches",
-            )
+        if self.fsdp is False:  # fsdp: checked where the processes are known (torchrun or nproc)
+            physical_per_process(self, self.nproc)
         if self.fsdp is not False and self.fsdp is not True:
             raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
         if self.fsdp and self.grad_sample_mode not in ("bk", "ghost"):
@@ -140,6 +134,36 @@ def torchrun_world() -> int:
     if distributed.is_distributed() or "TORCHELASTIC_RUN_ID" not in os.environ:
         return 0
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def physical_per_process(options: FinetuneOptions, procs: int) -> int:
+    """The examples of one forward pass on each of ``procs`` processes: ``physical_batch_size``, by
+    default the process's share ``batch_size / procs`` of the expected batch (one pass per step; with
+    fsdp every rank runs ``share / physical_batch_size`` passes, an empty part as a phantom row).
+
+    Each process takes an equal share of the expected batch in whole physical batches, so
+    ``batch_size`` must be a multiple of ``procs`` and ``physical_batch_size`` must divide the share;
+    a refusal names the value to change and suggests one that works."""
+    b, pb = options.batch_size, options.physical_batch_size
+    if procs == 1:
+        return pb or b
+    if b % procs:
+        raise InvalidParameterError(
+            "batch_size",
+            b,
+            f"must be a multiple of the {procs} processes (--nproc, or torchrun's --nproc-per-node): each process "
+            f"takes an equal share of the expected batch (e.g. --batch-size {-(-b // procs) * procs})",
+        )
+    share = b // procs
+    if pb is not None and share % pb:
+        fits = max(d for d in range(1, min(pb, share) + 1) if share % d == 0)
+        raise InvalidParameterError(
+            "physical_batch_size",
+            pb,
+            f"must divide each process's share of the expected batch, --batch-size / {procs} processes = {share} "
+            f"(e.g. --physical-batch-size {fits})",
+        )
+    return pb or share
 
 
 def check_model_folder(path) -> Path:
@@ -306,38 +330,11 @@ def finetune(
             "--nproc-per-node N, or --nproc N without torchrun)",
         )
     procs = torchrun or options.nproc
-    per_step = (options.physical_batch_size or options.batch_size) * procs
-    if options.fsdp and options.physical_batch_size is None:
-        per_step = procs  # one pass per process and step
-    if procs > 1 and options.batch_size % per_step:
-        raise InvalidParameterError(
-            "batch_size",
-            options.batch_size,
-            f"must be a multiple of the {procs} processes times --physical-batch-size: each process takes an "
-            "equal share of the expected batch in physical batches"
-            + (" (with fsdp: the same number of passes on every process)" if options.fsdp else ""),
-        )
-    if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
-        # the same finetune on N ranks (fsdp: a process group even for one); rank 0 reports
-        return distributed.launch(
-            finetune,
-            options.nproc,
-            (model_dir, train, budgets, out),
-            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
-            device="cuda"
-            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-            else "cpu",
-        )
-    if resume:
+    physical_per_process(options, procs)
+    if resume:  # a folder without a checkpoint: a new run (as train(resume=True)); the CLI says so
         from .checkpoints import checkpoints_in
 
-        if not checkpoints_in(out):
-            raise InvalidParameterError(
-                "resume",
-                True,
-                f"{str(out)!r} holds no checkpoint to resume (private/checkpoint-<step>.pt): write them with "
-                "--save-every N (FinetuneOptions(save_every=N))",
-            )
+        resume = bool(checkpoints_in(out))
     if not isinstance(budgets, Budgets) or len(budgets) != (len(train) if users is None else users.num_users):
         raise InvalidParameterError(
             "budgets",
@@ -357,15 +354,29 @@ def finetune(
             ",".join(options.labels) if options.labels is not None else options.num_classes,
             "is for a sequence classifier: give the data's label column too (label_column / --label-column)",
         )
-    if options.batch_size > len(train):
+    units = len(train) if users is None else users.num_users
+    if options.batch_size > units:
         raise InvalidParameterError(
             "batch_size",
             options.batch_size,
-            f"must be <= the {len(train)} training rows (it is the expected Poisson batch size)",
+            f"must be <= the {units} training {'rows' if users is None else 'users'} (it is the expected Poisson "
+            "batch size)",
         )
     folder = check_model_folder(model_dir)
     if options.device == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device", "cuda", "no CUDA device is available here; use cpu or auto")
+    if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
+        # the same finetune on N ranks (fsdp: a process group even for one), once the arguments are
+        # checked here (a refusal in a rank costs the start of every rank); rank 0 reports
+        return distributed.launch(
+            finetune,
+            options.nproc,
+            (model_dir, train, budgets, out),
+            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
+            device="cuda"
+            if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+            else "cpu",
+        )
     tokenizer = load_tokenizer(folder)
     task = "causal_lm" if train.labels is None else "sequence_classification"
     train_ids = eval_ids = id2label = None
@@ -389,13 +400,12 @@ def finetune(
         else secrets.randbits(32)
     )
     torch.manual_seed(init_seed)  # a new classification head or LoRA adapter
-    model = load_model(folder, task, id2label, tokenizer.pad_token_id)
+    with _bars(options.progress):
+        model = load_model(folder, task, id2label, tokenizer.pad_token_id)
     align_special_tokens_quietly(model, tokenizer)
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
-    physical = options.physical_batch_size or options.batch_size
-    if options.fsdp and options.physical_batch_size is None:  # one pass of each rank's share per step
-        physical = options.batch_size // procs
+    physical = physical_per_process(options, procs)
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=physical,
@@ -409,7 +419,8 @@ def finetune(
         save_steps=options.save_every or 500,
         logging_strategy="epoch",
         report_to=[],
-        disable_tqdm=not options.progress,
+        disable_tqdm=True,  # the bar is EpsilonProgress's (below)
+        **_checkpointing_argument(options.gradient_checkpointing),
         seed=init_seed,
         dataloader_pin_memory=False,
         use_cpu=options.device == "cpu" or (options.device == "auto" and not torch.cuda.is_available()),
@@ -446,8 +457,77 @@ def finetune(
             **({"classes": list(classes), "classes_from": classes_source} if classes_source else {}),
         },
     )
-    if not options.progress:  # nothing on stdout but the command's own output
-        trainer.remove_callback(PrinterCallback)
-        trainer.remove_callback(ProgressCallback)
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    EpsilonProgress = _epsilon_progress_class()
+    trainer.remove_callback(PrinterCallback)  # nothing on stdout but the command's own output
+    trainer.remove_callback(ProgressCallback)
+    if options.progress:
+        trainer.add_callback(EpsilonProgress(trainer))
+    with _bars(options.progress):
+        trainer.train(resume_from_checkpoint=True if resume else None)
     return trainer.report
+
+
+def _checkpointing_argument(on: bool) -> dict:
+    """``TrainingArguments``' activation checkpointing flag under this transformers' name for it."""
+    if not on:
+        return {}
+    from transformers import TrainingArguments
+
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": True}
+
+
+@contextlib.contextmanager
+def _bars(on: bool):
+    """transformers' own progress bars (loading weights, writing shards) only when progress is on."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not on:
+            hf_logging.enable_progress_bar()
+
+
+def _epsilon_progress_class():
+    from transformers import TrainerCallback
+
+    class EpsilonProgress(TrainerCallback):
+        """A progress bar on stderr (rank 0) whose postfix is each group's ε spent so far against its
+        budget — public figures, the ones the report gives per group — after every step."""
+
+        def __init__(self, trainer):
+            self.trainer, self.bar = trainer, None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            from tqdm.auto import tqdm
+
+            if state.is_world_process_zero:
+                self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="finetune", unit="step")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            t = self.trainer
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
+                if t.ledger_rows:
+                    spent = t.ledger_rows[-1][2:]  # each group's ε after this step (the ledger's grid)
+                    self.bar.set_postfix_str(
+                        "ε " + ", ".join(f"{e:.3g}/{b:g}" for e, b in zip(spent, t.engine.group_budgets, strict=True)),
+                        refresh=False,
+                    )
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+    return EpsilonProgress
+
+
+def __getattr__(name):  # the callback class needs transformers: built on first use
+    if name == "EpsilonProgress":
+        return _epsilon_progress_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,8 @@ Public (covered by the guarantee): ``model/`` (``save_pretrained`` of the model 
 what the noisy steps wrote), ``report.json`` (the guarantee per privacy group with its sampling rate,
 clip norm, effective noise multiplier and ε; hyper-parameters; test metrics on the held-out
 ``eval_dataset``; the public log history) and ``report.html`` (:mod:`idpsgd.analysis.report`).
-Private (``private/``, mode 0600): ``epsilons.csv`` (each training example's budget and ε),
+Private (``private/``, mode 0600): ``epsilons.csv`` (each training example's budget and ε; at user
+level each user's id, row count, budget and ε, and ``users.json``: how many rows lay beyond k),
 ``ledger.csv`` (each step's real batch size and ε per group), ``history.json`` (training losses and
 other logged values the guarantee does not cover) and ``seed.json`` (the privacy seed).
 """
@@ -18,7 +19,7 @@ import torch
 
 from ...accounting.neighbouring import neighbouring
 from ...analysis.metrics import accuracies
-from ...engine import GUARANTEE
+from ...engine import GUARANTEE, distributed
 from ...engine.randomness import randomness_note
 from ...runfolder import PRIVATE, SEED_FILE
 from .losses import PerExampleLoss, base_model, sequence_losses, token_losses
@@ -137,11 +138,13 @@ def build_report(trainer) -> dict:
         "secure_mode": engine.secure_mode,
         "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
         "grad_sample_mode": p["grad_sample_mode"],
+        "nproc": distributed.rank_and_world()[1],  # data-parallel processes (--nproc or torchrun); 1 without
         "layer_paths": trainer.layer_paths,
         "phases": [
             {
                 "name": "all",
-                "examples": len(trainer.budgets),
+                "examples": len(trainer.budgets),  # the key is stable; "unit" says what it counts
+                "unit": "example" if getattr(trainer, "users", None) is None else "user",
                 "steps": engine.steps,
                 "sample_rate": float(np.mean(p["sample_rates"])),
                 "noise_multiplier": p["noise_multiplier"],
@@ -185,14 +188,26 @@ def write_run(trainer) -> dict:
     rf, engine = trainer.run_folder, trainer.engine
     report = build_report(trainer)
     save_model_folder(trainer)
-    budgets = trainer.budgets
-    rf.write_csv(
-        "epsilons.csv",
-        ["index", "budget", "epsilon"],
-        [np.arange(len(budgets)), budgets.epsilons, engine.get_individual_epsilons()],
-        "private",
-        "each training example (in train_dataset order): its budget and the epsilon it received",
-    )
+    budgets, users = trainer.budgets, getattr(trainer, "users", None)
+    if users is None:
+        rf.write_csv(
+            "epsilons.csv",
+            ["index", "budget", "epsilon"],
+            [np.arange(len(budgets)), budgets.epsilons, engine.get_individual_epsilons()],
+            "private",
+            "each training example (in train_dataset order): its budget and the epsilon it received",
+        )
+    else:  # user level: keyed by the user id (a private file: the id is personal data, as the budgets)
+        from ...training.loop import write_users_summary
+
+        rf.write_csv(
+            "epsilons.csv",
+            ["user", "rows", "budget", "epsilon"],
+            [users.ids.tolist(), users.rows_per_user, budgets.epsilons, engine.get_individual_epsilons()],
+            "private",
+            "each user (by their id, sorted): their number of rows, their budget and the epsilon they received",
+        )
+        write_users_summary(rf, users)
     header = ["step", "batch_size"] + [f"epsilon_rdp_budget_{v:g}" for v in engine.group_budgets]
     cols = list(zip(*trainer.ledger_rows, strict=True)) if trainer.ledger_rows else [[] for _ in header]
     rf.write_csv(
@@ -225,7 +240,7 @@ def write_run(trainer) -> dict:
 
 
 def _guarantee(trainer) -> str:
-    """The guarantee in words: per example, or per user at user level (issue 37)."""
+    """The guarantee in words: per example, or per user at user level."""
     from ...engine.units import USER_GUARANTEE
 
     return GUARANTEE if getattr(trainer, "users", None) is None else USER_GUARANTEE

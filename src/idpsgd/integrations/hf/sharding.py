@@ -1,4 +1,4 @@
-"""``PrivacyArguments(fsdp=True)``: the private Trainer on a model sharded with FSDP2 (issues 39, 51).
+"""``PrivacyArguments(fsdp=True)``: the private Trainer on a model sharded with FSDP2.
 
 Under ``torchrun`` each transformer block (the model's ``_no_split_modules`` classes) and then the
 root are wrapped with ``torch.distributed.fsdp.fully_shard`` before ``make_private`` (the engine's

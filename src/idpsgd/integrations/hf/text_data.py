@@ -94,7 +94,7 @@ def load_text_data(
         budget_column: each row's budget ε (numbers); read when the file has it (``budget_required``:
             refused when it does not).
         flag: the argument that named the file (for errors).
-        user_column: each row's user (user-level privacy, issue 37; required when given).
+        user_column: each row's user (user-level privacy; required when given).
     """
     p = Path(path)
     if not p.is_file():

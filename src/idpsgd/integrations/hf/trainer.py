@@ -956,9 +956,11 @@ class IndividualizedTrainer(Trainer):
                 "(the checkpoint's seed is then used)",
             )
         else:  # continue with the checkpoint's seed (a fresh one was drawn for this trainer)
-            self.engine = IndividualizedPrivacyEngine(
-                accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
-            )
+            with warnings.catch_warnings():  # the trainer's own engine said "Secure RNG turned off" already
+                warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+                self.engine = IndividualizedPrivacyEngine(
+                    accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
+                )
         if "model" in state:  # a sharded checkpoint's shards load after sharding (get_train_dataloader)
             raw_module(self.model).load_state_dict(state["model"])
         self._resume_path = path
