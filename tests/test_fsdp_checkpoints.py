@@ -354,7 +354,7 @@ def test_fsdp_refusals(tmp_path, monkeypatch):
         FinetuneOptions(fsdp=True, grad_sample_mode="hooks")
     FinetuneOptions(fsdp=True, lora_r=4, grad_sample_mode="ghost")  # LoRA and ghost clipping with fsdp (issue 51)
     FinetuneOptions(fsdp=True, nproc=2, batch_size=4, physical_batch_size=1)  # two passes per process and step
-    with pytest.raises(InvalidParameterError, match="must divide --batch-size=3"):
+    with pytest.raises(InvalidParameterError, match="batch_size=3 .*multiple of the 2 processes"):
         FinetuneOptions(fsdp=True, nproc=2, batch_size=3)
     assert not (tmp_path / "run").exists()  # a refused run leaves no folder
 

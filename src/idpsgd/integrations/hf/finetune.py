@@ -100,10 +100,9 @@ class FinetuneOptions:
                 )
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
-        if self.fsdp is False:  # fsdp: checked where the processes are known (torchrun or nproc)
-            physical_per_process(self, self.nproc)
         if self.fsdp is not False and self.fsdp is not True:
             raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
+        physical_per_process(self, self.nproc)  # under torchrun (nproc 1): checked again in finetune()
         if self.fsdp and self.grad_sample_mode not in ("bk", "ghost"):
             raise InvalidParameterError(
                 "grad_sample_mode",
