@@ -11,7 +11,10 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
   rows, whose label set is private.  A row whose label is outside that set is refused (file, line,
   value, the allowed classes);
 * texts are tokenized with the folder's tokenizer, truncated to ``max_length`` tokens and padded per
-  batch (a tokenizer without a padding token pads with its end-of-text token);
+  batch (a tokenizer without a padding token pads with its end-of-text token), with per-example
+  positions (a decoder that takes ``position_ids`` gets them from the attention mask) or on the right
+  (any other model, whatever side the tokenizer pads), so that no example's length moves another's
+  computation; ``pad_to_length`` N pads every batch to exactly N tokens (:mod:`.padding`);
 * ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
   on the frozen model; ``model/`` then holds the adapter.
 """
@@ -71,6 +74,7 @@ class FinetuneOptions:
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
+    pad_to_length: int | None = None  # every batch exactly this many tokens (>= max_length; None: the longest row's)
 
     def __post_init__(self):
         if self.labels is not None:
@@ -118,6 +122,18 @@ class FinetuneOptions:
             raise InvalidParameterError(
                 "lora_r", self.lora_r, "LoRA is not supported with fsdp (the sharded engine trains every parameter)"
             )
+        n = self.pad_to_length
+        if n is not None:
+            if isinstance(n, bool) or int(n) != n or n < 1:
+                raise InvalidParameterError("pad_to_length", n, "must be an integer >= 1 (tokens per batch)")
+            if n < self.max_length:
+                raise InvalidParameterError(
+                    "pad_to_length",
+                    n,
+                    f"must be >= --max-length={self.max_length} (texts are truncated to --max-length tokens, then "
+                    "every batch is padded to --pad-to-length): lower --max-length or raise --pad-to-length",
+                )
+            object.__setattr__(self, "pad_to_length", int(n))
         se = self.save_every
         if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
             raise InvalidParameterError("save_every", se, "must be an integer >= 1 (steps between checkpoints)")
@@ -436,6 +452,7 @@ def finetune(
         overwrite=overwrite,
         user_column=users,
         fsdp=options.fsdp,
+        pad_to_length=options.pad_to_length,
     )
     trainer = IndividualizedTrainer(
         model=model,
@@ -450,6 +467,7 @@ def finetune(
             "train": train.source,
             **({"test": eval_data.source} if eval_data else {}),
             "max_length": options.max_length,
+            **({"pad_to_length": options.pad_to_length} if options.pad_to_length else {}),
             **({"classes": list(classes), "classes_from": classes_source} if classes_source else {}),
         },
     )

@@ -31,6 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
+from ...engine.batch_independence import declare_padding
 from ...engine.unwrap import raw_module
 from ...io import signature_differences
 from ...runfolder import RunFolder
@@ -39,6 +40,7 @@ from . import checkpoints as ckpts
 from . import sharding
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
+from .padding import PublicPadding, check_lengths, takes_positions
 
 #: ``resume_from_checkpoint`` as the Trainer's epoch loop sees it while a private checkpoint is resumed
 _RESUMING = "<idpsgd private checkpoint>"
@@ -155,6 +157,20 @@ def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
                 "a label outside them is refused, never a new class: map the data to the model's "
                 "classes, or build the model with the public class set",
             )
+
+
+def public_padding(collator, model, privacy: PrivacyArguments, tokenizer) -> PublicPadding:
+    """The Trainer's collator wrapped so that each batch's shape and each example's positions are
+    public (:mod:`.padding`): per-example ``position_ids`` for a decoder that takes them, right padding
+    otherwise, ``pad_to_length`` tokens when asked."""
+    if isinstance(collator, PublicPadding):
+        return collator
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return PublicPadding(
+        collator, positions=takes_positions(model), pad_to_length=privacy.pad_to_length, pad_token_id=pad
+    )
 
 
 def privacy_seed(privacy: PrivacyArguments) -> int | None:
@@ -455,6 +471,8 @@ class IndividualizedTrainer(Trainer):
             self.run_folder.discard_if_unused()
             raise
         self.add_callback(_PrivacyCallback(self))
+        self.data_collator = public_padding(self.data_collator, model, privacy, kwargs.get("processing_class"))
+        check_lengths(self.train_dataset, privacy.pad_to_length)
         self.dp_optimizer = None
         self.planned_steps: int | None = None
         self.stopped_early = False
@@ -505,6 +523,8 @@ class IndividualizedTrainer(Trainer):
         n = len(ds) if self.users is None else self.users.num_users
         rate = self.expected_batch_size / n
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
+        # the engine's check is told how every batch is padded (the collator guarantees it: .padding)
+        declare_padding(raw_module(self.model), self.data_collator.side, self.privacy.pad_to_length)
         if self.privacy.fsdp:  # each block and the root sharded before the optimizer sees the parameters
             sharding.shard_model(self.model, self.args.device)
         self.create_optimizer()
