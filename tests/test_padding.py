@@ -43,6 +43,12 @@ class Pool(nn.Module):
             return self.fc((h * m).sum(1) / m.sum(1).clamp(min=1))
         return self.fc(h.mean(1))
 
+    def save_pretrained(self, folder):  # what the Trainer's model/ folder needs of a model
+        from pathlib import Path
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), Path(folder) / "model.pt")
+
 
 def _dynamic(model, x):
     """Call the model on the batch cut to its longest row (right padding: DataCollatorWithPadding)."""
@@ -221,3 +227,45 @@ def test_the_collator_lays_batches_out_on_the_right_with_positions():
     assert out["position_ids"].tolist() == [[0, 1, 1, 1, 1, 1], [0, 1, 2, 3, 3, 3], [0, 1, 2, 2, 2, 2]]
     with pytest.raises(ValueError, match="pad_to_length"):
         PublicPadding(lambda f: f, positions=False, pad_to_length=3, pad_token_id=0)(batch)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_trainer_refuses_pooling_over_pads_unless_the_length_is_fixed(tmp_path):
+    pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithPadding, TrainingArguments
+
+    from hf_text import word_tokenizer
+    from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
+
+    texts = _texts(16, low=2, high=9)
+    tok = word_tokenizer(texts)
+    enc = tok(texts, truncation=True, max_length=12)
+    train = datasets.Dataset.from_dict({**enc, "labels": [i % 3 for i in range(16)]})
+
+    def trainer(out, **privacy):
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            num_train_epochs=1,
+            save_strategy="no",
+            use_cpu=True,
+            report_to=[],
+            disable_tqdm=True,
+            remove_unused_columns=False,
+        )
+        return IndividualizedTrainer(
+            model=Pool(False),
+            args=args,
+            train_dataset=train,
+            processing_class=tok,
+            data_collator=DataCollatorWithPadding(tok),
+            per_example_loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+            privacy=PrivacyArguments(budgets=np.full(16, 2.0), delta=1e-5, method="uniform", seed=0, **privacy),
+        )
+
+    with pytest.raises(BatchMixingError, match="pad_to_length"):
+        trainer(tmp_path / "dynamic").train()
+    trainer(tmp_path / "fixed", pad_to_length=12).train()
+    with pytest.raises(ValueError, match="shorter than some training rows"):
+        trainer(tmp_path / "short", pad_to_length=4)
