@@ -243,6 +243,9 @@ def test_the_trainer_refuses_pooling_over_pads_unless_the_length_is_fixed(tmp_pa
     enc = tok(texts, truncation=True, max_length=12)
     train = datasets.Dataset.from_dict({**enc, "labels": [i % 3 for i in range(16)]})
 
+    long = _texts(4, seed=5, low=14, high=16)  # public held-out rows longer than the training batches' fixed length
+    test = datasets.Dataset.from_dict({**tok(long), "labels": [0, 1, 2, 0]})
+
     def trainer(out, **privacy):
         args = TrainingArguments(
             output_dir=str(out),
@@ -258,6 +261,7 @@ def test_the_trainer_refuses_pooling_over_pads_unless_the_length_is_fixed(tmp_pa
             model=Pool(False),
             args=args,
             train_dataset=train,
+            eval_dataset=test,
             processing_class=tok,
             data_collator=DataCollatorWithPadding(tok),
             per_example_loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
@@ -266,6 +270,8 @@ def test_the_trainer_refuses_pooling_over_pads_unless_the_length_is_fixed(tmp_pa
 
     with pytest.raises(BatchMixingError, match="pad_to_length"):
         trainer(tmp_path / "dynamic").train()
-    trainer(tmp_path / "fixed", pad_to_length=12).train()
+    fixed = trainer(tmp_path / "fixed", pad_to_length=12)
+    fixed.train()
+    assert fixed.report["test_metrics"]["test_examples"] == 4  # evaluated, not refused
     with pytest.raises(ValueError, match="shorter than some training rows"):
         trainer(tmp_path / "short", pad_to_length=4)

@@ -85,6 +85,10 @@ class PublicPadding:
     #: the padding side every batch has (declared to the engine's check)
     side = "right"
 
+    def without_length(self) -> PublicPadding:
+        """The same collator without the fixed length (evaluation on public data: rows may be longer)."""
+        return PublicPadding(self.collator, positions=self.positions, pad_token_id=self.pad_token_id)
+
     def __call__(self, features):
         return self.apply(self.collator(features))
 

@@ -471,7 +471,10 @@ class IndividualizedTrainer(Trainer):
             self.run_folder.discard_if_unused()
             raise
         self.add_callback(_PrivacyCallback(self))
-        self.data_collator = public_padding(self.data_collator, model, privacy, kwargs.get("processing_class"))
+        # training batches: right padding, per-example positions, pad_to_length; evaluation (public data): the same
+        # without the fixed length, so that held-out rows longer than it are evaluated, not refused
+        self.train_collator = public_padding(self.data_collator, model, privacy, kwargs.get("processing_class"))
+        self.data_collator = self.train_collator.without_length()
         check_lengths(self.train_dataset, privacy.pad_to_length)
         self.dp_optimizer = None
         self.planned_steps: int | None = None
@@ -501,7 +504,7 @@ class IndividualizedTrainer(Trainer):
             )
         import datasets
 
-        ds, collate = self.train_dataset, self.data_collator
+        ds, collate = self.train_dataset, self.train_collator
         if isinstance(ds, datasets.Dataset):
             ds = self._remove_unused_columns(ds, description="training")
         else:
