@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import InvalidParameterError
+
 SIDES = ("right", "left")
 #: per-token keywords whose padded value is known (the Hugging Face conventions); position_ids are derived
 _KNOWN = ("input_ids", "attention_mask", "labels", "token_type_ids", "position_ids")
@@ -59,8 +61,6 @@ class Padding:
     length: int | None = None
 
     def __post_init__(self):
-        from ..validation import InvalidParameterError
-
         if self.side not in (None, *SIDES):
             raise InvalidParameterError("padding_side", self.side, "must be 'right', 'left' or None")
         if self.length is not None and (
