@@ -4,7 +4,7 @@ A batch is padded to its longest row, so its length is a function of every examp
 that length reached other examples' gradients (the privacy review's figures): a left-padding tokenizer
 with GPT-2 (positions counted from the batch's start; 2.81 × c) and a model that averages over every
 position, pads included (``emb(ids).mean(1)``: 1.60–2.03 × c).  Now the shipped paths (``idpsgd
-finetune``, the Trainer) lay every batch out on the right with per-example positions, a fixed public
+finetune``, the Trainer) lay every batch out on the right (a left-padded one is re-laid), a fixed public
 length on request (``--pad-to-length``), and the batch-independence check re-pads its synthetic batch
 (every example padded further, one example made longer) and refuses a model whose outputs on an
 example's real tokens move.
@@ -214,19 +214,22 @@ def test_finetune_pad_to_length_gives_every_batch_the_same_shape(left_gpt2, tmp_
     assert "pad-to-length" in capsys.readouterr().err  # refused: --max-length 32 does not fit in 16
 
 
-def test_the_collator_lays_batches_out_on_the_right_with_positions():
+def test_the_collator_lays_batches_out_on_the_right():
     pytest.importorskip("transformers")
     from idpsgd.integrations.hf.padding import PublicPadding
 
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
     ids = torch.tensor([[0, 0, 5, 6], [4, 5, 6, 7], [0, 8, 9, 10]])
     batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
-    out = PublicPadding(lambda f: f, positions=True, pad_to_length=6, pad_token_id=0)(batch)
+    out = PublicPadding(lambda f: f, pad_to_length=6, pad_token_id=0)(batch)
     assert out["input_ids"].tolist() == [[5, 6, 0, 0, 0, 0], [4, 5, 6, 7, 0, 0], [8, 9, 10, 0, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
     assert out["labels"][0].tolist() == [5, 6, -100, -100, -100, -100]
-    assert out["position_ids"].tolist() == [[0, 1, 1, 1, 1, 1], [0, 1, 2, 3, 3, 3], [0, 1, 2, 2, 2, 2]]
+    assert "position_ids" not in out  # right padding: every model's own positions are per example
     with pytest.raises(ValueError, match="pad_to_length"):
-        PublicPadding(lambda f: f, positions=False, pad_to_length=3, pad_token_id=0)(batch)
+        PublicPadding(lambda f: f, pad_to_length=3, pad_token_id=0)(batch)
+    with pytest.raises(ValueError, match="'position_ids'"):  # a collator's own positions are not re-laid
+        PublicPadding(lambda f: f)({**batch, "position_ids": torch.arange(4).expand(3, 4)})
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -54,8 +54,8 @@ class PrivacyArguments:
             folders (``private/checkpoint-<step>/``).
         pad_to_length: every batch padded to exactly this many tokens (a public length: no example's
             length moves another's computation, even in a model that pools over pads); rows must fit
-            (refused otherwise).  Default None: each batch as long as its longest row, with per-example
-            positions or right padding (:mod:`.padding`).
+            (refused otherwise).  Default None: each batch as long as its longest row, padded on the
+            right (:mod:`.padding`).
     """
 
     budgets: Any

@@ -11,10 +11,9 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
   rows, whose label set is private.  A row whose label is outside that set is refused (file, line,
   value, the allowed classes);
 * texts are tokenized with the folder's tokenizer, truncated to ``max_length`` tokens and padded per
-  batch (a tokenizer without a padding token pads with its end-of-text token), with per-example
-  positions (a decoder that takes ``position_ids`` gets them from the attention mask) or on the right
-  (any other model, whatever side the tokenizer pads), so that no example's length moves another's
-  computation; ``pad_to_length`` N pads every batch to exactly N tokens (:mod:`.padding`);
+  batch on the right, whatever side the tokenizer pads (a tokenizer without a padding token pads
+  with its end-of-text token), so that no example's length moves another's positions;
+  ``pad_to_length`` N pads every batch to exactly N tokens (:mod:`.padding`);
 * ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
   on the frozen model; ``model/`` then holds the adapter.
 """

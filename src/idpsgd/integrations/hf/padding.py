@@ -8,13 +8,15 @@ left-padded GPT-2 without ``position_ids``: one long example shifted everyone's 
 batch of token ids (``input_ids`` with an ``attention_mask``) such that:
 
 * **every batch is padded on the right**: a left-padded batch (a decoder's tokenizer often pads
-  left) is re-laid, each row's real tokens moved to its start, so that the positions a model counts
-  from the batch's start are the example's own.  Left padding is not enough even with per-example
-  positions: a causal language model's loss predicts each row's first token from the pad before it,
-  whose output depends on how many pads there are (a tiny GPT-2 with mask-derived ``position_ids``
-  and left padding measured 1.26 × c; right padding 1.0000);
-* **positions are per example**: a decoder whose forward takes ``position_ids`` gets them from the
-  attention mask (cumsum − 1, clamped at 0, as dp-transformers' private causal-LM collator does);
+  left) is re-laid, each row's real tokens moved to its start, so that the positions any model counts
+  from the batch's start (GPT-2, Llama without ``position_ids``), or from its mask or pads (OPT,
+  RoBERTa), are the example's own.  Per-example ``position_ids`` with left padding (dp-transformers'
+  choice) are not enough: a causal language model's loss predicts each row's first token from the
+  pad before it, whose output depends on how many pads there are (a tiny GPT-2 in ``finetune`` with
+  mask-derived ``position_ids`` and left padding: 1.26 × c; right padding: 1.0000).  With right
+  padding they are not needed (they would equal the default positions on every real token), and
+  none are added: a per-example position table lookup is a different per-example computation for
+  the engine (GPT-J's ``embed_positions[position_ids]`` is refused by book-keeping);
 * with ``pad_to_length`` N every batch has exactly N tokens (a public length: then even a model that
   pools over pads computes each example from that example alone); a row longer than N is refused.
 
@@ -27,52 +29,28 @@ says what that leaves to the user.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 
 import torch
 
-from ...engine.padding_check import IGNORE_INDEX, per_example_positions
+from ...engine.padding_check import IGNORE_INDEX
 from ...validation import InvalidParameterError
 
-#: per-token keys and the value of a pad (position_ids are derived from the mask)
+#: per-token keys and the value of a pad (a collator's own position_ids are not re-laid: refused when they would be)
 PAD_VALUES = {"attention_mask": 0, "labels": IGNORE_INDEX, "token_type_ids": 0, "special_tokens_mask": 1}
 
 
-def takes_positions(model) -> bool:
-    """Whether ``model`` (or the model inside a PEFT wrapper) is a decoder-only language model whose
-    forward takes ``position_ids``: its positions can then be given per example.  Encoders are left
-    out on purpose: some count positions from an offset of their own (RoBERTa from its padding index),
-    so they get right-padded batches instead."""
-    from transformers.models.auto import modeling_auto as auto
-
-    from .losses import base_model
-
-    base = base_model(model)
-    config = getattr(base, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind is None or getattr(config, "is_encoder_decoder", False):
-        return False
-    if kind not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or kind in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return False
-    try:
-        return "position_ids" in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class PublicPadding:
-    """A collator whose token batches have per-example positions and, on request, a fixed length.
+    """A collator whose token batches are padded on the right and, on request, to a fixed length.
 
     Args:
         collator: the collator it wraps (called first).
-        positions: give ``position_ids`` from the attention mask (:func:`takes_positions`).
         pad_to_length: every batch's number of tokens (None: the longest row's).
         pad_token_id: the id a pad token gets (needed with ``pad_to_length``).
     """
 
-    def __init__(self, collator, *, positions: bool, pad_to_length: int | None = None, pad_token_id: int | None = None):
-        self.collator, self.positions = collator, bool(positions)
+    def __init__(self, collator, *, pad_to_length: int | None = None, pad_token_id: int | None = None):
+        self.collator = collator
         self.pad_to_length, self.pad_token_id = pad_to_length, pad_token_id
         if pad_to_length is not None and pad_token_id is None:
             raise InvalidParameterError(
@@ -87,7 +65,7 @@ class PublicPadding:
 
     def without_length(self) -> PublicPadding:
         """The same collator without the fixed length (evaluation on public data: rows may be longer)."""
-        return PublicPadding(self.collator, positions=self.positions, pad_token_id=self.pad_token_id)
+        return PublicPadding(self.collator, pad_token_id=self.pad_token_id)
 
     def __call__(self, features):
         return self.apply(self.collator(features))
@@ -100,7 +78,7 @@ class PublicPadding:
         if not (torch.is_tensor(ids) and torch.is_tensor(mask) and ids.dim() == 2 and mask.shape == ids.shape):
             return self._uninterpreted(batch, "has no input_ids with an attention_mask of the same shape")
         per_token = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[:2] == ids.shape]
-        unknown = [k for k in per_token if k not in ("input_ids", "position_ids", *PAD_VALUES)]
+        unknown = [k for k in per_token if k not in ("input_ids", *PAD_VALUES)]
         out = dict(batch)
         real = mask != 0
         lead = (real.long().cumsum(1) == 0).sum(1)  # pads before each row's first real token
@@ -117,12 +95,10 @@ class PublicPadding:
                 "data_collator",
                 "a batch whose rows have pads between their tokens",
                 "each row's tokens must be one run of real tokens padded on one side (the batch's length "
-                "must not move the positions of a model that takes no position_ids)",
+                "must not move the positions each example's tokens get)",
             )
         if self.pad_to_length is not None:
             out = self._to_length(out, per_token, unknown)
-        if self.positions:
-            out["position_ids"] = per_example_positions(out["attention_mask"] != 0)
         return out
 
     def _uninterpreted(self, batch, why: str):
@@ -181,4 +157,4 @@ def check_lengths(dataset, pad_to_length: int | None) -> None:
         )
 
 
-__all__ = ["PublicPadding", "check_lengths", "takes_positions"]
+__all__ = ["PublicPadding", "check_lengths"]

@@ -40,7 +40,7 @@ from . import checkpoints as ckpts
 from . import sharding
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
-from .padding import PublicPadding, check_lengths, takes_positions
+from .padding import PublicPadding, check_lengths
 
 #: ``resume_from_checkpoint`` as the Trainer's epoch loop sees it while a private checkpoint is resumed
 _RESUMING = "<idpsgd private checkpoint>"
@@ -160,17 +160,14 @@ def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
 
 
 def public_padding(collator, model, privacy: PrivacyArguments, tokenizer) -> PublicPadding:
-    """The Trainer's collator wrapped so that each batch's shape and each example's positions are
-    public (:mod:`.padding`): per-example ``position_ids`` for a decoder that takes them, right padding
-    otherwise, ``pad_to_length`` tokens when asked."""
+    """The Trainer's collator wrapped so that no example's length moves another's computation
+    (:mod:`.padding`): padded on the right, ``pad_to_length`` tokens when asked."""
     if isinstance(collator, PublicPadding):
         return collator
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return PublicPadding(
-        collator, positions=takes_positions(model), pad_to_length=privacy.pad_to_length, pad_token_id=pad
-    )
+    return PublicPadding(collator, pad_to_length=privacy.pad_to_length, pad_token_id=pad)
 
 
 def privacy_seed(privacy: PrivacyArguments) -> int | None:
@@ -471,7 +468,7 @@ class IndividualizedTrainer(Trainer):
             self.run_folder.discard_if_unused()
             raise
         self.add_callback(_PrivacyCallback(self))
-        # training batches: right padding, per-example positions, pad_to_length; evaluation (public data): the same
+        # training batches: right padding, pad_to_length; evaluation (public data): the same
         # without the fixed length, so that held-out rows longer than it are evaluated, not refused
         self.train_collator = public_padding(self.data_collator, model, privacy, kwargs.get("processing_class"))
         self.data_collator = self.train_collator.without_length()
