@@ -507,3 +507,44 @@ def mnist_pair(base: Path, **kw) -> tuple[DataSet, DataSet]:
         n = write_mnist_data(root / "data", outlier=outlier, **kw)
         out.append(DataSet(root, ["--dataset", "mnist", "--data-dir", str(root / "data")], n))
     return out[0], out[1]
+
+
+# --- user level: one user's rows replaced by a different number of rows ---------------------------
+TARGET_USER = "u-target"
+
+
+def write_user_csv_data(
+    folder: Path, *, target_rows: int, users: int = 30, rows_per_user: int = 3, n_test: int = 30
+) -> int:
+    """``train.csv`` with a ``user`` column: ``users`` ordinary users of ``rows_per_user`` rows (labels
+    0..2) and the user :data:`TARGET_USER` with ``target_rows`` rows of their own (label 3 and features
+    far from every other row); ``test.csv`` public (labels 0..2).  The set of users is the same whatever
+    ``target_rows``: user-level neighbours.  Returns the number of training rows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    header = "label," + ",".join(f"f{i}" for i in range(6)) + ",user"
+    lines = [header]
+    for u in range(users):
+        for _ in range(rows_per_user):
+            y = int(rng.integers(0, 3))
+            lines.append(",".join([str(y), *(f"{v:.4f}" for v in rng.normal(size=6) + y), f"u{u:02d}"]))
+    for j in range(target_rows):
+        far = 40.0 + 5 * j
+        lines.append(",".join(["3", *(f"{v:.4f}" for v in (far, -far) * 3), TARGET_USER]))
+    (folder / "train.csv").write_text("\n".join(lines) + "\n")
+    test = ["label," + ",".join(f"f{i}" for i in range(6))]
+    for i in range(n_test):
+        y = i % 3
+        test.append(",".join([str(y), *(f"{v:.4f}" for v in rng.normal(size=6) + y)]))
+    (folder / "test.csv").write_text("\n".join(test) + "\n")
+    return users * rows_per_user + target_rows
+
+
+def user_csv_pair(base: Path, *, rows_d: int = 1, rows_dprime: int = 5, **kw) -> tuple[DataSet, DataSet]:
+    """D (the target user with ``rows_d`` rows) and D′ (with ``rows_dprime`` other rows): the same users."""
+    out = []
+    for name, rows in (("D", rows_d), ("Dprime", rows_dprime)):
+        root = base / name
+        n = write_user_csv_data(root / "data", target_rows=rows, **kw)
+        out.append(DataSet(root, ["--dataset", "csv", "--data-dir", str(root / "data")], n))
+    return out[0], out[1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from neighbouring import (
@@ -30,6 +31,7 @@ from neighbouring import (
     fields_matching,
     mnist_pair,
     run_cli,
+    user_csv_pair,
 )
 
 RELEASED = (
@@ -495,3 +497,102 @@ def test_assign_from_a_budgets_file(tmp_path):
     ]
     used = _compare(a, b, allow, "assign")
     assert PUBLIC_N in used
+
+
+# --- user level: one user's rows replaced by a different number of rows ------------------------------
+#: at user level the neighbours have the same users, so N (the users), the groups' sizes and everything
+#: computed from them are equal: only the weights, test metrics and timings may differ
+COVERED = (WEIGHTS, TEST, TIME)
+USERS = ["--user-column", "user", "--max-rows-per-user", "2"]
+
+
+def _user_level(allow) -> list[Allow]:
+    return [a for a in allow if a.reason in COVERED]
+
+
+def test_train_at_user_level(tmp_path):
+    """``train --user-column``: the target user has 1 row in D and 5 other rows (label 3, far features)
+    in D′; nothing public but the weights and the test metrics may differ."""
+    d, dp = user_csv_pair(tmp_path)
+    argv = ["train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", *NUM_CLASSES, *USERS]
+    argv += ["--epochs", "1", "--no-progress", "--batch-size", "8", "--seed", "7"]
+    a, b = (run_cli([*argv, *s.args], s.root) for s in (d, dp))
+    used = _compare(a, b, _user_level(RUN), "train at user level")
+    assert WEIGHTS in used and PUBLIC_N not in used
+    assert json.loads(a.files["report.json"])["privacy_unit"] == "user"
+
+
+def _user_texts(h, base, *, target: list[str]):
+    """D and D′ (jsonl with a user column): 12 users of 2 rows and the target user's rows ``target[0]`` (D)
+    or ``target[1]`` (D′, more rows, one of them the longest text)."""
+    lines = h._lines(24, seed=11)
+    out = []
+    for name, rows in (("D", target[:1]), ("Dprime", target[1:])):
+        root = base / name
+        root.mkdir(parents=True)
+        data = [{"text": s, "user": f"u{i // 2:02d}"} for i, s in enumerate(lines)]
+        data += [{"text": t, "user": "u-target"} for t in rows]
+        h._write_jsonl(root / "train.jsonl", data)
+        h._write_jsonl(root / "test.jsonl", [{"text": s} for s in h._lines(8, 12)])
+        out.append(root)
+    return out
+
+
+TARGET_TEXTS = ["the cat sat", UNIQUE_TEXT, "a lazy dog", "privacy budget", "consent group over the mat"]
+
+
+def test_finetune_at_user_level(hf, tmp_path):
+    """``finetune --user-column``: the report publishes the number of users, never the rows' (one user's
+    row count would move it)."""
+    h, _, model = hf
+    argv = ["finetune", "--model", str(model), "--method", "scale", "--budgets", "1,8", "--fractions", "0.5,0.5"]
+    argv += ["--epochs", "1", "--batch-size", "4", "--seed", "3", *USERS]
+    runs = [
+        run_cli([*argv, "--data", str(root / "train.jsonl"), "--eval-data", str(root / "test.jsonl")], root)
+        for root in _user_texts(h, tmp_path, target=TARGET_TEXTS)
+    ]
+    allow = [
+        *_user_level(HF_RUN),
+        *_line(r"finetune \(\w+, \w+\) .*", r"[1-9]\d*", TEST),  # the test metrics (#0: the steps)
+    ]
+    used = _compare(*runs, allow, "finetune at user level")
+    assert WEIGHTS in used
+    report = json.loads(runs[0].files["report.json"])
+    assert "rows" not in report["data"]["train"] and report["data"]["train"]["users"] == 13
+
+
+def test_individualized_trainer_at_user_level(hf, tmp_path):
+    """The Trainer with ``PrivacyArguments(user_column=...)``, then ``save_state`` and ``save_metrics``."""
+    h, tok, _ = hf
+    import datasets
+
+    from idpsgd.integrations.hf import PrivacyArguments
+
+    outs = []
+    for name, target in (("D", TARGET_TEXTS[:1]), ("Dprime", TARGET_TEXTS[1:])):
+        texts = h._lines(24, seed=0) + target
+        users = [f"u{i // 2:02d}" for i in range(24)] + ["u-target"] * len(target)
+        enc = tok(texts, truncation=True, max_length=16)
+        train = datasets.Dataset.from_dict(
+            {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "user": users}
+        )
+        root = tmp_path / name
+        privacy = PrivacyArguments(
+            budgets=np.full(13, 4.0), delta=1e-5, method="uniform", seed=3, user_column="user", max_rows_per_user=2
+        )
+        t = h._trainer(
+            tok, h._llama(tok), train, root / "out", privacy=privacy, logging_steps=1, per_device_train_batch_size=4
+        )
+        result = t.train()
+        t.save_state()
+        t.save_metrics("train", result.metrics)
+        outs.append(
+            collect(root, root / "out", {"TrainOutput --json": json.dumps(result._asdict(), default=str, indent=1)})
+        )
+    timing = r"(.*/)?(train_runtime|train_samples_per_second|train_steps_per_second)"
+    allow = [
+        *_user_level(HF_RUN),
+        *_both(timing, TIME, files=("*results.json", "trainer_state.json", "TrainOutput --json")),
+    ]
+    used = _compare(*outs, allow, "IndividualizedTrainer at user level")
+    assert WEIGHTS in used

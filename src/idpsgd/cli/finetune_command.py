@@ -73,6 +73,14 @@ def _finetune_args(p):
     )
     p.add_argument("--max-length", type=int, default=128, help="tokens per text after truncation (default 128)")
     p.add_argument(
+        "--pad-to-length",
+        type=int,
+        metavar="N",
+        help="pad every batch to exactly N tokens (>= --max-length): a public length, so that no example's "
+        "length moves another's computation even in a model that pools over pads (default: each batch as long "
+        "as its longest row, with per-example positions or right padding)",
+    )
+    p.add_argument(
         "--lora-r",
         type=int,
         default=0,
@@ -263,6 +271,7 @@ def finetune_cmd(args):
         weight_decay=args.weight_decay,
         max_grad_norm=args.clip_norm,
         max_length=args.max_length,
+        pad_to_length=args.pad_to_length,
         lora_r=args.lora_r,
         grad_sample_mode=args.grad_sample_mode,
         accountant=args.accountant,

@@ -6,8 +6,13 @@ on it.  At the model's first forward with gradients (a training step or a norm p
 run twice on a public synthetic batch, the second time with its middle example replaced, and every
 other example's outputs must stay within float rounding; otherwise :class:`BatchMixingError` names
 the first mixing operation.  Data-independent, once per model and training-flag combination, and
-free of side effects (copies of buffers and trainable parameters, the RNG restored).  What it
-cannot see (mixing in the loss or a custom backward) and what it costs: docs/guarantees.md.
+free of side effects (copies of buffers and trainable parameters, the RNG restored).  A batch of
+token ids with an attention mask (Hugging Face's ``input_ids`` / ``attention_mask`` keywords) is also
+re-padded (:mod:`.padding_check`): every example padded further, one example made longer than the
+rest, and each example's outputs on its real tokens must not move — the batch's length is set by its
+longest row, so a model that pools over pads or counts positions from the batch's start would let one
+example's length move every other example's gradient.  What it cannot see (mixing in the loss or a
+custom backward, inputs it cannot interpret) and what it costs: docs/guarantees.md.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from .integrity import extra_state_digests, local_tensor, per_model
 from .opacus_compat import UnsupportedModuleError
+from .padding_check import Padding, padding_problem
 
 #: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
 _SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
@@ -236,6 +242,7 @@ class BatchIndependence:
         self._handles = [model.register_forward_pre_hook(_Hook(self), with_kwargs=True, prepend=True)]
         self._wrappers: weakref.WeakSet = weakref.WeakSet()
         self._outer: list = []  # weak references to the training wrappers around the model (their user hooks)
+        self.padding = Padding()  # how the run pads token batches (public; declare_padding)
 
     @classmethod
     def attach(cls, model: nn.Module) -> BatchIndependence:
@@ -285,6 +292,7 @@ class BatchIndependence:
             # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
             return
         _refuse(self.model, result, self.outer())
+        _check_padding(self.model, args, kwargs, self.padding, self.outer())
         self.passed.add(key)
 
 
@@ -494,11 +502,66 @@ def _refuse(model: nn.Module, result: _Result, outer: tuple = ()) -> None:
         )
 
 
-def check_batch_independence(model: nn.Module, args, kwargs) -> None:
+def check_batch_independence(model: nn.Module, args, kwargs, padding: Padding | None = None) -> None:
     """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
     example of the batch, for a call ``model(*args, **kwargs)`` (module docstring: the synthetic batch,
-    what is compared, what is not seen).  Writes nothing to the model and restores the global RNG."""
+    what is compared, what is not seen; ``padding``: how the run pads its token batches).  Writes
+    nothing to the model and restores the global RNG."""
     _refuse(model, _probe(model, args, kwargs))
+    _check_padding(model, args, kwargs, padding or Padding())
+
+
+def _check_padding(model: nn.Module, args, kwargs, padding: Padding, outer: tuple = ()) -> None:
+    """The re-padding probe (:mod:`.padding_check`) over the value probe's synthetic batch and passes:
+    refused when one example's length moves another example's outputs on its real tokens."""
+    if not isinstance(kwargs, dict) or "input_ids" not in kwargs:
+        return
+    synth = _Synthetic(args, kwargs)
+    base_args, base_kwargs = synth.base
+    config = getattr(model, "config", None)
+
+    def outputs(call_kwargs: dict) -> list:
+        try:
+            with _dropout_off(model, outer):
+                return _leaves(_run(model, base_args, call_kwargs, outer=outer)[0], [])
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise BatchMixingError(
+                "module",
+                type(model).__name__,
+                f"could not be run on a re-padded synthetic token batch (the call's layout, other lengths) to check "
+                f"that one example's length does not move the others' outputs: {type(exc).__name__}: {first}",
+            ) from exc
+
+    problem = padding_problem(
+        kwargs, base_kwargs, synth.size, padding, outputs, _differs, getattr(config, "pad_token_id", None)
+    )
+    if problem is not None:
+        raise BatchMixingError("module", type(model).__name__, problem)
+
+
+@contextlib.contextmanager
+def _dropout_off(model: nn.Module, outer: tuple = ()):
+    """Every module in evaluation mode for the re-padding passes (their flags restored): dropout draws
+    its masks for the batch's shape, so batches of other lengths get other masks — masks independent
+    per element, not a dependence on other examples, which the value probe (same shapes, same masks)
+    checks in training mode."""
+    flags = {m: m.training for root in (model, *outer) for m in root.modules()}
+    try:
+        for m in flags:
+            m.training = False
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def declare_padding(model: nn.Module, side: str | None = None, length: int | None = None) -> None:
+    """Tell ``model``'s check how every token batch of the run is padded (public facts the caller
+    guarantees): ``side`` ``"right"`` or ``"left"`` (default: as the checked call's attention mask
+    shows, both sides when it shows none), ``length`` a fixed number of tokens of every batch (the
+    length can then not vary: the re-padding probe is replaced by a check of the call's length)."""
+    BatchIndependence.attach(model).padding = Padding(side, length)
 
 
 def _localise(model: nn.Module, synth: _Synthetic, outer: tuple = ()) -> tuple[str, str, str] | None:
@@ -531,4 +594,11 @@ def _localise(model: nn.Module, synth: _Synthetic, outer: tuple = ()) -> tuple[s
     return _locate(calls[0], calls[1], synth.size, synth.mid)
 
 
-__all__ = ["BatchIndependence", "BatchMixingError", "check_batch_independence", "synthetic_batch_size"]
+__all__ = [
+    "BatchIndependence",
+    "BatchMixingError",
+    "Padding",
+    "check_batch_independence",
+    "declare_padding",
+    "synthetic_batch_size",
+]

@@ -54,6 +54,10 @@ class PrivacyArguments:
             empty part is the engine's phantom row); ``bk`` or ``ghost``; LoRA (a PEFT model: its frozen
             base sharded too) and user level (``bk``) are supported; no fp16 (refused with the reason);
             checkpoints are sharded folders (``private/checkpoint-<step>/``).
+        pad_to_length: every batch padded to exactly this many tokens (a public length: no example's
+            length moves another's computation, even in a model that pools over pads); rows must fit
+            (refused otherwise).  Default None: each batch as long as its longest row, padded on the
+            right (:mod:`.padding`).
     """
 
     budgets: Any
@@ -67,6 +71,7 @@ class PrivacyArguments:
     user_column: Any = None
     max_rows_per_user: int = 4
     fsdp: bool = False
+    pad_to_length: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -81,6 +86,9 @@ class PrivacyArguments:
             raise InvalidParameterError("seed", self.seed, "must be an integer or None")
         if self.fsdp is not False and self.fsdp is not True:
             raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
+        n = self.pad_to_length
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InvalidParameterError("pad_to_length", n, "must be an integer >= 1 (tokens per batch) or None")
 
 
 def _value(x):

@@ -120,6 +120,8 @@ def signature(trainer) -> dict:
             "grad_sample_mode": privacy.grad_sample_mode,
             "secure_mode": privacy.secure_mode,
             "delta": trainer.budgets.delta,
+            # the batches' fixed length (a run without one keeps the signature earlier versions wrote)
+            **({"pad_to_length": privacy.pad_to_length} if getattr(privacy, "pad_to_length", None) else {}),
         },
         "model": next(c for c in type(trainer.model).__mro__ if not c.__name__.startswith("FSDP")).__name__,
         "model_config_sha256": trainer.model_config_digest,

@@ -11,7 +11,9 @@ finetune``): a library function over :class:`~.trainer.IndividualizedTrainer`.
   rows, whose label set is private.  A row whose label is outside that set is refused (file, line,
   value, the allowed classes);
 * texts are tokenized with the folder's tokenizer, truncated to ``max_length`` tokens and padded per
-  batch (a tokenizer without a padding token pads with its end-of-text token);
+  batch on the right, whatever side the tokenizer pads (a tokenizer without a padding token pads
+  with its end-of-text token), so that no example's length moves another's positions;
+  ``pad_to_length`` N pads every batch to exactly N tokens (:mod:`.padding`);
 * ``lora_r > 0`` trains LoRA adapters of rank r (PEFT's default target modules for the model type)
   on the frozen model; ``model/`` then holds the adapter.
 """
@@ -73,6 +75,7 @@ class FinetuneOptions:
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
+    pad_to_length: int | None = None  # every batch exactly this many tokens (>= max_length; None: the longest row's)
 
     def __post_init__(self):
         if self.labels is not None:
@@ -110,6 +113,18 @@ class FinetuneOptions:
                 "with fsdp only bk and ghost are supported (the sharded engine's clipped sums; Opacus's per-sample "
                 "gradients of parameters FSDP2 frees after each block's pass are not)",
             )
+        n = self.pad_to_length
+        if n is not None:
+            if isinstance(n, bool) or int(n) != n or n < 1:
+                raise InvalidParameterError("pad_to_length", n, "must be an integer >= 1 (tokens per batch)")
+            if n < self.max_length:
+                raise InvalidParameterError(
+                    "pad_to_length",
+                    n,
+                    f"must be >= --max-length={self.max_length} (texts are truncated to --max-length tokens, then "
+                    "every batch is padded to --pad-to-length): lower --max-length or raise --pad-to-length",
+                )
+            object.__setattr__(self, "pad_to_length", int(n))
         se = self.save_every
         if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
             raise InvalidParameterError("save_every", se, "must be an integer >= 1 (steps between checkpoints)")
@@ -439,6 +454,7 @@ def finetune(
         overwrite=overwrite,
         user_column=users,
         fsdp=options.fsdp,
+        pad_to_length=options.pad_to_length,
     )
     trainer = IndividualizedTrainer(
         model=model,
@@ -453,6 +469,7 @@ def finetune(
             "train": train.source,
             **({"test": eval_data.source} if eval_data else {}),
             "max_length": options.max_length,
+            **({"pad_to_length": options.pad_to_length} if options.pad_to_length else {}),
             **({"classes": list(classes), "classes_from": classes_source} if classes_source else {}),
         },
     )

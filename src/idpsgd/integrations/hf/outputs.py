@@ -102,6 +102,7 @@ def build_report(trainer) -> dict:
             }
         )
     p = engine.parameters
+    users = getattr(trainer, "users", None)
     metrics = test_metrics(trainer)
     history = [dict(h) for h in trainer.state.log_history]  # public by construction (trainer.log)
     return {
@@ -152,14 +153,29 @@ def build_report(trainer) -> dict:
         ],
         "groups": groups,
         "history": history,
-        **({"data": trainer.data_source} if trainer.data_source else {}),
+        **({"data": public_data_source(trainer.data_source, users)} if trainer.data_source else {}),
         "files": None,
         "private": {
+            **({"data_rows": trainer.data_source["train"]["rows"]} if _train_rows(trainer.data_source, users) else {}),
             "seed": engine.seed,
             "history": trainer.private_logs,
             "layer_paths_taken": trainer.layer_paths_taken,
         },  # depend on the batches' shapes
     }
+
+
+def _train_rows(source: dict | None, users) -> bool:
+    return users is not None and isinstance(source, dict) and "rows" in (source.get("train") or {})
+
+
+def public_data_source(source: dict, users) -> dict:
+    """The data's public description: at user level the training data's number of users in place of its
+    number of rows (one user's row count moves the rows; the users are a public input of the
+    user-level guarantee, docs/user-level.md); the rows stay in the report's private part."""
+    if not _train_rows(source, users):
+        return source
+    train = {k: v for k, v in source["train"].items() if k != "rows"}
+    return {**source, "train": {**train, "users": users.num_users}}
 
 
 def save_model_folder(trainer) -> None:

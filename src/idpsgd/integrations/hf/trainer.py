@@ -31,6 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
+from ...engine.batch_independence import declare_padding
 from ...engine.unwrap import raw_module
 from ...io import signature_differences
 from ...runfolder import RunFolder
@@ -39,6 +40,7 @@ from . import checkpoints as ckpts
 from . import sharding
 from .arguments import PrivacyArguments, check_training_arguments
 from .losses import PerExampleLoss
+from .padding import PublicPadding, check_lengths
 
 #: ``resume_from_checkpoint`` as the Trainer's epoch loop sees it while a private checkpoint is resumed
 _RESUMING = "<idpsgd private checkpoint>"
@@ -155,6 +157,17 @@ def check_class_ids(loss, dataset, label_name: str, flag: str) -> None:
                 "a label outside them is refused, never a new class: map the data to the model's "
                 "classes, or build the model with the public class set",
             )
+
+
+def public_padding(collator, model, privacy: PrivacyArguments, tokenizer) -> PublicPadding:
+    """The Trainer's collator wrapped so that no example's length moves another's computation
+    (:mod:`.padding`): padded on the right, ``pad_to_length`` tokens when asked."""
+    if isinstance(collator, PublicPadding):
+        return collator
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return PublicPadding(collator, pad_to_length=privacy.pad_to_length, pad_token_id=pad)
 
 
 def privacy_seed(privacy: PrivacyArguments) -> int | None:
@@ -487,6 +500,11 @@ class IndividualizedTrainer(Trainer):
             self.run_folder.discard_if_unused()
             raise
         self.add_callback(_PrivacyCallback(self))
+        # training batches: right padding, pad_to_length; evaluation (public data): the same
+        # without the fixed length, so that held-out rows longer than it are evaluated, not refused
+        self.train_collator = public_padding(self.data_collator, model, privacy, kwargs.get("processing_class"))
+        self.data_collator = self.train_collator.without_length()
+        check_lengths(self.train_dataset, privacy.pad_to_length)
         self.dp_optimizer = None
         self.planned_steps: int | None = None
         self.stopped_early = False
@@ -516,7 +534,7 @@ class IndividualizedTrainer(Trainer):
             )
         import datasets
 
-        ds, collate = self.train_dataset, self.data_collator
+        ds, collate = self.train_dataset, self.train_collator
         if isinstance(ds, datasets.Dataset):
             ds = self._remove_unused_columns(ds, description="training")
         else:
@@ -538,6 +556,8 @@ class IndividualizedTrainer(Trainer):
         n = len(ds) if self.users is None else self.users.num_users
         rate = self.expected_batch_size / n
         planned = self.planned_steps_for(steps_per_epoch_for(rate))
+        # the engine's check is told how every batch is padded (the collator guarantees it: .padding)
+        declare_padding(raw_module(self.model), self.data_collator.side, self.privacy.pad_to_length)
         if self.privacy.fsdp:  # each block and the root sharded before the optimizer sees the parameters
             sharding.shard_model(self.model, self.args.device)
         self.create_optimizer()
