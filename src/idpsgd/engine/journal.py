@@ -129,13 +129,14 @@ class DrawJournal:
         found = None
         if self.writer:
             try:
-                found = ("ok", read_records(self.path))
+                found = ("ok", read_records(self.path), self.attempt)
             except InvalidParameterError as exc:
-                found = ("refused", exc.args)
-        if distributed.is_distributed():
+                found = ("refused", exc.args, self.attempt)
+        if distributed.is_distributed():  # rank 0's records and attempt id: every rank's checkpoint names it
             found = distributed.broadcast_object(found)
         if found[0] != "ok":
             raise InvalidParameterError(*found[1])
+        self.attempt = found[2]
         self.records = [r for r in found[1] if r.get("attempt") != self.attempt]
         return self.records
 
