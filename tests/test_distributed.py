@@ -53,6 +53,7 @@ def _trial(die_at=None, mark=None):
         "ledger_sizes": [row[3] for row in trainer.ledger_rows],
         "ebs": opt.expected_batch_size,
         "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
+        "q": np.asarray(trainer.engine.parameters["sample_rates"]),
         "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
         "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"]),
     }
@@ -77,8 +78,11 @@ def test_two_gloo_processes_match_one_process():
     for a, b in zip(two["drawn"], single["drawn"], strict=True):  # the union is the single-process draw
         np.testing.assert_array_equal(a, b)
     ranks = two["per_rank"]
+    from idpsgd.engine.rank_balance import rank_owners
+
+    owners = rank_owners(single["q"], 2)  # dealt in snake order of the rates (balanced loads)
     for r, rank in enumerate(ranks):  # each rank drew only its own shard
-        assert all(np.all(d % 2 == r) for d in rank["drawn"])
+        assert all(np.all(owners[d] == r) for d in rank["drawn"])
         assert rank["ebs"] == pytest.approx(single["sum_q"] / 2)  # per-rank Σq/W, as Opacus
     assert two["ledger_sizes"] == [len(d) for d in single["drawn"]]  # ledger: the global batch size
     assert [r["noise_drawn"] for r in ranks] == [True, False]  # noise on rank 0 only: once

@@ -220,7 +220,27 @@ def _refusals():
             found[case] = None
         except InvalidParameterError as exc:
             found[case] = str(exc)
-    return {"refused": found}
+    # ghost with fully_shard on each Linear (issue 46): crashed in Opacus ("FSDP does not support deepcopy")
+    model = torch.nn.Sequential(torch.nn.Linear(T, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    before = {k: _full(v) for k, v in model.state_dict().items()}
+    try:
+        IndividualizedPrivacyEngine(seed=1).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.zeros(8, T), torch.zeros(8, dtype=torch.long)), batch_size=4),
+            noise_multiplier=1.0,
+            sample_rate=0.5,
+            grad_sample_mode="ghost",
+            criterion=torch.nn.CrossEntropyLoss(),
+            target_delta=1e-5,
+        )
+        found["ghost_linear"] = None
+    except InvalidParameterError as exc:
+        found["ghost_linear"] = str(exc)
+    unchanged = all(torch.equal(_full(v), before[k]) for k, v in model.state_dict().items())
+    return {"refused": found, "refused_unchanged": unchanged and not hasattr(model, "_idpsgd_bookkeeper")}
 
 
 def _write_guard():
@@ -379,6 +399,11 @@ def test_two_processes_match_one_process():
     assert "grad_sample_mode='bk' or 'ghost' only" in refused["hooks"]
     assert "grad_sample_mode='bk' or 'ghost' only" in refused["functorch"]
     assert "only partly wrapped" in refused["partly"]
+    assert (
+        "'0' (Linear), '2' (Linear)" in refused["ghost_linear"]
+        and "fully_shard on the blocks" in refused["ghost_linear"]
+    )
+    assert two["refused_unchanged"]
     (mine, steps0), (other, steps1) = two["write_guard"]
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it
     assert steps0 == steps1 == 0  # nothing charged on any rank

@@ -356,14 +356,16 @@ def test_fsdp_refusals(tmp_path, monkeypatch):
         trainer(**base)
     with pytest.raises(InvalidParameterError, match="grad_sample_mode.*only 'bk'"):
         trainer(**base, grad_sample_mode="hooks")
-    with pytest.raises(InvalidParameterError, match="user_column.*not supported with fsdp"):
-        trainer(**base, user_column="u")
+    with pytest.raises(InvalidParameterError, match="user_column.*needs grad_sample_mode='bk'"):
+        trainer(**base, user_column="u", grad_sample_mode="ghost")
     with pytest.raises(InvalidParameterError, match="fsdp.*True or False"):
         PrivacyArguments(budgets="epsilon", fsdp="yes")
-    with pytest.raises(InvalidParameterError, match="grad_sample_mode.*only bk"):
+    with pytest.raises(InvalidParameterError, match="grad_sample_mode.*only bk and ghost"):
         FinetuneOptions(fsdp=True, grad_sample_mode="hooks")
-    with pytest.raises(InvalidParameterError, match="lora_r.*not supported with fsdp"):
-        FinetuneOptions(fsdp=True, lora_r=4)
+    FinetuneOptions(fsdp=True, lora_r=4, grad_sample_mode="ghost")  # LoRA and ghost clipping with fsdp (issue 51)
+    FinetuneOptions(fsdp=True, nproc=2, batch_size=4, physical_batch_size=1)  # two passes per process and step
+    with pytest.raises(InvalidParameterError, match="must divide --batch-size=3"):
+        FinetuneOptions(fsdp=True, nproc=2, batch_size=3)
     assert not (tmp_path / "run").exists()  # a refused run leaves no folder
 
 

@@ -481,6 +481,70 @@ def test_train_user_column_end_to_end_and_nothing_private_in_public_files(tmp_pa
     assert "users_k" in capsys.readouterr().err
 
 
+def _individual_cli_run(tmp_path, nproc: int):
+    """``idpsgd train --user-column ... --individual-accounting`` on ``nproc`` processes; returns the run folder."""
+    from idpsgd.cli import main
+
+    data, _ = _user_csv(tmp_path / f"data{nproc}")  # (the same rows for every nproc)
+    out = tmp_path / f"ia{nproc}"
+    argv = ["train", "--method", "sample", "--budgets", "1,3", "--fractions", "0.5,0.5", *data, "--user-column"]
+    argv += ["user", "--max-rows-per-user", "3", "--epochs", "2", "--batch-size", "6", "--individual-accounting"]
+    argv += ["--validate-subset", "0", "--no-progress", "--seed", "5", "--nproc", str(nproc), "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def _csv_columns(path) -> dict:
+    import csv
+
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
+    return {k: np.array([float(r[k]) for r in rows if k != "source"]) for k in rows[0] if k != "source"}
+
+
+def test_train_individual_accounting_at_user_level(tmp_path):
+    """Individual accounting (Yu et al. 2023) with the user as the unit, from the command line: one ε per user,
+    each within its budget, the user's final loss the mean over its rows."""
+    import json
+
+    out = _individual_cli_run(tmp_path, 1)
+    report = json.loads((out / "report.json").read_text())
+    assert report["privacy_unit"] == "user" and "individual_privacy" in report
+    cols = _csv_columns(out / "private" / "individual_epsilons.csv")
+    n_users = int(cols["rows"].size)
+    assert n_users == len(set(_user_csv(tmp_path / "again")[1].tolist())) and cols["rows"].sum() > n_users
+    assert np.all(cols["epsilon"] <= cols["budget"] * (1 + 1e-9)) and np.ptp(cols["epsilon"]) > 0
+    assert np.all((cols["share_correct"] >= 0) & (cols["share_correct"] <= 1))
+
+
+def test_train_individual_filter_at_user_level(tmp_path):
+    """``idpsgd train --user-column ... --filter individual``: the filter with the user as the unit, one
+    realized ε per user within its budget; full-batch DP-GD (--gd) is refused at user level."""
+    import json
+
+    from idpsgd.cli import main
+
+    data, ids = _user_csv(tmp_path / "data")
+    out = tmp_path / "f"
+    argv = ["train", "--method", "uniform", "--budgets", "1,3", "--fractions", "0.5,0.5", *data, "--user-column"]
+    argv += ["user", "--max-rows-per-user", "3", "--epochs", "2", "--batch-size", "6", "--filter", "individual"]
+    assert main([*argv, "--no-progress", "--seed", "5", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["privacy_unit"] == "user" and "filter" in report
+    cols = _csv_columns(out / "private" / "filter_epsilons.csv")
+    assert cols["rows"].size == len(set(ids.tolist())) and cols["rows"].sum() == ids.size
+    assert np.all(cols["epsilon"] <= cols["budget"] * (1 + 1e-9))
+    assert main([*argv, "--gd", "--no-progress", "--out", str(tmp_path / "g")]) == 2
+
+
+@pytest.mark.slow  # two spawned processes
+def test_train_individual_accounting_at_user_level_on_two_processes(tmp_path):
+    one, two = _individual_cli_run(tmp_path, 1), _individual_cli_run(tmp_path, 2)
+    a, b = (_csv_columns(d / "private" / "individual_epsilons.csv") for d in (one, two))
+    np.testing.assert_allclose(b["epsilon"], a["epsilon"], rtol=1e-6)  # the per-user norms: sharded, all-gathered
+    assert (one / "private" / "ledger.csv").read_bytes() == (two / "private" / "ledger.csv").read_bytes()
+
+
 def test_train_user_column_refusals(tmp_path):
     from idpsgd.cli import main
 
@@ -668,13 +732,16 @@ def test_reproduce_user_level_small(tmp_path):
 
 # --- two ranks ----------------------------------------------------------------------------------
 def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
-    """User-level training on DPDDP (users routed to ranks) or on one process: the same run."""
-    from idpsgd import Budgets
+    """User-level training on DPDDP (users routed to ranks) or on one process: the same run.  A mode
+    ``"<mode>+individual"`` adds individual accounting, ``"<mode>+filter"`` the individual filter (their
+    per-user norm passes sharded over the ranks)."""
+    from idpsgd import Budgets, IndividualAccountingOptions
     from idpsgd.engine import distributed
     from idpsgd.engine.wrap import raw_module
 
     out = {}
-    for mode in modes:
+    for name in modes:
+        mode, _, extra = name.partition("+")
         torch.manual_seed(0)
         rng = np.random.default_rng(0)
         ids = np.repeat(np.arange(30), rng.integers(1, 9, 30))
@@ -685,43 +752,62 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
             model = distributed.wrap_model(model)
         users = Users(ids, k=3)
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=7)
+        if extra == "individual":  # every user's norm refreshed twice an epoch
+            engine.enable_individual_accounting(IndividualAccountingOptions(validate_subset=0, refreshes_per_epoch=2.0))
+        plan = (  # the filter: a fixed σ and as many steps as the budgets admit
+            dict(privacy_filter="individual", noise_multiplier=1.0, steps=40)
+            if extra == "filter"
+            else dict(method="sample", epochs=2)
+        )
         module, opt, loader = engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
-            budgets=Budgets.from_groups([1.0, 3.0], [0.5, 0.5], users.num_users, 1e-5, seed=0),
-            method="sample",
-            epochs=2,
+            budgets=Budgets.from_groups(
+                [0.5 if extra == "filter" else 1.0, 3.0], [0.5, 0.5], users.num_users, 1e-5, seed=0
+            ),
             sample_rate=0.3,
             users=users,
             grad_sample_mode=mode,
+            **plan,
         )
         for _ in range(2):
             for xb, yb in loader:
+                if not engine.can_step():
+                    break
                 opt.zero_grad()
                 nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
                 opt.step()
-        out[mode] = {
+        out[name] = {
             "steps": engine.steps,
             "eps": engine.get_epsilon().per_group,
             "params": [p.detach().clone() for p in raw_module(module).parameters()],
         }
+        if extra:
+            out[name]["individual"] = engine.get_individual_epsilons()
     return out
 
 
-@pytest.mark.parametrize("modes", [("bk",), pytest.param(("hooks", "functorch"), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "modes", [("bk", "bk+individual", "bk+filter"), pytest.param(("hooks", "functorch"), marks=pytest.mark.slow)]
+)
 def test_two_ranks_at_user_level_match_one_process(modes):
     """Users routed to ranks (each user's rows clipped as one unit on one rank): two gloo processes give
-    the single-process run (same draws, same clipped sum, noise once)."""
+    the single-process run (same draws, same clipped sum, noise once); with individual accounting the
+    per-user norm passes are sharded over the ranks and all-gathered: the same individual ε per user, and
+    the individual filter lets the same users go at the same steps."""
     from idpsgd.engine import distributed
 
     single = _user_ranks_trial(data_parallel=False, modes=modes)
-    two = distributed.launch(_user_ranks_trial, 2, kwargs={"modes": modes}, timeout_s=120)
+    two = distributed.launch(_user_ranks_trial, 2, kwargs={"modes": modes}, timeout_s=240)
     for mode in modes:
         assert two[mode]["steps"] == single[mode]["steps"] > 0
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
         for a, b in zip(two[mode]["params"], single[mode]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        if "individual" in single[mode]:  # the per-user norms (of the same rows) to float precision
+            np.testing.assert_allclose(two[mode]["individual"], single[mode]["individual"], rtol=1e-6)
+            assert np.ptp(single[mode]["individual"]) > 0  # output-specific: the users' ε differ
 
 
 def test_make_private_with_epsilon_at_user_level():

@@ -21,7 +21,6 @@ import importlib
 import io
 import json
 import math
-import pickle
 import struct
 import warnings
 import zlib
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .io import RefusedPickle, load_restricted
 from .preprocessing import normalize
 from .validation import InvalidParameterError
 
@@ -437,18 +437,10 @@ CIFAR_PICKLE_GLOBALS: dict[tuple[str, str], tuple] = {
 }
 
 
-class _RefusedGlobal(pickle.UnpicklingError):
-    pass
-
-
-class CifarUnpickler(pickle.Unpickler):
-    """Unpickles only what CIFAR-10 batches contain (:data:`CIFAR_PICKLE_GLOBALS`); anything else is refused."""
-
-    def find_class(self, module, name):
-        where = CIFAR_PICKLE_GLOBALS.get((module, name))
-        if where is None:
-            raise _RefusedGlobal(f"{module}.{name}")
-        return _numpy_attr(*where)
+def cifar_pickle_globals() -> dict[tuple[str, str], object]:
+    """:data:`CIFAR_PICKLE_GLOBALS` resolved in this numpy: the allow-list CIFAR-10 batches are
+    unpickled with (:func:`idpsgd.io.load_restricted`); anything else is refused."""
+    return {key: _numpy_attr(*where) for key, where in CIFAR_PICKLE_GLOBALS.items()}
 
 
 def _get(d: dict, key: str):
@@ -459,12 +451,10 @@ def read_cifar_batch(p: Path) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 python batch: images (n, 3, 32, 32) uint8 and labels (n,) int64."""
     try:
         with p.open("rb") as fh:
-            d = CifarUnpickler(fh, encoding="bytes").load()
-    except _RefusedGlobal as exc:
-        raise DatasetFileError(
-            f"{p} is not a CIFAR-10 python batch: it names {exc}, which CIFAR-10 batches "
-            "never contain (refused without running it)"
-        ) from None
+            d = load_restricted(fh, cifar_pickle_globals(), encoding="bytes")
+    except RefusedPickle as exc:
+        what = f"it names {exc.name}, which CIFAR-10 batches never contain" if exc.name else str(exc)
+        raise DatasetFileError(f"{p} is not a CIFAR-10 python batch: {what} (refused without running it)") from None
     except EOFError:
         raise DatasetFileError(f"{p} is not a CIFAR-10 python batch (empty or truncated file)") from None
     except Exception as exc:

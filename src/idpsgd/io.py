@@ -2,19 +2,22 @@
 
 Every writer goes to a temporary file in the destination folder and renames it into place
 (``os.replace`` is atomic on POSIX).  ``private=True`` creates the file with mode 0600: use it
-for per-example budgets and ε, which are personal data.
+for per-example budgets and ε, which are personal data.  Reading back runs no code from a file:
+:func:`load_torch` (``weights_only=True``) and :func:`load_restricted` (an exact allow-list unpickler).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import json
 import os
+import pickle
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -134,8 +137,6 @@ class CheckpointError(ValueError):
 def load_torch(path, what: str = "checkpoint"):
     """Load a file written by :func:`save_torch` with ``weights_only=True`` (nothing in the file can
     run code); any failure is one :class:`CheckpointError` line naming the file."""
-    import pickle
-
     import torch
 
     path = Path(path)
@@ -144,8 +145,101 @@ def load_torch(path, what: str = "checkpoint"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable idpsgd {what} ({first[:200]})") from None
+        raise CheckpointError(f"{path} is not a readable idpsgd {what} ({torch_load_problem(exc)})") from None
+
+
+def torch_load_problem(exc: BaseException) -> str:
+    """Why ``torch.load(..., weights_only=True)`` failed, in one line: for a refused file, what it
+    named — never torch's advice to retry without ``weights_only``, which would run the file."""
+    import re
+
+    text = str(exc).strip()
+    if text.startswith("Weights only load failed"):
+        named = re.search(
+            r"(Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+|Unsupported operand \S+"
+            r"|WeightsUnpickler error: [^\n.]+)",
+            text,
+        )
+        why = f": {named.group(1)[:200]}" if named else ""
+        return f"it holds more than tensors and plain values, refused without running it{why}"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return first[:200]
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    """A pickle names something outside its allow-list (:func:`load_restricted`): refused before any
+    of it ran.  ``name``: the ``module.name`` it named, or None (an object it tried to modify)."""
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    """Python's own unpickler (``pickle._Unpickler``, the reference implementation of every opcode)
+    with the places a pickle reaches outside its data narrowed to an exact allow-list:
+
+    - ``find_class`` (the GLOBAL, STACK_GLOBAL and INST opcodes) returns the object allowed for
+      that exact ``(module, name)`` pair, never imports anything, and refuses a dotted name outright
+      (from protocol 4 on, pickle resolves ``name`` attribute by attribute: ``os.system`` reached
+      through an allowed module's own ``import os``);
+    - ``BUILD`` (an object's state) only fills in an instance of an allowed class; on a class, an
+      enum member, a function or anything else it would ``setattr`` on an object the whole process
+      shares (rewrite an allowed class for the rest of the run) and is refused;
+    - extension codes (EXT1/2/4, :mod:`copyreg`'s registry) are refused: the unpickler answers them from
+      a process-wide cache that a permissive unpickler may have filled, without asking ``find_class``.
+
+    Persistent ids and out-of-band buffers stay refused (no ``persistent_load``, no ``buffers``)."""
+
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file, allowed: Mapping[tuple[str, str], Any], encoding: str):
+        super().__init__(file, encoding=encoding)
+        self._allowed = allowed
+        # (not an Enum's: its members are the process's singletons)
+        self._buildable = tuple(v for v in allowed.values() if isinstance(v, type) and not issubclass(v, enum.Enum))
+
+    def find_class(self, module, name):
+        if "." in name:
+            raise RefusedPickle(
+                f"{module}.{name} is a dotted name (an attribute reached through {module}): refused", f"{module}.{name}"
+            )
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise RefusedPickle(f"{module}.{name} is not allowed", f"{module}.{name}") from None
+
+    def _load_build(self):
+        inst = self.stack[-2]  # under the state
+        if isinstance(inst, type) or not isinstance(inst, self._buildable):
+            what = f"the class {inst.__qualname__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
+            raise RefusedPickle(f"setting the state of {what} is not allowed (only of the allowed classes' objects)")
+        pickle._Unpickler.load_build(self)
+
+    def _load_ext(self):
+        raise RefusedPickle("an extension code (copyreg) is not allowed: it names an object outside the allow-list")
+
+    dispatch[pickle.BUILD[0]] = _load_build
+    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = _load_ext
+    del _op
+
+
+def load_restricted(file, allowed: Mapping[tuple[str, str], Any], *, encoding: str = "ASCII"):
+    """Unpickle ``file`` (an open binary file) naming only the exact ``(module, name)`` pairs of
+    ``allowed`` (each mapped to the object it stands for; no name may contain a dot) — nothing outside
+    the list is imported or called, so the file runs no code of its own.  A name outside the list raises
+    :class:`RefusedPickle`; a file that is not a whole pickle, ``EOFError`` or ``pickle.UnpicklingError``.
+    ``encoding``: for Python 2 byte strings (``"bytes"`` keeps them as bytes)."""
+    dotted = sorted(f"{m}.{n}" for m, n in allowed if "." in n)
+    if dotted:
+        raise ValueError(f"an allow-list of unpickled names holds dotted names {dotted}: list each exact object")
+    try:
+        return _RestrictedUnpickler(file, allowed, encoding).load()
+    except (RefusedPickle, EOFError):
+        raise
+    except Exception as exc:  # an unknown opcode, an empty stack, an allowed class given bad arguments...
+        raise pickle.UnpicklingError(f"not a valid pickle ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def signature_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

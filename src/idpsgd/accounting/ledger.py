@@ -93,7 +93,7 @@ class RdpLedger:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"ledger file not found: {path}")
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:  # arrays only: an object array (a pickle) is refused
             ledger = cls(data["rdp"].shape[0], data["orders"])
             ledger.load_state_dict({k: data[k] for k in data.files})
         return ledger

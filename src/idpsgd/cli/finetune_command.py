@@ -68,9 +68,10 @@ def _finetune_args(p):
     )
     p.add_argument(
         "--grad-sample-mode",
-        choices=["bk", "hooks", "functorch"],
+        choices=["bk", "ghost", "hooks", "functorch"],
         default="bk",
-        help="bk: book-keeping (one backward pass); hooks / functorch: Opacus's per-sample gradients (default bk)",
+        help="bk: book-keeping (one backward pass); ghost: ghost clipping (two backward passes; no tied "
+        "embeddings); hooks / functorch: Opacus's per-sample gradients (default bk)",
     )
     p.add_argument("--secure-mode", action="store_true", help="sampling and noise from OS entropy; refuses --seed")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
@@ -94,7 +95,8 @@ def _finetune_args(p):
         "--fsdp",
         action="store_true",
         help="shard the model with FSDP2 (each transformer block and the root, fully_shard) over the processes "
-        "of torchrun --nproc-per-node N (or --nproc N); bk only; checkpoints are sharded folders "
+        "of torchrun --nproc-per-node N (or --nproc N); bk or ghost, with --lora-r and --user-column (bk) too; "
+        "checkpoints are sharded folders "
         "(OUT/private/checkpoint-<step>/)",
     )
     p.add_argument(

@@ -365,11 +365,6 @@ def train_cmd(args):
             if users is None
             else user_budgets_from_args(args, users, data)
         )
-        if users is not None and (filter_options is not None or individual is not None):
-            what = "--filter" if filter_options is not None else "--individual-accounting"
-            raise InvalidParameterError(
-                "user_column", args.user_column, f"{what} is not supported by the train command at user level yet"
-            )
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
             from ..training.device import resolve_device
@@ -383,7 +378,7 @@ def train_cmd(args):
                 device=resolve_device(config.device),
             )
         elif filter_options is not None:
-            report = train_filtered(data, budgets, config, filter_options, folder, resume=args.resume)
+            report = train_filtered(data, budgets, config, filter_options, folder, resume=args.resume, users=users)
         else:
             report = train(
                 data,

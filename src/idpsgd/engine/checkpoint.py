@@ -262,7 +262,7 @@ def _read_checkpoint(path):
     """Load with ``weights_only=True`` from a path (:func:`idpsgd.io.load_torch`) or a file object."""
     import pickle
 
-    from ..io import CheckpointError, load_torch
+    from ..io import CheckpointError, load_torch, torch_load_problem
 
     if isinstance(path, (str, os.PathLike)):
         return load_torch(path)
@@ -273,9 +273,8 @@ def _read_checkpoint(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"the {type(path).__name__} does not hold a readable checkpoint ({first[:200]})"
+            f"the {type(path).__name__} does not hold a readable checkpoint ({torch_load_problem(exc)})"
         ) from None
 
 

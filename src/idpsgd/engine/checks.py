@@ -194,17 +194,6 @@ def per_example_parameters(sample_rates, clip_norms, n: int) -> tuple[np.ndarray
     return q, c
 
 
-def check_sharded_user_level(users, ranks, per_user_norm_passes: bool) -> None:
-    """User level on several ranks supports neither the individual filter nor individual accounting."""
-    if users is not None and ranks is not None and per_user_norm_passes:
-        raise InvalidParameterError(
-            "users",
-            repr(users),
-            "the individual filter and individual accounting at user level run on one rank only (their "
-            "per-user norm passes are not sharded yet)",
-        )
-
-
 def check_same_budgets(earlier: Budgets | None, budgets: Budgets | None) -> None:
     """A later phase of an engine keeps its budgets (the ledger composes phases against them)."""
     if (earlier is None) != (budgets is None) or (
@@ -254,8 +243,6 @@ def check_phase(
         ranks, seeds = fsdp.setup(engine, module, opts.mode, opts.privacy_filter, seeds, opts.users)
     else:
         ranks, seeds = distributed.setup(engine, module, opts.mode, opts.privacy_filter, seeds)
-    per_user_passes = opts.privacy_filter == "individual" or engine.individual is not None
-    check_sharded_user_level(opts.users, ranks, per_user_passes)
     check_positive_array(c, "clip_norms")
     if not first:
         check_same_budgets(engine.budgets, budgets)
@@ -279,7 +266,6 @@ __all__ = [
     "check_optimizer",
     "check_phase",
     "check_same_budgets",
-    "check_sharded_user_level",
     "count_units",
     "dataset_size",
     "device_of",

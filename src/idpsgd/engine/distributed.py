@@ -1,7 +1,7 @@
 """Distributed individualized DP-SGD on ``torch.distributed`` (data parallelism, Opacus's DPDDP path).
 
 Boenisch et al. 2023, Alg. 1/3 run by W processes ("ranks") with exactly the mechanism, and so the
-accounting, of one process: each rank Poisson-samples its shard (i mod W = r) from the same seeded
+accounting, of one process: each rank Poisson-samples its shard (:mod:`.rank_balance`) from the same seeded
 stream, so the union is the single-process draw; each rank clips its examples at c_i, the noise
 N(0, σ²c²) is added once on rank 0 and one all-reduce averages the per-rank sums divided by
 Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`setup`
@@ -37,6 +37,7 @@ from .optimizer import (
     IndividualizedDPOptimizerFastGradientClipping,
 )
 from .randomness import SecureUniform
+from .rank_balance import rank_shard
 from .sampler import BatchMismatchError, PoissonBatchSampler
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -151,7 +152,9 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds) -> tup
 
 # --- sampling -------------------------------------------------------------------------------
 class DistributedPoissonBatchSampler(PoissonBatchSampler):
-    """Poisson sampling at rates q_i of this rank's shard {i : i mod W = rank}.
+    """Poisson sampling at rates q_i of this rank's shard: the examples dealt to it in snake order of
+    their rates (:func:`~.rank_balance.rank_owners`: every rank's expected batch Σ q_i equal to within
+    one example's rate, from the rates and W only).
 
     In reproducible mode every rank draws the same n uniforms per step (the single-process stream)
     and keeps its shard's i with U_i < q_i: the union over ranks is the single-process draw.  In
@@ -162,7 +165,7 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
         if not 0 <= int(rank) < int(world_size):
             raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
         self.rank, self.world_size = int(rank), int(world_size)
-        self.shard = np.arange(rank, self.sample_rates.size, world_size, dtype=np.int64)
+        self.shard = rank_shard(self.sample_rates, self.rank, self.world_size)
 
     @property
     def expected_batch_size(self) -> float:
@@ -308,6 +311,16 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=comm_device())
     return box[0]
+
+
+def sum_over_ranks(value: int) -> int:
+    """Σ over the ranks of an integer every rank calls this with (``value`` itself without a process
+    group): e.g. the rows of a user-level step, of which the optimizer counts the users."""
+    if not is_distributed():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t)
 
 
 def all_gather_arrays(local: np.ndarray, sizes) -> np.ndarray:
@@ -506,7 +519,13 @@ def check_nproc(nproc, *, pdp: bool = False, individual_filter: bool = False) ->
     if nproc > 1 and pdp:
         raise InvalidParameterError("nproc", nproc, "PDP-SGD methods run in one process only (use --nproc 1)")
     if nproc > 1 and individual_filter:
-        raise InvalidParameterError("nproc", nproc, "--filter individual runs in one process only (use --nproc 1)")
+        raise InvalidParameterError(
+            "nproc",
+            nproc,
+            "--filter individual runs in one process only (use --nproc 1): the command's filter harness is not "
+            "launched on several ranks (the engine's privacy_filter='individual' runs on DPDDP ranks, at example "
+            "or user level, from the library)",
+        )
     return int(nproc)
 
 
@@ -592,5 +611,6 @@ __all__ = [
     "rank_and_world",
     "refusal_code",
     "sharded_grad_norms",
+    "sum_over_ranks",
     "wrap_model",
 ]

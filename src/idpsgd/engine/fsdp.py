@@ -104,6 +104,28 @@ def _check_parameters(module: torch.nn.Module) -> None:
             )
 
 
+def _check_ghost_layers(module: torch.nn.Module) -> None:
+    """Ghost mode: refuse ``fully_shard`` on a module with trainable parameters of its own (a ``Linear``).
+    FSDP2 makes its class a subclass (``FSDPLinear``) that Opacus's ghost hooks do not know by type; they
+    would take it for an unknown layer and deep-copy it for functorch, which FSDP2 cannot do (``FSDP does
+    not support deepcopy``).  Refused here, before the engine changes anything."""
+    from torch.distributed.fsdp import FSDPModule
+
+    own = [
+        (name or "(root)", type(m).__mro__[2].__name__ if len(type(m).__mro__) > 2 else type(m).__name__)
+        for name, m in module.named_modules()
+        if isinstance(m, FSDPModule) and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    if own:
+        raise InvalidParameterError(
+            "module",
+            ", ".join(f"{n!r} ({kind})" for n, kind in own[:5]),
+            "fully_shard on a layer with trainable parameters of its own is not supported with "
+            "grad_sample_mode='ghost' (Opacus's ghost hooks cannot serve FSDP2's layer classes); call fully_shard "
+            "on the blocks that contain such layers and on the root, or use grad_sample_mode='bk'",
+        )
+
+
 def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=None):
     """Checks of a ``fully_shard`` model for ``make_private``: ``((rank, W), seeds)``, the seeds (a
     :class:`~.randomness.RunSeeds`) rank 0's, which every rank uses — as :func:`.distributed.setup`.
@@ -123,19 +145,26 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
             "no_op materialise per-sample gradients of the unsharded parameters, which FSDP2 frees after each "
             "module's forward and backward",
         )
-    if users is not None:
+    if users is not None and record.name != "bk":
         raise InvalidParameterError(
-            "users", repr(users), "user-level privacy is not supported with a fully_shard model yet"
+            "users",
+            repr(users),
+            f"user-level privacy with a fully_shard model needs grad_sample_mode='bk' (not {record.name!r}): "
+            "the sharded ghost wrapper forms per-row norms; a user's summed-gradient norm would need the "
+            "user-level ghost capture on FSDP2's unsharded parameters",
         )
     if privacy_filter == "individual" or engine.individual is not None:
         raise InvalidParameterError(
             "privacy_filter" if privacy_filter == "individual" else "individual accounting",
             privacy_filter,
-            "the individual filter and individual accounting are not supported with a fully_shard model yet "
-            "(their per-example norm passes are not sharded); use privacy_filter='group'",
+            "the individual filter and individual accounting are not supported with a fully_shard model yet: "
+            "their per-example norm passes would need the same number of forward passes on every rank (FSDP2's "
+            "all-gathers) and the norms all-gathered; use privacy_filter='group', or DPDDP "
+            "(idpsgd.engine.distributed.wrap_model), where both run on several ranks",
         )
     _check_parameters(module)
     if record.name == "ghost":
+        _check_ghost_layers(module)
         sum_reduction(module)
     settle_shards(module)
     if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
@@ -204,6 +233,21 @@ def _phantom(sample):
         return t
 
     return tree_map(one, sample)
+
+
+def mark_phantom_pass(clipping) -> None:
+    """The coming backward pass runs on a phantom row although this rank's share of the step is not
+    empty (one of the equal number of passes every rank runs, e.g. the Trainer's
+    ``gradient_accumulation_steps`` parts of a share smaller than their number): it gets no weight and
+    consumes no drawn example, as a pass of an empty share (:func:`phantom_pass`)."""
+    clipping.phantom_pass = True
+
+
+def phantom_pass(clipping, consume: bool = False) -> bool:
+    """Whether the current pass is a phantom row's: this rank's drawn share is empty, or
+    :func:`mark_phantom_pass` marked it (``consume``: the mark is forgotten, at the pass's clipping)."""
+    marked = clipping.__dict__.pop("phantom_pass", False) if consume else clipping.__dict__.get("phantom_pass", False)
+    return bool(marked) or clipping.queue.empty_batch_pending
 
 
 def phantom_batches(loader, batch_first: bool) -> None:
@@ -478,7 +522,7 @@ class ShardedGhostModule(IndividualizedGhostModule):
         refusal, coef = None, None
         try:
             self._check_reduced()
-            if self.clipping is not None and self.clipping.queue.empty_batch_pending:
+            if self.clipping is not None and phantom_pass(self.clipping):
                 norms = self.get_norm_sample()  # the phantom row's: read (and forgotten), no weight
                 self.clipping.factors(norms.new_zeros((0,)))  # the empty draw: no example, as in one process
                 coef = torch.zeros_like(norms)
@@ -513,7 +557,11 @@ def share_verdict(refusal: Exception | None, params) -> None:
 
 # --- the optimizer ----------------------------------------------------------------------------
 def refuse_physical_batches(optimizer) -> None:
-    """Refuse BatchMemoryManager's physical batches on a ``fully_shard`` model (the step is dropped first)."""
+    """Refuse BatchMemoryManager's physical batches on a ``fully_shard`` model (the step is dropped first),
+    unless the caller runs the same number of passes on every rank (``optimizer.equal_passes``: the
+    Trainer's ``gradient_accumulation_steps`` parts, an empty part a phantom row, :func:`mark_phantom_pass`)."""
+    if getattr(optimizer, "equal_passes", False):
+        return
     optimizer.clipping.queue.clear()
     optimizer.refuse_step()
     raise InvalidParameterError(
@@ -521,8 +569,10 @@ def refuse_physical_batches(optimizer) -> None:
         "BatchMemoryManager (physical batches)",
         "is not supported with a fully_shard model: the ranks' Poisson shares differ in size, so they would "
         "run different numbers of physical batches while FSDP2's collectives need every rank in each "
-        "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks, "
-        "activation checkpointing)",
+        "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks), "
+        "or run the same number of passes on every rank (an empty part as a phantom row, "
+        "idpsgd.engine.fsdp.mark_phantom_pass) and set optimizer.equal_passes = True, as the Trainer's "
+        "gradient_accumulation_steps do",
     )
 
 
@@ -535,6 +585,7 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
 
     last_global_batch_size: int | None = None
     unsharded: UnshardedParameters | None = None
+    equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)
@@ -575,7 +626,7 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
                     "(used outside the book-kept layers' forwards: a functional call on a layer's weight, "
                     "or a layer no rule covers): it would not be clipped per example; the step was not taken"
                 )
-            if not self.clipping.queue.empty_batch_pending:
+            if not phantom_pass(self.clipping, consume=True):
                 norms = keeper.norms(self._loss_scale)
                 sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
             # else: this rank's draw is empty: its backward pass (if any) ran on a phantom row
@@ -647,6 +698,7 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
     one N(0, σ²c²I) over the full vector, each rank keeping its chunk of the one-process draw."""
 
     last_global_batch_size: int | None = None
+    equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)
@@ -658,6 +710,7 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
         return super().signal_skip_step(do_skip)
 
     def accumulate(self):
+        phantom_pass(self.clipping, consume=True)  # (the module gave a phantom pass factor 0: its sum is zero)
         for p in self.params:  # the same order on every rank; no collective (FSDP2 reduced the clipped sums)
             local = local_shard(p)
             g = local_shard(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(local)

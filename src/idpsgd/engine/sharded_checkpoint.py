@@ -8,8 +8,9 @@ caller's extras.  Everything is private: mode 0700/0600.  The folder appears who
 written as ``.checkpoint-<step>.tmp``, renamed by rank 0 after every rank has written (a rank that
 dies mid-save leaves the previous checkpoint as the latest).  Loading refuses another plan, signature
 or world size (unless the saved private state is the same on every rank and ``allow_reshard``: DCP
-reshards the tensors); DCP's metadata is unpickled with an allow-list and non-tensor values with
-``weights_only=True``, so reading a checkpoint runs no code from it.  :func:`export_pretrained`
+reshards the tensors); DCP's metadata is unpickled with an exact allow-list of DCP's own classes
+(:func:`read_metadata`), tensors and non-tensor values with ``weights_only=True``, so reading a
+checkpoint runs no code from it.  :func:`export_pretrained`
 writes the model alone (public) as one ``save_pretrained`` folder.
 """
 
@@ -37,7 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..io import CheckpointError, fault_point, load_torch, save_torch, signature_differences
+from ..io import (
+    CheckpointError,
+    RefusedPickle,
+    fault_point,
+    load_restricted,
+    load_torch,
+    save_torch,
+    signature_differences,
+)
 from ..validation import InvalidParameterError
 from . import distributed
 from .unwrap import raw_module
@@ -220,36 +229,75 @@ def _fsync_dir(path: Path) -> None:
 
 
 # --- loading ------------------------------------------------------------------------------------
-#: the classes DCP's ``.metadata`` pickle may name (anything else is refused: reading runs no code)
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": None,  # every class of the module
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice"},
+#: What DCP's ``.metadata`` pickle names (listed from checkpoints torch 2.13 writes — fp32, bf16,
+#: AdamW and SGD states, a GPT-2 — by unpickling them with a recording ``find_class``): its metadata
+#: classes, its file writer's storage record, the layout lookup, ``torch.Size``, dtypes and the
+#: checkpoint's path.  Exact (module, name) pairs; nothing else loads.
+_METADATA_NAMES = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),  # a lookup in a table of torch's layouts
+    "torch": ("Size",),
 }
+#: the checkpoint's path (``StorageMeta.checkpoint_id``): pathlib's classes, which Python 3.13 pickles
+#: as ``pathlib._local.*`` (a module other versions lack): both names stand for pathlib's classes
+_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        allowed = _METADATA_CLASSES.get(module, set())
-        if allowed is None or name in allowed:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's DCP metadata")
+def metadata_globals() -> dict[tuple[str, str], object]:
+    """The exact ``(module, name) -> object`` allow-list DCP's metadata is unpickled with
+    (:func:`idpsgd.io.load_restricted`): :data:`_METADATA_NAMES`, each dtype (``torch.float32``...)
+    and pathlib's path classes."""
+    import importlib
+    import pathlib
+
+    out = {}
+    for module, names in _METADATA_NAMES.items():
+        mod = importlib.import_module(module)
+        out.update({(module, n): getattr(mod, n) for n in names if hasattr(mod, n)})
+    out.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    out.update({(m, n): getattr(pathlib, n) for m in ("pathlib", "pathlib._local") for n in _PATH_CLASSES})
+    return out
+
+
+def read_metadata(path) -> object:
+    """DCP's ``.metadata`` of a checkpoint folder, unpickled through :func:`metadata_globals`; a file
+    naming anything else, or not DCP metadata of this folder's own shard files, is a CheckpointError."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path) / ".metadata"
+    try:
+        with open(path, "rb") as fh:
+            metadata = load_restricted(fh, metadata_globals())
+    except RefusedPickle as exc:
+        raise CheckpointError(f"{path} is not DCP metadata, refused without running it: {exc}") from None
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointError(f"{path} is not readable DCP metadata ({str(exc)[:200]})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path} is not the DCP metadata of a saved checkpoint ({type(metadata).__name__})")
+    for info in metadata.storage_data.values():  # the shards it reads: files of this folder
+        name = getattr(info, "relative_path", None)
+        plain = isinstance(name, str) and name not in ("", ".", "..") and not set(name) & set("/\\\0")
+        if not (isinstance(info, _StorageInfo) and plain):
+            raise CheckpointError(f"{path} names a shard outside its folder ({str(name)[:100]!r})")
+    return metadata
 
 
 class _SafeReader(FileSystemReader):
-    """DCP's file reader with the metadata unpickled through an allow-list of DCP's own classes."""
+    """DCP's file reader with the metadata read by :func:`read_metadata` (an exact allow-list)."""
 
     def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path} is not readable DCP metadata ({str(exc)[:200]})") from None
+        metadata = read_metadata(self.path)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
@@ -348,7 +396,7 @@ def load_sharded_checkpoint(
                 "world_size", world, f"differs from the {saved_world} processes that wrote {path}: {why}"
             )
     mine = ranks[rank] if saved_world == world else ranks[0]
-    _SafeReader(path).read_metadata()  # readable (through the allow-list) before anything changes
+    read_metadata(path)  # readable (through the allow-list) before anything changes
     if engine is not None:
         if mine["engine"] is None:
             raise CheckpointError(f"{path} holds no privacy engine state (saved without engine=)")
@@ -416,6 +464,7 @@ def export_pretrained(checkpoint, model: torch.nn.Module, out, *, tokenizer=None
             "under torch.distributed",
             "runs in one process (it reads every rank's shards); call it outside torchrun",
         )
+    read_metadata(checkpoint)  # readable (through the allow-list) before DCP reads anything
     tensors = {"model": model.state_dict()}
     _dcp_load(tensors, checkpoint)
     model.load_state_dict(tensors["model"])
@@ -459,6 +508,8 @@ __all__ = [
     "full_model_state",
     "latest_sharded_checkpoint",
     "load_sharded_checkpoint",
+    "metadata_globals",
+    "read_metadata",
     "read_sharded_state",
     "save_pretrained_atomically",
     "save_sharded_checkpoint",

@@ -24,6 +24,7 @@ import torch
 from ..users import Users
 from .bk.rules import EmbeddingRule, LinearRule, acc, add_into
 from .clipping import PerExampleClipping
+from .rank_balance import rank_owners
 from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
 
 #: the guarantee in words at user level (report.json's "guarantee")
@@ -53,8 +54,10 @@ class UserPoissonBatchSampler(PoissonBatchSampler):
 
 
 class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
-    """Two or more ranks at user level: **users are routed to ranks** (rank r holds the users u with
-    u mod W = r, all of their rows), so every user's rows are clipped as one unit on one rank.
+    """Two or more ranks at user level: **users are routed to ranks** (rank r holds the users dealt to it
+    in snake order of their rates, :func:`~.rank_balance.rank_owners`: equal expected numbers of users per
+    rank to within one user's rate; all of a user's rows), so every user's rows are clipped as one unit
+    on one rank.
 
     Sensitivity: the step's update is the all-reduced sum over ranks of each rank's Σ_u clip(g_u), which
     is Σ_u clip(g_u) over all sampled users — the single-process clipped sum — plus the noise drawn once
@@ -72,7 +75,8 @@ class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
         if not 0 <= int(rank) < int(world_size):
             raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
         self.rank, self.world_size = int(rank), int(world_size)
-        self.shard = np.arange(rank, self.sample_rates.size, world_size, dtype=np.int64)
+        self.owners = rank_owners(self.sample_rates, self.world_size)
+        self.shard = np.flatnonzero(self.owners == self.rank).astype(np.int64)
 
     @property
     def expected_batch_size(self) -> float:
@@ -87,7 +91,7 @@ class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
             return self.users.draw_rows(chosen, self.rng)
         chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
         rows = self.users.draw_rows(chosen, self.rng)  # the single-process draw
-        return rows[self.users.unit_of_row[rows] % self.world_size == self.rank]
+        return rows[self.owners[self.users.unit_of_row[rows]] == self.rank]
 
 
 @dataclass(frozen=True)

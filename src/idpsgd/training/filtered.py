@@ -81,6 +81,13 @@ class FilteredTrainer(Trainer):
         **kwargs,
     ):
         self.filter_options = check_filter_config(config, options)
+        if self.filter_options.gd and kwargs.get("users") is not None:
+            raise InvalidParameterError(
+                "gd",
+                True,
+                "full-batch DP-GD takes every row, while a user-level step takes up to k rows of each user (the "
+                "unit that is clipped): use Poisson sampling (without --gd) at user level",
+            )
         if self.filter_options.gd:
             config = dataclasses.replace(config, batch_size=len(dataset.y_train))
         super().__init__(dataset, budgets, config, out_dir, **kwargs)
@@ -176,12 +183,13 @@ class FilteredTrainer(Trainer):
         )
         eps = self.realized_epsilons()
         dropped = f.dropped_at
+        users = self.users  # user level: one row per user, with its number of rows instead of a label
         rf.write_csv(
             "filter_epsilons.csv",
-            ["index", "label", "budget", "filter_order", "rdp_budget", "rdp_spent", "epsilon", "dropped_at_step"],
+            ["index", "label" if users is None else "rows", *FILTER_COLUMNS],
             [
                 np.arange(eps.size),
-                self.dataset.y_train.numpy(),
+                self.dataset.y_train.numpy() if users is None else users.rows_per_user,
                 self.budgets.epsilons,
                 f.order,
                 f.rdp_budget,
@@ -197,6 +205,10 @@ class FilteredTrainer(Trainer):
             "filter.json", report["private"]["filter"], "private", "exact statistics of the filter's per-example values"
         )
         self.write_model_and_report(report, "the filter's orders and RDP budgets, test metrics, hyper-parameters")
+
+
+#: the per-unit columns of filter_epsilons.csv after the index and the label (user level: the rows)
+FILTER_COLUMNS = ("budget", "filter_order", "rdp_budget", "rdp_spent", "epsilon", "dropped_at_step")
 
 
 def active_figure(runs: dict, title: str | None = None):
@@ -239,6 +251,7 @@ def train_filtered(
     criterion=None,
     optimizer_factory=None,
     overwrite: bool = False,
+    users=None,
 ) -> dict:
     """Train with the individual Rényi filter (full-batch DP-GD with ``options.gd``, else
     Poisson-subsampled DP-SGD with individual clipping); returns the report (also written to ``out_dir``).
@@ -253,6 +266,8 @@ def train_filtered(
         resume: continue from the folder's checkpoint (same settings) if it exists.
         model, criterion, optimizer_factory: see :class:`~idpsgd.training.loop.Trainer`.
         overwrite: replace another run already in ``out_dir``.
+        users: an :class:`idpsgd.Users` over the training rows: the filter at user level (one budget per
+            user, each user's summed gradient the unit; Poisson sampling only).
     """
     check_delta(budgets.delta)
     options = check_filter_config(config, options)
@@ -266,6 +281,7 @@ def train_filtered(
             model=model,
             criterion=criterion,
             optimizer_factory=optimizer_factory,
+            users=users,
         ),
         config,
         out_dir,

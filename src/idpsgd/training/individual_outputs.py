@@ -51,6 +51,15 @@ def final_losses(trainer):
     return torch.cat(losses).numpy(), torch.cat(correct).numpy()
 
 
+def per_user_values(users, loss, correct) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """User level: each user's mean final loss over its rows, its share of rows classified correctly, and
+    no class (-1: a user's rows may belong to several classes)."""
+    counts = np.maximum(users.rows_per_user, 1)
+    mean = np.bincount(users.unit_of_row, weights=loss, minlength=users.num_users) / counts
+    share = np.bincount(users.unit_of_row, weights=correct.astype(float), minlength=users.num_users) / counts
+    return mean, share, np.full(users.num_users, -1)
+
+
 def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) -> tuple[dict, dict]:
     """Every example's ε (+ the private preprocessing's ε, if any) and its outputs in the run folder.
 
@@ -69,6 +78,9 @@ def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) 
     worst = group_cap + eps_pre
     loss, correct = final_losses(trainer)
     labels = trainer.dataset.y_train.numpy()
+    users = getattr(trainer, "users", None)
+    if users is not None:  # user level: the unit is the user (its rows' mean loss and share correct; no class)
+        loss, correct, labels = per_user_values(users, loss, correct)
     upper = float(trainer.budgets.epsilons.max())  # public clipping range of the release
     at_worst = eps >= worst * (1 - 1e-3)
     a = tracker.accountant
@@ -120,7 +132,7 @@ def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) 
         pld_cols = [("pld_epsilon", rep.pld + eps_pre)] if rep.pld is not None else []
         cols = [
             ("index", np.arange(eps.size)),
-            ("label", labels),
+            ("label", labels) if users is None else ("rows", users.rows_per_user),
             ("budget", trainer.budgets.epsilons),
             ("epsilon", eps),
             ("source", rep.source),
@@ -128,16 +140,16 @@ def individual_report(trainer, per_class_test_accuracy, release_epsilon: float) 
             *pld_cols,
             ("worst_case_epsilon", worst),
             ("final_loss", loss),
-            ("correct", correct.astype(int)),
+            ("correct", correct.astype(int)) if users is None else ("share_correct", correct),
         ]
         rf.write_csv(
             "individual_epsilons.csv",
             [k for k, _ in cols],
             [v for _, v in cols],
             "private",
-            f"every example's individual epsilon ({tracker.kind}; personal data; 'source': the bound that "
-            "gave it: its own rdp or pld epsilon, or 'cap', its data-independent epsilon), its budget, "
-            "final loss",
+            f"every {'example' if users is None else 'user'}'s individual epsilon ({tracker.kind}; personal data; "
+            "'source': the bound that gave it: its own rdp or pld epsilon, or 'cap', its data-independent epsilon), "
+            "its budget, final loss" + ("" if users is None else " (the mean over the user's rows)"),
         )
         rf.write_json(
             "individual_privacy.json",

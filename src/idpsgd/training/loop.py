@@ -135,7 +135,7 @@ class Trainer:
         self.release_epsilon = check_positive(release_epsilon, "release_epsilon")
         dataset = as_training_data(dataset)  # an idpsgd Dataset, or a MapStyleData over torch Datasets
         n_train = num_train(dataset)
-        self.users = check_users(users, n_train, budgets, config, individual)
+        self.users = check_users(users, n_train, budgets, config)
         if users is not None:
             n_train = users.num_users  # user level: one budget, rate and clip norm per user
         if len(budgets) != n_train:
@@ -421,7 +421,13 @@ class Trainer:
                 phase_steps += 1
                 if len(y):
                     losses.append(float(loss.detach()))
-                real = self.dp_optimizer.last_global_batch_size if distributed.is_distributed() else len(y)
+                real = (  # the real batch in rows (the optimizer counts the users at user level)
+                    distributed.sum_over_ranks(len(y))
+                    if self.users is not None
+                    else self.dp_optimizer.last_global_batch_size
+                    if distributed.is_distributed()
+                    else len(y)
+                )
                 self.ledger_rows.append(
                     [self.step, self.phase_idx, len(self.history) + 1, real, *self.engine.accountant.grid_epsilon()]
                 )
@@ -680,7 +686,7 @@ class Trainer:
         write_report(rf)
 
 
-def check_users(users, n_rows: int, budgets: Budgets, config, individual):
+def check_users(users, n_rows: int, budgets: Budgets, config):
     """User level (issue 37): ``users`` must cover the training rows; the methods that support it."""
     if users is None:
         return None
@@ -692,8 +698,6 @@ def check_users(users, n_rows: int, budgets: Budgets, config, individual):
         raise InvalidParameterError("users", repr(users), f"must give a user for each of the {n_rows} training rows")
     if config.method not in IDP_METHODS:
         raise InvalidParameterError("method", config.method, f"at user level must be {one_of(IDP_METHODS)} (ULS)")
-    if individual is not None:
-        raise InvalidParameterError("individual", "IndividualAccountingOptions", "is not supported at user level yet")
     return users
 
 

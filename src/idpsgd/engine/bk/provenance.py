@@ -10,7 +10,10 @@ keep the rows, a ``view`` merging the batch with later dimensions groups them (r
 belongs to example r // T), and anything that mixes the rows, or has no rule, gives rows of no single
 example (``Rows.mixed`` names the operation).  An untagged tensor is *shared* by the batch,
 whatever its shape.  A trainable parameter meeting mixed rows (:mod:`.keeper`, :mod:`.shared`) is
-refused, naming both operations.  Nothing is tracked when B ≤ 1.
+refused, naming both operations; so is a read into Python (``.item()``, ``.tolist()``, ``bool(t)``, ...) of
+such rows, where the value would leave the tags (but at transformers' mask fast paths, :data:`HOST_READ_SITES`).
+The rule tables are checked against a perturbed example by ``tests/test_provenance_rules.py``.  Nothing is
+tracked when B ≤ 1.
 
 The operations and their rules, with what is refused: ``docs/performance.md`` (Provenance).
 """
@@ -18,6 +21,7 @@ The operations and their rules, with what is refused: ``docs/performance.md`` (P
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 
 import torch
@@ -96,6 +100,17 @@ class RefusedRows(RuntimeError):
     """A trainable parameter met rows that belong to no single example."""
 
 
+def host_read_refusal(op: str, rows: Rows) -> RefusedRows:
+    return RefusedRows(
+        f"grad_sample_mode='bk': the model's forward reads into Python ({op!r}) a tensor whose rows are not each "
+        f"one example's: they come from {rows.mixed!r}, which reduces or mixes across the batch dimension; a "
+        "Python value of the whole batch (a branch, a scale, a length) can steer every example's computation, "
+        "which per-example clipping does not bound. Keep it a tensor per example (e.g. mask.all(dim=1) with "
+        "torch.where, per-example lengths), compute it from public values (shapes, constants), or move it out "
+        "of the model's forward"
+    )
+
+
 def refusal(where: str, rows: Rows) -> RefusedRows:
     return RefusedRows(
         f"grad_sample_mode='bk': {where} meets a tensor whose rows are not each one example's: they come "
@@ -112,7 +127,8 @@ def _fns(*names, modules=(torch, _T, F)):
     for name in names:
         for m in modules:
             f = getattr(m, name, None)
-            if f is not None:
+            # torch.float is a dtype, torch.cuda a module, torch.__eq__ the module's own (object) method
+            if callable(f) and not isinstance(f, torch.dtype) and getattr(f, "__self__", None) is not m:
                 out.add(f)
     return out
 
@@ -191,10 +207,48 @@ GETITEM = {_T.__getitem__}
 #: the operations of covered layers' base forwards (the weight's position), routed for their subclasses
 ROUTABLE = {F.linear: 1, F.embedding: 1, F.layer_norm: 2}
 #: tensors of a tagged tensor's shape but not of its values: not derived from the batch's data
-LIKE = _fns(
-    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like"
+LIKE = _fns("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "empty_like", "full_like")
+#: a copy of its ``data`` argument (values, not only the shape): the rows of ``data``
+NEW_TENSOR = _fns("new_tensor")
+#: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
+#: (a 0-dim or one-element tensor: refused when its rows are mixed), the rows as they are (a list, an array,
+#: a string: refused when mixed), or one answer about every row (refused when the rows are more than one
+#: example's)
+HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
+HOST_ROWS = _fns("tolist", "numpy", "__array__", "__format__")
+HOST_WHOLE = _fns("equal", "allclose", "__contains__")
+HOST_READS = HOST_SCALAR | HOST_ROWS | HOST_WHOLE
+#: (module, function) of the host reads of mixed rows that are allowed: transformers' attention-mask fast
+#: paths, which only choose whether to materialise a mask (``padding_mask.all()``: an explicit mask or
+#: ``is_causal``/none, the same attention up to rounding) and whose two sides the batch-independence check
+#: takes (its perturbed example's mask is 0, the others' 1), and a padding warning that only logs.  Every
+#: other read of mixed rows is refused (docs/guarantees.md, "Values read into Python").
+HOST_READ_SITES = frozenset(
+    {
+        ("transformers.masking_utils", "_ignore_causal_mask_sdpa"),
+        ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa"),
+        ("transformers.masking_utils", "flash_attention_mask"),
+        ("transformers.masking_utils", "flex_attention_mask"),
+        ("transformers.masking_utils", "find_packed_sequence_indices"),
+        ("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask"),
+    }
 )
+
+
+def _reader() -> tuple[str, str]:
+    """(module, function) of the code that made the host read in progress: the first caller outside torch
+    and this package."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "torch" or module.startswith(("torch.", "idpsgd.engine.bk"))):
+            return module, frame.f_code.co_name
+        frame = frame.f_back
+    return "", ""
+
+
 SETITEM = {_T.__setitem__}
+_TAKE_ALONG_DIM = _fns("take_along_dim")
 PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
 
 
@@ -362,9 +416,15 @@ class ProvenanceMode(TorchFunctionMode):
             self._setitem(args)
             self._spoil_if_mixed(args[0])
             return out
-        if func in LIKE or not (
-            torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]))
+        if (
+            func in LIKE
+            or func in NEW_TENSOR
+            or not (torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0])))
         ):
+            if func in HOST_READS:
+                self._host_read(func, args, kwargs)
+            elif func in LIKE or func in NEW_TENSOR:
+                self._like(func, args, kwargs, out)
             return out
         tags = self.tags
         found = None
@@ -384,7 +444,9 @@ class ProvenanceMode(TorchFunctionMode):
                 break
         if found is None and kwargs:
             for v in kwargs.values():
-                if torch.is_tensor(v) and tags.get(v) is not None:
+                if (torch.is_tensor(v) and tags.get(v) is not None) or (
+                    isinstance(v, (list, tuple)) and any(torch.is_tensor(x) and tags.get(x) is not None for x in v)
+                ):  # cat(tensors=[...])
                     found = True
                     break
         if found is None:
@@ -403,6 +465,31 @@ class ProvenanceMode(TorchFunctionMode):
                 if torch.is_tensor(o):
                     tags[o] = rows
         return out
+
+    def _host_read(self, func, args, kwargs) -> None:
+        """A read of tensor values into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``if t:``, ...): the
+        value leaves the tags, so one that mixes examples' rows (``bool(mask.all())``, ``x.mean().item()``)
+        could steer every example's computation (a branch, a scale, a length) unseen; refused.  A read of
+        an untagged value (public shapes, constants) or of rows that are each one example's is allowed."""
+        for t, r in self._inputs(args, kwargs):
+            whole = func in HOST_WHOLE and r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
+            if (not r.known or whole) and _reader() not in HOST_READ_SITES:
+                raise host_read_refusal(op_name(func), r if not r.known else _mixed(op_name(func)))
+
+    def _like(self, func, args, kwargs, out) -> None:
+        """``new_tensor(data)`` copies ``data``: its rows; the ``*_like``/``new_*`` constructors take the
+        template's shape only (untagged), unless a value of the batch is passed too (a tensor fill value)."""
+        if func in NEW_TENSOR:
+            data = _arg(args, kwargs, 1, "data")
+            r = self.tags.get(data) if torch.is_tensor(data) else None
+            if r is None and isinstance(data, (list, tuple)) and self._inputs(data, {}):
+                r = _mixed("new_tensor of a list of tensors of the batch")
+        else:
+            r = _mixed(op_name(func)) if self._inputs(args[1:], kwargs) else None
+        if r is not None and torch.is_tensor(out):
+            if not r.known and torch.is_grad_enabled():
+                self._check_parameters(func, args, kwargs, r)
+            self.tags[out] = r
 
     def _spoil_if_mixed(self, t) -> None:
         """A write into ``t`` (in place) that left rows of no single example: the write went to memory that
@@ -606,6 +693,8 @@ class ProvenanceMode(TorchFunctionMode):
         if func in PERMUTES:
             return _permute_rows(func, args, kwargs, nd, r) if args[0] is x else None
         if func in ALONG_DIM:
+            if name == "diff":
+                return self._diff(args, kwargs, res)
             if args[0] is not x or len(tagged) > 1:
                 return None
             dim = _arg(
@@ -617,7 +706,7 @@ class ProvenanceMode(TorchFunctionMode):
                 if name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "glu", "softmin", "diff")
                 else None,
             )
-            if name == "topk":
+            if name in ("topk", "kthvalue"):  # (input, k, dim=-1, ...)
                 dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
             if name in ("flip", "roll"):
                 dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
@@ -628,6 +717,8 @@ class ProvenanceMode(TorchFunctionMode):
                 dims = _dims(dim, nd) if isinstance(dim, (int, list, tuple)) else None
             if dims is None or r.dim in dims:
                 return None
+            if res.dim() == nd - 1 and name == "kthvalue":  # keepdim=False
+                return r.moved(r.dim - (dims[0] < r.dim))
             return r if res.dim() == nd else None
         if func in REDUCTIONS:
             if args[0] is not x or len(tagged) > 1:
@@ -640,8 +731,13 @@ class ProvenanceMode(TorchFunctionMode):
             dims = _dims(dim, nd)
             if r.dim in dims:
                 return None
-            keep = kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
-            return r if keep else r.moved(r.dim - sum(1 for d in dims if d < r.dim))
+            # keepdim's position differs (std's and var's third argument is ``unbiased``, norm's the dim):
+            # read it off the result
+            if res.dim() == nd:
+                return r
+            if res.dim() != nd - len(set(dims)):
+                return None
+            return r.moved(r.dim - sum(1 for d in set(dims) if d < r.dim))
         if func in SPLITS:
             if args[0] is not x or len(tagged) > 1:
                 return None
@@ -684,6 +780,33 @@ class ProvenanceMode(TorchFunctionMode):
             r = self.tags.get(args[0])
             return self._index_rows(args[0], args[1], r) if r is not None else None
         return self._functional(func, name, args, kwargs, tagged, res)
+
+    def _diff(self, args, kwargs, res):
+        """``diff(input, n=1, dim=-1, prepend=None, append=None)``: differences along ``dim`` of ``input``
+        with ``prepend``/``append`` joined there: row-wise when ``dim`` is not the batch dimension and every
+        operand of the batch has the same rows (a constant operand's rows must not differ along it)."""
+        x = args[0]
+        dim = _arg(args, kwargs, 2, "dim", -1)
+        if not isinstance(dim, int) or not torch.is_tensor(x):
+            return None
+        operands = [x, _arg(args, kwargs, 3, "prepend"), _arg(args, kwargs, 4, "append")]
+        operands = [t for t in operands if torch.is_tensor(t)]
+        rows = None
+        for t in operands:
+            tr = self.tags.get(t)
+            if tr is None:
+                continue
+            if t.dim() != x.dim() or (rows is not None and (tr.dim, tr.group) != (rows.dim, rows.group)):
+                return None
+            rows = tr
+        if rows is None or dim % x.dim() == rows.dim or res.dim() != x.dim():
+            return None
+        size = res.shape[rows.dim]
+        for t in operands:
+            constant = self.tags.get(t) is None and t.dim() == x.dim() and t.shape[rows.dim] == size > 1
+            if constant and t.stride(rows.dim) != 0 and self._rows_differ(t, rows.dim, rows.group):
+                return None
+        return rows
 
     def _matmul(self, args, res):
         a, b = args[0], args[1]
@@ -780,12 +903,15 @@ class ProvenanceMode(TorchFunctionMode):
                 return False
         return True
 
-    def _gather(self, args, kwargs):
+    def _gather(self, func, args, kwargs, res):
         """``gather(input, dim, index)``: out[i][j] = input[i][index[i][j]] (for dim 1): rows follow the
         batch rows of either operand, along another dimension than ``dim``; a constant operand must be
-        the same for every row (size 1 or stride 0 there), else the result depends on an example's place."""
-        inp, index = args[0], _arg(args, kwargs, 2, "index", _arg(args, kwargs, 1, "indices"))
-        dim = _arg(args, kwargs, 1, "dim")
+        the same for every row (size 1, stride 0 or equal rows), else the result depends on an example's place."""
+        inp = args[0]
+        if func in _TAKE_ALONG_DIM:  # (input, indices, dim=None): without dim, the flattened input
+            index, dim = _arg(args, kwargs, 1, "indices"), _arg(args, kwargs, 2, "dim")
+        else:
+            index, dim = _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 1, "dim")
         if not (torch.is_tensor(inp) and torch.is_tensor(index) and isinstance(dim, int)):
             return None
         rx, ri = self.tags.get(inp), self.tags.get(index)
@@ -794,8 +920,11 @@ class ProvenanceMode(TorchFunctionMode):
             return None
         if rows.dim == dim % inp.dim():
             return None
+        if res.shape[rows.dim] != (inp if rx is not None else index).shape[rows.dim]:
+            return None  # the result has the index's shape: a constant index of one row takes one example's
         for t, r in ((inp, rx), (index, ri)):
-            if r is None and not (t.shape[rows.dim] == 1 or t.stride(rows.dim) == 0):
+            shared = r is None and not (t.shape[rows.dim] == 1 or t.stride(rows.dim) == 0)
+            if shared and self._rows_differ(t, rows.dim, rows.group):
                 return None
         return rows
 
@@ -840,11 +969,13 @@ class ProvenanceMode(TorchFunctionMode):
             "adaptive_max_pool2d",
             "interpolate",
             "upsample",
-            "pixel_shuffle",
-            "unfold",
             "fold",
         ):
             return r if only_first and r.dim == 0 and r.group == 1 and nd >= 3 else None
+        if name in ("pixel_shuffle", "pixel_unshuffle") or func is F.unfold:  # (N, C, H, W); 3-d: C is the batch
+            return r if only_first and r.dim == 0 and r.group == 1 and nd == 4 else None
+        if name == "unfold" and only_first:  # Tensor.unfold(dimension, size, step): windows along ``dimension``
+            return None if int(_arg(args, kwargs, 1, "dimension")) % nd == r.dim else r
         if name in ("layer_norm", "rms_norm") and only_first:
             shape = _arg(args, kwargs, 1, "normalized_shape")
             k = 1 if isinstance(shape, int) else len(shape)
@@ -867,10 +998,13 @@ class ProvenanceMode(TorchFunctionMode):
             pad = list(_arg(args, kwargs, 1, "pad"))
             k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
             return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
-        if name in ("tril", "triu", "tril_", "triu_", "diagonal") and only_first:
+        if name in ("tril", "triu", "tril_", "triu_") and only_first:  # the last two dimensions
             return r if r.dim < nd - 2 else None
+        if name == "diagonal" and only_first:  # (input, offset=0, dim1=0, dim2=1): those two become the last
+            d1, d2 = (int(_arg(args, kwargs, k, n, k - 2)) % nd for k, n in ((2, "dim1"), (3, "dim2")))
+            return None if r.dim in (d1, d2) else r.moved(r.dim - (d1 < r.dim) - (d2 < r.dim))
         if name in ("gather", "take_along_dim"):
-            return self._gather(args, kwargs)
+            return self._gather(func, args, kwargs, res)
         if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
             dim = int(_arg(args, kwargs, 1, "dim")) % nd
             if dim == r.dim or args[0] is not x:

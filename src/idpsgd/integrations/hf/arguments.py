@@ -15,8 +15,8 @@ from ...names import ACCOUNTANTS
 from ...names import IDP_METHODS as METHODS
 from ...validation import InvalidParameterError
 
-#: the engine's modes the Trainer runs (one backward pass per physical batch, its own loss)
-GRAD_SAMPLE_MODES = ("bk", "hooks", "functorch")
+#: the engine's modes the Trainer runs (ghost: two backward passes per physical batch, through Opacus's loss wrapper)
+GRAD_SAMPLE_MODES = ("bk", "ghost", "hooks", "functorch")
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,11 @@ class PrivacyArguments:
         method: ``uniform`` (everyone at the smallest budget), ``sample`` (per-group sampling rates)
             or ``scale`` (per-group clip norms) (Boenisch et al. §3).
         accountant: ``rdp``, ``pld`` or ``prv`` (calibration, filter and the reported ε).
-        grad_sample_mode: ``bk`` (book-keeping: one backward pass, near non-private cost), ``hooks``
-            or ``functorch`` (Opacus's per-sample gradients).  ``ghost`` is refused: its two backward
-            passes go through Opacus's loss wrapper, not the Trainer's step (``bk`` gives the same
-            update in one pass).
+        grad_sample_mode: ``bk`` (book-keeping: one backward pass, near non-private cost), ``ghost``
+            (Opacus's ghost clipping: two backward passes of each physical batch, which the Trainer
+            runs through Opacus's ``DPTensorFastGradientClipping`` on the per-example losses; no tied
+            parameters, no gradient checkpointing), ``hooks`` or ``functorch`` (Opacus's per-sample
+            gradients).
         seed: seeds the privacy randomness — Poisson sampling and noise — and nothing else (the
             model's initialisation and dropout follow ``TrainingArguments.seed`` as usual).  ``None``
             (default): a fresh seed from OS entropy, recorded in the run folder's private part only —
@@ -47,11 +48,12 @@ class PrivacyArguments:
             per user (a budgets column must be constant within each user) and the expected batch size
             (``per_device_train_batch_size × gradient_accumulation_steps``) counts users.
         max_rows_per_user: k, the most rows of one user in one step (public; with ``user_column``).
-        fsdp: shard the model with FSDP2 under ``torchrun`` (issue 39): each transformer block and the
-            root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of a
-            step in one forward pass (``gradient_accumulation_steps=1``); ``bk`` only, no user level, no
-            fp16, no gradient checkpointing, no LoRA (refused with the reason); checkpoints are sharded
-            folders (``private/checkpoint-<step>/``).
+        fsdp: shard the model with FSDP2 under ``torchrun`` (issues 39, 51): each transformer block and
+            the root are wrapped with ``fully_shard`` before ``make_private``; each rank runs its share of
+            a step in exactly ``gradient_accumulation_steps`` passes (the same number on every rank: an
+            empty part is the engine's phantom row); ``bk`` or ``ghost``; LoRA (a PEFT model: its frozen
+            base sharded too) and user level (``bk``) are supported; no fp16 (refused with the reason);
+            checkpoints are sharded folders (``private/checkpoint-<step>/``).
     """
 
     budgets: Any
@@ -71,14 +73,6 @@ class PrivacyArguments:
             raise InvalidParameterError("method", self.method, f"must be one of {', '.join(METHODS)}")
         if self.accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", self.accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
-        if self.grad_sample_mode == "ghost":
-            raise InvalidParameterError(
-                "grad_sample_mode",
-                "ghost",
-                "is not supported by the Trainer (its second "
-                "backward pass runs through Opacus's loss wrapper); use bk, the same update "
-                "in one backward pass",
-            )
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise InvalidParameterError(
                 "grad_sample_mode", self.grad_sample_mode, f"must be one of {', '.join(GRAD_SAMPLE_MODES)}"

@@ -67,7 +67,7 @@ class FinetuneOptions:
     progress: bool = False
     save_every: int | None = None  # a private checkpoint every this many steps (resume=True continues it)
     nproc: int = 1  # data-parallel processes (the engine's DPDDP; gloo on CPU, one GPU each with cuda)
-    fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk only): torchrun or nproc
+    fsdp: bool = False  # shard the model with FSDP2 (each block and the root; bk or ghost): torchrun or nproc
     # the public class set of a classifier (one of them, unless the model's config names its classes):
     labels: tuple[str, ...] | None = None  # class names; their order gives the class ids
     num_classes: int | None = None  # K: integer labels 0..K-1
@@ -99,7 +99,9 @@ class FinetuneOptions:
         if isinstance(self.nproc, bool) or int(self.nproc) != self.nproc or self.nproc < 1:
             raise InvalidParameterError("nproc", self.nproc, "must be an integer >= 1")
         per_step = (self.physical_batch_size or self.batch_size) * self.nproc
-        if self.nproc > 1 and self.batch_size % per_step and not self.fsdp:
+        if self.fsdp and self.physical_batch_size is None:  # one pass per process and step
+            per_step = self.nproc
+        if self.nproc > 1 and self.batch_size % per_step:
             raise InvalidParameterError(
                 "nproc",
                 self.nproc,
@@ -108,15 +110,12 @@ class FinetuneOptions:
             )
         if self.fsdp is not False and self.fsdp is not True:
             raise InvalidParameterError("fsdp", self.fsdp, "must be True or False")
-        if self.fsdp and self.grad_sample_mode != "bk":
+        if self.fsdp and self.grad_sample_mode not in ("bk", "ghost"):
             raise InvalidParameterError(
                 "grad_sample_mode",
                 self.grad_sample_mode,
-                "with fsdp only bk is supported (the sharded engine's book-keeping clipped sum)",
-            )
-        if self.fsdp and self.lora_r:
-            raise InvalidParameterError(
-                "lora_r", self.lora_r, "LoRA is not supported with fsdp (the sharded engine trains every parameter)"
+                "with fsdp only bk and ghost are supported (the sharded engine's clipped sums; Opacus's per-sample "
+                "gradients of parameters FSDP2 frees after each block's pass are not)",
             )
         se = self.save_every
         if se is not None and (isinstance(se, bool) or int(se) != se or se < 1):
@@ -308,21 +307,15 @@ def finetune(
         )
     procs = torchrun or options.nproc
     per_step = (options.physical_batch_size or options.batch_size) * procs
-    if procs > 1 and options.batch_size % per_step and not options.fsdp:
+    if options.fsdp and options.physical_batch_size is None:
+        per_step = procs  # one pass per process and step
+    if procs > 1 and options.batch_size % per_step:
         raise InvalidParameterError(
             "batch_size",
             options.batch_size,
             f"must be a multiple of the {procs} processes times --physical-batch-size: each process takes an "
-            "equal share of the expected batch in physical batches",
-        )
-    if options.fsdp and (
-        options.batch_size % procs or options.physical_batch_size not in (None, options.batch_size // procs)
-    ):
-        raise InvalidParameterError(
-            "physical_batch_size" if options.physical_batch_size is not None else "batch_size",
-            options.physical_batch_size or options.batch_size,
-            f"with fsdp each of the {procs} processes runs its share of a step in one forward pass: --batch-size "
-            "must be a multiple of the processes, and --physical-batch-size left out (or --batch-size / processes)",
+            "equal share of the expected batch in physical batches"
+            + (" (with fsdp: the same number of passes on every process)" if options.fsdp else ""),
         )
     if (options.nproc > 1 or options.fsdp) and not torchrun and not distributed.is_distributed():
         # the same finetune on N ranks (fsdp: a process group even for one); rank 0 reports
@@ -401,7 +394,7 @@ def finetune(
     if options.lora_r:
         model = with_lora(model, options.lora_r, task)
     physical = options.physical_batch_size or options.batch_size
-    if options.fsdp:  # one forward pass of each rank's share per step (sharding.check_fsdp)
+    if options.fsdp and options.physical_batch_size is None:  # one pass of each rank's share per step
         physical = options.batch_size // procs
     args = TrainingArguments(
         output_dir=str(out),

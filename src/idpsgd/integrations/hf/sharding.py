@@ -1,10 +1,12 @@
-"""``PrivacyArguments(fsdp=True)``: the private Trainer on a model sharded with FSDP2 (issue 39).
+"""``PrivacyArguments(fsdp=True)``: the private Trainer on a model sharded with FSDP2 (issues 39, 51).
 
 Under ``torchrun`` each transformer block (the model's ``_no_split_modules`` classes) and then the
 root are wrapped with ``torch.distributed.fsdp.fully_shard`` before ``make_private`` (the engine's
-sharded book-keeping: :mod:`idpsgd.engine.fsdp`); each rank runs its Poisson share of a step in one
-forward pass (FSDP2's all-gathers need the same passes on every rank; an empty share arrives as the
-engine's phantom row, which carries no weight).  Checkpoints are
+sharded book-keeping or ghost clipping: :mod:`idpsgd.engine.fsdp`; a PEFT (LoRA) model's frozen base is
+sharded with its adapters); each rank runs its Poisson share of a step in exactly
+``gradient_accumulation_steps`` passes (FSDP2's all-gathers need the same passes on every rank, while
+the shares differ in size; an empty part arrives as the engine's phantom row, which carries no weight;
+at user level one pass, a user's rows being clipped as one unit).  Checkpoints are
 :mod:`idpsgd.engine.sharded_checkpoint` folders ``private/checkpoint-<step>/`` (every rank writes its
 shards; the Trainer's private state rides in each rank's ``extra``); the final public ``model/`` is
 ``save_pretrained`` of a plain copy rebuilt on rank 0 from the gathered full state dict.  What the
@@ -21,42 +23,25 @@ from ...validation import InvalidParameterError
 
 
 def check_fsdp(privacy, args, model, kwargs: dict) -> None:
-    """Refuse what a sharded private run cannot honour (one line: which, why)."""
-    if privacy.grad_sample_mode != "bk":
+    """Refuse what a sharded private run cannot honour (one line: which, why, what would be needed)."""
+    if privacy.grad_sample_mode not in ("bk", "ghost"):
         raise InvalidParameterError(
             "grad_sample_mode",
             privacy.grad_sample_mode,
-            "with fsdp=True only 'bk' is supported (the sharded engine forms each rank's clipped sum by "
-            "book-keeping and reduce-scatters it; Opacus's per-sample gradients of sharded parameters are not)",
+            "with fsdp=True only 'bk' and 'ghost' are supported (the sharded engine forms each rank's clipped sum "
+            "by book-keeping, or by ghost clipping's second backward pass; Opacus's per-sample gradients of "
+            "sharded parameters are not: FSDP2 frees the unsharded parameters after each block's pass)",
         )
-    if privacy.user_column is not None:
+    if privacy.user_column is not None and privacy.grad_sample_mode != "bk":
         raise InvalidParameterError(
-            "user_column", privacy.user_column, "user-level privacy is not supported with fsdp=True"
+            "user_column",
+            privacy.user_column,
+            "with fsdp=True user-level privacy needs grad_sample_mode='bk' (the sharded ghost wrapper forms "
+            "per-row norms; a user's summed-gradient norm under FSDP2 would need the user-level ghost capture "
+            "on the unsharded parameters)",
         )
     if getattr(args, "fp16", False):
         raise InvalidParameterError("fp16", True, "is not supported with fsdp=True (use bf16=True or float32)")
-    if int(getattr(args, "gradient_accumulation_steps", 1)) != 1:
-        raise InvalidParameterError(
-            "gradient_accumulation_steps",
-            args.gradient_accumulation_steps,
-            "with fsdp=True each rank runs its share of a step in one forward pass (FSDP2's all-gathers need "
-            "the same passes on every rank, and the ranks' Poisson shares differ): set "
-            "per_device_train_batch_size to the expected batch / the processes, and gradient_accumulation_steps=1",
-        )
-    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        raise InvalidParameterError(
-            "gradient_checkpointing",
-            True,
-            "is not supported with fsdp=True yet (the checkpointed recompute of a sharded block is untested "
-            "with the sharded book-keeping)",
-        )
-    if getattr(model, "peft_config", None):
-        raise InvalidParameterError(
-            "model",
-            type(model).__name__,
-            "a PEFT (LoRA) model is not supported with fsdp=True (the sharded engine needs every parameter "
-            "sharded and trained); fine-tune the full model, or train LoRA without fsdp",
-        )
     if kwargs.get("optimizers", (None, None))[0] is not None:
         raise InvalidParameterError(
             "optimizers",
@@ -108,11 +93,25 @@ def full_state(model: torch.nn.Module) -> dict:
 
 
 def plain_copy(model: torch.nn.Module, full_state: dict) -> torch.nn.Module:
-    """A plain (unsharded) instance of the sharded model's class holding ``full_state`` (rank 0); the
-    global RNG states are left as they were."""
-    cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-    with torch.random.fork_rng(devices=[]):
-        copy = cls._from_config(model.config, dtype=next(iter(full_state.values())).dtype)
+    """A plain (unsharded) instance of the sharded model's class holding ``full_state`` (rank 0); a PEFT
+    (LoRA) model becomes a plain base model with the same adapter (its ``save_pretrained`` writes the
+    adapter, as in one process).  The global RNG states are left as they were."""
+    if getattr(model, "peft_config", None):  # LoRA: a plain base model of the config, the same adapter, then the state
+        import copy as copying
+
+        from peft import get_peft_model
+
+        base = model.get_base_model()
+        cls = next(c for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
+        with torch.random.fork_rng(devices=[]):
+            copy = get_peft_model(
+                cls._from_config(base.config, dtype=next(iter(full_state.values())).dtype),
+                copying.deepcopy(model.peft_config[model.active_adapter]),
+            )
+    else:
+        cls = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+        with torch.random.fork_rng(devices=[]):
+            copy = cls._from_config(model.config, dtype=next(iter(full_state.values())).dtype)
     copy.load_state_dict(full_state)
     copy.generation_config = getattr(model, "generation_config", None) or copy.generation_config
     return copy.train(model.training)
@@ -187,8 +186,10 @@ def export_checkpoint(checkpoint, out, *, tokenizer=None):
     if not is_sharded_checkpoint(path):
         raise InvalidParameterError("checkpoint", str(checkpoint), "holds no sharded checkpoint (checkpoint-<step>/)")
     state = sc.read_sharded_state(path)
-    config = state["ranks"][0]["extra"].get("model_config")
-    cls = getattr(transformers, state["layout"]["model"], None)
+    extra = state["ranks"][0]["extra"]
+    config, peft = extra.get("model_config"), extra.get("peft")
+    name = peft["base_class"] if peft else state["layout"]["model"]
+    cls = getattr(transformers, name, None)
     if config is None or cls is None:
         raise InvalidParameterError(
             "checkpoint", str(path), f"is not a Trainer checkpoint of a transformers model ({state['layout']['model']})"
@@ -196,7 +197,26 @@ def export_checkpoint(checkpoint, out, *, tokenizer=None):
     config = transformers.AutoConfig.for_model(**config)
     with torch.random.fork_rng(devices=[]):
         model = cls._from_config(config)
+        if peft:  # LoRA: the same adapter on the base model; the folder holds the adapter, as the run's model/
+            import json
+
+            from peft import PeftConfig, get_peft_model
+
+            model = get_peft_model(model, PeftConfig.from_peft_type(**json.loads(peft["config"])))
     return sc.export_pretrained(path, model, out, tokenizer=tokenizer)
+
+
+def peft_layout(model) -> dict:
+    """``{"peft": ...}`` for a PEFT (LoRA) model's checkpoint — its base model's class and its adapter's
+    configuration (JSON) — so that :func:`export_checkpoint` can rebuild it; ``{}`` for another model."""
+    if not getattr(model, "peft_config", None):
+        return {}
+    import json
+
+    base = model.get_base_model()
+    cls = next(c for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
+    config = model.peft_config[model.active_adapter].to_dict()
+    return {"peft": {"base_class": cls.__name__, "config": json.dumps(config, default=sorted, sort_keys=True)}}
 
 
 def load(trainer, path) -> None:

@@ -189,6 +189,27 @@ def physical_batches(inputs, n: int, size: int) -> list:
     ]
 
 
+def equal_parts(inputs, n: int, parts: int) -> list:
+    """The batch as exactly ``parts`` consecutive parts whose sizes differ by at most one row (the first
+    ones larger); an empty part is None (with fsdp: a phantom row, so that every rank runs the same passes)."""
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    out, start = [], 0
+    for size in sizes:
+        if size == 0:
+            out.append(None)
+        elif size == n:
+            out.append(inputs)
+        else:
+            out.append(
+                {
+                    k: v[start : start + size] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == n else v
+                    for k, v in inputs.items()
+                }
+            )
+        start += size
+    return out
+
+
 def epsilon_logs(engine: IndividualizedPrivacyEngine) -> dict:
     """``epsilon`` (the loosest group's ε, a bound for every example) and ``epsilon_group_<budget>``."""
     eps = engine.get_epsilon()
@@ -219,6 +240,14 @@ def checkpointing_setup(args, inner, model, grad_sample_mode: str) -> bool:
             True if on else "gradient checkpointing enabled",
             "is not supported with grad_sample_mode='functorch' (Opacus's torch.func replay of each layer cannot "
             "run inside the checkpoint's recompute); use bk or hooks",
+        )
+    if grad_sample_mode == "ghost":
+        raise InvalidParameterError(
+            flag if on else "model",
+            True if on else "gradient checkpointing enabled",
+            "is not supported with grad_sample_mode='ghost': its second backward pass would run through the "
+            "reentrant checkpoints again, whose recompute is consumed by the first (retain_graph does not keep "
+            "it); use bk, which needs one backward pass",
         )
     raw = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
     kwargs = dict(raw or {}) if not isinstance(raw, str) else {}
@@ -395,6 +424,9 @@ class IndividualizedTrainer(Trainer):
         self.world_size = max(int(getattr(args, "world_size", 1) or 1), 1)
         if self.users is not None:  # a user's rows are clipped as one unit: the logical batch is not split
             self.physical_batch_size = 2**62
+        # fsdp: every rank runs exactly this many passes per step (FSDP2's all-gathers and reduce-scatters
+        # need every rank in each pass, while the ranks' Poisson shares differ in size)
+        self.passes_per_step = 1 if self.users is not None else int(args.gradient_accumulation_steps)
         self.expected_batch_size = int(
             args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
         )
@@ -470,6 +502,7 @@ class IndividualizedTrainer(Trainer):
         self._resume: dict | None = None  # the private checkpoint being resumed (train(resume_from_checkpoint))
         self._pending_sampler_states: collections.deque = collections.deque()  # drawn, not yet trained on
         self._data_digest: str | None = None
+        self._engine_module = None  # the engine's wrapper of the model (make_private)
         self._dp_module = None  # the DPDDP wrapper of the model under torch.distributed (engine/distributed.py)
         self._resume_path = None  # the checkpoint being resumed (a sharded one is loaded after sharding)
 
@@ -541,9 +574,9 @@ class IndividualizedTrainer(Trainer):
         if self.privacy.fsdp:
             if self._resume is not None:  # the shards of model and optimizer, the RNG states
                 sharding.load(self, self._resume_path)
-        elif distributed.is_distributed():  # rank r owns examples i mod W = r; noise once, on rank 0
+        elif distributed.is_distributed():  # each rank samples its share (rank_balance); noise once, on rank 0
             module = self._dp_module = distributed.wrap_model(self.model)
-        wrapped, self.dp_optimizer, private = self.engine.make_private(
+        made = self.engine.make_private(
             module=module,
             optimizer=self.optimizer,
             data_loader=loader,
@@ -556,9 +589,13 @@ class IndividualizedTrainer(Trainer):
             loss_reduction="mean",
             users=self.users,
         )
+        # (ghost: (module, optimizer, criterion, loader); the Trainer wraps its own per-example losses)
+        wrapped, self.dp_optimizer, private = made[0], made[1], made[-1]
         self.optimizer = self.dp_optimizer
+        self._engine_module = wrapped  # (ghost: its clip factors between the two backward passes)
         if self.privacy.fsdp:  # the engine's wrapper runs the steps (never accelerate's DDP around the model)
             self._dp_module = wrapped
+            self.dp_optimizer.equal_passes = True  # every rank: passes_per_step passes per step (training_step)
         self.planned_steps = planned
         self._record_sampler_states(private)
         if self._resume is not None:  # accountant history, filter, sampler and noise generators; earlier draws
@@ -608,9 +645,13 @@ class IndividualizedTrainer(Trainer):
         return DataLoader(ds, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate, shuffle=False)
 
     def real_batch_size(self) -> int:
-        """The last step's real (Poisson) batch size over all processes (private: the ledger's)."""
+        """The last step's real (Poisson) batch size over all processes, in rows as in one process (private:
+        the ledger's).  Every rank calls it (at user level on several ranks: one all-reduce of the rows, as
+        the optimizer counts the drawn users)."""
         global_size = getattr(self.dp_optimizer, "last_global_batch_size", None)
-        return int(global_size) if self._dp_module is not None and global_size is not None else self.last_batch_size
+        if self._dp_module is None or global_size is None:
+            return self.last_batch_size
+        return distributed.sum_over_ranks(self.last_batch_size) if self.users is not None else int(global_size)
 
     def planned_steps_for(self, per_epoch: int) -> int:
         """The steps the budgets are calibrated for: ``max_steps``, or ``num_train_epochs`` passes of
@@ -632,28 +673,42 @@ class IndividualizedTrainer(Trainer):
         if self._pending_sampler_states:
             self._pending_sampler_states.popleft()  # this batch is trained on
         opt.zero_grad(set_to_none=True)
-        if self.privacy.fsdp:  # the rank's whole share in one pass (the same passes on every rank)
-            if n == 0:  # an empty draw: the engine's phantom row (zeros; the optimizer gives it no weight)
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, sharding.phantom(inputs))
-                self.accelerator.backward(loss)
-                return torch.zeros((), device=self.args.device)
-            parts = [inputs]
+        if self.privacy.fsdp:  # the same passes on every rank: the rank's share in passes_per_step parts
+            parts = equal_parts(inputs, n, self.passes_per_step)
         elif n == 0:  # the step is noise only (engine: no backward pass needed)
             return torch.zeros((), device=self.args.device)
         else:
             parts = physical_batches(inputs, n, self.physical_batch_size)
         total = torch.zeros((), device=self.args.device)
         for k, part in enumerate(parts):
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, part)
-            self.accelerator.backward(loss)
-            total = total + loss.detach() * batch_size_of(part)
+            if part is None:  # an empty part (fsdp): the engine's phantom row, to which the optimizer gives no weight
+                from ...engine.fsdp import mark_phantom_pass
+
+                mark_phantom_pass(opt.clipping)
+                self._backward(model, sharding.phantom(inputs))
+            else:
+                total = total + self._backward(model, part) * batch_size_of(part)
             if k < len(parts) - 1:  # clip and keep this part's gradients, no step yet
                 opt.signal_skip_step(do_skip=True)
                 self._clip_part(opt)
                 opt.zero_grad(set_to_none=True)
-        return total / n
+        return total / max(n, 1)
+
+    def _backward(self, model, part) -> torch.Tensor:
+        """One physical batch's forward and backward pass(es); returns its mean loss (detached).  Ghost
+        clipping runs its two backward passes through Opacus's ``DPTensorFastGradientClipping`` on the
+        per-example losses (the first gives the norms, the second the clipped sum)."""
+        if self.privacy.grad_sample_mode == "ghost":
+            from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+            with self.compute_loss_context_manager():
+                losses = self.per_example_losses(model, part)
+            DPTensorFastGradientClipping(self._engine_module, self.dp_optimizer, losses, "mean").backward()
+            return losses.detach().mean()
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, part)
+        self.accelerator.backward(loss)
+        return loss.detach()
 
     def _clip_part(self, opt) -> None:
         """Clip and accumulate one physical batch (no step).  With fp16's GradScaler the part's loss was
@@ -680,6 +735,12 @@ class IndividualizedTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        loss = self.per_example_losses(model, inputs, return_outputs=return_outputs)
+        return (loss[0].mean(), loss[1]) if return_outputs else loss.mean()
+
+    def per_example_losses(self, model, inputs, return_outputs=False):
+        """Training: one loss per example (:mod:`.losses`), shape (B,) (with ``return_outputs``: and the
+        model's outputs)."""
         if self.label_name not in inputs:
             raise ValueError(
                 f"the training batch has no {self.label_name!r} (its keys: {', '.join(inputs)}); the "
@@ -695,8 +756,7 @@ class IndividualizedTrainer(Trainer):
                 f"per_example_loss must return one loss per example, shape ({labels.shape[0]},); got "
                 f"{tuple(losses.shape) if torch.is_tensor(losses) else type(losses).__name__}"
             )
-        loss = losses.mean()
-        return (loss, outputs) if return_outputs else loss
+        return (losses, outputs) if return_outputs else losses
 
     def floating_point_ops(self, inputs) -> int:
         """0: the FLOPs of a real Poisson batch are a function of its size (private); they are counted
@@ -871,6 +931,7 @@ class IndividualizedTrainer(Trainer):
         limit = self.user_args.save_total_limit
         if self.privacy.fsdp:  # every rank: its shards and its state (sharding.py); the config for export
             state["model_config"] = raw_module(self.model).config.to_dict()
+            state.update(sharding.peft_layout(self.model))
             sharding.save(self, self.run_folder.path / ckpts.PRIVATE, step, state, limit or None)
             return
         state.update(model=raw_module(self.model).state_dict(), optimizer=self.dp_optimizer.state_dict())
