@@ -131,7 +131,7 @@ class DrawJournal:
             try:
                 found = ("ok", read_records(self.path), self.attempt)
             except InvalidParameterError as exc:
-                found = ("refused", exc.args, self.attempt)
+                found = ("refused", (exc.name, exc.value, exc.allowed), self.attempt)
         if distributed.is_distributed():  # rank 0's records and attempt id: every rank's checkpoint names it
             found = distributed.broadcast_object(found)
         if found[0] != "ok":
