@@ -4,29 +4,13 @@ import json
 
 import numpy as np
 import pytest
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant as dpa
 
-from idpsgd.accounting import SampledGaussianEvent, rdp_epsilon
 from idpsgd.assignment import Budgets, assign, group_counts
 from idpsgd.cli import main
 from idpsgd.validation import InvalidParameterError
+from support import independent_epsilons
 
 Q, T, C, DELTA = 0.02, 400, 1.0, 1e-5
-
-
-def independent_epsilons(q, sigma, steps, delta):
-    """ε by dp_accounting (not our code): its RDP at the order our adaptive conversion chose (its
-    fractional-order series sums absolute values, an upper bound), and its PLD accountant."""
-
-    from dp_accounting.pld import pld_privacy_accountant
-
-    _, order = rdp_epsilon([SampledGaussianEvent(q, sigma, steps)], delta)
-    rdp = dpa._compute_rdp_poisson_subsampled_gaussian(q, sigma, [order]) * steps
-    rdp_eps = dpa.compute_epsilon([order], rdp, delta)[0]
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)  # pessimistic: a bound
-    pld.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
-    return rdp_eps, pld.get_epsilon(delta)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from idpsgd.assignment import Budgets
 from idpsgd.cli import main
 from idpsgd.io import CheckpointError
 from idpsgd.training import TrainConfig, train
+from support import independent_epsilons
 
 ARGS = [
     "train",
@@ -155,3 +156,47 @@ def test_changed_settings_or_data_are_named_on_resume(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert main([*ARGS[:-4], "--epochs", "1", "--out", str(out), "--overwrite", "--clip-norm", "2"]) == 0
     assert json.loads((out / "report.json").read_text())["clip_norm"] == 2.0 != report["clip_norm"]
+
+
+def test_a_secure_run_resumed_after_a_crash_charges_the_draws_after_its_checkpoint(tmp_path, digits, monkeypatch):
+    """Secure mode (issue 53): a run crashes 3 steps after its checkpoint of the first epoch; the resume
+    draws those steps again with fresh noise, so the crashed attempt's 3 draws are charged beside the
+    kept steps (private/drawn_steps.jsonl): the filter stops the resumed run 3 steps early, with the ε
+    of every planned step (dp_accounting's composition), and the report says which were kept and charged."""
+    import idpsgd.io
+    import idpsgd.training.loop as loop
+
+    budgets = Budgets.from_array([3.0] * len(digits.y_train), 1e-5)
+    cfg = TrainConfig(method="uniform", epochs=2, batch_size=256, secure_mode=True, progress=False)
+    seen = {"checkpoint": False, "after": 0}
+
+    def written(point):
+        seen["checkpoint"] |= point == "checkpoint.pt"
+
+    def crash(point):
+        if seen["checkpoint"]:
+            seen["after"] += 1
+            if seen["after"] == 3:
+                raise KeyboardInterrupt("crash")
+
+    with monkeypatch.context() as m:
+        m.setattr(idpsgd.io, "fault_point", written)
+        m.setattr(loop, "fault_point", crash)
+        with pytest.raises(KeyboardInterrupt):
+            train(digits, budgets, cfg, tmp_path / "cut")
+    r = train(digits, budgets, cfg, tmp_path / "cut", resume=True)
+    planned = r["planned_steps"]
+    assert (r["steps"], r["steps_kept"], r["steps_charged"], r["steps_released"]) == (
+        planned - 3,
+        planned - 3,
+        planned,
+        3,
+    )
+    assert r["stopped_early"]
+    g = r["groups"][0]
+    rdp_eps, pld_eps = independent_epsilons(g["sample_rate"], g["noise_multiplier"], planned, 1e-5)
+    assert pld_eps <= g["epsilon_spent"] <= min(rdp_eps * (1 + 1e-9), 3.0) and rdp_eps <= g["epsilon_spent"] * (
+        1 + 1e-3
+    )
+    assert json.loads((tmp_path / "cut" / "report.json").read_text())["steps_charged"] == planned
+    assert "private/drawn_steps.jsonl" in json.loads((tmp_path / "cut" / "outputs.json").read_text())["files"]

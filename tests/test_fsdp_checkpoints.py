@@ -76,20 +76,23 @@ def _plain_run(folder, *, start=None, stop=STEPS, save_at=(), crash_at=None, cra
     return {k: v.clone() for k, v in full.items()}
 
 
-def _private_run(folder, *, start=None, stop=STEPS, save_at=(), world=None):
-    """The same network trained privately (the engine, bk, two privacy groups, AdamW): sharded
-    under a process group, plain in one process.  Returns rank 0's full parameters, ε per group, steps."""
+def _private_run(folder, *, start=None, stop=STEPS, save_at=(), world=None, secure=False):
+    """The same network trained privately (the engine, bk, two privacy groups, AdamW, the journal of
+    drawn steps in ``folder``): sharded under a process group, plain in one process.  Returns rank 0's
+    full parameters, ε per group, steps kept and charged."""
     import numpy as np
 
     from idpsgd import Budgets
     from idpsgd.engine import IndividualizedPrivacyEngine
+    from idpsgd.engine.journal import JOURNAL
 
     net = _sharded_net()
     net.drop.p = 0.0  # resharded, each rank's dropout draws would differ (the slow plain runs test dropout)
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
-    engine = IndividualizedPrivacyEngine(seed=5, accountant="rdp")
+    engine = IndividualizedPrivacyEngine(seed=None if secure else 5, accountant="rdp", secure_mode=secure)
+    engine.attach_journal(Path(folder) / JOURNAL)  # rank 0 writes; every rank charges alike
     model, opt, loader = engine.make_private(
         module=net,
         optimizer=opt,
@@ -106,7 +109,7 @@ def _private_run(folder, *, start=None, stop=STEPS, save_at=(), world=None):
         step = sc.load_sharded_checkpoint(
             folder, module=model, optimizer=opt, engine=engine, allow_reshard=world is not None
         )["step"]
-    while step < stop:
+    while step < stop and engine.can_step():
         x, y = next(batches)  # every rank runs the forward pass, its share empty or not (FSDP2 collectives)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -119,6 +122,7 @@ def _private_run(folder, *, start=None, stop=STEPS, save_at=(), world=None):
         "params": {k: v.detach().clone() for k, v in full.items()},
         "eps": engine.get_epsilon().per_group.tolist(),
         "steps": engine.steps,
+        "charged": engine.accountant.charged_steps,
     }
 
 
@@ -129,7 +133,10 @@ def _private_scenario(folder):
     _private_run(folder + "/b", stop=4, save_at=(3,))
     torch.manual_seed(12345)
     resumed = _private_run(folder + "/b", start=3)
-    return {"whole": whole, "resumed": resumed, "modes": _modes(folder + "/b")}
+    # secure mode (issue 53): the abandoned draw of step 4 is charged; the filter stops the resumed run a step early
+    _private_run(folder + "/s", stop=4, save_at=(3,), secure=True)
+    secure = _private_run(folder + "/s", start=3, secure=True)
+    return {"whole": whole, "resumed": resumed, "secure": secure, "modes": _modes(folder + "/b")}
 
 
 def test_private_resume_is_bit_exact_and_reshards(tmp_path):
@@ -137,6 +144,9 @@ def test_private_resume_is_bit_exact_and_reshards(tmp_path):
     whole, resumed = out["whole"], out["resumed"]
     assert _same(whole["params"], resumed["params"])
     assert whole["eps"] == resumed["eps"] and whole["steps"] == resumed["steps"] == STEPS
+    assert resumed["charged"] == STEPS  # the seeded resume replays the abandoned step 4: charged once
+    assert (out["secure"]["steps"], out["secure"]["charged"]) == (STEPS - 1, STEPS)
+    assert out["secure"]["eps"] == pytest.approx(whole["eps"], rel=1e-12)  # every drawn step, within the budgets
     files = {k: m for k, m in out["modes"].items() if "/" in k}
     assert {Path(k).name for k in files} >= {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"}
     assert set(files.values()) == {0o600} and out["modes"]["checkpoint-3"] == 0o700

@@ -150,11 +150,12 @@ def test_trainer_end_to_end_budgets_from_a_column(tok, tmp_path):
         "private/ledger.csv",
         "private/history.json",
         "private/seed.json",
+        "private/drawn_steps.jsonl",  # every noise draw, before it is drawn (issue 53)
     }
     for name in ("report.json", "report.html", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
         assert file_mode(out / name) == 0o644, name
     assert file_mode(out / "model") == 0o755 and file_mode(out / "private") == 0o700
-    for name in ("epsilons.csv", "ledger.csv", "history.json", "seed.json"):
+    for name in ("epsilons.csv", "ledger.csv", "history.json", "seed.json", "drawn_steps.jsonl"):
         assert file_mode(out / "private" / name) == 0o600, name
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == 3
     rows = np.genfromtxt(out / "private" / "epsilons.csv", delimiter=",", names=True)
@@ -775,9 +776,15 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
     assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-1.pt", "checkpoint-2.pt"]
     assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []
+    from idpsgd.engine.journal import read_records  # every draw recorded (issue 53); private, 0600 (mode_problems)
+
+    assert [r["step"] for r in read_records(out / "private" / "drawn_steps.jsonl")] == [1, 2]
+    assert "private/drawn_steps.jsonl" in json.loads((out / "outputs.json").read_text())["files"]
     argv = ["finetune", "--model", str(model_dir), "--data", str(train), "--eval-data", str(test)]
     argv += ["--method", "scale", "--epochs", "1", "--batch-size", "8", "--save-every", "1", "--out", str(out)]
     code, stdout2, err2 = _run([*argv, "--resume"], capsys)  # no --seed: the checkpoint's, never printed
     assert code == 0, err2
+    report = json.loads((out / "report.json").read_text())  # the finished run's resume draws nothing more
+    assert (report["steps_kept"], report["steps_charged"]) == (2, 2)
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
     assert seed_leaks(out, stdout2 + err2) == [] and mode_problems(out) == []

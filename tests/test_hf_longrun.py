@@ -29,7 +29,7 @@ from hf_text import word_tokenizer
 from idpsgd import InvalidParameterError
 from idpsgd.integrations.hf import IndividualizedTrainer, PrivacyArguments
 from idpsgd.io import CheckpointError
-from support import file_mode
+from support import file_mode, independent_epsilons
 
 # transformers' own calls to its deprecated gradient-checkpointing names
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
@@ -64,7 +64,7 @@ def _data(tok, n, seed=0):
     )
 
 
-def _trainer(tok, out, train=None, privacy=None, callbacks=None, **kw):
+def _trainer(tok, out, train=None, privacy=None, callbacks=None, eval_dataset=None, **kw):
     base = dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
@@ -87,6 +87,7 @@ def _trainer(tok, out, train=None, privacy=None, callbacks=None, **kw):
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
         privacy=privacy or PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3),
         callbacks=callbacks,
+        eval_dataset=eval_dataset,
     )
 
 
@@ -531,7 +532,9 @@ def test_data_loader_workers_drawing_ahead_do_not_shift_the_resumed_batches(tok,
 
 def test_secure_mode_resume_draws_fresh_entropy_and_says_so(tok, tmp_path):
     """Secure mode saves no generator state: the resumed run continues with fresh OS entropy (a warning
-    says so) and the accounting continues exactly — every step charged once, the planned ε."""
+    says so); the accounting continues from the checkpoint's steps and charges the crashed attempt's
+    draw of step 3 too (issue 53), so the budgets' filter stops the resumed run after its step 3: 4
+    steps charged, the planned ε."""
     secure = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", secure_mode=True)
     out = tmp_path / "s"
     crashing = _trainer(tok, out, privacy=secure, callbacks=[_Crash(3)], max_steps=4, save_steps=2)
@@ -542,12 +545,66 @@ def test_secure_mode_resume_draws_fresh_entropy_and_says_so(tok, tmp_path):
     resumed = _trainer(tok, out, privacy=secure, max_steps=4, save_steps=2)
     with pytest.warns(UserWarning, match="secure mode: the resumed run draws fresh OS entropy"):
         resumed.train(resume_from_checkpoint=True)
-    assert resumed.engine.steps == 4 and [r[0] for r in resumed.ledger_rows] == list(range(1, 5))
+    assert resumed.engine.steps == 3 and [r[0] for r in resumed.ledger_rows] == list(range(1, 4))
+    assert resumed.engine.accountant.charged_steps == 4 and resumed.stopped_early
     uninterrupted = _trainer(tok, tmp_path / "u", privacy=secure, max_steps=4, save_steps=2)
     uninterrupted.train()
     np.testing.assert_allclose(
         resumed.engine.get_epsilon().per_group, uninterrupted.engine.get_epsilon().per_group, rtol=1e-12
     )
+
+
+SECURE = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", secure_mode=True)
+
+
+def test_a_secure_run_killed_after_publishing_step_4_has_that_draw_charged_on_resume(tok, tmp_path):
+    """Issue 53's crash case: a secure run evaluates at step 4 (its eval_loss is in the public log) and
+    dies while writing checkpoint 4; the resume from checkpoint 2 draws steps 3 and 4 again with fresh
+    noise, so the first draws of 3 and 4 are charged beside the kept steps: the budgets' filter stops
+    the resumed run after 6 kept steps (8 charged), the report says so, and each group's ε is
+    dp_accounting's composition of 8 sampled-Gaussian steps at its rate and noise multiplier."""
+    out = tmp_path / "s"
+    run = dict(privacy=SECURE, max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=4)
+    with pytest.MonkeyPatch.context() as m:
+        _die_while_writing(m, "checkpoint-4.pt")
+        crashing = _trainer(tok, out, eval_dataset=_data(tok, 8, seed=1), **run)
+        with pytest.raises(KeyboardInterrupt):
+            crashing.train()
+    assert any("eval_loss" in h for h in crashing.state.log_history)  # step 4's output left the process
+    assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-2.pt"]
+    assert file_mode(out / "private" / "drawn_steps.jsonl") == 0o600
+    resumed = _trainer(tok, out, eval_dataset=_data(tok, 8, seed=1), **run)
+    with pytest.warns(UserWarning, match="the steps earlier attempts drew after it are charged"):
+        resumed.train(resume_from_checkpoint=True)
+    report = json.loads((out / "report.json").read_text())
+    assert resumed.stopped_early and report["stopped_early"]
+    assert (report["steps"], report["steps_kept"], report["steps_charged"], report["steps_released"]) == (6, 6, 8, 2)
+    for g in report["groups"]:  # our RDP conversion is tighter than dp_accounting's (test_assignment)
+        rdp_eps, pld_eps = independent_epsilons(g["sample_rate"], g["noise_multiplier"], 8, 1e-5)
+        fewer, _ = independent_epsilons(g["sample_rate"], g["noise_multiplier"], 7, 1e-5)
+        eps = g["epsilon_spent"]
+        assert pld_eps <= eps <= rdp_eps * (1 + 1e-9) and rdp_eps <= eps * (1 + 1e-3) and eps > fewer
+        assert eps <= g["budget"]
+    assert "Steps charged: <b>8</b>" in (out / "report.html").read_text()
+
+
+def test_resuming_a_finished_secure_run_from_an_older_checkpoint_is_refused(tok, tmp_path):
+    """Issue 53's re-resume case: ``train(resume_from_checkpoint=".../checkpoint-2.pt")`` on a secure run
+    that finished its 8 steps would redraw 3..8 with new noise; the 6 earlier draws are charged, which
+    spends the budgets, so the resume is refused (naming the charge) and the run's outputs stand."""
+    out = tmp_path / "f"
+    _trainer(tok, out, privacy=SECURE, max_steps=8, save_steps=2).train()
+    report = (out / "report.json").read_bytes()
+    again = _trainer(tok, out, privacy=SECURE, max_steps=8, save_steps=2)
+    with (
+        pytest.warns(UserWarning, match="secure mode"),
+        pytest.raises(
+            InvalidParameterError,
+            match=r"keeps 2 steps, but earlier attempts of this run drew 6 more.*no further step fits",
+        ),
+    ):
+        again.train(resume_from_checkpoint=str(out / "private" / "checkpoint-2.pt"))
+    assert (out / "report.json").read_bytes() == report
 
 
 def _user_rows(tok, grouping):

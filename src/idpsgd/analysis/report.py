@@ -151,6 +151,15 @@ def render(run_dir, include_private: bool = False) -> str:
         + (" — <span class='bad'>stopped early by the privacy filter</span>" if r.get("stopped_early") else "")
         + f"; {'secure mode' if r.get('secure_mode') else 'not secure mode'}</p>",
     ]
+    charged, kept = r.get("steps_charged"), r.get("steps_kept", r.get("steps"))
+    if charged is not None and charged != kept:  # a resume charged draws of abandoned attempts (engine/journal.py)
+        parts.append(
+            f"<p class='note'>Steps charged: <b>{charged}</b> ({kept} kept — the model descends from them — and "
+            f"{charged - kept} noise draws of earlier attempts of this run that the resumed run did not keep: their "
+            "outputs may have left the process, so the epsilon below covers them too)</p>"
+        )
+    elif charged is not None:
+        parts.append(f"<p class='note'>Steps charged: {charged} (every noise draw of the run; all kept)</p>")
     if r.get("randomness"):  # never the seed itself (an old report.json may still hold one: not shown)
         parts.append(f"<p class='note'>Randomness: {e(str(r['randomness']))}</p>")
     if r.get("layer_paths"):

@@ -29,6 +29,18 @@ class PrivacyBudgetExceeded(RuntimeError):
     over its budget."""
 
 
+def phase_sha256(q, sigma, group, class_of) -> str:
+    """A phase's identity as the accountant sees it (its classes and each example's class): a journal
+    record of a drawn step names it, so a draw of the same phase is charged exactly (:mod:`.journal`)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a, dt in ((q, np.float64), (sigma, np.float64), (group, np.int64), (class_of, np.int64)):
+        h.update(np.ascontiguousarray(np.asarray(a, dtype=dt)).tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
 def _epsilon(events, delta: float, accountant: str) -> float:
     """ε of a composition by the named accountant (:func:`idpsgd.accounting.get_accountant`); 0 for none."""
     return float(get_accountant(accountant)(events, delta)) if events else 0.0
@@ -126,6 +138,9 @@ class GroupAccountant:
             self.delta = None if delta is None else check_delta(delta)
         self.orders = np.asarray(orders, dtype=float)
         self.phases: list[dict] = []
+        #: noise draws charged beside the kept steps (abandoned attempts of a resumed run: engine/journal.py),
+        #: one entry per draw: its phase and classes, and ``at`` (a pending replay of kept step ``at``) or None
+        self.extra: list[dict] = []
         self._cohorts = None  # (cohort of every example, [per-cohort class index per phase])
         self._ok: dict = {}  # (phase, cohort) -> largest phase step count known within budget
         self._bad: dict = {}  # (phase, cohort) -> smallest phase step count known over budget
@@ -136,7 +151,87 @@ class GroupAccountant:
 
     @property
     def steps(self) -> int:
+        """Steps kept: the logical steps of this run's lineage (the model descends from them)."""
         return int(sum(p["steps"] for p in self.phases))
+
+    @property
+    def released_steps(self) -> int:
+        """Noise draws of abandoned attempts charged beside the kept steps (their outputs may have left
+        the process: a resumed secure run, :mod:`.journal`)."""
+        return sum(1 for e in self.extra if e["at"] is None)
+
+    @property
+    def pending_steps(self) -> int:
+        """Draws of an abandoned attempt that this run replays (reproducible mode: the same noise) and has
+        not reached yet: the kept step that replays one is the same output, charged once; those the run
+        does not reach are charged when it ends (:meth:`settle`)."""
+        kept = self.steps
+        return sum(1 for e in self.extra if e["at"] is not None and e["at"] > kept)
+
+    @property
+    def charged_steps(self) -> int:
+        """Every step charged: kept and released (the ε reported covers all of them)."""
+        return self.steps + self.released_steps
+
+    def settle(self) -> int:
+        """The run ends here: pending replays it did not reach are released draws, charged from now on.
+        Returns how many."""
+        kept, n = self.steps, 0
+        for e in self.extra:
+            if e["at"] is not None and e["at"] > kept:
+                e["at"], n = None, n + 1
+        if n:
+            self._ok, self._bad = {}, {}
+        return n
+
+    def charge_drawn(self, draws: list[dict]) -> None:
+        """Charge noise draws that no kept step covers (:mod:`.journal`): each ``{"phase": k, "sha256":
+        the phase's identity, "events": [[group, q, σ_eff], ...] (the accountant's classes of that
+        phase), "at": step index or None}``.  A draw is charged to every example of each listed group at
+        its class's (q, σ_eff) — exactly when phase k of this accountant is that phase, else at the
+        group's largest q with its smallest σ_eff (which dominates each of its classes).  ``at``: a
+        pending replay of step ``at`` (:attr:`pending_steps`), charged by :meth:`settle` if the run ends
+        before it.  Validated before anything changes."""
+        entries = []
+        for d in draws:
+            ev = np.asarray(d["events"], dtype=float).reshape(-1, 3)
+            group = ev[:, 0].astype(np.int64)
+            if np.any(group < 0) or np.any(group >= self.values.size) or np.any(group != ev[:, 0]):
+                raise ValueError(f"a drawn step's groups {ev[:, 0].tolist()} are not this run's privacy groups")
+            if not (np.all((ev[:, 1] > 0) & (ev[:, 1] <= 1)) and np.all(ev[:, 2] > 0)):
+                raise ValueError("a drawn step's events are not subsampled Gaussian mechanisms (0 < q <= 1, sigma > 0)")
+            at = d.get("at")
+            entries.append(
+                {
+                    "phase": int(d["phase"]),
+                    "sha256": str(d["sha256"]),
+                    "q": ev[:, 1].copy(),
+                    "sigma": ev[:, 2].copy(),
+                    "group": group,
+                    "at": None if at is None else int(at),
+                }
+            )
+        self.extra.extend(entries)
+        self._ok, self._bad = {}, {}
+
+    def _extra_class(self, entry: dict, cohort: int) -> tuple[float, float] | None:
+        """(q, σ_eff) at which a charged draw counts for ``cohort`` (None: not in it)."""
+        _, table, cohort_group = self.cohorts()
+        k = entry["phase"]
+        if k < len(self.phases) and self.phases[k]["sha256"] == entry["sha256"]:
+            cls = table[cohort, k]
+            if cls < 0:
+                return None
+            return float(self.phases[k]["q"][cls]), float(self.phases[k]["sigma"][cls])
+        on = entry["group"] == cohort_group[cohort]
+        if not np.any(on):
+            return None
+        return float(entry["q"][on].max()), float(entry["sigma"][on].min())
+
+    def _extras_counted(self, kept: int = 0) -> list[dict]:
+        """The charged draws: released ones (a pending replay of step j is the kept step j itself, charged
+        by it; :meth:`settle` releases those not reached)."""
+        return [e for e in self.extra if e["at"] is None]
 
     # --- phases ----------------------------------------------------------------------------
     def begin_phase(self, sample_rates, clip_norms, noise_multiplier: float, max_grad_norm: float) -> None:
@@ -158,16 +253,7 @@ class GroupAccountant:
         class_of = np.full(self.num_examples, -1, dtype=np.int64)
         class_of[active] = inv.ravel()
         self.phases.append(
-            {
-                "q": classes[:, 1].copy(),
-                "sigma": classes[:, 2].copy(),
-                "group": classes[:, 0].astype(np.int64),
-                "class_of": class_of,
-                "steps": 0,
-                "step_rdp": compute_rdp(classes[:, 1], classes[:, 2], self.orders)
-                if len(classes)
-                else np.zeros((0, self.orders.size)),
-            }
+            self._phase(classes[:, 1].copy(), classes[:, 2].copy(), classes[:, 0].astype(np.int64), class_of, 0)
         )
         self._forget_phase(len(self.phases) - 1)
 
@@ -210,12 +296,24 @@ class GroupAccountant:
         _, table, _ = self.cohorts()
         events = []
         last = len(self.phases) - 1
+        kept = 0
         for k, ph in enumerate(self.phases):
             cls = table[cohort, k]
             steps = ph["steps"] if phase_steps is None or k != last else phase_steps
             steps += extra_steps if k == last else 0
+            kept += steps
             if cls >= 0 and steps > 0:
                 events.append(SampledGaussianEvent(float(ph["q"][cls]), float(ph["sigma"][cls]), int(steps)))
+        for entry in self._extras_counted(kept):  # charged draws of abandoned attempts compose with the kept
+            qs = self._extra_class(entry, cohort)
+            if qs is None:
+                continue
+            for i, e in enumerate(events):
+                if (e.sample_rate, e.noise_multiplier) == qs:
+                    events[i] = SampledGaussianEvent(e.sample_rate, e.noise_multiplier, e.count + 1)
+                    break
+            else:
+                events.append(SampledGaussianEvent(qs[0], qs[1], 1))
         return events
 
     def resolve_delta(self, delta: float | None) -> float:
@@ -306,6 +404,11 @@ class GroupAccountant:
                 on = ph["group"] == g
                 if np.any(on):
                     out[g].append((float(ph["sigma"][on].min()), float(ph["q"][on].max()), int(ph["steps"])))
+        for entry in self._extras_counted(self.steps):  # charged draws of abandoned attempts
+            for g in range(self.values.size):
+                on = entry["group"] == g
+                if np.any(on):
+                    out[g].append((float(entry["sigma"][on].min()), float(entry["q"][on].max()), 1))
         return out
 
     def individual_epsilons(self, delta: float | None = None) -> np.ndarray:
@@ -323,6 +426,11 @@ class GroupAccountant:
             cls = table[:, k]
             on = cls >= 0
             rdp[on] += ph["steps"] * ph["step_rdp"][cls[on]]
+        for entry in self._extras_counted(self.steps):
+            for c in range(table.shape[0]):
+                qs = self._extra_class(entry, c)
+                if qs is not None:
+                    rdp[c] += compute_rdp(np.array([qs[0]]), np.array([qs[1]]), self.orders)[0]
         eps = rdp_to_epsilon(rdp, self.orders, delta)[0]
         out = np.zeros(self.values.size)
         np.maximum.at(out, cohort_group, eps)
@@ -397,6 +505,18 @@ class GroupAccountant:
                     }
                     for p in self.phases
                 ],
+                "extra": [
+                    {
+                        "phase": e["phase"],
+                        "sha256": e["sha256"],
+                        "events": [
+                            [int(g), float(q), float(sg)]
+                            for g, q, sg in zip(e["group"], e["q"], e["sigma"], strict=True)
+                        ],
+                        "at": e["at"],
+                    }
+                    for e in self.extra
+                ],
             }
         )
         return out
@@ -436,6 +556,12 @@ class GroupAccountant:
                     "examples than the phase make_private set up; load it into an engine set up with "
                     "the same parameters"
                 )
+        extra, self.extra = self.extra, []
+        try:
+            self.charge_drawn(state.get("extra", []))
+        except (ValueError, KeyError, TypeError):
+            self.extra = extra
+            raise ValueError("the saved accountant state's charged draws cannot be read") from None
         self.phases = phases
         self._cohorts, self._ok, self._bad = None, {}, {}
 
@@ -443,12 +569,13 @@ class GroupAccountant:
         def arr(v, dtype):
             return np.asarray(torch.as_tensor(v).cpu().numpy() if torch.is_tensor(v) else v, dtype=dtype).reshape(-1)
 
-        q, sig = arr(q, float), arr(sig, float)
+        q, sig, group, class_of = arr(q, float), arr(sig, float), arr(group, np.int64), arr(class_of, np.int64)
         return {
             "q": q,
             "sigma": sig,
-            "group": arr(group, np.int64),
-            "class_of": arr(class_of, np.int64),
+            "group": group,
+            "class_of": class_of,
+            "sha256": phase_sha256(q, sig, group, class_of),  # the phase's identity (journal records name it)
             "steps": int(steps),
             "step_rdp": compute_rdp(q, sig, self.orders) if q.size else np.zeros((0, self.orders.size)),
         }

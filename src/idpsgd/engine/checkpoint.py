@@ -2,7 +2,9 @@
 
 The engine's state is the accountant's ledger (every step charged so far: the privacy state that
 must never be lost or forked), the seeds and the sampler and noise generators (so that a resumed
-run continues the same randomness), and individual accounting's or the individual filter's state.
+run continues the same randomness), individual accounting's or the individual filter's state, and
+which noise draws of the run folder's journal the ledger covers (:mod:`.journal`: on load, the
+draws it does not cover — an abandoned attempt's — are charged).
 A checkpoint is refused before anything changes when it is of another plan, seed, accountant or
 secure mode: resuming it would compose other mechanisms than the ledger records.  Files are
 written atomically with mode 0600 (:func:`idpsgd.io.save_torch`; they hold private state) and read
@@ -57,6 +59,8 @@ def state_dict(engine) -> dict:
         state["individual"] = engine.individual.state_dict()
     if engine.filter is not None:
         state["filter"] = engine.filter.state_dict()
+    if engine.journal is not None:  # the draws this ledger covers, kept or charged (engine/journal.py)
+        state["journal"] = engine.journal.state_dict()
     return state
 
 
@@ -100,6 +104,8 @@ def load_state_dict(engine, state: dict, resume_seeds) -> None:
         engine.individual.load_state_dict(state["individual"])
     if engine.filter is not None:
         engine.filter.load_state_dict(state["filter"])
+    if engine.journal is not None:  # the run folder's draws the state does not cover are charged now
+        engine.journal.reconcile(engine, state.get("journal"), checkpoint=True)
 
 
 def plan_mismatch(engine, saved: dict | None) -> str:

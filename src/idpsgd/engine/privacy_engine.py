@@ -95,6 +95,45 @@ class IndividualizedPrivacyEngine:
         self._noise = None
         self._individual_seed_follows = False
         self._guard = None  # the phase's StepGuard (engine/step_guard.py)
+        self.journal = None  # the run folder's journal of drawn steps (engine/journal.py), or None
+
+    # --- the journal of drawn steps (engine/journal.py) ---------------------------------------
+    def attach_journal(self, path, *, writer: bool | None = None):
+        """Record every noise draw in the append-only journal ``path`` (a run folder's
+        ``private/drawn_steps.jsonl``, :mod:`.journal`) before its noise is drawn, and charge on resume
+        the draws the loaded state does not cover: an abandoned attempt's draws (secure mode; in
+        reproducible mode those the resumed run does not replay) compose with the kept steps, so ε
+        covers every draw made under the run folder.  Call before ``make_private``; ``writer``: this
+        process appends (default: the main process; the others only charge).  Returns the journal."""
+        from .journal import DrawJournal
+
+        if self.accountant is not None:
+            raise RuntimeError("attach the journal of drawn steps before make_private")
+        self.journal = DrawJournal(path, writer)
+        return self.journal
+
+    def _settle_journal(self) -> None:
+        """A run folder's earlier draws are charged before this engine's first step or ε (a run that
+        starts without a checkpoint: every recorded draw; a loaded checkpoint reconciles at load)."""
+        if self.journal is not None and not self.journal.reconciled and self.accountant is not None:
+            self.journal.reconcile(self, None, checkpoint=False)
+
+    def finish_journal(self) -> int:
+        """The run ends: an earlier attempt's draws it was to replay (reproducible mode) and did not reach
+        are charged (:meth:`~.accountant.GroupAccountant.settle`); call before reporting ε.  Returns how many."""
+        if self.accountant is None:
+            return 0
+        self._settle_journal()
+        return self.accountant.settle()
+
+    def _before_noise(self, phase: str) -> None:
+        """The step guard's journal hooks: ``"settle"`` before the filter, ``"record"`` after it."""
+        if self.journal is None:
+            return
+        if phase == "settle":
+            self._settle_journal()
+        else:
+            self.journal.record(self)
 
     # --- the run's seeds (private: a seed replays the run) ------------------------------------
     @property
@@ -136,6 +175,7 @@ class IndividualizedPrivacyEngine:
         bound of the filter's).
         """
         self._require()
+        self._settle_journal()
         delta = self.accountant.resolve_delta(delta)
         if steps is not None:
             if int(steps) != steps or int(steps) < self.steps:
@@ -182,7 +222,8 @@ class IndividualizedPrivacyEngine:
         eps = self.accountant.individual_epsilons(delta)
         if self.filter is not None:  # individual filter: its realized ε at each example's order (≤ budget)
             return np.minimum(eps, self.filter.realized_epsilons(delta))
-        if self.individual is not None and self.individual.kind == "guarantee":
+        if self.individual is not None and self.individual.kind == "guarantee" and not self.accountant.extra:
+            # (output-specific ε covers the kept steps only: with charged draws of abandoned attempts, not mixed in)
             eps = np.minimum(eps, self.individual.epsilons(self.accountant.resolve_delta(delta)))
         return eps
 
@@ -274,6 +315,7 @@ class IndividualizedPrivacyEngine:
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""
         self._require()
+        self._settle_journal()
         return self._step_filter is None or self._step_filter.can_step()
 
     def _require(self):
@@ -555,7 +597,7 @@ class IndividualizedPrivacyEngine:
         # --- wire: the guards around the step, then the engine's state ------------------------------
         if self.individual is not None and self.individual.seed == before[2].seed != seeds.seed:
             self.individual.seed = seeds.seed  # rank 0's seed (data parallelism), as the engine's
-        self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step)
+        self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step, self._before_noise)
         if opts.mode.book_keeping:
             dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
             wrapped.keeper.user_level = BookKeepingUsers(self.clipping) if users is not None else None
@@ -567,6 +609,8 @@ class IndividualizedPrivacyEngine:
             self.individual.attach(self)
         if privacy_filter == "individual":
             self.filter = self._step_filter = self._guard.step_filter = checked.individual_filter.attach(self)
+        if self.journal is not None:  # the run folder's earlier draws, read once (every rank: a collective)
+            self.journal.load_records()
         if opts.mode.returns_criterion:
             from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 

@@ -21,8 +21,9 @@ class StepGuard:
     ``step_filter``: the privacy filter in use (a :class:`~.group_filter.StepFilter`, or None:
     accounted, not filtered); set by the engine once the filter is attached."""
 
-    def __init__(self, wrapped, optimizer, grad_sample_mode: str, charge):
+    def __init__(self, wrapped, optimizer, grad_sample_mode: str, charge, before_noise=None):
         raw = raw_module(wrapped)
+        self.before_noise = before_noise  # the journal of drawn steps (engine/journal.py): settle, record
         self.module, self.grad_sample_mode, self.step_filter = wrapped, grad_sample_mode, None
         self.writes, self.trainable = WriteGuard.attach(raw), trainable_names(raw)
         # its state is released with the model in checkpoints and feeds later updates; the wrappers' own
@@ -37,11 +38,16 @@ class StepGuard:
 
     def __call__(self, optimizer) -> None:
         """Before the noise of each logical step: refuse un-noised writes to the released model and
-        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
+        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter; the
+        admitted step is then recorded (``before_noise``: appended and fsync'd before any noise)."""
         self.writes.check()
         check_no_new_trainable(raw_module(self.module), self.trainable, self.grad_sample_mode)
+        if self.before_noise is not None:  # a run folder's earlier draws are charged before the filter asks
+            self.before_noise("settle")
         if self.step_filter is not None:
             self.step_filter.guard(optimizer)
+        if self.before_noise is not None:
+            self.before_noise("record")
 
     def after_refusal(self, _optimizer) -> None:
         """A step refused anywhere in ``optimizer.step()`` (the guard, the book-keeper, Opacus): its

@@ -33,6 +33,7 @@ from ..assignment import Budgets
 from ..data import Dataset
 from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
 from ..engine.individual import IndividualAccountingOptions
+from ..engine.journal import JOURNAL, register_journal, step_counts
 from ..engine.randomness import randomness_note, resolve_seed
 from ..engine.unwrap import raw_module
 from ..io import fault_point, load_torch, signature_differences
@@ -211,6 +212,8 @@ class Trainer:
         self.engine = IndividualizedPrivacyEngine(
             accountant=config.accountant, secure_mode=config.secure_mode, seed=self.seed
         )
+        if self.run_folder is not None:  # every noise draw under the run folder is recorded, and charged on resume
+            self.engine.attach_journal(self.run_folder.path / PRIVATE / JOURNAL)
         if individual is not None:
             self.engine.enable_individual_accounting(individual, per_sample_loss=self._per_sample_loss)
         self.loader = (
@@ -467,6 +470,8 @@ class Trainer:
     # --- the report ----------------------------------------------------------------------
     def report(self) -> dict:
         ds, plan = self.dataset, self.plan
+        if self.engine.accountant is not None:  # draws of earlier attempts it did not reach: charged now
+            self.engine.finish_journal()
         ev = self.evaluate()
         spent = self.epsilon_spent()
         rdp_spent = self.engine.accountant.grid_epsilon() if self.engine.accountant is not None else spent
@@ -518,6 +523,7 @@ class Trainer:
             "per_class_accuracy": ev["per_class_accuracy"],
             "noise_multiplier": sigmas[0] if len(sigmas) == 1 else sigmas,
             "steps": self.step,
+            **step_counts(self.engine),
             "planned_steps": plan.steps,
             "stopped_early": self.stopped_early,
             "epochs": self.config.epochs,
@@ -648,6 +654,7 @@ class Trainer:
         from ..analysis.report import write_report
 
         rf = self.run_folder
+        register_journal(rf)
         rf.write_json(
             "history.json",
             self.history,

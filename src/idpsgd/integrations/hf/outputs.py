@@ -20,6 +20,7 @@ import torch
 from ...accounting.neighbouring import neighbouring
 from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE, distributed
+from ...engine.journal import register_journal, step_counts
 from ...engine.randomness import randomness_note
 from ...runfolder import PRIVATE, SEED_FILE
 from .losses import PerExampleLoss, base_model, sequence_losses, token_losses
@@ -84,6 +85,7 @@ def build_report(trainer) -> dict:
     """The run's report (``train`` harness schema; ``private`` holds what must not be published)."""
     engine, args = trainer.engine, trainer.user_args
     delta = trainer.budgets.delta
+    engine.finish_journal()  # draws of earlier attempts the run did not reach: charged before the report's ε
     eps = engine.get_epsilon()
     groups = []
     for g in engine.privacy_groups():
@@ -125,6 +127,7 @@ def build_report(trainer) -> dict:
         ),
         "noise_multiplier": p["noise_multiplier"],
         "steps": engine.steps,
+        **step_counts(engine),
         "planned_steps": trainer.planned_steps,
         "stopped_early": trainer.stopped_early,
         "epochs": args.num_train_epochs if args.max_steps <= 0 else None,
@@ -202,6 +205,7 @@ def write_run(trainer) -> dict:
     from ...training.loop import public_report
 
     rf, engine = trainer.run_folder, trainer.engine
+    register_journal(rf)
     report = build_report(trainer)
     save_model_folder(trainer)
     budgets, users = trainer.budgets, getattr(trainer, "users", None)

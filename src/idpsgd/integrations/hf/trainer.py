@@ -485,6 +485,7 @@ class IndividualizedTrainer(Trainer):
         self.engine = IndividualizedPrivacyEngine(
             accountant=privacy.accountant, secure_mode=privacy.secure_mode, seed=privacy_seed(privacy)
         )
+        self._attach_journal(args)
         self.model_config_digest = ckpts.model_config_digest(model)  # before the Trainer aligns special tokens
         self.run_folder = (
             open_run_folder(args.output_dir, privacy.overwrite)
@@ -522,6 +523,33 @@ class IndividualizedTrainer(Trainer):
         self._engine_module = None  # the engine's wrapper of the model (make_private)
         self._dp_module = None  # the DPDDP wrapper of the model under torch.distributed (engine/distributed.py)
         self._resume_path = None  # the checkpoint being resumed (a sharded one is loaded after sharding)
+
+    def _attach_journal(self, args) -> None:
+        """Every noise draw of the run is recorded in ``private/drawn_steps.jsonl`` (rank 0) before it is
+        drawn; a resume charges the draws its checkpoint does not cover (:mod:`idpsgd.engine.journal`)."""
+        from pathlib import Path
+
+        from ...engine.journal import JOURNAL
+
+        self.engine.attach_journal(Path(args.output_dir) / ckpts.PRIVATE / JOURNAL, writer=args.process_index == 0)
+
+    def _refuse_a_resume_past_the_budgets(self) -> None:
+        """After a resume charged an earlier attempt's draws: if not one more step fits the budgets, the
+        resume is refused, naming what was charged (nothing is trained or written; the run's outputs stand)."""
+        acc = self.engine.accountant
+        if not acc.extra or self.engine.can_step():
+            return
+        eps = np.round(self.engine.get_epsilon().per_group, 4).tolist()
+        raise InvalidParameterError(
+            "resume_from_checkpoint",
+            str(self._resume_path),
+            f"keeps {acc.steps} steps, but earlier attempts of this run drew {acc.released_steps + acc.pending_steps} "
+            f"more steps after it ({'secure mode: fresh noise on every draw, and ' if self.engine.secure_mode else ''}"
+            "their outputs may have left the process: logs, evaluations, checkpoints, the published model), which "
+            f"are charged: {acc.charged_steps} steps charged spend the budgets {acc.values.tolist()} (epsilon per "
+            f"group {eps}), so no further step fits; the run's outputs stand. Resume from the latest checkpoint "
+            "(resume_from_checkpoint=True), or start a new run",
+        )
 
     # --- the private step ---------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -590,8 +618,9 @@ class IndividualizedTrainer(Trainer):
             self.dp_optimizer.equal_passes = True  # every rank: passes_per_step passes per step (training_step)
         self.planned_steps = planned
         self._record_sampler_states(private)
-        if self._resume is not None:  # accountant history, filter, sampler and noise generators
+        if self._resume is not None:  # accountant history, filter, sampler and noise generators; earlier draws
             self.engine.load_state_dict(self._resume["engine"])
+            self._refuse_a_resume_past_the_budgets()
         return private
 
     def _record_sampler_states(self, loader) -> None:
@@ -964,7 +993,8 @@ class IndividualizedTrainer(Trainer):
             warnings.warn(
                 "secure mode: the resumed run draws fresh OS entropy for Poisson sampling and noise (no "
                 "generator state is saved), so it is not bit-equal to an uninterrupted run; the accounting "
-                "continues exactly from the checkpoint's steps",
+                "continues from the checkpoint's steps, and the steps earlier attempts drew after it are charged "
+                "too (private/drawn_steps.jsonl)",
                 UserWarning,
                 stacklevel=3,
             )
@@ -981,6 +1011,7 @@ class IndividualizedTrainer(Trainer):
                 self.engine = IndividualizedPrivacyEngine(
                     accountant=self.privacy.accountant, secure_mode=False, seed=saved_seed
                 )
+            self._attach_journal(self.user_args)
         if "model" in state:  # a sharded checkpoint's shards load after sharding (get_train_dataloader)
             raw_module(self.model).load_state_dict(state["model"])
         self._resume_path = path
