@@ -8,6 +8,7 @@ The full reproduction is ``slow``."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -385,3 +386,71 @@ def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path):
     assert file_mode(out / "private" / "canaries.csv") == 0o600
     with pytest.raises(InvalidParameterError, match="nothing else"):
         add_canaries(ds.add_column("extra", [0] * 40), canaries, tok)
+
+
+# --------------------------------------------------------------------------- the reproduction
+
+
+def _secrets_of(run: Path) -> list[str]:
+    return [row["text"] for row in _csv(run / "private" / "canaries.csv")]
+
+
+def _public_text(folder: Path) -> str:
+    return "".join(
+        p.read_text(errors="ignore")
+        for p in folder.rglob("*")
+        if p.is_file() and "private" not in p.parts and p.suffix in (".json", ".md", ".html")
+    )
+
+
+@pytest.mark.filterwarnings(SPARSE)
+def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
+    """``idpsgd reproduce lm-canaries`` at a tiny size: the stdlib docstring corpus, a private run with three
+    budget groups and the non-private baseline on the same rows and canaries, each audited; the checks of the
+    issue reported; secrets only in the runs' private/ (0600), nothing but the result on stdout."""
+    from idpsgd.experiments.lm_canaries import stdlib_docstring_corpus
+
+    corpus = stdlib_docstring_corpus(40)
+    assert len(corpus) == 40 and all(4 <= len(s.split()) <= 24 for s in corpus)
+    assert corpus == stdlib_docstring_corpus(40)  # deterministic
+    out = tmp_path / "rep"
+    argv = ["reproduce", "lm-canaries", "--rows", "60", "--canaries", "3", "--digits", "3", "--epochs", "2",
+            "--batch-size", "8", "--budgets", "2,4,8", "--width", "16", "--layers", "1", "--seed", "0", "--no-progress", "--out", str(out),
+            "--json"]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3
+    a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
+    assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [2.0, 4.0, 8.0]
+    assert all(g["reported_epsilon"] <= g["budget"] * (1 + 1e-9) for g in a["groups"])
+    assert all(g["reported_epsilon"] is None and g["verdict"] == "not private" for g in b["groups"])
+    assert set(r["checks"]) == {
+        "exposure_ordered_by_budget",
+        "baseline_above_every_private_group",
+        "every_bound_at_most_reported_epsilon",
+    }
+    assert r["checks"]["every_bound_at_most_reported_epsilon"]
+    assert _secrets_of(out / "dp-sample") == _secrets_of(out / "non-private")  # the same canaries
+    for run in ("dp-sample", "non-private"):
+        assert file_mode(out / run / "private" / "canaries.csv") == 0o600
+        assert (out / run / "exposure_by_group.png").is_file()
+    public = _public_text(out)
+    assert not any(s in public for s in _secrets_of(out / "dp-sample"))
+    assert (out / "lm_canaries.md").read_text().count("| IDP-SGD sample |") == 4
+    assert file_mode(out / "private" / "seed.json") == 0o600
+    assert main([*argv[:-1], "--overwrite", "--model", "mlp"]) == 2
+    assert "builds its GPT-2 from a config" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the reproduction's defaults: about 10 minutes on a quiet 2-core machine
+def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys):
+    """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
+    exposure far above every private group's, every group's empirical lower bound at or below its reported ε."""
+    out = tmp_path / "rep"
+    assert main(["reproduce", "lm-canaries", "--seed", "0", "--no-progress", "--out", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert all(r["checks"].values()), r["checks"]
+    a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
+    top = max(g["exposure_included"]["mean"] for g in a["groups"])
+    assert min(g["exposure_included"]["mean"] for g in b["groups"]) > top + 2  # bits
+    assert b["all"]["auc"] > 0.8
