@@ -344,9 +344,11 @@ def test_null_rows_add_nothing_and_other_rows_are_labelled_as_the_lm_collator_la
 
 
 @pytest.mark.filterwarnings(SPARSE)
-def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path):
+@pytest.mark.parametrize("level", ["example", "user"])
+def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path, level):
     """The Trainer path: add_canaries + canary_collator, train, audit_trainer writes the audit into the run
-    folder; the bound is checked against the ε the run reports."""
+    folder; the bound is checked against the ε the run reports.  At user level each canary is a new user's
+    row (the run's groups count users)."""
     import datasets
     from transformers import TrainingArguments
 
@@ -356,12 +358,19 @@ def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path):
 
     enc = tok(_lines(40), truncation=True, max_length=16)
     eps = np.where(np.arange(40) % 2 == 0, 1.0, 8.0)
-    ds = datasets.Dataset.from_dict(
-        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "epsilon": eps}
-    )
-    canaries = draw_canaries([1.0, 8.0], 4, FMT, seed=5)
-    train = add_canaries(ds, canaries, tok, budget_column="epsilon", max_length=16)
-    assert len(train) == 48 and set(train.column_names) == {"input_ids", "attention_mask", "epsilon", "labels"}
+    columns = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "epsilon": eps}
+    users = None
+    if level == "user":
+        columns["user"] = [f"u{i % 20}" for i in range(40)]  # user j: budget [1, 8][j % 2]
+        users = np.array([f"u{j}" for j in range(20)]), np.where(np.arange(20) % 2 == 0, 1.0, 8.0)
+    ds = datasets.Dataset.from_dict(columns)
+    canaries = draw_canaries(
+        [1.0, 8.0], 4, FMT, seed=5, user_ids=None if users is None else users[0],
+        user_budgets=None if users is None else users[1],
+    )  # fmt: skip
+    user_column = "user" if users is not None else None
+    train = add_canaries(ds, canaries, tok, budget_column="epsilon", user_column=user_column, max_length=16)
+    assert len(train) == 48 and set(train.column_names) == {*columns, "labels"}
     out = tmp_path / "run"
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,
@@ -373,13 +382,14 @@ def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path):
         train_dataset=train,
         processing_class=tok,
         data_collator=canary_collator(tok),
-        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3),
+        privacy=PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3, user_column=user_column),
     )
     with pytest.raises(InvalidParameterError, match="has not trained yet"):
         audit_trainer(trainer, canaries)
     trainer.train()
     a = audit_trainer(trainer, canaries, LMAuditOptions(canaries=4, digits=3))
-    assert [g["count"] for g in trainer.report["groups"]] == [24, 24]
+    assert [g["count"] for g in trainer.report["groups"]] == ([24, 24] if users is None else [14, 14])
+    assert trainer.report["privacy_unit"] == level
     assert [g["reported_epsilon"] for g in a["groups"]] == [g["epsilon_spent"] for g in trainer.report["groups"]]
     assert a["audit_passed"] and all(g["empirical_epsilon"] <= g["reported_epsilon"] for g in a["groups"])
     assert json.loads((out / "report.json").read_text())["lm_audit"]["audit_passed"]
@@ -415,8 +425,8 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert corpus == stdlib_docstring_corpus(40)  # deterministic
     out = tmp_path / "rep"
     argv = ["reproduce", "lm-canaries", "--rows", "60", "--canaries", "3", "--digits", "3", "--epochs", "2",
-            "--batch-size", "8", "--budgets", "2,4,8", "--width", "16", "--layers", "1", "--seed", "0", "--no-progress", "--out", str(out),
-            "--json"]  # fmt: skip
+            "--batch-size", "8", "--budgets", "2,4,8", "--width", "16", "--layers", "1", "--seed", "0",
+            "--no-progress", "--out", str(out), "--json"]  # fmt: skip
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3

@@ -176,6 +176,15 @@ def add_canaries(
         raise InvalidParameterError(
             "user_column", user_column, "give it exactly when the canaries were drawn at user level"
         )
+    if user_column and canaries.users is not None:
+        kind = getattr(dataset.features[user_column], "dtype", None)
+        if kind not in ("string", "large_string") and any(isinstance(u, str) for u in canaries.users):
+            raise InvalidParameterError(
+                "user_column",
+                f"{user_column} ({kind})",
+                "holds non-text user ids, but the canaries' new users have text ids: store the user ids as "
+                "text (dataset.cast_column) or draw the canaries with users='existing'",
+            )
     pad = tokenizer.pad_token_id
     base = null_row_labels(dataset, np.zeros(len(dataset), bool), pad)
     enc = tokenizer(canaries.texts, truncation=True, max_length=max_length)

@@ -169,6 +169,7 @@ def run_lm_canaries(
     data=None,
     rows: int = 600,
     budgets: str = BUDGETS,
+    method: str = "sample",
     canaries: int = 25,
     digits: int = 4,
     epochs: int = 60,
@@ -184,7 +185,7 @@ def run_lm_canaries(
     seed: int | None = None,
     out=None,
 ) -> dict:
-    """Run the reproduction (module docstring) into the run folder ``out``: ``dp-sample/`` (the private
+    """Run the reproduction (module docstring) into the run folder ``out``: ``dp-<method>/`` (the private
     run with its audit) and ``non-private/`` (the baseline's audit); returns the comparison."""
     from ..assignment import Budgets
     from ..audit.canaries import CanaryFormat, with_canaries
@@ -220,8 +221,10 @@ def run_lm_canaries(
     )
     train = TextData(corpus, None, budgets.epsilons, ["text", "epsilon"], {"format": "corpus", "file": "stdlib"})
     audit = LMAuditOptions(canaries=canaries, digits=digits)
+    if method not in ("sample", "scale"):
+        raise InvalidParameterError("method", method, "must be sample or scale (IDP-SGD, Boenisch et al.)")
     options = FinetuneOptions(
-        method="sample",
+        method=method,
         epochs=float(epochs),
         batch_size=batch_size,
         lr=lr,
@@ -231,7 +234,7 @@ def run_lm_canaries(
         progress=progress,
     )
     t1 = time.time()
-    dp = audit_finetune(base, train, budgets, out.path / "dp-sample", options=options, audit=audit, overwrite=True)
+    dp = audit_finetune(base, train, budgets, out.path / f"dp-{method}", options=options, audit=audit, overwrite=True)
     t2 = time.time()
     # the baseline trains on the very rows and canaries of the private run (the same design seed)
     from ..audit.canaries import draw_canaries
@@ -271,7 +274,7 @@ def run_lm_canaries(
         f"{'.'.join(map(str, __import__('sys').version_info[:3]))}), {len(corpus)} sentences",
         "modules": list(MODULES),
         "model": f"GPT2LMHeadModel from a config: {layers} layers, width {width}, 2 heads, vocabulary {tok.vocab_size}",
-        "method": "sample",
+        "method": method,
         "budgets": values,
         "delta": DELTA,
         "epochs": epochs,
@@ -306,7 +309,7 @@ def _markdown(r) -> str:
     def ex(s):
         return "n/a" if s["mean"] is None else f"{s['mean']:.2f} ({s['median']:.2f})"
 
-    for name, audit in (("IDP-SGD sample", a), ("non-private", b)):
+    for name, audit in ((f"IDP-SGD {r['method']}", a), ("non-private", b)):
         for g in [*audit["groups"], audit["all"]]:
             budget = "all" if g["budget"] is None else f"{g['budget']:g}"
             rep = "—" if g["reported_epsilon"] is None else f"{g['reported_epsilon']:.3f}"
@@ -338,7 +341,14 @@ def write_lm_canaries(out, r) -> list[str]:
 
 
 def _text(r) -> str:
-    return _markdown(r) + f"files in {r['out']}: {', '.join(r['files'])}; the runs: dp-sample/, non-private/"
+    return _markdown(r) + f"files in {r['out']}: {', '.join(r['files'])}; the runs: dp-{r['method']}/, non-private/"
+
+
+def _check_method(name, value) -> None:
+    from ..validation import InvalidParameterError
+
+    if value not in ("sample", "scale"):
+        raise InvalidParameterError(name, value, "must be sample or scale (IDP-SGD, Boenisch et al.)")
 
 
 def _check_budgets(name, value) -> None:
@@ -354,6 +364,7 @@ register(
         options=(
             Option("rows", "sentences of the standard-library docstring corpus", at_least_one),
             Option("budgets", "the groups' budgets (an equal share of the rows each)", _check_budgets),
+            Option("method", "IDP-SGD method of the private run: sample or scale", _check_method),
             Option("canaries", "secret canaries per budget group (each included with probability 1/2)", at_least_one),
             Option("digits", "random digits per secret (|R| = 10^digits; exact exposure up to 10^5)", at_least_one),
             Option("epochs", "passes over the data (both runs)", at_least_one),
@@ -367,7 +378,7 @@ register(
             SEED,
         ),
         text=_text,
-        out_help="folder: lm_canaries.json/.md, base_model/, the runs dp-sample/ and non-private/ (each with "
+        out_help="folder: lm_canaries.json/.md, base_model/, the runs dp-METHOD/ and non-private/ (each with "
         "report.html and private/canaries.csv)",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else "",
         model_help="not used: the GPT-2 is built from a config (--width, --layers)",
