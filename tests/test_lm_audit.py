@@ -215,6 +215,32 @@ def _brute_force_exposures(folder, texts):
     return np.array([math.log2(1000) - math.log2(_brute_force_rank(v, space.tolist())) for v in ll])
 
 
+def test_scored_exposure_exact_and_estimated_on_a_model(tok):
+    """On a GPT-2: the batched scoring equals one forward pass per text, and the audit's exposure is exact
+    (every candidate scored) up to exact_limit and an estimate (labelled so) from sampled candidates above it,
+    close to the exact values."""
+    from idpsgd.audit.lm import LMAuditOptions, audit_canaries, sequence_log_likelihoods
+
+    model = _gpt2(tok, seed=4).eval()  # no dropout in the reference either
+    texts = [*FMT.texts([0, 17, 999]), "the quick brown fox jumps"]
+    batched, counts = sequence_log_likelihoods(model, tok, texts, batch_size=3)
+    with torch.no_grad():
+        for text, ll, c in zip(texts, batched, counts, strict=True):
+            ids = torch.tensor([tok(text)["input_ids"]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            ref = logp.gather(1, ids[0, 1:, None]).sum().item()
+            assert ll == pytest.approx(ref, abs=1e-4) and c == ids.shape[1] - 1
+    canaries = draw_canaries([1.0, 8.0], 6, FMT, seed=2)
+    exact = audit_canaries(model, tok, canaries, {1.0: (1.0, 1e-5), 8.0: (8.0, 1e-5)}, 1e-5,
+                           LMAuditOptions(canaries=6, digits=3))  # fmt: skip
+    est = audit_canaries(model, tok, canaries, {1.0: (1.0, 1e-5), 8.0: (8.0, 1e-5)}, 1e-5,
+                         LMAuditOptions(canaries=6, digits=3, exact_limit=100, candidates=8000))  # fmt: skip
+    assert not exact["exposure_is_estimate"] and exact["candidates_scored"] == 1000
+    assert est["exposure_is_estimate"] and est["candidates_scored"] == 8000 and "estimate" in est["exposure_method"]
+    diff = np.abs(est["_private"]["exposure"] - exact["_private"]["exposure"])
+    assert diff.mean() < 0.25, diff
+
+
 def _csv(path):
     import csv
 
@@ -440,13 +466,13 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
         "every_bound_at_most_reported_epsilon",
     }
     assert r["checks"]["every_bound_at_most_reported_epsilon"]
-    assert _secrets_of(out / "dp-sample") == _secrets_of(out / "non-private")  # the same canaries
-    for run in ("dp-sample", "non-private"):
+    assert _secrets_of(out / "dp-scale") == _secrets_of(out / "non-private")  # the same canaries
+    for run in ("dp-scale", "non-private"):
         assert file_mode(out / run / "private" / "canaries.csv") == 0o600
         assert (out / run / "exposure_by_group.png").is_file()
     public = _public_text(out)
-    assert not any(s in public for s in _secrets_of(out / "dp-sample"))
-    assert (out / "lm_canaries.md").read_text().count("| IDP-SGD sample |") == 4
+    assert not any(s in public for s in _secrets_of(out / "dp-scale"))
+    assert (out / "lm_canaries.md").read_text().count("| IDP-SGD scale |") == 4
     assert file_mode(out / "private" / "seed.json") == 0o600
     assert main([*argv[:-1], "--overwrite", "--model", "mlp"]) == 2
     assert "builds its GPT-2 from a config" in capsys.readouterr().err

@@ -10,17 +10,18 @@ canary format's public words (never on a secret).
 **Model.**  A small GPT-2 (``GPT2LMHeadModel``, 2 layers, width 64, 2 heads) built from a config with a
 seed derived from ``--seed`` — the same public starting point for every run.
 
-**Runs.**  Three budget groups (``--budgets``, default ε = 1, 4, 16, a third of the rows each;
+**Runs.**  Three budget groups (``--budgets``, default ε = 1, 8, 64, a third of the rows each;
 δ = 1e-5) with ``canaries`` secret canaries per group ("my code is ⟨4 random digits⟩", |R| = 10^4,
-each included with probability 1/2), fine-tuned with IDP-SGD Sample (Boenisch et al.) through
+each included with probability 1/2), fine-tuned with IDP-SGD Scale (``--method``; Boenisch et al.) through
 :func:`idpsgd.audit.lm_training.audit_finetune`; then the **non-private baseline**: the same rows and
 canaries, plain ``transformers.Trainer`` fine-tuning (no clipping, no noise), the same epochs — the
 audit's power: without DP the canaries are memorised.
 
 **Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all 10^4
 candidates scored), the AUC of the loss score, the one-run empirical ε lower bound beside the
-reported ε.  Checked, and reported as measured: exposure ordered by budget (the smallest budget's
-lowest), the baseline's above every private group's, every bound at or below its reported ε.
+reported ε.  Checked, and reported as measured: the median exposure of the included canaries ordered
+by budget (the smallest budget's lowest), the baseline's above every private group's, every bound at
+or below its reported ε.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MODULES = (
     "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
     "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
 )  # fmt: skip
-BUDGETS = "1,4,16"
+BUDGETS = "1,8,64"
 DELTA = 1e-5
 
 
@@ -169,8 +170,8 @@ def run_lm_canaries(
     data=None,
     rows: int = 600,
     budgets: str = BUDGETS,
-    method: str = "sample",
-    canaries: int = 25,
+    method: str = "scale",
+    canaries: int = 50,
     digits: int = 4,
     epochs: int = 60,
     batch_size: int = 32,
@@ -257,13 +258,13 @@ def run_lm_canaries(
     )
     t3 = time.time()
     a = dp["lm_audit"]
-    means = [g["exposure_included"]["mean"] for g in a["groups"]]
-    base_means = [g["exposure_included"]["mean"] for g in baseline["groups"]]
+    # the median of the included canaries' exposure: robust to the heavy upper tail of a few canaries
+    med = [g["exposure_included"]["median"] for g in a["groups"]]
+    base_med = [g["exposure_included"]["median"] for g in baseline["groups"]]
+    known = all(x is not None for x in [*med, *base_med])
     checks = {
-        "exposure_ordered_by_budget": all(x is not None for x in means)
-        and all(means[k] < means[k + 1] for k in range(len(means) - 1)),
-        "baseline_above_every_private_group": min(x for x in base_means if x is not None)
-        > max(x for x in means if x is not None),
+        "exposure_ordered_by_budget": known and all(med[k] < med[k + 1] for k in range(len(med) - 1)),
+        "baseline_above_every_private_group": known and min(base_med) > max(med),
         "every_bound_at_most_reported_epsilon": all(
             g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]]
         ),
