@@ -478,15 +478,17 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the reproduction's defaults: about 10 minutes on a quiet 2-core machine
+@pytest.mark.slow  # the reproduction's defaults: ~90 s of CPU (6.5 min on this loaded machine)
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
-    exposure far above every private group's, every group's empirical lower bound at or below its reported ε."""
+    exposure far above every private group's, every group's empirical lower bound at or below its reported ε
+    (the median exposure of the included canaries; docs/reproducing.md)."""
     out = tmp_path / "rep"
     assert main(["reproduce", "lm-canaries", "--seed", "0", "--no-progress", "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert all(r["checks"].values()), r["checks"]
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
-    top = max(g["exposure_included"]["mean"] for g in a["groups"])
-    assert min(g["exposure_included"]["mean"] for g in b["groups"]) > top + 2  # bits
-    assert b["all"]["auc"] > 0.8
+    medians = [g["exposure_included"]["median"] for g in a["groups"]]
+    assert medians == sorted(medians) and medians[0] < 1.5  # the smallest budget near its held-out reference
+    assert min(g["exposure_included"]["median"] for g in b["groups"]) > max(medians) + 1  # bits
+    assert b["all"]["auc"] > 0.8 and b["all"]["empirical_epsilon"] > 0  # the audit's power without DP

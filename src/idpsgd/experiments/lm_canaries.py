@@ -168,10 +168,10 @@ def _non_private(base, texts, null, canaries, out_dir, *, epochs, batch_size, lr
 
 def run_lm_canaries(
     data=None,
-    rows: int = 600,
+    rows: int = 300,
     budgets: str = BUDGETS,
     method: str = "scale",
-    canaries: int = 50,
+    canaries: int = 20,
     digits: int = 4,
     epochs: int = 60,
     batch_size: int = 32,
