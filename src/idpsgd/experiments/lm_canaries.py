@@ -222,8 +222,7 @@ def run_lm_canaries(
     )
     train = TextData(corpus, None, budgets.epsilons, ["text", "epsilon"], {"format": "corpus", "file": "stdlib"})
     audit = LMAuditOptions(canaries=canaries, digits=digits)
-    if method not in ("sample", "scale"):
-        raise InvalidParameterError("method", method, "must be sample or scale (IDP-SGD, Boenisch et al.)")
+    _check_method("method", method)
     options = FinetuneOptions(
         method=method,
         epochs=float(epochs),
@@ -346,10 +345,13 @@ def _text(r) -> str:
 
 
 def _check_method(name, value) -> None:
+    from ..names import FIXED_SIGMA_METHODS
     from ..validation import InvalidParameterError
 
-    if value not in ("sample", "scale"):
-        raise InvalidParameterError(name, value, "must be sample or scale (IDP-SGD, Boenisch et al.)")
+    if value not in FIXED_SIGMA_METHODS:
+        raise InvalidParameterError(
+            name, value, f"must be {' or '.join(FIXED_SIGMA_METHODS)} (IDP-SGD, Boenisch et al.)"
+        )
 
 
 def _check_budgets(name, value) -> None:
