@@ -273,6 +273,8 @@ def render(run_dir, include_private: bool = False) -> str:
                 ],
             )
         )
+    if r.get("lm_audit"):
+        parts.append(_lm_audit_section(r["lm_audit"], run_dir))
     files = r.get("files") or {}
     if files:
         parts.append("<h2>Files</h2>" + _table(["file", "kind"], [[e(k), e(v)] for k, v in sorted(files.items())]))
@@ -283,6 +285,59 @@ def render(run_dir, include_private: bool = False) -> str:
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>"
         f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>"
     )
+
+
+def _lm_audit_section(a: dict, run_dir: Path) -> str:
+    """The canary audit of a language model (:mod:`idpsgd.audit.lm`): per group the exposure of the
+    included and held-out canaries, the AUC, the one-run lower bound beside the reported ε, the
+    verdict, and the exposure figure."""
+    e = html.escape
+    est = " (estimate)" if a.get("exposure_is_estimate") else ""
+
+    def ex(s):
+        return "n/a" if not s or s.get("mean") is None else f"{s['mean']:.2f} (median {s['median']:.2f})"
+
+    rows = []
+    for g in [*a.get("groups", []), a.get("all", {})]:
+        ok = g.get("verdict") != "FAILED"
+        rows.append(
+            [
+                "all" if g.get("budget") is None else _fmt(g.get("budget")),
+                _fmt(g.get("reported_epsilon")),
+                ex(g.get("exposure_included")),
+                ex(g.get("exposure_held_out")),
+                _fmt(g.get("auc"), 3),
+                _fmt(g.get("empirical_epsilon")),
+                f"<span class='{'ok' if ok else 'bad'}'>{e(str(g.get('verdict')))}</span>",
+            ]
+        )
+    fmt = a.get("canary_format", {})
+    m = a.get("multiplicity", {})
+    parts = [
+        "<h2>Canary audit (Carlini et al. 2019; Steinke, Nasr &amp; Jagielski 2023)</h2>",
+        f"<p class='note'>{a.get('canaries_per_group')} canaries per group, '{e(str(fmt.get('prefix')))}' + "
+        f"{fmt.get('digits')} random digits (|R| = {fmt.get('space_size')}), each included with probability 1/2 "
+        f"(held out: a null row). Exposure {e(str(a.get('exposure_method')))}; maximum "
+        f"{_fmt(a.get('exposure_max'), 3)} bits. Empirical ε: the one-run lower bound with the loss as the score, "
+        f"at {_fmt(100 * (m.get('confidence_per_test') or 0), 4)} % each (Bonferroni over {m.get('tests')} tests); "
+        "FAILED if it exceeds the reported ε.</p>",
+        _table(
+            [
+                "budget",
+                "reported ε",
+                f"exposure, included{est}",
+                f"exposure, held out{est}",
+                "AUC",
+                "ε lower bound",
+                "",
+            ],
+            rows,
+        ),
+    ]
+    fig = run_dir / "exposure_by_group.png"
+    if fig.is_file():
+        parts.append(f"<div class='figs'><img alt='exposure per group' src='{_img_file(fig)}'></div>")
+    return "".join(parts)
 
 
 def _private_section(run_dir: Path) -> str:

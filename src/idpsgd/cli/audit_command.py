@@ -8,6 +8,11 @@ from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
 from .train_commands import config_from_args, dataset_from_args, hyper_args
 
+#: the training defaults of the language-model audit (--data): FinetuneOptions' own (tested)
+LM_DEFAULTS = {"epochs": 3, "batch_size": 16, "lr": 5e-4, "clip_norm": 1.0}
+LM_CANARIES = 32
+CLASSIC_DEFAULTS: dict = {}  # the classifier audit's defaults of the same flags (filled with the parser)
+
 
 def _audit_args(p):
     from ..audit.runner import (
@@ -16,12 +21,22 @@ def _audit_args(p):
         DEFAULT_CANARIES,
         DEFAULT_SHADOW_MODELS,
         FPRS,
+        AuditOptions,
     )
     from ..names import AUDIT_METHODS
 
     p.add_argument("--method", required=True, help=f"training method to audit: {', '.join(AUDIT_METHODS)}")
     budget_source_args(p)
     hyper_args(p)
+    for action in p._actions:  # their defaults depend on what is audited (a classifier or a language model)
+        if action.dest in LM_DEFAULTS:
+            action.help = action.help.replace(
+                "(default", "(language model: default " + str(LM_DEFAULTS[action.dest]) + "; else"
+            )
+            CLASSIC_DEFAULTS[action.dest] = action.default
+            action.default = None
+        if action.dest == "model":
+            action.help += "; with --data: a local Hugging Face model folder (save_pretrained) to fine-tune and audit"
     p.add_argument(
         "--out",
         required=True,
@@ -36,12 +51,12 @@ def _audit_args(p):
     )
     p.add_argument("--overwrite", action="store_true", help="replace another run's files in OUT")
     a = p.add_argument_group("attack")
+    CLASSIC_DEFAULTS["attack"] = AuditOptions.attack  # None in the parser: --data does not take it
     a.add_argument(
         "--attack",
         choices=ATTACKS,
-        default="lira",
         help="lira: shadow models (Carlini et al. 2022); loss: loss threshold on the target only (Yeom et "
-        "al. 2018); one-run: canaries in one training run (Steinke et al. 2023) (default lira)",
+        "al. 2018); one-run: canaries in one training run (Steinke et al. 2023) (default lira; not with --data)",
     )
     a.add_argument("--shadow-models", type=int, help=f"M shadow models for lira (default {DEFAULT_SHADOW_MODELS})")
     a.add_argument(
@@ -56,7 +71,11 @@ def _audit_args(p):
         default="fixed",
         help="fixed: one variance for all examples (for few shadow models); per-example (default fixed)",
     )
-    a.add_argument("--canaries", type=int, help=f"one-run: canaries per privacy group (default {DEFAULT_CANARIES})")
+    a.add_argument(
+        "--canaries",
+        type=int,
+        help=f"one-run: canaries per privacy group (default {DEFAULT_CANARIES}; with --data {LM_CANARIES})",
+    )
     a.add_argument(
         "--canary-kind",
         choices=CANARY_KINDS,
@@ -78,6 +97,49 @@ def _audit_args(p):
         f"{','.join(f'{f:g}' for f in FPRS)})",
     )
     add_pdp_arguments(p.add_argument_group("PDP-SGD (Heo et al.; with --method pdp-sgd)"))
+    _lm_args(p.add_argument_group("language models (--model DIR --data FILE): secret canaries per group"))
+
+
+def _lm_args(g):
+    from ..audit.canaries import DEFAULT_DIGITS, DEFAULT_PREFIX, USER_MODES
+    from ..audit.lm import DEFAULT_CANDIDATES, EXACT_LIMIT
+
+    g.add_argument(
+        "--data",
+        help="training texts, a JSON Lines (.jsonl) or CSV (.csv) file: fine-tune the Hugging Face model folder "
+        "--model on them with secret canaries in every budget group (Carlini et al. 2019), then audit it: "
+        "exposure and the one-run empirical epsilon per group",
+    )
+    g.add_argument("--text-column", default="text", help="the column with each row's text (default text)")
+    g.add_argument("--user-column", help="the column with each row's user: user-level privacy")
+    g.add_argument("--max-rows-per-user", type=int, default=4, help="k: a user's most rows in one step (default 4)")
+    g.add_argument("--max-length", type=int, default=128, help="tokens per text after truncation (default 128)")
+    g.add_argument(
+        "--canary-digits",
+        type=int,
+        default=DEFAULT_DIGITS,
+        help=f"random digits per secret: |R| = 10^digits candidates (default {DEFAULT_DIGITS})",
+    )
+    g.add_argument("--canary-prefix", help=f"the secrets' prefix (if not given: {DEFAULT_PREFIX!r})")
+    g.add_argument(
+        "--canary-users",
+        choices=USER_MODES,
+        default="new",
+        help="user level: a canary is the row of a new user of its own, or of a random existing user of its "
+        "group (default new)",
+    )
+    g.add_argument(
+        "--exact-limit",
+        type=int,
+        default=EXACT_LIMIT,
+        help=f"exposure is exact (every candidate scored) up to this |R|, else estimated (default {EXACT_LIMIT})",
+    )
+    g.add_argument(
+        "--candidates",
+        type=int,
+        default=DEFAULT_CANDIDATES,
+        help=f"candidates sampled for the exposure estimate above --exact-limit (default {DEFAULT_CANDIDATES})",
+    )
 
 
 @command(
@@ -90,6 +152,12 @@ def audit_cmd(args):
     from ..audit import AuditOptions, run_audit
     from ..audit.shadows import check_method
 
+    if args.data is not None:
+        return _lm_audit(args)
+    _refuse_lm_flags(args)
+    for name, default in CLASSIC_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     check_method(args.method)
     options = AuditOptions(
         attack=args.attack,
@@ -126,6 +194,116 @@ def audit_cmd(args):
     return {**public_audit(result), "private": {**result.get("private", {}), "audit": results}}
 
 
+def _refuse_lm_flags(args):
+    """Flags of the language-model audit without --data: refused (not silently ignored)."""
+    from ..validation import InvalidParameterError
+
+    for name in ("user_column", "canary_prefix"):
+        if getattr(args, name) is not None:
+            raise InvalidParameterError(name, getattr(args, name), "is for the language-model audit: give --data FILE")
+
+
+def _lm_budgets(args, data, users):
+    """The budgets of a text file: its budget column (when it has one and no other source is given) or
+    the budget flags (per row, or per user at user level)."""
+    from ..assignment import Budgets
+    from ..validation import InvalidParameterError, check_delta
+
+    others = [s for s in ("budgets", "budgets_per_class", "budgets_file", "budget_distribution") if getattr(args, s)]
+    if args.budgets_per_class:
+        raise InvalidParameterError(
+            "budgets_per_class", args.budgets_per_class, "a language model's rows have no classes"
+        )
+    delta = check_delta(args.delta)
+    if data.budgets is not None:
+        if others:
+            raise InvalidParameterError(
+                others[0],
+                getattr(args, others[0]),
+                f"the data has a budget column {args.budget_column!r}: give the budgets one way",
+            )
+        return (
+            users.budgets_from_rows(data.budgets, delta)
+            if users is not None
+            else Budgets.from_array(data.budgets, delta)
+        )
+    if not others:
+        raise InvalidParameterError(
+            "budget_column",
+            args.budget_column,
+            f"is not a column of --data {str(args.data)!r} and no other budget flag is given: give each row's "
+            "budget in that column, or --budgets with --fractions",
+        )
+    return budgets_from_args(args, len(data) if users is None else users.num_users)
+
+
+def _lm_audit(args):
+    """``idpsgd audit --model DIR --data FILE``: fine-tune with canaries per group, then audit
+    (:func:`idpsgd.audit.lm_training.audit_finetune`)."""
+    from ..audit.canaries import DEFAULT_PREFIX
+    from ..audit.lm import LMAuditOptions
+    from ..audit.lm_training import audit_finetune
+    from ..integrations.hf.finetune import FinetuneOptions, check_model_folder
+    from ..integrations.hf.text_data import load_text_data
+    from ..names import IDP_METHODS
+    from ..validation import InvalidParameterError
+    from .budget_args import resolved_seed
+
+    if args.method not in IDP_METHODS:
+        raise InvalidParameterError("method", args.method, f"with --data must be one of {', '.join(IDP_METHODS)}")
+    if args.attack is not None or args.shadow_models is not None or args.resume:
+        flag = "attack" if args.attack is not None else "shadow_models" if args.shadow_models is not None else "resume"
+        raise InvalidParameterError(
+            flag,
+            getattr(args, flag),
+            "is not used by the language-model audit (--data): it trains one model with canaries",
+        )
+    _refuse_pdp_flags(args)
+    if args.model is None:
+        raise InvalidParameterError("model", None, "with --data: give a local Hugging Face model folder")
+    check_model_folder(args.model)
+    audit = LMAuditOptions(
+        canaries=args.canaries if args.canaries is not None else LM_CANARIES,
+        digits=args.canary_digits,
+        prefix=args.canary_prefix if args.canary_prefix is not None else DEFAULT_PREFIX,
+        exact_limit=args.exact_limit,
+        candidates=args.candidates,
+        users=args.canary_users,
+        confidence=args.confidence,
+    )
+    options = FinetuneOptions(
+        method=args.method,
+        epochs=float(args.epochs if args.epochs is not None else LM_DEFAULTS["epochs"]),
+        batch_size=args.batch_size if args.batch_size is not None else LM_DEFAULTS["batch_size"],
+        lr=args.lr if args.lr is not None else LM_DEFAULTS["lr"],
+        max_grad_norm=args.clip_norm if args.clip_norm is not None else LM_DEFAULTS["clip_norm"],
+        max_length=args.max_length,
+        grad_sample_mode=args.grad_sample_mode,
+        accountant=args.accountant,
+        seed=resolved_seed(args),
+        secure_mode=args.secure_mode,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    data = load_text_data(
+        args.data,
+        args.text_column,
+        None,
+        None if args.budgets_file else args.budget_column,
+        user_column=args.user_column,
+    )
+    users = None
+    if args.user_column:
+        from ..users import Users
+
+        users = Users(data.users, args.max_rows_per_user)
+    budgets = _lm_budgets(args, data, users)
+    r = audit_finetune(
+        args.model, data, budgets, args.out, options=options, audit=audit, users=users, overwrite=args.overwrite
+    )
+    return {**r, "out": str(args.out)}
+
+
 def _fprs(text):
     from ..validation import InvalidParameterError
 
@@ -151,6 +329,19 @@ def _saved_seed(out):
 
 def _text(r):
     from ..audit.report import audit_text, public_audit_text
+
+    if "lm_audit" in r:
+        from ..audit.lm_report import lm_audit_text
+
+        groups = ", ".join(f"{g['budget']:g}: {g['epsilon_spent']:.3f}" for g in r["groups"])
+        return "\n".join(
+            [
+                f"idpsgd audit: {r['method']} fine-tuning of {r['model']} on {r['dataset']} with canaries, "
+                f"{r['steps']} steps; reported epsilon per group {groups}",
+                lm_audit_text(r["lm_audit"]),
+                f"run folder: {r['out']} (report.html; canaries and their scores: private/canaries.csv, mode 0600)",
+            ]
+        )
 
     full = (r.get("private") or {}).get("audit")
     return audit_text(full) if full is not None else public_audit_text(r)

@@ -309,6 +309,24 @@ def tokenize(data: TextData, tokenizer, max_length: int, ids: list | None):
     return datasets.Dataset.from_dict(columns)
 
 
+def null_row_labels(dataset, null, pad_token_id):
+    """``dataset`` with a ``labels`` column: each row's token ids (the padding token unlabelled, as
+    the language-modelling collator labels them), and no label at all on the ``null`` rows — zero-out
+    null rows (:mod:`idpsgd.accounting.neighbouring`): sampled and counted like any row, their loss
+    is 0 (:class:`~.losses.PerExampleLoss`), so they add nothing to the clipped sum.  The canary
+    audit's held-out canaries (:mod:`idpsgd.audit.canaries`)."""
+    from .losses import IGNORE_INDEX
+
+    null = np.asarray(null, dtype=bool)
+    if null.shape != (len(dataset),):
+        raise InvalidParameterError("null_rows", f"shape {null.shape}", f"need one flag per row ({len(dataset)})")
+    labels = [
+        [IGNORE_INDEX] * len(ids) if z else [IGNORE_INDEX if t == pad_token_id else t for t in ids]
+        for ids, z in zip(dataset["input_ids"], null.tolist(), strict=True)
+    ]
+    return dataset.add_column("labels", labels)
+
+
 def finetune(
     model_dir,
     train: TextData,
@@ -320,6 +338,7 @@ def finetune(
     overwrite: bool = False,
     resume: bool = False,
     users=None,
+    null_rows=None,
 ) -> dict:
     """Fine-tune the model in ``model_dir`` on ``train`` with one budget per row; returns the report
     (also in the run folder ``out``: public model/, report.json, report.html; private/).
@@ -327,7 +346,8 @@ def finetune(
     ``options.save_every``: a private checkpoint every that many steps (``private/checkpoint-<step>.pt``);
     ``resume``: continue the run in ``out`` from its latest checkpoint, exactly as if it had not been
     interrupted (same data, budgets and options; refused otherwise).  ``users`` (an
-    :class:`idpsgd.Users` over ``train``'s rows): user-level privacy, one budget per user."""
+    :class:`idpsgd.Users` over ``train``'s rows): user-level privacy, one budget per user.
+    ``null_rows`` (causal LM only; a bool per row): rows that are zero-out nulls (:func:`null_row_labels`)."""
     import torch
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -386,13 +406,24 @@ def finetune(
             finetune,
             options.nproc,
             (model_dir, train, budgets, out),
-            dict(eval_data=eval_data, options=options, overwrite=overwrite, resume=resume, users=users),
+            dict(
+                eval_data=eval_data,
+                options=options,
+                overwrite=overwrite,
+                resume=resume,
+                users=users,
+                null_rows=null_rows,
+            ),
             device="cuda"
             if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
             else "cpu",
         )
     tokenizer = load_tokenizer(folder)
     task = "causal_lm" if train.labels is None else "sequence_classification"
+    if null_rows is not None and task != "causal_lm":
+        raise InvalidParameterError(
+            "null_rows", "given", "null rows are for causal language modelling (no label column)"
+        )
     train_ids = eval_ids = id2label = None
     classes_source = None
     if task == "sequence_classification":
@@ -444,6 +475,15 @@ def finetune(
         if task == "causal_lm"
         else DataCollatorWithPadding(tokenizer)
     )
+    train_dataset = tokenize(train, tokenizer, options.max_length, train_ids)
+    eval_dataset = tokenize(eval_data, tokenizer, options.max_length, eval_ids) if eval_data else None
+    if null_rows is not None:  # labels of their own (nulls unlabelled), padded with "no label"
+        from transformers import DataCollatorForSeq2Seq
+
+        train_dataset = null_row_labels(train_dataset, null_rows, tokenizer.pad_token_id)
+        if eval_dataset is not None:
+            eval_dataset = null_row_labels(eval_dataset, np.zeros(len(eval_dataset), bool), tokenizer.pad_token_id)
+        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     privacy = PrivacyArguments(
         budgets=budgets,
         method=options.method,
@@ -459,8 +499,8 @@ def finetune(
     trainer = IndividualizedTrainer(
         model=model,
         args=args,
-        train_dataset=tokenize(train, tokenizer, options.max_length, train_ids),
-        eval_dataset=tokenize(eval_data, tokenizer, options.max_length, eval_ids) if eval_data else None,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         data_collator=collator,
         privacy=privacy,

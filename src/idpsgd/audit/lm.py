@@ -1,0 +1,258 @@
+"""Auditing a fine-tuned language model per privacy group: canary exposure and the one-run bound.
+
+After a model was fine-tuned on data holding secret canaries (:mod:`.canaries`; every group's
+canaries with the group's budget, each included with probability 1/2, the rest null rows):
+
+* **exposure** (Carlini et al. 2019, §4): every canary's rank among the candidate secrets by the
+  model's log-likelihood of the whole text, exact by brute force when |R| ≤ ``exact_limit``,
+  otherwise an **estimate** from ``candidates`` secrets sampled uniformly from R with the paper's
+  skew-normal extrapolation (:mod:`.exposure`); its distribution per group, for the included
+  canaries and the held-out ones (the reference: what a model that never saw the secret gives);
+* **membership inference and an empirical ε per group**: the one-run audit of Steinke, Nasr &
+  Jagielski 2023 (:func:`~idpsgd.audit.bounds.one_run_audit`, the same implementation as
+  ``idpsgd audit --attack one-run``) with the canaries' inclusion coins and minus the canary text's
+  mean token loss as the score; a lower bound per group beside the reported ε.  A bound above the
+  reported ε FAILS the audit (each bound at level (1 − confidence)/tests, Bonferroni over the groups
+  and all data, as the audit does).
+
+The candidates are scored in batches (one forward pass per batch of texts, right-padded, per-example
+token losses of :func:`~idpsgd.integrations.hf.losses.token_losses`); R is scored once and shared
+by every canary.
+
+**What is private.**  The canaries' secrets, coins and per-canary scores are the auditor's secret
+(``private/canaries.csv``, 0600).  The per-group aggregates (exposure distribution, AUC, the bound)
+are computed from the released model and the auditor's own synthetic canaries only — no person's
+row enters them except through the model, whose guarantee covers any computation on it — so they
+go into the public report (``report.json``'s ``lm_audit``, ``exposure_by_group.png``, report.html).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..validation import InvalidParameterError, check_delta
+from . import bounds, exposure
+from .canaries import DEFAULT_DIGITS, DEFAULT_PREFIX, USER_MODES, Canaries, CanaryFormat, check_per_group
+
+DEFAULT_CANARIES = 32
+DEFAULT_CANDIDATES = 4096
+EXACT_LIMIT = 100_000
+SCORE = "minus the canary text's mean token loss (higher: more likely a member)"
+
+
+@dataclass(frozen=True)
+class LMAuditOptions:
+    """The canaries and how the model is scored.
+
+    Attributes:
+        canaries: m canaries per privacy group (each included with probability 1/2).
+        digits, prefix: the secrets' format (|R| = 10^digits).
+        exact_limit: |R| up to which exposure is exact (every candidate scored); above it an estimate.
+        candidates: candidates sampled uniformly from R for the estimate.
+        users: at user level, ``new`` (a canary is a new user's row) or ``existing`` (a random user's).
+        confidence: family-wise confidence of the verdict (Bonferroni over the groups and all data).
+        score_batch_size: texts per forward pass when scoring.
+    """
+
+    canaries: int = DEFAULT_CANARIES
+    digits: int = DEFAULT_DIGITS
+    prefix: str = DEFAULT_PREFIX
+    exact_limit: int = EXACT_LIMIT
+    candidates: int = DEFAULT_CANDIDATES
+    users: str = "new"
+    confidence: float = bounds.CONFIDENCE
+    score_batch_size: int = 256
+
+    def __post_init__(self):
+        check_per_group(self.canaries)
+        CanaryFormat(self.prefix, self.digits)
+        for name in ("exact_limit", "candidates", "score_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < (2 if name == "candidates" else 1):
+                raise InvalidParameterError(name, v, "must be an integer >= " + ("2" if name == "candidates" else "1"))
+        if self.users not in USER_MODES:
+            raise InvalidParameterError("canary_users", self.users, f"must be one of {', '.join(USER_MODES)}")
+        bounds.check_confidence(self.confidence)
+
+    @property
+    def format(self) -> CanaryFormat:
+        return CanaryFormat(self.prefix, self.digits)
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def sequence_log_likelihoods(model, tokenizer, texts, *, batch_size: int = 256):
+    """(log-likelihood of every text, its number of predicted tokens): Σ_t log p(x_t | x_<t) over the
+    text's tokens after the first, in batches of ``batch_size`` (right-padded, attention mask; one
+    forward pass per batch).  float64 arrays."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    from ..integrations.hf.losses import IGNORE_INDEX, token_losses
+
+    texts = list(texts)
+    n = len(texts)
+    ll, count = np.zeros(n), np.zeros(n)
+    if n == 0:
+        return ll, count
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=n)
+    if lengths.min() < 2:
+        raise InvalidParameterError("texts", "a text of fewer than 2 tokens", "has no token to predict")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    order = np.argsort(lengths, kind="stable")  # similar lengths share a batch: less padding
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for s in range(0, n, int(batch_size)):
+                rows = order[s : s + int(batch_size)]
+                seqs = [torch.tensor(ids[i], dtype=torch.long) for i in rows.tolist()]
+                x = pad_sequence(seqs, batch_first=True, padding_value=pad).to(device)
+                mask = pad_sequence([torch.ones_like(q) for q in seqs], batch_first=True).to(device)
+                labels = x.masked_fill(mask == 0, IGNORE_INDEX)
+                logits = model(input_ids=x, attention_mask=mask).logits
+                total, tokens = token_losses(logits, labels, shift=True)
+                ll[rows] = -total.double().cpu().numpy()
+                count[rows] = tokens.double().cpu().numpy()
+    finally:
+        model.train(was)
+    return ll, count
+
+
+def canary_exposure(model, tokenizer, canaries: Canaries, options: LMAuditOptions, rng) -> dict:
+    """Every canary's exposure (exact or estimated, see the module) and its log-likelihood."""
+    fmt = canaries.format
+    canary_ll, canary_tokens = sequence_log_likelihoods(
+        model, tokenizer, canaries.texts, batch_size=options.score_batch_size
+    )
+    if fmt.space_size <= options.exact_limit:
+        cand_ll, _ = sequence_log_likelihoods(
+            model, tokenizer, fmt.texts(np.arange(fmt.space_size)), batch_size=options.score_batch_size
+        )
+        exp = exposure.exact_exposure(canary_ll, cand_ll)
+        exp["extrapolated"] = np.zeros(len(canaries), bool)
+        exp["samples"] = fmt.space_size
+    else:
+        sample = rng.integers(0, fmt.space_size, size=options.candidates, dtype=np.int64)
+        cand_ll, _ = sequence_log_likelihoods(model, tokenizer, fmt.texts(sample), batch_size=options.score_batch_size)
+        exp = exposure.estimated_exposure(canary_ll, cand_ll, fmt.space_size)
+    exp["log_likelihood"] = canary_ll
+    exp["tokens"] = canary_tokens
+    return exp
+
+
+# ---------------------------------------------------------------- the audit
+
+
+def reported_by_group(report: dict | None, delta: float) -> dict:
+    """budget -> (reported ε, δ) from a run's report (``groups``' ``epsilon_spent``); {} without one
+    (a non-private model: nothing to check the bound against)."""
+    out = {}
+    for g in (report or {}).get("groups") or []:
+        if g.get("epsilon_spent") is not None:
+            out[float(g["budget"])] = (float(g["epsilon_spent"]), float(g.get("delta", delta)))
+    return out
+
+
+def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: float, options=None) -> dict:
+    """The audit of a trained model (see the module): per group the exposure of the included and the
+    held-out canaries, the AUC of the loss score, the one-run bound and the verdict against the
+    reported ε (``reported``: budget -> (ε, δ); empty for a non-private model).
+
+    Returns the result; per-canary arrays under ``"_private"`` (write them only to a 0600 file)."""
+    from .runner import per_test_confidence, verdict_tests
+
+    options = options or LMAuditOptions()
+    delta = check_delta(delta)
+    rng = np.random.default_rng(np.random.SeedSequence([int(canaries.seed or 0), 5202]))
+    exp = canary_exposure(model, tokenizer, canaries, options, rng)
+    score = exp["log_likelihood"] / exp["tokens"]  # − mean token loss
+    values = canaries.group_budgets
+    tests = verdict_tests(values.size, 1)
+    conf = per_test_confidence(options.confidence, tests)
+    inc = canaries.included
+    groups = []
+    for g, value in enumerate(values.tolist()):
+        mask = canaries.group == g
+        eps, d = reported.get(float(value), (None, delta))
+        groups.append(_row(float(value), eps, d, mask, inc, score, exp["exposure"], conf))
+    eps_all = max((e for e, _ in reported.values()), default=None)
+    d_all = max((d for _, d in reported.values()), default=delta)
+    everyone = _row(None, eps_all, d_all, np.ones(len(canaries), bool), inc, score, exp["exposure"], conf)
+    failed = [r["budget"] for r in [*groups, everyone] if r["verdict"] == "FAILED"]
+    fmt = canaries.format
+    method = (
+        "exact (every candidate of R scored)"
+        if exp["method"] == "exact"
+        else f"estimate: {exp['samples']} candidates sampled uniformly from R, skew-normal extrapolation "
+        "beyond the sample (Carlini et al. 2019 §4.3)"
+    )
+    return {
+        "audit": "secret canaries per privacy group: exposure (Carlini et al. 2019) and the one-run bound "
+        "(Steinke, Nasr & Jagielski 2023)",
+        "canary_format": {"prefix": fmt.prefix, "digits": fmt.digits, "space_size": fmt.space_size},
+        "canaries_per_group": canaries.per_group,
+        "canary_users": None if canaries.users is None else options.users,
+        "exposure_method": method,
+        "exposure_is_estimate": exp["method"] != "exact",
+        "exposure_max": float(np.log2(fmt.space_size)),
+        "candidates_scored": int(exp["samples"]),
+        "score": SCORE,
+        "confidence": options.confidence,
+        "multiplicity": {
+            "tests": tests,
+            "confidence": options.confidence,
+            "confidence_per_test": conf,
+            "rule": "Bonferroni over every group and all data: the audit fails by chance with probability "
+            f"at most {1 - options.confidence:g}",
+        },
+        "groups": groups,
+        "all": everyone,
+        "audit_passed": not failed,
+        "failed_groups": failed,
+        "_private": {
+            "texts": canaries.texts,
+            "group": canaries.group,
+            "budget": canaries.budgets,
+            "included": inc,
+            "users": canaries.users,
+            "score": score,
+            "log_likelihood": exp["log_likelihood"],
+            "tokens": exp["tokens"],
+            "exposure": exp["exposure"],
+            "extrapolated": exp["extrapolated"],
+            "seed": canaries.seed,
+        },
+    }
+
+
+def _row(budget, eps, delta, mask, inc, score, exp, conf) -> dict:
+    s, i = score[mask], inc[mask]
+    one = bounds.one_run_audit(s, i, delta, conf)
+    row = {
+        "budget": budget,
+        "reported_epsilon": eps,
+        "delta": delta,
+        "canaries": int(mask.sum()),
+        "included": int(i.sum()),
+        "exposure_included": exposure.summarize(exp[mask & inc]),
+        "exposure_held_out": exposure.summarize(exp[mask & ~inc]),
+        "auc": bounds.auc(s, i) if 0 < i.sum() < i.size else None,
+        "one_run": one,
+        "empirical_epsilon": one["epsilon"],
+    }
+    if eps is None:
+        row["verdict"] = "not private"  # no reported ε to check the bound against
+    else:
+        row["verdict"] = "FAILED" if one["epsilon"] > eps * (1 + 1e-9) else "passed"
+    return row
+
+
+def public_result(result: dict) -> dict:
+    """The result without its per-canary part (what report.json and stdout show)."""
+    return {k: v for k, v in result.items() if not k.startswith("_")}
