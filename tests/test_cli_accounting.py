@@ -453,7 +453,7 @@ def test_account_reads_the_run_parameters_from_the_norms_file(capsys, tmp_path):
         )
         == 2
     )
-    assert "--sample-rate=None is invalid: is required" in capsys.readouterr().err
+    assert "--sample-rate is required (the norms file does not record it)" in capsys.readouterr().err
 
 
 def test_train_save_norms_then_account_round_trip(capsys, tmp_path):
