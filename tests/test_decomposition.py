@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -293,7 +294,7 @@ def _engine_norms(case: Case, mode: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(CONVS))
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch", "ew", "bk"])
 def test_convolution_per_example_norms_are_exact_for_any_memory_layout(name, mode):
     case = _conv_case(name)
     reference = per_example_grads(case.build(), case.x, case.y, _summed_ce).norm(dim=1).numpy()
@@ -338,3 +339,100 @@ def test_an_embedding_padding_row_gets_no_per_example_gradient():
     rows = torch.cat([p.grad_sample.reshape(len(x), -1) for p in model.parameters()], 1)
     wrapped._close()
     torch.testing.assert_close(rows, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_convolution_fed_a_token_view_keeps_one_example_within_its_clip_norm(mode):
+    """SegFormer's layout (tokens → permute → reshape → Conv2d): ‖S(D + z) − S(D)‖ ≤ c."""
+    case = _conv_case("conv2d_tokens_view")
+    case.draw = lambda gen: (torch.randn(25, 6, generator=gen, dtype=torch.float64) * 3, torch.randint(0, 3, ()))
+    assert sensitivity(case, mode, c=0.1, trials=3) / 0.1 <= 1 + 1e-6
+
+
+def test_the_bench_switches_the_check_off_and_on(monkeypatch):
+    """bench/decomposition_cost.py times the same steps with the check detached and at every step."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import decomposition_cost
+    from idpsgd.engine.decomposition import DecompositionCheck
+
+    step, switch = decomposition_cost.stepper("cnn", "hooks", 2, "cpu")
+    calls = []
+    monkeypatch.setattr(DecompositionCheck, "judge", lambda self, entries, norms: calls.append(len(entries)))
+    switch(False)
+    step()
+    assert calls == []
+    switch(True)
+    step()
+    assert calls and calls[0] > 0
+
+
+def _ddp_hooks_trials():
+    return [_ddp_hooks_trial(k) for k in (0.0, 3.0)]
+
+
+def _ddp_hooks_trial(k: float):
+    """Two hooks-mode steps on torch's DistributedDataParallel (its p.grad is the ranks' average):
+    "trained", or the refusal's message."""
+    from idpsgd import IndividualizedPrivacyEngine
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_Extra(k))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
+    engine = IndividualizedPrivacyEngine(seed=3)
+    module, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="hooks",
+    )
+    try:
+        for _, (xb, yb) in zip(range(2), loader, strict=False):
+            opt.zero_grad()
+            F.cross_entropy(module(xb), yb).backward()
+            opt.step()
+    except DecompositionError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.slow  # two spawned processes (minutes on the shared machine); one process: the tests above
+def test_hooks_mode_on_torch_ddp_compares_with_the_ranks_average():
+    from idpsgd.engine import distributed
+
+    plain, extra = distributed.launch(_ddp_hooks_trials, 2, timeout_s=120)
+    assert plain == "trained"
+    assert "module='l.weight'" in extra and "before the noise" in extra
+
+
+@pytest.mark.parametrize(
+    ("rows_k", "backward", "refused"), [(3.0, True, False), (0.0, True, True), (0.0, False, False)]
+)
+def test_no_op_rows_are_compared_with_the_backward_pass_of_the_step(rows_k, backward, refused):
+    """no_op: the user's rows (torch.func over a model with ``rows_k``) against the step's backward pass of
+    the real model (k = 3); with no backward pass there is no autograd gradient to compare with."""
+    from torch.func import grad, vmap
+
+    case = _extra_case(3.0)
+    _engine, module, opt, _crit, loader = private(case, case.x, case.y, "no_op")
+    model = raw_module(module)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x1, y1):
+        out = F.linear(x1, p["l.weight"], p["l.bias"]) + rows_k * F.linear(x1, p["l.weight"])
+        return F.cross_entropy(out.unsqueeze(0), y1.unsqueeze(0), reduction="sum")
+
+    xb, yb = next(iter(loader))
+    opt.zero_grad()
+    if backward:
+        F.cross_entropy(module(xb), yb, reduction="sum").backward()
+    rows = vmap(grad(loss), in_dims=(None, 0, 0))(params, xb, yb)
+    for name, p in model.named_parameters():
+        p.grad_sample = rows[name]
+    if refused:
+        with pytest.raises(DecompositionError, match="'l.weight'"):
+            opt.step()
+    else:
+        opt.step()

@@ -32,7 +32,8 @@ Cost and schedule (docs/performance.md, "The decomposition check"): the check ru
 the public, data-independent schedule :func:`due` — the first :data:`FIRST_STEPS` steps of a phase
 and every step whose number is a power of two — where it costs one sum over the per-example
 gradients (per-sample modes) or one extra product per Linear layer and a second pass of the
-per-sample rule of the other layers (ghost).  ``every_step=True`` checks every step.
+per-sample rule of the other layers (ghost).  ``every_step=True`` checks every step (on a phase's
+optimizer: ``optimizer.guard.decomposition.every_step = True``).
 """
 
 from __future__ import annotations
@@ -102,16 +103,18 @@ class DecompositionCheck:
         parameter's per-example norms).  The whole model's norms are the scale because rounding follows the
         magnitude of the terms summed, not of the result: a parameter whose gradient cancels to zero
         (a key bias under softmax) has both sums at rounding level."""
-        if self.mismatch is not None or not entries:
-            return
+        if not entries or (self.mismatch is not None and not self.ranks_average):
+            return  # (with DDP every rank joins the collectives below, at every checked pass)
         device = entries[0][1].device
-        total = (
-            torch.stack([_acc(n).reshape(-1).to(device) for n in per_example]).norm(dim=0).sum()
-            if per_example
-            else torch.zeros((), device=device)
-        )
-        diffs = []
-        for p, rows_sum, grad, dtypes in entries:
+        norms = [_acc(n).reshape(-1).to(device) for n in per_example]
+        if not norms:
+            total = torch.zeros((), device=device)
+        elif len({len(n) for n in norms}) == 1:
+            total = torch.stack(norms).norm(dim=0).sum()
+        else:  # (rows differ between parameters: the sum of the parameters' sums, an upper bound)
+            total = torch.stack([n.sum() for n in norms]).sum()
+        diffs, tols = [], []
+        for _p, rows_sum, grad, dtypes in entries:
             rows_sum = _acc(rows_sum.detach())
             ref = torch.zeros_like(rows_sum) if grad is None else _acc(grad.detach()).to(rows_sum.device)
             if self.ranks_average:  # torch DDP: p.grad is the ranks' average
@@ -120,17 +123,18 @@ class DecompositionCheck:
                 rows_sum = rows_sum.clone()
                 dist.all_reduce(rows_sum)
                 rows_sum /= dist.get_world_size()
-            diff = torch.linalg.vector_norm((rows_sum - ref.reshape(rows_sum.shape)).double())
-            diffs.append((p, diff, rtol(*dtypes, ref.dtype), rows_sum.dtype))
+            diffs.append(torch.linalg.vector_norm((rows_sum - ref.reshape(rows_sum.shape)).double()))
+            tols.append((rtol(*dtypes, ref.dtype), rows_sum.dtype))
         if self.ranks_average:
             import torch.distributed as dist
 
             total = total.clone()
             dist.all_reduce(total)
             total /= dist.get_world_size()
-        scale = float(total)
-        for p, diff, tol, dtype in diffs:  # one synchronisation per parameter, on checked steps only
-            diff = float(diff)
+        if self.mismatch is not None:
+            return
+        scale, *diffs = torch.stack([total.double(), *diffs]).tolist()  # one device synchronisation
+        for (p, *_), diff, (tol, dtype) in zip(entries, diffs, tols, strict=True):
             if diff <= tol * scale + 1e-30:  # nan/inf compare False: refused as well
                 continue
             rel = diff / scale if scale > 0 else float("inf")
