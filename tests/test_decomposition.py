@@ -158,13 +158,14 @@ def _draw_rows(g, n):
     return torch.randn(n, 4, generator=g) * 5, torch.randint(0, 3, (n,), generator=g)
 
 
-def test_user_level_ghost_refuses_a_weight_used_outside_its_layer():
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_user_level_refuses_a_weight_used_outside_its_layer(mode):
     def build():
         torch.manual_seed(0)
         return _Extra(3.0)
 
-    with pytest.raises(DecompositionError, match="'l.weight'"):  # before: 1.64 × c at user level
-        _replace_one_user(build, _draw_rows, "ghost", sizes=(1, 3))
+    with pytest.raises(DecompositionError, match="'l.weight'"):  # before: ghost 1.64 × c, hooks dropped it
+        _replace_one_user(build, _draw_rows, mode, sizes=(1, 3))
 
 
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])
@@ -436,3 +437,16 @@ def test_no_op_rows_are_compared_with_the_backward_pass_of_the_step(rows_k, back
             opt.step()
     else:
         opt.step()
+
+
+def test_ghost_checks_a_step_whose_zero_grad_comes_between_the_forward_and_the_backward_pass():
+    case = _extra_case(3.0)
+    _engine, module, opt, crit, loader = private(case, case.x, case.y, "ghost")
+    for _ in range(2):
+        xb, yb = next(iter(loader))
+        opt.zero_grad()
+        out = module(xb)
+        opt.zero_grad()  # legitimate, if unusual: nothing to compare yet, the pass stays open
+        crit(out, yb).backward()
+        with pytest.raises(DecompositionError, match="'l.weight'"):
+            opt.step()

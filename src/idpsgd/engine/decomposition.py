@@ -187,8 +187,12 @@ class DecompositionCheck:
         """At the first layer call of a checked ghost step: remember a ``p.grad`` left from before."""
         if self._open:
             return
-        self._open, self._sums = True, {}
-        self._before = {p: p.grad.detach().clone() for p in params if p.grad is not None}
+        self._open, self._sums, self._before = True, {}, {}
+        grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
+        if grads:  # usually zeros (zero_grad before the forward): copied only where not (memory)
+            device = grads[0][1].device
+            peaks = torch.stack([g.abs().amax().float().to(device) for _, g in grads]).tolist()
+            self._before = {p: g.clone() for (p, g), peak in zip(grads, peaks, strict=True) if peak != 0}
 
     def add_layer(self, module: nn.Module, activations, backprops: torch.Tensor, n: int, ghost: bool, sampler):
         """(Between :meth:`open_pass` and :meth:`close_pass`.)  Add the layer's own gradient Σ_i a_iᵀ b_i
@@ -227,6 +231,9 @@ class DecompositionCheck:
         """After the first backward pass of a checked ghost step (the per-example norms are formed):
         each parameter's layer sums against the pass's ``p.grad``; the norms from ``p._norm_sample``."""
         if not self._open:
+            return
+        if not self._sums:  # zero_grad between the forward and the backward pass: the pass starts from zero
+            self._before = {}
             return
         self._open, n = False, self._n
         sums, before = self._sums, self._before
