@@ -8,7 +8,11 @@
   provenance refuses or bounds it (no decomposition check needed there).
 * Convolutions fed a channels-last or permuted view: Opacus's unfold read the wrong elements (norms
   off by ~18 % here); now exact against one float64 backward pass per example
-  (:mod:`idpsgd.engine.per_sample_rules`), and a rule that reads its layer wrongly is refused by the check.
+  (:mod:`idpsgd.engine.per_sample_rules`; Conv1d and Conv3d were exact already, covered as the issue
+  asks), and a rule that reads its layer wrongly is refused by the check.
+
+The tests that pass on the code before the check guard it against refusing what is right: models that
+use each weight in its own layer, no_op rows from ``torch.func``, ``ew``'s and ``bk``'s own guarantees.
 """
 
 from __future__ import annotations
@@ -295,7 +299,7 @@ def _engine_norms(case: Case, mode: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(CONVS))
-@pytest.mark.parametrize("mode", ["hooks", "ghost", "functorch", "ew", "bk"])
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])  # (functorch, ew and bk were exact already)
 def test_convolution_per_example_norms_are_exact_for_any_memory_layout(name, mode):
     case = _conv_case(name)
     reference = per_example_grads(case.build(), case.x, case.y, _summed_ce).norm(dim=1).numpy()
@@ -342,9 +346,10 @@ def test_an_embedding_padding_row_gets_no_per_example_gradient():
     torch.testing.assert_close(rows, reference, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "ghost"])
-def test_a_convolution_fed_a_token_view_keeps_one_example_within_its_clip_norm(mode):
-    """SegFormer's layout (tokens → permute → reshape → Conv2d): ‖S(D + z) − S(D)‖ ≤ c."""
+def test_a_convolution_fed_a_token_view_keeps_one_example_within_its_clip_norm():
+    """SegFormer's layout (tokens → permute → reshape → Conv2d) in ghost mode: ‖S(D + z) − S(D)‖ ≤ c
+    (before: 1.32 × c; hooks stayed within c, its wrong rows clipped by their own wrong norms)."""
+    mode = "ghost"
     case = _conv_case("conv2d_tokens_view")
     case.draw = lambda gen: (torch.randn(25, 6, generator=gen, dtype=torch.float64) * 3, torch.randint(0, 3, ()))
     assert sensitivity(case, mode, c=0.1, trials=3) / 0.1 <= 1 + 1e-6

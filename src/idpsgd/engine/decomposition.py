@@ -38,6 +38,8 @@ optimizer: ``optimizer.guard.decomposition.every_step = True``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -45,8 +47,10 @@ from .opacus_compat import UnsupportedModuleError
 
 #: how far the two sums may differ, relative to Σ_i ‖g_i‖, by the precision of the per-example rows:
 #: float32 leaves room for TF32 convolutions and matmuls on GPUs (10-bit mantissa, ~5e-4 relative),
-#: half precision for its own rounding (fp16 ~5e-4 per operation, bf16 ~4e-3)
-RTOL = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+#: half precision for its own rounding (fp16 ~5e-4 per operation, bf16 ~4e-3); float64 for layers
+#: whose functional rules compute in float32 inside (Gemma's RMSNorm under hooks: 2.2e-9 measured).
+#: A missing use of a weight gives a difference of the order of its gradient: 1.88 in the tests.
+RTOL = {torch.float64: 1e-6, torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 #: the first steps of a phase are all checked (a model's decomposition is a property of its code)
 FIRST_STEPS = 8
 
@@ -134,6 +138,8 @@ class DecompositionCheck:
         if self.mismatch is not None:
             return
         scale, *diffs = torch.stack([total.double(), *diffs]).tolist()  # one device synchronisation
+        if not math.isfinite(scale):  # an example overflowed (half precision): autograd's sum holds its inf/nan
+            return  # and the optimizer leaves it out (factor 0); nothing to compare this pass with
         for (p, *_), diff, (tol, dtype) in zip(entries, diffs, tols, strict=True):
             if diff <= tol * scale + 1e-30:  # nan/inf compare False: refused as well
                 continue
