@@ -13,10 +13,10 @@ after the noise (Opacus's step hook).
 
 from __future__ import annotations
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .decomposition import DecompositionCheck
+from .distributed import data_parallel_wrapper
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
 from .modes import mode
 from .unwrap import raw_module
@@ -44,7 +44,7 @@ class StepGuard:
         sharded = record.sharded_optimizer is not None and isinstance(optimizer, record.sharded_optimizer)
         if probe is not None and not sharded:
             names = {id(p): n for n, p in raw_module(wrapped).named_parameters()}
-            ddp = _wrapped_in(wrapped, DistributedDataParallel)  # its p.grad is the ranks' average
+            ddp = isinstance(data_parallel_wrapper(wrapped), DistributedDataParallel)  # p.grad: the ranks' average
             self.decomposition = DecompositionCheck(names, ranks_average=ddp)
             probe(self.decomposition, wrapped, optimizer)
         optimizer.write_guard = self.writes  # DPDDP: a write found on another rank marks this replica too
@@ -55,7 +55,8 @@ class StepGuard:
 
     def __call__(self, optimizer) -> None:
         """Before the noise of each logical step: refuse un-noised writes to the released model and
-        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter."""
+        parameters made trainable since make_private (:mod:`.integrity`), per-example gradients that do
+        not add up to autograd's (:mod:`.decomposition`), then the privacy filter."""
         self.writes.check()
         check_no_new_trainable(raw_module(self.module), self.trainable, self.grad_sample_mode)
         if self.decomposition is not None:
@@ -73,19 +74,6 @@ class StepGuard:
         if self.writes.tainted is None:
             self.writes.check()
             self.writes.arm()
-
-
-def _wrapped_in(module, cls) -> bool:
-    """Whether ``cls`` wraps the user's module somewhere between ``module`` and it."""
-    seen = module
-    for _ in range(8):
-        if isinstance(seen, cls):
-            return True
-        inner = getattr(seen, "_module", None) or getattr(seen, "module", None)
-        if not isinstance(inner, torch.nn.Module) or inner is seen:
-            return False
-        seen = inner
-    return False
 
 
 __all__ = ["StepGuard"]
