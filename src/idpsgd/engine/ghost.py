@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
 from .clipping import PerExampleClipping
 from .units import UnitClipping, ghost_capture
@@ -20,6 +21,28 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
     """Ghost-clipping module whose clip factors use each example's own clip norm c_i."""
 
     clipping: PerExampleClipping | None = None
+    #: the phase's :class:`~.decomposition.DecompositionCheck` (each layer's own gradient sum, first pass)
+    decomposition = None
+
+    def capture_activations_hook(self, module, forward_input, _forward_output):
+        super().capture_activations_hook(module, forward_input, _forward_output)
+        check = self.decomposition
+        if check is not None and check.due and self.hooks_enabled and module.training and torch.is_grad_enabled():
+            check.open_pass(self.trainable_parameters)
+
+    def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
+        activations, backprops = super().rearrange_grad_samples(
+            module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        if self.decomposition is not None:  # the layer's own Σ_i a_iᵀ b_i (.decomposition)
+            ghost = self.use_ghost_clipping and type(module) in self.NORM_SAMPLERS
+            if not self.force_functorch and type(module) in self.GRAD_SAMPLERS:
+                sampler = self.GRAD_SAMPLERS[type(module)]
+            else:
+                sampler = ft_compute_per_sample_gradient
+            n = module.max_batch_len if loss_reduction == "mean" else 1
+            self.decomposition.add_layer(module, activations, backprops, n, ghost, sampler)
+        return activations, backprops
 
     def get_clipping_coef(self) -> torch.Tensor:
         norms = self.get_norm_sample()

@@ -25,7 +25,9 @@ from opacus.grad_sample import (
 )
 
 from ..validation import InvalidParameterError
+from . import per_sample_rules  # noqa: F401  (registers the corrected convolution and embedding rules)
 from .bk.keeper import BookKeeper, BookKeepingModule
+from .decomposition import probe_expanded_weights, probe_layers, probe_per_sample, probe_user_rows
 from .distributed import (
     DistributedIndividualizedDPOptimizer,
     DistributedIndividualizedDPOptimizerBookKeeping,
@@ -72,6 +74,9 @@ class GradSampleMode:
     #: bk: the optimizer takes the clipped sum from the model's book-keeper
     book_keeping: bool = False
     layer_path: str | None = None
+    #: how the check that the per-example gradients add up to autograd's attaches (:mod:`.decomposition`);
+    #: None for bk, whose provenance refuses any use of a parameter it cannot attribute to rows
+    decomposition: Callable | None = probe_per_sample
 
     def hooks_object(self, module: torch.nn.Module, batch_first: bool, loss_reduction: str):
         """Opacus's hooks attached to ``module`` itself (``wrap_model=False``)."""
@@ -155,6 +160,7 @@ MODES: dict[str, GradSampleMode] = {
             distributed_optimizer=DistributedIndividualizedDPOptimizer,
             build=_plain(GradSampleModuleExpandedWeights),
             wrapper_calls_model=True,
+            decomposition=probe_expanded_weights,
             layer_path="PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
         ),
         GradSampleMode(
@@ -167,6 +173,7 @@ MODES: dict[str, GradSampleMode] = {
             reuse=_reuse_ghost,
             autograd_sum=False,
             returns_criterion=True,
+            decomposition=probe_layers,
             layer_path="Opacus fast gradient clipping (ghost norm for Linear/Embedding, per-sample gradient "
             "otherwise; two backward passes)",
         ),
@@ -180,6 +187,7 @@ MODES: dict[str, GradSampleMode] = {
             reuse=_reuse_bk,
             autograd_sum=False,
             book_keeping=True,
+            decomposition=None,
         ),
         GradSampleMode(  # the user's p.grad_sample, clipped as the hooks mode's
             "no_op",
@@ -189,6 +197,7 @@ MODES: dict[str, GradSampleMode] = {
             build=_plain(GradSampleModuleNoOp),
             hooks=GradSampleHooksNoOp,
             engine_computes=False,
+            decomposition=probe_user_rows,
             layer_path="your per-sample gradient (p.grad_sample, assigned before optimizer.step(); "
             "Opacus's no_op mode)",
         ),

@@ -66,6 +66,8 @@ class _PrivacyHooks:
         self.write_guard = None  # the model's WriteGuard (set by make_private; DPDDP marks it)
         self.post_step_hooks: list[Callable[[_PrivacyHooks], None]] = []
         self.refusal_hooks: list[Callable[[_PrivacyHooks], None]] = []
+        #: the phase's :class:`~.decomposition.DecompositionCheck` where the mode's probe uses the optimizer
+        self.decomposition = None
         self._noised = False
         self._loss_scale = 1.0
 
@@ -198,12 +200,21 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
     def _recorded_any(self) -> bool:
         return any(getattr(p, "grad_sample", None) is not None for p in self.params)
 
+    def zero_grad(self, set_to_none: bool = False):
+        check = self.decomposition
+        if check is not None and check.touched is not None:  # no_op: the next backward pass starts anew
+            check.touched.clear()
+        super().zero_grad(set_to_none)
+
     def pre_step(self, closure=None):
         if self._noise_only():  # an empty batch without a backward pass: zero rows
             for p in self.params:
                 p.grad_sample = p.new_zeros((0, *p.shape))
         if self.params:
             self._check_grad_samples()
+            check = self.decomposition  # Σ_i g_i against autograd's p.grad (refused by the guard)
+            if check is not None and check.due:
+                check.check_per_sample(self.params, self.loss_reduction)
         return super().pre_step(closure)
 
     def _check_grad_samples(self) -> None:
@@ -280,6 +291,11 @@ class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFa
     """Ghost clipping (``grad_sample_mode="ghost"``): the module's per-example clip factors
     min(1, c_i/‖g_i‖) rescale the per-sample losses of the second backward pass, so ``p.grad``
     arrives clipped and summed; this optimizer adds the noise and divides by Σ q_i."""
+
+    def zero_grad(self, set_to_none: bool = False):
+        if self.decomposition is not None:  # between the two passes: the first pass's p.grad, compared
+            self.decomposition.close_pass(self.params)
+        super().zero_grad(set_to_none)
 
     def accumulate(self):
         for p in self.params:  # an empty batch leaves p.grad None: it contributes zero

@@ -3,15 +3,22 @@
 Boenisch et al. 2023, Alg. 3: a step releases θ_{t+1} from the noisy clipped sum only.  Before the
 noise of each logical step :class:`StepGuard` refuses, in this order, un-noised writes to the
 released model or its optimizer state since the step began (:class:`~.integrity.WriteGuard`),
-parameters made trainable since ``make_private`` (they would train without clipping), and a step
-the privacy filter does not admit (:mod:`.group_filter`, :mod:`.filter`).  A refused step draws no
-noise and charges nothing; after any refusal in ``optimizer.step()`` the write check re-arms so
-the next step starts clean.  The ledger is charged after the noise (Opacus's step hook).
+parameters made trainable since ``make_private`` (they would train without clipping), per-example
+gradients that do not add up to autograd's gradient (:mod:`.decomposition`, at the steps of its
+public schedule), and a step the privacy filter does not admit (:mod:`.group_filter`,
+:mod:`.filter`).  A refused step draws no noise and charges nothing; after any refusal in
+``optimizer.step()`` the write check re-arms so the next step starts clean.  The ledger is charged
+after the noise (Opacus's step hook).
 """
 
 from __future__ import annotations
 
+from torch.nn.parallel import DistributedDataParallel
+
+from .decomposition import DecompositionCheck
+from .distributed import data_parallel_wrapper
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
+from .modes import mode
 from .unwrap import raw_module
 
 
@@ -30,6 +37,17 @@ class StepGuard:
         # forward pre-hooks run before the model's: both are watched from the step's first call
         self.writes.optimizer, self.writes.scope = optimizer.original_optimizer, wrapped
         self.writes.arm()
+        self.decomposition = None
+        record = mode(grad_sample_mode)
+        probe = record.decomposition
+        # FSDP2 (ghost): the first pass's gradients arrive reduce-scattered across ranks, the layers' sums
+        # whole per rank; not compared yet (docs/performance.md, "The decomposition check")
+        sharded = record.sharded_optimizer is not None and isinstance(optimizer, record.sharded_optimizer)
+        if probe is not None and not sharded:
+            names = {id(p): n for n, p in raw_module(wrapped).named_parameters()}
+            ddp = isinstance(data_parallel_wrapper(wrapped), DistributedDataParallel)  # p.grad: the ranks' average
+            self.decomposition = DecompositionCheck(names, ranks_average=ddp)
+            probe(self.decomposition, wrapped, optimizer)
         optimizer.write_guard = self.writes  # DPDDP: a write found on another rank marks this replica too
         optimizer.post_step_hooks.append(lambda _opt: self.writes.arm())
         optimizer.refusal_hooks.append(self.after_refusal)
@@ -38,10 +56,13 @@ class StepGuard:
 
     def __call__(self, optimizer) -> None:
         """Before the noise of each logical step: refuse un-noised writes to the released model and
-        parameters made trainable since make_private (:mod:`.integrity`), then the privacy filter; the
-        admitted step is then recorded (``before_noise``: appended and fsync'd before any noise)."""
+        parameters made trainable since make_private (:mod:`.integrity`), per-example gradients that do
+        not add up to autograd's (:mod:`.decomposition`), then the privacy filter; the admitted step is
+        then recorded (``before_noise``: appended and fsync'd before any noise)."""
         self.writes.check()
         check_no_new_trainable(raw_module(self.module), self.trainable, self.grad_sample_mode)
+        if self.decomposition is not None:
+            self.decomposition.guard()
         if self.before_noise is not None:  # a run folder's earlier draws are charged before the filter asks
             self.before_noise("settle")
         if self.step_filter is not None:
@@ -54,6 +75,8 @@ class StepGuard:
         forward/backward pass is checked for writes (it may have been refused before the guard
         compared), then the next call of the model starts the next step — so writes between steps
         after a refused step are not taken for writes in it."""
+        if self.decomposition is not None:
+            self.decomposition.reset()
         if self.writes.tainted is None:
             self.writes.check()
             self.writes.arm()
