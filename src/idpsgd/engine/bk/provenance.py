@@ -215,9 +215,27 @@ NEW_TENSOR = _fns("new_tensor")
 #: a string: refused when mixed), or one answer about every row (refused when the rows are more than one
 #: example's)
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
-HOST_ROWS = _fns("tolist", "numpy", "__array__", "__format__")
+HOST_ROWS = _fns(
+    "tolist",
+    "numpy",
+    "__array__",
+    "__format__",
+    "__repr__",  # str(t), print, logging: torch formats the values with the modes off
+    "untyped_storage",  # the bytes (storage.tolist(), bytes(storage), torch.frombuffer, set_)
+    "storage",
+    "_typed_storage",
+    "__dlpack__",  # numpy.from_dlpack, torch.from_dlpack: a new tensor on the same memory, untagged
+    "__reduce_ex__",  # pickle, torch.save, copy.copy: the values back as a new tensor, untagged
+)
 HOST_WHOLE = _fns("equal", "allclose", "__contains__")
 HOST_READS = HOST_SCALAR | HOST_ROWS | HOST_WHOLE
+#: operations whose result's *size* is a value of their input (the count of nonzero entries, of distinct
+#: values, of repeats): the size is read to the host (a Python int in ``.shape``), so one of a tensor of
+#: more than one example's rows (``torch.nonzero(x.mean(0) > 0).shape[0]``, ``x[:, x.mean(0) > 0]``,
+#: ``len(x[x > 0])``) is refused as a host read of the whole batch; ``where`` with the condition only
+SIZED_BY_VALUES = _fns(
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "repeat_interleave"
+) | {torch.where, _T.to_sparse, torch._unique2, torch.unique_consecutive}
 #: (module, function) of the host reads of mixed rows that are allowed: transformers' attention-mask fast
 #: paths, which only choose whether to materialise a mask (``padding_mask.all()``: an explicit mask or
 #: ``is_causal``/none, the same attention up to rounding) and whose two sides the batch-independence check
@@ -248,6 +266,7 @@ def _reader() -> tuple[str, str]:
 
 
 SETITEM = {_T.__setitem__}
+_REPEAT_INTERLEAVE = _fns("repeat_interleave")
 _TAKE_ALONG_DIM = _fns("take_along_dim")
 PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
 
@@ -412,6 +431,8 @@ class ProvenanceMode(TorchFunctionMode):
             with torch.no_grad():
                 self._before = args[0].detach().clone()
         out = func(*args, **kwargs)
+        if func in SIZED_BY_VALUES or func in GETITEM:
+            self._sized_by_values(func, args, kwargs)
         if func in SETITEM:
             self._setitem(args)
             self._spoil_if_mixed(args[0])
@@ -475,6 +496,31 @@ class ProvenanceMode(TorchFunctionMode):
             whole = func in HOST_WHOLE and r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
             if (not r.known or whole) and _reader() not in HOST_READ_SITES:
                 raise host_read_refusal(op_name(func), r if not r.known else _mixed(op_name(func)))
+
+    def _sized_by_values(self, func, args, kwargs) -> None:
+        """An operation whose result's size is a value of its input (:data:`SIZED_BY_VALUES`; ``x[mask]`` with a
+        boolean mask of the batch): a host read of the whole input, refused where that input holds more than
+        one example's rows (:meth:`_host_read`)."""
+        if func in GETITEM:
+            index = args[1] if len(args) > 1 else None
+            masks = [i for i in (index if isinstance(index, (tuple, list)) else (index,)) if torch.is_tensor(i)]
+            sizing = [i for i in masks if i.dtype in (torch.bool, torch.uint8)]
+        elif func is torch.where:
+            sizing = list(args[:1]) if len(args) + len(kwargs) == 1 else []
+        elif func in _REPEAT_INTERLEAVE:
+            repeats = _arg(args, kwargs, 1, "repeats")
+            one_argument = len(args) == 1 and not kwargs  # repeat_interleave(repeats)
+            sizing = [repeats] if torch.is_tensor(repeats) else [args[0]] if one_argument else []
+        elif op_name(func) == "masked_select":
+            sizing = [_arg(args, kwargs, 1, "mask")]
+        else:
+            sizing = [_arg(args, kwargs, 0, "input")]
+        for t in sizing:
+            r = self.tags.get(t) if torch.is_tensor(t) else None
+            if r is None:
+                continue
+            if (not r.known or t.shape[r.dim] > r.group) and _reader() not in HOST_READ_SITES:  # > 1 example's
+                raise host_read_refusal(f"the size of {op_name(func)}", r if not r.known else _mixed(op_name(func)))
 
     def _like(self, func, args, kwargs, out) -> None:
         """``new_tensor(data)`` copies ``data``: its rows; the ``*_like``/``new_*`` constructors take the
