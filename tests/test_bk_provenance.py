@@ -406,7 +406,15 @@ LAUNDERING = {
     ),
     "dlpack": lambda h, x: h + torch.from_dlpack(x.mean(0).detach())[: h.shape[1]],
     "pickle": lambda h, x: h + pickle.loads(pickle.dumps(x.mean(0).detach()))[: h.shape[1]],
+    # an allowed site (transformers' mask fast path) called by the model's own code on a statistic
+    "mask_fast_path": lambda h, x: _shifted(h, x) if _all_true_by_transformers((x.mean(0) > 0)[None]) else h,
 }
+
+
+def _all_true_by_transformers(mask):
+    from transformers.masking_utils import _ignore_causal_mask_sdpa
+
+    return _ignore_causal_mask_sdpa(mask, mask.shape[-1], mask.shape[-1], 0, 0)
 
 
 class Laundered(nn.Module):
@@ -588,6 +596,10 @@ def test_transformers_mask_fast_path_is_allowed_and_the_same_read_elsewhere_refu
     mode = P.ProvenanceMode(N)
     mode.tags[mask] = P.BATCH
     with mode:
-        assert masking._ignore_causal_mask_sdpa(mask, 5, 5, 0, 0) is False
+        assert masking.sdpa_mask(N, 5, 5, attention_mask=mask) is not None  # the fast path, called by transformers
+        assert masking.sdpa_mask(N, 5, 5, attention_mask=torch.ones(N, 5, dtype=torch.bool)) is None
         with pytest.raises(P.RefusedRows, match=r"\('__bool__'\) .* come from 'all'"):
             bool(mask.all())
+        # its predicate, called by the model's own code
+        with pytest.raises(P.RefusedRows, match=r"\('__bool__'\) .* come from 'sum'"):
+            masking._ignore_causal_mask_sdpa(mask, 5, 5, 0, 0)
