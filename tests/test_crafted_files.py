@@ -369,6 +369,23 @@ def test_a_python_2_cifar_batch_still_reads(tmp_path):
     assert images.shape == (2, 3, 32, 32) and images.tobytes() == data and labels.tolist() == [3, 7]
 
 
+def test_a_compressed_torch_record_is_refused(tmp_path):
+    """torch reads deflated records of a zip archive: 195 KB expanded to a 200 MB tensor (any ratio); torch.save
+    never compresses, so load_torch refuses a compressed record before reading it."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(64, dtype=torch.uint8)}, buf)
+    original = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "checkpoint-1.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        for info in original.infolist():
+            how = zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED
+            archive.writestr(info.filename, original.read(info), how)
+    with pytest.raises(CheckpointError, match=r"its record '.*data/0' is compressed"):
+        load_torch(path)
+    (tmp_path / "plain.pt").write_bytes(buf.getvalue())
+    assert torch.equal(load_torch(tmp_path / "plain.pt")["w"], torch.arange(64, dtype=torch.uint8))
+
+
 def test_the_allow_lists_are_exact_undotted_names():
     names = sc.metadata_globals()
     assert all("." not in n for _, n in names)

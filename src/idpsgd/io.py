@@ -142,10 +142,29 @@ def load_torch(path, what: str = "checkpoint"):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{what} not found: {path}")
+    compressed = _compressed_records(path)
+    if compressed:
+        raise CheckpointError(
+            f"{path} is not a readable idpsgd {what} (its record {compressed[:100]!r} is compressed: torch.save "
+            "stores records uncompressed, and a compressed one can expand to any size when read)"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path} is not a readable idpsgd {what} ({torch_load_problem(exc)})") from None
+
+
+def _compressed_records(path: Path) -> str | None:
+    """The first compressed record of a ``torch.save`` zip archive (None: none, or not a zip archive).  torch
+    reads deflated records too, so a 195 KB file expanded to a 200 MB tensor (1000 times, without limit);
+    ``torch.save`` never compresses, so a file's tensors can then be no larger than the file."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None  # not a zip archive: torch.load says what it is
 
 
 def torch_load_problem(exc: BaseException) -> str:
