@@ -399,6 +399,7 @@ LAUNDERING = {
     # sizes that are values of the batch (a Python int in .shape), and values out through torch's own exports
     "nonzero_size": lambda h, x: h + 0.5 * torch.nonzero(x.mean(0) > 0).shape[0],
     "mask_index_size": lambda h, x: h + 0.5 * x[:, x.mean(0) > 0].shape[1],
+    "size_argument": lambda h, x: h + 0.5 * len(torch.ones((x.mean(0) > 0).sum())),  # read in C++, no __index__
     "unique_size": lambda h, x: h + len(torch.unique(torch.cat([x.mean(0) > 0.5, torch.zeros(1, dtype=torch.bool)]))),
     "repr": lambda h, x: h + float(repr(x.mean().detach()).split("(")[1].split(",")[0]),
     "storage": lambda h, x: (
@@ -548,6 +549,31 @@ SIZED_BY_VALUES = {  # a result whose size is a value of more than one example's
     "repeat_interleave": lambda x: torch.repeat_interleave((x[:, 0, 0] > 0).long()),
     "to_sparse": lambda x: x.mean(0).to_sparse(),
 }
+SIZE_ARGUMENTS = {  # a one-element tensor of the batch where an operation takes a size
+    "factory": lambda x, n: torch.ones(n),
+    "factory, in a shape": lambda x, n: torch.zeros((2, n)),
+    "arange": lambda x, n: torch.arange(n),
+    "narrow": lambda x, n: x.narrow(1, 0, n),
+    "view": lambda x, n: x.view(-1, n * 3),
+    "repeat": lambda x, n: x.repeat(1, n, 1),
+    "pad": lambda x, n: F.pad(x, (0, n)),
+    "topk": lambda x, n: x.topk(n, dim=1),
+    "split": lambda x, n: torch.split(x, n, dim=1),
+    "full (size)": lambda x, n: torch.full((n,), 1.0),
+}
+
+
+@pytest.mark.parametrize("how", list(SIZE_ARGUMENTS))
+def test_a_size_given_as_a_tensor_of_the_batch_is_refused(how):
+    x = torch.randn(N, 3, D, dtype=torch.float64)
+    mode = P.ProvenanceMode(N)
+    mode.tags[x] = P.BATCH
+    with mode:
+        with pytest.raises(P.RefusedRows, match=r"reads into Python \('a size of \w+'\)"):
+            SIZE_ARGUMENTS[how](x, (x.mean() > -1e9).long())  # 1, of the whole batch
+        SIZE_ARGUMENTS[how](x, torch.ones((), dtype=torch.long))  # a public one-element tensor: allowed
+        filled = torch.full((2,), x.mean())  # a fill value is a value (tagged), not a size
+    assert mode.tags.get(filled) is not None
 
 
 @pytest.mark.parametrize("how", list(SIZED_BY_VALUES))

@@ -277,6 +277,14 @@ def _at_allowed_site() -> bool:
 
 
 SETITEM = {_T.__setitem__}
+#: operations taking sizes (a shape, a length, a count): a tensor of the batch there is read as a Python int in
+#: C++ (``torch.ones(mask.sum())``, ``x.narrow(1, 0, n)``), which no ``__index__`` shows: refused as a host read
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "logspace", "eye")
+SIZE_TAKING = _fns(
+    *_FACTORIES,
+    *("narrow", "repeat", "tile", "expand", "view", "reshape", "new_ones", "new_zeros", "new_empty", "new_full"),
+    *("topk", "kthvalue", "split", "tensor_split", "unflatten", "unfold", "multinomial", "diagonal", "diag"),
+) | {F.pad}
 _REPEAT_INTERLEAVE = _fns("repeat_interleave")
 _TAKE_ALONG_DIM = _fns("take_along_dim")
 PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
@@ -444,6 +452,8 @@ class ProvenanceMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in SIZED_BY_VALUES or func in GETITEM:
             self._sized_by_values(func, args, kwargs)
+        if func in SIZE_TAKING:
+            self._size_arguments(func, args, kwargs)
         if func in SETITEM:
             self._setitem(args)
             self._spoil_if_mixed(args[0])
@@ -532,6 +542,21 @@ class ProvenanceMode(TorchFunctionMode):
                 continue
             if (not r.known or t.shape[r.dim] > r.group) and not _at_allowed_site():  # > 1 example's
                 raise host_read_refusal(f"the size of {op_name(func)}", r if not r.known else _mixed(op_name(func)))
+
+    def _size_arguments(self, func, args, kwargs) -> None:
+        """A one-element tensor of mixed rows given to :data:`SIZE_TAKING` as a size (not its data: the first
+        argument of a method, a fill value): a Python int of the whole batch, refused (4.79 × c before, with
+        ``len(torch.ones((x.mean(0) > 0).sum()))``)."""
+        name = op_name(func)
+        rest = list(args if name in _FACTORIES and func is getattr(torch, name, None) else args[1:])
+        rest += [v for k, v in kwargs.items() if k not in ("fill_value", "out")]
+        if name in ("full", "new_full"):
+            rest = rest[:1]  # the size, not the fill value
+        for a in rest:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                r = self.tags.get(t) if torch.is_tensor(t) else None
+                if r is not None and not r.known and t.numel() == 1 and not _at_allowed_site():
+                    raise host_read_refusal(f"a size of {name}", r)
 
     def _like(self, func, args, kwargs, out) -> None:
         """``new_tensor(data)`` copies ``data``: its rows; the ``*_like``/``new_*`` constructors take the
