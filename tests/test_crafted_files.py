@@ -316,6 +316,76 @@ def test_an_allowed_enum_member_cannot_be_modified(tmp_path):
     assert not hasattr(_MEM_FORMAT_ENCODING(1), "idpsgd_pwned")
 
 
+# --- numpy's own __setstate__ methods, reached through BUILD on objects the CIFAR list admits -------
+_NP = ("numpy", "numpy._core.multiarray", "numpy._core.numeric")
+
+
+def _value(x) -> bytes:
+    """Opcodes that push ``x`` (plain values, numpy dtypes: numpy's own pickling) in protocol 2."""
+    return pickle.dumps(x, protocol=2)[2:-1]
+
+
+def _object_field_dtype(flags: int) -> bytes:
+    """``numpy.dtype([("a", "O")])`` (a structured dtype holding an object pointer) whose BUILD says ``flags``."""
+    import numpy as np
+
+    state = (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, flags)
+    return _call(_global(_NP[0], "dtype", 2), _value([("a", "O")])) + _value(state) + b"b"
+
+
+def test_a_dtype_cannot_be_told_it_holds_no_objects(tmp_path):
+    """With its flags set to 0 by the file, a dtype with an object field lets ``frombuffer`` build it
+    from the file's bytes (pointers); a second BUILD setting the flags back made the array dereference
+    them when freed: a 477-byte data_batch_1 crashed the process (SIGSEGV) before this check."""
+    pointers = _value(b"A" * 8) + _object_field_dtype(0) + _value((1,)) + _value("C")
+    frombuffer = _call(_global(_NP[2], "_frombuffer", 2), pointers)
+    err = _cifar_batch(tmp_path, _pickle(b"}" + _value(b"data") + frombuffer + b"s", 2))
+    assert "a numpy dtype's state must be its own" in str(err.value)
+
+
+def test_an_array_cannot_be_rebuilt_under_its_views(tmp_path):
+    """``ndarray.__setstate__`` twice on one array (its memory replaced under a view made from it)."""
+    import numpy as np
+
+    array = _call(_global(_NP[1], "_reconstruct", 2), _global(_NP[0], "ndarray", 2) + _value((0,)) + _value(b"b"))
+    state = b"(" + _value(1) + _value((1, 3072)) + _value(np.dtype("u1")) + _value(False) + _value(b"A" * 3072) + b"tb"
+    again = b"h\xfe(" + _value(1) + _value((4,)) + _value(np.dtype("u1")) + _value(False) + _value(b"BBBB") + b"tb0"
+    body = b"}" + _value(b"data") + array + b"q\xfe" + state + again + b"s"
+    err = _cifar_batch(tmp_path, _pickle(body, 2))
+    assert "setting the state of a ndarray twice is not allowed" in str(err.value)
+
+
+def test_a_python_2_cifar_batch_still_reads(tmp_path):
+    """cPickle protocol 0 as CIFAR-10 ships it: the dtype's state holds byte strings (read as bytes)."""
+    data = bytes(range(256)) * 12 * 2
+    body = (
+        b"(dp0\nS'data'\np1\ncnumpy.core.multiarray\n_reconstruct\np2\n(cnumpy\nndarray\np3\n(I0\ntp4\nS'b'\np5\ntp6\n"
+        b"Rp7\n(I1\n(I2\nI3072\ntp8\ncnumpy\ndtype\np9\n(S'u1'\np10\nI0\nI1\ntp11\nRp12\n"
+        b"(I3\nS'|'\np13\nNNNI-1\nI-1\nI0\ntp14\nbI00\nS'" + "".join(f"\\x{b:02x}" for b in data).encode() + b"'\np15\n"
+        b"tp16\nbsS'labels'\np17\n(lp18\nI3\naI7\nas."
+    )
+    (tmp_path / "data_batch_1").write_bytes(body)
+    images, labels = read_cifar_batch(tmp_path / "data_batch_1")
+    assert images.shape == (2, 3, 32, 32) and images.tobytes() == data and labels.tolist() == [3, 7]
+
+
+def test_a_compressed_torch_record_is_refused(tmp_path):
+    """torch reads deflated records of a zip archive: 195 KB expanded to a 200 MB tensor (any ratio); torch.save
+    never compresses, so load_torch refuses a compressed record before reading it."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(64, dtype=torch.uint8)}, buf)
+    original = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    path = tmp_path / "checkpoint-1.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        for info in original.infolist():
+            how = zipfile.ZIP_DEFLATED if info.filename.endswith("/data/0") else zipfile.ZIP_STORED
+            archive.writestr(info.filename, original.read(info), how)
+    with pytest.raises(CheckpointError, match=r"its record '.*data/0' is compressed"):
+        load_torch(path)
+    (tmp_path / "plain.pt").write_bytes(buf.getvalue())
+    assert torch.equal(load_torch(tmp_path / "plain.pt")["w"], torch.arange(64, dtype=torch.uint8))
+
+
 def test_the_allow_lists_are_exact_undotted_names():
     names = sc.metadata_globals()
     assert all("." not in n for _, n in names)

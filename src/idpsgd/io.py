@@ -144,10 +144,29 @@ def load_torch(path, what: str = "checkpoint"):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{what} not found: {path}")
+    compressed = _compressed_records(path)
+    if compressed:
+        raise CheckpointError(
+            f"{path} is not a readable idpsgd {what} (its record {compressed[:100]!r} is compressed: torch.save "
+            "stores records uncompressed, and a compressed one can expand to any size when read)"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path} is not a readable idpsgd {what} ({torch_load_problem(exc)})") from None
+
+
+def _compressed_records(path: Path) -> str | None:
+    """The first compressed record of a ``torch.save`` zip archive (None: none, or not a zip archive).  torch
+    reads deflated records too, so a 195 KB file expanded to a 200 MB tensor (1000 times, without limit);
+    ``torch.save`` never compresses, so a file's tensors can then be no larger than the file."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None  # not a zip archive: torch.load says what it is
 
 
 def torch_load_problem(exc: BaseException) -> str:
@@ -188,6 +207,14 @@ class _RestrictedUnpickler(pickle._Unpickler):
     - ``BUILD`` (an object's state) only fills in an instance of an allowed class; on a class, an
       enum member, a function or anything else it would ``setattr`` on an object the whole process
       shares (rewrite an allowed class for the rest of the run) and is refused;
+    - an object's state is set at most once (a pickler writes one BUILD per object): a second BUILD
+      rewrites an object that others already use (``ndarray.__setstate__`` frees the memory a view made
+      from it still reads);
+    - a numpy dtype's state may only restate what the dtype already is: ``dtype.__setstate__`` takes
+      its flags from the file, so a structured dtype with an object field could be told it holds no
+      objects (numpy then builds it from raw bytes: ``frombuffer``, ``ndarray.__setstate__``) and told
+      again that it does (the array then dereferences the file's bytes as object pointers: a crash,
+      or worse, while the file is read);
     - extension codes (EXT1/2/4, :mod:`copyreg`'s registry) are refused: the unpickler answers them from
       a process-wide cache that a permissive unpickler may have filled, without asking ``find_class``.
 
@@ -200,6 +227,7 @@ class _RestrictedUnpickler(pickle._Unpickler):
         self._allowed = allowed
         # (not an Enum's: its members are the process's singletons)
         self._buildable = tuple(v for v in allowed.values() if isinstance(v, type) and not issubclass(v, enum.Enum))
+        self._built: dict[int, list] = {}
 
     def find_class(self, module, name):
         if "." in name:
@@ -212,10 +240,18 @@ class _RestrictedUnpickler(pickle._Unpickler):
             raise RefusedPickle(f"{module}.{name} is not allowed", f"{module}.{name}") from None
 
     def _load_build(self):
-        inst = self.stack[-2]  # under the state
+        inst, state = self.stack[-2], self.stack[-1]  # the object, under its state
         if isinstance(inst, type) or not isinstance(inst, self._buildable):
             what = f"the class {inst.__qualname__}" if isinstance(inst, type) else f"a {type(inst).__name__}"
             raise RefusedPickle(f"setting the state of {what} is not allowed (only of the allowed classes' objects)")
+        if isinstance(inst, np.dtype):  # numpy's dtypes are shared: u1 is one object however often it is named
+            if not _restates_dtype(inst, state):
+                why = "a file may not set its flags or layout"
+                raise RefusedPickle(f"a numpy dtype's state must be its own ({inst}): {why}")
+        elif any(built is inst for built in self._built.get(id(inst), ())):
+            raise RefusedPickle(f"setting the state of a {type(inst).__name__} twice is not allowed")
+        else:
+            self._built.setdefault(id(inst), []).append(inst)  # (holding it: its id is not reused)
         pickle._Unpickler.load_build(self)
 
     def _load_ext(self):
@@ -225,6 +261,24 @@ class _RestrictedUnpickler(pickle._Unpickler):
     for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
         dispatch[_op[0]] = _load_ext
     del _op
+
+
+def _restates_dtype(dtype: np.dtype, state) -> bool:
+    """Whether ``state`` is ``dtype``'s own pickled state (byte strings of Python 2 files read as text)."""
+
+    def plain(x):
+        if isinstance(x, bytes):
+            return x.decode("latin-1")
+        if isinstance(x, tuple):
+            return tuple(plain(v) for v in x)
+        if isinstance(x, dict):
+            return {plain(k): plain(v) for k, v in x.items()}
+        return x
+
+    try:
+        return type(state) is tuple and bool(plain(state) == plain(dtype.__reduce__()[2]))
+    except Exception:  # a state holding something that does not compare (an array): not the dtype's own
+        return False
 
 
 def load_restricted(file, allowed: Mapping[tuple[str, str], Any], *, encoding: str = "ASCII"):
