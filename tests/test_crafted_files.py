@@ -12,8 +12,10 @@ marker must not exist.  The payloads are written opcode by opcode; the first tes
 does run its code through plain ``pickle`` (so a refusal here is the loader's doing).
 """
 
+import contextlib
 import copyreg
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -698,4 +700,39 @@ def test_a_trainer_resume_never_reads_transformers_files(tmp_path):
     resumed = trainer()
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
+    assert not marker.exists()
+
+
+# --- a model folder's own Python code never runs ---------------------------------------------------
+def test_a_model_folder_with_code_runs_none_even_if_stdin_says_yes(tmp_path, monkeypatch):
+    """A config.json with an ``auto_map`` names Python files of the folder; transformers asks on stdin
+    whether to run them unless ``trust_remote_code`` is given.  finetune and the LM audit read a folder
+    with ``trust_remote_code=False``: a "y" on stdin runs nothing, and the folder is refused or read as
+    the plain architecture its ``model_type`` names."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from transformers import GPT2Config
+
+    from idpsgd.integrations.hf.finetune import load_model, load_tokenizer, model_label2id
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "model"
+    GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "evil-gpt2"  # no architecture of transformers': only the folder's code reads it
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (folder / "config.json").write_text(json.dumps(config))
+    code = f"open({str(marker)!r}, 'w').close()\n"
+    code += "from transformers import GPT2Config as EvilConfig, GPT2LMHeadModel as Evil\n"
+    (folder / "configuration_evil.py").write_text(code)
+    (folder / "modeling_evil.py").write_text(code)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 10))
+    for read in (
+        lambda: model_label2id(folder),
+        lambda: load_tokenizer(folder),
+        lambda: load_model(folder, "causal_lm", None, 0),
+    ):
+        with contextlib.suppress(InvalidParameterError, OSError, ValueError):
+            read()  # refused: fine, as long as nothing ran
     assert not marker.exists()

@@ -128,7 +128,9 @@ def _released_model(folder: Path, load_tokenizer, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    from ..integrations.hf.finetune import LOCAL_FILES
+
+    model = AutoModelForCausalLM.from_pretrained(folder, **LOCAL_FILES)
     if device in ("cuda", "auto") and torch.cuda.is_available():
         model = model.to("cuda")
     return model, load_tokenizer(folder)

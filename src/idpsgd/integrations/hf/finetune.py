@@ -215,12 +215,17 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
+#: how a model folder is read: from its own files, and never its Python code (a config.json with an
+#: ``auto_map`` would otherwise make transformers ask on stdin whether to run the folder's code)
+LOCAL_FILES = {"local_files_only": True, "trust_remote_code": False}
+
+
 def model_label2id(folder: Path) -> dict | None:
     """The ``label2id`` of the model's config (public: the model folder is an input, not data), or None."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, **LOCAL_FILES)
     except (OSError, ValueError, KeyError) as exc:
         raise InvalidParameterError(
             "model", str(folder), f"its config.json cannot be read ({_first_line(exc)})"
@@ -232,7 +237,7 @@ def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(folder, **LOCAL_FILES)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise InvalidParameterError(
             "model", str(folder), f"its tokenizer cannot be loaded ({_first_line(exc)})"
@@ -252,7 +257,7 @@ def load_tokenizer(folder: Path):
 def load_model(folder: Path, task: str, id2label: dict | None, pad_token_id: int):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    kwargs = {"local_files_only": True}
+    kwargs = dict(LOCAL_FILES)
     if task == "sequence_classification":
         cls = AutoModelForSequenceClassification
         kwargs.update(num_labels=len(id2label), id2label=id2label, label2id={v: k for k, v in id2label.items()})
