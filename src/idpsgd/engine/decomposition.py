@@ -17,7 +17,8 @@ dropped from the update.  This module checks the equation, per parameter, before
   outside the call (e.g. a penalty on the weights added to the loss), which no row carries;
 * ``ghost``: each layer's own Σ_i a_iᵀ b_i (Linear, Embedding: from the first backward pass's layer
   inputs and output gradients; the other layers: the rule's per-example gradients summed) against
-  the first pass's ``p.grad``;
+  the first pass's ``p.grad`` (on FSDP2: the sums reduce-scattered into its shards,
+  :class:`~.fsdp.ShardedDecompositionCheck`);
 * ``bk``: no check here — book-keeping's provenance refuses any use of a parameter it cannot attribute
   to rows (:mod:`.bk.provenance`), and its fallback layers' autograd gradient is discarded.
 
@@ -43,6 +44,7 @@ import math
 import torch
 from torch import nn
 
+from .integrity import local_tensor
 from .opacus_compat import UnsupportedModuleError
 
 #: how far the two sums may differ, relative to Σ_i ‖g_i‖, by the precision of the per-example rows:
@@ -138,9 +140,14 @@ class DecompositionCheck:
         if self.mismatch is not None:
             return
         scale, *diffs = torch.stack([total.double(), *diffs]).tolist()  # one device synchronisation
+        self.verdict([p for p, *_ in entries], diffs, tols, scale)
+
+    def verdict(self, params: list, diffs: list[float], tols: list, scale: float) -> None:
+        """Record the first parameter of ``params`` whose difference ‖Σ_i g_i − G‖ (``diffs``) exceeds its
+        tolerance (``tols``: (rtol, dtype of the rows' sum)) times ``scale`` = Σ_i ‖g_i‖."""
         if not math.isfinite(scale):  # an example overflowed (half precision): autograd's sum holds its inf/nan
             return  # and the optimizer leaves it out (factor 0); nothing to compare this pass with
-        for (p, *_), diff, (tol, dtype) in zip(entries, diffs, tols, strict=True):
+        for p, diff, (tol, dtype) in zip(params, diffs, tols, strict=True):
             if diff <= tol * scale + 1e-30:  # nan/inf compare False: refused as well
                 continue
             rel = diff / scale if scale > 0 else float("inf")
@@ -194,7 +201,7 @@ class DecompositionCheck:
         if self._open:
             return
         self._open, self._sums, self._before = True, {}, {}
-        grads = [(p, p.grad.detach()) for p in params if p.grad is not None]
+        grads = [(p, local_tensor(p.grad).detach()) for p in params if p.grad is not None]  # (FSDP2: the shard)
         if grads:  # usually zeros (zero_grad before the forward): copied only where not (memory)
             device = grads[0][1].device
             peaks = torch.stack([g.abs().amax().float().to(device) for _, g in grads]).tolist()

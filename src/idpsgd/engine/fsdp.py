@@ -30,6 +30,7 @@ verdicts and normalisation as the book-keeping optimizer.  What follows describe
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 
 from ..validation import InvalidParameterError
 from . import distributed
+from .decomposition import DecompositionCheck, rtol
 from .distributed import DistributedTrainingError
 from .ghost import IndividualizedGhostModule
 from .integrity import local_tensor
@@ -451,7 +453,8 @@ class ShardedGhostModule(IndividualizedGhostModule):
     * **first pass's gradients** — FSDP2 reduce-scatters them (un-clipped) into ``p.grad``;
       ``DPTensorFastGradientClipping.backward`` then calls the optimizer's ``zero_grad`` before the
       second pass, which discards them exactly (the second pass's sums are written to zeroed or fresh
-      gradients).
+      gradients).  On the decomposition check's steps they are first compared with the layers' own
+      sums (:class:`ShardedDecompositionCheck`).
     * **clip factors** — min(1, c_i/‖g_i‖) with each example's own c_i (:class:`~.clipping.PerExampleClipping`);
       a phantom row (an empty draw, :class:`PhantomCollate`) gets factor 0 and the step pops no index,
       as an empty batch in one process.  The verdict (factors formed, or refused) is shared by one
@@ -553,6 +556,86 @@ def share_verdict(refusal: Exception | None, params) -> None:
         f"the step was refused on rank {where} of {world} ({reasons[where]}); every rank refuses it together "
         f"(this is rank {rank})"
     )
+
+
+# --- ghost: the decomposition check on shards ---------------------------------------------------
+def unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """id(registered, sharded parameter) → FSDP2's unsharded tensor of it (the one its modules hold while
+    they run, and Opacus's ghost hooks see: their layer sums and ``_norm_sample`` are keyed by it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or ():
+                for fp in group.fsdp_params:
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        found[id(fp.sharded_param)] = unsharded
+    return found
+
+
+class ShardedDecompositionCheck(DecompositionCheck):
+    """The ghost decomposition check (:mod:`.decomposition`) on a ``fully_shard`` model.
+
+    In the first backward pass each rank forms, per parameter, its own examples' layer sum Σ_{i on r} a_iᵀ b_i
+    (full size: FSDP2's unsharded parameters) and their norms; FSDP2 reduce-scatters autograd's gradient of the
+    pass by SUM (:func:`sum_reduction` sets divide factor 1 for every reduce-scatter, the first pass's too), so
+    ``p.grad``'s local shard holds rows :func:`shard_rows` of G = Σ_ranks Σ_{i on r} g_i.  At the
+    ``zero_grad`` between the passes (every rank, same order) the layer sums are reduce-scattered by SUM into
+    the same Shard(0) chunks (:func:`reduce_scatter_sums`), each rank takes ‖chunk − shard‖² per parameter,
+    and one all-reduce sums those and the ranks' Σ_i ‖g_i‖: every rank then holds ‖Σ_i g_i − G‖ over the
+    whole vector and the scale over every rank's examples (a phantom row's on both sides, so it cancels),
+    and compares them with the tolerance of one process — the same verdict on every rank, raised by each
+    rank's step guard before the noise (and shared by the optimizer's verdict all-reduce in any case).
+    ``module``: the ``fully_shard`` model (FSDP2's parameter groups map shards to unsharded tensors)."""
+
+    def __init__(self, names: dict[int, str], module: torch.nn.Module, every_step: bool = False):
+        super().__init__(names, every_step)
+        self.module = module
+
+    def close_pass(self, params) -> None:
+        if not self._open:
+            return
+        if not self._sums:  # zero_grad between the forward and the backward pass (on every rank alike)
+            self._before = {}
+            return
+        self._open, n = False, self._n
+        sums, before = self._sums, self._before
+        self._sums, self._before = {}, {}
+        device = next(iter(sums.values()))[0].device  # the compute device (FSDP2 may offload the shards)
+        unsharded = unsharded_parameters(self.module)
+        pairs, dtypes, per_example = [], [], []
+        for p in params:  # the same parameters, in the same order, on every rank (collectives below)
+            full = unsharded.get(id(p))
+            s, dtype = sums.get(full, (None, p.dtype)) if full is not None else (None, p.dtype)
+            acc = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype  # every rank alike
+            s = torch.zeros(tuple(p.shape), dtype=acc, device=device) if s is None else s.detach().to(acc)
+            pairs.append((p, s))
+            dtypes.append(dtype)
+            norms = getattr(full, "_norm_sample", None)
+            if norms is not None and norms.numel():
+                per_example.append(norms.float().to(device) / n)
+        chunks = reduce_scatter_sums(pairs)  # this rank's rows of Σ_ranks of the layer sums
+        squares, tols = [], []
+        for p, chunk, dtype in zip(params, chunks, dtypes, strict=True):
+            grad = torch.zeros_like(chunk) if p.grad is None else local_shard(p.grad).detach().to(device)
+            if p in before:
+                grad = grad - before[p].to(device)
+            diff = (chunk.double() - grad.double().reshape(chunk.shape)).square().sum()
+            squares.append(diff)
+            tols.append((rtol(dtype, p.dtype if p.grad is None else p.grad.dtype), chunk.dtype))
+        if per_example and len({len(x) for x in per_example}) == 1:
+            total = torch.stack(per_example).norm(dim=0).sum()
+        else:  # (rows differ between parameters: the sum of the parameters' sums, an upper bound)
+            total = torch.stack([x.sum() for x in per_example]).sum() if per_example else torch.zeros((), device=device)
+        reduced = torch.stack([total.double(), *squares])
+        on = reduced.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        reduced = reduced.to(on)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        scale, *squares = reduced.tolist()
+        if self.mismatch is None:
+            self.verdict(list(params), [math.sqrt(x) for x in squares], tols, scale)  # (nan stays nan: refused)
 
 
 # --- the optimizer ----------------------------------------------------------------------------
@@ -727,6 +810,7 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
 
 __all__ = [
     "ShardedBookKeepingOptimizer",
+    "ShardedDecompositionCheck",
     "ShardedGhostModule",
     "ShardedGhostOptimizer",
     "ShardedTrainingError",
@@ -741,4 +825,5 @@ __all__ = [
     "refuse_physical_batches",
     "setup",
     "shard_rows",
+    "unsharded_parameters",
 ]

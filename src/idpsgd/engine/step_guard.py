@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .decomposition import DecompositionCheck
 from .distributed import data_parallel_wrapper
+from .fsdp import ShardedDecompositionCheck
 from .integrity import WriteGuard, check_no_new_trainable, trainable_names
 from .modes import mode
 from .unwrap import raw_module
@@ -40,13 +41,14 @@ class StepGuard:
         self.decomposition = None
         record = mode(grad_sample_mode)
         probe = record.decomposition
-        # FSDP2 (ghost): the first pass's gradients arrive reduce-scattered across ranks, the layers' sums
-        # whole per rank; not compared yet (docs/performance.md, "The decomposition check")
-        sharded = record.sharded_optimizer is not None and isinstance(optimizer, record.sharded_optimizer)
-        if probe is not None and not sharded:
-            names = {id(p): n for n, p in raw_module(wrapped).named_parameters()}
-            ddp = isinstance(data_parallel_wrapper(wrapped), DistributedDataParallel)  # p.grad: the ranks' average
-            self.decomposition = DecompositionCheck(names, ranks_average=ddp)
+        if probe is not None:
+            names = {id(p): n for n, p in raw.named_parameters()}
+            if record.sharded_optimizer is not None and isinstance(optimizer, record.sharded_optimizer):
+                # FSDP2 (ghost): the layers' sums reduce-scattered into the shards of the first pass's p.grad
+                self.decomposition = ShardedDecompositionCheck(names, raw)
+            else:
+                ddp = isinstance(data_parallel_wrapper(wrapped), DistributedDataParallel)  # p.grad: the ranks' average
+                self.decomposition = DecompositionCheck(names, ranks_average=ddp)
             probe(self.decomposition, wrapped, optimizer)
         optimizer.write_guard = self.writes  # DPDDP: a write found on another rank marks this replica too
         optimizer.post_step_hooks.append(lambda _opt: self.writes.arm())
