@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .budget_args import budget_source_args, budgets_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
 from .registry import arguments, command
@@ -283,7 +285,7 @@ def _lm_audit(args):
         seed=resolved_seed(args),
         secure_mode=args.secure_mode,
         device=args.device,
-        progress=not args.no_progress,
+        progress=sys.stderr.isatty() if args.progress is None else args.progress,
     )
     data = load_text_data(
         args.data,
