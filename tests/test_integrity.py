@@ -309,7 +309,7 @@ class _ExtraState(_NoGradWrite):
         self.largest = state["largest"]
 
     def forward(self, x):
-        self.largest = max(self.largest, float(x.abs().max()))
+        self.largest = torch.maximum(torch.as_tensor(self.largest), x.detach().abs().amax())  # no host read
         return self.lin(x)
 
 
@@ -365,7 +365,7 @@ class _SmallDataWrite(nn.Module):
         self.lin = nn.Linear(4, 2)
 
     def forward(self, x):
-        self.table.weight.data[7, 0] += 1e-3 * float(x[0, 0] > -10)
+        self.table.weight.data[7, 0] += 1e-3 * (x[0, 0] > -10).float()  # from the batch, no host read
         return self.lin(x)
 
 
@@ -823,7 +823,7 @@ class _OptimizerWrite(_NoGradWrite):
             if self.how == "in place":
                 buf.add_(x.mean())
             elif self.how == ".data":
-                buf.data[0, 0] += 1e-3 * float(x[0, 0] > -10)
+                buf.data[0, 0] += 1e-3 * (x[0, 0] > -10).float()  # from the batch, no host read
             else:  # a new entry
                 state["seen"] = x.detach().mean()
         return self.lin(x)
@@ -880,12 +880,11 @@ class _Swap(nn.Module):
         self.pair = [int(torch.nonzero(flat > 0)[0]), int(torch.nonzero(flat < 0)[0])]
 
     def forward(self, x):
-        if float(x[0, 0]) > -10:  # "from the batch"
-            w = self.table.weight.data
-            if self.how == "rows":
-                w[[0, 1]] = w[[1, 0]]
-            else:
-                w.view(-1)[self.pair] *= -1
+        w, go = self.table.weight.data, x[0, 0] > -10  # "from the batch", kept a tensor (no host read)
+        if self.how == "rows":
+            w[[0, 1]] = torch.where(go, w[[1, 0]], w[[0, 1]])
+        else:
+            w.view(-1)[self.pair] *= torch.where(go, -1.0, 1.0)
         return self.lin(x)
 
 
