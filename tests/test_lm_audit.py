@@ -462,10 +462,15 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert all(g["reported_epsilon"] is None and g["verdict"] == "not private" for g in b["groups"])
     assert set(r["checks"]) == {
         "exposure_ordered_by_budget",
-        "baseline_above_every_private_group",
+        "baseline_far_above_every_private_group",
         "every_bound_at_most_reported_epsilon",
     }
     assert r["checks"]["every_bound_at_most_reported_epsilon"]
+    med = [g["exposure_included"]["median"] for g in a["groups"]]
+    base = [g["exposure_included"]["median"] for g in b["groups"]]
+    assert r["far_bits"] == 3.0  # "far above": the baseline's medians at least 3 bits above every private group's
+    far = None not in med + base and min(base) >= max(med) + 3.0
+    assert r["checks"]["baseline_far_above_every_private_group"] == far
     assert _secrets_of(out / "dp-scale") == _secrets_of(out / "non-private")  # the same canaries
     for run in ("dp-scale", "non-private"):
         assert file_mode(out / run / "private" / "canaries.csv") == 0o600
@@ -478,17 +483,27 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the reproduction's defaults: ~90 s of CPU (6.5 min on this loaded machine)
-def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys):
+#: measured (docs/reproducing.md): at seed 1 the private groups' medians are not ordered (0.97 / 0.85 / 1.10 bits),
+#: at seed 2 the baseline's ε = 64 group is only 1.65 bits above the largest private median (3.89 vs 2.24)
+NOT_ROBUST = "issue 52's done-when does not hold at this seed yet (docs/reproducing.md, 'Not robust across seeds')"
+
+
+@pytest.mark.slow  # the reproduction's defaults: ~240 s of CPU per seed (about 4 min each on a quiet core)
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST)) for s in (1, 2))]
+)
+def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
-    exposure far above every private group's, every group's empirical lower bound at or below its reported ε
-    (the median exposure of the included canaries; docs/reproducing.md)."""
+    exposure far above every private group's (at least 3 bits), every group's empirical lower bound at or below
+    its reported ε (the median exposure of the included canaries; docs/reproducing.md), on three seeds.  What
+    held on all three: the bounds, the baseline above every private group, its AUC; the rest is xfail (strict)
+    where it was measured not to hold."""
     out = tmp_path / "rep"
-    assert main(["reproduce", "lm-canaries", "--seed", "0", "--no-progress", "--out", str(out), "--json"]) == 0
+    assert main(["reproduce", "lm-canaries", "--seed", str(seed), "--no-progress", "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert all(r["checks"].values()), r["checks"]
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     medians = [g["exposure_included"]["median"] for g in a["groups"]]
-    assert medians == sorted(medians) and medians[0] < 1.5  # the smallest budget near its held-out reference
-    assert min(g["exposure_included"]["median"] for g in b["groups"]) > max(medians) + 1  # bits
-    assert b["all"]["auc"] > 0.8 and b["all"]["empirical_epsilon"] > 0  # the audit's power without DP
+    assert r["checks"]["every_bound_at_most_reported_epsilon"]
+    assert min(g["exposure_included"]["median"] for g in b["groups"]) > max(medians)
+    assert b["all"]["auc"] > 0.9 and b["all"]["empirical_epsilon"] > 0  # the audit's power without DP
+    assert all(r["checks"].values()), r["checks"]  # ordered by budget, the baseline >= 3 bits above

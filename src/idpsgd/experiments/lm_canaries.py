@@ -14,14 +14,15 @@ seed derived from ``--seed`` — the same public starting point for every run.
 δ = 1e-5) with ``canaries`` secret canaries per group ("my code is ⟨4 random digits⟩", |R| = 10^4,
 each included with probability 1/2), fine-tuned with IDP-SGD Scale (``--method``; Boenisch et al.) through
 :func:`idpsgd.audit.lm_training.audit_finetune`; then the **non-private baseline**: the same rows and
-canaries, plain ``transformers.Trainer`` fine-tuning (no clipping, no noise), the same epochs — the
-audit's power: without DP the canaries are memorised.
+canaries, plain ``transformers.Trainer`` fine-tuning (no clipping, no noise), the same epochs (150
+by default: with 60 the baseline's median exposure was only about 4 bits) — the audit's power:
+without DP the canaries are memorised.
 
 **Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all 10^4
 candidates scored), the AUC of the loss score, the one-run empirical ε lower bound beside the
 reported ε.  Checked, and reported as measured: the median exposure of the included canaries ordered
-by budget (the smallest budget's lowest), the baseline's above every private group's, every bound at
-or below its reported ε.
+by budget (the smallest budget's lowest), the baseline's at least :data:`FAR_BITS` above every private
+group's ("far above"), every bound at or below its reported ε.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ MODULES = (
 )  # fmt: skip
 BUDGETS = "1,8,64"
 DELTA = 1e-5
+#: "far above" in the issue's done-when, made a number: the non-private baseline's median exposure at
+#: least this many bits above every private group's (its canaries ranked at least 2^3 = 8 times higher)
+FAR_BITS = 3.0
 
 
 def stdlib_docstring_corpus(rows: int) -> list[str]:
@@ -173,7 +177,7 @@ def run_lm_canaries(
     method: str = "scale",
     canaries: int = 20,
     digits: int = 4,
-    epochs: int = 60,
+    epochs: int = 150,
     batch_size: int = 32,
     lr: float = 1e-2,
     baseline_lr: float = 1e-2,
@@ -263,7 +267,7 @@ def run_lm_canaries(
     known = all(x is not None for x in [*med, *base_med])
     checks = {
         "exposure_ordered_by_budget": known and all(med[k] < med[k + 1] for k in range(len(med) - 1)),
-        "baseline_above_every_private_group": known and min(base_med) > max(med),
+        "baseline_far_above_every_private_group": known and min(base_med) >= max(med) + FAR_BITS,
         "every_bound_at_most_reported_epsilon": all(
             g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]]
         ),
@@ -287,6 +291,7 @@ def run_lm_canaries(
         "private_run": {"steps": dp["steps"], "noise_multiplier": dp["noise_multiplier"], "lm_audit": a},
         "non_private": {"lm_audit": baseline},
         "checks": checks,
+        "far_bits": FAR_BITS,
         "randomness": randomness(False),
         "seconds": {"total": time.time() - t0, "private_run": t2 - t1, "baseline": t3 - t2},
         "private": {"seed": base_seed},
