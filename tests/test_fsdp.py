@@ -355,13 +355,24 @@ def _ghost_plain_backward(overflow_on=None, no_sync=False):
     )
     (x,) = next(iter(loader))
     logits = wrapped(x).logits
-    try:
+
+    def step():
         if overflow_on is None and not no_sync:
             logits.sum().backward()
         else:
             pred = logits[:, :-1].float()
             criterion(pred.reshape(-1, VOCAB), x[:, 1:].reshape(-1), shape=tuple(pred.shape)).backward()
         opt.step()
+
+    return _every_ranks_outcome(step, engine)
+
+
+def _every_ranks_outcome(step, engine) -> list:
+    """Run one step on this rank; every rank's (error or None, steps charged), gathered on every rank."""
+    import torch.distributed as dist
+
+    try:
+        step()
         caught = None
     except Exception as exc:
         caught = f"{type(exc).__name__}: {exc}"
@@ -395,7 +406,6 @@ def _ghost_outside_use():
     the layers' sums, reduce-scattered into the shards of the first pass's gradient, miss that use; the
     step is refused on every rank before the noise, naming the parameter (before: it trained; in one process
     the same use measured ‖ΔS‖ = 3.98 × c at k = 3, issue 46)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -418,15 +428,12 @@ def _ghost_outside_use():
         grad_sample_mode="ghost",
     )
     x, y = next(iter(loader))
-    try:
+
+    def step():
         criterion(wrapped(x), y).backward()
         opt.step()
-        caught = None
-    except Exception as exc:
-        caught = f"{type(exc).__name__}: {exc}"
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (caught, engine.steps))
-    return everyone
+
+    return _every_ranks_outcome(step, engine)
 
 
 def _check(sharded, single, rtol, steps=STEPS):
