@@ -442,12 +442,7 @@ def test_individualized_trainer_with_save_state_and_save_metrics(hf, tmp_path):
         root = tmp_path / name
         privacy = PrivacyArguments(budgets="epsilon", delta=1e-5, method="scale", seed=3)
         t = h._trainer(tok, h._llama(tok), train, root / "out", privacy=privacy, logging_steps=1)
-        result = t.train()
-        t.save_state()
-        t.save_metrics("train", result.metrics)
-        outs.append(
-            collect(root, root / "out", {"TrainOutput --json": json.dumps(result._asdict(), default=str, indent=1)})
-        )
+        outs.append(_trained_outputs(t, root))
     timing = r"(.*/)?(train_runtime|train_samples_per_second|train_steps_per_second)"
     allow = [
         *HF_RUN,
@@ -583,12 +578,7 @@ def test_individualized_trainer_at_user_level(hf, tmp_path):
         t = h._trainer(
             tok, h._llama(tok), train, root / "out", privacy=privacy, logging_steps=1, per_device_train_batch_size=4
         )
-        result = t.train()
-        t.save_state()
-        t.save_metrics("train", result.metrics)
-        outs.append(
-            collect(root, root / "out", {"TrainOutput --json": json.dumps(result._asdict(), default=str, indent=1)})
-        )
+        outs.append(_trained_outputs(t, root))
     timing = r"(.*/)?(train_runtime|train_samples_per_second|train_steps_per_second)"
     allow = [
         *_user_level(HF_RUN),
@@ -596,3 +586,11 @@ def test_individualized_trainer_at_user_level(hf, tmp_path):
     ]
     used = _compare(*outs, allow, "IndividualizedTrainer at user level")
     assert WEIGHTS in used
+
+
+def _trained_outputs(t, root):
+    """Train ``t`` to the end, save its state and metrics as a user would, and collect what it wrote."""
+    result = t.train()
+    t.save_state()
+    t.save_metrics("train", result.metrics)
+    return collect(root, root / "out", {"TrainOutput --json": json.dumps(result._asdict(), default=str, indent=1)})
