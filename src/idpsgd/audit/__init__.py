@@ -7,7 +7,7 @@
 * :mod:`.shadows` — training the audit's models through the project's harness; checkpoints.
 * :mod:`.runner` — :func:`run_audit` (LiRA, loss, one-run) per privacy group.
 * :mod:`.report` — ``audit.json``, ``audit_scores.csv``, ``roc_by_group.png`` and the text.
-* language models (issue 52): :mod:`.canaries` (secret canaries per group, numpy), :mod:`.exposure`
+* language models: :mod:`.canaries` (secret canaries per group, numpy), :mod:`.exposure`
   (Carlini et al.'s exposure, exact or estimated, numpy/scipy), :mod:`.lm` (scoring a model, the
   per-group audit), :mod:`.lm_training` (``idpsgd audit --model DIR --data FILE``, the Trainer path),
   :mod:`.lm_report` (its files and figure).

@@ -1,6 +1,6 @@
 """User-level membership inference: is a whole user (all of their rows) in the training data?
 
-The audit of a user-level run (issue 37): every user is included independently with probability 1/2
+The audit of a user-level run: every user is included independently with probability 1/2
 — all of their rows in, or all out — by **zero-out**, the relation the guarantee is stated for
 (:mod:`idpsgd.accounting.neighbouring`): a user who is out stays in the data and is sampled as
 usual, but its rows' losses are multiplied by 0, so it adds nothing to the clipped sum.  The model's

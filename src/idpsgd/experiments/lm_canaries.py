@@ -1,5 +1,5 @@
 """``idpsgd reproduce lm-canaries``: do smaller budgets protect the secrets of a fine-tuned language model?
-(issue 52; Carlini et al. 2019, "The Secret Sharer"; Steinke, Nasr & Jagielski 2023; Boenisch et al. 2023).
+(Carlini et al. 2019, "The Secret Sharer"; Steinke, Nasr & Jagielski 2023; Boenisch et al. 2023).
 
 **Corpus.**  Offline, shipped with Python itself: the docstrings (``inspect.getdoc``) of the public
 functions, classes and methods of the standard-library modules :data:`MODULES` of the running
@@ -366,7 +366,7 @@ def _check_budgets(name, value) -> None:
 register(
     Experiment(
         "lm-canaries",
-        "canary exposure and the one-run empirical epsilon per budget group of a fine-tuned GPT-2 (issue 52)",
+        "canary exposure and the one-run empirical epsilon per budget group of a fine-tuned GPT-2",
         run_lm_canaries,
         write_lm_canaries,
         options=(
