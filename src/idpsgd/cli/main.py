@@ -226,6 +226,7 @@ def main(argv=None) -> int:
         return 0
     from ..data import DatasetFileError
     from ..engine.bk.provenance import RefusedRows
+    from ..engine.machinery import MachineryRefusal
 
     _help, _add, run = COMMANDS[args.command]
     held = _OnceAfterSuccess("Secure RNG turned off", args.command)
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
     except (UnreachableTargetError, FileNotFoundError, CheckpointError) as exc:
         sys.stderr.write(f"idpsgd {args.command}: error: {_flagged_message(str(exc), args)}\n")
         return 2
-    except RefusedRows as exc:  # book-keeping: a model whose examples' rows mix (the operation named)
+    # book-keeping: a model whose examples' rows mix (the operation named); the engine's per-example machinery
+    except (RefusedRows, MachineryRefusal) as exc:  # failing on a layer (the layer and the error named)
         sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")
         return 2
     for note in getattr(args, "_notes", ()):  # e.g. which checkpoint a --resume continued from

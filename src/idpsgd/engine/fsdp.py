@@ -463,6 +463,8 @@ class ShardedGhostModule(IndividualizedGhostModule):
     * **clipped sum** — the second pass of Σ_i w_i·loss_i: FSDP2 reduce-scatters Σ_ranks Σ_i w_i g_i
       into the Shard(0) gradients with a SUM (:func:`sum_reduction`)."""
 
+    output_hooks = False  # Opacus's full backward hooks: they run while FSDP2 has the unsharded parameters in
+
     def capture_activations_hook(self, module, forward_input, _forward_output):
         from opacus.utils.module_utils import trainable_parameters
 

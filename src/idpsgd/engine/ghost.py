@@ -14,11 +14,16 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
 from .clipping import PerExampleClipping
+from .machinery import forward_net
+from .output_hooks import OutputHooks
 from .units import UnitClipping, ghost_capture
 
 
-class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
-    """Ghost-clipping module whose clip factors use each example's own clip norm c_i."""
+class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClipping):
+    """Ghost-clipping module whose clip factors use each example's own clip norm c_i (Opacus's hooks on the
+    layers' outputs, netted: :mod:`.output_hooks`)."""
+
+    mode_name = "ghost"
 
     clipping: PerExampleClipping | None = None
     #: the phase's :class:`~.decomposition.DecompositionCheck` (each layer's own gradient sum, first pass)
@@ -29,6 +34,9 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
         check = self.decomposition
         if check is not None and check.due and self.hooks_enabled and module.training and torch.is_grad_enabled():
             check.open_pass(self.trainable_parameters)
+
+    def forward(self, *args, **kwargs):
+        return forward_net(self._module, self._plain, self._module, self.mode_name, args, kwargs)
 
     def rearrange_grad_samples(self, *, module, backprops, loss_reduction, batch_first):
         activations, backprops = super().rearrange_grad_samples(

@@ -16,13 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from opacus.grad_sample import (
-    GradSampleHooks,
-    GradSampleHooksNoOp,
-    GradSampleModule,
-    GradSampleModuleExpandedWeights,
-    GradSampleModuleNoOp,
-)
+from opacus.grad_sample import GradSampleHooksNoOp, GradSampleModuleExpandedWeights, GradSampleModuleNoOp
 
 from ..validation import InvalidParameterError
 from . import per_sample_rules  # noqa: F401  (registers the corrected convolution and embedding rules)
@@ -40,6 +34,7 @@ from .optimizer import (
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
+from .output_hooks import IndividualizedGradSampleHooks, IndividualizedGradSampleModule
 from .units import UnitClipping
 from .unwrap import raw_module
 
@@ -89,13 +84,13 @@ class GradSampleMode:
             type(module) is self.wrapper
             and module.batch_first == batch_first
             and module.loss_reduction == loss_reduction
-            and (self.wrapper is not GradSampleModule or module.force_functorch == self.force_functorch)
+            and (self.wrapper is not IndividualizedGradSampleModule or module.force_functorch == self.force_functorch)
         )
 
 
 def _sampled(force_functorch: bool):
     def build(module, clipping, batch_first, loss_reduction):
-        return GradSampleModule(
+        return IndividualizedGradSampleModule(  # Opacus's, with output hooks and the net (.output_hooks)
             module, batch_first=batch_first, loss_reduction=loss_reduction, force_functorch=force_functorch
         )
 
@@ -136,10 +131,10 @@ def _reuse_bk(wrapped, clipping, loss_reduction):
 
 
 _PER_SAMPLE = dict(
-    wrapper=GradSampleModule,
+    wrapper=IndividualizedGradSampleModule,
     optimizer=IndividualizedDPOptimizer,
     distributed_optimizer=DistributedIndividualizedDPOptimizer,
-    hooks=GradSampleHooks,
+    hooks=IndividualizedGradSampleHooks,
 )
 
 MODES: dict[str, GradSampleMode] = {

@@ -22,6 +22,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from ..validation import InvalidParameterError, check_positive
 from .bk.rules import acc_dtype
 from .clipping import PerExampleClipping
+from .machinery import guard
 from .randomness import gaussian_like
 from .sampler import BatchMismatchError
 from .units import grouping_of
@@ -337,11 +338,14 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
                 ref = self.params[0]
                 norms = torch.zeros(0, dtype=ref.dtype, device=ref.device)
             else:
-                norms = keeper.norms(self._loss_scale)
+                with guard("book-keeping's per-example norm pass", "bk"):
+                    norms = keeper.norms(self._loss_scale)
+            factors = self.clipping.factors(norms)
+            with guard("book-keeping's clipped sum", "bk"):
+                sums = keeper.clipped_sum(factors, self._loss_scale)
         except BaseException:
             keeper.clear()
             raise
-        sums = keeper.clipped_sum(self.clipping.factors(norms), self._loss_scale)
         keeper.clear()
         for p in self.params:
             g = sums.get(p)

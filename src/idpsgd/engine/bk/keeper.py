@@ -27,6 +27,8 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...validation import InvalidParameterError
+from ..machinery import forward_net, guard
+from ..per_example_autograd import functorch_refuses, per_example_autograd
 from . import provenance
 from .rules import Rule, acc, add_into, routed_rule, rule_for
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
@@ -52,6 +54,9 @@ class _BookKeptOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, shared, x, *params):
         out, saved = layer.rule.forward(layer.module, x)  # under the caller's autocast state
+        if out._is_view():  # F.linear's (B·T, p) result viewed as (B, T, p): a custom Function's output that is a
+            out = out.detach()  # view cannot be written in place (q /= s, h[~mask] = 0: legal autograd); an alias
+            # can (it shares the version counter; no rule keeps its output for backward)
         ctx.layer, ctx.shared = layer, shared
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -65,7 +70,11 @@ class _BookKeptOp(torch.autograd.Function):
         saved = ctx.saved_tensors
         rest = (None,) * (len(ctx.needs_input_grad) - 3)
         # the input gradient under the forward's autocast state (as torch.amp.custom_bwd): the module's own
-        with torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast else contextlib.nullcontext():
+        where = lambda: f"layer {layer.name!r} ({type(layer.module).__name__}), its backward rule"  # noqa: E731
+        with (
+            torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast else contextlib.nullcontext(),
+            guard(where, "bk"),
+        ):
             return _BookKeptOp._backward(ctx, layer, shared, saved, g, rest)
 
     @staticmethod
@@ -430,6 +439,10 @@ class _FallbackUnit:
                     out.register_hook(lambda g: self._backward(module, None, (g,)))
 
     def _backward(self, module, _grad_input, grad_output):
+        with guard(lambda: f"layer {self.name!r} ({type(module).__name__}, a fallback), its per-sample gradient", "bk"):
+            self._backward_unguarded(module, grad_output)
+
+    def _backward_unguarded(self, module, grad_output):
         if not self.keeper.active:
             return
         if not self.activations:
@@ -596,6 +609,9 @@ def _functorch_per_sample(module, args, kwargs, batched, g, params) -> dict:
     try:
         grads = vmap(grad(loss), in_dims=(None, 0, 0))(trainable, per, g)
     except RuntimeError as exc:  # data-dependent control flow (MoE routing): one example at a time
+        if functorch_refuses(exc):  # an old-style autograd.Function: plain autograd, one example at a time
+            grads = per_example_autograd(lambda i, tr: loss(tr, [t[i] for t in per], g[i]), trainable, batch)
+            return {params[n]: gs for n, gs in grads.items()}
         if "vmap" not in str(exc):
             raise
         each = [grad(loss)(trainable, [t[i] for t in per], g[i]) for i in range(batch)]
@@ -1158,6 +1174,19 @@ class BookKeepingModule(AbstractGradSampleModule):
         self.keeper = keeper
         self.keeper.loss_reduction = loss_reduction
         self.keeper.active = True
+
+    def forward(self, *args, **kwargs):
+        return forward_net(self._module, self._plain, self._module, "bk", args, kwargs)
+
+    @contextlib.contextmanager
+    def _plain(self):
+        """The model's forward without book-keeping (the net's second run, :func:`~..machinery.forward_net`)."""
+        active = self.keeper.active
+        self.keeper.active = False
+        try:
+            yield
+        finally:
+            self.keeper.active = active
 
     @property
     def layer_paths(self) -> dict[str, str]:

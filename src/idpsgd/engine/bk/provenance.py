@@ -648,7 +648,28 @@ class ProvenanceMode(TorchFunctionMode):
                 if tr is None:
                     self.tags[target] = Rows(d, group)
                 return
+        if vr is None and tr is not None and self._masked_constant(target, index, value, tr):
+            return  # h[~mask] = 0: each example's rows written where its own mask says, with one value
         self.tags[target] = _mixed("__setitem__")
+
+    def _masked_constant(self, target, index, value, tr) -> bool:
+        """``target[mask] = value`` leaves ``target``'s rows each one example's: ``mask`` a boolean tensor of the
+        batch with ``target``'s rows over ``target``'s leading dimensions (each example's elements chosen by its
+        own mask rows), ``value`` one value for every chosen element (a number, or a batch-independent tensor
+        that broadcasts over the trailing dimensions only).  A padded batch's ``h[~attention_mask.bool()] = 0``."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if len(idx) == 2 and idx[1] is Ellipsis:
+            idx = idx[:1]
+        mask = idx[0] if len(idx) == 1 else None
+        if not (torch.is_tensor(mask) and mask.dtype == torch.bool and tr.known):
+            return False
+        mr = self.tags.get(mask)
+        k = mask.dim()
+        if mr is None or not mr.known or (mr.dim, mr.group) != (tr.dim, tr.group) or tr.dim >= k:
+            return False
+        if tuple(mask.shape) != tuple(target.shape[:k]):
+            return False
+        return not torch.is_tensor(value) or value.dim() <= target.dim() - k
 
     # --- the rules ---------------------------------------------------------------------------
     def _inputs(self, args, kwargs):

@@ -1,0 +1,162 @@
+"""Opacus's per-sample-gradient hooks (``hooks``, ``functorch``, ``ghost``) made safe for what a model may
+legally do, and netted (:mod:`.machinery`).
+
+Opacus captures each layer's output gradient with a full backward hook (``register_full_backward_hook``).
+torch implements it by passing the layer's outputs through an identity ``autograd.Function``, whose
+outputs are views: a model that writes into a layer's output in place — ``q /= math.sqrt(d)``,
+``q[..., :d] /= s``, ``h[~mask] = 0``, all legal autograd — then crashes in its forward
+("Output 0 of BackwardHookFunction is a view and is being modified inplace").  Here the output gradient
+is taken by a hook on the layer's output tensor instead, registered in the forward hook: a tensor hook
+registered before an in-place write receives the gradient of the value the layer returned (torch's
+documented semantics), which is what Opacus's grad samplers expect.  Opacus's own
+``capture_activations_hook`` / ``capture_backprops_hook`` do the work unchanged, inside
+:func:`~.machinery.guard`.
+
+A layer whose per-example gradients come from ``torch.func`` and whose forward uses an old-style
+``autograd.Function`` (no ``setup_context``) gets them from plain autograd, one example at a time
+(:mod:`.per_example_autograd`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+from opacus.grad_sample import GradSampleHooks, GradSampleModule
+from opacus.grad_sample.functorch import prepare_layer
+from opacus.layers import DPGRU, DPLSTM, DPRNN
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten
+
+from .machinery import forward_net, guard, module_names
+from .per_example_autograd import functorch_refuses, per_example_autograd
+
+
+class _TolerantFunctorch:
+    """A layer's ``ft_compute_sample_grad`` (Opacus's ``vmap(grad(...))``) that, where torch cannot transform
+    an old-style ``autograd.Function`` in the layer's forward, computes the same per-example gradients with
+    plain autograd (Opacus's loss: the layer on example i's activations, times its output gradient)."""
+
+    def __init__(self, layer: torch.nn.Module, vmapped):
+        self.layer, self.vmapped = layer, vmapped
+
+    def __call__(self, parameters, activations, backprops):
+        try:
+            return self.vmapped(parameters, activations, backprops)
+        except RuntimeError as exc:
+            if not functorch_refuses(exc):
+                raise
+        layer = self.layer
+        names = [n for n, _ in layer.named_parameters()]
+
+        def loss_of(i, leaves):
+            with _reparametrize_module(layer, leaves):
+                out = layer.forward(activations[i].unsqueeze(0))  # the forward alone: no hooks of this engine
+            return (out * backprops[i].unsqueeze(0).to(out.dtype)).sum()
+
+        grads = per_example_autograd(loss_of, dict(zip(names, parameters, strict=True)), int(activations.shape[0]))
+        return tuple(grads[n] for n in names)
+
+
+def _own_output(output):
+    """(the layer's output, its first tensor that requires a gradient), that tensor a copy when it is a view
+    (``F.linear`` with a bias on (B, T, d): a view of its (B·T, p) result): a hook on a view does not fire
+    after the view is written in place (autograd rebases the view onto its base), a copy's does.  Only a
+    tensor or a tuple/list of them is copied; a view in another structure keeps its hook (written in place,
+    the layer then has no per-sample gradient and the optimizer refuses the step)."""
+    if torch.is_tensor(output):
+        if not output.requires_grad:
+            return output, None
+        output = output.clone() if output._is_view() else output
+        return output, output
+    if isinstance(output, (tuple, list)) and type(output) in (tuple, list):
+        k = next((i for i, t in enumerate(output) if torch.is_tensor(t) and t.requires_grad), None)
+        if k is None:
+            return output, None
+        if output[k]._is_view():
+            output = type(output)(t.clone() if i == k else t for i, t in enumerate(output))
+        return output, output[k]
+    return output, next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
+
+
+class OutputHooks:
+    """Mixin for Opacus's hooks classes: the output gradient by a tensor hook on the layer's output (module
+    docstring), every hook inside the net; ``output_hooks = False`` keeps Opacus's full backward hooks
+    (FSDP2's ghost clipping, whose parameters are swapped in for the module's own backward)."""
+
+    output_hooks = True
+    #: the grad_sample_mode named in refusals
+    mode_name = "hooks"
+
+    def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False):
+        if not self.output_hooks:
+            return super().add_hooks(
+                loss_reduction=loss_reduction, batch_first=batch_first, force_functorch=force_functorch
+            )
+        if hasattr(self._module, "autograd_grad_sample_hooks"):  # as Opacus
+            raise ValueError("Trying to add hooks twice to the same model")
+        self._module.autograd_grad_sample_hooks = []
+        self.autograd_grad_sample_hooks = self._module.autograd_grad_sample_hooks
+        self._layer_names = module_names(self._module)
+        for module in self.iterate_submodules(self._module):
+            if type(module) in (DPRNN, DPLSTM, DPGRU):  # their RNNLinear layers carry the hooks (as Opacus)
+                continue
+            if force_functorch or self._get_module_type(module) not in self.GRAD_SAMPLERS:
+                prepare_layer(module, batch_first=batch_first)
+                module.ft_compute_sample_grad = _TolerantFunctorch(module, module.ft_compute_sample_grad)
+            hook = partial(self._forward_hook, loss_reduction=loss_reduction, batch_first=batch_first)
+            self.autograd_grad_sample_hooks.append(module.register_forward_hook(hook))
+        self.enable_hooks()
+
+    def _where(self, module) -> str:
+        return f"layer {self._layer_names.get(id(module), type(module).__name__)!r} ({type(module).__name__})"
+
+    def _forward_hook(self, module, inputs, output, *, loss_reduction, batch_first):
+        with guard(lambda: self._where(module), self.mode_name):
+            self.capture_activations_hook(module, inputs, output)
+        if not torch.is_grad_enabled():
+            return None
+        output, out = _own_output(output)
+        if out is not None:
+            out.register_hook(
+                partial(self._backward_hook, module, loss_reduction=loss_reduction, batch_first=batch_first)
+            )
+        return output
+
+    def _backward_hook(self, module, grad, *, loss_reduction, batch_first):
+        with guard(lambda: self._where(module), self.mode_name):
+            self.capture_backprops_hook(module, None, (grad,), loss_reduction, batch_first)
+
+    @contextlib.contextmanager
+    def _plain(self):
+        """The model's forward without this engine's hooks (the net's second run, :func:`~.machinery.forward_net`)."""
+        enabled = self.hooks_enabled
+        self.hooks_enabled = False
+        try:
+            yield
+        finally:
+            self.hooks_enabled = enabled
+
+
+class IndividualizedGradSampleModule(OutputHooks, GradSampleModule):
+    """Opacus's ``GradSampleModule`` (``grad_sample_mode`` ``hooks`` and ``functorch``) with :class:`OutputHooks`
+    and its forward netted (:func:`~.machinery.forward_net`)."""
+
+    @property
+    def mode_name(self) -> str:
+        return "functorch" if self.force_functorch else "hooks"
+
+    def forward(self, *args, **kwargs):
+        return forward_net(self._module, self._plain, self._module, self.mode_name, args, kwargs)
+
+
+class IndividualizedGradSampleHooks(OutputHooks, GradSampleHooks):
+    """Opacus's ``GradSampleHooks`` (``wrap_model=False``) with :class:`OutputHooks`."""
+
+    @property
+    def mode_name(self) -> str:
+        return "functorch" if self.force_functorch else "hooks"
+
+
+__all__ = ["IndividualizedGradSampleHooks", "IndividualizedGradSampleModule", "OutputHooks"]

@@ -1,0 +1,300 @@
+"""Never a crash: what a model may legally do works exactly in every mode, and a failure inside the engine's
+own per-example machinery is a refusal with a one-line reason — never a torch traceback (issue 47).
+
+The three crash mechanisms the held-out architecture survey found, each as a small model without
+transformers: an old-style ``torch.autograd.Function`` (no ``setup_context``) in a layer that takes the
+whole-module fallback (``torch.func`` raised); an in-place write into a layer's output or a slice of it
+(``q /= math.sqrt(d)``: the output was a view made inside a custom Function, bk's or the full backward
+hook's); a masked write ``h[~mask] = 0`` into a layer's output on a padded batch (the same, and provenance
+took the write for a mix of rows).  Each is checked against one backward pass per example (float64), in
+bk, hooks and ghost.  Then the net (``engine/machinery.py``) in both directions: the machinery's failures
+become :class:`MachineryRefusal` (the CLI's exit 2) before anything is released or charged, while the
+model's own errors propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from idpsgd.engine import IndividualizedPrivacyEngine
+from idpsgd.engine.bk.provenance import RefusedRows
+from idpsgd.engine.machinery import MachineryRefusal
+from support import per_example_grads
+from test_bookkeeping import N, _check_equal, _data
+
+pytestmark = pytest.mark.filterwarnings("ignore:Secure RNG turned off")
+
+
+# --- the three mechanisms, as small models ---------------------------------------------------------
+class _OldStyleScale(torch.autograd.Function):
+    """x · w with a hand-written backward, in the old style: ``forward(ctx, ...)``, no ``setup_context``."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+class _Scale(nn.Module):
+    """A layer no rule or grad sampler covers: the whole-module fallback (``torch.func``) in every mode."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return _OldStyleScale.apply(x, self.w)
+
+
+class _OldFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.s, self.b = nn.Linear(4, 5), _Scale(5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.s(self.a(x))))
+
+
+class _InPlace(nn.Module):
+    """``q = self.q(x)`` scaled in place, all of it or a slice (attention's ``q /= math.sqrt(d)``)."""
+
+    def __init__(self, part: str):
+        super().__init__()
+        self.q, self.b, self.part = nn.Linear(4, 6), nn.Linear(6, 3), part
+
+    def forward(self, x):
+        q = self.q(x)
+        if self.part == "slice":
+            q[..., :3] /= math.sqrt(3)
+        else:
+            q /= math.sqrt(3)
+        return self.b(torch.tanh(q)).mean(1)
+
+
+class _Masked(nn.Module):
+    """``h[~mask] = 0`` on a padded batch: the padding positions of a layer's output zeroed in place."""
+
+    def __init__(self, flip: bool = False):
+        super().__init__()
+        self.lin, self.b, self.flip = nn.Linear(4, 6), nn.Linear(6, 3), flip
+
+    def forward(self, x):
+        mask = x[..., 0] > -0.5  # each example's own padding
+        if self.flip:  # another example's mask (the batch reversed): its rows are not each one example's
+            mask = mask.flip(0)
+        h = self.lin(x)
+        h[~mask] = 0
+        return self.b(torch.tanh(h)).mean(1)
+
+
+def _model(make):
+    torch.manual_seed(0)
+    return make().double()
+
+
+def _private_step(model, x, y, mode, clips=None):
+    """(engine, module, optimizer, criterion, loader) over all N examples (q = 1, no filter), in any mode
+    (ghost's make_private also returns Opacus's loss wrapper)."""
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
+    out = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
+        budgets=np.full(N, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(N),
+        clip_norms=np.ones(N) if clips is None else clips,
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        privacy_filter=None,
+    )
+    module, optimizer, criterion, data = out if mode == "ghost" else (*out[:2], nn.CrossEntropyLoss(), out[2])
+    return engine, module, optimizer, criterion, data
+
+
+def _steps(model, x, y, mode, clips):
+    """Two private steps over all N examples (q = 1) in ``mode``: (the last step's norms, parameters after)."""
+    model = copy.deepcopy(model)
+    engine, module, optimizer, criterion, data = _private_step(model, x, y, mode, clips)
+    for _ in range(2):
+        for xb, yb in data:
+            optimizer.zero_grad()
+            criterion(module(xb), yb).backward()
+            optimizer.step()
+    order = np.argsort(engine.clipping.last_indices.numpy())
+    return engine.clipping.last_norms.numpy()[order], [p.detach().clone() for p in model.parameters()]
+
+
+def _exact_in_every_mode(model, x, y):
+    """bk against one backward pass per example (norms and clipped sum) and two steps of bk == of hooks
+    (``_check_equal``: norms and parameters); two steps of ghost == of hooks (the same seed draws the same
+    batches and noise)."""
+    _check_equal(model, x, y)
+    norms = per_example_grads(copy.deepcopy(model), x, y).norm(dim=1).numpy()
+    clips = np.where(np.arange(N) % 2 == 0, 0.3, 3.0) * norms
+    ghost_norms, ghost_params = _steps(model, x, y, "ghost", clips)
+    hooks_norms, hooks_params = _steps(model, x, y, "hooks", clips)
+    np.testing.assert_allclose(ghost_norms, hooks_norms, rtol=1e-10, atol=1e-12)
+    for a, b in zip(ghost_params, hooks_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_an_old_style_autograd_function_in_a_fallback_layer_is_exact_in_every_mode():
+    x, y = _data((4,))
+    _exact_in_every_mode(_model(_OldFunction), x, y)
+
+
+@pytest.mark.parametrize("part", ["whole", "slice"])
+def test_an_in_place_write_into_a_layer_output_is_exact_in_every_mode(part):
+    x, y = _data((5, 4))
+    _exact_in_every_mode(_model(lambda: _InPlace(part)), x, y)
+
+
+def test_a_masked_write_into_a_layer_output_on_a_padded_batch_is_exact_in_every_mode():
+    x, y = _data((5, 4))
+    assert 0 < int((x[..., 0] <= -0.5).sum()) < x[..., 0].numel()  # a padded batch: some positions masked
+    _exact_in_every_mode(_model(_Masked), x, y)
+    # the mask must be each example's own: a mask of the batch reversed mixes examples, refused by provenance
+    flipped = _model(lambda: _Masked(flip=True))
+    _, module, _, _, data = _private_step(flipped, x, y, "bk")
+    xb, _ = next(iter(data))
+    with pytest.raises(RefusedRows, match="__setitem__"):
+        module(xb)
+
+
+# --- the net: the machinery's failures are refusals, the model's own errors are not ----------------
+def _train_one_step(mode, model=None):
+    """(engine, model, the error one private step raised or None, parameters before)."""
+    model = model if model is not None else _model(lambda: _InPlace("whole"))
+    x, y = _data((5, 4))
+    engine, module, optimizer, criterion, data = _private_step(model, x, y, mode)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        for xb, yb in data:
+            optimizer.zero_grad()
+            criterion(module(xb), yb).backward()
+            optimizer.step()
+    except Exception as exc:  # the test inspects it
+        return engine, model, exc, before
+    return engine, model, None, before
+
+
+def _nothing_released(engine, model, before):
+    """A refused step drew no noise and charged nothing: the parameters are as they were, no step counted."""
+    assert engine.steps == 0
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a.detach(), b)
+
+
+def _boom(*_args, **_kwargs):
+    raise IndexError("boom in the machinery")
+
+
+@pytest.mark.parametrize(
+    ("mode", "patch", "where"),
+    [
+        (
+            "bk",
+            lambda mp: mp.setattr("idpsgd.engine.bk.keeper._Layer.record", _boom),
+            "layer 'b' (Linear), its backward",
+        ),
+        ("bk", lambda mp: mp.setattr("idpsgd.engine.bk.provenance.ProvenanceMode._propagate", _boom), "layer"),
+        ("bk", lambda mp: mp.setattr("idpsgd.engine.bk.keeper.BookKeeper.norms", _boom), "per-example norm pass"),
+        ("hooks", lambda mp: mp.setitem(GradSampleModule.GRAD_SAMPLERS, nn.Linear, _boom), "layer 'b' (Linear)"),
+        (
+            "ghost",
+            lambda mp: mp.setitem(GradSampleModuleFastGradientClipping.NORM_SAMPLERS, nn.Linear, _boom),
+            "layer 'b' (Linear)",
+        ),
+    ],
+    ids=["bk-backward", "bk-provenance", "bk-norms", "hooks-grad-sampler", "ghost-norm-sampler"],
+)
+def test_a_failure_inside_the_machinery_is_a_one_line_refusal_before_anything_is_released(
+    monkeypatch, mode, patch, where
+):
+    patch(monkeypatch)
+    engine, model, exc, before = _train_one_step(mode)
+    assert isinstance(exc, MachineryRefusal), repr(exc)
+    text = str(exc)
+    assert "\n" not in text and where in text and "IndexError: boom in the machinery" in text
+    assert text.startswith(f"grad_sample_mode={mode!r}: the engine's per-example machinery failed at")
+    _nothing_released(engine, model, before)
+
+
+def test_a_forward_failure_of_the_machinery_names_the_models_line(monkeypatch):
+    monkeypatch.setattr("idpsgd.engine.bk.provenance.ProvenanceMode._propagate", _boom)
+    _, _, exc, _ = _train_one_step("bk")
+    assert isinstance(exc, MachineryRefusal)
+    assert "test_never_crash.py:" in str(exc)  # the model's own line where the machinery failed
+
+
+class _Broken(nn.Module):
+    """A model with a bug of its own, once ``broken`` is set: a shape mismatch in its forward, with or without
+    privacy (set after the first step: the batch-independence check runs the model at its first forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.b, self.broken = nn.Linear(4, 6), nn.Linear(6, 3), False
+
+    def forward(self, x):
+        h = self.q(x)
+        if self.broken:
+            h = torch.cat([h, torch.ones(2, 6, dtype=x.dtype)], dim=1)
+        return self.b(h).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
+def test_an_error_the_model_raises_on_its_own_is_not_relabelled(mode):
+    model = _model(_Broken)
+    x, y = _data((5, 4))
+    engine, module, optimizer, criterion, data = _private_step(model, x, y, mode)
+    for xb, yb in data:  # one step that works
+        optimizer.zero_grad()
+        criterion(module(xb), yb).backward()
+        optimizer.step()
+    model.broken = True
+    alone_model = _model(_Broken)
+    alone_model.broken = True
+    with pytest.raises(RuntimeError) as alone:
+        alone_model(x)  # the model alone, without the engine
+    before = [p.detach().clone() for p in model.parameters()]
+    for xb, yb in data:
+        optimizer.zero_grad()
+        with pytest.raises(RuntimeError) as private:
+            criterion(module(xb), yb).backward()
+    assert type(private.value) is type(alone.value) and str(private.value) == str(alone.value)
+    assert engine.steps == 1
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a.detach(), b)
+
+
+def test_the_cli_turns_the_refusal_into_exit_2_with_one_line(monkeypatch, capsys):
+    import importlib
+
+    cli = importlib.import_module("idpsgd.cli.main")
+    from idpsgd.cli.registry import COMMANDS
+
+    cli.build_parser()  # registers the commands
+    help_text, add, _run = COMMANDS["demo"]
+
+    def run(_args):
+        raise MachineryRefusal("grad_sample_mode='bk': the engine's per-example machinery failed at layer 'x'")
+
+    monkeypatch.setitem(COMMANDS, "demo", (help_text, add, run))
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err == "idpsgd demo: error: grad_sample_mode='bk': the engine's per-example machinery failed at layer 'x'\n"
