@@ -100,6 +100,19 @@ class _Masked(nn.Module):
         return self.b(torch.tanh(h)).mean(1)
 
 
+class _InPlaceFallback(nn.Module):
+    """An in-place write into the output of a layer bk takes from Opacus's grad sampler (Conv3d: no bk rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.b = nn.Conv3d(1, 2, 2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h[:, :1] *= 0.5
+        return self.b(torch.tanh(h).flatten(1))
+
+
 def _model(make):
     torch.manual_seed(0)
     return make().double()
@@ -162,6 +175,11 @@ def test_an_old_style_autograd_function_in_a_fallback_layer_is_exact_in_every_mo
 def test_an_in_place_write_into_a_layer_output_is_exact_in_every_mode(part):
     x, y = _data((5, 4))
     _exact_in_every_mode(_model(lambda: _InPlace(part)), x, y)
+
+
+def test_an_in_place_write_into_a_grad_sampler_layers_output_is_exact_in_every_mode():
+    x, y = _data((1, 2, 3, 3))
+    _exact_in_every_mode(_model(_InPlaceFallback), x, y)
 
 
 def test_a_masked_write_into_a_layer_output_on_a_padded_batch_is_exact_in_every_mode():

@@ -59,7 +59,7 @@ class _TolerantFunctorch:
         return tuple(grads[n] for n in names)
 
 
-def _own_output(output):
+def own_output(output):
     """(the layer's output, its first tensor that requires a gradient), that tensor a copy when it is a view
     (``F.linear`` with a bias on (B, T, d): a view of its (B·T, p) result): a hook on a view does not fire
     after the view is written in place (autograd rebases the view onto its base), a copy's does.  Only a
@@ -117,7 +117,7 @@ class OutputHooks:
             self.capture_activations_hook(module, inputs, output)
         if not torch.is_grad_enabled():
             return None
-        output, out = _own_output(output)
+        output, out = own_output(output)
         if out is not None:
             out.register_hook(
                 partial(self._backward_hook, module, loss_reduction=loss_reduction, batch_first=batch_first)
@@ -159,4 +159,4 @@ class IndividualizedGradSampleHooks(OutputHooks, GradSampleHooks):
         return "functorch" if self.force_functorch else "hooks"
 
 
-__all__ = ["IndividualizedGradSampleHooks", "IndividualizedGradSampleModule", "OutputHooks"]
+__all__ = ["IndividualizedGradSampleHooks", "IndividualizedGradSampleModule", "OutputHooks", "own_output"]

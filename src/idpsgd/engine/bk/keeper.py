@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...validation import InvalidParameterError
 from ..machinery import forward_net, guard
+from ..output_hooks import own_output
 from ..per_example_autograd import functorch_refuses, per_example_autograd
 from . import provenance
 from .rules import Rule, acc, add_into, routed_rule, rule_for
@@ -381,8 +382,6 @@ class _FallbackUnit:
         if whole:
             module.forward = _FallbackForward(self)
         self.handles = [module.register_forward_hook(self._capture, with_kwargs=True)]
-        if not whole:  # Opacus's grad sampler: its module's full backward hook, as Opacus
-            self.handles.append(module.register_full_backward_hook(self._backward))
         self.clear()
 
     def clear(self) -> None:
@@ -432,11 +431,14 @@ class _FallbackUnit:
                 )
             else:
                 self.eval_forwards += 1
-            if self.whole:  # the output's gradient, by a hook on the output tensor (no module backward hook,
-                # which an in-place operation on the output, or an output shared by the batch, breaks)
-                out = next((t for t in tree_flatten(_output)[0] if torch.is_tensor(t) and t.requires_grad), None)
-                if out is not None:
-                    out.register_hook(lambda g: self._backward(module, None, (g,)))
+            # the output's gradient, by a hook on the output tensor (no module backward hook, which an in-place
+            # operation on the output, or an output shared by the batch, breaks; a view output copied, whose
+            # hook an in-place write would skip: .output_hooks)
+            _output, out = own_output(_output)
+            if out is not None:
+                out.register_hook(lambda g: self._backward(module, None, (g,)))
+            return _output
+        return None
 
     def _backward(self, module, _grad_input, grad_output):
         with guard(lambda: f"layer {self.name!r} ({type(module).__name__}, a fallback), its per-sample gradient", "bk"):
