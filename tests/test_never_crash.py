@@ -113,6 +113,18 @@ class _InPlaceFallback(nn.Module):
         return self.b(torch.tanh(h).flatten(1))
 
 
+class _TiedLM(nn.Module):
+    """Input and output embeddings tied (GPT-2, T5, ALBERT): one parameter in two layers."""
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.emb, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.emb(ids)))).mean(1)
+
+
 def _model(make):
     torch.manual_seed(0)
     return make().double()
@@ -180,6 +192,13 @@ def test_an_in_place_write_into_a_layer_output_is_exact_in_every_mode(part):
 def test_an_in_place_write_into_a_grad_sampler_layers_output_is_exact_in_every_mode():
     x, y = _data((1, 2, 3, 3))
     _exact_in_every_mode(_model(_InPlaceFallback), x, y)
+
+
+def test_ghost_clipping_trains_tied_embeddings_exactly():
+    """Opacus refuses parameter tying under ghost clipping (a NotImplementedError that escaped as a crash on
+    every model with tied embeddings); the tied layers take the per-sample-gradient path instead."""
+    x, y = _data((5,), classes=11, ids=11)
+    _exact_in_every_mode(_model(_TiedLM), x, y)
 
 
 def test_a_masked_write_into_a_layer_output_on_a_padded_batch_is_exact_in_every_mode():
@@ -258,6 +277,26 @@ def test_a_forward_failure_of_the_machinery_names_the_models_line(monkeypatch):
     _, _, exc, _ = _train_one_step("bk")
     assert isinstance(exc, MachineryRefusal)
     assert "test_never_crash.py:" in str(exc)  # the model's own line where the machinery failed
+
+
+class _Reused(nn.Module):
+    """One Linear called twice in a forward: ghost clipping's norm of one use would miss the cross term."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.lin(torch.tanh(self.lin(x))))).mean(1)
+
+
+def test_an_error_opacus_raises_on_purpose_inside_the_machinery_is_a_refusal_of_both_classes():
+    """Opacus's NotImplementedError for a layer reused under ghost clipping escaped as a crash; it is the
+    engine's refusal now, naming the layer, and still a NotImplementedError for code written for Opacus."""
+    engine, model, exc, before = _train_one_step("ghost", _model(_Reused))
+    assert isinstance(exc, MachineryRefusal) and isinstance(exc, NotImplementedError), repr(exc)
+    assert "layer 'lin' (Linear)" in str(exc) and "NotImplementedError: Parameter tying" in str(exc)
+    _nothing_released(engine, model, before)
 
 
 class _Broken(nn.Module):

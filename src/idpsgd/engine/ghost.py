@@ -9,12 +9,15 @@ user level the per-user norms of the summed gradients are taken instead (:mod:`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.utils.module_utils import trainable_parameters
 
 from .clipping import PerExampleClipping
-from .machinery import forward_net
+from .machinery import forward_net, guard
 from .output_hooks import OutputHooks
 from .units import UnitClipping, ghost_capture
 
@@ -29,8 +32,35 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
     #: the phase's :class:`~.decomposition.DecompositionCheck` (each layer's own gradient sum, first pass)
     decomposition = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        owners: dict = {}  # the layers that share a trainable parameter with another (tied embeddings)
+        for m in self.iterate_submodules(self._module):
+            for _, p in trainable_parameters(m):
+                owners.setdefault(id(p), set()).add(id(m))
+        self._tied_layers = {m for ms in owners.values() if len(ms) > 1 for m in ms}
+
+    def _tied(self, module) -> bool:
+        return id(module) in self._tied_layers
+
+    @contextlib.contextmanager
+    def _per_sample_if_tied(self, module):
+        """A layer that shares a parameter with another takes Opacus's per-sample-gradient path (fast gradient
+        clipping: each use's per-sample gradients summed over the layers, the norm taken once both are in —
+        exact), not the ghost norm of one use, which misses the other's (Opacus refuses it: "Parameter tying
+        is not supported with Ghost Clipping")."""
+        if not (self.use_ghost_clipping and self._tied(module)):
+            yield
+            return
+        self.use_ghost_clipping = False
+        try:
+            yield
+        finally:
+            self.use_ghost_clipping = True
+
     def capture_activations_hook(self, module, forward_input, _forward_output):
-        super().capture_activations_hook(module, forward_input, _forward_output)
+        with self._per_sample_if_tied(module):
+            super().capture_activations_hook(module, forward_input, _forward_output)
         check = self.decomposition
         if check is not None and check.due and self.hooks_enabled and module.training and torch.is_grad_enabled():
             check.open_pass(self.trainable_parameters)
@@ -53,7 +83,8 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
         return activations, backprops
 
     def get_clipping_coef(self) -> torch.Tensor:
-        norms = self.get_norm_sample()
+        with guard("ghost clipping's per-example norms (every parameter's, stacked)", self.mode_name):
+            norms = self.get_norm_sample()
         if self.clipping is None:
             raise RuntimeError(
                 "IndividualizedGhostModule has no per-example clip norms: use it through "
@@ -74,7 +105,10 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
 
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
         if not isinstance(self.clipping, UnitClipping):
-            return super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
+            with self._per_sample_if_tied(module):
+                return super().capture_backprops_hook(
+                    module, _forward_input, forward_output, loss_reduction, batch_first
+                )
         if not self.hooks_enabled:
             return
         # user level (engine/units.py): per-user norms of the summed gradients, never ghost per-row norms

@@ -14,8 +14,10 @@ Two directions are kept apart:
   :func:`forward_net` runs the same forward again without the engine (its interception off); if that
   raises too, the original error propagates unchanged;
 * the engine's refusals (:class:`~idpsgd.validation.InvalidParameterError`, provenance's
-  ``RefusedRows``, this class) and the errors idpsgd or Opacus raise on purpose with a message for the
-  user pass as they are (a plain ``RuntimeError`` of idpsgd's own becomes this class, its message unchanged).
+  ``RefusedRows``, this class) and the errors idpsgd raises on purpose with a message for the user pass as
+  they are (a plain ``RuntimeError`` of idpsgd's own becomes this class, its message unchanged); an error
+  Opacus raises on purpose inside the machinery (``NotImplementedError``: parameter tying under ghost
+  clipping, a layer reused) becomes this class *and* stays an instance of its own class.
 
 All of this happens in the forward, the backward or before the noise of ``optimizer.step()``: a refused
 step draws no noise and charges nothing, as every other refusal before the noise (``docs/inside-the-engine.md``).
@@ -105,12 +107,29 @@ def module_names(model) -> dict:
     return {id(m): (n or type(m).__name__) for n, m in model.named_modules()}
 
 
+_ALSO: dict = {}
+
+
+def _also(original: type) -> type:
+    """:class:`MachineryRefusal` that is also an ``original`` (an error class Opacus raises on purpose, e.g.
+    ``NotImplementedError``: code written for Opacus catches it as before), where the two classes combine."""
+    cls = _ALSO.get(original)
+    if cls is None:
+        try:
+            cls = type("MachineryRefusal", (MachineryRefusal, original), {"__module__": __name__})
+        except TypeError:  # an incompatible layout (AttributeError's name and obj)
+            cls = MachineryRefusal
+        _ALSO[original] = cls
+    return cls
+
+
 def refusal(exc: BaseException, where: str, mode: str) -> MachineryRefusal:
     """``exc`` as the engine's refusal: one line naming ``where`` (a layer, an operation) and the original error."""
     if _deliberate(exc) and type(exc) is RuntimeError:  # idpsgd's own reason: kept word for word
         return MachineryRefusal(str(exc))
     first = (str(exc).strip().splitlines() or [""])[0]
-    return MachineryRefusal(
+    cls = _also(type(exc)) if _deliberate(exc, _OPACUS) else MachineryRefusal
+    return cls(
         f"grad_sample_mode={mode!r}: the engine's per-example machinery failed at {where}: "
         f"{type(exc).__name__}: {first} — refused (the model runs without the engine there); another "
         "grad_sample_mode may cover it"
@@ -118,12 +137,9 @@ def refusal(exc: BaseException, where: str, mode: str) -> MachineryRefusal:
 
 
 def passes(exc: BaseException) -> bool:
-    """Whether ``exc`` propagates as it is: a refusal already, an error idpsgd raised on purpose that is not a
-    plain ``RuntimeError``, or one Opacus raised on purpose (its refusals, e.g. parameter tying under ghost
-    clipping: the harness of Opacus's own tests matches them)."""
-    if isinstance(exc, REFUSALS) or (_deliberate(exc) and type(exc) is not RuntimeError):
-        return True
-    return _deliberate(exc, _OPACUS) and not _deliberate(exc)
+    """Whether ``exc`` propagates as it is: a refusal already, or an error idpsgd raised on purpose that is not a
+    plain ``RuntimeError`` (a ``ValueError`` for a misuse, e.g. two backward passes before a step)."""
+    return isinstance(exc, REFUSALS) or (_deliberate(exc) and type(exc) is not RuntimeError)
 
 
 @contextlib.contextmanager
