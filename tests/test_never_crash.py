@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from idpsgd.engine import IndividualizedPrivacyEngine
 from idpsgd.engine.bk.provenance import RefusedRows
 from idpsgd.engine.machinery import MachineryRefusal
+from idpsgd.engine.opacus_compat import UnsupportedModuleError
 from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data
 
@@ -277,6 +278,37 @@ def test_a_forward_failure_of_the_machinery_names_the_models_line(monkeypatch):
     _, _, exc, _ = _train_one_step("bk")
     assert isinstance(exc, MachineryRefusal)
     assert "test_never_crash.py:" in str(exc)  # the model's own line where the machinery failed
+
+
+class _ActWithBuffer(nn.Module):
+    """A trainable activation with a constant buffer (transformers' XIELU: its parameters and an eps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(1))
+        self.register_buffer("eps", torch.tensor(1e-3))
+
+    def forward(self, x):
+        return torch.tanh(x * self.a + self.eps)
+
+
+class _Buffered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.b = nn.Linear(4, 5), _ActWithBuffer(), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(self.act(self.lin(x)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_a_trainable_layer_with_buffers_is_refused_at_make_private_in_opacus_modes(mode):
+    """Opacus's NotImplementedError ("Model contains a trainable layer with buffers") escaped make_private as
+    a crash; it is a refusal naming the layer and the mode that trains it (bk: exact, below)."""
+    x, y = _data((4,))
+    with pytest.raises(UnsupportedModuleError, match=r"layer 'act' \(_ActWithBuffer\).*grad_sample_mode='bk'"):
+        _private_step(_model(_Buffered), x, y, mode)
+    _check_equal(_model(_Buffered), x, y, opacus=False)
 
 
 class _Reused(nn.Module):

@@ -26,10 +26,12 @@ import torch
 from opacus.grad_sample import GradSampleHooks, GradSampleModule
 from opacus.grad_sample.functorch import prepare_layer
 from opacus.layers import DPGRU, DPLSTM, DPRNN
+from opacus.utils.module_utils import trainable_modules
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
 from .machinery import forward_net, guard, module_names
+from .opacus_compat import UnsupportedModuleError
 from .per_example_autograd import functorch_refuses, per_example_autograd
 
 
@@ -139,6 +141,20 @@ class OutputHooks:
             self.hooks_enabled = enabled
 
 
+def check_buffers(module: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a trainable layer with buffers in a mode on Opacus's hooks: Opacus's
+    per-sample gradients do not support one (its functional copy of the layer drops the buffers) and its
+    ``NotImplementedError`` escaped ``make_private`` as a crash (transformers' XIELU activation)."""
+    for name, m in trainable_modules(module):
+        if any(True for _ in m.buffers()):
+            raise UnsupportedModuleError(
+                "module",
+                f"layer {name!r} ({type(m).__name__}) with trainable parameters and buffers",
+                "Opacus's per-sample gradients (grad_sample_mode 'hooks', 'functorch', 'ghost') do not support a "
+                "trainable layer with buffers; use grad_sample_mode='bk', or freeze the layer",
+            )
+
+
 class IndividualizedGradSampleModule(OutputHooks, GradSampleModule):
     """Opacus's ``GradSampleModule`` (``grad_sample_mode`` ``hooks`` and ``functorch``) with :class:`OutputHooks`
     and its forward netted (:func:`~.machinery.forward_net`)."""
@@ -159,4 +175,10 @@ class IndividualizedGradSampleHooks(OutputHooks, GradSampleHooks):
         return "functorch" if self.force_functorch else "hooks"
 
 
-__all__ = ["IndividualizedGradSampleHooks", "IndividualizedGradSampleModule", "OutputHooks", "own_output"]
+__all__ = [
+    "IndividualizedGradSampleHooks",
+    "IndividualizedGradSampleModule",
+    "OutputHooks",
+    "check_buffers",
+    "own_output",
+]

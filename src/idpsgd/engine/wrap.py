@@ -21,6 +21,7 @@ from .clipping import PerExampleClipping
 from .integrity import check_static_writes
 from .modes import mode
 from .opacus_compat import WRAP, refuse_opacus_options, validate_module
+from .output_hooks import OutputHooks, check_buffers
 from .unwrap import raw_module  # re-exported: its home is engine/unwrap.py
 
 
@@ -75,6 +76,8 @@ def check_wrappable(
             )
         return
     validate_module(module, first_with_fix=True)
+    if issubclass(record.wrapper, OutputHooks):
+        check_buffers(raw_module(module))  # Opacus's NotImplementedError for a trainable layer with buffers
     if record.book_keeping:
         plan_layers(raw_module(module))
 
