@@ -215,10 +215,10 @@ def test_a_masked_write_into_a_layer_output_on_a_padded_batch_is_exact_in_every_
 
 
 # --- the net: the machinery's failures are refusals, the model's own errors are not ----------------
-def _train_one_step(mode, model=None):
+def _train_one_step(mode, model=None, x=None):
     """(engine, model, the error one private step raised or None, parameters before)."""
     model = model if model is not None else _model(lambda: _InPlace("whole"))
-    x, y = _data((5, 4))
+    x, y = _data((5, 4)) if x is None else x
     engine, module, optimizer, criterion, data = _private_step(model, x, y, mode)
     before = [p.detach().clone() for p in model.parameters()]
     try:
@@ -309,6 +309,32 @@ def test_a_trainable_layer_with_buffers_is_refused_at_make_private_in_opacus_mod
     with pytest.raises(UnsupportedModuleError, match=r"layer 'act' \(_ActWithBuffer\).*grad_sample_mode='bk'"):
         _private_step(_model(_Buffered), x, y, mode)
     _check_equal(_model(_Buffered), x, y, opacus=False)
+
+
+class _Positions(nn.Module):
+    """Token and position embeddings, the positions looked up with ids of shape (1, T) (GPT-2, BERT)."""
+
+    def __init__(self, vocab=11, dim=6, length=8):
+        super().__init__()
+        self.tok, self.pos, self.out = nn.Embedding(vocab, dim), nn.Embedding(length, dim), nn.Linear(dim, 3)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        return self.out(torch.tanh(self.tok(ids) + self.pos(positions))).mean(1)
+
+
+def test_ghost_refuses_a_layer_shared_by_the_batch_with_a_reason_not_a_stack_error():
+    """A position embedding looked up with (1, T) ids gets one row of norms (its output is shared by the batch):
+    ghost clipping crashed stacking the norms ("stack expects each tensor to be equal size"); refused now,
+    naming the parameter, as hooks refuses it (BatchMismatchError).  bk attributes it exactly."""
+    from idpsgd.engine.sampler import BatchMismatchError
+
+    engine, model, exc, before = _train_one_step("ghost", _model(_Positions), _data((5,), ids=11))
+    assert isinstance(exc, BatchMismatchError), repr(exc)
+    assert "pos.weight" in str(exc) and "grad_sample_mode='bk'" in str(exc)
+    _nothing_released(engine, model, before)
+    x, y = _data((5,), ids=11)
+    _check_equal(_model(_Positions), x, y, opacus=False)
 
 
 class _Reused(nn.Module):

@@ -19,6 +19,7 @@ from opacus.utils.module_utils import trainable_parameters
 from .clipping import PerExampleClipping
 from .machinery import forward_net, guard
 from .output_hooks import OutputHooks
+from .sampler import BatchMismatchError
 from .units import UnitClipping, ghost_capture
 
 
@@ -82,7 +83,26 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
             self.decomposition.add_layer(module, activations, backprops, n, ghost, sampler)
         return activations, backprops
 
+    def _check_norm_rows(self) -> None:
+        """Every parameter's per-example norms have one row per example: a layer whose output is shared by the
+        batch (an Embedding looked up with position ids of shape (1, T)) gets one row, its gradient summed over
+        the examples (not attributable through its output); refused before the second pass, naming it."""
+        rows: dict = {}
+        for name, p in trainable_parameters(self._module):
+            norms = getattr(p, "_norm_sample", None)
+            if norms is not None:
+                rows.setdefault(int(norms.shape[0]), name)
+        if len(rows) > 1:
+            names = sorted(rows.values())
+            raise BatchMismatchError(
+                f"the parameters' per-example norms differ in their number of rows ({', '.join(names)}: the counts "
+                "are private, not shown): a layer whose input has no batch dimension (position ids of shape (1, T), "
+                "a table looked up by an index of no example) gets the gradient of the whole batch, which ghost "
+                "clipping's hooks cannot attribute to the examples; use grad_sample_mode='bk'; the step was not taken"
+            )
+
     def get_clipping_coef(self) -> torch.Tensor:
+        self._check_norm_rows()
         with guard("ghost clipping's per-example norms (every parameter's, stacked)", self.mode_name):
             norms = self.get_norm_sample()
         if self.clipping is None:
