@@ -337,6 +337,26 @@ def test_ghost_refuses_a_layer_shared_by_the_batch_with_a_reason_not_a_stack_err
     _check_equal(_model(_Positions), x, y, opacus=False)
 
 
+class _TokenTypes(nn.Module):
+    """Token type ids from a (1, T) buffer expanded to the batch (BERT): a stride-0 index."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.typ, self.out = nn.Embedding(11, 6), nn.Embedding(2, 6), nn.Linear(6, 3)
+        self.register_buffer("types", torch.zeros(1, 5, dtype=torch.long))
+
+    def forward(self, ids):
+        types = self.types[:, : ids.shape[1]].expand(ids.shape[0], -1)
+        return self.out(torch.tanh(self.tok(ids) + self.typ(types))).mean(1)
+
+
+def test_an_index_expanded_to_the_batch_is_exact_in_every_mode():
+    """Opacus's ghost norm of an Embedding views its index: a stride-0 (expanded) one crashed it ("view size is
+    not compatible with input tensor's size and stride", BERT's token type ids)."""
+    x, y = _data((5,), ids=11)
+    _exact_in_every_mode(_model(_TokenTypes), x, y)
+
+
 class _Reused(nn.Module):
     """One Linear called twice in a forward: ghost clipping's norm of one use would miss the cross term."""
 

@@ -115,6 +115,9 @@ class OutputHooks:
         return f"layer {self._layer_names.get(id(module), type(module).__name__)!r} ({type(module).__name__})"
 
     def _forward_hook(self, module, inputs, output, *, loss_reduction, batch_first):
+        # an index broadcast to the batch (BERT's token type ids: a (1, T) buffer expanded) kept contiguous:
+        # Opacus's Embedding samplers view it (a copy of an integer index only where it is not contiguous)
+        inputs = tuple(t.contiguous() if torch.is_tensor(t) and not t.is_floating_point() else t for t in inputs)
         with guard(lambda: self._where(module), self.mode_name):
             self.capture_activations_hook(module, inputs, output)
         if not torch.is_grad_enabled():
