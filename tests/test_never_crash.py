@@ -433,3 +433,43 @@ def test_the_cli_turns_the_refusal_into_exit_2_with_one_line(monkeypatch, capsys
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
     assert err == "idpsgd demo: error: grad_sample_mode='bk': the engine's per-example machinery failed at layer 'x'\n"
+
+
+# --- more mechanisms of the survey by enumeration ---------------------------------------------------
+class _Unused(nn.Module):
+    """A layer the forward never calls (a decoder's cross-attention without an encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.spare, self.b = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.lin(x))).mean(1)
+
+
+class _KeywordsOnly(nn.Module):
+    """A layer called with keyword arguments only: Opacus's hooks saw no input (IndexError)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(input=torch.tanh(self.lin(input=x))).mean(1)
+
+
+def test_an_unused_layer_is_exact_in_ghost_with_a_zero_norm():
+    """Ghost clipping crashed on a parameter its first backward pass never reached ('Parameter' object has no
+    attribute '_norm_sample'); its per-example gradient is 0."""
+    x, y = _data((5, 4))
+    clips = np.full(N, 0.5)
+    ghost_norms, ghost_params = _steps(_model(_Unused), x, y, "ghost", clips)
+    bk_norms, bk_params = _steps(_model(_Unused), x, y, "bk", clips)
+    np.testing.assert_allclose(ghost_norms, bk_norms, rtol=1e-10, atol=1e-12)
+    for a, b in zip(ghost_params, bk_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_layer_called_with_keyword_arguments_only_is_exact_in_every_mode():
+    x, y = _data((5, 4))
+    _exact_in_every_mode(_model(_KeywordsOnly), x, y)

@@ -10,6 +10,7 @@ user level the per-user norms of the summed gradients are taken instead (:mod:`.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -40,6 +41,13 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
             for _, p in trainable_parameters(m):
                 owners.setdefault(id(p), set()).add(id(m))
         self._tied_layers = {m for ms in owners.values() if len(ms) > 1 for m in ms}
+        self._reached: set = set()  # the trainable parameters the first backward pass reached (_check_norm_rows)
+        for p in self.trainable_parameters:
+            self.autograd_grad_sample_hooks.append(p.register_hook(partial(self._reach, id(p))))
+
+    def _reach(self, key, grad):
+        if self.hooks_enabled:  # the first backward pass (Opacus's loss wrapper disables hooks for the second)
+            self._reached.add(key)
 
     def _tied(self, module) -> bool:
         return id(module) in self._tied_layers
@@ -83,15 +91,32 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
             self.decomposition.add_layer(module, activations, backprops, n, ghost, sampler)
         return activations, backprops
 
-    def _check_norm_rows(self) -> None:
+    def _check_norm_rows(self) -> None:  # (not FSDP2's, .fsdp: its norms live on the unsharded tensors)
         """Every parameter's per-example norms have one row per example: a layer whose output is shared by the
         batch (an Embedding looked up with position ids of shape (1, T)) gets one row, its gradient summed over
-        the examples (not attributable through its output); refused before the second pass, naming it."""
+        the examples (not attributable through its output); refused before the second pass, naming it.  A
+        parameter the first backward pass did not reach at all (no gradient: unused by this model's forward, a
+        decoder's cross-attention without an encoder) has per-example gradient 0: its norms are zeros (Opacus
+        crashed on it); one that got a gradient but no norms (used outside its layer) is refused.  Which
+        parameters the pass reached is recorded by a hook on each (``_reach``)."""
         rows: dict = {}
+        unreached, missing = [], []
         for name, p in trainable_parameters(self._module):
             norms = getattr(p, "_norm_sample", None)
             if norms is not None:
                 rows.setdefault(int(norms.shape[0]), name)
+            else:
+                (missing if id(p) in self._reached else unreached).append((name, p))
+        if missing:
+            raise BatchMismatchError(
+                f"parameter(s) {', '.join(n for n, _ in missing)} received a gradient but no per-example norms in "
+                "the first backward pass (used outside the layer that owns them): ghost clipping cannot bound "
+                "them; use grad_sample_mode='bk'; the step was not taken"
+            )
+        if unreached and len(rows) == 1:
+            n = next(iter(rows))
+            for _, p in unreached:
+                p._norm_sample = torch.zeros(n, dtype=p.dtype, device=p.device)
         if len(rows) > 1:
             names = sorted(rows.values())
             raise BatchMismatchError(
@@ -102,9 +127,15 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
             )
 
     def get_clipping_coef(self) -> torch.Tensor:
-        self._check_norm_rows()
+        per_row = self.output_hooks and not isinstance(self.clipping, UnitClipping)
+        if per_row:
+            self._check_norm_rows()
         with guard("ghost clipping's per-example norms (every parameter's, stacked)", self.mode_name):
             norms = self.get_norm_sample()
+        if per_row:  # this pass's norms are used: a parameter the next pass does not reach must not reuse them
+            for p in self.trainable_parameters:
+                p._norm_sample = None
+            self._reached = set()
         if self.clipping is None:
             raise RuntimeError(
                 "IndividualizedGhostModule has no per-example clip norms: use it through "

@@ -20,6 +20,7 @@ A layer whose per-example gradients come from ``torch.func`` and whose forward u
 from __future__ import annotations
 
 import contextlib
+import inspect
 from functools import partial
 
 import torch
@@ -59,6 +60,13 @@ class _TolerantFunctorch:
 
         grads = per_example_autograd(loss_of, dict(zip(names, parameters, strict=True)), int(activations.shape[0]))
         return tuple(grads[n] for n in names)
+
+
+def _in_order(module, kwargs) -> tuple:
+    """The tensors of a call made with keyword arguments only, in the order of the layer's ``forward`` signature."""
+    names = list(inspect.signature(module.forward).parameters)
+    ordered = sorted(kwargs.items(), key=lambda kv: names.index(kv[0]) if kv[0] in names else len(names))
+    return tuple(v for _, v in ordered if torch.is_tensor(v))
 
 
 def own_output(output):
@@ -108,13 +116,15 @@ class OutputHooks:
                 prepare_layer(module, batch_first=batch_first)
                 module.ft_compute_sample_grad = _TolerantFunctorch(module, module.ft_compute_sample_grad)
             hook = partial(self._forward_hook, loss_reduction=loss_reduction, batch_first=batch_first)
-            self.autograd_grad_sample_hooks.append(module.register_forward_hook(hook))
+            self.autograd_grad_sample_hooks.append(module.register_forward_hook(hook, with_kwargs=True))
         self.enable_hooks()
 
     def _where(self, module) -> str:
         return f"layer {self._layer_names.get(id(module), type(module).__name__)!r} ({type(module).__name__})"
 
-    def _forward_hook(self, module, inputs, output, *, loss_reduction, batch_first):
+    def _forward_hook(self, module, inputs, kwargs, output, *, loss_reduction, batch_first):
+        if not inputs and kwargs:  # a layer called with keyword arguments only (self.proj(input=x)): Opacus reads
+            inputs = _in_order(module, kwargs)  # its inputs positionally (an IndexError on none)
         # an index broadcast to the batch (BERT's token type ids: a (1, T) buffer expanded) kept contiguous:
         # Opacus's Embedding samplers view it (a copy of an integer index only where it is not contiguous)
         inputs = tuple(t.contiguous() if torch.is_tensor(t) and not t.is_floating_point() else t for t in inputs)

@@ -124,9 +124,14 @@ class _BookKeptForward:
     def __init__(self, layer: _Layer):
         self.layer = layer
 
-    def __call__(self, x, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         layer = self.layer
         module = layer.module
+        if not args and len(kwargs) == 1:  # the layer's one input by keyword (self.proj(input=x))
+            args, kwargs = tuple(kwargs.values()), {}
+        if not args:
+            return type(module).forward(module, **kwargs)
+        x, args = args[0], args[1:]
         if args or kwargs or not (layer.keeper.active and torch.is_grad_enabled()):
             return type(module).forward(module, x, *args, **kwargs)
         mode = provenance.current()
