@@ -142,16 +142,24 @@ def passes(exc: BaseException) -> bool:
     return isinstance(exc, REFUSALS) or (_deliberate(exc) and type(exc) is not RuntimeError)
 
 
-@contextlib.contextmanager
-def guard(where, mode: str):
+class guard:  # lower case: used as a function, ``with guard(where, mode):``
     """Code of the engine's own machinery (a backward rule, a grad sampler, a norm pass): any error that is not
-    already a refusal becomes :class:`MachineryRefusal` naming ``where`` (a string, or a callable giving it)."""
-    try:
-        yield
-    except Exception as exc:
-        if passes(exc):
-            raise
-        raise refusal(exc, where() if callable(where) else where, mode) from exc
+    already a refusal becomes :class:`MachineryRefusal` naming ``where`` (a string, or a callable giving it).
+    A plain class, not ``contextlib.contextmanager``: it wraps every book-kept layer's backward (~0.3 µs)."""
+
+    __slots__ = ("mode", "where")
+
+    def __init__(self, where, mode: str):
+        self.where, self.mode = where, mode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, _type, exc, _tb):
+        if exc is None or not isinstance(exc, Exception) or passes(exc):
+            return False
+        where = self.where() if callable(self.where) else self.where
+        raise refusal(exc, where, self.mode) from exc
 
 
 def forward_net(call, plain, model, mode: str, args, kwargs):
