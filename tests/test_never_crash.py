@@ -473,3 +473,31 @@ def test_an_unused_layer_is_exact_in_ghost_with_a_zero_norm():
 def test_a_layer_called_with_keyword_arguments_only_is_exact_in_every_mode():
     x, y = _data((5, 4))
     _exact_in_every_mode(_model(_KeywordsOnly), x, y)
+
+
+class _Offset(nn.Embedding):
+    """A learned position embedding called with an int offset (BART's ``embed_positions(ids, past_length)``)."""
+
+    def forward(self, ids, offset):
+        return super().forward(ids + offset)
+
+
+class _WithOffset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos, self.out = _Offset(13, 6), nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.pos(ids, 2))).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_layer_called_with_a_python_number_is_refused_with_a_reason_in_opacus_modes(mode):
+    """Opacus's hooks crashed on a positional int ('int' object has no attribute 'detach'); a refusal naming the
+    layer and the argument now, before anything is released.  bk trains it exactly."""
+    x = _data((5,), ids=11)
+    engine, model, exc, before = _train_one_step(mode, _model(_WithOffset), x)
+    assert isinstance(exc, MachineryRefusal), repr(exc)
+    assert "layer 'pos' (_Offset) is called with a positional argument that is not a tensor (int)" in str(exc)
+    _nothing_released(engine, model, before)
+    _check_equal(_model(_WithOffset), *x, opacus=False)

@@ -31,7 +31,7 @@ from opacus.utils.module_utils import trainable_modules
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
-from .machinery import forward_net, guard, module_names
+from .machinery import MachineryRefusal, forward_net, guard, module_names
 from .opacus_compat import UnsupportedModuleError
 from .per_example_autograd import functorch_refuses, per_example_autograd
 
@@ -128,6 +128,14 @@ class OutputHooks:
         # an index broadcast to the batch (BERT's token type ids: a (1, T) buffer expanded) kept contiguous:
         # Opacus's Embedding samplers view it (a copy of an integer index only where it is not contiguous)
         inputs = tuple(t.contiguous() if torch.is_tensor(t) and not t.is_floating_point() else t for t in inputs)
+        other = next((a for a in inputs if not torch.is_tensor(a)), None)
+        if other is not None and self.hooks_enabled and torch.is_grad_enabled() and module.training:
+            raise MachineryRefusal(  # Opacus keeps the inputs as tensors ('int' object has no attribute 'detach')
+                f"grad_sample_mode={self.mode_name!r}: {self._where(module)} is called with a positional argument "
+                f"that is not a tensor ({type(other).__name__}): Opacus's per-sample gradients keep a layer's "
+                "positional inputs as tensors and re-run a layer no grad sampler covers on its first input only; "
+                "use grad_sample_mode='bk'"
+            )
         with guard(lambda: self._where(module), self.mode_name):
             self.capture_activations_hook(module, inputs, output)
         if not torch.is_grad_enabled():
