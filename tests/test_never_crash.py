@@ -501,3 +501,22 @@ def test_a_layer_called_with_a_python_number_is_refused_with_a_reason_in_opacus_
     assert "layer 'pos' (_Offset) is called with a positional argument that is not a tensor (int)" in str(exc)
     _nothing_released(engine, model, before)
     _check_equal(_model(_WithOffset), *x, opacus=False)
+
+
+class _ChannelsLast(nn.Module):
+    """ConvNeXt's block: a Linear on (B, H, W, C) rows (its pointwise convolutions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pw, self.b = nn.Conv2d(1, 4, 2), nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.pw(self.conv(x).permute(0, 2, 3, 1))
+        return self.b(torch.tanh(h).mean((1, 2)))
+
+
+def test_a_linear_on_four_dimensional_rows_is_exact_in_every_mode():
+    """Opacus's ghost norm of a Linear returns nothing for a (B, H, W, C) input: ghost clipping crashed
+    ('Parameter' object has no attribute '_norm_sample')."""
+    x, y = _data((1, 4, 4))
+    _exact_in_every_mode(_model(_ChannelsLast), x, y)

@@ -16,6 +16,7 @@ import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.utils.module_utils import trainable_parameters
+from torch import nn
 
 from .clipping import PerExampleClipping
 from .machinery import forward_net, guard
@@ -81,6 +82,11 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
         activations, backprops = super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
+        if type(module) is nn.Linear and backprops.dim() > 3:  # (B, H, W, C) rows: Opacus's ghost norm of a Linear
+            # covers (B, C) and (B, T, C) only and returns nothing else (ConvNeXt's pointwise layers): positions in one
+            a = activations[0]
+            activations = [a.reshape(a.shape[0], -1, a.shape[-1]), *activations[1:]]
+            backprops = backprops.reshape(backprops.shape[0], -1, backprops.shape[-1])
         if self.decomposition is not None:  # the layer's own Σ_i a_iᵀ b_i (.decomposition)
             ghost = self.use_ghost_clipping and type(module) in self.NORM_SAMPLERS
             if not self.force_functorch and type(module) in self.GRAD_SAMPLERS:
@@ -110,8 +116,9 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
         if missing:
             raise BatchMismatchError(
                 f"parameter(s) {', '.join(n for n, _ in missing)} received a gradient but no per-example norms in "
-                "the first backward pass (used outside the layer that owns them): ghost clipping cannot bound "
-                "them; use grad_sample_mode='bk'; the step was not taken"
+                "the first backward pass (used outside the layer that owns them, or a layer input Opacus's ghost "
+                "norm does not cover): ghost clipping cannot bound them; use grad_sample_mode='bk'; the step was "
+                "not taken"
             )
         if unreached and len(rows) == 1:
             n = next(iter(rows))
