@@ -825,35 +825,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
-def independence_gap(case: Case) -> float:
-    """How far each example's loss in the batch is from its loss alone (one forward per example): the largest
-    |loss_i(batch) − loss_i(alone)| relative to the largest |loss_i|.  Rounding-level (≲ 1e-12 in float64) when
-    the examples do not interact — then per-example gradients are defined and a refusal needs another reason
-    (an operation that really cannot be attributed); order 1 when they do (batch statistics)."""
-    model = copy.deepcopy(case.model)
-    B = next(iter(case.inputs.values())).shape[0]
-    with torch.no_grad():
-        batched = case.loss(model, case.inputs)
-        alone = torch.cat([case.loss(model, _slice(case.inputs, i)) for i in range(B)])
-    return float((batched - alone).abs().max() / batched.abs().max().clamp_min(torch.finfo(batched.dtype).tiny))
-
-
 def check(name: str, B: int, T: int, *, lora: bool = False, bf16: bool = False, mask: bool = False) -> Outcome:
     """Norms and clipped sum of the engine vs brute force (float64; ``bf16``: the engine under bf16 autocast on
     a float32 model, against the float32 reference, tolerance :data:`TOL_BF16`)."""
     start = time.perf_counter()
     try:
         case = build(name, B, T, dtype=torch.float32 if bf16 else torch.float64, lora=lora, mask=mask)
-    except Exception as exc:  # the harness or the model, not the engine
-        return Outcome("error", _first_line(exc), seconds=time.perf_counter() - start)
-    return check_case(case, bf16=bf16, start=start)
-
-
-def check_case(case: Case, *, bf16: bool = False, start: float | None = None) -> Outcome:
-    """:func:`check` of a built case (any model, inputs and per-example loss, e.g. a small module's)."""
-    start = time.perf_counter() if start is None else start
-    B = next(iter(case.inputs.values())).shape[0]
-    try:
         params, grads = reference(case)
     except Exception as exc:  # the harness or the model, not the engine
         return Outcome("error", _first_line(exc), seconds=time.perf_counter() - start)

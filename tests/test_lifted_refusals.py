@@ -1,5 +1,5 @@
 """Refusals only for a true reason (book-keeping): models whose examples do not interact — each example's loss
-in the batch is its loss alone (:func:`hf_architectures.independence_gap`) — and that book-keeping refused,
+in the batch is its loss alone (:func:`support.independence_gap`) — and that book-keeping refused,
 now exact against a float64 one-backward-per-example reference (norms and clipped sums), at T ≠ B, T = B
 and on a right-padded batch with its mask; a model whose examples interact (batch statistics) stays refused.
 
@@ -8,7 +8,10 @@ The lifted uses: a layer's weight used directly in a functional operation (``F.c
 ``einsum`` with a relative-position kernel, ``nn.LayerNorm.forward(self, x)`` called by name, a LayerNorm with
 an offset weight (``weight + 1``), a relative attention bias expanded to the batch and made contiguous (MPNet),
 and position tables looked up at each example's own positions (``index_select``, indexing).  Small modules,
-no transformers; MPNet and BEiT from tiny configs at the end."""
+no transformers; MPNet and BEiT from tiny configs at the end.  Each runs through the harness of
+``hf_architectures.py`` (registered in its table for the test: :func:`~hf_architectures.check`, float64, the
+padded batch's ``attention_mask``).  Opacus's per-layer modes (hooks, ghost) on the same models: exact, or
+refused naming the use they cannot attribute (:mod:`idpsgd.engine.layer_inputs`)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_architectures import SHAPES, Case, check_case, independence_gap, padding_mask
+import hf_architectures as harness
+from hf_architectures import SHAPES, Case
+from support import independence_gap
 
 D, C, T_MAX = 4, 3, 8
 
@@ -178,31 +183,45 @@ LIFTED = {
 }
 
 
-def _case(model: nn.Module, B: int, T: int, mask: bool) -> Case:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn((B, T, D), generator=g, dtype=torch.float64)
-    inputs = {"x": x, "y": torch.randint(0, C, (B,), generator=g)}
-    if mask:
-        inputs["mask"] = padding_mask(B, T)
+def _factory(make):
+    """The harness's form of a small model: ``factory(B, T)`` -> :class:`~hf_architectures.Case` (features x of
+    (B, T, D), labels y; the loss reads the padded batch's ``attention_mask`` when the harness adds one)."""
 
-    def loss(m, inp):
-        return F.cross_entropy(m(inp["x"], inp.get("mask")), inp["y"], reduction="none")
+    def factory(B, T):
+        g = torch.Generator().manual_seed(1)
+        inputs = {"x": torch.randn((B, T, D), generator=g), "y": torch.randint(0, C, (B,), generator=g)}
 
-    return Case(model, inputs, loss, T)
+        def loss(m, inp):
+            return F.cross_entropy(m(inp["x"], inp.get("attention_mask")), inp["y"], reduction="none")
+
+        return Case(make(), inputs, loss, T)
+
+    return factory
 
 
-def _built(make, B, T, mask) -> Case:
-    torch.manual_seed(0)
-    return _case(make().double().train(), B, T, mask)
+@pytest.fixture
+def registered(monkeypatch):
+    """Register a factory in the harness's table for the test: ``registered(name, factory)`` -> the name."""
+
+    def register(name, factory):
+        monkeypatch.setitem(harness.ALL, name, factory)
+        return name
+
+    return register
+
+
+def _gap(name, B, T, mask) -> float:
+    case = harness.build(name, B, T, mask=mask)
+    return independence_gap(case.model, case.inputs, case.loss)
 
 
 @pytest.mark.parametrize("mask", [False, True], ids=["full", "padded"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", list(LIFTED))
-def test_an_independent_model_is_exact(name, shape, mask):
-    case = _built(LIFTED[name], *SHAPES[shape], mask)
-    assert independence_gap(case) < 1e-12  # each example's loss is its own: a refusal would be false
-    outcome = check_case(case)
+def test_an_independent_model_is_exact(registered, name, shape, mask):
+    key = registered(name, _factory(LIFTED[name]))
+    assert _gap(key, *SHAPES[shape], mask) < 1e-12  # each example's loss is its own: a refusal would be false
+    outcome = harness.check(key, *SHAPES[shape], mask=mask)
     assert outcome.status == "exact", str(outcome)
 
 
@@ -220,10 +239,10 @@ class BatchStatistics(nn.Module):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_model_whose_examples_interact_stays_refused(shape):
-    case = _built(BatchStatistics, *SHAPES[shape], False)
-    assert independence_gap(case) > 1e-3  # the examples really interact
-    outcome = check_case(case)
+def test_a_model_whose_examples_interact_stays_refused(registered, shape):
+    key = registered("batch statistics", _factory(BatchStatistics))
+    assert _gap(key, *SHAPES[shape], False) > 1e-3  # the examples really interact
+    outcome = harness.check(key, *SHAPES[shape])
     assert outcome.status == "refused" and "batch_norm" in outcome.detail, str(outcome)
 
 
@@ -240,70 +259,145 @@ class LookupOfMixedPositions(nn.Module):
         return self.head(_pool(torch.tanh(x + self.pos.weight[pos]), mask))
 
 
-def test_a_lookup_at_positions_that_mix_the_examples_is_refused():
-    case = _built(LookupOfMixedPositions, *SHAPES["T!=B"], False)
-    assert independence_gap(case) > 1e-3
-    outcome = check_case(case)
+def test_a_lookup_at_positions_that_mix_the_examples_is_refused(registered):
+    key = registered("mixed positions", _factory(LookupOfMixedPositions))
+    assert _gap(key, *SHAPES["T!=B"], False) > 1e-3
+    outcome = harness.check(key, *SHAPES["T!=B"])
     assert outcome.status == "refused" and "cumsum" in outcome.detail, str(outcome)
 
 
 # --- tiny transformers models --------------------------------------------------------------------
-def _mpnet(B, T, mask):
-    from hf_architectures import _BERTLIKE, _encoder, _tf
-
-    t = _tf()
-    torch.manual_seed(0)
-    case = _encoder(t.MPNetForSequenceClassification(t.MPNetConfig(**_BERTLIKE)), B, T)
-    case.model.double().train()
-    if mask:
-        case.inputs["attention_mask"] = padding_mask(B, T)
-    return case
+def _mpnet(B, T):
+    t = harness._tf()
+    return harness._encoder(t.MPNetForSequenceClassification(t.MPNetConfig(**harness._BERTLIKE)), B, T)
 
 
-def _beit(B, T, mask):
-    from hf_architectures import LABELS, H, _image, _tf
-
-    t = _tf()
-    torch.manual_seed(0)
+def _beit(B, T):
+    t = harness._tf()
     cfg = t.BeitConfig(
         num_hidden_layers=2,
-        hidden_size=H,
+        hidden_size=harness.H,
         num_attention_heads=2,
         intermediate_size=37,
         image_size=8,
         patch_size=4,
-        num_labels=LABELS,
+        num_labels=harness.LABELS,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         drop_path_rate=0.0,
         use_relative_position_bias=True,
         use_mean_pooling=True,
     )
-    case = _image(t.BeitForImageClassification(cfg), B, 5)
-    case.model.double().train()
-    case.inputs["pixel_values"] = case.inputs["pixel_values"].double()
-    return case
+    return harness._image(t.BeitForImageClassification(cfg), B, 5)
 
 
 @pytest.mark.parametrize(
-    ("make", "shape", "mask"),
+    ("make", "B", "T", "mask"),
     [
-        (_mpnet, "T!=B", False),
-        (_mpnet, "T=B", False),
-        (_mpnet, "T!=B", True),
-        (_mpnet, "T=B", True),
-        (_beit, "T!=B", False),
-        (_beit, "T=B", False),
+        (_mpnet, *SHAPES["T!=B"], False),
+        (_mpnet, *SHAPES["T=B"], False),
+        (_mpnet, *SHAPES["T!=B"], True),
+        (_mpnet, *SHAPES["T=B"], True),
+        (_beit, 3, 5, False),
+        (_beit, 5, 5, False),  # BEiT's sequence: 4 patches and the class token
     ],
 )
-def test_tiny_transformers_models(make, shape, mask):
-    """MPNet (a relative attention bias expanded to the batch and made contiguous) and BEiT (LayerNorms after
-    blocks with a relative position bias, mean pooling)."""
+def test_tiny_transformers_models(registered, make, B, T, mask):
+    """MPNet (a relative attention bias expanded to the batch and made contiguous: refused before) and BEiT
+    (LayerNorms after blocks with a relative position bias, mean pooling)."""
     pytest.importorskip("transformers")
-    B, T = SHAPES[shape]
-    if make is _beit and shape == "T=B":
-        B = T = 5  # BEiT's sequence: 4 patches and the class token
-    case = make(B, T, mask)
-    assert independence_gap(case) < 1e-12
-    outcome = check_case(case)
+    key = registered(make.__name__, make)
+    assert _gap(key, B, T, mask) < 1e-12
+    outcome = harness.check(key, B, T, mask=mask)
     assert outcome.status == "exact", str(outcome)
+
+
+# --- Opacus's per-layer modes on the same models: exact, or refused for a true reason ---------------------
+def _engine_step(case: Case, mode: str, clips: torch.Tensor):
+    """(norms, update Σ_i min(1, c_i/‖g_i‖) g_i) of one private step in ``mode`` over the whole batch (q = 1,
+    summed loss, noise σ = 1e-9: the update is the clipped sum to 1e-9)."""
+    import numpy as np
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine.privacy_engine import IndividualizedPrivacyEngine
+
+    model, (x, y) = case.model, (case.inputs["x"], case.inputs["y"])
+    B = len(x)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
+    ghost = {"criterion": nn.CrossEntropyLoss(reduction="sum")} if mode == "ghost" else {}
+    out = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+        budgets=np.full(B, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(B),
+        clip_norms=clips.numpy(),
+        noise_multiplier=1e-9,
+        max_grad_norm=1.0,
+        grad_sample_mode=mode,
+        privacy_filter=None,
+        loss_reduction="sum",
+        **ghost,
+    )
+    module, optimizer, loader = (out[0], out[1], out[3]) if ghost else out
+    criterion = out[2] if ghost else nn.CrossEntropyLoss(reduction="sum")
+    for xb, yb in loader:
+        optimizer.zero_grad()
+        criterion(module(xb), yb).backward()
+        optimizer.step()
+    order = np.argsort(engine.clipping.last_indices.numpy())
+    norms = torch.as_tensor(engine.clipping.last_norms.numpy()[order])
+    return norms, torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters(), strict=True)])
+
+
+def _per_layer_outcome(name: str, shape: str, mode: str) -> str:
+    """ "exact", "refused: <message>" (the engine's LayerAttributionError) or "WRONG ..."/"crash ..."."""
+    from idpsgd.engine.layer_inputs import LayerAttributionError
+
+    case = harness.build(name, *SHAPES[shape])
+    _, grads = harness.reference(case)
+    ref_norms = grads.norm(dim=1)
+    clips = ref_norms * torch.linspace(0.3, 1.5, len(ref_norms), dtype=ref_norms.dtype)
+    factors = torch.clamp(clips / (ref_norms + 1e-6), max=1.0)
+    try:
+        norms, update = _engine_step(case, mode, clips)
+    except LayerAttributionError as exc:
+        return f"refused: {exc}"
+    except Exception as exc:  # any other error: not a refusal with a reason of the per-layer modes
+        return f"crash: {type(exc).__name__}: {exc}"
+    expected = (factors[:, None] * grads).sum(0)
+    norm_err = float(((norms - ref_norms).abs() / ref_norms).max())
+    sum_err = float((update - expected).norm() / expected.norm())
+    return "exact" if norm_err < 1e-6 and sum_err < 1e-6 else f"WRONG norms {norm_err:.1e}, sum {sum_err:.1e}"
+
+
+#: what Opacus's per-layer modes can do with each lifted model (bk is exact on all of them)
+PER_LAYER = {
+    "F.conv1d with a layer's weight": "is used outside its layer's forward",
+    "F.linear with a layer's weight": "is used outside its layer's forward",
+    "torch.maximum with a parameter": "exact",
+    "einsum with a relative-position kernel": "exact",
+    "nn.LayerNorm.forward(self, x)": "exact",
+    "LayerNorm with weight + 1": "exact",
+    "relative attention bias expanded to the batch": "leading dimension is not the batch's",
+    "sinusoidal table index_select": "exact",
+    "learned table indexed per example": "is used outside its layer's forward",
+}
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", list(PER_LAYER))
+def test_per_layer_modes_are_exact_or_refuse_for_a_true_reason(registered, name, shape, mode):
+    """Opacus's hooks and ghost clipping take a layer's gradient from the layer's own calls and the leading
+    dimension of its input for the examples: a relative bias table fed (T, T) buckets was silently wrong at
+    T = B (norms 3e-3 off) and a weight used only in a functional op crashed ghost mode; both are refused
+    now, naming book-keeping, which is exact on them."""
+    outcome = _per_layer_outcome(registered(name, _factory(LIFTED[name])), shape, mode)
+    want = PER_LAYER[name]
+    if want == "exact":
+        assert outcome == "exact", outcome
+    else:
+        assert outcome.startswith("refused") and want in outcome and "grad_sample_mode='bk'" in outcome, outcome
