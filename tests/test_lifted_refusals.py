@@ -401,3 +401,31 @@ def test_per_layer_modes_are_exact_or_refuse_for_a_true_reason(registered, name,
         assert outcome == "exact", outcome
     else:
         assert outcome.startswith("refused") and want in outcome and "grad_sample_mode='bk'" in outcome, outcome
+
+
+def test_a_copy_of_a_model_with_a_fallback_layer_runs_plain():
+    """A deep copy of a book-kept model (the reference's, a checkpoint's) copies a fallback layer's hooks without
+    their keeper: the copy runs plain (it crashed in its forward: BiT at T = B, found by the survey)."""
+    import copy
+
+    from idpsgd.engine.bookkeeping import BookKeeper
+
+    class Scaled(nn.Module):  # no rule, no Opacus grad sampler: a fallback unit
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+        def forward(self, x):
+            return torch.tanh(x * self.a)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), Scaled(), nn.Linear(D, C)).double()
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    x, y = torch.randn(5, D, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    F.cross_entropy(model(x), y).backward()
+    keeper.norms()
+    keeper.clear()
+    twin = copy.deepcopy(model)
+    F.cross_entropy(twin(x), y).backward()
+    assert twin[1].a.grad is not None
