@@ -82,6 +82,11 @@ def _inplace(func) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
+def writes_in_place(func) -> bool:
+    """Whether ``func`` writes its first argument in place (``add_``, ``__iadd__``)."""
+    return _inplace(func)
+
+
 _STACK: list[ProvenanceMode] = []
 
 
@@ -507,6 +512,10 @@ class ProvenanceMode(TorchFunctionMode):
                 if torch.is_tensor(o):
                     tags[o] = rows
         return out
+
+    def result_rows(self, func, args, kwargs, out) -> Rows:
+        """The rows of ``out = func(*args, **kwargs)`` by the rules (at least one argument of the batch)."""
+        return self._propagate(func, args, kwargs, out)
 
     def _host_read(self, func, args, kwargs) -> None:
         """A read of tensor values into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``if t:``, ...): the

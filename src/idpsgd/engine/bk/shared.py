@@ -353,8 +353,8 @@ def _per_example(func, flat, plain, spec, first):
     :class:`_Broadcast` gives for ``+``.  Rows that mix examples (or an operation without a provenance rule)
     are refused, naming the operation."""
     mode = provenance.current()
-    if mode is None:
-        return None
+    if mode is None or provenance.writes_in_place(func) or "out" in kwargs_of(spec, plain):
+        return None  # an in-place write (or into ``out=``) is not an operation on copies: refused as before
     batch = first._batch
     tagged, values = [], []
     for k, (x, orig) in enumerate(zip(plain, flat, strict=True)):
@@ -373,7 +373,7 @@ def _per_example(func, flat, plain, spec, first):
     if not torch.is_tensor(out) or not out.is_floating_point():
         return None
     a, kw = tree_unflatten(plain, spec)
-    rows = mode._propagate(func, a, kw, out)
+    rows = mode.result_rows(func, a, kw, out)
     if not rows.known:
         raise provenance.refusal(
             f"a value shared by the batch (from {_describe(first._roots)}) in {provenance.op_name(func)!r}", rows
@@ -382,6 +382,11 @@ def _per_example(func, flat, plain, spec, first):
         return None
     info.rows = rows
     return out
+
+
+def kwargs_of(spec, plain) -> dict:
+    """The keyword arguments of a call flattened as ``plain`` with ``spec``."""
+    return tree_unflatten(plain, spec)[1]
 
 
 class _PerExampleInfo:
