@@ -1,7 +1,9 @@
 """Plain helpers shared by several test files (fixtures live in ``conftest.py``).
 
 * :func:`per_example_grads` / :func:`per_example_norms`: the reference every per-example-gradient test
-  checks the engine against: one backward pass per example, nothing batched, nothing clever.
+  checks the engine against: one backward pass per example, nothing batched, nothing clever;
+  :func:`independence_gap`: whether each example's loss in the batch is its loss alone (a refusal of a model
+  whose examples do not interact needs another reason than "the examples interact").
 * :func:`toy_classification` and :func:`toy_model`: a seeded 6-feature binary task and a small MLP for it.
 * :func:`file_mode`: the permission bits of a file, for the checks that private outputs are 0600 and
   private folders 0700; :func:`mode_problems` checks a whole run folder so, and :func:`public_files`
@@ -52,6 +54,18 @@ def per_example_grads(
             )
         )
     return torch.stack(rows)
+
+
+def independence_gap(model: nn.Module, inputs: dict, loss: Callable[[nn.Module, dict], torch.Tensor]) -> float:
+    """How far each example's loss in the batch is from its loss alone: the largest |loss_i(batch) - loss_i(alone)|
+    relative to the largest |loss_i|, where ``loss(model, inputs)`` gives one loss per example of ``inputs`` (a dict
+    of tensors with one row per example; one forward per example for the losses alone).  Rounding-level (below
+    1e-12 in float64) when the examples do not interact, so per-example gradients are defined and a refusal needs
+    another reason; of order 1 when they do (batch statistics)."""
+    with torch.no_grad():
+        batched = loss(model, inputs)
+        alone = torch.cat([loss(model, {k: v[i : i + 1] for k, v in inputs.items()}) for i in range(len(batched))])
+    return float((batched - alone).abs().max() / batched.abs().max().clamp_min(torch.finfo(batched.dtype).tiny))
 
 
 def per_example_norms(model: nn.Module, x, y, loss=_cross_entropy) -> np.ndarray:

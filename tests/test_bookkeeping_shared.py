@@ -181,11 +181,17 @@ class Misuse(Positions):
         return self.head(h).mean(1)
 
 
+@pytest.mark.parametrize("how", ["linear", "gather"])
+def test_uses_that_keep_the_examples_apart_are_attributed(how):
+    """The shared value as another layer's weight (``F.linear``) or looked up per example: each example's
+    gradient by its own backward through the operation (refused before, though each example's loss is its own)."""
+    torch.manual_seed(0)
+    _check_equal(Misuse(how).double(), *_data((T,), ids=11), opacus=False)
+
+
 @pytest.mark.parametrize(
     ("how", "match"),
     [
-        ("linear", "together with the batch in linear"),
-        ("gather", "together with the batch in __getitem__"),
         ("batch_mean", "in 'mul' meets a tensor whose rows are not each one example's: they come from 'mean'"),
         ("rows", "aligned row by row with the batch"),
     ],

@@ -459,6 +459,36 @@ CALLS["batch_norm"] += [
     ),
 ]
 CALLS["instance_norm"] += [lambda f, e: f(e.a)]
+CALLS["einsum"] = [
+    lambda f, e: f("btd,kd->btk", e.a, e.W),
+    lambda f, e: f("btd,kd->btk", [e.a, e.W]),
+    lambda f, e: f("...d,kd->...k", e.a, e.W),
+    lambda f, e: f("btd,btd->bt", e.a, e.a2),
+    lambda f, e: f("btd,btd->td", e.a, e.a2),
+    lambda f, e: f("btd,btd->bd", e.a, e.c_same),
+    lambda f, e: f("btd,btd->bt", e.a, e.c_same + torch.arange(e.n0, dtype=torch.float64)[:, None, None]),
+    lambda f, e: f("btd,bsd->bts", e.a, e.a2),
+    lambda f, e: f("btd->d", e.a),
+    lambda f, e: f("btd,btd", e.a, e.a2),
+    lambda f, e: f("btd,d->bt", e.a, e.c_row),
+    lambda f, e: f("bt...,bt...->b", e.a, e.a2),
+]
+# a constant table looked up at indices of the batch (position tables gathered per example)
+CALLS["__getitem__"] = [
+    lambda f, e: f(e.E, e.ids),
+    lambda f, e: f(e.E, (e.ids,)),
+    lambda f, e: f(e.E, (e.ids, 0)),
+    lambda f, e: f(e.E, (slice(None), e.ai)),
+    lambda f, e: f(e.E[None], (0, e.ids)),
+    lambda f, e: f(e.E.reshape(7, 2, 2), (e.ids, slice(None), 0)),
+    lambda f, e: f(e.E, (e.ids, e.ai)),
+    lambda f, e: f(e.E, e.ab.long()),
+]
+CALLS["index_select"] = [
+    lambda f, e: f(e.E, 0, e.ids.reshape(-1)),
+    lambda f, e: f(e.E.t(), 1, e.ids.reshape(-1)),
+    lambda f, e: f(e.E, 0, e.ids[:, 0, 0] if e.rows.dim == 0 else e.ids[0, :, 0]),
+]
 CALLS["binary_cross_entropy_with_logits"] += [lambda f, e: f(e.a, e.a2.sigmoid(), reduction="none")]
 CALLS["kl_div"] += [lambda f, e: f(e.a, e.a2, reduction="none")]
 CALLS["embedding"] += [lambda f, e: f(e.ids, e.E), lambda f, e: f(e.ids[:, 0], e.E)]

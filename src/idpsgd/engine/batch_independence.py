@@ -27,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from .integrity import extra_state_digests, local_tensor, per_model
+from .layer_inputs import check_layer_inputs
 from .opacus_compat import UnsupportedModuleError
 from .padding_check import Padding, padding_problem
 
@@ -243,6 +244,8 @@ class BatchIndependence:
         self._wrappers: weakref.WeakSet = weakref.WeakSet()
         self._outer: list = []  # weak references to the training wrappers around the model (their user hooks)
         self.padding = Padding()  # how the run pads token batches (public; declare_padding)
+        #: the mode whose per-layer hooks must be able to attribute every layer (:mod:`.layer_inputs`), if any
+        self.per_layer_mode: str | None = None
 
     @classmethod
     def attach(cls, model: nn.Module) -> BatchIndependence:
@@ -279,7 +282,7 @@ class BatchIndependence:
             # under vmap/grad the call is a per-sample computation (the user's own in no_op mode, Opacus's
             # functorch per-layer pass): its inputs are not a batch, and the normal forward was checked
             return
-        key = self._signature()
+        key = (self._signature(), self.per_layer_mode)
         if key in self.passed:
             return
         self.running = True
@@ -293,6 +296,11 @@ class BatchIndependence:
             return
         _refuse(self.model, result, self.outer())
         _check_padding(self.model, args, kwargs, self.padding, self.outer())
+        if self.per_layer_mode is not None:
+            synth, outer = result.synthetic, self.outer()
+            check_layer_inputs(
+                self.model, self.per_layer_mode, *synth.base, synth.size, lambda a, k: _forward(self.model, a, k, outer)
+            )
         self.passed.add(key)
 
 

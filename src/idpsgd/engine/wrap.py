@@ -19,6 +19,7 @@ from .batch_independence import BatchIndependence
 from .bk.keeper import plan_layers
 from .clipping import PerExampleClipping
 from .integrity import check_static_writes
+from .layer_inputs import PER_LAYER_MODES
 from .modes import mode
 from .opacus_compat import WRAP, refuse_opacus_options, validate_module
 from .output_hooks import OutputHooks, check_buffers
@@ -117,6 +118,8 @@ def wrap_module(
             check.wrapped_by(wrapped)
         if record.wrapper_calls_model:  # ExpandedWeights calls the model with its own parameters: check before
             check.watch_wrapper(wrapped)
+        # Opacus's per-layer hooks: every layer's input batch-first, every parameter used in its layer
+        check.per_layer_mode = grad_sample_mode if grad_sample_mode in PER_LAYER_MODES else None
     return wrapped
 
 

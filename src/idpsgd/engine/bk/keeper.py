@@ -404,7 +404,8 @@ class _FallbackUnit:
         if self._skip_capture:  # a call on values shared by the batch (_FallbackForward)
             self._skip_capture = False
             return
-        if self.keeper.active and torch.is_grad_enabled():
+        # a deep copy of the model copies this hook with no keeper (BookKeeper.__deepcopy__): the copy is plain
+        if self.keeper is not None and self.keeper.active and torch.is_grad_enabled():
             mode = provenance.current()
             if mode is not None:
                 self._check_rows(mode, inputs, kwargs)
@@ -450,7 +451,7 @@ class _FallbackUnit:
             self._backward_unguarded(module, grad_output)
 
     def _backward_unguarded(self, module, grad_output):
-        if not self.keeper.active:
+        if self.keeper is None or not self.keeper.active:
             return
         if not self.activations:
             if self.eval_forwards and any(p.requires_grad for p in self.params.values()):

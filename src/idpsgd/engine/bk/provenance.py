@@ -82,6 +82,11 @@ def _inplace(func) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
+def writes_in_place(func) -> bool:
+    """Whether ``func`` writes its first argument in place (``add_``, ``__iadd__``)."""
+    return _inplace(func)
+
+
 _STACK: list[ProvenanceMode] = []
 
 
@@ -479,7 +484,7 @@ class ProvenanceMode(TorchFunctionMode):
             elif (
                 isinstance(a, (list, tuple))
                 and a
-                and torch.is_tensor(a[0])
+                and (torch.is_tensor(a[0]) or func in GETITEM)  # an index (0, ids): ids of the batch
                 and any(tags.get(x) is not None for x in a if torch.is_tensor(x))
             ):
                 found = True
@@ -507,6 +512,10 @@ class ProvenanceMode(TorchFunctionMode):
                 if torch.is_tensor(o):
                     tags[o] = rows
         return out
+
+    def result_rows(self, func, args, kwargs, out) -> Rows:
+        """The rows of ``out = func(*args, **kwargs)`` by the rules (at least one argument of the batch)."""
+        return self._propagate(func, args, kwargs, out)
 
     def _host_read(self, func, args, kwargs) -> None:
         """A read of tensor values into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``if t:``, ...): the
@@ -842,6 +851,10 @@ class ProvenanceMode(TorchFunctionMode):
                 return None
             return r.moved(r.dim - sum(1 for d in set(dims) if d < r.dim))
         if func in SPLITS:
+            if name == "index_select" and self.tags.get(args[0]) is None:
+                ids = _arg(args, kwargs, 2, "index")
+                dim = int(_arg(args, kwargs, 1, "dim")) % max(1, args[0].dim())
+                return self._lookup(args[0], (slice(None),) * dim + (ids,), ids, res) if ids is x else None
             if args[0] is not x or len(tagged) > 1:
                 return None
             if name == "unbind":
@@ -881,7 +894,10 @@ class ProvenanceMode(TorchFunctionMode):
             return self._matmul(args, res)
         if func in GETITEM:
             r = self.tags.get(args[0])
-            return self._index_rows(args[0], args[1], r) if r is not None else None
+            if r is None:  # a constant (a position table) indexed by the batch's indices
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                return self._lookup(args[0], index, x, res) if len(tagged) == 1 else None
+            return self._index_rows(args[0], args[1], r)
         return self._functional(func, name, args, kwargs, tagged, res)
 
     def _diff(self, args, kwargs, res):
@@ -1031,6 +1047,54 @@ class ProvenanceMode(TorchFunctionMode):
                 return None
         return rows
 
+    def _lookup(self, table, index, ids, res) -> Rows | None:
+        """``table[..., ids]`` (or ``table.index_select(dim, ids)``) of a constant table, not from the batch, at
+        indices of the batch (the only tensor index; the other entries integers or full slices): the result's
+        entries along the indexed dimensions follow the indices' rows — a table looked up per example
+        (fairseq's sinusoidal positions: ``weights.index_select(0, position_ids.view(-1))`` with positions
+        counted from each example's own padding; ``table[0, ids]``)."""
+        r = self.tags.get(ids)
+        if r is None or not r.known or ids.dtype in (torch.bool, torch.uint8) or len(index) > table.dim():
+            return None
+        if any(not (e is ids or isinstance(e, int) or (isinstance(e, slice) and e == slice(None))) for e in index):
+            return None
+        if sum(1 for e in index if e is ids) != 1:
+            return None
+        picked = [k for k, e in enumerate(index) if not isinstance(e, slice)]  # integers and the indices
+        adjacent = picked == list(range(picked[0], picked[-1] + 1))
+        d = (picked[0] if adjacent else 0) + r.dim  # torch puts non-adjacent indexed dimensions first
+        return Rows(d, r.group) if d < res.dim() and res.shape[d] == ids.shape[r.dim] else None
+
+    def _einsum(self, args, res):
+        """``einsum(equation, *operands)``: the batch rows follow their subscript letter into the output when
+        every operand of the batch has it at its batch dimension (one letter, one grouping) and the output keeps
+        it (not summed over); a constant operand with that letter must be the same for every row (size 1 or
+        equal rows), else an example's result would depend on its place in the batch."""
+        if not args or not isinstance(args[0], str):
+            return None
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        subscripts = _einsum_subscripts(args[0], [t.dim() for t in operands])
+        if subscripts is None:
+            return None
+        inputs, output = subscripts
+        letter = rows = None
+        for t, sub in zip(operands, inputs, strict=True):
+            r = self.tags.get(t)
+            if r is None:
+                continue
+            if letter is not None and (sub[r.dim] != letter or r.group != rows.group):
+                return None
+            letter, rows = sub[r.dim], r
+        if letter is None or letter not in output or res.dim() != len(output):
+            return None
+        size = res.shape[output.index(letter)]
+        for t, sub in zip(operands, inputs, strict=True):
+            if self.tags.get(t) is None and letter in sub:
+                d = sub.index(letter)
+                if t.shape[d] == size > 1 and t.stride(d) != 0 and self._rows_differ(t, d, rows.group):
+                    return None
+        return Rows(output.index(letter), rows.group)
+
     def _functional(self, func, name, args, kwargs, tagged, res):
         x, r = tagged[0]
         nd = x.dim()
@@ -1108,6 +1172,8 @@ class ProvenanceMode(TorchFunctionMode):
             return None if r.dim in (d1, d2) else r.moved(r.dim - (d1 < r.dim) - (d2 < r.dim))
         if name in ("gather", "take_along_dim"):
             return self._gather(func, args, kwargs, res)
+        if name == "einsum":
+            return self._einsum(args, res)
         if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
             dim = int(_arg(args, kwargs, 1, "dim")) % nd
             if dim == r.dim or args[0] is not x:
@@ -1135,6 +1201,33 @@ class ProvenanceMode(TorchFunctionMode):
             red = kwargs.get("reduction", "mean")
             return r if red == "none" and r.dim == 0 else None
         return None
+
+
+def _einsum_subscripts(equation: str, ranks) -> tuple[list[str], str] | None:
+    """(each operand's subscripts, the output's) of an einsum ``equation``, one character per dimension: an
+    ellipsis becomes characters of its own, aligned from the right across operands (broadcast); an implicit
+    output is the ellipsis and the letters used once, sorted.  None for an equation that does not parse."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    parts = lhs.split(",")
+    if len(parts) != len(ranks):
+        return None
+    spans = [rank - len(p.replace("...", "")) for p, rank in zip(parts, ranks, strict=True)]
+    most = max([0, *spans])
+    fill = [chr(0x2460 + i) for i in range(most)]  # characters no equation uses
+    inputs = []
+    for p, span in zip(parts, spans, strict=True):
+        if "..." in p:
+            p = p.replace("...", "".join(fill[most - span :]))
+        elif span:
+            return None
+        inputs.append(p)
+    if arrow:
+        output = rhs.replace("...", "".join(fill))
+    else:
+        letters = "".join(inputs)
+        output = "".join(fill) + "".join(sorted(c for c in set(letters) if c.isalpha() and letters.count(c) == 1))
+    return inputs, output
 
 
 def probe_rank(target, index) -> int:

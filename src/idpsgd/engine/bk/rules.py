@@ -883,9 +883,12 @@ def rule_for(module: nn.Module) -> Rule | None:
     return None
 
 
-def _calls_super(fn) -> bool:
+def _calls_super(fn, base: type) -> bool:
+    """``fn`` calls the base class's forward: ``super().forward(x)``, or ``Base.forward(self, x)`` by name
+    (``nn.LayerNorm.forward(self, x)``)."""
     code = getattr(fn, "__code__", None)
-    return code is not None and "super" in code.co_names and "forward" in code.co_names
+    names = code.co_names if code is not None else ()
+    return "forward" in names and ("super" in names or base.__name__ in names)
 
 
 #: (rule, base class, the functional operation its forward calls, the position of the weight in it)
@@ -899,15 +902,15 @@ ROUTED = (
 def routed_rule(module: nn.Module):
     """(rule, functional operation, weight position) for a subclass of a covered layer with a forward
     of its own that calls the base class's (``super().forward(ids) * scale``: Gemma's and BART's scaled
-    word embeddings, OPT's learned positions): the rule applies where the base forward's operation
-    meets the module's own weight (:mod:`.provenance` routes it); None otherwise."""
+    word embeddings, OPT's learned positions; ``nn.LayerNorm.forward(self, x)``): the rule applies where the base
+    forward's operation meets the module's own weight (:mod:`.provenance` routes it); None otherwise."""
     if rule_for(module) is not None:
         return None
     for rule, base, fn, pos in ROUTED:
         if (
             isinstance(module, base)
             and type(module).forward is not base.forward
-            and _calls_super(type(module).forward)
+            and _calls_super(type(module).forward, base)
             and (base is not nn.Embedding or EmbeddingRule.semantics(module))
             and (base is not nn.LayerNorm or module.elementwise_affine)
         ):

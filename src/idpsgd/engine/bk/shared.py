@@ -297,14 +297,28 @@ class SharedTensor(torch.Tensor):
                 if any(n is not x for n, x in zip(narrowed, plain, strict=True)):
                     full = torch.broadcast_shapes(*(tuple(x.shape) for x in plain if torch.is_tensor(x)))
                     plain = narrowed
+            elif func is _T.__getitem__ and flat[0] is first and len(plain) > 1:
+                # a table looked up at a constant index of B identical rows (positions arange(T) repeated for
+                # every example): the lookup of one row, expanded back to the batch (stride 0, as above)
+                index = plain[1]
+                batch = first._batch
+                if torch.is_tensor(index) and not index.is_floating_point() and same_rows(index, index.dim(), batch):
+                    plain = [plain[0], index.narrow(0, 0, 1), *plain[2:]]
+                    full = (first._batch,)
             a, k = tree_unflatten(plain, spec)
             out = func(*a, **k)
             if full is not None and torch.is_tensor(out):
-                out = out.expand(full)
+                out = out.expand(full if len(full) == out.dim() else (*full, *tuple(out.shape[1:])))
             results = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
             if not results:  # metadata, comparisons, detach(), no_grad: nothing to attribute
                 return out
             if any(_from_batch(t, first._batch) is not None for t in partners):
+                # any other operation that keeps the examples' rows apart (F.conv1d or F.linear with a layer's
+                # weight, torch.maximum with a parameter, einsum with a relative-position kernel): each example's
+                # gradient by its own backward through the operation (:class:`_PerExample`)
+                got = _per_example(func, flat, plain, spec, first)
+                if got is not None:
+                    return got
                 raise _refusal("an operand together with the batch", first, func)
             if any(t.requires_grad for t in partners):
                 raise _refusal(
@@ -327,6 +341,133 @@ class SharedTensor(torch.Tensor):
             return wrapped
 
 
+def _per_example(func, flat, plain, spec, first):
+    """``func`` on the batch and values shared by it, attributed example by example (None: it is not an operation
+    that keeps the examples apart, or no forward is in progress: the caller refuses).
+
+    The operation runs as it is (the same values); provenance (:mod:`.provenance`) says where the result's rows
+    are.  Where they are each one example's, example i's output depends on its own rows and on the shared
+    values only, so its gradient of a shared value v is the vector-Jacobian product of example i's output
+    alone with v: ``torch.func.vmap`` over the examples of ``torch.func.vjp`` of the operation, one copy of v
+    per example (:class:`_PerExample`, in the backward pass) — the per-example backward that
+    :class:`_Broadcast` gives for ``+``.  Rows that mix examples (or an operation without a provenance rule)
+    are refused, naming the operation."""
+    mode = provenance.current()
+    if mode is None or provenance.writes_in_place(func) or "out" in kwargs_of(spec, plain):
+        return None  # an in-place write (or into ``out=``) is not an operation on copies: refused as before
+    batch = first._batch
+    tagged, values = [], []
+    for k, (x, orig) in enumerate(zip(plain, flat, strict=True)):
+        if isinstance(orig, SharedTensor):
+            values.append((k, orig._roots))
+        elif torch.is_tensor(x):
+            rows = mode.tags.get(x)
+            if rows is not None:
+                if not rows.known or x.shape[rows.dim] != batch * rows.group:
+                    return None
+                tagged.append((k, rows))
+    if not tagged:
+        return None
+    info = _PerExampleInfo(func, spec, plain, tagged, values, batch)
+    out = _PerExample.apply(info, *(plain[k] for k, _ in tagged), *(plain[k] for k, _ in values))
+    if not torch.is_tensor(out) or not out.is_floating_point():
+        return None
+    a, kw = tree_unflatten(plain, spec)
+    rows = mode.result_rows(func, a, kw, out)
+    if not rows.known:
+        raise provenance.refusal(
+            f"a value shared by the batch (from {_describe(first._roots)}) in {provenance.op_name(func)!r}", rows
+        )
+    if rows is provenance.SHARED or rows.dim >= out.dim() or out.shape[rows.dim] != batch * rows.group:
+        return None
+    info.rows = rows
+    return out
+
+
+def kwargs_of(spec, plain) -> dict:
+    """The keyword arguments of a call flattened as ``plain`` with ``spec``."""
+    return tree_unflatten(plain, spec)[1]
+
+
+class _PerExampleInfo:
+    """What :class:`_PerExample` needs: the call (``func``, its arguments flattened as ``plain`` with their
+    ``spec``), the batch operands' (position, rows), the shared operands' (position, sources), the batch size
+    and (set after the forward) the result's rows."""
+
+    def __init__(self, func, spec, plain, tagged, values, batch):
+        self.func, self.spec, self.plain = func, spec, plain
+        self.tagged, self.values, self.batch = tagged, values, batch
+        self.rows = None
+
+    def call(self, leaves):
+        a, kw = tree_unflatten(leaves, self.spec)
+        return self.func(*a, **kw)
+
+
+def _examples(t: torch.Tensor, rows, batch: int) -> torch.Tensor:
+    """(B, k, ...) with example i's k rows of ``t`` (along ``rows.dim``, k = ``rows.group``) at [i]."""
+    return t.movedim(rows.dim, 0).unflatten(0, (batch, rows.group))
+
+
+class _PerExample(torch.autograd.Function):
+    """An operation on the batch and values shared by it (:func:`_per_example`): the forward is the operation;
+    the backward forms each example's gradients by its own vector-Jacobian product (vmap over the examples):
+    the batch operands get theirs in place, each shared value's per-example gradients go to its sources
+    (:func:`distribute`) and their sum to autograd (checked against them: :func:`check_complete`)."""
+
+    @staticmethod
+    def forward(ctx, info, *operands):
+        ctx.info = info
+        return info.call(info.plain)
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch.func import vjp, vmap
+
+        info = ctx.info
+        ctx.info = None
+        batch, n_tagged = info.batch, len(info.tagged)
+        need = ctx.needs_input_grad[1:]
+        diff = [j for j in range(n_tagged) if need[j]]  # the batch operands that need a gradient
+        rest = [j for j in range(n_tagged) if not need[j]]
+
+        def call(d_in, r_in, v_in):
+            leaves = list(info.plain)
+            for j, x in (*zip(diff, d_in, strict=True), *zip(rest, r_in, strict=True)):
+                k, r = info.tagged[j]
+                leaves[k] = x.movedim(0, r.dim)  # example i's rows where the batch's were
+            for (k, _), v in zip(info.values, v_in, strict=True):
+                leaves[k] = v
+            return info.call(leaves).movedim(info.rows.dim, 0)
+
+        def one(d_in, r_in, v_in, g_i):
+            _, pull = vjp(lambda d, v: call(d, r_in, v), d_in, v_in)
+            return pull(g_i)
+
+        def per(j):
+            k, r = info.tagged[j]
+            return _examples(info.plain[k].detach(), r, batch)
+
+        shared_values = [info.plain[k].detach() for k, _ in info.values]
+        v_in = [v.unsqueeze(0).expand((batch, *tuple(v.shape))) for v in shared_values]
+        g_in = _examples(g, info.rows, batch)
+        try:
+            with torch.enable_grad():
+                d_out, v_out = vmap(one)([per(j) for j in diff], [per(j) for j in rest], v_in, g_in)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                "grad_sample_mode='bk': the per-example gradients of a value shared by the batch through "
+                f"{provenance.op_name(info.func)!r} could not be formed example by example ({exc}); {BK_HINT}"
+            ) from exc
+        grads = [None] * len(need)
+        for j, d in zip(diff, d_out, strict=True):
+            grads[j] = d.flatten(0, 1).movedim(0, info.tagged[j][1].dim)
+        for i, ((k, roots), d) in enumerate(zip(info.values, v_out, strict=True)):
+            distribute(info.plain[k], roots, d)
+            grads[n_tagged + i] = d.sum(0)
+        return (None, *grads)
+
+
 #: operations that keep a tiled value's leading dimension (applied to its tile alike)
 _KEEPS_ROWS = frozenset(
     {torch.Tensor.transpose, torch.transpose, torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.float}
@@ -334,10 +475,15 @@ _KEEPS_ROWS = frozenset(
 )
 
 
+_EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to, torch.Tensor.broadcast_to})
+
+
 def _tiled(func, first: SharedTensor, plain, spec, result):
     """(tile, rows) when ``result`` is B copies of a tile of ``rows`` rows stacked along its leading dimension —
-    ``value.repeat(B, 1, ...)`` (DeBERTa's relative positions, repeated for a (B·H, ...) batch of heads), or a
-    row-keeping operation on such a value (applied to the tile); None otherwise."""
+    ``value.repeat(B, 1, ...)`` (DeBERTa's relative positions, repeated for a (B·H, ...) batch of heads),
+    ``value.expand(B, ...)`` of a leading dimension of 1 (a tile of one row), or a row-keeping operation on such
+    a value (applied to the tile: MPNet's ``.contiguous()`` after the expand, which loses the stride 0 that
+    :func:`broadcast` reads); None otherwise."""
     flat_args = tree_unflatten(plain, spec)[0]
     batch = first._batch
     if func is torch.Tensor.repeat:
@@ -345,6 +491,11 @@ def _tiled(func, first: SharedTensor, plain, spec, result):
         base = first._plain
         if len(sizes) == base.dim() and sizes[0] == batch and all(k == 1 for k in sizes[1:]) and base.dim() > 0:
             return base, base.shape[0]
+        return None
+    if func in _EXPANDS:  # value.expand(B, ...) of a leading dimension of 1 (MPNet's position bias, then .contiguous())
+        base = first._plain
+        if base.dim() == result.dim() > 0 and base.shape[0] == 1 and result.shape[0] == batch > 1:
+            return base.expand((1, *tuple(result.shape[1:]))), 1
         return None
     if first._tile is not None and func in _KEEPS_ROWS:
         base, rows = first._tile
