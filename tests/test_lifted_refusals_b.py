@@ -26,6 +26,10 @@ from idpsgd.engine.opacus_compat import refusal_for
 from idpsgd.validation import InvalidParameterError
 
 D, CLASSES = 6, 3
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),  # peft
+]
 
 
 # --- the reference and the engine ----------------------------------------------------------------
@@ -524,3 +528,24 @@ def test_mixtral_load_balancing_loss_stays_refused():
     with pytest.raises(RefusedRows, match="output 'aux_loss' mixes the examples.*output_router_logits=False"):
         case.model(input_ids=ids, labels=ids)
     keeper.detach()
+
+
+@pytest.mark.parametrize(("b", "t"), [(5, 4), (4, 4)])
+def test_batch_first_false_on_batch_first_batches_is_refused_even_when_b_equals_t(b, t):
+    """The declared layout is checked against the loader's batches: each example collated alone must be the
+    batch's entry along dimension 1 (at T = B the shapes cannot tell; the values do)."""
+    model = _batch_second("lstm")
+    x, y = _batch_second_data("lstm", b, t, batch_first=True)  # (B, T, d) batches
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=3)
+    *_, loader = engine.make_private(  # a sample rate of 1: every batch holds every example
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=b),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        batch_first=False,
+        poisson_sampling=True,
+    )
+    with pytest.raises(InvalidParameterError, match="batch_first=False is invalid: does not match the loader's"):
+        next(iter(loader))
