@@ -334,10 +334,6 @@ def test_refusals_are_clear():
     tied[2].scale = lin.bias  # tied between a covered layer and a fallback unit (tests/test_bookkeeping_tied.py)
     with pytest.raises(InvalidParameterError, match="shared by"):
         plan_layers(tied)
-    model = _seq(nn.Linear(4, 3))
-    x, y = _data((4,))
-    with pytest.raises(InvalidParameterError, match="batch_first"):
-        _private(model, x, y, "bk", batch_first=False)
 
 
 def test_functional_use_of_a_covered_weight_is_refused():

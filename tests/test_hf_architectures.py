@@ -112,10 +112,10 @@ def test_a_wrong_result_is_never_taken_for_exact(monkeypatch):
     monkeypatch.setattr(BookKeeper, "norms", refuse)
     outcome = hf.check("distilbert", 3, 7)
     assert outcome.status == "crash" and "refused by the test" in outcome.detail  # raised here, not in idpsgd
-    from idpsgd.engine.bookkeeping import check_batch_first
+    from idpsgd.engine.opacus_compat import refuse_opacus_options
 
-    with pytest.raises(ValueError, match="batch") as info:
-        check_batch_first(False)
+    with pytest.raises(ValueError, match="poisson") as info:
+        refuse_opacus_options(poisson_sampling=False)
     assert hf._raised_by_engine(info.value)
 
 

@@ -518,6 +518,15 @@ for _alias, _of in {
     CALLS[_alias] = CALLS[_of]
 CALLS["type_as"] = [lambda f, e: f(e.a, e.ai), lambda f, e: f(e.a, e.c_same.float())]
 
+for _n in ("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle"):  # complex values
+    CALLS[_n] = [lambda f, e: f(e.a * (1 + 2j)), lambda f, e: f(e.a)]
+FFT = [  # torch.fft's transforms and shifts: the default dimensions, each dimension, and pairs of them
+    lambda f, e: f(e.a),
+    *_dims(lambda f, e, d: f(e.a, dim=d), lambda f, e, d: f(e.a, dim=(d,)), lambda f, e, d: f(e.a, axis=d)),
+    *_dims(lambda f, e, d: f(e.a, None, (d, (d + 1) % 3)), lambda f, e, d: f(e.a, dim=(d, (d + 1) % 3))),
+    lambda f, e: f(e.a, s=(2, 2)),
+]
+
 #: operations that cannot run here (no CUDA device), or whose values are uninitialised memory
 UNRUNNABLE = {"cuda"} if not torch.cuda.is_available() else set()
 UNINITIALISED = {"new_empty", "empty_like"}
@@ -551,6 +560,7 @@ TABLES = {
     "LIKE": (P.LIKE | getattr(P, "NEW_TENSOR", set()), LIKE),
     "PROPS": (P.PROPS, PROPS),
     "FUNCTIONAL": (P._fns(*_functional_names()) | set(P.ROUTABLE), []),
+    "FFT": ({getattr(torch.fft, name.removeprefix("fft_")) for name in P.FFT}, FFT),
 }
 
 

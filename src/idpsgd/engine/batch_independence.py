@@ -73,16 +73,17 @@ def _map(obj, fn):
     return obj
 
 
-def _batch_dim_of(args, kwargs) -> int | None:
-    first = next((t for t in _leaves((args, kwargs), []) if t.dim() > 0), None)
-    return None if first is None else int(first.shape[0])
+def _batch_dim_of(args, kwargs, bd: int = 0) -> int | None:
+    first = next((t for t in _leaves((args, kwargs), []) if t.dim() > bd), None)
+    return None if first is None else int(first.shape[bd])
 
 
-def synthetic_batch_size(args, kwargs) -> int:
-    """The synthetic batch's size: the first of 5, 7, 11, … dividing no trailing dimension of the
-    call's tensor arguments (a public function of the shapes, never the drawn batch size), so that
-    the batch dimension of the model's outputs and intermediates is recognisable by its size."""
-    dims = {int(d) for t in _leaves((args, kwargs), []) for d in t.shape[1:] if int(d) > 0}
+def synthetic_batch_size(args, kwargs, bd: int = 0) -> int:
+    """The synthetic batch's size: the first of 5, 7, 11, … dividing no other dimension than the batch
+    dimension ``bd`` of the call's tensor arguments (a public function of the shapes, never the drawn
+    batch size), so that the batch dimension of the model's outputs and intermediates is recognisable by
+    its size."""
+    dims = {int(d) for t in _leaves((args, kwargs), []) for i, d in enumerate(t.shape) if i != bd and int(d) > 0}
     for size in _SIZES:
         if not any(d % size == 0 for d in dims):
             return size
@@ -90,11 +91,13 @@ def synthetic_batch_size(args, kwargs) -> int:
 
 
 class _Synthetic:
-    """The synthetic batch: its base values and those with the middle example perturbed."""
+    """The synthetic batch: its base values and those with the middle example perturbed (the batch at
+    dimension ``bd`` of the call's tensors: 0, or 1 for batch-second inputs)."""
 
-    def __init__(self, args, kwargs):
-        self.real = _batch_dim_of(args, kwargs)
-        self.size = synthetic_batch_size(args, kwargs)
+    def __init__(self, args, kwargs, bd: int = 0):
+        self.bd = bd
+        self.real = _batch_dim_of(args, kwargs, bd)
+        self.size = synthetic_batch_size(args, kwargs, bd)
         self.mid = self.size // 2
         self.generator = torch.Generator().manual_seed(_SEED)
         self._made: set[int] = set()  # ids of the synthetic tensors (kept alive by self.base)
@@ -102,12 +105,13 @@ class _Synthetic:
         self.perturbed = _map(self.base, self._perturb)
 
     def _is_example(self, t: torch.Tensor) -> bool:
-        return self.real is not None and t.dim() > 0 and int(t.shape[0]) == self.real
+        return self.real is not None and t.dim() > self.bd and int(t.shape[self.bd]) == self.real
 
     def _base(self, t: torch.Tensor) -> torch.Tensor:
         if not self._is_example(t):
             return t
-        shape = (self.size, *t.shape[1:])
+        shape = list(t.shape)
+        shape[self.bd] = self.size
         if t.is_floating_point() or t.is_complex():
             out = torch.randn(shape, generator=self.generator, dtype=torch.float64).to(t.dtype).to(t.device)
         else:
@@ -119,11 +123,12 @@ class _Synthetic:
         if id(t) not in self._made:
             return t
         out = t.clone()
+        target = out.select(self.bd, self.mid)
         if t.is_floating_point() or t.is_complex():
-            row = 10 * torch.randn(t.shape[1:], generator=self.generator, dtype=torch.float64)
-            out[self.mid] = row.to(t.dtype).to(t.device)
+            row = 10 * torch.randn(tuple(target.shape), generator=self.generator, dtype=torch.float64)
+            target.copy_(row.to(t.dtype).to(t.device))
         else:
-            out[self.mid] = 0
+            target.fill_(0)
         return out
 
 
@@ -159,13 +164,18 @@ def _others(t: torch.Tensor, size: int, mid: int) -> torch.Tensor | None:
     return None
 
 
-def _outputs_mix(a, b, size: int, mid: int) -> bool | None:
-    """Whether any batched output tensor's other rows differ (None: no output has the batch dimension)."""
+def _outputs_mix(a, b, size: int, mid: int, bd: int = 0) -> bool | None:
+    """Whether any batched output tensor's other rows differ (None: no output has the batch dimension):
+    the batch leading, or for batch-second inputs (``bd``) at that dimension (a (T, B, V) output)."""
     la, lb = _leaves(a, []), _leaves(b, [])
     if len(la) != len(lb):
         return True
     seen = False
     for x, y in zip(la, lb, strict=True):
+        if bd and x.dim() > bd and int(x.shape[bd]) == size and (int(x.shape[0]) % size or not int(x.shape[0])):
+            if x.shape != y.shape:
+                return True
+            x, y = x.movedim(bd, 0), y.movedim(bd, 0)
         if x.dim() == 0 or int(x.shape[0]) == 0 or int(x.shape[0]) % size:
             continue
         if x.shape != y.shape:
@@ -246,6 +256,12 @@ class BatchIndependence:
         self.padding = Padding()  # how the run pads token batches (public; declare_padding)
         #: the mode whose per-layer hooks must be able to attribute every layer (:mod:`.layer_inputs`), if any
         self.per_layer_mode: str | None = None
+        #: where the loader's batch is in the model's tensor arguments: 0, or 1 for batch-second inputs
+        #: (``batch_first=False``, the user's declaration; the engine's norm passes read it too)
+        self.batch_dim = 0
+        #: Opacus's modes with batch-second inputs: the dimension Opacus takes each layer's batch from (1),
+        #: proven by provenance at the check (:func:`_layer_layout_problem`); None: nothing to prove (bk)
+        self.per_layer_dim: int | None = None
 
     @classmethod
     def attach(cls, model: nn.Module) -> BatchIndependence:
@@ -287,15 +303,18 @@ class BatchIndependence:
             return
         self.running = True
         try:
-            result = _probe(self.model, args, kwargs, self.outer())
+            result = _probe(self.model, args, kwargs, self.outer(), self.batch_dim)
+            if not result.written:
+                _refuse(self.model, result, self.outer())  # mixing first: the truer reason
+                if self.per_layer_dim is not None:
+                    _refuse_layout(self.model, result.synthetic, self.per_layer_dim, self.outer())
         finally:
             self.running = False
         if result.written:
             # a forward that writes the model (on the check's copies: the model is unchanged) is the write
             # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
             return
-        _refuse(self.model, result, self.outer())
-        _check_padding(self.model, args, kwargs, self.padding, self.outer())
+        _check_padding(self.model, args, kwargs, self.padding, self.outer(), self.batch_dim)
         if self.per_layer_mode is not None:
             synth, outer = result.synthetic, self.outer()
             check_layer_inputs(
@@ -427,9 +446,10 @@ def _hooked(module: nn.Module, args, kwargs, forward, _m):
     return out
 
 
-def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = ()):
+def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = (), within=None):
     """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
-    at the fixed seed (the global RNG state restored afterwards), no gradients."""
+    at the fixed seed (the global RNG state restored afterwards), no gradients; ``within``: a context
+    manager the pass runs in (a torch function mode)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     copies = _Copies(model)
@@ -439,6 +459,8 @@ def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tupl
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if record is not None:
                 record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
+            if within is not None:
+                stack.enter_context(within)
             try:
                 out = _forward(model, args, kwargs, outer)  # the user's root hooks run; the library's stay out
             finally:
@@ -453,8 +475,8 @@ class _Result:
     written: list[str]
 
 
-def _probe(model: nn.Module, args, kwargs, outer: tuple = ()) -> _Result:
-    synth = _Synthetic(args, kwargs)
+def _probe(model: nn.Module, args, kwargs, outer: tuple = (), bd: int = 0) -> _Result:
+    synth = _Synthetic(args, kwargs, bd)
     name = type(model).__name__
     if synth.real is None:
         raise BatchMixingError(
@@ -467,7 +489,7 @@ def _probe(model: nn.Module, args, kwargs, outer: tuple = ()) -> _Result:
     try:
         out_a, written = _run(model, a_args, a_kwargs, outer=outer)
         out_b, written_b = _run(model, b_args, b_kwargs, outer=outer)
-        mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
+        mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid, bd)
     except BatchMixingError:
         raise
     except Exception as exc:
@@ -488,7 +510,8 @@ def _refuse(model: nn.Module, result: _Result, outer: tuple = ()) -> None:
         raise BatchMixingError(
             "module",
             name,
-            "returns no tensor whose leading dimension is the batch: the check that each example's output depends "
+            "returns no tensor whose leading dimension is the batch (nor, with batch-second inputs, its second): the "
+            "check that each example's output depends "
             "on that example alone compares per-example outputs; return them (e.g. the logits) and compute the loss "
             "outside the model",
         )
@@ -505,25 +528,36 @@ def _refuse(model: nn.Module, result: _Result, outer: tuple = ()) -> None:
             f"mixes examples within the batch ({culprit}): changing one example of a synthetic batch changed the "
             "outputs of the others, so each example's gradient depends on the whole batch and per-example clipping "
             "bounds no example's influence (batch normalisation in training mode, statistics or attention over the "
-            "batch dimension); use per-example layers (GroupNorm, LayerNorm; get_compatible_module replaces "
-            "BatchNorm), or batch_first=True inputs for layers that take the batch first",
+            "batch dimension); use per-example layers (GroupNorm, LayerNorm; get_compatible_module, i.e. "
+            "opacus.validators.ModuleValidator.fix, replaces BatchNorm by GroupNorm), or batch_first=False for "
+            "batch-second (T, B, ...) inputs",
         )
 
 
-def check_batch_independence(model: nn.Module, args, kwargs, padding: Padding | None = None) -> None:
+def check_batch_independence(
+    model: nn.Module, args, kwargs, padding: Padding | None = None, batch_dim: int = 0
+) -> None:
     """Raise :class:`BatchMixingError` if ``model``'s output rows for one example depend on another
     example of the batch, for a call ``model(*args, **kwargs)`` (module docstring: the synthetic batch,
-    what is compared, what is not seen; ``padding``: how the run pads its token batches).  Writes
-    nothing to the model and restores the global RNG."""
-    _refuse(model, _probe(model, args, kwargs))
-    _check_padding(model, args, kwargs, padding or Padding())
+    what is compared, what is not seen; ``padding``: how the run pads its token batches; ``batch_dim``:
+    1 for batch-second inputs).  Writes nothing to the model and restores the global RNG."""
+    _refuse(model, _probe(model, args, kwargs, bd=batch_dim))
+    _check_padding(model, args, kwargs, padding or Padding(), batch_dim=batch_dim)
 
 
-def _check_padding(model: nn.Module, args, kwargs, padding: Padding, outer: tuple = ()) -> None:
+def _check_padding(model: nn.Module, args, kwargs, padding: Padding, outer: tuple = (), batch_dim: int = 0) -> None:
     """The re-padding probe (:mod:`.padding_check`) over the value probe's synthetic batch and passes:
     refused when one example's length moves another example's outputs on its real tokens."""
     if not isinstance(kwargs, dict) or "input_ids" not in kwargs:
         return
+    if batch_dim:
+        raise BatchMixingError(
+            "module",
+            type(model).__name__,
+            "was called with input_ids in a batch-second layout (batch_first=False): the re-padding probe, which "
+            "checks that one example's length does not move the others' outputs, pads token batches (B, T) along "
+            "their second dimension; give batch-first token batches (batch_first=True)",
+        )
     synth = _Synthetic(args, kwargs)
     base_args, base_kwargs = synth.base
     config = getattr(model, "config", None)
@@ -570,6 +604,87 @@ def declare_padding(model: nn.Module, side: str | None = None, length: int | Non
     shows, both sides when it shows none), ``length`` a fixed number of tokens of every batch (the
     length can then not vary: the re-padding probe is replaced by a check of the call's length)."""
     BatchIndependence.attach(model).padding = Padding(side, length)
+
+
+def _layer_layout_problem(model: nn.Module, synth: _Synthetic, dim: int, outer: tuple = ()) -> str | None:
+    """Where a trainable layer does not get the batch at ``dim`` (Opacus's per-layer assumption for
+    batch-second inputs; its RNN cells, :class:`opacus.layers.dp_rnn.RNNLinear`, take it first): the base
+    synthetic pass again under book-keeping's provenance (:mod:`.bk.provenance`), which knows each
+    tensor's batch dimension from the inputs, never from a shape; None when every such layer's batch
+    inputs have it there, one example per row."""
+    from opacus.layers.dp_rnn import RNNLinear
+
+    from .bk import provenance
+
+    mode = provenance.ProvenanceMode(synth.size)
+    args, kwargs = synth.base
+    for t in _leaves((args, kwargs), []):
+        if synth._is_example(t) or id(t) in synth._made:
+            mode.tags[t] = provenance.Rows(synth.bd)
+    problems: list[str] = []
+
+    def check(path):
+        def hook(module, a, kw):
+            want = 0 if isinstance(module, RNNLinear) else dim
+            rows = [(t, mode.tags.get(t)) for t in _leaves((a, kw), [])]
+            tagged = [(t, r) for t, r in rows if r is not None]
+            # a value not from the batch, the same in each of its B rows (an RNN's initial state): per row, exact
+            constant = all(
+                t.dim() > want and int(t.shape[want]) == synth.size and bool((t == t.narrow(want, 0, 1)).all())
+                for t, r in rows
+                if r is None
+            )
+            if not tagged and not (rows and constant):
+                problems.append(
+                    f"layer {path!r} ({type(module).__name__}) gets no input derived from the batch, nor one value "
+                    f"for every example along dimension {want}"
+                )
+            for t, r in tagged:
+                if not r.known or r.dim != want or r.group != 1:
+                    where = f"the batch at dimension {r.dim}" if r.known else f"rows of no single example ({r.mixed})"
+                    if r.known and r.group != 1:
+                        where += f" (rows grouped by {r.group})"
+                    problems.append(
+                        f"layer {path!r} ({type(module).__name__}) gets an input of shape {tuple(t.shape)} with "
+                        f"{where}, where Opacus takes it at dimension {want}"
+                    )
+                    break
+
+        return hook
+
+    handles = [
+        m.register_forward_pre_hook(check(path), with_kwargs=True)
+        for path, m in model.named_modules()
+        if path and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    if any(p.requires_grad for p in model.parameters(recurse=False)):  # the root's pre-hooks do not run here
+        check(type(model).__name__)(model, args, kwargs)
+    try:
+        _run(model, args, kwargs, outer=outer, within=mode)
+    except provenance.RefusedRows as exc:
+        problems.append(str(exc).split(": ", 1)[-1])
+    finally:
+        for h in handles:
+            h.remove()
+    return problems[0] if problems else None
+
+
+def _refuse_layout(model: nn.Module, synth: _Synthetic, dim: int, outer: tuple = ()) -> None:
+    """Refuse batch-second inputs where Opacus would take a layer's per-sample gradients along another
+    dimension than its batch (:func:`_layer_layout_problem`): with the drawn batch size equal to T it
+    would clip positions as examples."""
+    from ..validation import InvalidParameterError
+    from .opacus_compat import BATCH_SECOND
+
+    problem = _layer_layout_problem(model, synth, dim, outer)
+    if problem is not None:
+        raise InvalidParameterError(
+            "batch_first",
+            False,
+            f"is not supported for this model in grad_sample_mode 'hooks', 'functorch' or 'ghost': {problem}; use "
+            "grad_sample_mode='bk' (which takes every layer's batch where it is), or batch-first inputs. "
+            + BATCH_SECOND,
+        )
 
 
 def _localise(model: nn.Module, synth: _Synthetic, outer: tuple = ()) -> tuple[str, str, str] | None:

@@ -10,7 +10,6 @@ from .bk.keeper import (
     PER_SAMPLE,
     BookKeeper,
     BookKeepingModule,
-    check_batch_first,
     plan_layers,
     summarize_paths,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "PER_SAMPLE",
     "BookKeeper",
     "BookKeepingModule",
-    "check_batch_first",
     "plan_layers",
     "summarize_paths",
 ]

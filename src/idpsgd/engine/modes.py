@@ -72,6 +72,9 @@ class GradSampleMode:
     #: how the check that the per-example gradients add up to autograd's attaches (:mod:`.decomposition`);
     #: None for bk, whose provenance refuses any use of a parameter it cannot attribute to rows
     decomposition: Callable | None = probe_per_sample
+    #: why ``batch_first=False`` is refused in this mode (None: batch-second inputs are supported, the batch
+    #: dimension of every trainable layer's input proven by provenance, :mod:`.batch_independence`)
+    batch_second: str | None = None
 
     def hooks_object(self, module: torch.nn.Module, batch_first: bool, loss_reduction: str):
         """Opacus's hooks attached to ``module`` itself (``wrap_model=False``)."""
@@ -156,6 +159,8 @@ MODES: dict[str, GradSampleMode] = {
             build=_plain(GradSampleModuleExpandedWeights),
             wrapper_calls_model=True,
             decomposition=probe_expanded_weights,
+            batch_second="PyTorch's ExpandedWeights takes the batch size from the first dimension of every layer's "
+            "input",
             layer_path="PyTorch ExpandedWeights per-sample gradient (Opacus's ew mode)",
         ),
         GradSampleMode(
@@ -193,6 +198,8 @@ MODES: dict[str, GradSampleMode] = {
             hooks=GradSampleHooksNoOp,
             engine_computes=False,
             decomposition=probe_user_rows,
+            batch_second="the per-sample gradients are your own computation, whose layer inputs the engine never sees, "
+            "so it cannot prove where their batch dimension is (grad_sample_mode='hooks' or 'bk' can)",
             layer_path="your per-sample gradient (p.grad_sample, assigned before optimizer.step(); "
             "Opacus's no_op mode)",
         ),

@@ -62,9 +62,10 @@ def _norm_pass(model: torch.nn.Module):
         outer = None
     raw = raw_module(model)
     check_static_writes(raw)
-    BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call (.batch_independence)
+    check = BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call
     guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
+    keeper.batch_dim = check.batch_dim  # batch-second inputs (batch_first=False), as make_private was told
     saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation, keeper.user_level
     keeper.user_level = None  # the norm pass sets its own per batch (user level)
     outer_hooks = getattr(outer, "hooks_enabled", None)

@@ -111,10 +111,12 @@ WHOLE_BATCHES = (
     "in one step are refused before the noise"
 )
 BATCH_SECOND = (
-    "per-sample gradients are taken along the first dimension of each layer's activations; with batch-second "
-    "(T, B, ...) inputs the engine would have to find the batch dimension from the shapes, and when the "
-    "drawn batch size happens to equal T every mode clips the wrong units (Opacus too); give batch-first "
-    "(B, T, ...) inputs (e.g. nn.MultiheadAttention(batch_first=True), x.transpose(0, 1) in your collate)"
+    "per-sample gradients must be taken along the batch dimension of each layer's input; with batch-second "
+    "(T, B, ...) inputs the engine knows it from the loader (batch_first=False) and proves it for every "
+    "trainable layer by provenance (bk: any layout, row by row; hooks, functorch and ghost: Opacus takes it "
+    "at dimension 1 of every layer but its RNN cells, so a layer that gets the batch elsewhere is refused, "
+    "since when the drawn batch size equals T Opacus would clip the wrong units); 'ew' and 'no_op' cannot be "
+    "checked so and refuse it; give batch-first (B, T, ...) inputs there (x.transpose(0, 1) in your collate)"
 )
 MIXING = (
     "per-example clipping bounds an example's influence only when every other example's gradient does not "
@@ -172,7 +174,6 @@ OPACUS_ONLY = {
     "poisson_sampling": (True, POISSON),
     "clipping": ("flat", FLAT),
     "rand_on_empty": (False, EMPTY),
-    "batch_first": (True, BATCH_SECOND),
 }
 
 

@@ -398,7 +398,6 @@ class IndividualizedPrivacyEngine:
             poisson_sampling=poisson_sampling,
             clipping=clipping,
             rand_on_empty=rand_on_empty,
-            batch_first=batch_first,
             **kwargs,
         )
         phase = plan_phase(

@@ -193,12 +193,43 @@ class EmptyBatchCollate:
     def __call__(self, batch):
         if len(batch):
             out = self.collate_fn(batch)
+            if not self.batch_first and len(batch) > 1:
+                self._check_batch_second(batch, out)
             if self._template is None:
                 self._template = self._empty(out)
             return out
         if self._template is None:
             self._template = self._empty(self.collate_fn([self.dataset[0]]))
         return copy.deepcopy(self._template)
+
+    def _check_batch_second(self, batch, out) -> None:
+        """``batch_first=False``: the collated tensors of two or more dimensions hold the examples along their
+        second dimension, as declared — each has one entry per drawn example there, and (at the first batch)
+        the first and last examples collated alone have one entry there and are the batch's first and last
+        entries wherever the shapes allow the comparison (a collate that pads to the batch's longest example
+        does not).  What
+        book-keeping's provenance and Opacus take as the examples is then the loader's, even when the batch
+        size equals the sequence length."""
+        from torch.utils._pytree import tree_flatten
+
+        leaves = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.dim() >= 2]
+        wrong = [tuple(t.shape) for t in leaves if int(t.shape[1]) != len(batch)]
+        if not wrong and self._template is None:
+            for k in (0, len(batch) - 1):
+                alone = [t for t in tree_flatten(self.collate_fn([batch[k]]))[0] if torch.is_tensor(t) and t.dim() >= 2]
+                for a, t in zip(alone, leaves, strict=False):
+                    row = t.narrow(1, k, 1)
+                    if int(a.shape[1]) != 1 or (a.shape == row.shape and not torch.equal(a, row)):
+                        wrong.append(tuple(t.shape))
+        if wrong:
+            raise InvalidParameterError(
+                "batch_first",
+                False,
+                f"does not match the loader's batches: a collated tensor of shape {wrong[0]} does not hold the "
+                f"{len(batch)} drawn examples along its second dimension (dimension 1), one per example in the "
+                "order drawn; give (T, B, ...) batches (e.g. torch.stack(items, 1) in the collate_fn) or use "
+                "batch_first=True",
+            )
 
     def _empty(self, sample: Any):
         if torch.is_tensor(sample):

@@ -21,7 +21,7 @@ from .clipping import PerExampleClipping
 from .integrity import check_static_writes
 from .layer_inputs import PER_LAYER_MODES
 from .modes import mode
-from .opacus_compat import WRAP, refuse_opacus_options, validate_module
+from .opacus_compat import WRAP, validate_module
 from .output_hooks import OutputHooks, check_buffers
 from .unwrap import raw_module  # re-exported: its home is engine/unwrap.py
 
@@ -58,7 +58,11 @@ def check_wrappable(
                 "passes work through the returned module): use the returned module (wrap_model=True)",
             )
     check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
-    refuse_opacus_options(batch_first=batch_first)  # batch-second inputs, every mode (.opacus_compat.REFUSALS)
+    if batch_first is not True and batch_first is not False:
+        raise InvalidParameterError("batch_first", batch_first, "must be True or False")
+    if not batch_first and record.batch_second is not None:  # batch-second inputs (.opacus_compat.REFUSALS)
+        why = f"is not supported with grad_sample_mode={grad_sample_mode!r}: {record.batch_second}"
+        raise InvalidParameterError("batch_first", batch_first, why)
     if not isinstance(module, AbstractGradSampleModule) and hasattr(module, "autograd_grad_sample_hooks"):
         raise InvalidParameterError(
             "module",
@@ -114,6 +118,9 @@ def wrap_module(
         wrapped = record.build(module, clipping, batch_first, loss_reduction)
     if record.engine_computes:
         check = BatchIndependence.attach(raw_module(wrapped))
+        check.batch_dim = 0 if batch_first else 1  # where the loader's batch is (also for the norm passes)
+        # Opacus's modes with batch-second inputs take every layer's batch at dimension 1: proven at the check
+        check.per_layer_dim = 1 if not (batch_first or record.book_keeping) else None
         if isinstance(wrapped, torch.nn.Module):  # the user's hooks on the returned module are part of the forward
             check.wrapped_by(wrapped)
         if record.wrapper_calls_model:  # ExpandedWeights calls the model with its own parameters: check before

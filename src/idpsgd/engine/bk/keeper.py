@@ -30,7 +30,7 @@ from ...validation import InvalidParameterError
 from ..machinery import forward_net, guard
 from ..output_hooks import own_output
 from ..per_example_autograd import functorch_refuses, per_example_autograd
-from . import provenance
+from . import provenance, routing
 from .rules import Rule, acc, add_into, routed_rule, rule_for
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
 from .tied import cross_term
@@ -743,6 +743,18 @@ def _check_rule_parameters(name: str, module: nn.Module, rule) -> None:
         )
 
 
+def _aliases_only(module: nn.Module) -> bool:
+    """Whether every parameter ``module`` registers itself is also a parameter of one of its submodules (Opacus's
+    ``RenameParamsMixin``: DPLSTM's ``weight_ih_l0`` is its cell's ``l0.ih.weight``, an RNNLinear): the module
+    is a container whose submodules own the parameters (functorch over it would reparametrize the alias only,
+    and the cells would keep the real ones: per-example gradients of zero)."""
+    own = list(module.parameters(recurse=False))
+    if not own:
+        return False
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return all(id(p) in below for p in own)
+
+
 def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     """(name, module, rule, ``DIRECT_UNIT`` or None for a fallback unit) for every module owning trainable
     parameters, as Opacus's ``GradSampleModule`` walks a model (a module reached twice is planned
@@ -758,6 +770,10 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
             return
         seen.add(id(module))
         parametrized = parametrize.is_parametrized(module)
+        if not parametrized and _aliases_only(module):  # Opacus's DPLSTM/DPGRU/DPRNN: a container
+            for child_name, child in module.named_children():
+                walk(child, f"{prefix}.{child_name}" if prefix else child_name)
+            return
         if any(p.requires_grad for p in module.parameters(recurse=False)) or (
             parametrized and any(p.requires_grad for p in module.parameters())
         ):
@@ -792,13 +808,6 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     return plan
 
 
-def check_batch_first(batch_first: bool) -> None:
-    """Refuse batch-second inputs, as every mode does (:data:`~.opacus_compat.REFUSALS`)."""
-    from ..opacus_compat import refuse_opacus_options
-
-    refuse_opacus_options(batch_first=batch_first)
-
-
 class BookKeeper:
     """The book-keeping machinery attached to one model (one per model, shared by the training wrapper
     and the per-example norm passes; :meth:`attach`)."""
@@ -824,6 +833,9 @@ class BookKeeper:
         #: tensors back in: engine/fsdp.py); by default the model's own
         self.parameter_view = contextlib.nullcontext
         self.user_level = None  # user level: rows -> users, norms per user (set by the engine, ..units)
+        #: the batch dimension of the model's tensor arguments: 0, or 1 for batch-second (T, B, ...) inputs
+        #: (``batch_first=False``: what the loader yields, declared by the user, never read off the shapes)
+        self.batch_dim = 0
         self._plan()
 
     def _trainable(self) -> frozenset:
@@ -860,6 +872,7 @@ class BookKeeper:
                     if len(uses.get(id(p), ())) <= 1:  # one leak hook per parameter
                         self._handles.append(p.register_hook(self._leak_hook(f"{name}.{pname}")))
             self.tied = [group for group in uses.values() if len(group) > 1]
+            self._row_maps = routing.install(self, self.model)  # frozen MoE dispatches: row-by-row maps
             self._handles.append(self.model.register_forward_pre_hook(_BatchHook(self, True), with_kwargs=True))
             self._handles.append(self.model.register_forward_hook(_BatchHook(self, False), always_call=True))
         except BaseException:
@@ -875,6 +888,7 @@ class BookKeeper:
             unit.remove()
         for h in self._handles:
             h.remove()
+        routing.remove(getattr(self, "_row_maps", ()))
         self.layers, self.units, self.direct, self.tied, self._handles = [], [], [], [], []
         self._routes, self._sources, self._owner = {}, {}, {}
 
@@ -906,32 +920,36 @@ class BookKeeper:
 
     @property
     def step_batch(self) -> int | None:
-        """The batch size of the model forward in progress: the leading dimension of its first tensor
-        argument (batch-first), None outside the model's forward."""
+        """The batch size of the model forward in progress: the batch dimension (:attr:`batch_dim`) of its
+        first tensor argument that has one, None outside the model's forward."""
         return self._batches[-1] if self._batches else None
 
     def _enter(self, _module, args, kwargs):
         batch = None
         mode = None
         if self.active and torch.is_grad_enabled():
-            leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0]
-            batch = int(leaves[0].shape[0]) if leaves else None
+            bd = self.batch_dim
+            leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > bd]
+            batch = int(leaves[0].shape[bd]) if leaves else None
             if batch is not None and provenance.current() is None:
                 mode = provenance.ProvenanceMode(batch)
-                for t in leaves:  # the loader's batch (batch-first): the forward's tensors of B rows
-                    if int(t.shape[0]) == batch:
-                        mode.tags[t] = provenance.BATCH
+                rows = provenance.BATCH if bd == 0 else provenance.Rows(bd)
+                for t in leaves:  # the loader's batch (batch-first, or batch-second): the tensors of B rows there
+                    if int(t.shape[bd]) == batch:
+                        mode.tags[t] = rows
                 mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
                 mode.__enter__()
         self._batches.append(batch)
         self._modes.append(mode)
 
-    def _exit(self, *_):
+    def _exit(self, *output):
         if self._batches:
             self._batches.pop()
         mode = self._modes.pop() if self._modes else None
         if mode is not None:
             mode.__exit__(None, None, None)
+            if output:  # an auxiliary loss of the whole batch among the outputs (a MoE's load balancing): refused
+                routing.refuse_mixed_outputs(mode, output[0])
 
     def parameter_source(self, p: torch.Tensor, batch: int) -> torch.Tensor:
         """The tensor an operation of the forward uses for a covered layer's parameter ``p`` used directly
@@ -1153,7 +1171,7 @@ class _BatchHook:
         if self.keeper is not None and self.enter:
             self.keeper._enter(module, args, rest[0])
         elif self.keeper is not None:
-            self.keeper._exit()
+            self.keeper._exit(*rest[-1:])
 
     def __deepcopy__(self, memo):
         return _BatchHook(None, self.enter)
@@ -1177,9 +1195,9 @@ class BookKeepingModule(AbstractGradSampleModule):
     (:class:`~.optimizer.IndividualizedDPOptimizerBookKeeping`) reads the clipped sum from it."""
 
     def __init__(self, m: nn.Module, *, keeper: BookKeeper, batch_first: bool = True, loss_reduction: str = "mean"):
-        check_batch_first(batch_first)
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         self.keeper = keeper
+        keeper.batch_dim = 0 if batch_first else 1  # (T, B, ...) inputs: provenance tags the batch at dim 1
         self.keeper.loss_reduction = loss_reduction
         self.keeper.active = True
 

@@ -116,13 +116,27 @@ def host_read_refusal(op: str, rows: Rows) -> RefusedRows:
     )
 
 
+#: the standard replacement of an operation that mixes the examples of a batch by design
+_REPLACEMENTS = {
+    "batch_norm": "batch normalisation in training mode normalises each example by statistics of the whole batch, "
+    "by design; replace it by GroupNorm (opacus.validators.ModuleValidator.fix, i.e. "
+    "IndividualizedPrivacyEngine.get_compatible_module, does) or LayerNorm"
+}
+
+
 def refusal(where: str, rows: Rows) -> RefusedRows:
+    instead = _REPLACEMENTS.get(rows.mixed or "")
     return RefusedRows(
         f"grad_sample_mode='bk': {where} meets a tensor whose rows are not each one example's: they come "
         f"from {rows.mixed!r}, which reduces, mixes or selects across the batch dimension (a reduction, sort, "
         "cumsum or product over it, a slice of it, batch_norm in training) or which book-keeping does not "
-        "know to act row by row; per-example gradients are undefined there. Keep such operations off the "
-        "batch dimension, or use grad_sample_mode='hooks' for a model whose examples interact"
+        "know to act row by row; per-example gradients are undefined there. "
+        + (
+            f"Here {instead}"
+            if instead
+            else "Keep such operations off the batch dimension, or use grad_sample_mode='hooks' for a model whose "
+            "examples interact"
+        )
     )
 
 
@@ -1174,6 +1188,10 @@ class ProvenanceMode(TorchFunctionMode):
             return self._gather(func, args, kwargs, res)
         if name == "einsum":
             return self._einsum(args, res)
+        if name in FFT and only_first:
+            return _fft_rows(name, args, kwargs, nd, r, res)
+        if name in ("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle") and only_first:
+            return r if res.dim() == nd else None  # elementwise on complex values (FNet: fftn(x).real)
         if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
             dim = int(_arg(args, kwargs, 1, "dim")) % nd
             if dim == r.dim or args[0] is not x:
@@ -1228,6 +1246,34 @@ def _einsum_subscripts(equation: str, ranks) -> tuple[list[str], str] | None:
         letters = "".join(inputs)
         output = "".join(fill) + "".join(sorted(c for c in set(letters) if c.isalpha() and letters.count(c) == 1))
     return inputs, output
+
+
+#: torch.fft's transforms (``__name__`` ``fft_<name>``) → the dimensions they transform by default: the last
+#: (1-d), the last two (2-d), every dimension or the last ``len(s)`` (n-d); the shifts roll every dimension
+FFT = {
+    **{f"fft_{k}{n}": -1 for k in ("", "i", "r", "ir", "h", "ih") for n in ("fft",)},
+    **{f"fft_{k}fft2": (-2, -1) for k in ("", "i", "r", "ir", "h", "ih")},
+    **{f"fft_{k}fftn": None for k in ("", "i", "r", "ir", "h", "ih")},
+    "fft_fftshift": None,
+    "fft_ifftshift": None,
+}
+
+
+def _fft_rows(name, args, kwargs, nd, rows, res) -> Rows | None:
+    """A Fourier transform (or shift) along some dimensions mixes the entries along those dimensions only:
+    row by row when the batch dimension is not one of them (FNet's ``fftn(x, dim=(1, 2))`` over the tokens
+    and the hidden units of (B, T, d)); ``dim`` (or numpy's ``axis``) the transformed dimensions, else the
+    default of :data:`FFT` (an n-d transform without ``dim`` transforms the last ``len(s)``, or all)."""
+    shift = name.endswith("shift")
+    dim = kwargs.get("dim", kwargs.get("axis", _arg(args, kwargs, 1 if shift else 2, "dim", FFT[name])))
+    if dim is None:
+        s = None if shift else _arg(args, kwargs, 1, "s")
+        dims = tuple(range(nd - len(s), nd)) if s is not None else tuple(range(nd))
+    else:
+        dims = _dims(dim, nd)
+    if rows.dim in dims or res.dim() != nd:
+        return None
+    return rows
 
 
 def probe_rank(target, index) -> int:
