@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...validation import InvalidParameterError
 from . import provenance
+from .replay import Attribution
 from .rules import Rule, acc, add_into, routed_rule, rule_for
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
 from .tied import cross_term
@@ -790,6 +791,7 @@ class BookKeeper:
         self.tied: list[list[tuple[_Layer, str]]] = []  # (layer, parameter name) of each tied parameter's uses
         self._batches: list[int | None] = []  # the batch size of each model forward in progress
         self._modes: list = []  # the provenance mode of each model forward in progress (None: none entered)
+        self.attribution = Attribution(model)  # provenance traced once per signature, then replayed (.replay)
         self._routes: dict = {}  # id(weight) -> (functional operation, weight position, layer's forward)
         self._sources: dict = {}  # id(parameter) -> the keeper's parameter_source (covered layers' parameters)
         self._owner: dict = {}  # id(parameter) -> (layer, name)
@@ -893,11 +895,12 @@ class BookKeeper:
             leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > 0]
             batch = int(leaves[0].shape[0]) if leaves else None
             if batch is not None and provenance.current() is None:
-                mode = provenance.ProvenanceMode(batch)
-                for t in leaves:  # the loader's batch (batch-first): the forward's tensors of B rows
-                    if int(t.shape[0]) == batch:
-                        mode.tags[t] = provenance.BATCH
-                mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
+                mode = self.attribution.open(batch, args, kwargs)  # traced, or the signature's plan replayed
+                if isinstance(mode, provenance.ProvenanceMode):
+                    for t in leaves:  # the loader's batch (batch-first): the forward's tensors of B rows
+                        if int(t.shape[0]) == batch:
+                            mode.tags[t] = provenance.BATCH
+                    mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
                 mode.__enter__()
         self._batches.append(batch)
         self._modes.append(mode)
@@ -908,6 +911,7 @@ class BookKeeper:
         mode = self._modes.pop() if self._modes else None
         if mode is not None:
             mode.__exit__(None, None, None)
+            self.attribution.close(mode)
 
     def parameter_source(self, p: torch.Tensor, batch: int) -> torch.Tensor:
         """The tensor an operation of the forward uses for a covered layer's parameter ``p`` used directly
