@@ -79,7 +79,7 @@ def block_sums(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     starts, total = [], 0
     for b in bits:
         starts.append(total)
-        total += -(-b.numel() // _BLOCK)
+        total += -(-b.numel() // _BLOCK)  # (a chunk holds whole blocks: a tensor's blocks never straddle two)
     sums = torch.empty(total, dtype=torch.float64, device=device)
     stage = torch.empty(min(rows, total) * _BLOCK, dtype=torch.float64, device=device)
     zeros = torch.zeros(_BLOCK, dtype=torch.int8, device=device)
@@ -95,10 +95,19 @@ def block_sums(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
     capacity = stage.numel()
     for b in bits:
-        pad = -b.numel() % _BLOCK
+        n = b.numel()
+        pad = -n % _BLOCK
+        if filled + n + pad <= capacity:  # the whole tensor fits in the chunk being filled (most of them)
+            pieces.append(b)
+            if pad:
+                pieces.append(zeros[:pad])
+            filled += n + pad
+            if filled == capacity:
+                reduce()
+            continue
         at = 0
-        while at < b.numel():
-            take = min(b.numel() - at, capacity - filled)
+        while at < n:
+            take = min(n - at, capacity - filled)
             pieces.append(b[at : at + take])
             at, filled = at + take, filled + take
             if filled == capacity:
