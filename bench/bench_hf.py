@@ -60,6 +60,10 @@ from common import bench, parse_models, resolve_device
 RESULT_PATH = HERE / "results" / "hf_cost.json"
 MODELS = ("gpt2_lm", "bert_cls", "gpt2_lora")
 CONFIGS = ("nonprivate", "ours_bk", "opacus_ghost")
+#: every configuration ``--configs`` takes: ours in each grad_sample_mode, Opacus 1.6 in hooks and ghost
+ALL_CONFIGS = ("nonprivate", "ours_bk", "ours_ghost", "ours_hooks", "opacus_ghost", "opacus_hooks")
+#: ``--precision``: float32, or autocast in bfloat16 / float16 (float16: a GradScaler where the mode takes one)
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 DELTA, CLIP = 1e-5, 1.0
 #: issue 30's goals: full fine-tuning ≤ 1.25× time and ≤ 1.2× memory of non-private, LoRA ≤ 1.1×
 TARGETS = {"full_time": 1.25, "full_memory": 1.2, "lora_time": 1.1, "lora_memory": 1.1}
@@ -191,11 +195,14 @@ def run_config(spec: dict) -> dict:
                 from idpsgd.assignment import Budgets, assign
 
                 budgets = Budgets.from_groups([1.0, 8.0], [0.5, 0.5], n, DELTA, seed=spec["seed"])
-                if config == "ours_bk":
+                from torch import nn
+
+                mode = config.split("_", 1)[1]
+                if config.startswith("ours_"):
                     from idpsgd.engine import IndividualizedPrivacyEngine
 
                     engine = IndividualizedPrivacyEngine(seed=spec["seed"])
-                    model, optimizer, loader = engine.make_private(
+                    got = engine.make_private(
                         module=model,
                         optimizer=optimizer,
                         data_loader=loader,
@@ -204,27 +211,41 @@ def run_config(spec: dict) -> dict:
                         steps=total_steps,
                         max_grad_norm=CLIP,
                         sample_rate=b / n,
-                        grad_sample_mode="bk",
+                        grad_sample_mode=mode,
+                        **({"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}),
                     )
+                    model, optimizer, loader = got[0], got[1], got[-1]
+                    criterion = got[2] if mode == "ghost" else None
                     sigma = engine.parameters["noise_multiplier"]
                 else:
                     from opacus import PrivacyEngine
-                    from torch import nn
 
                     sigma = assign(budgets, "scale", b / n, total_steps, CLIP, "rdp").noise_multiplier
-                    model, optimizer, criterion, loader = PrivacyEngine().make_private(
+                    got = PrivacyEngine().make_private(
                         module=model,
                         optimizer=optimizer,
                         data_loader=loader,
                         noise_multiplier=sigma,
                         max_grad_norm=CLIP,
                         poisson_sampling=True,
-                        grad_sample_mode="ghost",
-                        criterion=nn.CrossEntropyLoss(),
+                        grad_sample_mode=mode,
+                        **({"criterion": nn.CrossEntropyLoss()} if mode == "ghost" else {}),
                     )
+                    model, optimizer, loader = got[0], got[1], got[-1]
+                    criterion = got[2] if mode == "ghost" else None
     except Exception as exc:  # this private mode refuses the model
         return {**result, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     cuda = device.type == "cuda"
+    half = PRECISIONS[spec.get("precision", "fp32")]
+    import contextlib
+
+    def autocast():
+        return torch.autocast(device.type, dtype=getattr(torch, half)) if half else contextlib.nullcontext()
+
+    # float16: a GradScaler for non-private and bk (the engine refuses one in hooks and ghost mode, whose scaler
+    # would see the un-clipped summed gradient; Opacus takes none); the others run float16 autocast without one
+    scaler = torch.amp.GradScaler(device.type) if half == "float16" and config in ("nonprivate", "ours_bk") else None
+    result["precision"], result["grad_scaler"] = spec.get("precision", "fp32"), scaler is not None
 
     def sync():
         if cuda:
@@ -242,11 +263,16 @@ def run_config(spec: dict) -> dict:
             xb, yb = next(it)
             optimizer.zero_grad(set_to_none=True)
             if len(xb):
-                loss = ghost_loss(criterion, model, xb, yb) if criterion is not None else loss_fn(model, xb, yb)
-                loss.backward()
+                with autocast():
+                    loss = ghost_loss(criterion, model, xb, yb) if criterion is not None else loss_fn(model, xb, yb)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             elif criterion is not None:  # Opacus cannot take an empty batch through the model
                 continue
-            optimizer.step()  # ours: an empty batch is a noise-only step
+            if scaler is not None:
+                scaler.step(optimizer)  # ours: an empty batch is a noise-only step
+                scaler.update()
+            else:
+                optimizer.step()
             examples += len(xb)
         return examples
 
@@ -300,17 +326,19 @@ def measure_model(
     isolate: bool = True,
     memory: bool = True,
     log=print,
+    configs: tuple = CONFIGS,
 ) -> dict:
     """Interleaved timing rounds, memory probes, medians and ratios for one model."""
+    names = configs
     runner = (
         (lambda spec, probe=False: run_isolated(spec, probe, script=__file__))
         if isolate
         else (lambda spec, probe=False: run_config(spec))
     )
-    raw: dict[str, list] = {c: [] for c in CONFIGS}
+    raw: dict[str, list] = {c: [] for c in names}
     loads = []
     for rnd in range(repeats):
-        for config in CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS)):
+        for config in names if rnd % 2 == 0 else tuple(reversed(names)):
             spec = {"model": model, "config": config, "device": device, "threads": threads, "seed": rnd, **sizes}
             before = os.getloadavg()[0]
             r = runner(spec)
@@ -345,7 +373,7 @@ def measure_model(
     }
     if memory and isolate:
         probes = {}
-        for config in CONFIGS:
+        for config in names:
             if "error" in configs[config]:
                 continue
             r = run_isolated(
@@ -386,7 +414,7 @@ def ratios(result: dict, device: str) -> dict:
         return out
     base = configs["nonprivate"][f"{primary}_median"]
     key = "cuda_peak_training_mib" if device == "cuda" else "rss_peak_mib"
-    for c in CONFIGS[1:]:
+    for c in [c for c in configs if c != "nonprivate"]:
         if "error" in configs[c]:
             continue
         out[f"{c}_time_vs_nonprivate"] = configs[c][f"{primary}_median"] / base
@@ -400,6 +428,8 @@ def verdict(result: dict) -> dict:
     out = {}
     for model in MODELS:
         if model not in result:
+            continue
+        if "ours_bk" not in result[model]["configs"]:
             continue
         r = result[model]["ratios"]
         lora = model == "gpt2_lora"
@@ -431,6 +461,8 @@ def measure(
     seq_len: int | None = None,
     steps: int | None = None,
     log=print,
+    configs: tuple = CONFIGS,
+    precision: str = "fp32",
 ) -> dict:
     """The whole benchmark; the dict written to ``hf_cost.json``."""
     import opacus
@@ -441,6 +473,7 @@ def measure(
     given = {"layers": layers, "batch_size": batch_size, "seq_len": seq_len, "steps": steps}
     sizes.update({k: v for k, v in given.items() if v is not None})
     sizes["n"] = max(4 * sizes["batch_size"], 64)  # Poisson rate B/n; n only sets the rate
+    sizes["precision"] = precision
     t0 = time.perf_counter()
     out = {
         "device": device,
@@ -470,7 +503,15 @@ def measure(
         out["gpu"] = torch.cuda.get_device_name(0)
     for model in models:
         out[model] = measure_model(
-            model, sizes, device=device, repeats=repeats, threads=threads, isolate=isolate, memory=memory, log=log
+            model,
+            sizes,
+            device=device,
+            repeats=repeats,
+            threads=threads,
+            isolate=isolate,
+            memory=memory,
+            log=log,
+            configs=configs,
         )
     out["verdict"] = verdict(out)
     out["wall_seconds"] = time.perf_counter() - t0
@@ -496,7 +537,7 @@ def table(result: dict) -> str:
             f"{r['load_avg_1min']['min']:.2f}-{r['load_avg_1min']['max']:.2f})"
         )
         mem = r.get("memory", {}).get("probes", {})
-        for c in CONFIGS:
+        for c in r["configs"]:
             cfg = r["configs"][c]
             if "error" in cfg:
                 lines.append(f"  {c:<13} does not run: {cfg['error']}")
@@ -532,6 +573,17 @@ def main(argv=None) -> dict | None:
         "--in-process", action="store_true", help="run every configuration in this process (no memory probes)"
     )
     p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated subset of {','.join(ALL_CONFIGS)} (default {','.join(CONFIGS)}; nonprivate first)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="fp32 (default), or autocast in bf16 / fp16 (fp16: a GradScaler for nonprivate and ours_bk)",
+    )
+    p.add_argument(
         "--out",
         default=None,
         help=f"result JSON (default {RESULT_PATH.relative_to(HERE.parent)}; with --smoke: none unless given)",
@@ -551,6 +603,11 @@ def main(argv=None) -> dict | None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise InvalidParameterError(name, v, "must be an integer >= 1")
+    configs = tuple(c for c in args.configs.split(",") if c)
+    if not configs or configs[0] != "nonprivate" or not set(configs) <= set(ALL_CONFIGS):
+        raise InvalidParameterError(
+            "configs", args.configs, f"must be nonprivate followed by some of {', '.join(ALL_CONFIGS[1:])}"
+        )
     if args.seq_len is not None and args.seq_len < 2:
         raise InvalidParameterError("seq_len", args.seq_len, "must be >= 2 (a language model predicts the next token)")
     result = {
@@ -570,6 +627,8 @@ def main(argv=None) -> dict | None:
             seq_len=args.seq_len,
             steps=args.steps,
             log=lambda s: print(s, file=sys.stderr),
+            configs=configs,
+            precision=args.precision,
         ),
     }
     out = args.out if args.out is not None else (None if args.smoke else RESULT_PATH)

@@ -1,15 +1,20 @@
 """The write guard's cost per logical step (issue 35): snapshot with the value fingerprint + compare
 (``idpsgd.engine.integrity``), the fingerprint of the parameters alone, and one book-keeping step, for
 one model and optimizer, in CPU seconds of one torch thread (on a shared machine CPU time measures the
-work).  Run it once per source tree to compare (``PYTHONPATH=<tree>/src``), in fresh processes::
+work).  One tree (the one on ``PYTHONPATH``), or several side by side: a fresh process per tree and
+round, rounds interleaved (order reversed every other round), medians over the rounds::
 
     python bench/guard_cost.py transformer|cifar_cnn|wrn16_4 sgd|sgdm|adam
+    python bench/guard_cost.py transformer adam --src /path/to/base/src --src src [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -94,5 +99,36 @@ def main(name: str, opt_name: str) -> dict:
     }
 
 
+def side_by_side(name: str, opt_name: str, srcs: list[str], rounds: int) -> dict:
+    """Each tree's figures in fresh processes, rounds interleaved; the median of each figure over the rounds."""
+    got: dict = {s: [] for s in srcs}
+    for r in range(rounds):
+        for src in srcs if r % 2 == 0 else srcs[::-1]:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}
+            out = subprocess.run(
+                [sys.executable, __file__, name, opt_name], env=env, capture_output=True, text=True, check=True
+            ).stdout
+            got[src].append(json.loads(out.strip().splitlines()[-1]))
+    keys = ("guard_ms", "fingerprint_parameters_ms", "bk_step_ms")
+    return {
+        src: {**runs[0], **{k: statistics.median(run[k] for run in runs) for k in keys}, "rounds": runs}
+        for src, runs in got.items()
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(*(sys.argv[1:3] if len(sys.argv) > 2 else ("transformer", "sgd")))))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default="transformer")
+    p.add_argument("optimizer", nargs="?", default="sgd")
+    p.add_argument("--src", action="append", help="a source tree (its idpsgd package), side by side; give two")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    if not a.src:
+        print(json.dumps(main(a.model, a.optimizer)))
+    else:
+        for src, fig in side_by_side(a.model, a.optimizer, a.src, a.rounds).items():
+            rounds = ", ".join(str(r["guard_ms"]) for r in fig["rounds"])
+            print(
+                f"{src}: guard {fig['guard_ms']:.2f} ms (rounds {rounds}), fingerprint of the parameters "
+                f"{fig['fingerprint_parameters_ms']:.2f} ms, bk step {fig['bk_step_ms']:.1f} ms"
+            )

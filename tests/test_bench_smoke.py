@@ -107,6 +107,71 @@ def test_hf_bench_smoke(monkeypatch, tmp_path):
         bench_hf.main(["--smoke", "--models", "gpt3"])
 
 
+def test_hf_bench_float16_runs_the_grad_scaler_path_and_takes_the_modes(monkeypatch, tmp_path):
+    """bench_hf.py --precision fp16: non-private and bk train under float16 autocast with a GradScaler (the path
+    bench/gpu.sh runs on CUDA), ghost and hooks without one (or say why they do not run the model); --configs picks
+    the configurations."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_hf
+
+    out = tmp_path / "hf.json"
+    configs = "nonprivate,ours_bk,ours_ghost,ours_hooks"
+    args = ["--smoke", "--in-process", "--repeats", "1", "--models", "bert_cls", "--configs", configs]
+    bench_hf.main([*args, "--precision", "fp16", "--out", str(out)])
+    runs = json.loads(out.read_text())["bert_cls"]["runs"]
+    assert list(runs) == configs.split(",")
+    for c in ("nonprivate", "ours_bk"):  # the GradScaler path runs through the engine
+        (run,) = runs[c]
+        assert "error" not in run and run["cpu_seconds_per_example"] > 0, run.get("error")
+        assert run["precision"] == "fp16" and run["grad_scaler"]
+    for c in ("ours_ghost", "ours_hooks"):  # figures, or the reason this mode does not run the model
+        (run,) = runs[c]
+        assert run.get("error") or (run["precision"] == "fp16" and not run["grad_scaler"])
+    with pytest.raises(Exception, match="configs"):
+        bench_hf.main(["--smoke", "--configs", "ours_bk,nonprivate"])
+
+
+def test_gpu_script_writes_its_figures(tmp_path):
+    """bench/gpu.sh --cpu (a tiny version on the CPU): the stages run, each with its status, and one JSON of
+    figures is written; the CUDA tests are selected by their marker (they skip here)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu.sh"), "--cpu", "--stages", "cuda_tests,hf_fp16", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    assert set(saved["stages"]) == {"cuda_tests", "hf_fp16"}
+    assert all(s["status"] == "ok" for s in saved["stages"].values()), saved["stages"]
+    counts = saved["figures"]["cuda_tests"]
+    assert counts["tests"] >= 3 and counts["failures"] == counts["errors"] == 0
+    assert saved["figures"]["hf_fp16.gpt2_lm"]["ours_bk_time_vs_nonprivate"] > 0
+    bad = subprocess.run(["bash", str(BENCH / "gpu.sh"), "--cpu", "--stages", "nope"], env=env, capture_output=True)
+    assert bad.returncode != 0 and b"unknown stage" in bad.stderr
+
+
+@pytest.mark.slow  # every stage at tiny sizes on the CPU: a few minutes
+def test_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(["bash", str(BENCH / "gpu.sh"), "--cpu", "--out", str(out)], env=env, check=False)
+    assert done.returncode == 0
+    saved = json.loads(out.read_text())
+    assert all(s["status"] == "ok" for s in saved["stages"].values()), saved["stages"]
+    assert {"cnn", "demo_test_accuracy", "hf_time.gpt2_lm", "hf_bf16.gpt2_lm"} <= set(saved["figures"])
+
+
 def test_versions_bench_compares_two_checkouts(monkeypatch, tmp_path):
     """bench/bench_versions.py with this checkout as its own base: every (version, configuration) ran
     in every round, and the ratios are those of the medians."""

@@ -656,3 +656,41 @@ def test_llama_with_lora_under_bf16_autocast(dtype):
         loss = _per_example_loss(model, inputs, ids).sum()
     loss.backward()
     torch.testing.assert_close(keeper.norms(), ref, rtol=TOL[dtype], atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_float16_with_a_grad_scaler_on_cuda():
+    """The GradScaler path on the device it is for: float16 autocast, ``GradScaler("cuda")``, book-keeping; the
+    steps are taken and charged, the parameters stay finite and move, and the scale never backs off (the scaler
+    sees only the data-independent marker gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).cuda()
+    x, y = torch.randn(N, 6, device="cuda"), torch.randint(0, 3, (N,), device="cuda")
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = IndividualizedPrivacyEngine(seed=3)
+    module, opt, loader = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
+        budgets=np.full(N, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.ones(N),
+        clip_norms=np.ones(N),
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        privacy_filter=None,
+    )
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    for _ in range(3):
+        for xb, yb in loader:
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(module(xb), yb)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert engine.steps == 3 and scaler.get_scale() >= 2.0**10
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(after, before, strict=True))

@@ -343,6 +343,7 @@ def test_bad_input_is_a_clear_error(data, budgets):
     assert engine.accountant is None  # nothing was half set up by the refused calls
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trains_on_cuda(data, budgets):
     x, y = data

@@ -856,6 +856,47 @@ def test_a_write_to_the_optimizer_state_is_refused(mode, opt, how, what):
     assert engine.steps == 1
 
 
+class _OneUlp(nn.Module):
+    """A forward that moves one entry of an optimizer state (Adam's ``exp_avg_sq``) or of a buffer by one unit in
+    the last place, through ``.data`` (no version counter sees it), when the batch says so (kept a tensor)."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.full((3, 5), 0.3))
+        self.where, self.optimizer = where, None
+
+    def forward(self, x):
+        if self.where == "buffer":
+            target = self.scale.data
+        elif self.optimizer is not None and self.optimizer.state:
+            target = self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["exp_avg_sq"].data  # lin.weight
+        else:
+            target = None
+        if target is not None:
+            flat = target.view(-1)
+            flat[1] = torch.where(x[0, 0] > -10, torch.nextafter(flat[1], flat[1] + 1), flat[1])
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize(
+    ("where", "what"),
+    [
+        ("optimizer", r"optimizer state 'exp_avg_sq' of parameter 'lin.weight' \(Adam\) had its values changed"),
+        ("buffer", r"persistent buffer 'scale' \(module '\(root\)', _OneUlp\) had its values changed through .data"),
+    ],
+)
+def test_a_one_ulp_write_through_data_is_refused(mode, where, what):
+    model = _model(_OneUlp, where)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    engine, *rest = _private(model, mode, optimizer=optimizer)
+    model.optimizer = optimizer
+    if where == "optimizer":
+        _train(engine, *rest)  # the first step creates the state
+    _refused(engine, rest, what)
+
+
 def test_the_optimizer_state_may_change_between_steps():
     """``optimizer.step()`` and writes between steps (loading an optimizer checkpoint) are allowed."""
     model = _model(nn.Linear, 4, 2)
@@ -899,55 +940,84 @@ def test_permutations_and_paired_sign_flips_through_data_are_refused(mode, how):
         per_example_grad_norms(_model(_Swap, how), [_data()])
 
 
-def _python_checksums(tensors):
-    """The checksums with Python integers: Σ_B v_B·Σ_k u_k·b_{B,k} mod 2⁶⁴ per tensor over its blocks of 1024
-    entries, small tensors padded to whole blocks and numbered across their pack."""
-    from idpsgd.engine import integrity
+def _python_block_sums(tensors):
+    """The block sums with Python integers: Σ_k u_k·b_k over each block of 1024 bit patterns of each tensor, the
+    last block of each padded with zeros."""
+    from idpsgd.engine import fingerprint
 
-    inner, per_block = integrity._weights(torch.device("cpu"), 4096)
-    inner, per_block = [int(u) for u in inner.tolist()], per_block.tolist()
-    out, block = [], 0
+    inner = [int(u) for u in fingerprint._inner(torch.device("cpu")).tolist()]
+    out = []
     for t in tensors:
         bits = t.reshape(-1).view(torch.int32).tolist()
-        blocks = -(-len(bits) // 1024)
-        first = 0 if blocks > integrity._ROWS else block
-        if blocks <= integrity._ROWS and block + blocks > integrity._ROWS:
-            first = 0
-        total = sum(inner[i % 1024] * b * per_block[first + i // 1024] for i, b in enumerate(bits))
-        out.append(total % 2**64)
-        if blocks <= integrity._ROWS:
-            block = first + blocks
+        for start in range(0, len(bits), 1024):
+            out.append(sum(u * b for u, b in zip(inner, bits[start : start + 1024], strict=False)))
     return out
 
 
-def test_the_checksum_is_exact_and_position_weighted():
-    """The checksum is Σ w_i·b_i mod 2⁶⁴ exactly (checked with Python integers), for a large tensor and for
-    small ones packed together; every row swap, paired sign flip or one-bit change changes it."""
-    from idpsgd.engine import integrity
+def test_the_fingerprint_is_exact_and_position_weighted():
+    """The block sums are Σ u_k·b_k exactly (checked with Python integers), for tensors larger than a chunk of the
+    staging buffer and small ones packed together; every row swap, paired sign flip or one-bit change of one entry
+    is found and names its tensor."""
+    from idpsgd.engine import fingerprint
 
     g = torch.Generator().manual_seed(0)
-    span = integrity._ROWS * 1024
+    span = fingerprint._ROWS["cpu"] * 1024
     tensors = [torch.randn(n, generator=g) for n in (span + 5, 3, span - 2000, 2000, 1024, span)]
-    got = [int(c) % 2**64 for c in integrity._checksums(tensors)]
-    assert got == _python_checksums(tensors)
-    for rows in (5, 2 * span // 64 + 3):  # packed; in chunks of a large tensor
+    sums, starts = fingerprint.block_sums(tensors)
+    assert sums.tolist() == _python_block_sums(tensors)
+    assert starts == [
+        0,
+        span // 1024 + 1,
+        span // 1024 + 2,
+        2 * (span // 1024) + 1,
+        2 * (span // 1024) + 3,
+        2 * (span // 1024) + 4,
+    ]
+    for rows in (5, 2 * span // 64 + 3):  # packed with others; across chunks of the staging buffer
         table = torch.randn(rows, 64, generator=g)
-        before = integrity._checksums([table])
+        others = [torch.randn(7, generator=g), table, torch.randn(3000, generator=g)]
+        before = fingerprint.Fingerprint.take(others)
+
+        def changed(t, before=before, others=others):
+            return before.changed(fingerprint.Fingerprint.take([others[0], t, others[2]]))
+
         for _ in range(10):
             i, j = torch.randperm(rows, generator=g)[:2].tolist()
             swapped = table.clone()
             swapped[[i, j]] = swapped[[j, i]]
-            assert not torch.equal(integrity._checksums([swapped]), before)
+            assert changed(swapped) == [1]
             flat = table.clone().view(-1)
             pos, neg = torch.nonzero(flat > 0).flatten(), torch.nonzero(flat < 0).flatten()
             k = int(torch.randint(0, min(len(pos), len(neg)), (1,), generator=g))
             flat[torch.stack([pos[k], neg[k]])] *= -1
-            assert not torch.equal(integrity._checksums([flat.view_as(table)]), before)
+            assert changed(flat.view_as(table)) == [1]
         flat = table.clone().view(-1)
         flat.view(torch.int32)[-1] ^= 1  # the last bit of the last entry
-        assert not torch.equal(integrity._checksums([flat]), before)
+        assert changed(flat.view_as(table)) == [1]
+        assert changed(table.clone()) == []
     mixed = [torch.zeros(10, dtype=d) for d in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64)]
-    assert integrity._checksums(mixed).shape == (5,)
+    sums, starts = fingerprint.block_sums(mixed)
+    assert sums.shape == (5,) and starts == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fingerprint_on_cuda_is_the_cpus_and_finds_a_one_ulp_write():
+    """On the tensors' device: the same block sums as on the CPU (exact in any reduction order), across chunks of
+    the accelerator's staging buffer, and a one-ulp change names its tensor; CPU tensors (Adam's ``step``) beside."""
+    from idpsgd.engine import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    span = fingerprint._ACCELERATOR_ROWS * 1024
+    cpu = [torch.randn(n, generator=g) for n in (3, span + 1500, 1024, 70)]
+    cuda = [t.cuda() for t in cpu]
+    assert torch.equal(fingerprint.block_sums(cuda)[0].cpu(), fingerprint.block_sums(cpu)[0])
+    tensors = [*cuda, torch.tensor(5.0)]
+    before = fingerprint.Fingerprint.take(tensors)
+    assert before.changed(fingerprint.Fingerprint.take(tensors)) == []
+    moved = cuda[1].clone()
+    moved[span + 7] = torch.nextafter(moved[span + 7], moved[span + 7] + 1)
+    assert before.changed(fingerprint.Fingerprint.take([cuda[0], moved, *tensors[2:]])) == [1]
 
 
 def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alone():

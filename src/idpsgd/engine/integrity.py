@@ -17,20 +17,16 @@ import contextlib
 import copy
 import hashlib
 import io
-import secrets
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
 
 from ..validation import InvalidParameterError
-
-#: integer type of the same width, to read a tensor's bit patterns (8-byte types as pairs of int32)
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+from .fingerprint import Fingerprint
 
 
 class UnnoisedWriteError(RuntimeError):
@@ -114,115 +110,9 @@ def extra_state_digests(module: nn.Module) -> dict[str, bytes]:
     return out
 
 
-def _fingerprintable(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and not t.is_meta and not t.is_quantized and t.numel() > 0
-
-
-#: the checksum's blocks of 1024 entries: exact float64 sums of the bit patterns times distinct weights
-#: below 2¹² (|Σ| ≤ 2³¹·2¹²·2¹⁰ = 2⁵³: every partial sum is an integer that float64 holds exactly, in
-#: any order); up to _ROWS blocks per pack of small tensors and per chunk of a large one (2 MiB float64)
-_BLOCK, _ROWS = 1024, 256
-_WEIGHTS: dict = {}  # device -> (in-block weights [_BLOCK] float64, block weights [growing] int64)
-
-
-def _weights(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checksum's weights on ``device``, drawn once per process from OS entropy (model code cannot
-    aim a change at a collision): in a block 1024 distinct integers in [1, 4095], per block a uniform
-    random odd 64-bit integer."""
-    have = _WEIGHTS.get(device)
-    if have is None or have[1].numel() < blocks:
-        rng = np.random.default_rng(secrets.randbits(128))
-        inner = have[0] if have is not None else torch.from_numpy(rng.choice(4095, _BLOCK, replace=False) + 1.0)
-        grown = max(blocks, 4 * _ROWS, 2 * (have[1].numel() if have is not None else 0))
-        per_block = rng.integers(0, 2**64, grown, dtype=np.uint64, endpoint=False) | np.uint64(1)
-        per_block = torch.from_numpy(per_block.view(np.int64))
-        if have is not None:  # the weights of the blocks already in use stay the same
-            per_block[: have[1].numel()] = have[1].cpu()
-        have = _WEIGHTS[device] = (inner.to(device), per_block.to(device))
-    return have
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's entries as flat signed integers of their width (8-byte types as pairs of int32)."""
-    t = t.detach()
-    if t.dtype.is_complex:
-        t = torch.view_as_real(t)
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    bits = _BITS[flat.element_size()]
-    return flat if flat.dtype == bits else flat.view(bits)
-
-
-def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Per tensor (all on one device), Σ_B v_B·(Σ_k u_k·b_{B,k}) mod 2⁶⁴ over its blocks B of 1024 bit
-    patterns b (a short last block padded with zeros; small tensors packed together, B numbered across
-    the pack): the block sums exact in float64 (u: distinct integers below 2¹², :data:`_BLOCK`), their
-    v-weighted sum in int64 arithmetic, which wraps — exact and independent of the reduction order on
-    every device.
-
-    What it misses: in one block, a change Δ with Σ_k u_k·Δ_k = 0 exactly — never a swap of two
-    entries (the u are distinct) nor the sign flips of one or two entries (±2³¹·u_k), but possibly
-    changes of three or more entries by a few units in the last place that cancel for these random u;
-    across blocks, a change whose block sums cancel modulo 2⁶⁴ under the random odd v_B, about 2⁻³²
-    for a change made without knowing them (a swap of rows of a table, sign flips in two blocks).
-    The plain sum of the bit patterns, used before, missed every permutation and every pair of
-    opposite sign flips."""
-    device = tensors[0].device
-    inner, per_block = _weights(device, max(-(-t.numel() // _BLOCK) for t in tensors))
-    zeros = torch.zeros(_BLOCK, dtype=torch.int8, device=device)
-    pieces, order, pack, packed, ends = [], [], [], [], []
-
-    def flush():
-        if not pack:
-            return
-        rows = torch.cat(pack).view(-1, _BLOCK).to(torch.float64) @ inner  # exact block sums
-        weighted = rows.to(torch.int64).mul_(per_block[: rows.numel()]).cumsum(0)
-        at = weighted[torch.tensor(ends, device=device) - 1]
-        pieces.append(torch.diff(at, prepend=at.new_zeros(1)))
-        order.extend(packed)
-        pack.clear()
-        packed.clear()
-        ends.clear()
-
-    for i, t in enumerate(tensors):
-        bits = _bits(t)
-        n = bits.numel()
-        blocks, pad = -(-n // _BLOCK), -n % _BLOCK
-        if blocks > _ROWS:  # a large tensor, in chunks of _ROWS blocks
-            full = n - n % _BLOCK
-            rows = bits[:full].view(-1, _BLOCK)
-            sums = torch.empty(blocks, dtype=torch.float64, device=device)
-            chunk = torch.empty(_ROWS, _BLOCK, dtype=torch.float64, device=device)
-            for start in range(0, rows.shape[0], _ROWS):
-                part = rows[start : start + _ROWS]
-                torch.mv(chunk[: part.shape[0]].copy_(part), inner, out=sums[start : start + part.shape[0]])
-            if pad:
-                sums[-1] = bits[full:].to(torch.float64) @ inner[: n - full]
-            pieces.append((sums.to(torch.int64).mul_(per_block[:blocks])).sum().reshape(1))
-            order.append(i)
-            continue
-        if ends and ends[-1] + blocks > _ROWS:
-            flush()
-        pack.extend((bits, zeros[:pad]) if pad else (bits,))
-        ends.append((ends[-1] if ends else 0) + blocks)
-        packed.append(i)
-    flush()
-    out = torch.cat(pieces)
-    if order != sorted(order):
-        out = torch.empty_like(out).index_copy_(0, torch.tensor(order, device=device), out)
-    return out
-
-
-def _fingerprint(tensors: list[torch.Tensor]) -> dict:
-    """device → (indices, the tensors' position-weighted checksums): one read per tensor, compared
-    exactly."""
-    groups: dict = {}
-    for i, t in enumerate(tensors):
-        if _fingerprintable(t):
-            groups.setdefault(t.device, []).append(i)
-    with torch.no_grad():
-        return {device: (idx, _checksums([tensors[i] for i in idx])) for device, idx in groups.items()}
+def _fingerprint(tensors: list[torch.Tensor]) -> Fingerprint:
+    """The tensors' value fingerprint (:mod:`.fingerprint`): one read of each, on its device."""
+    return Fingerprint.take(tensors)
 
 
 def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
@@ -261,7 +151,7 @@ class _Snapshot:
     tensors: list
     versions: list
     pointers: list
-    fingerprint: dict | None
+    fingerprint: Fingerprint | None
     extra: dict  # name -> digest of a module's extra state
     values: dict  # optimizer state that is not a tensor: (parameter name, key) -> a copy of the value
 
@@ -348,21 +238,13 @@ class _Snapshot:
             if extra.get(name) != self.extra.get(name)
         ]
         if self.fingerprint is not None and not out:
-            now_fp = _fingerprint(self.tensors)
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
-            for key, (idx, before_fp) in self.fingerprint.items():
-                after = now_fp.get(key)
-                if after is None or after[0] != idx:
-                    continue
-                same = before_fp == after[1]
-                if bool(same.all()):
-                    continue
-                for j in torch.nonzero(~same).flatten().tolist():
-                    name = by_index[idx[j]]
-                    out.append(
-                        f"{what(name, self.names[name][0])} had its values changed through .data (a write "
-                        "autograd does not see)"
-                    )
+            for j in self.fingerprint.changed(_fingerprint(self.tensors)):
+                name = by_index[j]
+                out.append(
+                    f"{what(name, self.names[name][0])} had its values changed through .data (a write "
+                    "autograd does not see)"
+                )
         return out
 
 

@@ -1,7 +1,8 @@
 """Book-keeping clipping (``grad_sample_mode="bk"``), one module per step of the mechanism:
 
 1. :mod:`.provenance` — which tensors of the forward derive from the batch, and which of their rows
-   belong to which example (a torch function mode active during the model's forward);
+   belong to which example (a torch function mode active during the model's forward); :mod:`.replay` traces
+   it once per signature of the forward and replays its answers on later forwards;
 2. :mod:`.rules` — per-operation rules: a trainable parameter meeting batch-derived rows (Linear,
    convolution, Embedding, the norms, transformers' Conv1D, RMSNorm forms): ghost norm or
    per-sample gradient;

@@ -31,6 +31,7 @@ from ..machinery import forward_net, guard
 from ..output_hooks import own_output
 from ..per_example_autograd import functorch_refuses, per_example_autograd
 from . import provenance, routing
+from .replay import Attribution
 from .rules import Rule, acc, add_into, routed_rule, rule_for
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
 from .tied import cross_term
@@ -823,6 +824,7 @@ class BookKeeper:
         self.tied: list[list[tuple[_Layer, str]]] = []  # (layer, parameter name) of each tied parameter's uses
         self._batches: list[int | None] = []  # the batch size of each model forward in progress
         self._modes: list = []  # the provenance mode of each model forward in progress (None: none entered)
+        self.attribution = Attribution(model)  # provenance traced once per signature, then replayed (.replay)
         self._routes: dict = {}  # id(weight) -> (functional operation, weight position, layer's forward)
         self._sources: dict = {}  # id(parameter) -> the keeper's parameter_source (covered layers' parameters)
         self._owner: dict = {}  # id(parameter) -> (layer, name)
@@ -932,12 +934,13 @@ class BookKeeper:
             leaves = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.dim() > bd]
             batch = int(leaves[0].shape[bd]) if leaves else None
             if batch is not None and provenance.current() is None:
-                mode = provenance.ProvenanceMode(batch)
-                rows = provenance.BATCH if bd == 0 else provenance.Rows(bd)
-                for t in leaves:  # the loader's batch (batch-first, or batch-second): the tensors of B rows there
-                    if int(t.shape[bd]) == batch:
-                        mode.tags[t] = rows
-                mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
+                mode = self.attribution.open(batch, args, kwargs, bd)  # traced, or the signature's plan replayed
+                if isinstance(mode, provenance.ProvenanceMode):
+                    rows = provenance.BATCH if bd == 0 else provenance.Rows(bd)
+                    for t in leaves:  # the loader's batch (batch-first, or batch-second): the tensors of B rows there
+                        if int(t.shape[bd]) == batch:
+                            mode.tags[t] = rows
+                    mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
                 mode.__enter__()
         self._batches.append(batch)
         self._modes.append(mode)
@@ -948,8 +951,11 @@ class BookKeeper:
         mode = self._modes.pop() if self._modes else None
         if mode is not None:
             mode.__exit__(None, None, None)
-            if output:  # an auxiliary loss of the whole batch among the outputs (a MoE's load balancing): refused
-                routing.refuse_mixed_outputs(mode, output[0])
+            try:
+                if output:  # an auxiliary loss of the whole batch among the outputs (a MoE's load balancing): refused
+                    routing.refuse_mixed_outputs(mode, output[0])
+            finally:
+                self.attribution.close(mode)
 
     def parameter_source(self, p: torch.Tensor, batch: int) -> torch.Tensor:
         """The tensor an operation of the forward uses for a covered layer's parameter ``p`` used directly

@@ -1,0 +1,359 @@
+"""Provenance once per signature: trace the attribution of a model's forward once, then replay it.
+
+:class:`~.provenance.ProvenanceMode` intercepts every torch call of the forward in Python (2–10 µs each,
+about 1,000 calls per GPT-2-small forward).  What book-keeping takes from it is small: the answers to the
+*queries* of the book-kept layers and of the values shared by the batch (:mod:`.keeper`, :mod:`.shared`):
+"which rows of which examples does this layer's input hold?", in the order the forward asks them.  Those
+answers are a function of the sequence of operations and the tags' rules.  When the forward's Python path
+cannot depend on tensor values, that sequence is a function of what :func:`signature` captures — the model's
+structure (modules, their train/eval flags and hooks, parameters, their shapes, dtypes, devices and
+``requires_grad``), the input signature (the shapes, dtypes and devices of the tensor arguments, which of
+them are tagged as the batch, the plain values of the others), the batch size, grad and autocast state — and
+so are the answers.
+
+:class:`Attribution` (one per book-keeper) therefore *traces* the first forward of each signature with a
+:class:`TracingMode` (the provenance mode, which also records the queries with their answers and every
+*decision* that makes a replay unsafe), and *replays* the recorded plan on later forwards of the same
+signature with a :class:`ReplayMode`, which intercepts nothing: it answers each query from the plan after
+checking that the query comes from the same place (function and layer) about a tensor of the same shape and
+dtype, and that the forward asked every query of the plan.  A mismatch (:class:`ReplayDiverged`) refuses the
+step and turns the replay off for the model: every later forward is traced.
+
+A replay is never trusted, and every forward of that signature is traced (said once in the ``idpsgd`` log,
+and in :attr:`Attribution.status`), when the trace saw a decision that could make a later forward of the
+same signature take another path or get other answers:
+
+* a read of any tensor's values into Python (``.item()``, ``bool(t)``, ``.tolist()``, ...: a branch, a
+  length), the allowed reads of transformers' mask fast paths included;
+* an operation whose result's size is a value (``nonzero``, ``torch.where(c)``, ``x[mask]``, ``unique``,
+  ...: the data-dependent routing of a mixture of experts);
+* a tag rule that compares values (a constant whose rows may differ along the batch, an index compared with
+  ``arange``);
+* a covered layer's weight met in a ``torch.nn.functional`` call (a routed layer) or a covered parameter used
+  directly (a value shared by the batch made from it): both need the interception itself.
+
+What the signature cannot see — a forward whose path depends on Python state outside it (a random draw of
+Python's ``random``, a counter, a flag set on an object that is not a module) — is assumed away, as the
+batch-independence check's probe at the first forward assumes it; a path change that changes any query is
+caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th forward of a signature is traced again and
+compared with the plan (a difference refuses the step and turns the replay off).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import provenance
+from .provenance import GETITEM, HOST_READS, ROUTABLE, SIZED_BY_VALUES, ProvenanceMode, Tags, _inplace, op_name
+
+log = logging.getLogger("idpsgd")
+
+#: every this many replays of a signature, its forward is traced again and compared with the plan
+RETRACE_EVERY = 64
+#: signatures kept per model (Poisson batches: one per batch size seen); the oldest plan is dropped beyond
+MAX_PLANS = 256
+_PROVENANCE = provenance.__name__
+_ROWS_OF = provenance.rows_of.__code__
+
+
+class ReplayDiverged(RuntimeError):
+    """A replayed forward asked other queries than its trace (its path depends on something the signature does
+    not capture): the step is refused and the model's forwards are traced from then on."""
+
+
+def _query_key(t) -> tuple:
+    return (tuple(t.shape), t.dtype) if torch.is_tensor(t) else (type(t).__name__,)
+
+
+def _answer(rows) -> tuple | None:
+    return None if rows is None else (rows.dim, rows.group, rows.mixed)
+
+
+def _site(frame) -> tuple:
+    """Where a query comes from: the asking function and the object it is a method of (a book-kept layer's
+    forward: which layer asks)."""
+    owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
+    return (frame.f_code, id(owner))
+
+
+def _label(frame) -> str:
+    """A query's place in words (for a divergence's message): the function, and the layer that asks."""
+    owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
+    layer = getattr(owner, "layer", None) or getattr(owner, "unit", None)
+    name = getattr(layer, "name", None)
+    return f"{frame.f_code.co_name!r}" + (f" of layer {name!r}" if name is not None else "")
+
+
+def _external() -> tuple | None:
+    """The place (:func:`_site`) of the caller of ``Tags.get`` when it is a query from outside the provenance
+    mode's own rules (the keeper, the shared values, ``provenance.rows_of``); None for the mode's rules."""
+    frame = sys._getframe(2)
+    if frame.f_globals.get("__name__") == _PROVENANCE and frame.f_code is not _ROWS_OF:
+        return None
+    return _site(frame)
+
+
+class _RecordingTags(Tags):
+    """The tracing mode's tags: also records each query from outside the mode's rules, with its answer."""
+
+    __slots__ = ("queries",)
+
+    def __init__(self):
+        super().__init__()
+        self.queries: list = []
+
+    def get(self, t, default=None):
+        got = Tags.get(self, t, default)
+        site = _external()
+        if site is not None:
+            self.queries.append((site, _query_key(t), got, _label(sys._getframe(1))))
+        return got
+
+
+class TracingMode(ProvenanceMode):
+    """The provenance mode of a traced forward: tags as :class:`~.provenance.ProvenanceMode` does, records the
+    queries of the keeper and of the shared values with their answers (:attr:`tags`), and the decisions that
+    make a replay of this forward unsafe (:attr:`decisions`, module docstring)."""
+
+    def __init__(self, batch: int):
+        super().__init__(batch)
+        self.tags = _RecordingTags()
+        self.decisions: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        paused = self.paused
+        if not self.decisions:  # also inside a fallback's forward (paused: its operations are not tagged)
+            why = self._decision(func, args, kwargs)
+            if why is not None:
+                self.decisions.append(why)
+        out = super().__torch_function__(func, types, args, kwargs)
+        if not self.decisions and not paused and (self.routes or self.sources):
+            why = self._interception(func, args, kwargs, out)
+            if why is not None:
+                self.decisions.append(why)
+        return out
+
+    def _decision(self, func, args, kwargs) -> str | None:
+        """A decision on tensor values (module docstring), or None."""
+        if func in HOST_READS:
+            return f"a read of tensor values into Python ({op_name(func)!r})"
+        if func in SIZED_BY_VALUES:
+            name = op_name(func)
+            if name == "where" and len(args) + len(kwargs) > 1:
+                return None  # torch.where(c, a, b): elementwise
+            tensor_repeats = any(torch.is_tensor(a) for a in (*args[1:], *kwargs.values()))
+            if name == "repeat_interleave" and not tensor_repeats and (len(args) != 1 or kwargs):
+                return None  # repeats given as a Python int: sized by the shape
+            return f"an operation whose result's size is a value ({name!r}: data-dependent routing)"
+        if func in GETITEM and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in index):
+                return "an index by a boolean mask (x[mask]: its size is a value)"
+        return None
+
+    def _interception(self, func, args, kwargs, out) -> str | None:
+        """Where the mode itself acted on the operation (a routed layer, a covered parameter used directly and
+        replaced by a value shared by the batch): a replay, which intercepts nothing, could not."""
+        if self.routes and func in ROUTABLE:
+            w = args[ROUTABLE[func]] if len(args) > ROUTABLE[func] else kwargs.get("weight")
+            route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
+            if route is not None and route[0] is func:
+                return f"a covered layer's weight in {op_name(func)!r} (a routed layer: needs the interception)"
+        tensors = torch.is_tensor(out) or (isinstance(out, (tuple, list)) and any(torch.is_tensor(o) for o in out))
+        if self.sources and tensors and torch.is_grad_enabled() and not _inplace(func):
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.nn.Parameter) and id(a) in self.sources:
+                    return f"a covered layer's parameter used directly in {op_name(func)!r} (needs the interception)"
+        return None
+
+    def _rows_differ(self, t, d, group) -> bool:
+        if not self.decisions:
+            self.decisions.append("a tag rule that compares the values of a constant (rows that may differ)")
+        return super()._rows_differ(t, d, group)
+
+    def _per_row(self, x, idx) -> bool:
+        if not self.decisions:
+            self.decisions.append("a tag rule that compares an index with arange (by value)")
+        return super()._per_row(x, idx)
+
+
+class _ReplayTags:
+    """A replayed forward's tags: each query answered from the plan, in order, after checking its place and key;
+    writes are ignored (no rule runs)."""
+
+    __slots__ = ("at", "owner", "plan")
+
+    def __init__(self, plan: list, owner: Attribution):
+        self.plan, self.at, self.owner = plan, 0, owner
+
+    def get(self, t, default=None):
+        frame = sys._getframe(1)
+        site = _site(frame)
+        at = self.at
+        if at >= len(self.plan):
+            self.owner.diverged(f"a query beyond the {len(self.plan)} of the trace, from {_label(frame)}")
+        want_site, want_key, answer, where = self.plan[at]
+        if want_site != site or want_key != _query_key(t):
+            self.owner.diverged(
+                f"query {at + 1} of {len(self.plan)} came from {_label(frame)} about {_query_key(t)}; the trace's "
+                f"from {where} about {want_key}"
+            )
+        self.at = at + 1
+        return default if answer is None else answer
+
+    def __setitem__(self, t, rows):
+        pass
+
+
+class ReplayMode:
+    """Stands in for the provenance mode on its stack (:func:`~.provenance.current`) during a replayed forward:
+    intercepts no operation; answers the queries from the plan (:class:`_ReplayTags`)."""
+
+    def __init__(self, batch: int, plan: list, owner: Attribution):
+        self.batch, self.paused = batch, 0
+        self.routes: dict = {}
+        self.sources: dict = {}
+        self.make_source = None
+        self.tags = _ReplayTags(plan, owner)
+
+    def tag(self, t, rows) -> None:
+        pass
+
+    def __enter__(self):
+        provenance._STACK.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        if provenance._STACK and provenance._STACK[-1] is self:
+            provenance._STACK.pop()
+
+
+def _plain(v):
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return v
+    return (type(v).__qualname__, id(v))  # another object: by identity (its state is not looked into)
+
+
+def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int = 0) -> tuple:
+    """What a forward's sequence of operations is a function of, when no decision depends on tensor values
+    (module docstring): the model's structure, the inputs' signature (which of them hold the batch, at
+    ``batch_dim``), the batch size, grad and autocast state."""
+    flat, spec = tree_flatten((args, kwargs))
+    inputs = tuple(
+        (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.dim() > batch_dim and int(t.shape[batch_dim]) == batch)
+        if torch.is_tensor(t)
+        else _plain(t)
+        for t in flat
+    )
+    modules = tuple(
+        (id(m), m.training, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    )
+    params = tuple((id(p), p.requires_grad, tuple(p.shape), p.dtype, p.device) for p in model.parameters())
+    buffers = tuple((id(b), tuple(b.shape), b.dtype) for b in model.buffers())
+    hooks = torch.nn.modules.module
+    state = (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        len(hooks._global_forward_pre_hooks),
+        len(hooks._global_forward_hooks),
+    )
+    return (batch, batch_dim, str(spec), inputs, modules, params, buffers, state)
+
+
+class Attribution:
+    """One model's traced plans by signature, and whether to trace or replay its next forward (module docstring).
+
+    :attr:`status` says what the last forward did (``traced``, ``replayed``) and, where a replay is not
+    trusted for a signature or was turned off, why."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.plans: dict = {}  # signature -> [plan (list of (site, key, rows)), replays since traced]
+        self.untrusted: dict = {}  # signature -> the decision that makes its replay unsafe
+        self.off: str | None = None  # why replays are turned off for this model (a divergence)
+        self.enabled = True  # False: trace every forward (as before replays existed)
+        self.status = "none"
+        self._said: set = set()
+
+    def open(self, batch: int, args, kwargs, batch_dim: int = 0):
+        """The mode of a forward about to run: a :class:`ReplayMode` of its signature's plan, or a
+        :class:`TracingMode` (the caller tags the batch's tensors, at ``batch_dim``, and gives it the keeper's
+        routes)."""
+        if not self.enabled or self.off is not None:
+            return TracingMode(batch)
+        key = signature(self.model, batch, args, kwargs, batch_dim)
+        held = self.plans.get(key)
+        if held is not None and held[1] < RETRACE_EVERY:
+            held[1] += 1
+            mode = ReplayMode(batch, held[0], self)
+        else:
+            mode = TracingMode(batch)
+        mode.signature = key
+        return mode
+
+    def close(self, mode) -> None:
+        """After the forward (also after one that raised: then nothing is recorded): store the trace's plan, or
+        check that the replay asked every query of its plan."""
+        failed = sys.exc_info()[0] is not None
+        key = getattr(mode, "signature", None)
+        if isinstance(mode, ReplayMode):
+            self.status = "replayed"
+            if not failed and mode.tags.at != len(mode.tags.plan):
+                self.diverged(f"{mode.tags.at} of the trace's {len(mode.tags.plan)} queries asked")
+            return
+        self.status = "traced" if self.off is None else f"traced (replay off: {self.off})"
+        if failed or key is None:
+            return
+        held = self.plans.get(key)
+        if held is not None and mode.decisions:  # a re-trace of a replayed signature took another path
+            self.plans.clear()
+            self.diverged(f"a re-trace of a replayed signature saw {mode.decisions[0]}")
+        if mode.decisions:
+            self.untrusted[key] = mode.decisions[0]
+            self._say(
+                f"book-keeping: the attribution of this model's forward is traced at every step, not replayed: its "
+                f"trace saw {mode.decisions[0]}, which can change the path of a later forward of the same signature"
+            )
+            self.status = f"traced (not replayed: {mode.decisions[0]})"
+            return
+        plan = mode.tags.queries
+        if held is not None:  # a scheduled re-trace: the same plan, or the replays so far were not proven
+            if [(s, k, _answer(r)) for s, k, r, _ in held[0]] != [(s, k, _answer(r)) for s, k, r, _ in plan]:
+                self.plans.clear()
+                self.diverged("a re-trace of a replayed signature gave another plan")
+            held[1] = 0
+            return
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = [plan, 0]
+
+    def diverged(self, what: str) -> None:
+        """Refuse the step: the replay did not follow its trace; every later forward of the model is traced."""
+        self.off = what
+        self.status = f"traced (replay off: {what})"
+        message = (
+            f"grad_sample_mode='bk': the replayed attribution of this model's forward diverged from its trace "
+            f"({what}): the forward's path depends on something its signature (structure, input shapes and dtypes, "
+            "flags) does not capture. The step is refused (no noise drawn, nothing charged); every later forward of "
+            "this model is traced"
+        )
+        self._say(message)
+        raise ReplayDiverged(message)
+
+    def _say(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.info(message)
+
+
+__all__ = ["RETRACE_EVERY", "Attribution", "ReplayDiverged", "ReplayMode", "TracingMode", "signature"]

@@ -1,0 +1,144 @@
+"""Provenance once per signature (``idpsgd.engine.bk.replay``): a replayed forward gives book-keeping the same
+attribution as its trace — the same per-example norms and clipped sums, bit for bit, and the brute-force ones —
+for the surveyed architectures whose forward has no data-dependent decision (GPT-2, BERT, T5, Llama, GPT-2 with
+LoRA); where the trace saw one (a mixture of experts' routing, a read of the mask into Python), the forward is
+traced at every step and the log says why; a replay that does not follow its trace refuses the step."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import hf_architectures as H
+from idpsgd.engine import IndividualizedPrivacyEngine
+from idpsgd.engine.bk import replay
+from idpsgd.engine.bookkeeping import BookKeeper
+
+
+def _result(case, inputs=None):
+    """(norms, clipped sums by name, what the attribution did) of one book-kept backward pass on ``inputs``."""
+    if inputs is not None:
+        case = H.dataclasses.replace(case, inputs=inputs)
+    norms, sums = H.engine_result(case, lambda n: torch.linspace(0.5, 1.0, n.numel(), dtype=n.dtype))
+    return norms, sums, BookKeeper.attach(case.model).attribution.status
+
+
+def _other_batch(case):
+    g = torch.Generator().manual_seed(7)
+    return {k: torch.randint(3, H.V, v.shape, generator=g) if k == "input_ids" else v for k, v in case.inputs.items()}
+
+
+@pytest.mark.parametrize(
+    ("name", "lora"), [("gpt2", False), ("bert", False), ("t5", False), ("gpt2", True), ("llama", False)]
+)
+def test_a_replay_gives_the_traced_attribution_bit_for_bit(name, lora):
+    """Traced on one batch, replayed on another of the same signature, traced again on that batch (replay off): the
+    same norms and clipped sums exactly, and the brute-force ones (one backward pass per example)."""
+    case = H.build(name, 3, 7, lora=lora)
+    _, grads = H.reference(case)  # (before the book-keeper is attached: the reference is a deep copy)
+    _, _, first = _result(case, _other_batch(case))
+    norms, sums, second = _result(case)
+    BookKeeper.attach(case.model).attribution.enabled = False
+    norms_traced, sums_traced, third = _result(case)
+    assert (first, second, third) == ("traced", "replayed", "traced")
+    assert torch.equal(norms, norms_traced) and sums.keys() == sums_traced.keys()
+    assert all(torch.equal(sums[k], sums_traced[k]) for k in sums)
+    assert torch.allclose(norms, grads.norm(dim=1), rtol=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("name", "mask", "why"),
+    [
+        ("mixtral", False, "'nonzero': data-dependent routing"),
+        ("qwen2_moe", False, "'nonzero': data-dependent routing"),
+        ("gpt2", True, "a read of tensor values into Python"),  # transformers' mask fast path reads the mask
+    ],
+)
+def test_a_replay_is_not_trusted_where_the_trace_saw_a_decision(name, mask, why, caplog):
+    case = H.build(name, 3, 7, mask=mask)
+    _, grads = H.reference(case)
+    with caplog.at_level(logging.INFO, logger="idpsgd"):
+        statuses = [_result(case, _other_batch(case))[2], _result(case)[2]]
+    assert all(s.startswith("traced (not replayed: ") and why in s for s in statuses), statuses
+    assert not BookKeeper.attach(case.model).attribution.plans
+    said = [r.getMessage() for r in caplog.records if "traced at every step, not replayed" in r.getMessage()]
+    assert len(said) == 1 and why in said[0]
+    norms, _, _ = _result(case)  # and the traced attribution is still the exact one
+    assert torch.allclose(norms, grads.norm(dim=1), rtol=1e-8)
+
+
+def test_a_new_signature_is_traced_and_a_scheduled_re_trace_is_compared(monkeypatch):
+    monkeypatch.setattr(replay, "RETRACE_EVERY", 1)
+    case = H.build("gpt2", 3, 7)
+    statuses = [_result(case)[2] for _ in range(4)]
+    assert statuses == ["traced", "replayed", "traced", "replayed"]  # the re-trace gave the same plan
+    longer = H.build("gpt2", 3, 9).inputs
+    assert _result(case, longer)[2] == "traced" and _result(case, longer)[2] == "replayed"
+    case.model.transformer.h[1].attn.register_forward_hook(lambda m, a, out: None)  # the structure changed
+    assert _result(case)[2] == "traced"
+
+
+class _Switch(nn.Module):
+    """Takes layer ``b`` or ``c`` (the same shapes) by a flag on a plain object, which the signature cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.options = types.SimpleNamespace(use_b=True)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) if self.options.use_b else self.c(h)
+
+
+def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
+    torch.manual_seed(0)
+    model = _Switch()
+    n = 6
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
+    module, optimizer, loader = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
+        budgets=np.full(n, 1e3),
+        target_delta=1e-5,
+        sample_rates=np.ones(n),
+        clip_norms=np.ones(n),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        privacy_filter=None,
+    )
+
+    def step():
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(module(xb), yb).backward()
+            optimizer.step()
+
+    step()
+    step()
+    attribution = BookKeeper.attach(model).attribution
+    assert attribution.status == "replayed" and engine.steps == 2
+    model.options.use_b = False
+    with (
+        caplog.at_level(logging.INFO, logger="idpsgd"),
+        pytest.raises(
+            replay.ReplayDiverged,
+            match=r"query 2 of 2 came from 'apply' of layer 'c'.*the trace's from 'apply' of layer 'b'",
+        ),
+    ):
+        step()
+    assert engine.steps == 2  # refused: no noise drawn, nothing charged
+    assert any("diverged from its trace" in r.getMessage() for r in caplog.records)
+    step()  # traced from now on
+    assert attribution.status.startswith("traced (replay off: ") and engine.steps == 3
