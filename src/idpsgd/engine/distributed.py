@@ -4,9 +4,9 @@ Boenisch et al. 2023, Alg. 1/3 run by W processes ("ranks") with exactly the mec
 accounting, of one process: each rank Poisson-samples its shard (:mod:`.rank_balance`) from the same seeded
 stream, so the union is the single-process draw; each rank clips its examples at c_i, the noise
 N(0, σ²c²) is added once on rank 0 and one all-reduce averages the per-rank sums divided by
-Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`setup`
-checks a data-parallel module and returns rank 0's seeds; :func:`launch` spawns the ranks with a
-timeout on every collective.  The mechanism in full and how to run it: docs/distributed.md.
+Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`check`
+checks a data-parallel module, :func:`shared_seeds` gives every rank rank 0's seeds; :func:`launch`
+spawns the ranks with a timeout on every collective.  The mechanism in full and how to run it: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -113,14 +113,13 @@ def wrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return DPDDP(model)
 
 
-def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds) -> tuple[tuple[int, int] | None, object]:
-    """Checks of a data-parallel ``module`` for ``make_private``: ``(ranks, seeds)`` — ranks None for
-    a plain module — where the returned seeds (a :class:`~.randomness.RunSeeds`) are rank 0's, which
-    every rank uses (``seeds`` itself when nothing is shared).  ``record``: the mode's
-    :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
+def check(engine, module: torch.nn.Module, record, privacy_filter) -> tuple[int, int] | None:
+    """Checks of a data-parallel ``module`` for ``make_private``: ``(rank, W)``, or None for a plain
+    module.  ``record``: the mode's :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing
+    (the seeds every rank uses are :func:`shared_seeds`, in the build stage)."""
     wrapper = data_parallel_wrapper(module)
     if wrapper is None:
-        return None, seeds
+        return None
     name = type(wrapper).__name__
     if not is_distributed():
         raise InvalidParameterError(
@@ -147,9 +146,13 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds) -> tup
                 "per-example norm passes without DDP's gradient all-reduce; wrap the model "
                 "in opacus.distributed.DifferentiallyPrivateDistributedDataParallel",
             )
-    if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
-        seeds = seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
-    return rank_and_world(), seeds
+    return rank_and_world()
+
+
+def shared_seeds(seeds):
+    """Rank 0's seeds on every rank (a :class:`~.randomness.RunSeeds` copy; one collective): a seed that
+    follows torch is drawn now, from torch's global generator (and the data loader's), on every rank."""
+    return seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -620,6 +623,7 @@ __all__ = [
     "rank_and_world",
     "refusal_code",
     "sharded_grad_norms",
+    "shared_seeds",
     "sum_over_ranks",
     "wrap_model",
 ]

@@ -2,11 +2,12 @@
 
 Boenisch et al. 2023, Alg. 3 with the book-keeping clipped sum (Bu et al. 2023, Alg. 1), run by W
 ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the mechanism — and so
-the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`setup`
-(``make_private``'s refusals, rank 0's seed on every rank); :func:`phantom_batches` (an empty draw
-becomes a zero-weight row: every rank runs FSDP2's collectives); :class:`ShardedBookKeepingOptimizer`
-(bk's ``sharded_optimizer`` in :mod:`.modes`); :func:`reduce_scatter_sums`, :func:`noise_shard`, :func:`shard_rows`;
-:func:`local_shard` (a DTensor's local tensor: what the write guard watches on each rank).
+the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`check`
+(``make_private``'s refusals, no change), :func:`prepare` (the build stage's changes to the model);
+:func:`phantom_batches` (an empty draw becomes a zero-weight row: every rank runs FSDP2's collectives);
+:class:`ShardedBookKeepingOptimizer` (bk's ``sharded_optimizer`` in :mod:`.modes`); :func:`reduce_scatter_sums`,
+:func:`noise_shard`, :func:`shard_rows`; :func:`local_shard` (a DTensor's local tensor: what the write guard
+watches on each rank).
 
 Ghost clipping (``grad_sample_mode="ghost"``, Opacus's two backward passes) is served too:
 :func:`check_wrapped` makes the engine's ghost wrapper a :class:`ShardedGhostModule` (full norms of
@@ -128,10 +129,10 @@ def _check_ghost_layers(module: torch.nn.Module) -> None:
         )
 
 
-def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=None):
-    """Checks of a ``fully_shard`` model for ``make_private``: ``((rank, W), seeds)``, the seeds (a
-    :class:`~.randomness.RunSeeds`) rank 0's, which every rank uses — as :func:`.distributed.setup`.
-    ``record``: the mode's :class:`~.modes.GradSampleMode`.  Reads the engine, writes nothing."""
+def check(engine, module: torch.nn.Module, record, privacy_filter, users=None) -> tuple[int, int]:
+    """Checks of a ``fully_shard`` model for ``make_private``: ``(rank, W)``.  ``record``: the mode's
+    :class:`~.modes.GradSampleMode`.  Reads the engine and the module, writes nothing: what changes the
+    module (FSDP2's reduction settings, its lazy re-padding) is :func:`prepare`, in the build stage."""
     if not distributed.is_distributed():
         raise InvalidParameterError(
             "module",
@@ -167,30 +168,44 @@ def setup(engine, module: torch.nn.Module, record, privacy_filter, seeds, users=
     _check_parameters(module)
     if record.name == "ghost":
         _check_ghost_layers(module)
+        _check_sum_reduction(module)
+    return distributed.rank_and_world()
+
+
+def prepare(module: torch.nn.Module, record) -> None:
+    """The build stage's changes to a checked ``fully_shard`` model (:func:`check`): ghost mode's SUM
+    reduction (:func:`sum_reduction`), then the shards settled (:func:`settle_shards`)."""
+    if record.name == "ghost":
         sum_reduction(module)
     settle_shards(module)
-    if engine.accountant is None and not engine.secure_mode:  # one seed for the whole run: rank 0's
-        seeds = seeds.with_values(*distributed.broadcast_object((seeds.draw(), seeds.draw_sampler())))
-    return distributed.rank_and_world(), seeds
+
+
+def _check_sum_reduction(module: torch.nn.Module) -> None:
+    """Ghost mode needs FSDP2's two setters of :func:`sum_reduction` (torch >= 2.8) on every FSDP module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule) and not (
+            hasattr(m, "set_gradient_divide_factor") and hasattr(m, "set_force_sum_reduction_for_comms")
+        ):
+            raise InvalidParameterError(
+                "grad_sample_mode",
+                "ghost",
+                "with fully_shard needs FSDPModule.set_gradient_divide_factor and "
+                "set_force_sum_reduction_for_comms (torch >= 2.8) to reduce the clipped sums by SUM; "
+                "use grad_sample_mode='bk'",
+            )
 
 
 def sum_reduction(module: torch.nn.Module) -> None:
     """Ghost mode: FSDP2 reduce-scatters the second backward pass's gradients (the clipped sums); it
     averages over the ranks by default (ReduceOp.AVG, or a SUM then a division by W).  Set here to a plain
     SUM (divide factor 1, sum-type collectives), so that each rank's shard holds Σ_ranks Σ_i w_i g_i
-    exactly, as in one process; the optimizer divides by Σ_i q_i."""
+    exactly, as in one process; the optimizer divides by Σ_i q_i.  (Checked by :func:`check` first.)"""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            if not (hasattr(m, "set_gradient_divide_factor") and hasattr(m, "set_force_sum_reduction_for_comms")):
-                raise InvalidParameterError(
-                    "grad_sample_mode",
-                    "ghost",
-                    "with fully_shard needs FSDPModule.set_gradient_divide_factor and "
-                    "set_force_sum_reduction_for_comms (torch >= 2.8) to reduce the clipped sums by SUM; "
-                    "use grad_sample_mode='bk'",
-                )
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
 
@@ -823,7 +838,6 @@ __all__ = [
     "noise_shard",
     "reduce_scatter_sum",
     "refuse_physical_batches",
-    "setup",
     "shard_rows",
     "unsharded_parameters",
 ]

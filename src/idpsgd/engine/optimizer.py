@@ -45,9 +45,11 @@ class _PrivacyHooks:
         loss_reduction: str = "mean",
         generator=None,
         secure_mode: bool = False,
+        checked: bool = False,
         **kwargs,
     ):
-        check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
+        if not checked:  # the engine's set-up checked them (engine/checks.py); a direct construction here
+            check_noise(noise_multiplier, max_grad_norm, expected_batch_size)
         super().__init__(
             optimizer,
             noise_multiplier=float(noise_multiplier),

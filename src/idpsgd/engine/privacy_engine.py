@@ -17,6 +17,7 @@ User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,9 +26,9 @@ from torch.utils.data import DataLoader
 from ..assignment import Budgets
 from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError
-from . import checkpoint, distributed
+from . import checkpoint, distributed, fsdp
 from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
-from .checks import check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
+from .checks import Counted, check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
 from .clipping import PerExampleClipping
 from .group_filter import GroupFilter
 from .opacus_compat import refuse_opacus_options, validate_module
@@ -39,11 +40,43 @@ from .step_guard import StepGuard
 from .units import (
     BookKeepingUsers,
 )
-from .wrap import layer_paths, wrap_module
+from .wrap import layer_paths, release_hooks, wrap_module
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
 )
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What a set-up's build stage may change, kept to undo it if the build fails: the engine's ledger,
+    seeds, sampler source, noise source and clipping, and the process's random state that the seeds
+    shared by the ranks are drawn from (torch's global generator and the data loader's)."""
+
+    budgets: object
+    accountant: object
+    seeds: RunSeeds
+    sampler_rng: object
+    noise: object
+    clipping: object
+    torch_rng: torch.Tensor
+    loader_rng: torch.Tensor | None
+    loader: object
+
+    @classmethod
+    def of(cls, engine: IndividualizedPrivacyEngine, data_loader) -> Rollback:
+        gen = getattr(data_loader, "generator", None)
+        return cls(
+            engine.budgets, engine.accountant, engine.seeds, engine._sampler_rng, engine._noise, engine.clipping,
+            torch.random.get_rng_state(), None if gen is None else gen.get_state(), data_loader,
+        )  # fmt: skip
+
+    def restore(self, engine: IndividualizedPrivacyEngine) -> None:
+        engine.budgets, engine.accountant, engine.seeds = self.budgets, self.accountant, self.seeds
+        engine._sampler_rng, engine._noise, engine.clipping = self.sampler_rng, self.noise, self.clipping
+        torch.random.set_rng_state(self.torch_rng)
+        if self.loader_rng is not None:
+            self.loader.generator.set_state(self.loader_rng)
 
 
 class IndividualizedPrivacyEngine:
@@ -394,6 +427,21 @@ class IndividualizedPrivacyEngine:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
             with ``grad_sample_mode="ghost"`` (as Opacus).
         """
+        return self._make_private(
+            None, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
+            target_delta=target_delta, epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
+            noise_multiplier=noise_multiplier, criterion=criterion, batch_first=batch_first,
+            loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+            noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+            rand_on_empty=rand_on_empty, users=users, **kwargs,
+        )  # fmt: skip
+
+    def _make_private(
+        self, counted: Counted | None, *, module, optimizer, data_loader, budgets, method, target_delta, epochs, steps,
+        max_grad_norm, sample_rate, noise_multiplier, criterion, batch_first, loss_reduction, poisson_sampling,
+        clipping, noise_generator, grad_sample_mode, wrap_model, rand_on_empty, users, **kwargs,
+    ):  # fmt: skip
+        """:meth:`make_private`; ``counted``: the units and budgets already checked (each check runs once)."""
         refuse_opacus_options(
             poisson_sampling=poisson_sampling,
             clipping=clipping,
@@ -414,12 +462,12 @@ class IndividualizedPrivacyEngine:
             sample_rate=sample_rate,
             noise_multiplier=noise_multiplier,
             privacy_filter=kwargs.get("privacy_filter"),
+            counted=counted,
         )
         if not phase.filtered:
             kwargs["privacy_filter"] = None
-        if phase.assignment is not None:
-            self.assignment = phase.assignment  # the calibration behind the phase (idpsgd.assignment)
-        return self.make_private_with_parameters(
+        out = self._set_up(
+            phase.counted,
             module=module,
             optimizer=optimizer,
             data_loader=data_loader,
@@ -433,6 +481,9 @@ class IndividualizedPrivacyEngine:
             users=users,
             **kwargs,
         )
+        if phase.assignment is not None:
+            self.assignment = phase.assignment  # the calibration behind the phase (idpsgd.assignment)
+        return out
 
     def make_private_with_epsilon(
         self,
@@ -477,12 +528,15 @@ class IndividualizedPrivacyEngine:
         """
         n = count_units(data_loader, kwargs.get("users"))  # users at user level
         budgets, method = epsilon_budgets(n, budgets, target_epsilon, target_delta, method, epsilon_tolerance)
-        return self.make_private(
-            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
-            epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate, criterion=criterion,
-            batch_first=batch_first, loss_reduction=loss_reduction, poisson_sampling=poisson_sampling,
-            clipping=clipping, noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
-            wrap_model=wrap_model, **kwargs,
+        kwargs.setdefault("rand_on_empty", False)
+        kwargs.setdefault("users", None)
+        sigma = kwargs.pop("noise_multiplier", None)
+        return self._make_private(
+            Counted(n, budgets), module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+            method=method, target_delta=None, epochs=epochs, steps=steps, max_grad_norm=max_grad_norm,
+            sample_rate=sample_rate, noise_multiplier=sigma, criterion=criterion, batch_first=batch_first,
+            loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+            noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, **kwargs,
         )  # fmt: skip
 
     def make_private_with_parameters(
@@ -533,7 +587,26 @@ class IndividualizedPrivacyEngine:
         (:class:`PrivacyBudgetExceeded`, or a warning with ``filter_action="warn"``).
         ``noise_multiplier`` must be > 0 (σ = 0 is no privacy; it is refused).
         """
-        # --- check: nothing changes until every input is known to be usable (engine/checks.py) -----
+        return self._set_up(
+            None, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+            sample_rates=sample_rates, clip_norms=clip_norms, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, steps=steps, steps_per_epoch=steps_per_epoch, target_delta=target_delta,
+            expected_batch_size=expected_batch_size, grad_sample_mode=grad_sample_mode, criterion=criterion,
+            batch_first=batch_first, loss_reduction=loss_reduction, privacy_filter=privacy_filter,
+            filter_action=filter_action, noise_generator=noise_generator, filter_options=filter_options,
+            per_sample_loss=per_sample_loss, wrap_model=wrap_model, users=users,
+        )  # fmt: skip
+
+    def _set_up(
+        self, counted: Counted | None, *, module, optimizer, data_loader, budgets, sample_rates, clip_norms,
+        noise_multiplier, max_grad_norm, steps=None, steps_per_epoch=None, target_delta=None, expected_batch_size=None,
+        grad_sample_mode="hooks", criterion=None, batch_first=True, loss_reduction="mean", privacy_filter="group",
+        filter_action="raise", noise_generator=None, filter_options=None, per_sample_loss=None, wrap_model=True,
+        users=None,
+    ):  # fmt: skip
+        """:meth:`make_private_with_parameters`: check → plan → build → wire (``counted``: what the entry
+        point checked already, :class:`~.checks.Counted`)."""
+        # --- check: pure, each check once; nothing changes until every input is known to be usable ----
         options = SetupOptions(
             grad_sample_mode=grad_sample_mode,
             criterion=criterion,
@@ -551,51 +624,61 @@ class IndividualizedPrivacyEngine:
         checked = check_phase(
             self, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
             target_delta=target_delta, sample_rates=sample_rates, clip_norms=clip_norms,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, options=options,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, options=options, counted=counted,
         )  # fmt: skip
         n, budgets, opts = checked.units, checked.budgets, checked.options
         q, c = checked.sample_rates, checked.clip_norms
 
-        # --- plan: the phase's public parameters, charged to the ledger --------------------------
+        # --- plan: the phase's public parameters -----------------------------------------------------
         spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
         ebs = expected_batch_size_of(q) if opts.expected_batch_size is None else float(opts.expected_batch_size)
         plan = PhaseParameters.of(q, c, noise_multiplier, max_grad_norm, steps, spe, ebs, grad_sample_mode, users)
+
+        # --- build: the ledger's phase, then sampler -> per-example norms -> clipping -> noise; every
+        # change to the engine, the module, the seeds and the process is here, undone if it fails --------
+        first = self.accountant is None
         accountant = (
             self.accountant
-            if self.accountant is not None
+            if not first
             else GroupAccountant(
                 budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None
             )
         )
-        accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
-        accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
-        step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
-
-        # --- build: sampler -> per-example norms -> clipping -> noise; undone if it fails -----------
-        seeds, device = checked.seeds, checked.device
-        before = (self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping)
+        engine_before = Rollback.of(self, data_loader)
+        began = False
         try:
+            accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
+            began = True
+            step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
             if step_filter is not None:  # the plan against the budgets, earlier phases included: here, not at step 1
                 step_filter.check_plan(steps)
+            release_hooks(self.module, module)  # an earlier wrap_model=False phase's hooks on this module
+            seeds = checked.seeds
+            if checked.ranks is not None and first and not self.secure_mode:  # one seed for the run: rank 0's
+                seeds = distributed.shared_seeds(seeds)
+            if checked.sharded:  # FSDP2's reduction settings and shards (engine/fsdp.py)
+                fsdp.prepare(module, opts.mode)
             self.seeds = seeds
-            if self.accountant is None:
+            if first:
                 self.budgets, self.accountant, self._sampler_rng = budgets, accountant, seeds.sampler_rng()
+            accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
             if noise_generator is not None:
                 self._noise = noise_generator
-            elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
-                self._noise = seeds.noise_generator(device)
+            elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != checked.device):
+                self._noise = seeds.noise_generator(checked.device)
             built = build_step(
                 module, optimizer, data_loader, plan, opts, checked.ranks, self._sampler_rng, self._noise,
                 self.secure_mode, wrap=wrap_module, sharded=checked.sharded,
             )  # fmt: skip
             self.clipping, wrapped, dp_opt, loader = built.clipping, built.module, built.optimizer, built.data_loader
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was
-            accountant.discard_phase()
-            self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping = before
+            if began:
+                accountant.discard_phase()
+            engine_before.restore(self)
             raise
 
         # --- wire: the guards around the step, then the engine's state ------------------------------
-        if self.individual is not None and self.individual.seed == before[2].seed != seeds.seed:
+        if self.individual is not None and self.individual.seed == engine_before.seeds.seed != seeds.seed:
             self.individual.seed = seeds.seed  # rank 0's seed (data parallelism), as the engine's
         self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step, self._before_noise)
         if opts.mode.book_keeping:

@@ -84,6 +84,7 @@ def build_step(
             loss_reduction=opts.loss_reduction,
             generator=noise,
             secure_mode=secure_mode,
+            checked=True,  # σ, c and the normaliser: by the check stage (engine/checks.py)
         )
     except BaseException:  # a wrapper made here leaves no hooks on the user's module (a complete rollback)
         if wrapped is not module:

@@ -30,8 +30,11 @@ def check_wrappable(
     batch_first: bool = True,
     loss_reduction: str = "mean",
     wrap_model: bool = True,
+    previous=None,
 ) -> None:
-    """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects)."""
+    """Raise :class:`InvalidParameterError` unless :func:`wrap_module` can wrap ``module`` (no side effects).
+    ``previous``: the engine's earlier phase's module, whose own hooks on ``module`` the build releases
+    (:func:`release_hooks`)."""
     record = mode(grad_sample_mode)
     if not isinstance(module, torch.nn.Module):
         raise InvalidParameterError("module", type(module).__name__, "must be a torch.nn.Module")
@@ -57,7 +60,11 @@ def check_wrappable(
             )
     check_static_writes(raw_module(module))  # Embedding(max_norm): an in-place write in forward (.integrity)
     refuse_opacus_options(batch_first=batch_first)  # batch-second inputs, every mode (.opacus_compat.REFUSALS)
-    if not isinstance(module, AbstractGradSampleModule) and hasattr(module, "autograd_grad_sample_hooks"):
+    if (
+        not isinstance(module, AbstractGradSampleModule)
+        and hasattr(module, "autograd_grad_sample_hooks")
+        and not own_hooks(previous, module)
+    ):
         raise InvalidParameterError(
             "module",
             type(module).__name__,
@@ -79,11 +86,17 @@ def check_wrappable(
         plan_layers(raw_module(module))
 
 
+def own_hooks(previous, module: torch.nn.Module) -> bool:
+    """Whether ``previous`` (the engine's earlier phase's module) is a ``wrap_model=False`` hooks object
+    attached to ``module``."""
+    unwrapped = isinstance(previous, AbstractGradSampleHooks) and not isinstance(previous, torch.nn.Module)
+    return unwrapped and previous._module is module
+
+
 def release_hooks(previous, module: torch.nn.Module) -> None:
     """Remove the hooks of an earlier ``wrap_model=False`` phase (``previous``, the engine's own hooks
-    object) from ``module`` before a new phase attaches its own."""
-    unwrapped = isinstance(previous, AbstractGradSampleHooks) and not isinstance(previous, torch.nn.Module)
-    if unwrapped and previous._module is module:
+    object) from ``module`` before a new phase attaches its own (the build stage's)."""
+    if own_hooks(previous, module):
         previous.remove_hooks()
 
 
@@ -98,9 +111,9 @@ def wrap_module(
     """The module wrapped for ``grad_sample_mode`` (an existing wrapper of the same kind is reused), or
     with ``wrap_model=False`` Opacus's hooks object attached to ``module`` (which the user keeps); with
     the check that its examples do not mix (:mod:`.batch_independence`) at its first forward pass with
-    gradients (not in ``no_op`` mode: the per-sample gradients are the user's own computation)."""
+    gradients (not in ``no_op`` mode: the per-sample gradients are the user's own computation).
+    ``module`` passed :func:`check_wrappable` (the engine's check stage)."""
     record = mode(grad_sample_mode)
-    check_wrappable(module, grad_sample_mode, batch_first, loss_reduction, wrap_model)
     if not wrap_model:
         wrapped = record.hooks_object(module, batch_first, loss_reduction)
     elif isinstance(module, AbstractGradSampleModule):  # an earlier phase's wrapper of this mode
@@ -155,4 +168,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["check_wrappable", "layer_paths", "raw_module", "release_hooks", "wrap_module"]
+__all__ = ["check_wrappable", "layer_paths", "own_hooks", "raw_module", "release_hooks", "wrap_module"]
