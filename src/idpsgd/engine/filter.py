@@ -178,7 +178,7 @@ class IndividualFilter:
         self.dropped_at = np.full(q.size, -1, dtype=np.int64)  # first step an example missed (-1: active)
         self.next_rdp = np.zeros(q.size)
         self.history: list[np.ndarray] = []  # active examples per group in every step taken
-        self.engine = None
+        self.phase = None  # the engine's phase (engine/phase.py), once attached
         self.every = 1
         self.steps = 0
         self.refreshes = 0
@@ -186,17 +186,17 @@ class IndividualFilter:
         self._prepared = False
 
     # --- attachment ----------------------------------------------------------------------
-    def attach(self, engine) -> IndividualFilter:
-        """Called by ``make_private_with_parameters`` once the phase is set up: the sampler reads the
-        filter's rates, the optimizer runs its hook after every update, and the first step is
-        prepared (norms at θ_0, bounds, admissions)."""
-        if self.engine is not None:
+    def attach(self, phase) -> IndividualFilter:
+        """Called by ``make_private_with_parameters`` once the phase is set up (``phase``: its
+        :class:`~.phase.Phase`): the sampler reads the filter's rates, the optimizer runs its hook after
+        every update, and the first step is prepared (norms at θ_0, bounds, admissions)."""
+        if self.phase is not None:
             raise RuntimeError("this filter is already attached to an engine")
-        spe = engine.parameters.steps_per_epoch
+        spe = phase.parameters.steps_per_epoch
         self.every = 1 if self.options.gd else max(1, round(spe / float(self.options.refreshes_per_epoch)))
-        self.engine = engine
-        engine.data_loader.poisson_sampler.sample_rates = self.rates
-        engine.optimizer.post_step_hooks.append(self._after_step)
+        self.phase = phase
+        phase.data_loader.poisson_sampler.follow_rates(self.rates)
+        phase.optimizer.add_post_step_hook(self._after_step)
         self._prepare_step()
         return self
 
@@ -242,11 +242,9 @@ class IndividualFilter:
         return out
 
     def _refresh(self, act: np.ndarray) -> None:
-        norms, _ = self.engine.per_example_grad_norms(
-            self.per_sample_loss, indices=act, batch_size=self.options.norm_batch_size
-        )
+        norms, _ = self.phase.grad_norms(self.per_sample_loss, indices=act, batch_size=self.options.norm_batch_size)
         self.bounds[act] = round_sensitivities(norms, self.clip_norms[act], self.rounding, self.rounding_step)
-        self.engine.clipping.set_clip_norms(self.bounds)
+        self.phase.clipping.set_clip_norms(self.bounds)
         self.refreshes += 1
         self._rho = None
 
@@ -275,10 +273,10 @@ class IndividualFilter:
         batch drawn before the filter's decision is refused, nothing is released)."""
         if not self._prepared:
             raise PrivacyBudgetExceeded(
-                f"individual filter: step {self.steps + 1} is beyond the {self.engine.parameters.steps} steps "
+                f"individual filter: step {self.steps + 1} is beyond the {self.phase.parameters.steps} steps "
                 "planned for this phase; no bounds were set for it (give make_private the run's length as steps)"
             )
-        pending = self.engine.clipping.pending_indices  # this step's clipped examples, in clipping order
+        pending = self.phase.clipping.pending_indices  # this step's clipped examples, in clipping order
         if pending:
             idx = torch.cat([t.reshape(-1) for t in pending]).cpu().numpy()
             bad = ~self.active[idx]
@@ -300,7 +298,7 @@ class IndividualFilter:
         self.steps += 1
         self.history.append(np.bincount(self.group_of[self.active], minlength=self.group_values.size))
         self._prepared = False
-        planned = self.engine.parameters.steps
+        planned = self.phase.parameters.steps
         if planned is None or self.steps < planned:
             self._prepare_step()
 
@@ -381,7 +379,7 @@ class IndividualFilter:
         self.history = list(np.asarray(state["history"], dtype=np.int64).reshape(-1, self.group_values.size))
         for led, s in zip(self.ledgers, state["ledgers"], strict=True):
             led.load_state_dict({k: np.asarray(v) if k != "steps" else int(v) for k, v in s.items()})
-        self.engine.clipping.set_clip_norms(self.bounds)
+        self.phase.clipping.set_clip_norms(self.bounds)
 
 
 def prepare_filter(

@@ -689,15 +689,12 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         super().__init__(optimizer, **kwargs)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
-    @property
-    def keeper(self):
-        return self.__dict__.get("_keeper")
-
-    @keeper.setter
-    def keeper(self, keeper) -> None:
+    def use_keeper(self, keeper) -> None:
+        """As the book-keeping optimizer's, with the keeper's rules reading FSDP2's unsharded parameters
+        after the backward pass (:class:`UnshardedParameters`)."""
         if self.unsharded is not None:
             self.unsharded.remove()
-        self.__dict__["_keeper"] = keeper
+        super().use_keeper(keeper)
         self.unsharded = UnshardedParameters(keeper) if keeper is not None else None
         if keeper is not None:
             keeper.parameter_view = self.unsharded.swapped

@@ -21,7 +21,6 @@ import torch
 from ..accounting import ROUNDING, IndividualAccountant, IndividualEpsilons
 from ..accounting.output_specific import INDIVIDUAL_ACCOUNTANTS
 from ..validation import InvalidParameterError, check_positive
-from .distributed import sharded_grad_norms
 from .sensitivity_check import SensitivityCheck, active_dropout, dropout_modules
 from .unwrap import raw_module
 
@@ -79,7 +78,7 @@ class IndividualTracker:
         self.options = (options or IndividualAccountingOptions()).validate()
         self.per_sample_loss = per_sample_loss
         self.seed = 0 if seed is None else int(seed)
-        self.engine = None
+        self.phase = None  # the engine's phase (engine/phase.py), once attached
         self.accountant = self.exact = None
         self.subset = np.zeros(0, dtype=np.int64)
         self.every = 1
@@ -93,13 +92,14 @@ class IndividualTracker:
         self._due = False
 
     # --- attachment ----------------------------------------------------------------------
-    def attach(self, engine) -> None:
-        """Called by ``make_private``: set up on the engine's (single) phase and hook the optimizer."""
-        if self.engine is not None and self.engine is engine and len(engine.accountant.phases) > 1:
+    def attach(self, phase) -> None:
+        """Called by ``make_private``: set up on the engine's (single) phase (``phase``: its
+        :class:`~.phase.Phase`) and hook the optimizer."""
+        if self.phase is not None and self.phase.accountant is phase.accountant and len(phase.accountant.phases) > 1:
             raise InvalidParameterError(
                 "individual_accounting", True, "supports one-phase runs (a second make_private on this engine)"
             )
-        p = engine.parameters
+        p = phase.parameters
         n = p.sample_rates.size
         if self.accountant is None:
             o = self.options
@@ -130,16 +130,20 @@ class IndividualTracker:
                 else None
             )
             self.check = SensitivityCheck(float(p.clip_norms.max()))
-        self.engine = engine
-        self._dropouts = dropout_modules(raw_module(engine.module))
-        engine.optimizer.post_step_hooks.append(self._after_step)
+        self.phase = phase
+        self._dropouts = dropout_modules(raw_module(phase.module))
+        phase.optimizer.add_post_step_hook(self._after_step)
         self._due = True
         self._prepare_step()
 
     def detach(self) -> None:
         """Unhook from the engine's optimizer (a tracker replaced by one with another seed)."""
-        if self.engine is not None and self._after_step in self.engine.optimizer.post_step_hooks:
-            self.engine.optimizer.post_step_hooks.remove(self._after_step)
+        if self.phase is not None:
+            self.phase.optimizer.remove_post_step_hook(self._after_step)
+
+    def follow_seed(self, seed: int) -> None:
+        """The engine's seed changed before the subset was drawn (rank 0's, shared by every rank)."""
+        self.seed = int(seed)
 
     @property
     def enforces(self) -> bool:
@@ -206,20 +210,13 @@ class IndividualTracker:
     # --- norms ---------------------------------------------------------------------------
     def grad_norms(self, indices=None):
         """(norms, losses) of the given examples (default: all) at the current parameters."""
-        loader = self.engine.data_loader
-        n = self.accountant.num_examples
-        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
-        collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        if self.engine.users is not None:  # user level: each user's norm (engine/units.py)
-            return self.engine.per_user_grad_norms(idx, collate, self.options.norm_batch_size, self.per_sample_loss)
-        return sharded_grad_norms(
-            self.engine.module, loader.dataset, idx, collate, self.options.norm_batch_size, self.per_sample_loss
-        )  # sharded across ranks and all-gathered when distributed
+        # sharded across ranks and all-gathered when distributed; each user's norm at user level
+        return self.phase.grad_norms(self.per_sample_loss, indices, self.options.norm_batch_size)
 
     def _apply_clip_norms(self) -> None:
         """With enforcement, the coming steps clip every example at its charge (≤ its clip norm)."""
         if self.enforces and self.accountant.refreshes:
-            self.engine.clipping.set_clip_norms(self.accountant.sensitivity)
+            self.phase.clipping.set_clip_norms(self.accountant.sensitivity)
 
     def _prepare_step(self) -> None:
         """Norms at the current θ for the coming step: a refresh when due, the exact subset always."""
@@ -251,8 +248,8 @@ class IndividualTracker:
         if self.exact is not None:
             self.exact.add_steps(1)
         self._due = True
-        planned = self.engine.parameters.steps
-        if (planned is not None and self.engine.steps >= planned) or not self.engine.can_step():
+        planned = self.phase.parameters.steps
+        if (planned is not None and self.phase.steps >= planned) or not self.phase.can_step():
             return  # no further step is planned: no norm pass for it
         self._prepare_step()
 
@@ -293,7 +290,7 @@ class IndividualTracker:
         accountant — the run's accountant, ≤ its budget by calibration; ``None``: no cap.  A
         guarantee or an estimate as :attr:`kind` says (capped by a bound either way)."""
         if isinstance(cap, str) and cap == "engine":
-            cap = self.engine.accountant.individual_epsilons(delta)
+            cap = self.phase.accountant.individual_epsilons(delta)
         return self.accountant.report(delta, self.options.accountant, cap=cap)
 
     def worst_case_epsilons(self, delta: float) -> np.ndarray:
@@ -319,7 +316,7 @@ class IndividualTracker:
     def norms_record(self) -> dict:
         """What ``idpsgd account --norms`` reads: every refresh's norms and the steps it covered, with
         the run's per-example rates and clip norms, σ and the reference clip norm (private data)."""
-        p = self.engine.parameters
+        p = self.phase.parameters
         return {
             "norms": np.stack(self.recorded) if self.recorded else np.zeros((0, self.accountant.num_examples)),
             "steps": np.asarray(self.recorded_steps, dtype=np.int64),

@@ -65,19 +65,13 @@ def _norm_pass(model: torch.nn.Module):
     BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call (.batch_independence)
     guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
-    saved = keeper.active, keeper.loss_reduction, keeper.forbid_accumulation, keeper.user_level
-    keeper.user_level = None  # the norm pass sets its own per batch (user level)
     outer_hooks = getattr(outer, "hooks_enabled", None)
     if outer is not None and not hasattr(outer, "keeper"):
         outer.disable_hooks()
-    keeper.active, keeper.loss_reduction, keeper.forbid_accumulation = True, "sum", False
-    keeper.clear()
     try:
-        with guard.watch() as check_writes:
+        with keeper.recording_sums(), guard.watch() as check_writes:  # the pass sets its own user level per batch
             yield raw, keeper, check_writes
     finally:
-        keeper.clear()
-        keeper.active, keeper.loss_reduction, keeper.forbid_accumulation, keeper.user_level = saved
         if outer is not None and outer_hooks:
             outer.enable_hooks()
 
@@ -145,7 +139,7 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
             _clear(raw)
             hooks = iter(user_levels) if user_levels is not None else None
             for batch in batches:
-                keeper.user_level = next(hooks) if hooks is not None else None
+                keeper.set_user_level(next(hooks) if hooks is not None else None)
                 loss = loss_fn(raw, to_device(batch, device))
                 if loss.dim() != 1:
                     raise ValueError(f"per_sample_loss returned shape {tuple(loss.shape)}; need one loss per example")

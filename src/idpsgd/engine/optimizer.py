@@ -73,6 +73,24 @@ class _PrivacyHooks:
         self._noised = False
         self._loss_scale = 1.0
 
+    def set_guard(self, guard: Callable[[_PrivacyHooks], None], write_guard=None) -> None:
+        """The phase's step guard, run before the noise (:class:`~.step_guard.StepGuard`), and the model's
+        write guard (data parallelism: a write found on another rank marks this replica too)."""
+        self.guard, self.write_guard = guard, write_guard
+
+    def add_post_step_hook(self, hook: Callable[[_PrivacyHooks], None]) -> None:
+        """Run ``hook(optimizer)`` after every parameter update (θ_{t+1})."""
+        self.post_step_hooks.append(hook)
+
+    def remove_post_step_hook(self, hook: Callable[[_PrivacyHooks], None]) -> None:
+        """Stop running ``hook`` (added by :meth:`add_post_step_hook`; nothing if it is not there)."""
+        if hook in self.post_step_hooks:
+            self.post_step_hooks.remove(hook)
+
+    def add_refusal_hook(self, hook: Callable[[_PrivacyHooks], None]) -> None:
+        """Run ``hook(optimizer)`` when ``step()`` raises (a refused step), before the error propagates."""
+        self.refusal_hooks.append(hook)
+
     @property
     def clip_norms(self) -> torch.Tensor:
         return self.clipping.clip_norms
@@ -314,7 +332,11 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
     (several physical batches accumulate under ``BatchMemoryManager``), then adds the noise and
     divides by Σ q_i as the other modes do."""
 
-    keeper = None  # the model's BookKeeper (set by the engine)
+    keeper = None  # the model's BookKeeper (:meth:`use_keeper`)
+
+    def use_keeper(self, keeper) -> None:
+        """Form the norms and the clipped sum from ``keeper``, the wrapped model's book-keeper."""
+        self.keeper = keeper
 
     def _grad_scaler_refusal(self) -> str | None:
         if not self.keeper.units:

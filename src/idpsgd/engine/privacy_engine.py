@@ -33,13 +33,11 @@ from .clipping import PerExampleClipping
 from .group_filter import GroupFilter
 from .opacus_compat import refuse_opacus_options, validate_module
 from .options import FILTER_ACTIONS, FILTERS, METHODS, PhaseParameters, SetupOptions
+from .phase import Phase
 from .plan import epsilon_budgets, plan_phase
 from .randomness import SECURE_RNG_WARNING, RunSeeds
 from .step import build_step
 from .step_guard import StepGuard
-from .units import (
-    BookKeepingUsers,
-)
 from .wrap import layer_paths, release_hooks, wrap_module
 
 GUARANTEE = (
@@ -128,6 +126,7 @@ class IndividualizedPrivacyEngine:
         self._noise = None
         self._individual_seed_follows = False
         self._guard = None  # the phase's StepGuard (engine/step_guard.py)
+        self.phase: Phase | None = None  # the current phase's parts, handed to the filter and individual accounting
         self.journal = None  # the run folder's journal of drawn steps (engine/journal.py), or None
 
     # --- the journal of drawn steps (engine/journal.py) ---------------------------------------
@@ -318,7 +317,7 @@ class IndividualizedPrivacyEngine:
         if self.accountant is not None:
             if self.steps:
                 raise RuntimeError("enable individual accounting before the first step")
-            self.individual.attach(self)
+            self.individual.attach(self.phase)
         return self.individual
 
     def per_example_grad_norms(self, per_sample_loss=None, indices=None, batch_size: int = 256):
@@ -327,23 +326,13 @@ class IndividualizedPrivacyEngine:
         Works with any loss: ``per_sample_loss(module, batch)`` returns one loss per example of a
         batch collated from the loader's dataset (default: cross-entropy of ``(inputs, targets)``)."""
         self._require()
-        loader = self.data_loader
-        n = len(loader.dataset) if self.users is None else self.users.num_users
-        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
-        collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        if self.users is not None:  # user level: the users' norms, of each one's summed gradient (units.py)
-            return self.per_user_grad_norms(idx, collate, batch_size, per_sample_loss)
-        return distributed.sharded_grad_norms(self.module, loader.dataset, idx, collate, batch_size, per_sample_loss)
+        return self.phase.grad_norms(per_sample_loss, indices, batch_size)  # users at user level (engine/phase.py)
 
     def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
         of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
-        from .user_norms import per_user_grad_norms
-
-        loader = self.data_loader  # rows chosen with the sampler's source (seeded, or secure)
-        return per_user_grad_norms(
-            self.module, loader.dataset, self.users, units, collate, batch_size, per_sample_loss, self._sampler_rng
-        )
+        self._require()
+        return self.phase.user_grad_norms(units, collate, batch_size, per_sample_loss)
 
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""
@@ -679,19 +668,21 @@ class IndividualizedPrivacyEngine:
 
         # --- wire: the guards around the step, then the engine's state ------------------------------
         if self.individual is not None and self.individual.seed == engine_before.seeds.seed != seeds.seed:
-            self.individual.seed = seeds.seed  # rank 0's seed (data parallelism), as the engine's
+            self.individual.follow_seed(seeds.seed)  # rank 0's seed (data parallelism), as the engine's
         self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step, self._before_noise)
-        if opts.mode.book_keeping:
-            dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
-            wrapped.keeper.user_level = BookKeepingUsers(self.clipping) if users is not None else None
         self.privacy_filter, self.filter_action = privacy_filter, filter_action
-        self._step_filter = self._guard.step_filter = step_filter
+        self._step_filter = step_filter
+        self._guard.use_filter(step_filter)
         self.parameters, self.users = plan, users
         self.module, self.optimizer, self.data_loader = wrapped, dp_opt, loader
+        self.phase = Phase(
+            plan, self.clipping, accountant, wrapped, dp_opt, loader, users, self._sampler_rng, self.can_step
+        )
         if self.individual is not None:
-            self.individual.attach(self)
+            self.individual.attach(self.phase)
         if privacy_filter == "individual":
-            self.filter = self._step_filter = self._guard.step_filter = checked.individual_filter.attach(self)
+            self.filter = self._step_filter = checked.individual_filter.attach(self.phase)
+            self._guard.use_filter(self.filter)
         if self.journal is not None:  # the run folder's earlier draws, read once (every rank: a collective)
             self.journal.load_records()
         if opts.mode.returns_criterion:
@@ -749,16 +740,16 @@ class IndividualizedPrivacyEngine:
         accounting whose seed followed the engine's is set up anew with it (its subset is drawn from it)."""
         saved = state.get("seed")
         if saved != self.seed:
-            self.seeds.seed = int(saved)
+            self.seeds.resume(saved)
             t = self.individual
             if t is not None and self._individual_seed_follows and t.seed != self.seed:
                 from .individual import IndividualTracker
 
                 t.detach()
                 self.individual = IndividualTracker(t.options, t.per_sample_loss, self.seed)
-                self.individual.attach(self)
+                self.individual.attach(self.phase)
         if not self.seeds.given:
-            self.seeds.sampler_seed = state.get("sampler_seed", self.seed)
+            self.seeds.resume_sampler(state.get("sampler_seed", self.seed))
 
     def save_checkpoint(
         self,

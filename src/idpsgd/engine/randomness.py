@@ -253,6 +253,14 @@ class RunSeeds:
             out.loader_generator = loader_generator
         return out
 
+    def resume(self, seed: int) -> None:
+        """Continue with a checkpoint's noise seed (this run's own was drawn, not given)."""
+        self.seed = int(seed)
+
+    def resume_sampler(self, sampler_seed: int | None) -> None:
+        """Continue with a checkpoint's sampler seed (this run's own was drawn, not given)."""
+        self.sampler_seed = sampler_seed
+
     def draw(self) -> int | None:
         """The noise's seed; without one given (non-secure), drawn now from torch's global generator."""
         if self.seed is None and self.follow_torch:

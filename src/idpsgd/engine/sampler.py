@@ -151,6 +151,13 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
     def steps_per_epoch(self) -> int:
         return self.steps
 
+    def follow_rates(self, rates: np.ndarray) -> None:
+        """Sample at ``rates`` from now on, the array itself (the individual filter sets a rate to 0 in
+        place when an example's budget is spent); one rate per unit, as before."""
+        if rates.shape != self.sample_rates.shape:
+            raise ValueError(f"need {self.sample_rates.size} rates, got {rates.size}")
+        self.sample_rates = rates
+
     @property
     def expected_batch_size(self) -> float:
         return float(self.sample_rates.sum())

@@ -17,7 +17,7 @@ from . import distributed, fsdp
 from .clipping import PerExampleClipping
 from .options import PhaseParameters, SetupOptions
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .units import DistributedUserPoissonBatchSampler, UnitClipping, UserPoissonBatchSampler
+from .units import BookKeepingUsers, DistributedUserPoissonBatchSampler, UnitClipping, UserPoissonBatchSampler
 from .wrap import wrap_module
 
 
@@ -86,6 +86,9 @@ def build_step(
             secure_mode=secure_mode,
             checked=True,  # σ, c and the normaliser: by the check stage (engine/checks.py)
         )
+        if mode.book_keeping:  # the clipped sum comes from the model's keeper; at user level, per user
+            dp_opt.use_keeper(wrapped.keeper)
+            wrapped.keeper.set_user_level(BookKeepingUsers(clipping) if users is not None else None)
     except BaseException:  # a wrapper made here leaves no hooks on the user's module (a complete rollback)
         if wrapped is not module:
             wrapped.remove_hooks()

@@ -27,7 +27,7 @@ class StepGuard:
     """One phase's guards, wired into its optimizer (``guard``, ``refusal_hooks``, ``post_step_hooks``).
 
     ``step_filter``: the privacy filter in use (a :class:`~.group_filter.StepFilter`, or None:
-    accounted, not filtered); set by the engine once the filter is attached."""
+    accounted, not filtered), :meth:`use_filter` once the filter is attached."""
 
     def __init__(self, wrapped, optimizer, grad_sample_mode: str, charge, before_noise=None):
         raw = raw_module(wrapped)
@@ -50,11 +50,14 @@ class StepGuard:
                 ddp = isinstance(data_parallel_wrapper(wrapped), DistributedDataParallel)  # p.grad: the ranks' average
                 self.decomposition = DecompositionCheck(names, ranks_average=ddp)
             probe(self.decomposition, wrapped, optimizer)
-        optimizer.write_guard = self.writes  # DPDDP: a write found on another rank marks this replica too
-        optimizer.post_step_hooks.append(lambda _opt: self.writes.arm())
-        optimizer.refusal_hooks.append(self.after_refusal)
-        optimizer.guard = self
+        optimizer.set_guard(self, self.writes)  # DPDDP: a write found on another rank marks this replica too
+        optimizer.add_post_step_hook(lambda _opt: self.writes.arm())
+        optimizer.add_refusal_hook(self.after_refusal)
         optimizer.attach_step_hook(lambda _opt: charge())  # the ledger, after the noise
+
+    def use_filter(self, step_filter) -> None:
+        """Ask ``step_filter`` (a :class:`~.group_filter.StepFilter`, or None) before the noise of each step."""
+        self.step_filter = step_filter
 
     def __call__(self, optimizer) -> None:
         """Before the noise of each logical step: refuse un-noised writes to the released model and

@@ -799,8 +799,26 @@ class BookKeeper:
         #: the modules' parameters as the rules see them after the backward pass (FSDP2 swaps the unsharded
         #: tensors back in: engine/fsdp.py); by default the model's own
         self.parameter_view = contextlib.nullcontext
-        self.user_level = None  # user level: rows -> users, norms per user (set by the engine, ..units)
+        self.user_level = None  # user level: rows -> users, norms per user (:meth:`set_user_level`, ..units)
         self._plan()
+
+    def set_user_level(self, user_level) -> None:
+        """Rows to users for the coming passes (user level: ``engine/units.py``'s ``BookKeepingUsers``), or None."""
+        self.user_level = user_level
+
+    @contextlib.contextmanager
+    def recording_sums(self):
+        """A per-example norm pass (``engine/norms.py``): recording on, the "sum" loss reduction (each
+        example's own loss gradient), accumulation allowed, no user level; the keeper's settings and an
+        empty record after it."""
+        saved = self.active, self.loss_reduction, self.forbid_accumulation, self.user_level
+        self.active, self.loss_reduction, self.forbid_accumulation, self.user_level = True, "sum", False, None
+        self.clear()
+        try:
+            yield self
+        finally:
+            self.clear()
+            self.active, self.loss_reduction, self.forbid_accumulation, self.user_level = saved
 
     def _trainable(self) -> frozenset:
         return frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
