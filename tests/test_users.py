@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
-from idpsgd.engine.sampler import BatchIndexQueue
-from idpsgd.engine.units import UserPoissonBatchSampler
+from idpsgd.engine.sampler import BatchIndexQueue, PoissonBatchSampler
 from support import file_mode
 
 MODES = ("hooks", "functorch", "ghost", "bk")
@@ -73,7 +72,7 @@ def test_user_sampler_poisson_over_users():
     ids = np.repeat(np.arange(50), 4)
     u = Users(ids, k=2)
     q = np.where(np.arange(50) < 25, 0.2, 0.6)
-    s = UserPoissonBatchSampler(q, 10, np.random.default_rng(1), BatchIndexQueue(), u)
+    s = PoissonBatchSampler(q, 10, np.random.default_rng(1), BatchIndexQueue(), users=u)
     hits = np.zeros(50)
     for _ in range(400):
         rows = s.sample()
@@ -287,11 +286,11 @@ def test_user_norm_is_the_norm_of_the_summed_gradient(mode):
 def test_batch_memory_manager_split_of_a_user_is_refused():
     from idpsgd.engine.clipping import PerExampleClipping  # noqa: F401
     from idpsgd.engine.sampler import BatchMismatchError
-    from idpsgd.engine.units import UnitClipping
+    from idpsgd.engine.units import UserClipping
 
     q = BatchIndexQueue()
     u = Users([0, 0, 1, 1], k=2)
-    c = UnitClipping(np.ones(2), q, u)
+    c = UserClipping(np.ones(2), q, u)
     q.push(np.array([0, 2, 1, 3]))
     c.grouping(2)
     c.factors(torch.ones(2))

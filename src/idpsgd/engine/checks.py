@@ -254,7 +254,7 @@ def check_phase(
     )
     first = engine.accountant is None  # the sampler follows the loader's generator, as Opacus's DPDataLoader
     seeds = engine.seeds.following(data_loader.generator) if first else engine.seeds
-    check_user_level(engine, opts.users, opts.privacy_filter)
+    check_user_level(engine, opts.users)
     sharded = fsdp.is_sharded(module)  # FSDP2 (engine/fsdp.py), or DPDDP/DDP: (rank, W)
     if sharded:
         ranks = fsdp.check(engine, module, opts.mode, opts.privacy_filter, opts.users)

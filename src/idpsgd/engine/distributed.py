@@ -1,12 +1,13 @@
 """Distributed individualized DP-SGD on ``torch.distributed`` (data parallelism, Opacus's DPDDP path).
 
 Boenisch et al. 2023, Alg. 1/3 run by W processes ("ranks") with exactly the mechanism, and so the
-accounting, of one process: each rank Poisson-samples its shard (:mod:`.rank_balance`) from the same seeded
-stream, so the union is the single-process draw; each rank clips its examples at c_i, the noise
-N(0, σ²c²) is added once on rank 0 and one all-reduce averages the per-rank sums divided by
-Σ q_i / W; every rank keeps the same ledger; refusals are shared before any noise.  :func:`check`
-checks a data-parallel module, :func:`shared_seeds` gives every rank rank 0's seeds; :func:`launch`
-spawns the ranks with a timeout on every collective.  The mechanism in full and how to run it: docs/distributed.md.
+accounting, of one process: each rank Poisson-samples its shard (:class:`~.sampler.PoissonBatchSampler`,
+:mod:`.rank_balance`) from the same seeded stream, so the union is the single-process draw; each rank
+clips its examples at c_i, the noise N(0, σ²c²) is added once on rank 0 and one all-reduce averages the
+per-rank sums divided by Σ q_i / W; every rank keeps the same ledger; refusals are shared before any
+noise.  :func:`check` checks a data-parallel module, :func:`shared_seeds` gives every rank rank 0's
+seeds; :func:`launch` spawns the ranks with a timeout on every collective.  The mechanism in full and
+how to run it: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ from .optimizer import (
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
-from .randomness import SecureUniform
-from .rank_balance import rank_shard
-from .sampler import BatchMismatchError, PoissonBatchSampler
+from .sampler import BatchMismatchError
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -153,37 +152,6 @@ def shared_seeds(seeds):
     """Rank 0's seeds on every rank (a :class:`~.randomness.RunSeeds` copy; one collective): a seed that
     follows torch is drawn now, from torch's global generator (and the data loader's), on every rank."""
     return seeds.with_values(*broadcast_object((seeds.draw(), seeds.draw_sampler())))
-
-
-# --- sampling -------------------------------------------------------------------------------
-class DistributedPoissonBatchSampler(PoissonBatchSampler):
-    """Poisson sampling at rates q_i of this rank's shard: the examples dealt to it in snake order of
-    their rates (:func:`~.rank_balance.rank_owners`: every rank's expected batch Σ q_i equal to within
-    one example's rate, from the rates and W only).
-
-    In reproducible mode every rank draws the same n uniforms per step (the single-process stream)
-    and keeps its shard's i with U_i < q_i: the union over ranks is the single-process draw.  In
-    secure mode each rank draws its shard's uniforms from OS entropy."""
-
-    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue=None, rank: int = 0, world_size: int = 1):
-        super().__init__(sample_rates, steps_per_epoch, rng, queue)
-        if not 0 <= int(rank) < int(world_size):
-            raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
-        self.rank, self.world_size = int(rank), int(world_size)
-        self.shard = rank_shard(self.sample_rates, self.rank, self.world_size)
-
-    @property
-    def expected_batch_size(self) -> float:
-        """This rank's expected batch size Σ_{i in shard} q_i."""
-        return float(self.sample_rates[self.shard].sum())
-
-    def sample(self) -> np.ndarray:
-        rates = self.sample_rates[self.shard]
-        if isinstance(self.rng, SecureUniform):
-            u = self.rng.random(self.shard.size)
-        else:
-            u = self.rng.random(self.sample_rates.size)[self.shard]
-        return self.shard[u < rates]
 
 
 # --- the optimizer --------------------------------------------------------------------------
@@ -606,7 +574,6 @@ __all__ = [
     "DistributedIndividualizedDPOptimizer",
     "DistributedIndividualizedDPOptimizerBookKeeping",
     "DistributedIndividualizedDPOptimizerFastGradientClipping",
-    "DistributedPoissonBatchSampler",
     "DistributedTrainingError",
     "all_gather_arrays",
     "broadcast_object",

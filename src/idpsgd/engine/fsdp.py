@@ -286,7 +286,7 @@ def check_wrapped(wrapped, grad_sample_mode: str):
             raise InvalidParameterError(
                 "module", type(wrapped).__name__, "a fully_shard model in ghost mode needs the engine's ghost wrapper"
             )
-        if wrapped.clipping is not None and not wrapped.use_ghost_clipping:  # user level (UnitClipping)
+        if wrapped.clipping is not None and not wrapped.use_ghost_clipping:  # user level (UserClipping)
             raise InvalidParameterError("users", "given", "user-level privacy is not supported with fully_shard")
         if type(wrapped) is not ShardedGhostModule:  # (adds methods only: no state of its own to initialise)
             wrapped.remove_hooks()  # Opacus's hooks are bound methods: re-registered as the sharded module's

@@ -14,7 +14,7 @@ from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 
 from .clipping import PerExampleClipping
-from .units import UnitClipping, ghost_capture
+from .units import UserClipping, ghost_capture
 
 
 class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
@@ -60,12 +60,12 @@ class IndividualizedGhostModule(GradSampleModuleFastGradientClipping):
                 "grad_sample_mode='bk', or bfloat16 autocast"
             )
         factors = self.clipping.factors(norms)
-        if isinstance(self.clipping, UnitClipping):  # user level: per-user factors, one per row of the user
+        if isinstance(self.clipping, UserClipping):  # user level: per-user factors, one per row of the user
             factors = factors[self.clipping.last_grouping_inverse.to(factors.device)]
         return factors
 
     def capture_backprops_hook(self, module, _forward_input, forward_output, loss_reduction, batch_first):
-        if not isinstance(self.clipping, UnitClipping):
+        if not isinstance(self.clipping, UserClipping):
             return super().capture_backprops_hook(module, _forward_input, forward_output, loss_reduction, batch_first)
         if not self.hooks_enabled:
             return

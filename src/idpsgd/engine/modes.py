@@ -40,7 +40,7 @@ from .optimizer import (
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
-from .units import UnitClipping
+from .units import UserClipping
 from .unwrap import raw_module
 
 
@@ -114,7 +114,7 @@ def _build_ghost(module, clipping, batch_first, loss_reduction):
         module,
         batch_first=batch_first,
         loss_reduction=loss_reduction,
-        use_ghost_clipping=not isinstance(clipping, UnitClipping),
+        use_ghost_clipping=not isinstance(clipping, UserClipping),
     )
     wrapped.clipping = clipping
     return wrapped
@@ -122,7 +122,7 @@ def _build_ghost(module, clipping, batch_first, loss_reduction):
 
 def _reuse_ghost(wrapped, clipping, loss_reduction):
     wrapped.clipping = clipping
-    wrapped.use_ghost_clipping = not isinstance(clipping, UnitClipping)
+    wrapped.use_ghost_clipping = not isinstance(clipping, UserClipping)
 
 
 def _build_bk(module, clipping, batch_first, loss_reduction):

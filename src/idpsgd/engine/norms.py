@@ -149,7 +149,7 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
                     units = "per-example losses"
                     expected = loss.shape[0]
                     if keeper.user_level is not None:  # one norm per user of the batch
-                        units, expected = f"users of {loss.shape[0]} rows", keeper.user_level.units(loss.shape[0])
+                        units, expected = f"users of {loss.shape[0]} rows", keeper.user_level.users_in(loss.shape[0])
                     if got.shape[0] != expected:
                         keeper.clear()
                         raise RuntimeError(

@@ -22,7 +22,7 @@ class Phase:
     """The current phase's parts (``engine.phase``): read, never rebound, by the parts it is handed to."""
 
     parameters: Any  # PhaseParameters: q_i, c_i, σ, c, the plan
-    clipping: Any  # PerExampleClipping (UnitClipping at user level)
+    clipping: Any  # PerExampleClipping (UserClipping at user level)
     accountant: Any  # the GroupAccountant: the ledger of every phase
     module: Any  # the wrapped module
     optimizer: Any  # the noisy optimizer
@@ -37,7 +37,7 @@ class Phase:
         return self.accountant.steps
 
     @property
-    def units(self) -> int:
+    def privacy_units(self) -> int:
         """The privacy units: the dataset's examples, or the users at user level."""
         return len(self.data_loader.dataset) if self.users is None else self.users.num_users
 
@@ -48,7 +48,7 @@ class Phase:
         from .distributed import sharded_grad_norms
 
         loader = self.data_loader
-        idx = np.arange(self.units) if indices is None else np.asarray(indices, dtype=np.int64)
+        idx = np.arange(self.privacy_units) if indices is None else np.asarray(indices, dtype=np.int64)
         collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
         if self.users is not None:
             return self.user_grad_norms(idx, collate, batch_size, per_sample_loss)

@@ -1,11 +1,12 @@
 """Poisson sampling with per-example rates for any map-style ``Dataset`` and ``DataLoader``.
 
 IDP-SGD *Sample* (Boenisch et al. 2023, Alg. 1, Alg. 3 line 3 with per-point rates): at every
-step example i joins the batch independently with probability q_i; batches have random size,
-possibly zero (a noise-only step, as Opacus's ``DPDataLoader``).  :class:`PoissonBatchSampler`
-replaces the user's batch sampler and keeps everything else, so the loader yields the user's
-batches unchanged; every batch's indices also go into a :class:`BatchIndexQueue`, the FIFO the
-clipping reads to find each example's c_i.  Ordering and worker prefetching: docs/inside-the-engine.md.
+step example i (or user, at user level) joins the batch independently with probability q_i;
+batches have random size, possibly zero (a noise-only step, as Opacus's ``DPDataLoader``).
+:class:`PoissonBatchSampler` — one sampler, with user level and a shard per rank as its parameters —
+replaces the user's batch sampler and keeps everything else, so the loader yields the user's batches
+unchanged; every batch's indices also go into a :class:`BatchIndexQueue`, the FIFO the clipping reads
+to find each example's c_i.  Ordering and worker prefetching: docs/inside-the-engine.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from ..validation import InvalidParameterError, check_sample_rate
+from .randomness import SecureUniform
+from .rank_balance import rank_owners
 
 
 class BatchMismatchError(RuntimeError):
@@ -121,19 +124,44 @@ class BatchIndexQueue:
 
 
 class PoissonBatchSampler(UniformWithReplacementSampler):
-    """Batch sampler drawing ``steps_per_epoch`` Poisson batches per pass, example i with rate q_i.
+    """Batch sampler drawing ``steps_per_epoch`` Poisson batches per pass, privacy unit i with rate q_i.
+
+    One sampler for the four set-ups, with the grouping and the sharding as parameters:
+
+    * ``users`` (user level, docs/user-level.md): the units are users (one rate each, ``users.ids``
+      order); a sampled user brings min(k, n_u) random rows (Charles et al. 2024, Alg. 2), and the batch
+      holds those rows.  Without it the units are the dataset's examples.
+    * ``ranks`` = (rank, W) (data parallelism, docs/distributed.md): this rank keeps the units dealt to
+      it in snake order of their rates (:func:`~.rank_balance.rank_owners`: every rank's expected batch
+      equal to within one unit's rate) — at user level all of a user's rows, so a user is clipped as one
+      unit on one rank.  In reproducible mode every rank draws the whole step (n uniforms, then the
+      users' rows) from the same stream and keeps its share, so the union over ranks is the
+      single-process draw and the streams stay in step; in secure mode each rank draws its own units'
+      uniforms from OS entropy.  Adding or removing a unit changes one rank's clipped sum by at most its
+      clip norm: the sensitivity, and so the accounting, of one process.
 
     A subclass of Opacus's ``UniformWithReplacementSampler`` (so ``BatchMemoryManager`` knows the
-    expected batch size); ``sample_rate`` is the mean rate over the examples.
+    expected batch size); ``sample_rate`` is the mean rate over the units.
 
     Args:
-        sample_rates: q_i for every example of the dataset, each in [0, 1] (0: never sampled).
+        sample_rates: q_i for every unit (example, or user with ``users``), each in [0, 1] (0: never sampled).
         steps_per_epoch: batches per pass over the data.
         rng: source of uniforms (``numpy.random.Generator`` or the secure-mode source).
         queue: where the indices of every drawn batch are pushed (read by the clipping code).
+        users: a :class:`~idpsgd.users.Users`: sample users, each with its rows.
+        ranks: (rank, world size): sample this rank's shard.
     """
 
-    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue: BatchIndexQueue | None = None):
+    def __init__(
+        self,
+        sample_rates,
+        steps_per_epoch: int,
+        rng,
+        queue: BatchIndexQueue | None = None,
+        *,
+        users=None,
+        ranks: tuple[int, int] | None = None,
+    ):
         rates = np.asarray(sample_rates, dtype=float).ravel()
         if rates.size == 0:
             raise InvalidParameterError("sample_rates", "[]", "need at least one example")
@@ -146,10 +174,31 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         self.sample_rates = rates
         self.rng = rng
         self.queue = queue if queue is not None else BatchIndexQueue()
+        self.users = users
+        if users is not None:
+            if rates.size != users.num_users:
+                raise ValueError(f"sample_rates has {rates.size} values, need one per user")
+            self.num_samples = users.num_rows
+        self.rank, self.world_size, self.owners, self.shard = 0, 1, None, None
+        if ranks is not None:
+            rank, world = ranks
+            if not 0 <= int(rank) < int(world):
+                raise InvalidParameterError("rank", rank, f"must be in [0, {world})")
+            self.rank, self.world_size = int(rank), int(world)
+            self.owners = rank_owners(rates, self.world_size)
+            self.shard = np.flatnonzero(self.owners == self.rank).astype(np.int64)
+        self._draw_hooks: list = []
 
     @property
     def steps_per_epoch(self) -> int:
         return self.steps
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Σ q_i over this rank's units (all units without ``ranks``): the expected number of examples,
+        or of users at user level."""
+        q = self.sample_rates
+        return float((q if self.shard is None else q[self.shard]).sum())
 
     def follow_rates(self, rates: np.ndarray) -> None:
         """Sample at ``rates`` from now on, the array itself (the individual filter sets a rate to 0 in
@@ -158,17 +207,28 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
             raise ValueError(f"need {self.sample_rates.size} rates, got {rates.size}")
         self.sample_rates = rates
 
-    @property
-    def expected_batch_size(self) -> float:
-        return float(self.sample_rates.sum())
+    def before_each_draw(self, hook) -> None:
+        """Call ``hook()`` right before each batch is drawn (the Trainer keeps the source's state there)."""
+        self._draw_hooks.append(hook)
 
     def sample(self) -> np.ndarray:
-        """One Poisson sample: the sorted indices i with U_i < q_i."""
-        return np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
+        """One Poisson draw: the sorted indices i with U_i < q_i of this rank's units (examples), or the rows
+        the drawn users bring (user level)."""
+        q = self.sample_rates
+        if self.shard is not None and isinstance(self.rng, SecureUniform):  # this rank's uniforms only
+            chosen = self.shard[self.rng.random(self.shard.size) < q[self.shard]]
+            return chosen if self.users is None else self.users.draw_rows(chosen, self.rng)
+        chosen = np.flatnonzero(self.rng.random(q.size) < q)  # the single-process draw
+        if self.users is None:
+            return chosen if self.shard is None else chosen[self.owners[chosen] == self.rank]
+        rows = self.users.draw_rows(chosen, self.rng)
+        return rows if self.shard is None else rows[self.owners[self.users.unit_of_row[rows]] == self.rank]
 
     def __iter__(self):
         self.queue.clear()  # batches drawn ahead in an abandoned pass are never trained on
         for _ in range(self.steps):
+            for hook in self._draw_hooks:
+                hook()
             idx = self.sample()
             self.queue.push(idx)
             yield idx.tolist()
@@ -268,7 +328,7 @@ class PrivateDataLoader(DPDataLoader):
         )
         self.poisson_sampler = sampler
         self.sample_rate = sampler.sample_rate
-        self.distributed = hasattr(sampler, "shard")  # one shard per rank
+        self.distributed = sampler.shard is not None  # one shard per rank
 
     @classmethod
     def from_data_loader(cls, data_loader, **kwargs):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import distributed, fsdp
+from . import fsdp
 from .clipping import PerExampleClipping
 from .options import PhaseParameters, SetupOptions
 from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .units import BookKeepingUsers, DistributedUserPoissonBatchSampler, UnitClipping, UserPoissonBatchSampler
+from .units import BookKeepingUsers, UserClipping
 from .wrap import wrap_module
 
 
@@ -49,19 +49,10 @@ def build_step(
     :mod:`.fsdp`)."""
     q, c, spe, users = plan.sample_rates, plan.clip_norms, plan.steps_per_epoch, opts.users
     queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
-    # sample rows: Poisson at q_i (user level: users, on several ranks routed whole; units.py)
-    if users is not None:
-        sampler = (
-            UserPoissonBatchSampler(q, spe, sampler_rng, queue, users)
-            if ranks is None
-            else DistributedUserPoissonBatchSampler(q, spe, sampler_rng, queue, users, *ranks)
-        )
-    elif ranks is None:
-        sampler = PoissonBatchSampler(q, spe, sampler_rng, queue)
-    else:
-        sampler = distributed.DistributedPoissonBatchSampler(q, spe, sampler_rng, queue, *ranks)
+    # sample rows: Poisson at q_i (user level: users with their rows; several ranks: this rank's shard)
+    sampler = PoissonBatchSampler(q, spe, sampler_rng, queue, users=users, ranks=ranks)
     # per-example norms and clipping at c_i: the mode's wrapper, reading the clip norms of the drawn rows
-    clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
+    clipping = PerExampleClipping(c, queue) if users is None else UserClipping(c, queue, users)
     wrapped = wrap(module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model)
     try:
         wrapped.forbid_grad_accumulation()

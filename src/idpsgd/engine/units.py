@@ -2,8 +2,8 @@
 
 User-level sampling (Charles et al. 2024, "Fine-Tuning LLMs with User-Level DP", Alg. 2; Chua et al.
 2024, "Mind the Privacy Unit!", §3.2), individualized as IDP-SGD (Boenisch et al. 2023, §3).  This
-module owns the user as the unit: :class:`UserPoissonBatchSampler` (user u joins a step with its
-rate q_u and brings min(k, n_u) random rows, k public), :class:`UnitClipping` (the **sum** of the
+module clips the user as one: sampling is :class:`~.sampler.PoissonBatchSampler` with ``users`` (user u
+joins a step with its rate q_u and brings min(k, n_u) random rows, k public); :class:`UserClipping` (the **sum** of the
 user's row gradients clipped as one vector to c_u, its norm with every cross term, never a sum of
 per-row norms) and how each mode forms that sum exactly (``index_add`` for hooks/functorch,
 :func:`ghost_capture`, and :func:`regroup_records` for book-keeping).  Replacing user u moves the
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..users import Users
 from .bk.rules import EmbeddingRule, LinearRule, acc, add_into
 from .clipping import PerExampleClipping
-from .rank_balance import rank_owners
-from .sampler import BatchIndexQueue, BatchMismatchError, PoissonBatchSampler
+from .sampler import BatchIndexQueue, BatchMismatchError
 
 #: the guarantee in words at user level (report.json's "guarantee")
 USER_GUARANTEE = (
@@ -35,87 +33,28 @@ USER_GUARANTEE = (
 )
 
 
-class UserPoissonBatchSampler(PoissonBatchSampler):
-    """Poisson sampling of users at their rates q_u; each sampled user brings min(k, n_u) random rows.
-
-    ``sample_rates`` has one rate per user (``users.ids`` order); ``sample_rate`` and
-    ``expected_batch_size`` count users (the optimizer divides the noisy sum by Σ_u q_u)."""
-
-    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue: BatchIndexQueue | None, users: Users):
-        super().__init__(sample_rates, steps_per_epoch, rng, queue)
-        if self.sample_rates.size != users.num_users:
-            raise ValueError(f"sample_rates has {self.sample_rates.size} values, need one per user")
-        self.users = users
-        self.num_samples = users.num_rows
-
-    def sample(self) -> np.ndarray:
-        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
-        return self.users.draw_rows(chosen, self.rng)
-
-
-class DistributedUserPoissonBatchSampler(UserPoissonBatchSampler):
-    """Two or more ranks at user level: **users are routed to ranks** (rank r holds the users dealt to it
-    in snake order of their rates, :func:`~.rank_balance.rank_owners`: equal expected numbers of users per
-    rank to within one user's rate; all of a user's rows), so every user's rows are clipped as one unit
-    on one rank.
-
-    Sensitivity: the step's update is the all-reduced sum over ranks of each rank's Σ_u clip(g_u), which
-    is Σ_u clip(g_u) over all sampled users — the single-process clipped sum — plus the noise drawn once
-    (rank 0).  Adding or removing user u changes one term, on one rank, by at most c_u: the same
-    sensitivity, hence the same per-user accounting, as on one rank.
-
-    In reproducible mode every rank draws the whole step (users, then rows) from the same stream and
-    keeps its users' rows, so the union over ranks is the single-process draw and the streams stay in
-    step; in secure mode each rank draws its users' uniforms from OS entropy."""
-
-    def __init__(self, sample_rates, steps_per_epoch: int, rng, queue, users: Users, rank: int, world_size: int):
-        super().__init__(sample_rates, steps_per_epoch, rng, queue, users)
-        from ..validation import InvalidParameterError
-
-        if not 0 <= int(rank) < int(world_size):
-            raise InvalidParameterError("rank", rank, f"must be in [0, {world_size})")
-        self.rank, self.world_size = int(rank), int(world_size)
-        self.owners = rank_owners(self.sample_rates, self.world_size)
-        self.shard = np.flatnonzero(self.owners == self.rank).astype(np.int64)
-
-    @property
-    def expected_batch_size(self) -> float:
-        """This rank's expected number of users Σ_{u in shard} q_u."""
-        return float(self.sample_rates[self.shard].sum())
-
-    def sample(self) -> np.ndarray:
-        from .randomness import SecureUniform
-
-        if isinstance(self.rng, SecureUniform):
-            chosen = self.shard[self.rng.random(self.shard.size) < self.sample_rates[self.shard]]
-            return self.users.draw_rows(chosen, self.rng)
-        chosen = np.flatnonzero(self.rng.random(self.sample_rates.size) < self.sample_rates)
-        rows = self.users.draw_rows(chosen, self.rng)  # the single-process draw
-        return rows[self.owners[self.users.unit_of_row[rows]] == self.rank]
-
-
 @dataclass(frozen=True)
 class Grouping:
     """The rows of a batch (or physical batch) and their users: ``inverse[r]`` is row r's position in
-    ``units`` (the global user indices of the batch, ascending)."""
+    ``users`` (the global user indices of the batch, ascending)."""
 
     n_rows: int
     inverse: torch.Tensor
-    units: torch.Tensor
+    users: torch.Tensor
 
     @property
-    def num_units(self) -> int:
-        return int(self.units.numel())
+    def num_users(self) -> int:
+        return int(self.users.numel())
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
-        """(rows, ...) → (units, ...): the sum of each user's rows (a (units × rows) 0/1 matrix product:
+        """(rows, ...) → (users, ...): the sum of each user's rows (a (users × rows) 0/1 matrix product:
         one BLAS call, much faster than ``index_add_`` on the CPU for wide rows)."""
         n = rows.shape[0]
         if n == 0:
-            return rows.new_zeros((self.num_units, *rows.shape[1:]))
-        onehot = rows.new_zeros((self.num_units, n))
+            return rows.new_zeros((self.num_users, *rows.shape[1:]))
+        onehot = rows.new_zeros((self.num_users, n))
         onehot[self.inverse.to(rows.device), torch.arange(n, device=rows.device)] = 1
-        return (onehot @ rows.reshape(n, -1)).reshape(self.num_units, *rows.shape[1:])
+        return (onehot @ rows.reshape(n, -1)).reshape(self.num_users, *rows.shape[1:])
 
     def rank(self) -> tuple[torch.Tensor, int]:
         """Each row's rank among its user's rows in this batch, and the largest count m."""
@@ -123,19 +62,19 @@ class Grouping:
         if inv.numel() == 0:
             return inv, 0
         order = torch.argsort(inv, stable=True)
-        counts = torch.bincount(inv, minlength=self.num_units)
+        counts = torch.bincount(inv, minlength=self.num_users)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(inv)
         rank[order] = torch.arange(inv.numel()) - starts[inv[order]]
         return rank, int(counts.max())
 
     def as_sequences(self, x: torch.Tensor, rank_m=None) -> torch.Tensor:
-        """(rows, T, ...) → (units, m·T, ...): a user's rows as one longer sequence, zero-padded to the
+        """(rows, T, ...) → (users, m·T, ...): a user's rows as one longer sequence, zero-padded to the
         largest count m (padding rows have zero output gradient, so they add nothing to a ghost norm or
         a clipped sum).  Rows already grouped by user with m each (every user of the step brought k
         rows): a reshape, no copy."""
         rank, m = self.rank() if rank_m is None else rank_m
-        u, n = self.num_units, x.shape[0]
+        u, n = self.num_users, x.shape[0]
         pos = self.inverse.to(x.device) * m + rank.to(x.device)
         if u * m == n and bool((pos == torch.arange(n, device=x.device)).all()):
             return x.reshape(u, m * x.shape[1], *x.shape[2:])
@@ -144,9 +83,9 @@ class Grouping:
         return out.reshape(u, m * x.shape[1], *x.shape[2:])
 
 
-class UnitClipping(PerExampleClipping):
+class UserClipping(PerExampleClipping):
     """Per-user clip norms c_u; the clip factors are per user, from the norms of the users' summed
-    gradients.  :attr:`last_norms`/:attr:`last_indices` are per user (user indices): the per-unit
+    gradients.  :attr:`last_norms`/:attr:`last_indices` are per user (user indices): the per-user
     accounting, filter and individual accounting work on users unchanged.
 
     A mode first asks :meth:`grouping` for the next ``n`` drawn rows (without consuming them), forms
@@ -157,7 +96,7 @@ class UnitClipping(PerExampleClipping):
         if self.clip_norms.numel() != users.num_users:
             raise ValueError(f"clip_norms has {self.clip_norms.numel()} values, need one per user")
         self.users = users
-        self._unit_of_row = torch.from_numpy(users.unit_of_row)
+        self._user_of_row = torch.from_numpy(users.unit_of_row)
         self._pending: Grouping | None = None
         self._seen: list[torch.Tensor] = []
 
@@ -173,8 +112,8 @@ class UnitClipping(PerExampleClipping):
                 "optimizer.step() (is batch_first right for your data?)"
             )
         rows = self.queue.peek(n_rows)
-        units, inverse = torch.unique(self._unit_of_row[rows], return_inverse=True)
-        self._pending = Grouping(n_rows, inverse.reshape(-1), units)
+        users, inverse = torch.unique(self._user_of_row[rows], return_inverse=True)
+        self._pending = Grouping(n_rows, inverse.reshape(-1), users)
         return self._pending
 
     def factors(self, norms: torch.Tensor) -> torch.Tensor:
@@ -182,14 +121,14 @@ class UnitClipping(PerExampleClipping):
         if self._pending is None and norms.numel() == 0:  # an empty Poisson batch: no rows, no users
             self.grouping(0)
         g = self._pending
-        if g is None or norms.numel() != g.num_units:
+        if g is None or norms.numel() != g.num_users:
             self._pending = None
             raise RuntimeError(
                 "user-level clipping needs the norms of the users' summed gradients (one per user of the "
                 "batch), formed after grouping(rows); got per-row norms: this mode does not support users"
             )
         self._pending = None
-        if self._seen and g.num_units and bool(torch.isin(g.units, torch.cat(self._seen)).any()):
+        if self._seen and g.num_users and bool(torch.isin(g.users, torch.cat(self._seen)).any()):
             raise BatchMismatchError(
                 "a user's rows reached two clipping calls of one step (BatchMemoryManager split a logical "
                 "batch into physical batches): a user's rows must be clipped as one unit; train on whole "
@@ -197,12 +136,12 @@ class UnitClipping(PerExampleClipping):
             )
         self.queue.pop(g.n_rows)
         self.last_grouping_inverse = g.inverse  # ghost clipping: each row takes its user's factor
-        self._seen.append(g.units)
+        self._seen.append(g.users)
         self._norms.append(norms.detach())
-        self._indices.append(g.units)
+        self._indices.append(g.users)
         if norms.numel() == 0:
             return norms.new_zeros((0,))
-        clip = self.clip_norms[g.units].to(device=norms.device, dtype=norms.dtype)
+        clip = self.clip_norms[g.users].to(device=norms.device, dtype=norms.dtype)
         return torch.where(torch.isfinite(norms), (clip / (norms + 1e-6)).clamp(max=1.0), 0.0)
 
     def end_step(self) -> None:
@@ -210,8 +149,9 @@ class UnitClipping(PerExampleClipping):
         super().end_step()
 
 
-def check_user_level(engine, users, privacy_filter) -> None:
-    """Refuse what user level does not support (yet), and a phase whose privacy unit differs."""
+def check_user_level(engine, users) -> None:
+    """Refuse a phase whose users differ from the engine's earlier phases' (another privacy unit); what
+    user level does not support is refused where it is checked (the mode, FSDP2, the filters)."""
     from ..validation import InvalidParameterError
 
     if engine.accountant is not None and engine.users is not users:
@@ -220,13 +160,11 @@ def check_user_level(engine, users, privacy_filter) -> None:
             repr(users),
             "differ from this engine's earlier phases (another privacy unit); use a new IndividualizedPrivacyEngine",
         )
-    if users is None:
-        return
 
 
 def grouping_of(clipping, n_rows: int) -> Grouping | None:
     """The grouping of the next ``n_rows`` rows under user-level clipping, else None (example level)."""
-    return clipping.grouping(n_rows) if isinstance(clipping, UnitClipping) else None
+    return clipping.grouping(n_rows) if isinstance(clipping, UserClipping) else None
 
 
 # --- ghost clipping (Opacus's fast gradient clipping) ------------------------------------------
@@ -266,16 +204,16 @@ class BookKeepingUsers:
     unchanged with one "example" per user.  ``rows_batch`` is the number of rows (the "mean" loss
     scale is by rows)."""
 
-    def __init__(self, clipping: UnitClipping | None = None, grouping: Grouping | None = None):
+    def __init__(self, clipping: UserClipping | None = None, grouping: Grouping | None = None):
         self.clipping, self._fixed = clipping, grouping
         self.rows_batch: int | None = None
 
     def _grouping(self, batch: int) -> Grouping:
         return self._fixed if self._fixed is not None else self.clipping.grouping(batch)
 
-    def units(self, rows: int) -> int:
+    def users_in(self, rows: int) -> int:
         """The number of users in a batch of ``rows`` rows."""
-        return int(self._grouping(rows).num_units)
+        return int(self._grouping(rows).num_users)
 
     def regroup(self, keeper, parts, batch: int):
         grouping = self._grouping(batch)
@@ -283,7 +221,7 @@ class BookKeepingUsers:
             raise RuntimeError("the batch's rows do not match its users' rows")
         self.rows_batch = int(batch)
         regroup_records(parts, grouping)
-        return parts, grouping.num_units
+        return parts, grouping.num_users
 
 
 def _full_batch(t, n: int):
@@ -308,7 +246,7 @@ def _regroup_use(rule, module, saved, g, grouping: Grouping, rank_m):
 
 @torch.no_grad()
 def regroup_records(parts, grouping: Grouping) -> None:
-    """Every recorded part at unit level, in place (exact: a user's gradient is the sum of its rows'):
+    """Every recorded part at user level, in place (exact: a user's gradient is the sum of its rows'):
 
     * Linear (nn.Linear, transformers' Conv1D) and Embedding records on the ghost path: a user's rows
       become one longer sequence (:func:`_regroup_use`), so ghost norms, pairwise ghost cross terms
@@ -332,4 +270,4 @@ def regroup_records(parts, grouping: Grouping) -> None:
                     add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
                 part.uses = []
         part.grad_sample = {k: grouping.sum(acc(v)) for k, v in part.grad_sample.items()}
-        part.batch = grouping.num_units
+        part.batch = grouping.num_users

@@ -631,13 +631,8 @@ class IndividualizedTrainer(Trainer):
         bit_generator = getattr(getattr(sampler, "rng", None), "bit_generator", None)
         if bit_generator is None:  # secure mode: no state to save
             return
-        draw, pending = sampler.sample, self._pending_sampler_states
-
-        def sample():
-            pending.append(copy.deepcopy(bit_generator.state))
-            return draw()
-
-        sampler.sample = sample
+        pending = self._pending_sampler_states
+        sampler.before_each_draw(lambda: pending.append(copy.deepcopy(bit_generator.state)))
 
     def _wrap_model(self, model, training=True, dataloader=None):
         """Under ``torch.distributed`` the engine's ``DPDDP`` wrapper (its optimizer all-reduces the
