@@ -206,7 +206,7 @@ def run_config(spec: dict) -> dict:
                         sample_rate=b / n,
                         grad_sample_mode="bk",
                     )
-                    sigma = engine.parameters["noise_multiplier"]
+                    sigma = engine.parameters.noise_multiplier
                 else:
                     from opacus import PrivacyEngine
                     from torch import nn

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from idpsgd.engine.bk import provenance as P
-from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.bk.keeper import DIRECT, FALLBACK, BookKeeper
 from idpsgd.engine.norms import per_example_grad_norms
 from test_bookkeeping import N, _check_equal, _data
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.bk.keeper import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
 from idpsgd.engine.norms import per_example_grad_norms
 from idpsgd.models import TransformerClassifier, wide_resnet
 from idpsgd.validation import InvalidParameterError

@@ -52,8 +52,8 @@ def _trial(die_at=None, mark=None):
         "report_steps": report["steps"],
         "ledger_sizes": [row[3] for row in trainer.ledger_rows],
         "ebs": opt.expected_batch_size,
-        "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
-        "q": np.asarray(trainer.engine.parameters["sample_rates"]),
+        "sum_q": float(trainer.engine.parameters.sample_rates.sum()),
+        "q": np.asarray(trainer.engine.parameters.sample_rates),
         "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
         "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"]),
     }

@@ -204,7 +204,7 @@ def test_clipping_uses_each_examples_norm_and_exposes_norms(data, budgets):
         ref = torch.sqrt(sum((g**2).sum() for g in grads))
         assert float(opt.last_norms[k]) == pytest.approx(float(ref), rel=1e-4)
     model.enable_hooks()
-    c = engine.parameters["clip_norms"]
+    c = engine.parameters.clip_norms
     assert c[budgets.epsilons == 1][0] < c[budgets.epsilons == 3][0]  # Scale: per-group clip norms
     norms, losses = engine.per_example_grad_norms(indices=opt.last_indices.numpy())
     assert norms.shape == losses.shape == (len(opt.last_indices),)

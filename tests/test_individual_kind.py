@@ -361,7 +361,7 @@ def test_enforcement_caps_every_contribution_at_its_charge(mode, rounding):
         grad_sample_mode=mode,
     )
     model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], F.cross_entropy, out[2])
-    assert t.every == 1 and t.enforces and np.all(engine.parameters["sample_rates"] == 1.0)
+    assert t.every == 1 and t.enforces and np.all(engine.parameters.sample_rates == 1.0)
     weight = raw_module(model)[1].weight
     seen, add_noise = [], opt.add_noise
 

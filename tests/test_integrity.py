@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
+from idpsgd.engine.bk.keeper import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
 from idpsgd.engine.integrity import UnnoisedWriteError
 from idpsgd.engine.norms import per_example_grad_norms
 from idpsgd.validation import InvalidParameterError

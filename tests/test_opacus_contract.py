@@ -314,7 +314,7 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
 
     engine, _model, _opt, loader = _private()
     assert engine.accountant_name == "prv" and len(loader) == 4
-    assert engine.parameters["sample_rates"][0] == 0.25 and engine.parameters["steps_per_epoch"] == 4
+    assert engine.parameters.sample_rates[0] == 0.25 and engine.parameters.steps_per_epoch == 4
     x, y = _data()
     cal = IndividualizedPrivacyEngine()
     m = _linear()
@@ -327,9 +327,9 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
         epochs=2,
         max_grad_norm=1.0,
     )
-    sigma = cal.parameters["noise_multiplier"]
+    sigma = cal.parameters.noise_multiplier
     theirs = get_noise_multiplier(target_epsilon=5.0, target_delta=DELTA, sample_rate=0.25, epochs=2, accountant="prv")
-    assert cal.parameters["steps"] == 8 and sigma == pytest.approx(theirs, rel=0.02) and sigma >= theirs * 0.995
+    assert cal.parameters.steps == 8 and sigma == pytest.approx(theirs, rel=0.02) and sigma >= theirs * 0.995
     assert 0.9999 * 5.0 <= cal.get_epsilon(steps=8) <= 5.0
 
 

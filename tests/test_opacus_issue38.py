@@ -191,7 +191,7 @@ def test_budgets_with_a_noise_multiplier_solve_each_groups_rate_for_its_budget(s
     """Before: sigma = 1 was refused at make_private ("at most 0 steps"), sigma = 3 gave every group the
     same epsilon (0.88): the budgets only capped.  Now each group spends its own budget (Sample)."""
     engine, (_m, _o, loader) = _budgeted(sigma, epochs=3)
-    assert engine.parameters["noise_multiplier"] == sigma and engine.parameters["steps"] == 30
+    assert engine.parameters.noise_multiplier == sigma and engine.parameters.steps == 30
     eps = engine.get_epsilon(DELTA, steps=30).per_group
     assert np.all(eps <= [1.0, 2.0, 3.0]) and np.all(eps >= 0.999 * np.array([1.0, 2.0, 3.0]))
     rates = [g["sample_rate"] for g in engine.privacy_groups()]
@@ -218,7 +218,7 @@ def test_expected_batch_size_sample_rate_loader_type_and_accountant_length_as_op
 
     engine, _model, wrapped, opt, loader = _setup("hooks", batch_size=10)  # N = 100: q = 0.1, 10 per batch
     assert opt.expected_batch_size == 10 and isinstance(opt.expected_batch_size, int)  # Opacus: int(N q)
-    assert loader.sample_rate == 0.1 and engine.parameters["expected_batch_size"] == 10
+    assert loader.sample_rate == 0.1 and engine.parameters.expected_batch_size == 10
     assert isinstance(loader, DPDataLoader) and loader.distributed is False
     _train(wrapped, opt, loader)
     assert len(engine.accountant) == 1 and engine.steps == 10  # Opacus: len = history entries, not steps

@@ -824,8 +824,8 @@ def test_make_private_with_epsilon_at_user_level():
         max_grad_norm=1.0,
         users=users,
     )
-    assert engine.parameters["privacy_unit"] == "user" and engine.parameters["sample_rates"].size == users.num_users
-    assert float(engine.get_epsilon(steps=engine.parameters["steps"])) <= 2.0 * (1 + 1e-9)
+    assert engine.parameters.privacy_unit == "user" and engine.parameters.sample_rates.size == users.num_users
+    assert float(engine.get_epsilon(steps=engine.parameters.steps)) <= 2.0 * (1 + 1e-9)
 
 
 def test_gpt2_bk_user_norms_with_shared_positions_and_tied_embeddings():

@@ -13,8 +13,6 @@ the largest over its cohorts.  ε comes from the run's accountant (``rdp``, ``pl
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -327,16 +325,6 @@ class GroupAccountant:
                 "is required: this engine has no budgets (nor target_delta) to take it from; pass get_epsilon(delta)",
             )
         return self.delta
-
-    def paths(self):
-        """Deprecated alias of :meth:`cohorts` (removed in the next release: "paths" are layer routes)."""
-        warnings.warn("GroupAccountant.paths() is renamed cohorts()", DeprecationWarning, stacklevel=2)
-        return self.cohorts()
-
-    def path_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
-        """Deprecated alias of :meth:`cohort_epsilons` (removed in the next release)."""
-        warnings.warn("GroupAccountant.path_epsilons() is renamed cohort_epsilons()", DeprecationWarning, stacklevel=2)
-        return self.cohort_epsilons(delta, extra_steps)
 
     def cohort_epsilons(self, delta: float | None = None, extra_steps: int = 0) -> np.ndarray:
         delta = self.resolve_delta(delta)

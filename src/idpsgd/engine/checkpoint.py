@@ -30,12 +30,12 @@ def plan_of(engine) -> dict:
     """The phase's plan as a checkpoint records it (public values)."""
     p = engine.parameters
     return {
-        "steps": p["steps"],
-        "steps_per_epoch": p["steps_per_epoch"],
-        "noise_multiplier": p["noise_multiplier"],
-        "max_grad_norm": p["max_grad_norm"],
-        "sample_rate": float(np.mean(p["sample_rates"])),
-        "expected_batch_size": p["expected_batch_size"],
+        "steps": p.steps,
+        "steps_per_epoch": p.steps_per_epoch,
+        "noise_multiplier": p.noise_multiplier,
+        "max_grad_norm": p.max_grad_norm,
+        "sample_rate": float(np.mean(p.sample_rates)),
+        "expected_batch_size": p.expected_batch_size,
     }
 
 

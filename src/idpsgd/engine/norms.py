@@ -2,7 +2,7 @@
 
 Yu et al. 2023, Alg. 2 line 3: the batch gradient norms ‖g_i‖ at θ_t, with the model in eval
 mode and no optimizer step.  Computed in batches by the model's book-keeper
-(:mod:`.bookkeeping`, the machinery of ``grad_sample_mode="bk"``): one backward pass per batch,
+(:mod:`.bk.keeper`, the machinery of ``grad_sample_mode="bk"``): one backward pass per batch,
 ghost norms or per-sample gradients per layer by shape (Bu, Mao & Xu 2022), and no summed
 gradient — about the cost of one non-private training epoch over the examples.  Layers no
 book-keeping rule covers take Opacus's per-sample gradient (they must own trainable parameters
@@ -128,7 +128,7 @@ def per_example_grad_norms(model: torch.nn.Module, batches, per_sample_loss=None
     of ``(inputs, targets)`` batches).  Batches are moved to the model's device.  A model whose forward
     writes a parameter or persistent buffer is refused (:class:`~.integrity.UnnoisedWriteError`).
 
-    ``user_levels`` (user level, :func:`~.units.per_user_grad_norms`): one book-keeper hook per batch
+    ``user_levels`` (user level, :func:`~.user_norms.per_user_grad_norms`): one book-keeper hook per batch
     (whole users in each); the norms are then one per user of the batch, of the user's summed gradient.
     """
     loss_fn = per_sample_loss or default_per_sample_loss

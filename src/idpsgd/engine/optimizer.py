@@ -151,9 +151,9 @@ class _PrivacyHooks:
         over (the amp-scaling optimizer protocol sets ``grad_scale`` and ``found_inf`` for the call).
 
         The scaler's own overflow check sees no private gradient in book-keeping mode (covered
-        parameters have no autograd gradient; :meth:`~.bookkeeping.BookKeeper.mark_for_grad_scaler`),
+        parameters have no autograd gradient; :meth:`~.bk.keeper.BookKeeper.mark_for_grad_scaler`),
         so its scale depends on the step count only; overflowed examples are left out of the
-        clipped sum instead of skipping the step (:meth:`~.bookkeeping.BookKeeper.norms`)."""
+        clipped sum instead of skipping the step (:meth:`~.bk.keeper.BookKeeper.norms`)."""
         if getattr(self, "found_inf", None) is None:  # not called by a GradScaler
             return 1.0
         error = self._grad_scaler_refusal()
@@ -325,7 +325,7 @@ class IndividualizedDPOptimizerFastGradientClipping(_PrivacyHooks, DPOptimizerFa
 
 
 class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradientClipping):
-    """Book-keeping clipping (``grad_sample_mode="bk"``, :mod:`.bookkeeping`): after the one backward
+    """Book-keeping clipping (``grad_sample_mode="bk"``, :mod:`.bk.keeper`): after the one backward
     pass, the per-example norms come from the model's book-keeper, the clip factors
     min(1, c_i/‖g_i‖) from :class:`~.clipping.PerExampleClipping`, and the clipped sum Σ_i w_i g_i
     from the kept layer inputs and output gradients; this optimizer adds it to ``p.summed_grad``

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from ..assignment import Budgets, assign
+from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, check_epsilon
 from .checks import Counted, check_budgets, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
 from .optimizer import check_noise
-from .options import METHODS
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,8 @@ def plan_phase(
         )
         return PlannedPhase(arguments, Counted(n, None, noise=True), filtered=False)
     method = "sample" if method is None else method
-    if method not in METHODS:
-        raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
+    if method not in IDP_METHODS:
+        raise InvalidParameterError("method", method, f"must be one of {', '.join(IDP_METHODS)}")
     if budgets is None:
         raise InvalidParameterError(
             "budgets",

@@ -32,13 +32,13 @@ from .checks import Counted, check_phase, count_units, expected_batch_size_of, s
 from .clipping import PerExampleClipping
 from .group_filter import GroupFilter
 from .opacus_compat import refuse_opacus_options, validate_module
-from .options import FILTER_ACTIONS, FILTERS, METHODS, PhaseParameters, SetupOptions
+from .options import FILTER_ACTIONS, FILTERS, PhaseParameters, SetupOptions
 from .phase import Phase
 from .plan import epsilon_budgets, plan_phase
 from .randomness import SECURE_RNG_WARNING, RunSeeds
 from .step import build_step
 from .step_guard import StepGuard
-from .wrap import layer_paths, release_hooks, wrap_module
+from .wrap import layer_paths, release_hooks
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
@@ -264,11 +264,11 @@ class IndividualizedPrivacyEngine:
         """Layer name → how its per-example gradient norms are computed in this phase, as a function of
         the model and ``grad_sample_mode`` only (public, safe to publish): with ``"bk"`` a ghost norm,
         a per-sample gradient, either by the layer's input shapes in each step (Linear, convolutions;
-        :data:`~.bookkeeping.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
-        rule covers (:mod:`.bookkeeping`); in the other modes Opacus's.  The paths actually taken:
+        :data:`~.bk.keeper.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
+        rule covers (:mod:`.bk.keeper`); in the other modes Opacus's.  The paths actually taken:
         :attr:`layer_paths_taken`."""
         self._require()
-        return layer_paths(self.module, self.parameters["grad_sample_mode"])
+        return layer_paths(self.module, self.parameters.grad_sample_mode)
 
     @property
     def layer_paths_taken(self) -> dict[str, str]:
@@ -276,7 +276,7 @@ class IndividualizedPrivacyEngine:
         :attr:`layer_paths`).  Private: with inputs padded per batch, a Linear layer's ghost/per-sample
         choice depends on the batch's longest sequence — keep it out of public outputs."""
         self._require()
-        return layer_paths(self.module, self.parameters["grad_sample_mode"], taken=True)
+        return layer_paths(self.module, self.parameters.grad_sample_mode, taken=True)
 
     def privacy_groups(self, delta: float | None = None) -> list[dict]:
         """Per group: budget, examples, and the current phase's rate, clip norm and effective σ."""
@@ -286,14 +286,14 @@ class IndividualizedPrivacyEngine:
         out = []
         for g, (value, count) in enumerate(zip(self.accountant.values, self.accountant.counts, strict=True)):
             members = self.accountant.group_of == g
-            q, c = p["sample_rates"][members], p["clip_norms"][members]
+            q, c = p.sample_rates[members], p.clip_norms[members]
             out.append(
                 {
                     "budget": float(value),
                     "count": int(count),
                     "sample_rate": float(q.max()),
                     "clip_norm": float(c.max()),
-                    "noise_multiplier": float(p["noise_multiplier"] * p["max_grad_norm"] / c.max()),
+                    "noise_multiplier": float(p.noise_multiplier * p.max_grad_norm / c.max()),
                     "epsilon": float(eps[g]),
                 }
             )
@@ -330,7 +330,7 @@ class IndividualizedPrivacyEngine:
 
     def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
-        of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
+        of the user's rows drawn from the sampler's source (:func:`~.user_norms.per_user_grad_norms`)."""
         self._require()
         return self.phase.user_grad_norms(units, collate, batch_size, per_sample_loss)
 
@@ -657,7 +657,7 @@ class IndividualizedPrivacyEngine:
                 self._noise = seeds.noise_generator(checked.device)
             built = build_step(
                 module, optimizer, data_loader, plan, opts, checked.ranks, self._sampler_rng, self._noise,
-                self.secure_mode, wrap=wrap_module, sharded=checked.sharded,
+                self.secure_mode, sharded=checked.sharded,
             )  # fmt: skip
             self.clipping, wrapped, dp_opt, loader = built.clipping, built.module, built.optimizer, built.data_loader
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was
@@ -809,7 +809,6 @@ __all__ = [
     "FILTERS",
     "FILTER_ACTIONS",
     "GUARANTEE",
-    "METHODS",
     "GroupEpsilons",
     "IndividualizedPrivacyEngine",
     "PrivacyBudgetExceeded",

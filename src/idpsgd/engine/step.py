@@ -41,19 +41,19 @@ def build_step(
     sampler_rng,
     noise,
     secure_mode,
-    wrap=wrap_module,
     sharded: bool = False,
 ) -> BuiltStep:
-    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None; ``wrap``:
-    :func:`~.wrap.wrap_module`, or what the caller wraps with; ``sharded``: a ``fully_shard`` model,
-    :mod:`.fsdp`)."""
+    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None; ``sharded``:
+    a ``fully_shard`` model, :mod:`.fsdp`)."""
     q, c, spe, users = plan.sample_rates, plan.clip_norms, plan.steps_per_epoch, opts.users
     queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
     # sample rows: Poisson at q_i (user level: users with their rows; several ranks: this rank's shard)
     sampler = PoissonBatchSampler(q, spe, sampler_rng, queue, users=users, ranks=ranks)
     # per-example norms and clipping at c_i: the mode's wrapper, reading the clip norms of the drawn rows
     clipping = PerExampleClipping(c, queue) if users is None else UserClipping(c, queue, users)
-    wrapped = wrap(module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model)
+    wrapped = wrap_module(
+        module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model
+    )
     try:
         wrapped.forbid_grad_accumulation()
         if sharded:  # bk: every unit book-kept; ghost: the sharded ghost wrapper (engine/fsdp.py)

@@ -144,28 +144,4 @@ def layer_paths(wrapped: torch.nn.Module, grad_sample_mode: str, taken: bool = F
     }
 
 
-#: names that moved in 0.x (issue 41), importable from here for one release with a DeprecationWarning
-MOVED = {
-    "ENGINE_MODES": "idpsgd.engine.modes",
-    "GRAD_SAMPLE_MODES": "idpsgd.engine.modes",
-    "UNWRAPPED_MODES": "idpsgd.engine.modes",
-    "IndividualizedGhostModule": "idpsgd.engine.ghost",
-}
-
-
-def __getattr__(name: str):
-    if name in MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(
-            f"idpsgd.engine.wrap.{name} moved to {MOVED[name]}; import it from there (this alias goes in the next "
-            "release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["check_wrappable", "layer_paths", "own_hooks", "raw_module", "release_hooks", "wrap_module"]

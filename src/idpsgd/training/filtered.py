@@ -28,20 +28,17 @@ from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, check_delta
 from .loop import TrainConfig, Trainer, run_in_folder
 
-#: Calibrations the filtered recipes accept (one phase over all examples).
-FILTER_METHODS = IDP_METHODS
-
 
 def check_filter_config(config: TrainConfig, options: FilterOptions | None) -> FilterOptions:
     """Refuse combinations the filtered recipes cannot honour; returns the validated options."""
     if options is not None and not isinstance(options, FilterOptions):
         raise InvalidParameterError("filter_options", type(options).__name__, "must be a FilterOptions")
     options = (options or FilterOptions()).validate()
-    if config.method not in FILTER_METHODS:
+    if config.method not in IDP_METHODS:
         raise InvalidParameterError(
             "method",
             config.method,
-            f"is not supported with --filter individual: use {', '.join(FILTER_METHODS)} (one phase over all examples)",
+            f"is not supported with --filter individual: use {', '.join(IDP_METHODS)} (one phase over all examples)",
         )
     if config.accountant != "rdp":
         raise InvalidParameterError(
@@ -292,7 +289,6 @@ def train_filtered(
 
 
 __all__ = [
-    "FILTER_METHODS",
     "FilterOptions",
     "FilteredTrainer",
     "active_figure",

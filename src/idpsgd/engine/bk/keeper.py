@@ -558,10 +558,6 @@ class _FallbackForward:
         return _PlainForward, (self.unit.module,)
 
 
-def _is_batch(rows) -> bool:
-    return rows is not None and rows.known and rows.dim == 0 and rows.group == 1
-
-
 def _group(rows) -> int | None:
     """Rows per example of a tensor whose batch is its leading dimension (None: not one)."""
     return rows.group if rows is not None and rows.known and rows.dim == 0 else None
@@ -606,7 +602,7 @@ def _functorch_per_sample(module, args, kwargs, batched, g, params) -> dict:
 class _DirectUnit:
     """A module no rule covers, with trainable submodules, whose own parameters its forward uses directly
     (ViT's class token and position embedding, added to and concatenated with activations): during
-    that forward each own parameter is replaced by a batch-independent value (:mod:`.bk_shared`)
+    that forward each own parameter is replaced by a batch-independent value (:mod:`.shared`)
     whose per-example gradients are collected where it meets the batch.  Its submodules are layers
     of their own.  A use the book-keeper cannot attribute is refused in the forward."""
 
@@ -644,7 +640,7 @@ class _DirectUnit:
 
 class _DirectForward:
     """A :class:`_DirectUnit` module's ``forward``: its own trainable parameters replaced, for the call, by
-    the tensors :func:`~.bk_shared.parameter_use` gives (plain forward when the keeper is inactive,
+    the tensors :func:`~.shared.parameter_use` gives (plain forward when the keeper is inactive,
     gradients are off, or the call is not inside the model's forward)."""
 
     def __init__(self, unit: _DirectUnit):
@@ -725,7 +721,7 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     once); a module with a parametrization (``torch.nn.utils.parametrize``, e.g.
     ``parametrizations.weight_norm``: its parameters live in ``parametrizations.<name>.original*``)
     is one fallback unit with its whole subtree.  A parameter shared by covered layers is tied (cross
-    terms, :mod:`.bk_tied`); one shared with any other unit is refused, as is a covered layer owning
+    terms, :mod:`.tied`); one shared with any other unit is refused, as is a covered layer owning
     a trainable parameter its rule does not train (it would get noise only)."""
     plan, owner, seen = [], {}, set()
 
@@ -769,7 +765,7 @@ def plan_layers(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
 
 
 def check_batch_first(batch_first: bool) -> None:
-    """Refuse batch-second inputs, as every mode does (:data:`~.opacus_compat.REFUSALS`)."""
+    """Refuse batch-second inputs, as every mode does (:data:`~..opacus_compat.REFUSALS`)."""
     from ..opacus_compat import refuse_opacus_options
 
     refuse_opacus_options(batch_first=batch_first)
@@ -1168,7 +1164,7 @@ class BookKeepingModule(AbstractGradSampleModule):
     """The user's module for ``grad_sample_mode="bk"`` (an Opacus ``AbstractGradSampleModule``, so
     Opacus's utilities and DPDDP see the wrapper they expect).  Its forward is the user's module's;
     the book-keeper records during the backward pass, and the optimizer
-    (:class:`~.optimizer.IndividualizedDPOptimizerBookKeeping`) reads the clipped sum from it."""
+    (:class:`~..optimizer.IndividualizedDPOptimizerBookKeeping`) reads the clipped sum from it."""
 
     def __init__(self, m: nn.Module, *, keeper: BookKeeper, batch_first: bool = True, loss_reduction: str = "mean"):
         check_batch_first(batch_first)

@@ -50,10 +50,6 @@ class Rows:
     def moved(self, dim: int) -> Rows:
         return self if dim == self.dim else Rows(dim, self.group)
 
-    def example_of(self, rows: int, device=None) -> torch.Tensor:
-        """The example (unit) of each of ``rows`` rows along the batch dimension."""
-        return torch.div(torch.arange(rows, device=device), self.group, rounding_mode="floor")
-
     def __repr__(self):
         return f"Rows(mixed by {self.mixed})" if self.mixed else f"Rows(dim={self.dim}, group={self.group})"
 

@@ -111,7 +111,7 @@ class Rule:
     #: ghost-capable (keeps (a, b) when the ghost norm is cheaper) or always per-sample
     ghost_capable = False
     #: a ghost-capable layer that always takes the ghost norm (its ``per_sample``, if any, serves only
-    #: the cross terms of tied parameters, :mod:`.bk_tied`)
+    #: the cross terms of tied parameters, :mod:`.tied`)
     always_ghost = False
     #: the names of the layer's own parameters the rule trains (any other trainable parameter the
     #: layer owns is refused by the planner: it would get noise only)
@@ -248,7 +248,7 @@ class LinearRule(Rule):
 
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ for explicit per-example tensors M (B, *shape) of parameter ``name``: Σ_t b_tᵀ M a_t
-        (weight) or Σ_t b_t·M (bias) from the kept factors (for tied parameters, :mod:`.bk_tied`)."""
+        (weight) or Σ_t b_t·M (bias) from the kept factors (for tied parameters, :mod:`.tied`)."""
         a, b = (acc(t) for t in self.joined_factors(uses))
         m = acc(m).to(a.dtype)
         if name == "bias":
@@ -482,7 +482,7 @@ class EmbeddingRule(Rule):
     PyTorch's embedding backward.  The clipped sum is the same scatter-add with b_i scaled by w_i.
     ``scale_grad_by_freq`` (a gradient that couples the examples of a batch) and ``sparse`` are not
     covered; ``max_norm`` is not covered either, and the engine refuses it in every mode
-    (:func:`~.integrity.check_static_writes`: PyTorch renormalises the looked-up rows in place during
+    (:func:`~..integrity.check_static_writes`: PyTorch renormalises the looked-up rows in place during
     the forward, an un-noised write to the released model)."""
 
     ghost_capable = True

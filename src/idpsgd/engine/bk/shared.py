@@ -409,7 +409,7 @@ class _ParameterUse(torch.autograd.Function):
 
 
 def parameter_use(param: torch.Tensor, name: str, batch: int, sink) -> torch.Tensor:
-    """The tensor a module's forward uses for ``param`` (a direct unit's, :mod:`.bookkeeping`): batch-independent
+    """The tensor a module's forward uses for ``param`` (a direct unit's, :mod:`.keeper`): batch-independent
     (B ≠ 1) or, for a batch of one example, the parameter whose gradient is collected as it is."""
     if batch == 1 and provenance.current() is None:
         return _ParameterUse.apply(param, Source(name, 1, sink), None)

@@ -125,7 +125,7 @@ def build_report(trainer) -> dict:
             "mean over the batch's examples of each example's own loss; per example: the mean over its "
             "labelled tokens (token-level tasks) or its loss (classification)"
         ),
-        "noise_multiplier": p["noise_multiplier"],
+        "noise_multiplier": p.noise_multiplier,
         "steps": engine.steps,
         **step_counts(engine),
         "planned_steps": trainer.planned_steps,
@@ -138,10 +138,10 @@ def build_report(trainer) -> dict:
         "optimizer": str(getattr(args.optim, "value", args.optim)),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "weight_decay": args.weight_decay,
-        "clip_norm": p["max_grad_norm"],
+        "clip_norm": p.max_grad_norm,
         "secure_mode": engine.secure_mode,
         "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
-        "grad_sample_mode": p["grad_sample_mode"],
+        "grad_sample_mode": p.grad_sample_mode,
         "nproc": distributed.rank_and_world()[1],  # data-parallel processes (--nproc or torchrun); 1 without
         "layer_paths": trainer.layer_paths,
         "phases": [
@@ -150,8 +150,8 @@ def build_report(trainer) -> dict:
                 "examples": len(trainer.budgets),  # the key is stable; "unit" says what it counts
                 "unit": "example" if getattr(trainer, "users", None) is None else "user",
                 "steps": engine.steps,
-                "sample_rate": float(np.mean(p["sample_rates"])),
-                "noise_multiplier": p["noise_multiplier"],
+                "sample_rate": float(np.mean(p.sample_rates)),
+                "noise_multiplier": p.noise_multiplier,
             }
         ],
         "groups": groups,
