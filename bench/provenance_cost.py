@@ -89,7 +89,9 @@ def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
     torch.set_num_threads(1)
     modules = []
     for i, src in enumerate(srcs):
-        spec = importlib.util.spec_from_file_location(f"_prov{i}", os.path.join(src, "idpsgd/engine/bk/provenance.py"))
+        homes = [os.path.join(src, "idpsgd", "engine", *d, "provenance.py") for d in (("per_example", "bk"), ("bk",))]
+        path = next((h for h in homes if os.path.exists(h)), homes[0])  # after / before the engine's sub-packages
+        spec = importlib.util.spec_from_file_location(f"_prov{i}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         modules.append(mod)

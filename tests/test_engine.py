@@ -382,7 +382,7 @@ def _private(data, budgets, **kw):
 
 
 def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
-    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     engine, model, opt, loader = _private(data, budgets, seed=0)
     it = iter(loader)
@@ -407,7 +407,7 @@ def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
 
 
 def test_secure_noise_never_comes_from_a_seeded_torch_generator(data, budgets):
-    from idpsgd.engine.randomness import OsEntropyNormal, gaussian_like
+    from idpsgd.engine.noise.randomness import OsEntropyNormal, gaussian_like
 
     engine, model, opt, loader = _private(data, budgets, secure_mode=True)
     if importlib.util.find_spec("torchcsprng") is None:

@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bk.keeper import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
-from idpsgd.engine.integrity import UnnoisedWriteError
-from idpsgd.engine.norms import per_example_grad_norms
+from idpsgd.engine.guards.integrity import UnnoisedWriteError
+from idpsgd.engine.per_example.bk.keeper import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
+from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.validation import InvalidParameterError
 from support import per_example_norms
 
@@ -636,7 +636,7 @@ def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
     fingerprint once at the first forward and once before the noise, not per physical batch."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     reads = []
     original = integrity._fingerprint
@@ -902,7 +902,7 @@ def test_permutations_and_paired_sign_flips_through_data_are_refused(mode, how):
 def _python_checksums(tensors):
     """The checksums with Python integers: Σ_B v_B·Σ_k u_k·b_{B,k} mod 2⁶⁴ per tensor over its blocks of 1024
     entries, small tensors padded to whole blocks and numbered across their pack."""
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     inner, per_block = integrity._weights(torch.device("cpu"), 4096)
     inner, per_block = [int(u) for u in inner.tolist()], per_block.tolist()
@@ -923,7 +923,7 @@ def _python_checksums(tensors):
 def test_the_checksum_is_exact_and_position_weighted():
     """The checksum is Σ w_i·b_i mod 2⁶⁴ exactly (checked with Python integers), for a large tensor and for
     small ones packed together; every row swap, paired sign flip or one-bit change changes it."""
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     g = torch.Generator().manual_seed(0)
     span = integrity._ROWS * 1024
@@ -953,7 +953,7 @@ def test_the_checksum_is_exact_and_position_weighted():
 def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alone():
     """An evaluation forward under no_grad between steps (the snapshot is then taken there) and forwards of
     other models while the guard waits are fine; the global hook is gone once no guard waits."""
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     model = _model(nn.Linear, 4, 2)
     other = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
@@ -978,7 +978,7 @@ def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alon
 
 
 def _waits(ref) -> bool:
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     return any(r is ref for refs in integrity._WAITING.values() for r in refs)
 
@@ -987,7 +987,7 @@ def test_an_armed_guard_does_not_keep_its_model_or_the_global_hook_alive():
     import gc
     import weakref
 
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     model = _model(nn.Linear, 4, 2)
     engine, *rest = _private(model, "hooks")

@@ -20,8 +20,9 @@ def test_no_import_circle_of_any_length_in_the_package():
     edges = import_edges()
     assert import_cycles(edges) == []
     # the user-level norm pass joins units and norms, so neither imports the other
-    assert "idpsgd.engine.norms" not in edges["idpsgd.engine.units"]
-    assert {"idpsgd.engine.norms", "idpsgd.engine.units"} <= edges["idpsgd.engine.user_norms"]
+    assert "idpsgd.engine.per_example.norms" not in edges["idpsgd.engine.clipping.users"]
+    both = {"idpsgd.engine.per_example.norms", "idpsgd.engine.clipping.users"}
+    assert both <= edges["idpsgd.engine.per_example.user_norms"]
 
 
 def test_no_module_imports_another_modules_private_name():

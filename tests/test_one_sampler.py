@@ -5,9 +5,9 @@ shard; the references below are their ``sample`` methods as they were)."""
 import numpy as np
 import pytest
 
-from idpsgd.engine.randomness import SecureUniform
-from idpsgd.engine.rank_balance import rank_owners, rank_shard
-from idpsgd.engine.sampler import PoissonBatchSampler
+from idpsgd.engine.noise.randomness import SecureUniform
+from idpsgd.engine.sampling.rank_balance import rank_owners, rank_shard
+from idpsgd.engine.sampling.sampler import PoissonBatchSampler
 from idpsgd.users import Users
 
 

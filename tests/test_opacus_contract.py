@@ -191,7 +191,7 @@ def test_the_loaders_generator_drives_sampling_and_a_noise_generator_the_noise()
 def test_an_unseeded_torch_generator_is_not_a_source_and_secure_mode_ignores_torch():
     """A never-seeded generator runs torch's public default stream: the seed then comes from OS
     entropy; secure mode never takes randomness from torch."""
-    from idpsgd.engine.randomness import UNSEEDED, seed_from_torch
+    from idpsgd.engine.noise.randomness import UNSEEDED, seed_from_torch
 
     fresh = torch.Generator()
     assert fresh.initial_seed() == UNSEEDED
@@ -349,8 +349,8 @@ def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
     """The Opacus-suite harness counts a failure as *refused* only when its error matches
     ``REFUSALS``; each entry must match the engine's own error for that option (no drift), and an
     unrelated error matches none."""
+    from idpsgd.engine.noise.randomness import resolve_seed
     from idpsgd.engine.opacus_compat import REFUSALS, refusal_for
-    from idpsgd.engine.randomness import resolve_seed
 
     x, y = _data()
 

@@ -92,7 +92,7 @@ def test_no_op_clips_the_users_per_sample_gradients_as_hooks_mode():
 
 
 def test_no_op_refuses_gradients_that_are_not_one_row_per_drawn_example():
-    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     engine, model, _w, opt, loader = _setup("no_op", batch_size=10)
     with pytest.raises(BatchMismatchError, match="only part of a drawn batch"):
@@ -154,7 +154,7 @@ def test_wrap_model_false_a_second_phase_replaces_the_engines_hooks_and_refuses_
     for mode in ("ghost", "bk", "ew"):
         with pytest.raises(InvalidParameterError, match=f"wrap_model=False is invalid: is not supported with .*{mode}"):
             _setup(mode, wrap_model=False)
-    from idpsgd.engine.wrap import check_wrappable
+    from idpsgd.engine.per_example.wrap import check_wrappable
 
     class DistributedDataParallel(nn.Module):  # the name raw_module unwraps (no process group needed here)
         def __init__(self, module):

@@ -224,8 +224,8 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
 def test_noise_multiplier_zero_is_refused_at_once(data):
     """Bug 3: σ = 0 (no privacy) is refused by every entry point, before anything is set up."""
     from idpsgd.engine import IndividualizedDPOptimizer
-    from idpsgd.engine.clipping import PerExampleClipping
-    from idpsgd.engine.sampler import BatchIndexQueue
+    from idpsgd.engine.clipping.examples import PerExampleClipping
+    from idpsgd.engine.sampling.sampler import BatchIndexQueue
 
     x, y = data
     model = toy_model()

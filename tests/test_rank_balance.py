@@ -1,4 +1,4 @@
-"""Ranks with balanced loads (engine/rank_balance.py, issue 51): the units (examples, users) are dealt to
+"""Ranks with balanced loads (engine/sampling/rank_balance.py, issue 51): the units (examples, users) are dealt to
 ranks in snake order of their rates, so every rank's expected batch Σ q_i is equal to within one unit's
 rate even when the budgets follow the row order; the union of the ranks' draws stays the one-process
 draw of the same seed.  (The multi-process runs: test_distributed.py, test_fsdp.py; the bench:
@@ -7,8 +7,8 @@ bench/bench_rank_balance.py.)"""
 import numpy as np
 import pytest
 
-from idpsgd.engine.rank_balance import expected_loads, rank_owners, rank_shard
-from idpsgd.engine.sampler import PoissonBatchSampler
+from idpsgd.engine.sampling.rank_balance import expected_loads, rank_owners, rank_shard
+from idpsgd.engine.sampling.sampler import PoissonBatchSampler
 from idpsgd.users import Users
 
 

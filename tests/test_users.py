@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
-from idpsgd.engine.sampler import BatchIndexQueue, PoissonBatchSampler
+from idpsgd.engine.sampling.sampler import BatchIndexQueue, PoissonBatchSampler
 from support import file_mode
 
 MODES = ("hooks", "functorch", "ghost", "bk")
@@ -109,7 +109,7 @@ def _step_sum(build, x, y, uids, mode, clip, k, call=None):
     model = build()
     users = Users(uids, k)
     crit = _Crit(_ce)
-    with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with warnings.catch_warnings(), mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         for message in (
             "Secure RNG turned off",
             "Full backward hook is firing",
@@ -284,9 +284,9 @@ def test_user_norm_is_the_norm_of_the_summed_gradient(mode):
 
 
 def test_batch_memory_manager_split_of_a_user_is_refused():
-    from idpsgd.engine.clipping import PerExampleClipping  # noqa: F401
-    from idpsgd.engine.sampler import BatchMismatchError
-    from idpsgd.engine.units import UserClipping
+    from idpsgd.engine.clipping.examples import PerExampleClipping  # noqa: F401
+    from idpsgd.engine.clipping.users import UserClipping
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     q = BatchIndexQueue()
     u = Users([0, 0, 1, 1], k=2)
@@ -736,7 +736,7 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
     per-user norm passes sharded over the ranks)."""
     from idpsgd import Budgets, IndividualAccountingOptions
     from idpsgd.engine import distributed
-    from idpsgd.engine.wrap import raw_module
+    from idpsgd.engine.per_example.wrap import raw_module
 
     out = {}
     for name in modes:

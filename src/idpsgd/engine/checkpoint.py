@@ -3,7 +3,7 @@
 The engine's state is the accountant's ledger (every step charged so far: the privacy state that
 must never be lost or forked), the seeds and the sampler and noise generators (so that a resumed
 run continues the same randomness), individual accounting's or the individual filter's state, and
-which noise draws of the run folder's journal the ledger covers (:mod:`.journal`: on load, the
+which noise draws of the run folder's journal the ledger covers (:mod:`.budget.journal`: on load, the
 draws it does not cover — an abandoned attempt's — are charged).
 A checkpoint is refused before anything changes when it is of another plan, seed, accountant or
 secure mode: resuming it would compose other mechanisms than the ledger records.  Files are
@@ -23,7 +23,7 @@ import torch
 
 from ..validation import InvalidParameterError
 from .opacus_compat import refuse_opacus_options
-from .unwrap import raw_module
+from .per_example.unwrap import raw_module
 
 
 def plan_of(engine) -> dict:
@@ -59,7 +59,7 @@ def state_dict(engine) -> dict:
         state["individual"] = engine.individual.state_dict()
     if engine.filter is not None:
         state["filter"] = engine.filter.state_dict()
-    if engine.journal is not None:  # the draws this ledger covers, kept or charged (engine/journal.py)
+    if engine.journal is not None:  # the draws this ledger covers, kept or charged (engine/budget/journal.py)
         state["journal"] = engine.journal.state_dict()
     return state
 

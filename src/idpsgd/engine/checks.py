@@ -21,14 +21,15 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets
 from ..validation import InvalidParameterError, check_positive, check_positive_array, check_sample_rate
-from . import distributed, fsdp
+from . import distributed
+from .clipping.users import check_user_level
+from .distributed import fsdp
+from .noise.optimizer import check_noise
+from .noise.randomness import RunSeeds
 from .opacus_compat import OPACUS_PARAMETER_MISMATCH
-from .optimizer import check_noise
 from .options import SetupOptions
-from .randomness import RunSeeds
-from .units import check_user_level
-from .unwrap import raw_module
-from .wrap import check_wrappable
+from .per_example.unwrap import raw_module
+from .per_example.wrap import check_wrappable
 
 
 def steps_per_epoch_for(sample_rates) -> int:
@@ -210,7 +211,7 @@ def check_same_budgets(earlier: Budgets | None, budgets: Budgets | None) -> None
 class Counted:
     """What a ``make_private*`` entry point already checked, so that no check runs twice: the privacy
     units counted (:func:`count_units`), the budgets checked against them (:func:`check_budgets`) and
-    whether σ and c were (:func:`~.optimizer.check_noise`, before a calibration at that σ)."""
+    whether σ and c were (:func:`~.noise.optimizer.check_noise`, before a calibration at that σ)."""
 
     units: int
     budgets: Budgets | None
@@ -230,7 +231,7 @@ class CheckedPhase:
     seeds: RunSeeds  # the run's seeds (every rank shares rank 0's at build: distributed.shared_seeds)
     device: torch.device
     individual_filter: object = None  # the prepared IndividualFilter with privacy_filter="individual"
-    sharded: bool = False  # a fully_shard (FSDP2) model: engine/fsdp.py's optimizer and phantom rows
+    sharded: bool = False  # a fully_shard (FSDP2) model: engine/distributed/fsdp.py's optimizer and phantom rows
 
 
 def check_phase(
@@ -255,7 +256,7 @@ def check_phase(
     first = engine.accountant is None  # the sampler follows the loader's generator, as Opacus's DPDataLoader
     seeds = engine.seeds.following(data_loader.generator) if first else engine.seeds
     check_user_level(engine, opts.users)
-    sharded = fsdp.is_sharded(module)  # FSDP2 (engine/fsdp.py), or DPDDP/DDP: (rank, W)
+    sharded = fsdp.is_sharded(module)  # FSDP2 (engine/distributed/fsdp.py), or DPDDP/DDP: (rank, W)
     if sharded:
         ranks = fsdp.check(engine, module, opts.mode, opts.privacy_filter, opts.users)
     else:
@@ -270,8 +271,8 @@ def check_phase(
     else:
         check_noise(noise_multiplier, max_grad_norm, normaliser)
     new_filter = None
-    if opts.privacy_filter == "individual":  # orders, RDP budgets, checks (engine/filter.py)
-        from .filter import prepare_filter
+    if opts.privacy_filter == "individual":  # orders, RDP budgets, checks (engine/budget/filter.py)
+        from .budget.filter import prepare_filter
 
         new_filter = prepare_filter(
             engine, data_loader, opts.filter_options, opts.per_sample_loss, budgets, q, c, noise_multiplier,

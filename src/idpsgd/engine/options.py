@@ -19,7 +19,7 @@ from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError
 from .modes import GradSampleMode, mode
 
-#: the privacy filters: per group (``make_private``'s default), per example (engine/filter.py; Feldman
+#: the privacy filters: per group (``make_private``'s default), per example (engine/budget/filter.py; Feldman
 #: & Zrnic 2021), or none (accounted, not filtered)
 FILTERS = ("group", "individual", None)
 FILTER_ACTIONS = ("raise", "warn")

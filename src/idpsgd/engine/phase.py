@@ -1,8 +1,8 @@
 """One set-up phase as one record, handed to the parts that run on it instead of the engine.
 
 ``make_private`` checks, plans and builds a phase (:mod:`.checks`, :mod:`.plan`, :mod:`.step`); what then
-runs on the phase — the individual Rényi filter (:mod:`.filter`) and individual accounting (Yu et al.
-2023, :mod:`.individual`) — reads its plan, clipping, ledger, module, optimizer and loader, the users at
+runs on the phase — the individual Rényi filter (:mod:`.budget.filter`) and individual accounting (Yu et al.
+2023, :mod:`.budget.individual`) — reads its plan, clipping, ledger, module, optimizer and loader, the users at
 user level, and asks two things of the rest of the run: whether the filter admits one more step
 (:attr:`Phase.can_step`) and each example's (or user's) gradient norm at the current parameters
 (:meth:`Phase.grad_norms`).  This record is all they get: no part holds the engine.
@@ -44,7 +44,7 @@ class Phase:
     def grad_norms(self, per_sample_loss=None, indices=None, batch_size: int = 256):
         """(norms, losses) of each unit's loss gradient at the current parameters (private values): the
         examples' (:func:`~.distributed.sharded_grad_norms`), or at user level each user's summed gradient
-        over a fresh choice of up to k of its rows (:func:`~.user_norms.per_user_grad_norms`)."""
+        over a fresh choice of up to k of its rows (:func:`~.per_example.user_norms.per_user_grad_norms`)."""
         from .distributed import sharded_grad_norms
 
         loader = self.data_loader
@@ -57,7 +57,7 @@ class Phase:
     def user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k of
         the user's rows drawn from the sampler's source (seeded, or secure)."""
-        from .user_norms import per_user_grad_norms
+        from .per_example.user_norms import per_user_grad_norms
 
         return per_user_grad_norms(
             self.module, self.data_loader.dataset, self.users, units, collate, batch_size, per_sample_loss,

@@ -21,7 +21,7 @@ from ..assignment import Budgets, assign
 from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, check_epsilon
 from .checks import Counted, check_budgets, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
-from .optimizer import check_noise
+from .noise.optimizer import check_noise
 
 
 @dataclass(frozen=True)

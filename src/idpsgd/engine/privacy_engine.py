@@ -6,9 +6,10 @@ q_i, clip norms c_i and one noise multiplier σ, then runs DP-SGD with them and 
 group within its budget.  This module is the orchestrator, one set-up read as **check → plan →
 build → wire**: the inputs are checked (:mod:`.checks`, :class:`~.options.SetupOptions`), the phase
 is planned (:mod:`idpsgd.assignment`, :class:`~.options.PhaseParameters`), the step is built in the
-order it runs (Poisson sampler :mod:`.sampler` → per-example norms by the mode's wrapper
-:mod:`.modes` → clipping :mod:`.clipping` → noise :mod:`.optimizer` → the ledger :mod:`.accountant`
-→ the filter :mod:`.group_filter` / :mod:`.filter`), and its guards are wired (:mod:`.integrity`).
+order it runs (Poisson sampler :mod:`.sampling.sampler` → per-example norms by the mode's wrapper
+:mod:`.modes` → clipping :mod:`.clipping.examples` → noise :mod:`.noise.optimizer` → the ledger
+:mod:`.budget.accountant` → the filter :mod:`.budget.group_filter` / :mod:`.budget.filter`), and its
+guards are wired (:mod:`.guards.step_guard`).
 Checkpoints: :mod:`.checkpoint`.  Opacus 1.6's API is kept (``make_private_with_epsilon``,
 ``get_epsilon``, checkpoints); what it cannot honour is refused (:data:`~.opacus_compat.REFUSALS`).
 User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/inside-the-engine.md.
@@ -26,19 +27,20 @@ from torch.utils.data import DataLoader
 from ..assignment import Budgets
 from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError
-from . import checkpoint, distributed, fsdp
-from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
+from . import checkpoint, distributed
+from .budget.accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
+from .budget.group_filter import GroupFilter
 from .checks import Counted, check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
-from .clipping import PerExampleClipping
-from .group_filter import GroupFilter
+from .clipping.examples import PerExampleClipping
+from .distributed import fsdp
+from .guards.step_guard import StepGuard
+from .noise.randomness import SECURE_RNG_WARNING, RunSeeds
 from .opacus_compat import refuse_opacus_options, validate_module
 from .options import FILTER_ACTIONS, FILTERS, PhaseParameters, SetupOptions
+from .per_example.wrap import layer_paths, release_hooks
 from .phase import Phase
 from .plan import epsilon_budgets, plan_phase
-from .randomness import SECURE_RNG_WARNING, RunSeeds
 from .step import build_step
-from .step_guard import StepGuard
-from .wrap import layer_paths, release_hooks
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
@@ -88,7 +90,7 @@ class IndividualizedPrivacyEngine:
         secure_mode: Opacus's secure mode: sampling and noise from OS entropy, secure noise
             sampling; a seed is refused.
         seed: seeds the Poisson sampler and the noise (a seed replays a run exactly).  ``None``
-            follows torch's RNG as Opacus does (:mod:`.randomness`): at the first draw the seed is
+            follows torch's RNG as Opacus does (:mod:`.noise.randomness`): at the first draw the seed is
             drawn from torch's global generator — the sampler's from the data loader's
             ``generator`` when it has one — or from OS entropy if that generator was never seeded;
             it is recorded privately as :attr:`seed` / :attr:`sampler_seed`, and
@@ -109,7 +111,7 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
-        self.seeds = RunSeeds(seed, self.secure_mode)  # the run's seeds (engine/randomness.py)
+        self.seeds = RunSeeds(seed, self.secure_mode)  # the run's seeds (engine/noise/randomness.py)
         if not self.secure_mode and distributed.is_main_process():
             warnings.warn(SECURE_RNG_WARNING, UserWarning, stacklevel=2)
         self.accountant: GroupAccountant | None = None
@@ -119,25 +121,25 @@ class IndividualizedPrivacyEngine:
         self.parameters: PhaseParameters | None = None  # the current phase's σ, c, q_i, c_i, planned steps
         self.individual = None  # IndividualTracker when individual accounting is on
         self.filter = None  # IndividualFilter with privacy_filter="individual"
-        self.users = None  # Users at user level (engine/units.py)
+        self.users = None  # Users at user level (engine/clipping/users.py)
         self.privacy_filter, self.filter_action = "group", "raise"
         self._step_filter = None  # the filter in use: GroupFilter, IndividualFilter or None (StepFilter)
         self._sampler_rng = None
         self._noise = None
         self._individual_seed_follows = False
-        self._guard = None  # the phase's StepGuard (engine/step_guard.py)
+        self._guard = None  # the phase's StepGuard (engine/guards/step_guard.py)
         self.phase: Phase | None = None  # the current phase's parts, handed to the filter and individual accounting
-        self.journal = None  # the run folder's journal of drawn steps (engine/journal.py), or None
+        self.journal = None  # the run folder's journal of drawn steps (engine/budget/journal.py), or None
 
-    # --- the journal of drawn steps (engine/journal.py) ---------------------------------------
+    # --- the journal of drawn steps (engine/budget/journal.py) ---------------------------------------
     def attach_journal(self, path, *, writer: bool | None = None):
         """Record every noise draw in the append-only journal ``path`` (a run folder's
-        ``private/drawn_steps.jsonl``, :mod:`.journal`) before its noise is drawn, and charge on resume
+        ``private/drawn_steps.jsonl``, :mod:`.budget.journal`) before its noise is drawn, and charge on resume
         the draws the loaded state does not cover: an abandoned attempt's draws (secure mode; in
         reproducible mode those the resumed run does not replay) compose with the kept steps, so ε
         covers every draw made under the run folder.  Call before ``make_private``; ``writer``: this
         process appends (default: the main process; the others only charge).  Returns the journal."""
-        from .journal import DrawJournal
+        from .budget.journal import DrawJournal
 
         if self.accountant is not None:
             raise RuntimeError("attach the journal of drawn steps before make_private")
@@ -152,7 +154,7 @@ class IndividualizedPrivacyEngine:
 
     def finish_journal(self) -> int:
         """The run ends: an earlier attempt's draws it was to replay (reproducible mode) and did not reach
-        are charged (:meth:`~.accountant.GroupAccountant.settle`); call before reporting ε.  Returns how many."""
+        are charged (:meth:`~.budget.accountant.GroupAccountant.settle`); call before reporting ε.  Returns how many."""
         if self.accountant is None:
             return 0
         self._settle_journal()
@@ -170,7 +172,7 @@ class IndividualizedPrivacyEngine:
     # --- the run's seeds (private: a seed replays the run) ------------------------------------
     @property
     def seed(self) -> int | None:
-        """The noise's seed (:class:`~.randomness.RunSeeds`); None before the first draw when it
+        """The noise's seed (:class:`~.noise.randomness.RunSeeds`); None before the first draw when it
         follows torch, and in secure mode."""
         return self.seeds.seed
 
@@ -199,7 +201,7 @@ class IndividualizedPrivacyEngine:
         """ε spent so far, by the run's accountant: **a float** (Opacus's ``get_epsilon(delta)``), the
         loosest privacy group's — the one ε that bounds every example; with one budget simply the
         ε — carrying every group's ε as ``.per_group`` (ascending budgets; a
-        :class:`~.accountant.GroupEpsilons`).  ``delta`` defaults to the budgets'.
+        :class:`~.budget.accountant.GroupEpsilons`).  ``delta`` defaults to the budgets'.
 
         ``steps``: the ε each group *would* have after ``steps`` logical steps in all (the current
         phase continued to that count; no training, nothing charged) — Opacus users' "accountant
@@ -235,7 +237,7 @@ class IndividualizedPrivacyEngine:
         form: a list of ``(noise_multiplier, sample_rate, steps)``, one per phase (σ the group's
         effective noise multiplier σ·c/c_p).  ``opacus.accountants.PRVAccountant().history =
         engine.history[g]`` reproduces group g's ε by Opacus (see
-        :meth:`~.accountant.GroupAccountant.group_history`)."""
+        :meth:`~.budget.accountant.GroupAccountant.group_history`)."""
         self._require()
         return self.accountant.group_history()
 
@@ -244,7 +246,7 @@ class IndividualizedPrivacyEngine:
         with the individual filter, the smaller of that and the filter's realized ε; with individual
         accounting (Yu et al. 2023) whose ``engine.individual.kind`` is ``"guarantee"`` (every example
         clipped at its charged sensitivity: individual clipping, or norms of every step with exact/ceil
-        rounding, :mod:`.individual`), the smaller of that and the output-specific ε.
+        rounding, :mod:`.budget.individual`), the smaller of that and the output-specific ε.
 
         When individual accounting's ``kind`` is ``"estimate"`` the output-specific ε bounds nothing,
         so it is not mixed in: this returns the data-independent ε, and the estimates are
@@ -264,8 +266,8 @@ class IndividualizedPrivacyEngine:
         """Layer name → how its per-example gradient norms are computed in this phase, as a function of
         the model and ``grad_sample_mode`` only (public, safe to publish): with ``"bk"`` a ghost norm,
         a per-sample gradient, either by the layer's input shapes in each step (Linear, convolutions;
-        :data:`~.bk.keeper.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
-        rule covers (:mod:`.bk.keeper`); in the other modes Opacus's.  The paths actually taken:
+        :data:`~.per_example.bk.keeper.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
+        rule covers (:mod:`.per_example.bk.keeper`); in the other modes Opacus's.  The paths actually taken:
         :attr:`layer_paths_taken`."""
         self._require()
         return layer_paths(self.module, self.parameters.grad_sample_mode)
@@ -300,10 +302,10 @@ class IndividualizedPrivacyEngine:
         return out
 
     def enable_individual_accounting(self, options=None, per_sample_loss=None, seed: int | None = None):
-        """Turn on individual accounting (Yu et al. 2023; :mod:`.individual`): call before or after
+        """Turn on individual accounting (Yu et al. 2023; :mod:`.budget.individual`): call before or after
         ``make_private`` (one-phase runs).  ``per_sample_loss(module, batch)`` gives one loss per
         example (default: cross-entropy of ``(inputs, targets)`` batches).  Returns the tracker."""
-        from .individual import IndividualTracker
+        from .budget.individual import IndividualTracker
 
         if self.filter is not None:
             raise InvalidParameterError(
@@ -330,7 +332,7 @@ class IndividualizedPrivacyEngine:
 
     def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
-        of the user's rows drawn from the sampler's source (:func:`~.user_norms.per_user_grad_norms`)."""
+        of the user's rows drawn from the sampler's source (:func:`~.per_example.user_norms.per_user_grad_norms`)."""
         self._require()
         return self.phase.user_grad_norms(units, collate, batch_size, per_sample_loss)
 
@@ -406,7 +408,7 @@ class IndividualizedPrivacyEngine:
             wrap_model: ``False`` attaches Opacus's hooks to ``module`` itself (modes ``hooks``,
                 ``functorch``, ``no_op``; returned: Opacus's hooks object, keep training ``module``).
             users: a :class:`~idpsgd.users.Users` (the user of every row of the dataset, and k) for
-                **user-level** individualized DP (:mod:`.units`): ``budgets``, rates and clip norms are
+                **user-level** individualized DP (:mod:`.clipping.users`): ``budgets``, rates and clip norms are
                 then one per user, users are Poisson-sampled and each sampled user's summed gradient
                 over up to k of its rows is clipped as one unit; ε is per user.
             **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
@@ -564,8 +566,8 @@ class IndividualizedPrivacyEngine:
         compose with the earlier ones.  ``steps`` is the plan: it is checked against the budgets
         once, so the filter admits those steps cheaply.
 
-        ``privacy_filter="individual"`` attaches the individual Rényi filter (:mod:`.filter`; options
-        ``filter_options``, a :class:`~idpsgd.engine.filter.FilterOptions`; ``per_sample_loss(module,
+        ``privacy_filter="individual"`` attaches the individual Rényi filter (:mod:`.budget.filter`; options
+        ``filter_options``, a :class:`~idpsgd.engine.budget.filter.FilterOptions`; ``per_sample_loss(module,
         batch)`` for its norm passes): ``steps`` is then the run's fixed length, and each example
         leaves training when its own budget is spent.
 
@@ -645,7 +647,7 @@ class IndividualizedPrivacyEngine:
             seeds = checked.seeds
             if checked.ranks is not None and first and not self.secure_mode:  # one seed for the run: rank 0's
                 seeds = distributed.shared_seeds(seeds)
-            if checked.sharded:  # FSDP2's reduction settings and shards (engine/fsdp.py)
+            if checked.sharded:  # FSDP2's reduction settings and shards (engine/distributed/fsdp.py)
                 fsdp.prepare(module, opts.mode)
             self.seeds = seeds
             if first:
@@ -743,7 +745,7 @@ class IndividualizedPrivacyEngine:
             self.seeds.resume(saved)
             t = self.individual
             if t is not None and self._individual_seed_follows and t.seed != self.seed:
-                from .individual import IndividualTracker
+                from .budget.individual import IndividualTracker
 
                 t.detach()
                 self.individual = IndividualTracker(t.options, t.per_sample_loss, self.seed)

@@ -20,8 +20,8 @@ import torch
 from ...accounting.neighbouring import neighbouring
 from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE, distributed
-from ...engine.journal import register_journal, step_counts
-from ...engine.randomness import randomness_note
+from ...engine.budget.journal import register_journal, step_counts
+from ...engine.noise.randomness import randomness_note
 from ...runfolder import PRIVATE, SEED_FILE
 from .losses import PerExampleLoss, base_model, sequence_losses, token_losses
 
@@ -261,6 +261,6 @@ def write_run(trainer) -> dict:
 
 def _guarantee(trainer) -> str:
     """The guarantee in words: per example, or per user at user level."""
-    from ...engine.units import USER_GUARANTEE
+    from ...engine.clipping.users import USER_GUARANTEE
 
     return GUARANTEE if getattr(trainer, "users", None) is None else USER_GUARANTEE
