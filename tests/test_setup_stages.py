@@ -87,3 +87,45 @@ def test_a_late_refusal_draws_no_seed_from_torch(one_rank_group):
     engine.make_private_with_parameters(**_phase(model, opt, loader))  # the valid set-up draws it
     assert engine.seed is not None
     assert not torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_each_check_runs_once_per_set_up():
+    """make_private_with_epsilon → make_private → make_private_with_parameters: the units are counted, the
+    budgets, σ and the module checked once (before issue 49: 3, 3, 2 and 2 times)."""
+    from unittest import mock
+
+    import idpsgd.engine.checks as checks
+    import idpsgd.engine.plan as plan
+    import idpsgd.engine.privacy_engine as pe
+    from idpsgd.engine.noise import optimizer
+    from idpsgd.engine.per_example import wrap
+
+    calls = {"count_units": 0, "check_budgets": 0, "check_noise": 0, "check_wrappable": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    sites = [(m, n) for n in calls for m in (checks, plan, pe, optimizer, wrap) if hasattr(m, n)]
+    patches = [mock.patch.object(m, n, counted(n, getattr(m, n))) for m, n in sites]
+    x, y = toy_classification(N, 0.3)
+    model = toy_model()
+    for p in patches:
+        p.start()
+    try:
+        IndividualizedPrivacyEngine(accountant="rdp", seed=0).make_private_with_epsilon(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
+            budgets=np.full(N, 4.0),
+            target_delta=DELTA,
+            epochs=1,
+            max_grad_norm=1.0,
+        )
+    finally:
+        for p in patches:
+            p.stop()
+    assert calls == {"count_units": 1, "check_budgets": 1, "check_noise": 1, "check_wrappable": 1}
