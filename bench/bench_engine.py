@@ -12,7 +12,7 @@ Poisson sampling):
 * ``ours_hooks`` / ``ours_bk`` — ``IndividualizedPrivacyEngine.make_private`` with IDP-SGD *Scale*
   (demo budgets 1/2/3 at 34/43/23 %: three different clip norms, so a clip norm per example) with
   ``grad_sample_mode`` "hooks" (the previous default) and "bk" (book-keeping with mixed ghost norms,
-  ``idpsgd.engine.bookkeeping``);
+  ``idpsgd.engine.per_example.bk.keeper``);
 * ``refresh_before`` / ``refresh_bk`` — one individual-accounting norm refresh over all n examples
   (batches of 256, eval mode, no parameter update): the previous release's norm pass (Opacus's
   ``GradSampleModuleFastGradientClipping``, reproduced here) and the book-keeper's
@@ -183,7 +183,7 @@ def _private(spec, model, optimizer, loader, n):
         sample_rate=q,
         grad_sample_mode=mode,
     )
-    return module, opt, nn.CrossEntropyLoss(), data, engine, engine.parameters["noise_multiplier"]
+    return module, opt, nn.CrossEntropyLoss(), data, engine, engine.parameters.noise_multiplier
 
 
 def _refresh_before(model, x, y):
@@ -193,7 +193,7 @@ def _refresh_before(model, x, y):
     import torch.nn.functional as F
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
-    from idpsgd.engine.norms import _clear, eval_mode_with_hooks
+    from idpsgd.engine.per_example.norms import _clear, eval_mode_with_hooks
 
     fast = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean", use_ghost_clipping=True)
 

@@ -102,7 +102,7 @@ def bench_filter_bookkeeping():
     set-up (orders, RDP budgets), one step's bookkeeping (charge, admissions) and one refresh's per-step
     RDP (norms given), vectorized over examples."""
     from idpsgd.assignment import Budgets
-    from idpsgd.engine.filter import FilterOptions, IndividualFilter
+    from idpsgd.engine.budget.filter import FilterOptions, IndividualFilter
 
     n, q = 60_000, 256 / 60_000
     rng = np.random.default_rng(0)

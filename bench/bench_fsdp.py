@@ -85,7 +85,7 @@ def run(layers: int, hidden: int, vocab: int, tokens: int, batch: int, steps: in
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = IndividualizedPrivacyEngine(seed=0)
         # two privacy groups, assigned at random (the ranks' loads are balanced whatever the order:
-        # engine/rank_balance.py)
+        # engine/sampling/rank_balance.py)
         budgets = np.where(np.random.default_rng(1).random(n) < 0.5, 2.0, 8.0)
         wrapped, dp_opt, loader = engine.make_private(
             module=model,

@@ -216,7 +216,7 @@ def run_config(spec: dict) -> dict:
                     )
                     model, optimizer, loader = got[0], got[1], got[-1]
                     criterion = got[2] if mode == "ghost" else None
-                    sigma = engine.parameters["noise_multiplier"]
+                    sigma = engine.parameters.noise_multiplier
                 else:
                     from opacus import PrivacyEngine
 

@@ -1,6 +1,6 @@
 """What the decomposition check costs (issue 46): one DP-SGD step with the check and without it.
 
-The check (``idpsgd.engine.decomposition``) proves, per parameter, that the per-example gradients add
+The check (``idpsgd.engine.guards.decomposition``) proves, per parameter, that the per-example gradients add
 up to autograd's gradient of the summed loss.  This bench times steps of a GPT-2-shaped language model
 (token and position embeddings, pre-LayerNorm causal self-attention blocks, a 4x GELU MLP, an untied
 LM head; loss summed over tokens per example) and of the CIFAR-10 CNN of Tramèr & Boneh 2021, in
@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common import parse_models, resolve_device
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.decomposition import due
+from idpsgd.engine.guards.decomposition import due
 from idpsgd.models import create_model
 
 MODELS = ("gpt2", "cnn")

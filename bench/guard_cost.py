@@ -1,5 +1,5 @@
 """The write guard's cost per logical step (issue 35): snapshot with the value fingerprint + compare
-(``idpsgd.engine.integrity``), the fingerprint of the parameters alone, and one book-keeping step, for
+(``idpsgd.engine.guards.integrity``), the fingerprint of the parameters alone, and one book-keeping step, for
 one model and optimizer, in CPU seconds of one torch thread (on a shared machine CPU time measures the
 work).  One tree (the one on ``PYTHONPATH``), or several side by side: a fresh process per tree and
 round, rounds interleaved (order reversed every other round), medians over the rounds::
@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from idpsgd.engine import IndividualizedPrivacyEngine, integrity
+from idpsgd.engine import IndividualizedPrivacyEngine
+from idpsgd.engine.guards import integrity
 from idpsgd.models import TransformerClassifier, create_model, wide_resnet
 
 

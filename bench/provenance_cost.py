@@ -99,7 +99,9 @@ def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
     torch.set_num_threads(1)
     modules = []
     for i, src in enumerate(srcs):
-        spec = importlib.util.spec_from_file_location(f"_prov{i}", os.path.join(src, "idpsgd/engine/bk/provenance.py"))
+        homes = [os.path.join(src, "idpsgd", "engine", *d, "provenance.py") for d in (("per_example", "bk"), ("bk",))]
+        path = next((h for h in homes if os.path.exists(h)), homes[0])  # after / before the engine's sub-packages
+        spec = importlib.util.spec_from_file_location(f"_prov{i}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         modules.append(mod)
@@ -132,8 +134,8 @@ def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
 
 def forward_cost(layers: int, d: int, heads: int, batch: int, seq: int, rounds: int, mask: bool) -> dict:
     """CPU milliseconds of one GPT-2 forward (one thread) in this tree, interleaved in one process: book-kept with
-    the attribution traced (every operation intercepted), replayed (``idpsgd.engine.bk.replay``), and with the
-    book-keeper inactive (no provenance, no book-kept layers: the model's own forward); medians over ``rounds``."""
+    the attribution traced (every operation intercepted), replayed (``idpsgd.engine.per_example.bk.replay``), and
+    with the book-keeper inactive (no provenance, no book-kept layers: the model's own forward); medians over ``rounds``."""
     import warnings
 
     import torch

@@ -12,7 +12,7 @@ encoder ``2T`` audio frames (``T`` positions after its strided convolution); the
 The check (:func:`check`): per-example gradients of every trainable parameter by one backward pass per
 example (the reference, in float64 unless the model is float32), hence the exact norms ‖g_i‖ and the
 clipped sum Σ_i min(1, c_i/‖g_i‖) g_i for per-example clip norms c_i; against the engine's book-keeper
-(:class:`idpsgd.engine.bookkeeping.BookKeeper`, the machinery of ``grad_sample_mode="bk"`` and of the
+(:class:`idpsgd.engine.per_example.bk.keeper.BookKeeper`, the machinery of ``grad_sample_mode="bk"`` and of the
 norm passes, attached with the engine's batch-independence check as a norm pass does: one backward
 pass of the summed per-example losses, then ``norms()`` and ``clipped_sum(factors)``).  The outcome:
 
@@ -792,8 +792,8 @@ def clip_norms(B: int, norms: torch.Tensor) -> torch.Tensor:
 def engine_result(case: Case, factors: Callable[[torch.Tensor], torch.Tensor]):
     """(norms, {name: clipped sum}) of the engine's book-keeper: attached as a norm pass attaches it (the
     batch-independence check first), one backward pass of the summed per-example losses."""
-    from idpsgd.engine.batch_independence import BatchIndependence
-    from idpsgd.engine.bookkeeping import BookKeeper
+    from idpsgd.engine.guards.batch_independence import BatchIndependence
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
     model = case.model
     BatchIndependence.attach(model)

@@ -102,7 +102,7 @@ def private(case: Case, x, y, mode: str, c: float = 1.0):
 
 def clipped_sum(case: Case, x, y, mode: str, c: float = 1.0) -> torch.Tensor:
     """S: the engine's clipped sum of one step over every example of (x, y), without noise (flat)."""
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         engine, module, optimizer, criterion, loader = private(case, x, y, mode, c)
         (xb, yb) = next(iter(loader))
         assert len(xb) == len(x), "sampling rate 1: the whole data set"

@@ -20,7 +20,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from batch_mixing_models import ACCEPTED, CNN, MIXING, N, accepted_case, mixing_case
 from idpsgd import IndividualizedPrivacyEngine
-from idpsgd.engine.batch_independence import BatchIndependence, BatchMixingError, _Result, check_batch_independence
+from idpsgd.engine.guards.batch_independence import (
+    BatchIndependence,
+    BatchMixingError,
+    _Result,
+    check_batch_independence,
+)
 from idpsgd.engine.opacus_compat import REFUSALS, UnsupportedModuleError, refusal_for
 from idpsgd.validation import InvalidParameterError
 from sensitivity_harness import MODES, clipped_sum, private, sensitivity
@@ -46,7 +51,7 @@ class _Noise:
 def test_batch_mixing_model_is_refused_before_any_noise(name, mode):
     case = mixing_case(name)
     noise = _Noise()
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", noise):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", noise):
         engine, module, optimizer, criterion, loader = private(case, case.x, case.y, mode)
         xb, yb = next(iter(loader))
 
@@ -94,7 +99,7 @@ def test_norm_passes_refuse_batch_mixing(name):
             F.cross_entropy(module(xb), yb).backward()
             optimizer.step()
 
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", noise), pytest.raises(BatchMixingError):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", noise), pytest.raises(BatchMixingError):
         train()
     assert noise.calls == 0 and engine.steps == 0
 
@@ -161,7 +166,7 @@ def test_the_check_runs_once_writes_nothing_and_leaves_the_rng_alone():
         F.cross_entropy(module(xb)["logits"], yb).backward()  # the write guard stays quiet
         if steps == 0:
             # two synthetic passes, one more for the per-layer hooks' attribution check (hooks mode,
-            # engine/layer_inputs.py), then the real one
+            # engine/guards/layer_inputs.py), then the real one
             assert model.calls == 4
         optimizer.step()
         steps += 1
@@ -268,7 +273,7 @@ def test_no_grad_and_eval_passes_are_not_checked_but_training_after_eval_is():
         calls.append(1)
         return _Result(None, False, [])
 
-    with mock.patch("idpsgd.engine.batch_independence._probe", side_effect=probe):
+    with mock.patch("idpsgd.engine.guards.batch_independence._probe", side_effect=probe):
         BatchIndependence.attach(model)
         x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
         with torch.no_grad():
@@ -320,7 +325,7 @@ def test_refusal_table_lists_both():
 def test_batch_mixing_exceeds_the_clip_norm_without_the_check_in_every_mode(name, mode):
     """Without the check every mode but bk exceeds the clip norm; bk's provenance (issue 36) refuses the
     mixed rows where they meet a parameter on its own."""
-    from idpsgd.engine.bk.provenance import RefusedRows
+    from idpsgd.engine.per_example.bk.provenance import RefusedRows
 
     with mock.patch.object(BatchIndependence, "before_forward"):
         if mode == "bk":

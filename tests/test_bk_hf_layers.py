@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bk_layers import Conv1DRule, ScaleNormRule, rule_for
-from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.keeper import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.rules import Conv1DRule, ScaleNormRule, rule_for
 
 transformers = pytest.importorskip("transformers")
 import hf_architectures as hf

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from idpsgd.engine.bk import provenance as P
-from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
-from idpsgd.engine.norms import per_example_grad_norms
+from idpsgd.engine.per_example.bk import provenance as P
+from idpsgd.engine.per_example.bk.keeper import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.per_example.norms import per_example_grad_norms
 from test_bookkeeping import N, _check_equal, _data
 
 D, C, V = 4, 3, 11
@@ -231,7 +231,7 @@ def test_a_parameter_meeting_sorted_batch_rows_is_refused_at_once():
 
 
 def test_provenance_is_not_entered_outside_the_model_forward_and_tags_nothing_after():
-    from idpsgd.engine.bk import provenance
+    from idpsgd.engine.per_example.bk import provenance
 
     model = _model(MergedRows)
     keeper = BookKeeper.attach(model)

@@ -1,5 +1,5 @@
-"""Provenance once per signature (``idpsgd.engine.bk.replay``): a replayed forward gives book-keeping the same
-attribution as its trace — the same per-example norms and clipped sums, bit for bit, and the brute-force ones —
+"""Provenance once per signature (``idpsgd.engine.per_example.bk.replay``): a replayed forward gives book-keeping
+the same attribution as its trace — the same per-example norms and clipped sums, bit for bit, and the brute-force ones —
 for the surveyed architectures whose forward has no data-dependent decision (GPT-2, BERT, T5, Llama, GPT-2 with
 LoRA); where the trace saw one (a mixture of experts' routing, a read of the mask into Python), the forward is
 traced at every step and the log says why; a replay that does not follow its trace refuses the step."""
@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hf_architectures as H
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bk import replay
 from idpsgd.engine.bookkeeping import BookKeeper
+from idpsgd.engine.per_example.bk import replay
 
 
 def _result(case, inputs=None):

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
-from idpsgd.engine.norms import per_example_grad_norms
+from idpsgd.engine.per_example.bk.keeper import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.models import TransformerClassifier, wide_resnet
 from idpsgd.validation import InvalidParameterError
 from support import per_example_grads

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_architectures as hf
 from idpsgd import Budgets, IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.per_example.bk.keeper import DIRECT, FALLBACK, BookKeeper
 from support import per_example_grads
 
 N, B, T, V = 16, 8, 9, hf.V
@@ -211,7 +211,7 @@ def test_bf16_autocast_norms_and_scale_step(name):
 def test_no_shared_value_leaves_the_models_forward(name):
     """The batch-independent values book-keeping tracks (SharedTensor) stay inside the forward: outputs,
     hidden states, attentions and the key/value cache are plain tensors."""
-    from idpsgd.engine.bk_shared import SharedTensor
+    from idpsgd.engine.per_example.bk.shared import SharedTensor
 
     def tensors(obj, seen):
         if isinstance(obj, torch.Tensor):

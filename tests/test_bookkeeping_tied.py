@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from idpsgd.engine.bk_tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
-from idpsgd.engine.bookkeeping import GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.keeper import GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
 from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data, _private
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from idpsgd.cli import main
-from idpsgd.engine.bookkeeping import BY_SHAPES
+from idpsgd.engine.per_example.bk.keeper import BY_SHAPES
 
 FAST = ["--epochs", "1", "--no-progress"]
 

@@ -30,7 +30,7 @@ import torch
 
 from idpsgd.data import DatasetFileError, read_cifar_batch
 from idpsgd.engine import distributed
-from idpsgd.engine import sharded_checkpoint as sc
+from idpsgd.engine.distributed import sharded_checkpoint as sc
 from idpsgd.io import CheckpointError, RefusedPickle, load_restricted, load_torch
 from idpsgd.validation import InvalidParameterError
 

@@ -4,11 +4,11 @@
   ``h @ emb.weight.T``, a forward hook reading ``layer.weight``): ghost clipping left that gradient out
   of the norm (‖ΔS‖ = 1.99 / 3.98 / 9.95 × c for k = 1 / 3 / 9, user level 1.64 × c), hooks and
   functorch dropped it from the update.  Now refused before the noise, naming the parameter
-  (:mod:`idpsgd.engine.decomposition`); ``ew`` carries it in its rows (measured ≤ c); ``bk``'s own
+  (:mod:`idpsgd.engine.guards.decomposition`); ``ew`` carries it in its rows (measured ≤ c); ``bk``'s own
   provenance refuses or bounds it (no decomposition check needed there).
 * Convolutions fed a channels-last or permuted view: Opacus's unfold read the wrong elements (norms
   off by ~18 % here); now exact against one float64 backward pass per example
-  (:mod:`idpsgd.engine.per_sample_rules`; Conv1d and Conv3d were exact already, covered as the issue
+  (:mod:`idpsgd.engine.per_example.per_sample_rules`; Conv1d and Conv3d were exact already, covered as the issue
   asks), and a rule that reads its layer wrongly is refused by the check.
 
 The tests that pass on the code before the check guard it against refusing what is right: models that
@@ -28,9 +28,9 @@ from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientCli
 from opacus.grad_sample.conv import compute_conv_grad_sample as opacus_conv_rule
 from torch import nn
 
-from idpsgd.engine.bk.provenance import RefusedRows
-from idpsgd.engine.decomposition import FIRST_STEPS, DecompositionError, due
-from idpsgd.engine.unwrap import raw_module
+from idpsgd.engine.guards.decomposition import FIRST_STEPS, DecompositionError, due
+from idpsgd.engine.per_example.bk.provenance import RefusedRows
+from idpsgd.engine.per_example.unwrap import raw_module
 from idpsgd.validation import InvalidParameterError
 from sensitivity_harness import Case, _no_noise, private, sensitivity
 from support import per_example_grads
@@ -206,7 +206,7 @@ def test_models_that_use_each_weight_in_its_layer_train_unrefused_in_every_check
             return Net(twice)
 
         case = Case(build, x, y, None)
-        with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+        with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
             engine, module, opt, crit, loader = private(case, x, y, mode)
             for _ in range(3):
                 xb, yb = next(iter(loader))
@@ -287,7 +287,7 @@ def _conv_case(name: str) -> Case:
 
 def _engine_norms(case: Case, mode: str) -> np.ndarray:
     """The per-example norms the engine clipped with (c large: nothing clipped), in data order."""
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         _engine, module, opt, crit, loader = private(case, case.x, case.y, mode, c=1e6)
         xb, yb = next(iter(loader))
         opt.zero_grad()
@@ -359,7 +359,7 @@ def test_the_bench_switches_the_check_off_and_on(monkeypatch):
     """bench/decomposition_cost.py times the same steps with the check detached and at every step."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import decomposition_cost
-    from idpsgd.engine.decomposition import DecompositionCheck
+    from idpsgd.engine.guards.decomposition import DecompositionCheck
 
     step, switch = decomposition_cost.stepper("cnn", "hooks", 2, "cpu")
     calls = []

@@ -52,8 +52,8 @@ def _trial(die_at=None, mark=None):
         "report_steps": report["steps"],
         "ledger_sizes": [row[3] for row in trainer.ledger_rows],
         "ebs": opt.expected_batch_size,
-        "sum_q": float(trainer.engine.parameters["sample_rates"].sum()),
-        "q": np.asarray(trainer.engine.parameters["sample_rates"]),
+        "sum_q": float(trainer.engine.parameters.sample_rates.sum()),
+        "q": np.asarray(trainer.engine.parameters.sample_rates),
         "params": {k: v.clone() for k, v in trainer._module().state_dict().items()},
         "noise_drawn": not torch.equal(opt.generator.get_state(), noise0["state"]),
     }
@@ -78,7 +78,7 @@ def test_two_gloo_processes_match_one_process():
     for a, b in zip(two["drawn"], single["drawn"], strict=True):  # the union is the single-process draw
         np.testing.assert_array_equal(a, b)
     ranks = two["per_rank"]
-    from idpsgd.engine.rank_balance import rank_owners
+    from idpsgd.engine.sampling.rank_balance import rank_owners
 
     owners = rank_owners(single["q"], 2)  # dealt in snake order of the rates (balanced loads)
     for r, rank in enumerate(ranks):  # each rank drew only its own shard
@@ -151,7 +151,7 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
     grad_sample_mode (ghost clipping, book-keeping)."""
     from idpsgd.assignment import Budgets
     from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine
-    from idpsgd.engine.wrap import raw_module
+    from idpsgd.engine.per_example.wrap import raw_module
 
     results = {}
     for mode in modes:
@@ -294,7 +294,7 @@ def _a_write_on_one_rank(modes=("hooks", "ghost", "bk")):
     import torch.nn.functional as F
 
     from idpsgd.engine import IndividualizedPrivacyEngine
-    from idpsgd.engine.integrity import UnnoisedWriteError
+    from idpsgd.engine.guards.integrity import UnnoisedWriteError
 
     rank, n = dist.get_rank(), 16
     records = {}

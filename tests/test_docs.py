@@ -60,7 +60,7 @@ def _check_noise_budgets(ns, out):
 def _check_user_level(ns, out):
     engine, budgets = ns["engine"], ns["budgets"]
     eps = engine.get_epsilon()
-    assert engine.steps > 0 and engine.parameters["privacy_unit"] == "user"
+    assert engine.steps > 0 and engine.parameters.privacy_unit == "user"
     assert np.all(eps.per_group <= np.unique(budgets.epsilons) + 1e-9)
     assert "users" in out and "examples" not in out  # the groups count users (issue 48)
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine, PrivacyBudgetExceeded
-from idpsgd.engine.journal import JOURNAL, read_records
+from idpsgd.engine.budget.journal import JOURNAL, read_records
 from idpsgd.validation import InvalidParameterError
 from support import file_mode, independent_epsilons, toy_classification, toy_model
 

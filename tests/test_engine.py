@@ -204,7 +204,7 @@ def test_clipping_uses_each_examples_norm_and_exposes_norms(data, budgets):
         ref = torch.sqrt(sum((g**2).sum() for g in grads))
         assert float(opt.last_norms[k]) == pytest.approx(float(ref), rel=1e-4)
     model.enable_hooks()
-    c = engine.parameters["clip_norms"]
+    c = engine.parameters.clip_norms
     assert c[budgets.epsilons == 1][0] < c[budgets.epsilons == 3][0]  # Scale: per-group clip norms
     norms, losses = engine.per_example_grad_norms(indices=opt.last_indices.numpy())
     assert norms.shape == losses.shape == (len(opt.last_indices),)
@@ -383,7 +383,7 @@ def _private(data, budgets, **kw):
 
 
 def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
-    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     engine, model, opt, loader = _private(data, budgets, seed=0)
     it = iter(loader)
@@ -408,7 +408,7 @@ def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
 
 
 def test_secure_noise_never_comes_from_a_seeded_torch_generator(data, budgets):
-    from idpsgd.engine.randomness import OsEntropyNormal, gaussian_like
+    from idpsgd.engine.noise.randomness import OsEntropyNormal, gaussian_like
 
     engine, model, opt, loader = _private(data, budgets, secure_mode=True)
     if importlib.util.find_spec("torchcsprng") is None:

@@ -18,7 +18,7 @@ from idpsgd.accounting import max_steps_within, order_universe, rdp_to_epsilon
 from idpsgd.assignment import Budgets
 from idpsgd.data import Dataset
 from idpsgd.engine import IndividualAccountingOptions, IndividualizedPrivacyEngine, PrivacyBudgetExceeded
-from idpsgd.engine.filter import FilterOptions, conversion_cost, rdp_budget, worst_case_orders
+from idpsgd.engine.budget.filter import FilterOptions, conversion_cost, rdp_budget, worst_case_orders
 from idpsgd.training import TrainConfig
 from idpsgd.training.filtered import train_filtered
 from support import file_mode, per_example_norms, toy_classification, toy_model

@@ -1,4 +1,4 @@
-"""Sharded training on FSDP2 (engine/fsdp.py): a GPT-2-shaped model wrapped with ``fully_shard`` (per
+"""Sharded training on FSDP2 (engine/distributed/fsdp.py): a GPT-2-shaped model wrapped with ``fully_shard`` (per
 block and at the root) and trained in book-keeping mode, and in ghost-clipping mode, with two privacy
 groups on W gloo processes gives the parameters of the one-process run (no FSDP, same seed) with the
 noise on, and the same per-group ε; the noise shards partition one full draw; what cannot be honoured is refused."""
@@ -143,8 +143,8 @@ def _noise_partition():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from idpsgd.engine.fsdp import noise_shard, shard_rows
-    from idpsgd.engine.randomness import gaussian_like
+    from idpsgd.engine.distributed.fsdp import noise_shard, shard_rows
+    from idpsgd.engine.noise.randomness import gaussian_like
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -164,7 +164,7 @@ def _noise_partition():
         counts.append(rows.tolist())
         ok.append(torch.equal(torch.cat([piece for _, piece in gathered]), want))
         assert tuple(shard.shape) == tuple(p.to_local().shape)
-    from idpsgd.engine import fsdp
+    from idpsgd.engine.distributed import fsdp
 
     rank = dist.get_rank()
     summed = []
@@ -180,7 +180,7 @@ def _noise_partition():
             start, n = shard_rows(p)
             want = world * (world + 1) / 2 * torch.arange(float(np.prod(s))).reshape(s)[start : start + n]
             summed.append(torch.equal(chunk.float(), want))
-    from idpsgd.engine.randomness import noise_generator
+    from idpsgd.engine.noise.randomness import noise_generator
 
     secure = noise_generator("cpu", None, True)  # secure mode: each rank draws its own chunk, from OS entropy
     drawn = [noise_shard(1.0, p, p.to_local(), secure, True) for p in params]
@@ -252,7 +252,7 @@ def _write_guard():
     from torch.utils.data import DataLoader, TensorDataset
 
     from idpsgd.engine import IndividualizedPrivacyEngine
-    from idpsgd.engine.integrity import UnnoisedWriteError
+    from idpsgd.engine.guards.integrity import UnnoisedWriteError
 
     model = _gpt2(n_layer=1)
     ln = model.transformer.ln_f
@@ -520,8 +520,8 @@ def test_an_empty_draw_becomes_one_phantom_row_of_zeros():
     becomes one row of zeros shaped as the batches (the optimizer gives it no weight)."""
     from torch.utils.data import TensorDataset
 
-    from idpsgd.engine.fsdp import PhantomCollate
-    from idpsgd.engine.sampler import EmptyBatchCollate
+    from idpsgd.engine.distributed.fsdp import PhantomCollate
+    from idpsgd.engine.sampling.sampler import EmptyBatchCollate
 
     data = TensorDataset(torch.arange(1, 13).reshape(4, 3), torch.ones(4, 2))
     collate = PhantomCollate(EmptyBatchCollate(None, data))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from idpsgd.engine import distributed
-from idpsgd.engine import sharded_checkpoint as sc
+from idpsgd.engine.distributed import sharded_checkpoint as sc
 from idpsgd.io import CheckpointError
 from idpsgd.validation import InvalidParameterError
 
@@ -84,7 +84,7 @@ def _private_run(folder, *, start=None, stop=STEPS, save_at=(), world=None, secu
 
     from idpsgd import Budgets
     from idpsgd.engine import IndividualizedPrivacyEngine
-    from idpsgd.engine.journal import JOURNAL
+    from idpsgd.engine.budget.journal import JOURNAL
 
     net = _sharded_net()
     net.drop.p = 0.0  # resharded, each rank's dropout draws would differ (the slow plain runs test dropout)

@@ -122,7 +122,7 @@ def _cases(folder: str, cases=tuple(CASES), resumed=()) -> dict:
     """Every case in this process (or on every rank); with several ranks, also how many phantom passes
     (an empty part of a rank's share) each case ran on all ranks together.  Each case of ``resumed`` is
     also run with a checkpoint at step 2, stopped at the end of step 3 and resumed (``out[case + "-resumed"]``)."""
-    from idpsgd.engine import fsdp
+    from idpsgd.engine.distributed import fsdp
 
     torch.set_num_threads(1)
     marked, out = [0], {}

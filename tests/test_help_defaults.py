@@ -94,7 +94,7 @@ def _library_defaults():
     from idpsgd.accounting import account_from_norms, calibrate_noise_multiplier, epsilon_sgm
     from idpsgd.assignment import assign
     from idpsgd.engine import IndividualAccountingOptions
-    from idpsgd.engine.filter import FilterOptions
+    from idpsgd.engine.budget.filter import FilterOptions
     from idpsgd.experiments import load
     from idpsgd.training import TrainConfig, train
     from idpsgd.training.pdp import PdpOptions

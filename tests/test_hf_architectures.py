@@ -92,7 +92,7 @@ def test_norms_and_clipped_sums_equal_brute_force(name, column):
 def test_a_wrong_result_is_never_taken_for_exact(monkeypatch):
     """The harness itself: a book-keeper whose clipped sum is off in one parameter (by 1e-6) is reported WRONG;
     an error raised in idpsgd's code counts as a refusal, one raised elsewhere as a crash."""
-    from idpsgd.engine.bookkeeping import BookKeeper
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
     clipped_sum = BookKeeper.clipped_sum
 

@@ -776,7 +776,9 @@ def test_finetune_keeps_its_seed_private(model_dir, tmp_path, capsys):
     assert json.loads((out / "private" / "seed.json").read_text())["seed"] == S
     assert sorted(p.name for p in (out / "private").glob("checkpoint-*.pt")) == ["checkpoint-1.pt", "checkpoint-2.pt"]
     assert seed_leaks(out, stdout + err) == [] and mode_problems(out) == []
-    from idpsgd.engine.journal import read_records  # every draw recorded (issue 53); private, 0600 (mode_problems)
+    from idpsgd.engine.budget.journal import (
+        read_records,  # every draw recorded (issue 53); private, 0600 (mode_problems)
+    )
 
     assert [r["step"] for r in read_records(out / "private" / "drawn_steps.jsonl")] == [1, 2]
     assert "private/drawn_steps.jsonl" in json.loads((out / "outputs.json").read_text())["files"]

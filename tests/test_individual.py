@@ -122,7 +122,7 @@ def _autograd_norm(model, loss):
 def test_per_example_norms_match_autograd(digits):
     from torch.utils.data import TensorDataset
 
-    from idpsgd.engine.norms import example_batches, per_example_grad_norms
+    from idpsgd.engine.per_example.norms import example_batches, per_example_grad_norms
     from idpsgd.models import create_model
 
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def test_per_example_norms_match_autograd(digits):
 
 def test_per_example_norms_of_any_loss_on_dict_batches():
     """A custom per-sample loss (squared error on a dict batch) gives the norms of its own gradients."""
-    from idpsgd.engine.norms import per_example_grad_norms
+    from idpsgd.engine.per_example.norms import per_example_grad_norms
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))

@@ -1,4 +1,4 @@
-"""Individual accounting's ``kind`` (engine/individual.py, engine/sensitivity_check.py).
+"""Individual accounting's ``kind`` (engine/budget/individual.py, engine/budget/sensitivity_check.py).
 
 "guarantee" only when the charged sensitivities bound what training adds (issue 29), and the label is
 public (issue 35), so it is a function of the options alone: with individual clipping, or
@@ -341,7 +341,7 @@ def test_enforcement_caps_every_contribution_at_its_charge(mode, rounding):
     charge min(c_i, rounded norm) to 1e-9, those the enforcement cut are at it, the clip norms were
     the charges, and the accountant composed exactly those charges."""
     from idpsgd.accounting.rdp import compute_rdp
-    from idpsgd.engine.wrap import raw_module
+    from idpsgd.engine.per_example.wrap import raw_module
 
     n, steps = 12, 3
     torch.manual_seed(0)
@@ -361,7 +361,7 @@ def test_enforcement_caps_every_contribution_at_its_charge(mode, rounding):
         grad_sample_mode=mode,
     )
     model, opt, crit, loader = out if mode == "ghost" else (out[0], out[1], F.cross_entropy, out[2])
-    assert t.every == 1 and t.enforces and np.all(engine.parameters["sample_rates"] == 1.0)
+    assert t.every == 1 and t.enforces and np.all(engine.parameters.sample_rates == 1.0)
     weight = raw_module(model)[1].weight
     seen, add_noise = [], opt.add_noise
 

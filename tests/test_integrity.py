@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
-from idpsgd.engine.integrity import UnnoisedWriteError
-from idpsgd.engine.norms import per_example_grad_norms
+from idpsgd.engine.guards.integrity import UnnoisedWriteError
+from idpsgd.engine.per_example.bk.keeper import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
+from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.validation import InvalidParameterError
 from support import per_example_norms
 
@@ -636,7 +636,7 @@ def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
     fingerprint once at the first forward and once before the noise, not per physical batch."""
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     reads = []
     original = integrity._fingerprint
@@ -943,7 +943,7 @@ def test_permutations_and_paired_sign_flips_through_data_are_refused(mode, how):
 def _python_block_sums(tensors):
     """The block sums with Python integers: Σ_k u_k·b_k over each block of 1024 bit patterns of each tensor, the
     last block of each padded with zeros."""
-    from idpsgd.engine import fingerprint
+    from idpsgd.engine.guards import fingerprint
 
     inner = [int(u) for u in fingerprint._inner(torch.device("cpu")).tolist()]
     out = []
@@ -958,7 +958,7 @@ def test_the_fingerprint_is_exact_and_position_weighted():
     """The block sums are Σ u_k·b_k exactly (checked with Python integers), for tensors larger than a chunk of the
     staging buffer and small ones packed together; every row swap, paired sign flip or one-bit change of one entry
     is found and names its tensor."""
-    from idpsgd.engine import fingerprint
+    from idpsgd.engine.guards import fingerprint
 
     g = torch.Generator().manual_seed(0)
     span = fingerprint._ROWS["cpu"] * 1024
@@ -1005,7 +1005,7 @@ def test_the_fingerprint_is_exact_and_position_weighted():
 def test_the_fingerprint_on_cuda_is_the_cpus_and_finds_a_one_ulp_write():
     """On the tensors' device: the same block sums as on the CPU (exact in any reduction order), across chunks of
     the accelerator's staging buffer, and a one-ulp change names its tensor; CPU tensors (Adam's ``step``) beside."""
-    from idpsgd.engine import fingerprint
+    from idpsgd.engine.guards import fingerprint
 
     g = torch.Generator().manual_seed(0)
     span = fingerprint._ACCELERATOR_ROWS * 1024
@@ -1023,7 +1023,7 @@ def test_the_fingerprint_on_cuda_is_the_cpus_and_finds_a_one_ulp_write():
 def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alone():
     """An evaluation forward under no_grad between steps (the snapshot is then taken there) and forwards of
     other models while the guard waits are fine; the global hook is gone once no guard waits."""
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     model = _model(nn.Linear, 4, 2)
     other = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
@@ -1048,7 +1048,7 @@ def test_a_no_grad_forward_before_the_step_and_other_models_leave_the_guard_alon
 
 
 def _waits(ref) -> bool:
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     return any(r is ref for refs in integrity._WAITING.values() for r in refs)
 
@@ -1057,7 +1057,7 @@ def test_an_armed_guard_does_not_keep_its_model_or_the_global_hook_alive():
     import gc
     import weakref
 
-    from idpsgd.engine import integrity
+    from idpsgd.engine.guards import integrity
 
     model = _model(nn.Linear, 4, 2)
     engine, *rest = _private(model, "hooks")

@@ -14,14 +14,14 @@ def test_the_circle_finder_finds_a_circle_of_three():
 
 def test_every_grad_sample_mode_has_one_record_that_builds_its_wrapper_and_optimizer():
     from idpsgd.engine.modes import ENGINE_MODES, MODES
-    from idpsgd.engine.optimizer import IndividualizedDPOptimizer
+    from idpsgd.engine.noise.optimizer import IndividualizedDPOptimizer
 
     assert tuple(MODES) == ENGINE_MODES == ("hooks", "functorch", "ew", "ghost", "bk", "no_op")
     for name, record in MODES.items():
         assert record.name == name and issubclass(record.distributed_optimizer, record.optimizer)
     assert MODES["ghost"].returns_criterion and MODES["bk"].book_keeping
     assert MODES["no_op"].optimizer is IndividualizedDPOptimizer and not MODES["no_op"].engine_computes
-    # FSDP2 (engine/fsdp.py): book-keeping and ghost clipping only
+    # FSDP2 (engine/distributed/fsdp.py): book-keeping and ghost clipping only
     assert [name for name, record in MODES.items() if record.sharded_optimizer is not None] == ["ghost", "bk"]
 
 
@@ -57,3 +57,18 @@ def test_a_set_up_that_fails_while_building_leaves_the_engine_as_it_was(monkeypa
     monkeypatch.setattr(step, "PrivateDataLoader", built)
     engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
     assert engine.accountant is not None and len(engine.accountant.phases) == 1 and engine.steps == 0
+
+
+def test_every_engine_module_is_in_its_sub_package_and_no_import_uses_an_old_path():
+    """tools/engine_layout.py (issue 49): the engine's listing is the step, and nothing names a module's old path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "engine_layout.py"
+    spec = importlib.util.spec_from_file_location("engine_layout", path)
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    assert layout.problems() == []
+    assert layout.rewrite_text("from idpsgd.engine import fsdp, modes") == (
+        "from idpsgd.engine.distributed import fsdp\nfrom idpsgd.engine import modes"
+    )

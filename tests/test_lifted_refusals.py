@@ -11,7 +11,7 @@ and position tables looked up at each example's own positions (``index_select``,
 no transformers; MPNet and BEiT from tiny configs at the end.  Each runs through the harness of
 ``hf_architectures.py`` (registered in its table for the test: :func:`~hf_architectures.check`, float64, the
 padded batch's ``attention_mask``).  Opacus's per-layer modes (hooks, ghost) on the same models: exact, or
-refused naming the use they cannot attribute (:mod:`idpsgd.engine.layer_inputs`)."""
+refused naming the use they cannot attribute (:mod:`idpsgd.engine.guards.layer_inputs`)."""
 
 from __future__ import annotations
 
@@ -354,7 +354,7 @@ def _engine_step(case: Case, mode: str, clips: torch.Tensor):
 
 def _per_layer_outcome(name: str, shape: str, mode: str) -> str:
     """ "exact", "refused: <message>" (the engine's LayerAttributionError) or "WRONG ..."/"crash ..."."""
-    from idpsgd.engine.layer_inputs import LayerAttributionError
+    from idpsgd.engine.guards.layer_inputs import LayerAttributionError
 
     case = harness.build(name, *SHAPES[shape])
     _, grads = harness.reference(case)

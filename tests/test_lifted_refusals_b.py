@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bk.provenance import RefusedRows
 from idpsgd.engine.bookkeeping import BookKeeper
 from idpsgd.engine.opacus_compat import refusal_for
+from idpsgd.engine.per_example.bk.provenance import RefusedRows
 from idpsgd.validation import InvalidParameterError
 
 D, CLASSES = 6, 3

@@ -6,10 +6,6 @@ inside functions included), no private name imported from another module, and th
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
-
-import pytest
 
 from idpsgd import names
 from support import import_cycles, import_edges, package_modules, private_imports
@@ -24,8 +20,9 @@ def test_no_import_circle_of_any_length_in_the_package():
     edges = import_edges()
     assert import_cycles(edges) == []
     # the user-level norm pass joins units and norms, so neither imports the other
-    assert "idpsgd.engine.norms" not in edges["idpsgd.engine.units"]
-    assert {"idpsgd.engine.norms", "idpsgd.engine.units"} <= edges["idpsgd.engine.user_norms"]
+    assert "idpsgd.engine.per_example.norms" not in edges["idpsgd.engine.clipping.users"]
+    both = {"idpsgd.engine.per_example.norms", "idpsgd.engine.clipping.users"}
+    assert both <= edges["idpsgd.engine.per_example.user_norms"]
 
 
 def test_no_module_imports_another_modules_private_name():
@@ -69,29 +66,12 @@ def test_the_old_public_names_are_the_canonical_ones():
     from idpsgd.accounting import ACCOUNTANTS
     from idpsgd.assignment import METHODS as ASSIGN
     from idpsgd.assignment.methods import FIXED_SIGMA_METHODS
-    from idpsgd.audit.shadows import AUDIT_METHODS, PDP_AUDIT_METHODS, TRAINER_METHODS
+    from idpsgd.audit.shadows import AUDIT_METHODS, PDP_AUDIT_METHODS
     from idpsgd.integrations.hf.arguments import ACCOUNTANTS as HF_ACCOUNTANTS
-    from idpsgd.integrations.hf.arguments import METHODS as HF_METHODS
-    from idpsgd.training import METHODS
-    from idpsgd.training.filtered import FILTER_METHODS
     from idpsgd.training.pdp import PDP_METHODS
 
     assert tuple(ACCOUNTANTS) == names.ACCOUNTANTS == HF_ACCOUNTANTS
-    assert tuple(ASSIGN) == names.IDP_METHODS == TRAINER_METHODS == FILTER_METHODS == HF_METHODS
-    assert METHODS == names.PLAN_METHODS and PDP_METHODS == names.PDP_METHODS
+    assert tuple(ASSIGN) == names.IDP_METHODS
+    assert PDP_METHODS == names.PDP_METHODS
     assert FIXED_SIGMA_METHODS == names.FIXED_SIGMA_METHODS
     assert AUDIT_METHODS == names.AUDIT_METHODS and PDP_AUDIT_METHODS == names.PDP_AUDIT_METHODS
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "name"),
-    [
-        ("idpsgd.accounting.individual", "idpsgd.accounting.output_specific", "IndividualAccountant"),
-        ("idpsgd.training.individual", "idpsgd.training.individual_outputs", "individual_report"),
-    ],
-)
-def test_a_renamed_module_still_imports_under_its_old_name_with_a_deprecation_warning(old, new, name):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        shim = importlib.import_module(old)
-    assert getattr(shim, name) is getattr(importlib.import_module(new), name)

@@ -7,7 +7,7 @@ whole-module fallback (``torch.func`` raised); an in-place write into a layer's 
 (``q /= math.sqrt(d)``: the output was a view made inside a custom Function, bk's or the full backward
 hook's); a masked write ``h[~mask] = 0`` into a layer's output on a padded batch (the same, and provenance
 took the write for a mix of rows).  Each is checked against one backward pass per example (float64), in
-bk, hooks and ghost.  Then the net (``engine/machinery.py``) in both directions: the machinery's failures
+bk, hooks and ghost.  Then the net (``engine/per_example/machinery.py``) in both directions: the machinery's failures
 become :class:`MachineryRefusal` (the CLI's exit 2) before anything is released or charged, while the
 model's own errors propagate unchanged.
 """
@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bk.provenance import RefusedRows
-from idpsgd.engine.machinery import MachineryRefusal
 from idpsgd.engine.opacus_compat import UnsupportedModuleError
+from idpsgd.engine.per_example.bk.provenance import RefusedRows
+from idpsgd.engine.per_example.machinery import MachineryRefusal
 from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data
 
@@ -247,11 +247,19 @@ def _boom(*_args, **_kwargs):
     [
         (
             "bk",
-            lambda mp: mp.setattr("idpsgd.engine.bk.keeper._Layer.record", _boom),
+            lambda mp: mp.setattr("idpsgd.engine.per_example.bk.keeper._Layer.record", _boom),
             "layer 'b' (Linear), its backward",
         ),
-        ("bk", lambda mp: mp.setattr("idpsgd.engine.bk.provenance.ProvenanceMode._propagate", _boom), "layer"),
-        ("bk", lambda mp: mp.setattr("idpsgd.engine.bk.keeper.BookKeeper.norms", _boom), "per-example norm pass"),
+        (
+            "bk",
+            lambda mp: mp.setattr("idpsgd.engine.per_example.bk.provenance.ProvenanceMode._propagate", _boom),
+            "layer",
+        ),
+        (
+            "bk",
+            lambda mp: mp.setattr("idpsgd.engine.per_example.bk.keeper.BookKeeper.norms", _boom),
+            "per-example norm pass",
+        ),
         ("hooks", lambda mp: mp.setitem(GradSampleModule.GRAD_SAMPLERS, nn.Linear, _boom), "layer 'b' (Linear)"),
         (
             "ghost",
@@ -274,7 +282,7 @@ def test_a_failure_inside_the_machinery_is_a_one_line_refusal_before_anything_is
 
 
 def test_a_forward_failure_of_the_machinery_names_the_models_line(monkeypatch):
-    monkeypatch.setattr("idpsgd.engine.bk.provenance.ProvenanceMode._propagate", _boom)
+    monkeypatch.setattr("idpsgd.engine.per_example.bk.provenance.ProvenanceMode._propagate", _boom)
     _, _, exc, _ = _train_one_step("bk")
     assert isinstance(exc, MachineryRefusal)
     assert "test_never_crash.py:" in str(exc)  # the model's own line where the machinery failed
@@ -327,7 +335,7 @@ def test_ghost_refuses_a_layer_shared_by_the_batch_with_a_reason_not_a_stack_err
     """A position embedding looked up with (1, T) ids gets one row of norms (its output is shared by the batch):
     ghost clipping crashed stacking the norms ("stack expects each tensor to be equal size"); refused now,
     naming the parameter, as hooks refuses it (BatchMismatchError).  bk attributes it exactly."""
-    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     engine, model, exc, before = _train_one_step("ghost", _model(_Positions), _data((5,), ids=11))
     assert isinstance(exc, BatchMismatchError), repr(exc)

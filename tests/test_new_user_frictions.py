@@ -149,7 +149,7 @@ def test_users_spelling_and_the_rows_of_an_inconsistent_budget():
 
 
 def test_group_epsilons_at_user_level_count_users():
-    from idpsgd.engine.accountant import GroupEpsilons
+    from idpsgd.engine.budget.accountant import GroupEpsilons
 
     eps = GroupEpsilons([0.5, 1.0], [1.0, 2.0], [3, 4], 1e-5, "rdp", 5, unit="user")
     assert "users" in repr(eps) and "examples" not in repr(eps)

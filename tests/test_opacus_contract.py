@@ -191,7 +191,7 @@ def test_the_loaders_generator_drives_sampling_and_a_noise_generator_the_noise()
 def test_an_unseeded_torch_generator_is_not_a_source_and_secure_mode_ignores_torch():
     """A never-seeded generator runs torch's public default stream: the seed then comes from OS
     entropy; secure mode never takes randomness from torch."""
-    from idpsgd.engine.randomness import UNSEEDED, seed_from_torch
+    from idpsgd.engine.noise.randomness import UNSEEDED, seed_from_torch
 
     fresh = torch.Generator()
     assert fresh.initial_seed() == UNSEEDED
@@ -314,7 +314,7 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
 
     engine, _model, _opt, loader = _private()
     assert engine.accountant_name == "prv" and len(loader) == 4
-    assert engine.parameters["sample_rates"][0] == 0.25 and engine.parameters["steps_per_epoch"] == 4
+    assert engine.parameters.sample_rates[0] == 0.25 and engine.parameters.steps_per_epoch == 4
     x, y = _data()
     cal = IndividualizedPrivacyEngine()
     m = _linear()
@@ -327,9 +327,9 @@ def test_defaults_match_opacus_prv_and_one_over_len_data_loader():
         epochs=2,
         max_grad_norm=1.0,
     )
-    sigma = cal.parameters["noise_multiplier"]
+    sigma = cal.parameters.noise_multiplier
     theirs = get_noise_multiplier(target_epsilon=5.0, target_delta=DELTA, sample_rate=0.25, epochs=2, accountant="prv")
-    assert cal.parameters["steps"] == 8 and sigma == pytest.approx(theirs, rel=0.02) and sigma >= theirs * 0.995
+    assert cal.parameters.steps == 8 and sigma == pytest.approx(theirs, rel=0.02) and sigma >= theirs * 0.995
     assert 0.9999 * 5.0 <= cal.get_epsilon(steps=8) <= 5.0
 
 
@@ -349,8 +349,8 @@ def test_every_refusal_in_the_table_is_what_the_engine_raises(tmp_path):
     """The Opacus-suite harness counts a failure as *refused* only when its error matches
     ``REFUSALS``; each entry must match the engine's own error for that option (no drift), and an
     unrelated error matches none."""
+    from idpsgd.engine.noise.randomness import resolve_seed
     from idpsgd.engine.opacus_compat import REFUSALS, refusal_for
-    from idpsgd.engine.randomness import resolve_seed
 
     x, y = _data()
 

@@ -92,7 +92,7 @@ def test_no_op_clips_the_users_per_sample_gradients_as_hooks_mode():
 
 
 def test_no_op_refuses_gradients_that_are_not_one_row_per_drawn_example():
-    from idpsgd.engine.sampler import BatchMismatchError
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     engine, model, _w, opt, loader = _setup("no_op", batch_size=10)
     with pytest.raises(BatchMismatchError, match="only part of a drawn batch"):
@@ -154,7 +154,7 @@ def test_wrap_model_false_a_second_phase_replaces_the_engines_hooks_and_refuses_
     for mode in ("ghost", "bk", "ew"):
         with pytest.raises(InvalidParameterError, match=f"wrap_model=False is invalid: is not supported with .*{mode}"):
             _setup(mode, wrap_model=False)
-    from idpsgd.engine.wrap import check_wrappable
+    from idpsgd.engine.per_example.wrap import check_wrappable
 
     class DistributedDataParallel(nn.Module):  # the name raw_module unwraps (no process group needed here)
         def __init__(self, module):
@@ -191,7 +191,7 @@ def test_budgets_with_a_noise_multiplier_solve_each_groups_rate_for_its_budget(s
     """Before: sigma = 1 was refused at make_private ("at most 0 steps"), sigma = 3 gave every group the
     same epsilon (0.88): the budgets only capped.  Now each group spends its own budget (Sample)."""
     engine, (_m, _o, loader) = _budgeted(sigma, epochs=3)
-    assert engine.parameters["noise_multiplier"] == sigma and engine.parameters["steps"] == 30
+    assert engine.parameters.noise_multiplier == sigma and engine.parameters.steps == 30
     eps = engine.get_epsilon(DELTA, steps=30).per_group
     assert np.all(eps <= [1.0, 2.0, 3.0]) and np.all(eps >= 0.999 * np.array([1.0, 2.0, 3.0]))
     rates = [g["sample_rate"] for g in engine.privacy_groups()]
@@ -218,7 +218,7 @@ def test_expected_batch_size_sample_rate_loader_type_and_accountant_length_as_op
 
     engine, _model, wrapped, opt, loader = _setup("hooks", batch_size=10)  # N = 100: q = 0.1, 10 per batch
     assert opt.expected_batch_size == 10 and isinstance(opt.expected_batch_size, int)  # Opacus: int(N q)
-    assert loader.sample_rate == 0.1 and engine.parameters["expected_batch_size"] == 10
+    assert loader.sample_rate == 0.1 and engine.parameters.expected_batch_size == 10
     assert isinstance(loader, DPDataLoader) and loader.distributed is False
     _train(wrapped, opt, loader)
     assert len(engine.accountant) == 1 and engine.steps == 10  # Opacus: len = history entries, not steps

@@ -132,20 +132,20 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
         optimizer=opt,
         data_loader=loader,
         budgets=budgets,
-        clip_norms=p["clip_norms"],
-        noise_multiplier=p["noise_multiplier"],
-        max_grad_norm=p["max_grad_norm"],
+        clip_norms=p.clip_norms,
+        noise_multiplier=p.noise_multiplier,
+        max_grad_norm=p.max_grad_norm,
     )
     with pytest.raises(
         PrivacyBudgetExceeded,
         match=r"the plan of 5 steps would take a privacy group over its "
         r"budget .* at most 0 steps of this phase fit",
     ):
-        engine.make_private_with_parameters(sample_rates=p["sample_rates"], steps=5, **again)
+        engine.make_private_with_parameters(sample_rates=p.sample_rates, steps=5, **again)
     with pytest.raises(PrivacyBudgetExceeded, match="a step would take a privacy group over its budget"):
-        engine.make_private_with_parameters(sample_rates=p["sample_rates"], **again)  # no plan: one step
+        engine.make_private_with_parameters(sample_rates=p.sample_rates, **again)  # no plan: one step
     assert engine.steps == 6 and len(engine.accountant.phases) == 1  # nothing changed
-    rest = np.where(budgets.epsilons == 3.0, p["sample_rates"], 0.0)  # only group ε=3 trains
+    rest = np.where(budgets.epsilons == 3.0, p.sample_rates, 0.0)  # only group ε=3 trains
     with pytest.raises(PrivacyBudgetExceeded, match=r"at most (\d+) steps of this phase fit") as info:
         engine.make_private_with_parameters(sample_rates=rest, steps=10_000, **again)
     fits = int(re.search(r"at most (\d+) steps", str(info.value)).group(1))
@@ -171,7 +171,7 @@ def test_a_plan_beyond_a_partly_spent_budget_is_refused_at_set_up(data):
 def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeypatch):
     """A make_private that fails after the accountant began its phase (here: wrapping the module) leaves
     no 0-step phase in the ledger, and a fresh engine no accountant; the next set-up works."""
-    import idpsgd.engine.privacy_engine as pe
+    import idpsgd.engine.step as pe
 
     x, y = data
     budgets = _two_groups()
@@ -212,10 +212,10 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
             optimizer=opt,
             data_loader=loader,
             budgets=budgets,
-            sample_rates=p["sample_rates"],
-            clip_norms=p["clip_norms"],
-            noise_multiplier=p["noise_multiplier"],
-            max_grad_norm=p["max_grad_norm"],
+            sample_rates=p.sample_rates,
+            clip_norms=p.clip_norms,
+            noise_multiplier=p.noise_multiplier,
+            max_grad_norm=p.max_grad_norm,
             steps=2,
         )
     assert len(engine.accountant.phases) == 1 and engine.steps == 2
@@ -224,8 +224,8 @@ def test_a_set_up_that_fails_after_the_phase_began_leaves_no_phase(data, monkeyp
 def test_noise_multiplier_zero_is_refused_at_once(data):
     """Bug 3: σ = 0 (no privacy) is refused by every entry point, before anything is set up."""
     from idpsgd.engine import IndividualizedDPOptimizer
-    from idpsgd.engine.clipping import PerExampleClipping
-    from idpsgd.engine.sampler import BatchIndexQueue
+    from idpsgd.engine.clipping.examples import PerExampleClipping
+    from idpsgd.engine.sampling.sampler import BatchIndexQueue
 
     x, y = data
     model = toy_model()
@@ -295,7 +295,7 @@ def test_make_private_with_epsilon_one_budget_and_per_example_budgets(data):
         epochs=2,
         max_grad_norm=1.0,
     )
-    assert engine.parameters["noise_multiplier"] == pytest.approx(
+    assert engine.parameters.noise_multiplier == pytest.approx(
         calibrate_noise_multiplier(2.0, DELTA, 0.1, 20), rel=1e-12
     )  # Opacus's σ for q = B/N, 20 steps
     _train_steps(model, opt, private, 20)
@@ -354,8 +354,8 @@ def test_make_private_with_one_noise_multiplier_accounts_without_budgets(data):
         max_grad_norm=0.7,
     )
     _train_steps(model, opt, private, 25)  # no budget: no filter, any number of steps
-    assert engine.steps == 25 and engine.parameters["noise_multiplier"] == 1.1
-    assert np.all(engine.parameters["clip_norms"] == 0.7)
+    assert engine.steps == 25 and engine.parameters.noise_multiplier == 1.1
+    assert np.all(engine.parameters.clip_norms == 0.7)
     eps = engine.get_epsilon(DELTA)
     assert float(eps) == pytest.approx(float(epsilon_sgm(0.1, 1.1, 25, DELTA)), rel=1e-12)
     acc = RDPAccountant()

@@ -20,8 +20,13 @@ import pytest
 import torch
 from torch import nn
 
-from idpsgd.engine.batch_independence import BatchIndependence, BatchMixingError, Padding, check_batch_independence
-from idpsgd.engine.padding_check import per_example_positions
+from idpsgd.engine.guards.batch_independence import (
+    BatchIndependence,
+    BatchMixingError,
+    Padding,
+    check_batch_independence,
+)
+from idpsgd.engine.guards.padding_check import per_example_positions
 from sensitivity_harness import MODES, Case, sensitivity
 
 V, T = 20, 12  # vocabulary, stored length (each batch is cut to its longest row, as a padding collator does)
@@ -174,7 +179,7 @@ def _finetune(folder, root, texts, *, c=1.0, mode="bk", **options):
 
     opts = dict(method="uniform", epochs=1, batch_size=len(texts), max_grad_norm=c, grad_sample_mode=mode, seed=0)
     with (
-        mock.patch("idpsgd.engine.optimizer.gaussian_like", capture),
+        mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", capture),
         mock.patch.object(IndividualizedTrainer, "compute_loss", record),
     ):
         finetune(

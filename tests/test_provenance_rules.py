@@ -1,5 +1,5 @@
 """The provenance rule tables check themselves (issue 46, item 5): every operation with a rule in
-``idpsgd.engine.bk.provenance`` — read off its tables and the names its ``_functional`` rule tests, so a
+``idpsgd.engine.per_example.bk.provenance`` — read off its tables and the names its ``_functional`` rule tests, so a
 new rule is covered without touching this file — runs on random tensors of the batch, once as tagged
 and once with one example's rows perturbed, and the output entries that change must be where its rule
 says: a result claimed to have one example per row (``Rows(dim, group)``) changes only that example's rows,
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from idpsgd.engine.bk import provenance as P
+from idpsgd.engine.per_example.bk import provenance as P
 
 B, T, D = 4, 3, 6
 EXAMPLE = 1  # the example whose rows are perturbed

@@ -1,4 +1,4 @@
-"""Ranks with balanced loads (engine/rank_balance.py, issue 51): the units (examples, users) are dealt to
+"""Ranks with balanced loads (engine/sampling/rank_balance.py, issue 51): the units (examples, users) are dealt to
 ranks in snake order of their rates, so every rank's expected batch Σ q_i is equal to within one unit's
 rate even when the budgets follow the row order; the union of the ranks' draws stays the one-process
 draw of the same seed.  (The multi-process runs: test_distributed.py, test_fsdp.py; the bench:
@@ -7,10 +7,8 @@ bench/bench_rank_balance.py.)"""
 import numpy as np
 import pytest
 
-from idpsgd.engine.distributed import DistributedPoissonBatchSampler
-from idpsgd.engine.rank_balance import expected_loads, rank_owners, rank_shard
-from idpsgd.engine.sampler import PoissonBatchSampler
-from idpsgd.engine.units import DistributedUserPoissonBatchSampler, UserPoissonBatchSampler
+from idpsgd.engine.sampling.rank_balance import expected_loads, rank_owners, rank_shard
+from idpsgd.engine.sampling.sampler import PoissonBatchSampler
 from idpsgd.users import Users
 
 
@@ -61,7 +59,7 @@ def test_refusals():
 def test_samplers_are_balanced_and_their_union_is_the_one_process_draw(world):
     q = _row_ordered_rates(400, "alternating")
     one = PoissonBatchSampler(q, 5, np.random.default_rng(7))
-    ranks = [DistributedPoissonBatchSampler(q, 5, np.random.default_rng(7), None, r, world) for r in range(world)]
+    ranks = [PoissonBatchSampler(q, 5, np.random.default_rng(7), None, ranks=(r, world)) for r in range(world)]
     loads = [s.expected_batch_size for s in ranks]
     assert max(loads) - min(loads) <= q.max() + 1e-12
     for _ in range(5):
@@ -75,8 +73,8 @@ def test_user_level_samplers_are_balanced_and_their_union_is_the_one_process_dra
     ids = np.repeat(np.arange(60), 3)  # 60 users of 3 rows, budgets alternating by user
     users = Users(ids, 2)
     q = _row_ordered_rates(60, "alternating")
-    one = UserPoissonBatchSampler(q, 4, np.random.default_rng(3), None, users)
-    ranks = [DistributedUserPoissonBatchSampler(q, 4, np.random.default_rng(3), None, users, r, 2) for r in range(2)]
+    one = PoissonBatchSampler(q, 4, np.random.default_rng(3), None, users=users)
+    ranks = [PoissonBatchSampler(q, 4, np.random.default_rng(3), None, users=users, ranks=(r, 2)) for r in range(2)]
     loads = [s.expected_batch_size for s in ranks]
     assert abs(loads[0] - loads[1]) <= q.max() + 1e-12
     for _ in range(4):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from batch_mixing_models import D, K, N
-from idpsgd.engine.batch_independence import BatchMixingError
+from idpsgd.engine.guards.batch_independence import BatchMixingError
 from sensitivity_harness import MODES, Case, _no_noise, private
 
 
@@ -41,7 +41,7 @@ _Y = torch.arange(N) % K
 
 def _step(on: str, hook: str, mode: str):
     """One step with a batch-mixing forward (pre-)hook on the user's model or on the module make_private returns."""
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         case = Case(_build, _X, _Y, None)
         if on == "model":
             model = _build()
@@ -79,7 +79,7 @@ def test_a_per_example_root_hook_still_trains():
     model = _build()
     model.register_forward_pre_hook(lambda _m, args: (2 * args[0],))
     model.register_forward_hook(lambda _m, _a, out: out.tanh())
-    with mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         _engine, module, optimizer, _c, loader = private(Case(lambda: model, _X, _Y, None), _X, _Y, "hooks")
         xb, yb = next(iter(loader))
         nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
@@ -141,7 +141,7 @@ class _FlatLogits(nn.Module):
 def test_flattened_batch_first_logits_are_checked_not_refused():
     """``logits.view(-1, V)`` (the char-LM pattern) was refused as 'no tensor whose leading dimension is
     the batch'; its rows are checked per example now, and a mixing one is still refused."""
-    from idpsgd.engine.batch_independence import check_batch_independence
+    from idpsgd.engine.guards.batch_independence import check_batch_independence
 
     x = torch.randint(1, 20, (6, 4))
     check_batch_independence(_FlatLogits(), (x,), {})

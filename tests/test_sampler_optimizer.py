@@ -8,7 +8,7 @@ from torch import nn
 
 from idpsgd import InvalidParameterError
 from idpsgd.engine import BatchIndexQueue, IndividualizedDPOptimizer, PoissonBatchSampler
-from idpsgd.engine.clipping import PerExampleClipping
+from idpsgd.engine.clipping.examples import PerExampleClipping
 
 
 def _sampler(rates, steps=1, seed=0, queue=None):
@@ -37,7 +37,7 @@ def test_inclusion_frequencies_match_rates():
 
 
 def test_secure_sampler_draws_from_os_entropy():
-    from idpsgd.engine.randomness import SecureUniform
+    from idpsgd.engine.noise.randomness import SecureUniform
 
     u = SecureUniform().random(200_000)
     assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002

@@ -382,7 +382,7 @@ def test_stderr_of_a_real_process_warns_once_and_holds_no_seed(tmp_path):
 def test_cpu_noise_depends_on_every_bit_of_the_seed():
     """``torch.Generator().manual_seed`` keeps 32 bits on CPU (S and S + 2^32 give one stream); the
     noise generator takes the whole seed."""
-    from idpsgd.engine.randomness import noise_generator
+    from idpsgd.engine.noise.randomness import noise_generator
 
     def draw(seed):
         return torch.randn(8, generator=noise_generator("cpu", seed, False))
@@ -399,7 +399,7 @@ def test_cpu_noise_depends_on_every_bit_of_the_seed():
 def test_full_seed_noise_is_standard_normal_and_resumable():
     from scipy import stats
 
-    from idpsgd.engine.randomness import noise_generator
+    from idpsgd.engine.noise.randomness import noise_generator
 
     gen = noise_generator("cpu", 2**63 - 1, False)
     z = torch.randn(200_000, generator=gen, dtype=torch.float64).numpy()
@@ -446,7 +446,7 @@ def test_experiments_draw_a_fresh_private_seed_and_replay_a_given_one(tmp_path):
     a fresh base seed (kept under "private"); with one, the repetitions' seeds derive from it and the
     experiment replays."""
     from idpsgd.data import load_dataset
-    from idpsgd.engine.randomness import derive_seed
+    from idpsgd.engine.noise.randomness import derive_seed
     from idpsgd.experiments.boenisch import run_boenisch_table3
 
     _csv_dataset(tmp_path / "data")

@@ -18,8 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
-from idpsgd.engine.sampler import BatchIndexQueue
-from idpsgd.engine.units import UserPoissonBatchSampler
+from idpsgd.engine.sampling.sampler import BatchIndexQueue, PoissonBatchSampler
 from support import file_mode
 
 MODES = ("hooks", "functorch", "ghost", "bk")
@@ -73,7 +72,7 @@ def test_user_sampler_poisson_over_users():
     ids = np.repeat(np.arange(50), 4)
     u = Users(ids, k=2)
     q = np.where(np.arange(50) < 25, 0.2, 0.6)
-    s = UserPoissonBatchSampler(q, 10, np.random.default_rng(1), BatchIndexQueue(), u)
+    s = PoissonBatchSampler(q, 10, np.random.default_rng(1), BatchIndexQueue(), users=u)
     hits = np.zeros(50)
     for _ in range(400):
         rows = s.sample()
@@ -110,7 +109,7 @@ def _step_sum(build, x, y, uids, mode, clip, k, call=None):
     model = build()
     users = Users(uids, k)
     crit = _Crit(_ce)
-    with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with warnings.catch_warnings(), mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         for message in (
             "Secure RNG turned off",
             "Full backward hook is firing",
@@ -285,13 +284,13 @@ def test_user_norm_is_the_norm_of_the_summed_gradient(mode):
 
 
 def test_batch_memory_manager_split_of_a_user_is_refused():
-    from idpsgd.engine.clipping import PerExampleClipping  # noqa: F401
-    from idpsgd.engine.sampler import BatchMismatchError
-    from idpsgd.engine.units import UnitClipping
+    from idpsgd.engine.clipping.examples import PerExampleClipping  # noqa: F401
+    from idpsgd.engine.clipping.users import UserClipping
+    from idpsgd.engine.sampling.sampler import BatchMismatchError
 
     q = BatchIndexQueue()
     u = Users([0, 0, 1, 1], k=2)
-    c = UnitClipping(np.ones(2), q, u)
+    c = UserClipping(np.ones(2), q, u)
     q.push(np.array([0, 2, 1, 3]))
     c.grouping(2)
     c.factors(torch.ones(2))
@@ -737,7 +736,7 @@ def _user_ranks_trial(data_parallel=True, modes=("bk", "hooks")):
     per-user norm passes sharded over the ranks)."""
     from idpsgd import Budgets, IndividualAccountingOptions
     from idpsgd.engine import distributed
-    from idpsgd.engine.wrap import raw_module
+    from idpsgd.engine.per_example.wrap import raw_module
 
     out = {}
     for name in modes:
@@ -825,8 +824,8 @@ def test_make_private_with_epsilon_at_user_level():
         max_grad_norm=1.0,
         users=users,
     )
-    assert engine.parameters["privacy_unit"] == "user" and engine.parameters["sample_rates"].size == users.num_users
-    assert float(engine.get_epsilon(steps=engine.parameters["steps"])) <= 2.0 * (1 + 1e-9)
+    assert engine.parameters.privacy_unit == "user" and engine.parameters.sample_rates.size == users.num_users
+    assert float(engine.get_epsilon(steps=engine.parameters.steps)) <= 2.0 * (1 + 1e-9)
 
 
 def test_gpt2_bk_user_norms_with_shared_positions_and_tied_embeddings():

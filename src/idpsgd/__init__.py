@@ -52,9 +52,9 @@ _LAZY = {  # name -> module (torch-dependent, imported on first access)
     "run_yu_figure": "experiments.yu",
     "run_thudi_figure1": "experiments.thudi",
     "ParallelRuns": "training.per_instance_runs",
-    "save_sharded_checkpoint": "engine.sharded_checkpoint",
-    "load_sharded_checkpoint": "engine.sharded_checkpoint",
-    "export_pretrained": "engine.sharded_checkpoint",
+    "save_sharded_checkpoint": "engine.distributed.sharded_checkpoint",
+    "load_sharded_checkpoint": "engine.distributed.sharded_checkpoint",
+    "export_pretrained": "engine.distributed.sharded_checkpoint",
 }
 
 

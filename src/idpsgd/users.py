@@ -170,10 +170,6 @@ class Users:
             )
         return Budgets(np.array([lut[str(u)] for u in self.ids.tolist()]), delta)
 
-    def for_rows(self, rows) -> Users:
-        """The users of a subset of rows (e.g. a ``random_split``), same ``k``."""
-        return Users(self.ids[self.unit_of_row[np.asarray(rows, dtype=np.int64)]], self.k)
-
 
 def group_privacy(epsilon, delta, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Group privacy for groups of ``k`` (Dwork & Roth 2014, Thm 2.2 with δ; Vadhan 2017, Lemma 2.2):

@@ -470,7 +470,7 @@ def offline_kind(
     """(kind, reason) of offline accounting from recorded norms (:func:`account_from_norms`).
 
     A norms file holds the norm passes' values, not what training clipped; only the run that wrote
-    it knows whether they bounded training's clipped norms (:mod:`idpsgd.engine.individual`), and
+    it knows whether they bounded training's clipped norms (:mod:`idpsgd.engine.budget.individual`), and
     records it (``kind``, ``enforced``; ``idpsgd train --save-norms``).  The offline ε are a
     **guarantee** only when that record says ``guarantee``, the run's own rates, σ and clip norms are
     used (``overridden=False``) and

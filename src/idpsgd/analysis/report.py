@@ -152,7 +152,7 @@ def render(run_dir, include_private: bool = False) -> str:
         + f"; {'secure mode' if r.get('secure_mode') else 'not secure mode'}</p>",
     ]
     charged, kept = r.get("steps_charged"), r.get("steps_kept", r.get("steps"))
-    if charged is not None and charged != kept:  # a resume charged draws of abandoned attempts (engine/journal.py)
+    if charged is not None and charged != kept:  # a resume charged an abandoned attempt's draws (budget/journal.py)
         parts.append(
             f"<p class='note'>Steps charged: <b>{charged}</b> ({kept} kept — the model descends from them — and "
             f"{charged - kept} noise draws of earlier attempts of this run that the resumed run did not keep: their "
@@ -163,7 +163,7 @@ def render(run_dir, include_private: bool = False) -> str:
     if r.get("randomness"):  # never the seed itself (an old report.json may still hold one: not shown)
         parts.append(f"<p class='note'>Randomness: {e(str(r['randomness']))}</p>")
     if r.get("layer_paths"):
-        from ..engine.bookkeeping import summarize_paths
+        from ..engine.per_example.bk.keeper import summarize_paths
 
         parts.append(
             f"<p class='note'>per-example gradient norms ({e(str(r.get('grad_sample_mode')))}): "
@@ -378,7 +378,7 @@ def move_public_seed(run_folder) -> bool:
     """A ``report.json`` written before the seed became private holds it (``"seed"``): move it to
     ``private/seed.json`` (mode 0600; an existing record is kept) and rewrite ``report.json`` without
     it.  Returns whether anything moved."""
-    from ..engine.randomness import randomness_note
+    from ..engine.noise.randomness import randomness_note
     from ..runfolder import PRIVATE, SEED_FILE
 
     path = run_folder.path / "report.json"

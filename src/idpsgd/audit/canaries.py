@@ -121,8 +121,8 @@ class Canaries:
 
 def design_seed(seed, secure_mode: bool) -> int:
     """The design's seed: the given one, or a fresh one from OS entropy (secure mode refuses a given
-    seed, as :func:`~idpsgd.engine.randomness.resolve_seed` does)."""
-    from ..engine.randomness import resolve_seed
+    seed, as :func:`~idpsgd.engine.noise.randomness.resolve_seed` does)."""
+    from ..engine.noise.randomness import resolve_seed
 
     resolved = resolve_seed(seed, secure_mode)
     return int(resolved) if resolved is not None else _secrets.randbits(63)

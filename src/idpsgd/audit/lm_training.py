@@ -31,7 +31,7 @@ DESIGN_PATH = 52
 
 
 def _design_seed(seed, secure_mode: bool):
-    from ..engine.randomness import derive_seed
+    from ..engine.noise.randomness import derive_seed
 
     return None if secure_mode or seed is None else derive_seed(int(seed), DESIGN_PATH)
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..assignment import Budgets
 from ..data import Dataset
-from ..engine.randomness import derive_seed, resolve_seed
+from ..engine.noise.randomness import derive_seed, resolve_seed
 from ..io import signature_differences
 from ..runfolder import RunFolder
 from ..validation import InvalidParameterError, check_delta
@@ -196,7 +196,7 @@ def _open_folder(out_dir, dataset, budgets, config, options, pdp, plan, resume: 
 
     The audit's seed draws its design (which model trains on which example, the canaries and
     their coins) and, outside secure mode, every model's training seed.  In secure mode a given
-    seed is refused (:func:`~idpsgd.engine.randomness.resolve_seed`) and the models train with
+    seed is refused (:func:`~idpsgd.engine.noise.randomness.resolve_seed`) and the models train with
     OS-entropy sampling and noise; the design still needs a recorded seed (the auditor's own
     randomness, not the mechanism's: membership must be known to score it), drawn fresh and kept
     in the private settings file so that a resumed audit keeps its design."""

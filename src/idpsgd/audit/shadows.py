@@ -34,8 +34,6 @@ from ..names import AUDIT_METHODS, IDP_METHODS, PDP_AUDIT_METHODS
 from ..validation import InvalidParameterError
 from .lira import logit_confidence
 
-TRAINER_METHODS = IDP_METHODS  # the audit's shadows trained by the engine (the others: PDP_AUDIT_METHODS)
-
 
 def check_method(method: str) -> str:
     if method == "adapdp":
@@ -275,7 +273,7 @@ def train_model(
 
     sub = subset(dataset, indices, labels)
     sub_budgets = Budgets(budgets.epsilons[np.asarray(indices)], budgets.delta)
-    if config.method in TRAINER_METHODS:
+    if config.method in IDP_METHODS:
         trainer = Trainer(
             sub, sub_budgets, config, plan=plan.for_subset(indices), expected_batch_size=plan.expected_batch_size
         )

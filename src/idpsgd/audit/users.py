@@ -5,7 +5,7 @@ The audit of a user-level run: every user is included independently with probabi
 (:mod:`idpsgd.accounting.neighbouring`): a user who is out stays in the data and is sampled as
 usual, but its rows' losses are multiplied by 0, so it adds nothing to the clipped sum.  The model's
 public parameters (σ, the per-user rates and clip norms, the steps) are therefore the same whoever is
-in.  One target model is trained with the engine at user level (:mod:`idpsgd.engine.units`); a user's
+in.  One target model is trained with the engine at user level (:mod:`idpsgd.engine.clipping.users`); a user's
 score is minus the mean loss of its rows; per privacy group the loss-threshold attack's AUC, an
 empirical ε lower bound (threshold chosen on a random half of the group's users, Clopper–Pearson
 bound on the other half) and the one-run bound of Steinke, Nasr & Jagielski 2023 (the users'

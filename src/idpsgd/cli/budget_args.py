@@ -188,7 +188,7 @@ def group_spec(args):
 def resolved_seed(args):
     """The run's seed: ``--seed``, or a fresh one (drawn once per command and recorded privately);
     None in secure mode, which refuses ``--seed``."""
-    from ..engine.randomness import resolve_seed
+    from ..engine.noise.randomness import resolve_seed
 
     if not hasattr(args, "_resolved_seed"):
         args._resolved_seed = resolve_seed(getattr(args, "seed", None), getattr(args, "secure_mode", False))

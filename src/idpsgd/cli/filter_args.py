@@ -1,12 +1,12 @@
 """Command-line options of the individual Rényi filter (``idpsgd train --filter individual``).
 
 Feldman & Zrnic 2021 with individualized budgets (Boenisch et al. 2023, §5, App. D.5); the filter
-is :mod:`idpsgd.engine.filter`, the recipes :mod:`idpsgd.training.filtered`.
+is :mod:`idpsgd.engine.budget.filter`, the recipes :mod:`idpsgd.training.filtered`.
 """
 
 from __future__ import annotations
 
-from ..engine.filter import FilterOptions
+from ..engine.budget.filter import FilterOptions
 from ..validation import InvalidParameterError
 
 
@@ -53,7 +53,7 @@ def add_filter_arguments(p) -> None:
 
 
 def filter_options_from_args(args) -> FilterOptions | None:
-    """The :class:`~idpsgd.engine.filter.FilterOptions` of the flags, or None without ``--filter``."""
+    """The :class:`~idpsgd.engine.budget.filter.FilterOptions` of the flags, or None without ``--filter``."""
     if getattr(args, "filter", None) != "individual":
         for flag, value in (
             ("gd", getattr(args, "gd", False) or None),

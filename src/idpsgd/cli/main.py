@@ -225,8 +225,8 @@ def main(argv=None) -> int:
         parser.print_help(sys.stdout)
         return 0
     from ..data import DatasetFileError
-    from ..engine.bk.provenance import RefusedRows
-    from ..engine.machinery import MachineryRefusal
+    from ..engine.per_example.bk.provenance import RefusedRows
+    from ..engine.per_example.machinery import MachineryRefusal
 
     _help, _add, run = COMMANDS[args.command]
     held = _OnceAfterSuccess("Secure RNG turned off", args.command)

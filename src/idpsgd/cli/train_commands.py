@@ -457,7 +457,7 @@ def run_demo(args) -> dict:
     """Budgets 1/2/3 at 34/43/23 %: uniform at ε=1, Sample, Scale, and uniform at ε=3 (upper bound)."""
     from ..accounting.neighbouring import neighbouring
     from ..assignment import Budgets
-    from ..engine.randomness import randomness_note
+    from ..engine.noise.randomness import randomness_note
     from ..runfolder import RunFolder
     from ..training import train
 

@@ -2,17 +2,17 @@
 module, optimizer, data loader and accountant of individualized DP-SGD (Boenisch et al. 2023) for
 any model, data and device; individual accounting (Yu et al. 2023) runs on it."""
 
-from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
-from .bk.keeper import BookKeeper, BookKeepingModule
-from .filter import FilterOptions, IndividualFilter
-from .individual import IndividualAccountingOptions, IndividualTracker
-from .optimizer import (
+from .budget.accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
+from .budget.filter import FilterOptions, IndividualFilter
+from .budget.individual import IndividualAccountingOptions, IndividualTracker
+from .noise.optimizer import (
     IndividualizedDPOptimizer,
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
+from .per_example.bk.keeper import BookKeeper, BookKeepingModule
 from .privacy_engine import GUARANTEE, IndividualizedPrivacyEngine, steps_per_epoch_for
-from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
+from .sampling.sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 
 __all__ = [
     "GUARANTEE",

@@ -3,7 +3,7 @@
 The engine's state is the accountant's ledger (every step charged so far: the privacy state that
 must never be lost or forked), the seeds and the sampler and noise generators (so that a resumed
 run continues the same randomness), individual accounting's or the individual filter's state, and
-which noise draws of the run folder's journal the ledger covers (:mod:`.journal`: on load, the
+which noise draws of the run folder's journal the ledger covers (:mod:`.budget.journal`: on load, the
 draws it does not cover — an abandoned attempt's — are charged).
 A checkpoint is refused before anything changes when it is of another plan, seed, accountant or
 secure mode: resuming it would compose other mechanisms than the ledger records.  Files are
@@ -23,19 +23,19 @@ import torch
 
 from ..validation import InvalidParameterError
 from .opacus_compat import refuse_opacus_options
-from .unwrap import raw_module
+from .per_example.unwrap import raw_module
 
 
 def plan_of(engine) -> dict:
     """The phase's plan as a checkpoint records it (public values)."""
     p = engine.parameters
     return {
-        "steps": p["steps"],
-        "steps_per_epoch": p["steps_per_epoch"],
-        "noise_multiplier": p["noise_multiplier"],
-        "max_grad_norm": p["max_grad_norm"],
-        "sample_rate": float(np.mean(p["sample_rates"])),
-        "expected_batch_size": p["expected_batch_size"],
+        "steps": p.steps,
+        "steps_per_epoch": p.steps_per_epoch,
+        "noise_multiplier": p.noise_multiplier,
+        "max_grad_norm": p.max_grad_norm,
+        "sample_rate": float(np.mean(p.sample_rates)),
+        "expected_batch_size": p.expected_batch_size,
     }
 
 
@@ -59,7 +59,7 @@ def state_dict(engine) -> dict:
         state["individual"] = engine.individual.state_dict()
     if engine.filter is not None:
         state["filter"] = engine.filter.state_dict()
-    if engine.journal is not None:  # the draws this ledger covers, kept or charged (engine/journal.py)
+    if engine.journal is not None:  # the draws this ledger covers, kept or charged (engine/budget/journal.py)
         state["journal"] = engine.journal.state_dict()
     return state
 

@@ -20,15 +20,16 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..assignment import Budgets
-from ..validation import InvalidParameterError, check_positive_array, check_sample_rate
-from . import distributed, fsdp
+from ..validation import InvalidParameterError, check_positive, check_positive_array, check_sample_rate
+from . import distributed
+from .clipping.users import check_user_level
+from .distributed import fsdp
+from .noise.optimizer import check_noise
+from .noise.randomness import RunSeeds
 from .opacus_compat import OPACUS_PARAMETER_MISMATCH
-from .optimizer import check_noise
 from .options import SetupOptions
-from .randomness import RunSeeds
-from .units import check_user_level
-from .unwrap import raw_module
-from .wrap import check_wrappable, release_hooks
+from .per_example.unwrap import raw_module
+from .per_example.wrap import check_wrappable
 
 
 def steps_per_epoch_for(sample_rates) -> int:
@@ -207,6 +208,17 @@ def check_same_budgets(earlier: Budgets | None, budgets: Budgets | None) -> None
 
 
 @dataclass(frozen=True)
+class Counted:
+    """What a ``make_private*`` entry point already checked, so that no check runs twice: the privacy
+    units counted (:func:`count_units`), the budgets checked against them (:func:`check_budgets`) and
+    whether σ and c were (:func:`~.noise.optimizer.check_noise`, before a calibration at that σ)."""
+
+    units: int
+    budgets: Budgets | None
+    noise: bool = False
+
+
+@dataclass(frozen=True)
 class CheckedPhase:
     """What the check stage of ``make_private_with_parameters`` found usable."""
 
@@ -216,42 +228,51 @@ class CheckedPhase:
     clip_norms: np.ndarray
     options: SetupOptions
     ranks: tuple[int, int] | None  # (rank, world size) with data parallelism
-    seeds: RunSeeds  # the run's seeds (rank 0's with data parallelism)
+    seeds: RunSeeds  # the run's seeds (every rank shares rank 0's at build: distributed.shared_seeds)
     device: torch.device
     individual_filter: object = None  # the prepared IndividualFilter with privacy_filter="individual"
-    sharded: bool = False  # a fully_shard (FSDP2) model: engine/fsdp.py's optimizer and phantom rows
+    sharded: bool = False  # a fully_shard (FSDP2) model: engine/distributed/fsdp.py's optimizer and phantom rows
 
 
 def check_phase(
     engine, *, module, optimizer, data_loader, budgets, target_delta, sample_rates, clip_norms, noise_multiplier,
-    max_grad_norm, options: SetupOptions,
+    max_grad_norm, options: SetupOptions, counted: Counted | None = None,
 ) -> CheckedPhase:  # fmt: skip
-    """Every check of a phase's set-up, in order; the engine is read, not written (an earlier
-    ``wrap_model=False`` phase's hooks are released from ``module``)."""
-    n = count_units(data_loader, options.users)
-    budgets = check_budgets(budgets, target_delta, n, allow_none=True)
+    """Every check of a phase's set-up, in order, each once (``counted``: what the entry point checked
+    already).  Pure: the engine, the module, the seeds and the process group are read, never written —
+    what changes them (an earlier ``wrap_model=False`` phase's hooks released, FSDP2's reduction
+    settings, the seeds shared by the ranks) is the build stage's, under its rollback."""
+    if counted is None:
+        n = count_units(data_loader, options.users)
+        budgets = check_budgets(budgets, target_delta, n, allow_none=True)
+    else:
+        n, budgets = counted.units, counted.budgets
     q, c = per_example_parameters(sample_rates, clip_norms, n)
     opts = options.validate(engine.secure_mode, budgets is not None, engine.filter is not None)
     check_optimizer(module, optimizer)
-    release_hooks(engine.module, module)  # an earlier wrap_model=False phase's hooks on this module
-    check_wrappable(module, opts.grad_sample_mode, opts.batch_first, opts.loss_reduction, opts.wrap_model)
+    check_wrappable(
+        module, opts.grad_sample_mode, opts.batch_first, opts.loss_reduction, opts.wrap_model, previous=engine.module
+    )
     first = engine.accountant is None  # the sampler follows the loader's generator, as Opacus's DPDataLoader
     seeds = engine.seeds.following(data_loader.generator) if first else engine.seeds
-    check_user_level(engine, opts.users, opts.privacy_filter)
-    sharded = fsdp.is_sharded(module)  # FSDP2 (engine/fsdp.py), or DPDDP/DDP: (rank, W)
+    check_user_level(engine, opts.users)
+    sharded = fsdp.is_sharded(module)  # FSDP2 (engine/distributed/fsdp.py), or DPDDP/DDP: (rank, W)
     if sharded:
-        ranks, seeds = fsdp.setup(engine, module, opts.mode, opts.privacy_filter, seeds, opts.users)
+        ranks = fsdp.check(engine, module, opts.mode, opts.privacy_filter, opts.users)
     else:
-        ranks, seeds = distributed.setup(engine, module, opts.mode, opts.privacy_filter, seeds)
+        ranks = distributed.check(engine, module, opts.mode, opts.privacy_filter)
     check_positive_array(c, "clip_norms")
     if not first:
         check_same_budgets(engine.budgets, budgets)
     device = device_of(module)
     normaliser = float(q.sum()) if opts.expected_batch_size is None else opts.expected_batch_size
-    check_noise(noise_multiplier, max_grad_norm, normaliser)
+    if counted is not None and counted.noise:  # σ and c checked before the calibration at that σ
+        check_positive(normaliser, "expected_batch_size")
+    else:
+        check_noise(noise_multiplier, max_grad_norm, normaliser)
     new_filter = None
-    if opts.privacy_filter == "individual":  # orders, RDP budgets, checks (engine/filter.py)
-        from .filter import prepare_filter
+    if opts.privacy_filter == "individual":  # orders, RDP budgets, checks (engine/budget/filter.py)
+        from .budget.filter import prepare_filter
 
         new_filter = prepare_filter(
             engine, data_loader, opts.filter_options, opts.per_sample_loss, budgets, q, c, noise_multiplier,
@@ -262,6 +283,7 @@ def check_phase(
 
 __all__ = [
     "CheckedPhase",
+    "Counted",
     "check_budgets",
     "check_optimizer",
     "check_phase",

@@ -5,8 +5,8 @@ line 6 needs only the norms and the clipped sum): Opacus's per-sample gradients 
 ``functorch``, ``ew``), the user's own (``no_op``), Opacus's two-pass ghost clipping (``ghost``;
 Li et al. 2022) or one-pass book-keeping (``bk``; Bu et al. 2023).  Each :class:`GradSampleMode`
 names its module wrapper, its optimizer for one process, for data parallelism and for FSDP2
-sharding (:mod:`.fsdp`; None where the mode cannot train a ``fully_shard`` model), what it supports
-and what it returns; :mod:`.wrap` builds the wrapper, ``make_private`` the optimizer, both from
+sharding (:mod:`.distributed.fsdp`; None where the mode cannot train a ``fully_shard`` model), what it supports
+and what it returns; :mod:`.per_example.wrap` builds the wrapper, ``make_private`` the optimizer, both from
 :data:`MODES`.  Which mode to pick: docs/performance.md.
 """
 
@@ -19,24 +19,24 @@ import torch
 from opacus.grad_sample import GradSampleHooksNoOp, GradSampleModuleExpandedWeights, GradSampleModuleNoOp
 
 from ..validation import InvalidParameterError
-from . import per_sample_rules  # noqa: F401  (registers the corrected convolution and embedding rules)
-from .bk.keeper import BookKeeper, BookKeepingModule
-from .decomposition import probe_expanded_weights, probe_layers, probe_per_sample, probe_user_rows
+from .clipping.users import UserClipping
 from .distributed import (
     DistributedIndividualizedDPOptimizer,
     DistributedIndividualizedDPOptimizerBookKeeping,
     DistributedIndividualizedDPOptimizerFastGradientClipping,
 )
-from .fsdp import ShardedBookKeepingOptimizer, ShardedGhostOptimizer
-from .ghost import IndividualizedGhostModule
-from .optimizer import (
+from .distributed.fsdp import ShardedBookKeepingOptimizer, ShardedGhostOptimizer
+from .guards.decomposition import probe_expanded_weights, probe_layers, probe_per_sample, probe_user_rows
+from .noise.optimizer import (
     IndividualizedDPOptimizer,
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
-from .output_hooks import IndividualizedGradSampleHooks, IndividualizedGradSampleModule
-from .units import UnitClipping
-from .unwrap import raw_module
+from .per_example import per_sample_rules  # noqa: F401  (registers the corrected convolution and embedding rules)
+from .per_example.bk.keeper import BookKeeper, BookKeepingModule
+from .per_example.ghost import IndividualizedGhostModule
+from .per_example.output_hooks import IndividualizedGradSampleHooks, IndividualizedGradSampleModule
+from .per_example.unwrap import raw_module
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class GradSampleMode:
     optimizer: type
     distributed_optimizer: type
     build: Callable
-    #: the optimizer of a ``fully_shard`` (FSDP2) model (:mod:`.fsdp`); None: such a model is refused
+    #: the optimizer of a ``fully_shard`` (FSDP2) model (:mod:`.distributed.fsdp`); None: such a model is refused
     sharded_optimizer: type | None = None
     reuse: Callable = lambda wrapped, clipping, loss_reduction: None
     hooks: type | None = None
@@ -69,11 +69,11 @@ class GradSampleMode:
     #: bk: the optimizer takes the clipped sum from the model's book-keeper
     book_keeping: bool = False
     layer_path: str | None = None
-    #: how the check that the per-example gradients add up to autograd's attaches (:mod:`.decomposition`);
+    #: how the check that the per-example gradients add up to autograd's attaches (:mod:`.guards.decomposition`);
     #: None for bk, whose provenance refuses any use of a parameter it cannot attribute to rows
     decomposition: Callable | None = probe_per_sample
     #: why ``batch_first=False`` is refused in this mode (None: batch-second inputs are supported, the batch
-    #: dimension of every trainable layer's input proven by provenance, :mod:`.batch_independence`)
+    #: dimension of every trainable layer's input proven by provenance, :mod:`.guards.batch_independence`)
     batch_second: str | None = None
 
     def hooks_object(self, module: torch.nn.Module, batch_first: bool, loss_reduction: str):
@@ -112,7 +112,7 @@ def _build_ghost(module, clipping, batch_first, loss_reduction):
         module,
         batch_first=batch_first,
         loss_reduction=loss_reduction,
-        use_ghost_clipping=not isinstance(clipping, UnitClipping),
+        use_ghost_clipping=not isinstance(clipping, UserClipping),
     )
     wrapped.clipping = clipping
     return wrapped
@@ -120,7 +120,7 @@ def _build_ghost(module, clipping, batch_first, loss_reduction):
 
 def _reuse_ghost(wrapped, clipping, loss_reduction):
     wrapped.clipping = clipping
-    wrapped.use_ghost_clipping = not isinstance(clipping, UnitClipping)
+    wrapped.use_ghost_clipping = not isinstance(clipping, UserClipping)
 
 
 def _build_bk(module, clipping, batch_first, loss_reduction):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from opacus.validators.errors import UnsupportedModuleError as _OpacusUnsupportedModuleError
 
 from ..validation import InvalidParameterError
-from .accountant import PrivacyBudgetExceeded
-from .sampler import BatchMismatchError
+from .budget.accountant import PrivacyBudgetExceeded
+from .sampling.sampler import BatchMismatchError
 
 
 class UnsupportedModuleError(InvalidParameterError, _OpacusUnsupportedModuleError):

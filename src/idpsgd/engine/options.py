@@ -5,33 +5,29 @@ filter, user level, ...) and refuses values the engine cannot honour, once.  :cl
 is the plan of a phase (Boenisch et al. 2023, Alg. 1–3): per-example rates q_i and clip norms c_i,
 σ, the reference clip norm c, the planned and per-epoch steps and the normaliser Σ q_i; it is
 ``engine.parameters``, read by the filters, individual accounting and the reports.  Frozen: a
-phase's parameters change only by a new ``make_private``.  It also reads as a mapping
-(``engine.parameters["noise_multiplier"]``), as the dict it replaces.
+phase's parameters change only by a new ``make_private``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..names import ACCOUNTANTS, IDP_METHODS
+from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError
 from .modes import GradSampleMode, mode
 
-#: the privacy filters: per group (``make_private``'s default), per example (engine/filter.py; Feldman
+#: the privacy filters: per group (``make_private``'s default), per example (engine/budget/filter.py; Feldman
 #: & Zrnic 2021), or none (accounted, not filtered)
 FILTERS = ("group", "individual", None)
 FILTER_ACTIONS = ("raise", "warn")
 LOSS_REDUCTIONS = ("mean", "sum")
-#: the IDP-SGD methods (Boenisch et al. 2023, §3): defined once, in :mod:`idpsgd.names`
-METHODS = IDP_METHODS
 
 
 @dataclass(frozen=True, eq=False)
-class PhaseParameters(Mapping):
+class PhaseParameters:
     """The current phase's plan: the public, data-independent parameters of its steps."""
 
     sample_rates: np.ndarray
@@ -60,22 +56,6 @@ class PhaseParameters(Mapping):
             privacy_unit="example" if users is None else "user",
             max_rows_per_user=None if users is None else users.k,
         )
-
-    # read as a mapping, as the dict ``engine.parameters`` was
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._names():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    @classmethod
-    def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -127,4 +107,4 @@ class SetupOptions:
         return self
 
 
-__all__ = ["ACCOUNTANTS", "FILTERS", "FILTER_ACTIONS", "METHODS", "PhaseParameters", "SetupOptions"]
+__all__ = ["ACCOUNTANTS", "FILTERS", "FILTER_ACTIONS", "PhaseParameters", "SetupOptions"]

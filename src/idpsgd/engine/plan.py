@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from ..assignment import Budgets, assign
-from ..validation import InvalidParameterError, check_epsilon, check_positive
-from .checks import check_budgets, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
-from .optimizer import check_noise
-from .options import METHODS
+from ..names import IDP_METHODS
+from ..validation import InvalidParameterError, check_epsilon
+from .checks import Counted, check_budgets, count_units, mean_sample_rate, planned_steps, steps_per_epoch_for
+from .noise.optimizer import check_noise
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class PlannedPhase:
     """``make_private_with_parameters``'s per-example arguments, and the assignment they came from."""
 
     arguments: dict[str, Any]
+    counted: Counted  # the units counted, the budgets and σ checked: not checked again at set-up
     assignment: Any = None  # idpsgd.assignment's result (None without budgets)
     filtered: bool = True  # False: one σ without budgets, accounted but not filtered
 
@@ -47,15 +48,18 @@ def plan_phase(
     sample_rate,
     noise_multiplier,
     privacy_filter,
+    counted: Counted | None = None,
 ) -> PlannedPhase:
-    """The phase ``make_private`` sets up (see its docstring for the three cases)."""
-    n = count_units(data_loader, users)
+    """The phase ``make_private`` sets up (see its docstring for the three cases).  ``counted``: the
+    units and budgets ``make_private_with_epsilon`` checked already (each check runs once)."""
+    n = count_units(data_loader, users) if counted is None else counted.units
+    checked = counted is not None  # the budgets too
     q = mean_sample_rate(data_loader, n, sample_rate)
     spe = steps_per_epoch_for(q)
     if noise_multiplier is not None and budgets is not None:  # σ given: each group's q_p or c_p solved
         from ..assignment.methods import assign_for_noise_multiplier
 
-        budgets = check_budgets(budgets, target_delta, n)
+        budgets = budgets if checked else check_budgets(budgets, target_delta, n)
         if epochs is None and steps is None:
             raise InvalidParameterError(
                 "epochs",
@@ -66,13 +70,12 @@ def plan_phase(
                 "make_private_with_epsilon(budgets=..., epochs=...)",
             )
         planned = planned_steps(epochs, steps, spe)
-        check_positive(max_grad_norm, "max_grad_norm")
         check_noise(noise_multiplier, max_grad_norm, 1.0)
         method = "sample" if method is None else method
         a = assign_for_noise_multiplier(
             budgets, method, float(noise_multiplier), q, planned, float(max_grad_norm), accountant
         )
-        return _assigned(a, budgets, planned, spe)
+        return _assigned(a, budgets, planned, spe, Counted(n, budgets, noise=True))
     if noise_multiplier is not None:  # Opacus's make_private: one σ for everyone, no budget
         if method is not None:
             raise InvalidParameterError(
@@ -88,7 +91,7 @@ def plan_phase(
                 privacy_filter,
                 "needs budgets to filter against; give budgets= (or leave privacy_filter out)",
             )
-        check_positive(max_grad_norm, "max_grad_norm")
+        check_noise(noise_multiplier, max_grad_norm, 1.0)
         arguments = dict(
             budgets=None,
             target_delta=target_delta,
@@ -99,10 +102,10 @@ def plan_phase(
             steps=planned,
             steps_per_epoch=spe,
         )
-        return PlannedPhase(arguments, filtered=False)
+        return PlannedPhase(arguments, Counted(n, None, noise=True), filtered=False)
     method = "sample" if method is None else method
-    if method not in METHODS:
-        raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
+    if method not in IDP_METHODS:
+        raise InvalidParameterError("method", method, f"must be one of {', '.join(IDP_METHODS)}")
     if budgets is None:
         raise InvalidParameterError(
             "budgets",
@@ -111,12 +114,13 @@ def plan_phase(
             "target_delta), or noise_multiplier= for one σ (Opacus's make_private), or "
             "use make_private_with_epsilon for one target epsilon",
         )
-    budgets = check_budgets(budgets, target_delta, n)
+    budgets = budgets if checked else check_budgets(budgets, target_delta, n)
     planned = planned_steps(epochs, steps, spe)
-    return _assigned(assign(budgets, method, q, planned, max_grad_norm, accountant), budgets, planned, spe)
+    a = assign(budgets, method, q, planned, max_grad_norm, accountant)
+    return _assigned(a, budgets, planned, spe, Counted(n, budgets))
 
 
-def _assigned(a, budgets: Budgets, planned: int, spe: int) -> PlannedPhase:
+def _assigned(a, budgets: Budgets, planned: int, spe: int, counted: Counted) -> PlannedPhase:
     arguments = dict(
         budgets=budgets,
         sample_rates=a.sample_rates,
@@ -126,7 +130,7 @@ def _assigned(a, budgets: Budgets, planned: int, spe: int) -> PlannedPhase:
         steps=planned,
         steps_per_epoch=spe,
     )
-    return PlannedPhase(arguments, assignment=a)
+    return PlannedPhase(arguments, counted, assignment=a)
 
 
 def epsilon_budgets(

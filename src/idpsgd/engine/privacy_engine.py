@@ -6,9 +6,10 @@ q_i, clip norms c_i and one noise multiplier σ, then runs DP-SGD with them and 
 group within its budget.  This module is the orchestrator, one set-up read as **check → plan →
 build → wire**: the inputs are checked (:mod:`.checks`, :class:`~.options.SetupOptions`), the phase
 is planned (:mod:`idpsgd.assignment`, :class:`~.options.PhaseParameters`), the step is built in the
-order it runs (Poisson sampler :mod:`.sampler` → per-example norms by the mode's wrapper
-:mod:`.modes` → clipping :mod:`.clipping` → noise :mod:`.optimizer` → the ledger :mod:`.accountant`
-→ the filter :mod:`.group_filter` / :mod:`.filter`), and its guards are wired (:mod:`.integrity`).
+order it runs (Poisson sampler :mod:`.sampling.sampler` → per-example norms by the mode's wrapper
+:mod:`.modes` → clipping :mod:`.clipping.examples` → noise :mod:`.noise.optimizer` → the ledger
+:mod:`.budget.accountant` → the filter :mod:`.budget.group_filter` / :mod:`.budget.filter`), and its
+guards are wired (:mod:`.guards.step_guard`).
 Checkpoints: :mod:`.checkpoint`.  Opacus 1.6's API is kept (``make_private_with_epsilon``,
 ``get_epsilon``, checkpoints); what it cannot honour is refused (:data:`~.opacus_compat.REFUSALS`).
 User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/inside-the-engine.md.
@@ -17,6 +18,7 @@ User guide: docs/guarantees.md, docs/opacus.md; a walk through the engine: docs/
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,24 +28,55 @@ from ..assignment import Budgets
 from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError
 from . import checkpoint, distributed
-from .accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
-from .checks import check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
-from .clipping import PerExampleClipping
-from .group_filter import GroupFilter
+from .budget.accountant import GroupAccountant, GroupEpsilons, PrivacyBudgetExceeded
+from .budget.group_filter import GroupFilter
+from .checks import Counted, check_phase, count_units, expected_batch_size_of, steps_per_epoch_for
+from .clipping.examples import PerExampleClipping
+from .distributed import fsdp
+from .guards.step_guard import StepGuard
+from .noise.randomness import SECURE_RNG_WARNING, RunSeeds
 from .opacus_compat import refuse_opacus_options, validate_module
-from .options import FILTER_ACTIONS, FILTERS, METHODS, PhaseParameters, SetupOptions
+from .options import FILTER_ACTIONS, FILTERS, PhaseParameters, SetupOptions
+from .per_example.wrap import layer_paths, release_hooks
+from .phase import Phase
 from .plan import epsilon_budgets, plan_phase
-from .randomness import SECURE_RNG_WARNING, RunSeeds
 from .step import build_step
-from .step_guard import StepGuard
-from .units import (
-    BookKeepingUsers,
-)
-from .wrap import layer_paths, wrap_module
 
 GUARANTEE = (
     "data-independent individual (epsilon_p, delta)-DP for every example of group p (Boenisch et al. 2023, eq. 3)"
 )
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What a set-up's build stage may change, kept to undo it if the build fails: the engine's ledger,
+    seeds, sampler source, noise source and clipping, and the process's random state that the seeds
+    shared by the ranks are drawn from (torch's global generator and the data loader's)."""
+
+    budgets: object
+    accountant: object
+    seeds: RunSeeds
+    sampler_rng: object
+    noise: object
+    clipping: object
+    torch_rng: torch.Tensor
+    loader_rng: torch.Tensor | None
+    loader: object
+
+    @classmethod
+    def of(cls, engine: IndividualizedPrivacyEngine, data_loader) -> Rollback:
+        gen = getattr(data_loader, "generator", None)
+        return cls(
+            engine.budgets, engine.accountant, engine.seeds, engine._sampler_rng, engine._noise, engine.clipping,
+            torch.random.get_rng_state(), None if gen is None else gen.get_state(), data_loader,
+        )  # fmt: skip
+
+    def restore(self, engine: IndividualizedPrivacyEngine) -> None:
+        engine.budgets, engine.accountant, engine.seeds = self.budgets, self.accountant, self.seeds
+        engine._sampler_rng, engine._noise, engine.clipping = self.sampler_rng, self.noise, self.clipping
+        torch.random.set_rng_state(self.torch_rng)
+        if self.loader_rng is not None:
+            self.loader.generator.set_state(self.loader_rng)
 
 
 class IndividualizedPrivacyEngine:
@@ -57,7 +90,7 @@ class IndividualizedPrivacyEngine:
         secure_mode: Opacus's secure mode: sampling and noise from OS entropy, secure noise
             sampling; a seed is refused.
         seed: seeds the Poisson sampler and the noise (a seed replays a run exactly).  ``None``
-            follows torch's RNG as Opacus does (:mod:`.randomness`): at the first draw the seed is
+            follows torch's RNG as Opacus does (:mod:`.noise.randomness`): at the first draw the seed is
             drawn from torch's global generator — the sampler's from the data loader's
             ``generator`` when it has one — or from OS entropy if that generator was never seeded;
             it is recorded privately as :attr:`seed` / :attr:`sampler_seed`, and
@@ -78,7 +111,7 @@ class IndividualizedPrivacyEngine:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.accountant_name = accountant
         self.secure_mode = bool(secure_mode)
-        self.seeds = RunSeeds(seed, self.secure_mode)  # the run's seeds (engine/randomness.py)
+        self.seeds = RunSeeds(seed, self.secure_mode)  # the run's seeds (engine/noise/randomness.py)
         if not self.secure_mode and distributed.is_main_process():
             warnings.warn(SECURE_RNG_WARNING, UserWarning, stacklevel=2)
         self.accountant: GroupAccountant | None = None
@@ -88,24 +121,25 @@ class IndividualizedPrivacyEngine:
         self.parameters: PhaseParameters | None = None  # the current phase's σ, c, q_i, c_i, planned steps
         self.individual = None  # IndividualTracker when individual accounting is on
         self.filter = None  # IndividualFilter with privacy_filter="individual"
-        self.users = None  # Users at user level (engine/units.py)
+        self.users = None  # Users at user level (engine/clipping/users.py)
         self.privacy_filter, self.filter_action = "group", "raise"
         self._step_filter = None  # the filter in use: GroupFilter, IndividualFilter or None (StepFilter)
         self._sampler_rng = None
         self._noise = None
         self._individual_seed_follows = False
-        self._guard = None  # the phase's StepGuard (engine/step_guard.py)
-        self.journal = None  # the run folder's journal of drawn steps (engine/journal.py), or None
+        self._guard = None  # the phase's StepGuard (engine/guards/step_guard.py)
+        self.phase: Phase | None = None  # the current phase's parts, handed to the filter and individual accounting
+        self.journal = None  # the run folder's journal of drawn steps (engine/budget/journal.py), or None
 
-    # --- the journal of drawn steps (engine/journal.py) ---------------------------------------
+    # --- the journal of drawn steps (engine/budget/journal.py) ---------------------------------------
     def attach_journal(self, path, *, writer: bool | None = None):
         """Record every noise draw in the append-only journal ``path`` (a run folder's
-        ``private/drawn_steps.jsonl``, :mod:`.journal`) before its noise is drawn, and charge on resume
+        ``private/drawn_steps.jsonl``, :mod:`.budget.journal`) before its noise is drawn, and charge on resume
         the draws the loaded state does not cover: an abandoned attempt's draws (secure mode; in
         reproducible mode those the resumed run does not replay) compose with the kept steps, so ε
         covers every draw made under the run folder.  Call before ``make_private``; ``writer``: this
         process appends (default: the main process; the others only charge).  Returns the journal."""
-        from .journal import DrawJournal
+        from .budget.journal import DrawJournal
 
         if self.accountant is not None:
             raise RuntimeError("attach the journal of drawn steps before make_private")
@@ -120,7 +154,7 @@ class IndividualizedPrivacyEngine:
 
     def finish_journal(self) -> int:
         """The run ends: an earlier attempt's draws it was to replay (reproducible mode) and did not reach
-        are charged (:meth:`~.accountant.GroupAccountant.settle`); call before reporting ε.  Returns how many."""
+        are charged (:meth:`~.budget.accountant.GroupAccountant.settle`); call before reporting ε.  Returns how many."""
         if self.accountant is None:
             return 0
         self._settle_journal()
@@ -138,7 +172,7 @@ class IndividualizedPrivacyEngine:
     # --- the run's seeds (private: a seed replays the run) ------------------------------------
     @property
     def seed(self) -> int | None:
-        """The noise's seed (:class:`~.randomness.RunSeeds`); None before the first draw when it
+        """The noise's seed (:class:`~.noise.randomness.RunSeeds`); None before the first draw when it
         follows torch, and in secure mode."""
         return self.seeds.seed
 
@@ -167,7 +201,7 @@ class IndividualizedPrivacyEngine:
         """ε spent so far, by the run's accountant: **a float** (Opacus's ``get_epsilon(delta)``), the
         loosest privacy group's — the one ε that bounds every example; with one budget simply the
         ε — carrying every group's ε as ``.per_group`` (ascending budgets; a
-        :class:`~.accountant.GroupEpsilons`).  ``delta`` defaults to the budgets'.
+        :class:`~.budget.accountant.GroupEpsilons`).  ``delta`` defaults to the budgets'.
 
         ``steps``: the ε each group *would* have after ``steps`` logical steps in all (the current
         phase continued to that count; no training, nothing charged) — Opacus users' "accountant
@@ -203,7 +237,7 @@ class IndividualizedPrivacyEngine:
         form: a list of ``(noise_multiplier, sample_rate, steps)``, one per phase (σ the group's
         effective noise multiplier σ·c/c_p).  ``opacus.accountants.PRVAccountant().history =
         engine.history[g]`` reproduces group g's ε by Opacus (see
-        :meth:`~.accountant.GroupAccountant.group_history`)."""
+        :meth:`~.budget.accountant.GroupAccountant.group_history`)."""
         self._require()
         return self.accountant.group_history()
 
@@ -212,7 +246,7 @@ class IndividualizedPrivacyEngine:
         with the individual filter, the smaller of that and the filter's realized ε; with individual
         accounting (Yu et al. 2023) whose ``engine.individual.kind`` is ``"guarantee"`` (every example
         clipped at its charged sensitivity: individual clipping, or norms of every step with exact/ceil
-        rounding, :mod:`.individual`), the smaller of that and the output-specific ε.
+        rounding, :mod:`.budget.individual`), the smaller of that and the output-specific ε.
 
         When individual accounting's ``kind`` is ``"estimate"`` the output-specific ε bounds nothing,
         so it is not mixed in: this returns the data-independent ε, and the estimates are
@@ -232,11 +266,11 @@ class IndividualizedPrivacyEngine:
         """Layer name → how its per-example gradient norms are computed in this phase, as a function of
         the model and ``grad_sample_mode`` only (public, safe to publish): with ``"bk"`` a ghost norm,
         a per-sample gradient, either by the layer's input shapes in each step (Linear, convolutions;
-        :data:`~.bookkeeping.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
-        rule covers (:mod:`.bookkeeping`); in the other modes Opacus's.  The paths actually taken:
+        :data:`~.per_example.bk.keeper.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
+        rule covers (:mod:`.per_example.bk.keeper`); in the other modes Opacus's.  The paths actually taken:
         :attr:`layer_paths_taken`."""
         self._require()
-        return layer_paths(self.module, self.parameters["grad_sample_mode"])
+        return layer_paths(self.module, self.parameters.grad_sample_mode)
 
     @property
     def layer_paths_taken(self) -> dict[str, str]:
@@ -244,7 +278,7 @@ class IndividualizedPrivacyEngine:
         :attr:`layer_paths`).  Private: with inputs padded per batch, a Linear layer's ghost/per-sample
         choice depends on the batch's longest sequence — keep it out of public outputs."""
         self._require()
-        return layer_paths(self.module, self.parameters["grad_sample_mode"], taken=True)
+        return layer_paths(self.module, self.parameters.grad_sample_mode, taken=True)
 
     def privacy_groups(self, delta: float | None = None) -> list[dict]:
         """Per group: budget, examples, and the current phase's rate, clip norm and effective σ."""
@@ -254,24 +288,24 @@ class IndividualizedPrivacyEngine:
         out = []
         for g, (value, count) in enumerate(zip(self.accountant.values, self.accountant.counts, strict=True)):
             members = self.accountant.group_of == g
-            q, c = p["sample_rates"][members], p["clip_norms"][members]
+            q, c = p.sample_rates[members], p.clip_norms[members]
             out.append(
                 {
                     "budget": float(value),
                     "count": int(count),
                     "sample_rate": float(q.max()),
                     "clip_norm": float(c.max()),
-                    "noise_multiplier": float(p["noise_multiplier"] * p["max_grad_norm"] / c.max()),
+                    "noise_multiplier": float(p.noise_multiplier * p.max_grad_norm / c.max()),
                     "epsilon": float(eps[g]),
                 }
             )
         return out
 
     def enable_individual_accounting(self, options=None, per_sample_loss=None, seed: int | None = None):
-        """Turn on individual accounting (Yu et al. 2023; :mod:`.individual`): call before or after
+        """Turn on individual accounting (Yu et al. 2023; :mod:`.budget.individual`): call before or after
         ``make_private`` (one-phase runs).  ``per_sample_loss(module, batch)`` gives one loss per
         example (default: cross-entropy of ``(inputs, targets)`` batches).  Returns the tracker."""
-        from .individual import IndividualTracker
+        from .budget.individual import IndividualTracker
 
         if self.filter is not None:
             raise InvalidParameterError(
@@ -285,7 +319,7 @@ class IndividualizedPrivacyEngine:
         if self.accountant is not None:
             if self.steps:
                 raise RuntimeError("enable individual accounting before the first step")
-            self.individual.attach(self)
+            self.individual.attach(self.phase)
         return self.individual
 
     def per_example_grad_norms(self, per_sample_loss=None, indices=None, batch_size: int = 256):
@@ -294,23 +328,13 @@ class IndividualizedPrivacyEngine:
         Works with any loss: ``per_sample_loss(module, batch)`` returns one loss per example of a
         batch collated from the loader's dataset (default: cross-entropy of ``(inputs, targets)``)."""
         self._require()
-        loader = self.data_loader
-        n = len(loader.dataset) if self.users is None else self.users.num_users
-        idx = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64)
-        collate = getattr(loader.collate_fn, "collate_fn", loader.collate_fn)
-        if self.users is not None:  # user level: the users' norms, of each one's summed gradient (units.py)
-            return self.per_user_grad_norms(idx, collate, batch_size, per_sample_loss)
-        return distributed.sharded_grad_norms(self.module, loader.dataset, idx, collate, batch_size, per_sample_loss)
+        return self.phase.grad_norms(per_sample_loss, indices, batch_size)  # users at user level (engine/phase.py)
 
     def per_user_grad_norms(self, units, collate, batch_size: int, per_sample_loss=None):
         """User level: (norms, losses) of ``units`` (user indices), each over a random choice of up to k
-        of the user's rows drawn from the sampler's source (:func:`~.units.per_user_grad_norms`)."""
-        from .user_norms import per_user_grad_norms
-
-        loader = self.data_loader  # rows chosen with the sampler's source (seeded, or secure)
-        return per_user_grad_norms(
-            self.module, loader.dataset, self.users, units, collate, batch_size, per_sample_loss, self._sampler_rng
-        )
+        of the user's rows drawn from the sampler's source (:func:`~.per_example.user_norms.per_user_grad_norms`)."""
+        self._require()
+        return self.phase.user_grad_norms(units, collate, batch_size, per_sample_loss)
 
     def can_step(self) -> bool:
         """Whether the filter admits one more step (always True without a filter)."""
@@ -384,7 +408,7 @@ class IndividualizedPrivacyEngine:
             wrap_model: ``False`` attaches Opacus's hooks to ``module`` itself (modes ``hooks``,
                 ``functorch``, ``no_op``; returned: Opacus's hooks object, keep training ``module``).
             users: a :class:`~idpsgd.users.Users` (the user of every row of the dataset, and k) for
-                **user-level** individualized DP (:mod:`.units`): ``budgets``, rates and clip norms are
+                **user-level** individualized DP (:mod:`.clipping.users`): ``budgets``, rates and clip norms are
                 then one per user, users are Poisson-sampled and each sampled user's summed gradient
                 over up to k of its rows is clipped as one unit; ε is per user.
             **kwargs: see :meth:`make_private_with_parameters` (``privacy_filter``,
@@ -394,6 +418,21 @@ class IndividualizedPrivacyEngine:
             ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion, data_loader)``
             with ``grad_sample_mode="ghost"`` (as Opacus).
         """
+        return self._make_private(
+            None, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
+            target_delta=target_delta, epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
+            noise_multiplier=noise_multiplier, criterion=criterion, batch_first=batch_first,
+            loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+            noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model,
+            rand_on_empty=rand_on_empty, users=users, **kwargs,
+        )  # fmt: skip
+
+    def _make_private(
+        self, counted: Counted | None, *, module, optimizer, data_loader, budgets, method, target_delta, epochs, steps,
+        max_grad_norm, sample_rate, noise_multiplier, criterion, batch_first, loss_reduction, poisson_sampling,
+        clipping, noise_generator, grad_sample_mode, wrap_model, rand_on_empty, users, **kwargs,
+    ):  # fmt: skip
+        """:meth:`make_private`; ``counted``: the units and budgets already checked (each check runs once)."""
         refuse_opacus_options(
             poisson_sampling=poisson_sampling,
             clipping=clipping,
@@ -413,12 +452,12 @@ class IndividualizedPrivacyEngine:
             sample_rate=sample_rate,
             noise_multiplier=noise_multiplier,
             privacy_filter=kwargs.get("privacy_filter"),
+            counted=counted,
         )
         if not phase.filtered:
             kwargs["privacy_filter"] = None
-        if phase.assignment is not None:
-            self.assignment = phase.assignment  # the calibration behind the phase (idpsgd.assignment)
-        return self.make_private_with_parameters(
+        out = self._set_up(
+            phase.counted,
             module=module,
             optimizer=optimizer,
             data_loader=data_loader,
@@ -432,6 +471,9 @@ class IndividualizedPrivacyEngine:
             users=users,
             **kwargs,
         )
+        if phase.assignment is not None:
+            self.assignment = phase.assignment  # the calibration behind the phase (idpsgd.assignment)
+        return out
 
     def make_private_with_epsilon(
         self,
@@ -476,12 +518,15 @@ class IndividualizedPrivacyEngine:
         """
         n = count_units(data_loader, kwargs.get("users"))  # users at user level
         budgets, method = epsilon_budgets(n, budgets, target_epsilon, target_delta, method, epsilon_tolerance)
-        return self.make_private(
-            module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets, method=method,
-            epochs=epochs, steps=steps, max_grad_norm=max_grad_norm, sample_rate=sample_rate, criterion=criterion,
-            batch_first=batch_first, loss_reduction=loss_reduction, poisson_sampling=poisson_sampling,
-            clipping=clipping, noise_generator=noise_generator, grad_sample_mode=grad_sample_mode,
-            wrap_model=wrap_model, **kwargs,
+        kwargs.setdefault("rand_on_empty", False)
+        kwargs.setdefault("users", None)
+        sigma = kwargs.pop("noise_multiplier", None)
+        return self._make_private(
+            Counted(n, budgets), module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+            method=method, target_delta=None, epochs=epochs, steps=steps, max_grad_norm=max_grad_norm,
+            sample_rate=sample_rate, noise_multiplier=sigma, criterion=criterion, batch_first=batch_first,
+            loss_reduction=loss_reduction, poisson_sampling=poisson_sampling, clipping=clipping,
+            noise_generator=noise_generator, grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, **kwargs,
         )  # fmt: skip
 
     def make_private_with_parameters(
@@ -520,8 +565,8 @@ class IndividualizedPrivacyEngine:
         compose with the earlier ones.  ``steps`` is the plan: it is checked against the budgets
         once, so the filter admits those steps cheaply.
 
-        ``privacy_filter="individual"`` attaches the individual Rényi filter (:mod:`.filter`; options
-        ``filter_options``, a :class:`~idpsgd.engine.filter.FilterOptions`; ``per_sample_loss(module,
+        ``privacy_filter="individual"`` attaches the individual Rényi filter (:mod:`.budget.filter`; options
+        ``filter_options``, a :class:`~idpsgd.engine.budget.filter.FilterOptions`; ``per_sample_loss(module,
         batch)`` for its norm passes): ``steps`` is then the run's fixed length, and each example
         leaves training when its own budget is spent.
 
@@ -532,7 +577,26 @@ class IndividualizedPrivacyEngine:
         (:class:`PrivacyBudgetExceeded`, or a warning with ``filter_action="warn"``).
         ``noise_multiplier`` must be > 0 (σ = 0 is no privacy; it is refused).
         """
-        # --- check: nothing changes until every input is known to be usable (engine/checks.py) -----
+        return self._set_up(
+            None, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
+            sample_rates=sample_rates, clip_norms=clip_norms, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, steps=steps, steps_per_epoch=steps_per_epoch, target_delta=target_delta,
+            expected_batch_size=expected_batch_size, grad_sample_mode=grad_sample_mode, criterion=criterion,
+            batch_first=batch_first, loss_reduction=loss_reduction, privacy_filter=privacy_filter,
+            filter_action=filter_action, noise_generator=noise_generator, filter_options=filter_options,
+            per_sample_loss=per_sample_loss, wrap_model=wrap_model, users=users,
+        )  # fmt: skip
+
+    def _set_up(
+        self, counted: Counted | None, *, module, optimizer, data_loader, budgets, sample_rates, clip_norms,
+        noise_multiplier, max_grad_norm, steps=None, steps_per_epoch=None, target_delta=None, expected_batch_size=None,
+        grad_sample_mode="hooks", criterion=None, batch_first=True, loss_reduction="mean", privacy_filter="group",
+        filter_action="raise", noise_generator=None, filter_options=None, per_sample_loss=None, wrap_model=True,
+        users=None,
+    ):  # fmt: skip
+        """:meth:`make_private_with_parameters`: check → plan → build → wire (``counted``: what the entry
+        point checked already, :class:`~.checks.Counted`)."""
+        # --- check: pure, each check once; nothing changes until every input is known to be usable ----
         options = SetupOptions(
             grad_sample_mode=grad_sample_mode,
             criterion=criterion,
@@ -550,64 +614,76 @@ class IndividualizedPrivacyEngine:
         checked = check_phase(
             self, module=module, optimizer=optimizer, data_loader=data_loader, budgets=budgets,
             target_delta=target_delta, sample_rates=sample_rates, clip_norms=clip_norms,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, options=options,
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, options=options, counted=counted,
         )  # fmt: skip
         n, budgets, opts = checked.units, checked.budgets, checked.options
         q, c = checked.sample_rates, checked.clip_norms
 
-        # --- plan: the phase's public parameters, charged to the ledger --------------------------
+        # --- plan: the phase's public parameters -----------------------------------------------------
         spe = int(steps_per_epoch) if steps_per_epoch is not None else steps_per_epoch_for(q)
         ebs = expected_batch_size_of(q) if opts.expected_batch_size is None else float(opts.expected_batch_size)
         plan = PhaseParameters.of(q, c, noise_multiplier, max_grad_norm, steps, spe, ebs, grad_sample_mode, users)
+
+        # --- build: the ledger's phase, then sampler -> per-example norms -> clipping -> noise; every
+        # change to the engine, the module, the seeds and the process is here, undone if it fails --------
+        first = self.accountant is None
         accountant = (
             self.accountant
-            if self.accountant is not None
+            if not first
             else GroupAccountant(
                 budgets, self.accountant_name, num_examples=n, delta=target_delta if budgets is None else None
             )
         )
-        accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
-        accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
-        step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
-
-        # --- build: sampler -> per-example norms -> clipping -> noise; undone if it fails -----------
-        seeds, device = checked.seeds, checked.device
-        before = (self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping)
+        engine_before = Rollback.of(self, data_loader)
+        began = False
         try:
+            accountant.begin_phase(q, c, noise_multiplier, max_grad_norm)
+            began = True
+            step_filter = GroupFilter(accountant, filter_action) if privacy_filter == "group" else None
             if step_filter is not None:  # the plan against the budgets, earlier phases included: here, not at step 1
                 step_filter.check_plan(steps)
+            release_hooks(self.module, module)  # an earlier wrap_model=False phase's hooks on this module
+            seeds = checked.seeds
+            if checked.ranks is not None and first and not self.secure_mode:  # one seed for the run: rank 0's
+                seeds = distributed.shared_seeds(seeds)
+            if checked.sharded:  # FSDP2's reduction settings and shards (engine/distributed/fsdp.py)
+                fsdp.prepare(module, opts.mode)
             self.seeds = seeds
-            if self.accountant is None:
+            if first:
                 self.budgets, self.accountant, self._sampler_rng = budgets, accountant, seeds.sampler_rng()
+            accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
             if noise_generator is not None:
                 self._noise = noise_generator
-            elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != device):
-                self._noise = seeds.noise_generator(device)
+            elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != checked.device):
+                self._noise = seeds.noise_generator(checked.device)
             built = build_step(
                 module, optimizer, data_loader, plan, opts, checked.ranks, self._sampler_rng, self._noise,
-                self.secure_mode, wrap=wrap_module, sharded=checked.sharded,
+                self.secure_mode, sharded=checked.sharded,
             )  # fmt: skip
             self.clipping, wrapped, dp_opt, loader = built.clipping, built.module, built.optimizer, built.data_loader
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was
-            accountant.discard_phase()
-            self.budgets, self.accountant, self.seeds, self._sampler_rng, self._noise, self.clipping = before
+            if began:
+                accountant.discard_phase()
+            engine_before.restore(self)
             raise
 
         # --- wire: the guards around the step, then the engine's state ------------------------------
-        if self.individual is not None and self.individual.seed == before[2].seed != seeds.seed:
-            self.individual.seed = seeds.seed  # rank 0's seed (data parallelism), as the engine's
+        if self.individual is not None and self.individual.seed == engine_before.seeds.seed != seeds.seed:
+            self.individual.follow_seed(seeds.seed)  # rank 0's seed (data parallelism), as the engine's
         self._guard = StepGuard(wrapped, dp_opt, grad_sample_mode, self.accountant.step, self._before_noise)
-        if opts.mode.book_keeping:
-            dp_opt.keeper = wrapped.keeper  # book-keeping: the clipped sum comes from the model's keeper
-            wrapped.keeper.user_level = BookKeepingUsers(self.clipping) if users is not None else None
         self.privacy_filter, self.filter_action = privacy_filter, filter_action
-        self._step_filter = self._guard.step_filter = step_filter
+        self._step_filter = step_filter
+        self._guard.use_filter(step_filter)
         self.parameters, self.users = plan, users
         self.module, self.optimizer, self.data_loader = wrapped, dp_opt, loader
+        self.phase = Phase(
+            plan, self.clipping, accountant, wrapped, dp_opt, loader, users, self._sampler_rng, self.can_step
+        )
         if self.individual is not None:
-            self.individual.attach(self)
+            self.individual.attach(self.phase)
         if privacy_filter == "individual":
-            self.filter = self._step_filter = self._guard.step_filter = checked.individual_filter.attach(self)
+            self.filter = self._step_filter = checked.individual_filter.attach(self.phase)
+            self._guard.use_filter(self.filter)
         if self.journal is not None:  # the run folder's earlier draws, read once (every rank: a collective)
             self.journal.load_records()
         if opts.mode.returns_criterion:
@@ -665,16 +741,16 @@ class IndividualizedPrivacyEngine:
         accounting whose seed followed the engine's is set up anew with it (its subset is drawn from it)."""
         saved = state.get("seed")
         if saved != self.seed:
-            self.seeds.seed = int(saved)
+            self.seeds.resume(saved)
             t = self.individual
             if t is not None and self._individual_seed_follows and t.seed != self.seed:
-                from .individual import IndividualTracker
+                from .budget.individual import IndividualTracker
 
                 t.detach()
                 self.individual = IndividualTracker(t.options, t.per_sample_loss, self.seed)
-                self.individual.attach(self)
+                self.individual.attach(self.phase)
         if not self.seeds.given:
-            self.seeds.sampler_seed = state.get("sampler_seed", self.seed)
+            self.seeds.resume_sampler(state.get("sampler_seed", self.seed))
 
     def save_checkpoint(
         self,
@@ -734,7 +810,6 @@ __all__ = [
     "FILTERS",
     "FILTER_ACTIONS",
     "GUARANTEE",
-    "METHODS",
     "GroupEpsilons",
     "IndividualizedPrivacyEngine",
     "PrivacyBudgetExceeded",

@@ -1,11 +1,11 @@
 """One DP-SGD step, built in the order it runs: sample rows → per-example norms → clip → noise.
 
 Boenisch et al. 2023, Alg. 3 with per-example parameters: Poisson sampling at rates q_i
-(:mod:`.sampler`; users whole at user level, :mod:`.units`; a shard per rank with data
+(:mod:`.sampling.sampler`; users whole at user level, :mod:`.clipping.users`; a shard per rank with data
 parallelism, :mod:`.distributed`), per-example gradient norms by the mode's wrapper
-(:mod:`.modes`, :mod:`.wrap`), clipping at c_i (:mod:`.clipping`), Gaussian noise of std σ·c and
-division by Σ q_i (:mod:`.optimizer`; per rank Σ q_i / W, as Opacus).  The ledger and the guards
-around the step are wired by the engine (:mod:`.step_guard`); the plan comes from
+(:mod:`.modes`, :mod:`.per_example.wrap`), clipping at c_i (:mod:`.clipping.examples`), Gaussian noise of std σ·c and
+division by Σ q_i (:mod:`.noise.optimizer`; per rank Σ q_i / W, as Opacus).  The ledger and the guards
+around the step are wired by the engine (:mod:`.guards.step_guard`); the plan comes from
 :class:`~.options.PhaseParameters`, the wrapping options from :class:`~.options.SetupOptions`.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import distributed, fsdp
-from .clipping import PerExampleClipping
+from .clipping.examples import PerExampleClipping
+from .clipping.users import BookKeepingUsers, UserClipping
+from .distributed import fsdp
 from .options import PhaseParameters, SetupOptions
-from .sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
-from .units import DistributedUserPoissonBatchSampler, UnitClipping, UserPoissonBatchSampler
-from .wrap import wrap_module
+from .per_example.wrap import wrap_module
+from .sampling.sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 
 
 @dataclass(frozen=True)
@@ -41,31 +41,22 @@ def build_step(
     sampler_rng,
     noise,
     secure_mode,
-    wrap=wrap_module,
     sharded: bool = False,
 ) -> BuiltStep:
-    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None; ``wrap``:
-    :func:`~.wrap.wrap_module`, or what the caller wraps with; ``sharded``: a ``fully_shard`` model,
-    :mod:`.fsdp`)."""
+    """The step of a phase (``ranks``: (rank, world size) with data parallelism, else None; ``sharded``:
+    a ``fully_shard`` model, :mod:`.distributed.fsdp`)."""
     q, c, spe, users = plan.sample_rates, plan.clip_norms, plan.steps_per_epoch, opts.users
     queue = BatchIndexQueue(strict=getattr(data_loader, "num_workers", 0) == 0)  # workers prefetch batches
-    # sample rows: Poisson at q_i (user level: users, on several ranks routed whole; units.py)
-    if users is not None:
-        sampler = (
-            UserPoissonBatchSampler(q, spe, sampler_rng, queue, users)
-            if ranks is None
-            else DistributedUserPoissonBatchSampler(q, spe, sampler_rng, queue, users, *ranks)
-        )
-    elif ranks is None:
-        sampler = PoissonBatchSampler(q, spe, sampler_rng, queue)
-    else:
-        sampler = distributed.DistributedPoissonBatchSampler(q, spe, sampler_rng, queue, *ranks)
+    # sample rows: Poisson at q_i (user level: users with their rows; several ranks: this rank's shard)
+    sampler = PoissonBatchSampler(q, spe, sampler_rng, queue, users=users, ranks=ranks)
     # per-example norms and clipping at c_i: the mode's wrapper, reading the clip norms of the drawn rows
-    clipping = PerExampleClipping(c, queue) if users is None else UnitClipping(c, queue, users)
-    wrapped = wrap(module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model)
+    clipping = PerExampleClipping(c, queue) if users is None else UserClipping(c, queue, users)
+    wrapped = wrap_module(
+        module, opts.grad_sample_mode, clipping, opts.batch_first, opts.loss_reduction, opts.wrap_model
+    )
     try:
         wrapped.forbid_grad_accumulation()
-        if sharded:  # bk: every unit book-kept; ghost: the sharded ghost wrapper (engine/fsdp.py)
+        if sharded:  # bk: every unit book-kept; ghost: the sharded ghost wrapper (engine/distributed/fsdp.py)
             wrapped = fsdp.check_wrapped(wrapped, opts.grad_sample_mode)
         loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
         if sharded:  # every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
@@ -84,7 +75,11 @@ def build_step(
             loss_reduction=opts.loss_reduction,
             generator=noise,
             secure_mode=secure_mode,
+            checked=True,  # σ, c and the normaliser: by the check stage (engine/checks.py)
         )
+        if mode.book_keeping:  # the clipped sum comes from the model's keeper; at user level, per user
+            dp_opt.use_keeper(wrapped.keeper)
+            wrapped.keeper.set_user_level(BookKeepingUsers(clipping) if users is not None else None)
     except BaseException:  # a wrapper made here leaves no hooks on the user's module (a complete rollback)
         if wrapped is not module:
             wrapped.remove_hooks()

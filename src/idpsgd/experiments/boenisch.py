@@ -353,7 +353,7 @@ def run_boenisch_table3(
     from tqdm import tqdm
 
     from ..assignment import Budgets
-    from ..engine.filter import FilterOptions
+    from ..engine.budget.filter import FilterOptions
     from ..models import create_model
     from ..training import TrainConfig, train
     from ..training.filtered import train_filtered

@@ -196,7 +196,7 @@ def run_lm_canaries(
     from ..audit.canaries import CanaryFormat, with_canaries
     from ..audit.lm import LMAuditOptions
     from ..audit.lm_training import audit_finetune
-    from ..engine.randomness import derive_seed
+    from ..engine.noise.randomness import derive_seed
     from ..integrations.hf.finetune import FinetuneOptions
     from ..integrations.hf.text_data import TextData
     from ..validation import InvalidParameterError

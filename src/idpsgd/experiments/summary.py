@@ -22,7 +22,7 @@ def repetition_seeds(seed: int | None, count: int) -> tuple[int, list[int]]:
     from OS entropy; repetition k trains with ``derive_seed(base, k)``.  Never fixed seeds 0..N-1: a
     public seed lets anyone who knows every record but one replay the runs (the released accuracies
     then carry no guarantee).  The base is recorded privately (:func:`record_seed`)."""
-    from ..engine.randomness import derive_seed, resolve_seed
+    from ..engine.noise.randomness import derive_seed, resolve_seed
 
     base = resolve_seed(seed, False)
     return base, [derive_seed(base, k) for k in range(int(count))]
@@ -30,7 +30,7 @@ def repetition_seeds(seed: int | None, count: int) -> tuple[int, list[int]]:
 
 def randomness(secure_mode: bool = False) -> str:
     """The public line about an experiment's randomness (where its seed is, never the seed)."""
-    from ..engine.randomness import randomness_note
+    from ..engine.noise.randomness import randomness_note
     from ..runfolder import PRIVATE, SEED_FILE
 
     return randomness_note(secure_mode, f"{PRIVATE}/{SEED_FILE}")
@@ -44,6 +44,6 @@ def record_seed(out, result: dict) -> list[str]:
     out.record_seed(
         result["private"]["seed"],
         f"{result['experiment']}'s base seed: repetition k trains with "
-        "derive_seed(seed, k) (idpsgd.engine.randomness); --seed with it replays the experiment",
+        "derive_seed(seed, k) (idpsgd.engine.noise.randomness); --seed with it replays the experiment",
     )
     return [f"{PRIVATE}/{SEED_FILE}"]

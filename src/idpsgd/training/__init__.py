@@ -4,11 +4,10 @@ exclude/sequential baselines), individual accounting reports, PDP-SGD rounds, pe
 from ..engine import GUARANTEE, IndividualAccountingOptions
 from .device import resolve_device
 from .loop import TrainConfig, Trainer, evaluate, train
-from .plans import METHODS, Phase, TrainingPlan, build_plan
+from .plans import Phase, TrainingPlan, build_plan
 
 __all__ = [
     "GUARANTEE",
-    "METHODS",
     "IndividualAccountingOptions",
     "Phase",
     "TrainConfig",

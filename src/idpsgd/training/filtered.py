@@ -3,7 +3,7 @@
 Boenisch et al. 2023, §5 ("Synergy between individualized privacy accounting and assignment"),
 App. D.5, Table 3, Fig. 3: Feldman & Zrnic's individual Rényi filter (2021) with individualized
 budgets, on :class:`~idpsgd.engine.IndividualizedPrivacyEngine` with ``privacy_filter="individual"``
-(:mod:`idpsgd.engine.filter` has the filter and why it is valid).  This module owns the two
+(:mod:`idpsgd.engine.budget.filter` has the filter and why it is valid).  This module owns the two
 recipes — full-batch DP-GD (``FilterOptions(gd=True)``, Feldman & Zrnic Alg. 3: each step charged
 at the exact sensitivity min(c, ‖g_i(θ_t)‖)) and Poisson-subsampled DP-SGD with individual clipping
 (Yu et al. 2023 Alg. 3) — and their run folder.  Calibration is the ordinary one
@@ -23,13 +23,10 @@ import numpy as np
 
 from ..assignment import Budgets
 from ..data import Dataset
-from ..engine.filter import DEFINITION, FilterOptions
+from ..engine.budget.filter import DEFINITION, FilterOptions
 from ..names import IDP_METHODS
 from ..validation import InvalidParameterError, check_delta
 from .loop import TrainConfig, Trainer, run_in_folder
-
-#: Calibrations the filtered recipes accept (one phase over all examples).
-FILTER_METHODS = IDP_METHODS
 
 
 def check_filter_config(config: TrainConfig, options: FilterOptions | None) -> FilterOptions:
@@ -37,11 +34,11 @@ def check_filter_config(config: TrainConfig, options: FilterOptions | None) -> F
     if options is not None and not isinstance(options, FilterOptions):
         raise InvalidParameterError("filter_options", type(options).__name__, "must be a FilterOptions")
     options = (options or FilterOptions()).validate()
-    if config.method not in FILTER_METHODS:
+    if config.method not in IDP_METHODS:
         raise InvalidParameterError(
             "method",
             config.method,
-            f"is not supported with --filter individual: use {', '.join(FILTER_METHODS)} (one phase over all examples)",
+            f"is not supported with --filter individual: use {', '.join(IDP_METHODS)} (one phase over all examples)",
         )
     if config.accountant != "rdp":
         raise InvalidParameterError(
@@ -67,7 +64,7 @@ class FilteredTrainer(Trainer):
     Args:
         dataset, budgets, config, out_dir, model, criterion, optimizer_factory: as for ``Trainer``;
             ``config.epochs`` is the calibration horizon (with ``gd``, one epoch is one step).
-        options: :class:`~idpsgd.engine.filter.FilterOptions` (``gd``: full-batch DP-GD; ``extend``:
+        options: :class:`~idpsgd.engine.budget.filter.FilterOptions` (``gd``: full-batch DP-GD; ``extend``:
             the run lasts ``ceil(extend × epochs)`` epochs).
     """
 
@@ -261,7 +258,7 @@ def train_filtered(
         budgets: one budget per training example and δ.
         config: calibration method (uniform, sample, scale), ``epochs`` (the calibration horizon)
             and hyperparameters; the rdp accountant only.
-        options: :class:`~idpsgd.engine.filter.FilterOptions`.
+        options: :class:`~idpsgd.engine.budget.filter.FilterOptions`.
         out_dir: run folder (a path or :class:`~idpsgd.runfolder.RunFolder`).
         resume: continue from the folder's checkpoint (same settings) if it exists.
         model, criterion, optimizer_factory: see :class:`~idpsgd.training.loop.Trainer`.
@@ -292,7 +289,6 @@ def train_filtered(
 
 
 __all__ = [
-    "FILTER_METHODS",
     "FilterOptions",
     "FilteredTrainer",
     "active_figure",

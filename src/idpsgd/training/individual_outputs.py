@@ -7,7 +7,7 @@ accountant, with the name of the one that gave it — the per-example CSV (perso
 the summary with the validation against exact tracking and the sensitivity check, the privately
 released statistics, and the plots.
 
-``kind`` says what the output-specific numbers are (the tracker's rule, :mod:`idpsgd.engine.individual`):
+``kind`` says what the output-specific numbers are (the tracker's rule, :mod:`idpsgd.engine.budget.individual`):
 a **guarantee** when training clipped every example at its charged sensitivity (individual clipping,
 or norms of every step with exact/ceil rounding), else an **estimate** (then each example's ε is an
 estimate capped by its data-independent bound); ``kind`` and ``kind_reason`` are public and depend on
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..accounting.release import release_statistics
-from ..engine.individual import DEFINITION
+from ..engine.budget.individual import DEFINITION
 
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 

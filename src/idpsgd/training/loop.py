@@ -32,10 +32,10 @@ from ..analysis.metrics import evaluate
 from ..assignment import Budgets
 from ..data import Dataset
 from ..engine import GUARANTEE, IndividualizedPrivacyEngine, distributed
-from ..engine.individual import IndividualAccountingOptions
-from ..engine.journal import JOURNAL, register_journal, step_counts
-from ..engine.randomness import randomness_note, resolve_seed
-from ..engine.unwrap import raw_module
+from ..engine.budget.individual import IndividualAccountingOptions
+from ..engine.budget.journal import JOURNAL, register_journal, step_counts
+from ..engine.noise.randomness import randomness_note, resolve_seed
+from ..engine.per_example.unwrap import raw_module
 from ..io import fault_point, load_torch, signature_differences
 from ..models import DEFAULT_MODEL, create_model
 from ..names import ACCOUNTANTS, IDP_METHODS, PDP_METHODS, one_of
@@ -58,7 +58,7 @@ MAX_LR = 1e4
 @dataclass
 class TrainConfig:
     """Hyperparameters of a run shared by every method (method-specific options live with the
-    method: :class:`~idpsgd.engine.individual.IndividualAccountingOptions`, PDP options, ...)."""
+    method: :class:`~idpsgd.engine.budget.individual.IndividualAccountingOptions`, PDP options, ...)."""
 
     method: str = "sample"
     epochs: int = 20  # uniform DP-SGD's best on digits (bench/bench_comparison.py)
@@ -611,7 +611,7 @@ class Trainer:
         """The run's guarantee in words: the model's per group, plus what the preprocessing and the
         released statistics add for every example."""
         eps_pre, delta_pre = self.preprocessing_cost
-        from ..engine.units import USER_GUARANTEE
+        from ..engine.clipping.users import USER_GUARANTEE
 
         what = GUARANTEE if self.users is None else USER_GUARANTEE
         text = (
@@ -789,7 +789,7 @@ def train(
         release_epsilon: ε of the private release of individual-ε statistics.
         pdp: :class:`~idpsgd.training.pdp.PdpOptions` of the PDP methods (default options).
         users: a :class:`~idpsgd.users.Users` (the user of every training row, and k): user-level
-            individualized DP (ULS, :mod:`idpsgd.engine.units`); ``budgets`` are then one per user
+            individualized DP (ULS, :mod:`idpsgd.engine.clipping.users`); ``budgets`` are then one per user
             (``users.ids`` order) and ``config.batch_size`` is the expected number of users per step.
     """
     check_delta(budgets.delta)

@@ -138,8 +138,8 @@ def run_dp_round(
     continue with (the engine's wrapper around ``model``).
     """
     from ..engine import IndividualizedPrivacyEngine
-    from ..engine.norms import to_device
-    from ..engine.randomness import gaussian_like
+    from ..engine.noise.randomness import gaussian_like
+    from ..engine.per_example.norms import to_device
 
     x, y = data
     device = next(model.parameters()).device
@@ -338,8 +338,8 @@ def train_pdp(
             f"{len(plan)} rounds",
             f"must be a plan of at most {rounds} {method} rounds with these options (plan_rounds)",
         )
-    from ..engine.randomness import noise_generator as make_noise
-    from ..engine.randomness import randomness_note, resolve_seed, sampler_rng
+    from ..engine.noise.randomness import noise_generator as make_noise
+    from ..engine.noise.randomness import randomness_note, resolve_seed, sampler_rng
     from .device import resolve_device
 
     secure = bool(getattr(config, "secure_mode", False))

@@ -39,8 +39,8 @@ from ..accounting.per_instance import (
     tuple_exponents,
 )
 from ..assignment import Budgets
-from ..engine.norms import per_example_grad_norms
-from ..engine.randomness import randomness_note
+from ..engine.noise.randomness import randomness_note
+from ..engine.per_example.norms import per_example_grad_norms
 from ..models import DEFAULT_MODEL, create_model
 from ..validation import InvalidParameterError
 from .loop import TrainConfig, Trainer, training_budgets
@@ -77,7 +77,7 @@ def per_example_clipped_grads(model, x, y, clip: float, batch_size: int = 256) -
 
     from torch.func import functional_call, grad, vmap
 
-    from ..engine.unwrap import raw_module
+    from ..engine.per_example.unwrap import raw_module
 
     net = copy.deepcopy(raw_module(model)).eval()
     params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
@@ -205,7 +205,7 @@ def _install_mean_rule(optimizer: torch.optim.Optimizer, normaliser: float, modu
     a forward pre-hook on ``module`` (the user's module) recorded in training mode (an empty batch
     contributes 0).  Returns a handle whose ``remove()`` takes both hooks off.
     """
-    from ..engine.unwrap import raw_module
+    from ..engine.per_example.unwrap import raw_module
 
     seen: dict = {}
 
@@ -326,7 +326,7 @@ def run_per_instance(
             "grad_sample_mode", "ghost", "the mean rule needs materialised per-sample gradients (hooks or functorch)"
         )
     config.validate()
-    from ..engine.randomness import resolve_seed
+    from ..engine.noise.randomness import resolve_seed
 
     seed = resolve_seed(config.seed, False)  # a fresh seed is drawn and recorded when none is given
     config = dataclasses.replace(config, seed=seed)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.randomness import derive_seed, seeded_generator
+from ..engine.noise.randomness import derive_seed, seeded_generator
 from ..validation import InvalidParameterError
 
 #: Element-wise activations (applied to the stacked batch as is).

@@ -28,8 +28,6 @@ from ..engine import steps_per_epoch_for
 from ..names import IDP_METHODS, PLAN_METHODS
 from ..validation import InvalidParameterError, check_positive
 
-METHODS = PLAN_METHODS  # the old name (idpsgd.training.METHODS)
-
 
 @dataclass(frozen=True)
 class Phase:
@@ -87,11 +85,11 @@ def build_plan(
 
     Args:
         budgets: per-example budgets (one per training example) and δ.
-        method: one of :data:`METHODS`.
+        method: one of :data:`~idpsgd.names.PLAN_METHODS`.
         exclude_below: ``exclude`` only — drop examples with budget < this value.
     """
-    if method not in METHODS:
-        raise InvalidParameterError("method", method, f"must be one of {', '.join(METHODS)}")
+    if method not in PLAN_METHODS:
+        raise InvalidParameterError("method", method, f"must be one of {', '.join(PLAN_METHODS)}")
     if int(batch_size) < 1:
         raise InvalidParameterError("batch_size", batch_size, "must be an integer >= 1")
     if int(epochs) < 1:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...names import ACCOUNTANTS
-from ...names import IDP_METHODS as METHODS
+from ...names import ACCOUNTANTS, IDP_METHODS
 from ...validation import InvalidParameterError
 
 #: the engine's modes the Trainer runs (ghost: two backward passes per physical batch, through Opacus's loss wrapper)
@@ -74,8 +73,8 @@ class PrivacyArguments:
     pad_to_length: int | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(METHODS)}")
+        if self.method not in IDP_METHODS:
+            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(IDP_METHODS)}")
         if self.accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", self.accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:

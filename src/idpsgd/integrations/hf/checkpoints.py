@@ -30,7 +30,8 @@ from ...validation import InvalidParameterError
 
 FORMAT = "idpsgd.hf-trainer-checkpoint/1"
 PATTERN = re.compile(r"^checkpoint-(\d+)\.pt$")
-SHARDED = re.compile(r"^checkpoint-(\d+)$")  # a sharded (fsdp) checkpoint folder (engine/sharded_checkpoint.py)
+#: a sharded (fsdp) checkpoint folder (engine/distributed/sharded_checkpoint.py)
+SHARDED = re.compile(r"^checkpoint-(\d+)$")
 
 #: TrainingArguments that shape the run (a resumed run must be set up with the same values; not ``seed``:
 #: the model's initialisation it seeds is replaced by the checkpoint's weights, the RNG states by its states)
@@ -63,7 +64,7 @@ def checkpoint_name(step: int) -> str:
 def checkpoints_in(folder) -> list[tuple[int, Path]]:
     """``(step, path)`` of the checkpoints in a run folder's ``private/``, oldest first: files
     ``checkpoint-<step>.pt`` and complete sharded folders ``checkpoint-<step>/`` (fsdp runs)."""
-    from ...engine.sharded_checkpoint import sharded_checkpoints
+    from ...engine.distributed.sharded_checkpoint import sharded_checkpoints
 
     private = Path(folder) / PRIVATE
     if not private.is_dir():
@@ -209,7 +210,7 @@ def checkpoint_seed(folder) -> int | None:
         return None
     path = found[-1][1]
     if path.is_dir():  # sharded: every rank saved the same seed (rank 0's, broadcast)
-        from ...engine.sharded_checkpoint import read_sharded_state
+        from ...engine.distributed.sharded_checkpoint import read_sharded_state
 
         return read_sharded_state(path)["ranks"][0]["extra"]["engine"].get("seed")
     return read_checkpoint(path)["engine"].get("seed")

@@ -20,8 +20,8 @@ import torch
 from ...accounting.neighbouring import neighbouring
 from ...analysis.metrics import accuracies
 from ...engine import GUARANTEE, distributed
-from ...engine.journal import register_journal, step_counts
-from ...engine.randomness import randomness_note
+from ...engine.budget.journal import register_journal, step_counts
+from ...engine.noise.randomness import randomness_note
 from ...runfolder import PRIVATE, SEED_FILE
 from .losses import PerExampleLoss, base_model, sequence_losses, token_losses
 
@@ -125,7 +125,7 @@ def build_report(trainer) -> dict:
             "mean over the batch's examples of each example's own loss; per example: the mean over its "
             "labelled tokens (token-level tasks) or its loss (classification)"
         ),
-        "noise_multiplier": p["noise_multiplier"],
+        "noise_multiplier": p.noise_multiplier,
         "steps": engine.steps,
         **step_counts(engine),
         "planned_steps": trainer.planned_steps,
@@ -138,10 +138,10 @@ def build_report(trainer) -> dict:
         "optimizer": str(getattr(args.optim, "value", args.optim)),
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "weight_decay": args.weight_decay,
-        "clip_norm": p["max_grad_norm"],
+        "clip_norm": p.max_grad_norm,
         "secure_mode": engine.secure_mode,
         "randomness": randomness_note(engine.secure_mode, f"{PRIVATE}/{SEED_FILE}"),
-        "grad_sample_mode": p["grad_sample_mode"],
+        "grad_sample_mode": p.grad_sample_mode,
         "nproc": distributed.rank_and_world()[1],  # data-parallel processes (--nproc or torchrun); 1 without
         "layer_paths": trainer.layer_paths,
         "phases": [
@@ -150,8 +150,8 @@ def build_report(trainer) -> dict:
                 "examples": len(trainer.budgets),  # the key is stable; "unit" says what it counts
                 "unit": "example" if getattr(trainer, "users", None) is None else "user",
                 "steps": engine.steps,
-                "sample_rate": float(np.mean(p["sample_rates"])),
-                "noise_multiplier": p["noise_multiplier"],
+                "sample_rate": float(np.mean(p.sample_rates)),
+                "noise_multiplier": p.noise_multiplier,
             }
         ],
         "groups": groups,
@@ -261,6 +261,6 @@ def write_run(trainer) -> dict:
 
 def _guarantee(trainer) -> str:
     """The guarantee in words: per example, or per user at user level."""
-    from ...engine.units import USER_GUARANTEE
+    from ...engine.clipping.users import USER_GUARANTEE
 
     return GUARANTEE if getattr(trainer, "users", None) is None else USER_GUARANTEE

@@ -20,11 +20,11 @@ batch of token ids (``input_ids`` with an ``attention_mask``) such that:
 * with ``pad_to_length`` N every batch has exactly N tokens (a public length: then even a model that
   pools over pads computes each example from that example alone); a row longer than N is refused.
 
-The engine's batch-independence check is told the same (:func:`~idpsgd.engine.batch_independence.declare_padding`),
-and refuses a model whose outputs still move with the padding (a mean over every position, pads
-included).  Batches it cannot interpret (no ``input_ids``/``attention_mask``, per-token tensors of
-other names) pass unchanged unless a fixed length was asked for (then refused): docs/guarantees.md
-says what that leaves to the user.
+The engine's batch-independence check is told the same
+(:func:`~idpsgd.engine.guards.batch_independence.declare_padding`), and refuses a model whose outputs still
+move with the padding (a mean over every position, pads included). Batches it cannot interpret (no
+``input_ids``/``attention_mask``, per-token tensors of other names) pass unchanged unless a fixed length was
+asked for (then refused): docs/guarantees.md says what that leaves to the user.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...engine.padding_check import IGNORE_INDEX
+from ...engine.guards.padding_check import IGNORE_INDEX
 from ...validation import InvalidParameterError
 
 #: per-token keys and the value of a pad (a collator's own position_ids are not re-laid: refused when they would be)

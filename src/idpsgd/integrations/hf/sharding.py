@@ -2,12 +2,12 @@
 
 Under ``torchrun`` each transformer block (the model's ``_no_split_modules`` classes) and then the
 root are wrapped with ``torch.distributed.fsdp.fully_shard`` before ``make_private`` (the engine's
-sharded book-keeping or ghost clipping: :mod:`idpsgd.engine.fsdp`; a PEFT (LoRA) model's frozen base is
+sharded book-keeping or ghost clipping: :mod:`idpsgd.engine.distributed.fsdp`; a PEFT (LoRA) model's frozen base is
 sharded with its adapters); each rank runs its Poisson share of a step in exactly
 ``gradient_accumulation_steps`` passes (FSDP2's all-gathers need the same passes on every rank, while
 the shares differ in size; an empty part arrives as the engine's phantom row, which carries no weight;
 at user level one pass, a user's rows being clipped as one unit).  Checkpoints are
-:mod:`idpsgd.engine.sharded_checkpoint` folders ``private/checkpoint-<step>/`` (every rank writes its
+:mod:`idpsgd.engine.distributed.sharded_checkpoint` folders ``private/checkpoint-<step>/`` (every rank writes its
 shards; the Trainer's private state rides in each rank's ``extra``); the final public ``model/`` is
 ``save_pretrained`` of a plain copy rebuilt on rank 0 from the gathered full state dict.  What the
 sharded engine cannot honour is refused here, with the reason.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...engine import distributed
-from ...engine import sharded_checkpoint as sc
+from ...engine.distributed import sharded_checkpoint as sc
 from ...validation import InvalidParameterError
 
 
@@ -118,10 +118,11 @@ def plain_copy(model: torch.nn.Module, full_state: dict) -> torch.nn.Module:
 
 
 def phantom(inputs):
-    """The engine's phantom row for a rank whose share of the draw is empty (:class:`idpsgd.engine.fsdp.PhantomCollate`:
-    one row of zeros with the batch's structure, no example's values; the optimizer gives it no weight): every
-    rank runs a forward and backward pass, as FSDP2's collectives need."""
-    from ...engine.fsdp import PhantomCollate
+    """The engine's phantom row for a rank whose share of the draw is empty
+    (:class:`idpsgd.engine.distributed.fsdp.PhantomCollate`: one row of zeros with the batch's structure, no
+    example's values; the optimizer gives it no weight): every rank runs a forward and backward pass, as
+    FSDP2's collectives need."""
+    from ...engine.distributed.fsdp import PhantomCollate
 
     # a plain dict: the collators' BatchEncoding is no pytree container, so the phantom map would pass it unchanged
     return PhantomCollate(lambda _rows: dict(inputs))([])

@@ -31,8 +31,8 @@ from transformers import Trainer, TrainerCallback
 
 from ...assignment import Budgets
 from ...engine import IndividualizedPrivacyEngine, distributed, steps_per_epoch_for
-from ...engine.batch_independence import declare_padding
-from ...engine.unwrap import raw_module
+from ...engine.guards.batch_independence import declare_padding
+from ...engine.per_example.unwrap import raw_module
 from ...io import signature_differences
 from ...runfolder import RunFolder
 from ...validation import InvalidParameterError
@@ -526,10 +526,10 @@ class IndividualizedTrainer(Trainer):
 
     def _attach_journal(self, args) -> None:
         """Every noise draw of the run is recorded in ``private/drawn_steps.jsonl`` (rank 0) before it is
-        drawn; a resume charges the draws its checkpoint does not cover (:mod:`idpsgd.engine.journal`)."""
+        drawn; a resume charges the draws its checkpoint does not cover (:mod:`idpsgd.engine.budget.journal`)."""
         from pathlib import Path
 
-        from ...engine.journal import JOURNAL
+        from ...engine.budget.journal import JOURNAL
 
         self.engine.attach_journal(Path(args.output_dir) / ckpts.PRIVATE / JOURNAL, writer=args.process_index == 0)
 
@@ -631,13 +631,8 @@ class IndividualizedTrainer(Trainer):
         bit_generator = getattr(getattr(sampler, "rng", None), "bit_generator", None)
         if bit_generator is None:  # secure mode: no state to save
             return
-        draw, pending = sampler.sample, self._pending_sampler_states
-
-        def sample():
-            pending.append(copy.deepcopy(bit_generator.state))
-            return draw()
-
-        sampler.sample = sample
+        pending = self._pending_sampler_states
+        sampler.before_each_draw(lambda: pending.append(copy.deepcopy(bit_generator.state)))
 
     def _wrap_model(self, model, training=True, dataloader=None):
         """Under ``torch.distributed`` the engine's ``DPDDP`` wrapper (its optimizer all-reduces the
@@ -702,7 +697,7 @@ class IndividualizedTrainer(Trainer):
         total = torch.zeros((), device=self.args.device)
         for k, part in enumerate(parts):
             if part is None:  # an empty part (fsdp): the engine's phantom row, to which the optimizer gives no weight
-                from ...engine.fsdp import mark_phantom_pass
+                from ...engine.distributed.fsdp import mark_phantom_pass
 
                 mark_phantom_pass(opt.clipping)
                 self._backward(model, sharding.phantom(inputs))

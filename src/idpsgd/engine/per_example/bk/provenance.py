@@ -1,0 +1,1286 @@
+"""Provenance in book-keeping: which tensors of the model's forward derive from the batch, and which of
+their rows belong to which example.
+
+Taking a tensor for the batch because its leading dimension equals the batch size B fails silently
+(T5's (T, T) buckets at T = B, a constant bank of B scales, (T, B, d) with T = B, a batch-1 value
+computed from the batch).  Here the batch dimension is a *fact*: :class:`ProvenanceMode`, a torch
+function mode active during the model's forward, tags the forward's batch-first tensor arguments
+with their :class:`Rows` and every result computed from them: operations known to act row by row
+keep the rows, a ``view`` merging the batch with later dimensions groups them (row r of (B·T, d)
+belongs to example r // T), and anything that mixes the rows, or has no rule, gives rows of no single
+example (``Rows.mixed`` names the operation).  An untagged tensor is *shared* by the batch,
+whatever its shape.  A trainable parameter meeting mixed rows (:mod:`.keeper`, :mod:`.shared`) is
+refused, naming both operations; so is a read into Python (``.item()``, ``.tolist()``, ``bool(t)``, ...) of
+such rows, where the value would leave the tags (but at transformers' mask fast paths, :data:`HOST_READ_SITES`).
+The rule tables are checked against a perturbed example by ``tests/test_provenance_rules.py``.  Nothing is
+tracked when B ≤ 1.
+
+The operations and their rules, with what is refused: ``docs/performance.md`` (Provenance).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_T = torch.Tensor
+
+
+class Rows:
+    """Which example each row along a tensor's batch dimension belongs to.
+
+    ``dim`` is the batch dimension; row r belongs to unit r // ``group`` (contiguous groups: a
+    reshape that merged the batch with the next dimensions).  ``mixed`` (a string naming the
+    operation) when the rows belong to no single example, or nobody knows: then ``dim`` is None."""
+
+    __slots__ = ("dim", "group", "mixed")
+
+    def __init__(self, dim: int | None, group: int = 1, mixed: str | None = None):
+        self.dim, self.group, self.mixed = dim, group, mixed
+
+    @property
+    def known(self) -> bool:
+        return self.mixed is None
+
+    def moved(self, dim: int) -> Rows:
+        return self if dim == self.dim else Rows(dim, self.group)
+
+    def __repr__(self):
+        return f"Rows(mixed by {self.mixed})" if self.mixed else f"Rows(dim={self.dim}, group={self.group})"
+
+
+BATCH = Rows(0, 1)
+#: a rule's answer for a result that does not derive from the batch's values (a constant viewed as a batch tensor)
+SHARED = Rows(None, 1, "shared")
+
+
+def _mixed(why) -> Rows:
+    return Rows(None, 1, why)
+
+
+def op_name(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__":  # a property (Tensor.T, Tensor.mT)
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+_Parameter = torch.nn.Parameter
+
+
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def writes_in_place(func) -> bool:
+    """Whether ``func`` writes its first argument in place (``add_``, ``__iadd__``)."""
+    return _inplace(func)
+
+
+_STACK: list[ProvenanceMode] = []
+
+
+def current() -> ProvenanceMode | None:
+    """The provenance mode of the model forward in progress (None outside one, or with B ≤ 1)."""
+    return _STACK[-1] if _STACK else None
+
+
+def rows_of(t) -> Rows | None:
+    """The rows of ``t`` in the forward in progress (None: not derived from the batch, or no forward)."""
+    mode = current()
+    return None if mode is None or not torch.is_tensor(t) else mode.tags.get(t)
+
+
+class RefusedRows(RuntimeError):
+    """A trainable parameter met rows that belong to no single example."""
+
+
+def host_read_refusal(op: str, rows: Rows) -> RefusedRows:
+    return RefusedRows(
+        f"grad_sample_mode='bk': the model's forward reads into Python ({op!r}) a tensor whose rows are not each "
+        f"one example's: they come from {rows.mixed!r}, which reduces or mixes across the batch dimension; a "
+        "Python value of the whole batch (a branch, a scale, a length) can steer every example's computation, "
+        "which per-example clipping does not bound. Keep it a tensor per example (e.g. mask.all(dim=1) with "
+        "torch.where, per-example lengths), compute it from public values (shapes, constants), or move it out "
+        "of the model's forward"
+    )
+
+
+#: the standard replacement of an operation that mixes the examples of a batch by design
+_REPLACEMENTS = {
+    "batch_norm": "batch normalisation in training mode normalises each example by statistics of the whole batch, "
+    "by design; replace it by GroupNorm (opacus.validators.ModuleValidator.fix, i.e. "
+    "IndividualizedPrivacyEngine.get_compatible_module, does) or LayerNorm"
+}
+
+
+def refusal(where: str, rows: Rows) -> RefusedRows:
+    instead = _REPLACEMENTS.get(rows.mixed or "")
+    return RefusedRows(
+        f"grad_sample_mode='bk': {where} meets a tensor whose rows are not each one example's: they come "
+        f"from {rows.mixed!r}, which reduces, mixes or selects across the batch dimension (a reduction, sort, "
+        "cumsum or product over it, a slice of it, batch_norm in training) or which book-keeping does not "
+        "know to act row by row; per-example gradients are undefined there. "
+        + (
+            f"Here {instead}"
+            if instead
+            else "Keep such operations off the batch dimension, or use grad_sample_mode='hooks' for a model whose "
+            "examples interact"
+        )
+    )
+
+
+# --- the operations --------------------------------------------------------------------------------
+def _fns(*names, modules=(torch, _T, F)):
+    out = set()
+    for name in names:
+        for m in modules:
+            f = getattr(m, name, None)
+            # torch.float is a dtype, torch.cuda a module, torch.__eq__ the module's own (object) method
+            if callable(f) and not isinstance(f, torch.dtype) and getattr(f, "__self__", None) is not m:
+                out.add(f)
+    return out
+
+
+#: elementwise operations (with broadcasting): each tagged input's batch dimension, right-aligned
+_POINTWISE_NAMES = """
+add add_ __add__ __radd__ __iadd__ sub sub_ subtract __sub__ __rsub__ __isub__ rsub mul mul_
+multiply __mul__ __rmul__ __imul__ div div_ divide true_divide __truediv__ __rtruediv__ __itruediv__
+floor_divide __floordiv__ __rfloordiv__ remainder __mod__ fmod pow pow_ __pow__ __rpow__ neg __neg__
+negative abs exp exp_ expm1 log log_ log1p log2 log10 sqrt rsqrt sin cos tan tanh tanh_ sigmoid
+sigmoid_ erf erfc relu relu_ gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid
+softplus softsign tanhshrink logsigmoid threshold relu6 sign sgn clamp clamp_ clip clamp_min
+clamp_max maximum minimum where masked_fill masked_fill_ lerp addcmul addcdiv square reciprocal
+floor ceil round trunc frac isnan isinf isfinite nan_to_num logical_not logical_and logical_or
+logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor __and__ __or__ __xor__ __invert__
+__rand__ __ror__ __iand__ __ior__ eq ne lt le gt ge __eq__ __ne__ __lt__ __le__ __gt__ __ge__ eq_
+ne_ float double half bfloat16 int long bool to type type_as contiguous clone detach detach_
+requires_grad_ cpu cuda fill_ zero_ copy_ dropout dropout_ alpha_dropout feature_alpha_dropout
+dropout1d dropout2d dropout3d atan2 hypot xlogy logaddexp heaviside sinh cosh asin acos atan asinh
+acosh atanh deg2rad rad2deg digamma lgamma exp2 square_
+""".split()  # noqa: SIM905
+POINTWISE = _fns(*_POINTWISE_NAMES)
+#: operations along one dimension (``dim``): mixing when it is the batch dimension
+ALONG_DIM = _fns(
+    "softmax",
+    "log_softmax",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "logcumsumexp",
+    "sort",
+    "argsort",
+    "topk",
+    "kthvalue",
+    "flip",
+    "roll",
+    "normalize",
+    "glu",
+    "softmin",
+    "diff",
+)
+#: reductions (``dim`` an int, a sequence, or all)
+REDUCTIONS = _fns(
+    "sum",
+    "mean",
+    "nansum",
+    "nanmean",
+    "prod",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "std",
+    "var",
+    "var_mean",
+    "std_mean",
+    "norm",
+    "logsumexp",
+    "all",
+    "any",
+    "count_nonzero",
+    "median",
+    "nanmedian",
+    "aminmax",
+)
+RESHAPES = _fns("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze")
+EXPANDS = _fns("expand", "expand_as", "broadcast_to")
+PERMUTES = _fns("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t")
+SPLITS = _fns("split", "chunk", "unbind", "tensor_split", "narrow", "select", "index_select", "split_with_sizes")
+JOINS = _fns("cat", "concat", "concatenate", "stack")
+MATMULS = _fns("matmul", "__matmul__", "__rmatmul__", "bmm", "mm")
+GETITEM = {_T.__getitem__}
+#: the operations of covered layers' base forwards (the weight's position), routed for their subclasses
+ROUTABLE = {F.linear: 1, F.embedding: 1, F.layer_norm: 2}
+#: tensors of a tagged tensor's shape but not of its values: not derived from the batch's data
+LIKE = _fns("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "empty_like", "full_like")
+#: a copy of its ``data`` argument (values, not only the shape): the rows of ``data``
+NEW_TENSOR = _fns("new_tensor")
+#: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
+#: (a 0-dim or one-element tensor: refused when its rows are mixed), the rows as they are (a list, an array,
+#: a string: refused when mixed), or one answer about every row (refused when the rows are more than one
+#: example's)
+HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
+HOST_ROWS = _fns(
+    "tolist",
+    "numpy",
+    "__array__",
+    "__format__",
+    "__repr__",  # str(t), print, logging: torch formats the values with the modes off
+    "untyped_storage",  # the bytes (storage.tolist(), bytes(storage), torch.frombuffer, set_)
+    "storage",
+    "_typed_storage",
+    "__dlpack__",  # numpy.from_dlpack, torch.from_dlpack: a new tensor on the same memory, untagged
+    "__reduce_ex__",  # pickle, torch.save, copy.copy: the values back as a new tensor, untagged
+)
+HOST_WHOLE = _fns("equal", "allclose", "__contains__")
+HOST_READS = HOST_SCALAR | HOST_ROWS | HOST_WHOLE
+#: operations whose result's *size* is a value of their input (the count of nonzero entries, of distinct
+#: values, of repeats): the size is read to the host (a Python int in ``.shape``), so one of a tensor of
+#: more than one example's rows (``torch.nonzero(x.mean(0) > 0).shape[0]``, ``x[:, x.mean(0) > 0]``,
+#: ``len(x[x > 0])``) is refused as a host read of the whole batch; ``where`` with the condition only
+SIZED_BY_VALUES = _fns(
+    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "repeat_interleave"
+) | {torch.where, _T.to_sparse, torch._unique2, torch.unique_consecutive}
+#: (module, function) of the host reads of mixed rows that are allowed: transformers' attention-mask fast
+#: paths, which only choose whether to materialise a mask (``padding_mask.all()``: an explicit mask or
+#: ``is_causal``/none, the same attention up to rounding) and whose two sides the batch-independence check
+#: takes (its perturbed example's mask is 0, the others' 1), and a padding warning that only logs.  Every
+#: other read of mixed rows is refused (docs/guarantees.md, "Values read into Python").
+HOST_READ_SITES = frozenset(
+    {
+        ("transformers.masking_utils", "_ignore_causal_mask_sdpa"),
+        ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa"),
+        ("transformers.masking_utils", "flash_attention_mask"),
+        ("transformers.masking_utils", "flex_attention_mask"),
+        ("transformers.masking_utils", "find_packed_sequence_indices"),
+        ("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask"),
+    }
+)
+
+
+def _reading_frame():
+    """The frame of the code that made the host read in progress: the first caller outside torch and this package."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "torch" or module.startswith(("torch.", "idpsgd.engine.per_example.bk"))):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _at_allowed_site() -> bool:
+    """Whether the host read in progress is one of :data:`HOST_READ_SITES` called by transformers itself: the
+    same function called by the model's own code (``_ignore_causal_mask_sdpa(x.mean(0) > 0, ...)`` in a
+    branch) returns a Python value of a batch statistic of the model's choosing (3.37 × c, measured), not
+    the choice of a mask."""
+    frame = _reading_frame()
+    if frame is None or (frame.f_globals.get("__name__", ""), frame.f_code.co_name) not in HOST_READ_SITES:
+        return False
+    caller = frame.f_back
+    return caller is not None and caller.f_globals.get("__name__", "").startswith("transformers.")
+
+
+SETITEM = {_T.__setitem__}
+#: operations taking sizes (a shape, a length, a count): a tensor of the batch there is read as a Python int in
+#: C++ (``torch.ones(mask.sum())``, ``x.narrow(1, 0, n)``), which no ``__index__`` shows: refused as a host read
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "logspace", "eye")
+SIZE_TAKING = _fns(
+    *_FACTORIES,
+    *("narrow", "repeat", "tile", "expand", "view", "reshape", "new_ones", "new_zeros", "new_empty", "new_full"),
+    *("topk", "kthvalue", "split", "tensor_split", "unflatten", "unfold", "multinomial", "diagonal", "diag"),
+) | {F.pad}
+_REPEAT_INTERLEAVE = _fns("repeat_interleave")
+_TAKE_ALONG_DIM = _fns("take_along_dim")
+PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
+
+
+def _dims(d, nd):
+    if d is None:
+        return None
+    if isinstance(d, (list, tuple)):
+        return tuple(int(x) % nd for x in d) if nd else ()
+    return (int(d) % nd,) if nd else ()
+
+
+def _arg(args, kwargs, pos, name, default=None):
+    if len(args) > pos:
+        return args[pos]
+    return kwargs.get(name, default)
+
+
+def _reshape_rows(shape_in, rows: Rows, shape_out) -> Rows | None:
+    """Rows after a reshape from ``shape_in`` to ``shape_out`` (None: not one example per row)."""
+    b = rows.dim
+    before = math.prod(shape_in[:b])
+    per_row = math.prod(shape_in[b + 1 :])
+    block = rows.group * per_row  # numbers of one example, contiguous (given the dims before)
+    k, acc = 0, 1
+    while k < len(shape_out) and acc < before:
+        acc *= shape_out[k]
+        k += 1
+    if acc != before:
+        return None
+    # the batch starts at dimension k, or after size-1 dimensions in front of it ((B, T, d).unsqueeze(0))
+    while k < len(shape_out):
+        rest = math.prod(shape_out[k + 1 :])
+        if rest and block % rest == 0:
+            return Rows(k, block // rest)
+        if shape_out[k] != 1:
+            return None
+        k += 1
+    return None
+
+
+def _permute_rows(func, args, kwargs, nd, rows) -> Rows | None:
+    name = op_name(func)
+    d = rows.dim
+    if name == "t":
+        return rows.moved(nd - 1 - d) if nd == 2 else rows
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a = int(_arg(args, kwargs, 1, "dim0")) % nd
+        c = int(_arg(args, kwargs, 2, "dim1")) % nd
+        return rows.moved(c if d == a else a if d == c else d)
+    if name == "permute":
+        dims = (
+            args[1:]
+            if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int))
+            else _arg(args, kwargs, 1, "dims")
+        )
+        dims = [int(x) % nd for x in dims]
+        return rows.moved(dims.index(d))
+    if name in ("movedim", "moveaxis"):
+        src = _dims(_arg(args, kwargs, 1, "source"), nd)
+        dst = _dims(_arg(args, kwargs, 2, "destination"), nd)
+        order = [i for i in range(nd) if i not in src]
+        perm = [None] * nd
+        for s, t in zip(src, dst, strict=True):
+            perm[t] = s
+        it = iter(order)
+        perm = [p if p is not None else next(it) for p in perm]
+        return rows.moved(perm.index(d))
+    return None
+
+
+class Tags:
+    """Rows by tensor identity for one forward: ``id(t)`` → (a weak reference to ``t``, its rows); a reused
+    id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups)."""
+
+    __slots__ = ("_d", "dirty")
+
+    def __init__(self):
+        self._d = {}
+        self.dirty = None  # Tags of root tensors whose memory took rows of no single example (:meth:`spoil`)
+
+    def get(self, t, default=None):
+        if self.dirty is not None:
+            with torch._C.DisableTorchFunction():
+                root = t._base if torch.is_tensor(t) and t._base is not None else t
+            spoilt = self.dirty.get(root)
+            if spoilt is not None:
+                return spoilt
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        return e[1]
+
+    def spoil(self, t, rows) -> None:
+        """An in-place write left ``t`` with rows of no single example: so are its base and every view of
+        that base, whenever made (views share the memory; tags are by identity)."""
+        with torch._C.DisableTorchFunction():
+            root = t._base if t._base is not None else t
+        if self.dirty is None:
+            self.dirty = Tags()
+        self.dirty[root] = rows
+
+    def __setitem__(self, t, rows):
+        self._d[id(t)] = (weakref.ref(t), rows)
+
+
+class ProvenanceMode(TorchFunctionMode):
+    """Tags every tensor of the forward computed from the batch with its :class:`Rows` (module docstring).
+    ``paused`` > 0 inside book-kept layers' own kernels (their outputs are tagged by the layer)."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+        self.tags = Tags()
+        self.constants = Tags()  # batch-independent operands checked for rows that differ
+        self.paused = 0
+        self.routes: dict = {}  # id(weight) -> (operation, weight position, book-kept forward)
+        self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
+        self.make_source = None
+        self._before = None  # an in-place operation's target before the write (:meth:`_positional`)
+
+    def tag(self, t, rows: Rows | None) -> None:
+        if rows is not None and torch.is_tensor(t):
+            self.tags[t] = rows
+
+    def __enter__(self):
+        _STACK.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if _STACK and _STACK[-1] is self:
+            _STACK.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if self.routes and func in ROUTABLE:
+            w = _arg(args, kwargs, ROUTABLE[func], "weight")
+            route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
+            if route is not None and route[0] is func:
+                return route[2].apply(self, args[0])  # a covered layer's subclass: its rule, at its operation
+        if self.sources:
+            sources = self.sources
+            for a in args if not kwargs else (*args, *kwargs.values()):
+                if isinstance(a, _Parameter) and id(a) in sources:
+                    if torch.is_grad_enabled() and not _inplace(func):
+                        args, kwargs = self._substitute(args, kwargs)
+                    break
+        self._before = None
+        # an in-place operation on a tensor not from the batch: its values before the write are an operand
+        # (``buf.add_(h)``), compared row by row in :meth:`_positional`; ``copy_`` overwrites them
+        if (
+            args
+            and torch.is_tensor(args[0])
+            and _inplace(func)
+            and self.tags.get(args[0]) is None
+            and op_name(func) != "copy_"
+            and self._inputs(args[1:], kwargs)
+        ):
+            with torch.no_grad():
+                self._before = args[0].detach().clone()
+        out = func(*args, **kwargs)
+        if func in SIZED_BY_VALUES or func in GETITEM:
+            self._sized_by_values(func, args, kwargs)
+        if func in SIZE_TAKING:
+            self._size_arguments(func, args, kwargs)
+        if func in SETITEM:
+            self._setitem(args)
+            self._spoil_if_mixed(args[0])
+            return out
+        if (
+            func in LIKE
+            or func in NEW_TENSOR
+            or not (torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0])))
+        ):
+            if func in HOST_READS:
+                self._host_read(func, args, kwargs)
+            elif func in LIKE or func in NEW_TENSOR:
+                self._like(func, args, kwargs, out)
+            return out
+        tags = self.tags
+        found = None
+        for a in args:
+            if torch.is_tensor(a):
+                r = tags.get(a)
+                if r is not None:
+                    found = True
+                    break
+            elif (
+                isinstance(a, (list, tuple))
+                and a
+                and (torch.is_tensor(a[0]) or func in GETITEM)  # an index (0, ids): ids of the batch
+                and any(tags.get(x) is not None for x in a if torch.is_tensor(x))
+            ):
+                found = True
+                break
+        if found is None and kwargs:
+            for v in kwargs.values():
+                if (torch.is_tensor(v) and tags.get(v) is not None) or (
+                    isinstance(v, (list, tuple)) and any(torch.is_tensor(x) and tags.get(x) is not None for x in v)
+                ):  # cat(tensors=[...])
+                    found = True
+                    break
+        if found is None:
+            return out
+        rows = self._propagate(func, args, kwargs, out)
+        if rows is SHARED:
+            return out
+        if not rows.known and torch.is_grad_enabled():
+            self._check_parameters(func, args, kwargs, rows)
+        if torch.is_tensor(out):
+            tags[out] = rows
+            if not rows.known and _inplace(func) and args and out is args[0]:
+                self._spoil_if_mixed(out)
+        else:
+            for o in out:
+                if torch.is_tensor(o):
+                    tags[o] = rows
+        return out
+
+    def result_rows(self, func, args, kwargs, out) -> Rows:
+        """The rows of ``out = func(*args, **kwargs)`` by the rules (at least one argument of the batch)."""
+        return self._propagate(func, args, kwargs, out)
+
+    def _host_read(self, func, args, kwargs) -> None:
+        """A read of tensor values into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``if t:``, ...): the
+        value leaves the tags, so one that mixes examples' rows (``bool(mask.all())``, ``x.mean().item()``)
+        could steer every example's computation (a branch, a scale, a length) unseen; refused.  A read of
+        an untagged value (public shapes, constants) or of rows that are each one example's is allowed."""
+        for t, r in self._inputs(args, kwargs):
+            whole = func in HOST_WHOLE and r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
+            if (not r.known or whole) and not _at_allowed_site():
+                raise host_read_refusal(op_name(func), r if not r.known else _mixed(op_name(func)))
+
+    def _sized_by_values(self, func, args, kwargs) -> None:
+        """An operation whose result's size is a value of its input (:data:`SIZED_BY_VALUES`; ``x[mask]`` with a
+        boolean mask of the batch): a host read of the whole input, refused where that input holds more than
+        one example's rows (:meth:`_host_read`)."""
+        if func in GETITEM:
+            index = args[1] if len(args) > 1 else None
+            masks = [i for i in (index if isinstance(index, (tuple, list)) else (index,)) if torch.is_tensor(i)]
+            sizing = [i for i in masks if i.dtype in (torch.bool, torch.uint8)]
+        elif func is torch.where:
+            sizing = list(args[:1]) if len(args) + len(kwargs) == 1 else []
+        elif func in _REPEAT_INTERLEAVE:
+            repeats = _arg(args, kwargs, 1, "repeats")
+            one_argument = len(args) == 1 and not kwargs  # repeat_interleave(repeats)
+            sizing = [repeats] if torch.is_tensor(repeats) else [args[0]] if one_argument else []
+        elif op_name(func) == "masked_select":
+            sizing = [_arg(args, kwargs, 1, "mask")]
+        else:
+            sizing = [_arg(args, kwargs, 0, "input")]
+        for t in sizing:
+            r = self.tags.get(t) if torch.is_tensor(t) else None
+            if r is None:
+                continue
+            if (not r.known or t.shape[r.dim] > r.group) and not _at_allowed_site():  # > 1 example's
+                raise host_read_refusal(f"the size of {op_name(func)}", r if not r.known else _mixed(op_name(func)))
+
+    def _size_arguments(self, func, args, kwargs) -> None:
+        """A one-element tensor of mixed rows given to :data:`SIZE_TAKING` as a size (not its data: the first
+        argument of a method, a fill value): a Python int of the whole batch, refused (4.79 × c before, with
+        ``len(torch.ones((x.mean(0) > 0).sum()))``)."""
+        name = op_name(func)
+        rest = list(args if name in _FACTORIES and func is getattr(torch, name, None) else args[1:])
+        rest += [v for k, v in kwargs.items() if k not in ("fill_value", "out")]
+        if name in ("full", "new_full"):
+            rest = rest[:1]  # the size, not the fill value
+        for a in rest:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                r = self.tags.get(t) if torch.is_tensor(t) else None
+                if r is not None and not r.known and t.numel() == 1 and not _at_allowed_site():
+                    raise host_read_refusal(f"a size of {name}", r)
+
+    def _like(self, func, args, kwargs, out) -> None:
+        """``new_tensor(data)`` copies ``data``: its rows; the ``*_like``/``new_*`` constructors take the
+        template's shape only (untagged), unless a value of the batch is passed too (a tensor fill value)."""
+        if func in NEW_TENSOR:
+            data = _arg(args, kwargs, 1, "data")
+            r = self.tags.get(data) if torch.is_tensor(data) else None
+            if r is None and isinstance(data, (list, tuple)) and self._inputs(data, {}):
+                r = _mixed("new_tensor of a list of tensors of the batch")
+        else:
+            r = _mixed(op_name(func)) if self._inputs(args[1:], kwargs) else None
+        if r is not None and torch.is_tensor(out):
+            if not r.known and torch.is_grad_enabled():
+                self._check_parameters(func, args, kwargs, r)
+            self.tags[out] = r
+
+    def _spoil_if_mixed(self, t) -> None:
+        """A write into ``t`` (in place) that left rows of no single example: the write went to memory that
+        ``t``'s base and its other views share (``h[0].copy_(h[1])``, ``h.view(-1)[:d] = ...``), whose tags
+        would otherwise still say one example per row."""
+        if torch.is_tensor(t):
+            r = self.tags.get(t)
+            if r is not None and not r.known:
+                self.tags.spoil(t, r)
+
+    def _substitute(self, args, kwargs):
+        """A covered layer's parameter used directly by an operation of the forward (outside its layer's
+        own operation) becomes a value shared by the batch, whose per-example gradients go to the layer
+        (:meth:`.keeper.BookKeeper.parameter_source`)."""
+        sources = self.sources
+        if any(isinstance(a, torch.nn.Parameter) and id(a) in sources for a in args):
+            args = tuple(
+                self.make_source(a, self.batch) if isinstance(a, torch.nn.Parameter) and id(a) in sources else a
+                for a in args
+            )
+        if kwargs and any(isinstance(a, torch.nn.Parameter) and id(a) in sources for a in kwargs.values()):
+            kwargs = {
+                k: self.make_source(a, self.batch) if isinstance(a, torch.nn.Parameter) and id(a) in sources else a
+                for k, a in kwargs.items()
+            }
+        return args, kwargs
+
+    def _check_parameters(self, func, args, kwargs, rows):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                raise refusal(f"a trainable parameter (shape {tuple(a.shape)}) in {op_name(func)!r}", rows)
+
+    def _setitem(self, args):
+        target, index, value = args[0], args[1], args[2] if len(args) > 2 else None
+        tr = self.tags.get(target) if torch.is_tensor(target) else None
+        vr = self.tags.get(value) if torch.is_tensor(value) else None
+        ir = any(
+            torch.is_tensor(i) and self.tags.get(i) is not None
+            for i in (index if isinstance(index, tuple) else (index,))
+        )
+        if vr is None and not ir:
+            if tr is None or not tr.known:
+                return  # constants written into a constant (or into rows already mixed)
+            # constants written into a tensor of the batch: its rows are unchanged if every row gets the same
+            # (``h[:, 0] = 0``); not when only some batch rows are written (``h[0] = c``: whoever lands first)
+            # or the constant's rows differ along the batch (``h[:, 0] = bank[:, 0]``): by place in the batch
+            probe = self._index_rows(target, index, tr)
+            if probe is not None:
+                if not torch.is_tensor(value):
+                    return
+                d = probe.dim - (probe_rank(target, index) - value.dim())
+                size = target.shape[tr.dim]
+                if not (
+                    0 <= d < value.dim()
+                    and value.shape[d] == size
+                    and size > 1
+                    and value.stride(d) != 0
+                    and self._rows_differ(value, d, probe.group)
+                ):
+                    return
+            self.tags[target] = _mixed("__setitem__ of a batch-independent value into some batch rows only")
+            return
+        if not ir and vr is not None and vr.known and (tr is None or tr.known):
+            # batch rows written into the same rows: into a tensor of the batch, or into a constant (BART's
+            # shift_tokens_right: new_zeros(ids.shape)[:, 1:] = ids[:, :-1]), whose other rows stay constant
+            rank = probe_rank(target, index)
+            for d in [tr.dim] if tr is not None else range(target.dim()):
+                group = vr.group if tr is None else tr.group
+                probe = self._index_rows(target, index, Rows(d, group))
+                if probe is None or rank - probe.dim != value.dim() - vr.dim or vr.group != probe.group:
+                    continue
+                if tr is None and target.shape[d] != value.shape[vr.dim]:
+                    continue
+                if tr is None:
+                    self.tags[target] = Rows(d, group)
+                return
+        if vr is None and tr is not None and self._masked_constant(target, index, value, tr):
+            return  # h[~mask] = 0: each example's rows written where its own mask says, with one value
+        self.tags[target] = _mixed("__setitem__")
+
+    def _masked_constant(self, target, index, value, tr) -> bool:
+        """``target[mask] = value`` leaves ``target``'s rows each one example's: ``mask`` a boolean tensor of the
+        batch with ``target``'s rows over ``target``'s leading dimensions (each example's elements chosen by its
+        own mask rows), ``value`` one value for every chosen element (a number, or a batch-independent tensor
+        that broadcasts over the trailing dimensions only).  A padded batch's ``h[~attention_mask.bool()] = 0``."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if len(idx) == 2 and idx[1] is Ellipsis:
+            idx = idx[:1]
+        mask = idx[0] if len(idx) == 1 else None
+        if not (torch.is_tensor(mask) and mask.dtype == torch.bool and tr.known):
+            return False
+        mr = self.tags.get(mask)
+        k = mask.dim()
+        if mr is None or not mr.known or (mr.dim, mr.group) != (tr.dim, tr.group) or tr.dim >= k:
+            return False
+        if tuple(mask.shape) != tuple(target.shape[:k]):
+            return False
+        return not torch.is_tensor(value) or value.dim() <= target.dim() - k
+
+    # --- the rules ---------------------------------------------------------------------------
+    def _inputs(self, args, kwargs):
+        out = []
+        for a in (*args, *kwargs.values()):
+            if torch.is_tensor(a):
+                r = self.tags.get(a)
+                if r is not None:
+                    out.append((a, r))
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if torch.is_tensor(x):
+                        r = self.tags.get(x)
+                        if r is not None:
+                            out.append((x, r))
+        return out
+
+    def _propagate(self, func, args, kwargs, out) -> Rows:
+        tagged = self._inputs(args, kwargs)
+        name = op_name(func)
+        for _, r in tagged:
+            if not r.known:
+                return r
+        first = tagged[0][1]
+        res = out if torch.is_tensor(out) else out[0]
+        try:
+            got = self._rule(func, name, args, kwargs, tagged, res)
+            if got is not None and got.known and self._positional(func, name, args, kwargs, tagged, res, got):
+                return _mixed(f"{name} with a batch-independent operand whose rows differ along the batch dimension")
+        except (TypeError, ValueError, IndexError, AttributeError):
+            got = None
+        return got if got is not None else _mixed(name) if first.known else first
+
+    def _positional(self, func, name, args, kwargs, tagged, res, got) -> bool:
+        """Whether a tensor not derived from the batch meets the batch rows row by row with rows that differ
+        (``x * bank`` with a constant (B, d) bank): example i would get row i's constant, so its gradient
+        depends on its place in the batch, which the other examples decide (one example more or less shifts
+        every later one); the sensitivity is then not one example's clipped gradient.  A constant the same
+        for every row (size 1 or stride 0 there, or equal rows: rotary cos/sin tables made per row) is
+        fine; for rows grouped by example (B·T rows) the B blocks must be equal."""
+        if func in POINTWISE or name in ("where", "masked_fill", "lerp", "addcmul", "addcdiv"):
+            kind = "aligned"
+        elif name == "scaled_dot_product_attention":  # a constant attn_mask of B rows that differ
+            if got.dim >= res.dim() - 2:
+                return False
+            kind = "aligned"
+        elif func in JOINS:
+            kind = "join"
+        elif func in MATMULS or name == "baddbmm":
+            if got.dim >= res.dim() - 2:
+                return False
+            kind = "aligned"
+        else:
+            return False
+        tagged_ids = {id(t) for t, _ in tagged}
+        operands = list(args[0]) if kind == "join" and args and isinstance(args[0], (list, tuple)) else list(args)
+        if _inplace(func) and operands and operands[0] is args[0]:  # its values before the write (or none)
+            operands[0] = self._before
+        operands += [v for v in kwargs.values() if torch.is_tensor(v)]
+        n = res.dim()
+        size = res.shape[got.dim]
+        for t in operands:
+            if not torch.is_tensor(t) or id(t) in tagged_ids or self.tags.get(t) is not None:
+                continue
+            if kind == "join" and name == "stack":
+                d = got.dim - (got.dim > _arg(args, kwargs, 1, "dim", 0) % n)
+            elif kind == "join":
+                d = got.dim
+            else:
+                d = got.dim - (n - t.dim())
+            if d < 0 or d >= t.dim() or t.shape[d] != size or size <= 1 or t.stride(d) == 0:
+                continue
+            if self._rows_differ(t, d, got.group):
+                return True
+        return False
+
+    def _rows_differ(self, t, d, group) -> bool:
+        key = (d, group)
+        seen = self.constants.get(t)
+        if seen is not None and key in seen:
+            return seen[key]
+        with torch.no_grad():
+            blocks = t.unflatten(d, (-1, group))
+            differ = not bool((blocks == blocks.narrow(d, 0, 1)).all())
+        if seen is None:
+            seen = {}
+            self.constants[t] = seen
+        seen[key] = differ
+        return differ
+
+    def _aligned(self, tagged, nd_out, res) -> Rows | None:
+        dim = group = None
+        for t, r in tagged:
+            d = r.dim + nd_out - t.dim()
+            if dim is not None and (d != dim or r.group != group):
+                return None
+            if t.shape[r.dim] != res.shape[d]:
+                return None  # batch rows broadcast against each other
+            dim, group = d, r.group
+        return Rows(dim, group)
+
+    def _rule(self, func, name, args, kwargs, tagged, res):
+        x, r = tagged[0]
+        nd = x.dim()
+        if func in POINTWISE:
+            return self._aligned(tagged, res.dim(), res)
+        if func in PROPS:
+            if name == "T":
+                return r.moved(nd - 1 - r.dim)
+            return r.moved(2 * nd - 3 - r.dim) if r.dim >= nd - 2 else r
+        if func in RESHAPES or func in EXPANDS:
+            x = args[0]
+            r = self.tags.get(x)
+            if r is None:  # a tensor not from the batch viewed or expanded as one from it
+                return SHARED
+            if not r.known:
+                return r
+            nd = x.dim()
+        if func in RESHAPES:
+            return _reshape_rows(tuple(x.shape), r, tuple(res.shape))
+        if func in EXPANDS:
+            d = r.dim + res.dim() - nd
+            return Rows(d, r.group) if res.shape[d] == x.shape[r.dim] else None
+        if func in PERMUTES:
+            return _permute_rows(func, args, kwargs, nd, r) if args[0] is x else None
+        if func in ALONG_DIM:
+            if name == "diff":
+                return self._diff(args, kwargs, res)
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            dim = _arg(
+                args,
+                kwargs,
+                1,
+                "dim",
+                -1
+                if name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "glu", "softmin", "diff")
+                else None,
+            )
+            if name in ("topk", "kthvalue"):  # (input, k, dim=-1, ...)
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+            if name in ("flip", "roll"):
+                dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
+                dims = _dims(dims, nd) if dims is not None else tuple(range(nd))
+            elif name == "normalize":
+                dims = _dims(kwargs.get("dim", args[2] if len(args) > 2 else 1), nd)
+            else:
+                dims = _dims(dim, nd) if isinstance(dim, (int, list, tuple)) else None
+            if dims is None or r.dim in dims:
+                return None
+            if res.dim() == nd - 1 and name == "kthvalue":  # keepdim=False
+                return r.moved(r.dim - (dims[0] < r.dim))
+            return r if res.dim() == nd else None
+        if func in REDUCTIONS:
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            dim = _arg(args, kwargs, 1, "dim")
+            if name == "norm":
+                dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if dim is None or not isinstance(dim, (int, list, tuple)) or (isinstance(dim, (list, tuple)) and not dim):
+                return None
+            dims = _dims(dim, nd)
+            if r.dim in dims:
+                return None
+            # keepdim's position differs (std's and var's third argument is ``unbiased``, norm's the dim):
+            # read it off the result
+            if res.dim() == nd:
+                return r
+            if res.dim() != nd - len(set(dims)):
+                return None
+            return r.moved(r.dim - sum(1 for d in set(dims) if d < r.dim))
+        if func in SPLITS:
+            if name == "index_select" and self.tags.get(args[0]) is None:
+                ids = _arg(args, kwargs, 2, "index")
+                dim = int(_arg(args, kwargs, 1, "dim")) % max(1, args[0].dim())
+                return self._lookup(args[0], (slice(None),) * dim + (ids,), ids, res) if ids is x else None
+            if args[0] is not x or len(tagged) > 1:
+                return None
+            if name == "unbind":
+                dim = int(_arg(args, kwargs, 1, "dim", 0)) % nd
+                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+            if name == "select":
+                dim = int(_arg(args, kwargs, 1, "dim")) % nd
+                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+            if name == "index_select":
+                dim = int(_arg(args, kwargs, 1, "dim")) % nd
+                return None if dim == r.dim else r
+            dim = (
+                _arg(args, kwargs, 2, "dim", 0)
+                if name in ("split", "chunk", "tensor_split", "split_with_sizes")
+                else _arg(args, kwargs, 1, "dim")
+            )
+            dim = int(dim) % nd
+            return None if dim == r.dim else r
+        if func in JOINS:
+            tensors = args[0] if args else kwargs.get("tensors")
+            dim = _arg(args, kwargs, 1, "dim", 0)
+            if not isinstance(dim, int):
+                return None
+            rows = None
+            for t in tensors:
+                tr = self.tags.get(t)
+                if tr is None:
+                    continue
+                if rows is not None and (tr.dim != rows.dim or tr.group != rows.group):
+                    return None
+                rows = tr
+            if name == "stack":
+                d = dim % (nd + 1)
+                return None if rows is None else rows.moved(rows.dim + (d <= rows.dim))
+            return None if rows is None or dim % nd == rows.dim else rows
+        if func in MATMULS:
+            return self._matmul(args, res)
+        if func in GETITEM:
+            r = self.tags.get(args[0])
+            if r is None:  # a constant (a position table) indexed by the batch's indices
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                return self._lookup(args[0], index, x, res) if len(tagged) == 1 else None
+            return self._index_rows(args[0], args[1], r)
+        return self._functional(func, name, args, kwargs, tagged, res)
+
+    def _diff(self, args, kwargs, res):
+        """``diff(input, n=1, dim=-1, prepend=None, append=None)``: differences along ``dim`` of ``input``
+        with ``prepend``/``append`` joined there: row-wise when ``dim`` is not the batch dimension and every
+        operand of the batch has the same rows (a constant operand's rows must not differ along it)."""
+        x = args[0]
+        dim = _arg(args, kwargs, 2, "dim", -1)
+        if not isinstance(dim, int) or not torch.is_tensor(x):
+            return None
+        operands = [x, _arg(args, kwargs, 3, "prepend"), _arg(args, kwargs, 4, "append")]
+        operands = [t for t in operands if torch.is_tensor(t)]
+        rows = None
+        for t in operands:
+            tr = self.tags.get(t)
+            if tr is None:
+                continue
+            if t.dim() != x.dim() or (rows is not None and (tr.dim, tr.group) != (rows.dim, rows.group)):
+                return None
+            rows = tr
+        if rows is None or dim % x.dim() == rows.dim or res.dim() != x.dim():
+            return None
+        size = res.shape[rows.dim]
+        for t in operands:
+            constant = self.tags.get(t) is None and t.dim() == x.dim() and t.shape[rows.dim] == size > 1
+            if constant and t.stride(rows.dim) != 0 and self._rows_differ(t, rows.dim, rows.group):
+                return None
+        return rows
+
+    def _matmul(self, args, res):
+        a, b = args[0], args[1]
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        ra, rb, n = a.dim(), b.dim(), res.dim()
+        got = set()
+        for t, rank, contracted, kept, out_kept in ((a, ra, ra - 1, ra - 2, n - 2), (b, rb, rb - 2, rb - 1, n - 1)):
+            rr = self.tags.get(t)
+            if rr is None:
+                continue
+            if rr.dim == contracted:
+                return None
+            got.add((out_kept if rr.dim == kept else n - rank + rr.dim, rr.group))
+        return Rows(*got.pop()) if len(got) == 1 else None
+
+    def _index_rows(self, x, index, r):
+        idx = index if isinstance(index, tuple) else (index,)
+        nd = x.dim()
+        if any(i is Ellipsis for i in idx):
+            k = idx.index(Ellipsis)
+            used = sum(
+                1
+                for i in idx
+                if i is not None and i is not Ellipsis and not (torch.is_tensor(i) and i.dtype == torch.bool)
+            )
+            idx = idx[:k] + (slice(None),) * (nd - used) + idx[k + 1 :]
+        advanced = [i for i in idx if torch.is_tensor(i) or isinstance(i, list)]
+        if advanced and r.dim == 0 and r.group == 1 and self._per_row(x, idx):
+            return Rows(0, 1)  # x[arange(B), j] with j one index per example: row i is example i's
+        if advanced:
+            if any(torch.is_tensor(i) and self.tags.get(i) is not None for i in advanced):
+                return None
+            if any(torch.is_tensor(i) and i.dtype == torch.bool for i in advanced):
+                return None
+        pos_in = pos_out = 0
+        adv_seen = False
+        for i in idx:
+            if i is None:
+                pos_out += 1
+                continue
+            if pos_in == r.dim:
+                if isinstance(i, slice) and i == slice(None):
+                    if advanced and adv_seen:
+                        return None  # advanced indices before the batch dim: torch moves dims around
+                    return Rows(pos_out, r.group)
+                if (
+                    isinstance(i, slice)
+                    and (i.start in (None, 0))
+                    and i.step in (None, 1)
+                    and (i.stop is None or i.stop >= x.shape[r.dim])
+                ):
+                    return Rows(pos_out, r.group)
+                return None
+            if isinstance(i, int):
+                pos_in += 1
+            elif torch.is_tensor(i) or isinstance(i, list):
+                if adv_seen:
+                    return None
+                adv_seen = True
+                k = torch.as_tensor(i).dim() if isinstance(i, list) else i.dim()
+                pos_in += 1
+                pos_out += k
+            else:
+                pos_in += 1
+                pos_out += 1
+        if pos_in <= r.dim:
+            if advanced and adv_seen:
+                return None
+            return Rows(pos_out + (r.dim - pos_in), r.group)
+        return None
+
+    def _per_row(self, x, idx) -> bool:
+        """``idx`` picks, for each batch row i, elements of row i only: an untagged ``arange(B)`` on the batch
+        dimension (any shape (B, 1, ..., 1); compared by value: no example's data), the other indices
+        broadcast against it — of the batch (tagged, B leading rows) or one for all rows (leading size 1).
+        CLIP's ``h[arange(B), eos]``, transformers' ``mask[arange(B)[:, None, None, None], kv_idx]``."""
+        first = idx[0]
+        n = x.shape[0]
+        if not (torch.is_tensor(first) and first.dim() >= 1 and first.shape[0] == n and not first.is_floating_point()):
+            return False
+        if first.numel() != n or self.tags.get(first) is not None:
+            return False
+        if not torch.equal(first.reshape(-1), torch.arange(n, device=first.device)):
+            return False
+        for i in idx[1:]:
+            if torch.is_tensor(i):
+                ri = self.tags.get(i)
+                if ri is not None and not (ri.known and ri.dim == 0 and ri.group == 1 and i.dim() <= first.dim()):
+                    return False
+                if ri is None and i.dim() >= first.dim() and i.shape[i.dim() - first.dim()] != 1:
+                    return False
+            elif not isinstance(i, (int, slice)) or (isinstance(i, slice) and i != slice(None)):
+                return False
+        return True
+
+    def _gather(self, func, args, kwargs, res):
+        """``gather(input, dim, index)``: out[i][j] = input[i][index[i][j]] (for dim 1): rows follow the
+        batch rows of either operand, along another dimension than ``dim``; a constant operand must be
+        the same for every row (size 1, stride 0 or equal rows), else the result depends on an example's place."""
+        inp = args[0]
+        if func in _TAKE_ALONG_DIM:  # (input, indices, dim=None): without dim, the flattened input
+            index, dim = _arg(args, kwargs, 1, "indices"), _arg(args, kwargs, 2, "dim")
+        else:
+            index, dim = _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 1, "dim")
+        if not (torch.is_tensor(inp) and torch.is_tensor(index) and isinstance(dim, int)):
+            return None
+        rx, ri = self.tags.get(inp), self.tags.get(index)
+        rows = rx or ri
+        if rx is not None and ri is not None and (rx.dim != ri.dim or rx.group != ri.group):
+            return None
+        if rows.dim == dim % inp.dim():
+            return None
+        if res.shape[rows.dim] != (inp if rx is not None else index).shape[rows.dim]:
+            return None  # the result has the index's shape: a constant index of one row takes one example's
+        for t, r in ((inp, rx), (index, ri)):
+            shared = r is None and not (t.shape[rows.dim] == 1 or t.stride(rows.dim) == 0)
+            if shared and self._rows_differ(t, rows.dim, rows.group):
+                return None
+        return rows
+
+    def _lookup(self, table, index, ids, res) -> Rows | None:
+        """``table[..., ids]`` (or ``table.index_select(dim, ids)``) of a constant table, not from the batch, at
+        indices of the batch (the only tensor index; the other entries integers or full slices): the result's
+        entries along the indexed dimensions follow the indices' rows — a table looked up per example
+        (fairseq's sinusoidal positions: ``weights.index_select(0, position_ids.view(-1))`` with positions
+        counted from each example's own padding; ``table[0, ids]``)."""
+        r = self.tags.get(ids)
+        if r is None or not r.known or ids.dtype in (torch.bool, torch.uint8) or len(index) > table.dim():
+            return None
+        if any(not (e is ids or isinstance(e, int) or (isinstance(e, slice) and e == slice(None))) for e in index):
+            return None
+        if sum(1 for e in index if e is ids) != 1:
+            return None
+        picked = [k for k, e in enumerate(index) if not isinstance(e, slice)]  # integers and the indices
+        adjacent = picked == list(range(picked[0], picked[-1] + 1))
+        d = (picked[0] if adjacent else 0) + r.dim  # torch puts non-adjacent indexed dimensions first
+        return Rows(d, r.group) if d < res.dim() and res.shape[d] == ids.shape[r.dim] else None
+
+    def _einsum(self, args, res):
+        """``einsum(equation, *operands)``: the batch rows follow their subscript letter into the output when
+        every operand of the batch has it at its batch dimension (one letter, one grouping) and the output keeps
+        it (not summed over); a constant operand with that letter must be the same for every row (size 1 or
+        equal rows), else an example's result would depend on its place in the batch."""
+        if not args or not isinstance(args[0], str):
+            return None
+        operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+        subscripts = _einsum_subscripts(args[0], [t.dim() for t in operands])
+        if subscripts is None:
+            return None
+        inputs, output = subscripts
+        letter = rows = None
+        for t, sub in zip(operands, inputs, strict=True):
+            r = self.tags.get(t)
+            if r is None:
+                continue
+            if letter is not None and (sub[r.dim] != letter or r.group != rows.group):
+                return None
+            letter, rows = sub[r.dim], r
+        if letter is None or letter not in output or res.dim() != len(output):
+            return None
+        size = res.shape[output.index(letter)]
+        for t, sub in zip(operands, inputs, strict=True):
+            if self.tags.get(t) is None and letter in sub:
+                d = sub.index(letter)
+                if t.shape[d] == size > 1 and t.stride(d) != 0 and self._rows_differ(t, d, rows.group):
+                    return None
+        return Rows(output.index(letter), rows.group)
+
+    def _functional(self, func, name, args, kwargs, tagged, res):
+        x, r = tagged[0]
+        nd = x.dim()
+        only_first = len(tagged) == 1 and args and args[0] is x
+        if name in ("linear",) and only_first:
+            return r if r.dim != nd - 1 else None
+        if name == "addmm" and len(args) > 1 and args[1] is x and len(tagged) == 1:
+            return r if r.dim == 0 else None
+        if name == "baddbmm":  # input + batch1 @ batch2 (a batch of products)
+            got = None
+            pair = (_arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2"))
+            if self.tags.get(pair[0]) is not None or self.tags.get(pair[1]) is not None:
+                got = self._matmul(pair, res)
+                if got is None:
+                    return None
+            ri = self.tags.get(args[0])
+            if ri is not None:
+                ra = self._aligned([(args[0], ri)], res.dim(), res)
+                if ra is None or (got is not None and (ra.dim, ra.group) != (got.dim, got.group)):
+                    return None
+                got = got or ra
+            return got
+        if name == "embedding" and len(tagged) == 1 and args[0] is x:
+            return r
+        if name == "one_hot" and only_first:
+            return r
+        if name in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
+            return r if only_first and r.dim == 0 and r.group == 1 else None
+        if name in (
+            "max_pool1d",
+            "max_pool2d",
+            "max_pool3d",
+            "avg_pool1d",
+            "avg_pool2d",
+            "avg_pool3d",
+            "adaptive_avg_pool1d",
+            "adaptive_avg_pool2d",
+            "adaptive_max_pool1d",
+            "adaptive_max_pool2d",
+            "interpolate",
+            "upsample",
+            "fold",
+        ):
+            return r if only_first and r.dim == 0 and r.group == 1 and nd >= 3 else None
+        if name in ("pixel_shuffle", "pixel_unshuffle") or func is F.unfold:  # (N, C, H, W); 3-d: C is the batch
+            return r if only_first and r.dim == 0 and r.group == 1 and nd == 4 else None
+        if name == "unfold" and only_first:  # Tensor.unfold(dimension, size, step): windows along ``dimension``
+            return None if int(_arg(args, kwargs, 1, "dimension")) % nd == r.dim else r
+        if name in ("layer_norm", "rms_norm") and only_first:
+            shape = _arg(args, kwargs, 1, "normalized_shape")
+            k = 1 if isinstance(shape, int) else len(shape)
+            return r if r.dim < nd - k else None
+        if name in ("group_norm", "instance_norm") and only_first:
+            return r if r.dim == 0 and r.group == 1 else None
+        if name == "batch_norm" and only_first:
+            training = _arg(args, kwargs, 5, "training", False)
+            running = _arg(args, kwargs, 1, "running_mean")
+            if training or running is None:
+                return None
+            return r if r.dim != 1 else None
+        if name == "scaled_dot_product_attention":
+            return (
+                self._aligned(tagged, res.dim(), res)
+                if all(t.dim() == res.dim() or t is not x for t, _ in tagged) and r.dim < nd - 2
+                else None
+            )
+        if name in ("pad",) and only_first:
+            pad = list(_arg(args, kwargs, 1, "pad"))
+            k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
+            return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
+        if name in ("tril", "triu", "tril_", "triu_") and only_first:  # the last two dimensions
+            return r if r.dim < nd - 2 else None
+        if name == "diagonal" and only_first:  # (input, offset=0, dim1=0, dim2=1): those two become the last
+            d1, d2 = (int(_arg(args, kwargs, k, n, k - 2)) % nd for k, n in ((2, "dim1"), (3, "dim2")))
+            return None if r.dim in (d1, d2) else r.moved(r.dim - (d1 < r.dim) - (d2 < r.dim))
+        if name in ("gather", "take_along_dim"):
+            return self._gather(func, args, kwargs, res)
+        if name == "einsum":
+            return self._einsum(args, res)
+        if name in FFT and only_first:
+            return _fft_rows(name, args, kwargs, nd, r, res)
+        if name in ("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle") and only_first:
+            return r if res.dim() == nd else None  # elementwise on complex values (FNet: fftn(x).real)
+        if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
+            dim = int(_arg(args, kwargs, 1, "dim")) % nd
+            if dim == r.dim or args[0] is not x:
+                return None
+            return self._aligned(tagged, res.dim(), res)
+        if name in ("repeat_interleave",):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            return r if dim is not None and int(dim) % nd != r.dim and only_first else None
+        if name == "repeat" and only_first:
+            sizes = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+            sizes = list(sizes)
+            d = r.dim + len(sizes) - nd
+            return Rows(d, r.group) if sizes[d] == 1 else None
+        if name in (
+            "cross_entropy",
+            "nll_loss",
+            "mse_loss",
+            "l1_loss",
+            "binary_cross_entropy",
+            "binary_cross_entropy_with_logits",
+            "kl_div",
+            "smooth_l1_loss",
+            "huber_loss",
+        ):
+            red = kwargs.get("reduction", "mean")
+            return r if red == "none" and r.dim == 0 else None
+        return None
+
+
+def _einsum_subscripts(equation: str, ranks) -> tuple[list[str], str] | None:
+    """(each operand's subscripts, the output's) of an einsum ``equation``, one character per dimension: an
+    ellipsis becomes characters of its own, aligned from the right across operands (broadcast); an implicit
+    output is the ellipsis and the letters used once, sorted.  None for an equation that does not parse."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    parts = lhs.split(",")
+    if len(parts) != len(ranks):
+        return None
+    spans = [rank - len(p.replace("...", "")) for p, rank in zip(parts, ranks, strict=True)]
+    most = max([0, *spans])
+    fill = [chr(0x2460 + i) for i in range(most)]  # characters no equation uses
+    inputs = []
+    for p, span in zip(parts, spans, strict=True):
+        if "..." in p:
+            p = p.replace("...", "".join(fill[most - span :]))
+        elif span:
+            return None
+        inputs.append(p)
+    if arrow:
+        output = rhs.replace("...", "".join(fill))
+    else:
+        letters = "".join(inputs)
+        output = "".join(fill) + "".join(sorted(c for c in set(letters) if c.isalpha() and letters.count(c) == 1))
+    return inputs, output
+
+
+#: torch.fft's transforms (``__name__`` ``fft_<name>``) → the dimensions they transform by default: the last
+#: (1-d), the last two (2-d), every dimension or the last ``len(s)`` (n-d); the shifts roll every dimension
+FFT = {
+    **{f"fft_{k}{n}": -1 for k in ("", "i", "r", "ir", "h", "ih") for n in ("fft",)},
+    **{f"fft_{k}fft2": (-2, -1) for k in ("", "i", "r", "ir", "h", "ih")},
+    **{f"fft_{k}fftn": None for k in ("", "i", "r", "ir", "h", "ih")},
+    "fft_fftshift": None,
+    "fft_ifftshift": None,
+}
+
+
+def _fft_rows(name, args, kwargs, nd, rows, res) -> Rows | None:
+    """A Fourier transform (or shift) along some dimensions mixes the entries along those dimensions only:
+    row by row when the batch dimension is not one of them (FNet's ``fftn(x, dim=(1, 2))`` over the tokens
+    and the hidden units of (B, T, d)); ``dim`` (or numpy's ``axis``) the transformed dimensions, else the
+    default of :data:`FFT` (an n-d transform without ``dim`` transforms the last ``len(s)``, or all)."""
+    shift = name.endswith("shift")
+    dim = kwargs.get("dim", kwargs.get("axis", _arg(args, kwargs, 1 if shift else 2, "dim", FFT[name])))
+    if dim is None:
+        s = None if shift else _arg(args, kwargs, 1, "s")
+        dims = tuple(range(nd - len(s), nd)) if s is not None else tuple(range(nd))
+    else:
+        dims = _dims(dim, nd)
+    if rows.dim in dims or res.dim() != nd:
+        return None
+    return rows
+
+
+def probe_rank(target, index) -> int:
+    with torch.no_grad():
+        return target[index].dim()
+
+
+def enter(batch: int) -> ProvenanceMode:
+    mode = ProvenanceMode(batch)
+    mode.__enter__()
+    return mode
+
+
+__all__ = ["BATCH", "ProvenanceMode", "RefusedRows", "Rows", "current", "enter", "op_name", "refusal", "rows_of"]
