@@ -135,7 +135,8 @@ def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
 def forward_cost(layers: int, d: int, heads: int, batch: int, seq: int, rounds: int, mask: bool) -> dict:
     """CPU milliseconds of one GPT-2 forward (one thread) in this tree, interleaved in one process: book-kept with
     the attribution traced (every operation intercepted), replayed (``idpsgd.engine.per_example.bk.replay``), and
-    with the book-keeper inactive (no provenance, no book-kept layers: the model's own forward); medians over ``rounds``."""
+    with the book-keeper inactive (no provenance, no book-kept layers: the model's own forward);
+    medians over ``rounds``."""
     import warnings
 
     import torch
