@@ -3,16 +3,21 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
 DOCS_STAMP := $(VENV)/.installed-docs
 LINT_STAMP := $(VENV)/.installed-lint
 
 .PHONY: demo test test-slow test-opacus test-opacus-baseline bench install docs lint clean
 
-$(STAMP): pyproject.toml
+# the venv and torch once; the package and its extras again only when pyproject.toml changes
+$(TORCH_STAMP):
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU build of PyTorch on these machines; the package itself only needs torch>=2.6.
 	$(BIN)/pip install --quiet torch==2.13.0
+	touch $(TORCH_STAMP)
+
+$(STAMP): pyproject.toml | $(TORCH_STAMP)
 	$(BIN)/pip install --quiet -e '.[test,hf]'
 	touch $(STAMP)
 
@@ -21,8 +26,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/idpsgd demo --seed 0 --overwrite --out runs/demo
 
+# pytest-xdist: one worker per core, a file per worker at a time (a file's module fixtures made once; see
+# tests/conftest.py).  `python -m pytest` alone runs the same tests in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 # the long end-to-end versions (deselected by default in pyproject.toml)
 test-slow: $(STAMP)

@@ -1,3 +1,16 @@
+"""Fixtures shared by the test files.
+
+``make test`` runs the suite on pytest-xdist's workers, one per core, a file at a time (``-n auto --dist
+loadfile``): a file's module-scoped fixtures (a training run or a spawn of processes read by several tests)
+are made once, as in one process, and nothing lists the files.  Each worker's torch takes its share of the
+cores (set below, before torch is imported), not all of them."""
+
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # n workers on n cores: a thread each, not n threads each
+    _share = (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+
 import numpy as np
 import pytest
 

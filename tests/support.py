@@ -12,6 +12,8 @@
   :func:`private_imports`: the package's import graph read with ``ast`` (relative imports resolved, lazy
   in-function imports counted), for the layout checks (``test_layout.py``, ``test_names.py``,
   ``test_import_cycles.py``).
+* :func:`launch_together`: several distributed scenarios in one spawn of processes (a module-scoped
+  fixture shares it between the module's tests).
 """
 
 from __future__ import annotations
@@ -238,3 +240,27 @@ def private_imports(mods: dict[str, Path] | None = None) -> list[tuple[str, str,
             if target.startswith("idpsgd") and f"{target}.{name}" not in mods
         }
     )
+
+
+def _run_in_turn(calls: dict) -> dict:
+    """On every rank: each ``name: (fn, kwargs)`` of ``calls`` in turn, in one process group; returns
+    ``{name: result}`` and ``seconds`` (rank 0's time per call)."""
+    import time
+
+    out, seconds = {}, {}
+    for name, (fn, kwargs) in calls.items():
+        start = time.perf_counter()
+        out[name] = fn(**kwargs)
+        seconds[name] = time.perf_counter() - start
+    return {**out, "seconds": seconds}
+
+
+def launch_together(nproc: int, calls: dict, timeout_s: float) -> dict:
+    """Several scenarios of ``distributed.launch`` that end normally, run one after the other in ONE
+    spawn of ``nproc`` processes: each spawn imports torch, opacus and idpsgd in fresh processes (most
+    of a small scenario's time), so a test module shares one through a module-scoped fixture.  A rank
+    that raises fails the launch, and with it every test of the fixture (with the rank's error).
+    Scenarios that kill or hang a rank keep their own launch."""
+    from idpsgd.engine import distributed
+
+    return distributed.launch(_run_in_turn, nproc, (calls,), timeout_s=timeout_s)

@@ -172,9 +172,8 @@ def test_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     assert {"cnn", "demo_test_accuracy", "hf_time.gpt2_lm", "hf_bf16.gpt2_lm"} <= set(saved["figures"])
 
 
-def test_versions_bench_compares_two_checkouts(monkeypatch, tmp_path):
-    """bench/bench_versions.py with this checkout as its own base: every (version, configuration) ran
-    in every round, and the ratios are those of the medians."""
+def _versions_bench(monkeypatch, tmp_path):
+    """bench/bench_versions.py with this checkout as its own base, two rounds; returns its result."""
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_versions
 
@@ -183,10 +182,45 @@ def test_versions_bench_compares_two_checkouts(monkeypatch, tmp_path):
         ["--base", str(BENCH.parent), "--quick", "--repeats", "2", "--batch-size", "32", "--out", str(out)]
     )
     assert json.loads(out.read_text()) == r
+    return r, bench_versions
+
+
+def test_versions_bench_interleaves_rounds_and_takes_ratios_of_medians(monkeypatch, tmp_path, bench_engine):
+    """The fast twin of the test below: each version's worker run in this process (bench_engine's
+    run_config, as its ``--worker`` runs it), so the rounds, their order and the figures are the bench's own
+    without eight fresh Python processes; the order reverses every other round."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_versions
+
+    order = []
+
+    def in_process(root, spec):
+        order.append((root, spec["config"], spec["seed"]))
+        return bench_engine.run_config(spec)
+
+    monkeypatch.setattr(bench_versions, "run_version", in_process)
+    r, bench_versions = _versions_bench(monkeypatch, tmp_path)
+    root = BENCH.parent.resolve()  # both versions: this checkout (base and this)
+    first = [(root, "nonprivate", 0), (root, "nonprivate", 0), (root, "ours_bk", 0), (root, "ours_bk", 0)]
+    assert order == [*first, *[(p, c, 1) for p, c, _ in reversed(first)]]
+    _check_versions(r)
+    with pytest.raises(SystemExit):
+        bench_versions.main(["--base", str(tmp_path), "--quick"])
+
+
+@pytest.mark.slow  # eight fresh Python processes (the fast twin above runs the workers in this process)
+def test_versions_bench_compares_two_checkouts(monkeypatch, tmp_path):
+    """bench/bench_versions.py with this checkout as its own base: every (version, configuration) ran
+    in every round, and the ratios are those of the medians."""
+    r, bench_versions = _versions_bench(monkeypatch, tmp_path)
+    _check_versions(r)
+    with pytest.raises(SystemExit):
+        bench_versions.main(["--base", str(tmp_path), "--quick"])
+
+
+def _check_versions(r):
     m = r["models"]["cifar_cnn"]
     assert set(m["runs"]) == {"base:nonprivate", "base:ours_bk", "this:nonprivate", "this:ours_bk"}
     assert all(len(v) == 2 and min(v) > 0 for v in m["runs"].values())
     assert m["this_vs_base"]["ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["base:ours_bk"]
     assert m["vs_nonprivate"]["this:ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["this:nonprivate"]
-    with pytest.raises(SystemExit):
-        bench_versions.main(["--base", str(tmp_path), "--quick"])

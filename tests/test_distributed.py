@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from idpsgd.engine import distributed
+from support import launch_together
 
 EPOCHS, BATCH = 1, 256
 
@@ -67,11 +68,27 @@ def _trial(die_at=None, mark=None):
     return out
 
 
-def test_two_gloo_processes_match_one_process():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The scenarios below that end normally, in one spawn of two gloo processes (a spawn imports torch,
+    opacus and idpsgd in two fresh processes: most of a scenario's time); the dying and the hanging rank
+    keep their own launches."""
+    return launch_together(
+        2,
+        {
+            "trial": (_trial, {}),
+            "engines": (_engine_trial, {}),
+            "every_step": (_engine_trial, {"modes": ("bk",), "every_step": True}),
+            "write": (_a_write_on_one_rank, {}),
+        },
+        timeout_s=60,
+    )
+
+
+def test_two_gloo_processes_match_one_process(two_ranks):
     single = _trial()
-    t = time.perf_counter()
-    two = distributed.launch(_trial, 2, timeout_s=60)
-    assert time.perf_counter() - t < 60
+    two = two_ranks["trial"]
+    assert two_ranks["seconds"]["trial"] < 60
     assert two["steps"] == single["steps"] == two["report_steps"] > 1
     np.testing.assert_array_equal(two["eps"], single["eps"])  # the same per-group ledger
     assert len(two["drawn"]) == len(single["drawn"])
@@ -203,11 +220,11 @@ def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):
     return results
 
 
-def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_process():
+def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_process(two_ranks):
     """Ghost clipping and book-keeping on DPDDP, and individual accounting with norm passes sharded and
     all-gathered: two processes give the single-process run."""
     single = _engine_trial(data_parallel=False)
-    two = distributed.launch(_engine_trial, 2, timeout_s=60)
+    two = two_ranks["engines"]
     for mode in ("ghost", "bk"):
         assert two[mode]["steps"] == single[mode]["steps"] == 12
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])
@@ -221,11 +238,11 @@ def test_ghost_and_bookkeeping_clipping_and_individual_accounting_match_one_proc
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_the_sensitivity_check_is_reduced_over_ranks():
+def test_the_sensitivity_check_is_reduced_over_ranks(two_ranks):
     """Norms every step (ceil): each rank checks its own sampled examples and the counts are summed over
     the ranks every step, so both ranks agree and the two-process record is the single-process one."""
     single = _engine_trial(data_parallel=False, modes=("bk",), every_step=True)["bk"]
-    two = distributed.launch(_engine_trial, 2, kwargs={"modes": ("bk",), "every_step": True}, timeout_s=60)["bk"]
+    two = two_ranks["every_step"]["bk"]
     assert two["kind"] == single["kind"] == "guarantee"
     for key in ("steps", "examples", "compared", "exceeded", "mismatched"):
         assert two["check"][key] == single["check"][key], key
@@ -348,17 +365,17 @@ def _a_write_on_one_rank(modes=("hooks", "ghost", "bk")):
     return everyone
 
 
-def test_a_write_on_one_rank_refuses_the_step_on_every_rank_at_once():
+def test_a_write_on_one_rank_refuses_the_step_on_every_rank_at_once(two_ranks):
     """Before (issue 35), the rank that found the write raised and the other waited in the gradient
     all-reduce until the collective timeout.  Now the verdict is all-reduced before the noise: both ranks
     refuse the step within seconds, nothing is drawn or charged, and both refuse every later step."""
-    ranks = distributed.launch(_a_write_on_one_rank, 2, timeout_s=30)
+    ranks = two_ranks["write"]
     for mode in ("hooks", "ghost", "bk"):
         zero, one = ranks[0][mode], ranks[1][mode]
         for r in (zero, one):
             assert r["steps"] == r["charged"] == 1  # the first step only
             assert len(r["errors"]) == 2 and "refused: earlier" in r["errors"][1]
-            assert max(r["s"]) < 10  # not the 30 s collective timeout
+            assert max(r["s"]) < 10  # not the 60 s collective timeout
         assert "persistent buffer 'seen' (module '(root)', Sequential) was written in place" in one["errors"][0]
         assert "rank 1 of 2" in zero["errors"][0] and "persistent buffer 'seen'" in zero["errors"][0]
         assert "no noise was drawn and nothing was charged" in zero["errors"][0]

@@ -57,6 +57,10 @@ def _check_text(out: str, cwd: Path) -> None:
     assert sum(int(line.split()[0]) for line in out.splitlines() if " layers: " in line) == 20  # every trained layer
 
 
+def _check_hf_finetune(out: str, cwd: Path) -> None:
+    assert "group with budget 1" in out and "test perplexity" in out
+
+
 def _check_opacus_port(out: str, cwd: Path) -> None:
     assert out.strip().splitlines()[-1].startswith("epoch 1:") and "epsilon 3.00" in out
 
@@ -66,6 +70,7 @@ CHECKS = {
     "csv_budget_column": _check_csv,
     "text_transformer": _check_text,
     "opacus_port": _check_opacus_port,
+    "hf_finetune_gpt2": _check_hf_finetune,
 }
 
 

@@ -713,8 +713,9 @@ def test_example_tiny_full_fine_tuning(tmp_path, capsys):
     assert "test perplexity" in capsys.readouterr().out and report["steps"] > 0
 
 
-def test_example_script_runs_as_a_command(tmp_path):
-    """The example as users run it (a fresh process, the tiny setting from the environment)."""
+@pytest.mark.slow  # fast twins: test_examples.py runs the script in a fresh process (its output checked there too)
+def test_example_script_runs_as_a_command(tmp_path):  # and test_example_tiny_with_lora the LoRA path, in this one
+    """The example as users run it (a fresh process, the tiny setting from the environment), with LoRA."""
     env = {**os.environ, "IDPSGD_EXAMPLE_TINY": "1", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [
