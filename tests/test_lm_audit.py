@@ -104,10 +104,10 @@ def test_canaries_one_design_per_seed_distinct_secrets_fair_coins():
 def test_canaries_join_the_rows_as_rows_or_null_rows_and_at_user_level_as_users():
     fmt = CanaryFormat(digits=4)
     c = draw_canaries([1.0, 4.0], 6, fmt, seed=0)
-    texts, eps, users, null, idx = with_canaries(["a b", "c d", "e f"], [1.0, 4.0, 4.0], c)
+    texts, eps, users, null, of = with_canaries(["a b", "c d", "e f"], [1.0, 4.0, 4.0], c)
     assert len(texts) == 3 + 12 and users is None
     assert eps[3:].tolist() == c.budgets.tolist() and null[:3].sum() == 0
-    assert np.array_equal(null[3:], ~c.included) and idx.tolist() == list(range(3, 15))
+    assert np.array_equal(null[3:], ~c.included) and of.tolist() == list(range(12))
     u = draw_canaries([1.0, 4.0], 6, fmt, seed=0, user_ids=np.array(["u1", "u2"]), user_budgets=[1.0, 4.0])
     assert len(set(u.users)) == 12 and all(x.startswith("idpsgd-canary-") for x in u.users)
     e = draw_canaries(
@@ -117,6 +117,44 @@ def test_canaries_join_the_rows_as_rows_or_null_rows_and_at_user_level_as_users(
     assert set(e.users) == {"u1", "u2"}
     with pytest.raises(InvalidParameterError, match="reserved prefix"):
         draw_canaries([1.0], 2, fmt, seed=0, user_ids=np.array(["idpsgd-canary-0"]), user_budgets=[1.0])
+
+
+def test_repeated_canaries_are_rows_of_one_user_and_refused_at_example_level():
+    """A canary with r repeats is r consecutive rows of its user, with one coin (all r null or none); at
+    example level repeats are refused (the per-row ε would not cover the canary's r rows)."""
+    fmt = CanaryFormat(digits=4)
+    ids, budgets = np.array(["u1", "u2"]), [1.0, 4.0]
+    c = draw_canaries([1.0, 4.0], 5, fmt, seed=1, user_ids=ids, user_budgets=budgets, repeats=3)
+    assert c.repeats == 3 and len(c) == 10
+    texts, eps, users, null, of = with_canaries(["a b", "c d"], [1.0, 4.0], c, ["u1", "u2"])
+    assert len(texts) == 2 + 30 and of.tolist() == np.repeat(np.arange(10), 3).tolist()
+    for i in range(10):
+        rows = 2 + np.flatnonzero(of == i)
+        assert {texts[j] for j in rows} == {c.texts[i]} and {users[j] for j in rows} == {c.users[i]}
+        assert set(null[rows].tolist()) == {not c.included[i]} and set(eps[rows].tolist()) == {c.budgets[i]}
+    assert len(set(c.users)) == 10  # each canary a user of its own, owning its 3 rows
+    with pytest.raises(InvalidParameterError, match="repeated canaries need user level"):
+        draw_canaries([1.0, 4.0], 5, fmt, seed=1, repeats=2)
+    with pytest.raises(InvalidParameterError, match="canary_repeats"):
+        draw_canaries([1.0], 5, fmt, seed=1, user_ids=ids, user_budgets=budgets, repeats=0)
+
+
+def test_canaries_with_contexts_each_open_with_a_public_word_of_their_own():
+    """With contexts canary slot i reads "<context i> <prefix> d₁ … d_k": distinct, lower-case words that are no
+    digit; the candidate texts of one slot share its context; the alphabet holds the contexts."""
+    fmt = CanaryFormat("my code is", 3, contexts=True)
+    c = draw_canaries([1.0, 8.0], 40, fmt, seed=0)
+    words = [t.split()[0] for t in c.texts]
+    assert len(set(words)) == 80 and all(w.isalpha() and w.islower() and w.startswith("x") for w in words)
+    assert [t.split()[1:4] for t in c.texts] == [["my", "code", "is"]] * 80
+    assert [t.split()[4:] for t in c.texts] == [list(map(str, row)) for row in fmt.secret_digits(c.secret_ids)]
+    assert fmt.texts([7, 42], slot=5) == [f"{fmt.context(5)} my code is 0 0 7", f"{fmt.context(5)} my code is 0 4 2"]
+    assert fmt.context(0) == "xbaa" and fmt.context(27) == "xbbb"
+    assert set(words) <= set(fmt.alphabet_text(80).split())
+    with pytest.raises(InvalidParameterError, match="slot"):
+        fmt.texts([1])
+    with pytest.raises(InvalidParameterError, match="canary_slot"):
+        fmt.context(-1)
 
 
 # --------------------------------------------------------------------------- the one-run bound is the audit's
@@ -239,6 +277,29 @@ def test_scored_exposure_exact_and_estimated_on_a_model(tok):
     assert est["exposure_is_estimate"] and est["candidates_scored"] == 8000 and "estimate" in est["exposure_method"]
     diff = np.abs(est["_private"]["exposure"] - exact["_private"]["exposure"])
     assert diff.mean() < 0.25, diff
+
+
+def test_candidates_scored_by_shared_stems_equal_full_scoring_and_rank_each_context(tok):
+    """Scoring candidates by their shared stems (all tokens but the last, run once) gives the full texts'
+    log-likelihoods; with contexts every canary's exposure is its brute-force rank among the candidates under
+    its own context."""
+    from idpsgd.audit.lm import LMAuditOptions, audit_canaries, candidate_log_likelihoods, sequence_log_likelihoods
+
+    model = _gpt2(tok, seed=5).eval()
+    texts = [*FMT.texts(np.arange(1000)), "the quick brown fox jumps", "a b"]
+    full, _ = sequence_log_likelihoods(model, tok, texts, batch_size=64)
+    stems = candidate_log_likelihoods(model, tok, texts, batch_size=64)
+    assert np.allclose(stems, full, atol=1e-4)
+    ctx = CanaryFormat("my code is", 3, contexts=True)
+    t = word_tokenizer([*_lines(200), ctx.alphabet_text(8)])
+    model = _gpt2(t, seed=6).eval()
+    canaries = draw_canaries([1.0, 8.0], 4, ctx, seed=3)
+    got = audit_canaries(model, t, canaries, {}, 1e-5, LMAuditOptions(canaries=4, digits=3, contexts=True))
+    assert got["canary_format"]["contexts"] and not got["exposure_is_estimate"]
+    for i in range(len(canaries)):
+        space, _ = sequence_log_likelihoods(model, t, ctx.texts(np.arange(1000), slot=i))
+        rank = _brute_force_rank(space[canaries.secret_ids[i]], space.tolist())
+        assert got["_private"]["exposure"][i] == pytest.approx(math.log2(1000) - math.log2(rank), abs=1e-6)
 
 
 def _csv(path):
@@ -373,8 +434,8 @@ def test_null_rows_add_nothing_and_other_rows_are_labelled_as_the_lm_collator_la
 @pytest.mark.parametrize("level", ["example", "user"])
 def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path, level):
     """The Trainer path: add_canaries + canary_collator, train, audit_trainer writes the audit into the run
-    folder; the bound is checked against the ε the run reports.  At user level each canary is a new user's
-    row (the run's groups count users)."""
+    folder; the bound is checked against the ε the run reports.  At user level each canary is a new user owning
+    its 2 repeated rows (the run's groups count users)."""
     import datasets
     from transformers import TrainingArguments
 
@@ -392,11 +453,17 @@ def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path, lev
     ds = datasets.Dataset.from_dict(columns)
     canaries = draw_canaries(
         [1.0, 8.0], 4, FMT, seed=5, user_ids=None if users is None else users[0],
-        user_budgets=None if users is None else users[1],
+        user_budgets=None if users is None else users[1], repeats=1 if users is None else 2,
     )  # fmt: skip
     user_column = "user" if users is not None else None
     train = add_canaries(ds, canaries, tok, budget_column="epsilon", user_column=user_column, max_length=16)
-    assert len(train) == 48 and set(train.column_names) == {*columns, "labels"}
+    assert len(train) == 40 + 8 * canaries.repeats and set(train.column_names) == {*columns, "labels"}
+    if users is not None:  # a canary's two rows: its text twice, its user's, one coin
+        rows = train.select(range(40, 56))
+        assert rows["user"] == np.repeat(canaries.users, 2).tolist()
+        assert rows["input_ids"][::2] == rows["input_ids"][1::2]
+        labelled = [any(v != -100 for v in x) for x in rows["labels"]]
+        assert labelled == np.repeat(canaries.included, 2).tolist()
     out = tmp_path / "run"
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,

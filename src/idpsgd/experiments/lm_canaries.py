@@ -131,8 +131,9 @@ def _base_model(folder, tok, seed: int, width: int, layers: int) -> None:
     tok.save_pretrained(folder)
 
 
-def _non_private(base, texts, null, canaries, out_dir, *, epochs, batch_size, lr, max_length, seed, audit):
-    """The same rows and canaries fine-tuned without DP (``transformers.Trainer``), then audited."""
+def _non_private(base, texts, null, canaries, out_dir, *, steps, batch_size, lr, max_length, seed, audit):
+    """The same rows and canaries fine-tuned without DP (``transformers.Trainer``, batches of
+    ``batch_size`` for ``steps`` steps), then audited."""
     import datasets
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -152,7 +153,7 @@ def _non_private(base, texts, null, canaries, out_dir, *, epochs, batch_size, lr
     args = TrainingArguments(
         output_dir=str(folder.path / "private" / "trainer"),
         per_device_train_batch_size=batch_size,
-        num_train_epochs=epochs,
+        max_steps=steps,
         learning_rate=lr,
         save_strategy="no",
         logging_strategy="no",
@@ -177,6 +178,8 @@ def run_lm_canaries(
     method: str = "scale",
     canaries: int = 20,
     digits: int = 4,
+    contexts: bool = False,
+    repeats: int = 1,
     epochs: int = 150,
     batch_size: int = 32,
     lr: float = 1e-2,
@@ -193,12 +196,13 @@ def run_lm_canaries(
     """Run the reproduction (module docstring) into the run folder ``out``: ``dp-<method>/`` (the private
     run with its audit) and ``non-private/`` (the baseline's audit); returns the comparison."""
     from ..assignment import Budgets
-    from ..audit.canaries import CanaryFormat, with_canaries
+    from ..audit.canaries import with_canaries
     from ..audit.lm import LMAuditOptions
     from ..audit.lm_training import audit_finetune
     from ..engine.randomness import derive_seed
     from ..integrations.hf.finetune import FinetuneOptions
     from ..integrations.hf.text_data import TextData
+    from ..users import Users
     from ..validation import InvalidParameterError
     from .summary import randomness, repetition_seeds
 
@@ -211,8 +215,10 @@ def run_lm_canaries(
     t0 = time.time()
     base_seed, (run_seed,) = repetition_seeds(seed, 1)
     corpus = stdlib_docstring_corpus(rows)
-    fmt = CanaryFormat(digits=digits)
-    tok = _tokenizer(corpus, fmt.alphabet_text(), 4000)
+    values = _budget_values(budgets)
+    audit = LMAuditOptions(canaries=canaries, digits=digits, contexts=contexts, repeats=repeats)
+    fmt = audit.format
+    tok = _tokenizer(corpus, fmt.alphabet_text(canaries * len(values)), 4000)
     base = out.path / "base_model"
     out.save_directory(
         "base_model",
@@ -220,12 +226,19 @@ def run_lm_canaries(
         "the starting point: a GPT-2 built from a config and the tokenizer trained on the public corpus",
         lambda p: _base_model(p, tok, derive_seed(run_seed, 1), width, layers),
     )
-    values = _budget_values(budgets)
     budgets = Budgets.from_groups(
         values, [1 / len(values)] * len(values), len(corpus), DELTA, seed=derive_seed(run_seed, 2)
     )
-    train = TextData(corpus, None, budgets.epsilons, ["text", "epsilon"], {"format": "corpus", "file": "stdlib"})
-    audit = LMAuditOptions(canaries=canaries, digits=digits)
+    # repeated canaries are their users' rows: user level, every docstring row a user of its own
+    users = Users([f"row-{i:05d}" for i in range(len(corpus))], repeats) if repeats > 1 else None
+    train = TextData(
+        corpus,
+        None,
+        budgets.epsilons,
+        ["text", "epsilon"],
+        {"format": "corpus", "file": "stdlib"},
+        users=None if users is None else [str(u) for u in users.ids[users.unit_of_row]],
+    )
     _check_method("method", method)
     options = FinetuneOptions(
         method=method,
@@ -238,21 +251,35 @@ def run_lm_canaries(
         progress=progress,
     )
     t1 = time.time()
-    dp = audit_finetune(base, train, budgets, out.path / f"dp-{method}", options=options, audit=audit, overwrite=True)
+    dp = audit_finetune(
+        base, train, budgets, out.path / f"dp-{method}", options=options, audit=audit, users=users, overwrite=True
+    )
     t2 = time.time()
-    # the baseline trains on the very rows and canaries of the private run (the same design seed)
+    # the baseline trains on the very rows and canaries of the private run (the same design seed), for
+    # as many steps as the private run took
     from ..audit.canaries import draw_canaries
     from ..audit.lm_training import DESIGN_PATH
 
-    canary_set = draw_canaries(values, canaries, fmt, seed=derive_seed(options.seed, DESIGN_PATH))
-    texts, _, _, null, _ = with_canaries(corpus, budgets.epsilons, canary_set)
+    canary_set = draw_canaries(
+        values,
+        canaries,
+        fmt,
+        seed=derive_seed(options.seed, DESIGN_PATH),
+        user_ids=None if users is None else users.ids,
+        user_budgets=None if users is None else budgets.epsilons,
+        repeats=repeats,
+    )
+    user_rows = None if users is None else train.users
+    texts, _, _, null, _ = with_canaries(
+        corpus, budgets.epsilons[users.unit_of_row] if users else budgets.epsilons, canary_set, user_rows
+    )
     baseline, _ = _non_private(
         base,
         texts,
         null,
         canary_set,
         out.path / "non-private",
-        epochs=epochs,
+        steps=int(dp["steps"]),
         batch_size=batch_size,
         lr=baseline_lr,
         max_length=max_length,
@@ -287,9 +314,12 @@ def run_lm_canaries(
         "baseline_lr": baseline_lr,
         "clip_norm": clip_norm,
         "canaries_per_group": canaries,
+        "canary_repeats": repeats,
+        "level": "user" if users is not None else "example",
         "canary_format": a["canary_format"],
         "private_run": {"steps": dp["steps"], "noise_multiplier": dp["noise_multiplier"], "lm_audit": a},
         "non_private": {"lm_audit": baseline},
+        "baseline_steps": int(dp["steps"]),
         "checks": checks,
         "far_bits": FAR_BITS,
         "randomness": randomness(False),
@@ -302,9 +332,12 @@ def _markdown(r) -> str:
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     lines = [
         f"Canary audit of a fine-tuned GPT-2 ({r['model']}) on {r['corpus']}; IDP-SGD {r['method']}, "
-        f"{r['private_run']['steps']} steps, σ = {r['private_run']['noise_multiplier']:.3f}; {r['canaries_per_group']} "
-        f"canaries per group, |R| = {a['canary_format']['space_size']}, exposure {a['exposure_method']} (max "
-        f"{a['exposure_max']:.2f} bits)",
+        f"{r['private_run']['steps']} steps, σ = {r['private_run']['noise_multiplier']:.3f}, {r['level']} level; "
+        f"{r['canaries_per_group']} canaries per group"
+        + (" (each under a context word of its own)" if a["canary_format"].get("contexts") else "")
+        + (f", {r['canary_repeats']} rows each (its user's)" if r["canary_repeats"] > 1 else "")
+        + f", |R| = {a['canary_format']['space_size']}, exposure {a['exposure_method']} (max "
+        f"{a['exposure_max']:.2f} bits); the baseline: the same rows, {r['baseline_steps']} steps",
         "",
         "| run | budget | reported ε | exposure, included: mean (median) | exposure, held out | AUC "
         "| ε lower bound | audit |",
@@ -325,7 +358,7 @@ def _markdown(r) -> str:
             )
     lines.append("")
     for k, v in r["checks"].items():
-        lines.append(f"- {k.replace('_', ' ')}: {'yes' if v else 'NO'}")
+        lines.append(f"- {'PASS' if v else 'FAIL'}: {k.replace('_', ' ')}")
     s = r["seconds"]
     lines.append(f"\n{s['total']:.0f} s (private run {s['private_run']:.0f} s, baseline {s['baseline']:.0f} s)")
     return "\n".join(lines) + "\n"
@@ -375,6 +408,10 @@ register(
             Option("method", "IDP-SGD method of the private run: sample or scale", _check_method),
             Option("canaries", "secret canaries per budget group (each included with probability 1/2)", at_least_one),
             Option("digits", "random digits per secret (|R| = 10^digits; exact exposure up to 10^5)", at_least_one),
+            Option("contexts", "every canary opens with a public context word of its own", None),
+            Option(
+                "repeats", "rows per canary, all of its own user's (above 1: the runs are at user level)", at_least_one
+            ),
             Option("epochs", "passes over the data (both runs)", at_least_one),
             Option("batch_size", "expected batch size (both runs)", at_least_one),
             Option("lr", "AdamW learning rate of the private run", positive),
