@@ -178,6 +178,25 @@ def test_the_group_bound_is_the_existing_one_run_implementation():
     assert ok["verdict"] == "passed"
 
 
+def test_pooled_mean_ranks_are_the_groups_rank_means_among_all_included_canaries():
+    """A group's mean rank: its included canaries' positions (1: lowest exposure, ties their mean position)
+    among the included canaries of every group, by a plain sort (the reference); held-out canaries do not enter."""
+    from idpsgd.audit.lm import pooled_mean_ranks
+
+    rng = np.random.default_rng(4)
+    exp = np.round(rng.exponential(size=60), 1)  # ties
+    group, inc = np.repeat(np.arange(3), 20), rng.random(60) < 0.5
+    inc[40:] = False
+    got = pooled_mean_ranks(exp, group, inc, 4)
+    pooled = sorted(exp[inc].tolist())
+    for g in range(2):
+        ref = [np.mean([k + 1 for k, v in enumerate(pooled) if v == x]) for x in exp[inc & (group == g)]]
+        assert got[g] == pytest.approx(np.mean(ref))
+    assert got[2] is None and got[3] is None
+    lo_hi = pooled_mean_ranks([0.1, 0.2, 5.0, 6.0], [0, 0, 1, 1], [True] * 4, 2)
+    assert lo_hi == [1.5, 3.5]
+
+
 # --------------------------------------------------------------------------- a tiny GPT-2 and a text file
 
 pytest.importorskip("transformers")
@@ -508,9 +527,11 @@ def _public_text(folder: Path) -> str:
 
 @pytest.mark.filterwarnings(SPARSE)
 def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
-    """``idpsgd reproduce lm-canaries`` at a tiny size: the stdlib docstring corpus, a private run with three
-    budget groups and the non-private baseline on the same rows and canaries, each audited; the checks of the
-    issue reported; secrets only in the runs' private/ (0600), nothing but the result on stdout."""
+    """``idpsgd reproduce lm-canaries`` at a tiny size (the fast twin of the slow test below): the stdlib
+    docstring corpus, a private run with three budget groups at user level (each canary a user owning its 4
+    repeated rows, under a context word of its own) and the non-private baseline on the same rows and canaries
+    for as many steps, each audited; the checks of the issue reported; secrets only in the runs' private/
+    (0600), nothing but the result on stdout."""
     from idpsgd.experiments.lm_canaries import stdlib_docstring_corpus
 
     corpus = stdlib_docstring_corpus(40)
@@ -523,6 +544,11 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3
+    # the defaults' design: every canary under a context word of its own, 4 rows of a canary user (user level)
+    assert (
+        r["level"] == "user" and r["canary_repeats"] == 4 and r["private_run"]["lm_audit"]["canary_format"]["contexts"]
+    )
+    assert r["baseline_steps"] == r["private_run"]["steps"]  # the baseline trains as many steps
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [2.0, 4.0, 8.0]
     assert all(g["reported_epsilon"] <= g["budget"] * (1 + 1e-9) for g in a["groups"])
@@ -538,7 +564,11 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert r["far_bits"] == 3.0  # "far above": the baseline's medians at least 3 bits above every private group's
     far = None not in med + base and min(base) >= max(med) + 3.0
     assert r["checks"]["baseline_far_above_every_private_group"] == far
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]  # the ordering: mean ranks among all included canaries
+    assert r["checks"]["exposure_ordered_by_budget"] == (None not in ranks and ranks[0] < ranks[1] < ranks[2])
     assert _secrets_of(out / "dp-scale") == _secrets_of(out / "non-private")  # the same canaries
+    rows = _csv(out / "dp-scale" / "private" / "canaries.csv")
+    assert len({row["text"].split()[0] for row in rows}) == 9 and len({row["user"] for row in rows}) == 9
     for run in ("dp-scale", "non-private"):
         assert file_mode(out / run / "private" / "canaries.csv") == 0o600
         assert (out / run / "exposure_by_group.png").is_file()
@@ -550,27 +580,22 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-#: measured (docs/reproducing.md): at seed 1 the private groups' medians are not ordered (0.97 / 0.85 / 1.10 bits),
-#: at seed 2 the baseline's ε = 64 group is only 1.65 bits above the largest private median (3.89 vs 2.24)
-NOT_ROBUST = "issue 52's done-when does not hold at this seed yet (docs/reproducing.md, 'Not robust across seeds')"
-
-
-@pytest.mark.slow  # the reproduction's defaults: ~240 s of CPU per seed (about 4 min each on a quiet core)
-@pytest.mark.parametrize(
-    "seed", [0, *(pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST)) for s in (1, 2))]
-)
+@pytest.mark.slow  # the reproduction's defaults: about 4 min of CPU per seed on a quiet core
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
-    exposure far above every private group's (at least 3 bits), every group's empirical lower bound at or below
-    its reported ε (the median exposure of the included canaries; docs/reproducing.md), on three seeds.  What
-    held on all three: the bounds, the baseline above every private group, its AUC; the rest is xfail (strict)
-    where it was measured not to hold."""
+    exposure far above every private group's (its median at least 3 bits above every private median), every
+    group's empirical lower bound at or below its reported ε; the ordering compares the groups' mean ranks of the
+    included canaries' exposure among all groups' (docs/reproducing.md), on three seeds."""
     out = tmp_path / "rep"
     assert main(["reproduce", "lm-canaries", "--seed", str(seed), "--no-progress", "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     medians = [g["exposure_included"]["median"] for g in a["groups"]]
-    assert r["checks"]["every_bound_at_most_reported_epsilon"]
-    assert min(g["exposure_included"]["median"] for g in b["groups"]) > max(medians)
+    base = [g["exposure_included"]["median"] for g in b["groups"]]
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]
+    assert all(g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]])
+    assert ranks[0] < ranks[1] < ranks[2], ranks  # ordered by budget: mean ranks among all included canaries
+    assert min(base) >= max(medians) + 3.0, (base, medians)
     assert b["all"]["auc"] > 0.9 and b["all"]["empirical_epsilon"] > 0  # the audit's power without DP
-    assert all(r["checks"].values()), r["checks"]  # ordered by budget, the baseline >= 3 bits above
+    assert all(r["checks"].values()), r["checks"]

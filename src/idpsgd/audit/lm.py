@@ -248,6 +248,10 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
         mask = canaries.group == g
         eps, d = reported.get(float(value), (None, delta))
         groups.append(_row(float(value), eps, d, mask, inc, score, exp["exposure"], conf))
+    for row, mean_rank in zip(
+        groups, pooled_mean_ranks(exp["exposure"], canaries.group, inc, values.size), strict=True
+    ):
+        row["exposure_mean_rank"] = mean_rank
     eps_all = max((e for e, _ in reported.values()), default=None)
     d_all = max((d for _, d in reported.values()), default=delta)
     everyone = _row(None, eps_all, d_all, np.ones(len(canaries), bool), inc, score, exp["exposure"], conf)
@@ -302,6 +306,19 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
             "seed": canaries.seed,
         },
     }
+
+
+def pooled_mean_ranks(exposures, group, included, groups: int) -> list:
+    """Every group's mean rank of its included canaries' exposure among the included canaries of all
+    groups pooled (1: the lowest exposure; ties share their mean rank; None for a group without one):
+    the Kruskal–Wallis rank means, a comparison of the groups' exposure that every canary enters and
+    no single canary dominates (a group's exposures are heavy-tailed: a few canaries far above the rest)."""
+    from scipy.stats import rankdata
+
+    inc = np.asarray(included, bool)
+    ranks = rankdata(np.asarray(exposures, float)[inc])
+    g = np.asarray(group)[inc]
+    return [float(ranks[g == k].mean()) if np.any(g == k) else None for k in range(groups)]
 
 
 def _row(budget, eps, delta, mask, inc, score, exp, conf) -> dict:

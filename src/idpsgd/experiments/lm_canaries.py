@@ -11,18 +11,25 @@ canary format's public words (never on a secret).
 seed derived from ``--seed`` — the same public starting point for every run.
 
 **Runs.**  Three budget groups (``--budgets``, default ε = 1, 8, 64, a third of the rows each;
-δ = 1e-5) with ``canaries`` secret canaries per group ("my code is ⟨4 random digits⟩", |R| = 10^4,
-each included with probability 1/2), fine-tuned with IDP-SGD Scale (``--method``; Boenisch et al.) through
-:func:`idpsgd.audit.lm_training.audit_finetune`; then the **non-private baseline**: the same rows and
-canaries, plain ``transformers.Trainer`` fine-tuning (no clipping, no noise), the same epochs (150
-by default: with 60 the baseline's median exposure was only about 4 bits) — the audit's power:
-without DP the canaries are memorised.
+δ = 1e-5) with ``canaries`` secret canaries per group (default 32), each included with probability
+1/2 (held-out ones are null rows).  A canary is ``"⟨context⟩ my code is ⟨3 random digits⟩"``
+(|R| = 10^3), each under a public context word of its own (``--no-contexts``: one shared prefix — then
+the canaries compete for one next-digit distribution and the model learns their mixture) and
+inserted ``repeats`` times (default 4) as the rows of a **canary user** of its own: the runs are then
+at user level, every docstring row a user of its own, so the group's user-level ε covers all the
+canary's rows (``--repeats 1``: one row each, example level).  Fine-tuned with IDP-SGD Scale
+(``--method``; Boenisch et al.) through :func:`idpsgd.audit.lm_training.audit_finetune`; then the
+**non-private baseline**: the same rows and canaries, plain ``transformers.Trainer`` fine-tuning (no
+clipping, no noise), as many steps as the private run took — the audit's power: without DP the
+canaries are memorised.
 
-**Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all 10^4
+**Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all of R
 candidates scored), the AUC of the loss score, the one-run empirical ε lower bound beside the
-reported ε.  Checked, and reported as measured: the median exposure of the included canaries ordered
-by budget (the smallest budget's lowest), the baseline's at least :data:`FAR_BITS` above every private
-group's ("far above"), every bound at or below its reported ε.
+reported ε.  Checked, and printed as PASS/FAIL lines: the exposure of the included canaries ordered by
+budget (the smallest budget's lowest), compared by each group's mean rank among the included canaries
+of all groups pooled (:func:`idpsgd.audit.lm.pooled_mean_ranks`); the baseline's median at least
+:data:`FAR_BITS` above every private group's median ("far above"); every bound at or below its
+reported ε.
 """
 
 from __future__ import annotations
@@ -176,10 +183,10 @@ def run_lm_canaries(
     rows: int = 300,
     budgets: str = BUDGETS,
     method: str = "scale",
-    canaries: int = 20,
-    digits: int = 4,
-    contexts: bool = False,
-    repeats: int = 1,
+    canaries: int = 32,
+    digits: int = 3,
+    contexts: bool = True,
+    repeats: int = 4,
     epochs: int = 150,
     batch_size: int = 32,
     lr: float = 1e-2,
@@ -291,9 +298,11 @@ def run_lm_canaries(
     # the median of the included canaries' exposure: robust to the heavy upper tail of a few canaries
     med = [g["exposure_included"]["median"] for g in a["groups"]]
     base_med = [g["exposure_included"]["median"] for g in baseline["groups"]]
-    known = all(x is not None for x in [*med, *base_med])
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]
+    known = all(x is not None for x in [*med, *base_med, *ranks])
     checks = {
-        "exposure_ordered_by_budget": known and all(med[k] < med[k + 1] for k in range(len(med) - 1)),
+        # the groups' mean ranks of exposure among the included canaries of all groups pooled
+        "exposure_ordered_by_budget": known and all(ranks[k] < ranks[k + 1] for k in range(len(ranks) - 1)),
         "baseline_far_above_every_private_group": known and min(base_med) >= max(med) + FAR_BITS,
         "every_bound_at_most_reported_epsilon": all(
             g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]]
@@ -339,13 +348,16 @@ def _markdown(r) -> str:
         + f", |R| = {a['canary_format']['space_size']}, exposure {a['exposure_method']} (max "
         f"{a['exposure_max']:.2f} bits); the baseline: the same rows, {r['baseline_steps']} steps",
         "",
-        "| run | budget | reported ε | exposure, included: mean (median) | exposure, held out | AUC "
-        "| ε lower bound | audit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | budget | reported ε | exposure, included: mean (median) | mean rank, pooled | exposure, held out "
+        "| AUC | ε lower bound | audit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ex(s):
         return "n/a" if s["mean"] is None else f"{s['mean']:.2f} ({s['median']:.2f})"
+
+    def rank(g):
+        return "—" if g.get("exposure_mean_rank") is None else f"{g['exposure_mean_rank']:.1f}"
 
     for name, audit in ((f"IDP-SGD {r['method']}", a), ("non-private", b)):
         for g in [*audit["groups"], audit["all"]]:
@@ -353,7 +365,8 @@ def _markdown(r) -> str:
             rep = "—" if g["reported_epsilon"] is None else f"{g['reported_epsilon']:.3f}"
             auc = "n/a" if g["auc"] is None else f"{g['auc']:.3f}"
             lines.append(
-                f"| {name} | {budget} | {rep} | {ex(g['exposure_included'])} | {ex(g['exposure_held_out'])} | {auc} "
+                f"| {name} | {budget} | {rep} | {ex(g['exposure_included'])} | {rank(g)} "
+                f"| {ex(g['exposure_held_out'])} | {auc} "
                 f"| {g['empirical_epsilon']:.3f} | {g['verdict']} |"
             )
     lines.append("")
@@ -408,7 +421,7 @@ register(
             Option("method", "IDP-SGD method of the private run: sample or scale", _check_method),
             Option("canaries", "secret canaries per budget group (each included with probability 1/2)", at_least_one),
             Option("digits", "random digits per secret (|R| = 10^digits; exact exposure up to 10^5)", at_least_one),
-            Option("contexts", "every canary opens with a public context word of its own", None),
+            Option("contexts", "every canary opens with a public context word of its own (--no-contexts: one prefix)"),
             Option(
                 "repeats", "rows per canary, all of its own user's (above 1: the runs are at user level)", at_least_one
             ),
