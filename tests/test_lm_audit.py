@@ -104,10 +104,10 @@ def test_canaries_one_design_per_seed_distinct_secrets_fair_coins():
 def test_canaries_join_the_rows_as_rows_or_null_rows_and_at_user_level_as_users():
     fmt = CanaryFormat(digits=4)
     c = draw_canaries([1.0, 4.0], 6, fmt, seed=0)
-    texts, eps, users, null, idx = with_canaries(["a b", "c d", "e f"], [1.0, 4.0, 4.0], c)
+    texts, eps, users, null, of = with_canaries(["a b", "c d", "e f"], [1.0, 4.0, 4.0], c)
     assert len(texts) == 3 + 12 and users is None
     assert eps[3:].tolist() == c.budgets.tolist() and null[:3].sum() == 0
-    assert np.array_equal(null[3:], ~c.included) and idx.tolist() == list(range(3, 15))
+    assert np.array_equal(null[3:], ~c.included) and of.tolist() == list(range(12))
     u = draw_canaries([1.0, 4.0], 6, fmt, seed=0, user_ids=np.array(["u1", "u2"]), user_budgets=[1.0, 4.0])
     assert len(set(u.users)) == 12 and all(x.startswith("idpsgd-canary-") for x in u.users)
     e = draw_canaries(
@@ -117,6 +117,44 @@ def test_canaries_join_the_rows_as_rows_or_null_rows_and_at_user_level_as_users(
     assert set(e.users) == {"u1", "u2"}
     with pytest.raises(InvalidParameterError, match="reserved prefix"):
         draw_canaries([1.0], 2, fmt, seed=0, user_ids=np.array(["idpsgd-canary-0"]), user_budgets=[1.0])
+
+
+def test_repeated_canaries_are_rows_of_one_user_and_refused_at_example_level():
+    """A canary with r repeats is r consecutive rows of its user, with one coin (all r null or none); at
+    example level repeats are refused (the per-row ε would not cover the canary's r rows)."""
+    fmt = CanaryFormat(digits=4)
+    ids, budgets = np.array(["u1", "u2"]), [1.0, 4.0]
+    c = draw_canaries([1.0, 4.0], 5, fmt, seed=1, user_ids=ids, user_budgets=budgets, repeats=3)
+    assert c.repeats == 3 and len(c) == 10
+    texts, eps, users, null, of = with_canaries(["a b", "c d"], [1.0, 4.0], c, ["u1", "u2"])
+    assert len(texts) == 2 + 30 and of.tolist() == np.repeat(np.arange(10), 3).tolist()
+    for i in range(10):
+        rows = 2 + np.flatnonzero(of == i)
+        assert {texts[j] for j in rows} == {c.texts[i]} and {users[j] for j in rows} == {c.users[i]}
+        assert set(null[rows].tolist()) == {not c.included[i]} and set(eps[rows].tolist()) == {c.budgets[i]}
+    assert len(set(c.users)) == 10  # each canary a user of its own, owning its 3 rows
+    with pytest.raises(InvalidParameterError, match="repeated canaries need user level"):
+        draw_canaries([1.0, 4.0], 5, fmt, seed=1, repeats=2)
+    with pytest.raises(InvalidParameterError, match="canary_repeats"):
+        draw_canaries([1.0], 5, fmt, seed=1, user_ids=ids, user_budgets=budgets, repeats=0)
+
+
+def test_canaries_with_contexts_each_open_with_a_public_word_of_their_own():
+    """With contexts canary slot i reads "<context i> <prefix> d₁ … d_k": distinct, lower-case words that are no
+    digit; the candidate texts of one slot share its context; the alphabet holds the contexts."""
+    fmt = CanaryFormat("my code is", 3, contexts=True)
+    c = draw_canaries([1.0, 8.0], 40, fmt, seed=0)
+    words = [t.split()[0] for t in c.texts]
+    assert len(set(words)) == 80 and all(w.isalpha() and w.islower() and w.startswith("x") for w in words)
+    assert [t.split()[1:4] for t in c.texts] == [["my", "code", "is"]] * 80
+    assert [t.split()[4:] for t in c.texts] == [list(map(str, row)) for row in fmt.secret_digits(c.secret_ids)]
+    assert fmt.texts([7, 42], slot=5) == [f"{fmt.context(5)} my code is 0 0 7", f"{fmt.context(5)} my code is 0 4 2"]
+    assert fmt.context(0) == "xbaa" and fmt.context(27) == "xbbb"
+    assert set(words) <= set(fmt.alphabet_text(80).split())
+    with pytest.raises(InvalidParameterError, match="slot"):
+        fmt.texts([1])
+    with pytest.raises(InvalidParameterError, match="canary_slot"):
+        fmt.context(-1)
 
 
 # --------------------------------------------------------------------------- the one-run bound is the audit's
@@ -138,6 +176,25 @@ def test_the_group_bound_is_the_existing_one_run_implementation():
     assert row["verdict"] == "FAILED"  # a bound above the reported 0.5
     ok = _row(1.0, 10.0, 1e-5, np.ones(200, bool), inc, score, np.zeros(200), conf)
     assert ok["verdict"] == "passed"
+
+
+def test_pooled_mean_ranks_are_the_groups_rank_means_among_all_included_canaries():
+    """A group's mean rank: its included canaries' positions (1: lowest exposure, ties their mean position)
+    among the included canaries of every group, by a plain sort (the reference); held-out canaries do not enter."""
+    from idpsgd.audit.lm import pooled_mean_ranks
+
+    rng = np.random.default_rng(4)
+    exp = np.round(rng.exponential(size=60), 1)  # ties
+    group, inc = np.repeat(np.arange(3), 20), rng.random(60) < 0.5
+    inc[40:] = False
+    got = pooled_mean_ranks(exp, group, inc, 4)
+    pooled = sorted(exp[inc].tolist())
+    for g in range(2):
+        ref = [np.mean([k + 1 for k, v in enumerate(pooled) if v == x]) for x in exp[inc & (group == g)]]
+        assert got[g] == pytest.approx(np.mean(ref))
+    assert got[2] is None and got[3] is None
+    lo_hi = pooled_mean_ranks([0.1, 0.2, 5.0, 6.0], [0, 0, 1, 1], [True] * 4, 2)
+    assert lo_hi == [1.5, 3.5]
 
 
 # --------------------------------------------------------------------------- a tiny GPT-2 and a text file
@@ -239,6 +296,29 @@ def test_scored_exposure_exact_and_estimated_on_a_model(tok):
     assert est["exposure_is_estimate"] and est["candidates_scored"] == 8000 and "estimate" in est["exposure_method"]
     diff = np.abs(est["_private"]["exposure"] - exact["_private"]["exposure"])
     assert diff.mean() < 0.25, diff
+
+
+def test_candidates_scored_by_shared_stems_equal_full_scoring_and_rank_each_context(tok):
+    """Scoring candidates by their shared stems (all tokens but the last, run once) gives the full texts'
+    log-likelihoods; with contexts every canary's exposure is its brute-force rank among the candidates under
+    its own context."""
+    from idpsgd.audit.lm import LMAuditOptions, audit_canaries, candidate_log_likelihoods, sequence_log_likelihoods
+
+    model = _gpt2(tok, seed=5).eval()
+    texts = [*FMT.texts(np.arange(1000)), "the quick brown fox jumps", "a b"]
+    full, _ = sequence_log_likelihoods(model, tok, texts, batch_size=64)
+    stems = candidate_log_likelihoods(model, tok, texts, batch_size=64)
+    assert np.allclose(stems, full, atol=1e-4)
+    ctx = CanaryFormat("my code is", 3, contexts=True)
+    t = word_tokenizer([*_lines(200), ctx.alphabet_text(8)])
+    model = _gpt2(t, seed=6).eval()
+    canaries = draw_canaries([1.0, 8.0], 4, ctx, seed=3)
+    got = audit_canaries(model, t, canaries, {}, 1e-5, LMAuditOptions(canaries=4, digits=3, contexts=True))
+    assert got["canary_format"]["contexts"] and not got["exposure_is_estimate"]
+    for i in range(len(canaries)):
+        space, _ = sequence_log_likelihoods(model, t, ctx.texts(np.arange(1000), slot=i))
+        rank = _brute_force_rank(space[canaries.secret_ids[i]], space.tolist())
+        assert got["_private"]["exposure"][i] == pytest.approx(math.log2(1000) - math.log2(rank), abs=1e-6)
 
 
 def _csv(path):
@@ -373,8 +453,8 @@ def test_null_rows_add_nothing_and_other_rows_are_labelled_as_the_lm_collator_la
 @pytest.mark.parametrize("level", ["example", "user"])
 def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path, level):
     """The Trainer path: add_canaries + canary_collator, train, audit_trainer writes the audit into the run
-    folder; the bound is checked against the ε the run reports.  At user level each canary is a new user's
-    row (the run's groups count users)."""
+    folder; the bound is checked against the ε the run reports.  At user level each canary is a new user owning
+    its 2 repeated rows (the run's groups count users)."""
     import datasets
     from transformers import TrainingArguments
 
@@ -392,11 +472,17 @@ def test_an_individualized_trainer_run_is_audited_from_python(tok, tmp_path, lev
     ds = datasets.Dataset.from_dict(columns)
     canaries = draw_canaries(
         [1.0, 8.0], 4, FMT, seed=5, user_ids=None if users is None else users[0],
-        user_budgets=None if users is None else users[1],
+        user_budgets=None if users is None else users[1], repeats=1 if users is None else 2,
     )  # fmt: skip
     user_column = "user" if users is not None else None
     train = add_canaries(ds, canaries, tok, budget_column="epsilon", user_column=user_column, max_length=16)
-    assert len(train) == 48 and set(train.column_names) == {*columns, "labels"}
+    assert len(train) == 40 + 8 * canaries.repeats and set(train.column_names) == {*columns, "labels"}
+    if users is not None:  # a canary's two rows: its text twice, its user's, one coin
+        rows = train.select(range(40, 56))
+        assert rows["user"] == np.repeat(canaries.users, 2).tolist()
+        assert rows["input_ids"][::2] == rows["input_ids"][1::2]
+        labelled = [any(v != -100 for v in x) for x in rows["labels"]]
+        assert labelled == np.repeat(canaries.included, 2).tolist()
     out = tmp_path / "run"
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1, learning_rate=1e-2,
@@ -441,9 +527,11 @@ def _public_text(folder: Path) -> str:
 
 @pytest.mark.filterwarnings(SPARSE)
 def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
-    """``idpsgd reproduce lm-canaries`` at a tiny size: the stdlib docstring corpus, a private run with three
-    budget groups and the non-private baseline on the same rows and canaries, each audited; the checks of the
-    issue reported; secrets only in the runs' private/ (0600), nothing but the result on stdout."""
+    """``idpsgd reproduce lm-canaries`` at a tiny size (the fast twin of the slow test below): the stdlib
+    docstring corpus, a private run with three budget groups at user level (each canary a user owning its 4
+    repeated rows, under a context word of its own) and the non-private baseline on the same rows and canaries
+    for as many steps, each audited; the checks of the issue reported; secrets only in the runs' private/
+    (0600), nothing but the result on stdout."""
     from idpsgd.experiments.lm_canaries import stdlib_docstring_corpus
 
     corpus = stdlib_docstring_corpus(40)
@@ -456,6 +544,11 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3
+    # the defaults' design: every canary under a context word of its own, 4 rows of a canary user (user level)
+    assert (
+        r["level"] == "user" and r["canary_repeats"] == 4 and r["private_run"]["lm_audit"]["canary_format"]["contexts"]
+    )
+    assert r["baseline_steps"] == r["private_run"]["steps"]  # the baseline trains as many steps
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [2.0, 4.0, 8.0]
     assert all(g["reported_epsilon"] <= g["budget"] * (1 + 1e-9) for g in a["groups"])
@@ -471,7 +564,11 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert r["far_bits"] == 3.0  # "far above": the baseline's medians at least 3 bits above every private group's
     far = None not in med + base and min(base) >= max(med) + 3.0
     assert r["checks"]["baseline_far_above_every_private_group"] == far
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]  # the ordering: mean ranks among all included canaries
+    assert r["checks"]["exposure_ordered_by_budget"] == (None not in ranks and ranks[0] < ranks[1] < ranks[2])
     assert _secrets_of(out / "dp-scale") == _secrets_of(out / "non-private")  # the same canaries
+    rows = _csv(out / "dp-scale" / "private" / "canaries.csv")
+    assert len({row["text"].split()[0] for row in rows}) == 9 and len({row["user"] for row in rows}) == 9
     for run in ("dp-scale", "non-private"):
         assert file_mode(out / run / "private" / "canaries.csv") == 0o600
         assert (out / run / "exposure_by_group.png").is_file()
@@ -483,27 +580,22 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-#: measured (docs/reproducing.md): at seed 1 the private groups' medians are not ordered (0.97 / 0.85 / 1.10 bits),
-#: at seed 2 the baseline's ε = 64 group is only 1.65 bits above the largest private median (3.89 vs 2.24)
-NOT_ROBUST = "issue 52's done-when does not hold at this seed yet (docs/reproducing.md, 'Not robust across seeds')"
-
-
-@pytest.mark.slow  # the reproduction's defaults: ~240 s of CPU per seed (about 4 min each on a quiet core)
-@pytest.mark.parametrize(
-    "seed", [0, *(pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST)) for s in (1, 2))]
-)
+@pytest.mark.slow  # the reproduction's defaults: about 4 min of CPU per seed on a quiet core
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
-    exposure far above every private group's (at least 3 bits), every group's empirical lower bound at or below
-    its reported ε (the median exposure of the included canaries; docs/reproducing.md), on three seeds.  What
-    held on all three: the bounds, the baseline above every private group, its AUC; the rest is xfail (strict)
-    where it was measured not to hold."""
+    exposure far above every private group's (its median at least 3 bits above every private median), every
+    group's empirical lower bound at or below its reported ε; the ordering compares the groups' mean ranks of the
+    included canaries' exposure among all groups' (docs/reproducing.md), on three seeds."""
     out = tmp_path / "rep"
     assert main(["reproduce", "lm-canaries", "--seed", str(seed), "--no-progress", "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     medians = [g["exposure_included"]["median"] for g in a["groups"]]
-    assert r["checks"]["every_bound_at_most_reported_epsilon"]
-    assert min(g["exposure_included"]["median"] for g in b["groups"]) > max(medians)
+    base = [g["exposure_included"]["median"] for g in b["groups"]]
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]
+    assert all(g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]])
+    assert ranks[0] < ranks[1] < ranks[2], ranks  # ordered by budget: mean ranks among all included canaries
+    assert min(base) >= max(medians) + 3.0, (base, medians)
     assert b["all"]["auc"] > 0.9 and b["all"]["empirical_epsilon"] > 0  # the audit's power without DP
-    assert all(r["checks"].values()), r["checks"]  # ordered by budget, the baseline >= 3 bits above
+    assert all(r["checks"].values()), r["checks"]

@@ -38,14 +38,23 @@ DEFAULT_DIGITS = 6
 USER_MODES = ("new", "existing")
 MAX_GROUPS = 16  # canaries per distinct budget: budgets must come in groups
 CANARY_USER = "idpsgd-canary-"  # the id prefix of new canary users
+MAX_CONTEXTS = 25 * 26 * 26  # distinct context words (CanaryFormat.context)
 
 
 @dataclass(frozen=True)
 class CanaryFormat:
-    """The format of the secrets: ``prefix`` then ``digits`` decimal digits separated by spaces."""
+    """The format of the secrets: ``prefix`` then ``digits`` decimal digits separated by spaces.
+
+    With ``contexts`` every canary slot ``i`` (its index in the design) opens with a public context
+    word of its own, :meth:`context` (``"xbaa my code is 3 1 4 1"``): the canaries then do not share
+    one prefix whose next-digit distribution they would all pull at (with a shared prefix a model
+    learns the digits' mixture over the canaries rather than each secret), and each canary's
+    candidate space is R under its own context (Carlini et al. §3: the format s[r] is public, only r
+    is secret).  The context is the first word, so a causal model is never trained to predict it."""
 
     prefix: str = DEFAULT_PREFIX
     digits: int = DEFAULT_DIGITS
+    contexts: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prefix, str) or not self.prefix.strip():
@@ -53,6 +62,8 @@ class CanaryFormat:
         d = self.digits
         if isinstance(d, bool) or int(d) != d or not 1 <= d <= 18:
             raise InvalidParameterError("canary_digits", d, "must be an integer in 1..18 (|R| = 10^digits)")
+        if not isinstance(self.contexts, bool):
+            raise InvalidParameterError("canary_contexts", self.contexts, "must be True or False")
         object.__setattr__(self, "digits", int(d))
         object.__setattr__(self, "prefix", self.prefix.strip())
 
@@ -67,14 +78,36 @@ class CanaryFormat:
         powers = 10 ** np.arange(self.digits - 1, -1, -1, dtype=np.int64)
         return (ids // powers) % 10
 
-    def texts(self, ids) -> list[str]:
-        """The texts ``"<prefix> d₁ … d_k"`` of secrets given as integers in [0, |R|)."""
-        return [f"{self.prefix} {' '.join(map(str, row))}" for row in self.secret_digits(ids).tolist()]
+    @staticmethod
+    def context(slot: int) -> str:
+        """The public context word of canary slot ``slot`` (0 ≤ slot < :data:`MAX_CONTEXTS`): ``x``
+        then three letters (``xbaa``, ``xbab``, …; no English word, so it occurs in no corpus)."""
+        if isinstance(slot, bool) or int(slot) != slot or not 0 <= slot < MAX_CONTEXTS:
+            raise InvalidParameterError("canary_slot", slot, f"must be an integer in 0..{MAX_CONTEXTS - 1}")
+        a, rest = divmod(int(slot), 26 * 26)
+        b, c = divmod(rest, 26)
+        return "x" + "".join(chr(ord("a") + v) for v in (a + 1, b, c))
 
-    def alphabet_text(self) -> str:
-        """Every word the format uses (the prefix and the ten digits): public, for training a tokenizer
-        that knows the format without ever seeing a secret."""
-        return f"{self.prefix} {' '.join(map(str, range(10)))}"
+    def texts(self, ids, slot: int | None = None, slots=None) -> list[str]:
+        """The texts ``"<prefix> d₁ … d_k"`` of secrets given as integers in [0, |R|); with
+        :attr:`contexts` each opens with the context of its slot (``slot``: one for all, e.g. the
+        candidate space of one canary; ``slots``: one per secret)."""
+        rows = self.secret_digits(ids).tolist()
+        if not self.contexts:
+            return [f"{self.prefix} {' '.join(map(str, row))}" for row in rows]
+        if (slot is None) == (slots is None):
+            raise InvalidParameterError("slots", None, "a format with contexts needs the canary slot of every text")
+        names = [self.context(slot)] * len(rows) if slot is not None else [self.context(s) for s in slots]
+        if len(names) != len(rows):
+            raise InvalidParameterError("slots", f"{len(names)} values", f"need one per secret ({len(rows)})")
+        return [f"{n} {self.prefix} {' '.join(map(str, row))}" for n, row in zip(names, rows, strict=True)]
+
+    def alphabet_text(self, slots: int = 0) -> str:
+        """Every word the format uses (the prefix, the ten digits and, with :attr:`contexts`, the
+        contexts of ``slots`` canaries): public, for training a tokenizer that knows the format without
+        ever seeing a secret."""
+        names = [self.context(s) for s in range(slots)] if self.contexts else []
+        return " ".join([self.prefix, *map(str, range(10)), *names])
 
 
 @dataclass(frozen=True)
@@ -89,6 +122,8 @@ class Canaries:
         included: the inclusion coins (True: trained on; False: a null row, the held-out reference).
         users: at user level, each canary's user id; None at example level.
         seed: the design's seed (private).
+        repeats: rows per canary (user level only: all of them its user's, so the user-level
+            guarantee covers every repeat; one inclusion coin for all).
     """
 
     format: CanaryFormat
@@ -98,6 +133,7 @@ class Canaries:
     included: np.ndarray
     users: list | None = None
     seed: int | None = None
+    repeats: int = 1
 
     def __len__(self) -> int:
         return int(self.secret_ids.size)
@@ -107,7 +143,9 @@ class Canaries:
 
     @property
     def texts(self) -> list[str]:
-        return self.format.texts(self.secret_ids)
+        """Every canary's text (with contexts: canary i under the context of slot i)."""
+        slots = np.arange(len(self)) if self.format.contexts else None
+        return self.format.texts(self.secret_ids, slots=slots)
 
     @property
     def budgets(self) -> np.ndarray:
@@ -144,6 +182,7 @@ def draw_canaries(
     user_ids=None,
     user_budgets=None,
     users: str = "new",
+    repeats: int = 1,
 ) -> Canaries:
     """Draw ``per_group`` canaries for every budget in ``group_budgets`` (distinct secrets uniform
     from R, independent fair inclusion coins).
@@ -155,6 +194,9 @@ def draw_canaries(
         user_ids, user_budgets: at user level, the distinct existing user ids and each one's budget.
         users: ``new`` (each canary a new user of its own) or ``existing`` (a random existing user of
             the canary's group; needs ``user_ids`` and ``user_budgets``).
+        repeats: r rows per canary, all its user's (Carlini et al. insert a canary several times);
+            at user level only — at example level each repeat would be a row of its own, and the
+            group's ε, stated per row, would not cover the canary (group privacy over r rows would).
     """
     fmt = fmt or CanaryFormat()
     values = np.unique(np.asarray(group_budgets, dtype=float))
@@ -176,8 +218,11 @@ def draw_canaries(
             f"{total} canaries need a candidate space of at least {2 * total} secrets; the format has "
             f"{fmt.space_size} (use more digits)",
         )
+    if fmt.contexts and total > MAX_CONTEXTS:
+        raise InvalidParameterError("canaries", m, f"{total} canaries: a format with contexts has {MAX_CONTEXTS}")
     if users not in USER_MODES:
         raise InvalidParameterError("canary_users", users, f"must be one of {', '.join(USER_MODES)}")
+    r = check_repeats(repeats, user_ids is not None)
     seed = design_seed(seed, secure_mode)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 5201]))
     ids = _distinct(rng, fmt.space_size, total)
@@ -188,7 +233,21 @@ def draw_canaries(
         owners = _owners(rng, group, values, user_ids, user_budgets, users)
     elif users != "new":
         raise InvalidParameterError("canary_users", users, "is for user level (a user column); leave it out")
-    return Canaries(fmt, ids, group, values, included, owners, seed)
+    return Canaries(fmt, ids, group, values, included, owners, seed, r)
+
+
+def check_repeats(repeats, user_level: bool) -> int:
+    """Rows per canary: an integer >= 1, above 1 only at user level (see :func:`draw_canaries`)."""
+    if isinstance(repeats, bool) or int(repeats) != repeats or repeats < 1:
+        raise InvalidParameterError("canary_repeats", repeats, "must be an integer >= 1 (rows per canary)")
+    if repeats > 1 and not user_level:
+        raise InvalidParameterError(
+            "canary_repeats",
+            repeats,
+            "repeated canaries need user level (a user column): at example level every repeat is a row with "
+            "its own per-row ε, which does not cover the canary's r rows together; use 1",
+        )
+    return int(repeats)
 
 
 def _distinct(rng, space: int, n: int) -> np.ndarray:
@@ -231,7 +290,8 @@ def _owners(rng, group, values, user_ids, user_budgets, mode) -> list:
 
 def with_canaries(texts, epsilons, canaries: Canaries, user_rows=None):
     """The training rows with every canary appended (included ones as ordinary rows, held-out ones as
-    null rows): (texts, epsilons, user ids or None, null mask over all rows, canary rows' indices).
+    null rows; a canary with repeats as ``repeats`` consecutive rows of its user): (texts, epsilons,
+    user ids or None, null mask over all rows, the canary of every appended row).
 
     ``epsilons``: each row's budget (example level) — or, with ``user_rows`` (each row's user id,
     user level), each row's user budget."""
@@ -246,9 +306,11 @@ def with_canaries(texts, epsilons, canaries: Canaries, user_rows=None):
             "given" if user_rows is not None else None,
             "canaries drawn with users need the rows' users and vice versa (draw_canaries(user_ids=...))",
         )
-    all_texts = texts + canaries.texts
-    all_eps = np.concatenate([eps, canaries.budgets])
-    users = None if user_rows is None else [*list(user_rows), *canaries.users]
-    null = np.zeros(n + len(canaries), bool)
-    null[n:] = ~canaries.included
-    return all_texts, all_eps, users, null, np.arange(n, n + len(canaries))
+    of = np.repeat(np.arange(len(canaries)), canaries.repeats)  # the canary of every appended row
+    canary_texts = canaries.texts
+    all_texts = texts + [canary_texts[i] for i in of.tolist()]
+    all_eps = np.concatenate([eps, canaries.budgets[of]])
+    users = None if user_rows is None else [*list(user_rows), *(canaries.users[i] for i in of.tolist())]
+    null = np.zeros(n + of.size, bool)
+    null[n:] = ~canaries.included[of]
+    return all_texts, all_eps, users, null, of

@@ -34,7 +34,15 @@ import numpy as np
 
 from ..validation import InvalidParameterError, check_delta
 from . import bounds, exposure
-from .canaries import DEFAULT_DIGITS, DEFAULT_PREFIX, USER_MODES, Canaries, CanaryFormat, check_per_group
+from .canaries import (
+    DEFAULT_DIGITS,
+    DEFAULT_PREFIX,
+    USER_MODES,
+    Canaries,
+    CanaryFormat,
+    check_per_group,
+    check_repeats,
+)
 
 DEFAULT_CANARIES = 32
 DEFAULT_CANDIDATES = 4096
@@ -51,6 +59,9 @@ class LMAuditOptions:
         digits, prefix: the secrets' format (|R| = 10^digits).
         exact_limit: |R| up to which exposure is exact (every candidate scored); above it an estimate.
         candidates: candidates sampled uniformly from R for the estimate.
+        contexts: every canary opens with a public context word of its own and is ranked among the
+            candidates under that context (:class:`~.canaries.CanaryFormat`).
+        repeats: rows per canary, all its user's (user level only).
         users: at user level, ``new`` (a canary is a new user's row) or ``existing`` (a random user's).
         confidence: family-wise confidence of the verdict (Bonferroni over the groups and all data).
         score_batch_size: texts per forward pass when scoring.
@@ -59,6 +70,8 @@ class LMAuditOptions:
     canaries: int = DEFAULT_CANARIES
     digits: int = DEFAULT_DIGITS
     prefix: str = DEFAULT_PREFIX
+    contexts: bool = False
+    repeats: int = 1
     exact_limit: int = EXACT_LIMIT
     candidates: int = DEFAULT_CANDIDATES
     users: str = "new"
@@ -67,7 +80,8 @@ class LMAuditOptions:
 
     def __post_init__(self):
         check_per_group(self.canaries)
-        CanaryFormat(self.prefix, self.digits)
+        CanaryFormat(self.prefix, self.digits, self.contexts)
+        check_repeats(self.repeats, True)
         for name in ("exact_limit", "candidates", "score_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or int(v) != v or v < (2 if name == "candidates" else 1):
@@ -78,7 +92,7 @@ class LMAuditOptions:
 
     @property
     def format(self) -> CanaryFormat:
-        return CanaryFormat(self.prefix, self.digits)
+        return CanaryFormat(self.prefix, self.digits, self.contexts)
 
 
 # ---------------------------------------------------------------- scoring
@@ -88,23 +102,61 @@ def sequence_log_likelihoods(model, tokenizer, texts, *, batch_size: int = 256):
     """(log-likelihood of every text, its number of predicted tokens): Σ_t log p(x_t | x_<t) over the
     text's tokens after the first, in batches of ``batch_size`` (right-padded, attention mask; one
     forward pass per batch).  float64 arrays."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros(0), np.zeros(0)
+    ids = _token_ids(tokenizer, texts)
+    ll, count, _ = _score_sequences(model, ids, _pad(tokenizer), batch_size)
+    return ll, count
+
+
+def candidate_log_likelihoods(model, tokenizer, texts, *, batch_size: int = 256) -> np.ndarray:
+    """The log-likelihoods of :func:`sequence_log_likelihoods` for texts that share most of their
+    tokens (the candidates of one format): every distinct **stem** (a text's tokens but the last) is
+    run once and the last token's log-probability read from the stem's last position, so the 10^k
+    candidates of k digits cost 10^(k−1) sequences — the same sums, a tenth of the forward passes."""
+    texts = list(texts)
+    if not texts:
+        return np.zeros(0)
+    ids = _token_ids(tokenizer, texts)
+    stems: dict[tuple, int] = {}
+    stem_of = np.fromiter((stems.setdefault(tuple(x[:-1]), len(stems)) for x in ids), dtype=np.int64, count=len(ids))
+    last = np.fromiter((x[-1] for x in ids), dtype=np.int64, count=len(ids))
+    ll, _, next_lp = _score_sequences(model, [list(k) for k in stems], _pad(tokenizer), batch_size, (stem_of, last))
+    return ll[stem_of] + next_lp
+
+
+def _token_ids(tokenizer, texts) -> list:
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    if min(len(x) for x in ids) < 2:
+        raise InvalidParameterError("texts", "a text of fewer than 2 tokens", "has no token to predict")
+    return ids
+
+
+def _pad(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def _score_sequences(model, ids, pad: int, batch_size: int, next_of=None):
+    """(Σ log p over every sequence's tokens after the first, the number of those tokens, and with
+    ``next_of`` = (sequence of every query, token of every query) the log-probability of each query's
+    token after its sequence's last token); batches of similar lengths, right-padded."""
     import torch
     from torch.nn.utils.rnn import pad_sequence
 
     from ..integrations.hf.losses import IGNORE_INDEX, token_losses
 
-    texts = list(texts)
-    n = len(texts)
+    n = len(ids)
     ll, count = np.zeros(n), np.zeros(n)
-    if n == 0:
-        return ll, count
-    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=n)
-    if lengths.min() < 2:
-        raise InvalidParameterError("texts", "a text of fewer than 2 tokens", "has no token to predict")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device = next(model.parameters()).device
     order = np.argsort(lengths, kind="stable")  # similar lengths share a batch: less padding
+    next_lp = members = None
+    if next_of is not None:
+        seq_of, token = next_of
+        next_lp = np.zeros(seq_of.size)
+        by_seq = np.argsort(seq_of, kind="stable")
+        members = np.split(by_seq, np.cumsum(np.bincount(seq_of, minlength=n))[:-1])
+    device = next(model.parameters()).device
     was = model.training
     model.eval()
     try:
@@ -119,28 +171,43 @@ def sequence_log_likelihoods(model, tokenizer, texts, *, batch_size: int = 256):
                 total, tokens = token_losses(logits, labels, shift=True)
                 ll[rows] = -total.double().cpu().numpy()
                 count[rows] = tokens.double().cpu().numpy()
+                if next_of is not None:
+                    ends = torch.as_tensor(lengths[rows] - 1, device=device)
+                    lp = torch.log_softmax(logits[torch.arange(len(rows), device=device), ends].double(), -1)
+                    q = np.concatenate([members[i] for i in rows.tolist()])
+                    at = np.repeat(np.arange(len(rows)), [members[i].size for i in rows.tolist()])
+                    next_lp[q] = (
+                        lp[torch.as_tensor(at, device=device), torch.as_tensor(token[q], device=device)].cpu().numpy()
+                    )
     finally:
         model.train(was)
-    return ll, count
+    return ll, count, next_lp
 
 
 def canary_exposure(model, tokenizer, canaries: Canaries, options: LMAuditOptions, rng) -> dict:
-    """Every canary's exposure (exact or estimated, see the module) and its log-likelihood."""
+    """Every canary's exposure (exact or estimated, see the module) and its log-likelihood.  With a
+    shared prefix R is scored once for all canaries; with contexts each canary's candidates are R
+    under its own context (|R| texts per canary, or ``candidates`` sampled ones)."""
     fmt = canaries.format
-    canary_ll, canary_tokens = sequence_log_likelihoods(
-        model, tokenizer, canaries.texts, batch_size=options.score_batch_size
-    )
-    if fmt.space_size <= options.exact_limit:
-        cand_ll, _ = sequence_log_likelihoods(
-            model, tokenizer, fmt.texts(np.arange(fmt.space_size)), batch_size=options.score_batch_size
-        )
-        exp = exposure.exact_exposure(canary_ll, cand_ll)
-        exp["extrapolated"] = np.zeros(len(canaries), bool)
-        exp["samples"] = fmt.space_size
-    else:
-        sample = rng.integers(0, fmt.space_size, size=options.candidates, dtype=np.int64)
-        cand_ll, _ = sequence_log_likelihoods(model, tokenizer, fmt.texts(sample), batch_size=options.score_batch_size)
-        exp = exposure.estimated_exposure(canary_ll, cand_ll, fmt.space_size)
+    bs = options.score_batch_size
+    canary_ll, canary_tokens = sequence_log_likelihoods(model, tokenizer, canaries.texts, batch_size=bs)
+    exact = fmt.space_size <= options.exact_limit
+    slots = range(len(canaries)) if fmt.contexts else [None]
+    parts = []
+    for slot in slots:
+        ids = np.arange(fmt.space_size) if exact else rng.integers(0, fmt.space_size, size=options.candidates)
+        cand_ll = candidate_log_likelihoods(model, tokenizer, fmt.texts(ids, slot=slot), batch_size=bs)
+        mine = np.arange(len(canaries)) if slot is None else np.array([slot])
+        if exact:  # the canary's own entry of R: one computation ranks it among the candidates
+            part = exposure.exact_exposure(cand_ll[canaries.secret_ids[mine]], cand_ll)
+            part["extrapolated"] = np.zeros(mine.size, bool)
+            part["samples"] = fmt.space_size
+        else:
+            part = exposure.estimated_exposure(canary_ll[mine], cand_ll, fmt.space_size)
+        parts.append(part)
+    exp = {k: parts[0][k] for k in ("space_size", "method", "samples")}
+    for k in ("exposure", "rank", "extrapolated"):
+        exp[k] = np.concatenate([p[k] for p in parts])
     exp["log_likelihood"] = canary_ll
     exp["tokens"] = canary_tokens
     return exp
@@ -181,6 +248,10 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
         mask = canaries.group == g
         eps, d = reported.get(float(value), (None, delta))
         groups.append(_row(float(value), eps, d, mask, inc, score, exp["exposure"], conf))
+    for row, mean_rank in zip(
+        groups, pooled_mean_ranks(exp["exposure"], canaries.group, inc, values.size), strict=True
+    ):
+        row["exposure_mean_rank"] = mean_rank
     eps_all = max((e for e, _ in reported.values()), default=None)
     d_all = max((d for _, d in reported.values()), default=delta)
     everyone = _row(None, eps_all, d_all, np.ones(len(canaries), bool), inc, score, exp["exposure"], conf)
@@ -195,7 +266,13 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
     return {
         "audit": "secret canaries per privacy group: exposure (Carlini et al. 2019) and the one-run bound "
         "(Steinke, Nasr & Jagielski 2023)",
-        "canary_format": {"prefix": fmt.prefix, "digits": fmt.digits, "space_size": fmt.space_size},
+        "canary_format": {
+            "prefix": fmt.prefix,
+            "digits": fmt.digits,
+            "space_size": fmt.space_size,
+            "contexts": fmt.contexts,
+            "repeats": canaries.repeats,
+        },
         "canaries_per_group": canaries.per_group,
         "canary_users": None if canaries.users is None else options.users,
         "exposure_method": method,
@@ -229,6 +306,19 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
             "seed": canaries.seed,
         },
     }
+
+
+def pooled_mean_ranks(exposures, group, included, groups: int) -> list:
+    """Every group's mean rank of its included canaries' exposure among the included canaries of all
+    groups pooled (1: the lowest exposure; ties share their mean rank; None for a group without one):
+    the Kruskal–Wallis rank means, a comparison of the groups' exposure that every canary enters and
+    no single canary dominates (a group's exposures are heavy-tailed: a few canaries far above the rest)."""
+    from scipy.stats import rankdata
+
+    inc = np.asarray(included, bool)
+    ranks = rankdata(np.asarray(exposures, float)[inc])
+    g = np.asarray(group)[inc]
+    return [float(ranks[g == k].mean()) if np.any(g == k) else None for k in range(groups)]
 
 
 def _row(budget, eps, delta, mask, inc, score, exp, conf) -> dict:

@@ -155,10 +155,12 @@ def write_lm_audit(folder, result: dict) -> dict:
 def lm_audit_text(r: dict) -> str:
     """The audit as a table (public values only)."""
     est = " (estimate)" if r["exposure_is_estimate"] else ""
+    f = r["canary_format"]
+    ctx = "<context> " if f.get("contexts") else ""
+    rep = f", {f['repeats']} rows each" if f.get("repeats", 1) > 1 else ""
     lines = [
-        f"canary audit: {r['canaries_per_group']} canaries per group ('{r['canary_format']['prefix']} "
-        f"+ {r['canary_format']['digits']} digits', |R| = {r['canary_format']['space_size']:g}); exposure "
-        f"{r['exposure_method']}",
+        f"canary audit: {r['canaries_per_group']} canaries per group{rep} ('{ctx}{f['prefix']} + {f['digits']} "
+        f"digits', |R| = {f['space_size']:g}); exposure {r['exposure_method']}",
         f"{'budget':>7} {'reported eps':>12} {'exposure in' + est:>24} {'exposure out':>13} {'AUC':>6} "
         f"{'guesses':>7} {'correct':>7} {'eps lower':>9} {'audit':>11}",
     ]

@@ -96,10 +96,11 @@ def audit_finetune(
         user_ids=None if users is None else users.ids,
         user_budgets=None if users is None else budgets.epsilons,
         users=audit.users,
+        repeats=audit.repeats,
     )
-    texts, eps, all_users, null, _ = with_canaries(data.texts, row_eps, canaries, user_rows)
-    source = {**data.source, "rows": len(texts), "canary_rows": len(canaries)}
-    lines = list(data.lines or range(1, len(data) + 1)) + [0] * len(canaries)
+    texts, eps, all_users, null, of = with_canaries(data.texts, row_eps, canaries, user_rows)
+    source = {**data.source, "rows": len(texts), "canary_rows": int(of.size)}
+    lines = list(data.lines or range(1, len(data) + 1)) + [0] * int(of.size)
     train = TextData(texts, None, eps, list(data.columns), source, lines, data.path, all_users)
     if users is None:
         run_budgets = Budgets.from_array(eps, budgets.delta)
@@ -158,7 +159,8 @@ def add_canaries(
 ):
     """``dataset`` (a tokenized ``datasets.Dataset``: ``input_ids``, optional ``attention_mask``, the
     budget column, at user level the user column) with a ``labels`` column and every canary appended
-    (held-out ones as null rows: no label).  Train it with :func:`canary_collator`."""
+    (held-out ones as null rows: no label; a canary drawn with ``repeats`` as that many rows of its
+    user).  Train it with :func:`canary_collator`."""
     import datasets
 
     from ..integrations.hf.finetune import null_row_labels
@@ -189,15 +191,16 @@ def add_canaries(
             )
     pad = tokenizer.pad_token_id
     base = null_row_labels(dataset, np.zeros(len(dataset), bool), pad)
+    of = np.repeat(np.arange(len(canaries)), canaries.repeats)  # the canary of every appended row
     enc = tokenizer(canaries.texts, truncation=True, max_length=max_length)
-    rows = {"input_ids": enc["input_ids"]}
+    rows = {"input_ids": [enc["input_ids"][i] for i in of.tolist()]}
     if "attention_mask" in columns:
-        rows["attention_mask"] = enc["attention_mask"]
-    rows[budget_column] = canaries.budgets.tolist()
+        rows["attention_mask"] = [enc["attention_mask"][i] for i in of.tolist()]
+    rows[budget_column] = canaries.budgets[of].tolist()
     if user_column:
-        rows[user_column] = list(canaries.users)
+        rows[user_column] = [canaries.users[i] for i in of.tolist()]
     extra = datasets.Dataset.from_dict(rows)
-    extra = null_row_labels(extra, ~canaries.included, pad)
+    extra = null_row_labels(extra, ~canaries.included[of], pad)
     extra = extra.cast(base.features)
     return datasets.concatenate_datasets([base, extra])
 

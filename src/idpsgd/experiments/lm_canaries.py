@@ -11,18 +11,25 @@ canary format's public words (never on a secret).
 seed derived from ``--seed`` — the same public starting point for every run.
 
 **Runs.**  Three budget groups (``--budgets``, default ε = 1, 8, 64, a third of the rows each;
-δ = 1e-5) with ``canaries`` secret canaries per group ("my code is ⟨4 random digits⟩", |R| = 10^4,
-each included with probability 1/2), fine-tuned with IDP-SGD Scale (``--method``; Boenisch et al.) through
-:func:`idpsgd.audit.lm_training.audit_finetune`; then the **non-private baseline**: the same rows and
-canaries, plain ``transformers.Trainer`` fine-tuning (no clipping, no noise), the same epochs (150
-by default: with 60 the baseline's median exposure was only about 4 bits) — the audit's power:
-without DP the canaries are memorised.
+δ = 1e-5) with ``canaries`` secret canaries per group (default 32), each included with probability
+1/2 (held-out ones are null rows).  A canary is ``"⟨context⟩ my code is ⟨3 random digits⟩"``
+(|R| = 10^3), each under a public context word of its own (``--no-contexts``: one shared prefix — then
+the canaries compete for one next-digit distribution and the model learns their mixture) and
+inserted ``repeats`` times (default 4) as the rows of a **canary user** of its own: the runs are then
+at user level, every docstring row a user of its own, so the group's user-level ε covers all the
+canary's rows (``--repeats 1``: one row each, example level).  Fine-tuned with IDP-SGD Scale
+(``--method``; Boenisch et al.) through :func:`idpsgd.audit.lm_training.audit_finetune`; then the
+**non-private baseline**: the same rows and canaries, plain ``transformers.Trainer`` fine-tuning (no
+clipping, no noise), as many steps as the private run took — the audit's power: without DP the
+canaries are memorised.
 
-**Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all 10^4
+**Measured.**  Per group: the exposure of the included and the held-out canaries (exact: all of R
 candidates scored), the AUC of the loss score, the one-run empirical ε lower bound beside the
-reported ε.  Checked, and reported as measured: the median exposure of the included canaries ordered
-by budget (the smallest budget's lowest), the baseline's at least :data:`FAR_BITS` above every private
-group's ("far above"), every bound at or below its reported ε.
+reported ε.  Checked, and printed as PASS/FAIL lines: the exposure of the included canaries ordered by
+budget (the smallest budget's lowest), compared by each group's mean rank among the included canaries
+of all groups pooled (:func:`idpsgd.audit.lm.pooled_mean_ranks`); the baseline's median at least
+:data:`FAR_BITS` above every private group's median ("far above"); every bound at or below its
+reported ε.
 """
 
 from __future__ import annotations
@@ -131,8 +138,9 @@ def _base_model(folder, tok, seed: int, width: int, layers: int) -> None:
     tok.save_pretrained(folder)
 
 
-def _non_private(base, texts, null, canaries, out_dir, *, epochs, batch_size, lr, max_length, seed, audit):
-    """The same rows and canaries fine-tuned without DP (``transformers.Trainer``), then audited."""
+def _non_private(base, texts, null, canaries, out_dir, *, steps, batch_size, lr, max_length, seed, audit):
+    """The same rows and canaries fine-tuned without DP (``transformers.Trainer``, batches of
+    ``batch_size`` for ``steps`` steps), then audited."""
     import datasets
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -152,7 +160,7 @@ def _non_private(base, texts, null, canaries, out_dir, *, epochs, batch_size, lr
     args = TrainingArguments(
         output_dir=str(folder.path / "private" / "trainer"),
         per_device_train_batch_size=batch_size,
-        num_train_epochs=epochs,
+        max_steps=steps,
         learning_rate=lr,
         save_strategy="no",
         logging_strategy="no",
@@ -175,8 +183,10 @@ def run_lm_canaries(
     rows: int = 300,
     budgets: str = BUDGETS,
     method: str = "scale",
-    canaries: int = 20,
-    digits: int = 4,
+    canaries: int = 32,
+    digits: int = 3,
+    contexts: bool = True,
+    repeats: int = 4,
     epochs: int = 150,
     batch_size: int = 32,
     lr: float = 1e-2,
@@ -193,12 +203,13 @@ def run_lm_canaries(
     """Run the reproduction (module docstring) into the run folder ``out``: ``dp-<method>/`` (the private
     run with its audit) and ``non-private/`` (the baseline's audit); returns the comparison."""
     from ..assignment import Budgets
-    from ..audit.canaries import CanaryFormat, with_canaries
+    from ..audit.canaries import with_canaries
     from ..audit.lm import LMAuditOptions
     from ..audit.lm_training import audit_finetune
     from ..engine.noise.randomness import derive_seed
     from ..integrations.hf.finetune import FinetuneOptions
     from ..integrations.hf.text_data import TextData
+    from ..users import Users
     from ..validation import InvalidParameterError
     from .summary import randomness, repetition_seeds
 
@@ -211,8 +222,10 @@ def run_lm_canaries(
     t0 = time.time()
     base_seed, (run_seed,) = repetition_seeds(seed, 1)
     corpus = stdlib_docstring_corpus(rows)
-    fmt = CanaryFormat(digits=digits)
-    tok = _tokenizer(corpus, fmt.alphabet_text(), 4000)
+    values = _budget_values(budgets)
+    audit = LMAuditOptions(canaries=canaries, digits=digits, contexts=contexts, repeats=repeats)
+    fmt = audit.format
+    tok = _tokenizer(corpus, fmt.alphabet_text(canaries * len(values)), 4000)
     base = out.path / "base_model"
     out.save_directory(
         "base_model",
@@ -220,12 +233,19 @@ def run_lm_canaries(
         "the starting point: a GPT-2 built from a config and the tokenizer trained on the public corpus",
         lambda p: _base_model(p, tok, derive_seed(run_seed, 1), width, layers),
     )
-    values = _budget_values(budgets)
     budgets = Budgets.from_groups(
         values, [1 / len(values)] * len(values), len(corpus), DELTA, seed=derive_seed(run_seed, 2)
     )
-    train = TextData(corpus, None, budgets.epsilons, ["text", "epsilon"], {"format": "corpus", "file": "stdlib"})
-    audit = LMAuditOptions(canaries=canaries, digits=digits)
+    # repeated canaries are their users' rows: user level, every docstring row a user of its own
+    users = Users([f"row-{i:05d}" for i in range(len(corpus))], repeats) if repeats > 1 else None
+    train = TextData(
+        corpus,
+        None,
+        budgets.epsilons,
+        ["text", "epsilon"],
+        {"format": "corpus", "file": "stdlib"},
+        users=None if users is None else [str(u) for u in users.ids[users.unit_of_row]],
+    )
     _check_method("method", method)
     options = FinetuneOptions(
         method=method,
@@ -238,21 +258,35 @@ def run_lm_canaries(
         progress=progress,
     )
     t1 = time.time()
-    dp = audit_finetune(base, train, budgets, out.path / f"dp-{method}", options=options, audit=audit, overwrite=True)
+    dp = audit_finetune(
+        base, train, budgets, out.path / f"dp-{method}", options=options, audit=audit, users=users, overwrite=True
+    )
     t2 = time.time()
-    # the baseline trains on the very rows and canaries of the private run (the same design seed)
+    # the baseline trains on the very rows and canaries of the private run (the same design seed), for
+    # as many steps as the private run took
     from ..audit.canaries import draw_canaries
     from ..audit.lm_training import DESIGN_PATH
 
-    canary_set = draw_canaries(values, canaries, fmt, seed=derive_seed(options.seed, DESIGN_PATH))
-    texts, _, _, null, _ = with_canaries(corpus, budgets.epsilons, canary_set)
+    canary_set = draw_canaries(
+        values,
+        canaries,
+        fmt,
+        seed=derive_seed(options.seed, DESIGN_PATH),
+        user_ids=None if users is None else users.ids,
+        user_budgets=None if users is None else budgets.epsilons,
+        repeats=repeats,
+    )
+    user_rows = None if users is None else train.users
+    texts, _, _, null, _ = with_canaries(
+        corpus, budgets.epsilons[users.unit_of_row] if users else budgets.epsilons, canary_set, user_rows
+    )
     baseline, _ = _non_private(
         base,
         texts,
         null,
         canary_set,
         out.path / "non-private",
-        epochs=epochs,
+        steps=int(dp["steps"]),
         batch_size=batch_size,
         lr=baseline_lr,
         max_length=max_length,
@@ -264,9 +298,11 @@ def run_lm_canaries(
     # the median of the included canaries' exposure: robust to the heavy upper tail of a few canaries
     med = [g["exposure_included"]["median"] for g in a["groups"]]
     base_med = [g["exposure_included"]["median"] for g in baseline["groups"]]
-    known = all(x is not None for x in [*med, *base_med])
+    ranks = [g["exposure_mean_rank"] for g in a["groups"]]
+    known = all(x is not None for x in [*med, *base_med, *ranks])
     checks = {
-        "exposure_ordered_by_budget": known and all(med[k] < med[k + 1] for k in range(len(med) - 1)),
+        # the groups' mean ranks of exposure among the included canaries of all groups pooled
+        "exposure_ordered_by_budget": known and all(ranks[k] < ranks[k + 1] for k in range(len(ranks) - 1)),
         "baseline_far_above_every_private_group": known and min(base_med) >= max(med) + FAR_BITS,
         "every_bound_at_most_reported_epsilon": all(
             g["empirical_epsilon"] <= g["reported_epsilon"] for g in [*a["groups"], a["all"]]
@@ -287,9 +323,12 @@ def run_lm_canaries(
         "baseline_lr": baseline_lr,
         "clip_norm": clip_norm,
         "canaries_per_group": canaries,
+        "canary_repeats": repeats,
+        "level": "user" if users is not None else "example",
         "canary_format": a["canary_format"],
         "private_run": {"steps": dp["steps"], "noise_multiplier": dp["noise_multiplier"], "lm_audit": a},
         "non_private": {"lm_audit": baseline},
+        "baseline_steps": int(dp["steps"]),
         "checks": checks,
         "far_bits": FAR_BITS,
         "randomness": randomness(False),
@@ -302,17 +341,23 @@ def _markdown(r) -> str:
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
     lines = [
         f"Canary audit of a fine-tuned GPT-2 ({r['model']}) on {r['corpus']}; IDP-SGD {r['method']}, "
-        f"{r['private_run']['steps']} steps, σ = {r['private_run']['noise_multiplier']:.3f}; {r['canaries_per_group']} "
-        f"canaries per group, |R| = {a['canary_format']['space_size']}, exposure {a['exposure_method']} (max "
-        f"{a['exposure_max']:.2f} bits)",
+        f"{r['private_run']['steps']} steps, σ = {r['private_run']['noise_multiplier']:.3f}, {r['level']} level; "
+        f"{r['canaries_per_group']} canaries per group"
+        + (" (each under a context word of its own)" if a["canary_format"].get("contexts") else "")
+        + (f", {r['canary_repeats']} rows each (its user's)" if r["canary_repeats"] > 1 else "")
+        + f", |R| = {a['canary_format']['space_size']}, exposure {a['exposure_method']} (max "
+        f"{a['exposure_max']:.2f} bits); the baseline: the same rows, {r['baseline_steps']} steps",
         "",
-        "| run | budget | reported ε | exposure, included: mean (median) | exposure, held out | AUC "
-        "| ε lower bound | audit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | budget | reported ε | exposure, included: mean (median) | mean rank, pooled | exposure, held out "
+        "| AUC | ε lower bound | audit |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ex(s):
         return "n/a" if s["mean"] is None else f"{s['mean']:.2f} ({s['median']:.2f})"
+
+    def rank(g):
+        return "—" if g.get("exposure_mean_rank") is None else f"{g['exposure_mean_rank']:.1f}"
 
     for name, audit in ((f"IDP-SGD {r['method']}", a), ("non-private", b)):
         for g in [*audit["groups"], audit["all"]]:
@@ -320,12 +365,13 @@ def _markdown(r) -> str:
             rep = "—" if g["reported_epsilon"] is None else f"{g['reported_epsilon']:.3f}"
             auc = "n/a" if g["auc"] is None else f"{g['auc']:.3f}"
             lines.append(
-                f"| {name} | {budget} | {rep} | {ex(g['exposure_included'])} | {ex(g['exposure_held_out'])} | {auc} "
+                f"| {name} | {budget} | {rep} | {ex(g['exposure_included'])} | {rank(g)} "
+                f"| {ex(g['exposure_held_out'])} | {auc} "
                 f"| {g['empirical_epsilon']:.3f} | {g['verdict']} |"
             )
     lines.append("")
     for k, v in r["checks"].items():
-        lines.append(f"- {k.replace('_', ' ')}: {'yes' if v else 'NO'}")
+        lines.append(f"- {'PASS' if v else 'FAIL'}: {k.replace('_', ' ')}")
     s = r["seconds"]
     lines.append(f"\n{s['total']:.0f} s (private run {s['private_run']:.0f} s, baseline {s['baseline']:.0f} s)")
     return "\n".join(lines) + "\n"
@@ -375,6 +421,10 @@ register(
             Option("method", "IDP-SGD method of the private run: sample or scale", _check_method),
             Option("canaries", "secret canaries per budget group (each included with probability 1/2)", at_least_one),
             Option("digits", "random digits per secret (|R| = 10^digits; exact exposure up to 10^5)", at_least_one),
+            Option("contexts", "every canary opens with a public context word of its own (--no-contexts: one prefix)"),
+            Option(
+                "repeats", "rows per canary, all of its own user's (above 1: the runs are at user level)", at_least_one
+            ),
             Option("epochs", "passes over the data (both runs)", at_least_one),
             Option("batch_size", "expected batch size (both runs)", at_least_one),
             Option("lr", "AdamW learning rate of the private run", positive),
