@@ -44,10 +44,22 @@ RESULTS = ROOT / "bench" / "results" / "architectures.json"  # every record merg
 PAGE = ROOT / "docs" / "architectures.md"
 
 
+def _redo(path: Path, retry: bool) -> bool:
+    """Whether the architecture of the record ``path`` is to be run: no record yet, or (``retry``) one that was
+    not built or whose process hung or died."""
+    if not path.exists():
+        return True
+    if not retry:
+        return False
+    record = json.loads(path.read_text())
+    details = [c.get("detail", "") for v in record["conditions"].values() if v for c in v.get("cells", {}).values()]
+    return "not_built" in record or any(d.startswith(("timeout:", "signal:", "exit ")) for d in details)
+
+
 def enumerate_survey(args) -> int:
     """Run every (type, task) not yet recorded (all with ``--fresh``), ``args.jobs`` at a time; merge; render."""
     import hf_enumeration as en
-    from idpsgd.io import write_json
+    from idpsgd.io import atomic_open, write_json
 
     hf._tf()
     todo = en.architectures(tuple(args.tasks.split(",")))
@@ -56,7 +68,7 @@ def enumerate_survey(args) -> int:
         todo = [a for a in todo if a[0] in wanted]
     modes = tuple(args.modes.split(","))
     start = time.perf_counter()
-    pending = [a for a in todo if args.fresh or not (RECORDS / f"{en.key(*a[:2])}.json").exists()]
+    pending = [a for a in todo if args.fresh or _redo(RECORDS / f"{en.key(*a[:2])}.json", args.retry)]
     if not args.render and pending:
         en.warm_up()
         running: dict = {}
@@ -77,12 +89,11 @@ def enumerate_survey(args) -> int:
                 print(
                     f"[{done}/{len(todo)}] {arch[0]} ({arch[1]}) {time.perf_counter() - t0:.1f} s: {marks}", flush=True
                 )
-    records = []
-    for arch in en.architectures(tuple(en.TASKS)):
-        path = RECORDS / f"{en.key(*arch[:2])}.json"
-        if path.exists():
-            records.append(json.loads(path.read_text()))
-    if args.only or args.tasks != ",".join(en.TASKS):
+    everything = en.architectures(tuple(en.TASKS))
+    records = [
+        json.loads(p.read_text()) for p in (RECORDS / f"{en.key(*a[:2])}.json" for a in everything) if p.exists()
+    ]
+    if (args.only or args.tasks != ",".join(en.TASKS)) and not args.render:
         print(f"{time.perf_counter() - start:.0f} s; a partial run: {RESULTS.name} and the page left as they are")
         return 0
     import opacus
@@ -95,13 +106,10 @@ def enumerate_survey(args) -> int:
         "opacus": opacus.__version__,
     }
     wall = sum(r.get("seconds", 0) for r in records)
-    results = {"versions": versions, "wall_s": round(wall), "modes": list(modes), "records": records}
+    results = {"versions": versions, "wall_s": round(wall), "enumerated": len(everything), "records": records}
     write_json(RESULTS, results)
-    with_page = en.render(results)
-    from idpsgd.io import atomic_open
-
     with atomic_open(PAGE) as fh:
-        fh.write(with_page)
+        fh.write(en.render(results))
     s = en.summary(records)
     print(json.dumps(s["counts"], indent=1))
     print(f"{time.perf_counter() - start:.0f} s (the records' own time: {wall:.0f} s); wrote {RESULTS} and {PAGE}")
@@ -123,6 +131,7 @@ def main(argv=None):
     group.add_argument("--jobs", type=int, default=1, help="architectures at a time (default 1)")
     group.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture (default 300)")
     group.add_argument("--fresh", action="store_true", help="recompute the recorded architectures too")
+    group.add_argument("--retry", action="store_true", help="recompute the records not built, hung or died")
     group.add_argument("--render", action="store_true", help="only merge the records and write the page")
     args = parser.parse_args(argv)
     if args.enumerate:

@@ -18,6 +18,7 @@ forks one process per architecture, the resumable results and the table: ``bench
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -64,6 +65,13 @@ SIZES = {  # field → its tiny value (applied where the default is an int)
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"), 2),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts", "first_k_dense_replace", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("mamba_n_groups", "n_groups"), 1),
+    "mamba_n_heads": 4,  # × mamba_d_head 16 = mamba_expand 2 × hidden 32
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size", "state_size", "mamba_d_head", "linear_key_head_dim"), 16),
+    **dict.fromkeys(("linear_value_head_dim", "time_step_rank", "mamba_chunk_size", "chunk_size"), 16),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads"), HEADS),
+    "num_groups": 4,  # GroupNorm groups: divide the tiny channel counts
+    "conv_kernel": 4,  # (an int: mamba's causal convolution; wav2vec2's list of kernels is left as it is)
     "num_conv_pos_embeddings": 16,
     "num_conv_pos_embedding_groups": 2,
     "image_size": 32,
@@ -132,20 +140,22 @@ def _shrink(d: dict, layers_before: int | None = None) -> dict:
             out[k] = v
         elif any(word in k for word in RANDOM_IN_TRAINING) and isinstance(v, (int, float)):
             out[k] = 0.0  # dropout, stochastic depth, spec augment, router jitter: off (the reference is deterministic)
-        elif isinstance(v, int) and k in SIZES:
-            out[k] = min(v, SIZES[k]) if k not in ("vocab_size",) else v
         elif k == "vocab_size" and isinstance(v, int):
             out[k] = min(v, V)
+        elif isinstance(v, int) and k in SIZES:
+            out[k] = min(v, SIZES[k])
         elif isinstance(v, list) and k in LIST_SIZES and all(isinstance(x, int) for x in v):
             out[k] = [LIST_SIZES[k](i, len(v)) for i in range(len(v))]
         elif isinstance(v, list) and layers_before and len(v) == layers_before and layers_before > LAYERS:
             out[k] = v[:LAYERS]  # per-layer lists (layer types, sliding windows ...) follow the layer count
-        elif (k.endswith(("_token_id", "_token_index", "_token_ids")) or k == "image_token_id") and not isinstance(
-            v, float
-        ):
-            out[k] = v
         else:
             out[k] = v
+    for k in ("out_features", "out_indices", "stage_names"):  # backbone outputs: derived again from the depths
+        out.pop(k, None)
+    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("qk_nope_head_dim"), int):
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # multi-head latent attention
+        if isinstance(out.get("head_dim"), int):
+            out["head_dim"] = out["qk_rope_head_dim"]
     return _tokens(out)
 
 
@@ -157,9 +167,8 @@ def _tokens(d: dict) -> dict:
         if k in fixed and (v is None or isinstance(v, (int, list))):
             if k == "pad_token_id" or v is not None:
                 d[k] = fixed[k]
-        elif (k.endswith(("_token_id", "_token_index")) or (k.endswith("_id") and "token" in k)) and isinstance(v, int):
-            if v >= FIRST_SPECIAL:
-                d[k] = next(spare, V - 1)
+        elif k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and v >= FIRST_SPECIAL:
+            d[k] = next(spare, V - 1)
     return d
 
 
@@ -185,10 +194,8 @@ def tiny_config(model_type: str):
         raise NotBuilt(f"tiny config: {hf._first_line(exc, 160)}") from exc
     for c in [config, *(getattr(config, k) for k in vars(config) if hasattr(getattr(config, k), "to_dict"))]:
         for name, value in (("_attn_implementation", "eager"), ("_experts_implementation", "eager")):
-            try:
+            with contextlib.suppress(Exception):
                 setattr(c, name, value)
-            except Exception:
-                pass
         if hasattr(c, "experts_implementation"):
             c.experts_implementation = "eager"
     return config
@@ -348,15 +355,22 @@ def independence(case: hf.Case) -> tuple[bool, float]:
     return gap <= 1e-10, gap
 
 
-def survey_one(model_type: str, task: str, class_name: str, modes=hf.MODES, conditions=tuple(CONDITIONS)) -> dict:
+def survey_one(
+    model_type: str, task: str, class_name: str, modes=hf.MODES, conditions=tuple(CONDITIONS), progress=None
+) -> dict:
     """The record of one (type, task): not built (with the reason), or per condition the independence test
-    and each mode's outcome (a JSON-ready dict)."""
+    and each mode's outcome (a JSON-ready dict).  ``progress(phase, record)``, if given, is told each phase
+    first ("build", "reference <condition>", "<mode> <condition>") with the record so far: where a process
+    that hangs was, and what it had found."""
     import warnings
+
+    progress = progress or (lambda phase, record: None)
 
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
     record = {"model_type": model_type, "task": task, "class": class_name, "conditions": {}}
     try:
+        progress("build", record)
         built = build_model(model_type, task, class_name)
     except NotBuilt as exc:
         return {**record, "not_built": str(exc), "seconds": round(time.perf_counter() - start, 2)}
@@ -367,6 +381,7 @@ def survey_one(model_type: str, task: str, class_name: str, modes=hf.MODES, cond
             record["conditions"][condition] = None
             continue
         try:
+            progress(f"reference {condition}", record)
             params, grads = hf.reference(case)
             independent, gap = independence(case)
         except Exception as exc:  # the model or the harness: the reference itself fails
@@ -375,7 +390,9 @@ def survey_one(model_type: str, task: str, class_name: str, modes=hf.MODES, cond
             record["conditions"][condition] = {"error": f"reference: {hf._first_line(exc, 200)}"}
             continue
         cells, floors = {}, {}
+        record["conditions"][condition] = {"independent": independent, "loss_gap": _num(gap), "cells": cells}
         for mode in modes:
+            progress(f"{mode} {condition}", record)
             outcome = hf.check_case(case, params, grads, mode, floors=floors)
             cells[mode] = {
                 "status": outcome.status,
@@ -384,7 +401,6 @@ def survey_one(model_type: str, task: str, class_name: str, modes=hf.MODES, cond
                 "sum_err": _num(outcome.sum_err),
                 "seconds": round(outcome.seconds, 3),
             }
-        record["conditions"][condition] = {"independent": independent, "loss_gap": _num(gap), "cells": cells}
     record["seconds"] = round(time.perf_counter() - start, 2)
     return record
 
@@ -509,13 +525,15 @@ def render(results: dict) -> str:
         "* **not built**: the harness could not build the architecture tiny (the reason is listed below); not an "
         "outcome of the engine.",
         "",
-        f"Regenerate (on one core, about {results.get('wall_s', 0) / 60:.0f} minutes): "
-        "`python bench/survey_architectures.py --enumerate --fresh`.",
+        "Regenerate with `python bench/survey_architectures.py --enumerate --fresh` (one architecture at a time, "
+        f"each in its own process; the architectures' own times add up to {results.get('wall_s', 0) / 60:.0f} "
+        "minutes on one core).",
         f"Versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}.",
         "",
         "## Counts",
         "",
-        f"{s['architectures']} architectures (model type × task).",
+        f"{s['architectures']} architectures (model type × task) surveyed"
+        + (f", of the {results['enumerated']} enumerated." if s["architectures"] != results["enumerated"] else "."),
         "",
         "| outcome | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
         "|---" * (len(modes) + 1) + "|",
@@ -533,6 +551,12 @@ def render(results: dict) -> str:
     for r in built:
         cells = [_cell(*outcome(r, m)[:2]) for m in modes]
         lines.append(f"| {r['model_type']} | {r['task']} | {r['class']} | " + " | ".join(cells) + " |")
+    behind = [r for r in built if outcome(r, "opacus-hooks")[0] == "exact" and outcome(r, "bk")[0] != "exact"]
+    lines += ["", "## Where Opacus's hooks is exact and bk is not", ""]
+    lines += [f"{len(behind)} architectures" + (":" if behind else "."), ""]
+    for r in behind:
+        status, condition, detail = outcome(r, "bk")
+        lines.append(f"* {r['model_type']} ({r['task']}): {_cell(status, condition)}: {_esc(detail[:200])}")
     lines += [
         "",
         "## Reasons",
@@ -568,23 +592,37 @@ def warm_up() -> None:
     survey_one("llama", "seq-cls", "LlamaForSequenceClassification", conditions=("T!=B",))
 
 
-def failed(model_type: str, task: str, class_name: str, modes, why: str, seconds: float) -> dict:
-    """The record of a process that hung or died: a crash in every mode at the first condition."""
-    cell = {"status": "crash", "detail": why, "norm_err": None, "sum_err": None, "seconds": seconds}
-    first = next(iter(CONDITIONS))
-    return {
-        "model_type": model_type,
-        "task": task,
-        "class": class_name,
-        "conditions": {first: {"independent": None, "loss_gap": None, "cells": dict.fromkeys(modes, cell)}},
-        "seconds": seconds,
-    }
+def failed(model_type: str, task: str, class_name: str, modes, why: str, seconds: float, progress=None) -> dict:
+    """The record of a process that hung or died, from its last ``progress`` ({"phase", "record"} of
+    :func:`survey_one`): in a mode, what it had found and a crash of that mode at that condition (the modes
+    after it not run); in the harness (building, the reference), not built; unknown, a crash in every mode."""
+    phase = (progress or {}).get("phase", "")
+    record = (progress or {}).get("record") or {"model_type": model_type, "task": task, "class": class_name}
+    record = {**record, "conditions": dict(record.get("conditions", {})), "seconds": seconds}
+    mode, _, condition = phase.partition(" ")
+    if phase == "build" or mode == "reference":
+        return {**record, "not_built": f"{why} (in the harness: {phase})"}
+    if mode not in modes:  # no progress known: every mode at the first condition
+        first = next(iter(CONDITIONS))
+        cell = {"status": "crash", "detail": why, "norm_err": None, "sum_err": None, "seconds": seconds}
+        record["conditions"] = {first: {"independent": None, "loss_gap": None, "cells": dict.fromkeys(modes, cell)}}
+        return record
+    result = record["conditions"].get(condition) or {"independent": None, "loss_gap": None, "cells": {}}
+    cells = dict(result["cells"])
+    cells[mode] = {"status": "crash", "detail": why, "norm_err": None, "sum_err": None, "seconds": seconds}
+    for m in modes:
+        cells.setdefault(m, {"status": "error", "detail": f"not run: {mode} hung or died before", "norm_err": None})
+    record["conditions"][condition] = {**result, "cells": cells}
+    return record
 
 
 def _child(target, args, path):
     from idpsgd.io import write_json
 
-    write_json(path, target(*args))
+    def progress(phase, record):
+        write_json(f"{path}.progress", {"phase": phase, "record": record})
+
+    write_json(path, target(*args, progress=progress) if target is survey_one else target(*args))
 
 
 def start(path, target=None, args=()):
@@ -605,22 +643,30 @@ def finish(proc, path, started: float, timeout: float, arch: tuple, modes) -> di
     import json
     import os
     import signal
+    from pathlib import Path
 
     from idpsgd.io import write_json
 
     elapsed = round(time.perf_counter() - started, 1)
+    marker = f"{path}.progress"
+    progress = None
+    if os.path.exists(marker):
+        with contextlib.suppress(ValueError):  # (written atomically: complete or absent)
+            progress = json.loads(Path(marker).read_text())
     if proc.is_alive():
         if elapsed < timeout:
             return None
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-        write_json(path, failed(*arch, modes, f"timeout: no result after {timeout:.0f} s", elapsed))
+        write_json(path, failed(*arch, modes, f"timeout: no result after {timeout:.0f} s", elapsed, progress))
     else:
         proc.join()
         if proc.exitcode != 0 or not os.path.exists(path):
             code = proc.exitcode
             why = f"signal: the process died ({signal.Signals(-code).name})" if code and code < 0 else f"exit {code}"
-            write_json(path, failed(*arch, modes, why, elapsed))
+            write_json(path, failed(*arch, modes, why, elapsed, progress))
+    if os.path.exists(marker):
+        os.unlink(marker)
     with open(path) as fh:
         return json.load(fh)
 
