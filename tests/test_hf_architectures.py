@@ -12,13 +12,23 @@ an unexpected pass (remove its entry then).
 
 Default suite: four cases (GPT-2 at T = B, BERT at T != B, ViT, T5 at T = B — the silent case) and
 ``idpsgd finetune`` on GPT-2 and ViT; everything else is ``slow`` (``make test-slow``, or
-``pytest -m slow tests/test_hf_architectures.py``)."""
+``pytest -m slow tests/test_hf_architectures.py``).
+
+The survey by enumeration (issue 47, :mod:`hf_enumeration`): a fixed sample of six architectures (causal
+LM, padded sequence classification, seq2seq, image, audio) in each idpsgd mode in the default suite, every
+architecture of transformers' auto mappings ``slow`` (the survey's recorded failures as strict xfails);
+the harness's own checks (independence test, hang and signal, not built); and that docs/architectures.md
+is the runner's rendering of bench/results/architectures.json."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
 import hf_architectures as hf
+import hf_enumeration as en
 
 
 class Refused(AssertionError):
@@ -141,3 +151,138 @@ def test_finetune_runs_or_exits_2_with_one_line(name, tmp_path):
     if code == "traceback":
         raise Crashed(line)
     assert code == 0 or (code == 2 and line.startswith("idpsgd finetune: error: ")), (code, line)
+
+
+# --- the survey by enumeration (issue 47): every architecture of transformers' auto mappings ----------
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "architectures.json"
+PAGE = ROOT / "docs" / "architectures.md"
+# the fixed sample of the default suite: a causal LM, a padded sequence classifier, a seq2seq LM, an image
+# and an audio classifier; the outcome each idpsgd mode gives today, over T != B, T = B and the padded batch
+SAMPLE = {
+    ("llama", "causal-lm"): {"bk": "exact", "ghost": "exact", "hooks": "exact"},
+    ("llama", "seq-cls"): {"bk": "exact", "ghost": "exact", "hooks": "exact"},  # padded: the last real token
+    ("t5", "seq2seq"): {"bk": "exact", "ghost": "crash", "hooks": "WRONG"},
+    ("vit", "image-cls"): {"bk": "exact", "ghost": "exact", "hooks": "exact"},
+    ("wav2vec2", "audio-cls"): {"bk": "exact", "ghost": "exact", "hooks": "exact"},
+    ("gpt2", "seq-cls"): {"bk": "exact", "ghost": "crash", "hooks": "refused, examples independent"},
+}
+BAD = {"crash": Crashed, "WRONG": Wrong, "refused, examples independent": Refused, "error": HarnessError}
+_CLASSES = {(t, task): cls for t, task, cls in en.architectures()}
+
+
+def _survey(model_type, task, modes):
+    return en.survey_one(model_type, task, _CLASSES[model_type, task], modes)
+
+
+def _sample_case(arch, mode):
+    expected = SAMPLE[arch][mode]
+    marks = []
+    if expected in BAD:  # today's failure, named: a strict xfail that accepts only that kind of failure
+        marks.append(pytest.mark.xfail(strict=True, raises=BAD[expected], reason=f"{expected} (issue 47's survey)"))
+    return pytest.param(arch, mode, marks=marks, id=f"{arch[0]}-{arch[1]}-{mode}")
+
+
+def _expect_trainable(record, mode):
+    """exact, or refused where the examples really interact; anything else raises its kind."""
+    status, condition, detail = en.outcome(record, mode)
+    if status not in ("exact", "refused, examples interact"):
+        raise BAD.get(status, HarnessError)(f"{status} [{condition}]: {detail}")
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(("arch", "mode"), [_sample_case(a, m) for a in SAMPLE for m in hf.ENGINE_MODES])
+def test_the_sample_of_the_enumeration_is_exact_or_truly_refused(arch, mode):
+    """One noiseless step of each idpsgd mode equals brute force (norms and clipped sum, float64) at T != B,
+    T = B and on a padded batch, or is refused for examples that really interact; never a crash or WRONG."""
+    record = _survey(*arch, (mode,))
+    assert "not_built" not in record, record["not_built"]
+    assert record["conditions"]["T!=B"]["independent"]
+    _expect_trainable(record, mode)
+
+
+def _recorded():
+    return {(r["model_type"], r["task"]): r for r in json.loads(RESULTS.read_text())["records"]}
+
+
+def _enumerated_case(arch):
+    record = _recorded().get(arch[:2]) if RESULTS.exists() else None
+    marks = [pytest.mark.slow]
+    bad = sorted({en.outcome(record, m)[0] for m in hf.ENGINE_MODES} & set(BAD)) if record else []
+    if record and "not_built" in record:
+        marks.append(pytest.mark.skip(reason=f"not built: {record['not_built']}"))
+    elif bad:  # the recorded survey's failures: strict, the test fails when one is fixed (re-run the survey)
+        marks.append(
+            pytest.mark.xfail(strict=True, raises=(Crashed, Wrong, Refused, HarnessError), reason=", ".join(bad))
+        )
+    return pytest.param(arch, marks=marks, id=en.key(*arch[:2]))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("arch", [_enumerated_case(a) for a in en.architectures()])
+def test_every_architecture_is_exact_or_truly_refused(arch, tmp_path):
+    """The whole enumeration (slow), each architecture in its own process with a timeout: every idpsgd mode
+    exact or refused for a true reason; the architectures recorded failing in bench/results/architectures.json
+    are strict xfails (re-run ``python bench/survey_architectures.py --enumerate --fresh`` after a fix)."""
+    record = en.run_isolated(arch, hf.ENGINE_MODES, tmp_path / "record.json")
+    if "not_built" in record:
+        raise HarnessError(record["not_built"])
+    for mode in hf.ENGINE_MODES:
+        _expect_trainable(record, mode)
+
+
+def test_the_architectures_page_is_the_runners_output():
+    """docs/architectures.md is exactly what the runner renders from bench/results/architectures.json (not edited
+    by hand), of the architectures the auto mappings list."""
+    results = json.loads(RESULTS.read_text())
+    assert PAGE.read_text() == en.render(results)
+    assert {(r["model_type"], r["task"]) for r in results["records"]} <= {a[:2] for a in en.architectures()}
+    assert results["enumerated"] == len(en.architectures())
+
+
+def test_the_independence_test_tells_interacting_examples_from_independent_ones():
+    """The check behind "refused, examples interact": batch norm in training mode mixes the batch, a linear
+    layer does not."""
+    import torch
+    from torch import nn
+
+    x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+
+    def loss(model, inputs):
+        return nn.functional.cross_entropy(model(inputs["x"]), inputs["y"], reduction="none")
+
+    mixing = nn.Sequential(nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(15, 2))
+    for model, independent in ((nn.Sequential(nn.Flatten(), nn.Linear(15, 2)), True), (mixing, False)):
+        case = hf.Case(model.double().train(), {"x": x, "y": y}, loss, 1)
+        assert en.independence(case)[0] is independent
+
+
+def _hang(*args):
+    import time
+
+    time.sleep(60)
+
+
+def _segfault(*args):
+    import faulthandler
+    import os
+    import signal
+
+    faulthandler.disable()  # (pytest's traceback dump of the child: noise)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+@pytest.mark.parametrize(("target", "why"), [(_hang, "crash: timeout"), (_segfault, "crash: signal")])
+def test_a_hang_or_a_signal_is_a_crash_cell_not_the_end_of_the_survey(target, why, tmp_path):
+    arch = ("gpt2", "causal-lm", "GPT2LMHeadModel")
+    record = en.run_isolated(arch, hf.ENGINE_MODES, tmp_path / "r.json", timeout=2.0, target=target)
+    status, _condition, detail = en.outcome(record, "bk")
+    assert f"{status}: {detail}".startswith(why), record
+    assert json.loads((tmp_path / "r.json").read_text()) == record  # written for the resumed survey
+
+
+def test_an_architecture_that_cannot_be_built_is_not_built_not_an_engine_outcome():
+    record = en.survey_one("gpt2", "causal-lm", "NoSuchModelClass", hf.ENGINE_MODES)
+    assert record["not_built"].startswith("NoSuchModelClass is not importable")
+    assert {en.outcome(record, m)[0] for m in hf.MODES} == {en.HARNESS}
+    assert en.summary([record])["counts"]["bk"][en.HARNESS] == 1
