@@ -614,7 +614,7 @@ def _layer_layout_problem(model: nn.Module, synth: _Synthetic, dim: int, outer: 
     inputs have it there, one example per row."""
     from opacus.layers.dp_rnn import RNNLinear
 
-    from .bk import provenance
+    from ..per_example.bk import provenance
 
     mode = provenance.ProvenanceMode(synth.size)
     args, kwargs = synth.base
@@ -673,8 +673,8 @@ def _refuse_layout(model: nn.Module, synth: _Synthetic, dim: int, outer: tuple =
     """Refuse batch-second inputs where Opacus would take a layer's per-sample gradients along another
     dimension than its batch (:func:`_layer_layout_problem`): with the drawn batch size equal to T it
     would clip positions as examples."""
-    from ..validation import InvalidParameterError
-    from .opacus_compat import BATCH_SECOND
+    from ...validation import InvalidParameterError
+    from ..opacus_compat import BATCH_SECOND
 
     problem = _layer_layout_problem(model, synth, dim, outer)
     if problem is not None:

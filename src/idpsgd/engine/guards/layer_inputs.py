@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from .opacus_compat import UnsupportedModuleError
+from ..opacus_compat import UnsupportedModuleError
 
 #: the modes whose per-example gradients come from each layer's own hooks (:mod:`.modes`)
 PER_LAYER_MODES = frozenset({"hooks", "functorch", "ghost"})

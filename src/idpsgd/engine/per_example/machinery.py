@@ -29,7 +29,7 @@ import contextlib
 import linecache
 import os
 
-from ..validation import InvalidParameterError
+from ...validation import InvalidParameterError
 from .bk.provenance import RefusedRows
 
 

@@ -31,9 +31,9 @@ from opacus.utils.module_utils import trainable_modules
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
+from ..opacus_compat import UnsupportedModuleError
+from .autograd import functorch_refuses, per_example_autograd
 from .machinery import MachineryRefusal, forward_net, guard, module_names
-from .opacus_compat import UnsupportedModuleError
-from .per_example_autograd import functorch_refuses, per_example_autograd
 
 
 class _TolerantFunctorch:
