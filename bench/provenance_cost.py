@@ -142,7 +142,7 @@ def forward_cost(layers: int, d: int, heads: int, batch: int, seq: int, rounds: 
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from idpsgd.engine.bookkeeping import BookKeeper
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -51,9 +51,9 @@ def tax(layers: int, d: int, heads: int, batch: int, seq: int, vocab: int, round
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from idpsgd.engine.bookkeeping import BookKeeper
     from idpsgd.engine.guards import integrity
     from idpsgd.engine.per_example.bk import replay
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hf_architectures as H
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import BookKeeper
 from idpsgd.engine.per_example.bk import replay
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
 
 def _result(case, inputs=None):

@@ -408,7 +408,7 @@ def test_a_copy_of_a_model_with_a_fallback_layer_runs_plain():
     their keeper: the copy runs plain (it crashed in its forward: BiT at T = B, found by the survey)."""
     import copy
 
-    from idpsgd.engine.bookkeeping import BookKeeper
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
 
     class Scaled(nn.Module):  # no rule, no Opacus grad sampler: a fallback unit
         def __init__(self):

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.bookkeeping import BookKeeper
 from idpsgd.engine.opacus_compat import refusal_for
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
 from idpsgd.engine.per_example.bk.provenance import RefusedRows
 from idpsgd.validation import InvalidParameterError
 
