@@ -973,7 +973,7 @@ def mode_result(case: Case, mode: str, clips: torch.Tensor):
     criterion = _Criterion(lambda losses, _target: losses)  # the model's call returns the per-example losses
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ghost = mode.endswith("ghost")
-    with warnings.catch_warnings(), mock.patch("idpsgd.engine.optimizer.gaussian_like", _no_noise):
+    with warnings.catch_warnings(), mock.patch("idpsgd.engine.noise.optimizer.gaussian_like", _no_noise):
         warnings.simplefilter("ignore")
         if mode in OPACUS_MODES:
             from opacus import PrivacyEngine

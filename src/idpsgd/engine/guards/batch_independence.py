@@ -318,7 +318,12 @@ class BatchIndependence:
         if self.per_layer_mode is not None:
             synth, outer = result.synthetic, self.outer()
             check_layer_inputs(
-                self.model, self.per_layer_mode, *synth.base, synth.size, lambda a, k: _forward(self.model, a, k, outer)
+                self.model,
+                self.per_layer_mode,
+                *synth.base,
+                synth.size,
+                lambda a, k: _forward(self.model, a, k, outer),
+                self.per_layer_dim or 0,
             )
         self.passed.add(key)
 

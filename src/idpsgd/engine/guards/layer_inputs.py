@@ -70,10 +70,11 @@ class _ParameterUses(TorchFunctionMode):
         return out
 
 
-def layer_problem(model: nn.Module, args, kwargs, size: int, forward) -> str | None:
+def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim: int = 0) -> str | None:
     """What keeps the per-layer modes from attributing ``model``'s layers (None: nothing), from one pass of
     ``forward(args, kwargs)`` (the model's forward, as the batch-independence check runs it) on a synthetic
-    batch of ``size`` examples, on copies of the trainable parameters, without gradients."""
+    batch of ``size`` examples, on copies of the trainable parameters, without gradients.  ``batch_dim``: the
+    dimension the mode takes each layer's examples from (1 for batch-second inputs, ``batch_first=False``)."""
     named = dict(model.named_modules(remove_duplicate=False))
     owners = {name: m for name, m in named.items() if any(p.requires_grad for p in m.parameters(recurse=False))}
     copies, owner = {}, {}
@@ -90,7 +91,7 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward) -> str | N
     }
     buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
     active: list = [id(model)]  # the root's forward is the pass itself (its own hooks are not called)
-    rows: list = []  # (layer name, type, leading dimension of its first tensor input)
+    rows: list = []  # (layer name, type, the batch dimension's size in its first tensor input)
 
     called: set = {id(model)}
 
@@ -100,7 +101,7 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward) -> str | N
             called.add(id(module))
             first = next((t for t in inputs if torch.is_tensor(t)), None)
             if first is not None and not isinstance(module, _OWN_LAYOUT):
-                rows.append((name, type(module).__name__, int(first.shape[0]) if first.dim() else None))
+                rows.append((name, type(module).__name__, int(first.shape[batch_dim]) if first.dim() > batch_dim else None))
 
         return hook
 
@@ -145,10 +146,10 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward) -> str | N
     return None
 
 
-def check_layer_inputs(model: nn.Module, mode: str, args, kwargs, size: int, forward) -> None:
+def check_layer_inputs(model: nn.Module, mode: str, args, kwargs, size: int, forward, batch_dim: int = 0) -> None:
     """Raise :class:`LayerAttributionError` if ``mode`` (one of :data:`PER_LAYER_MODES`) cannot attribute one
     of ``model``'s layers (:func:`layer_problem`), naming ``grad_sample_mode='bk'``, which can."""
-    problem = layer_problem(model, args, kwargs, size, forward)
+    problem = layer_problem(model, args, kwargs, size, forward, batch_dim)
     if problem is not None:
         raise LayerAttributionError(
             "module",
