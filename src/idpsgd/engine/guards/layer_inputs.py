@@ -101,7 +101,8 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim:
             called.add(id(module))
             first = next((t for t in inputs if torch.is_tensor(t)), None)
             if first is not None and not isinstance(module, _OWN_LAYOUT):
-                rows.append((name, type(module).__name__, int(first.shape[batch_dim]) if first.dim() > batch_dim else None))
+                lead = int(first.shape[batch_dim]) if first.dim() > batch_dim else None
+                rows.append((name, type(module).__name__, lead))
 
         return hook
 
