@@ -323,7 +323,7 @@ class BatchIndependence:
                 *synth.base,
                 synth.size,
                 lambda a, k: _forward(self.model, a, k, outer),
-                self.per_layer_dim or 0,
+                None if self.per_layer_dim is not None else 0,  # batch-second: proven by _refuse_layout
             )
         self.passed.add(key)
 

@@ -70,11 +70,12 @@ class _ParameterUses(TorchFunctionMode):
         return out
 
 
-def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim: int = 0) -> str | None:
+def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim: int | None = 0) -> str | None:
     """What keeps the per-layer modes from attributing ``model``'s layers (None: nothing), from one pass of
     ``forward(args, kwargs)`` (the model's forward, as the batch-independence check runs it) on a synthetic
     batch of ``size`` examples, on copies of the trainable parameters, without gradients.  ``batch_dim``: the
-    dimension the mode takes each layer's examples from (1 for batch-second inputs, ``batch_first=False``)."""
+    dimension the mode takes each layer's examples from; None where the batch-independence check proves each
+    layer's batch dimension by provenance instead (batch-second inputs: ``batch_first=False``)."""
     named = dict(model.named_modules(remove_duplicate=False))
     owners = {name: m for name, m in named.items() if any(p.requires_grad for p in m.parameters(recurse=False))}
     copies, owner = {}, {}
@@ -100,7 +101,7 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim:
             active.append(id(module))
             called.add(id(module))
             first = next((t for t in inputs if torch.is_tensor(t)), None)
-            if first is not None and not isinstance(module, _OWN_LAYOUT):
+            if first is not None and batch_dim is not None and not isinstance(module, _OWN_LAYOUT):
                 lead = int(first.shape[batch_dim]) if first.dim() > batch_dim else None
                 rows.append((name, type(module).__name__, lead))
 
@@ -147,7 +148,9 @@ def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim:
     return None
 
 
-def check_layer_inputs(model: nn.Module, mode: str, args, kwargs, size: int, forward, batch_dim: int = 0) -> None:
+def check_layer_inputs(
+    model: nn.Module, mode: str, args, kwargs, size: int, forward, batch_dim: int | None = 0
+) -> None:
     """Raise :class:`LayerAttributionError` if ``mode`` (one of :data:`PER_LAYER_MODES`) cannot attribute one
     of ``model``'s layers (:func:`layer_problem`), naming ``grad_sample_mode='bk'``, which can."""
     problem = layer_problem(model, args, kwargs, size, forward, batch_dim)

@@ -82,6 +82,8 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
         activations, backprops = super().rearrange_grad_samples(
             module=module, backprops=backprops, loss_reduction=loss_reduction, batch_first=batch_first
         )
+        # an integer index moved to batch-first (batch_first=False) is a strided view: Opacus's Embedding norm views it
+        activations = [a.contiguous() if torch.is_tensor(a) and not a.is_floating_point() else a for a in activations]
         if type(module) is nn.Linear and backprops.dim() > 3:  # (B, H, W, C) rows: Opacus's ghost norm of a Linear
             # covers (B, C) and (B, T, C) only and returns nothing else (ConvNeXt's pointwise layers): positions in one
             a = activations[0]
