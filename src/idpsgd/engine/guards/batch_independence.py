@@ -275,6 +275,13 @@ class BatchIndependence:
             self._handles.append(wrapper.register_forward_pre_hook(_Hook(self, True), with_kwargs=True, prepend=True))
             self._handles.append(wrapper.register_forward_hook(_Hook(self, False), always_call=True))
 
+    def declare_layout(self, batch_dim: int, per_layer_dim: int | None, per_layer_mode: str | None) -> None:
+        """Where the loader's batch is in the model's tensor arguments (``batch_dim``: 0, or 1 for batch-second
+        inputs), the dimension Opacus's modes take each layer's batch from when it must be proven
+        (``per_layer_dim``), and the mode whose per-layer hooks must attribute every layer (``per_layer_mode``,
+        :mod:`.layer_inputs`); public facts of the run, set by the wrapper's build (``per_example/wrap.py``)."""
+        self.batch_dim, self.per_layer_dim, self.per_layer_mode = batch_dim, per_layer_dim, per_layer_mode
+
     def wrapped_by(self, wrapper: nn.Module) -> None:
         """``wrapper`` (the module ``make_private`` returns) calls the model: the user's hooks on it are part
         of the model's forward and run in the synthetic passes, outside the model's own."""

@@ -65,7 +65,7 @@ def _norm_pass(model: torch.nn.Module):
     check = BatchIndependence.attach(raw)  # a model that mixes examples is refused at its first call
     guard = WriteGuard.attach(raw)
     keeper = BookKeeper.attach(raw)
-    keeper.batch_dim = check.batch_dim  # batch-second inputs (batch_first=False), as make_private was told
+    keeper.set_batch_dim(check.batch_dim)  # batch-second inputs (batch_first=False), as make_private was told
     outer_hooks = getattr(outer, "hooks_enabled", None)
     if outer is not None and not hasattr(outer, "keeper"):
         outer.disable_hooks()

@@ -131,15 +131,17 @@ def wrap_module(
         wrapped = record.build(module, clipping, batch_first, loss_reduction)
     if record.engine_computes:
         check = BatchIndependence.attach(raw_module(wrapped))
-        check.batch_dim = 0 if batch_first else 1  # where the loader's batch is (also for the norm passes)
-        # Opacus's modes with batch-second inputs take every layer's batch at dimension 1: proven at the check
-        check.per_layer_dim = 1 if not (batch_first or record.book_keeping) else None
+        check.declare_layout(
+            batch_dim=0 if batch_first else 1,  # where the loader's batch is (also for the norm passes)
+            # Opacus's modes with batch-second inputs take every layer's batch at dimension 1: proven at the check
+            per_layer_dim=1 if not (batch_first or record.book_keeping) else None,
+            # Opacus's per-layer hooks: every layer's input batch-first, every parameter used in its layer
+            per_layer_mode=grad_sample_mode if grad_sample_mode in PER_LAYER_MODES else None,
+        )
         if isinstance(wrapped, torch.nn.Module):  # the user's hooks on the returned module are part of the forward
             check.wrapped_by(wrapped)
         if record.wrapper_calls_model:  # ExpandedWeights calls the model with its own parameters: check before
             check.watch_wrapper(wrapped)
-        # Opacus's per-layer hooks: every layer's input batch-first, every parameter used in its layer
-        check.per_layer_mode = grad_sample_mode if grad_sample_mode in PER_LAYER_MODES else None
     return wrapped
 
 

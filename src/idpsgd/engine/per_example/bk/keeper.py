@@ -836,6 +836,11 @@ class BookKeeper:
         self.batch_dim = 0
         self._plan()
 
+    def set_batch_dim(self, batch_dim: int) -> None:
+        """Where the loader's batch is in the model's tensor arguments: 0, or 1 for batch-second (T, B, ...)
+        inputs (``batch_first=False``, the user's declaration; provenance tags the batch there)."""
+        self.batch_dim = batch_dim
+
     def set_user_level(self, user_level) -> None:
         """Rows to users for the coming passes (user level: ``BookKeepingUsers``, engine/clipping/users.py),
         or None."""
@@ -1218,7 +1223,7 @@ class BookKeepingModule(AbstractGradSampleModule):
     def __init__(self, m: nn.Module, *, keeper: BookKeeper, batch_first: bool = True, loss_reduction: str = "mean"):
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         self.keeper = keeper
-        keeper.batch_dim = 0 if batch_first else 1  # (T, B, ...) inputs: provenance tags the batch at dim 1
+        keeper.set_batch_dim(0 if batch_first else 1)  # (T, B, ...) inputs: provenance tags the batch at dim 1
         self.keeper.loss_reduction = loss_reduction
         self.keeper.active = True
 
