@@ -530,3 +530,45 @@ def test_a_linear_on_four_dimensional_rows_is_exact_in_every_mode():
     ('Parameter' object has no attribute '_norm_sample')."""
     x, y = _data((1, 4, 4))
     _exact_in_every_mode(_model(_ChannelsLast), x, y)
+
+
+class _KeyScale(nn.Module):
+    """ZAYA's QK norm: returns (queries, keys), its parameter acting on the keys (the second output) only."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, q, k):
+        return q * 2.0, k * self.temp
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, use_keys=True):
+        super().__init__()
+        self.proj, self.norm, self.out = nn.Linear(4, 6), _KeyScale(), nn.Linear(3, 3)
+        self.use_keys = use_keys
+
+    def forward(self, x):
+        q, k = self.proj(x).chunk(2, dim=-1)
+        q, k = self.norm(q, k)
+        return self.out(q + k if self.use_keys else q).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
+def test_a_layer_whose_parameter_acts_on_a_later_output_is_refused_not_silently_wrong(mode):
+    """A fallback layer's per-sample gradients come from its first output's gradient: one returning (q, k) with
+    its parameter on k had per-example gradients of zero for it in bk (ZAYA, the survey's one silently wrong
+    bk cell); the backward pass that reaches k is refused, before any noise, in every mode."""
+    engine, model, exc, before = _train_one_step(mode, _model(_TwoOutputs), _data((5, 4)))
+    assert isinstance(exc, MachineryRefusal), repr(exc)
+    assert "several tensors" in str(exc) and "'norm'" in str(exc)
+    _nothing_released(engine, model, before)
+
+
+def test_a_later_output_the_loss_does_not_use_is_fine():
+    """Only a later output the loss depends on is refused: the same layer with its keys unused is exact."""
+    x, y = _data((5, 4))
+    model = _model(lambda: _TwoOutputs(use_keys=False))
+    model.norm.temp.requires_grad_(False)  # no per-example gradient to form for it (the keys are unused)
+    _exact_in_every_mode(model, x, y)

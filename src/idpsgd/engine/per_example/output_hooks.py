@@ -90,6 +90,27 @@ def own_output(output):
     return output, next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
 
 
+def refuse_later_outputs(output, out, where, mode: str) -> None:
+    """Refuse the backward pass that reaches a tensor of ``output`` other than ``out`` (:func:`own_output`) that
+    requires a gradient.  A layer's per-sample gradients are formed from the gradient of that one output tensor;
+    a layer returning several (ZAYA's QK norm returns (queries, keys), its parameter acting on the keys only)
+    would lose what the loss takes through the others, silently (its per-example gradients of zero, measured
+    in the architecture survey).  ``where()`` names the layer; the refusal comes in the backward pass, before
+    any noise, and only where the loss does depend on such a tensor (an unused attention-weights output is fine)."""
+    for t in tree_flatten(output)[0]:
+        if torch.is_tensor(t) and t.requires_grad and t is not out:
+            t.register_hook(partial(_later_output_reached, where, mode))
+
+
+def _later_output_reached(where, mode: str, _grad):
+    raise MachineryRefusal(
+        f"grad_sample_mode={mode!r}: {where()} returns several tensors that require a gradient and the loss "
+        "depends on one after the first; its per-example gradients are formed from the first one's gradient only, "
+        "so they would miss the others' share: refused; make each output the result of its own layer, or freeze "
+        "the layer's parameters"
+    )
+
+
 class OutputHooks:
     """Mixin for Opacus's hooks classes: the output gradient by a tensor hook on the layer's output (module
     docstring), every hook inside the net; ``output_hooks = False`` keeps Opacus's full backward hooks
@@ -145,6 +166,7 @@ class OutputHooks:
             out.register_hook(
                 partial(self._backward_hook, module, loss_reduction=loss_reduction, batch_first=batch_first)
             )
+            refuse_later_outputs(output, out, lambda: self._where(module), self.mode_name)
         return output
 
     def _backward_hook(self, module, grad, *, loss_reduction, batch_first):
@@ -202,4 +224,5 @@ __all__ = [
     "OutputHooks",
     "check_buffers",
     "own_output",
+    "refuse_later_outputs",
 ]

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ....validation import InvalidParameterError
 from ..autograd import functorch_refuses, per_example_autograd
 from ..machinery import forward_net, guard
-from ..output_hooks import own_output
+from ..output_hooks import own_output, refuse_later_outputs
 from . import provenance, routing
 from .replay import Attribution
 from .rules import Rule, acc, add_into, routed_rule, rule_for
@@ -444,6 +444,8 @@ class _FallbackUnit:
             _output, out = own_output(_output)
             if out is not None:
                 out.register_hook(lambda g: self._backward(module, None, (g,)))
+                where = lambda: f"layer {self.name!r} ({type(module).__name__}, a fallback)"  # noqa: E731
+                refuse_later_outputs(_output, out, where, "bk")
             return _output
         return None
 
