@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from .integrity import extra_state_digests, local_tensor, per_model
-from .layer_inputs import check_layer_inputs
+from .layer_inputs import LayerWatch, check_layer_inputs
 from .opacus_compat import UnsupportedModuleError
 from .padding_check import Padding, padding_problem
 
@@ -286,8 +286,9 @@ class BatchIndependence:
         if key in self.passed:
             return
         self.running = True
+        watch = LayerWatch(self.model) if self.per_layer_mode is not None else None
         try:
-            result = _probe(self.model, args, kwargs, self.outer())
+            result = _probe(self.model, args, kwargs, self.outer(), watch)
         finally:
             self.running = False
         if result.written:
@@ -296,11 +297,8 @@ class BatchIndependence:
             return
         _refuse(self.model, result, self.outer())
         _check_padding(self.model, args, kwargs, self.padding, self.outer())
-        if self.per_layer_mode is not None:
-            synth, outer = result.synthetic, self.outer()
-            check_layer_inputs(
-                self.model, self.per_layer_mode, *synth.base, synth.size, lambda a, k: _forward(self.model, a, k, outer)
-            )
+        if watch is not None:
+            check_layer_inputs(self.model, self.per_layer_mode, watch, result.synthetic.size)
         self.passed.add(key)
 
 
@@ -427,7 +425,7 @@ def _hooked(module: nn.Module, args, kwargs, forward, _m):
     return out
 
 
-def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = ()):
+def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = (), watch=None):
     """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
     at the fixed seed (the global RNG state restored afterwards), no gradients."""
     from torch.nn.utils.stateless import _reparametrize_module
@@ -439,6 +437,8 @@ def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tupl
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if record is not None:
                 record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
+            if watch is not None:  # the per-layer modes' attribution check (.layer_inputs), on the copies
+                stack.enter_context(watch)
             try:
                 out = _forward(model, args, kwargs, outer)  # the user's root hooks run; the library's stay out
             finally:
@@ -453,7 +453,7 @@ class _Result:
     written: list[str]
 
 
-def _probe(model: nn.Module, args, kwargs, outer: tuple = ()) -> _Result:
+def _probe(model: nn.Module, args, kwargs, outer: tuple = (), watch=None) -> _Result:
     synth = _Synthetic(args, kwargs)
     name = type(model).__name__
     if synth.real is None:
@@ -465,7 +465,7 @@ def _probe(model: nn.Module, args, kwargs, outer: tuple = ()) -> _Result:
         )
     (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
     try:
-        out_a, written = _run(model, a_args, a_kwargs, outer=outer)
+        out_a, written = _run(model, a_args, a_kwargs, outer=outer, watch=watch)
         out_b, written_b = _run(model, b_args, b_kwargs, outer=outer)
         mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid)
     except BatchMixingError:
