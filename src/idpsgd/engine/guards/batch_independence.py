@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..opacus_compat import UnsupportedModuleError
 from .integrity import extra_state_digests, local_tensor, per_model
-from .layer_inputs import check_layer_inputs
+from .layer_inputs import LayerWatch, check_layer_inputs
 from .padding_check import Padding, padding_problem
 
 #: candidate synthetic batch sizes (primes: the first dividing no trailing dimension is used)
@@ -309,8 +309,12 @@ class BatchIndependence:
         if key in self.passed:
             return
         self.running = True
+        # the per-layer modes' attribution check watches the first synthetic pass (.layer_inputs); batch-second
+        # layers are left to the provenance proof (_refuse_layout)
+        per_layer = None if self.per_layer_dim is not None else 0
+        watch = LayerWatch(self.model, per_layer) if self.per_layer_mode is not None else None
         try:
-            result = _probe(self.model, args, kwargs, self.outer(), self.batch_dim)
+            result = _probe(self.model, args, kwargs, self.outer(), self.batch_dim, watch)
             if not result.written:
                 _refuse(self.model, result, self.outer())  # mixing first: the truer reason
                 if self.per_layer_dim is not None:
@@ -322,16 +326,8 @@ class BatchIndependence:
             # guard's (.integrity): it refuses the step or norm pass before any noise, and every later one
             return
         _check_padding(self.model, args, kwargs, self.padding, self.outer(), self.batch_dim)
-        if self.per_layer_mode is not None:
-            synth, outer = result.synthetic, self.outer()
-            check_layer_inputs(
-                self.model,
-                self.per_layer_mode,
-                *synth.base,
-                synth.size,
-                lambda a, k: _forward(self.model, a, k, outer),
-                None if self.per_layer_dim is not None else 0,  # batch-second: proven by _refuse_layout
-            )
+        if watch is not None:
+            check_layer_inputs(self.model, self.per_layer_mode, watch, result.synthetic.size)
         self.passed.add(key)
 
 
@@ -458,7 +454,7 @@ def _hooked(module: nn.Module, args, kwargs, forward, _m):
     return out
 
 
-def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = (), within=None):
+def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tuple = (), within=None, watch=None):
     """One synthetic pass: (output, names written) from the same state each time — fresh copies, the RNG
     at the fixed seed (the global RNG state restored afterwards), no gradients; ``within``: a context
     manager the pass runs in (a torch function mode)."""
@@ -473,6 +469,8 @@ def _run(model: nn.Module, args, kwargs, record: list | None = None, outer: tupl
                 record.append(stack.enter_context(_Recorder(record.pop(), copies.ids)))
             if within is not None:
                 stack.enter_context(within)
+            if watch is not None:  # the per-layer modes' attribution check (.layer_inputs), on the copies
+                stack.enter_context(watch)
             try:
                 out = _forward(model, args, kwargs, outer)  # the user's root hooks run; the library's stay out
             finally:
@@ -487,7 +485,7 @@ class _Result:
     written: list[str]
 
 
-def _probe(model: nn.Module, args, kwargs, outer: tuple = (), bd: int = 0) -> _Result:
+def _probe(model: nn.Module, args, kwargs, outer: tuple = (), bd: int = 0, watch=None) -> _Result:
     synth = _Synthetic(args, kwargs, bd)
     name = type(model).__name__
     if synth.real is None:
@@ -499,7 +497,7 @@ def _probe(model: nn.Module, args, kwargs, outer: tuple = (), bd: int = 0) -> _R
         )
     (a_args, a_kwargs), (b_args, b_kwargs) = synth.base, synth.perturbed
     try:
-        out_a, written = _run(model, a_args, a_kwargs, outer=outer)
+        out_a, written = _run(model, a_args, a_kwargs, outer=outer, watch=watch)
         out_b, written_b = _run(model, b_args, b_kwargs, outer=outer)
         mixes = _outputs_mix(out_a, out_b, synth.size, synth.mid, bd)
     except BatchMixingError:

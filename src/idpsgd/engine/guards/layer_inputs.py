@@ -16,20 +16,17 @@ of its input for the examples.  Two uses break this, both independent of the dat
   (:mod:`.decomposition`).
 
 Book-keeping (``grad_sample_mode="bk"``) attributes both by provenance (:mod:`.bk.provenance`), so the
-refusal names it.  The check runs once per model, in the batch-independence check's synthetic pass
+refusal names it.  The check watches the batch-independence check's first synthetic pass
 (:mod:`.batch_independence`: a public batch whose size B is a prime dividing no other dimension, so a
-(T, T) input never has B rows): a forward pre-hook on every module owning trainable parameters records the
-leading dimension of its first positional tensor input, and a torch function mode the operations that use
-a parameter while its module's forward is not running.
+(T, T) input never has B rows; no pass of its own), once per model: a forward pre-hook on every module
+owning trainable parameters records the leading dimension of its first positional tensor input, and a
+torch function mode the operations that use a parameter while its module's forward is not running.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..opacus_compat import UnsupportedModuleError
@@ -70,90 +67,99 @@ class _ParameterUses(TorchFunctionMode):
         return out
 
 
-def layer_problem(model: nn.Module, args, kwargs, size: int, forward, batch_dim: int | None = 0) -> str | None:
-    """What keeps the per-layer modes from attributing ``model``'s layers (None: nothing), from one pass of
-    ``forward(args, kwargs)`` (the model's forward, as the batch-independence check runs it) on a synthetic
-    batch of ``size`` examples, on copies of the trainable parameters, without gradients.  ``batch_dim``: the
-    dimension the mode takes each layer's examples from; None where the batch-independence check proves each
-    layer's batch dimension by provenance instead (batch-second inputs: ``batch_first=False``)."""
-    named = dict(model.named_modules(remove_duplicate=False))
-    owners = {name: m for name, m in named.items() if any(p.requires_grad for p in m.parameters(recurse=False))}
-    copies, owner = {}, {}
-    for mname, m in owners.items():
-        for pname, p in m.named_parameters(recurse=False):
-            if p.requires_grad:
-                full = f"{mname}.{pname}" if mname else pname
-                twin = copies.setdefault(id(p), p.detach().clone())
-                owner.setdefault(id(twin), (set(), full))[0].add(id(m))
-    params = {
-        n: copies[id(p)]
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if p.requires_grad and id(p) in copies
-    }
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
-    active: list = [id(model)]  # the root's forward is the pass itself (its own hooks are not called)
-    rows: list = []  # (layer name, type, the batch dimension's size in its first tensor input)
+class LayerWatch:
+    """Watches one synthetic pass of the model (the batch-independence check's first, on its copies of the
+    trainable parameters: entered after they are swapped in) and says afterwards what keeps the per-layer
+    modes from attributing the model's layers (:meth:`problem`)."""
 
-    called: set = {id(model)}
+    def __init__(self, model: nn.Module, batch_dim: int | None = 0):
+        self.model = model
+        #: where the mode takes each layer's examples from; None where the batch-independence check proves each
+        #: layer's batch dimension by provenance instead (batch-second inputs, ``batch_first=False``)
+        self.batch_dim = batch_dim
+        named = dict(model.named_modules(remove_duplicate=False))
+        #: (module name, module, its trainable parameters' names) of every module owning trainable parameters
+        self.owners = [
+            (name, m, [n for n, p in m.named_parameters(recurse=False) if p.requires_grad])
+            for name, m in named.items()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        self.active: list = [id(model)]  # the root's forward is the pass itself (its own hooks are not called)
+        self.called: set = {id(model)}
+        self.rows: list = []  # (layer name, type, its first tensor input's size along the batch dimension)
+        self.uses: _ParameterUses | None = None
+        self._handles: list = []
 
-    def enter(name):
+    def _enter_hook(self, name):
         def hook(module, inputs):
-            active.append(id(module))
-            called.add(id(module))
+            self.active.append(id(module))
+            self.called.add(id(module))
             first = next((t for t in inputs if torch.is_tensor(t)), None)
-            if first is not None and batch_dim is not None and not isinstance(module, _OWN_LAYOUT):
-                lead = int(first.shape[batch_dim]) if first.dim() > batch_dim else None
-                rows.append((name, type(module).__name__, lead))
+            bd = self.batch_dim
+            if first is not None and bd is not None and not isinstance(module, _OWN_LAYOUT):
+                self.rows.append((name, type(module).__name__, int(first.shape[bd]) if first.dim() > bd else None))
 
         return hook
 
-    def leave(module, _inputs, _output):
-        if active and active[-1] == id(module):
-            active.pop()
+    def _leave_hook(self, module, _inputs, _output):
+        if self.active and self.active[-1] == id(module):
+            self.active.pop()
 
-    handles = []
-    uses = _ParameterUses(owner, active)
-    try:
-        for name, m in owners.items():
-            if m is model:
-                continue
-            handles.append(m.register_forward_pre_hook(enter(name or type(m).__name__)))
-            handles.append(m.register_forward_hook(leave, always_call=True))
-        with torch.random.fork_rng(), contextlib.ExitStack() as stack:
-            stack.enter_context(_reparametrize_module(model, {**params, **buffers}, strict=False))
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(uses)
-            forward(args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    for name, kind, lead in rows:
-        if lead != size:
+    def __enter__(self):
+        owner: dict = {}
+        for mname, m, pnames in self.owners:
+            for pname in pnames:
+                t = getattr(m, pname)  # the pass's copy of the parameter
+                owner.setdefault(id(t), (set(), f"{mname}.{pname}" if mname else pname))[0].add(id(m))
+            if m is not self.model:
+                self._handles.append(m.register_forward_pre_hook(self._enter_hook(mname or type(m).__name__)))
+                self._handles.append(m.register_forward_hook(self._leave_hook, always_call=True))
+        self.uses = _ParameterUses(owner, self.active)
+        self.uses.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.uses.__exit__(*exc)
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+        return False
+
+    def problem(self, size: int) -> str | None:
+        """What keeps the per-layer modes from attributing the layers in the watched pass on a synthetic batch of
+        ``size`` examples (None: nothing)."""
+        for name, kind, lead in self.rows:
+            if lead != size:
+                return (
+                    f"layer {name!r} ({kind}) is called on a tensor whose leading dimension is not the batch's (a "
+                    "value shared by the batch, such as a (T, T) relative-position bucket index, or rows of several "
+                    "examples); the mode's per-layer hooks take that dimension for the examples, so its per-example "
+                    "gradients would be wrong (silently when it equals the batch size)"
+                )
+        # a parameter whose layer also runs and is used elsewhere (a hand-tied head ``h @ emb.weight.T``) is the
+        # decomposition check's (.decomposition: its per-example gradients do not add up, refused at the step)
+        never = [
+            (param, op)
+            for (modules, param), op in (self.uses.outside if self.uses else [])
+            if not modules & self.called
+        ]
+        if never:
+            param, op = never[0]
             return (
-                f"layer {name!r} ({kind}) is called on a tensor whose leading dimension is not the batch's (a "
-                "value shared by the batch, such as a (T, T) relative-position bucket index, or rows of several "
-                "examples); the mode's per-layer hooks take that dimension for the examples, so its per-example "
-                "gradients would be wrong (silently when it equals the batch size)"
+                f"parameter {param!r} is used outside its layer's forward (in {op}, e.g. F.conv1d(x, conv.weight) or "
+                "table.weight[ids]) and its layer is never called; the mode's per-layer hooks see only the layer's own "
+                "calls, so the parameter would have no per-example gradient"
             )
-    # a parameter whose layer also runs and is used elsewhere (a hand-tied head ``h @ emb.weight.T``) is the
-    # decomposition check's (.decomposition: its per-example gradients do not add up, refused at the step)
-    never = [(param, op) for (modules, param), op in uses.outside if not modules & called]
-    if never:
-        param, op = never[0]
-        return (
-            f"parameter {param!r} is used outside its layer's forward (in {op}, e.g. F.conv1d(x, conv.weight) or "
-            "table.weight[ids]) and its layer is never called; the mode's per-layer hooks see only the layer's own "
-            "calls, so the parameter would have no per-example gradient"
-        )
-    return None
+        return None
 
 
-def check_layer_inputs(
-    model: nn.Module, mode: str, args, kwargs, size: int, forward, batch_dim: int | None = 0
-) -> None:
+def check_layer_inputs(model: nn.Module, mode: str, watch: LayerWatch, size: int) -> None:
     """Raise :class:`LayerAttributionError` if ``mode`` (one of :data:`PER_LAYER_MODES`) cannot attribute one
-    of ``model``'s layers (:func:`layer_problem`), naming ``grad_sample_mode='bk'``, which can."""
-    problem = layer_problem(model, args, kwargs, size, forward, batch_dim)
+    of ``model``'s layers in the pass ``watch`` watched (:meth:`LayerWatch.problem`), naming
+    ``grad_sample_mode='bk'``, which can."""
+    problem = watch.problem(size)
     if problem is not None:
         raise LayerAttributionError(
             "module",
