@@ -282,7 +282,7 @@ class DecompositionCheck:
 # --- how each mode's probes attach (the ``decomposition`` field of :class:`~..modes.GradSampleMode`) ---
 def probe_per_sample(check: DecompositionCheck, wrapped, optimizer) -> None:
     """hooks, functorch, no_op: the optimizer compares Σ_i g_i with ``p.grad`` before clipping."""
-    optimizer.decomposition = check
+    optimizer.use_decomposition(check)
 
 
 def probe_user_rows(check: DecompositionCheck, wrapped, optimizer) -> None:
@@ -291,19 +291,20 @@ def probe_user_rows(check: DecompositionCheck, wrapped, optimizer) -> None:
     check.touched = set()
     for p in optimizer.params:
         p.register_post_accumulate_grad_hook(lambda q, seen=check.touched: seen.add(id(q)))
-    optimizer.decomposition = check
+    optimizer.use_decomposition(check)
 
 
 def probe_expanded_weights(check: DecompositionCheck, wrapped, optimizer) -> None:
     """ew: as :func:`probe_per_sample`, ``p.grad`` holding only uses outside the model's call."""
     check.grad_is_outside = True
-    optimizer.decomposition = check
+    optimizer.use_decomposition(check)
 
 
 def probe_layers(check: DecompositionCheck, wrapped, optimizer) -> None:
     """ghost: the module adds each layer's own sum during the first backward pass; the optimizer's
     ``zero_grad`` (called between the two passes by Opacus's loss wrapper) compares them with ``p.grad``."""
-    wrapped.decomposition = optimizer.decomposition = check
+    wrapped.decomposition = check
+    optimizer.use_decomposition(check)
 
 
 __all__ = [

@@ -88,6 +88,11 @@ class _PrivacyHooks:
         if hook in self.post_step_hooks:
             self.post_step_hooks.remove(hook)
 
+    def use_decomposition(self, check) -> None:
+        """Compare the per-example gradients' sum with autograd's gradient at the steps of ``check``'s
+        schedule (a :class:`~..guards.decomposition.DecompositionCheck`; the mode's probe attaches it)."""
+        self.decomposition = check
+
     def add_refusal_hook(self, hook: Callable[[_PrivacyHooks], None]) -> None:
         """Run ``hook(optimizer)`` when ``step()`` raises (a refused step), before the error propagates."""
         self.refusal_hooks.append(hook)
