@@ -8,7 +8,8 @@ the end of the survey); its record is written atomically to ``bench/results/arch
 and reused by the next run (``--fresh`` recomputes); at the end the records are merged into
 ``bench/results/architectures.json`` and ``docs/architectures.md`` is written from it.
 
-    python bench/survey_architectures.py --enumerate --fresh     # the whole library, one job (about ... min)
+    python bench/survey_architectures.py --enumerate --fresh     # the whole library, one job (~40 min, loaded machine)
+    python bench/survey_architectures.py --enumerate --retry     # again the ones not built, hung or died
     python bench/survey_architectures.py --enumerate --only gpt2,t5 --modes bk
     python bench/survey_architectures.py --enumerate --render    # the page again from the records
 

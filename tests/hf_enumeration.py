@@ -101,7 +101,16 @@ LIST_SIZES = {  # list field → its tiny list (same length), from the index i a
 # per model type: config fields set after the generic shrinking, only where it fails (a comment says why)
 OVERRIDES: dict[str, dict] = {
     "whisper": {"max_source_positions": 8, "num_mel_bins": 8},  # the encoder takes exactly 2 × max_source frames
-    "diffllama": {"num_key_value_heads": 2},  # its differential attention splits the values along 2 KV heads
+    "diffllama": {"num_key_value_heads": 2},
+    # the fixed list's Swin (tests/hf_architectures.py): two stages, windows of 2 patches on an 8 × 8 image
+    "swin": {
+        "image_size": 8,
+        "patch_size": 2,
+        "embed_dim": 16,
+        "depths": [1, 1],
+        "num_heads": [2, 2],
+        "window_size": 2,
+    },  # its differential attention splits the values along 2 KV heads
 }
 
 
@@ -144,7 +153,9 @@ def _shrink(d: dict, layers_before: int | None = None) -> dict:
         elif isinstance(v, bool) or v is None or isinstance(v, str):
             out[k] = v
         elif any(word in k for word in RANDOM_IN_TRAINING) and isinstance(v, (int, float)):
-            out[k] = 0.0  # dropout, stochastic depth, spec augment, router jitter: off (the reference is deterministic)
+            out[k] = type(v)(
+                0
+            )  # dropout, stochastic depth, spec augment, router jitter: off (a deterministic reference)
         elif k == "vocab_size" and isinstance(v, int):
             out[k] = min(v, V)
         elif isinstance(v, int) and k in SIZES:
