@@ -106,7 +106,6 @@ def test_norm_passes_refuse_batch_mixing(name):
 
 # --- accepted models: the sensitivity is c ------------------------------------------------------------
 UNSUPPORTED = {  # Opacus's own limits (not the check's): the modes that cannot train the model at all
-    ("gpt2", "ghost"): "Parameter tying is not supported with Ghost Clipping",
     ("gpt2", "ew"): "Expanded Weights encountered but cannot handle function addmm",
 }
 
