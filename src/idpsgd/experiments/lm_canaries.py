@@ -425,7 +425,9 @@ register(
             Option(
                 "repeats", "rows per canary, all of its own user's (above 1: the runs are at user level)", at_least_one
             ),
-            Option("epochs", "passes over the data (both runs)", at_least_one),
+            Option(
+                "epochs", "passes over the data of the private run (the baseline trains as many steps)", at_least_one
+            ),
             Option("batch_size", "expected batch size (both runs)", at_least_one),
             Option("lr", "AdamW learning rate of the private run", positive),
             Option("baseline_lr", "AdamW learning rate of the non-private baseline", positive),
