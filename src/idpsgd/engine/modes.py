@@ -114,13 +114,12 @@ def _build_ghost(module, clipping, batch_first, loss_reduction):
         loss_reduction=loss_reduction,
         use_ghost_clipping=not isinstance(clipping, UserClipping),
     )
-    wrapped.clipping = clipping
+    wrapped.use_clipping(clipping)
     return wrapped
 
 
 def _reuse_ghost(wrapped, clipping, loss_reduction):
-    wrapped.clipping = clipping
-    wrapped.use_ghost_clipping = not isinstance(clipping, UserClipping)
+    wrapped.use_clipping(clipping)
 
 
 def _build_bk(module, clipping, batch_first, loss_reduction):
@@ -130,7 +129,7 @@ def _build_bk(module, clipping, batch_first, loss_reduction):
 
 def _reuse_bk(wrapped, clipping, loss_reduction):
     wrapped.keeper.refresh()  # parameters frozen or unfrozen since: planned anew
-    wrapped.keeper.loss_reduction, wrapped.keeper.active = loss_reduction, True
+    wrapped.keeper.activate(loss_reduction)
 
 
 _PER_SAMPLE = dict(

@@ -35,6 +35,18 @@ class PerExampleClipping:
         self._indices: list[torch.Tensor] = []
         self.last_norms: torch.Tensor | None = None
         self.last_indices: torch.Tensor | None = None
+        self._phantom_mark = False  # the coming pass is a phantom row's (FSDP2: .distributed.fsdp.mark_phantom_pass)
+
+    def mark_phantom_pass(self) -> None:
+        """The coming backward pass runs on a phantom row (FSDP2, :func:`~..distributed.fsdp.mark_phantom_pass`)."""
+        self._phantom_mark = True
+
+    def phantom_marked(self, consume: bool = False) -> bool:
+        """Whether :meth:`mark_phantom_pass` marked the current pass (``consume``: the mark is forgotten)."""
+        marked = self._phantom_mark
+        if consume:
+            self._phantom_mark = False
+        return marked
 
     def set_clip_norms(self, clip_norms) -> None:
         """Replace the per-example clip norms (individual clipping refreshes them)."""

@@ -257,14 +257,13 @@ def mark_phantom_pass(clipping) -> None:
     empty (one of the equal number of passes every rank runs, e.g. the Trainer's
     ``gradient_accumulation_steps`` parts of a share smaller than their number): it gets no weight and
     consumes no drawn example, as a pass of an empty share (:func:`phantom_pass`)."""
-    clipping.phantom_pass = True
+    clipping.mark_phantom_pass()
 
 
 def phantom_pass(clipping, consume: bool = False) -> bool:
     """Whether the current pass is a phantom row's: this rank's drawn share is empty, or
     :func:`mark_phantom_pass` marked it (``consume``: the mark is forgotten, at the pass's clipping)."""
-    marked = clipping.__dict__.pop("phantom_pass", False) if consume else clipping.__dict__.get("phantom_pass", False)
-    return bool(marked) or clipping.queue.empty_batch_pending
+    return clipping.phantom_marked(consume) or clipping.queue.empty_batch_pending
 
 
 def phantom_batches(loader, batch_first: bool) -> None:
@@ -659,7 +658,7 @@ class ShardedDecompositionCheck(DecompositionCheck):
 # --- the optimizer ----------------------------------------------------------------------------
 def refuse_physical_batches(optimizer) -> None:
     """Refuse BatchMemoryManager's physical batches on a ``fully_shard`` model (the step is dropped first),
-    unless the caller runs the same number of passes on every rank (``optimizer.equal_passes``: the
+    unless the caller runs the same number of passes on every rank (``optimizer.declare_equal_passes()``: the
     Trainer's ``gradient_accumulation_steps`` parts, an empty part a phantom row, :func:`mark_phantom_pass`)."""
     if getattr(optimizer, "equal_passes", False):
         return
@@ -672,7 +671,7 @@ def refuse_physical_batches(optimizer) -> None:
         "run different numbers of physical batches while FSDP2's collectives need every rank in each "
         "forward and backward pass; give each rank a batch that fits (fewer examples per step, more ranks), "
         "or run the same number of passes on every rank (an empty part as a phantom row, "
-        "idpsgd.engine.distributed.fsdp.mark_phantom_pass) and set optimizer.equal_passes = True, as the Trainer's "
+        "idpsgd.engine.distributed.fsdp.mark_phantom_pass) and call optimizer.declare_equal_passes(), as the Trainer's "
         "gradient_accumulation_steps do",
     )
 
@@ -687,6 +686,12 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
     last_global_batch_size: int | None = None
     unsharded: UnshardedParameters | None = None
     equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
+
+    def declare_equal_passes(self) -> None:
+        """The caller runs the same number of forward and backward passes per step on every rank (an empty
+        part as a phantom row, :func:`mark_phantom_pass`; the Trainer's ``gradient_accumulation_steps``), so
+        physical batches are allowed (:func:`refuse_physical_batches`)."""
+        self.equal_passes = True
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)
@@ -797,6 +802,12 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
 
     last_global_batch_size: int | None = None
     equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
+
+    def declare_equal_passes(self) -> None:
+        """The caller runs the same number of forward and backward passes per step on every rank (an empty
+        part as a phantom row, :func:`mark_phantom_pass`; the Trainer's ``gradient_accumulation_steps``), so
+        physical batches are allowed (:func:`refuse_physical_batches`)."""
+        self.equal_passes = True
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)

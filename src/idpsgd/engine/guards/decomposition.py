@@ -303,7 +303,7 @@ def probe_expanded_weights(check: DecompositionCheck, wrapped, optimizer) -> Non
 def probe_layers(check: DecompositionCheck, wrapped, optimizer) -> None:
     """ghost: the module adds each layer's own sum during the first backward pass; the optimizer's
     ``zero_grad`` (called between the two passes by Opacus's loss wrapper) compares them with ``p.grad``."""
-    wrapped.decomposition = check
+    wrapped.use_decomposition(check)
     optimizer.use_decomposition(check)
 
 

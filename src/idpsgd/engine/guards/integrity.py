@@ -334,7 +334,7 @@ class WriteGuard:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.optimizer = None  # the optimizer whose state is watched too (set by make_private)
+        self.optimizer = None  # the optimizer whose state is watched too (:meth:`watch_too`)
         self.scope: nn.Module | None = None  # a wrapper around the model (make_private's module)
         self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
@@ -344,6 +344,12 @@ class WriteGuard:
         self._watched: list = []  # the modules the trigger waits for (kept alive: their ids stay theirs)
         self._ids: list[int] = []
         weakref.finalize(self, _unwait, self._ref, self._ids)
+
+    def watch_too(self, optimizer, scope: nn.Module | None) -> None:
+        """Watch ``optimizer``'s state with the model's tensors (it is released with the model in checkpoints and
+        feeds later updates), and take the snapshot at the first call of ``scope`` (the wrapper around the
+        model whose own forward pre-hooks run before the model's)."""
+        self.optimizer, self.scope = optimizer, scope
 
     @classmethod
     def attach(cls, model: nn.Module) -> WriteGuard:

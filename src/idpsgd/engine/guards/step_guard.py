@@ -36,7 +36,7 @@ class StepGuard:
         self.writes, self.trainable = WriteGuard.attach(raw), trainable_names(raw)
         # its state is released with the model in checkpoints and feeds later updates; the wrappers' own
         # forward pre-hooks run before the model's: both are watched from the step's first call
-        self.writes.optimizer, self.writes.scope = optimizer.original_optimizer, wrapped
+        self.writes.watch_too(optimizer.original_optimizer, wrapped)
         self.writes.arm()
         self.decomposition = None
         record = mode(grad_sample_mode)

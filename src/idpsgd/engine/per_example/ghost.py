@@ -68,6 +68,17 @@ class IndividualizedGhostModule(OutputHooks, GradSampleModuleFastGradientClippin
         finally:
             self.use_ghost_clipping = True
 
+    def use_clipping(self, clipping: PerExampleClipping) -> None:
+        """The phase's clipping (each example's c_i); user level (:class:`UserClipping`) takes per-sample
+        gradients summed by user, never ghost per-row norms."""
+        self.clipping = clipping
+        self.use_ghost_clipping = not isinstance(clipping, UserClipping)
+
+    def use_decomposition(self, check) -> None:
+        """Add each layer's own gradient sum to ``check`` in the first backward pass
+        (:func:`~..guards.decomposition.probe_layers`)."""
+        self.decomposition = check
+
     def capture_activations_hook(self, module, forward_input, _forward_output):
         with self._per_sample_if_tied(module):
             super().capture_activations_hook(module, forward_input, _forward_output)

@@ -615,7 +615,7 @@ class IndividualizedTrainer(Trainer):
         self._engine_module = wrapped  # (ghost: its clip factors between the two backward passes)
         if self.privacy.fsdp:  # the engine's wrapper runs the steps (never accelerate's DDP around the model)
             self._dp_module = wrapped
-            self.dp_optimizer.equal_passes = True  # every rank: passes_per_step passes per step (training_step)
+            self.dp_optimizer.declare_equal_passes()  # every rank: passes_per_step passes per step (training_step)
         self.planned_steps = planned
         self._record_sampler_states(private)
         if self._resume is not None:  # accountant history, filter, sampler and noise generators; earlier draws

@@ -838,6 +838,31 @@ class BookKeeper:
         self.batch_dim = 0
         self._plan()
 
+    def activate(self, loss_reduction: str | None = None) -> None:
+        """Record in the coming forward and backward passes (the step's, not a norm pass's:
+        :meth:`recording_sums`), with the optimizer's ``loss_reduction`` when given."""
+        if loss_reduction is not None:
+            self.loss_reduction = loss_reduction
+        self.active = True
+
+    def deactivate(self) -> None:
+        """Record nothing until :meth:`activate` (the wrapper's hooks disabled)."""
+        self.active = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (the net's second, plain run of the model), then as before."""
+        active = self.active
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = active
+
+    def forbid_accumulation_of_batches(self, forbid: bool) -> None:
+        """Whether a second forward before the step is refused (Opacus's ``forbid_grad_accumulation``)."""
+        self.forbid_accumulation = forbid
+
     def set_batch_dim(self, batch_dim: int) -> None:
         """Where the loader's batch is in the model's tensor arguments: 0, or 1 for batch-second (T, B, ...)
         inputs (``batch_first=False``, the user's declaration; provenance tags the batch there)."""
@@ -1226,8 +1251,7 @@ class BookKeepingModule(AbstractGradSampleModule):
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         self.keeper = keeper
         keeper.set_batch_dim(0 if batch_first else 1)  # (T, B, ...) inputs: provenance tags the batch at dim 1
-        self.keeper.loss_reduction = loss_reduction
-        self.keeper.active = True
+        self.keeper.activate(loss_reduction)
 
     def forward(self, *args, **kwargs):
         return forward_net(self._module, self._plain, self._module, "bk", args, kwargs)
@@ -1235,12 +1259,8 @@ class BookKeepingModule(AbstractGradSampleModule):
     @contextlib.contextmanager
     def _plain(self):
         """The model's forward without book-keeping (the net's second run, :func:`~..machinery.forward_net`)."""
-        active = self.keeper.active
-        self.keeper.active = False
-        try:
+        with self.keeper.paused():
             yield
-        finally:
-            self.keeper.active = active
 
     @property
     def layer_paths(self) -> dict[str, str]:
@@ -1252,16 +1272,16 @@ class BookKeepingModule(AbstractGradSampleModule):
         return self.keeper.rules
 
     def forbid_grad_accumulation(self):
-        self.keeper.forbid_accumulation = True
+        self.keeper.forbid_accumulation_of_batches(True)
 
     def allow_grad_accumulation(self):
-        self.keeper.forbid_accumulation = False
+        self.keeper.forbid_accumulation_of_batches(False)
 
     def disable_hooks(self) -> None:
-        self.keeper.active = False
+        self.keeper.deactivate()
 
     def enable_hooks(self) -> None:
-        self.keeper.active = True
+        self.keeper.activate()
 
     def remove_hooks(self) -> None:
         self.keeper.detach()
