@@ -549,3 +549,37 @@ def test_batch_first_false_on_batch_first_batches_is_refused_even_when_b_equals_
     )
     with pytest.raises(InvalidParameterError, match="batch_first=False is invalid: does not match the loader's"):
         next(iter(loader))
+
+
+def _glm4_moe(b, t):
+    import hf_architectures as hf
+
+    return hf._llama_like(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        b,
+        t,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        experts_implementation="eager",
+        head_dim=16,
+        partial_rotary_factor=0.5,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule")
+@pytest.mark.parametrize(("b", "t", "lora"), [(3, 5, False), (4, 4, False), (3, 5, True)])
+def test_glm4_moe_router_is_exact(monkeypatch, b, t, lora):
+    """Its router (own weight and score-correction buffer: a functorch fallback) takes (B, T, d) and returns
+    (B·T, E): each example's T rows (before: "a fallback whose output is not batch-first rows"); with LoRA
+    the frozen router scatters its group choice into zeros_like(scores) (before: refused at the nonzero)."""
+    hf = pytest.importorskip("hf_architectures")
+    pytest.importorskip("peft")
+    monkeypatch.setitem(hf.ALL, "glm4_moe", _glm4_moe)
+    outcome = hf.check("glm4_moe", b, t, lora=lora)
+    assert outcome.status == "exact", outcome

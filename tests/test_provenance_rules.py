@@ -518,6 +518,12 @@ for _alias, _of in {
     CALLS[_alias] = CALLS[_of]
 CALLS["type_as"] = [lambda f, e: f(e.a, e.ai), lambda f, e: f(e.a, e.c_same.float())]
 
+CALLS["scatter_"] = _dims(  # into a constant (Glm4-MoE's router: zeros_like(scores).scatter_(1, idx, 1))
+    lambda f, e, d: f(e.c_same.clone(), d, e.gidx, e.a2),
+    lambda f, e, d: f(e.c_same.clone(), d, e.gidx, 1.0),
+    lambda f, e, d: f(e.c_row.clone(), d, e.gidx, 1.0),
+)
+CALLS["scatter_add_"] = _dims(lambda f, e, d: f(e.c_same.clone(), d, e.gidx, e.a2))
 for _n in ("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle"):  # complex values
     CALLS[_n] = [lambda f, e: f(e.a * (1 + 2j)), lambda f, e: f(e.a)]
 FFT = [  # torch.fft's transforms and shifts: the default dimensions, each dimension, and pairs of them

@@ -567,6 +567,8 @@ class _FallbackForward:
             for t in tree_flatten(out)[0]:
                 if torch.is_tensor(t) and lead is not None and t.dim() > 0 and t.shape[0] == lead.shape[0]:
                     mode.tags[t] = first
+                elif _flattened(t, lead, first):  # (B, T, d) in, (B·T, E) out (a MoE router): each example's T rows
+                    mode.tags[t] = provenance.Rows(0, first.group * (t.shape[0] // lead.shape[0]))
             return out
         from torch.nn.utils.stateless import _reparametrize_module
 
@@ -580,6 +582,19 @@ class _FallbackForward:
 
     def __reduce__(self):
         return _PlainForward, (self.unit.module,)
+
+
+def _flattened(t, lead, rows) -> bool:
+    """Whether a fallback's output ``t`` has its batch input's rows flattened with the next dimension:
+    ``lead`` (B, k, ...) with one example per row in, ``t`` (B·k, ...) out."""
+    return (
+        torch.is_tensor(t)
+        and lead is not None
+        and rows.group == 1
+        and lead.dim() > 1
+        and t.dim() > 0
+        and t.shape[0] == lead.shape[0] * lead.shape[1]
+    )
 
 
 def _group(rows) -> int | None:

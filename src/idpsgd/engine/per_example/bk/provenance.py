@@ -910,6 +910,22 @@ class ProvenanceMode(TorchFunctionMode):
             return self._index_rows(args[0], args[1], r)
         return self._functional(func, name, args, kwargs, tagged, res)
 
+    def _scatter_into_constant(self, func, args, kwargs, x, r, res):
+        """``t.scatter_(dim, index, src)`` into a tensor ``t`` not from the batch (Glm4-MoE's router:
+        ``zeros_like(scores).scatter_(1, group_idx, 1)``) along another dimension than the batch's: row by row
+        when ``t`` is the same in every row (its values before the write) and the batch's operands align."""
+        target = args[0]
+        dim = _arg(args, kwargs, 1, "dim")
+        if not (torch.is_tensor(target) and isinstance(dim, int)) or target.dim() != x.dim() or dim % x.dim() == r.dim:
+            return None
+        before = self._before if self._before is not None else target
+        size = target.shape[r.dim]
+        if size != x.shape[r.dim]:
+            return None
+        if size > 1 and before.stride(r.dim) != 0 and self._rows_differ(before, r.dim, r.group):
+            return None
+        return self._aligned(self._inputs(args[1:], kwargs), res.dim(), res)
+
     def _diff(self, args, kwargs, res):
         """``diff(input, n=1, dim=-1, prepend=None, append=None)``: differences along ``dim`` of ``input``
         with ``prepend``/``append`` joined there: row-wise when ``dim`` is not the batch dimension and every
@@ -1193,6 +1209,8 @@ class ProvenanceMode(TorchFunctionMode):
             if dim == r.dim or args[0] is not x:
                 return None
             return self._aligned(tagged, res.dim(), res)
+        if name in ("scatter_", "scatter_add_") and args[0] is not x and self.tags.get(args[0]) is None:
+            return self._scatter_into_constant(func, args, kwargs, x, r, res)
         if name in ("repeat_interleave",):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
             return r if dim is not None and int(dim) % nd != r.dim and only_first else None
