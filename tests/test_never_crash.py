@@ -20,6 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -572,3 +573,32 @@ def test_a_later_output_the_loss_does_not_use_is_fine():
     model = _model(lambda: _TwoOutputs(use_keys=False))
     model.norm.temp.requires_grad_(False)  # no per-example gradient to form for it (the keys are unused)
     _exact_in_every_mode(model, x, y)
+
+
+class _Router(nn.Module):
+    """A router returning (logits, weights): the weights computed from the logits (Glm4-MoE's gate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4) * 0.5)
+
+    def forward(self, h):
+        logits = F.linear(h, self.weight)
+        return logits, logits.softmax(-1)
+
+
+class _Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.out = _Router(), nn.Linear(3, 3)
+
+    def forward(self, x):
+        _, weights = self.gate(x)  # only the later output, computed from the first, reaches the loss
+        return self.out(weights).mean(1)
+
+
+def test_a_later_output_computed_from_the_first_is_exact_in_bk():
+    """The first output's gradient carries what the loss takes through a later output computed from it: no
+    refusal, bk's per-example gradients exact (a router's top-k weights from its logits, Glm4-MoE)."""
+    x, y = _data((5, 4))
+    _check_equal(_model(_Routed), x, y, opacus=False)

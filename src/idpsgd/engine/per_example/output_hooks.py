@@ -69,6 +69,10 @@ def _in_order(module, kwargs) -> tuple:
     return tuple(v for _, v in ordered if torch.is_tensor(v))
 
 
+def _first_needing_grad(output):
+    return next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
+
+
 def own_output(output):
     """(the layer's output, its first tensor that requires a gradient), that tensor a copy when it is a view
     (``F.linear`` with a bias on (B, T, d): a view of its (B·T, p) result): a hook on a view does not fire
@@ -90,24 +94,44 @@ def own_output(output):
     return output, next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
 
 
-def refuse_later_outputs(output, out, where, mode: str) -> None:
-    """Refuse the backward pass that reaches a tensor of ``output`` other than ``out`` (:func:`own_output`) that
-    requires a gradient.  A layer's per-sample gradients are formed from the gradient of that one output tensor;
-    a layer returning several (ZAYA's QK norm returns (queries, keys), its parameter acting on the keys only)
-    would lose what the loss takes through the others, silently (its per-example gradients of zero, measured
-    in the architecture survey).  ``where()`` names the layer; the refusal comes in the backward pass, before
-    any noise, and only where the loss does depend on such a tensor (an unused attention-weights output is fine)."""
+def refuse_later_outputs(output, first, inputs, params, where, mode: str) -> None:
+    """Refuse the backward pass that reaches a tensor of a layer's ``output`` other than its ``first`` (the one
+    whose gradient forms the layer's per-sample gradients, :func:`own_output`, before any copy) when the layer's
+    ``params`` reach that tensor other than through ``first``: the per-sample gradients would miss that share,
+    silently (ZAYA's QK norm returns (queries, keys), its parameter acting on the keys only: per-example
+    gradients of zero, found by the architecture survey).  A later output computed from ``first`` (a router's
+    top-k weights from its logits) is fine: ``first``'s gradient already carries it.  The walk stops at
+    ``first`` and at the layer's ``inputs`` (its own graph only); the refusal comes in the backward pass, before
+    any noise, and only where the loss depends on such a tensor."""
+    ids = {id(p) for p in params}
+    if not ids:
+        return
+    stops = {id(t.grad_fn) for t in (first, *tree_flatten(inputs)[0]) if torch.is_tensor(t) and t.grad_fn is not None}
     for t in tree_flatten(output)[0]:
-        if torch.is_tensor(t) and t.requires_grad and t is not out:
+        if torch.is_tensor(t) and t.requires_grad and t is not first and _reaches(t.grad_fn, stops, ids):
             t.register_hook(partial(_later_output_reached, where, mode))
+
+
+def _reaches(fn, stops: set, ids: set) -> bool:
+    """Whether the autograd graph from ``fn`` reaches a parameter of ``ids`` without passing a node of ``stops``."""
+    stack, seen = [fn], set()
+    while stack:
+        f = stack.pop()
+        if f is None or id(f) in stops or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if id(getattr(f, "variable", None)) in ids:
+            return True
+        stack.extend(n for n, _ in f.next_functions)
+    return False
 
 
 def _later_output_reached(where, mode: str, _grad):
     raise MachineryRefusal(
-        f"grad_sample_mode={mode!r}: {where()} returns several tensors that require a gradient and the loss "
-        "depends on one after the first; its per-example gradients are formed from the first one's gradient only, "
-        "so they would miss the others' share: refused; make each output the result of its own layer, or freeze "
-        "the layer's parameters"
+        f"grad_sample_mode={mode!r}: {where()} returns several tensors that require a gradient, and the loss "
+        "depends on a later one that its parameters reach other than through the first; its per-example gradients "
+        "are formed from the first one's gradient only, so they would miss that share: refused; make each output "
+        "the result of its own layer, or freeze the layer's parameters"
     )
 
 
@@ -161,12 +185,14 @@ class OutputHooks:
             self.capture_activations_hook(module, inputs, output)
         if not torch.is_grad_enabled():
             return None
+        first = _first_needing_grad(output)
         output, out = own_output(output)
         if out is not None:
             out.register_hook(
                 partial(self._backward_hook, module, loss_reduction=loss_reduction, batch_first=batch_first)
             )
-            refuse_later_outputs(output, out, lambda: self._where(module), self.mode_name)
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            refuse_later_outputs(output, first, (inputs, kwargs), params, lambda: self._where(module), self.mode_name)
         return output
 
     def _backward_hook(self, module, grad, *, loss_reduction, batch_first):

@@ -441,11 +441,12 @@ class _FallbackUnit:
             # the output's gradient, by a hook on the output tensor (no module backward hook, which an in-place
             # operation on the output, or an output shared by the batch, breaks; a view output copied, whose
             # hook an in-place write would skip: .output_hooks)
+            first = next((t for t in tree_flatten(_output)[0] if torch.is_tensor(t) and t.requires_grad), None)
             _output, out = own_output(_output)
             if out is not None:
                 out.register_hook(lambda g: self._backward(module, None, (g,)))
                 where = lambda: f"layer {self.name!r} ({type(module).__name__}, a fallback)"  # noqa: E731
-                refuse_later_outputs(_output, out, where, "bk")
+                refuse_later_outputs(_output, first, (inputs, kwargs), self.params.values(), where, "bk")
             return _output
         return None
 
