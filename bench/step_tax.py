@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,8 +124,11 @@ def ratios(hf_layers: int, repeats: int, quick: bool) -> dict:
     """The CNN and the GPT-2 benches against non-private (fresh processes; their JSON results)."""
     out = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with_tmp = HERE / "results"
-    with_tmp.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="idpsgd-step-tax-") as tmp:
+        return _ratios(Path(tmp), env, out, hf_layers, repeats, quick)
+
+
+def _ratios(with_tmp: Path, env: dict, out: dict, hf_layers: int, repeats: int, quick: bool) -> dict:
     cnn = with_tmp / "step_tax_cnn.json"
     cmd = [sys.executable, str(HERE / "bench_engine.py"), "--models", "cifar_cnn", "--repeats", str(repeats)]
     cmd += ["--quick", "--batch-sizes", "32"] if quick else ["--batch-sizes", "256"]

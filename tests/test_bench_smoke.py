@@ -172,6 +172,20 @@ def test_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     assert {"cnn", "demo_test_accuracy", "hf_time.gpt2_lm", "hf_bf16.gpt2_lm"} <= set(saved["figures"])
 
 
+def test_step_tax_reports_the_replayed_provenance_and_the_guard(monkeypatch):
+    """bench/step_tax.py --quick --tax-only: a book-kept GPT-2 forward traced, replayed and without the keeper, the
+    replay's own cost, the guard with SGD and Adam (a tiny model: a test of the script, not a measurement)."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(BENCH))
+    import step_tax
+
+    got = step_tax.main(["--quick", "--tax-only"])["tax"]
+    prov = got["provenance"]
+    assert prov["attribution"] == "replayed" and prov["replay_queries"] > 0
+    assert min(prov["forward_traced_ms"], prov["forward_replayed_ms"], prov["replay_ms"]) > 0
+    assert got["guard"]["guard_adam_ms"] > 0 and got["guard"]["guard_sgd_ms"] > 0
+
+
 def _versions_bench(monkeypatch, tmp_path):
     """bench/bench_versions.py with this checkout as its own base, two rounds; returns its result."""
     monkeypatch.syspath_prepend(str(BENCH))

@@ -59,6 +59,7 @@ def test_a_replay_gives_the_traced_attribution_bit_for_bit(name, lora):
         ("mixtral", False, "'nonzero': data-dependent routing"),
         ("qwen2_moe", False, "'nonzero': data-dependent routing"),
         ("gpt2", True, "a read of tensor values into Python"),  # transformers' mask fast path reads the mask
+        ("deberta_v2", False, "compares an index with arange"),
     ],
 )
 def test_a_replay_is_not_trusted_where_the_trace_saw_a_decision(name, mask, why, caplog):
@@ -142,3 +143,31 @@ def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
     assert any("diverged from its trace" in r.getMessage() for r in caplog.records)
     step()  # traced from now on
     assert attribution.status.startswith("traced (replay off: ") and engine.steps == 3
+
+
+class _WeightAsInput(nn.Module):
+    """Feeds a covered layer's weight to another covered layer (a value shared by the batch made by the keeper)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)) + self.b(self.a.weight).sum(0))
+
+
+def test_a_parameter_fed_to_a_layer_keeps_the_forward_traced():
+    torch.manual_seed(0)
+    model = _WeightAsInput()
+    keeper = BookKeeper.attach(model)
+    keeper.active, keeper.loss_reduction = True, "sum"
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 4, generator=g), torch.randint(0, 2, (5,), generator=g)
+    for _ in range(2):
+        keeper.clear()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        assert keeper.norms().shape == (5,)
+        why = "a covered layer's parameter fed to a layer (needs the interception)"
+        assert keeper.attribution.status == f"traced (not replayed: {why})"
+    keeper.clear()
+    keeper.active = False

@@ -171,6 +171,26 @@ class TracingMode(ProvenanceMode):
                     return f"a covered layer's parameter used directly in {op_name(func)!r} (needs the interception)"
         return None
 
+    @property
+    def make_source(self):
+        return self._make_source
+
+    @make_source.setter
+    def make_source(self, fn) -> None:
+        """The keeper's ``parameter_source``, recorded as a decision when the keeper calls it (a covered parameter
+        fed to a layer becomes a value shared by the batch: a replay could not do that)."""
+        if fn is None:
+            self._make_source = None
+            return
+
+        def recorded(*args, **kwargs):
+            # from the mode's own substitution: a decision only where the operation returns a tensor (_interception)
+            if not self.decisions and sys._getframe(1).f_globals.get("__name__") != _PROVENANCE:
+                self.decisions.append("a covered layer's parameter fed to a layer (needs the interception)")
+            return fn(*args, **kwargs)
+
+        self._make_source = recorded
+
     def _rows_differ(self, t, d, group) -> bool:
         if not self.decisions:
             self.decisions.append("a tag rule that compares the values of a constant (rows that may differ)")
