@@ -199,7 +199,7 @@ def test_no_op_per_sample_gradients_by_vmap_train_with_individual_accounting():
     y = (x[:, 0] > 0).long()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")  # not about the accountant: no PRV calibration
     engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=1, validate_subset=0))
     _hooks, opt, loader = engine.make_private(
         module=model,
@@ -236,7 +236,7 @@ def test_the_norm_pass_still_refuses_a_mixing_model_in_no_op_mode():
 
     model = _build()
     model.register_forward_pre_hook(_center_input)
-    engine = IndividualizedPrivacyEngine(seed=0)
+    engine = IndividualizedPrivacyEngine(seed=0, accountant="rdp")  # not about the accountant: no PRV calibration
     engine.enable_individual_accounting(IndividualAccountingOptions(refreshes_per_epoch=1, validate_subset=0))
     with pytest.raises(BatchMixingError, match="mixes examples within the batch"):
         engine.make_private(
