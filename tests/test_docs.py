@@ -199,7 +199,7 @@ def test_documented_benchmarks_exist_and_every_benchmark_is_documented():
 
 
 OTHER_TOOLS_FLAGS = {"--nproc-per-node", "--no-deps", "--target"}  # torchrun's; pip's (make test-opacus)
-SCRIPTS = ("examples/*.py", "bench/*.py", "tests/opacus_suite/run.py")  # scripts the docs tell users to run
+SCRIPTS = ("examples/*.py", "bench/*.py", "tests/opacus_suite/run.py", "tools/*.py")  # scripts the docs name
 
 
 def test_every_documented_flag_exists():

@@ -153,7 +153,7 @@ def test_refreshes_less_often_than_every_step_or_nearest_rounding_stay_estimates
     assert t.kind == "estimate" and "every 5 steps" in t.kind_reason and not t.enforces
     t = _train(_mlp(), rounding="nearest").individual
     assert t.kind == "estimate" and "nearest rounding" in t.kind_reason and not t.enforces
-    np.testing.assert_array_equal(t.engine.clipping.clip_norms.numpy(), t.accountant.clip_norms)
+    np.testing.assert_array_equal(t.phase.clipping.clip_norms.numpy(), t.accountant.clip_norms)
     assert t.sensitivity_check()["enforced_steps"] == 0
 
 
