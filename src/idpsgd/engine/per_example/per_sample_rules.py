@@ -14,7 +14,11 @@ gradient of the summed loss.
   Here the input and output gradient are made contiguous first (no copy when they already are).
 * ``nn.Embedding(padding_idx=...)``: autograd never gives the padding row a gradient; Opacus's rule
   scatters the padding positions' output gradients into it, so the clipped update trained that row
-  (and each norm counted it).  Here the padding row of every per-example gradient is zero.
+  (and each norm counted it).  Here the padding row of every per-example gradient is zero; ghost
+  clipping's norm of the same layer (``opacus.grad_sample.embedding_norm_sample``) counted the padding
+  positions too (the architecture survey: per-example norms up to 33 % high on padded batches of
+  Qwen2-Audio, Voxtral and three more, whose text tables have a padding row), so its output gradients at
+  those positions are zeroed first.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import torch
 from opacus.grad_sample.conv import compute_conv_grad_sample as _opacus_conv_rule
 from opacus.grad_sample.embedding import compute_embedding_grad_sample as _opacus_embedding_rule
-from opacus.grad_sample.utils import register_grad_sampler
+from opacus.grad_sample.embedding_norm_sample import compute_embedding_norm_sample as _opacus_embedding_norm
+from opacus.grad_sample.utils import register_grad_sampler, register_norm_sampler
 from torch import nn
 
 
@@ -41,4 +46,15 @@ def compute_embedding_grad_sample(layer: nn.Embedding, activations, backprops: t
     return out
 
 
-__all__ = ["compute_conv_grad_sample", "compute_embedding_grad_sample"]
+@register_norm_sampler(nn.Embedding)
+def compute_embedding_norm_sample(layer: nn.Embedding, activations, backprops: torch.Tensor) -> dict:
+    """Per-example gradient norms of an embedding table (ghost clipping): Opacus's, without the padding row
+    (the output gradients at the padding positions zeroed, as autograd gives that row none)."""
+    if layer.padding_idx is not None:
+        ids = activations[0]
+        keep = (ids != layer.padding_idx).unsqueeze(-1).to(backprops.dtype)
+        backprops = backprops * keep
+    return _opacus_embedding_norm(layer, activations, backprops)
+
+
+__all__ = ["compute_conv_grad_sample", "compute_embedding_grad_sample", "compute_embedding_norm_sample"]
