@@ -8,6 +8,10 @@
    per-sample gradient;
 3. :mod:`.shared` and :mod:`.tied` — values shared by the batch (parameters used directly,
    batch-independent inputs) and parameters used by several layers (cross terms);
-4. :mod:`.keeper` — the book-keeper: the plan of a model, one backward pass, per-example norms and
-   the clipped sum.
+4. :mod:`.plan` — which unit keeps each module owning trainable parameters (refusals before anything
+   is attached); :mod:`.intercept` — what runs in place of a book-kept module's forward;
+   :mod:`.units` — what is kept per module in the one backward pass (the :class:`~.units.Unit` protocol:
+   a covered layer, a fallback, a direct unit);
+5. :mod:`.keeper` — the book-keeper: the model's units, one backward pass, per-example norms and the
+   clipped sum; :mod:`.module` — the user's module wrapping it (Opacus's interface).
 """
