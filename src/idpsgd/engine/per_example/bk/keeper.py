@@ -32,7 +32,7 @@ from .replay import Attribution
 from .rules import Rule, add_into
 from .shared import parameter_use
 from .tied import cross_term
-from .units import ACCUMULATION_ERROR, DIRECT, FALLBACK, GHOST, PER_SAMPLE, DirectUnit, FallbackUnit, Layer
+from .units import ACCUMULATION_ERROR, DIRECT, FALLBACK, GHOST, PER_SAMPLE, DirectUnit, FallbackUnit, Layer, Unit
 
 #: the public rule of a layer that takes the ghost norm or the per-sample gradient by its shapes
 BY_SHAPES = f"{GHOST} or {PER_SAMPLE}, by the layer's input shapes in each step (ghost when 2T² < d·p)"
@@ -269,7 +269,7 @@ class BookKeeper:
             marker.grad = torch.zeros_like(marker)
 
     @property
-    def parts(self):
+    def parts(self) -> list[Unit]:
         return [*self.layers, *self.units, *self.direct]
 
     def _recorded(self):
