@@ -24,8 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.per_example.bk.keeper import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.plan import plan_layers
 from idpsgd.engine.per_example.bk.rules import Conv1DRule, ScaleNormRule, rule_for
+from idpsgd.engine.per_example.bk.units import FALLBACK, GHOST, PER_SAMPLE
 
 transformers = pytest.importorskip("transformers")
 import hf_architectures as hf

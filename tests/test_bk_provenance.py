@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from idpsgd.engine.per_example.bk import provenance as P
-from idpsgd.engine.per_example.bk.keeper import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.units import DIRECT, FALLBACK
 from idpsgd.engine.per_example.norms import per_example_grad_norms
 from test_bookkeeping import N, _check_equal, _data
 

@@ -15,7 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
-from idpsgd.engine.per_example.bk.keeper import FALLBACK, GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.plan import plan_layers
+from idpsgd.engine.per_example.bk.units import FALLBACK, GHOST, PER_SAMPLE
 from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.models import TransformerClassifier, wide_resnet
 from idpsgd.validation import InvalidParameterError

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 import hf_architectures as hf
 from idpsgd import Budgets, IndividualizedPrivacyEngine
-from idpsgd.engine.per_example.bk.keeper import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.units import DIRECT, FALLBACK
 from support import per_example_grads
 
 N, B, T, V = 16, 8, 9, hf.V

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from idpsgd.engine.per_example.bk.keeper import DIRECT, FALLBACK, BookKeeper
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.units import DIRECT, FALLBACK
 from idpsgd.engine.per_example.norms import per_example_grad_norms
 from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data, _private

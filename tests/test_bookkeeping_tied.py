@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from idpsgd.engine.per_example.bk.keeper import GHOST, PER_SAMPLE, BookKeeper, plan_layers
+from idpsgd.engine.per_example.bk.keeper import BookKeeper
+from idpsgd.engine.per_example.bk.plan import plan_layers
 from idpsgd.engine.per_example.bk.tied import FORMED_CROSS, GHOST_CROSS, INNER_CROSS
+from idpsgd.engine.per_example.bk.units import GHOST, PER_SAMPLE
 from support import per_example_grads
 from test_bookkeeping import N, _check_equal, _data, _private
 

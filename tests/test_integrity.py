@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd.engine import IndividualizedPrivacyEngine
 from idpsgd.engine.guards.integrity import UnnoisedWriteError
-from idpsgd.engine.per_example.bk.keeper import BY_SHAPES, FALLBACK, GHOST, PER_SAMPLE, BookKeeper
+from idpsgd.engine.per_example.bk.keeper import BY_SHAPES, BookKeeper
+from idpsgd.engine.per_example.bk.units import FALLBACK, GHOST, PER_SAMPLE
 from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.validation import InvalidParameterError
 from support import per_example_norms

@@ -248,7 +248,7 @@ def _boom(*_args, **_kwargs):
     [
         (
             "bk",
-            lambda mp: mp.setattr("idpsgd.engine.per_example.bk.keeper._Layer.record", _boom),
+            lambda mp: mp.setattr("idpsgd.engine.per_example.bk.units.Layer.record", _boom),
             "layer 'b' (Linear), its backward",
         ),
         (

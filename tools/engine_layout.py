@@ -83,7 +83,7 @@ OLD_FILES["distributed"] = "distributed.py"
 
 
 def new_file(new: str) -> str:
-    pkg = {"per_example.bk", "distributed"}
+    pkg = {"per_example.bk", "per_example.bk.rules", "distributed"}
     return new.replace(".", "/") + ("/__init__.py" if new in pkg else ".py")
 
 

@@ -163,7 +163,7 @@ def render(run_dir, include_private: bool = False) -> str:
     if r.get("randomness"):  # never the seed itself (an old report.json may still hold one: not shown)
         parts.append(f"<p class='note'>Randomness: {e(str(r['randomness']))}</p>")
     if r.get("layer_paths"):
-        from ..engine.per_example.bk.keeper import summarize_paths
+        from ..engine.per_example.bk.plan import summarize_paths
 
         parts.append(
             f"<p class='note'>per-example gradient norms ({e(str(r.get('grad_sample_mode')))}): "

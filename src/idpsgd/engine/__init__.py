@@ -10,7 +10,8 @@ from .noise.optimizer import (
     IndividualizedDPOptimizerBookKeeping,
     IndividualizedDPOptimizerFastGradientClipping,
 )
-from .per_example.bk.keeper import BookKeeper, BookKeepingModule
+from .per_example.bk.keeper import BookKeeper
+from .per_example.bk.module import BookKeepingModule
 from .privacy_engine import GUARANTEE, IndividualizedPrivacyEngine, steps_per_epoch_for
 from .sampling.sampler import BatchIndexQueue, PoissonBatchSampler, PrivateDataLoader
 

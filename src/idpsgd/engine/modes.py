@@ -33,7 +33,8 @@ from .noise.optimizer import (
     IndividualizedDPOptimizerFastGradientClipping,
 )
 from .per_example import per_sample_rules  # noqa: F401  (registers the corrected convolution and embedding rules)
-from .per_example.bk.keeper import BookKeeper, BookKeepingModule
+from .per_example.bk.keeper import BookKeeper
+from .per_example.bk.module import BookKeepingModule
 from .per_example.ghost import IndividualizedGhostModule
 from .per_example.output_hooks import IndividualizedGradSampleHooks, IndividualizedGradSampleModule
 from .per_example.unwrap import raw_module

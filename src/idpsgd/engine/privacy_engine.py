@@ -267,7 +267,7 @@ class IndividualizedPrivacyEngine:
         the model and ``grad_sample_mode`` only (public, safe to publish): with ``"bk"`` a ghost norm,
         a per-sample gradient, either by the layer's input shapes in each step (Linear, convolutions;
         :data:`~.per_example.bk.keeper.BY_SHAPES`), or Opacus's per-sample gradient for a layer no book-keeping
-        rule covers (:mod:`.per_example.bk.keeper`); in the other modes Opacus's.  The paths actually taken:
+        rule covers (:mod:`.per_example.bk.units`); in the other modes Opacus's.  The paths actually taken:
         :attr:`layer_paths_taken`."""
         self._require()
         return layer_paths(self.module, self.parameters.grad_sample_mode)

@@ -21,7 +21,7 @@ from ..guards.integrity import check_static_writes
 from ..guards.layer_inputs import PER_LAYER_MODES
 from ..modes import mode
 from ..opacus_compat import WRAP, validate_module
-from .bk.keeper import plan_layers
+from .bk.plan import plan_layers
 from .output_hooks import OutputHooks, check_buffers
 from .unwrap import raw_module  # re-exported: its home is engine/per_example/unwrap.py
 

@@ -791,123 +791,11 @@ class ProvenanceMode(TorchFunctionMode):
         return Rows(dim, group)
 
     def _rule(self, func, name, args, kwargs, tagged, res):
-        x, r = tagged[0]
-        nd = x.dim()
-        if func in POINTWISE:
-            return self._aligned(tagged, res.dim(), res)
-        if func in PROPS:
-            if name == "T":
-                return r.moved(nd - 1 - r.dim)
-            return r.moved(2 * nd - 3 - r.dim) if r.dim >= nd - 2 else r
-        if func in RESHAPES or func in EXPANDS:
-            x = args[0]
-            r = self.tags.get(x)
-            if r is None:  # a tensor not from the batch viewed or expanded as one from it
-                return SHARED
-            if not r.known:
-                return r
-            nd = x.dim()
-        if func in RESHAPES:
-            return _reshape_rows(tuple(x.shape), r, tuple(res.shape))
-        if func in EXPANDS:
-            d = r.dim + res.dim() - nd
-            return Rows(d, r.group) if res.shape[d] == x.shape[r.dim] else None
-        if func in PERMUTES:
-            return _permute_rows(func, args, kwargs, nd, r) if args[0] is x else None
-        if func in ALONG_DIM:
-            if name == "diff":
-                return self._diff(args, kwargs, res)
-            if args[0] is not x or len(tagged) > 1:
-                return None
-            dim = _arg(
-                args,
-                kwargs,
-                1,
-                "dim",
-                -1
-                if name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "glu", "softmin", "diff")
-                else None,
-            )
-            if name in ("topk", "kthvalue"):  # (input, k, dim=-1, ...)
-                dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-            if name in ("flip", "roll"):
-                dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
-                dims = _dims(dims, nd) if dims is not None else tuple(range(nd))
-            elif name == "normalize":
-                dims = _dims(kwargs.get("dim", args[2] if len(args) > 2 else 1), nd)
-            else:
-                dims = _dims(dim, nd) if isinstance(dim, (int, list, tuple)) else None
-            if dims is None or r.dim in dims:
-                return None
-            if res.dim() == nd - 1 and name == "kthvalue":  # keepdim=False
-                return r.moved(r.dim - (dims[0] < r.dim))
-            return r if res.dim() == nd else None
-        if func in REDUCTIONS:
-            if args[0] is not x or len(tagged) > 1:
-                return None
-            dim = _arg(args, kwargs, 1, "dim")
-            if name == "norm":
-                dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
-            if dim is None or not isinstance(dim, (int, list, tuple)) or (isinstance(dim, (list, tuple)) and not dim):
-                return None
-            dims = _dims(dim, nd)
-            if r.dim in dims:
-                return None
-            # keepdim's position differs (std's and var's third argument is ``unbiased``, norm's the dim):
-            # read it off the result
-            if res.dim() == nd:
-                return r
-            if res.dim() != nd - len(set(dims)):
-                return None
-            return r.moved(r.dim - sum(1 for d in set(dims) if d < r.dim))
-        if func in SPLITS:
-            if name == "index_select" and self.tags.get(args[0]) is None:
-                ids = _arg(args, kwargs, 2, "index")
-                dim = int(_arg(args, kwargs, 1, "dim")) % max(1, args[0].dim())
-                return self._lookup(args[0], (slice(None),) * dim + (ids,), ids, res) if ids is x else None
-            if args[0] is not x or len(tagged) > 1:
-                return None
-            if name == "unbind":
-                dim = int(_arg(args, kwargs, 1, "dim", 0)) % nd
-                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
-            if name == "select":
-                dim = int(_arg(args, kwargs, 1, "dim")) % nd
-                return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
-            if name == "index_select":
-                dim = int(_arg(args, kwargs, 1, "dim")) % nd
-                return None if dim == r.dim else r
-            dim = (
-                _arg(args, kwargs, 2, "dim", 0)
-                if name in ("split", "chunk", "tensor_split", "split_with_sizes")
-                else _arg(args, kwargs, 1, "dim")
-            )
-            dim = int(dim) % nd
-            return None if dim == r.dim else r
-        if func in JOINS:
-            tensors = args[0] if args else kwargs.get("tensors")
-            dim = _arg(args, kwargs, 1, "dim", 0)
-            if not isinstance(dim, int):
-                return None
-            rows = None
-            for t in tensors:
-                tr = self.tags.get(t)
-                if tr is None:
-                    continue
-                if rows is not None and (tr.dim != rows.dim or tr.group != rows.group):
-                    return None
-                rows = tr
-            if name == "stack":
-                d = dim % (nd + 1)
-                return None if rows is None else rows.moved(rows.dim + (d <= rows.dim))
-            return None if rows is None or dim % nd == rows.dim else rows
-        if func in MATMULS:
-            return self._matmul(args, res)
-        if func in GETITEM:
-            r = self.tags.get(args[0])
-            if r is None:  # a constant (a position table) indexed by the batch's indices
-                index = args[1] if isinstance(args[1], tuple) else (args[1],)
-                return self._lookup(args[0], index, x, res) if len(tagged) == 1 else None
-            return self._index_rows(args[0], args[1], r)
+        """The rows of ``func``'s result: its family's handler (:data:`_FAMILY_RULES`), else by its name
+        (:meth:`_functional`)."""
+        handler = _FAMILY_RULES.get(func)
+        if handler is not None:
+            return handler(self, func, name, args, kwargs, tagged, res)
         return self._functional(func, name, args, kwargs, tagged, res)
 
     def _scatter_into_constant(self, func, args, kwargs, x, r, res):
@@ -1288,6 +1176,186 @@ def _fft_rows(name, args, kwargs, nd, rows, res) -> Rows | None:
     if rows.dim in dims or res.dim() != nd:
         return None
     return rows
+
+
+# --- the rules of the families of operations (:meth:`ProvenanceMode._rule`), one handler each (as
+# tied.PAIR_RULES): handler(mode, func, name, args, kwargs, tagged, res) -> the result's rows (None: not
+# row by row); ``tagged`` the (tensor, rows) of the operands derived from the batch, the first one first
+
+
+def _first(tagged):
+    """The first operand derived from the batch, its rows and its rank."""
+    x, r = tagged[0]
+    return x, r, x.dim()
+
+
+def _pointwise(mode, func, name, args, kwargs, tagged, res):
+    return mode._aligned(tagged, res.dim(), res)
+
+
+def _property(mode, func, name, args, kwargs, tagged, res):  # Tensor.T, Tensor.mT
+    _, r, nd = _first(tagged)
+    if name == "T":
+        return r.moved(nd - 1 - r.dim)
+    return r.moved(2 * nd - 3 - r.dim) if r.dim >= nd - 2 else r
+
+
+def _reshape(mode, func, name, args, kwargs, tagged, res):
+    x = args[0]
+    r = mode.tags.get(x)
+    if r is None:  # a tensor not from the batch viewed as one from it
+        return SHARED
+    if not r.known:
+        return r
+    return _reshape_rows(tuple(x.shape), r, tuple(res.shape))
+
+
+def _expand(mode, func, name, args, kwargs, tagged, res):
+    x = args[0]
+    r = mode.tags.get(x)
+    if r is None:  # a tensor not from the batch expanded as one from it
+        return SHARED
+    if not r.known:
+        return r
+    d = r.dim + res.dim() - x.dim()
+    return Rows(d, r.group) if res.shape[d] == x.shape[r.dim] else None
+
+
+def _permute(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    return _permute_rows(func, args, kwargs, nd, r) if args[0] is x else None
+
+
+def _along_dim(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if name == "diff":
+        return mode._diff(args, kwargs, res)
+    if args[0] is not x or len(tagged) > 1:
+        return None
+    dim = _arg(
+        args,
+        kwargs,
+        1,
+        "dim",
+        -1
+        if name in ("softmax", "log_softmax", "sort", "argsort", "topk", "normalize", "glu", "softmin", "diff")
+        else None,
+    )
+    if name in ("topk", "kthvalue"):  # (input, k, dim=-1, ...)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+    if name in ("flip", "roll"):
+        dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
+        dims = _dims(dims, nd) if dims is not None else tuple(range(nd))
+    elif name == "normalize":
+        dims = _dims(kwargs.get("dim", args[2] if len(args) > 2 else 1), nd)
+    else:
+        dims = _dims(dim, nd) if isinstance(dim, (int, list, tuple)) else None
+    if dims is None or r.dim in dims:
+        return None
+    if res.dim() == nd - 1 and name == "kthvalue":  # keepdim=False
+        return r.moved(r.dim - (dims[0] < r.dim))
+    return r if res.dim() == nd else None
+
+
+def _reduction(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if args[0] is not x or len(tagged) > 1:
+        return None
+    dim = _arg(args, kwargs, 1, "dim")
+    if name == "norm":
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    if dim is None or not isinstance(dim, (int, list, tuple)) or (isinstance(dim, (list, tuple)) and not dim):
+        return None
+    dims = _dims(dim, nd)
+    if r.dim in dims:
+        return None
+    # keepdim's position differs (std's and var's third argument is ``unbiased``, norm's the dim):
+    # read it off the result
+    if res.dim() == nd:
+        return r
+    if res.dim() != nd - len(set(dims)):
+        return None
+    return r.moved(r.dim - sum(1 for d in set(dims) if d < r.dim))
+
+
+def _split(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if name == "index_select" and mode.tags.get(args[0]) is None:
+        ids = _arg(args, kwargs, 2, "index")
+        dim = int(_arg(args, kwargs, 1, "dim")) % max(1, args[0].dim())
+        return mode._lookup(args[0], (slice(None),) * dim + (ids,), ids, res) if ids is x else None
+    if args[0] is not x or len(tagged) > 1:
+        return None
+    if name == "unbind":
+        dim = int(_arg(args, kwargs, 1, "dim", 0)) % nd
+        return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+    if name == "select":
+        dim = int(_arg(args, kwargs, 1, "dim")) % nd
+        return None if dim == r.dim else r.moved(r.dim - (dim < r.dim))
+    if name == "index_select":
+        dim = int(_arg(args, kwargs, 1, "dim")) % nd
+        return None if dim == r.dim else r
+    dim = (
+        _arg(args, kwargs, 2, "dim", 0)
+        if name in ("split", "chunk", "tensor_split", "split_with_sizes")
+        else _arg(args, kwargs, 1, "dim")
+    )
+    dim = int(dim) % nd
+    return None if dim == r.dim else r
+
+
+def _join(mode, func, name, args, kwargs, tagged, res):
+    _, _, nd = _first(tagged)
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    if not isinstance(dim, int):
+        return None
+    rows = None
+    for t in tensors:
+        tr = mode.tags.get(t)
+        if tr is None:
+            continue
+        if rows is not None and (tr.dim != rows.dim or tr.group != rows.group):
+            return None
+        rows = tr
+    if name == "stack":
+        d = dim % (nd + 1)
+        return None if rows is None else rows.moved(rows.dim + (d <= rows.dim))
+    return None if rows is None or dim % nd == rows.dim else rows
+
+
+def _matmul(mode, func, name, args, kwargs, tagged, res):
+    return mode._matmul(args, res)
+
+
+def _getitem(mode, func, name, args, kwargs, tagged, res):
+    x = tagged[0][0]
+    r = mode.tags.get(args[0])
+    if r is None:  # a constant (a position table) indexed by the batch's indices
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return mode._lookup(args[0], index, x, res) if len(tagged) == 1 else None
+    return mode._index_rows(args[0], args[1], r)
+
+
+#: the families of operations by function, in the order they are tried (a function in two families
+#: takes the first), then the handler of each: :data:`_FAMILY_RULES`
+_FAMILIES = (
+    (POINTWISE, _pointwise),
+    (PROPS, _property),
+    (RESHAPES, _reshape),
+    (EXPANDS, _expand),
+    (PERMUTES, _permute),
+    (ALONG_DIM, _along_dim),
+    (REDUCTIONS, _reduction),
+    (SPLITS, _split),
+    (JOINS, _join),
+    (MATMULS, _matmul),
+    (GETITEM, _getitem),
+)
+#: function -> its rows handler (:meth:`ProvenanceMode._rule`); an operation in no family is ruled by its
+#: name (:meth:`ProvenanceMode._functional`).  Private: ``tests/test_provenance_rules.py`` checks every public
+#: table of functions, and these are the families' tables above.
+_FAMILY_RULES: dict = {f: handler for funcs, handler in reversed(_FAMILIES) for f in funcs}  # the first family wins
 
 
 def probe_rank(target, index) -> int:

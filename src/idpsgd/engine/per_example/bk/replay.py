@@ -48,7 +48,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import provenance
-from .provenance import GETITEM, HOST_READS, ROUTABLE, SIZED_BY_VALUES, ProvenanceMode, Tags, _inplace, op_name
+from .provenance import GETITEM, HOST_READS, ROUTABLE, SIZED_BY_VALUES, ProvenanceMode, Tags, op_name, writes_in_place
 
 log = logging.getLogger("idpsgd")
 
@@ -165,7 +165,7 @@ class TracingMode(ProvenanceMode):
             if route is not None and route[0] is func:
                 return f"a covered layer's weight in {op_name(func)!r} (a routed layer: needs the interception)"
         tensors = torch.is_tensor(out) or (isinstance(out, (tuple, list)) and any(torch.is_tensor(o) for o in out))
-        if self.sources and tensors and torch.is_grad_enabled() and not _inplace(func):
+        if self.sources and tensors and torch.is_grad_enabled() and not writes_in_place(func):
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.nn.Parameter) and id(a) in self.sources:
                     return f"a covered layer's parameter used directly in {op_name(func)!r} (needs the interception)"

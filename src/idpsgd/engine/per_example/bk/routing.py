@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from . import provenance
-from .rules import _same_code
+from .rules import same_code
 
 
 def _eager_experts_forward(
@@ -68,7 +68,7 @@ def is_row_map(module: nn.Module) -> bool:
         if getattr(getattr(module, "config", None), "_experts_implementation", None) not in (None, "eager"):
             return False
         forward = original
-    return any(_same_code(forward, known, names=("torch", "nn")) for known in _ROW_MAPS)
+    return any(same_code(forward, known, names=("torch", "nn")) for known in _ROW_MAPS)
 
 
 class RowMapForward:

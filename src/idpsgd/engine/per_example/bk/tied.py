@@ -106,7 +106,7 @@ def _per_example(layer, name, s) -> torch.Tensor:
 
 def cross_term(x, name_x: str, y, name_y: str, batch: int) -> tuple[torch.Tensor | None, str]:
     """(⟨G_i^(x), G_i^(y)⟩ for every example, how it was computed) for parameter ``name_x`` of layer ``x``
-    and ``name_y`` of layer ``y`` (one parameter); both layers' norms settled (:meth:`_Layer.norm_sq`).
+    and ``name_y`` of layer ``y`` (one parameter); both layers' norms settled (:meth:`~.units.Layer.norm_sq`).
     None when either layer recorded nothing for it."""
     has_x = bool(x.uses) or name_x in x.grad_sample
     has_y = bool(y.uses) or name_y in y.grad_sample

@@ -1,0 +1,186 @@
+"""``nn.Conv1d`` and ``nn.Conv2d`` (any padding mode, groups, dilation): the ghost norm over unfolded
+patches or the per-sample gradient, by the shapes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import (
+    CHUNK_FLOATS,
+    Rule,
+    acc,
+    acc_dtype,
+    add_into,
+    autocast_input,
+    chunks,
+    gram_norm_sq,
+    own_forward,
+    trainable,
+)
+
+# --- Convolutions -------------------------------------------------------------------------------
+_CONV_FN = {1: F.conv1d, 2: F.conv2d}
+
+
+class ConvRule(Rule):
+    """``nn.Conv1d`` / ``nn.Conv2d``: any stride, padding (numbers, 'valid', 'same', any padding_mode),
+    dilation and groups.  T = output positions, d = C_in/groups · kernel size, p = C_out/groups.
+
+    Padding that is not a symmetric zero padding (``padding_mode`` reflect/replicate/circular, an
+    odd total 'same' padding) is applied by :meth:`prepare` outside the book-kept operation, as an
+    ordinary differentiable ``F.pad``, exactly as ``nn.ConvNd.forward`` does; the kept input is then
+    the padded one."""
+
+    ghost_capable = True
+
+    @staticmethod
+    def covers(module):
+        return (own_forward(module, nn.Conv1d) or own_forward(module, nn.Conv2d)) and not module.transposed
+
+    @staticmethod
+    def _same_total(module):
+        return [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+
+    def padding(self, module) -> list[int]:
+        """The symmetric zero padding of the book-kept convolution (after :meth:`prepare`)."""
+        nd = len(module.kernel_size)
+        if module.padding_mode != "zeros" or module.padding == "valid":
+            return [0] * nd
+        if module.padding == "same":
+            total = self._same_total(module)
+            return [t // 2 for t in total] if all(t % 2 == 0 for t in total) else [0] * nd
+        return list(module.padding)
+
+    def prepare(self, module, x):
+        nd = len(module.kernel_size)
+        if x.dim() != nd + 2:
+            raise ValueError(
+                f"book-keeping needs batched inputs for {type(module).__name__}; got shape {tuple(x.shape)}"
+            )
+        x = autocast_input(x, f"conv{nd}d", module.weight)
+        if module.padding_mode != "zeros":
+            return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        if module.padding == "same":
+            total = self._same_total(module)
+            if any(t % 2 for t in total):  # as PyTorch: the extra zero on the right/bottom side
+                spec = []
+                for t in reversed(total):
+                    spec += [t // 2, t - t // 2]
+                return F.pad(x, spec)
+        return x
+
+    def forward(self, module, x):
+        out = _CONV_FN[len(module.kernel_size)](
+            x, module.weight, module.bias, module.stride, self.padding(module), module.dilation, module.groups
+        )
+        return out, (x,)
+
+    def _backward(self, module, x, g, weight, groups, mask):
+        nd = len(module.kernel_size)
+        return torch.ops.aten.convolution_backward(
+            g,
+            x,
+            weight,
+            None,
+            list(module.stride),
+            self.padding(module),
+            list(module.dilation),
+            False,
+            [0] * nd,
+            groups,
+            mask,
+        )
+
+    def backward_input(self, module, saved, g, need_input):
+        if not need_input:
+            return None
+        return self._backward(module, saved[0], g, module.weight.to(g.dtype), module.groups, [True, False, False])[0]
+
+    def _dims(self, module, g):
+        """(groups, T, d, p) of one use."""
+        groups = module.groups
+        return (
+            groups,
+            int(math.prod(g.shape[2:])),
+            module.in_channels // groups * int(math.prod(module.kernel_size)),
+            module.out_channels // groups,
+        )
+
+    def prefers_ghost(self, module, uses):
+        if not trainable(module, "weight"):
+            return False
+        _, _, d, p = self._dims(module, uses[0][1])
+        t = sum(self._dims(module, g)[1] for _, g in uses)
+        return 2 * t * t < d * p
+
+    def per_sample(self, module, saved, g):
+        out = {}
+        if trainable(module, "weight"):
+            out["weight"] = self._per_sample_weight(module, saved[0], g)
+        if trainable(module, "bias"):
+            out["bias"] = acc(g).sum(tuple(range(2, g.dim())))
+        return out
+
+    def _per_sample_weight(self, module, x, g):
+        """G_i for every example: the convolution's weight-gradient kernel on a chunk of k examples
+        folded into the channel dimension (groups = k·groups), so no unfolded patches are formed."""
+        n, w = x.shape[0], module.weight
+        out = w.new_empty((n, *tuple(w.shape)))
+        per_example = w.numel() + x[0].numel() + g[0].numel()
+        step = max(1, min(32, CHUNK_FLOATS // max(1, per_example)))
+        for start in range(0, n, step):
+            k = min(step, n - start)
+            xs = acc(x[start : start + k]).reshape((1, k * x.shape[1], *tuple(x.shape[2:])))
+            gs = acc(g[start : start + k]).reshape((1, k * g.shape[1], *tuple(g.shape[2:])))
+            wk = w.unsqueeze(0).expand((k, *tuple(w.shape))).reshape((k * w.shape[0], *tuple(w.shape[1:])))
+            gw = self._backward(module, xs, gs, wk, k * module.groups, [False, True, False])[1]
+            out[start : start + k] = gw.view((k, *tuple(w.shape)))
+        return out
+
+    def _unfold(self, module, x):
+        """(B, groups, T, d) patches of the (padded) input; a Conv1d as a 1×L image."""
+        pad = self.padding(module)
+        if len(module.kernel_size) == 1:
+            cols = F.unfold(
+                x.unsqueeze(2),
+                (1, module.kernel_size[0]),
+                dilation=(1, module.dilation[0]),
+                padding=(0, pad[0]),
+                stride=(1, module.stride[0]),
+            )
+        else:
+            cols = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=pad, stride=module.stride)
+        b, dk, t = cols.shape
+        return cols.view(b, module.groups, dk // module.groups, t).transpose(2, 3)
+
+    def ghost_norm_sq(self, module, uses):
+        groups, _, d, p = self._dims(module, uses[0][1])
+        n = uses[0][1].shape[0]
+        t_all = sum(self._dims(module, g)[1] for _, g in uses)
+        out = uses[0][1].new_zeros(n, dtype=acc_dtype(uses[0][1].dtype))
+        for s in chunks(n, groups * (2 * t_all * t_all + t_all * (d + p))):
+            a = torch.cat([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
+            b = torch.cat([acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
+            out[s] = gram_norm_sq(a, b).sum(1)
+        if trainable(module, "bias"):
+            bias = sum(acc(g).sum(tuple(range(2, g.dim()))) for _, g in uses)
+            out = out + (bias * bias).sum(1)
+        return out
+
+    def ghost_clipped_sum(self, module, uses, w):
+        out = {}
+        for saved, g in uses:
+            gw = acc(g) * w.to(acc_dtype(g.dtype)).view((-1,) + (1,) * (g.dim() - 1))
+            parts = {
+                "weight": self._backward(
+                    module, acc(saved[0]), gw, module.weight.to(gw.dtype), module.groups, [False, True, False]
+                )[1]
+            }
+            if trainable(module, "bias"):
+                parts["bias"] = gw.sum((0, *tuple(range(2, g.dim()))))
+            add_into(out, parts)
+        return out
