@@ -429,3 +429,40 @@ def test_a_copy_of_a_model_with_a_fallback_layer_runs_plain():
     twin = copy.deepcopy(model)
     F.cross_entropy(twin(x), y).backward()
     assert twin[1].a.grad is not None
+
+
+# --- found by the survey on the merged engine: Youtu's filled keys, LFM2's recurrent mask -------------------
+class _FilledKeys(nn.Module):
+    """Youtu's attention: keys built in a ``new_empty`` filled by two ``copy_`` of batch rows into its slices."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 3), nn.Linear(4, 2), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h1, h2 = self.a(x), self.b(x)
+        k = h1.new_empty(*h1.shape[:-1], 5)
+        k[..., :3].copy_(h1)
+        k[..., 3:].copy_(h2)
+        return self.out(torch.tanh(k @ k.transpose(1, 2)) @ k).mean(1)
+
+
+def test_batch_rows_copied_into_a_new_empty_are_the_examples_rows():
+    """bk attributes a tensor filled by ``copy_`` of batch rows into its slices (it was refused: "matmul with a
+    batch-independent operand whose rows differ")."""
+    from test_bookkeeping import _check_equal, _data
+
+    x, y = _data((5, 4))
+    _check_equal(_FilledKeys().double(), x, y, opacus=False)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_lfm2s_recurrent_mask_fast_path_is_allowed_and_exact():
+    """transformers' ``create_recurrent_attention_mask`` reads ``torch.all(mask == 1)`` of the whole batch to skip
+    a masking multiply by ones (LFM2): an allowed mask fast path, bk exact on a padded batch."""
+    pytest.importorskip("transformers")
+    import hf_enumeration as en
+
+    classes = {(t, task): cls for t, task, cls in en.architectures()}
+    record = en.survey_one("lfm2", "causal-lm", classes["lfm2", "causal-lm"], ("bk",))
+    assert en.outcome(record, "bk")[0] == "exact", en.outcome(record, "bk")

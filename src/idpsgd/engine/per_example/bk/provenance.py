@@ -263,6 +263,8 @@ HOST_READ_SITES = frozenset(
         ("transformers.masking_utils", "flash_attention_mask"),
         ("transformers.masking_utils", "flex_attention_mask"),
         ("transformers.masking_utils", "find_packed_sequence_indices"),
+        # an all-ones 2D mask returns None: the recurrent layers' masking multiply by ones skipped (LFM2, Mamba)
+        ("transformers.masking_utils", "create_recurrent_attention_mask"),
         ("transformers.modeling_utils", "warn_if_padding_and_no_attention_mask"),
     }
 )
@@ -465,6 +467,8 @@ class ProvenanceMode(TorchFunctionMode):
             with torch.no_grad():
                 self._before = args[0].detach().clone()
         out = func(*args, **kwargs)
+        if op_name(func) == "copy_" and len(args) > 1:
+            self._copy_into_constant(args[0], args[1])
         if func in SIZED_BY_VALUES or func in GETITEM:
             self._sized_by_values(func, args, kwargs)
         if func in SIZE_TAKING:
@@ -591,6 +595,28 @@ class ProvenanceMode(TorchFunctionMode):
             if not r.known and torch.is_grad_enabled():
                 self._check_parameters(func, args, kwargs, r)
             self.tags[out] = r
+
+    def _copy_into_constant(self, view, value) -> None:
+        """``view.copy_(value)``: batch rows copied into a view of a tensor of no example (a ``new_empty`` being
+        filled: ``key[..., :d].copy_(k_nope); key[..., d:].copy_(k_rot)``, Youtu's attention) give the base the
+        rows too, as ``base[index] = value`` does (:meth:`_setitem`): row r of the base then holds example r's
+        values and constants.  Only where the view spans the base's whole batch dimension, row r at row r (same
+        size and stride there, a contiguous base, the view's offset at index 0 of that dimension)."""
+        if not (torch.is_tensor(view) and torch.is_tensor(value)) or view._base is None:
+            return
+        base = view._base
+        vr = self.tags.get(value)
+        if vr is None or not vr.known or self.tags.get(view) is not None or self.tags.get(base) is not None:
+            return
+        k = vr.dim + view.dim() - value.dim()
+        if not (0 <= k < view.dim() and view.dim() == base.dim() and base.is_contiguous()):
+            return
+        if value.shape[vr.dim] != view.shape[k] or view.shape[k] != base.shape[k] or view.stride(k) != base.stride(k):
+            return
+        offset = view.storage_offset() - base.storage_offset()
+        if (offset // base.stride(k)) % base.shape[k] != 0:
+            return
+        self.tags[base] = Rows(k, vr.group)
 
     def _spoil_if_mixed(self, t) -> None:
         """A write into ``t`` (in place) that left rows of no single example: the write went to memory that
