@@ -676,7 +676,18 @@ def refuse_physical_batches(optimizer) -> None:
     )
 
 
-class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
+class _EqualPasses:
+    """Whether the caller runs the same number of forward and backward passes per step on every rank (an empty
+    part as a phantom row, :func:`mark_phantom_pass`; the Trainer's ``gradient_accumulation_steps``), so that
+    physical batches are allowed (:func:`refuse_physical_batches`)."""
+
+    equal_passes = False
+
+    def declare_equal_passes(self) -> None:
+        self.equal_passes = True
+
+
+class ShardedBookKeepingOptimizer(_EqualPasses, IndividualizedDPOptimizerBookKeeping):
     """Book-keeping clipping for a ``fully_shard`` model.  ``expected_batch_size`` is the per-rank
     Σ_i q_i / W (as for DPDDP); the update is (Σ_i w_i g_i + noise) / Σ_i q_i, as in one process.
 
@@ -685,13 +696,6 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
 
     last_global_batch_size: int | None = None
     unsharded: UnshardedParameters | None = None
-    equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
-
-    def declare_equal_passes(self) -> None:
-        """The caller runs the same number of forward and backward passes per step on every rank (an empty
-        part as a phantom row, :func:`mark_phantom_pass`; the Trainer's ``gradient_accumulation_steps``), so
-        physical batches are allowed (:func:`refuse_physical_batches`)."""
-        self.equal_passes = True
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)
@@ -793,7 +797,7 @@ class ShardedBookKeepingOptimizer(IndividualizedDPOptimizerBookKeeping):
         distributed.raise_shared_refusal(self, codes, refusal, "its shard holds it", ShardedTrainingError)
 
 
-class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
+class ShardedGhostOptimizer(_EqualPasses, IndividualizedDPOptimizerFastGradientClipping):
     """Ghost clipping for a ``fully_shard`` model (:class:`ShardedGhostModule`): after the second backward
     pass ``p.grad`` holds this rank's Shard(0) chunk of Σ_ranks Σ_i w_i g_i (FSDP2's SUM reduce-scatter,
     :func:`sum_reduction`); it becomes ``p.summed_grad`` (a plain tensor), and the noise, the shared
@@ -801,13 +805,6 @@ class ShardedGhostOptimizer(IndividualizedDPOptimizerFastGradientClipping):
     one N(0, σ²c²I) over the full vector, each rank keeping its chunk of the one-process draw."""
 
     last_global_batch_size: int | None = None
-    equal_passes = False  # the caller runs the same number of passes per step on every rank (physical parts)
-
-    def declare_equal_passes(self) -> None:
-        """The caller runs the same number of forward and backward passes per step on every rank (an empty
-        part as a phantom row, :func:`mark_phantom_pass`; the Trainer's ``gradient_accumulation_steps``), so
-        physical batches are allowed (:func:`refuse_physical_batches`)."""
-        self.equal_passes = True
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(optimizer, **kwargs)
