@@ -98,7 +98,8 @@ def _files():
             yield path
         elif path.is_dir():
             for f in sorted(path.rglob("*")):
-                skip = "__pycache__" in f.parts or f.name == "CHANGELOG.md" or f.resolve() == Path(__file__).resolve()
+                generated = "__pycache__" in f.parts or any(part.endswith(".egg-info") for part in f.parts)
+                skip = generated or f.name == "CHANGELOG.md" or f.resolve() == Path(__file__).resolve()
                 if f.is_file() and f.suffix in SUFFIXES and not skip:
                     yield f
 
