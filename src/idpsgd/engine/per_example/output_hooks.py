@@ -69,7 +69,8 @@ def _in_order(module, kwargs) -> tuple:
     return tuple(v for _, v in ordered if torch.is_tensor(v))
 
 
-def _first_needing_grad(output):
+def first_needing_grad(output):
+    """The first tensor of a layer's ``output`` that requires a gradient (None: none does)."""
     return next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
 
 
@@ -91,7 +92,7 @@ def own_output(output):
         if output[k]._is_view():
             output = type(output)(t.clone() if i == k else t for i, t in enumerate(output))
         return output, output[k]
-    return output, next((t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad), None)
+    return output, first_needing_grad(output)
 
 
 def refuse_later_outputs(output, first, inputs, params, where, mode: str) -> None:
@@ -103,12 +104,15 @@ def refuse_later_outputs(output, first, inputs, params, where, mode: str) -> Non
     top-k weights from its logits) is fine: ``first``'s gradient already carries it.  The walk stops at
     ``first`` and at the layer's ``inputs`` (its own graph only); the refusal comes in the backward pass, before
     any noise, and only where the loss depends on such a tensor."""
+    later = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad and t is not first]
+    if not later:  # one output needing a gradient (every Linear, Conv, ...): nothing to walk
+        return
     ids = {id(p) for p in params}
     if not ids:
         return
     stops = {id(t.grad_fn) for t in (first, *tree_flatten(inputs)[0]) if torch.is_tensor(t) and t.grad_fn is not None}
-    for t in tree_flatten(output)[0]:
-        if torch.is_tensor(t) and t.requires_grad and t is not first and _reaches(t.grad_fn, stops, ids):
+    for t in later:
+        if _reaches(t.grad_fn, stops, ids):
             t.register_hook(partial(_later_output_reached, where, mode))
 
 
@@ -185,13 +189,13 @@ class OutputHooks:
             self.capture_activations_hook(module, inputs, output)
         if not torch.is_grad_enabled():
             return None
-        first = _first_needing_grad(output)
+        first = first_needing_grad(output)
         output, out = own_output(output)
         if out is not None:
             out.register_hook(
                 partial(self._backward_hook, module, loss_reduction=loss_reduction, batch_first=batch_first)
             )
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            params = (p for p in module.parameters(recurse=False) if p.requires_grad)  # read only for a 2nd output
             refuse_later_outputs(output, first, (inputs, kwargs), params, lambda: self._where(module), self.mode_name)
         return output
 
@@ -249,6 +253,7 @@ __all__ = [
     "IndividualizedGradSampleModule",
     "OutputHooks",
     "check_buffers",
+    "first_needing_grad",
     "own_output",
     "refuse_later_outputs",
 ]

@@ -467,7 +467,7 @@ class ProvenanceMode(TorchFunctionMode):
             with torch.no_grad():
                 self._before = args[0].detach().clone()
         out = func(*args, **kwargs)
-        if op_name(func) == "copy_" and len(args) > 1:
+        if func is _T.copy_ and len(args) > 1:
             self._copy_into_constant(args[0], args[1])
         if func in SIZED_BY_VALUES or func in GETITEM:
             self._sized_by_values(func, args, kwargs)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..autograd import functorch_refuses, per_example_autograd
 from ..machinery import guard
-from ..output_hooks import own_output, refuse_later_outputs
+from ..output_hooks import first_needing_grad, own_output, refuse_later_outputs
 from . import provenance
 from .intercept import DirectForward, FallbackForward
 from .rules import acc, add_into
@@ -277,7 +277,7 @@ class FallbackUnit(_PerExampleGradients):
             # the output's gradient, by a hook on the output tensor (no module backward hook, which an in-place
             # operation on the output, or an output shared by the batch, breaks; a view output copied, whose
             # hook an in-place write would skip: .output_hooks)
-            first = next((t for t in tree_flatten(_output)[0] if torch.is_tensor(t) and t.requires_grad), None)
+            first = first_needing_grad(_output)
             _output, out = own_output(_output)
             if out is not None:
                 out.register_hook(lambda g: self._backward(module, None, (g,)))
