@@ -74,6 +74,17 @@ def sharded_checkpoints(folder) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _complete_checkpoint(path) -> Path:
+    """``path`` itself when it is a complete sharded checkpoint, else the latest one inside it."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    latest = latest_sharded_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path} holds no complete sharded checkpoint (checkpoint-<step>/{STATE_FILE})")
+    return latest
+
+
 def latest_sharded_checkpoint(folder) -> Path | None:
     """The newest complete checkpoint in ``folder`` (None if there is none)."""
     found = sharded_checkpoints(folder)
@@ -359,12 +370,7 @@ def load_sharded_checkpoint(
     reproducible sampler and noise are); DCP then reshards the model and optimizer, the privacy
     accounting continues exactly, and the parameters follow the uninterrupted run up to the order of
     floating-point sums (bit-exact resumption needs the same world size)."""
-    path = Path(path)
-    if not (path / STATE_FILE).is_file():
-        latest = latest_sharded_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path} holds no complete sharded checkpoint (checkpoint-<step>/{STATE_FILE})")
-        path = latest
+    path = _complete_checkpoint(path)
     state = read_sharded_state(path)
     rank, world = distributed.rank_and_world()
     raw = raw_module(module)
@@ -446,12 +452,7 @@ def export_pretrained(checkpoint, model: torch.nn.Module, out, *, tokenizer=None
     checkpoint's model class, e.g. ``AutoModelForCausalLM.from_config(config)``; its weights are
     replaced by the checkpoint's.  The folder holds the model (and ``tokenizer``) only — no optimizer,
     engine, seed or RNG state — and is public; it appears atomically."""
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / STATE_FILE).is_file():
-        latest = latest_sharded_checkpoint(checkpoint)
-        if latest is None:
-            raise CheckpointError(f"{checkpoint} holds no complete sharded checkpoint")
-        checkpoint = latest
+    checkpoint = _complete_checkpoint(checkpoint)
     state = read_sharded_state(checkpoint)
     problems = signature_differences({"layout": state["layout"]}, {"layout": _layout(model)})
     if problems:
