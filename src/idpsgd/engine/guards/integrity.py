@@ -110,9 +110,10 @@ def extra_state_digests(module: nn.Module) -> dict[str, bytes]:
     return out
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> Fingerprint:
-    """The tensors' value fingerprint (:mod:`.fingerprint`): one read of each, on its device."""
-    return Fingerprint.take(tensors)
+def _fingerprint(tensors: list[torch.Tensor], like: Fingerprint | None = None) -> Fingerprint:
+    """The tensors' value fingerprint (:mod:`.fingerprint`): one read of each, on its device (``like``: an earlier
+    fingerprint whose way of reading the tensors is reused while their geometry is unchanged)."""
+    return Fingerprint.take(tensors, like=like)
 
 
 def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
@@ -167,7 +168,9 @@ class _Snapshot:
         return released, state
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None) -> _Snapshot:
+    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None, like: Fingerprint | None = None) -> _Snapshot:
+        """The released tensors and the optimizer's state now; with ``fingerprint``, their values too (``like``:
+        the guard's previous fingerprint, :func:`_fingerprint`)."""
         names, tensors, index, values = {}, [], {}, {}
         released, state = cls._read(module, optimizer)
         for name, (kind, t) in [*released.items(), *state.items()]:
@@ -183,7 +186,7 @@ class _Snapshot:
             tensors,
             [t._version for t in tensors],
             [_pointer(t) for t in tensors],
-            _fingerprint(tensors) if fingerprint else None,
+            _fingerprint(tensors, like) if fingerprint else None,
             extra_state_digests(module),
             values,
         )
@@ -239,7 +242,7 @@ class _Snapshot:
         ]
         if self.fingerprint is not None and not out:
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
-            for j in self.fingerprint.changed(_fingerprint(self.tensors)):
+            for j in self.fingerprint.changed(_fingerprint(self.tensors, self.fingerprint)):
                 name = by_index[j]
                 out.append(
                     f"{what(name, self.names[name][0])} had its values changed through .data (a write "
@@ -338,6 +341,7 @@ class WriteGuard:
         self.scope: nn.Module | None = None  # a wrapper around the model (make_private's module)
         self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
+        self._like = None  # the last value fingerprint taken (how its tensors were read: reused while unchanged)
         self._armed = False
         self._suspended = 0
         self._ref = weakref.ref(self)
@@ -396,7 +400,14 @@ class WriteGuard:
                 # gradients for grad_sample_mode="no_op"): the state taken at the step's end stays the
                 # reference (without the value fingerprint, as for a loop that calls none of the modules)
                 return
-            self._state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
+            self._state = self._fingerprinted()
+
+    def _fingerprinted(self) -> _Snapshot:
+        """A snapshot with the value fingerprint, read the way the previous one was while the tensors' geometry is
+        unchanged (:class:`~.fingerprint.Fingerprint`)."""
+        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer, like=self._like)
+        self._like = state.fingerprint
+        return state
 
     def check(self, where: str = "the training step") -> None:
         """Raise :class:`UnnoisedWriteError` if a released tensor or the optimizer's state changed since
@@ -416,7 +427,7 @@ class WriteGuard:
         """Snapshot now; yields a function that raises if anything changed since (call it after each
         batch).  The training snapshot is left alone meanwhile."""
         self._refuse_if_tainted()
-        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
+        state = self._fingerprinted()
         self._suspended += 1
         try:
             yield lambda: self._compare(state, where, "The norm pass was stopped.")
