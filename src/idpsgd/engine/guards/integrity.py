@@ -379,6 +379,7 @@ class WriteGuard:
     def detach(self) -> None:
         self._stop_waiting()
         self._armed = False
+        self._like = None  # (its views and staging buffer)
         if self.model.__dict__.get("_idpsgd_write_guard") is self:
             del self.model.__dict__["_idpsgd_write_guard"]
 
