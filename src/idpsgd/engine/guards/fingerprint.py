@@ -16,8 +16,8 @@ is 2 MiB on a CPU and 32 MiB on an accelerator (both stay in cache; about 90 chu
 model with Adam's state, where the chunks of 2 MiB per large tensor used before launched about 3,000
 kernels); the block sums (8 bytes per 1024 entries) are kept.  The packing (each tensor's bit view, the
 pieces of each chunk) is built once and reused by the next fingerprint of the same tensors while each tensor's
-geometry — dtype, shape, strides, device, address — is unchanged (:class:`_Layout`): a fingerprint's Python work
-is then one geometry read per tensor, its data work the same single pass.
+geometry — dtype, shape, strides, device, storage and offset — is unchanged (:class:`_Layout`): a fingerprint's
+Python work is then one geometry read per tensor, its data work the same single pass.
 
 What it misses: in one block, a change Δ with Σ_k u_k·Δ_k = 0 exactly — never a change of one entry
 (a one-ulp write included: u_k·Δ_k ≠ 0), a swap of two entries (the u are distinct) nor the sign flips of
@@ -73,12 +73,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _geometry(t: torch.Tensor) -> tuple:
-    """What a cached read of ``t`` depends on: its layout, device, dtype, shape, strides and the address of its
-    first entry.  Equal geometry means the cached bit view (:class:`_Layout`) reads the same memory the same way:
-    the view keeps the storage it was made of alive, so no other storage can sit at that address."""
+    """What a cached read of ``t`` depends on: its layout, device, dtype, shape, strides, storage (the C++ storage
+    object's address) and offset in it.  Equal geometry means the cached bit view (:class:`_Layout`) is a view of
+    the same storage at the same place, so it reads what ``t`` holds now: the view keeps that storage object alive,
+    so no other storage object can have its address, and it follows the storage's memory wherever it moves
+    (``resize_``)."""
     if t.layout != torch.strided:
         return (t.layout, t.device, t.dtype, t.shape)
-    return (t.device, t.dtype, t.shape, t.stride(), t.data_ptr())
+    return (t.device, t.dtype, t.shape, t.stride(), t.untyped_storage()._cdata, t.storage_offset())
 
 
 class _Layout:
