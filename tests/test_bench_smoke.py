@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -184,6 +185,50 @@ def test_step_tax_reports_the_replayed_provenance_and_the_guard(monkeypatch):
     assert prov["attribution"] == "replayed" and prov["replay_queries"] > 0
     assert min(prov["forward_traced_ms"], prov["forward_replayed_ms"], prov["replay_ms"]) > 0
     assert got["guard"]["guard_adam_ms"] > 0 and got["guard"]["guard_sgd_ms"] > 0
+
+
+def test_profile_step_counts_an_op_in_the_part_of_the_step_that_called_it(monkeypatch):
+    """bench/profile_step.py's grouping: our modules map to the parts of the step, and a built-in (a torch op) is
+    counted in the group of the Python function that called it, so the groups add up to the profiled time."""
+    import cProfile
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import profile_step
+
+    root = "/x/src/idpsgd/engine/"
+    assert profile_step.group_of(root + "guards/fingerprint.py") == "write guard"
+    assert profile_step.group_of(root + "guards/decomposition.py") == "other checks (decomposition, probes)"
+    assert profile_step.group_of(root + "per_example/bk/replay.py") == "provenance (trace, replay)"
+    assert profile_step.group_of(root + "per_example/bk/rules/conv.py") == "per-example norms and clipped sum (bk)"
+    assert profile_step.group_of("/x/src/idpsgd/accounting/rdp.py") == "accounting (ledger, filter, journal)"
+    from idpsgd.engine.guards import fingerprint
+
+    tensors = [torch.randn(300_000) for _ in range(4)]
+    profile = cProfile.Profile(time.process_time)
+    start = time.process_time()
+    profile.runcall(lambda: [fingerprint.Fingerprint.take(tensors) for _ in range(5)])
+    spent = time.process_time() - start
+    groups = profile_step.grouped(profile)
+    assert groups["write guard"] >= 0.8 * sum(groups.values())  # torch.cat and torch.mv: the guard's own ops
+    assert sum(groups.values()) == pytest.approx(spent, rel=0.25)
+
+
+@pytest.mark.slow  # about 7 s of CPU: two tiny trainings of the CIFAR CNN, one through the train harness
+def test_profile_step_profiles_the_cnn_through_the_train_harness(monkeypatch):
+    """bench/profile_step.py cnn on tiny sizes: the steps after the warm-up are profiled, non-private against the
+    train harness's private step, whose table has the book-keeping and the write guard (a test of the script, not
+    a measurement)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import profile_step
+
+    got = profile_step.main(["cnn", "--n", "64", "--batch", "16", "--warm", "1", "--top", "3"])
+    for run in ("nonprivate", "private"):
+        assert got[run]["profiled_steps"] >= 2 and got[run]["cpu_ms_per_step"] > 0
+        assert sum(got[run]["groups_ms_per_step"].values()) == pytest.approx(got[run]["cpu_ms_per_step"], rel=0.3)
+    private = got["private"]["groups_ms_per_step"]
+    assert private["per-example norms and clipped sum (bk)"] > 0 and private["write guard"] > 0
+    assert "write guard" not in got["nonprivate"]["groups_ms_per_step"]
 
 
 def _versions_bench(monkeypatch, tmp_path):

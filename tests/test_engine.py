@@ -407,6 +407,40 @@ def test_a_step_must_train_on_the_batch_just_drawn_whole(data, budgets):
     assert engine.steps == 1
 
 
+def test_the_noise_is_opacus_draw_and_the_noised_gradient_is_written_into_it(data, budgets, monkeypatch):
+    """Outside secure mode the noise is exactly Opacus's draw (same generator state, same values); the noisy
+    gradient is summed into the drawn noise tensor (no third parameter-sized tensor), bit for bit summed + noise."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from idpsgd.engine.noise import optimizer as noise_optimizer
+    from idpsgd.engine.noise.randomness import gaussian_like
+
+    ref = torch.zeros(3, 5, dtype=torch.float64)
+    ours = gaussian_like(0.7, ref, torch.Generator().manual_seed(3), False)
+    assert ours.dtype == torch.float64 and torch.equal(
+        ours, _generate_noise(0.7, ref, torch.Generator().manual_seed(3))
+    )
+    drawn = []
+
+    def recorded(*args):
+        noise = gaussian_like(*args)
+        drawn.append((noise, noise.clone(), args[1].clone()))
+        return noise
+
+    monkeypatch.setattr(noise_optimizer, "gaussian_like", recorded)
+    engine, model, opt, loader = _private(data, budgets, seed=0)
+    monkeypatch.setattr(opt, "scale_grad", lambda: None)  # (the normalisation after the noise: values compared)
+    for xb, yb in loader:
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        break
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert engine.steps == 1 and len(drawn) == len(params)
+    for p, (noise, value, summed) in zip(params, drawn, strict=True):
+        assert p.grad.data_ptr() == noise.data_ptr()
+        assert torch.equal(p.grad, (summed + value).view_as(p))
+
+
 def test_secure_noise_never_comes_from_a_seeded_torch_generator(data, budgets):
     from idpsgd.engine.noise.randomness import OsEntropyNormal, gaussian_like
 

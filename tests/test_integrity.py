@@ -641,7 +641,7 @@ def test_the_fingerprint_is_read_twice_per_logical_step(monkeypatch):
 
     reads = []
     original = integrity._fingerprint
-    monkeypatch.setattr(integrity, "_fingerprint", lambda tensors: reads.append(1) or original(tensors))
+    monkeypatch.setattr(integrity, "_fingerprint", lambda *args: reads.append(1) or original(*args))
     forwards = []
     model = _model(nn.Linear, 4, 2)
     model.register_forward_pre_hook(lambda m, args: forwards.append(1))
@@ -999,6 +999,36 @@ def test_the_fingerprint_is_exact_and_position_weighted():
     mixed = [torch.zeros(10, dtype=d) for d in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64)]
     sums, starts = fingerprint.block_sums(mixed)
     assert sums.shape == (5,) and starts == [0, 1, 2, 3, 4]
+
+
+def test_a_reused_fingerprint_layout_reads_the_tensors_of_now():
+    """A fingerprint taken ``like`` an earlier one reuses its way of reading the tensors (bit views, chunk packing)
+    only while every tensor's geometry is unchanged: a one-bit write through ``.data`` is still found; a storage
+    swapped in (``p.data = ...``, between steps: allowed) is read, not the old storage the cached view holds, and a
+    later write to the new storage is found; a non-contiguous tensor (its bits are a copy) is never cached."""
+    from idpsgd.engine.guards import fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    span = fingerprint._ROWS["cpu"] * 1024
+    p = nn.Parameter(torch.randn(span + 7, generator=g))
+    tensors = [torch.randn(5, generator=g), p, torch.randn(3, 300, generator=g)]
+    first = fingerprint.Fingerprint.take(tensors)
+    again = fingerprint.Fingerprint.take(tensors, like=first)
+    assert again.layouts is first.layouts and first.changed(again) == []
+    p.data.view(torch.int32)[span + 3] ^= 1  # one bit, in the second chunk
+    written = fingerprint.Fingerprint.take(tensors, like=again)
+    assert written.layouts is first.layouts and again.changed(written) == [1]
+    assert written.groups[p.device][1].tolist() == _python_block_sums(tensors)
+    p.data = p.data.clone()  # a new storage, the same values: read anew
+    swapped = fingerprint.Fingerprint.take(tensors, like=written)
+    assert swapped.layouts is not written.layouts and written.changed(swapped) == []
+    p.data.view(torch.int32)[0] ^= 1
+    assert swapped.changed(fingerprint.Fingerprint.take(tensors, like=swapped)) == [1]
+    columns = torch.randn(300, 3, generator=g).t()  # not contiguous
+    strided = fingerprint.Fingerprint.take([columns])
+    assert strided.layouts == {} and strided.geometry is None
+    columns[0, 0] = columns[0, 0].item() + 1.0
+    assert strided.changed(fingerprint.Fingerprint.take([columns], like=strided)) == [0]
 
 
 @pytest.mark.cuda

@@ -54,8 +54,17 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """Name → (kind, tensor) of the model's state that the forward must not write: every parameter
     (trainable or frozen) and every buffer — persistent ones are released by ``state_dict()``,
     non-persistent ones carry the batch into later steps (module docstring)."""
+    return _released_and_extra(module)[0]
+
+
+def _released_and_extra(module: nn.Module) -> tuple[dict, list]:
+    """(:func:`released_tensors`, the (name, module) pairs that define ``get_extra_state``) in one walk over the
+    modules (a snapshot needs both: one walk instead of two, three snapshots a step)."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
+    extra: list = []
     for prefix, m in module.named_modules(remove_duplicate=True):
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            extra.append((prefix, m))
         dot = f"{prefix}." if prefix else ""
         for n, p in m._parameters.items():
             if p is not None:  # inside grad_sample_mode="ew"'s forward a parameter is an ExpandedWeight around it
@@ -66,7 +75,7 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
                     "non-persistent buffer" if n in m._non_persistent_buffers_set else "persistent buffer",
                     b,
                 )
-    return out
+    return out, extra
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -88,13 +97,13 @@ def per_model(model: nn.Module, key: str, factory):
     return found
 
 
-def extra_state_digests(module: nn.Module) -> dict[str, bytes]:
+def extra_state_digests(module: nn.Module, modules: list | None = None) -> dict[str, bytes]:
     """Name → digest of ``get_extra_state()`` for the modules that define it (``state_dict`` releases
-    it as ``<module>._extra_state``)."""
+    it as ``<module>._extra_state``); ``modules``: those (name, module) pairs, already found."""
     out = {}
-    for prefix, m in module.named_modules(remove_duplicate=True):
-        if type(m).get_extra_state is nn.Module.get_extra_state:
-            continue
+    if modules is None:
+        modules = _released_and_extra(module)[1]
+    for prefix, m in modules:
         name = f"{prefix}._extra_state" if prefix else "_extra_state"
         buffer = io.BytesIO()
         try:
@@ -110,9 +119,10 @@ def extra_state_digests(module: nn.Module) -> dict[str, bytes]:
     return out
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> Fingerprint:
-    """The tensors' value fingerprint (:mod:`.fingerprint`): one read of each, on its device."""
-    return Fingerprint.take(tensors)
+def _fingerprint(tensors: list[torch.Tensor], like: Fingerprint | None = None) -> Fingerprint:
+    """The tensors' value fingerprint (:mod:`.fingerprint`): one read of each, on its device (``like``: an earlier
+    fingerprint whose way of reading the tensors is reused while their geometry is unchanged)."""
+    return Fingerprint.take(tensors, like=like)
 
 
 def _optimizer_state(optimizer, parameter_names: dict[int, str]) -> dict:
@@ -156,20 +166,23 @@ class _Snapshot:
     values: dict  # optimizer state that is not a tensor: (parameter name, key) -> a copy of the value
 
     @staticmethod
-    def _read(module: nn.Module, optimizer) -> tuple[dict, dict]:
-        """(released tensors, optimizer state) now: name -> (kind, tensor or value)."""
-        released = released_tensors(module)
+    def _read(module: nn.Module, optimizer) -> tuple[dict, dict, list]:
+        """(released tensors, optimizer state) now: name -> (kind, tensor or value); the modules with extra
+        state."""
+        released, extra = _released_and_extra(module)
         parameter_names: dict[int, str] = {}
         for name, (kind, t) in released.items():
             if kind == "parameter":
                 parameter_names.setdefault(id(t), name)
         state = {k: ("optimizer state", v) for k, v in _optimizer_state(optimizer, parameter_names).items()}
-        return released, state
+        return released, state, extra
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None) -> _Snapshot:
+    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None, like: Fingerprint | None = None) -> _Snapshot:
+        """The released tensors and the optimizer's state now; with ``fingerprint``, their values too (``like``:
+        the guard's previous fingerprint, :func:`_fingerprint`)."""
         names, tensors, index, values = {}, [], {}, {}
-        released, state = cls._read(module, optimizer)
+        released, state, extra = cls._read(module, optimizer)
         for name, (kind, t) in [*released.items(), *state.items()]:
             if not torch.is_tensor(t):
                 values[name] = copy.deepcopy(t)
@@ -183,8 +196,8 @@ class _Snapshot:
             tensors,
             [t._version for t in tensors],
             [_pointer(t) for t in tensors],
-            _fingerprint(tensors) if fingerprint else None,
-            extra_state_digests(module),
+            _fingerprint(tensors, like) if fingerprint else None,
+            extra_state_digests(module, extra),
             values,
         )
 
@@ -199,7 +212,7 @@ class _Snapshot:
     def changes(self, module: nn.Module, optimizer=None) -> list[str]:
         """What changed since the snapshot, one phrase per parameter, buffer or optimizer state (empty:
         nothing)."""
-        released, state = self._read(module, optimizer)
+        released, state, extra_modules = self._read(module, optimizer)
         now = {**released, **state}
         before = {**{n: k for n, (k, _) in self.names.items()}, **dict.fromkeys(self.values, "optimizer state")}
 
@@ -231,7 +244,7 @@ class _Snapshot:
                 )
             elif _pointer(t) != self.pointers[i]:
                 out.append(f"{what(name, kind)} had its storage replaced (t.data = ...)")
-        extra = extra_state_digests(module)
+        extra = extra_state_digests(module, extra_modules)
         out += [
             f"extra state {name!r}{_owner(module, name)} (get_extra_state(), in state_dict) changed"
             for name in sorted(set(extra) | set(self.extra))
@@ -239,7 +252,7 @@ class _Snapshot:
         ]
         if self.fingerprint is not None and not out:
             by_index = {i: name for name, (_, i) in reversed(list(self.names.items()))}
-            for j in self.fingerprint.changed(_fingerprint(self.tensors)):
+            for j in self.fingerprint.changed(_fingerprint(self.tensors, self.fingerprint)):
                 name = by_index[j]
                 out.append(
                     f"{what(name, self.names[name][0])} had its values changed through .data (a write "
@@ -338,6 +351,7 @@ class WriteGuard:
         self.scope: nn.Module | None = None  # a wrapper around the model (make_private's module)
         self.tainted: str | None = None  # the first write found: the model holds it
         self._state: _Snapshot | None = None
+        self._like = None  # the last value fingerprint taken (how its tensors were read: reused while unchanged)
         self._armed = False
         self._suspended = 0
         self._ref = weakref.ref(self)
@@ -365,6 +379,7 @@ class WriteGuard:
     def detach(self) -> None:
         self._stop_waiting()
         self._armed = False
+        self._like = None  # (its views and staging buffer)
         if self.model.__dict__.get("_idpsgd_write_guard") is self:
             del self.model.__dict__["_idpsgd_write_guard"]
 
@@ -396,7 +411,14 @@ class WriteGuard:
                 # gradients for grad_sample_mode="no_op"): the state taken at the step's end stays the
                 # reference (without the value fingerprint, as for a loop that calls none of the modules)
                 return
-            self._state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
+            self._state = self._fingerprinted()
+
+    def _fingerprinted(self) -> _Snapshot:
+        """A snapshot with the value fingerprint, read the way the previous one was while the tensors' geometry is
+        unchanged (:class:`~.fingerprint.Fingerprint`)."""
+        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer, like=self._like)
+        self._like = state.fingerprint
+        return state
 
     def check(self, where: str = "the training step") -> None:
         """Raise :class:`UnnoisedWriteError` if a released tensor or the optimizer's state changed since
@@ -416,7 +438,7 @@ class WriteGuard:
         """Snapshot now; yields a function that raises if anything changed since (call it after each
         batch).  The training snapshot is left alone meanwhile."""
         self._refuse_if_tainted()
-        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer)
+        state = self._fingerprinted()
         self._suspended += 1
         try:
             yield lambda: self._compare(state, where, "The norm pass was stopped.")

@@ -28,6 +28,21 @@ from ..sampling.sampler import BatchMismatchError
 from .randomness import gaussian_like
 
 
+def _noised(summed: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """summed + noise, written into the freshly drawn noise tensor when both are plain tensors of one dtype, shape
+    and device (no third parameter-sized tensor per step: one allocation and one pass less; IEEE addition is
+    commutative, so the values are the same bit for bit); a new tensor otherwise (mixed dtypes promote, DTensors)."""
+    if (
+        type(noise) is torch.Tensor
+        and type(summed) is torch.Tensor
+        and noise.dtype == summed.dtype
+        and noise.shape == summed.shape
+        and noise.device == summed.device
+    ):
+        return noise.add_(summed)
+    return summed + noise
+
+
 class _PrivacyHooks:
     """Guard before the noise, hooks after the update; shared by the plain and ghost optimizers."""
 
@@ -148,7 +163,9 @@ class _PrivacyHooks:
         std = self.noise_multiplier * self.max_grad_norm
         for p in self.params:  # Opacus's add_noise, with the noise source of our mode
             _check_processed_flag(p.summed_grad)
-            p.grad = (p.summed_grad + gaussian_like(std, p.summed_grad, self.generator, self.secure_mode)).view_as(p)
+            p.grad = _noised(
+                p.summed_grad, gaussian_like(std, p.summed_grad, self.generator, self.secure_mode)
+            ).view_as(p)
             _mark_as_processed(p.summed_grad)
         self._noised = True
 

@@ -299,6 +299,12 @@ def gaussian_like(std: float, reference: torch.Tensor, generator, secure_mode: b
             return torch.zeros_like(reference)
         z = sum(generator.normal(reference.shape) for _ in range(4)) / 2
         return (std * z).to(device=reference.device, dtype=reference.dtype)
+    if not secure_mode and std != 0 and type(reference) is torch.Tensor:
+        # exactly the draw of Opacus's _generate_noise outside secure mode, without the parameter-sized tensor of
+        # zeros it allocates first and then leaves unused
+        return torch.normal(
+            mean=0, std=std, size=reference.shape, device=reference.device, generator=generator, dtype=reference.dtype
+        )
     from opacus.optimizers.optimizer import _generate_noise
 
     return _generate_noise(std=std, reference=reference, generator=generator, secure_mode=secure_mode)

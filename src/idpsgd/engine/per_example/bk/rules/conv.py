@@ -18,6 +18,7 @@ from .base import (
     autocast_input,
     chunks,
     gram_norm_sq,
+    joined,
     own_forward,
     trainable,
 )
@@ -163,8 +164,8 @@ class ConvRule(Rule):
         t_all = sum(self._dims(module, g)[1] for _, g in uses)
         out = uses[0][1].new_zeros(n, dtype=acc_dtype(uses[0][1].dtype))
         for s in chunks(n, groups * (2 * t_all * t_all + t_all * (d + p))):
-            a = torch.cat([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
-            b = torch.cat([acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
+            a = joined([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
+            b = joined([acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
             out[s] = gram_norm_sq(a, b).sum(1)
         if trainable(module, "bias"):
             bias = sum(acc(g).sum(tuple(range(2, g.dim()))) for _, g in uses)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Rule, acc, own_forward
+from .base import Rule, acc, joined, own_forward
 
 
 # --- Embedding ----------------------------------------------------------------------------------
@@ -47,8 +47,8 @@ class EmbeddingRule(Rule):
 
     def token_gradients(self, module, uses):
         """(ids (B, T), b (B, T, p)) over all uses, padding positions zeroed."""
-        ids = torch.cat([s[0].reshape(s[0].shape[0], -1) for s, _ in uses], 1)
-        b = torch.cat([acc(g).reshape(g.shape[0], -1, g.shape[-1]) for _, g in uses], 1)
+        ids = joined([s[0].reshape(s[0].shape[0], -1) for s, _ in uses], 1)
+        b = joined([acc(g).reshape(g.shape[0], -1, g.shape[-1]) for _, g in uses], 1)
         if module.padding_idx is not None:
             b = b * (ids != module.padding_idx).unsqueeze(-1).to(b.dtype)
         return ids, b
