@@ -411,7 +411,7 @@ class Tags:
 
 class ProvenanceMode(TorchFunctionMode):
     """Tags every tensor of the forward computed from the batch with its :class:`Rows` (module docstring).
-    ``paused`` > 0 inside book-kept layers' own kernels (their outputs are tagged by the layer)."""
+    ``paused`` > 0 inside book-kept layers' own kernels (:meth:`pause`: their outputs are tagged by the layer)."""
 
     def __init__(self, batch: int):
         super().__init__()
@@ -427,6 +427,23 @@ class ProvenanceMode(TorchFunctionMode):
     def tag(self, t, rows: Rows | None) -> None:
         if rows is not None and torch.is_tensor(t):
             self.tags[t] = rows
+
+    def use_routes(self, routes: dict, sources: dict, make_source) -> None:
+        """The book-keeper's interception for this forward (:meth:`.keeper.BookKeeper._enter`): ``routes``
+        (id(weight) -> (operation, weight position, book-kept forward)) sends a covered layer's operation met
+        outside its module to the layer's rule; ``sources`` (id(parameter) -> parameter) names the covered
+        parameters that ``make_source(p, batch)`` replaces, used directly, by a value shared by the batch."""
+        self.routes, self.sources, self.make_source = routes, sources, make_source
+
+    def pause(self) -> None:
+        """Tag nothing until :meth:`resume` (a book-kept layer's own kernels, a fallback's forward: the caller
+        tags their outputs); nests.  Callers pair the two in ``try``/``finally`` (a generator context manager
+        would cost several times the pair on every book-kept layer's forward)."""
+        self.paused += 1
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`."""
+        self.paused -= 1
 
     def __enter__(self):
         _STACK.append(self)
