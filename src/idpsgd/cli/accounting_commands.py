@@ -22,7 +22,7 @@ from ..validation import (
     check_steps,
 )
 from .budget_args import accountant_arg, budget_source_args, budgets_from_args, group_spec
-from .registry import arguments, command
+from .registry import arguments, command, register_text
 
 
 def _flagged(exc: UnreachableTargetError, names: dict) -> UnreachableTargetError:
@@ -144,7 +144,7 @@ def assign_cmd(args):
     return result
 
 
-assign_cmd._text = _assign_text
+register_text(assign_cmd, _assign_text)
 
 
 def _account_args(p):

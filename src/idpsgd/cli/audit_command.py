@@ -7,7 +7,7 @@ import sys
 
 from .budget_args import budget_source_args, budgets_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
-from .registry import arguments, command
+from .registry import arguments, command, register_text
 from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 #: the training defaults of the language-model audit (--data): FinetuneOptions' own (tested)
@@ -349,7 +349,7 @@ def _text(r):
     return audit_text(full) if full is not None else public_audit_text(r)
 
 
-audit_cmd._text = _text
+register_text(audit_cmd, _text)
 
 
 def _refuse_pdp_flags(args):

@@ -10,7 +10,7 @@ from pathlib import Path
 from .budget_args import OTHER_SOURCES as _OTHER_SOURCES
 from .budget_args import accountant_arg as _accountant
 from .budget_args import budget_source_args, budgets_from_args, resolved_seed, warn_nproc
-from .registry import TypedStore, arguments, command, count_label
+from .registry import TypedStore, arguments, command, count_label, register_text
 
 
 def _finetune_args(p):
@@ -329,4 +329,4 @@ def finetune_cmd(args):
     return {**report, "out": str(Path(args.out))}
 
 
-finetune_cmd._text = _text
+register_text(finetune_cmd, _text)

@@ -15,7 +15,7 @@ import warnings
 
 from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError, shown_value
-from .registry import COMMANDS, Parser, add_output_flags, flag_name
+from .registry import COMMANDS, TEXTS, Parser, add_output_flags, flag_name
 from .registry import emit as _emit  # a module global: tests replace it to capture the output
 
 #: the modules whose import registers the commands (registry.COMMANDS), in the order of ``idpsgd --help``
@@ -258,6 +258,6 @@ def main(argv=None) -> int:
     if result is not None:
         if not getattr(args, "show_private", False):
             result = {k: v for k, v in result.items() if k != "private"}
-        text = getattr(run, "_text", None)
+        text = TEXTS.get(run)
         _emit(result, getattr(args, "json", False), text)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .registry import arguments, command
+from .registry import arguments, command, register_text
 from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 
@@ -231,4 +231,4 @@ def per_instance_cmd(args):
     }
 
 
-per_instance_cmd._text = _per_instance_text
+register_text(per_instance_cmd, _per_instance_text)

@@ -1,4 +1,5 @@
-"""The command registry: ``@command(name, help)`` and ``@arguments(add)`` register ``run(args) -> dict``.
+"""The command registry: ``@command(name, help)`` and ``@arguments(add)`` register ``run(args) -> dict``;
+``register_text(run, fn)`` its result's form for people (:data:`TEXTS`).
 
 Command modules import this module (never :mod:`.main`), so registration points one way.
 """
@@ -11,24 +12,34 @@ import sys
 from collections.abc import Callable
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
+#: run -> its result as text for people (without ``--json``); a command without one prints its result's items
+TEXTS: dict[Callable, Callable[[dict], str]] = {}
+_ARGUMENTS: dict[Callable, Callable[[argparse.ArgumentParser], None]] = {}  # run -> add(parser), by @arguments
 
 
 def command(name: str, help: str):
-    """Register ``run(args) -> dict`` with an ``add(parser)`` attribute set by :func:`arguments`."""
+    """Register ``run(args) -> dict`` with the ``add(parser)`` given by :func:`arguments` (applied first)."""
 
     def deco(run):
-        COMMANDS[name] = (help, getattr(run, "_add", lambda p: None), run)
+        COMMANDS[name] = (help, _ARGUMENTS.get(run, lambda p: None), run)
         return run
 
     return deco
 
 
 def arguments(add: Callable[[argparse.ArgumentParser], None]):
+    """Register ``add(parser)``, the flags of the command whose ``run`` this decorates (below :func:`command`)."""
+
     def deco(run):
-        run._add = add
+        _ARGUMENTS[run] = add
         return run
 
     return deco
+
+
+def register_text(run: Callable, fn: Callable[[dict], str]) -> None:
+    """Register ``fn(result) -> str``, how ``run``'s result is printed for people."""
+    TEXTS[run] = fn
 
 
 class Parser(argparse.ArgumentParser):

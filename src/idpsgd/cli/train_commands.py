@@ -17,7 +17,7 @@ from .budget_args import (
 )
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
-from .registry import arguments, command, count_label
+from .registry import arguments, command, count_label, register_text
 from .user_args import add_user_arguments, drop_user_column, user_budgets_from_args, users_from_args
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
@@ -421,7 +421,7 @@ def train_cmd(args):
     return {**report, "out": str(Path(args.out))}
 
 
-train_cmd._text = _train_text
+register_text(train_cmd, _train_text)
 
 # --- demo -----------------------------------------------------------------------------------
 DEMO_RUNS = (
@@ -530,4 +530,4 @@ def demo_cmd(args):
     return run_demo(args)
 
 
-demo_cmd._text = _demo_text
+register_text(demo_cmd, _demo_text)
