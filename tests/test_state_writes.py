@@ -9,10 +9,11 @@ fails too, so the list stays the true one."""
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
-from support import SRC
+import idpsgd.engine
 
-ENGINE = SRC / "idpsgd" / "engine"
+ENGINE = Path(idpsgd.engine.__file__).parent  # the engine imported (PYTHONPATH=src: the checkout's)
 
 #: attribute -> the library whose contract it is, and why it is set where it is
 CONVENTIONS = {
@@ -114,28 +115,8 @@ def _kept_call(written: str) -> str:
     return f"{head}({', '.join(a.strip() for a in args.rstrip(')').split(',')[:2])})"
 
 
-def test_no_engine_part_sets_another_objects_attributes():
-    unlisted, seen = [], set()
-    for rel, scope, obj, attr, written in _engine_writes():
-        if attr in CONVENTIONS or obj == "ctx":  # another library's contract; an autograd Function's context
-            continue
-        if (rel, scope) in KEPT_IN:
-            seen.add((rel, scope))
-            continue
-        key = (rel, written if attr is not None else _kept_call(written))
-        if key in KEPT:
-            seen.add(key)
-            continue
-        unlisted.append(f"engine/{rel} in {scope or 'the module'}: {written}")
-    assert not unlisted, (
-        "attributes of another object set from outside its class (give that class a method or a constructor "
-        "argument, or list an external convention here with the reason):\n" + "\n".join(unlisted)
-    )
-    stale = sorted((set(KEPT) | set(KEPT_IN)) - seen)
-    assert not stale, f"listed writes that are gone (take them off the lists): {stale}"
-
-
-def test_the_write_finder_sees_every_form_of_write():
+def _check_the_finder() -> None:
+    """The finder sees every form of write (else the check below would pass by seeing nothing)."""
     tree = ast.parse(
         "class K:\n"
         "    def m(self, other):\n"
@@ -161,3 +142,47 @@ def test_the_write_finder_sees_every_form_of_write():
         "self.part.h",
     ]
     assert {scope for scope, *_ in _writes(tree)} == {"K.m"}
+
+
+def test_no_engine_part_sets_another_objects_attributes():
+    _check_the_finder()
+    unlisted, seen = [], set()
+    for rel, scope, obj, attr, written in _engine_writes():
+        if attr in CONVENTIONS or obj == "ctx":  # another library's contract; an autograd Function's context
+            continue
+        if (rel, scope) in KEPT_IN:
+            seen.add((rel, scope))
+            continue
+        key = (rel, written if attr is not None else _kept_call(written))
+        if key in KEPT:
+            seen.add(key)
+            continue
+        unlisted.append(f"engine/{rel} in {scope or 'the module'}: {written}")
+    assert not unlisted, (
+        "attributes of another object set from outside its class (give that class a method or a constructor "
+        "argument, or list an external convention here with the reason):\n" + "\n".join(unlisted)
+    )
+    stale = sorted((set(KEPT) | set(KEPT_IN)) - seen)
+    assert not stale, f"listed writes that are gone (take them off the lists): {stale}"
+
+
+def test_the_methods_that_replace_outside_writes_refuse_what_they_cannot_honour():
+    """The accountant's unit and a ledger's step count were assigned from outside (``accountant.unit = ...``,
+    ``ledger.steps += 1``); their methods now name what is allowed."""
+    import pytest
+
+    from idpsgd.accounting.ledger import RdpLedger
+    from idpsgd.engine.budget.accountant import GroupAccountant
+    from idpsgd.validation import InvalidParameterError
+
+    accountant = GroupAccountant(None, "rdp", num_examples=4)
+    accountant.count_units("user")
+    assert accountant.unit == "user"
+    with pytest.raises(InvalidParameterError, match="unit.*users.*example.*user"):
+        accountant.count_units("users")
+    ledger = RdpLedger(3)
+    ledger.count_steps(2)
+    assert ledger.steps == 2
+    with pytest.raises(ValueError, match="n=-1 is invalid"):
+        ledger.count_steps(-1)
+    assert ledger.steps == 2
