@@ -48,11 +48,6 @@ KEPT = {
     ),
     ("distributed/__init__.py", "err.args"): "an exception rebuilt from another rank's record keeps that message",
     ("sampling/sampler.py", "self.rng.bit_generator.state"): "numpy: how a Generator's state is restored",
-    # guards/ is being reworked beside this change (issue 49's follow-up): to move behind methods there
-    ("guards/batch_independence.py", "self.check.in_wrapper"): "pending: guards/ (the check's own method)",
-    ("guards/batch_independence.py", "BatchIndependence.attach(model).padding"): "pending: guards/",
-    ("guards/decomposition.py", "check.touched"): "pending: guards/ (the check's own method)",
-    ("guards/decomposition.py", "check.grad_is_outside"): "pending: guards/ (the check's own method)",
 }
 
 #: (path under engine/, function) -> why it sets fields of an object other than ``self``: inside its own
