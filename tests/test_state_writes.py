@@ -181,3 +181,52 @@ def test_the_methods_that_replace_outside_writes_refuse_what_they_cannot_honour(
     with pytest.raises(ValueError, match="n=-1 is invalid"):
         ledger.count_steps(-1)
     assert ledger.steps == 2
+
+
+def test_no_cli_command_writes_the_parsed_arguments(tmp_path):
+    """The CLI never carries a command's state on argparse's namespace (``args._notes``,
+    ``args._resolved_seed``, a default filled in by assignment): derived flags are a new namespace
+    (``registry.with_flags``, filled before the command runs by its ``@fills`` function), the seed one
+    ``CommandSeed`` passed on, the notes returned (``registry.Noted``).  Only an argparse ``Action`` writes
+    the namespace, as argparse's contract (``TypedStore.__call__``)."""
+    import idpsgd.cli
+
+    written = [
+        f"cli/{path.name} in {scope}: {w}"
+        for path in sorted(Path(idpsgd.cli.__file__).parent.rglob("*.py"))
+        for scope, obj, _attr, w in _writes(ast.parse(path.read_text()))
+        if obj in ("args", "namespace", "ns") and scope != "TypedStore.__call__"
+    ]
+    assert not written, "argparse's namespace written after parsing:\n" + "\n".join(written)
+
+    # train's derived flags: a new namespace, the parsed one as it was
+    from idpsgd.cli.main import build_parser
+    from idpsgd.cli.registry import COMMANDS, settled
+
+    (tmp_path / "train.csv").write_text("f0,label,epsilon,uid\n0.5,1,2.0,a\n")
+    flags = ["train", "--method", "sample", "--dataset", "csv", "--num-classes", "2", "--user-column", "uid"]
+    flags += ["--drop-columns", "f9"]
+    args = build_parser().parse_args([*flags, "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")])
+    filled = settled(COMMANDS["train"][2], args)
+    assert (filled.budgets_file, filled.drop_columns) == (str(tmp_path / "train.csv"), "f9,uid")
+    assert (args.budgets_file, args.drop_columns) == (None, "f9")
+
+
+def test_a_commands_seed_is_resolved_once_at_its_first_use():
+    """``CommandSeed`` replaces the seed cached on the namespace: a fresh seed is drawn once and every
+    use gets it; a bad ``--seed`` is refused at the first use (where the command read it), not when built;
+    a resumed run's recorded seed is taken as it is."""
+    import pytest
+
+    from idpsgd.cli.budget_args import CommandSeed, assignment_seed
+    from idpsgd.validation import InvalidParameterError
+
+    fresh = CommandSeed(None, False)
+    assert fresh() == fresh() == assignment_seed(fresh)
+    bad = CommandSeed(-1, False)  # built without a refusal
+    with pytest.raises(InvalidParameterError, match="seed"):
+        bad()
+    with pytest.raises(InvalidParameterError, match="secure mode"):
+        CommandSeed(3, True)()
+    assert CommandSeed(None, True)() is None
+    assert CommandSeed(None, False, recorded=7)() == 7
