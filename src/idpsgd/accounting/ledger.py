@@ -59,6 +59,18 @@ class RdpLedger:
                 raise IndexError(f"indices must lie in [0, {self.num_examples})")
             np.add.at(self.rdp, idx, np.broadcast_to(rdp, (idx.size, self.orders.size)))
 
+    def add_block(self, rows: slice, rdp: np.ndarray) -> None:
+        """Add ``rdp`` (rows × orders) to the contiguous rows ``rows`` in place, without :meth:`add`'s checks:
+        the block path of an accountant that computes the RDP itself, from threads that fill disjoint blocks
+        (:class:`~idpsgd.accounting.output_specific.IndividualAccountant`)."""
+        self.rdp[rows] += rdp
+
+    def count_steps(self, n: int = 1) -> None:
+        """``n`` more steps composed into the rows (their RDP added by :meth:`add`, or in blocks by the caller)."""
+        if int(n) < 0:
+            raise ValueError(f"n={n!r} is invalid: a step count only grows (n >= 0)")
+        self.steps += int(n)
+
     def add_step(self, sample_rate, noise_multiplier, indices=None, counts=None) -> None:
         """Add one SGM step with per-row (or shared) q and effective σ (distinct pairs deduplicated)."""
         self.add(compute_rdp(sample_rate, noise_multiplier, self.orders), indices, counts)

@@ -304,7 +304,7 @@ class IndividualAccountant:
             rows = slice(start, min(start + self.BLOCK, self.num_examples))
             block = self._block(rows)
             block *= count
-            self.ledger.rdp[rows] += block
+            self.ledger.add_block(rows, block)
 
         starts = range(0, self.num_examples, self.BLOCK)
         if self.num_examples > 4 * self.BLOCK:
@@ -317,7 +317,7 @@ class IndividualAccountant:
                 work(start)
         if self._counts is not None:
             self._counts[np.arange(self.num_examples), self._level] += self._pending
-        self.ledger.steps += self._pending
+        self.ledger.count_steps(self._pending)
         self._pending = 0
 
     def rdp(self) -> np.ndarray:

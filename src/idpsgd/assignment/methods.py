@@ -139,12 +139,12 @@ class _SampleRates:
         )
         return rates, np.full(p.values.size, -1)
 
-    def __init__(self, p: _Problem):
+    def __init__(self, p: _Problem, anchors: dict[float, float] | None = None):
         self.p = p
         self.sigmas: list[float] = []
         self.rates: list[np.ndarray] = []
         self.index: list[np.ndarray] = []
-        self.anchors: dict[float, float] = {}  # σ → the budget whose rate at σ is exactly q
+        self.anchors: dict[float, float] = dict(anchors or {})  # σ → the budget whose rate at σ is exactly q
 
     def __call__(self, sigma: float) -> np.ndarray:
         p = self.p
@@ -200,8 +200,7 @@ def _sample(p: _Problem):
         except UnreachableTargetError:
             cap = SIGMA_RANGE[1]  # the largest budget is not spent even at q = 1 within the σ range
         hi = min(hi, cap)
-    rates = _SampleRates(p)
-    rates.anchors = {lo: float(p.values.max()), hi: float(p.values.min())}
+    rates = _SampleRates(p, anchors={lo: float(p.values.max()), hi: float(p.values.min())})
 
     def mean_rate(s, idx):
         return np.atleast_1d(p.weights @ rates(float(np.ravel(s)[0])))

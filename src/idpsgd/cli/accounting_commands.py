@@ -21,8 +21,8 @@ from ..validation import (
     check_sample_rate,
     check_steps,
 )
-from .budget_args import accountant_arg, budget_source_args, budgets_from_args, group_spec
-from .registry import arguments, command
+from .budget_args import CommandSeed, accountant_arg, budget_source_args, budgets_from_args, group_spec
+from .registry import arguments, command, register_text
 
 
 def _flagged(exc: UnreachableTargetError, names: dict) -> UnreachableTargetError:
@@ -126,7 +126,7 @@ def assign_cmd(args):
         raise InvalidParameterError("num_examples", args.num_examples, "must be an integer >= 1")
     weights = None
     if args.budgets_file or args.num_examples or args.budget_distribution:
-        budgets = budgets_from_args(args, args.num_examples)
+        budgets = budgets_from_args(args, args.num_examples, seed=CommandSeed.of(args))
     else:  # no dataset size: the groups are weighted by their exact fractions
         values, fractions = group_spec(args)
         order = np.argsort(values)
@@ -144,7 +144,7 @@ def assign_cmd(args):
     return result
 
 
-assign_cmd._text = _assign_text
+register_text(assign_cmd, _assign_text)
 
 
 def _account_args(p):

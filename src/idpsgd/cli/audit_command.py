@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import sys
 
-from .budget_args import budget_source_args, budgets_from_args
+from .budget_args import CommandSeed, budget_source_args, budgets_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
-from .registry import arguments, command
+from .registry import arguments, command, fills, register_text, with_flags
 from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 #: the training defaults of the language-model audit (--data): FinetuneOptions' own (tested)
@@ -144,12 +144,21 @@ def _lm_args(g):
     )
 
 
+def _audit_flags(args):
+    """The flags as ``audit`` reads them: without ``--data`` (the classifier audit), the flags whose
+    default differs from the language model audit's get the classifier's (:data:`CLASSIC_DEFAULTS`)."""
+    if args.data is not None:
+        return args
+    return with_flags(args, **{k: v for k, v in CLASSIC_DEFAULTS.items() if getattr(args, k) is None})
+
+
 @command(
     "audit",
     "membership inference per privacy group (LiRA, loss threshold, one-run canaries) and empirical "
     "epsilon lower bounds beside the reported epsilon",
 )
 @arguments(_audit_args)
+@fills(_audit_flags)
 def audit_cmd(args):
     from ..audit import AuditOptions, run_audit
     from ..audit.shadows import check_method
@@ -157,9 +166,6 @@ def audit_cmd(args):
     if args.data is not None:
         return _lm_audit(args)
     _refuse_lm_flags(args)
-    for name, default in CLASSIC_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     check_method(args.method)
     options = AuditOptions(
         attack=args.attack,
@@ -174,16 +180,18 @@ def audit_cmd(args):
     pdp = pdp_options_from_args(args) if args.method == "pdp-sgd" else None
     if pdp is None:
         _refuse_pdp_flags(args)
+    given = args.seed
     if args.resume and args.seed is None and not args.secure_mode:
-        args.seed = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
+        given = _saved_seed(args.out)  # the budgets' assignment and the design of the interrupted audit
+    seed = CommandSeed(given, args.secure_mode)
     data = dataset_from_args(args)
-    budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), num_classes=data.num_classes)
+    budgets = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), seed=seed, num_classes=data.num_classes)
     from ..audit.report import public_audit
 
     result = run_audit(
         data,
         budgets,
-        config_from_args(args, args.method),
+        config_from_args(args, args.method, seed),
         args.out,
         options,
         resume=args.resume,
@@ -205,7 +213,7 @@ def _refuse_lm_flags(args):
             raise InvalidParameterError(name, getattr(args, name), "is for the language-model audit: give --data FILE")
 
 
-def _lm_budgets(args, data, users):
+def _lm_budgets(args, data, users, seed):
     """The budgets of a text file: its budget column (when it has one and no other source is given) or
     the budget flags (per row, or per user at user level)."""
     from ..assignment import Budgets
@@ -236,7 +244,7 @@ def _lm_budgets(args, data, users):
             f"is not a column of --data {str(args.data)!r} and no other budget flag is given: give each row's "
             "budget in that column, or --budgets with --fractions",
         )
-    return budgets_from_args(args, len(data) if users is None else users.num_users)
+    return budgets_from_args(args, len(data) if users is None else users.num_users, seed=seed)
 
 
 def _lm_audit(args):
@@ -249,7 +257,6 @@ def _lm_audit(args):
     from ..integrations.hf.text_data import load_text_data
     from ..names import IDP_METHODS
     from ..validation import InvalidParameterError
-    from .budget_args import resolved_seed
 
     if args.method not in IDP_METHODS:
         raise InvalidParameterError("method", args.method, f"with --data must be one of {', '.join(IDP_METHODS)}")
@@ -273,6 +280,7 @@ def _lm_audit(args):
         users=args.canary_users,
         confidence=args.confidence,
     )
+    seed = CommandSeed.of(args)
     options = FinetuneOptions(
         method=args.method,
         epochs=float(args.epochs if args.epochs is not None else LM_DEFAULTS["epochs"]),
@@ -282,7 +290,7 @@ def _lm_audit(args):
         max_length=args.max_length,
         grad_sample_mode=args.grad_sample_mode,
         accountant=args.accountant,
-        seed=resolved_seed(args),
+        seed=seed(),
         secure_mode=args.secure_mode,
         device=args.device,
         progress=sys.stderr.isatty() if args.progress is None else args.progress,
@@ -299,7 +307,7 @@ def _lm_audit(args):
         from ..users import Users
 
         users = Users(data.users, args.max_rows_per_user)
-    budgets = _lm_budgets(args, data, users)
+    budgets = _lm_budgets(args, data, users, seed)
     r = audit_finetune(
         args.model, data, budgets, args.out, options=options, audit=audit, users=users, overwrite=args.overwrite
     )
@@ -349,7 +357,7 @@ def _text(r):
     return audit_text(full) if full is not None else public_audit_text(r)
 
 
-audit_cmd._text = _text
+register_text(audit_cmd, _text)
 
 
 def _refuse_pdp_flags(args):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..names import ACCOUNTANTS
 from ..validation import InvalidParameterError, check_delta, check_epsilon
+from .registry import TypedStore
 
 
 def accountant_arg(p):
@@ -20,25 +21,24 @@ def accountant_arg(p):
 OTHER_SOURCES = ("budgets", "budgets_per_class", "budgets_file", "budget_distribution")
 
 
-def budget_column_of_train_csv(args) -> None:
-    """``train --dataset csv``: the budgets of train.csv's own ``--budget-column`` (default epsilon) when
-    it has that column and no other budget flag is given — as ``finetune`` reads its ``--data``'s —
-    read as ``--budgets-file DATA_DIR/train.csv``."""
+def budgets_file_of_train_csv(args) -> str | None:
+    """``--budgets-file`` as ``train --dataset csv`` reads it: the budgets of train.csv's own
+    ``--budget-column`` (default epsilon) when it has that column and no other budget flag is given — as
+    ``finetune`` reads its ``--data``'s — are read as ``--budgets-file DATA_DIR/train.csv``; else the flag."""
     import csv
     from pathlib import Path
 
     if getattr(args, "dataset", None) != "csv" or not args.data_dir:
-        return
+        return args.budgets_file
     if any(getattr(args, s, None) for s in OTHER_SOURCES):
-        return
+        return args.budgets_file
     path = Path(args.data_dir) / "train.csv"
     try:
         with path.open(newline="", encoding="utf-8-sig") as fh:
             header = [h.strip() for h in next(csv.reader(fh))]
     except (OSError, StopIteration, csv.Error, UnicodeDecodeError):
-        return  # the dataset loader reports the file
-    if args.budget_column in header:
-        args.budgets_file = str(path)
+        return args.budgets_file  # the dataset loader reports the file
+    return str(path) if args.budget_column in header else args.budgets_file
 
 
 def warn_nproc(nproc: int, device) -> None:
@@ -55,8 +55,9 @@ def warn_nproc(nproc: int, device) -> None:
         )
 
 
-def budget_source_args(p, required=True):
-    """Flags that describe where per-example budgets come from (shared by assign and train)."""
+def budget_source_args(p, required=True, typed_column=False):
+    """Flags that describe where per-example budgets come from (shared by assign and train);
+    ``typed_column``: ``--budget-column`` records whether it was typed (:class:`~.registry.TypedStore`)."""
     p.add_argument("--budgets", help="comma-separated group budgets, e.g. 1,2,3 (with --fractions)")
     p.add_argument("--fractions", help="comma-separated group fractions summing to 1")
     p.add_argument(
@@ -66,6 +67,7 @@ def budget_source_args(p, required=True):
     p.add_argument("--budgets-file", help="CSV file with one row per example")
     p.add_argument(
         "--budget-column",
+        action=TypedStore if typed_column else "store",
         default="epsilon",
         help="column of --budgets-file; train with --dataset csv: also of train.csv, read when it has the column "
         "and no other budget flag is given (default: epsilon)",
@@ -86,8 +88,11 @@ def budget_source_args(p, required=True):
     )
 
 
-def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_classes=None, class_names=None):
-    """The per-example budgets the flags describe.  ``split`` (``Dataset.split``: a csv dataset's
+def budgets_from_args(
+    args, num_examples=None, labels=None, split=None, *, seed: CommandSeed, num_classes=None, class_names=None
+):
+    """The per-example budgets the flags describe; ``seed``, the command's (group budgets are assigned to
+    examples at random, :func:`assignment_seed`).  ``split`` (``Dataset.split``: a csv dataset's
     hidden train/test split) maps a budgets file with one row per data row of train.csv to the rows
     that train; a file with one row per training example is taken in training order.
 
@@ -116,7 +121,7 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_c
         if len(bounds) != 2:
             raise InvalidParameterError("range", args.range, "must be A,B (two numbers)")
         return Budgets.from_exponential(
-            num_examples, bounds[0], bounds[1], args.skew, delta, seed=assignment_seed(args)
+            num_examples, bounds[0], bounds[1], args.skew, delta, seed=assignment_seed(seed)
         )
     if args.budgets_per_class:
         if labels is None:
@@ -150,7 +155,7 @@ def budgets_from_args(args, num_examples=None, labels=None, split=None, *, num_c
             "give --budgets with --fractions, --budgets-per-class, --budgets-file, or --budget-distribution",
         )
     values, fractions = group_spec(args)
-    return Budgets.from_groups(values, fractions, num_examples, delta, seed=assignment_seed(args))
+    return Budgets.from_groups(values, fractions, num_examples, delta, seed=assignment_seed(seed))
 
 
 def _budgets_file(path, column):
@@ -185,19 +190,34 @@ def group_spec(args):
     return values, fractions
 
 
-def resolved_seed(args):
-    """The run's seed: ``--seed``, or a fresh one (drawn once per command and recorded privately);
-    None in secure mode, which refuses ``--seed``."""
-    from ..engine.noise.randomness import resolve_seed
+class CommandSeed:
+    """One command's seed, built once from its flags and passed to every part that draws (never kept on
+    argparse's namespace): ``given`` (``--seed``, or what a resumed audit recorded), else a fresh one; None
+    in secure mode, which refuses a given seed (:func:`~idpsgd.engine.noise.randomness.resolve_seed`).
+    ``recorded``: the seed a resumed run continues with, taken as it is.  Resolved at the first call, so a
+    bad ``--seed`` is refused where the command first reads it (after the flags checked before); every
+    later call returns the same value, the one a run records privately."""
 
-    if not hasattr(args, "_resolved_seed"):
-        args._resolved_seed = resolve_seed(getattr(args, "seed", None), getattr(args, "secure_mode", False))
-    return args._resolved_seed
+    def __init__(self, given=None, secure_mode: bool = False, recorded: int | None = None):
+        self._given, self._secure_mode = given, secure_mode
+        self._value, self._resolved = recorded, recorded is not None
+
+    @classmethod
+    def of(cls, args, recorded: int | None = None) -> CommandSeed:
+        """From ``--seed`` and ``--secure-mode`` (a command without them: a fresh seed)."""
+        return cls(getattr(args, "seed", None), getattr(args, "secure_mode", False), recorded)
+
+    def __call__(self) -> int | None:
+        if not self._resolved:
+            from ..engine.noise.randomness import resolve_seed
+
+            self._value, self._resolved = resolve_seed(self._given, self._secure_mode), True
+        return self._value
 
 
-def assignment_seed(args):
+def assignment_seed(seed: CommandSeed):
     """Seed of the random assignment of group budgets to examples (OS entropy in secure mode)."""
     import secrets
 
-    seed = resolved_seed(args)
-    return secrets.randbits(63) if seed is None else seed
+    value = seed()
+    return secrets.randbits(63) if value is None else value

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from .budget_args import OTHER_SOURCES as _OTHER_SOURCES
+from .budget_args import CommandSeed, budget_source_args, budgets_from_args, warn_nproc
 from .budget_args import accountant_arg as _accountant
-from .budget_args import budget_source_args, budgets_from_args, resolved_seed, warn_nproc
-from .registry import TypedStore, arguments, command, count_label
+from .registry import Noted, TypedStore, arguments, command, count_label, register_text
 
 
 def _finetune_args(p):
@@ -42,10 +42,10 @@ def _finetune_args(p):
         help="K: integer labels 0..K-1 (with --label-column); rows with another label are refused",
     )
     p.add_argument("--method", choices=METHODS, required=True, help="uniform, sample or scale (Boenisch et al. §3)")
-    budget_source_args(p)
+    # --budget-column (epsilon) is read from --data only without another budget flag, unless typed
+    budget_source_args(p, typed_column=True)
     for action in p._actions:
-        if action.dest == "budget_column":  # None: epsilon, read from --data only without another budget flag
-            action.default = None
+        if action.dest == "budget_column":
             action.help = (
                 "column with each row's budget: of --budgets-file if given, else of --data (used when "
                 "--data has it and no other budget flag is given; named explicitly, always) (default: epsilon)"
@@ -157,29 +157,27 @@ def other_sources(args) -> list[str]:
 
 def _budget_column_of_data(args) -> str | None:
     """The column of --data to read budgets from: --budget-column (default epsilon), unless the budgets
-    come from --budgets-file, or from another flag while --budget-column was not given."""
-    explicit = args.budget_column is not None
-    args.budget_column = args.budget_column or "epsilon"
+    come from --budgets-file, or from another flag while --budget-column was not given (typed: TypedStore)."""
+    explicit = "budget_column" in getattr(args, "_typed", {})
     if args.budgets_file or (other_sources(args) and not explicit):
         return None
     return args.budget_column
 
 
-def _resume_note(args) -> bool:
-    """Whether to resume: --resume continues from the latest checkpoint in OUT or, when OUT holds
-    none, starts a new run there (as train --resume does); which, the command says on stderr when it
-    succeeds.  Without --resume or --overwrite a folder with checkpoints is refused."""
+def _resume_note(args) -> tuple[bool, tuple[str, ...]]:
+    """Whether to resume, and the note saying which: --resume continues from the latest checkpoint in OUT
+    or, when OUT holds none, starts a new run there (as train --resume does); the command says which on
+    stderr when it succeeds (:class:`~.registry.Noted`).  Without --resume or --overwrite a folder with
+    checkpoints is refused."""
     from ..integrations.hf.checkpoints import checkpoints_in
     from ..validation import InvalidParameterError
 
     found = checkpoints_in(args.out)
     if args.resume and found:
         step, path = found[-1]
-        args._notes = [f"resumed from {path} (step {step})"]
-        return True
+        return True, (f"resumed from {path} (step {step})",)
     if args.resume:
-        args._notes = [f"--resume: {args.out} held no checkpoint (private/checkpoint-<step>.pt); a new run started"]
-        return False
+        return False, (f"--resume: {args.out} held no checkpoint (private/checkpoint-<step>.pt); a new run started",)
     if found and not args.overwrite:
         raise InvalidParameterError(
             "out",
@@ -187,10 +185,10 @@ def _resume_note(args) -> bool:
             f"holds a run with checkpoints (the latest at step {found[-1][0]}): --resume continues it, "
             "--overwrite replaces it; or give a new folder",
         )
-    return False
+    return False, ()
 
 
-def _budgets(args, data, class_ids, classes=None, users=None):
+def _budgets(args, data, class_ids, seed, classes=None, users=None):
     """The budgets: the data file's --budget-column when it has one and no other source is given."""
     from ..assignment import Budgets
     from ..validation import InvalidParameterError, check_delta
@@ -224,7 +222,8 @@ def _budgets(args, data, class_ids, classes=None, users=None):
     import numpy as np
 
     n = len(data) if users is None else users.num_users
-    return budgets_from_args(args, n, None if class_ids is None else np.asarray(class_ids), class_names=classes)
+    labels = None if class_ids is None else np.asarray(class_ids)
+    return budgets_from_args(args, n, labels, seed=seed, class_names=classes)
 
 
 def _text(r):
@@ -255,13 +254,13 @@ def finetune_cmd(args):
     from ..integrations.hf.finetune import FinetuneOptions, check_model_folder, finetune, model_label2id
     from ..integrations.hf.text_data import label_ids, load_text_data, public_classes
 
-    args.resume = _resume_note(args)
-    if args.resume and args.seed is None and not args.secure_mode:  # continue with the run's own seed
+    resume, notes = _resume_note(args)
+    recorded = None
+    if resume and args.seed is None and not args.secure_mode:  # continue with the run's own seed
         from ..integrations.hf.checkpoints import checkpoint_seed
 
-        seed = checkpoint_seed(args.out)
-        if seed is not None:
-            args._resolved_seed = int(seed)
+        recorded = checkpoint_seed(args.out)
+    seed = CommandSeed.of(args, None if recorded is None else int(recorded))
     options = FinetuneOptions(
         method=args.method,
         epochs=args.epochs,
@@ -275,7 +274,7 @@ def finetune_cmd(args):
         lora_r=args.lora_r,
         grad_sample_mode=args.grad_sample_mode,
         accountant=args.accountant,
-        seed=resolved_seed(args),
+        seed=seed(),
         secure_mode=args.secure_mode,
         device=args.device,
         progress=sys.stderr.isatty() if args.progress is None else args.progress,
@@ -312,7 +311,7 @@ def finetune_cmd(args):
         class_ids = label_ids(data, classes, "data")
         if eval_data is not None:
             label_ids(eval_data, classes, "eval_data")
-    budgets = _budgets(args, data, class_ids, classes, users)
+    budgets = _budgets(args, data, class_ids, seed, classes, users)
     report = finetune(
         args.model,
         data,
@@ -321,12 +320,12 @@ def finetune_cmd(args):
         eval_data=eval_data,
         options=options,
         overwrite=args.overwrite,
-        resume=args.resume,
+        resume=resume,
         users=users,
     )
     if report is None:  # another rank than 0 under torchrun: rank 0 reports
-        return None
-    return {**report, "out": str(Path(args.out))}
+        return Noted(None, notes)
+    return Noted({**report, "out": str(Path(args.out))}, notes)
 
 
-finetune_cmd._text = _text
+register_text(finetune_cmd, _text)

@@ -15,7 +15,7 @@ import warnings
 
 from ..io import CheckpointError
 from ..validation import InvalidParameterError, UnreachableTargetError, shown_value
-from .registry import COMMANDS, Parser, add_output_flags, flag_name
+from .registry import COMMANDS, TEXTS, Noted, Parser, add_output_flags, flag_name, settled
 from .registry import emit as _emit  # a module global: tests replace it to capture the output
 
 #: the modules whose import registers the commands (registry.COMMANDS), in the order of ``idpsgd --help``
@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     split = _OnceAfterSuccess("csv without test.csv", args.command)  # data.HIDDEN_SPLIT_WARNING
     try:
         with _OneLineWarnings(args.command), held, split:
+            args = settled(run, args)  # the flags as the command reads them (its derived defaults filled in)
             result = run(args)
     except InvalidParameterError as exc:
         if not _other_rank():  # under torchrun every rank refuses the same arguments: rank 0 says it once
@@ -250,7 +251,10 @@ def main(argv=None) -> int:
     except (RefusedRows, MachineryRefusal) as exc:  # failing on a layer (the layer and the error named)
         sys.stderr.write(f"idpsgd {args.command}: error: {exc}\n")
         return 2
-    for note in getattr(args, "_notes", ()):  # e.g. which checkpoint a --resume continued from
+    notes = ()
+    if isinstance(result, Noted):  # e.g. which checkpoint a --resume continued from
+        result, notes = result.result, result.notes
+    for note in notes:
         if not _other_rank():
             sys.stderr.write(f"idpsgd {args.command}: {note}\n")
     split.show()
@@ -258,6 +262,6 @@ def main(argv=None) -> int:
     if result is not None:
         if not getattr(args, "show_private", False):
             result = {k: v for k, v in result.items() if k != "private"}
-        text = getattr(run, "_text", None)
+        text = TEXTS.get(run)
         _emit(result, getattr(args, "json", False), text)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .registry import arguments, command
+from .registry import arguments, command, register_text
 from .train_commands import config_from_args, dataset_from_args, hyper_args
 
 
@@ -166,7 +166,7 @@ def per_instance_cmd(args):
     from ..runfolder import RunFolder
     from ..training.per_instance import public_summary, run_per_instance
     from ..validation import InvalidParameterError, check_epsilon, check_positive
-    from .budget_args import resolved_seed
+    from .budget_args import CommandSeed
 
     check_epsilon(args.epsilon, "epsilon")  # the flags first: nothing is read or written before
     if args.alpha is not None:
@@ -195,11 +195,12 @@ def per_instance_cmd(args):
     if len(samples) != 2 or min(samples) < 1:
         raise InvalidParameterError("samples", args.samples, "must be OUTER,INNER: two integers >= 1")
     data = dataset_from_args(args)
+    seed = CommandSeed.of(args)
     size = len(data.y_test) if args.target_set == "test" else len(data.y_train)
     if args.points is None:
         if not 1 <= args.num_points <= size:
             raise InvalidParameterError("num_points", args.num_points, f"must be in [1, {size}]")
-        choice = np.random.default_rng(resolved_seed(args) if not args.secure_mode else None)
+        choice = np.random.default_rng(seed() if not args.secure_mode else None)
         points = np.sort(choice.choice(size, args.num_points, replace=False))
     elif max(points) >= size:
         raise InvalidParameterError(
@@ -212,7 +213,7 @@ def per_instance_cmd(args):
         args.runs,
         args.alpha,
         args.update_rule,
-        config_from_args(args, "uniform"),
+        config_from_args(args, "uniform", seed),
         args.epsilon,
         args.delta,
         args.checkpoint_every,
@@ -231,4 +232,4 @@ def per_instance_cmd(args):
     }
 
 
-per_instance_cmd._text = _per_instance_text
+register_text(per_instance_cmd, _per_instance_text)

@@ -1,4 +1,8 @@
-"""The command registry: ``@command(name, help)`` and ``@arguments(add)`` register ``run(args) -> dict``.
+"""The command registry: ``@command(name, help)`` and ``@arguments(add)`` register ``run(args) -> dict``;
+``register_text(run, fn)`` its result's form for people (:data:`TEXTS`); ``@fills(fill)`` the defaults a
+command derives from its other flags (:func:`settled`).  argparse's namespace is never written after parsing:
+a command's derived values are a new namespace (:func:`with_flags`), a value passed on
+(:class:`~.budget_args.CommandSeed`) or part of what it returns (:class:`Noted`).
 
 Command modules import this module (never :mod:`.main`), so registration points one way.
 """
@@ -9,26 +13,72 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}
+#: run -> its result as text for people (without ``--json``); a command without one prints its result's items
+TEXTS: dict[Callable, Callable[[dict], str]] = {}
+_ARGUMENTS: dict[Callable, Callable[[argparse.ArgumentParser], None]] = {}  # run -> add(parser), by @arguments
+_FILLS: dict[Callable, Callable[[argparse.Namespace], argparse.Namespace]] = {}  # run -> fill(args), by @fills
 
 
 def command(name: str, help: str):
-    """Register ``run(args) -> dict`` with an ``add(parser)`` attribute set by :func:`arguments`."""
+    """Register ``run(args) -> dict`` with the ``add(parser)`` given by :func:`arguments` (applied first)."""
 
     def deco(run):
-        COMMANDS[name] = (help, getattr(run, "_add", lambda p: None), run)
+        COMMANDS[name] = (help, _ARGUMENTS.get(run, lambda p: None), run)
         return run
 
     return deco
 
 
 def arguments(add: Callable[[argparse.ArgumentParser], None]):
+    """Register ``add(parser)``, the flags of the command whose ``run`` this decorates (below :func:`command`)."""
+
     def deco(run):
-        run._add = add
+        _ARGUMENTS[run] = add
         return run
 
     return deco
+
+
+def fills(fill: Callable[[argparse.Namespace], argparse.Namespace]):
+    """Register ``fill(args) -> namespace``: the parsed flags with the defaults the command derives from its
+    other flags (or the data's header) in place, built with :func:`with_flags` before the command runs
+    (below :func:`command`).  It derives and never refuses (the command refuses a wrong value in its own
+    order): the command reads the filled namespace, and an error line names a filled value as the flag's."""
+
+    def deco(run):
+        _FILLS[run] = fill
+        return run
+
+    return deco
+
+
+def settled(run: Callable, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` as ``run`` reads them: filled by its :func:`fills` function, else as parsed."""
+    fill = _FILLS.get(run)
+    return args if fill is None else fill(args)
+
+
+def with_flags(args: argparse.Namespace, **values) -> argparse.Namespace:
+    """A new namespace: ``args``'s flags with ``values`` in place (the parsed one is left as it is)."""
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+@dataclass(frozen=True)
+class Noted:
+    """A command's result with the notes shown on stderr when it succeeds (which checkpoint a ``--resume``
+    continued from, or that a new run started): returned to :func:`~.main.main`, which prints them on
+    rank 0 before the result."""
+
+    result: dict | None
+    notes: tuple[str, ...] = ()
+
+
+def register_text(run: Callable, fn: Callable[[dict], str]) -> None:
+    """Register ``fn(result) -> str``, how ``run``'s result is printed for people."""
+    TEXTS[run] = fn
 
 
 class Parser(argparse.ArgumentParser):

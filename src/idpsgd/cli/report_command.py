@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .registry import arguments, command
+from .registry import arguments, command, register_text
 
 
 def _args(p):
@@ -31,4 +31,4 @@ def report_cmd(args):
     }
 
 
-report_cmd._text = lambda r: f"report: {r['report']}" + (f" (moved {r['moved']})" if r.get("moved") else "")
+register_text(report_cmd, lambda r: f"report: {r['report']}" + (f" (moved {r['moved']})" if r.get("moved") else ""))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ..experiments import load
-from .registry import add_output_flags, arguments, command, flag_name
+from .registry import add_output_flags, arguments, command, flag_name, register_text
 
 
 def _add_option(p: argparse.ArgumentParser, option, default) -> None:
@@ -136,4 +136,4 @@ def _text(r) -> str:
     return "\n".join(f"{k}: {v}" for k, v in r.items())
 
 
-reproduce_cmd._text = _text
+register_text(reproduce_cmd, _text)

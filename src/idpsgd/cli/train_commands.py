@@ -7,18 +7,24 @@ from pathlib import Path
 
 from ..names import INDIVIDUAL_ACCOUNTANTS
 from .budget_args import (
+    CommandSeed,
     accountant_arg,
     assignment_seed,
-    budget_column_of_train_csv,
     budget_source_args,
+    budgets_file_of_train_csv,
     budgets_from_args,
-    resolved_seed,
     warn_nproc,
 )
 from .filter_args import add_filter_arguments, filter_options_from_args
 from .pdp_args import add_pdp_arguments, pdp_options_from_args
-from .registry import arguments, command, count_label
-from .user_args import add_user_arguments, drop_user_column, user_budgets_from_args, users_from_args
+from .registry import Noted, arguments, command, count_label, fills, register_text, with_flags
+from .user_args import (
+    add_user_arguments,
+    check_user_column,
+    drop_columns_with_user,
+    user_budgets_from_args,
+    users_from_args,
+)
 
 DEMO_BUDGETS, DEMO_FRACTIONS = "1,2,3", "0.34,0.43,0.23"
 
@@ -183,7 +189,8 @@ def _train_args(p):
     )
 
 
-def config_from_args(args, method):
+def config_from_args(args, method, seed: CommandSeed):
+    """The :class:`~idpsgd.training.TrainConfig` of the flags; ``seed``, the command's."""
     from ..training import TrainConfig
 
     return TrainConfig(
@@ -195,7 +202,7 @@ def config_from_args(args, method):
         clip_norm=args.clip_norm,
         accountant=args.accountant,
         model=args.model,
-        seed=resolved_seed(args),
+        seed=seed(),
         secure_mode=args.secure_mode,
         device=args.device,
         grad_sample_mode=args.grad_sample_mode,
@@ -347,8 +354,15 @@ def _train_text(r):
     return "\n".join(lines)
 
 
+def _train_flags(args):
+    """The flags as ``train`` reads them: train.csv's budget column as ``--budgets-file``
+    (:func:`budgets_file_of_train_csv`), the user column among ``--drop-columns`` (:func:`drop_columns_with_user`)."""
+    return with_flags(args, budgets_file=budgets_file_of_train_csv(args), drop_columns=drop_columns_with_user(args))
+
+
 @command("train", "train a model with individualized privacy budgets (IDP-SGD) and report ε per group")
 @arguments(_train_args)
+@fills(_train_flags)
 def train_cmd(args):
     from ..names import PDP_METHODS
     from ..runfolder import RunFolder
@@ -367,26 +381,30 @@ def train_cmd(args):
         )
     pdp = pdp_options_from_args(args)
     folder = RunFolder(args.out, resume=args.resume, overwrite=args.overwrite)
-    args._notes = []
-    saved = saved_signature(folder, args._notes) if args.resume else {}
+    notes: list[str] = []
+    saved = saved_signature(folder, notes) if args.resume else {}
+    recorded = None
     if args.resume and args.seed is None and not args.secure_mode:  # continue with the recorded seed
         recorded = saved.get("config", {}).get("seed")
-        if recorded is not None:
-            args._resolved_seed = recorded
+    seed = CommandSeed.of(args, recorded)
     try:
-        config = config_from_args(args, args.method)
+        config = config_from_args(args, args.method, seed)
         if filter_options is not None:
             check_filter_config(config, filter_options)
-        drop_user_column(args)
-        budget_column_of_train_csv(args)
+        check_user_column(args)
         data = dataset_from_args(args, saved)
         users = users_from_args(args, data)
         budgets = (
             budgets_from_args(
-                args, len(data.y_train), data.y_train.numpy(), split=data.split, num_classes=data.num_classes
+                args,
+                len(data.y_train),
+                data.y_train.numpy(),
+                split=data.split,
+                seed=seed,
+                num_classes=data.num_classes,
             )
             if users is None
-            else user_budgets_from_args(args, users, data)
+            else user_budgets_from_args(args, users, data, seed)
         )
         if args.nproc != 1:  # the same train() on N ranks (engine/distributed.py); rank 0 writes and reports
             from ..engine.distributed import check_nproc, launch
@@ -418,10 +436,10 @@ def train_cmd(args):
     except BaseException:
         folder.discard_if_unused()
         raise
-    return {**report, "out": str(Path(args.out))}
+    return Noted({**report, "out": str(Path(args.out))}, tuple(notes))
 
 
-train_cmd._text = _train_text
+register_text(train_cmd, _train_text)
 
 # --- demo -----------------------------------------------------------------------------------
 DEMO_RUNS = (
@@ -464,12 +482,13 @@ def run_demo(args) -> dict:
     top = RunFolder(args.out, overwrite=args.overwrite)
     data = dataset_from_args(args)
     n = len(data.y_train)
-    grouped = demo_budgets(n, args.delta, assignment_seed(args))
+    seed = CommandSeed.of(args)
+    grouped = demo_budgets(n, args.delta, assignment_seed(seed))
     rows = []
     for label, method, budgets, fractions in DEMO_RUNS:
         b = grouped if fractions else Budgets.from_array([float(budgets)] * n, args.delta)
         out = Path(args.out) / label.replace(" ", "_").replace("=", "")
-        report = train(data, b, config_from_args(args, method), out, overwrite=True)
+        report = train(data, b, config_from_args(args, method, seed), out, overwrite=True)
         # the ε=3 run trains everyone at 3: show it against the demo's groups for comparison
         spent = {g["budget"]: g["epsilon_spent"] for g in report["groups"]}
         rows.append(
@@ -484,10 +503,9 @@ def run_demo(args) -> dict:
                 "out": str(out),
             }
         )
-    seed = resolved_seed(args)
-    if seed is not None:
+    if seed() is not None:
         top.record_seed(
-            seed,
+            seed(),
             "the demo's seed: the budgets' assignment to examples and every run's sampling, noise "
             "and initialisation; demo --seed with it replays the demo",
         )
@@ -503,7 +521,7 @@ def run_demo(args) -> dict:
         "runs": rows,
     }
     top.write_json("summary.json", summary, "public", "the demo's four runs: test accuracy and epsilon per group")
-    return {**summary, **({"private": {"seed": seed}} if seed is not None else {})}
+    return {**summary, **({"private": {"seed": seed()}} if seed() is not None else {})}
 
 
 def _demo_text(s):
@@ -530,4 +548,4 @@ def demo_cmd(args):
     return run_demo(args)
 
 
-demo_cmd._text = _demo_text
+register_text(demo_cmd, _demo_text)

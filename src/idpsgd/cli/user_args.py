@@ -30,8 +30,19 @@ def add_user_arguments(p) -> None:
     )
 
 
-def drop_user_column(args) -> None:
-    """The user column is never a model input: added to --drop-columns (refused in --feature-columns)."""
+def drop_columns_with_user(args) -> str | None:
+    """``--drop-columns`` as ``train`` reads it: the user column is never a model input, so without
+    ``--feature-columns`` it is one of the dropped columns (:func:`check_user_column` refuses the rest)."""
+    col = getattr(args, "user_column", None)
+    if not col or args.feature_columns is not None:
+        return args.drop_columns
+    dropped = [c.strip() for c in (args.drop_columns or "").split(",") if c.strip()]
+    return args.drop_columns if col in dropped else ",".join([*dropped, col])
+
+
+def check_user_column(args) -> None:
+    """The user column: a column of a csv dataset's train.csv, never among --feature-columns (it is added
+    to --drop-columns: :func:`drop_columns_with_user`)."""
     col = getattr(args, "user_column", None)
     if not col:
         return
@@ -44,10 +55,6 @@ def drop_user_column(args) -> None:
         raise InvalidParameterError(
             "feature_columns", args.feature_columns, f"includes the user column {col!r}: user ids are never inputs"
         )
-    if args.feature_columns is None:
-        dropped = [c.strip() for c in (args.drop_columns or "").split(",") if c.strip()]
-        if col not in dropped:
-            args.drop_columns = ",".join([*dropped, col])
 
 
 def _train_csv_header(args) -> list[str] | None:
@@ -90,8 +97,8 @@ def users_from_args(args, data):
     return Users(ids, args.max_rows_per_user)
 
 
-def user_budgets_from_args(args, users, data):
-    """Budgets per user (``users.ids`` order)."""
+def user_budgets_from_args(args, users, data, seed):
+    """Budgets per user (``users.ids`` order); ``seed``, the command's :class:`~.budget_args.CommandSeed`."""
     from .budget_args import budgets_from_args
 
     if getattr(args, "budgets_per_class", None):
@@ -103,8 +110,8 @@ def user_budgets_from_args(args, users, data):
     if getattr(args, "budgets_file", None):
         import numpy as np
 
-        rows = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split)
+        rows = budgets_from_args(args, len(data.y_train), data.y_train.numpy(), split=data.split, seed=seed)
         data_rows = data.split["train_rows"] if data.split is not None else np.arange(len(data.y_train))
         names = [f"data row {r + 1} of {args.budgets_file}" for r in data_rows]  # the operator's own file
         return users.budgets_from_rows(rows.epsilons, rows.delta, row_names=names)
-    return budgets_from_args(args, users.num_users, None, num_classes=data.num_classes)
+    return budgets_from_args(args, users.num_users, None, seed=seed, num_classes=data.num_classes)

@@ -71,9 +71,9 @@ class Rollback:
             torch.random.get_rng_state(), None if gen is None else gen.get_state(), data_loader,
         )  # fmt: skip
 
-    def restore(self, engine: IndividualizedPrivacyEngine) -> None:
-        engine.budgets, engine.accountant, engine.seeds = self.budgets, self.accountant, self.seeds
-        engine._sampler_rng, engine._noise, engine.clipping = self.sampler_rng, self.noise, self.clipping
+    def restore_generators(self) -> None:
+        """Torch's global generator and the data loader's as they were (the engine's own state:
+        :meth:`IndividualizedPrivacyEngine._roll_back`)."""
         torch.random.set_rng_state(self.torch_rng)
         if self.loader_rng is not None:
             self.loader.generator.set_state(self.loader_rng)
@@ -345,6 +345,12 @@ class IndividualizedPrivacyEngine:
     def _require(self):
         if self.accountant is None:
             raise RuntimeError("call make_private first")
+
+    def _roll_back(self, before: Rollback) -> None:
+        """The engine as it was before a set-up whose build failed (:class:`Rollback`), the generators too."""
+        self.budgets, self.accountant, self.seeds = before.budgets, before.accountant, before.seeds
+        self._sampler_rng, self._noise, self.clipping = before.sampler_rng, before.noise, before.clipping
+        before.restore_generators()
 
     # --- make_private ---------------------------------------------------------------------
     def make_private(
@@ -651,7 +657,7 @@ class IndividualizedPrivacyEngine:
             self.seeds = seeds
             if first:
                 self.budgets, self.accountant, self._sampler_rng = budgets, accountant, seeds.sampler_rng()
-            accountant.unit = "example" if users is None else "user"  # what GroupEpsilons' counts count
+            accountant.count_units("example" if users is None else "user")  # what GroupEpsilons' counts count
             if noise_generator is not None:
                 self._noise = noise_generator
             elif self._noise is None or (hasattr(self._noise, "device") and self._noise.device != checked.device):
@@ -664,7 +670,7 @@ class IndividualizedPrivacyEngine:
         except BaseException:  # a refused or failed set-up leaves no phase and the engine as it was
             if began:
                 accountant.discard_phase()
-            engine_before.restore(self)
+            self._roll_back(engine_before)
             raise
 
         # --- wire: the guards around the step, then the engine's state ------------------------------

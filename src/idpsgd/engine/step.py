@@ -58,9 +58,9 @@ def build_step(
         wrapped.forbid_grad_accumulation()
         if sharded:  # bk: every unit book-kept; ghost: the sharded ghost wrapper (engine/distributed/fsdp.py)
             wrapped = fsdp.check_wrapped(wrapped, opts.grad_sample_mode)
-        loader = PrivateDataLoader(data_loader, sampler, opts.batch_first)
-        if sharded:  # every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
-            fsdp.phantom_batches(loader, opts.batch_first)
+        # sharded: every rank runs forward/backward (FSDP2's collectives): a phantom row for an empty draw
+        phantom = fsdp.phantom_collate(opts.batch_first) if sharded else None
+        loader = PrivateDataLoader(data_loader, sampler, opts.batch_first, phantom)
         # noise σ·c and the division by Σ q_i: the mode's noisy optimizer
         base = optimizer.original_optimizer if hasattr(optimizer, "original_optimizer") else optimizer
         mode = opts.mode

@@ -91,10 +91,11 @@ def _fit(
         kw.update(budgets=budgets, method=method)
     module, opt, loader = engine.make_private(**kw)
     loss_fn = torch.nn.CrossEntropyLoss()
+    batches = _epochs(loader)
     for _ in range(epochs * steps_per_epoch):
         if not engine.can_step():
             break
-        xb, yb = _next(loader)
+        xb, yb = next(batches)
         opt.zero_grad()
         if len(yb):
             loss_fn(module(xb), yb).backward()
@@ -102,13 +103,16 @@ def _fit(
     return net, engine
 
 
-def _next(loader):
-    it = getattr(loader, "_idpsgd_it", None)
-    try:
-        return next(it)
-    except (StopIteration, TypeError):
-        loader._idpsgd_it = iter(loader)
-        return next(loader._idpsgd_it)
+def _epochs(loader):
+    """The loader's batches, epoch after epoch (a fresh iterator each: the private loader draws anew); ends
+    with an epoch that yields nothing."""
+    while True:
+        got = False
+        for batch in loader:
+            got = True
+            yield batch
+        if not got:
+            return
 
 
 def _accuracy(net, x, y) -> float:

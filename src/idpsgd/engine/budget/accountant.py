@@ -125,7 +125,7 @@ class GroupAccountant:
         if accountant not in ACCOUNTANTS:
             raise InvalidParameterError("accountant", accountant, f"must be one of {', '.join(ACCOUNTANTS)}")
         self.budgets, self.accountant = budgets, accountant
-        self.unit = "example"  # "user" at user level (set by the engine): what the groups count
+        self.unit = "example"  # "user" at user level (:meth:`count_units`): what the groups count
         if budgets is not None:
             self.values, self.counts, self.group_of = budgets.groups()
             self.delta = budgets.delta
@@ -232,6 +232,13 @@ class GroupAccountant:
         return [e for e in self.extra if e["at"] is None]
 
     # --- phases ----------------------------------------------------------------------------
+    def count_units(self, unit: str) -> None:
+        """What a privacy group counts in the reports (:class:`GroupEpsilons`): ``"example"``, or ``"user"``
+        when the protected unit is a user (user-level DP); set by the engine at each phase."""
+        if unit not in ("example", "user"):
+            raise InvalidParameterError("unit", unit, 'must be "example" or "user"')
+        self.unit = unit
+
     def begin_phase(self, sample_rates, clip_norms, noise_multiplier: float, max_grad_norm: float) -> None:
         """Start a phase: example i has rate q_i and effective noise multiplier σ·c/c_i."""
         q = np.asarray(sample_rates, dtype=float).ravel()

@@ -294,7 +294,7 @@ class IndividualFilter:
     def _after_step(self, _optimizer) -> None:
         for m, led in zip(self._members, self.ledgers, strict=True):
             led.add(self.next_rdp[m][:, None])
-            led.steps += 1
+            led.count_steps()
         self.steps += 1
         self.history.append(np.bincount(self.group_of[self.active], minlength=self.group_values.size))
         self._prepared = False

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...users import Users
-from ..per_example.bk.rules import EmbeddingRule, LinearRule, acc, add_into
+from ..per_example.bk.rules import EmbeddingRule, LinearRule
 from ..sampling.sampler import BatchIndexQueue, BatchMismatchError
 from .examples import PerExampleClipping
 
@@ -255,19 +255,12 @@ def regroup_records(parts, grouping: Grouping) -> None:
       and direct units): per-sample gradients summed by user (:meth:`Grouping.sum`)."""
     rank_m = grouping.rank()
     for part in parts:
-        uses = getattr(part, "uses", None)
-        if uses is not None:  # a covered layer
-            if isinstance(part.rule, (LinearRule, EmbeddingRule)):  # deferred records too: the layer's
-                # norm_sq then takes the ghost norm or forms per-user gradients, by the users' shapes
-                records = [*uses, *part.deferred]
-                part.uses = [_regroup_use(part.rule, part.module, s_, g, grouping, rank_m) for s_, g in records]
-                part.deferred = []
-            else:
-                for saved, g in part.deferred:
-                    add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
-                part.deferred = []
-                for saved, g in uses:
-                    add_into(part.grad_sample, part.rule.per_sample(part.module, saved, g))
-                part.uses = []
-        part.grad_sample = {k: grouping.sum(acc(v)) for k, v in part.grad_sample.items()}
-        part.batch = grouping.num_users
+        regroup_use = None
+        if isinstance(getattr(part, "rule", None), (LinearRule, EmbeddingRule)):  # deferred records too: the
+            # layer's norm_sq then takes the ghost norm or forms per-user gradients, by the users' shapes
+            rule, module = part.rule, part.module
+
+            def regroup_use(saved, g, rule=rule, module=module):
+                return _regroup_use(rule, module, saved, g, grouping, rank_m)
+
+        part.regroup(grouping.sum, grouping.num_users, regroup_use)

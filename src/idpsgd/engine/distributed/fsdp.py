@@ -4,7 +4,7 @@ Boenisch et al. 2023, Alg. 3 with the book-keeping clipped sum (Bu et al. 2023, 
 ranks that each hold 1/W of every parameter (its ``Shard(0)`` chunk), with the mechanism — and so
 the accounting — of one process.  API: :func:`is_sharded` (a ``fully_shard`` model?); :func:`check`
 (``make_private``'s refusals, no change), :func:`prepare` (the build stage's changes to the model);
-:func:`phantom_batches` (an empty draw becomes a zero-weight row: every rank runs FSDP2's collectives);
+:func:`phantom_collate` (an empty draw becomes a zero-weight row: every rank runs FSDP2's collectives);
 :class:`ShardedBookKeepingOptimizer` (bk's ``sharded_optimizer`` in :mod:`..modes`); :func:`reduce_scatter_sums`,
 :func:`noise_shard`, :func:`shard_rows`; :func:`local_shard` (a DTensor's local tensor: what the write guard
 watches on each rank).
@@ -266,13 +266,14 @@ def phantom_pass(clipping, consume: bool = False) -> bool:
     return clipping.phantom_marked(consume) or clipping.queue.empty_batch_pending
 
 
-def phantom_batches(loader, batch_first: bool) -> None:
-    """Make ``loader`` (the engine's private loader) yield a phantom row for an empty draw (:class:`PhantomCollate`)."""
+def phantom_collate(batch_first: bool) -> type[PhantomCollate]:
+    """The private loader's collate wrapper with a fully_shard model: a phantom row for an empty draw
+    (:class:`PhantomCollate`); batch-first inputs only."""
     if not batch_first:
         raise InvalidParameterError(
             "batch_first", batch_first, "a fully_shard model needs batch-first inputs (batch_first=True)"
         )
-    loader.collate_fn = PhantomCollate(loader.collate_fn)
+    return PhantomCollate
 
 
 def check_wrapped(wrapped, grad_sample_mode: str):
@@ -709,7 +710,7 @@ class ShardedBookKeepingOptimizer(_EqualPasses, IndividualizedDPOptimizerBookKee
         super().use_keeper(keeper)
         self.unsharded = UnshardedParameters(keeper) if keeper is not None else None
         if keeper is not None:
-            keeper.parameter_view = self.unsharded.swapped
+            keeper.view_parameters_with(self.unsharded.swapped)
 
     def signal_skip_step(self, do_skip=True):
         if do_skip:  # BatchMemoryManager splits a drawn batch into physical ones

@@ -275,6 +275,11 @@ class BatchIndependence:
             self._handles.append(wrapper.register_forward_pre_hook(_Hook(self, True), with_kwargs=True, prepend=True))
             self._handles.append(wrapper.register_forward_hook(_Hook(self, False), always_call=True))
 
+    def declare_padding(self, padding: Padding) -> None:
+        """How every token batch of the run is padded (:func:`declare_padding`: public facts the caller
+        guarantees), read by the re-padding probe."""
+        self.padding = padding
+
     def declare_layout(self, batch_dim: int, per_layer_dim: int | None, per_layer_mode: str | None) -> None:
         """Where the loader's batch is in the model's tensor arguments (``batch_dim``: 0, or 1 for batch-second
         inputs), the dimension Opacus's modes take each layer's batch from when it must be proven
@@ -296,6 +301,21 @@ class BatchIndependence:
 
     def __reduce__(self):
         return type(None), ()
+
+    def enter_wrapper(self, args, kwargs) -> None:
+        """A watched wrapper's forward starts (:meth:`watch_wrapper`): check its call, then keep the
+        model's own hook out until :meth:`leave_wrapper`."""
+        self.before_forward(args, kwargs)
+        self.in_wrapper = True
+
+    def leave_wrapper(self) -> None:
+        """A watched wrapper's forward ended (its forward hook, called even when the forward raised)."""
+        self.in_wrapper = False
+
+    def model_called(self, args, kwargs) -> None:
+        """The model's forward pre-hook: check the call unless a watched wrapper's forward checked it."""
+        if not self.in_wrapper:
+            self.before_forward(args, kwargs)
 
     def _signature(self) -> tuple:
         return tuple(m.training for m in self.model.modules())
@@ -341,13 +361,11 @@ class _Hook:
         if self.check is None:
             return
         if self.wrapper is False:  # the wrapper's forward ended
-            self.check.in_wrapper = False
-            return
-        if self.wrapper is None and self.check.in_wrapper:  # checked by the wrapper's pre-hook
-            return
-        self.check.before_forward(args, rest[0])
-        if self.wrapper:
-            self.check.in_wrapper = True
+            self.check.leave_wrapper()
+        elif self.wrapper:
+            self.check.enter_wrapper(args, rest[0])
+        else:
+            self.check.model_called(args, rest[0])
 
     def __deepcopy__(self, memo):
         return _Hook(None, self.wrapper)
@@ -613,7 +631,7 @@ def declare_padding(model: nn.Module, side: str | None = None, length: int | Non
     guarantees): ``side`` ``"right"`` or ``"left"`` (default: as the checked call's attention mask
     shows, both sides when it shows none), ``length`` a fixed number of tokens of every batch (the
     length can then not vary: the re-padding probe is replaced by a check of the call's length)."""
-    BatchIndependence.attach(model).padding = Padding(side, length)
+    BatchIndependence.attach(model).declare_padding(Padding(side, length))
 
 
 def _layer_layout_problem(model: nn.Module, synth: _Synthetic, dim: int, outer: tuple = ()) -> str | None:

@@ -98,6 +98,22 @@ class DecompositionCheck:
         #: parameter's ``p.grad`` is autograd's, as in the engine's own per-sample modes)
         self.touched: set[int] | None = None
 
+    def compare_outside_uses(self) -> None:
+        """ew: ``p.grad`` holds only the uses outside the per-example computation (compared with zero)."""
+        self.grad_is_outside = True
+
+    def watch_backward(self, params) -> None:
+        """no_op: compare only the parameters a backward pass reached since the last step (autograd's
+        post-accumulate hook marks each); the others' rows come from ``torch.func``, the user's own."""
+        self.touched = seen = set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda q, seen=seen: seen.add(id(q)))
+
+    def grads_zeroed(self) -> None:
+        """The optimizer's ``zero_grad``: the next backward pass starts anew (no_op: nothing reached yet)."""
+        if self.touched is not None:
+            self.touched.clear()
+
     @property
     def due(self) -> bool:
         return self.every_step or due(self.step)
@@ -288,15 +304,13 @@ def probe_per_sample(check: DecompositionCheck, wrapped, optimizer) -> None:
 def probe_user_rows(check: DecompositionCheck, wrapped, optimizer) -> None:
     """no_op: as :func:`probe_per_sample` for the parameters a backward pass of the step reached
     (autograd's gradient hook marks them); rows from ``torch.func`` with no backward pass are the user's."""
-    check.touched = set()
-    for p in optimizer.params:
-        p.register_post_accumulate_grad_hook(lambda q, seen=check.touched: seen.add(id(q)))
+    check.watch_backward(optimizer.params)
     optimizer.use_decomposition(check)
 
 
 def probe_expanded_weights(check: DecompositionCheck, wrapped, optimizer) -> None:
     """ew: as :func:`probe_per_sample`, ``p.grad`` holding only uses outside the model's call."""
-    check.grad_is_outside = True
+    check.compare_outside_uses()
     optimizer.use_decomposition(check)
 
 

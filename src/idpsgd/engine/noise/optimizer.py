@@ -245,8 +245,8 @@ class IndividualizedDPOptimizer(_PrivacyHooks, DPOptimizer):
 
     def zero_grad(self, set_to_none: bool = False):
         check = self.decomposition
-        if check is not None and check.touched is not None:  # no_op: the next backward pass starts anew
-            check.touched.clear()
+        if check is not None:
+            check.grads_zeroed()
         super().zero_grad(set_to_none)
 
     def pre_step(self, closure=None):

@@ -334,7 +334,11 @@ class PrivateDataLoader(DPDataLoader):
     attributes ``sample_rate`` (the mean rate) and ``distributed``; it is built from the user's loader
     by the engine, not by ``DPDataLoader``'s constructor (one rate, Opacus's sampler)."""
 
-    def __init__(self, data_loader: DataLoader, sampler: PoissonBatchSampler, batch_first: bool = True):
+    def __init__(
+        self, data_loader: DataLoader, sampler: PoissonBatchSampler, batch_first: bool = True, wrap_collate=None
+    ):
+        """``wrap_collate``: a wrapper of the collate function, where the step needs one (FSDP2's phantom row
+        for an empty draw: ``PhantomCollate`` of engine/distributed/fsdp.py)."""
         collate = data_loader.collate_fn
         if isinstance(collate, EmptyBatchCollate):
             collate = collate.collate_fn
@@ -348,7 +352,9 @@ class PrivateDataLoader(DPDataLoader):
             self,
             data_loader.dataset,
             batch_sampler=sampler,
-            collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first),
+            collate_fn=EmptyBatchCollate(collate, data_loader.dataset, batch_first)
+            if wrap_collate is None
+            else wrap_collate(EmptyBatchCollate(collate, data_loader.dataset, batch_first)),
             num_workers=data_loader.num_workers,
             pin_memory=data_loader.pin_memory,
             timeout=data_loader.timeout,

@@ -372,11 +372,8 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        t = self.trainer
-        t.ledger_rows.append([state.global_step, t.real_batch_size(), *t.engine.accountant.grid_epsilon()])
-        if state.global_step < state.max_steps and not t.engine.can_step():
-            t.stopped_early = True
-            control.should_training_stop = True
+        if self.trainer.after_private_step(state.global_step, state.max_steps):
+            control.should_training_stop = True  # (how a Hugging Face callback stops the loop)
         return control
 
 
@@ -658,6 +655,15 @@ class IndividualizedTrainer(Trainer):
         else:
             collate = self._get_collator_with_removed_columns(collate, description="evaluation")
         return DataLoader(ds, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate, shuffle=False)
+
+    def after_private_step(self, step: int, max_steps: int) -> bool:
+        """After every DP-SGD step (:class:`_PrivacyCallback`): the private ledger row; True (and
+        ``stopped_early``) when the filter refuses a step before ``max_steps``."""
+        self.ledger_rows.append([step, self.real_batch_size(), *self.engine.accountant.grid_epsilon()])
+        if step < max_steps and not self.engine.can_step():
+            self.stopped_early = True
+            return True
+        return False
 
     def real_batch_size(self) -> int:
         """The last step's real (Poisson) batch size over all processes, in rows as in one process (private:

@@ -22,6 +22,21 @@ from . import provenance
 from .shared import BK_HINT, SharedTensor, Source, check_complete, distribute, parameter_use, same_rows
 
 
+def override_forward(module: nn.Module, forward) -> None:
+    """Have ``module`` run ``forward`` in place of its class's ``forward``: an instance attribute, which
+    ``nn.Module.__call__`` finds first, so the module keeps its class, hooks and state dict (torch's way to
+    patch one module's forward; Opacus's own wrappers do the same).  Every book-kept forward is installed here
+    and taken away by :func:`plain_forward`, so none is left behind."""
+    module.forward = forward
+
+
+def plain_forward(module: nn.Module, kind: type | None = None) -> None:
+    """``module`` runs its class's ``forward`` again (:func:`override_forward`); with ``kind``, only when its
+    override is a ``kind`` (another wrapper's override stays)."""
+    if kind is None or isinstance(module.__dict__.get("forward"), kind):
+        module.__dict__.pop("forward", None)
+
+
 class _BookKeptOp(torch.autograd.Function):
     """A covered layer's forward with its PyTorch kernel; its backward returns the input gradient
     only (None for the parameters: autograd never forms their summed gradient) and hands the output
@@ -37,7 +52,7 @@ class _BookKeptOp(torch.autograd.Function):
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.save_for_backward(*saved)
-        layer.pending += 1
+        layer.forwarded()
         return out
 
     @staticmethod
@@ -129,14 +144,14 @@ class BookKeptForward:
             return self._shared(x, mode)
         if not rows.known:
             raise provenance.refusal(f"layer {layer.name!r} ({type(module).__name__})", rows)
-        mode.paused += 1
+        mode.pause()
         try:
             if rows.dim == 0 and rows.group == 1:
                 out = _BookKeptOp.apply(layer, None, x, *layer.params.values())
             else:
                 out = self._rows(mode, x, rows)
         finally:
-            mode.paused -= 1
+            mode.resume()
         mode.tags[out] = rows
         return out
 
@@ -173,11 +188,11 @@ class BookKeptForward:
         if isinstance(x, SharedTensor):
             x, roots, batch = x._plain, x._roots, x._batch
             if batch == 0 and x.dim() > 0 and x.shape[0] == 0:  # an empty batch: nothing to attribute
-                mode.paused += 1
+                mode.pause()
                 try:
                     return _BookKeptOp.apply(layer, None, x, *layer.params.values())
                 finally:
-                    mode.paused -= 1
+                    mode.resume()
             if x.dim() > 0 and x.shape[0] == batch and batch > 1 and x.stride(0) == 0:
                 x, expand = x.narrow(0, 0, 1), True  # rows of one value (an expand to the batch)
         elif not x.requires_grad and same_rows(x, x.dim(), batch):
@@ -199,11 +214,11 @@ class BookKeptForward:
                 f"{BK_HINT}"
             )
         source = Source(layer.name, batch)
-        mode.paused += 1
+        mode.pause()
         try:
             out = _BookKeptOp.apply(layer, _SharedUse(source, x, roots, whole), x, *layer.params.values())
         finally:
-            mode.paused -= 1
+            mode.resume()
         shared = SharedTensor.wrap(out, ((out, source),), batch)
         return shared.expand((batch, *tuple(out.shape[1:]))) if expand else shared
 
@@ -244,11 +259,11 @@ class FallbackForward:
             # not tracked; its output has the rows of its first batch input (the module acts per example
             # along its leading dimension: functorch's and Opacus's assumption for a module no rule covers)
             unit.check_rows(mode, args, kwargs)
-            mode.paused += 1
+            mode.pause()
             try:
                 out = type(module).forward(module, *args, **kwargs)
             finally:
-                mode.paused -= 1
+                mode.resume()
             lead = next((t for t, r in zip(tree_flatten((args, kwargs))[0], rows, strict=False) if r is first), None)
             for t in tree_flatten(out)[0]:
                 if torch.is_tensor(t) and lead is not None and t.dim() > 0 and t.shape[0] == lead.shape[0]:

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ...guards.integrity import per_model
 from . import provenance, routing
-from .intercept import BookKeptForward
+from .intercept import BookKeptForward, override_forward, plain_forward
 from .plan import DIRECT_UNIT, Routed, plan_layers
 from .replay import Attribution
 from .rules import Rule, add_into
@@ -61,7 +62,7 @@ class BookKeeper:
         self._handles = []
         self._dropped: torch.Tensor | None = None
         #: the modules' parameters as the rules see them after the backward pass (FSDP2 swaps the unsharded
-        #: tensors back in: engine/distributed/fsdp.py); by default the model's own
+        #: tensors back in: engine/distributed/fsdp.py, :meth:`view_parameters_with`); by default the model's own
         self.parameter_view = contextlib.nullcontext
         self.user_level = None  # user level: rows -> users, norms per user (:meth:`set_user_level`, ..units)
         #: the batch dimension of the model's tensor arguments: 0, or 1 for batch-second (T, B, ...) inputs
@@ -89,6 +90,11 @@ class BookKeeper:
             yield
         finally:
             self.active = active
+
+    def view_parameters_with(self, view) -> None:
+        """Have the rules read the modules' parameters after the backward pass inside ``view()`` (a context
+        manager: FSDP2's unsharded tensors swapped in, ``UnshardedParameters`` of engine/distributed/fsdp.py)."""
+        self.parameter_view = view
 
     def forbid_accumulation_of_batches(self, forbid: bool) -> None:
         """Whether a second forward before the step is refused (Opacus's ``forbid_grad_accumulation``)."""
@@ -141,7 +147,7 @@ class BookKeeper:
                     if routed:  # its own forward runs; the rule applies at the base class's operation
                         self._routes[id(module.weight)] = (routed.fn, routed.pos, forward)
                     else:
-                        module.forward = forward
+                        override_forward(module, forward)
                     params = layer.params
                     for pname, p in params.items():
                         uses.setdefault(id(p), []).append((layer, pname))
@@ -163,7 +169,7 @@ class BookKeeper:
 
     def _unplan(self) -> None:
         for layer in self.layers:
-            layer.module.__dict__.pop("forward", None)
+            plain_forward(layer.module)
         for unit in [*self.units, *self.direct]:
             unit.remove()
         for h in self._handles:
@@ -186,10 +192,8 @@ class BookKeeper:
         planned anew when the model's trainable parameters changed."""
         keeper = model.__dict__.get("_idpsgd_bookkeeper")
         if keeper is None:
-            keeper = cls(model)
-            object.__setattr__(model, "_idpsgd_bookkeeper", keeper)
-        else:
-            keeper.refresh()
+            return per_model(model, "_idpsgd_bookkeeper", cls)
+        keeper.refresh()
         return keeper
 
     def __deepcopy__(self, memo):  # a copied (or pickled) model gets its own book-keeper when it needs one
@@ -217,8 +221,8 @@ class BookKeeper:
                     rows = provenance.BATCH if bd == 0 else provenance.Rows(bd)
                     for t in leaves:  # the loader's batch (batch-first, or batch-second): the tensors of B rows there
                         if int(t.shape[bd]) == batch:
-                            mode.tags[t] = rows
-                    mode.routes, mode.sources, mode.make_source = self._routes, self._sources, self.parameter_source
+                            mode.tag(t, rows)
+                    mode.use_routes(self._routes, self._sources, self.parameter_source)
                 mode.__enter__()
         self._batches.append(batch)
         self._modes.append(mode)

@@ -411,7 +411,7 @@ class Tags:
 
 class ProvenanceMode(TorchFunctionMode):
     """Tags every tensor of the forward computed from the batch with its :class:`Rows` (module docstring).
-    ``paused`` > 0 inside book-kept layers' own kernels (their outputs are tagged by the layer)."""
+    ``paused`` > 0 inside book-kept layers' own kernels (:meth:`pause`: their outputs are tagged by the layer)."""
 
     def __init__(self, batch: int):
         super().__init__()
@@ -427,6 +427,23 @@ class ProvenanceMode(TorchFunctionMode):
     def tag(self, t, rows: Rows | None) -> None:
         if rows is not None and torch.is_tensor(t):
             self.tags[t] = rows
+
+    def use_routes(self, routes: dict, sources: dict, make_source) -> None:
+        """The book-keeper's interception for this forward (:meth:`.keeper.BookKeeper._enter`): ``routes``
+        (id(weight) -> (operation, weight position, book-kept forward)) sends a covered layer's operation met
+        outside its module to the layer's rule; ``sources`` (id(parameter) -> parameter) names the covered
+        parameters that ``make_source(p, batch)`` replaces, used directly, by a value shared by the batch."""
+        self.routes, self.sources, self.make_source = routes, sources, make_source
+
+    def pause(self) -> None:
+        """Tag nothing until :meth:`resume` (a book-kept layer's own kernels, a fallback's forward: the caller
+        tags their outputs); nests.  Callers pair the two in ``try``/``finally`` (a generator context manager
+        would cost several times the pair on every book-kept layer's forward)."""
+        self.paused += 1
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`."""
+        self.paused -= 1
 
     def __enter__(self):
         _STACK.append(self)
@@ -817,12 +834,12 @@ class ProvenanceMode(TorchFunctionMode):
         return Rows(dim, group)
 
     def _rule(self, func, name, args, kwargs, tagged, res):
-        """The rows of ``func``'s result: its family's handler (:data:`_FAMILY_RULES`), else by its name
-        (:meth:`_functional`)."""
-        handler = _FAMILY_RULES.get(func)
-        if handler is not None:
-            return handler(self, func, name, args, kwargs, tagged, res)
-        return self._functional(func, name, args, kwargs, tagged, res)
+        """The rows of ``func``'s result: its family's handler (:data:`_FAMILY_RULES`), else the handler of its
+        name (:data:`_NAMED_RULES`); None (not row by row) for an operation with neither."""
+        handler = _FAMILY_RULES.get(func) or _NAMED_RULES.get(name)
+        if handler is None:
+            return None
+        return handler(self, func, name, args, kwargs, tagged, res)
 
     def _scatter_into_constant(self, func, args, kwargs, x, r, res):
         """``t.scatter_(dim, index, src)`` into a tensor ``t`` not from the batch (Glm4-MoE's router:
@@ -1034,119 +1051,6 @@ class ProvenanceMode(TorchFunctionMode):
                 if t.shape[d] == size > 1 and t.stride(d) != 0 and self._rows_differ(t, d, rows.group):
                     return None
         return Rows(output.index(letter), rows.group)
-
-    def _functional(self, func, name, args, kwargs, tagged, res):
-        x, r = tagged[0]
-        nd = x.dim()
-        only_first = len(tagged) == 1 and args and args[0] is x
-        if name in ("linear",) and only_first:
-            return r if r.dim != nd - 1 else None
-        if name == "addmm" and len(args) > 1 and args[1] is x and len(tagged) == 1:
-            return r if r.dim == 0 else None
-        if name == "baddbmm":  # input + batch1 @ batch2 (a batch of products)
-            got = None
-            pair = (_arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2"))
-            if self.tags.get(pair[0]) is not None or self.tags.get(pair[1]) is not None:
-                got = self._matmul(pair, res)
-                if got is None:
-                    return None
-            ri = self.tags.get(args[0])
-            if ri is not None:
-                ra = self._aligned([(args[0], ri)], res.dim(), res)
-                if ra is None or (got is not None and (ra.dim, ra.group) != (got.dim, got.group)):
-                    return None
-                got = got or ra
-            return got
-        if name == "embedding" and len(tagged) == 1 and args[0] is x:
-            return r
-        if name == "one_hot" and only_first:
-            return r
-        if name in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"):
-            return r if only_first and r.dim == 0 and r.group == 1 else None
-        if name in (
-            "max_pool1d",
-            "max_pool2d",
-            "max_pool3d",
-            "avg_pool1d",
-            "avg_pool2d",
-            "avg_pool3d",
-            "adaptive_avg_pool1d",
-            "adaptive_avg_pool2d",
-            "adaptive_max_pool1d",
-            "adaptive_max_pool2d",
-            "interpolate",
-            "upsample",
-            "fold",
-        ):
-            return r if only_first and r.dim == 0 and r.group == 1 and nd >= 3 else None
-        if name in ("pixel_shuffle", "pixel_unshuffle") or func is F.unfold:  # (N, C, H, W); 3-d: C is the batch
-            return r if only_first and r.dim == 0 and r.group == 1 and nd == 4 else None
-        if name == "unfold" and only_first:  # Tensor.unfold(dimension, size, step): windows along ``dimension``
-            return None if int(_arg(args, kwargs, 1, "dimension")) % nd == r.dim else r
-        if name in ("layer_norm", "rms_norm") and only_first:
-            shape = _arg(args, kwargs, 1, "normalized_shape")
-            k = 1 if isinstance(shape, int) else len(shape)
-            return r if r.dim < nd - k else None
-        if name in ("group_norm", "instance_norm") and only_first:
-            return r if r.dim == 0 and r.group == 1 else None
-        if name == "batch_norm" and only_first:
-            training = _arg(args, kwargs, 5, "training", False)
-            running = _arg(args, kwargs, 1, "running_mean")
-            if training or running is None:
-                return None
-            return r if r.dim != 1 else None
-        if name == "scaled_dot_product_attention":
-            return (
-                self._aligned(tagged, res.dim(), res)
-                if all(t.dim() == res.dim() or t is not x for t, _ in tagged) and r.dim < nd - 2
-                else None
-            )
-        if name in ("pad",) and only_first:
-            pad = list(_arg(args, kwargs, 1, "pad"))
-            k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
-            return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
-        if name in ("tril", "triu", "tril_", "triu_") and only_first:  # the last two dimensions
-            return r if r.dim < nd - 2 else None
-        if name == "diagonal" and only_first:  # (input, offset=0, dim1=0, dim2=1): those two become the last
-            d1, d2 = (int(_arg(args, kwargs, k, n, k - 2)) % nd for k, n in ((2, "dim1"), (3, "dim2")))
-            return None if r.dim in (d1, d2) else r.moved(r.dim - (d1 < r.dim) - (d2 < r.dim))
-        if name in ("gather", "take_along_dim"):
-            return self._gather(func, args, kwargs, res)
-        if name == "einsum":
-            return self._einsum(args, res)
-        if name in FFT and only_first:
-            return _fft_rows(name, args, kwargs, nd, r, res)
-        if name in ("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle") and only_first:
-            return r if res.dim() == nd else None  # elementwise on complex values (FNet: fftn(x).real)
-        if name in ("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter"):
-            dim = int(_arg(args, kwargs, 1, "dim")) % nd
-            if dim == r.dim or args[0] is not x:
-                return None
-            return self._aligned(tagged, res.dim(), res)
-        if name in ("scatter_", "scatter_add_") and args[0] is not x and self.tags.get(args[0]) is None:
-            return self._scatter_into_constant(func, args, kwargs, x, r, res)
-        if name in ("repeat_interleave",):
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
-            return r if dim is not None and int(dim) % nd != r.dim and only_first else None
-        if name == "repeat" and only_first:
-            sizes = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
-            sizes = list(sizes)
-            d = r.dim + len(sizes) - nd
-            return Rows(d, r.group) if sizes[d] == 1 else None
-        if name in (
-            "cross_entropy",
-            "nll_loss",
-            "mse_loss",
-            "l1_loss",
-            "binary_cross_entropy",
-            "binary_cross_entropy_with_logits",
-            "kl_div",
-            "smooth_l1_loss",
-            "huber_loss",
-        ):
-            red = kwargs.get("reduction", "mean")
-            return r if red == "none" and r.dim == 0 else None
-        return None
 
 
 def _einsum_subscripts(equation: str, ranks) -> tuple[list[str], str] | None:
@@ -1363,6 +1267,269 @@ def _getitem(mode, func, name, args, kwargs, tagged, res):
     return mode._index_rows(args[0], args[1], r)
 
 
+# --- the rules of the other operations, by name (:meth:`ProvenanceMode._rule`): one handler for a name or a
+# few (:func:`_named`), the same signature as the families'; a name without a handler is not row by row
+
+
+def _named(*names):
+    """Register the decorated handler as the rule of the operations named ``names`` (:data:`_NAMED_RULES`);
+    a name ruled twice is a mistake of this module, refused at import."""
+
+    def register(handler):
+        for n in names:
+            if n in _NAMED_RULES:
+                raise ValueError(f"provenance: {n!r} has two rules ({_NAMED_RULES[n].__name__}, {handler.__name__})")
+            _NAMED_RULES[n] = handler
+        return handler
+
+    return register
+
+
+#: operation name -> its rows handler, for an operation in no family (:meth:`ProvenanceMode._rule`); read by
+#: ``tests/test_provenance_rules.py``, which checks each such operation against a perturbed example
+_NAMED_RULES: dict = {}
+
+
+def _only_first(args, tagged, x):
+    """Whether the batch reaches the operation through its first argument only."""
+    return len(tagged) == 1 and args and args[0] is x
+
+
+@_named("linear")
+def _linear(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    return r if r.dim != nd - 1 else None
+
+
+@_named("addmm")
+def _addmm(mode, func, name, args, kwargs, tagged, res):  # input + mat1 @ mat2, the batch in mat1
+    x, r, _ = _first(tagged)
+    if len(args) > 1 and args[1] is x and len(tagged) == 1:
+        return r if r.dim == 0 else None
+    return None
+
+
+@_named("baddbmm")
+def _baddbmm(mode, func, name, args, kwargs, tagged, res):  # input + batch1 @ batch2 (a batch of products)
+    got = None
+    pair = (_arg(args, kwargs, 1, "batch1"), _arg(args, kwargs, 2, "batch2"))
+    if mode.tags.get(pair[0]) is not None or mode.tags.get(pair[1]) is not None:
+        got = mode._matmul(pair, res)
+        if got is None:
+            return None
+    ri = mode.tags.get(args[0])
+    if ri is not None:
+        ra = mode._aligned([(args[0], ri)], res.dim(), res)
+        if ra is None or (got is not None and (ra.dim, ra.group) != (got.dim, got.group)):
+            return None
+        got = got or ra
+    return got
+
+
+@_named("embedding")
+def _embedding(mode, func, name, args, kwargs, tagged, res):
+    x, r, _ = _first(tagged)
+    return r if len(tagged) == 1 and args[0] is x else None
+
+
+@_named("one_hot")
+def _one_hot(mode, func, name, args, kwargs, tagged, res):
+    x, r, _ = _first(tagged)
+    return r if _only_first(args, tagged, x) else None
+
+
+@_named("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+def _conv(mode, func, name, args, kwargs, tagged, res):
+    x, r, _ = _first(tagged)
+    return r if _only_first(args, tagged, x) and r.dim == 0 and r.group == 1 else None
+
+
+@_named(
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "interpolate",
+    "upsample",
+    "fold",
+)
+def _pool(mode, func, name, args, kwargs, tagged, res):  # (N, C, *spatial): the batch first, unbatched refused
+    x, r, nd = _first(tagged)
+    return r if _only_first(args, tagged, x) and r.dim == 0 and r.group == 1 and nd >= 3 else None
+
+
+def _pixels(x, r, nd, args, tagged):  # (N, C, H, W); 3-d: C is the batch
+    return r if _only_first(args, tagged, x) and r.dim == 0 and r.group == 1 and nd == 4 else None
+
+
+@_named("pixel_shuffle", "pixel_unshuffle")
+def _pixel_shuffle(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    return _pixels(x, r, nd, args, tagged)
+
+
+@_named("unfold")
+def _unfold(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if func is F.unfold:  # im2col of (N, C, H, W), as pixel_shuffle
+        return _pixels(x, r, nd, args, tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    # Tensor.unfold(dimension, size, step): windows along ``dimension``
+    return None if int(_arg(args, kwargs, 1, "dimension")) % nd == r.dim else r
+
+
+@_named("layer_norm", "rms_norm")
+def _layer_norm(mode, func, name, args, kwargs, tagged, res):  # over the last len(normalized_shape) dimensions
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    k = 1 if isinstance(shape, int) else len(shape)
+    return r if r.dim < nd - k else None
+
+
+@_named("group_norm", "instance_norm")
+def _group_norm(mode, func, name, args, kwargs, tagged, res):  # each sample of dimension 0 on its own
+    x, r, _ = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    return r if r.dim == 0 and r.group == 1 else None
+
+
+@_named("batch_norm")
+def _batch_norm(mode, func, name, args, kwargs, tagged, res):  # row by row only with running statistics
+    x, r, _ = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    training = _arg(args, kwargs, 5, "training", False)
+    running = _arg(args, kwargs, 1, "running_mean")
+    if training or running is None:
+        return None
+    return r if r.dim != 1 else None
+
+
+@_named("scaled_dot_product_attention")
+def _attention(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    return (
+        mode._aligned(tagged, res.dim(), res)
+        if all(t.dim() == res.dim() or t is not x for t, _ in tagged) and r.dim < nd - 2
+        else None
+    )
+
+
+@_named("pad")
+def _pad(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    pad = list(_arg(args, kwargs, 1, "pad"))
+    k = nd - 1 - r.dim  # the pair of the batch dimension, counted from the last
+    return r if len(pad) < 2 * k + 2 or pad[2 * k] == pad[2 * k + 1] == 0 else None
+
+
+@_named("tril", "triu", "tril_", "triu_")
+def _triangle(mode, func, name, args, kwargs, tagged, res):  # the last two dimensions
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    return r if r.dim < nd - 2 else None
+
+
+@_named("diagonal")
+def _diagonal(mode, func, name, args, kwargs, tagged, res):  # (input, offset=0, dim1=0, dim2=1): those two last
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    d1, d2 = (int(_arg(args, kwargs, k, n, k - 2)) % nd for k, n in ((2, "dim1"), (3, "dim2")))
+    return None if r.dim in (d1, d2) else r.moved(r.dim - (d1 < r.dim) - (d2 < r.dim))
+
+
+@_named("gather", "take_along_dim")
+def _gather(mode, func, name, args, kwargs, tagged, res):
+    return mode._gather(func, args, kwargs, res)
+
+
+@_named("einsum")
+def _einsum(mode, func, name, args, kwargs, tagged, res):
+    return mode._einsum(args, res)
+
+
+@_named(*FFT)
+def _fft(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    return _fft_rows(name, args, kwargs, nd, r, res) if _only_first(args, tagged, x) else None
+
+
+@_named("real", "imag", "conj", "conj_physical", "resolve_conj", "resolve_neg", "angle")
+def _complex(mode, func, name, args, kwargs, tagged, res):  # elementwise on complex values (FNet: fftn(x).real)
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    return r if res.dim() == nd else None
+
+
+@_named("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter")
+def _scatter(mode, func, name, args, kwargs, tagged, res):  # into the batch's tensor, along another dimension
+    x, r, nd = _first(tagged)
+    dim = int(_arg(args, kwargs, 1, "dim")) % nd
+    if dim == r.dim or args[0] is not x:
+        return None
+    return mode._aligned(tagged, res.dim(), res)
+
+
+@_named("scatter_", "scatter_add_")
+def _scatter_into(mode, func, name, args, kwargs, tagged, res):  # in place, into a tensor not from the batch
+    x, r, _ = _first(tagged)
+    if args[0] is not x and mode.tags.get(args[0]) is None:
+        return mode._scatter_into_constant(func, args, kwargs, x, r, res)
+    return None
+
+
+@_named("repeat_interleave")
+def _repeat_interleave(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    return r if dim is not None and int(dim) % nd != r.dim and _only_first(args, tagged, x) else None
+
+
+@_named("repeat")
+def _repeat(mode, func, name, args, kwargs, tagged, res):
+    x, r, nd = _first(tagged)
+    if not _only_first(args, tagged, x):
+        return None
+    sizes = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+    sizes = list(sizes)
+    d = r.dim + len(sizes) - nd
+    return Rows(d, r.group) if sizes[d] == 1 else None
+
+
+@_named(
+    "cross_entropy",
+    "nll_loss",
+    "mse_loss",
+    "l1_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "kl_div",
+    "smooth_l1_loss",
+    "huber_loss",
+)
+def _loss(mode, func, name, args, kwargs, tagged, res):  # per example only unreduced, the batch first
+    _, r, _ = _first(tagged)
+    red = kwargs.get("reduction", "mean")
+    return r if red == "none" and r.dim == 0 else None
+
+
 #: the families of operations by function, in the order they are tried (a function in two families
 #: takes the first), then the handler of each: :data:`_FAMILY_RULES`
 _FAMILIES = (
@@ -1379,7 +1546,7 @@ _FAMILIES = (
     (GETITEM, _getitem),
 )
 #: function -> its rows handler (:meth:`ProvenanceMode._rule`); an operation in no family is ruled by its
-#: name (:meth:`ProvenanceMode._functional`).  Private: ``tests/test_provenance_rules.py`` checks every public
+#: name (:data:`_NAMED_RULES`).  Private: ``tests/test_provenance_rules.py`` checks every public
 #: table of functions, and these are the families' tables above.
 _FAMILY_RULES: dict = {f: handler for funcs, handler in reversed(_FAMILIES) for f in funcs}  # the first family wins
 

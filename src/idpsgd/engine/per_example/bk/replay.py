@@ -119,10 +119,11 @@ class TracingMode(ProvenanceMode):
     queries of the keeper and of the shared values with their answers (:attr:`tags`), and the decisions that
     make a replay of this forward unsafe (:attr:`decisions`, module docstring)."""
 
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, signature: tuple | None = None):
         super().__init__(batch)
         self.tags = _RecordingTags()
         self.decisions: list[str] = []
+        self.signature = signature  # the forward's (:func:`signature`), under which its plan is kept
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -171,25 +172,20 @@ class TracingMode(ProvenanceMode):
                     return f"a covered layer's parameter used directly in {op_name(func)!r} (needs the interception)"
         return None
 
-    @property
-    def make_source(self):
-        return self._make_source
-
-    @make_source.setter
-    def make_source(self, fn) -> None:
-        """The keeper's ``parameter_source``, recorded as a decision when the keeper calls it (a covered parameter
-        fed to a layer becomes a value shared by the batch: a replay could not do that)."""
-        if fn is None:
-            self._make_source = None
+    def use_routes(self, routes: dict, sources: dict, make_source) -> None:
+        """As the provenance mode's, with the keeper's ``parameter_source`` recorded as a decision when the keeper
+        calls it (a covered parameter fed to a layer becomes a value shared by the batch: a replay cannot)."""
+        if make_source is None:
+            super().use_routes(routes, sources, None)
             return
 
         def recorded(*args, **kwargs):
             # from the mode's own substitution: a decision only where the operation returns a tensor (_interception)
             if not self.decisions and sys._getframe(1).f_globals.get("__name__") != _PROVENANCE:
                 self.decisions.append("a covered layer's parameter fed to a layer (needs the interception)")
-            return fn(*args, **kwargs)
+            return make_source(*args, **kwargs)
 
-        self._make_source = recorded
+        super().use_routes(routes, sources, recorded)
 
     def _rows_differ(self, t, d, group) -> bool:
         if not self.decisions:
@@ -234,14 +230,21 @@ class ReplayMode:
     """Stands in for the provenance mode on its stack (:func:`~.provenance.current`) during a replayed forward:
     intercepts no operation; answers the queries from the plan (:class:`_ReplayTags`)."""
 
-    def __init__(self, batch: int, plan: list, owner: Attribution):
-        self.batch, self.paused = batch, 0
-        self.routes: dict = {}
+    def __init__(self, batch: int, plan: list, owner: Attribution, signature: tuple | None = None):
+        self.batch = batch
+        self.routes: dict = {}  # no interception: a forward that needs it is traced (module docstring)
         self.sources: dict = {}
         self.make_source = None
         self.tags = _ReplayTags(plan, owner)
+        self.signature = signature
 
     def tag(self, t, rows) -> None:
+        pass
+
+    def pause(self) -> None:  # as the provenance mode's: nothing is tagged anyway
+        pass
+
+    def resume(self) -> None:
         pass
 
     def __enter__(self):
@@ -315,17 +318,14 @@ class Attribution:
         held = self.plans.get(key)
         if held is not None and held[1] < RETRACE_EVERY:
             held[1] += 1
-            mode = ReplayMode(batch, held[0], self)
-        else:
-            mode = TracingMode(batch)
-        mode.signature = key
-        return mode
+            return ReplayMode(batch, held[0], self, key)
+        return TracingMode(batch, key)
 
     def close(self, mode) -> None:
         """After the forward (also after one that raised: then nothing is recorded): store the trace's plan, or
         check that the replay asked every query of its plan."""
         failed = sys.exc_info()[0] is not None
-        key = getattr(mode, "signature", None)
+        key = mode.signature
         if isinstance(mode, ReplayMode):
             self.status = "replayed"
             if not failed and mode.tags.at != len(mode.tags.plan):

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from . import provenance
+from .intercept import override_forward, plain_forward
 from .rules import same_code
 
 
@@ -97,11 +98,11 @@ class RowMapForward:
         )
         if not aligned:
             return type(module).forward(module, *args, **kwargs)
-        mode.paused += 1
+        mode.pause()
         try:
             out = type(module).forward(module, *args, **kwargs)
         finally:
-            mode.paused -= 1
+            mode.resume()
         mode.tags[out] = first
         return out
 
@@ -147,12 +148,11 @@ def install(keeper, model: nn.Module) -> list[nn.Module]:
     out = []
     for m in model.modules():
         if "forward" not in m.__dict__ and not any(p.requires_grad for p in m.parameters()) and is_row_map(m):
-            m.forward = RowMapForward(keeper, m)
+            override_forward(m, RowMapForward(keeper, m))
             out.append(m)
     return out
 
 
 def remove(modules) -> None:
     for m in modules:
-        if isinstance(m.__dict__.get("forward"), RowMapForward):
-            del m.__dict__["forward"]
+        plain_forward(m, RowMapForward)

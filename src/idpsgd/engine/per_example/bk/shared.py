@@ -380,7 +380,7 @@ def _per_example(func, flat, plain, spec, first):
         )
     if rows is provenance.SHARED or rows.dim >= out.dim() or out.shape[rows.dim] != batch * rows.group:
         return None
-    info.rows = rows
+    info.settle(rows)
     return out
 
 
@@ -392,12 +392,16 @@ def kwargs_of(spec, plain) -> dict:
 class _PerExampleInfo:
     """What :class:`_PerExample` needs: the call (``func``, its arguments flattened as ``plain`` with their
     ``spec``), the batch operands' (position, rows), the shared operands' (position, sources), the batch size
-    and (set after the forward) the result's rows."""
+    and (known after the forward: :meth:`settle`) the result's rows."""
 
     def __init__(self, func, spec, plain, tagged, values, batch):
         self.func, self.spec, self.plain = func, spec, plain
         self.tagged, self.values, self.batch = tagged, values, batch
         self.rows = None
+
+    def settle(self, rows) -> None:
+        """The result's rows, once the forward ran (the backward reads each example's rows of its gradient there)."""
+        self.rows = rows
 
     def call(self, leaves):
         a, kw = tree_unflatten(leaves, self.spec)

@@ -24,7 +24,7 @@ from ..autograd import functorch_refuses, per_example_autograd
 from ..machinery import guard
 from ..output_hooks import first_needing_grad, own_output, refuse_later_outputs
 from . import provenance
-from .intercept import DirectForward, FallbackForward
+from .intercept import DirectForward, FallbackForward, override_forward, plain_forward
 from .rules import acc, add_into
 from .shared import BK_HINT
 
@@ -55,23 +55,6 @@ def _drop_rows(t, mask: torch.Tensor):
     return t.masked_fill(mask.view((-1,) + (1,) * (t.dim() - 1)), 0)
 
 
-def per_example_sink(part, name: str):
-    """Where the per-example gradients (B, …) of ``part``'s parameter ``name`` go when it is used as a value
-    shared by the batch: added into ``part.grad_sample`` (one batch size per step)."""
-
-    def add(g):
-        n = int(g.shape[0])
-        if part.batch is not None and n != part.batch:
-            raise ValueError(
-                f"layer {part.name!r} saw batches of different sizes (private: not shown) before "
-                f"optimizer.step(); {ACCUMULATION_ERROR}"
-            )
-        part.batch = n
-        add_into(part.grad_sample, {name: g.reshape((n, *tuple(part.params[name].shape)))})
-
-    return add
-
-
 class Unit(Protocol):
     """What the book-keeper (:class:`~.keeper.BookKeeper`) calls on each unit it keeps per module: a covered
     :class:`Layer`, a :class:`FallbackUnit` or a :class:`DirectUnit`."""
@@ -99,6 +82,9 @@ class Unit(Protocol):
     def drop(self, mask: torch.Tensor) -> None:
         """Zero what the pass kept for the examples in ``mask`` (their gradients overflowed)."""
 
+    def regroup(self, sum_rows: Callable, num_users: int, regroup_use: Callable | None = None) -> None:
+        """What the pass kept, by user instead of by row (user level: ``engine/clipping/users.py``)."""
+
 
 class _PerExampleGradients:
     """What the units share: per-example gradients kept as ``grad_sample`` {name: (B, *shape)}, their norms,
@@ -115,8 +101,19 @@ class _PerExampleGradients:
     def sink(self, name: str):
         """Where the per-example gradients of parameter ``name`` go when it is used as a value shared by the
         batch (:meth:`~.keeper.BookKeeper.parameter_source`, :class:`~.intercept.FallbackForward`,
-        :class:`~.intercept.DirectForward`)."""
-        return per_example_sink(self, name)
+        :class:`~.intercept.DirectForward`): added into ``grad_sample`` (one batch size per step)."""
+
+        def add(g):
+            n = int(g.shape[0])
+            if self.batch is not None and n != self.batch:
+                raise ValueError(
+                    f"layer {self.name!r} saw batches of different sizes (private: not shown) before "
+                    f"optimizer.step(); {ACCUMULATION_ERROR}"
+                )
+            self.batch = n
+            add_into(self.grad_sample, {name: g.reshape((n, *tuple(self.params[name].shape)))})
+
+        return add
 
     def norm_sq(self):
         if not self.grad_sample:
@@ -128,6 +125,13 @@ class _PerExampleGradients:
 
     def drop(self, mask: torch.Tensor) -> None:
         self.grad_sample = {k: _drop_rows(v, mask) for k, v in self.grad_sample.items()}
+
+    def regroup(self, sum_rows, num_users: int, regroup_use=None) -> None:
+        """What the pass kept, by user instead of by row, in place (exact: a user's gradient is the sum of its
+        rows'): the per-example gradients summed by ``sum_rows`` ((rows, ...) -> (users, ...)); ``num_users`` the
+        batch from then on.  ``regroup_use`` is for a covered layer's ghost records (:meth:`Layer.regroup`)."""
+        self.grad_sample = {k: sum_rows(acc(v)) for k, v in self.grad_sample.items()}
+        self.batch = num_users
 
 
 class Layer(_PerExampleGradients):
@@ -147,6 +151,10 @@ class Layer(_PerExampleGradients):
         self.grad_sample: dict = {}  # per-example gradients summed over the per-sample uses
         self.batch: int | None = None
         self.pending = self.completed = 0
+
+    def forwarded(self) -> None:
+        """One more forward of the layer whose backward (:meth:`record`) is still to come."""
+        self.pending += 1
 
     def record(self, saved, g) -> None:
         n = self.rule.batch_size(saved)
@@ -203,6 +211,24 @@ class Layer(_PerExampleGradients):
         self.uses = [(tuple(_drop_rows(t, mask) for t in saved), _drop_rows(g, mask)) for saved, g in self.uses]
         super().drop(mask)
 
+    def regroup(self, sum_rows, num_users: int, regroup_use=None) -> None:
+        """As every unit's (:meth:`_PerExampleGradients.regroup`), its records first: with ``regroup_use``
+        (Linear and Embedding on the ghost path: a user's rows become one longer sequence) each record, the
+        deferred ones too, becomes a user's, so the ghost norm, the ghost cross terms of tied parameters and the
+        ghost clipped sum apply to users as they are; without, every record becomes per-example gradients first."""
+        if regroup_use is not None:
+            records = [*self.uses, *self.deferred]
+            self.uses = [regroup_use(saved, g) for saved, g in records]
+            self.deferred = []
+        else:
+            for saved, g in self.deferred:
+                add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
+            self.deferred = []
+            for saved, g in self.uses:
+                add_into(self.grad_sample, self.rule.per_sample(self.module, saved, g))
+            self.uses = []
+        super().regroup(sum_rows, num_users)
+
 
 class FallbackUnit(_PerExampleGradients):
     """A module no rule covers: Opacus's per-sample gradients for it (registered grad sampler for its
@@ -221,7 +247,7 @@ class FallbackUnit(_PerExampleGradients):
         self.activations: list = []
         self._skip_capture = False
         if whole:
-            module.forward = FallbackForward(self)
+            override_forward(module, FallbackForward(self))
         self.handles = [module.register_forward_hook(self._capture, with_kwargs=True)]
         self.clear()
 
@@ -353,7 +379,7 @@ class FallbackUnit(_PerExampleGradients):
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        self.module.__dict__.pop("forward", None)
+        plain_forward(self.module)
 
 
 def _group(rows) -> int | None:
@@ -410,7 +436,7 @@ class DirectUnit(_PerExampleGradients):
     def __init__(self, keeper, name: str, module: nn.Module):
         self.keeper, self.name, self.module = keeper, name, module
         self.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        module.forward = DirectForward(self)
+        override_forward(module, DirectForward(self))
         self.clear()
 
     def clear(self) -> None:
@@ -421,4 +447,4 @@ class DirectUnit(_PerExampleGradients):
         return super().norm_sq() if self.batch else None  # an empty batch's sink: nothing to norm
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        plain_forward(self.module)
