@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 import runpy
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,9 +47,11 @@ def run_example(script: Path, cwd: Path, *args: str) -> str:
 
 def run_example_here(script: Path, cwd: Path, *args: str) -> str:
     """The script as ``__main__`` in this process, from ``cwd``, with the tiny setting; its stdout.  What it
-    changes in the process is put back: the working folder, argv, the environment, the warning filters,
-    torch's global random state and thread count (the next test file on this worker sees none of it)."""
+    changes in the process is put back: the working folder, argv, the environment, the warning filters, the
+    global random states of torch, numpy and ``random`` (transformers' Trainer seeds all three), torch's thread
+    count (the next test file on this worker sees none of it)."""
     saved = (os.getcwd(), sys.argv, os.environ.copy(), torch.get_num_threads())
+    states = (np.random.get_state(), random.getstate())  # noqa: NPY002 (the legacy global state, put back)
     out = io.StringIO()
     try:
         os.chdir(cwd)
@@ -61,6 +65,8 @@ def run_example_here(script: Path, cwd: Path, *args: str) -> str:
         os.environ.clear()
         os.environ.update(saved[2])
         torch.set_num_threads(saved[3])
+        np.random.set_state(states[0])  # noqa: NPY002
+        random.setstate(states[1])
     return out.getvalue()
 
 
