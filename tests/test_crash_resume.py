@@ -1,10 +1,12 @@
 """Runs that cannot be half-written: SIGKILL at several points, then --resume, gives exactly the
-uninterrupted run; checkpoints load without running code (weights_only=True)."""
+uninterrupted run; checkpoints load without running code (weights_only=True).  The killed runs are
+processes of their own (a real SIGKILL); the uninterrupted run and the final resume run in this process."""
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -33,7 +35,9 @@ ARGS = [
 
 
 def _run(out, *extra, kill=None, validate="0"):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    """The CLI in a fresh process (killed by ``IDPSGD_TEST_KILL``), with this process's torch thread count
+    (the same float reductions as :func:`_run_here`)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     env.pop("IDPSGD_TEST_KILL", None)
     if kill:
         env["IDPSGD_TEST_KILL"] = kill
@@ -46,16 +50,23 @@ def _run(out, *extra, kill=None, validate="0"):
     )
 
 
+def _run_here(out, *extra, validate="0"):
+    """The same command in this process (a run that is not killed needs no process of its own: a fresh
+    interpreter's imports were most of a run's time); its exit code."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return main([*ARGS, "--validate-subset", validate, "--out", str(out), *extra])
+
+
 def _kill_and_resume_is_exact(tmp_path, kills, validate):
-    full = _run(tmp_path / "full", validate=validate)
-    assert full.returncode == 0, full.stderr
+    assert "IDPSGD_TEST_KILL" not in os.environ
+    assert _run_here(tmp_path / "full", validate=validate) == 0
     cut = tmp_path / "cut"
     for kill in kills:
         proc = _run(cut, "--resume", kill=kill, validate=validate)
         assert proc.returncode == -9, (kill, proc.stderr)
         assert not list(cut.glob("report.json")) or kill.startswith("individual")
-    done = _run(cut, "--resume", validate=validate)
-    assert done.returncode == 0, done.stderr
+    assert _run_here(cut, "--resume", validate=validate) == 0
     for name in ("private/ledger.csv", "private/individual_epsilons.csv", "private/history.json"):
         assert (cut / name).read_bytes() == (tmp_path / "full" / name).read_bytes(), name
     reports = [json.loads((d / "report.json").read_text()) for d in (tmp_path / "full", cut)]

@@ -1,16 +1,26 @@
-"""Every script in examples/ runs in its tiny setting (``IDPSGD_EXAMPLE_TINY=1``), as a user runs it:
-a fresh process from an empty folder.  A script added to examples/ is picked up by the glob."""
+"""Every script in examples/ runs in its tiny setting (``IDPSGD_EXAMPLE_TINY=1``) from an empty folder, as
+a user runs it.  The default suite runs each script as ``__main__`` in the test's process (``runpy``; a
+fresh interpreter's imports of torch, opacus and transformers were most of each run's time); the slow suite
+runs the same tests in a fresh process each (the script changed back to Opacus always runs in one).  A
+script added to examples/ is picked up by the glob."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import random
 import re
+import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -21,6 +31,7 @@ OPACUS_LINES = (
 
 
 def run_example(script: Path, cwd: Path, *args: str) -> str:
+    """The script in a fresh process (as a user runs it); its stdout."""
     env = {
         **os.environ,
         "IDPSGD_EXAMPLE_TINY": "1",
@@ -32,6 +43,38 @@ def run_example(script: Path, cwd: Path, *args: str) -> str:
     )
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def run_example_here(script: Path, cwd: Path, *args: str) -> str:
+    """The script as ``__main__`` in this process, from ``cwd``, with the tiny setting; its stdout.  What it
+    changes in the process is put back: the working folder, argv, the environment, the warning filters, the
+    global random states of torch, numpy and ``random`` (transformers' Trainer seeds all three), torch's thread
+    count (the next test file on this worker sees none of it)."""
+    saved = (os.getcwd(), sys.argv, os.environ.copy(), torch.get_num_threads())
+    states = (np.random.get_state(), random.getstate())  # noqa: NPY002 (the legacy global state, put back)
+    out = io.StringIO()
+    try:
+        os.chdir(cwd)
+        sys.argv = [str(script), *args]
+        os.environ["IDPSGD_EXAMPLE_TINY"] = "1"
+        with torch.random.fork_rng(), warnings.catch_warnings(), contextlib.redirect_stdout(out):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        os.chdir(saved[0])
+        sys.argv = saved[1]
+        os.environ.clear()
+        os.environ.update(saved[2])
+        torch.set_num_threads(saved[3])
+        np.random.set_state(states[0])  # noqa: NPY002
+        random.setstate(states[1])
+    return out.getvalue()
+
+
+# in this process by default; in a fresh one in the slow suite (the process a user starts)
+RUNNERS = [
+    pytest.param(run_example_here, id="here"),
+    pytest.param(run_example, id="fresh", marks=pytest.mark.slow),
+]
 
 
 def _check_run_folder(run: Path, out: str) -> None:
@@ -78,14 +121,17 @@ def test_examples_are_there():
     assert {"cnn_image_files", "csv_budget_column", "text_transformer", "opacus_port"} <= {p.stem for p in EXAMPLES}
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs_tiny(script, tmp_path):
-    out = run_example(script, tmp_path)
+def test_example_runs_tiny(script, runner, tmp_path):
+    out = runner(script, tmp_path)
     if script.stem in CHECKS:
         CHECKS[script.stem](out, tmp_path)
 
 
 def test_opacus_port_runs_on_opacus_with_the_two_lines_changed_back(tmp_path):
+    """In a fresh process in the default suite too: importing idpsgd registers its own convolution and
+    Embedding grad samplers in Opacus's tables, so only a process that never imported idpsgd runs Opacus."""
     code = (ROOT / "examples" / "opacus_port.py").read_text()
     assert code.count("IndividualizedPrivacyEngine") == 2 and code.count("  # changed: ") == 2
     for ours, theirs in OPACUS_LINES:
@@ -98,6 +144,7 @@ def test_opacus_port_runs_on_opacus_with_the_two_lines_changed_back(tmp_path):
     assert out.strip().splitlines()[-1].startswith("epoch 1:") and "epsilon 3.00" in out
 
 
-def test_opacus_port_with_per_class_budgets(tmp_path):
-    out = run_example(ROOT / "examples" / "opacus_port.py", tmp_path, "--per-class-budgets")
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_opacus_port_with_per_class_budgets(runner, tmp_path):
+    out = runner(ROOT / "examples" / "opacus_port.py", tmp_path, "--per-class-budgets")
     assert "budget  examples    epsilon" in out and "the loosest group's" in out
