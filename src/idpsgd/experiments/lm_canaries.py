@@ -11,7 +11,7 @@ canary format's public words (never on a secret).
 seed derived from ``--seed`` — the same public starting point for every run.
 
 **Runs.**  Three budget groups (``--budgets``, default ε = 1, 8, 64, a third of the rows each;
-δ = 1e-5) with ``canaries`` secret canaries per group (default 32), each included with probability
+δ = 1e-5) with ``canaries`` secret canaries per group (default 64), each included with probability
 1/2 (held-out ones are null rows).  A canary is ``"⟨context⟩ my code is ⟨3 random digits⟩"``
 (|R| = 10^3), each under a public context word of its own (``--no-contexts``: one shared prefix — then
 the canaries compete for one next-digit distribution and the model learns their mixture) and
@@ -183,7 +183,7 @@ def run_lm_canaries(
     rows: int = 300,
     budgets: str = BUDGETS,
     method: str = "scale",
-    canaries: int = 32,
+    canaries: int = 64,
     digits: int = 3,
     contexts: bool = True,
     repeats: int = 4,
