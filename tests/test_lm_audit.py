@@ -401,6 +401,59 @@ def test_audit_command_at_user_level_a_canary_is_a_users_row(model_dir, tmp_path
     assert r["lm_audit"]["audit_passed"]
 
 
+@pytest.mark.filterwarnings(SPARSE)
+def test_audit_command_canary_contexts_and_repeats_flags(tok, tmp_path, capsys):
+    """--canary-contexts: every canary opens with a context word of its own (ranked under it: exact, as the
+    library test above checks); --canary-repeats 2 at user level: each canary is 2 rows of a new user of its
+    own.  Refused with exit 2 and the value named: repeats at example level or below 1, either flag without
+    --data, and contexts with a tokenizer that maps the context words to one token (before training, here and
+    in the Trainer path's add_canaries)."""
+    ctx = CanaryFormat("my code is", 3, contexts=True)
+    folder = tmp_path / "ctx-model"
+    t = word_tokenizer([*_lines(200), ctx.alphabet_text(8)])
+    _gpt2(t).save_pretrained(folder)
+    t.save_pretrained(folder)
+    data = _data_file(tmp_path / "u.jsonl", users=True)
+    out = tmp_path / "out"
+    flags = ("--user-column", "user", "--canary-contexts", "--canary-repeats", "2", "--json")
+    assert main(_argv(folder, data, out, *flags)) == 0
+    r = json.loads(capsys.readouterr().out)
+    fmt = r["lm_audit"]["canary_format"]
+    assert fmt["contexts"] and fmt["repeats"] == 2 and r["privacy_unit"] == "user"
+    assert [g["count"] for g in r["groups"]] == [12, 12]  # 8 users + 4 canary users per group
+    rows = _csv(out / "private" / "canaries.csv")
+    assert [row["text"].split()[0] for row in rows] == [ctx.context(i) for i in range(8)]
+    assert all(row["text"].split()[1:4] == ["my", "code", "is"] for row in rows)
+    assert len({row["user"] for row in rows}) == 8 and r["lm_audit"]["audit_passed"]
+    cases = [
+        ((str(folder), data, ("--canary-repeats", "2")), "repeated canaries need user level"),
+        ((str(folder), data, ("--user-column", "user", "--canary-repeats", "0")), "--canary-repeats=0"),
+    ]
+    for (model, d, extra), message in cases:
+        assert main(_argv(model, d, tmp_path / "x", *extra)) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit) as exit_:
+        main(_argv(folder, data, tmp_path / "x", "--canary-repeats", "x"))
+    assert exit_.value.code == 2 and "--canary-repeats='x' is invalid" in capsys.readouterr().err
+    plain = tmp_path / "plain-model"  # the module's tokenizer: no context word, all of them [UNK]
+    _gpt2(tok).save_pretrained(plain)
+    tok.save_pretrained(plain)
+    assert main(_argv(plain, data, tmp_path / "x", "--canary-contexts")) == 2
+    assert "context words of the canary format" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not (tmp_path / "x" / "model").exists()  # refused before training
+    import datasets
+
+    from idpsgd.audit.lm_training import add_canaries
+
+    one = datasets.Dataset.from_dict({"input_ids": [[3, 4]], "epsilon": [1.0]})
+    with pytest.raises(InvalidParameterError, match="context words"):  # the Trainer path: before training too
+        add_canaries(one, draw_canaries([1.0], 2, ctx, seed=0), tok)
+    for extra in (("--canary-contexts",), ("--canary-repeats", "2")):
+        argv = ["audit", "--method", "sample", "--budgets", "1", "--fractions", "1", "--out", str(tmp_path / "z")]
+        assert main([*argv, *extra]) == 2
+        assert "give --data FILE" in capsys.readouterr().err
+
+
 def test_audit_command_refuses_what_the_language_model_audit_cannot_honour(model_dir, tmp_path, capsys):
     data = _data_file(tmp_path / "d.jsonl")
     cases = [
