@@ -633,12 +633,15 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-#: measured (docs/reproducing.md): at seed 2 the private groups' mean ranks are 21.7 / 23.9 / 23.7 (ε = 64 not above 8)
-NOT_ROBUST = "issue 52's done-when does not hold at this seed yet (docs/reproducing.md, 'Seeds 1 and 2')"
+#: measured (docs/reproducing.md, 64 canaries per group): the ε = 1 and ε = 8 groups leak nothing measurable, so
+#: their order is chance: mean ranks 38.7 / 38.4 / 52.5 at seed 1, 48.0 / 45.3 / 64.6 at seed 2 (and seeds 3, 4)
+NOT_ROBUST = "issue 52's ordering does not hold at this seed: ε = 1 and 8 are indistinguishable (docs/reproducing.md)"
 
 
-@pytest.mark.slow  # the reproduction's defaults: about 6 min of CPU per seed (measured under heavy load)
-@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST))])
+@pytest.mark.slow  # the reproduction's defaults: about 9 min of CPU per seed (measured under heavy load)
+@pytest.mark.parametrize(
+    "seed", [0, *(pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST)) for s in (1, 2))]
+)
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
     exposure far above every private group's (its median at least 3 bits above every private median), every
