@@ -592,18 +592,18 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert corpus == stdlib_docstring_corpus(40)  # deterministic
     out = tmp_path / "rep"
     argv = ["reproduce", "lm-canaries", "--rows", "60", "--canaries", "3", "--digits", "3", "--epochs", "2",
-            "--batch-size", "8", "--budgets", "2,4,8", "--width", "16", "--layers", "1", "--seed", "0",
+            "--batch-size", "8", "--width", "16", "--layers", "1", "--seed", "0",
             "--no-progress", "--out", str(out), "--json"]  # fmt: skip
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3
+    assert r["budgets"] == [1.0, 128.0, 1024.0] and r["canaries_per_group"] == 3  # the default budgets
     # the defaults' design: every canary under a context word of its own, 4 rows of a canary user (user level)
     assert (
         r["level"] == "user" and r["canary_repeats"] == 4 and r["private_run"]["lm_audit"]["canary_format"]["contexts"]
     )
     assert r["baseline_steps"] == r["private_run"]["steps"]  # the baseline trains as many steps
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
-    assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [2.0, 4.0, 8.0]
+    assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [1.0, 128.0, 1024.0]
     assert all(g["reported_epsilon"] <= g["budget"] * (1 + 1e-9) for g in a["groups"])
     assert all(g["reported_epsilon"] is None and g["verdict"] == "not private" for g in b["groups"])
     assert set(r["checks"]) == {
@@ -633,15 +633,8 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-#: measured (docs/reproducing.md, 64 canaries per group): the ε = 1 and ε = 8 groups leak nothing measurable, so
-#: their order is chance: mean ranks 38.7 / 38.4 / 52.5 at seed 1, 48.0 / 45.3 / 64.6 at seed 2 (and seeds 3, 4)
-NOT_ROBUST = "issue 52's ordering does not hold at this seed: ε = 1 and 8 are indistinguishable (docs/reproducing.md)"
-
-
-@pytest.mark.slow  # the reproduction's defaults: about 9 min of CPU per seed (measured under heavy load)
-@pytest.mark.parametrize(
-    "seed", [0, *(pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST)) for s in (1, 2))]
-)
+@pytest.mark.slow  # the reproduction's defaults: about 10.5 min of CPU per seed (measured under load)
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
     exposure far above every private group's (its median at least 3 bits above every private median), every
