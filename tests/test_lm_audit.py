@@ -401,6 +401,59 @@ def test_audit_command_at_user_level_a_canary_is_a_users_row(model_dir, tmp_path
     assert r["lm_audit"]["audit_passed"]
 
 
+@pytest.mark.filterwarnings(SPARSE)
+def test_audit_command_canary_contexts_and_repeats_flags(tok, tmp_path, capsys):
+    """--canary-contexts: every canary opens with a context word of its own (ranked under it: exact, as the
+    library test above checks); --canary-repeats 2 at user level: each canary is 2 rows of a new user of its
+    own.  Refused with exit 2 and the value named: repeats at example level or below 1, either flag without
+    --data, and contexts with a tokenizer that maps the context words to one token (before training, here and
+    in the Trainer path's add_canaries)."""
+    ctx = CanaryFormat("my code is", 3, contexts=True)
+    folder = tmp_path / "ctx-model"
+    t = word_tokenizer([*_lines(200), ctx.alphabet_text(8)])
+    _gpt2(t).save_pretrained(folder)
+    t.save_pretrained(folder)
+    data = _data_file(tmp_path / "u.jsonl", users=True)
+    out = tmp_path / "out"
+    flags = ("--user-column", "user", "--canary-contexts", "--canary-repeats", "2", "--json")
+    assert main(_argv(folder, data, out, *flags)) == 0
+    r = json.loads(capsys.readouterr().out)
+    fmt = r["lm_audit"]["canary_format"]
+    assert fmt["contexts"] and fmt["repeats"] == 2 and r["privacy_unit"] == "user"
+    assert [g["count"] for g in r["groups"]] == [12, 12]  # 8 users + 4 canary users per group
+    rows = _csv(out / "private" / "canaries.csv")
+    assert [row["text"].split()[0] for row in rows] == [ctx.context(i) for i in range(8)]
+    assert all(row["text"].split()[1:4] == ["my", "code", "is"] for row in rows)
+    assert len({row["user"] for row in rows}) == 8 and r["lm_audit"]["audit_passed"]
+    cases = [
+        ((str(folder), data, ("--canary-repeats", "2")), "repeated canaries need user level"),
+        ((str(folder), data, ("--user-column", "user", "--canary-repeats", "0")), "--canary-repeats=0"),
+    ]
+    for (model, d, extra), message in cases:
+        assert main(_argv(model, d, tmp_path / "x", *extra)) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit) as exit_:
+        main(_argv(folder, data, tmp_path / "x", "--canary-repeats", "x"))
+    assert exit_.value.code == 2 and "--canary-repeats='x' is invalid" in capsys.readouterr().err
+    plain = tmp_path / "plain-model"  # the module's tokenizer: no context word, all of them [UNK]
+    _gpt2(tok).save_pretrained(plain)
+    tok.save_pretrained(plain)
+    assert main(_argv(plain, data, tmp_path / "x", "--canary-contexts")) == 2
+    assert "context words of the canary format" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not (tmp_path / "x" / "model").exists()  # refused before training
+    import datasets
+
+    from idpsgd.audit.lm_training import add_canaries
+
+    one = datasets.Dataset.from_dict({"input_ids": [[3, 4]], "epsilon": [1.0]})
+    with pytest.raises(InvalidParameterError, match="context words"):  # the Trainer path: before training too
+        add_canaries(one, draw_canaries([1.0], 2, ctx, seed=0), tok)
+    for extra in (("--canary-contexts",), ("--canary-repeats", "2")):
+        argv = ["audit", "--method", "sample", "--budgets", "1", "--fractions", "1", "--out", str(tmp_path / "z")]
+        assert main([*argv, *extra]) == 2
+        assert "give --data FILE" in capsys.readouterr().err
+
+
 def test_audit_command_refuses_what_the_language_model_audit_cannot_honour(model_dir, tmp_path, capsys):
     data = _data_file(tmp_path / "d.jsonl")
     cases = [
@@ -539,18 +592,18 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert corpus == stdlib_docstring_corpus(40)  # deterministic
     out = tmp_path / "rep"
     argv = ["reproduce", "lm-canaries", "--rows", "60", "--canaries", "3", "--digits", "3", "--epochs", "2",
-            "--batch-size", "8", "--budgets", "2,4,8", "--width", "16", "--layers", "1", "--seed", "0",
+            "--batch-size", "8", "--width", "16", "--layers", "1", "--seed", "0",
             "--no-progress", "--out", str(out), "--json"]  # fmt: skip
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["budgets"] == [2.0, 4.0, 8.0] and r["canaries_per_group"] == 3
+    assert r["budgets"] == [1.0, 128.0, 1024.0] and r["canaries_per_group"] == 3  # the default budgets
     # the defaults' design: every canary under a context word of its own, 4 rows of a canary user (user level)
     assert (
         r["level"] == "user" and r["canary_repeats"] == 4 and r["private_run"]["lm_audit"]["canary_format"]["contexts"]
     )
     assert r["baseline_steps"] == r["private_run"]["steps"]  # the baseline trains as many steps
     a, b = r["private_run"]["lm_audit"], r["non_private"]["lm_audit"]
-    assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [2.0, 4.0, 8.0]
+    assert [g["budget"] for g in a["groups"]] == [g["budget"] for g in b["groups"]] == [1.0, 128.0, 1024.0]
     assert all(g["reported_epsilon"] <= g["budget"] * (1 + 1e-9) for g in a["groups"])
     assert all(g["reported_epsilon"] is None and g["verdict"] == "not private" for g in b["groups"])
     assert set(r["checks"]) == {
@@ -580,12 +633,8 @@ def test_reproduce_lm_canaries_tiny(tmp_path, capsys):
     assert "builds its GPT-2 from a config" in capsys.readouterr().err
 
 
-#: measured (docs/reproducing.md): at seed 2 the private groups' mean ranks are 21.7 / 23.9 / 23.7 (ε = 64 not above 8)
-NOT_ROBUST = "issue 52's done-when does not hold at this seed yet (docs/reproducing.md, 'Seeds 1 and 2')"
-
-
-@pytest.mark.slow  # the reproduction's defaults: about 6 min of CPU per seed (measured under heavy load)
-@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=NOT_ROBUST))])
+@pytest.mark.slow  # the reproduction's defaults: about 10.5 min of CPU per seed (measured under load)
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reproduce_lm_canaries_meets_the_issue(tmp_path, capsys, seed):
     """Issue 52, done when: exposure ordered by budget (the smallest budget lowest), the non-private baseline's
     exposure far above every private group's (its median at least 3 bits above every private median), every

@@ -184,6 +184,26 @@ def _score_sequences(model, ids, pad: int, batch_size: int, next_of=None):
     return ll, count, next_lp
 
 
+def check_format_tokens(tokenizer, fmt: CanaryFormat, slots: int) -> None:
+    """Refuse a tokenizer that cannot tell the format's candidates apart: the ten last digits of one
+    stem, and with contexts the context words of ``slots`` canaries, must give distinct token
+    sequences.  A word-level tokenizer that never saw a digit or a context word maps them all to its
+    unknown token; the candidates would then tie, and every exposure would be ≈ 1 bit whatever the
+    model learnt — an audit that cannot detect memorisation."""
+    digits = fmt.texts(np.arange(10), slot=0 if fmt.contexts else None)
+    words = [fmt.context(s) for s in range(int(slots))] if fmt.contexts else []
+    for what, texts in (("the ten digits", digits), ("the canaries' context words", words)):
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        if len({tuple(x) for x in ids}) < len(texts):
+            raise InvalidParameterError(
+                "tokenizer",
+                type(tokenizer).__name__,
+                f"gives the same tokens to two of {what} of the canary format (unknown words?), so the candidate "
+                "secrets would tie: use a tokenizer that knows them (train it with CanaryFormat.alphabet_text(), "
+                "which holds no secret)" + (", or leave out the contexts" if words else ""),
+            )
+
+
 def canary_exposure(model, tokenizer, canaries: Canaries, options: LMAuditOptions, rng) -> dict:
     """Every canary's exposure (exact or estimated, see the module) and its log-likelihood.  With a
     shared prefix R is scored once for all canaries; with contexts each canary's candidates are R
@@ -236,6 +256,7 @@ def audit_canaries(model, tokenizer, canaries: Canaries, reported: dict, delta: 
 
     options = options or LMAuditOptions()
     delta = check_delta(delta)
+    check_format_tokens(tokenizer, canaries.format, len(canaries))
     rng = np.random.default_rng(np.random.SeedSequence([int(canaries.seed or 0), 5202]))
     exp = canary_exposure(model, tokenizer, canaries, options, rng)
     score = exp["log_likelihood"] / exp["tokens"]  # − mean token loss

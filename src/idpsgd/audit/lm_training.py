@@ -24,7 +24,7 @@ import numpy as np
 
 from ..validation import InvalidParameterError
 from .canaries import Canaries, draw_canaries, with_canaries
-from .lm import LMAuditOptions, audit_canaries, public_result, reported_by_group
+from .lm import LMAuditOptions, audit_canaries, check_format_tokens, public_result, reported_by_group
 
 #: the design's seed is derived from the run's seed on this path (never the privacy seed itself)
 DESIGN_PATH = 52
@@ -98,6 +98,7 @@ def audit_finetune(
         users=audit.users,
         repeats=audit.repeats,
     )
+    check_format_tokens(load_tokenizer(model_dir), canaries.format, len(canaries))  # before training
     texts, eps, all_users, null, of = with_canaries(data.texts, row_eps, canaries, user_rows)
     source = {**data.source, "rows": len(texts), "canary_rows": int(of.size)}
     lines = list(data.lines or range(1, len(data) + 1)) + [0] * int(of.size)
@@ -189,6 +190,7 @@ def add_canaries(
                 "holds non-text user ids, but the canaries' new users have text ids: store the user ids as "
                 "text (dataset.cast_column) or draw the canaries with users='existing'",
             )
+    check_format_tokens(tokenizer, canaries.format, len(canaries))  # before the user trains
     pad = tokenizer.pad_token_id
     base = null_row_labels(dataset, np.zeros(len(dataset), bool), pad)
     of = np.repeat(np.arange(len(canaries)), canaries.repeats)  # the canary of every appended row

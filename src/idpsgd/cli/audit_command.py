@@ -124,6 +124,20 @@ def _lm_args(g):
     )
     g.add_argument("--canary-prefix", help=f"the secrets' prefix (if not given: {DEFAULT_PREFIX!r})")
     g.add_argument(
+        "--canary-contexts",
+        action="store_true",
+        help="every canary opens with a public context word of its own (xbaa, xbab, ...) and is ranked among "
+        "the candidates under its context, so the canaries do not share one prefix whose next digits the model "
+        "would learn as their mixture; the tokenizer must tell the context words apart",
+    )
+    g.add_argument(
+        "--canary-repeats",
+        type=int,
+        default=1,
+        help="rows per canary, all of its user's (Carlini et al. insert a canary several times); above 1 only "
+        "at user level (--user-column), whose per-user epsilon covers all of a canary's rows (default 1)",
+    )
+    g.add_argument(
         "--canary-users",
         choices=USER_MODES,
         default="new",
@@ -211,6 +225,9 @@ def _refuse_lm_flags(args):
     for name in ("user_column", "canary_prefix"):
         if getattr(args, name) is not None:
             raise InvalidParameterError(name, getattr(args, name), "is for the language-model audit: give --data FILE")
+    for name, default in (("canary_contexts", False), ("canary_repeats", 1)):
+        if getattr(args, name) != default:
+            raise InvalidParameterError(name, getattr(args, name), "is for the language-model audit: give --data FILE")
 
 
 def _lm_budgets(args, data, users, seed):
@@ -277,6 +294,8 @@ def _lm_audit(args):
         prefix=args.canary_prefix if args.canary_prefix is not None else DEFAULT_PREFIX,
         exact_limit=args.exact_limit,
         candidates=args.candidates,
+        contexts=args.canary_contexts,
+        repeats=args.canary_repeats,
         users=args.canary_users,
         confidence=args.confidence,
     )

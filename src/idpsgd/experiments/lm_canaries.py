@@ -10,8 +10,8 @@ canary format's public words (never on a secret).
 **Model.**  A small GPT-2 (``GPT2LMHeadModel``, 2 layers, width 64, 2 heads) built from a config with a
 seed derived from ``--seed`` — the same public starting point for every run.
 
-**Runs.**  Three budget groups (``--budgets``, default ε = 1, 8, 64, a third of the rows each;
-δ = 1e-5) with ``canaries`` secret canaries per group (default 32), each included with probability
+**Runs.**  Three budget groups (``--budgets``, default ε = 1, 128, 1024, a third of the rows each;
+δ = 1e-5) with ``canaries`` secret canaries per group (default 64), each included with probability
 1/2 (held-out ones are null rows).  A canary is ``"⟨context⟩ my code is ⟨3 random digits⟩"``
 (|R| = 10^3), each under a public context word of its own (``--no-contexts``: one shared prefix — then
 the canaries compete for one next-digit distribution and the model learns their mixture) and
@@ -48,7 +48,10 @@ MODULES = (
     "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
     "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
 )  # fmt: skip
-BUDGETS = "1,8,64"
+#: the groups' budgets, the second, pre-registered design of docs/reproducing.md: not realistic privacy, but
+#: groups for showing that the audit orders budgets (ε = 1 leaks nothing measurable, 1024 clearly, 128 in
+#: between); at the realistic "1,8,64" the two smaller groups both leak nothing and their order is chance
+BUDGETS = "1,128,1024"
 DELTA = 1e-5
 #: "far above" in the issue's done-when, made a number: the non-private baseline's median exposure at
 #: least this many bits above every private group's (its canaries ranked at least 2^3 = 8 times higher)
@@ -183,7 +186,7 @@ def run_lm_canaries(
     rows: int = 300,
     budgets: str = BUDGETS,
     method: str = "scale",
-    canaries: int = 32,
+    canaries: int = 64,
     digits: int = 3,
     contexts: bool = True,
     repeats: int = 4,
