@@ -9,7 +9,8 @@ import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # n workers on n cores: a thread each, not n threads each
     _share = (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+    if not os.environ.get("OMP_NUM_THREADS"):  # unset or empty (an empty value means all cores to torch)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
 
 import numpy as np
 import pytest
