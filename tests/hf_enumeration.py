@@ -623,10 +623,15 @@ def warm_up() -> None:
     modelling code) once, in the process that forks the others: a forked child then starts warm (an
     architecture takes seconds, not the dozen seconds of its imports)."""
     import opacus  # noqa: F401
+    import torch
 
     import idpsgd  # noqa: F401
     import sensitivity_harness  # noqa: F401
 
+    # One thread before any op: GNU OpenMP keeps no state a fork can inherit, so a child forked after the parent
+    # ran a parallel op waits forever at its first parallel op (seen: every architecture a timeout).  The
+    # architectures are tiny; ``--jobs`` is the parallelism.
+    torch.set_num_threads(1)
     survey_one("llama", "seq-cls", "LlamaForSequenceClassification", conditions=("T!=B",))
 
 
