@@ -29,7 +29,7 @@ demo: $(STAMP)
 # pytest-xdist: one worker per core, a file per worker at a time (a file's module fixtures made once; see
 # tests/conftest.py).  `python -m pytest` alone runs the same tests in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n auto --dist loadfile
 
 # the long end-to-end versions (deselected by default in pyproject.toml)
 test-slow: $(STAMP)

@@ -12,7 +12,8 @@
   :func:`private_imports`: the package's import graph read with ``ast`` (relative imports resolved, lazy
   in-function imports counted), for the layout checks (``test_layout.py``, ``test_names.py``,
   ``test_import_cycles.py``).
-* :func:`launch_together`: several distributed scenarios in one spawn of processes (a module-scoped
+* :func:`launch`: ``distributed.launch`` with the ranks forked from a fork server that imported torch, opacus
+  and idpsgd once; :func:`launch_together`: several distributed scenarios in one launch (a module-scoped
   fixture shares it between the module's tests).
 """
 
@@ -255,12 +256,74 @@ def _run_in_turn(calls: dict) -> dict:
     return {**out, "seconds": seconds}
 
 
+# what every rank of the suite's launches imports: preloaded once in the fork server (see :func:`launch`)
+PRELOADED = ("torch", "numpy", "scipy.stats", "opacus", "idpsgd.engine", "idpsgd.training", "support")
+
+
+def launch(fn, nproc: int, args=(), kwargs=None, *, timeout_s: float):
+    """``distributed.launch`` with ranks forked from the fork server, which imports :data:`PRELOADED` once per
+    test process: a spawn imports torch, opacus and idpsgd in every rank of every launch (4-5 s of CPU each,
+    most of a small scenario).  The ranks run the same code as under the default ``spawn``; the server sees
+    the environment of its start (set nothing in ``os.environ`` for a rank: pass it as an argument)."""
+    import multiprocessing
+
+    from idpsgd.engine import distributed
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))  # no effect once started
+    return distributed.launch(fn, nproc, args, kwargs, timeout_s=timeout_s, start_method="forkserver")
+
+
+def _cli_in_child(argv: list, env: dict, threads: int, out: str, show_warnings: bool) -> None:
+    import sys
+    import warnings
+
+    from idpsgd.cli import main
+
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    with open(f"{out}.stdout", "w") as so, open(f"{out}.stderr", "w") as se:
+        os.dup2(so.fileno(), 1)
+        os.dup2(se.fileno(), 2)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # noqa: SIM115
+        with warnings.catch_warnings():
+            if not show_warnings:
+                warnings.simplefilter("ignore")
+            code = main(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def cli_process(
+    argv: list, tmp: Path, env: dict | None = None, timeout_s: float = 600, show_warnings: bool = False
+) -> tuple[int, str, str]:
+    """``idpsgd <argv>`` in a process of its own, forked from the fork server of :func:`launch` (its imports
+    done once per test process), with ``env`` added to its environment and this process's torch thread count
+    (the same float reductions as a run here): ``(exit code, stdout, stderr)``, the code negative for a
+    signal (-9: SIGKILL, as the crash tests' ``IDPSGD_TEST_KILL`` does).  Python's warnings are ignored
+    unless ``show_warnings`` (then the filters are a fresh interpreter's: the server only imported modules)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))  # no effect once started
+    out = tmp / f"cli-{os.getpid()}-{len(list(tmp.glob('cli-*.stderr')))}"
+    proc = ctx.Process(
+        target=_cli_in_child, args=(list(argv), dict(env or {}), torch.get_num_threads(), str(out), show_warnings)
+    )
+    proc.start()
+    proc.join(timeout_s)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise TimeoutError(f"idpsgd {' '.join(argv)} ran past {timeout_s} s")
+    read = lambda suffix: Path(f"{out}.{suffix}").read_text() if Path(f"{out}.{suffix}").exists() else ""  # noqa: E731
+    return proc.exitcode, read("stdout"), read("stderr")
+
+
 def launch_together(nproc: int, calls: dict, timeout_s: float) -> dict:
     """Several scenarios of ``distributed.launch`` that end normally, run one after the other in ONE
     spawn of ``nproc`` processes: each spawn imports torch, opacus and idpsgd in fresh processes (most
     of a small scenario's time), so a test module shares one through a module-scoped fixture.  A rank
     that raises fails the launch, and with it every test of the fixture (with the rank's error).
     Scenarios that kill or hang a rank keep their own launch."""
-    from idpsgd.engine import distributed
-
-    return distributed.launch(_run_in_turn, nproc, (calls,), timeout_s=timeout_s)
+    return launch(_run_in_turn, nproc, (calls,), timeout_s=timeout_s)

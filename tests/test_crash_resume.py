@@ -1,11 +1,10 @@
 """Runs that cannot be half-written: SIGKILL at several points, then --resume, gives exactly the
 uninterrupted run; checkpoints load without running code (weights_only=True).  The killed runs are
-processes of their own (a real SIGKILL); the uninterrupted run and the final resume run in this process."""
+processes of their own (a real SIGKILL, forked from a server that imported idpsgd once); the uninterrupted
+run and the final resume run in this process."""
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ from idpsgd.assignment import Budgets
 from idpsgd.cli import main
 from idpsgd.io import CheckpointError
 from idpsgd.training import TrainConfig, train
-from support import independent_epsilons
+from support import cli_process, independent_epsilons
 
 ARGS = [
     "train",
@@ -34,20 +33,16 @@ ARGS = [
 ]
 
 
-def _run(out, *extra, kill=None, validate="0"):
-    """The CLI in a fresh process (killed by ``IDPSGD_TEST_KILL``), with this process's torch thread count
-    (the same float reductions as :func:`_run_here`)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    env.pop("IDPSGD_TEST_KILL", None)
-    if kill:
-        env["IDPSGD_TEST_KILL"] = kill
-    return subprocess.run(
-        [sys.executable, "-m", "idpsgd", *ARGS, "--validate-subset", validate, "--out", str(out), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def _run(out, *extra, kill, validate="0"):
+    """The CLI in a process of its own, killed by ``IDPSGD_TEST_KILL`` (a real SIGKILL), forked from a server
+    that did the imports once (:func:`support.cli_process`); its exit code and stderr."""
+    assert "IDPSGD_TEST_KILL" not in os.environ
+    code, _, err = cli_process(
+        [*ARGS, "--validate-subset", validate, "--out", str(out), *extra],
+        out.parent,
+        {"IDPSGD_TEST_KILL": kill},
     )
+    return code, err
 
 
 def _run_here(out, *extra, validate="0"):
@@ -63,8 +58,8 @@ def _kill_and_resume_is_exact(tmp_path, kills, validate):
     assert _run_here(tmp_path / "full", validate=validate) == 0
     cut = tmp_path / "cut"
     for kill in kills:
-        proc = _run(cut, "--resume", kill=kill, validate=validate)
-        assert proc.returncode == -9, (kill, proc.stderr)
+        code, err = _run(cut, "--resume", kill=kill, validate=validate)
+        assert code == -9, (kill, err)
         assert not list(cut.glob("report.json")) or kill.startswith("individual")
     assert _run_here(cut, "--resume", validate=validate) == 0
     for name in ("private/ledger.csv", "private/individual_epsilons.csv", "private/history.json"):

@@ -33,7 +33,7 @@ from idpsgd.engine.per_example.bk.provenance import RefusedRows
 from idpsgd.engine.per_example.unwrap import raw_module
 from idpsgd.validation import InvalidParameterError
 from sensitivity_harness import Case, _no_noise, private, sensitivity
-from support import per_example_grads
+from support import launch, per_example_grads
 from test_users import _replace_one_user
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -406,9 +406,8 @@ def _ddp_hooks_trial(k: float):
 
 @pytest.mark.slow  # two spawned processes (minutes on the shared machine); one process: the tests above
 def test_hooks_mode_on_torch_ddp_compares_with_the_ranks_average():
-    from idpsgd.engine import distributed
 
-    plain, extra = distributed.launch(_ddp_hooks_trials, 2, timeout_s=120)
+    plain, extra = launch(_ddp_hooks_trials, 2, timeout_s=120)
     assert plain == "trained"
     assert "module='l.weight'" in extra and "before the noise" in extra
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from idpsgd.engine import distributed
-from support import launch_together
+from support import launch, launch_together
 
 EPOCHS, BATCH = 1, 256
 
@@ -111,7 +111,7 @@ def test_two_gloo_processes_match_one_process(two_ranks):
 def test_a_dying_rank_gives_a_clear_error(tmp_path):
     mark = tmp_path / "died"
     with pytest.raises(distributed.DistributedTrainingError, match=r"rank 1 of 2 exited with code 3"):
-        distributed.launch(_trial, 2, kwargs={"die_at": 2, "mark": str(mark)}, timeout_s=30)
+        launch(_trial, 2, kwargs={"die_at": 2, "mark": str(mark)}, timeout_s=30)
     assert time.time() - float(mark.read_text()) < 30  # within the collective timeout of the death
 
 
@@ -126,6 +126,8 @@ def _hang_on_rank_1(mark):
 
 
 def test_a_hanging_rank_times_out(tmp_path):
+    """In fresh interpreters (``launch``'s default ``spawn``, as ``idpsgd train --nproc`` runs it; the other
+    launches of the suite fork from a preloaded server, :func:`support.launch`)."""
     mark = tmp_path / "entered"
     with pytest.raises(distributed.DistributedTrainingError, match=r"(?i)timed? ?out|timeout"):
         distributed.launch(_hang_on_rank_1, 2, args=(str(mark),), timeout_s=3)
@@ -160,6 +162,8 @@ def test_data_parallel_model_needs_a_process_group():
         )
     with pytest.raises(InvalidParameterError, match="nproc"):
         distributed.launch(_trial, 0)
+    with pytest.raises(InvalidParameterError, match="start_method='fork' is invalid: must be one of spawn, forkserver"):
+        distributed.launch(_trial, 2, start_method="fork")  # a fork of a process that ran torch ops can hang
 
 
 def _engine_trial(data_parallel=True, modes=("ghost", "bk"), every_step=False):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from idpsgd.engine import distributed
+from support import launch
 
 N, T, VOCAB, STEPS, SPARSE_STEPS = 48, 8, 40, 3, 4
 
@@ -448,7 +448,7 @@ def _check(sharded, single, rtol, steps=STEPS):
 
 def test_two_processes_match_one_process():
     single = _train(shard=False)
-    two = distributed.launch(_train, 2, kwargs={"checks": True, "ghost": True}, timeout_s=180)
+    two = launch(_train, 2, kwargs={"checks": True, "ghost": True}, timeout_s=180)
     _check(two, single, 1e-5)
     _check(two["ghost"], _train(shard=False, mode="ghost"), 1e-5)  # ghost clipping: two backward passes
     sparse = _train(shard=False, mode="ghost", steps=SPARSE_STEPS, n=4, batch=1)
@@ -484,7 +484,7 @@ def test_two_processes_match_one_process():
 @pytest.mark.slow
 def test_four_processes_match_one_process():
     single = _train(shard=False)
-    four = distributed.launch(_train, 4, kwargs={"checks": True, "ghost": True}, timeout_s=400)
+    four = launch(_train, 4, kwargs={"checks": True, "ghost": True}, timeout_s=400)
     _check(four, single, 1e-5)
     _check(four["ghost"], _train(shard=False, mode="ghost"), 1e-5)
     assert all(four["noise_equal"])
@@ -494,7 +494,7 @@ def test_four_processes_match_one_process():
 @pytest.mark.slow
 def test_lora_on_a_frozen_sharded_base_matches_one_process():
     single = _train(shard=False, lora=True)
-    two = distributed.launch(_train, 2, kwargs={"lora": True}, timeout_s=300)
+    two = launch(_train, 2, kwargs={"lora": True}, timeout_s=300)
     _check(two, single, 1e-5)
     assert all(torch.equal(two["params"][k], two["init"][k]) for k in two["params"] if "lora_" not in k)  # base frozen
 
@@ -506,7 +506,7 @@ def test_bf16_parameters_match_one_process_to_bf16_rounding():
     update in float32; measured 1.7e-3 of the largest entry (ghost mode: 1.1e-3), asserted to 1e-2."""
     for mode in ("bk", "ghost"):
         single = _train(shard=False, mode=mode)
-        two = distributed.launch(_train, 2, kwargs={"bf16": True, "mode": mode}, timeout_s=300)
+        two = launch(_train, 2, kwargs={"bf16": True, "mode": mode}, timeout_s=300)
         assert two["steps"] == single["steps"] == STEPS
         np.testing.assert_array_equal(two["eps"], single["eps"])
         for k, v in single["params"].items():

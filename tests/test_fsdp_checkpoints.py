@@ -16,6 +16,7 @@ from idpsgd.engine import distributed
 from idpsgd.engine.distributed import sharded_checkpoint as sc
 from idpsgd.io import CheckpointError
 from idpsgd.validation import InvalidParameterError
+from support import launch
 
 STEPS = 6
 
@@ -140,7 +141,7 @@ def _private_scenario(folder):
 
 
 def test_private_resume_is_bit_exact_and_reshards(tmp_path):
-    out = distributed.launch(_private_scenario, 2, (str(tmp_path),), timeout_s=300)
+    out = launch(_private_scenario, 2, (str(tmp_path),), timeout_s=300)
     whole, resumed = out["whole"], out["resumed"]
     assert _same(whole["params"], resumed["params"])
     assert whole["eps"] == resumed["eps"] and whole["steps"] == resumed["steps"] == STEPS
@@ -181,7 +182,7 @@ def _scenario(folder):
 
 @pytest.mark.slow  # the private scenario above runs in the default suite; this one adds dropout and a schedule
 def test_resume_is_bit_exact_private_and_reshards(tmp_path):
-    out = distributed.launch(_scenario, 2, (str(tmp_path),), timeout_s=120)
+    out = launch(_scenario, 2, (str(tmp_path),), timeout_s=120)
     assert _same(out["whole"], out["resumed"])
     assert not _same(out["whole"], out["at4"])
     found = sc.sharded_checkpoints(tmp_path / "b")
@@ -300,14 +301,14 @@ def test_export_pretrained_holds_only_the_model(tmp_path):
     assert not (tmp_path / "other").exists()
 
 
-# --- across launches (slow: each launch starts two fresh processes) -----------------------------------
+# --- across launches (slow: three launches of two processes each) -------------------------------------
 @pytest.mark.slow
 def test_rank_crash_keeps_last_checkpoint_and_resumes_bit_exactly(tmp_path):
-    whole = distributed.launch(_plain_run, 2, (str(tmp_path / "a"),), timeout_s=60)
+    whole = launch(_plain_run, 2, (str(tmp_path / "a"),), timeout_s=60)
     with pytest.raises(RuntimeError, match="crashed mid-step"):
-        distributed.launch(_plain_run, 2, (str(tmp_path / "b"),), {"save_at": (2,), "crash_at": 3}, timeout_s=20)
+        launch(_plain_run, 2, (str(tmp_path / "b"),), {"save_at": (2,), "crash_at": 3}, timeout_s=20)
     assert [s for s, _ in sc.sharded_checkpoints(tmp_path / "b")] == [2]
-    resumed = distributed.launch(_plain_run, 2, (str(tmp_path / "b"),), {"start": 2}, timeout_s=60)
+    resumed = launch(_plain_run, 2, (str(tmp_path / "b"),), {"start": 2}, timeout_s=60)
     assert _same(whole, resumed)
 
 
@@ -320,7 +321,7 @@ def _die_while_saving(folder):
 @pytest.mark.slow
 def test_rank_killed_while_saving_leaves_previous_checkpoint(tmp_path):
     with pytest.raises(distributed.DistributedTrainingError, match="rank 1 of 2"):
-        distributed.launch(_die_while_saving, 2, (str(tmp_path),), timeout_s=10)
+        launch(_die_while_saving, 2, (str(tmp_path),), timeout_s=10)
     assert [s for s, _ in sc.sharded_checkpoints(tmp_path)] == [2]
     assert (tmp_path / ".checkpoint-4.tmp").is_dir()  # the unfinished one is never listed
     assert sc.latest_sharded_checkpoint(tmp_path).name == "checkpoint-2"

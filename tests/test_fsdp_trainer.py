@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from idpsgd.engine import distributed
+from support import launch
 
 N, T, VOCAB = 32, 6, 30
 
@@ -162,7 +163,7 @@ def _same_run(two: dict, one: dict, case: str) -> None:
 @pytest.mark.slow  # two processes importing transformers and training five Trainer runs (~2 min here)
 def test_two_processes_match_one_process(tmp_path):
     pytest.importorskip("peft")
-    two = distributed.launch(_cases, 2, (str(tmp_path / "two"), tuple(CASES), ("lora", "users")), timeout_s=900)
+    two = launch(_cases, 2, (str(tmp_path / "two"), tuple(CASES), ("lora", "users")), timeout_s=900)
     one = _cases(str(tmp_path / "one"))
     for case in CASES:
         _same_run(two[case], one[case], case)

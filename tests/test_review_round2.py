@@ -153,28 +153,17 @@ def test_the_hidden_split_is_warned_as_not_covered_once_on_one_line(tmp_path):
     """The test metrics of a csv run without test.csv come from private held-out rows: a public, data-independent
     warning says so (they were printed and written to report.json as if computed on public test data)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from idpsgd.data import HIDDEN_SPLIT_WARNING, load_dataset
+    from support import cli_process
 
     _write_csv(tmp_path / "data", [i % 3 for i in range(60)])
     argv = ["train", "--method", "uniform", "--budgets", "2", "--fractions", "1", "--dataset", "csv"]
     argv += ["--data-dir", str(tmp_path / "data"), "--num-classes", "3", "--epochs", "1", "--batch-size", "16"]
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "idpsgd", *argv, "--seed", "0", "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count(f"idpsgd train: warning: {HIDDEN_SPLIT_WARNING}\n") == 1, proc.stderr
-    assert "UserWarning" not in proc.stderr
+    code, _, stderr = cli_process([*argv, "--seed", "0", "--out", str(tmp_path / "out")], tmp_path, show_warnings=True)
+    assert code == 0, stderr
+    assert stderr.count(f"idpsgd train: warning: {HIDDEN_SPLIT_WARNING}\n") == 1, stderr
+    assert "UserWarning" not in stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "not differentially private" in json.dumps(report)
     with pytest.warns(UserWarning, match="csv without test.csv"):

@@ -13,10 +13,7 @@ per command) and every bit of the seed reaching the noise.
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -27,7 +24,7 @@ import torch
 
 from idpsgd.cli import main
 from idpsgd.runfolder import PRIVATE, SEED_FILE
-from support import mode_problems, public_files
+from support import cli_process, mode_problems, public_files
 from test_output_kinds import _csv_dataset
 
 S = 987654321
@@ -363,19 +360,13 @@ def test_a_command_that_trains_several_models_warns_once(tmp_path, capsys):
 
 def test_stderr_of_a_real_process_warns_once_and_holds_no_seed(tmp_path):
     data = _csv_dataset(tmp_path / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "idpsgd", "demo", *data, *FAST, "--seed", str(S), "--out", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("Secure RNG turned off") == 1
+    argv = ["demo", *data, *FAST, "--seed", str(S), "--out", str(tmp_path / "d")]
+    code, stdout, stderr = cli_process(argv, tmp_path, timeout_s=300, show_warnings=True)
+    assert code == 0, stderr
+    assert stderr.count("Secure RNG turned off") == 1
     # the CLI's one clean line (issue 38), not Python's "path.py:229: UserWarning: ..." form
-    assert "idpsgd demo: warning: Secure RNG turned off" in proc.stderr and "UserWarning" not in proc.stderr
-    assert seed_leaks(tmp_path / "d", proc.stdout + proc.stderr) == []
+    assert "idpsgd demo: warning: Secure RNG turned off" in stderr and "UserWarning" not in stderr
+    assert seed_leaks(tmp_path / "d", stdout + stderr) == []
 
 
 # --- every bit of the seed reaches the noise ---------------------------------------------------

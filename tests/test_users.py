@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from idpsgd import IndividualizedPrivacyEngine, InvalidParameterError, Users
 from idpsgd.engine.sampling.sampler import BatchIndexQueue, PoissonBatchSampler
-from support import file_mode
+from support import file_mode, launch
 
 MODES = ("hooks", "functorch", "ghost", "bk")
 
@@ -795,10 +795,9 @@ def test_two_ranks_at_user_level_match_one_process(modes):
     the single-process run (same draws, same clipped sum, noise once); with individual accounting the
     per-user norm passes are sharded over the ranks and all-gathered: the same individual ε per user, and
     the individual filter lets the same users go at the same steps."""
-    from idpsgd.engine import distributed
 
     single = _user_ranks_trial(data_parallel=False, modes=modes)
-    two = distributed.launch(_user_ranks_trial, 2, kwargs={"modes": modes}, timeout_s=240)
+    two = launch(_user_ranks_trial, 2, kwargs={"modes": modes}, timeout_s=240)
     for mode in modes:
         assert two[mode]["steps"] == single[mode]["steps"] > 0
         np.testing.assert_array_equal(two[mode]["eps"], single[mode]["eps"])

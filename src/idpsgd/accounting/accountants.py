@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -163,7 +164,15 @@ def pld_epsilon(events: Sequence[SampledGaussianEvent], delta: float, discretiza
     """ε of the composition of ``events`` by dp_accounting's PLD (the same construction as its
     ``PLDAccountant``: each event's PLD self-composed, then composed in order)."""
     delta = check_delta(delta)
-    pld = _events_pld(events, discretization)
+    triples = tuple((float(e.sample_rate), float(e.noise_multiplier), int(e.count)) for e in events)
+    return _pld_epsilon_of(triples, float(delta), None if discretization is None else float(discretization))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pld_epsilon_of(triples: tuple[tuple[float, float, int], ...], delta: float, discretization: float | None) -> float:
+    """:func:`pld_epsilon` of events given as (q, σ, count): a pure function of its arguments, memoized (a
+    run's plan and its engine, and each run of a session at the same settings, ask again)."""
+    pld = _events_pld([SampledGaussianEvent(q, sigma, count) for q, sigma, count in triples], discretization)
     if pld is None:
         return 0.0
     return float(max(pld.get_epsilon_for_delta(delta), 0.0))

@@ -20,6 +20,7 @@ result agrees with Opacus's ``PRVAccountant`` to floating-point rounding (tests/
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -74,6 +75,17 @@ def prv_epsilons(
     if not ev:
         return 0.0, 0.0, 0.0
     check_min_sigma([e.noise_multiplier for e in ev])
+    triples = tuple((float(e.sample_rate), float(e.noise_multiplier), int(e.count)) for e in ev)
+    return _prv_epsilons_of(triples, float(delta), float(eps_error), float(delta_error))
+
+
+@functools.lru_cache(maxsize=1024)
+def _prv_epsilons_of(
+    triples: tuple[tuple[float, float, int], ...], delta: float, eps_error: float, delta_error: float
+) -> tuple[float, float, float]:
+    """:func:`prv_epsilons` of checked events given as (q, σ, count): a pure function of its arguments,
+    memoized (a run's plan and its engine, and each run of a session at the same settings, ask again)."""
+    ev = [SampledGaussianEvent(q, sigma, count) for q, sigma, count in triples]
     from opacus.accountants.analysis.prv import (
         Domain,
         PoissonSubsampledGaussianPRV,

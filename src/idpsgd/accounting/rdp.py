@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -97,6 +99,7 @@ DEFAULT_ORDERS = np.array(
 
 _GH_NODES, _GH_WEIGHTS = hermegauss(32)
 _LOG_GH_WEIGHTS = np.log(_GH_WEIGHTS) - 0.5 * math.log(2 * math.pi)
+_HALF_GH_NODES_SQ = 0.5 * _GH_NODES**2
 _NEGLIGIBLE = 40.0  # terms below e^-40 of the running sum are dropped (chunks proven so)
 _SERIES_TOL = 24.0  # Mironov series: stop when terms fall below e^-24 of A − 1
 _SERIES_EXTRA_TERMS = 1500  # terms allowed past the last region where terms may grow
@@ -242,11 +245,52 @@ def run_in_threads(fn, tasks, workers: int) -> None:
             fn(task)
 
 
+class _BatchMemo:
+    """The RDP of batches of (q, σ, α) already evaluated in this process, by their exact bytes: the function
+    is pure, and calibrations search the same points again (an assignment's plan and the engine's check of
+    it, a resumed run, every run of a session at the same budgets).  Least recently used batches leave
+    first, past ``capacity`` elements in all (about 40 bytes each).  A hit returns a copy, bit-identical
+    to evaluating again."""
+
+    def __init__(self, capacity: int = 1_000_000):
+        self.capacity, self.size = capacity, 0
+        self.batches: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: bytes):
+        with self.lock:
+            hit = self.batches.get(key)
+            if hit is not None:
+                self.batches.move_to_end(key)
+                return hit.copy()
+        return None
+
+    def put(self, key: bytes, values: np.ndarray) -> None:
+        if values.size > self.capacity:
+            return
+        with self.lock:
+            if key not in self.batches:
+                self.batches[key] = values.copy()
+                self.size += values.size
+            while self.size > self.capacity:
+                self.size -= self.batches.popitem(last=False)[1].size
+
+
+_MEMO = _BatchMemo()
+
+
 def _rdp_batch(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
-    """RDP per element; ``alpha`` a scalar or one order per element."""
+    """RDP per element; ``alpha`` a scalar or one order per element (memoized: :class:`_BatchMemo`)."""
     alpha = np.broadcast_to(np.asarray(alpha, dtype=float), q.shape)
+    q, sigma = np.asarray(q, dtype=float), np.asarray(sigma, dtype=float)
+    key = b"".join((q.size.to_bytes(8, "little"), q.tobytes(), sigma.tobytes(), np.ascontiguousarray(alpha).tobytes()))
+    found = _MEMO.get(key)
+    if found is not None:
+        return found
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # σ → 0 overflows to inf
-        return _rdp_batch_inner(q, sigma, alpha)
+        values = _rdp_batch_inner(q, sigma, alpha)
+    _MEMO.put(key, values)
+    return values
 
 
 def _rdp_batch_inner(q: np.ndarray, sigma: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -331,25 +375,34 @@ def _log_am1_binomial(q: np.ndarray, sigma: np.ndarray, n) -> np.ndarray:
 
 
 def _log_phi2(alpha, y: np.ndarray) -> np.ndarray:
-    """log((1+y)^α − 1 − αy) ≥ 0-argument, for y > −1, without cancellation for small |y|."""
-    alpha = np.broadcast_to(np.asarray(alpha, dtype=float), y.shape)
+    """log((1+y)^α − 1 − αy) ≥ 0-argument, for y > −1, without cancellation for small |y|.
+
+    ``alpha`` broadcasts against ``y`` (one order per row of quadrature nodes: the series' coefficients are
+    computed once per row)."""
+    alpha = np.asarray(alpha, dtype=float)
     ay = alpha * y
     small = np.abs(ay) < 0.02
-    out = np.empty_like(y)
-    if small.any():
-        ys, al = y[small], alpha[small]
+    out = np.empty(y.shape)
+    n_small = int(np.count_nonzero(small))
+    if n_small:
         # Horner form of Σ_{k=2}^{12} C(α,k) y^{k−2}; |αy| < 0.02 makes the rest < 1e-17.
+        whole = 2 * n_small > small.size  # mostly small: on every element, the others masked out
+        al = alpha if whole else np.broadcast_to(alpha, y.shape)[small]
+        ys = y if whole else y[small]
         coefs = [al * (al - 1) / 2.0]
         for k in range(2, 12):
             coefs.append(coefs[-1] * (al - k) / (k + 1))
-        poly = coefs[-1].copy()
+        poly = np.broadcast_to(coefs[-1], ys.shape).copy()
         for c in reversed(coefs[:-1]):
-            poly = poly * ys + c
-        with np.errstate(divide="ignore"):
-            out[small] = 2 * np.log(np.abs(ys)) + np.log(poly)
+            poly *= ys
+            poly += c
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.log(poly, out=poly)
+            values += 2 * np.log(np.abs(ys))
+        out[small] = values[small] if whole else values
     big = ~small
-    if big.any():
-        yb, ayb, ab = y[big], ay[big], alpha[big]
+    if n_small < small.size:
+        yb, ayb, ab = y[big], ay[big], np.broadcast_to(alpha, y.shape)[big]
         t = ab * np.log1p(yb)
         with np.errstate(over="ignore", invalid="ignore"):
             direct = np.log(np.expm1(np.minimum(t, 50)) - ayb)
@@ -375,11 +428,18 @@ def _log_am1_quadrature(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
     s = _expit(logit_q + u / sigma - 0.5 / sigma**2)
     tau = 1.0 / np.sqrt(1.0 - alpha * s * (1 - s) / sigma**2)
     nodes = u[:, None] + tau[:, None] * _GH_NODES[None, :]
-    # Quadrature weights for the measure φ(u)du at the shifted, scaled nodes.
-    log_w = np.log(tau)[:, None] + _LOG_GH_WEIGHTS[None, :] - 0.5 * nodes**2 + 0.5 * _GH_NODES[None, :] ** 2
-    x = nodes / sigma[:, None] - 0.5 / sigma[:, None] ** 2
-    y = q[:, None] * np.expm1(x)
-    return logsumexp(log_w + _log_phi2(alpha[:, None], y), axis=1)
+    # Quadrature weights for the measure φ(u)du at the shifted, scaled nodes (in place, in the order of
+    # log τ + log w_k − nodes²/2 + x_k²/2).
+    log_w = np.log(tau)[:, None] + _LOG_GH_WEIGHTS[None, :]
+    log_w -= np.multiply(np.square(nodes), 0.5)
+    log_w += _HALF_GH_NODES_SQ[None, :]
+    y = nodes  # x = nodes/σ − 1/(2σ²), then y = q·(e^x − 1), in place
+    y /= sigma[:, None]
+    y -= (0.5 / sigma**2)[:, None]
+    np.expm1(y, out=y)
+    y *= q[:, None]
+    log_w += _log_phi2(alpha[:, None], y)
+    return logsumexp(log_w, axis=1)
 
 
 def logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:

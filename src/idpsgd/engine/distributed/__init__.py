@@ -506,7 +506,19 @@ def check_nproc(nproc, *, pdp: bool = False, individual_filter: bool = False) ->
     return int(nproc)
 
 
-def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
+START_METHODS = ("spawn", "forkserver")
+
+
+def launch(
+    fn,
+    nproc: int,
+    args=(),
+    kwargs=None,
+    *,
+    device="cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_method: str = "spawn",
+):
     """Run ``fn(*args, **kwargs)`` on ``nproc`` spawned processes with a process group (gloo for CPU,
     NCCL for CUDA: one GPU per rank) and return rank 0's result.
 
@@ -514,8 +526,16 @@ def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: flo
     re-raised here (an :class:`~idpsgd.validation.InvalidParameterError` stays one, for the CLI);
     if a rank dies without one (killed, ``os._exit``) or a collective times out, a
     :class:`DistributedTrainingError` names the rank; the other ranks are stopped.
+
+    ``start_method="forkserver"`` forks the ranks from Python's fork server instead of starting fresh
+    interpreters: with modules preloaded there (``multiprocessing.get_context("forkserver")
+    .set_forkserver_preload``), repeated launches from one process skip the imports (most of a small
+    run's start).  The server is started once, by the first such launch, and its children see the
+    environment of that moment, not later changes to ``os.environ``.
     """
     check_nproc(nproc)
+    if start_method not in START_METHODS:
+        raise InvalidParameterError("start_method", start_method, f"must be one of {', '.join(START_METHODS)}")
     backend = default_backend(device)
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise InvalidParameterError("nproc", nproc, f"needs one GPU per process; {torch.cuda.device_count()} visible")
@@ -527,7 +547,7 @@ def launch(fn, nproc: int, args=(), kwargs=None, *, device="cpu", timeout_s: flo
             args=(fn, tuple(args), dict(kwargs or {}), int(nproc), _free_port(), backend, float(timeout_s), folder),
             nprocs=int(nproc),
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         try:
             while not ctx.join():
@@ -572,6 +592,7 @@ def _failure(ctx, folder, nproc: int, timeout_s: float) -> BaseException:
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "START_METHODS",
     "DistributedIndividualizedDPOptimizer",
     "DistributedIndividualizedDPOptimizerBookKeeping",
     "DistributedIndividualizedDPOptimizerFastGradientClipping",
