@@ -19,6 +19,8 @@ $(TORCH_STAMP):
 
 $(STAMP): pyproject.toml | $(TORCH_STAMP)
 	$(BIN)/pip install --quiet -e '.[test,hf]'
+	# bytecode now, as a non-editable install would: each test worker and spawned process would compile src again
+	$(BIN)/python -m compileall -q src
 	touch $(STAMP)
 
 install: $(STAMP)

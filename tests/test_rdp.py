@@ -157,3 +157,28 @@ def test_bad_input_is_a_clear_error(kw, match):
         compute_rdp(orders=[2.0], **kw)
     with pytest.raises(InvalidParameterError, match="orders"):
         compute_rdp(0.1, 1.0, [1.0])
+
+
+def test_a_batch_evaluated_again_is_looked_up_bit_identical_and_a_copy(rng):
+    """The memo of evaluated batches (``_BatchMemo``): the second evaluation of the same (q, σ, α) is a hit,
+    bit-identical to the first, and a copy (writing to a result leaves the memo's value alone); the LRU keeps
+    at most its capacity."""
+    from idpsgd.accounting import rdp
+
+    q, sigma = rng.uniform(1e-3, 0.9, 300), rng.uniform(0.5, 20.0, 300)
+    first = compute_rdp(q, sigma, DEFAULT_ORDERS)
+    hits = []
+    original = rdp._MEMO.get
+    rdp._MEMO.get = lambda key: hits.append(original(key) is not None) or original(key)
+    try:
+        again = compute_rdp(q, sigma, DEFAULT_ORDERS)
+        again[:] = -1.0
+        third = compute_rdp(q, sigma, DEFAULT_ORDERS)
+    finally:
+        del rdp._MEMO.get
+    assert hits and all(hits)
+    np.testing.assert_array_equal(third, first)
+    small = rdp._BatchMemo(capacity=10)
+    small.put(b"a", np.zeros(6))
+    small.put(b"b", np.ones(6))
+    assert small.get(b"a") is None and small.size == 6 and small.get(b"b").tolist() == [1.0] * 6

@@ -16,6 +16,7 @@ summing positive terms so that tiny RDP keeps its relative precision): :func:`co
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -246,13 +247,13 @@ def run_in_threads(fn, tasks, workers: int) -> None:
 
 
 class _BatchMemo:
-    """The RDP of batches of (q, σ, α) already evaluated in this process, by their exact bytes: the function
-    is pure, and calibrations search the same points again (an assignment's plan and the engine's check of
-    it, a resumed run, every run of a session at the same budgets).  Least recently used batches leave
-    first, past ``capacity`` elements in all (about 40 bytes each).  A hit returns a copy, bit-identical
-    to evaluating again."""
+    """The RDP of batches of (q, σ, α) already evaluated in this process, by a 128-bit BLAKE2 digest of their
+    exact bytes: the function is pure, and calibrations search the same points again (an assignment's plan
+    and the engine's check of it, a resumed run, every run of a session at the same budgets, the same
+    individual-accounting table).  Least recently used batches leave first, past ``capacity`` values in all
+    (8 bytes each: 32 MB).  A hit returns a copy, bit-identical to evaluating again."""
 
-    def __init__(self, capacity: int = 1_000_000):
+    def __init__(self, capacity: int = 4_000_000):
         self.capacity, self.size = capacity, 0
         self.batches: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.lock = threading.Lock()
@@ -283,7 +284,10 @@ def _rdp_batch(q: np.ndarray, sigma: np.ndarray, alpha) -> np.ndarray:
     """RDP per element; ``alpha`` a scalar or one order per element (memoized: :class:`_BatchMemo`)."""
     alpha = np.broadcast_to(np.asarray(alpha, dtype=float), q.shape)
     q, sigma = np.asarray(q, dtype=float), np.asarray(sigma, dtype=float)
-    key = b"".join((q.size.to_bytes(8, "little"), q.tobytes(), sigma.tobytes(), np.ascontiguousarray(alpha).tobytes()))
+    digest = hashlib.blake2b(q.size.to_bytes(8, "little"), digest_size=16)
+    for part in (q, sigma, alpha):
+        digest.update(np.ascontiguousarray(part).tobytes())
+    key = digest.digest()
     found = _MEMO.get(key)
     if found is not None:
         return found
