@@ -260,16 +260,24 @@ def _run_in_turn(calls: dict) -> dict:
 PRELOADED = ("torch", "numpy", "scipy.stats", "opacus", "idpsgd.engine", "idpsgd.training", "support")
 
 
+def _fork_server():
+    """The multiprocessing context of the fork server, told to preload :data:`PRELOADED` (no effect once the
+    server has started: it is started once per process, by its first child)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))
+    return ctx
+
+
 def launch(fn, nproc: int, args=(), kwargs=None, *, timeout_s: float):
     """``distributed.launch`` with ranks forked from the fork server, which imports :data:`PRELOADED` once per
     test process: a spawn imports torch, opacus and idpsgd in every rank of every launch (4-5 s of CPU each,
     most of a small scenario).  The ranks run the same code as under the default ``spawn``; the server sees
     the environment of its start (set nothing in ``os.environ`` for a rank: pass it as an argument)."""
-    import multiprocessing
-
     from idpsgd.engine import distributed
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))  # no effect once started
+    _fork_server()
     return distributed.launch(fn, nproc, args, kwargs, timeout_s=timeout_s, start_method="forkserver")
 
 
@@ -302,10 +310,7 @@ def cli_process(
     (the same float reductions as a run here): ``(exit code, stdout, stderr)``, the code negative for a
     signal (-9: SIGKILL, as the crash tests' ``IDPSGD_TEST_KILL`` does).  Python's warnings are ignored
     unless ``show_warnings`` (then the filters are a fresh interpreter's: the server only imported modules)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOADED))  # no effect once started
+    ctx = _fork_server()
     out = tmp / f"cli-{os.getpid()}-{len(list(tmp.glob('cli-*.stderr')))}"
     proc = ctx.Process(
         target=_cli_in_child, args=(list(argv), dict(env or {}), torch.get_num_threads(), str(out), show_warnings)
@@ -316,14 +321,14 @@ def cli_process(
         proc.kill()
         proc.join()
         raise TimeoutError(f"idpsgd {' '.join(argv)} ran past {timeout_s} s")
-    read = lambda suffix: Path(f"{out}.{suffix}").read_text() if Path(f"{out}.{suffix}").exists() else ""  # noqa: E731
-    return proc.exitcode, read("stdout"), read("stderr")
+    texts = [Path(f"{out}.{name}") for name in ("stdout", "stderr")]
+    return proc.exitcode, *(p.read_text() if p.exists() else "" for p in texts)
 
 
 def launch_together(nproc: int, calls: dict, timeout_s: float) -> dict:
     """Several scenarios of ``distributed.launch`` that end normally, run one after the other in ONE
-    spawn of ``nproc`` processes: each spawn imports torch, opacus and idpsgd in fresh processes (most
-    of a small scenario's time), so a test module shares one through a module-scoped fixture.  A rank
+    launch of ``nproc`` processes (:func:`launch`): a launch costs a process group and a process per rank,
+    so a test module shares one through a module-scoped fixture.  A rank
     that raises fails the launch, and with it every test of the fixture (with the rank's error).
     Scenarios that kill or hang a rank keep their own launch."""
     return launch(_run_in_turn, nproc, (calls,), timeout_s=timeout_s)
