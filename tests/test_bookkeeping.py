@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from idpsgd.engine import IndividualizedPrivacyEngine
 from idpsgd.engine.per_example.bk.keeper import BookKeeper
 from idpsgd.engine.per_example.bk.plan import plan_layers
+from idpsgd.engine.per_example.bk.rules.conv import ConvRule
 from idpsgd.engine.per_example.bk.units import FALLBACK, GHOST, PER_SAMPLE
 from idpsgd.engine.per_example.norms import per_example_grad_norms
 from idpsgd.models import TransformerClassifier, wide_resnet
@@ -160,6 +161,45 @@ def test_conv2d(conv):
         conv["out_channels"] // conv.get("groups", 1),
     )
     assert paths["0"] == (GHOST if 2 * t * t < d * p else PER_SAMPLE)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(in_channels=4, out_channels=6, kernel_size=3, padding=1),
+        dict(
+            in_channels=4, out_channels=6, kernel_size=(3, 2), stride=(2, 1), padding=(2, 0), dilation=(1, 2), groups=2
+        ),
+        dict(in_channels=6, out_channels=3, kernel_size=2, stride=3, dilation=3, groups=3),
+        dict(in_channels=4, out_channels=6, kernel_size=3, padding=2, dim=1),
+        dict(in_channels=4, out_channels=6, kernel_size=2, stride=2, dilation=2, padding=1, dim=1, groups=2),
+    ],
+)
+def test_patch_gram_is_the_gram_of_the_unfolded_patches(conv):
+    """The ghost norm's patch Gram matrix from the pixels' Gram matrix and shifted windows is the Gram matrix
+    of the unfolded patches, at any stride, dilation, padding and groups (float64)."""
+    conv = dict(conv)
+    layer = (nn.Conv1d if conv.pop("dim", 2) == 1 else nn.Conv2d)(**conv).double()
+    x = torch.randn(3, conv["in_channels"], *(9,) * (layer.weight.dim() - 2), dtype=torch.float64)
+    rule = ConvRule()
+    out_shape = tuple(layer(x).shape[2:])
+    patches = rule._unfold(layer, x)  # (B, groups, T, d)
+    want = patches @ patches.transpose(-1, -2)
+    got = rule._patch_gram(layer, x, out_shape)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("stride", "pixels"), [(1, True), (3, False)])
+def test_conv_ghost_norm_from_pixels_or_patches(stride, pixels):
+    """A stride-1 convolution's ghost norm comes from the pixels' Gram matrix (cheaper than unfolding), a
+    stride-3 one's from unfolded patches (the padded pixels outnumber the patches); both exact."""
+    layer = nn.Conv2d(16, 32, 3, stride=stride, padding=1)
+    size = 4 if stride == 1 else 9
+    x = torch.zeros(1, 16, size, size)
+    g = layer(x)
+    assert bool(ConvRule()._pixels(layer, x, g)) is pixels
+    model = _seq(layer, nn.Tanh(), nn.Flatten(), nn.Linear(g.numel(), 3))
+    assert _check_equal(model, *_data((16, size, size)))["0"] == GHOST
 
 
 @pytest.mark.parametrize(

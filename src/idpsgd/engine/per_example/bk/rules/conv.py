@@ -158,14 +158,60 @@ class ConvRule(Rule):
         b, dk, t = cols.shape
         return cols.view(b, module.groups, dk // module.groups, t).transpose(2, 3)
 
+    def _pixels(self, module, x, g) -> int:
+        """U, the padded input's positions of one use, when the patch Gram matrix is cheaper from the pixels'
+        Gram matrix (:meth:`_patch_gram`) than from unfolded patches; else 0."""
+        _, t, d, _ = self._dims(module, g)
+        u = int(math.prod(s + 2 * q for s, q in zip(x.shape[2:], self.padding(module), strict=True)))
+        kernel = int(math.prod(module.kernel_size))
+        return u if u * u * (d // kernel) + kernel * t * t < t * t * d else 0
+
+    def _patch_gram(self, module, x, out_shape) -> torch.Tensor:
+        """(B, groups, T, T): the Gram matrix of each example's unfolded patches, ⟨patch_t, patch_t'⟩, without
+        unfolding them.  The patches are windows of the padded input, so ⟨patch_t, patch_t'⟩ = Σ over kernel
+        offsets κ of P[t·s + κ·δ, t'·s + κ·δ], with P the Gram matrix of the padded input's pixels (channel
+        vectors) and s, δ the stride and dilation: one product of U × U (U padded positions, C channels),
+        then the offsets summed one spatial dimension at a time over strided views of P (k_h + k_w sums for
+        a k_h × k_w kernel, not k_h·k_w), instead of unfolding T × C·k patches (a copy k times the input) and
+        a T × T product over C·k (Rochette et al. 2019 compute per-example convolution gradients from shifted
+        windows the same way)."""
+        pad = self.padding(module)
+        if any(pad):
+            x = F.pad(x, [q for q in reversed(pad) for _ in range(2)])
+        b, c, groups, nd = x.shape[0], x.shape[1], module.groups, len(out_shape)
+        xs = x.reshape(b, groups, c // groups, -1)
+        a = torch.matmul(xs.transpose(2, 3), xs).view(b, groups, *x.shape[2:], *x.shape[2:])
+        for i, (k, dl, st, n) in enumerate(
+            zip(module.kernel_size, module.dilation, module.stride, out_shape, strict=True)
+        ):
+            summed = None
+            for o in range(k):  # positions o·δ, o·δ + s, … along dimension i, in both halves of P
+                window = [slice(None)] * a.dim()
+                window[2 + i] = window[2 + nd + i] = slice(o * dl, o * dl + st * (n - 1) + 1, st)
+                view = a[tuple(window)]
+                summed = view.clone() if summed is None else summed.add_(view)
+            a = summed
+        t = int(math.prod(out_shape))
+        return a.reshape(b, groups, t, t)
+
     def ghost_norm_sq(self, module, uses):
         groups, _, d, p = self._dims(module, uses[0][1])
         n = uses[0][1].shape[0]
         t_all = sum(self._dims(module, g)[1] for _, g in uses)
         out = uses[0][1].new_zeros(n, dtype=acc_dtype(uses[0][1].dtype))
-        for s in chunks(n, groups * (2 * t_all * t_all + t_all * (d + p))):
-            a = joined([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
+        u = self._pixels(module, uses[0][0][0], uses[0][1]) if len(uses) == 1 else 0
+        if u:  # the pixels' Gram matrix, the padded input, the two T × T Gram matrices, the output gradient
+            cost = u * u + u * d // int(math.prod(module.kernel_size)) + 2 * t_all * t_all + t_all * p
+        else:  # the unfolded patches, the output gradient and the two Gram matrices
+            cost = 2 * t_all * t_all + t_all * (d + p)
+        for s in chunks(n, groups * cost):
             b = joined([acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
+            if u:
+                (x, *_), g = uses[0]
+                a_gram = self._patch_gram(module, acc(x[s]), tuple(g.shape[2:]))
+                out[s] = (a_gram * torch.matmul(b, b.transpose(-1, -2))).sum((-3, -2, -1))
+                continue
+            a = joined([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
             out[s] = gram_norm_sq(a, b).sum(1)
         if trainable(module, "bias"):
             bias = sum(acc(g).sum(tuple(range(2, g.dim()))) for _, g in uses)
