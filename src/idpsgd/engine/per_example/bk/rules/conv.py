@@ -221,13 +221,17 @@ class ConvRule(Rule):
     def ghost_clipped_sum(self, module, uses, w):
         out = {}
         for saved, g in uses:
-            gw = acc(g) * w.to(acc_dtype(g.dtype)).view((-1,) + (1,) * (g.dim() - 1))
-            parts = {
-                "weight": self._backward(
-                    module, acc(saved[0]), gw, module.weight.to(gw.dtype), module.groups, [False, True, False]
-                )[1]
-            }
+            # Σ_i w_i G_i: the weights scale the smaller of the input and the output gradient
+            x, g, w = acc(saved[0]), acc(g), w.to(acc_dtype(g.dtype))
+            scale_input = x[0].numel() < g[0].numel()
+            if scale_input:
+                x = x * w.view((-1,) + (1,) * (x.dim() - 1))
+            else:
+                g = g * w.view((-1,) + (1,) * (g.dim() - 1))
+            kernel = self._backward(module, x, g, module.weight.to(g.dtype), module.groups, [False, True, False])
+            parts = {"weight": kernel[1]}
             if trainable(module, "bias"):
-                parts["bias"] = gw.sum((0, *tuple(range(2, g.dim()))))
+                positions = tuple(range(2, g.dim()))
+                parts["bias"] = w @ g.sum(positions) if scale_input else g.sum((0, *positions))
             add_into(out, parts)
         return out

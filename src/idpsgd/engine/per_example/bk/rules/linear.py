@@ -116,10 +116,17 @@ class LinearRule(Rule):
             # half precision: float32 copies, a chunk of examples at a time
             parts_of = chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in HALF else (slice(None),)
             for s in parts_of:
-                bw = acc(b[s]) * w[s].to(acc_dtype(b.dtype)).view(-1, 1, 1)
-                parts = {"weight": self._weight_of(acc(a[s]).reshape(-1, a.shape[-1]), bw.reshape(-1, bw.shape[-1]))}
+                # Σ_i w_i b_iᵀ a_i: the weights scale the narrower factor (GPT-2's head: the 768-wide input, not
+                # the 50,257-wide output gradient)
+                ai, bi, wi = acc(a[s]), acc(b[s]), w[s].to(acc_dtype(b.dtype))
+                scale_input = ai.shape[-1] < bi.shape[-1]
+                if scale_input:
+                    ai = ai * wi.view(-1, 1, 1)
+                else:
+                    bi = bi * wi.view(-1, 1, 1)
+                parts = {"weight": self._weight_of(ai.reshape(-1, ai.shape[-1]), bi.reshape(-1, bi.shape[-1]))}
                 if trainable(module, "bias"):
-                    parts["bias"] = bw.sum((0, 1))
+                    parts["bias"] = wi @ bi.sum(1) if scale_input else bi.sum((0, 1))
                 add_into(out, parts)
         return out
 
