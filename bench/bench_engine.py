@@ -327,13 +327,14 @@ def run_isolated(spec: dict, probe: bool = False, script=None) -> dict:
 
 
 # --- the comparison ---------------------------------------------------------------------------
-def _runs(batch_sizes) -> list[tuple[str, int]]:
-    """(configuration, batch size) pairs of one round: every training configuration at every batch
-    size, the refreshes (and their non-private reference) at the refresh batch size."""
-    runs = [(c, b) for b in batch_sizes for c in TRAINING]
-    if ("nonprivate", REFRESH_BATCH) not in runs:
+def _runs(batch_sizes, configs=TRAINING + REFRESH) -> list[tuple[str, int]]:
+    """(configuration, batch size) pairs of one round: every training configuration of ``configs`` at every
+    batch size, its refreshes (and their non-private reference) at the refresh batch size."""
+    runs = [(c, b) for b in batch_sizes for c in TRAINING if c in configs]
+    refresh = [(c, REFRESH_BATCH) for c in REFRESH if c in configs]
+    if refresh and ("nonprivate", REFRESH_BATCH) not in runs:
         runs.append(("nonprivate", REFRESH_BATCH))
-    return runs + [(c, REFRESH_BATCH) for c in REFRESH]
+    return runs + refresh
 
 
 def _key(config: str, batch: int) -> str:
@@ -350,11 +351,13 @@ def measure_model(
     threads: int,
     isolate: bool = True,
     memory: bool = True,
+    configs=TRAINING + REFRESH,
     log=print,
 ) -> dict:
-    """Interleaved timing rounds, memory probes at every batch size, medians and ratios for one model."""
+    """Interleaved timing rounds, memory probes at every batch size, medians and ratios for one model
+    (the configurations ``configs``, non-private first)."""
     runner = run_isolated if isolate else run_config
-    runs = _runs(batch_sizes)
+    wanted, runs = tuple(configs), _runs(batch_sizes, configs)
     raw: dict[str, list] = {_key(c, b): [] for c, b in runs}
     loads = []
     for rnd in range(repeats):
@@ -389,7 +392,7 @@ def measure_model(
         "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
     }
     if memory and isolate:
-        out["memory"] = _memory_probes(model, sizes, batch_sizes, device, threads, log)
+        out["memory"] = _memory_probes(model, sizes, batch_sizes, device, threads, log, wanted)
     out["ratios"] = _ratios(out, batch_sizes, primary, device)
     return out
 
@@ -405,10 +408,10 @@ def _summary(runs: list[dict]) -> dict:
     return out
 
 
-def _memory_probes(model, sizes, batch_sizes, device, threads, log) -> dict:
+def _memory_probes(model, sizes, batch_sizes, device, threads, log, configs=TRAINING) -> dict:
     probes = {}
     for batch in batch_sizes:
-        for config in TRAINING:
+        for config in (c for c in TRAINING if c in configs):
             spec = {
                 "model": model,
                 "config": config,
@@ -440,31 +443,35 @@ def _memory_probes(model, sizes, batch_sizes, device, threads, log) -> dict:
 
 def _ratios(result: dict, batch_sizes, primary: str, device: str) -> dict:
     configs, mem = result["configs"], result.get("memory", {}).get("probes", {})
+    training = [c for c in TRAINING[1:] if _key(c, batch_sizes[0]) in configs]
     out = {}
     for batch in batch_sizes:
         base = configs[_key("nonprivate", batch)][f"{primary}_median"]
-        entry = {f"{c}_time_vs_nonprivate": configs[_key(c, batch)][f"{primary}_median"] / base for c in TRAINING[1:]}
-        entry["bk_vs_opacus_hooks_time"] = (
-            configs[_key("ours_bk", batch)][f"{primary}_median"]
-            / configs[_key("opacus_hooks", batch)][f"{primary}_median"]
-        )
+        entry = {f"{c}_time_vs_nonprivate": configs[_key(c, batch)][f"{primary}_median"] / base for c in training}
+        if "ours_bk" in training and "opacus_hooks" in training:
+            entry["bk_vs_opacus_hooks_time"] = (
+                configs[_key("ours_bk", batch)][f"{primary}_median"]
+                / configs[_key("opacus_hooks", batch)][f"{primary}_median"]
+            )
         if mem:
             key = "cuda_peak_training_mib" if device == "cuda" else "rss_peak_mib"
             np_mem = mem[_key("nonprivate", batch)][key]
-            entry.update({f"{c}_peak_memory_vs_nonprivate": mem[_key(c, batch)][key] / np_mem for c in TRAINING[1:]})
+            entry.update({f"{c}_peak_memory_vs_nonprivate": mem[_key(c, batch)][key] / np_mem for c in training})
             if device != "cuda":
                 np_train = mem[_key("nonprivate", batch)]["peak_training_mib"]
                 entry.update(
                     {
                         f"{c}_training_memory_vs_nonprivate": mem[_key(c, batch)]["peak_training_mib"] / np_train
-                        for c in TRAINING[1:]
+                        for c in training
                     }
                 )
         out[f"B={batch}"] = entry
-    epoch = configs[_key("nonprivate", REFRESH_BATCH)][f"{primary}_median"]
-    out["refresh"] = {
-        f"{c}_vs_nonprivate_epoch": configs[_key(c, REFRESH_BATCH)][f"{primary}_median"] / epoch for c in REFRESH
-    }
+    refresh = [c for c in REFRESH if _key(c, REFRESH_BATCH) in configs]
+    if refresh:
+        epoch = configs[_key("nonprivate", REFRESH_BATCH)][f"{primary}_median"]
+        out["refresh"] = {
+            f"{c}_vs_nonprivate_epoch": configs[_key(c, REFRESH_BATCH)][f"{primary}_median"] / epoch for c in refresh
+        }
     return out
 
 
@@ -474,7 +481,7 @@ def verdict(result: dict) -> dict:
     model; a refresh ≤ 1.3× one non-private epoch."""
     out = {}
     cnn = result.get("cifar_cnn")
-    if cnn:
+    if cnn and "ours_bk_time_vs_nonprivate" in cnn["ratios"][f"B={cnn['batch_sizes'][0]}"]:
         r = cnn["ratios"]
         out["cifar_cnn_bk_time"] = {b: r[f"B={b}"]["ours_bk_time_vs_nonprivate"] for b in cnn["batch_sizes"]}
         out["cifar_cnn_bk_time_ok"] = all(
@@ -486,14 +493,22 @@ def verdict(result: dict) -> dict:
             out["cifar_cnn_bk_peak_memory_ok"] = (
                 out["cifar_cnn_bk_peak_memory"] <= TARGETS["bk_peak_memory_vs_nonprivate"]
             )
-    models = [m for m in FULL if m in result]
-    out["bk_vs_opacus_hooks"] = {
-        m: {b: result[m]["ratios"][f"B={b}"]["bk_vs_opacus_hooks_time"] for b in result[m]["batch_sizes"]}
-        for m in models
-    }
-    out["bk_no_slower_than_opacus_hooks"] = all(v <= 1.0 for m in models for v in out["bk_vs_opacus_hooks"][m].values())
-    out["refresh_bk_vs_epoch"] = {m: result[m]["ratios"]["refresh"]["refresh_bk_vs_nonprivate_epoch"] for m in models}
-    out["refresh_ok"] = all(v <= TARGETS["refresh_vs_epoch"] for v in out["refresh_bk_vs_epoch"].values())
+    ran = [m for m in FULL if m in result]
+    models = [m for m in ran if "bk_vs_opacus_hooks_time" in result[m]["ratios"][f"B={result[m]['batch_sizes'][0]}"]]
+    if models:
+        out["bk_vs_opacus_hooks"] = {
+            m: {b: result[m]["ratios"][f"B={b}"]["bk_vs_opacus_hooks_time"] for b in result[m]["batch_sizes"]}
+            for m in models
+        }
+        out["bk_no_slower_than_opacus_hooks"] = all(
+            v <= 1.0 for m in models for v in out["bk_vs_opacus_hooks"][m].values()
+        )
+    models = [m for m in ran if "refresh_bk_vs_nonprivate_epoch" in result[m]["ratios"].get("refresh", {})]
+    if models:
+        out["refresh_bk_vs_epoch"] = {
+            m: result[m]["ratios"]["refresh"]["refresh_bk_vs_nonprivate_epoch"] for m in models
+        }
+        out["refresh_ok"] = all(v <= TARGETS["refresh_vs_epoch"] for v in out["refresh_bk_vs_epoch"].values())
     return out
 
 
@@ -508,9 +523,11 @@ def measure(
     models=tuple(FULL),
     batch_sizes=(256, 1024),
     wrn_width: int | None = None,
+    configs=TRAINING + REFRESH,
     log=print,
 ) -> dict:
-    """The whole benchmark; the dict written to ``engine_cost.json``."""
+    """The whole benchmark (the configurations ``configs``: all by default); the dict written to
+    ``engine_cost.json``."""
     import opacus
     import torch
 
@@ -533,6 +550,7 @@ def measure(
         "clip_norm": CLIP,
         "delta": DELTA,
         "refresh_batch_size": REFRESH_BATCH,
+        "configs": list(configs),
         "note": (
             "interleaved rounds (order reversed every other round), a fresh process per run; seconds per "
             "epoch cover the training loop only; the machine may be shared, see load_avg_1min per model"
@@ -550,6 +568,7 @@ def measure(
             threads=threads,
             isolate=isolate,
             memory=memory,
+            configs=configs,
             log=log,
         )
     out["verdict"] = verdict(out)
@@ -580,7 +599,7 @@ def table(result: dict) -> str:
         mem = r.get("memory", {}).get("probes", {})
         for batch in r["batch_sizes"]:
             base = r["configs"][_key("nonprivate", batch)][f"{r['judged_on']}_median"]
-            for c in TRAINING:
+            for c in (c for c in TRAINING if _key(c, batch) in r["configs"]):
                 cfg = r["configs"][_key(c, batch)]
                 m = mem.get(_key(c, batch), {})
                 np_m = mem.get(_key("nonprivate", batch), {})
@@ -590,7 +609,7 @@ def table(result: dict) -> str:
                     f"  {c:<14} {batch:>5} {cfg['seconds_per_epoch_median']:>9.2f} "
                     f"{cfg['cpu_seconds_per_epoch_median']:>9.2f} {ratio:>9.2f} {mem_txt}"
                 )
-        for c in REFRESH:
+        for c in (c for c in REFRESH if _key(c, REFRESH_BATCH) in r["configs"]):
             cfg = r["configs"][_key(c, REFRESH_BATCH)]
             ratio = r["ratios"]["refresh"][f"{c}_vs_nonprivate_epoch"]
             lines.append(
@@ -620,6 +639,11 @@ def main(argv=None) -> dict | None:
         type=int,
         default=None,
         help=f"width of the WideResNet-16 (default {FULL['wrn16']['width']} on the CPU; De et al. use 4)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(TRAINING + REFRESH),
+        help=f"comma-separated configurations, nonprivate first (default all: {','.join(TRAINING + REFRESH)})",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests (not a measurement)")
@@ -654,6 +678,11 @@ def main(argv=None) -> dict | None:
         batch_sizes = ()
     if not batch_sizes or min(batch_sizes) < 1:
         raise InvalidParameterError("batch_sizes", args.batch_sizes, "must be comma-separated integers >= 1")
+    configs = tuple(c for c in args.configs.split(",") if c)
+    if not configs or configs[0] != "nonprivate" or not set(configs) <= set(TRAINING + REFRESH):
+        raise InvalidParameterError(
+            "configs", args.configs, f"must be nonprivate followed by some of {', '.join(TRAINING[1:] + REFRESH)}"
+        )
     if args.wrn_width is not None and args.wrn_width < 1:
         raise InvalidParameterError("wrn_width", args.wrn_width, "must be an integer >= 1")
     result = {
@@ -670,6 +699,7 @@ def main(argv=None) -> dict | None:
             models=models,
             batch_sizes=batch_sizes,
             wrn_width=args.wrn_width,
+            configs=configs,
             log=lambda s: print(s, file=sys.stderr),
         ),
     }

@@ -51,6 +51,20 @@ def test_quick_mode_compares_like_with_like(bench_engine, tmp_path):
     assert saved["verdict"]["cifar_cnn_bk_time_ok"] == (ratio <= bench_engine.TARGETS["bk_time_vs_nonprivate"])
 
 
+def test_a_subset_of_configurations(bench_engine, tmp_path):
+    """``--configs nonprivate,ours_bk`` runs those two only (no refresh, no Opacus): its ratio, its verdict."""
+    out = tmp_path / "engine_cost.json"
+    bench_engine.main(
+        ["--quick", "--in-process", "--repeats", "1", "--models", "cifar_cnn", "--batch-sizes", "32"]
+        + ["--configs", "nonprivate,ours_bk", "--out", str(out)]
+    )
+    saved = json.loads(out.read_text())
+    r = saved["cifar_cnn"]
+    assert set(r["configs"]) == {"nonprivate@32", "ours_bk@32"} and saved["configs"] == ["nonprivate", "ours_bk"]
+    assert set(r["ratios"]) == {"B=32"} and set(r["ratios"]["B=32"]) == {"ours_bk_time_vs_nonprivate"}
+    assert set(saved["verdict"]) == {"cifar_cnn_bk_time", "cifar_cnn_bk_time_ok"}
+
+
 @pytest.mark.slow  # a fresh Python process importing torch and opacus
 def test_isolated_worker_reports_its_own_peak(bench_engine):
     spec = {
@@ -78,6 +92,9 @@ def test_bad_options_are_refused(bench_engine):
         bench_engine.main(["--quick", "--repeats", "0"])
     with pytest.raises(InvalidParameterError, match="batch_sizes"):
         bench_engine.main(["--quick", "--batch-sizes", "0"])
+    for bad in ("ours_bk", "nonprivate,opacus_fast", ""):  # non-private first, known names only
+        with pytest.raises(InvalidParameterError, match="configs"):
+            bench_engine.main(["--quick", "--configs", bad])
 
 
 def test_hf_bench_smoke(monkeypatch, tmp_path):
