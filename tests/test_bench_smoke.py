@@ -54,10 +54,8 @@ def test_quick_mode_compares_like_with_like(bench_engine, tmp_path):
 def test_a_subset_of_configurations(bench_engine, tmp_path):
     """``--configs nonprivate,ours_bk`` runs those two only (no refresh, no Opacus): its ratio, its verdict."""
     out = tmp_path / "engine_cost.json"
-    bench_engine.main(
-        ["--quick", "--in-process", "--repeats", "1", "--models", "cifar_cnn", "--batch-sizes", "32"]
-        + ["--configs", "nonprivate,ours_bk", "--out", str(out)]
-    )
+    quick = ["--quick", "--in-process", "--repeats", "1", "--models", "cifar_cnn", "--batch-sizes", "32"]
+    bench_engine.main([*quick, "--configs", "nonprivate,ours_bk", "--out", str(out)])
     saved = json.loads(out.read_text())
     r = saved["cifar_cnn"]
     assert set(r["configs"]) == {"nonprivate@32", "ours_bk@32"} and saved["configs"] == ["nonprivate", "ours_bk"]
@@ -306,3 +304,19 @@ def _check_versions(r):
     assert all(len(v) == 2 and min(v) > 0 for v in m["runs"].values())
     assert m["this_vs_base"]["ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["base:ours_bk"]
     assert m["vs_nonprivate"]["this:ours_bk"] == m["median"]["this:ours_bk"] / m["median"]["this:nonprivate"]
+
+
+def test_interleaved_steps_alternates_private_and_nonprivate_steps(monkeypatch, tmp_path):
+    """bench/interleaved_steps.py --quick: the CNN's non-private, bk and bk-by-unfolding steps alternate in one
+    process; the ratios are those of the reported per-example times; LoRA GPT-2 runs too."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import interleaved_steps
+
+    out = tmp_path / "steps.json"
+    got = interleaved_steps.main(["cnn", "--quick", "--steps", "2", "--warm", "1", "--ghost-unfold", "--out", str(out)])
+    assert json.loads(out.read_text()) == got
+    assert set(got["ratio_total"]) == {"nonprivate", "bk", "bk_unfold"} and got["steps"] == 2
+    for k, v in got["cpu_ms_per_example_total"].items():
+        assert v > 0 and got["ratio_total"][k] == pytest.approx(v / got["cpu_ms_per_example_total"]["nonprivate"])
+    lora = interleaved_steps.main(["gpt2_lora", "--quick", "--steps", "1", "--warm", "0"])
+    assert set(lora["ratio_median"]) == {"nonprivate", "bk"}
