@@ -45,7 +45,8 @@ def _timed(it, run):
 
 
 def cnn_steps(n: int = 2560, batch: int = 256):
-    """(make nonprivate step, make private step, loss) of the CIFAR-shaped CNN on random CIFAR-shaped tensors."""
+    """(model factory, data, batch size, loss, trainable parameters, optimizer settings) of the CIFAR-shaped CNN on
+    random CIFAR-shaped tensors; SGD with momentum 0.9 as ``bench_engine.py``."""
     import torch
     from torch import nn
 
@@ -63,12 +64,13 @@ def cnn_steps(n: int = 2560, batch: int = 256):
     def loss(m, batch):
         return nn.functional.cross_entropy(m(batch[0]), batch[1])
 
-    return model, data, batch, loss, lambda m: m.parameters(), 0.05
+    return model, data, batch, loss, lambda m: m.parameters(), {"lr": 0.05, "momentum": 0.9}
 
 
 def gpt2_steps(layers: int = 12, batch: int = 16, seq: int = 128, lora: bool = False, quick: bool = False):
     """The same for a GPT-2 LM (bench_hf's shape; ``quick``: 32 wide, vocabulary 256), each example's mean token
-    loss, averaged."""
+    loss, averaged; plain SGD as ``bench_hf.py`` (momentum would add a parameter-sized state that the write guard
+    reads twice per step)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -91,10 +93,10 @@ def gpt2_steps(layers: int = 12, batch: int = 16, seq: int = 128, lora: bool = F
     def loss(m, b):
         return per_example(m(input_ids=b[0]), b[0]).mean()
 
-    return model, data, batch, loss, lambda m: [p for p in m.parameters() if p.requires_grad], 1e-4
+    return model, data, batch, loss, lambda m: [p for p in m.parameters() if p.requires_grad], {"lr": 1e-3}
 
 
-def configurations(model, data, batch, loss, trainable, lr, ghost_unfold: bool) -> dict:
+def configurations(model, data, batch, loss, trainable, sgd: dict, ghost_unfold: bool) -> dict:
     """name -> step function: ``nonprivate``, ``bk`` (and ``bk_unfold``)."""
     import torch
 
@@ -104,7 +106,7 @@ def configurations(model, data, batch, loss, trainable, lr, ghost_unfold: bool) 
 
     n = len(data)
     m = model()
-    opt = torch.optim.SGD(trainable(m), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(trainable(m), **sgd)
     shuffled = torch.utils.data.DataLoader(
         data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
@@ -121,7 +123,7 @@ def configurations(model, data, batch, loss, trainable, lr, ghost_unfold: bool) 
         engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
         module, popt, loader = engine.make_private(
             module=pm,
-            optimizer=torch.optim.SGD(trainable(pm), lr=lr, momentum=0.9),
+            optimizer=torch.optim.SGD(trainable(pm), **sgd),
             data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
             budgets=demo_budgets(n, 1e-5, 0),
             method="scale",
