@@ -204,11 +204,11 @@ class ConvRule(Rule):
             cost = u * u + u * d // int(math.prod(module.kernel_size)) + 2 * t_all * t_all + t_all * p
         else:  # the unfolded patches, the output gradient and the two Gram matrices
             cost = 2 * t_all * t_all + t_all * (d + p)
+        x, out_shape = uses[0][0][0], tuple(uses[0][1].shape[2:])  # the one use's input (the pixel path)
         for s in chunks(n, groups * cost):
             b = joined([acc(g[s]).reshape(g[s].shape[0], groups, p, -1).transpose(2, 3) for _, g in uses], 2)
             if u:
-                (x, *_), g = uses[0]
-                a_gram = self._patch_gram(module, acc(x[s]), tuple(g.shape[2:]))
+                a_gram = self._patch_gram(module, acc(x[s]), out_shape)
                 out[s] = (a_gram * torch.matmul(b, b.transpose(-1, -2))).sum((-3, -2, -1))
                 continue
             a = joined([self._unfold(module, acc(saved[0][s])) for saved, _ in uses], 2)
@@ -222,16 +222,16 @@ class ConvRule(Rule):
         out = {}
         for saved, g in uses:
             # Σ_i w_i G_i: the weights scale the smaller of the input and the output gradient
-            x, g, w = acc(saved[0]), acc(g), w.to(acc_dtype(g.dtype))
+            x, g, wt = acc(saved[0]), acc(g), w.to(acc_dtype(g.dtype))
             scale_input = x[0].numel() < g[0].numel()
             if scale_input:
-                x = x * w.view((-1,) + (1,) * (x.dim() - 1))
+                x = x * wt.view((-1,) + (1,) * (x.dim() - 1))
             else:
-                g = g * w.view((-1,) + (1,) * (g.dim() - 1))
+                g = g * wt.view((-1,) + (1,) * (g.dim() - 1))
             kernel = self._backward(module, x, g, module.weight.to(g.dtype), module.groups, [False, True, False])
             parts = {"weight": kernel[1]}
             if trainable(module, "bias"):
                 positions = tuple(range(2, g.dim()))
-                parts["bias"] = w @ g.sum(positions) if scale_input else g.sum((0, *positions))
+                parts["bias"] = wt @ g.sum(positions) if scale_input else g.sum((0, *positions))
             add_into(out, parts)
         return out
