@@ -55,14 +55,9 @@ _TIE = "a tie with an Embedding subclass of its own forward (scaled embeddings):
 _EXPERTS = "the experts module falls back; the fallback re-calls forward without its routing arguments"
 _THREE = ("T!=B", "T=B", "mask", "bf16")  # mask, bf16: at T != B first
 # (architecture, case) → (the outcome on today's main, why); case: "T!=B", "T=B", "LoRA", "bf16"
-KNOWN = {
-    # issue 36 (provenance) made every case of the 24 exact; what remains is refused, never silent:
-    # with LoRA the experts are frozen, so no fallback re-runs them per example and their routing
-    # (an index_add_ of expert outputs into token rows) is tracked as rows mixed across the batch
-    **{
-        (moe, "LoRA"): ("refused", "frozen experts: routing rows without per-row provenance")
-        for moe in ("mixtral", "qwen2_moe")
-    },
+KNOWN: dict = {
+    # issue 36 (provenance) made every case of the 24 exact; the mixture-of-experts decoders with LoRA, refused
+    # then (frozen experts' routing rows), are exact since transformers' eager expert dispatch is a row-by-row map
 }
 
 
