@@ -357,7 +357,7 @@ def measure_model(
     """Interleaved timing rounds, memory probes at every batch size, medians and ratios for one model
     (the configurations ``configs``, non-private first)."""
     runner = run_isolated if isolate else run_config
-    wanted, runs = tuple(configs), _runs(batch_sizes, configs)
+    runs = _runs(batch_sizes, configs)
     raw: dict[str, list] = {_key(c, b): [] for c, b in runs}
     loads = []
     for rnd in range(repeats):
@@ -381,18 +381,18 @@ def measure_model(
                 f"(cpu {r['cpu_seconds_per_epoch']:8.3f})  load {before:.2f}"
             )
     primary = "cpu_seconds_per_epoch" if device == "cpu" else "seconds_per_epoch"
-    configs = {k: _summary(v) for k, v in raw.items()}
+    summaries = {k: _summary(v) for k, v in raw.items()}
     out = {
         "sizes": sizes,
         "batch_sizes": list(batch_sizes),
         "repeats": repeats,
         "judged_on": primary,
-        "configs": configs,
+        "configs": summaries,
         "runs": raw,
         "load_avg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
     }
     if memory and isolate:
-        out["memory"] = _memory_probes(model, sizes, batch_sizes, device, threads, log, wanted)
+        out["memory"] = _memory_probes(model, sizes, batch_sizes, device, threads, log, configs)
     out["ratios"] = _ratios(out, batch_sizes, primary, device)
     return out
 
