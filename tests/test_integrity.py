@@ -947,9 +947,11 @@ def _python_block_sums(tensors):
     from idpsgd.engine.guards import fingerprint
 
     inner = [int(u) for u in fingerprint._inner(torch.device("cpu")).tolist()]
+    widths = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int32}  # 8-byte entries as pairs of int32
     out = []
     for t in tensors:
-        bits = t.reshape(-1).view(torch.int32).tolist()
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        bits = np.frombuffer(raw, dtype=widths[t.element_size()]).tolist()
         for start in range(0, len(bits), 1024):
             out.append(sum(u * b for u, b in zip(inner, bits[start : start + 1024], strict=False)))
     return out
@@ -996,9 +998,20 @@ def test_the_fingerprint_is_exact_and_position_weighted():
         flat.view(torch.int32)[-1] ^= 1  # the last bit of the last entry
         assert changed(flat.view_as(table)) == [1]
         assert changed(table.clone()) == []
-    mixed = [torch.zeros(10, dtype=d) for d in (torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.complex64)]
+    # entries of every width packed into one chunk (on a CPU through the int32 staging: widened exactly), negative
+    # bit patterns included
+    mixed = [
+        torch.randn(10, generator=g, dtype=torch.float64),
+        torch.randn(1500, generator=g).to(torch.bfloat16),
+        torch.randint(-128, 128, (7,), generator=g, dtype=torch.int8),
+        torch.rand(9, generator=g) > 0.5,
+        torch.randn(3, generator=g, dtype=torch.complex64),
+        torch.randn(2, 5, generator=g).to(torch.float16),
+        torch.tensor(3.0),
+    ]
     sums, starts = fingerprint.block_sums(mixed)
-    assert sums.shape == (5,) and starts == [0, 1, 2, 3, 4]
+    assert sums.tolist() == _python_block_sums(mixed)
+    assert starts == [0, 1, 3, 4, 5, 6, 7]
 
 
 def test_a_reused_fingerprint_layout_reads_the_tensors_of_now():
