@@ -57,12 +57,14 @@ def released_tensors(module: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     return _released_and_extra(module)[0]
 
 
-def _released_and_extra(module: nn.Module) -> tuple[dict, list]:
-    """(:func:`released_tensors`, the (name, module) pairs that define ``get_extra_state``) in one walk over the
-    modules (a snapshot needs both: one walk instead of two, three snapshots a step)."""
+def _released_and_extra(module: nn.Module) -> tuple[dict, list, list]:
+    """(:func:`released_tensors`, the (name, module) pairs that define ``get_extra_state``, every module) in one
+    walk over the modules (a snapshot needs all three: one walk instead of three, three snapshots a step)."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
     extra: list = []
+    walked: list = []
     for prefix, m in module.named_modules(remove_duplicate=True):
+        walked.append(m)
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             extra.append((prefix, m))
         dot = f"{prefix}." if prefix else ""
@@ -75,7 +77,7 @@ def _released_and_extra(module: nn.Module) -> tuple[dict, list]:
                     "non-persistent buffer" if n in m._non_persistent_buffers_set else "persistent buffer",
                     b,
                 )
-    return out, extra
+    return out, extra, walked
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -164,25 +166,29 @@ class _Snapshot:
     fingerprint: Fingerprint | None
     extra: dict  # name -> digest of a module's extra state
     values: dict  # optimizer state that is not a tensor: (parameter name, key) -> a copy of the value
+    modules: list  # every module of the model when it was taken (the trigger's watch list: WriteGuard.arm)
 
     @staticmethod
-    def _read(module: nn.Module, optimizer) -> tuple[dict, dict, list]:
+    def _read(module: nn.Module, optimizer) -> tuple[dict, dict, list, list]:
         """(released tensors, optimizer state) now: name -> (kind, tensor or value); the modules with extra
-        state."""
-        released, extra = _released_and_extra(module)
+        state; every module (one walk)."""
+        released, extra, walked = _released_and_extra(module)
         parameter_names: dict[int, str] = {}
         for name, (kind, t) in released.items():
             if kind == "parameter":
                 parameter_names.setdefault(id(t), name)
         state = {k: ("optimizer state", v) for k, v in _optimizer_state(optimizer, parameter_names).items()}
-        return released, state, extra
+        return released, state, extra, walked
 
     @classmethod
-    def take(cls, module: nn.Module, fingerprint: bool, optimizer=None, like: Fingerprint | None = None) -> _Snapshot:
+    def take(
+        cls, module: nn.Module, fingerprint: bool, optimizer=None, like: Fingerprint | None = None, read=None
+    ) -> _Snapshot:
         """The released tensors and the optimizer's state now; with ``fingerprint``, their values too (``like``:
-        the guard's previous fingerprint, :func:`_fingerprint`)."""
+        the guard's previous fingerprint, :func:`_fingerprint`); ``read``: what :meth:`_read` returned just now
+        (the walk over the modules done once)."""
         names, tensors, index, values = {}, [], {}, {}
-        released, state, extra = cls._read(module, optimizer)
+        released, state, extra, walked = cls._read(module, optimizer) if read is None else read
         for name, (kind, t) in [*released.items(), *state.items()]:
             if not torch.is_tensor(t):
                 values[name] = copy.deepcopy(t)
@@ -199,11 +205,12 @@ class _Snapshot:
             _fingerprint(tensors, like) if fingerprint else None,
             extra_state_digests(module, extra),
             values,
+            walked,
         )
 
-    def rebound(self, module: nn.Module) -> bool:
-        """Whether a released tensor of the snapshot is now another tensor object (swapped in)."""
-        now = released_tensors(module)
+    def rebound(self, now: dict) -> bool:
+        """Whether a released tensor of the snapshot is now another tensor object (swapped in); ``now``: the
+        released tensors now (:func:`released_tensors`)."""
         return any(
             kind != "optimizer state" and name in now and now[name][1] is not self.tensors[i]
             for name, (kind, i) in self.names.items()
@@ -212,7 +219,7 @@ class _Snapshot:
     def changes(self, module: nn.Module, optimizer=None) -> list[str]:
         """What changed since the snapshot, one phrase per parameter, buffer or optimizer state (empty:
         nothing)."""
-        released, state, extra_modules = self._read(module, optimizer)
+        released, state, extra_modules, _ = self._read(module, optimizer)
         now = {**released, **state}
         before = {**{n: k for n, (k, _) in self.names.items()}, **dict.fromkeys(self.values, "optimizer state")}
 
@@ -390,7 +397,7 @@ class WriteGuard:
         self._state = _Snapshot.take(self.model, fingerprint=False, optimizer=self.optimizer)
         self._armed = True
         self._stop_waiting()
-        modules = {id(m): m for m in self.model.modules()}
+        modules = {id(m): m for m in self._state.modules}  # the model's modules, from the snapshot's walk
         if isinstance(self.scope, nn.Module):  # wrap_model=False returns hooks, not a module
             modules.update((id(m), m) for m in self.scope.modules())
         self._watched = list(modules.values())
@@ -406,17 +413,18 @@ class WriteGuard:
         if self._armed and not self._suspended:
             self._armed = False
             self._stop_waiting()
-            if self._state is not None and self._state.rebound(self.model):
+            read = _Snapshot._read(self.model, self.optimizer)  # one walk for the two uses below
+            if self._state is not None and self._state.rebound(read[0]):
                 # the call runs on tensors swapped in for it (torch.func.functional_call, e.g. per-sample
                 # gradients for grad_sample_mode="no_op"): the state taken at the step's end stays the
                 # reference (without the value fingerprint, as for a loop that calls none of the modules)
                 return
-            self._state = self._fingerprinted()
+            self._state = self._fingerprinted(read)
 
-    def _fingerprinted(self) -> _Snapshot:
+    def _fingerprinted(self, read=None) -> _Snapshot:
         """A snapshot with the value fingerprint, read the way the previous one was while the tensors' geometry is
-        unchanged (:class:`~.fingerprint.Fingerprint`)."""
-        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer, like=self._like)
+        unchanged (:class:`~.fingerprint.Fingerprint`); ``read``: :meth:`_Snapshot._read`'s walk, just done."""
+        state = _Snapshot.take(self.model, fingerprint=True, optimizer=self.optimizer, like=self._like, read=read)
         self._like = state.fingerprint
         return state
 
