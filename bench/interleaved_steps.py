@@ -67,18 +67,26 @@ def cnn_steps(n: int = 2560, batch: int = 256):
     return model, data, batch, loss, lambda m: m.parameters(), {"lr": 0.05, "momentum": 0.9}
 
 
-def gpt2_steps(layers: int = 12, batch: int = 16, seq: int = 128, lora: bool = False, quick: bool = False):
-    """The same for a GPT-2 LM (bench_hf's shape; ``quick``: 32 wide, vocabulary 256), each example's mean token
-    loss, averaged; plain SGD as ``bench_hf.py`` (momentum would add a parameter-sized state that the write guard
-    reads twice per step)."""
+def gpt2_steps(
+    layers: int = 12,
+    batch: int = 16,
+    seq: int = 128,
+    lora: bool = False,
+    quick: bool = False,
+    width: int | None = None,
+    vocab: int | None = None,
+):
+    """The same for a GPT-2 LM (bench_hf's shape; ``quick``: 32 wide, vocabulary 256; ``width``/``vocab``: another
+    width (heads of 16) and vocabulary), each example's mean token loss, averaged; plain SGD as ``bench_hf.py``
+    (momentum would add a parameter-sized state that the write guard reads twice per step)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from idpsgd.integrations.hf.losses import PerExampleLoss
 
-    n, vocab = 16 * batch, 256 if quick else 50257
+    n, vocab = 16 * batch, vocab or (256 if quick else 50257)
     data = torch.utils.data.TensorDataset(torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0)))
-    shape = {"n_embd": 32, "n_head": 2} if quick else {}
+    shape = {"n_embd": width, "n_head": max(1, width // 16)} if width else {"n_embd": 32, "n_head": 2} if quick else {}
     per_example = PerExampleLoss("causal_lm")
 
     def model():
@@ -96,15 +104,35 @@ def gpt2_steps(layers: int = 12, batch: int = 16, seq: int = 128, lora: bool = F
     return model, data, batch, loss, lambda m: [p for p in m.parameters() if p.requires_grad], {"lr": 1e-3}
 
 
-def configurations(model, data, batch, loss, trainable, sgd: dict, ghost_unfold: bool) -> dict:
-    """name -> step function: ``nonprivate``, ``bk`` (and ``bk_unfold``)."""
+def private_training(model, data, batch: int, trainable, sgd: dict):
+    """(module, optimizer, loader) of ``model`` trained through ``make_private``: Scale, the demo's budgets, Poisson
+    batches of expected size ``batch``, bk, plain SGD with ``sgd``'s settings, the engine's seed 0."""
     import torch
 
     from idpsgd.cli.train_commands import demo_budgets
     from idpsgd.engine import IndividualizedPrivacyEngine
-    from idpsgd.engine.per_example.bk.rules.conv import ConvRule
 
     n = len(data)
+    engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
+    return engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(trainable(model), **sgd),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
+        budgets=demo_budgets(n, 1e-5, 0),
+        method="scale",
+        steps=10_000,
+        max_grad_norm=1.0,
+        sample_rate=batch / n,
+        grad_sample_mode="bk",
+    )
+
+
+def configurations(model, data, batch, loss, trainable, sgd: dict, ghost_unfold: bool) -> dict:
+    """name -> step function: ``nonprivate``, ``bk`` (and ``bk_unfold``)."""
+    import torch
+
+    from idpsgd.engine.per_example.bk.rules.conv import ConvRule
+
     m = model()
     opt = torch.optim.SGD(trainable(m), **sgd)
     shuffled = torch.utils.data.DataLoader(
@@ -119,19 +147,7 @@ def configurations(model, data, batch, loss, trainable, sgd: dict, ghost_unfold:
     out = {"nonprivate": _timed(_forever(shuffled), nonprivate_step)}
 
     def private():
-        pm = model()
-        engine = IndividualizedPrivacyEngine(accountant="rdp", seed=0)
-        module, popt, loader = engine.make_private(
-            module=pm,
-            optimizer=torch.optim.SGD(trainable(pm), **sgd),
-            data_loader=torch.utils.data.DataLoader(data, batch_size=batch),
-            budgets=demo_budgets(n, 1e-5, 0),
-            method="scale",
-            steps=10_000,
-            max_grad_norm=1.0,
-            sample_rate=batch / n,
-            grad_sample_mode="bk",
-        )
+        module, popt, loader = private_training(model(), data, batch, trainable, sgd)
 
         def step(b):
             popt.zero_grad(set_to_none=True)

@@ -328,3 +328,24 @@ def test_interleaved_steps_alternates_private_and_nonprivate_steps(monkeypatch, 
         assert v > 0 and got["ratio_total"][k] == pytest.approx(v / got["cpu_ms_per_example_total"]["nonprivate"])
     lora = interleaved_steps.main(["gpt2_lora", "--quick", "--steps", "1", "--warm", "0"])
     assert set(lora["ratio_median"]) == {"nonprivate", "bk"}
+
+
+def test_host_overhead_splits_the_private_step_into_its_parts(monkeypatch, tmp_path):
+    """bench/host_overhead.py --quick: per-phase medians of non-private and bk steps on a small GPT-2, the extra
+    time per phase, and the bk optimizer step split into norms, clipped sum, admission, noise and the rest."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(BENCH))
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    got = host_overhead.main(["--quick", "--steps", "3", "--warm", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == got
+    ms = got["cpu_ms_median"]
+    for phase in ("forward", "backward", "optimizer", "step"):
+        assert got["extra_ms"][phase] == pytest.approx(ms["bk"][phase] - ms["nonprivate"][phase])
+    split = got["bk_optimizer_ms_mean"]
+    assert set(split) == {"norms", "clipped_sum", "admission", "noise", "other"}
+    assert all(split[k] > 0 for k in ("norms", "clipped_sum", "admission", "noise"))
+    assert got["ratio"] == pytest.approx(ms["bk"]["step"] / ms["nonprivate"]["step"])
+    with pytest.raises(Exception, match="steps"):
+        host_overhead.main(["--quick", "--steps", "0"])
