@@ -343,6 +343,19 @@ def _unwait(ref, ids) -> None:
         _HOOK.pop("handle").remove()
 
 
+def _around(scope: nn.Module, model: nn.Module) -> list:
+    """The modules of ``scope`` (a wrapper) that are not inside ``model``: its walk stops at the model, whose
+    modules the snapshot has just walked."""
+    out, seen, todo = [], {id(model)}, [scope]
+    while todo:
+        m = todo.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+            todo.extend(c for c in m._modules.values() if c is not None)
+    return out
+
+
 class WriteGuard:
     """Watches one model's released tensors and its optimizer's state (one guard per model, shared by
     the training steps and the norm passes; :meth:`attach`).
@@ -399,7 +412,7 @@ class WriteGuard:
         self._stop_waiting()
         modules = {id(m): m for m in self._state.modules}  # the model's modules, from the snapshot's walk
         if isinstance(self.scope, nn.Module):  # wrap_model=False returns hooks, not a module
-            modules.update((id(m), m) for m in self.scope.modules())
+            modules.update((id(m), m) for m in _around(self.scope, self.model))
         self._watched = list(modules.values())
         self._ids[:] = modules
         _wait(self._ref, self._ids)

@@ -61,6 +61,7 @@ class BookKeeper:
         self._leaked: set[str] = set()
         self._handles = []
         self._dropped: torch.Tensor | None = None
+        self._settled = None  # (parts, batch) of the current pass as norms() checked them, for clipped_sum
         #: the modules' parameters as the rules see them after the backward pass (FSDP2 swaps the unsharded
         #: tensors back in: engine/distributed/fsdp.py, :meth:`view_parameters_with`); by default the model's own
         self.parameter_view = contextlib.nullcontext
@@ -345,10 +346,12 @@ class BookKeeper:
                 "output before optimizer.step()"
             )
         if batch == 0:  # an empty Poisson batch
+            self._settled = (parts, batch)
             ref = next(iter(parts[0].params.values()))
             return torch.zeros(0, dtype=ref.dtype, device=ref.device)
         if self.user_level is not None:  # user level: records regrouped, one "example" per user (..units)
             parts, batch = self.user_level.regroup(self, parts, batch)
+        self._settled = (parts, batch)  # the checks of _recorded() (a walk over the parameters) once a step
         total = None
         with self.parameter_view():
             for part in parts:
@@ -376,7 +379,7 @@ class BookKeeper:
         """{parameter: Σ_i factors_i · g_i} over the current backward pass (zero for parameters that
         received nothing; examples whose gradients overflowed left out); call after :meth:`norms`
         with the same ``loss_scale``."""
-        parts, batch = self._recorded()
+        parts, batch = self._settled if self._settled is not None else self._recorded()
         out = {}
         if batch:
             w = factors * self.scale(batch, loss_scale)
@@ -395,6 +398,7 @@ class BookKeeper:
             part.clear()
         self._leaked = set()
         self._dropped = None
+        self._settled = None
 
     @property
     def rules(self) -> dict[str, str]:

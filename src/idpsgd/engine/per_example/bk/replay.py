@@ -273,12 +273,18 @@ def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int =
         else _plain(t)
         for t in flat
     )
-    modules = tuple(
-        (id(m), m.training, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
-        for m in model.modules()
-    )
-    params = tuple((id(p), p.requires_grad, tuple(p.shape), p.dtype, p.device) for p in model.parameters())
-    buffers = tuple((id(b), tuple(b.shape), b.dtype) for b in model.buffers())
+    modules, params, buffers, seen_p, seen_b = [], [], [], set(), set()
+    for m in model.modules():  # one walk: each module, then its parameters and buffers not met before (as
+        # model.parameters() and model.buffers() list them)
+        modules.append((id(m), m.training, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_p:
+                seen_p.add(id(p))
+                params.append((id(p), p.requires_grad, p.shape, p.dtype, p.device))
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen_b:
+                seen_b.add(id(b))
+                buffers.append((id(b), b.shape, b.dtype))
     hooks = torch.nn.modules.module
     state = (
         torch.is_grad_enabled(),
@@ -290,7 +296,7 @@ def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int =
         len(hooks._global_forward_pre_hooks),
         len(hooks._global_forward_hooks),
     )
-    return (batch, batch_dim, str(spec), inputs, modules, params, buffers, state)
+    return (batch, batch_dim, str(spec), inputs, tuple(modules), tuple(params), tuple(buffers), state)
 
 
 class Attribution:

@@ -16,6 +16,7 @@ from .base import (
     autocast_input,
     chunks,
     gram_norm_sq,
+    joined,
     own_forward,
     same_code,
     trainable,
@@ -89,9 +90,10 @@ class LinearRule(Rule):
     def ghost_norm_sq(self, module, uses):
         a, b = self.joined_factors(uses)
         t = a.shape[1]
-        out = a.new_zeros(a.shape[0], dtype=acc_dtype(a.dtype))
-        for s in chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2])):
-            out[s] = gram_norm_sq(acc(a[s]), acc(b[s]))
+        out = joined(
+            [gram_norm_sq(acc(a[s]), acc(b[s])) for s in chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2]))],
+            0,
+        )
         if trainable(module, "bias"):
             bias = acc(b).sum(1)
             out = out + (bias * bias).sum(1)
