@@ -45,7 +45,8 @@ def _row_norms_sq(gs: torch.Tensor) -> torch.Tensor:
 def _weighted_sum(w: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """Σ_i w_i G_i, accumulated in float32 for half G (the factors are never rounded to half precision)."""
     gs = acc(gs)
-    return torch.einsum("b,b...->...", w.to(gs.dtype), gs)
+    return torch.matmul(w.to(gs.dtype), gs.reshape(gs.shape[0], -1)).reshape(gs.shape[1:])  # (an einsum's dispatch
+    # costs about 10 µs more a call: 76 calls a step on GPT-2's twelve blocks)
 
 
 def _drop_rows(t, mask: torch.Tensor):
@@ -118,7 +119,10 @@ class _PerExampleGradients:
     def norm_sq(self):
         if not self.grad_sample:
             return None
-        return sum(_row_norms_sq(gs) for gs in self.grad_sample.values())
+        total = None
+        for gs in self.grad_sample.values():
+            total = _row_norms_sq(gs) if total is None else total + _row_norms_sq(gs)
+        return total
 
     def clipped_sum(self, w: torch.Tensor) -> dict:
         return {self.params[n]: _weighted_sum(w, gs) for n, gs in self.grad_sample.items()}

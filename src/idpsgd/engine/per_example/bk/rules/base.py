@@ -89,11 +89,15 @@ def joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def gram_norm_sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_{t,t'} (a_t·a_t')(b_t·b_t') per example (and per group): a (..., T, d), b (..., T, p)."""
+def gram_norm_sq(a: torch.Tensor, b: torch.Tensor, bias: float = 0.0) -> torch.Tensor:
+    """Σ_{t,t'} (a_t·a_t' + bias)(b_t·b_t') per example (and per group): a (..., T, d), b (..., T, p).  ``bias`` 1
+    adds the squared norm of a bias's per-example gradient Σ_t b_t (a weight on a constant input 1)."""
     if a.shape[-2] == 1:
-        return (a * a).sum((-2, -1)) * (b * b).sum((-2, -1))
-    return (torch.matmul(a, a.transpose(-1, -2)) * torch.matmul(b, b.transpose(-1, -2))).sum((-2, -1))
+        return ((a * a).sum((-2, -1)) + bias) * (b * b).sum((-2, -1))
+    grams = torch.matmul(a, a.transpose(-1, -2))
+    if bias:
+        grams += bias
+    return (grams * torch.matmul(b, b.transpose(-1, -2))).sum((-2, -1))
 
 
 class Rule:

@@ -64,7 +64,7 @@ class LinearRule(Rule):
     def prefers_ghost(self, module, uses):
         if not trainable(module, "weight"):
             return False
-        t = sum(self.flat_factors(s, g)[0].shape[1] for s, g in uses)
+        t = sum(s[0].numel() // max(1, s[0].shape[0] * s[0].shape[-1]) for s, _ in uses)  # flat_factors' T, unshaped
         return 2 * t * t < module.weight.numel()
 
     def per_sample(self, module, saved, g):
@@ -88,16 +88,17 @@ class LinearRule(Rule):
         return torch.cat([a for a, _ in pairs], 1), torch.cat([b for _, b in pairs], 1)
 
     def ghost_norm_sq(self, module, uses):
+        """Σ_{t,t'} (a_t·a_t' + 1)(b_t·b_t') per example: the weight's ghost norm with the bias's folded in (the bias
+        is a weight on a constant input 1: ‖Σ_t b_t‖² = Σ_{t,t'} b_t·b_t'), one Gram matrix pair, a chunk of
+        examples at a time."""
         a, b = self.joined_factors(uses)
-        t = a.shape[1]
-        out = joined(
-            [gram_norm_sq(acc(a[s]), acc(b[s])) for s in chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2]))],
-            0,
-        )
-        if trainable(module, "bias"):
-            bias = acc(b).sum(1)
-            out = out + (bias * bias).sum(1)
-        return out
+        t, n = a.shape[1], a.shape[0]
+        bias = 1.0 if trainable(module, "bias") else 0.0
+        parts = [
+            gram_norm_sq(acc(a if s.stop - s.start == n else a[s]), acc(b if s.stop - s.start == n else b[s]), bias)
+            for s in chunks(n, 2 * t * t + t * (a.shape[2] + b.shape[2]))
+        ]
+        return joined(parts, 0)
 
     def ghost_inner(self, module, uses, name, m):
         """⟨G_i, M_i⟩ for explicit per-example tensors M (B, *shape) of parameter ``name``: Σ_t b_tᵀ M a_t
@@ -116,11 +117,12 @@ class LinearRule(Rule):
         for saved, g in uses:
             a, b = self.flat_factors(saved, g)
             # half precision: float32 copies, a chunk of examples at a time
-            parts_of = chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in HALF else (slice(None),)
+            parts_of = chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in HALF else (None,)
             for s in parts_of:
                 # Σ_i w_i b_iᵀ a_i: the weights scale the narrower factor (GPT-2's head: the 768-wide input, not
                 # the 50,257-wide output gradient)
-                ai, bi, wi = acc(a[s]), acc(b[s]), w[s].to(acc_dtype(b.dtype))
+                ai, bi, wi = (a, b, w) if s is None else (a[s], b[s], w[s])
+                ai, bi, wi = acc(ai), acc(bi), wi.to(acc_dtype(bi.dtype))
                 scale_input = ai.shape[-1] < bi.shape[-1]
                 if scale_input:
                     ai = ai * wi.view(-1, 1, 1)
