@@ -28,19 +28,17 @@ from ..sampling.sampler import BatchMismatchError
 from .randomness import gaussian_like
 
 
-def _noised(summed: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """summed + noise, written into the freshly drawn noise tensor when both are plain tensors of one dtype, shape
-    and device (no third parameter-sized tensor per step: one allocation and one pass less; IEEE addition is
-    commutative, so the values are the same bit for bit); a new tensor otherwise (mixed dtypes promote, DTensors)."""
-    if (
+def _in_place(summed: torch.Tensor, noise: torch.Tensor) -> bool:
+    """Whether summed + noise can be written into the freshly drawn noise tensor: both plain tensors of one dtype,
+    shape and device (no third parameter-sized tensor per step: one allocation and one pass less; IEEE addition is
+    commutative, so the values are the same bit for bit); else a new tensor (mixed dtypes promote, DTensors)."""
+    return (
         type(noise) is torch.Tensor
         and type(summed) is torch.Tensor
         and noise.dtype == summed.dtype
         and noise.shape == summed.shape
         and noise.device == summed.device
-    ):
-        return noise.add_(summed)
-    return summed + noise
+    )
 
 
 class _PrivacyHooks:
@@ -161,13 +159,28 @@ class _PrivacyHooks:
 
     def _draw_noise(self) -> None:
         std = self.noise_multiplier * self.max_grad_norm
-        for p in self.params:  # Opacus's add_noise, with the noise source of our mode
+        noises, sums = [], []  # the pairs added in place, by one foreach call (one launch, not one per parameter)
+        for p in self.params:  # Opacus's add_noise, with the noise source of our mode, in its order of draws
             _check_processed_flag(p.summed_grad)
-            p.grad = _noised(
-                p.summed_grad, gaussian_like(std, p.summed_grad, self.generator, self.secure_mode)
-            ).view_as(p)
+            summed = p.summed_grad
+            noise = gaussian_like(std, summed, self.generator, self.secure_mode)
+            if _in_place(summed, noise):
+                noises.append(noise)
+                sums.append(summed)
+                p.grad = noise.view_as(p)  # holds summed + noise once the foreach add below ran
+            else:
+                p.grad = (summed + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
+        if noises:
+            torch._foreach_add_(noises, sums)
         self._noised = True
+
+    def scale_grad(self):
+        """Opacus's ``loss_reduction="mean"`` scaling of ``p.grad``, the same division in one foreach call for all
+        the parameters (Opacus divides parameter by parameter: a kernel launch, some microseconds of host work,
+        each; issue 50's host work per step)."""
+        if self.loss_reduction == "mean" and self.params:
+            torch._foreach_div_([p.grad for p in self.params], self.expected_batch_size * self.accumulated_iterations)
 
     def loss_scale(self) -> float:
         """The factor the loss was multiplied by: 1, or the scale ``GradScaler.step(optimizer)`` hands
