@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -127,13 +126,9 @@ def main(argv=None) -> dict:
 
     if a.steps < 1 or a.warm < 0:
         raise InvalidParameterError("steps", a.steps, "must be an integer >= 1 (and --warm >= 0)")
-    result = measure(a.lora, a.steps, a.warm, a.quick)
-    if a.out:
-        from idpsgd.io import write_json
+    from interleaved_steps import report
 
-        write_json(a.out, result)
-    print(json.dumps(result, indent=1))
-    return result
+    return report(measure(a.lora, a.steps, a.warm, a.quick), a.out)
 
 
 if __name__ == "__main__":

@@ -225,10 +225,15 @@ def main(argv=None) -> dict:
         "ratio_total": {k: v / total["nonprivate"] for k, v in total.items()},
         "ratio_median": {k: v / median["nonprivate"] for k, v in median.items()},
     }
-    if a.out:
+    return report(result, a.out)
+
+
+def report(result: dict, out: str | None) -> dict:
+    """Print ``result`` as JSON and write it to ``out`` (atomically) when given; returns it."""
+    if out:
         from idpsgd.io import write_json
 
-        write_json(a.out, result)
+        write_json(out, result)
     print(json.dumps(result, indent=1))
     return result
 
