@@ -1,15 +1,16 @@
 """The per-step host work of a private step (issue 50): what a GPU cannot hide.
 
-On a GPU a GPT-2-small step is tens of milliseconds of kernels, and the host (Python, dispatch, our book-keeping,
-the guard, the noise loop) must keep ahead of them; what the host does on top of a non-private step is then the
-private step's extra time.  This CPU bench measures that host work on a model so small that its kernels cost
+On a GPU a GPT-2-small step is milliseconds to tens of milliseconds of kernels, and the host (Python, dispatch, our
+book-keeping, the guard, the noise loop) must keep ahead of them; what the host does on top of a non-private step is
+then the private step's extra time. This CPU bench measures that host work on a model so small that its kernels cost
 little: GPT-2's 12 blocks at width 64 (vocabulary 128, T 16, Poisson batches of expected size 4; ``--lora``: with
 LoRA r 8), one non-private and one book-keeping step in turn in one process (order reversed every other pair), CPU
-milliseconds of one torch thread per phase — forward, backward, optimizer step — medians over the timed steps,
-after warm-up steps that cover the Poisson batch sizes (each is traced once by provenance, then replayed).  The
+milliseconds of one torch thread per phase — forward, backward, optimizer step — medians over the timed steps, after
+warm-up steps that cover the Poisson batch sizes (each is traced once by provenance, then replayed). The
 book-keeping optimizer step is split further: the per-example norms, the clipped sum, the step's admission (the
-write guard's comparison, the checks) and the noise.  The rest of the step (Opacus's optimizer, the accounting,
-the guard's snapshot at the step's end) is ``other``.
+write guard's comparison, the checks) and the noise, means over the timed steps (an empty Poisson batch has no
+norms); the rest of the optimizer step's mean (Opacus's optimizer, the accounting, the guard's snapshot at the
+step's end) is ``other``.
 
 Usage::
 
@@ -102,7 +103,7 @@ def measure(lora: bool = False, steps: int = 80, warm: int = 150, quick: bool = 
     for name, v in got.items():
         ms[name]["step"] = 1e3 * statistics.median(sum(t) for t in v)
     split = {k: 1e3 * sum(v) / steps for k, v in parts.items()}  # means: a part can be absent from a step
-    split["other"] = ms["bk"]["optimizer"] - sum(split.values())
+    split["other"] = 1e3 * sum(t[2] for t in got["bk"]) / steps - sum(split.values())  # of the optimizer step's mean
     return {
         "model": f"GPT-2 {layers} x {width}, vocabulary 128, T 16, B 4" + (", LoRA r 8" if lora else ""),
         "steps": steps,
