@@ -82,6 +82,12 @@ def chunks(n: int, per_example: int):
         yield slice(start, min(n, start + step))
 
 
+def rows(t: torch.Tensor, s: slice) -> torch.Tensor:
+    """``t``'s examples in the chunk ``s`` of :func:`chunks`: ``t`` itself when the chunk holds all of them (the
+    common case: no view to dispatch, issue 50's host work per step)."""
+    return t if s.start == 0 and s.stop >= t.shape[0] else t[s]
+
+
 def joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """A layer's uses' tensors joined along ``dim`` (the positions): the one use's own tensor, however strided,
     when the layer was called once (the common case) — a concatenation of one tensor is a copy (of the unfolded

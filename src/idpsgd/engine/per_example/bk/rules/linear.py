@@ -18,6 +18,7 @@ from .base import (
     gram_norm_sq,
     joined,
     own_forward,
+    rows,
     same_code,
     trainable,
 )
@@ -92,11 +93,11 @@ class LinearRule(Rule):
         is a weight on a constant input 1: ‖Σ_t b_t‖² = Σ_{t,t'} b_t·b_t'), one Gram matrix pair, a chunk of
         examples at a time."""
         a, b = self.joined_factors(uses)
-        t, n = a.shape[1], a.shape[0]
+        t = a.shape[1]
         bias = 1.0 if trainable(module, "bias") else 0.0
         parts = [
-            gram_norm_sq(acc(a if s.stop - s.start == n else a[s]), acc(b if s.stop - s.start == n else b[s]), bias)
-            for s in chunks(n, 2 * t * t + t * (a.shape[2] + b.shape[2]))
+            gram_norm_sq(acc(rows(a, s)), acc(rows(b, s)), bias)
+            for s in chunks(a.shape[0], 2 * t * t + t * (a.shape[2] + b.shape[2]))
         ]
         return joined(parts, 0)
 
@@ -117,12 +118,12 @@ class LinearRule(Rule):
         for saved, g in uses:
             a, b = self.flat_factors(saved, g)
             # half precision: float32 copies, a chunk of examples at a time
-            parts_of = chunks(a.shape[0], a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in HALF else (None,)
+            n = a.shape[0]
+            parts_of = chunks(n, a.shape[1] * (a.shape[2] + b.shape[2])) if a.dtype in HALF else (slice(0, n),)
             for s in parts_of:
                 # Σ_i w_i b_iᵀ a_i: the weights scale the narrower factor (GPT-2's head: the 768-wide input, not
                 # the 50,257-wide output gradient)
-                ai, bi, wi = (a, b, w) if s is None else (a[s], b[s], w[s])
-                ai, bi, wi = acc(ai), acc(bi), wi.to(acc_dtype(bi.dtype))
+                ai, bi, wi = acc(rows(a, s)), acc(rows(b, s)), rows(w, s).to(acc_dtype(b.dtype))
                 scale_input = ai.shape[-1] < bi.shape[-1]
                 if scale_input:
                     ai = ai * wi.view(-1, 1, 1)
