@@ -567,6 +567,22 @@ def test_a_layer_whose_parameter_acts_on_a_later_output_is_refused_not_silently_
     _nothing_released(engine, model, before)
 
 
+def test_the_later_output_walk_holds_the_nodes_it_compares():
+    """The walk from a later output compares autograd nodes by id; torch makes a node's Python object on access and
+    (torch 2.11) frees it with its last reference, so an id taken from a node not held was the next node's: the keys'
+    node was taken for the queries' (a stop) and the refusal never came, in every one of these graphs. The walk now
+    holds every node it compares (this test failed 50 of 50 on torch 2.11 before; torch 2.13 keeps the objects)."""
+    from idpsgd.engine.per_example.output_hooks import refuse_later_outputs
+
+    temp, lin = nn.Parameter(torch.full((1,), 0.5)), nn.Linear(4, 6)
+    for _ in range(20):
+        q, k = lin(torch.randn(5, 4)).chunk(2, dim=-1)
+        out = (q * 2.0, k * temp)
+        refuse_later_outputs(out, out[0], ((q, k), {}), [temp], lambda: "layer 'norm'", "bk")
+        with pytest.raises(MachineryRefusal, match="several tensors"):
+            (out[0] + out[1]).sum().backward()
+
+
 def test_a_later_output_the_loss_does_not_use_is_fine():
     """Only a later output the loss depends on is refused: the same layer with its keys unused is exact."""
     x, y = _data((5, 4))

@@ -110,20 +110,26 @@ def refuse_later_outputs(output, first, inputs, params, where, mode: str) -> Non
     ids = {id(p) for p in params}
     if not ids:
         return
-    stops = {id(t.grad_fn) for t in (first, *tree_flatten(inputs)[0]) if torch.is_tensor(t) and t.grad_fn is not None}
+    # the nodes themselves, held: torch makes a node's Python object on access and frees it with its last
+    # reference, so the id of a node not held can be reused by the next one made (a later output's node taken
+    # for a stop, its parameter missed: seen on torch 2.11)
+    stops = [t.grad_fn for t in (first, *tree_flatten(inputs)[0]) if torch.is_tensor(t) and t.grad_fn is not None]
     for t in later:
         if _reaches(t.grad_fn, stops, ids):
             t.register_hook(partial(_later_output_reached, where, mode))
 
 
-def _reaches(fn, stops: set, ids: set) -> bool:
-    """Whether the autograd graph from ``fn`` reaches a parameter of ``ids`` without passing a node of ``stops``."""
-    stack, seen = [fn], set()
+def _reaches(fn, stops: list, ids: set) -> bool:
+    """Whether the autograd graph from ``fn`` reaches a parameter of ``ids`` (the ids of tensors held alive by
+    the caller) without passing a node of ``stops``. Nodes are compared by identity while every node met is held
+    (``seen``), so no id is reused during the walk."""
+    stop = {id(f) for f in stops}
+    stack, seen = [fn], {}
     while stack:
         f = stack.pop()
-        if f is None or id(f) in stops or id(f) in seen:
+        if f is None or id(f) in stop or id(f) in seen:
             continue
-        seen.add(id(f))
+        seen[id(f)] = f
         if id(getattr(f, "variable", None)) in ids:
             return True
         stack.extend(n for n, _ in f.next_functions)
