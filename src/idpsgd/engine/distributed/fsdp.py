@@ -522,10 +522,7 @@ class ShardedGhostModule(IndividualizedGhostModule):
         for m in self._module.modules():
             if not isinstance(m, FSDPModule):
                 continue
-            groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", None)
-            if groups is None:
-                raise RuntimeError("cannot read FSDP2's parameter groups to check that the first pass was reduced")
-            for group in groups:
+            for group in _param_groups(m, "to check that the first pass was reduced"):
                 kept = [
                     fp
                     for fp in group.fsdp_params
@@ -577,6 +574,20 @@ def share_verdict(refusal: Exception | None, params) -> None:
 
 
 # --- ghost: the decomposition check on shards ---------------------------------------------------
+def _param_groups(module: torch.nn.Module, why: str) -> list:
+    """The FSDP2 parameter groups of one ``fully_shard``-ed module: ``_fsdp_param_groups`` (torch ≥ 2.12, a
+    list) or ``_fsdp_param_group`` (earlier releases, one group or None). Any other layout is refused with
+    ``why`` (what the groups are read for), never read as "no groups"."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if isinstance(groups, list):
+        return groups
+    if "_fsdp_param_group" in vars(state):
+        group = vars(state)["_fsdp_param_group"]
+        return [] if group is None else [group]
+    raise RuntimeError(f"torch {torch.__version__}: cannot read FSDP2's parameter groups {why}")
+
+
 def unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     """id(registered, sharded parameter) → FSDP2's unsharded tensor of it (the one its modules hold while
     they run, and Opacus's ghost hooks see: their layer sums and ``_norm_sample`` are keyed by it)."""
@@ -585,7 +596,7 @@ def unsharded_parameters(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     found: dict[int, torch.Tensor] = {}
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or ():
+            for group in _param_groups(m, "to find the unsharded parameters"):
                 for fp in group.fsdp_params:
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None:
