@@ -316,6 +316,21 @@ def run_config(spec: dict) -> dict:
 
 
 # --- the comparison -----------------------------------------------------------------------------
+def _freed_after(run, spec: dict) -> dict:
+    """``run(spec)`` in this process, then its model, optimizer and any refused run's per-sample tensors freed
+    (their reference cycles collected, CUDA's cached blocks returned) before the next configuration runs."""
+    import gc
+
+    import torch
+
+    try:
+        return run(spec)
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def measure_model(
     model: str,
     sizes: dict,
@@ -333,7 +348,7 @@ def measure_model(
     runner = (
         (lambda spec, probe=False: run_isolated(spec, probe, script=__file__))
         if isolate
-        else (lambda spec, probe=False: run_config(spec))
+        else (lambda spec, probe=False: _freed_after(run_config, spec))
     )
     raw: dict[str, list] = {c: [] for c in names}
     loads = []
@@ -463,8 +478,10 @@ def measure(
     log=print,
     configs: tuple = CONFIGS,
     precision: str = "fp32",
+    on_model=None,
 ) -> dict:
-    """The whole benchmark; the dict written to ``hf_cost.json``."""
+    """The whole benchmark; the dict written to ``hf_cost.json``. ``on_model``: called with the result so far
+    (``partial``: True) after each model, so that a run stopped by a time limit keeps its finished models."""
     import opacus
     import torch
     import transformers
@@ -513,6 +530,8 @@ def measure(
             log=log,
             configs=configs,
         )
+        if on_model is not None and model != models[-1]:
+            on_model({**out, "verdict": verdict(out), "partial": True})
     out["verdict"] = verdict(out)
     out["wall_seconds"] = time.perf_counter() - t0
     return out
@@ -610,10 +629,10 @@ def main(argv=None) -> dict | None:
         )
     if args.seq_len is not None and args.seq_len < 2:
         raise InvalidParameterError("seq_len", args.seq_len, "must be >= 2 (a language model predicts the next token)")
+    out = args.out if args.out is not None else (None if args.smoke else RESULT_PATH)
+    head = {"benchmark": "hf_cost", "machine": platform.platform(), "python": platform.python_version()}
     result = {
-        "benchmark": "hf_cost",
-        "machine": platform.platform(),
-        "python": platform.python_version(),
+        **head,
         **measure(
             device=device,
             repeats=args.repeats,
@@ -629,9 +648,9 @@ def main(argv=None) -> dict | None:
             log=lambda s: print(s, file=sys.stderr),
             configs=configs,
             precision=args.precision,
+            on_model=None if out is None else (lambda partial: write_json(out, {**head, **partial})),
         ),
     }
-    out = args.out if args.out is not None else (None if args.smoke else RESULT_PATH)
     if out is not None:
         write_json(out, result)
     print(table(result))

@@ -6,7 +6,7 @@
 #   bash bench/gpu.sh --cpu --out /tmp/g.json [--stages hf_fp16]   # a tiny version on the CPU (CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" bench/gpu_figures.py "$@"

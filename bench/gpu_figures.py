@@ -7,8 +7,8 @@ stays under 8 minutes on one GPU); a stage that fails or runs out of time is rec
 the tail of its output, and the next one runs.  Stages, most important first:
 
 * ``cuda_tests`` — ``pytest -m cuda`` (the tests marked ``cuda``: they skip without a CUDA device);
-* ``hf_time`` — ``bench_hf.py`` in one process per model (``--in-process``: times, no memory), float32,
-  every configuration: nonprivate, ours_bk, ours_ghost, ours_hooks, opacus_ghost, opacus_hooks;
+* ``hf_time`` — ``bench_hf.py`` in one process (``--in-process``: times, no memory; its JSON rewritten after
+  each model), float32, every configuration: nonprivate, ours_bk, ours_ghost, ours_hooks, opacus_ghost, opacus_hooks;
 * ``cnn`` — ``bench_engine.py`` on ``cifar_cnn`` at B = 256 (in one process: times);
 * ``hf_memory`` — ``bench_hf.py`` with its memory probes (a fresh process per run), float32, nonprivate and
   ours_bk on GPT-2 and GPT-2 with LoRA;

@@ -97,14 +97,21 @@ def test_bad_options_are_refused(bench_engine):
 
 def test_hf_bench_smoke(monkeypatch, tmp_path):
     """bench/bench_hf.py --smoke: every configuration either has figures or says why it does not run; the
-    ratios are those of the medians; LoRA GPT-2 runs in bk with no fallback layer."""
+    ratios are those of the medians; LoRA GPT-2 runs in bk with no fallback layer; the JSON is written after each
+    model too (marked partial), so that a run stopped by bench/gpu.sh's time limit keeps its finished models."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_hf
+    import idpsgd.io
 
+    writes = []
+    write_json = idpsgd.io.write_json
+    monkeypatch.setattr(idpsgd.io, "write_json", lambda path, obj: (writes.append(obj), write_json(path, obj)))
     out = tmp_path / "hf_cost.json"
     bench_hf.main(["--smoke", "--in-process", "--repeats", "1", "--models", "gpt2_lora,gpt2_lm", "--out", str(out)])
+    assert [w.get("partial") for w in writes] == [True, None]
+    assert "gpt2_lora" in writes[0] and "gpt2_lm" not in writes[0] and writes[0]["benchmark"] == "hf_cost"
     saved = json.loads(out.read_text())
     assert saved["layers"] == 1 and "1 of" in saved["layers_note"]
     for model in ("gpt2_lora", "gpt2_lm"):
@@ -157,21 +164,59 @@ def _gpu_script(*args):
     return subprocess.run(["bash", str(BENCH / "gpu.sh"), "--cpu", *args], capture_output=True, text=True, env=env)
 
 
+def _probe_wheel(folder):
+    """A wheel of one module, ``idpsgd_probe``, written by hand (no build, no network)."""
+    import zipfile
+
+    folder.mkdir()
+    files = {
+        "idpsgd_probe.py": "ANSWER = 42\n",
+        "idpsgd_probe-0.0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: idpsgd-probe\nVersion: 0.0.0\n",
+        "idpsgd_probe-0.0.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files["idpsgd_probe-0.0.0.dist-info/RECORD"] = "".join(
+        f"{name},,\n" for name in [*files, "idpsgd_probe-0.0.0.dist-info/RECORD"]
+    )
+    with zipfile.ZipFile(folder / "idpsgd_probe-0.0.0-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+
+
 def test_gpu_script_writes_its_figures(tmp_path, monkeypatch):
-    """bench/gpu.sh --cpu (a tiny version on the CPU): the stage runs with its status, and one JSON of figures
-    is written; an unknown stage is refused (by the script's Python half, in this process: gpu.sh execs it).
-    One stage here (the Hugging Face fp16 bench); the CUDA tests' stage (a pytest of its own, selected by the
-    ``cuda`` marker: they skip here) and every other stage run in the slow twin below."""
+    """bench/gpu.sh --cpu (a tiny version on the CPU) through bench/gpu_device.sh (the GPU machine's entry): the
+    wheels in $IDPSGD_WHEELS are installed and put on the path, the versions are said, the stage runs with its
+    status, and one JSON of figures and a log are written into OUTDIR; an unknown stage is refused (by the
+    script's Python half, in this process: gpu.sh execs it). One stage here (the Hugging Face fp16 bench); the
+    CUDA tests' stage (a pytest of its own, selected by the ``cuda`` marker: they skip here) and every other stage
+    run in the slow twin below."""
+    import subprocess
+    import sys
+
     monkeypatch.syspath_prepend(str(BENCH))
     import gpu_figures
 
     with pytest.raises(SystemExit) as refused:
         gpu_figures.main(["--cpu", "--stages", "nope"])
     assert "unknown stage" in str(refused.value.code)
-    out = tmp_path / "gpu.json"
-    done = _gpu_script("--stages", "hf_fp16", "--out", str(out))
+    _probe_wheel(tmp_path / "wheels")
+    env = {
+        "PYTHON": sys.executable,
+        "PATH": "/usr/bin:/bin",
+        "IDPSGD_WHEELS": str(tmp_path / "wheels"),
+        "TMPDIR": str(tmp_path),
+    }
+    outdir = tmp_path / "figures"
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_device.sh"), str(outdir), "--cpu", "--stages", "hf_fp16"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    saved = json.loads(out.read_text())
+    assert "installed 1 wheel(s)" in done.stderr and "opacus 1.6" in done.stderr
+    assert "from the wheels: idpsgd-probe 0.0.0" in done.stderr
+    assert "hf_fp16" in (outdir / "gpu.log").read_text()
+    saved = json.loads((outdir / "gpu.json").read_text())
     assert set(saved["stages"]) == {"hf_fp16"}
     assert all(s["status"] == "ok" for s in saved["stages"].values()), saved["stages"]
     assert saved["figures"]["hf_fp16.gpt2_lm"]["ours_bk_time_vs_nonprivate"] > 0
