@@ -245,6 +245,8 @@ def run_config(spec: dict) -> dict:
     # float16: a GradScaler for non-private and bk (the engine refuses one in hooks and ghost mode, whose scaler
     # would see the un-clipped summed gradient; Opacus takes none); the others run float16 autocast without one
     scaler = torch.amp.GradScaler(device.type) if half == "float16" and config in ("nonprivate", "ours_bk") else None
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=device))  # makes the scale: a first empty batch calls no scale()
     result["precision"], result["grad_scaler"] = spec.get("precision", "fp32"), scaler is not None
 
     def sync():

@@ -511,6 +511,50 @@ def test_grad_scaler_refusals():
         _run(uncovered, x[:, :, None], y, "bk", dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
 
 
+@pytest.mark.parametrize("zero_grad_first", [True, False])
+def test_grad_scaler_takes_the_noise_only_step_of_an_empty_batch(zero_grad_first):
+    """An empty Poisson batch skips the forward and backward pass (a noise-only step): no backward pass leaves
+    the GradScaler marker's zero ``.grad``, and the scaler's ``update()`` refused ("No inf checks were
+    recorded"). The marker is set when the empty batch is drawn and again by ``zero_grad``, whichever order the
+    loop takes."""
+    torch.manual_seed(0)
+    n = 2
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    x, y = torch.randn(n, 6), torch.randint(0, 3, (n,))
+    engine = IndividualizedPrivacyEngine(seed=3)
+    module, opt, loader = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
+        budgets=np.full(n, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.full(n, 0.5),
+        clip_norms=np.ones(n),
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        privacy_filter=None,
+    )
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.zeros(()))  # the scale is made by the first scale(): a first empty batch calls none
+    sizes = []
+    for _ in range(6):
+        for xb, yb in loader:
+            if zero_grad_first:
+                opt.zero_grad(set_to_none=True)
+            sizes.append(len(xb))
+            if len(xb):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(module(xb), yb)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if not zero_grad_first:
+                opt.zero_grad(set_to_none=True)
+    assert 0 in sizes and engine.steps == len(sizes)  # empty batches were drawn, and every step was taken
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 # --- LoRA and frozen weights --------------------------------------------------------------------
 def _lora(kind, targets, r=4):
     peft = pytest.importorskip("peft")

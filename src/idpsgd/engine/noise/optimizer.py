@@ -371,8 +371,10 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
     keeper = None  # the model's BookKeeper (:meth:`use_keeper`)
 
     def use_keeper(self, keeper) -> None:
-        """Form the norms and the clipped sum from ``keeper``, the wrapped model's book-keeper."""
+        """Form the norms and the clipped sum from ``keeper``, the wrapped model's book-keeper; an empty Poisson
+        batch gives the GradScaler marker its zero ``.grad`` when drawn (:meth:`zero_grad`)."""
         self.keeper = keeper
+        self.clipping.queue.on_empty_batch = None if keeper is None else keeper.mark_for_grad_scaler
 
     def _grad_scaler_refusal(self) -> str | None:
         if not self.keeper.units:
@@ -386,6 +388,10 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
     def zero_grad(self, set_to_none: bool = False):
         self.keeper.clear()  # a backward pass that no step consumed is forgotten, as Opacus's grad_sample
         super().zero_grad(set_to_none)
+        if self.clipping.queue.empty_batch_pending:
+            # a noise-only step is coming (no backward pass): a GradScaler's step checks the optimizer's
+            # .grad tensors and refuses to update() with none; the marker's zeros are data-independent
+            self.keeper.mark_for_grad_scaler()
 
     def _recorded_any(self) -> bool:
         return any(part.recorded for part in self.keeper.parts)

@@ -47,6 +47,9 @@ class BatchIndexQueue:
         self._partial = False  # the head batch was partly consumed by this step
         self._consumed = 0  # indices consumed by this step
         self.strict = strict
+        #: called when an empty batch is drawn (book-keeping's GradScaler marker: a noise-only step has no
+        #: backward pass to leave the ``.grad`` the scaler checks)
+        self.on_empty_batch = None
 
     def __len__(self) -> int:
         return self._size
@@ -55,6 +58,8 @@ class BatchIndexQueue:
         idx = np.asarray(indices, dtype=np.int64).ravel()
         self._parts.append(idx)
         self._size += idx.size
+        if idx.size == 0 and self.on_empty_batch is not None:
+            self.on_empty_batch()
 
     def pop(self, n: int) -> torch.Tensor:
         """The next ``n`` indices (a batch, or a physical part of one under BatchMemoryManager)."""
