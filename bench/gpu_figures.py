@@ -88,7 +88,7 @@ def stages(cpu: bool, work: Path) -> list[dict]:
         },
         hf_stage(
             "hf_memory",
-            100,
+            130,  # 8 fresh processes (2 models x 2 configurations x timing and probe), each importing torch
             *(small or ["--models", "gpt2_lm,gpt2_lora"]),
             "--configs",
             "nonprivate,ours_bk",
