@@ -374,7 +374,7 @@ class IndividualizedDPOptimizerBookKeeping(_PrivacyHooks, DPOptimizerFastGradien
         """Form the norms and the clipped sum from ``keeper``, the wrapped model's book-keeper; an empty Poisson
         batch gives the GradScaler marker its zero ``.grad`` when drawn (:meth:`zero_grad`)."""
         self.keeper = keeper
-        self.clipping.queue.on_empty_batch = None if keeper is None else keeper.mark_for_grad_scaler
+        self.clipping.queue.when_empty(None if keeper is None else keeper.mark_for_grad_scaler)
 
     def _grad_scaler_refusal(self) -> str | None:
         if not self.keeper.units:

@@ -47,9 +47,7 @@ class BatchIndexQueue:
         self._partial = False  # the head batch was partly consumed by this step
         self._consumed = 0  # indices consumed by this step
         self.strict = strict
-        #: called when an empty batch is drawn (book-keeping's GradScaler marker: a noise-only step has no
-        #: backward pass to leave the ``.grad`` the scaler checks)
-        self.on_empty_batch = None
+        self._on_empty_batch = None  # called when an empty batch is drawn (:meth:`when_empty`)
 
     def __len__(self) -> int:
         return self._size
@@ -58,8 +56,13 @@ class BatchIndexQueue:
         idx = np.asarray(indices, dtype=np.int64).ravel()
         self._parts.append(idx)
         self._size += idx.size
-        if idx.size == 0 and self.on_empty_batch is not None:
-            self.on_empty_batch()
+        if idx.size == 0 and self._on_empty_batch is not None:
+            self._on_empty_batch()
+
+    def when_empty(self, callback) -> None:
+        """Call ``callback()`` (or nothing: None) whenever an empty batch is drawn: book-keeping's GradScaler
+        marker, since a noise-only step has no backward pass to leave the ``.grad`` the scaler checks."""
+        self._on_empty_batch = callback
 
     def pop(self, n: int) -> torch.Tensor:
         """The next ``n`` indices (a batch, or a physical part of one under BatchMemoryManager)."""
