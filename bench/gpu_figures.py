@@ -10,6 +10,8 @@ the tail of its output, and the next one runs.  Stages, most important first:
 * ``hf_time`` — ``bench_hf.py`` in one process (``--in-process``: times, no memory; its JSON rewritten after
   each model), float32, every configuration: nonprivate, ours_bk, ours_ghost, ours_hooks, opacus_ghost, opacus_hooks;
 * ``cnn`` — ``bench_engine.py`` on ``cifar_cnn`` at B = 256 (in one process: times);
+* ``host`` — ``host_overhead.py --full`` on GPT-2 small: bk's extra wall time per phase, its optimizer step split into
+  norms, clipped sum, admission and noise, and ``busy``, the kernels' share of a step's wall time (host-bound or not);
 * ``hf_memory`` — ``bench_hf.py`` with its memory probes (a fresh process per run), float32, nonprivate and
   ours_bk on GPT-2 and GPT-2 with LoRA;
 * ``hf_bf16`` / ``hf_fp16`` — ``bench_hf.py`` under autocast (float16: a GradScaler for nonprivate and
@@ -85,6 +87,14 @@ def stages(cpu: bool, work: Path) -> list[dict]:
             + ["--in-process", "--out", str(work / "cnn.json")],
             "limit": 75,
             "json": work / "cnn.json",
+        },
+        {
+            "name": "host",
+            "command": [py, str(HERE / "host_overhead.py"), "--device", device]
+            + (["--quick", "--steps", "2", "--warm", "1"] if cpu else ["--full", "--steps", "20", "--warm", "10"])
+            + ["--out", str(work / "host.json")],
+            "limit": 60,
+            "json": work / "host.json",
         },
         hf_stage(
             "hf_memory",
@@ -182,6 +192,10 @@ def figures(done: dict) -> dict:
     cnn = done.get("cnn", {}).get("result")
     if cnn and "cifar_cnn" in cnn:
         out["cnn"] = cnn["cifar_cnn"]["ratios"]
+    host = done.get("host", {}).get("result")
+    if host:
+        keys = ("ratio", "ratio_per_example", "busy", "extra_ms", "bk_optimizer_ms_mean")
+        out["host"] = {k: host[k] for k in keys if k in host}
     demo = done.get("demo", {}).get("result")
     if demo:
         out["demo_test_accuracy"] = {r["run"]: r["test_accuracy"] for r in demo["runs"]}

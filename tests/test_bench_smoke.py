@@ -229,7 +229,7 @@ def test_gpu_script_runs_every_stage_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     saved = json.loads(out.read_text())
     assert all(s["status"] == "ok" for s in saved["stages"].values()), saved["stages"]
-    assert {"cnn", "demo_test_accuracy", "hf_time.gpt2_lm", "hf_bf16.gpt2_lm", "hf_fp16.gpt2_lm"} <= set(
+    assert {"cnn", "host", "demo_test_accuracy", "hf_time.gpt2_lm", "hf_bf16.gpt2_lm", "hf_fp16.gpt2_lm"} <= set(
         saved["figures"]
     )
     assert saved["figures"]["hf_fp16.gpt2_lm"]["ours_bk_time_vs_nonprivate"] > 0
@@ -385,12 +385,17 @@ def test_host_overhead_splits_the_private_step_into_its_parts(monkeypatch, tmp_p
     out = tmp_path / "host.json"
     got = host_overhead.main(["--quick", "--steps", "3", "--warm", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == got
-    ms = got["cpu_ms_median"]
+    ms = got["ms_median"]
+    assert got["device"] == "cpu" and got["clock"].startswith("CPU time") and "device_ms_median" not in got
     for phase in ("forward", "backward", "optimizer", "step"):
         assert got["extra_ms"][phase] == pytest.approx(ms["bk"][phase] - ms["nonprivate"][phase])
+    per = got["ms_per_example"]
+    assert got["ratio_per_example"] == pytest.approx(per["bk"] / per["nonprivate"]) and per["bk"] > 0
     split = got["bk_optimizer_ms_mean"]
     assert set(split) == {"norms", "clipped_sum", "admission", "noise", "other"}
     assert all(split[k] > 0 for k in ("norms", "clipped_sum", "admission", "noise"))
     assert got["ratio"] == pytest.approx(ms["bk"]["step"] / ms["nonprivate"]["step"])
     with pytest.raises(Exception, match="steps"):
         host_overhead.main(["--quick", "--steps", "0"])
+    with pytest.raises(Exception, match="two sizes"):
+        host_overhead.main(["--quick", "--full"])
