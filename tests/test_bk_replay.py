@@ -171,3 +171,99 @@ def test_a_parameter_fed_to_a_layer_keeps_the_forward_traced():
         assert keeper.attribution.status == f"traced (not replayed: {why})"
     keeper.clear()
     keeper.active = False
+
+
+# --- identity: an id in a signature is its object's only while the object lives ------------------------------------
+class _Ctl:
+    """A plain Python argument of the forward (keyed by identity in the signature)."""
+
+    def __init__(self, mix):
+        self.mix = mix
+
+
+class _Steered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, ctl):
+        h = torch.tanh(self.a(x))
+        return self.head(h.roll(1, 0) if ctl.mix else h)  # mix: each row from another example
+
+
+class _Roll(nn.Module):
+    def forward(self, h):
+        return h.roll(1, 0)
+
+
+class _Swappable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.head = nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.a(x)))
+
+
+def _pass(model, *args):
+    """One book-kept backward pass and its norms: the attribution's status, or the refusal's class."""
+    keeper = BookKeeper.attach(model)
+    keeper.active, keeper.loss_reduction = True, "sum"
+    keeper.clear()
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    try:
+        F.cross_entropy(model(x, *args), y, reduction="sum").backward()
+        keeper.norms()
+        return keeper.attribution.status
+    except Exception as exc:  # the refusal under test
+        return type(exc).__name__
+    finally:
+        keeper.clear()
+        keeper.active = False
+
+
+def test_a_fresh_argument_object_with_a_freed_ones_id_is_traced():
+    """A forward given a new Python object each step: once the traced step's object is freed, the next one often
+    takes its id; the signature (which keys such an object by id) then matched, and the plan of a forward that did
+    not mix the rows was replayed for one that did — no refusal (found by an audit). The plan now holds weak
+    references to the signature's objects and is dropped when one dies."""
+    model = _Steered()
+    reused = 0
+    for _ in range(20):
+        calm = _Ctl(False)
+        first, freed = _pass(model, calm), id(calm)
+        del calm
+        mixing = _Ctl(True)
+        reused += id(mixing) == freed
+        assert first in ("traced", "replayed") and _pass(model, mixing) == "RefusedRows"
+        del mixing
+    assert reused  # the case under test happened (CPython gives a freed object's memory to the next one)
+
+
+def test_a_module_swapped_in_for_a_freed_one_is_traced():
+    """A parameter-free submodule replaced (``model.act = None; model.act = Roll()``): the new module took the freed
+    one's id, the signature (modules by id) matched and the old plan was replayed for a forward that mixes the rows."""
+    model = _Swappable()
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    freed = id(model.act)
+    model.act = None
+    model.act = _Roll()
+    if id(model.act) != freed:
+        pytest.skip("the allocator gave the new module another address: the case under test did not happen")
+    assert _pass(model) == "RefusedRows"
+
+
+def test_a_re_planned_keeper_traces_instead_of_diverging():
+    """A layer frozen and unfrozen between two make_private calls: the keeper plans its layers anew, and the plan of
+    the first phase (whose query sites are the old layers' forwards) matched the signature again and diverged on
+    replay — a refused step and replays off for good. Re-planning now drops the plans."""
+    model = _Swappable()
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    keeper = BookKeeper.attach(model)
+    model.a.requires_grad_(False)
+    keeper.refresh()
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    model.a.requires_grad_(True)
+    keeper.refresh()
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    assert keeper.attribution.off is None

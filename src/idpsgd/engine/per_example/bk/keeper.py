@@ -55,7 +55,7 @@ class BookKeeper:
         self._batches: list[int | None] = []  # the batch size of each model forward in progress
         self._modes: list = []  # the provenance mode of each model forward in progress (None: none entered)
         self.attribution = Attribution(model)  # provenance traced once per signature, then replayed (.replay)
-        self._routes: dict = {}  # id(weight) -> (functional operation, weight position, layer's forward)
+        self._routes: dict = {}  # id(weight) -> (functional operation, weight position, layer's forward, weight)
         self._sources: dict = {}  # id(parameter) -> the keeper's parameter_source (covered layers' parameters)
         self._owner: dict = {}  # id(parameter) -> (layer, name)
         self._leaked: set[str] = set()
@@ -146,7 +146,9 @@ class BookKeeper:
                     self.layers.append(layer)
                     forward = BookKeptForward(layer)
                     if routed:  # its own forward runs; the rule applies at the base class's operation
-                        self._routes[id(module.weight)] = (routed.fn, routed.pos, forward)
+                        # the weight held and compared: a frozen weight only its module holds can be replaced,
+                        # and a new parameter can take the freed one's id
+                        self._routes[id(module.weight)] = (routed.fn, routed.pos, forward, module.weight)
                     else:
                         override_forward(module, forward)
                     params = layer.params
@@ -178,6 +180,7 @@ class BookKeeper:
         routing.remove(getattr(self, "_row_maps", ()))
         self.layers, self.units, self.direct, self.tied, self._handles = [], [], [], [], []
         self._routes, self._sources, self._owner = {}, {}, {}
+        self.attribution.forget()  # the plans' query sites are the layers just dropped
 
     def refresh(self) -> None:
         """Plan the model anew if its trainable parameters changed since it was planned (a layer

@@ -461,7 +461,7 @@ class ProvenanceMode(TorchFunctionMode):
         if self.routes and func in ROUTABLE:
             w = _arg(args, kwargs, ROUTABLE[func], "weight")
             route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
-            if route is not None and route[0] is func:
+            if route is not None and route[0] is func and route[3] is w:  # the weight itself (held by the route)
                 return route[2].apply(self, args[0])  # a covered layer's subclass: its rule, at its operation
         if self.sources:
             sources = self.sources

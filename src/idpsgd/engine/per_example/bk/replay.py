@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -119,11 +120,12 @@ class TracingMode(ProvenanceMode):
     queries of the keeper and of the shared values with their answers (:attr:`tags`), and the decisions that
     make a replay of this forward unsafe (:attr:`decisions`, module docstring)."""
 
-    def __init__(self, batch: int, signature: tuple | None = None):
+    def __init__(self, batch: int, signature: tuple | None = None, held: tuple = ()):
         super().__init__(batch)
         self.tags = _RecordingTags()
         self.decisions: list[str] = []
         self.signature = signature  # the forward's (:func:`signature`), under which its plan is kept
+        self.held = held  # the objects whose ids the signature holds (:func:`held`), kept with the plan
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,7 +165,7 @@ class TracingMode(ProvenanceMode):
         if self.routes and func in ROUTABLE:
             w = args[ROUTABLE[func]] if len(args) > ROUTABLE[func] else kwargs.get("weight")
             route = self.routes.get(id(w)) if isinstance(w, torch.nn.Parameter) else None
-            if route is not None and route[0] is func:
+            if route is not None and route[0] is func and route[3] is w:
                 return f"a covered layer's weight in {op_name(func)!r} (a routed layer: needs the interception)"
         tensors = torch.is_tensor(out) or (isinstance(out, (tuple, list)) and any(torch.is_tensor(o) for o in out))
         if self.sources and tensors and torch.is_grad_enabled() and not writes_in_place(func):
@@ -262,6 +264,33 @@ def _plain(v):
     return (type(v).__qualname__, id(v))  # another object: by identity (its state is not looked into)
 
 
+def _ref(obj):
+    """A weak reference to ``obj``, or ``obj`` itself where it takes none (kept alive with the plan)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return obj
+
+
+def held(model: torch.nn.Module, args, kwargs) -> tuple:
+    """References to the objects whose ids :func:`signature` records — the modules, parameters, buffers and the
+    arguments keyed by identity — kept with a traced plan. An id is an object's only while it lives: once one of
+    these dies, a new object can take its id and the signature would match another model or argument (a module
+    swapped in for a freed one, a fresh argument object of each step), so the plan is then dropped
+    (:func:`alive`). Weak references where the object takes one, so a plan keeps nothing alive but such
+    arguments."""
+    refs = [_ref(t) for t in tree_flatten((args, kwargs))[0] if _plain(t) is not t and not torch.is_tensor(t)]
+    for m in model.modules():
+        refs.append(_ref(m))
+        refs.extend(_ref(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
+    return tuple(refs)
+
+
+def alive(refs: tuple) -> bool:
+    """Whether every object of :func:`held`'s references still lives (so each id in the signature is still its)."""
+    return all(r() is not None for r in refs if type(r) is weakref.ref)
+
+
 def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int = 0) -> tuple:
     """What a forward's sequence of operations is a function of, when no decision depends on tensor values
     (module docstring): the model's structure, the inputs' signature (which of them hold the batch, at
@@ -307,7 +336,7 @@ class Attribution:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.plans: dict = {}  # signature -> [plan (list of (site, key, rows)), replays since traced]
+        self.plans: dict = {}  # signature -> [plan (list of (site, key, rows)), replays since traced, held refs]
         self.untrusted: dict = {}  # signature -> the decision that makes its replay unsafe
         self.off: str | None = None  # why replays are turned off for this model (a divergence)
         self.enabled = True  # False: trace every forward (as before replays existed)
@@ -321,11 +350,19 @@ class Attribution:
         if not self.enabled or self.off is not None:
             return TracingMode(batch)
         key = signature(self.model, batch, args, kwargs, batch_dim)
-        held = self.plans.get(key)
-        if held is not None and held[1] < RETRACE_EVERY:
-            held[1] += 1
-            return ReplayMode(batch, held[0], self, key)
-        return TracingMode(batch, key)
+        plan = self.plans.get(key)
+        if plan is not None and not alive(plan[2]):  # an object of the signature died: its id may be another's
+            del self.plans[key]
+            plan = None
+        if plan is not None and plan[1] < RETRACE_EVERY:
+            plan[1] += 1
+            return ReplayMode(batch, plan[0], self, key)
+        return TracingMode(batch, key, held(self.model, args, kwargs) if plan is None else plan[2])
+
+    def forget(self) -> None:
+        """Drop every plan (the book-keeper planned its layers anew: the plans' query sites are the old layers')."""
+        self.plans.clear()
+        self.untrusted.clear()
 
     def close(self, mode) -> None:
         """After the forward (also after one that raised: then nothing is recorded): store the trace's plan, or
@@ -361,7 +398,7 @@ class Attribution:
             return
         if len(self.plans) >= MAX_PLANS:
             self.plans.pop(next(iter(self.plans)))
-        self.plans[key] = [plan, 0]
+        self.plans[key] = [plan, 0, mode.held]
 
     def diverged(self, what: str) -> None:
         """Refuse the step: the replay did not follow its trace; every later forward of the model is traced."""
@@ -382,4 +419,4 @@ class Attribution:
             log.info(message)
 
 
-__all__ = ["RETRACE_EVERY", "Attribution", "ReplayDiverged", "ReplayMode", "TracingMode", "signature"]
+__all__ = ["RETRACE_EVERY", "Attribution", "ReplayDiverged", "ReplayMode", "TracingMode", "alive", "held", "signature"]
