@@ -37,6 +37,11 @@ Python's ``random``, a counter, a flag set on an object that is not a module) â€
 batch-independence check's probe at the first forward assumes it; a path change that changes any query is
 caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th forward of a signature is traced again and
 compared with the plan (a difference refuses the step and turns the replay off).
+
+The signature names modules, parameters, buffers and the arguments that are not plain values by ``id()``, and an
+id is an object's only while it lives: a plan keeps weak references to those objects (:func:`held`) and is dropped
+when one has died (:func:`alive`), so a fresh argument object of each step, or a module swapped in for a freed one,
+never matches a plan by taking a freed object's id.
 """
 
 from __future__ import annotations
