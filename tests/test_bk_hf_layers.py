@@ -511,6 +511,27 @@ def test_grad_scaler_refusals():
         _run(uncovered, x[:, :, None], y, "bk", dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
 
 
+def _bk_with_rate(model, x, y, rate):
+    """(engine, module, optimizer, loader): bk on (x, y), every example at sampling rate ``rate``, clip norm 1, a
+    small noise, no privacy filter (the GradScaler tests' set-up)."""
+    n = len(y)
+    engine = IndividualizedPrivacyEngine(seed=3)
+    module, opt, loader = engine.make_private_with_parameters(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
+        budgets=np.full(n, 1e4),
+        target_delta=1e-5,
+        sample_rates=np.full(n, rate),
+        clip_norms=np.ones(n),
+        noise_multiplier=0.01,
+        max_grad_norm=1.0,
+        grad_sample_mode="bk",
+        privacy_filter=None,
+    )
+    return engine, module, opt, loader
+
+
 @pytest.mark.parametrize("zero_grad_first", [True, False])
 def test_grad_scaler_takes_the_noise_only_step_of_an_empty_batch(zero_grad_first):
     """An empty Poisson batch skips the forward and backward pass (a noise-only step): no backward pass leaves
@@ -521,20 +542,7 @@ def test_grad_scaler_takes_the_noise_only_step_of_an_empty_batch(zero_grad_first
     n = 2
     model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
     x, y = torch.randn(n, 6), torch.randint(0, 3, (n,))
-    engine = IndividualizedPrivacyEngine(seed=3)
-    module, opt, loader = engine.make_private_with_parameters(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=n),
-        budgets=np.full(n, 1e4),
-        target_delta=1e-5,
-        sample_rates=np.full(n, 0.5),
-        clip_norms=np.ones(n),
-        noise_multiplier=0.01,
-        max_grad_norm=1.0,
-        grad_sample_mode="bk",
-        privacy_filter=None,
-    )
+    engine, module, opt, loader = _bk_with_rate(model, x, y, 0.5)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.zeros(()))  # the scale is made by the first scale(): a first empty batch calls none
     sizes = []
@@ -714,20 +722,7 @@ def test_float16_with_a_grad_scaler_on_cuda():
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).cuda()
     x, y = torch.randn(N, 6, device="cuda"), torch.randint(0, 3, (N,), device="cuda")
     before = [p.detach().clone() for p in model.parameters()]
-    engine = IndividualizedPrivacyEngine(seed=3)
-    module, opt, loader = engine.make_private_with_parameters(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=N),
-        budgets=np.full(N, 1e4),
-        target_delta=1e-5,
-        sample_rates=np.ones(N),
-        clip_norms=np.ones(N),
-        noise_multiplier=0.01,
-        max_grad_norm=1.0,
-        grad_sample_mode="bk",
-        privacy_filter=None,
-    )
+    engine, module, opt, loader = _bk_with_rate(model, x, y, 1.0)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
     for _ in range(3):
         for xb, yb in loader:
