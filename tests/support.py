@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -268,6 +269,13 @@ def _fork_server():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED))
     return ctx
+
+
+#: FSDP2 across processes on CPUs (gloo) records events on ``torch.cpu.Stream``, which torch 2.6 lacks (the engine
+#: refuses such a model there: ``fsdp._check_cpu_streams``)
+cpu_fsdp = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"), reason="FSDP2 on CPUs needs torch.cpu.Stream.record_event"
+)
 
 
 def launch(fn, nproc: int, args=(), kwargs=None, *, timeout_s: float):

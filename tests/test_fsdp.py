@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from support import launch
+from support import cpu_fsdp, launch
+
+pytestmark = cpu_fsdp  # every test here shards a model over CPU processes
 
 N, T, VOCAB, STEPS, SPARSE_STEPS = 48, 8, 40, 3, 4
 
@@ -241,6 +243,28 @@ def _refusals():
     except InvalidParameterError as exc:
         found["ghost_linear"] = str(exc)
     unchanged = all(torch.equal(_full(v), before[k]) for k, v in model.state_dict().items())
+    # a torch whose CPU streams record no events (2.6): FSDP2's first all-gather failed with an AttributeError
+    record_event = torch.cpu.Stream.record_event
+    del torch.cpu.Stream.record_event
+    try:
+        sharded = _gpt2(n_layer=1)
+        for block in sharded.transformer.h:
+            fully_shard(block)
+        fully_shard(sharded)
+        IndividualizedPrivacyEngine(seed=1).make_private(
+            module=sharded,
+            optimizer=torch.optim.SGD(sharded.parameters(), lr=0.1),
+            data_loader=data,
+            noise_multiplier=1.0,
+            sample_rate=0.5,
+            grad_sample_mode="bk",
+            target_delta=1e-5,
+        )
+        found["cpu_streams"] = None
+    except InvalidParameterError as exc:
+        found["cpu_streams"] = str(exc)
+    finally:
+        torch.cpu.Stream.record_event = record_event
     return {"refused": found, "refused_unchanged": unchanged and not hasattr(model, "_idpsgd_bookkeeper")}
 
 
@@ -473,6 +497,7 @@ def test_two_processes_match_one_process():
         "'0' (Linear), '2' (Linear)" in refused["ghost_linear"]
         and "fully_shard on the blocks" in refused["ghost_linear"]
     )
+    assert "torch.cpu.Stream.record_event" in refused["cpu_streams"] and "CUDA" in refused["cpu_streams"]
     assert two["refused_unchanged"]
     (mine, steps0), (other, steps1) = two["write_guard"]
     assert "seen" in other and "rank 1 of 2" in mine  # rank 1 found its write; rank 0 refuses with it

@@ -16,7 +16,7 @@ from idpsgd.engine import distributed
 from idpsgd.engine.distributed import sharded_checkpoint as sc
 from idpsgd.io import CheckpointError
 from idpsgd.validation import InvalidParameterError
-from support import launch
+from support import cpu_fsdp, launch
 
 STEPS = 6
 
@@ -140,6 +140,7 @@ def _private_scenario(folder):
     return {"whole": whole, "resumed": resumed, "secure": secure, "modes": _modes(folder + "/b")}
 
 
+@cpu_fsdp
 def test_private_resume_is_bit_exact_and_reshards(tmp_path):
     out = launch(_private_scenario, 2, (str(tmp_path),), timeout_s=300)
     whole, resumed = out["whole"], out["resumed"]

@@ -107,6 +107,21 @@ def _check_parameters(module: torch.nn.Module) -> None:
             )
 
 
+def _check_cpu_streams(module: torch.nn.Module) -> None:
+    """FSDP2 on a CPU device mesh records events on ``torch.cpu.Stream`` (``record_event``), which early torch
+    releases lack (torch 2.6: FSDP2's first all-gather fails with an AttributeError): refused here, naming it."""
+    if hasattr(torch.cpu.Stream, "record_event"):
+        return
+    if any(is_dtensor(p) and p.device_mesh.device_type == "cpu" for p in module.parameters()):
+        raise InvalidParameterError(
+            "module",
+            "a fully_shard model on a CPU device mesh",
+            f"needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks (FSDP2 on CPUs came in "
+            "a later release): shard it on CUDA devices, use DPDDP (idpsgd.engine.distributed.wrap_model), or "
+            "upgrade torch",
+        )
+
+
 def _check_ghost_layers(module: torch.nn.Module) -> None:
     """Ghost mode: refuse ``fully_shard`` on a module with trainable parameters of its own (a ``Linear``).
     FSDP2 makes its class a subclass (``FSDPLinear``) that Opacus's ghost hooks do not know by type; they
@@ -166,6 +181,7 @@ def check(engine, module: torch.nn.Module, record, privacy_filter, users=None) -
             "(idpsgd.engine.distributed.wrap_model), where both run on several ranks",
         )
     _check_parameters(module)
+    _check_cpu_streams(module)
     if record.name == "ghost":
         _check_ghost_layers(module)
         _check_sum_reduction(module)

@@ -16,6 +16,7 @@ writes the model alone (public) as one ``save_pretrained`` folder.
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import pickle
@@ -54,6 +55,14 @@ from ..per_example.unwrap import raw_module
 FORMAT = "idpsgd.sharded-checkpoint/1"
 STATE_FILE = "state.pt"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _single_process(dcp_call) -> dict:
+    """``no_dist`` for a DCP save or load outside a process group, where this torch's DCP takes it; releases before
+    it (torch 2.6) run such a call in a single process anyway (saying so in a warning, filtered by the callers)."""
+    if "no_dist" in inspect.signature(dcp_call).parameters:
+        return {"no_dist": not distributed.is_distributed()}
+    return {}
 
 
 def checkpoint_name(step: int) -> str:
@@ -185,7 +194,7 @@ def save_sharded_checkpoint(
         dcp.save(
             _tensors(module, optimizer),
             storage_writer=FileSystemWriter(tmp, sync_files=True),
-            no_dist=not distributed.is_distributed(),
+            **_single_process(dcp.save),
         )
     fault_point(f"{final.name}.tmp")  # tests: a rank dying here, its shards written, leaves no checkpoint
     ranks = _gather(private)
@@ -433,7 +442,7 @@ def _dcp_load(tensors: dict, path: Path) -> None:
                 tensors,
                 storage_reader=_SafeReader(path),
                 planner=_SafeLoadPlanner(),
-                no_dist=not distributed.is_distributed(),
+                **_single_process(dcp.load),
             )
     except CheckpointException as exc:
         first = next((line for line in str(exc).splitlines() if "Error" in line), str(exc))
