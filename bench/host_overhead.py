@@ -68,14 +68,20 @@ def _timed(record: dict, name: str, fn, clock):
 
 
 def _kernel_ms(step, count: int) -> list[float]:
-    """Milliseconds of CUDA kernels per step over ``count`` profiled steps (torch.profiler's device time)."""
+    """Milliseconds of CUDA kernels per step over ``count`` profiled steps: the device events' own time, summed
+    as torch.profiler's table sums its "Self CUDA time total" (a CPU operation's device time is its kernels',
+    already counted as device events)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     out = []
     for _ in range(count):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
-        out.append(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3)
+        kernels = [
+            e for e in prof.events() if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
+        out.append(sum(e.self_device_time_total for e in kernels) / 1e3)
     return out
 
 
