@@ -48,5 +48,8 @@ import torch
 
 print(f"bench/gpu_device.sh: CUDA {'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available'}")
 EOF
+if command -v nvidia-smi >/dev/null; then  # the card, its memory and driver, for the record
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
+fi
 export PYTHON="$PY" PYTHONUNBUFFERED=1
 bash bench/gpu.sh --out "$OUTDIR/gpu.json" "$@" 2>&1 | tee "$OUTDIR/gpu.log"
