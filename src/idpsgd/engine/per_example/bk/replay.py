@@ -279,16 +279,14 @@ def _ref(obj):
 
 def held(model: torch.nn.Module, args, kwargs) -> tuple:
     """References to the objects whose ids :func:`signature` records — the modules, parameters, buffers and the
-    arguments keyed by identity — kept with a traced plan. An id is an object's only while it lives: once one of
-    these dies, a new object can take its id and the signature would match another model or argument (a module
-    swapped in for a freed one, a fresh argument object of each step), so the plan is then dropped
-    (:func:`alive`). Weak references where the object takes one, so a plan keeps nothing alive but such
-    arguments."""
-    refs = [_ref(t) for t in tree_flatten((args, kwargs))[0] if _plain(t) is not t and not torch.is_tensor(t)]
-    for m in model.modules():
-        refs.append(_ref(m))
-        refs.extend(_ref(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
-    return tuple(refs)
+    arguments keyed by identity (its own walk collects them) — kept with a traced plan. An id is an object's only
+    while it lives: once one of these dies, a new object can take its id and the signature would match another
+    model or argument (a module swapped in for a freed one, a fresh argument object of each step), so the plan is
+    then dropped (:func:`alive`). Weak references where the object takes one, so a plan keeps nothing alive but
+    such arguments."""
+    keep: list = []
+    signature(model, 0, args, kwargs, keep=keep)
+    return tuple(_ref(o) for o in keep)
 
 
 def alive(refs: tuple) -> bool:
@@ -296,10 +294,11 @@ def alive(refs: tuple) -> bool:
     return all(r() is not None for r in refs if type(r) is weakref.ref)
 
 
-def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int = 0) -> tuple:
+def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int = 0, keep: list | None = None) -> tuple:
     """What a forward's sequence of operations is a function of, when no decision depends on tensor values
     (module docstring): the model's structure, the inputs' signature (which of them hold the batch, at
-    ``batch_dim``), the batch size, grad and autocast state."""
+    ``batch_dim``), the batch size, grad and autocast state. ``keep``: a list that receives every object the
+    signature names by id (:func:`held`)."""
     flat, spec = tree_flatten((args, kwargs))
     inputs = tuple(
         (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.dim() > batch_dim and int(t.shape[batch_dim]) == batch)
@@ -307,18 +306,23 @@ def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int =
         else _plain(t)
         for t in flat
     )
-    modules, params, buffers, seen_p, seen_b = [], [], [], set(), set()
-    for m in model.modules():  # one walk: each module, then its parameters and buffers not met before (as
+    if keep is not None:
+        keep.extend(t for t, k in zip(flat, inputs, strict=True) if not torch.is_tensor(t) and k is not t)
+    modules, params, buffers, seen_p, seen_b = [], [], [], {}, {}
+    walked = list(model.modules())
+    for m in walked:  # one walk: each module, then its parameters and buffers not met before (as
         # model.parameters() and model.buffers() list them)
         modules.append((id(m), m.training, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)))
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_p:
-                seen_p.add(id(p))
+                seen_p[id(p)] = p
                 params.append((id(p), p.requires_grad, p.shape, p.dtype, p.device))
         for b in m._buffers.values():
             if b is not None and id(b) not in seen_b:
-                seen_b.add(id(b))
+                seen_b[id(b)] = b
                 buffers.append((id(b), b.shape, b.dtype))
+    if keep is not None:  # the objects of the ids above
+        keep.extend((*walked, *seen_p.values(), *seen_b.values()))
     hooks = torch.nn.modules.module
     state = (
         torch.is_grad_enabled(),
