@@ -87,16 +87,17 @@ def test_a_new_signature_is_traced_and_a_scheduled_re_trace_is_compared(monkeypa
 
 
 class _Switch(nn.Module):
-    """Takes layer ``b`` or ``c`` (the same shapes) by a flag on a plain object, which the signature cannot see."""
+    """Takes layer ``b`` or ``c`` (the same shapes) by a flag in a list mutated in place, which the signature cannot
+    see (it takes a list by identity)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
-        self.options = types.SimpleNamespace(use_b=True)
+        self.use_b = [True]
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        return self.b(h) if self.options.use_b else self.c(h)
+        return self.b(h) if self.use_b[0] else self.c(h)
 
 
 def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
@@ -130,7 +131,7 @@ def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
     step()
     attribution = BookKeeper.attach(model).attribution
     assert attribution.status == "replayed" and engine.steps == 2
-    model.options.use_b = False
+    model.use_b[0] = False
     with (
         caplog.at_level(logging.INFO, logger="idpsgd"),
         pytest.raises(
@@ -267,3 +268,57 @@ def test_a_re_planned_keeper_traces_instead_of_diverging():
     keeper.refresh()
     assert [_pass(model), _pass(model)] == ["traced", "replayed"]
     assert keeper.attribution.off is None
+
+
+# --- the modules' attributes: a flag that changes the path is part of the signature ---------------------------------
+class _Flagged(nn.Module):
+    """Mixes the rows (each from another example) when a flag says so: a plain attribute of the module itself
+    (``where="module"``) or of a configuration object it holds (``where="config"``)."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.where = where
+        self.mix = False
+        self.config = types.SimpleNamespace(mix=False, hidden=4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        mix = self.mix if self.where == "module" else self.config.mix
+        return self.head(h.roll(1, 0) if mix else h)
+
+    def set_mix(self, on):
+        if self.where == "module":
+            self.mix = on
+        else:
+            self.config.mix = on
+
+
+@pytest.mark.parametrize("where", ["module", "config"])
+def test_a_flag_on_a_module_or_its_configuration_is_part_of_the_signature(where):
+    """A module's plain attribute (a switch set after a warm-up) and a field of the configuration object it holds
+    chose a forward that mixes the rows; the signature did not see them, and the plan of the non-mixing forward was
+    replayed for the mixing one, with no refusal (every later step until the 64th re-trace). They are now part of
+    the signature (``guards.module_state``): the mixing forward is traced and refused, and switching back replays
+    the first plan."""
+    model = _Flagged(where)
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    model.set_mix(True)
+    assert [_pass(model), _pass(model)] == ["RefusedRows", "RefusedRows"]
+    model.set_mix(False)
+    assert _pass(model) == "replayed"
+    assert len(BookKeeper.attach(model).attribution.plans) == 1
+
+
+def test_a_tensor_attribute_is_taken_by_its_shape():
+    """A module that keeps a fresh tensor as an attribute at each forward (an attention map for a plot) still
+    replays: a tensor attribute is taken as the inputs are, by shape, dtype and device, not by identity."""
+
+    class Keeps(_Swappable):
+        def forward(self, x):
+            out = super().forward(x)
+            self.last = out.detach()
+            return out
+
+    model = Keeps()
+    assert [_pass(model), _pass(model), _pass(model)] == ["traced", "traced", "replayed"]

@@ -7,9 +7,10 @@ about 1,000 calls per GPT-2-small forward).  What book-keeping takes from it is 
 answers are a function of the sequence of operations and the tags' rules.  When the forward's Python path
 cannot depend on tensor values, that sequence is a function of what :func:`signature` captures — the model's
 structure (modules, their train/eval flags and hooks, parameters, their shapes, dtypes, devices and
-``requires_grad``), the input signature (the shapes, dtypes and devices of the tensor arguments, which of
-them are tagged as the batch, the plain values of the others), the batch size, grad and autocast state — and
-so are the answers.
+``requires_grad``), its modules' other attributes and those of the plain objects they hold (a flag set on a
+module, a configuration's fields: :mod:`...guards.module_state`), the input signature (the shapes, dtypes and
+devices of the tensor arguments, which of them are tagged as the batch, the plain values of the others), the
+batch size, grad and autocast state — and so are the answers.
 
 :class:`Attribution` (one per book-keeper) therefore *traces* the first forward of each signature with a
 :class:`TracingMode` (the provenance mode, which also records the queries with their answers and every
@@ -32,11 +33,12 @@ same signature take another path or get other answers:
 * a covered layer's weight met in a ``torch.nn.functional`` call (a routed layer) or a covered parameter used
   directly (a value shared by the batch made from it): both need the interception itself.
 
-What the signature cannot see — a forward whose path depends on Python state outside it (a random draw of
-Python's ``random``, a counter, a flag set on an object that is not a module) — is assumed away, as the
-batch-independence check's probe at the first forward assumes it; a path change that changes any query is
-caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th forward of a signature is traced again and
-compared with the plan (a difference refuses the step and turns the replay off).
+What the signature cannot see — a forward whose path depends on Python state outside the model's modules, the
+objects they hold and the inputs (a draw of Python's ``random``, a global, a list mutated in place, an object
+two levels down) — is assumed away, as the batch-independence check's probe at the first forward assumes it; a
+path change that changes any query is caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th
+forward of a signature is traced again and compared with the plan (a difference refuses the step and turns the
+replay off).
 
 The signature names modules, parameters, buffers and the arguments that are not plain values by ``id()``, and an
 id is an object's only while it lives: a plan keeps weak references to those objects (:func:`held`) and is dropped
@@ -53,6 +55,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ...guards.module_state import AttributeWatch, attribute_state
 from . import provenance
 from .provenance import GETITEM, HOST_READS, ROUTABLE, SIZED_BY_VALUES, ProvenanceMode, Tags, op_name, writes_in_place
 
@@ -294,11 +297,20 @@ def alive(refs: tuple) -> bool:
     return all(r() is not None for r in refs if type(r) is weakref.ref)
 
 
-def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int = 0, keep: list | None = None) -> tuple:
+def signature(
+    model: torch.nn.Module,
+    batch: int,
+    args,
+    kwargs,
+    batch_dim: int = 0,
+    keep: list | None = None,
+    watch: AttributeWatch | None = None,
+) -> tuple:
     """What a forward's sequence of operations is a function of, when no decision depends on tensor values
-    (module docstring): the model's structure, the inputs' signature (which of them hold the batch, at
-    ``batch_dim``), the batch size, grad and autocast state. ``keep``: a list that receives every object the
-    signature names by id (:func:`held`)."""
+    (module docstring): the model's structure and its modules' attributes (:mod:`...guards.module_state`), the
+    inputs' signature (which of them hold the batch, at ``batch_dim``), the batch size, grad and autocast state.
+    ``keep``: a list that receives every object the signature names by id (:func:`held`); ``watch``: the model's
+    :class:`AttributeWatch`, which reads the attributes again only where one may have changed."""
     flat, spec = tree_flatten((args, kwargs))
     inputs = tuple(
         (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.dim() > batch_dim and int(t.shape[batch_dim]) == batch)
@@ -323,6 +335,7 @@ def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int =
                 buffers.append((id(b), b.shape, b.dtype))
     if keep is not None:  # the objects of the ids above
         keep.extend((*walked, *seen_p.values(), *seen_b.values()))
+    attributes = attribute_state(walked, keep) if watch is None else watch.state(walked, keep)
     hooks = torch.nn.modules.module
     state = (
         torch.is_grad_enabled(),
@@ -334,7 +347,7 @@ def signature(model: torch.nn.Module, batch: int, args, kwargs, batch_dim: int =
         len(hooks._global_forward_pre_hooks),
         len(hooks._global_forward_hooks),
     )
-    return (batch, batch_dim, str(spec), inputs, tuple(modules), tuple(params), tuple(buffers), state)
+    return (batch, batch_dim, str(spec), inputs, tuple(modules), tuple(params), tuple(buffers), attributes, state)
 
 
 class Attribution:
@@ -351,6 +364,7 @@ class Attribution:
         self.enabled = True  # False: trace every forward (as before replays existed)
         self.status = "none"
         self._said: set = set()
+        self.watch = AttributeWatch()
 
     def open(self, batch: int, args, kwargs, batch_dim: int = 0):
         """The mode of a forward about to run: a :class:`ReplayMode` of its signature's plan, or a
@@ -358,7 +372,7 @@ class Attribution:
         routes)."""
         if not self.enabled or self.off is not None:
             return TracingMode(batch)
-        key = signature(self.model, batch, args, kwargs, batch_dim)
+        key = signature(self.model, batch, args, kwargs, batch_dim, watch=self.watch)
         plan = self.plans.get(key)
         if plan is not None and not alive(plan[2]):  # an object of the signature died: its id may be another's
             del self.plans[key]

@@ -1,0 +1,137 @@
+"""The modules' attributes a forward can branch on (``idpsgd.engine.guards.module_state``): what the state takes by
+value and by identity, and that the watch's cached reading equals a fresh one after every kind of change."""
+
+from __future__ import annotations
+
+import enum
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from idpsgd.engine.guards.module_state import AttributeWatch, attribute_state
+
+
+class Kind(enum.Enum):
+    A = 1
+    B = 2
+
+
+class Options:
+    """A configuration object (its ``__dict__`` can be replaced, unlike a ``SimpleNamespace``'s)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.config = Options(mix=False, scale=1.0, kind=Kind.A)
+        self.flag, self.shape, self.names = True, (3, 3), ["x"]
+
+
+def _model():
+    return nn.Sequential(_Block(), _Block(), nn.Dropout(0.1))
+
+
+def test_what_is_taken_by_value_and_what_by_identity():
+    model = _model()
+    mods = list(model.modules())
+    state = attribute_state(mods)
+    for change, seen in [
+        (lambda: setattr(model[0], "flag", False), True),  # a plain attribute of a module
+        (lambda: setattr(model[1].config, "mix", True), True),  # a field of an object a module holds
+        (lambda: setattr(model[0].config, "kind", Kind.B), True),  # an enum member
+        (lambda: setattr(model[0], "shape", (3, 4)), True),  # a tuple of plain values
+        (lambda: setattr(model[2], "p", 0.2), True),  # torch's own layers' attributes too
+        (lambda: setattr(model[0], "names", ["x"]), True),  # another list: another object
+        (lambda: setattr(model[0], "extra", None), True),  # a new attribute
+        (lambda: setattr(model[0], "last", torch.zeros(2)), True),  # a tensor's shape ...
+        (lambda: setattr(model[0], "last", torch.ones(2)), False),  # ... not its identity or values
+        (lambda: model[0].names.append("y"), False),  # a list mutated in place: not looked into
+        (lambda: setattr(model[0].config, "inner", Options(mix=True)), True),  # one level down ...
+        (lambda: setattr(model[0].config.inner, "mix", False), False),  # ... and not two
+        (lambda: setattr(model[0], "_idpsgd_bookkeeper", object()), False),  # idpsgd's own objects
+        (lambda: model[0].lin.register_forward_hook(lambda *a: None), False),  # hooks: read by the signature itself
+    ]:
+        change()
+        now = attribute_state(mods)
+        assert (now != state) == seen, change
+        state = now
+
+
+def test_the_objects_taken_by_identity_are_kept():
+    model = _model()
+    keep: list = []
+    attribute_state(list(model.modules()), keep)
+    assert {id(model[0].names), id(model[0].config), id(model[1].config)} <= {id(o) for o in keep}
+
+
+def _mutations(model):
+    """Every kind of change the watch must notice (and some it need not): (name, function)."""
+    a, b = model[0], model[1]
+
+    def swap_dict():
+        a.config.__dict__ = dict(a.config.__dict__)  # the same contents in another dict
+
+    def rename_deep():  # the same value under another key, in the last place: the same values in the same order
+        d = a.config.__dict__
+        last = list(d)[-1]
+        d["renamed_" + last] = d.pop(last)
+
+    def rename_module_attribute():  # one key gone, another come: the same count
+        v = a.__dict__.pop("flag", True)
+        a.__dict__["flag2" if "flag" not in a.__dict__ and "flag2" not in a.__dict__ else "flag"] = v
+
+    return [
+        ("flag", lambda: setattr(a, "flag", not getattr(a, "flag", False))),
+        ("same flag", lambda: setattr(a, "flag", getattr(a, "flag", True))),
+        ("deep field", lambda: setattr(b.config, "mix", not b.config.mix)),
+        ("deep float", lambda: setattr(b.config, "scale", b.config.scale + 0.5)),
+        ("float equal, new object", lambda: setattr(b.config, "scale", float(str(b.config.scale)))),
+        ("new config", lambda: setattr(a, "config", Options(**vars(a.config)))),
+        ("shared config", lambda: setattr(b, "config", a.config)),
+        ("swap dict", swap_dict),
+        ("rename deep", rename_deep),
+        ("rename attribute", rename_module_attribute),
+        ("new attribute", lambda: setattr(a, f"x{random.randrange(3)}", random.randrange(2))),
+        ("tensor", lambda: setattr(b, "t", torch.zeros(random.randrange(1, 3)))),
+        ("list in place", lambda: a.names.append(1)),
+        ("module swapped", lambda: model.__setitem__(2, nn.Dropout(random.choice([0.1, 0.2])))),
+        ("nothing", lambda: None),
+    ]
+
+
+def test_the_watch_reads_what_a_fresh_reading_reads_after_any_change():
+    """Random sequences of changes, each followed by the watch's reading (cached where it found nothing changed)
+    and a fresh one: always equal."""
+    rng = random.Random(0)
+    random.seed(1)
+    model = _model()
+    watch = AttributeWatch()
+    mutations = _mutations(model)
+    fresh_reads = 0
+    for _ in range(600):
+        name, change = rng.choice(mutations)
+        change()
+        mods = list(model.modules())
+        before = watch._last
+        got = watch.state(mods)
+        fresh_reads += watch._last is not before
+        assert got == attribute_state(mods), name
+    assert 0 < fresh_reads < 600  # the cache was used, and it was refreshed
+
+
+@pytest.mark.parametrize("change", ["rename attribute", "rename deep", "swap dict"])
+def test_the_watch_sees_a_renamed_key_with_the_same_values(change):
+    model = _model()
+    watch = AttributeWatch()
+    mods = list(model.modules())
+    first = watch.state(mods)
+    dict(_mutations(model))[change]()
+    got = watch.state(mods)
+    assert got == attribute_state(mods)
+    assert (got != first) == (change != "swap dict")
