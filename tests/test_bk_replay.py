@@ -322,3 +322,28 @@ def test_a_tensor_attribute_is_taken_by_its_shape():
 
     model = Keeps()
     assert [_pass(model), _pass(model), _pass(model)] == ["traced", "traced", "replayed"]
+
+
+def test_a_hook_swapped_for_another_is_part_of_the_signature():
+    """A forward hook removed and another registered in its place: the signature counted the hooks, so the plan of
+    the forward with the first (which scales) was replayed for the second (which mixes the rows), no refusal. The
+    signature now holds the hooks' handle ids (never one id for two hooks in a process)."""
+    model = _Swappable()
+    handle = model.act.register_forward_hook(lambda module, args, out: out * 2)
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    handle.remove()
+    model.act.register_forward_hook(lambda module, args, out: out.roll(1, 0))
+    assert _pass(model) == "RefusedRows"
+
+
+def test_an_argument_object_flipped_in_place_is_part_of_the_signature():
+    """The same options object passed at every step, its flag flipped in place: the signature took the object by
+    identity only, so the non-mixing plan was replayed for the mixing forward, no refusal. Its attributes are now
+    part of the signature (one level)."""
+    model = _Steered()
+    ctl = _Ctl(False)
+    assert [_pass(model, ctl), _pass(model, ctl)] == ["traced", "replayed"]
+    ctl.mix = True
+    assert _pass(model, ctl) == "RefusedRows"
+    ctl.mix = False
+    assert _pass(model, ctl) == "replayed"

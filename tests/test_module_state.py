@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from idpsgd.engine.guards.module_state import AttributeWatch, attribute_state
+from idpsgd.engine.guards.module_state import AttributeWatch, argument_state, attribute_state
 
 
 class Kind(enum.Enum):
@@ -135,3 +135,23 @@ def test_the_watch_sees_a_renamed_key_with_the_same_values(change):
     got = watch.state(mods)
     assert got == attribute_state(mods)
     assert (got != first) == (change != "swap dict")
+
+
+def test_an_argument_is_taken_with_its_attributes_one_level_down():
+    options = Options(mix=False, inner=Options(mix=False))
+    keep: list = []
+    first = argument_state(options, keep)
+    assert [argument_state(v) for v in (3, "x", None, torch.float32, Kind.A, (1, 2))] == [
+        3,
+        "x",
+        None,
+        torch.float32,
+        Kind.A,
+        (1, 2),
+    ]
+    assert {id(options), id(options.inner)} <= {id(o) for o in keep}
+    options.inner.mix = True  # two levels down: not seen
+    assert argument_state(options) == first
+    options.mix = True
+    assert argument_state(options) != first
+    assert argument_state(Options(mix=True, inner=options.inner)) != argument_state(options)  # another object

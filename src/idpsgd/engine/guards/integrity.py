@@ -314,6 +314,14 @@ def _first_call(module, _args):
     return None
 
 
+def trigger_hook_id() -> int | None:
+    """The handle id of the write guard's global forward pre-hook while one is registered (it starts a guard's
+    step and changes nothing in the forward: the replay's signature leaves it out, since it comes and goes with
+    the guards armed)."""
+    handle = _HOOK.get("handle")
+    return None if handle is None else handle.id
+
+
 def _wait(ref, ids) -> None:
     """Watch the modules ``ids`` for ``ref``'s guard; register the global hook first of all."""
     for i in ids:

@@ -103,6 +103,19 @@ def attribute_state(modules, keep: list | None = None) -> tuple:
     return tuple(out)
 
 
+def argument_state(v, keep: list | None = None):
+    """A forward's argument that is not a tensor: a plain value as itself (:func:`attribute_state`'s rule), any
+    other object by (type, identity) and, where it has attributes, with them (one level: an options object whose
+    flag is flipped in place between two calls)."""
+    got = _value(v, keep)
+    if got is v or (_KINDS.get(type(v)) or _kind(type(v))) != "object":
+        return got
+    d = getattr(v, "__dict__", None)
+    if type(d) is not dict:
+        return got
+    return (*got, frozenset((k, _value(x, keep)) for k, x in d.items()))
+
+
 def _one(key):
     return lambda d: (d[key],)
 

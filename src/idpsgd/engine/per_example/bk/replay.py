@@ -6,11 +6,12 @@ about 1,000 calls per GPT-2-small forward).  What book-keeping takes from it is 
 "which rows of which examples does this layer's input hold?", in the order the forward asks them.  Those
 answers are a function of the sequence of operations and the tags' rules.  When the forward's Python path
 cannot depend on tensor values, that sequence is a function of what :func:`signature` captures — the model's
-structure (modules, their train/eval flags and hooks, parameters, their shapes, dtypes, devices and
-``requires_grad``), its modules' other attributes and those of the plain objects they hold (a flag set on a
-module, a configuration's fields: :mod:`...guards.module_state`), the input signature (the shapes, dtypes and
-devices of the tensor arguments, which of them are tagged as the batch, the plain values of the others), the
-batch size, grad and autocast state — and so are the answers.
+structure (modules, their train/eval flags, their hooks by the handles' ids, parameters, their shapes, dtypes,
+devices and ``requires_grad``), its modules' other attributes and those of the plain objects they hold (a flag
+set on a module, a configuration's fields: :mod:`...guards.module_state`), the input signature (the shapes,
+dtypes and devices of the tensor arguments, which of them are tagged as the batch, the plain values of the
+others, another object by identity with its attributes), the batch size, grad and autocast state — and so are
+the answers.
 
 :class:`Attribution` (one per book-keeper) therefore *traces* the first forward of each signature with a
 :class:`TracingMode` (the provenance mode, which also records the queries with their answers and every
@@ -55,7 +56,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ...guards.module_state import AttributeWatch, attribute_state
+from ...guards.integrity import trigger_hook_id
+from ...guards.module_state import AttributeWatch, argument_state, attribute_state
 from . import provenance
 from .provenance import GETITEM, HOST_READS, ROUTABLE, SIZED_BY_VALUES, ProvenanceMode, Tags, op_name, writes_in_place
 
@@ -315,16 +317,23 @@ def signature(
     inputs = tuple(
         (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.dim() > batch_dim and int(t.shape[batch_dim]) == batch)
         if torch.is_tensor(t)
-        else _plain(t)
+        else argument_state(t, keep)
         for t in flat
     )
-    if keep is not None:
-        keep.extend(t for t, k in zip(flat, inputs, strict=True) if not torch.is_tensor(t) and k is not t)
     modules, params, buffers, seen_p, seen_b = [], [], [], {}, {}
     walked = list(model.modules())
     for m in walked:  # one walk: each module, then its parameters and buffers not met before (as
         # model.parameters() and model.buffers() list them)
-        modules.append((id(m), m.training, len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)))
+        modules.append(  # the hooks by their handles' ids (a process-wide counter: never one id for two hooks)
+            (
+                id(m),
+                m.training,
+                tuple(m._forward_pre_hooks),
+                tuple(m._forward_hooks),
+                tuple(m._backward_pre_hooks),
+                tuple(m._backward_hooks),
+            )
+        )
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_p:
                 seen_p[id(p)] = p
@@ -336,7 +345,7 @@ def signature(
     if keep is not None:  # the objects of the ids above
         keep.extend((*walked, *seen_p.values(), *seen_b.values()))
     attributes = attribute_state(walked, keep) if watch is None else watch.state(walked, keep)
-    hooks = torch.nn.modules.module
+    hooks, trigger = torch.nn.modules.module, trigger_hook_id()  # (the write guard's own global hook: left out)
     state = (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
@@ -344,8 +353,10 @@ def signature(
         torch.get_autocast_dtype("cpu"),
         torch.is_autocast_enabled("cuda"),
         torch.get_autocast_dtype("cuda"),
-        len(hooks._global_forward_pre_hooks),
-        len(hooks._global_forward_hooks),
+        tuple(k for k in hooks._global_forward_pre_hooks if k != trigger),
+        tuple(hooks._global_forward_hooks),
+        tuple(hooks._global_backward_pre_hooks),
+        tuple(hooks._global_backward_hooks),
     )
     return (batch, batch_dim, str(spec), inputs, tuple(modules), tuple(params), tuple(buffers), attributes, state)
 
