@@ -87,8 +87,12 @@ def tax(layers: int, d: int, heads: int, batch: int, seq: int, vocab: int, round
             got[how].append(forward(how))
     forwards = {k: statistics.median(v) for k, v in got.items()}
     keeper.active, attribution.enabled = True, True
-    reps = 20
-    signature_ms = _cpu_ms(lambda: [replay.signature(model, batch, (), {"input_ids": ids}) for _ in range(reps)]) / reps
+    # the signature as a replayed forward computes it (with the attribution's attribute watch, where the tree has
+    # one); the median of single calls, so that a garbage collection falling into one call does not count 20 times
+    watch = {"watch": attribution.watch} if hasattr(attribution, "watch") else {}
+    signature_ms = statistics.median(
+        _cpu_ms(lambda: replay.signature(model, batch, (), {"input_ids": ids}, **watch)) for _ in range(41)
+    )
     plan = next(iter(attribution.plans.values()))[0] if attribution.plans else []
     keeper.active = False
     out["provenance"] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import types
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -86,21 +87,23 @@ def test_a_new_signature_is_traced_and_a_scheduled_re_trace_is_compared(monkeypa
     assert _result(case)[2] == "traced"
 
 
+#: a switch outside the model (a global), which no signature sees
+_SWITCH = {"use_b": True}
+
+
 class _Switch(nn.Module):
-    """Takes layer ``b`` or ``c`` (the same shapes) by a flag in a list mutated in place, which the signature cannot
-    see (it takes a list by identity)."""
+    """Takes layer ``b`` or ``c`` (the same shapes) by a global switch, which the signature cannot see."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
-        self.use_b = [True]
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        return self.b(h) if self.use_b[0] else self.c(h)
+        return self.b(h) if _SWITCH["use_b"] else self.c(h)
 
 
-def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
+def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog, monkeypatch):
     torch.manual_seed(0)
     model = _Switch()
     n = 6
@@ -131,7 +134,7 @@ def test_a_replay_that_does_not_follow_its_trace_refuses_the_step(caplog):
     step()
     attribution = BookKeeper.attach(model).attribution
     assert attribution.status == "replayed" and engine.steps == 2
-    model.use_b[0] = False
+    monkeypatch.setitem(_SWITCH, "use_b", False)
     with (
         caplog.at_level(logging.INFO, logger="idpsgd"),
         pytest.raises(
@@ -347,3 +350,143 @@ def test_an_argument_object_flipped_in_place_is_part_of_the_signature():
     assert _pass(model, ctl) == "RefusedRows"
     ctl.mix = False
     assert _pass(model, ctl) == "replayed"
+
+
+# --- found by an audit: a class patched, a slotted or dict of options, a hook's own switch, an aliased input ----------
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+class _Blocked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.blk, self.head = nn.Linear(4, 4), _Block(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blk(self.a(x)))
+
+
+class _Options(nn.Module):
+    """Centres the batch (mixes the rows) when its options say so: held as ``self.opts``."""
+
+    def __init__(self, opts):
+        super().__init__()
+        self.a, self.head, self.opts = nn.Linear(4, 4), nn.Linear(4, 2), opts
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        mix = self.opts["mix"] if isinstance(self.opts, dict) else self.opts.mix
+        return self.head(h - h.mean(0) if mix else h)
+
+
+@dataclass(slots=True)
+class _SlotOptions:
+    mix: bool = False
+
+
+class _HookSwitch:
+    """A forward hook object (or its bound method) with a switch of its own."""
+
+    def __init__(self):
+        self.on = False
+
+    def __call__(self, module, args, out):
+        return out.roll(1, 0) if self.on else out
+
+    def method(self, module, args, out):
+        return self(module, args, out)
+
+
+def _patch_class(model, monkeypatch):
+    monkeypatch.setattr(_Block, "forward", lambda self, h: torch.tanh(self.lin(h)).roll(1, 0))
+
+
+def _swap_class(model, monkeypatch):
+    class Rolling(_Block):
+        def forward(self, h):
+            return torch.tanh(self.lin(h)).roll(1, 0)
+
+    model.blk.__class__ = Rolling
+
+
+def _hooked(kind):
+    model, switch = _Swappable(), _HookSwitch()
+    model.act.register_forward_hook(switch if kind == "object" else switch.method)
+    return model, switch
+
+
+_BEYOND = [
+    ("class patched", _Blocked, _patch_class),
+    ("instance's class swapped", _Blocked, _swap_class),
+    ("slotted options", lambda: _Options(_SlotOptions()), lambda m, mp: setattr(m.opts, "mix", True)),
+    ("dict of options", lambda: _Options({"mix": False}), lambda m, mp: m.opts.__setitem__("mix", True)),
+    ("hook object's switch", lambda: _hooked("object"), lambda m, mp: setattr(m[1], "on", True)),
+    ("hook method's owner's switch", lambda: _hooked("method"), lambda m, mp: setattr(m[1], "on", True)),
+]
+
+
+@pytest.mark.parametrize(("case", "build", "flip"), _BEYOND, ids=[c[0] for c in _BEYOND])
+def test_what_a_forward_branches_on_beyond_the_instance_is_part_of_the_signature(case, build, flip, monkeypatch):
+    """Each was replayed with the non-mixing plan after the switch (an audit's reproductions): a method patched on
+    the module's class (as kernel libraries patch), an instance's class swapped, a slotted dataclass or a dict of
+    options held by a module, a hook object's own switch, a hook that is a bound method whose object's switch
+    flips."""
+    built = build()
+    model = built[0] if isinstance(built, tuple) else built
+    assert [_pass(model), _pass(model)] == ["traced", "replayed"]
+    flip(built, monkeypatch)
+    assert _pass(model) == "RefusedRows", case
+
+
+class _Context(nn.Module):
+    """Mixes the rows when its context is not the input itself (``context is x``, as attention modules branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, context):
+        h = torch.tanh(self.a(x))
+        return self.head(h if context is x else h + context.roll(1, 0))
+
+
+def test_an_argument_that_is_another_is_part_of_the_signature():
+    keeper = BookKeeper.attach(model := _Context())
+    keeper.active, keeper.loss_reduction = True, "sum"
+    statuses = []
+    for same in (True, True, False):
+        keeper.clear()
+        x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+        try:
+            F.cross_entropy(model(x, x if same else x.clone()), y, reduction="sum").backward()
+            keeper.norms()
+            statuses.append(keeper.attribution.status)
+        except Exception as exc:  # the refusal under test
+            statuses.append(type(exc).__name__)
+    keeper.clear()
+    keeper.active = False
+    assert statuses == ["traced", "replayed", "RefusedRows"]
+
+
+def test_a_function_registered_for_transformers_attention_is_part_of_the_signature(monkeypatch):
+    """``AttentionInterface.register("sdpa", f)`` replaces, for every model of that implementation, the attention
+    a forward calls: a registry outside the model, read (transformers' attention and mask registries only)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    case = H.build("gpt2", 3, 7)
+    assert [_result(case, _other_batch(case))[2], _result(case)[2]] == ["traced", "replayed"]
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def rolling(module, query, *args, **kwargs):
+        out, weights = sdpa(module, query, *args, **kwargs)
+        return out.roll(1, 0), weights
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", rolling)
+    with pytest.raises(Exception, match="rows|mix"):
+        _result(case)

@@ -7,11 +7,12 @@ about 1,000 calls per GPT-2-small forward).  What book-keeping takes from it is 
 answers are a function of the sequence of operations and the tags' rules.  When the forward's Python path
 cannot depend on tensor values, that sequence is a function of what :func:`signature` captures — the model's
 structure (modules, their train/eval flags, their hooks by the handles' ids, parameters, their shapes, dtypes,
-devices and ``requires_grad``), its modules' other attributes and those of the plain objects they hold (a flag
-set on a module, a configuration's fields: :mod:`...guards.module_state`), the input signature (the shapes,
-dtypes and devices of the tensor arguments, which of them are tagged as the batch, the plain values of the
-others, another object by identity with its attributes), the batch size, grad and autocast state — and so are
-the answers.
+devices and ``requires_grad``), the Python state its forward can branch on (:mod:`...guards.module_state`: the
+modules' other attributes and classes, what their classes hold, the hooks and what they hold, one level into the
+objects all these hold — a flag set on a module, a configuration's fields, a method patched on a class — and
+transformers' attention registries), the input signature (the shapes, dtypes and devices of the tensor arguments,
+which of them are tagged as the batch, which is the same object as an earlier one, the plain values of the others,
+another object by identity with its attributes), the batch size, grad and autocast state — and so are the answers.
 
 :class:`Attribution` (one per book-keeper) therefore *traces* the first forward of each signature with a
 :class:`TracingMode` (the provenance mode, which also records the queries with their answers and every
@@ -34,12 +35,11 @@ same signature take another path or get other answers:
 * a covered layer's weight met in a ``torch.nn.functional`` call (a routed layer) or a covered parameter used
   directly (a value shared by the batch made from it): both need the interception itself.
 
-What the signature cannot see — a forward whose path depends on Python state outside the model's modules, the
-objects they hold and the inputs (a draw of Python's ``random``, a global, a list mutated in place, an object
-two levels down) — is assumed away, as the batch-independence check's probe at the first forward assumes it; a
-path change that changes any query is caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th
-forward of a signature is traced again and compared with the plan (a difference refuses the step and turns the
-replay off).
+What the signature cannot see — a forward whose path depends on Python state outside all this (a draw of Python's
+``random``, a global variable, a registry other than transformers' attention functions, an object two levels
+down) — is assumed away, as the batch-independence check's probe at the first forward assumes it; a path change
+that changes any query is caught (:class:`ReplayDiverged`), and every :data:`RETRACE_EVERY`-th forward of a
+signature is traced again and compared with the plan (a difference refuses the step and turns the replay off).
 
 The signature names modules, parameters, buffers and the arguments that are not plain values by ``id()``, and an
 id is an object's only while it lives: a plan keeps weak references to those objects (:func:`held`) and is dropped
@@ -314,11 +314,19 @@ def signature(
     ``keep``: a list that receives every object the signature names by id (:func:`held`); ``watch``: the model's
     :class:`AttributeWatch`, which reads the attributes again only where one may have changed."""
     flat, spec = tree_flatten((args, kwargs))
+    first: dict = {}  # a tensor argument that is another one (``context is x``): the index of the first
     inputs = tuple(
-        (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.dim() > batch_dim and int(t.shape[batch_dim]) == batch)
+        (
+            tuple(t.shape),
+            t.dtype,
+            t.device,
+            t.requires_grad,
+            t.dim() > batch_dim and int(t.shape[batch_dim]) == batch,
+            first.setdefault(id(t), i),
+        )
         if torch.is_tensor(t)
         else argument_state(t, keep)
-        for t in flat
+        for i, t in enumerate(flat)
     )
     modules, params, buffers, seen_p, seen_b = [], [], [], {}, {}
     walked = list(model.modules())
