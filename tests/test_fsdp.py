@@ -75,6 +75,7 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
         out.update(_refusals())
         out.update(_write_guard())
         out.update(_leak())
+        out.update(_replay())
     if ghost:
         out["ghost"] = _train(shard=shard, steps=steps, mode="ghost")
         out["ghost_sparse"] = _train(shard=shard, steps=SPARSE_STEPS, mode="ghost", n=4, batch=1)
@@ -135,6 +136,50 @@ def _train(shard=True, lora=False, bf16=False, steps=STEPS, checks=False, mode="
     out["eps"] = np.asarray(engine.get_epsilon().per_group)
     out["steps"] = engine.steps
     return out
+
+
+def _replay(steps=4):
+    """bk on FSDP2 with fixed batches (sampling rate 1): the first forward traced, the later ones replayed — FSDP2
+    takes its parameters' storage at every forward to allocate and free the unsharded ones, which counted as a read
+    of tensor values and kept every forward traced — and the same parameters as the same run traced throughout."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from idpsgd.engine import IndividualizedPrivacyEngine
+    from idpsgd.engine.per_example.bk.keeper import BookKeeper
+
+    n = 8
+    ids = torch.randint(1, VOCAB, (n, T), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for replays in (True, False):
+        model = _shard(_model(False), False)
+        engine = IndividualizedPrivacyEngine(seed=5, accountant="rdp")
+        wrapped, opt, loader = engine.make_private_with_parameters(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(ids), batch_size=n),
+            budgets=np.full(n, 1e3),
+            target_delta=1e-5,
+            sample_rates=np.ones(n),
+            clip_norms=np.full(n, 0.1),
+            noise_multiplier=0.5,
+            max_grad_norm=0.1,
+            grad_sample_mode="bk",
+            privacy_filter=None,
+        )
+        attribution = BookKeeper.attach(model).attribution
+        attribution.enabled = replays
+        statuses = []
+        for _ in range(steps):
+            for (x,) in loader:
+                logits = wrapped(x).logits
+                torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1)).backward()
+                statuses.append(attribution.status)
+                opt.step()
+                opt.zero_grad()
+        runs[replays] = statuses, {k: _full(v) for k, v in model.state_dict().items()}
+    (replayed, params), (traced, reference) = runs[True], runs[False]
+    same = all(torch.equal(params[k], reference[k]) for k in reference)
+    return {"replay_statuses": (replayed, traced), "replay_same_params": same}
 
 
 def _noise_partition():
@@ -487,6 +532,9 @@ def test_two_processes_match_one_process():
     assert steps0 == steps1 == 0  # nothing charged on any rank
     assert "'transformer.h.0.mlp.c_fc.weight' received an autograd gradient" in two["leak"]
     assert "BatchMemoryManager" in two["physical"]
+    replayed, traced = two["replay_statuses"]
+    assert replayed == ["traced"] + ["replayed"] * 3 and traced == ["traced"] * 4, two["replay_statuses"]
+    assert two["replay_same_params"]  # bit for bit the traced run's
 
 
 @pytest.mark.slow

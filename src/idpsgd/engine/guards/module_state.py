@@ -21,10 +21,11 @@ takes the place of one that did not, silently.  :func:`attribute_state` is that 
 Values that are plain (``None``, booleans, numbers, strings, dtypes, devices, enum members, tuples of those) are
 taken by type and value (``1`` and ``1.0`` differ), a tensor by its shape, dtype, device and ``requires_grad`` (as
 a forward's tensor arguments are); any other object by its type and identity, its state not looked into beyond the
-one level (an object two levels down, a tensor's values: not seen; nor are idpsgd's own objects, such as the
-book-keeper's forward of a covered layer).  An identity is an object's only while it lives, so a caller that keeps
-the state across forwards keeps the objects too (``keep``: :func:`..per_example.bk.replay.held`).  What no state of
-the model holds — Python's ``random``, a global variable, another registry — is not seen (docs/guarantees.md).
+one level (an object two levels down, a tensor's values: not seen; nor are idpsgd's and torch's own objects,
+:data:`INTERNAL`, such as the book-keeper's forward of a covered layer or FSDP2's state and hooks).  An identity is
+an object's only while it lives, so a caller that keeps the state across forwards keeps the objects too (``keep``:
+:func:`..per_example.bk.replay.held`).  What no state of the model holds — Python's ``random``, a global variable,
+another registry — is not seen (docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -58,8 +59,14 @@ _KINDS: dict = {}  # type -> how its values are taken: "plain", "tuple" (plain i
 _SLOTS: dict = {}  # type -> the names of its slots along the MRO
 
 
+#: packages whose objects are machinery, not switches a user sets: idpsgd's own (the book-keeper's forward of a
+#: covered layer, the checks' hooks) and torch's (FSDP2's per-module state and its hooks, whose training state
+#: moves within every step): taken by identity, not looked into
+INTERNAL = frozenset({"idpsgd", "torch"})
+
+
 def _ours(t: type) -> bool:
-    return (getattr(t, "__module__", None) or "").split(".", 1)[0] == "idpsgd"
+    return (getattr(t, "__module__", None) or "").split(".", 1)[0] in INTERNAL
 
 
 def _kind(t: type) -> str:
@@ -169,8 +176,9 @@ def _held(values, deep: dict) -> None:
 
 
 def _foreign(h) -> bool:
-    """Not idpsgd's own: a function or method defined in idpsgd, or bound to an idpsgd object (the book-keeper's
-    and the checks' hooks, the write guard's global hook, which comes and goes with the guards armed)."""
+    """Not :data:`INTERNAL`: not a function or method defined in idpsgd or torch, nor bound to one of their objects
+    (the book-keeper's and the checks' hooks, the write guard's global hook, which comes and goes with the guards
+    armed, FSDP2's hooks)."""
     t = type(h)
     if t is types.MethodType:
         return not _ours(type(h.__self__)) and _foreign_code(h.__func__)
@@ -180,7 +188,7 @@ def _foreign(h) -> bool:
 
 
 def _foreign_code(f) -> bool:
-    return (getattr(f, "__module__", None) or "").split(".", 1)[0] != "idpsgd"
+    return (getattr(f, "__module__", None) or "").split(".", 1)[0] not in INTERNAL
 
 
 def _hook_dicts(dicts) -> list:

@@ -108,6 +108,11 @@ NOT_PUBLIC = (
     "random",
     "seed",
 )
+#: a tensor's storage, which FSDP2 takes from the parameters at every forward to allocate, free and compare
+#: (``untyped_storage().size()``, ``.data_ptr()``, ``.resize_``: sizes and addresses, not values): not a decision
+#: when FSDP2's own code takes it
+_STORAGE = frozenset({torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor._typed_storage})
+_FSDP = "torch.distributed.fsdp."
 _NEVER_PUBLIC: dict = {}  # func -> whether its name has a part of NOT_PUBLIC (cached)
 _PROVENANCE = provenance.__name__
 _ROWS_OF = provenance.rows_of.__code__
@@ -252,6 +257,8 @@ class TracingMode(ProvenanceMode):
         :meth:`_publish`)."""
         if (func in HOST_READS or func in SIZED_BY_VALUES or func in GETITEM) and self._all_public(args, kwargs):
             return None
+        if func in _STORAGE and sys._getframe(2).f_globals.get("__name__", "").startswith(_FSDP):
+            return None  # FSDP2 allocating and freeing the unsharded parameters: storage sizes and addresses
         if func in HOST_READS:
             return f"a read of tensor values into Python ({op_name(func)!r})"
         if func in SIZED_BY_VALUES:
