@@ -30,15 +30,17 @@ same signature take another path or get other answers:
   length), the allowed reads of transformers' mask fast paths included;
 * an operation whose result's size is a value (``nonzero``, ``torch.where(c)``, ``x[mask]``, ``unique``,
   ...: the data-dependent routing of a mixture of experts);
-
-except where every tensor read is *public*: made by a factory from Python numbers and shapes alone (``arange``,
-``zeros_like``) and by deterministic operations from public tensors only (:meth:`TracingMode._publish`), so a
-function of what the signature holds (transformers' ``find_packed_sequence_indices``, which reads an ``arange`` of
-positions whenever ``use_cache`` is off, as its ``Trainer`` sets it, kept every forward of such a model traced);
 * a tag rule that compares values (a constant whose rows may differ along the batch, an index compared with
   ``arange``);
 * a covered layer's weight met in a ``torch.nn.functional`` call (a routed layer) or a covered parameter used
   directly (a value shared by the batch made from it): both need the interception itself.
+
+The first two are no decision where every tensor they read is *public*: made by a factory from Python numbers and
+shapes alone (``arange``, ``zeros_like``) and by deterministic operations of public tensors only
+(:meth:`TracingMode._publish`), so a function of what the signature holds (transformers'
+``find_packed_sequence_indices`` reads an ``arange`` of positions whenever ``use_cache`` is off, as its ``Trainer``
+sets it: every forward of such a model was traced), nor is FSDP2's taking of its parameters' storage (sizes and
+addresses, to allocate and free the unsharded parameters).
 
 What the signature cannot see — a forward whose path depends on Python state outside all this (a draw of Python's
 ``random``, a global variable, a registry other than transformers' attention functions, an object two levels
