@@ -35,12 +35,8 @@ same signature take another path or get other answers:
 * a covered layer's weight met in a ``torch.nn.functional`` call (a routed layer) or a covered parameter used
   directly (a value shared by the batch made from it): both need the interception itself.
 
-The first two are no decision where every tensor they read is *public*: made by a factory from Python numbers and
-shapes alone (``arange``, ``zeros_like``) and by deterministic operations of public tensors only
-(:meth:`TracingMode._publish`), so a function of what the signature holds (transformers'
-``find_packed_sequence_indices`` reads an ``arange`` of positions whenever ``use_cache`` is off, as its ``Trainer``
-sets it: every forward of such a model was traced), nor is FSDP2's taking of its parameters' storage (sizes and
-addresses, to allocate and free the unsharded parameters).
+The first is no decision where FSDP2's own code takes its parameters' storage (sizes and addresses, to allocate and
+free the unsharded parameters, at every forward of a sharded model).
 
 What the signature cannot see — a forward whose path depends on Python state outside all this (a draw of Python's
 ``random``, a global variable, a registry other than transformers' attention functions, an object two levels
@@ -57,6 +53,7 @@ never matches a plan by taking a freed object's id.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 
@@ -74,48 +71,11 @@ log = logging.getLogger("idpsgd")
 RETRACE_EVERY = 64
 #: signatures kept per model (Poisson batches: one per batch size seen); the oldest plan is dropped beyond
 MAX_PLANS = 256
-#: factories of *public* tensors: values from Python numbers and the shape alone (``arange(T)``, ``zeros_like(x)``),
-#: never from data, parameters or randomness (:meth:`TracingMode._publish`)
-PUBLIC_FACTORIES = frozenset(
-    {
-        *(getattr(torch, n) for n in ("arange", "zeros", "ones", "full", "eye", "linspace", "logspace", "tensor")),
-        *(getattr(torch, n) for n in ("zeros_like", "ones_like", "full_like", "scalar_tensor")),
-        *(getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_full")),
-    }
-)
-#: shape-only factories among them: public whatever their tensor argument holds
-PUBLIC_LIKE = frozenset(
-    {
-        *(getattr(torch, n) for n in ("zeros_like", "ones_like", "full_like")),
-        torch.Tensor.new_zeros,
-        torch.Tensor.new_ones,
-    }
-)
-#: parts of an operation's name that mark values no signature determines (random draws, uninitialised memory): their
-#: results are never public, even of public inputs
-NOT_PUBLIC = (
-    "rand",
-    "bernoulli",
-    "normal",
-    "multinomial",
-    "dropout",
-    "poisson",
-    "uniform",
-    "exponential",
-    "geometric",
-    "cauchy",
-    "gumbel",
-    "rrelu",
-    "empty",
-    "random",
-    "seed",
-)
 #: a tensor's storage, which FSDP2 takes from the parameters at every forward to allocate, free and compare
 #: (``untyped_storage().size()``, ``.data_ptr()``, ``.resize_``: sizes and addresses, not values): not a decision
 #: when FSDP2's own code takes it
 _STORAGE = frozenset({torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor._typed_storage})
-_FSDP = "torch.distributed.fsdp."
-_NEVER_PUBLIC: dict = {}  # func -> whether its name has a part of NOT_PUBLIC (cached)
+_FSDP_FILES = os.path.join(os.path.dirname(torch.__file__), "distributed", "fsdp", "")  # FSDP2's source files
 _PROVENANCE = provenance.__name__
 _ROWS_OF = provenance.rows_of.__code__
 
@@ -185,7 +145,6 @@ class TracingMode(ProvenanceMode):
         self.decisions: list[str] = []
         self.signature = signature  # the forward's (:func:`signature`), under which its plan is kept
         self.held = held  # the objects whose ids the signature holds (:func:`held`), kept with the plan
-        self.public: dict = {}  # id -> weak reference of the forward's public tensors (:meth:`_publish`)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -199,67 +158,11 @@ class TracingMode(ProvenanceMode):
             why = self._interception(func, args, kwargs, out)
             if why is not None:
                 self.decisions.append(why)
-        if not self.decisions:
-            self._publish(func, args, kwargs, out)
         return out
 
-    def _is_public(self, t) -> bool:
-        ref = self.public.get(id(t))
-        if ref is None or ref() is not t:
-            return False
-        base = t._base
-        return base is None or self._is_public(base)
-
-    def _all_public(self, args, kwargs) -> bool:
-        """Whether the operation's tensor arguments (in lists and tuples too) are all public, and it has one."""
-        seen = False
-        for a in (*args, *kwargs.values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if torch.is_tensor(t):
-                    if not self._is_public(t):
-                        return False
-                    seen = True
-        return seen
-
-    def _publish(self, func, args, kwargs, out) -> None:
-        """Which tensors are *public*: made by a factory from Python numbers or a shape (:data:`PUBLIC_FACTORIES`),
-        or by a deterministic operation from public tensors alone (not a random draw, not uninitialised memory:
-        :data:`NOT_PUBLIC`). A public tensor's values are a function of what the signature holds (shapes and plain
-        arguments), so a read of them into Python (transformers' ``find_packed_sequence_indices`` on an
-        ``arange`` of positions) decides nothing a replay of the same signature could decide otherwise. A write
-        into a tensor by an operation that is not all public makes it (and its base, so every view of it) not
-        public."""
-        name = op_name(func)
-        never = _NEVER_PUBLIC.get(func)
-        if never is None:
-            never = _NEVER_PUBLIC[func] = any(part in name for part in NOT_PUBLIC)
-        if never:
-            public = False
-        elif func in PUBLIC_LIKE:
-            public = True
-        elif func in PUBLIC_FACTORIES:
-            public = not any(torch.is_tensor(a) for a in (*args, *kwargs.values())) or self._all_public(args, kwargs)
-        else:
-            public = self._all_public(args, kwargs)
-        written = [args[0]] if args and (writes_in_place(func) or name == "__setitem__") else []
-        if torch.is_tensor(kwargs.get("out")):
-            written.append(kwargs["out"])
-        for t in written:
-            if torch.is_tensor(t) and not public:
-                for w in (t, t._base):
-                    if w is not None:
-                        self.public.pop(id(w), None)
-        if public:
-            for t in (*written, *(out if isinstance(out, (list, tuple)) else (out,))):
-                if torch.is_tensor(t):
-                    self.public[id(t)] = weakref.ref(t)
-
     def _decision(self, func, args, kwargs) -> str | None:
-        """A decision on tensor values (module docstring), or None (also for one on public values alone:
-        :meth:`_publish`)."""
-        if (func in HOST_READS or func in SIZED_BY_VALUES or func in GETITEM) and self._all_public(args, kwargs):
-            return None
-        if func in _STORAGE and sys._getframe(2).f_globals.get("__name__", "").startswith(_FSDP):
+        """A decision on tensor values (module docstring), or None."""
+        if func in _STORAGE and sys._getframe(2).f_code.co_filename.startswith(_FSDP_FILES):
             return None  # FSDP2 allocating and freeing the unsharded parameters: storage sizes and addresses
         if func in HOST_READS:
             return f"a read of tensor values into Python ({op_name(func)!r})"
