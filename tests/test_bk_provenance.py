@@ -630,3 +630,24 @@ def test_transformers_mask_fast_path_is_allowed_and_the_same_read_elsewhere_refu
         # its predicate, called by the model's own code
         with pytest.raises(P.RefusedRows, match=r"\('__bool__'\) .* come from 'sum'"):
             masking._ignore_causal_mask_sdpa(mask, 5, 5, 0, 0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (found by an audit, not fixed): provenance tags tensors, not storages, so batch rows written "
+    "through an alias with no _base (a .detach()) leave the aliased tensor untagged, and a read of it into Python "
+    "that steers every example is not refused",
+)
+def test_batch_rows_written_through_a_detached_alias_are_still_refused_when_read():
+    class Laundered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            side = torch.zeros(len(x), dtype=x.dtype)
+            side.detach().copy_(x[:, 0])  # the batch's values, written through an alias
+            return self.head(h * 2 if bool((side > 0).any()) else h)  # one example steers every example
+
+    _refused(_model(Laundered), torch.randn(N, D, dtype=torch.float64), r"reads into Python \('__bool__'\)")
