@@ -247,23 +247,32 @@ def attribute_state(modules, keep: list | None = None) -> tuple:
     """The modules' attributes and classes, their classes' contents, the hooks and one level into what all these
     hold (module docstring), as a hashable value that is equal for two forwards exactly when every plain value is
     equal and every other object is the same.  ``keep``: a list that receives the objects taken by identity."""
-    out, deep = [], {}
-    for i, m in enumerate(modules):
-        d = m.__dict__
-        own = [k for k in d.keys() - TORCH_KEYS if not k.startswith(OURS)]
+    return _reading(modules, keep)[0]
+
+
+def _reading(modules, keep: list | None) -> tuple:
+    """(:func:`attribute_state`, and what it was read from: each module's ``__dict__`` and keys outside torch's,
+    every hook (idpsgd's and torch's own too), the classes, the objects looked into one level)."""
+    out, deep, dicts, extra = [], {}, list(map(vars, modules)), []
+    for i, d in enumerate(dicts):
+        keys = tuple(d.keys() - TORCH_KEYS)
+        extra.append(keys)
+        own = [k for k in keys if not k.startswith(OURS)]
         if own:
             out.append((i, frozenset((k, _value(d[k], keep)) for k in own)))
             _held((d[k] for k in own), deep)
     out.append(tuple(_value(type(m), keep) for m in modules))
-    for c in sorted(_classes(modules).values(), key=id):
+    classes = sorted(_classes(modules).values(), key=id)
+    for c in classes:
         out.append((_value(c, keep), frozenset((k, _value(v, keep)) for k, v in vars(c).items())))
-    hooks = [h for h in _hooks(_hook_dicts(map(vars, modules))) if _foreign(h)]
-    out.append(tuple(_value(h, keep) for h in hooks))
-    _held(hooks, deep)
+    hooks = _hooks(_hook_dicts(dicts))
+    foreign = [h for h in hooks if _foreign(h)]
+    out.append(tuple(_value(h, keep) for h in foreign))
+    _held(foreign, deep)
     _held(_registries(), deep)
     for v in deep.values():
         out.append((_value(v, keep), _state(v, keep)))
-    return tuple(out)
+    return tuple(out), dicts, extra, hooks, classes, list(deep.values())
 
 
 def argument_state(v, keep: list | None = None):
@@ -313,17 +322,8 @@ class AttributeWatch:
         last = self._last
         if keep is None and last is not None and self._same(modules, last):
             return last[-1]
-        state = attribute_state(modules, keep)
-        dicts = list(map(vars, modules))
-        getters, deep = [], {}
-        for d in dicts:
-            keys = tuple(d.keys() - TORCH_KEYS)
-            getters.append(itemgetter(*keys) if len(keys) > 1 else _one(keys[0]) if keys else _none)
-            _held((d[k] for k in keys if not k.startswith(OURS)), deep)
-        hooks = _hooks(_hook_dicts(dicts))  # (idpsgd's own too: compared by identity)
-        _held(hooks, deep)
-        _held(_registries(), deep)
-        classes = list(_classes(modules).values())
+        state, dicts, extra, hooks, classes, deep = _reading(modules, keep)
+        getters = [itemgetter(*keys) if len(keys) > 1 else _one(keys[0]) if keys else _none for keys in extra]
         self._last = (
             list(map(len, dicts)),
             getters,
@@ -331,7 +331,7 @@ class AttributeWatch:
             list(map(type, modules)),
             [(vars(c), len(vars(c)), list(vars(c)), list(vars(c).values())) for c in classes],
             hooks,
-            [(v, _read(v)) for v in deep.values()],
+            [(v, _read(v)) for v in deep],
             state,
         )
         return state
