@@ -1112,5 +1112,31 @@ def test_an_armed_guard_does_not_keep_its_model_or_the_global_hook_alive():
     del model, engine, rest
     gc.collect()
     assert ref() is None and not _waits(guard)
+    nn.Linear(2, 2)(torch.zeros(1, 2))  # the idle hook removes itself at its next call, not inside the collection
     if not integrity._WAITING:  # no other test's model waits either: the global hook is gone
+        assert not integrity._HOOK
+
+
+def test_a_guard_collected_during_an_iteration_of_the_global_hooks_does_not_break_it():
+    """A guard's finaliser runs at a garbage collection, which can come while code iterates torch's global forward
+    pre-hooks (book-keeping's replay signature reads them at every forward): it must not remove the hook there
+    ("OrderedDict mutated during iteration", seen in the suite); the idle hook removes itself at its next call."""
+    import gc
+
+    from idpsgd.engine.guards import integrity
+    from idpsgd.engine.guards.integrity import WriteGuard
+
+    model = nn.Linear(2, 2)
+    WriteGuard.attach(model).arm()
+    extra = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        walk = iter(torch.nn.modules.module._global_forward_pre_hooks)
+        next(walk)
+        del model.__dict__["_idpsgd_write_guard"]
+        gc.collect()
+        list(walk)  # raised before
+    finally:
+        extra.remove()
+    nn.Linear(2, 2)(torch.zeros(1, 2))
+    if not integrity._WAITING:  # no other test's guard waits: the idle hook is gone after its call
         assert not integrity._HOOK

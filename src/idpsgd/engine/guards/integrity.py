@@ -304,6 +304,8 @@ def _first_call(module, _args):
     its guard's step."""
     refs = _WAITING.get(id(module))
     if refs is None:
+        if not _WAITING and "handle" in _HOOK:  # the last guard was collected (:func:`_unwait`): idle, removed
+            _HOOK.pop("handle").remove()  # (torch iterates a copy of the global hooks while calling them)
         return None
     for ref in list(refs):
         guard = ref()
@@ -340,14 +342,18 @@ def _wait(ref, ids) -> None:
     hooks.move_to_end(handle.id, last=False)  # before the global hooks registered earlier (they may write)
 
 
-def _unwait(ref, ids) -> None:
+def _unwait(ref, ids, drop_hook: bool = True) -> None:
+    """Stop watching the modules ``ids`` for ``ref``'s guard; remove the global hook when nobody waits, unless
+    ``drop_hook`` is False: a guard's finaliser runs at a garbage collection, which can come inside any code
+    iterating torch's global hooks (the replay's signature does), and a removal there raises "mutated during
+    iteration"; the idle hook then removes itself at its next call (:func:`_first_call`)."""
     for i in ids:
         refs = _WAITING.get(i)
         if refs is not None and ref in refs:
             refs.remove(ref)
             if not refs:
                 del _WAITING[i]
-    if not _WAITING and "handle" in _HOOK:
+    if drop_hook and not _WAITING and "handle" in _HOOK:
         _HOOK.pop("handle").remove()
 
 
@@ -385,7 +391,7 @@ class WriteGuard:
         self._ref = weakref.ref(self)
         self._watched: list = []  # the modules the trigger waits for (kept alive: their ids stay theirs)
         self._ids: list[int] = []
-        weakref.finalize(self, _unwait, self._ref, self._ids)
+        weakref.finalize(self, _unwait, self._ref, self._ids, False)
 
     def watch_too(self, optimizer, scope: nn.Module | None) -> None:
         """Watch ``optimizer``'s state with the model's tensors (it is released with the model in checkpoints and
