@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .memory import WrittenMemory
+
 _T = torch.Tensor
 
 
@@ -74,7 +76,7 @@ _Parameter = torch.nn.Parameter
 
 
 def _inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "").partition(".")[0]  # an aten overload: copy_.default
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
@@ -242,6 +244,10 @@ HOST_ROWS = _fns(
     "__dlpack__",  # numpy.from_dlpack, torch.from_dlpack: a new tensor on the same memory, untagged
     "__reduce_ex__",  # pickle, torch.save, copy.copy: the values back as a new tensor, untagged
 )
+#: the reads that give Python an alias of the tensor's memory (an array, a capsule, a storage): a tensor made on
+#: it later (``torch.from_numpy``, ``from_dlpack``, ``set_``) reads the same values, so the memory is recorded
+#: with the tensor's rows (:class:`~.memory.WrittenMemory`)
+MEMORY_EXPORTS = _fns("numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage")
 HOST_WHOLE = _fns("equal", "allclose", "__contains__")
 HOST_READS = HOST_SCALAR | HOST_ROWS | HOST_WHOLE
 #: operations whose result's *size* is a value of their input (the count of nonzero entries, of distinct
@@ -305,6 +311,14 @@ SIZE_TAKING = _fns(
 _REPEAT_INTERLEAVE = _fns("repeat_interleave")
 _TAKE_ALONG_DIM = _fns("take_along_dim")
 PROPS = {_T.T.__get__, _T.mT.__get__}  # type: ignore[attr-defined]
+
+
+def _out_tensors(kwargs) -> tuple:
+    """The tensors an operation writes by ``out=`` (one, or a tuple: ``torch.max(x, 1, out=(v, i))``)."""
+    o = kwargs.get("out")
+    if o is None:
+        return ()
+    return tuple(t for t in (o if isinstance(o, (tuple, list)) else (o,)) if torch.is_tensor(t))
 
 
 def _dims(d, nd):
@@ -376,37 +390,61 @@ def _permute_rows(func, args, kwargs, nd, rows) -> Rows | None:
 
 class Tags:
     """Rows by tensor identity for one forward: ``id(t)`` → (a weak reference to ``t``, its rows); a reused
-    id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups)."""
+    id of a freed tensor is told apart by the reference (faster than a weak-keyed dictionary's lookups).
+    With ``memory``, also the memory written with batch values (:class:`~.memory.WrittenMemory`): a tensor
+    without a tag of its own that reads such memory (an alias made outside the rules) is of the batch, and
+    every tensor reading memory a write left with rows of no single example has such rows."""
 
-    __slots__ = ("_d", "dirty")
+    __slots__ = ("_d", "memory")
 
-    def __init__(self):
+    def __init__(self, memory: bool = True):
         self._d = {}
-        self.dirty = None  # Tags of root tensors whose memory took rows of no single example (:meth:`spoil`)
+        self.memory = WrittenMemory(_mixed(_ALIAS)) if memory else None
 
     def get(self, t, default=None):
-        if self.dirty is not None:
-            with torch._C.DisableTorchFunction():
-                root = t._base if torch.is_tensor(t) and t._base is not None else t
-            spoilt = self.dirty.get(root)
+        memory = self.memory
+        if memory is not None and memory.spoilt:
+            spoilt = memory.spoilt_rows(t)
             if spoilt is not None:
                 return spoilt
         e = self._d.get(id(t))
-        if e is None or e[0]() is not t:
-            return default
-        return e[1]
+        if e is not None and e[0]() is t:
+            return e[1]
+        if memory is not None:
+            r = memory.rows(t)
+            if r is not None:
+                return r
+        return default
 
-    def spoil(self, t, rows) -> None:
-        """An in-place write left ``t`` with rows of no single example: so are its base and every view of
-        that base, whenever made (views share the memory; tags are by identity)."""
-        with torch._C.DisableTorchFunction():
-            root = t._base if t._base is not None else t
-        if self.dirty is None:
-            self.dirty = Tags()
-        self.dirty[root] = rows
+    def wrote(self, t, before) -> None:
+        """``t`` was just written (in place, ``out=``, ``t[i] = v``), its rows ``before`` the write: recorded in
+        :attr:`memory` when it now holds batch values with other rows, or with rows of no single example."""
+        if self.memory is None:
+            return
+        after = self.get(t)
+        if after is not None and (not after.known or before is None or _answer(before) != _answer(after)):
+            self.memory.holds(t, after)
+
+    def forget(self, t) -> None:
+        """``t`` no longer holds what its tag says (``t.data = v`` of a value not from the batch)."""
+        e = self._d.get(id(t))
+        if e is not None and e[0]() is t:
+            del self._d[id(t)]
 
     def __setitem__(self, t, rows):
         self._d[id(t)] = (weakref.ref(t), rows)
+
+
+def _answer(rows):
+    return (rows.dim, rows.group, rows.mixed)
+
+
+_ALIAS = (
+    "a tensor reading memory written with batch values in another layout (an alias made outside the rules: "
+    ".detach() or .data of a tensor written later, a view made before the write, numpy or dlpack)"
+)
+#: ``t.data = v``: ``t`` then reads ``v``'s memory (the mode sees the descriptor's ``__set__``)
+_DATA_SETTER = torch._C.TensorBase.__dict__["data"]
 
 
 class ProvenanceMode(TorchFunctionMode):
@@ -417,7 +455,7 @@ class ProvenanceMode(TorchFunctionMode):
         super().__init__()
         self.batch = batch
         self.tags = Tags()
-        self.constants = Tags()  # batch-independent operands checked for rows that differ
+        self.constants = Tags(memory=False)  # batch-independent operands checked for rows that differ
         self.paused = 0
         self.routes: dict = {}  # id(weight) -> (operation, weight position, book-kept forward)
         self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
@@ -471,19 +509,34 @@ class ProvenanceMode(TorchFunctionMode):
                         args, kwargs = self._substitute(args, kwargs)
                     break
         self._before = None
+        tags = self.tags
+        # a write: the target's rows before it (the memory written is recorded after it, :meth:`Tags.wrote`)
+        target = args[0] if args and torch.is_tensor(args[0]) and (_inplace(func) or func in SETITEM) else None
+        before = tags.get(target) if target is not None else None
+        outs = _out_tensors(kwargs) if kwargs else ()
+        befores = [tags.get(o) for o in outs]
         # an in-place operation on a tensor not from the batch: its values before the write are an operand
         # (``buf.add_(h)``), compared row by row in :meth:`_positional`; ``copy_`` overwrites them
         if (
-            args
-            and torch.is_tensor(args[0])
-            and _inplace(func)
-            and self.tags.get(args[0]) is None
+            target is not None
+            and before is None
+            and func not in SETITEM
             and op_name(func) != "copy_"
             and self._inputs(args[1:], kwargs)
         ):
             with torch.no_grad():
-                self._before = args[0].detach().clone()
+                self._before = target.detach().clone()
         out = func(*args, **kwargs)
+        try:
+            return self._tag_result(func, args, kwargs, out)
+        finally:
+            if target is not None:
+                tags.wrote(target, before)
+            for o, b in zip(outs, befores, strict=True):
+                tags.wrote(o, b)
+
+    def _tag_result(self, func, args, kwargs, out):
+        """Tags ``out = func(*args, **kwargs)`` (the operation has run) and applies the checks of its family."""
         if func is _T.copy_ and len(args) > 1:
             self._copy_into_constant(args[0], args[1])
         if func in SIZED_BY_VALUES or func in GETITEM:
@@ -492,14 +545,15 @@ class ProvenanceMode(TorchFunctionMode):
             self._size_arguments(func, args, kwargs)
         if func in SETITEM:
             self._setitem(args)
-            self._spoil_if_mixed(args[0])
             return out
         if (
             func in LIKE
             or func in NEW_TENSOR
             or not (torch.is_tensor(out) or (isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0])))
         ):
-            if func in HOST_READS:
+            if getattr(func, "__self__", None) is _DATA_SETTER and len(args) > 1:
+                self._data_set(args[0], args[1])
+            elif func in HOST_READS:
                 self._host_read(func, args, kwargs)
             elif func in LIKE or func in NEW_TENSOR:
                 self._like(func, args, kwargs, out)
@@ -536,8 +590,6 @@ class ProvenanceMode(TorchFunctionMode):
             self._check_parameters(func, args, kwargs, rows)
         if torch.is_tensor(out):
             tags[out] = rows
-            if not rows.known and _inplace(func) and args and out is args[0]:
-                self._spoil_if_mixed(out)
         else:
             for o in out:
                 if torch.is_tensor(o):
@@ -557,6 +609,8 @@ class ProvenanceMode(TorchFunctionMode):
             whole = func in HOST_WHOLE and r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
             if (not r.known or whole) and not _at_allowed_site():
                 raise host_read_refusal(op_name(func), r if not r.known else _mixed(op_name(func)))
+            if func in MEMORY_EXPORTS and self.tags.memory is not None:
+                self.tags.memory.holds(t, r)
 
     def _sized_by_values(self, func, args, kwargs) -> None:
         """An operation whose result's size is a value of its input (:data:`SIZED_BY_VALUES`; ``x[mask]`` with a
@@ -634,15 +688,17 @@ class ProvenanceMode(TorchFunctionMode):
         if (offset // base.stride(k)) % base.shape[k] != 0:
             return
         self.tags[base] = Rows(k, vr.group)
+        self.tags.wrote(base, None)  # an alias of the base made outside the rules reads it with these rows
 
-    def _spoil_if_mixed(self, t) -> None:
-        """A write into ``t`` (in place) that left rows of no single example: the write went to memory that
-        ``t``'s base and its other views share (``h[0].copy_(h[1])``, ``h.view(-1)[:d] = ...``), whose tags
-        would otherwise still say one example per row."""
-        if torch.is_tensor(t):
-            r = self.tags.get(t)
-            if r is not None and not r.known:
-                self.tags.spoil(t, r)
+    def _data_set(self, t, value) -> None:
+        """``t.data = value``: ``t`` now reads ``value``'s memory, with its rows (or none)."""
+        if not torch.is_tensor(value):
+            return
+        r = self.tags.get(value)
+        if r is not None:
+            self.tags[t] = r
+        else:
+            self.tags.forget(t)
 
     def _substitute(self, args, kwargs):
         """A covered layer's parameter used directly by an operation of the forward (outside its layer's

@@ -1,0 +1,185 @@
+"""Memory written with values of the batch, by address: provenance's tags follow tensors by identity, so a
+tensor that shares memory with a written one without the rules seeing the alias would read as untagged.
+
+:class:`~.provenance.ProvenanceMode` tags each tensor an operation returns.  An alias made outside its rules —
+``t.detach()`` or ``t.data`` of a tensor not yet from the batch, a view made *before* batch values were written
+into its base, a numpy or dlpack alias (``torch.from_numpy(t.numpy())``) — keeps the tag its tensor had, or none.
+A write of batch values through such an alias (``side.detach().copy_(x[:, 0])``) then left ``side`` untagged,
+and a read of it into Python that steers every example (``if (side > 0).any(): h = h * 2``) was not refused:
+an audit found it (``tests/test_bk_provenance.py``).
+
+:class:`WrittenMemory` records every write the mode sees (an in-place operation, ``out=``, ``t[i] = v``,
+``t.data = v``) whose target holds values of the batch after it: the target's address span, shape, strides and
+rows.  The target is held until the forward ends, so its memory cannot be freed and given to another tensor
+while the record stands (no stale address).  A tensor without a tag of its own then asks here
+(:meth:`WrittenMemory.rows`): if its elements may lie in written memory, it is of the batch — with the written
+target's rows when it reads exactly the same elements (same address, shape, strides and dtype), else with rows
+of no single example (a conservative answer: its layout is not known to keep each example's rows apart).  A write
+that left rows of no single example *spoils* the memory: every tensor reading any of it, tagged or not, has rows
+of no single example (:meth:`WrittenMemory.spoilt`; ``h[0].copy_(h[1])`` spoils ``h``).
+
+Not seen: writes the torch function mode does not intercept (``Tensor.set_``, which no ``__torch_function__``
+receives; writes into numpy arrays or Python buffers after a value was read out), and an alias of a tensor whose
+memory was never written but computed (``torch.from_numpy(h.numpy())`` of a tagged ``h`` reads as untagged: the
+read ``h.numpy()`` is where the value leaves the tags, refused for rows of no single example and allowed for rows
+that are each one example's, as every read into Python is; docs/guarantees.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_no_function = torch._C.DisableTorchFunction
+
+
+def _span(t) -> tuple | None:
+    """(device, first byte, end byte, shape, strides, dtype) of the elements ``t`` reads; None for a tensor that
+    reads no memory (no elements, a meta or sparse tensor)."""
+    with _no_function():
+        try:
+            if t.numel() == 0 or t.layout is not torch.strided:
+                return None
+            start = t.data_ptr()
+            if not start:
+                return None
+            shape, stride = tuple(t.shape), t.stride()
+            size = t.element_size()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass or backend without storage
+            return None
+    reach = 1
+    for n, s in zip(shape, stride, strict=True):
+        reach += (n - 1) * s
+    return (t.device, start, start + reach * size, shape, stride, t.dtype)
+
+
+def _disjoint(a: tuple, b: tuple) -> bool:
+    """Whether two spans of the same shape, strides and dtype read no common element: their offset in elements is
+    no sum of ``k_i * stride_i`` with ``|k_i| < shape_i`` (:func:`_reachable`; "not disjoint" where unsure)."""
+    size = a[5].itemsize
+    diff = b[1] - a[1]
+    if diff % size:
+        return False  # not element-aligned: take it as overlapping
+    dims = sorted(((n, s) for n, s in zip(a[3], a[4], strict=True) if s and n > 1), key=lambda e: -e[1])
+    return not _reachable(diff // size, dims)
+
+
+def _reachable(diff: int, dims: list) -> bool:
+    """Whether ``diff = sum(k_i * s_i)`` for some integers ``|k_i| < n_i`` over ``dims`` [(n_i, s_i)], largest stride
+    first: each ``k`` the remainder can still be made up by the smaller strides is tried; True (unsure) where more
+    than a few are possible (strides that overlap each other)."""
+    if not dims:
+        return diff == 0
+    (n, s), rest = dims[0], dims[1:]
+    inner = sum((m - 1) * t for m, t in rest)  # the most the smaller strides reach either way
+    lo, hi = max(-(n - 1), -((inner - diff) // s)), min(n - 1, (diff + inner) // s)
+    if hi - lo > 3:
+        return True
+    return any(_reachable(diff - k * s, rest) for k in range(lo, hi + 1))
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0] or a[1] >= b[2] or b[1] >= a[2]:
+        return False
+    if a[3] == b[3] and a[4] == b[4] and a[5] == b[5] and a[1] != b[1]:
+        return not _disjoint(a, b)
+    return True
+
+
+class WrittenMemory:
+    """Address spans written with values of the batch in one forward (module docstring).  ``alias`` is the
+    answer for a tensor reading written memory with another layout than the write's (rows of no single example)."""
+
+    __slots__ = ("_alias", "_misses", "_spoils", "_writes", "version")
+
+    def __init__(self, alias):
+        self._alias = alias
+        self._writes: list = []  # (span, rows, the target: held so that the span stays its memory), in order
+        self._spoils: list = []  # the writes that left rows of no single example
+        self._misses: dict = {}  # id(t) -> (version, weak t): t read no written memory when last asked
+        self.version = 0
+
+    def holds(self, t, rows) -> None:
+        """``t`` holds values of the batch with ``rows``: it was written, or its memory was exported (numpy, dlpack,
+        a storage) and may be read or written by a tensor made on it."""
+        span = _span(t)
+        if span is None:
+            return
+        entry = (span, rows, t)
+        self._writes.append(entry)
+        if not rows.known:
+            self._spoils.append(entry)
+        self.version += 1
+
+    @property
+    def spoilt(self) -> bool:
+        """Whether some write left rows of no single example (then :meth:`spoilt_rows` is asked at every query)."""
+        return bool(self._spoils)
+
+    def spoilt_rows(self, t):
+        """The rows (of no single example) of the latest spoiling write into memory that ``t`` reads, or None."""
+        span = _span(t) if torch.is_tensor(t) else None
+        if span is not None:
+            for s, rows, _ in reversed(self._spoils):
+                if _overlap(s, span):
+                    return rows
+        return None
+
+    def rows(self, t):
+        """The rows of ``t``, a tensor without a tag, by the memory it reads: None when it reads no written memory;
+        else the rows every write it overlaps gives it (:func:`_read_rows`), or ``alias`` (rows of no single
+        example) when one gives none or two disagree."""
+        if not self._writes or not torch.is_tensor(t):
+            return None
+        key = id(t)
+        miss = self._misses.get(key)
+        if miss is not None and miss[0] == self.version and miss[1]() is t:
+            return None
+        span = _span(t)
+        found = None
+        if span is not None:
+            for s, rows, _ in self._writes:
+                if not _overlap(s, span):
+                    continue
+                got = _read_rows(s, rows, span)
+                if got is None or (found is not None and _key(got) != _key(found)):
+                    return self._alias
+                found = got
+        if found is None:
+            self._misses[key] = (self.version, weakref.ref(t))
+        return found
+
+
+def _key(rows) -> tuple:
+    return (rows.dim, rows.group, rows.mixed)
+
+
+def _reach(shape, stride, skip: int | None = None) -> int:
+    """Elements from a tensor's first to its last, plus one, over its dimensions but ``skip``."""
+    return 1 + sum((n - 1) * s for k, (n, s) in enumerate(zip(shape, stride, strict=True)) if k != skip)
+
+
+def _read_rows(s: tuple, rows, t: tuple):
+    """The rows of a tensor of span ``t`` reading memory that a write of span ``s`` left with ``rows``: the same rows
+    when it reads exactly the write's elements; ``rows`` moved to its dimension k when each of its rows along k lies
+    inside one row of the write — the write's rows are whole blocks of memory (the batch dimension outermost), and
+    ``t`` has that block's stride and count along k, starts in the first block and reaches no further along its
+    other dimensions (a half of a buffer filled row by row, the buffer of a half so filled); else None."""
+    if s == t:
+        return rows
+    if not rows.known or s[5] != t[5]:
+        return None
+    d = rows.dim
+    block = s[4][d]
+    if block <= 0 or _reach(s[3], s[4], d) > block:
+        return None
+    size = s[5].itemsize
+    delta = t[1] - s[1]
+    if delta < 0 or delta % size:
+        return None
+    delta //= size
+    for k, (n, stride) in enumerate(zip(t[3], t[4], strict=True)):
+        if stride == block and n == s[3][d] and delta + _reach(t[3], t[4], k) <= block:
+            return rows.moved(k)
+    return None
