@@ -12,6 +12,8 @@ example (``Rows.mixed`` names the operation).  An untagged tensor is *shared* by
 whatever its shape.  A trainable parameter meeting mixed rows (:mod:`.keeper`, :mod:`.shared`) is
 refused, naming both operations; so is a read into Python (``.item()``, ``.tolist()``, ``bool(t)``, ...) of
 such rows, where the value would leave the tags (but at transformers' mask fast paths, :data:`HOST_READ_SITES`).
+Tags follow tensors by identity, and the memory that writes leave with batch values by address
+(:mod:`.memory`): an alias the rules did not see reads that memory's rows.
 The rule tables are checked against a perturbed example by ``tests/test_provenance_rules.py``.  Nothing is
 tracked when B ≤ 1.
 
