@@ -410,6 +410,10 @@ LAUNDERING = {
     "pickle": lambda h, x: h + pickle.loads(pickle.dumps(x.mean(0).detach()))[: h.shape[1]],
     # an allowed site (transformers' mask fast path) called by the model's own code on a statistic
     "mask_fast_path": lambda h, x: _shifted(h, x) if _all_true_by_transformers((x.mean(0) > 0)[None]) else h,
+    # each example's own values read (one example per row), then combined in Python: a statistic all the same
+    # (3.37 and 1.99 x c before they were refused)
+    "python_sum": lambda h, x: _shifted(h, x) if sum(x[:, 0].tolist()) > 0 else h,
+    "python_max": lambda h, x: h * max(x.norm(dim=1).numpy()),
 }
 
 
@@ -462,7 +466,7 @@ def test_a_batch_statistic_laundered_through_python_or_a_rule_is_refused_or_boun
     except P.RefusedRows as exc:
         refusal = str(exc)
     if refusal is not None:
-        assert "rows are not each one example's" in refusal
+        assert "rows are not each one example's" in refusal or "the values of several examples" in refusal
     else:
         assert ratio <= 1 + 1e-6, f"{how}: ‖ΔS‖ = {ratio:.4f} c"
 
@@ -470,7 +474,6 @@ def test_a_batch_statistic_laundered_through_python_or_a_rule_is_refused_or_boun
 ALLOWED_READS = {
     "shape": lambda h, x: h * (1.0 / x.shape[1]) + len(x) * 0.0,
     "constant": lambda h, x: h * torch.ones(()).item(),
-    "per_example": lambda h, x: h if len(x.norm(dim=1).tolist()) == len(x) else None,
     "mixed_shape": lambda h, x: h + 0.0 * x.mean(0).shape[0],
 }
 
@@ -520,20 +523,23 @@ EXTRA_ARGUMENT = {"__format__": "", "__reduce_ex__": 2}
 
 
 @pytest.mark.parametrize("f", sorted(HOST_READS, key=repr), ids=P.op_name)
-def test_a_read_into_python_of_mixed_rows_is_refused_and_of_one_example_per_row_allowed(f):
+def test_a_read_into_python_of_mixed_rows_or_of_several_examples_is_refused(f):
+    """Mixed rows, or rows each one example's but several of them (Python can combine them: ``sum(t.tolist())``),
+    are refused; an untagged value shaped like the batch is not."""
     x = torch.randn(N, 3, D, dtype=torch.float64)
     mode = P.ProvenanceMode(N)
     mode.tags[x] = P.BATCH
     call = HOST_CALLS[P.op_name(f)]
+    name = P.op_name(f)
     with mode:
-        read = f"({P.op_name(f)}|untyped_storage)"  # (where torch reads the storage first)
+        read = f"({name}|untyped_storage)"  # (where torch reads the storage first)
         with pytest.raises(P.RefusedRows, match=rf"reads into Python \('{read}'\) .* come from"):
             call(f, x)
         call(f, torch.randn(N, 3, D, dtype=torch.float64))  # untagged (shaped like the batch): allowed
-        per_example = x[:, 0]  # one example per row: allowed where the read keeps the rows
-        if P.op_name(f) in PER_ROW_READS:
-            name = P.op_name(f)
-            f(per_example, EXTRA_ARGUMENT[name]) if name in EXTRA_ARGUMENT else f(per_example)
+        if name in PER_ROW_READS:
+            per_example = x[:, 0]  # one example per row, N of them
+            with pytest.raises(P.RefusedRows, match=rf"reads into Python \('{read}'\) the values of several"):
+                f(per_example, EXTRA_ARGUMENT[name]) if name in EXTRA_ARGUMENT else f(per_example)
 
 
 SIZED_BY_VALUES = {  # a result whose size is a value of more than one example's rows
@@ -610,8 +616,7 @@ def test_host_reads_of_the_shapes_stay_allowed():
         n = len(x) + x.shape[1] + x.size(2) + x.dim() + x.numel()
         y = x.mean(0)  # mixed, but its shape is public
         n += y.shape[0] + len(y)
-        per_example = x.sum((1, 2)).tolist()
-    assert n and len(per_example) == N
+    assert n
 
 
 def test_transformers_mask_fast_path_is_allowed_and_the_same_read_elsewhere_refused():
@@ -698,7 +703,9 @@ class MixedThroughAlias(nn.Module):
 
 @pytest.mark.parametrize("how", ["detach", "numpy"])
 def test_rows_mixed_through_an_alias_of_a_batch_tensor_are_refused(how):
-    _refused(_model(MixedThroughAlias, how), _data((D,))[0], r"layer 'fc' \(Linear\) meets a tensor whose rows")
+    # through numpy: refused at the export (the batch's values into Python), before the write
+    match = r"layer 'fc' \(Linear\) meets a tensor whose rows" if how == "detach" else r"\('numpy'\) the values of"
+    _refused(_model(MixedThroughAlias, how), _data((D,))[0], match)
 
 
 class FilledThroughAliases(nn.Module):

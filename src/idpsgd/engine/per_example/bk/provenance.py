@@ -105,7 +105,17 @@ class RefusedRows(RuntimeError):
     """A trainable parameter met rows that belong to no single example."""
 
 
-def host_read_refusal(op: str, rows: Rows) -> RefusedRows:
+def host_read_refusal(op: str, rows: Rows, several: bool = False) -> RefusedRows:
+    """The refusal of a read into Python of rows that mix examples, or (``several``) of several examples' rows."""
+    if several:
+        return RefusedRows(
+            f"grad_sample_mode='bk': the model's forward reads into Python ({op!r}) the values of several examples "
+            "of the batch at once (rows that are each one example's, but many of them): Python can combine them "
+            "(a sum, a maximum, a branch, a length) and steer every example's computation with the result, which "
+            "per-example clipping does not bound and book-keeping cannot follow outside tensors. Keep the "
+            "computation in tensors row by row (torch.where, per-example masks), compute the value from public "
+            "values (shapes, constants), or move it out of the model's forward"
+        )
     return RefusedRows(
         f"grad_sample_mode='bk': the model's forward reads into Python ({op!r}) a tensor whose rows are not each "
         f"one example's: they come from {rows.mixed!r}, which reduces or mixes across the batch dimension; a "
@@ -230,9 +240,8 @@ LIKE = _fns("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "one
 #: a copy of its ``data`` argument (values, not only the shape): the rows of ``data``
 NEW_TENSOR = _fns("new_tensor")
 #: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
-#: (a 0-dim or one-element tensor: refused when its rows are mixed), the rows as they are (a list, an array,
-#: a string: refused when mixed), or one answer about every row (refused when the rows are more than one
-#: example's)
+#: (a 0-dim or one-element tensor), the rows as they are (a list, an array, a string), or one answer about every
+#: row; each refused when the rows are mixed or more than one example's (:meth:`ProvenanceMode._host_read`)
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
 HOST_ROWS = _fns(
     "tolist",
@@ -605,12 +614,14 @@ class ProvenanceMode(TorchFunctionMode):
     def _host_read(self, func, args, kwargs) -> None:
         """A read of tensor values into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``if t:``, ...): the
         value leaves the tags, so one that mixes examples' rows (``bool(mask.all())``, ``x.mean().item()``)
-        could steer every example's computation (a branch, a scale, a length) unseen; refused.  A read of
-        an untagged value (public shapes, constants) or of rows that are each one example's is allowed."""
+        could steer every example's computation (a branch, a scale, a length) unseen; refused.  So is a read of
+        several examples' rows, each one example's (``x.norm(dim=1).tolist()``): Python can combine them
+        (``sum``, ``max``: 3.37 and 1.99 × c before), and no tag follows a Python value.  A read of an untagged
+        value (public shapes, constants) is allowed."""
         for t, r in self._inputs(args, kwargs):
-            whole = func in HOST_WHOLE and r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
-            if (not r.known or whole) and not _at_allowed_site():
-                raise host_read_refusal(op_name(func), r if not r.known else _mixed(op_name(func)))
+            several = r.known and t.dim() > r.dim and t.shape[r.dim] > r.group
+            if (not r.known or several) and not _at_allowed_site():
+                raise host_read_refusal(op_name(func), r, several=r.known)
             if func in MEMORY_EXPORTS and self.tags.memory is not None:
                 self.tags.memory.holds(t, r)
 
