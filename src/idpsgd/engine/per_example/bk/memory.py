@@ -143,16 +143,12 @@ class WrittenMemory:
                 if not _overlap(s, span):
                     continue
                 got = _read_rows(s, rows, span)
-                if got is None or (found is not None and _key(got) != _key(found)):
+                if got is None or (found is not None and got.key != found.key):
                     return self._alias
                 found = got
         if found is None:
             self._misses[key] = (self.version, weakref.ref(t))
         return found
-
-
-def _key(rows) -> tuple:
-    return (rows.dim, rows.group, rows.mixed)
 
 
 def _reach(shape, stride, skip: int | None = None) -> int:

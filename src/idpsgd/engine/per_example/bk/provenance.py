@@ -54,6 +54,11 @@ class Rows:
     def moved(self, dim: int) -> Rows:
         return self if dim == self.dim else Rows(dim, self.group)
 
+    @property
+    def key(self) -> tuple:
+        """What the rows say, comparable: (dim, group, mixed)."""
+        return (self.dim, self.group, self.mixed)
+
     def __repr__(self):
         return f"Rows(mixed by {self.mixed})" if self.mixed else f"Rows(dim={self.dim}, group={self.group})"
 
@@ -433,7 +438,7 @@ class Tags:
         if self.memory is None:
             return
         after = self.get(t)
-        if after is not None and (not after.known or before is None or _answer(before) != _answer(after)):
+        if after is not None and (not after.known or before is None or before.key != after.key):
             self.memory.holds(t, after)
 
     def forget(self, t) -> None:
@@ -444,10 +449,6 @@ class Tags:
 
     def __setitem__(self, t, rows):
         self._d[id(t)] = (weakref.ref(t), rows)
-
-
-def _answer(rows):
-    return (rows.dim, rows.group, rows.mixed)
 
 
 _ALIAS = (

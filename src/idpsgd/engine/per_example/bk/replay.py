@@ -90,7 +90,7 @@ def _query_key(t) -> tuple:
 
 
 def _answer(rows) -> tuple | None:
-    return None if rows is None else (rows.dim, rows.group, rows.mixed)
+    return None if rows is None else rows.key
 
 
 def _site(frame) -> tuple:
