@@ -660,6 +660,7 @@ ALIAS_WRITES = {
     "aten_overload": lambda side, v: torch.ops.aten.copy_.default(side.detach(), v),
     "setitem": lambda side, v: side.detach().__setitem__(slice(None), v),
     "data_setter": lambda side, v: setattr(side, "data", v.clone()),
+    "foreach": lambda side, v: torch._foreach_copy_([side.detach()], [v]),
 }
 
 
@@ -731,9 +732,14 @@ class FilledThroughAliases(nn.Module):
             left.copy_(h)
             right.copy_(2 * h)  # into memory interleaved with the left half's rows, none of them shared
             buf = wide[:, D:]
+        elif self.how == "slot_made_before":  # a [CLS | h] buffer whose CLS slot was made before h was written
+            wide = torch.zeros(h.shape[0], 1 + D, dtype=h.dtype)
+            cls = wide[:, :1]
+            wide.detach()[:, 1:].copy_(h)
+            buf = wide[:, 1:] + cls  # the slot starts before the write's first element, within no other row
         return self.head(torch.tanh(self.fc(buf)))
 
 
-@pytest.mark.parametrize("how", ["detach", "view_made_before", "halves"])
+@pytest.mark.parametrize("how", ["detach", "view_made_before", "halves", "slot_made_before"])
 def test_a_buffer_filled_through_an_alias_keeps_its_rows(how):
     _check_equal(_model(FilledThroughAliases, how), *_data((D,)), opacus=False)

@@ -160,8 +160,9 @@ def _read_rows(s: tuple, rows, t: tuple):
     """The rows of a tensor of span ``t`` reading memory that a write of span ``s`` left with ``rows``: the same rows
     when it reads exactly the write's elements; ``rows`` moved to its dimension k when each of its rows along k lies
     inside one row of the write — the write's rows are whole blocks of memory (the batch dimension outermost), and
-    ``t`` has that block's stride and count along k, starts in the first block and reaches no further along its
-    other dimensions (a half of a buffer filled row by row, the buffer of a half so filled); else None."""
+    ``t`` has that block's stride and count along k, and its row i starts after the write's row i - 1 ends and ends
+    before its row i + 1 starts (a half of a buffer filled row by row, the buffer of a half so filled, a [CLS |
+    tokens] buffer's CLS slot made before its tokens were written); else None."""
     if s == t:
         return rows
     if not rows.known or s[5] != t[5]:
@@ -172,9 +173,11 @@ def _read_rows(s: tuple, rows, t: tuple):
         return None
     size = s[5].itemsize
     delta = t[1] - s[1]
-    if delta < 0 or delta % size:
+    if delta % size:
         return None
     delta //= size
+    if delta < _reach(s[3], s[4], d) - block:  # its row i would reach back into the write's row i - 1
+        return None
     for k, (n, stride) in enumerate(zip(t[3], t[4], strict=True)):
         if stride == block and n == s[3][d] and delta + _reach(t[3], t[4], k) <= block:
             return rows.moved(k)

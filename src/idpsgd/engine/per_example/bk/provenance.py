@@ -526,6 +526,8 @@ class ProvenanceMode(TorchFunctionMode):
         target = args[0] if args and torch.is_tensor(args[0]) and (_inplace(func) or func in SETITEM) else None
         before = tags.get(target) if target is not None else None
         outs = _out_tensors(kwargs) if kwargs else ()
+        if args and isinstance(args[0], (list, tuple)) and _inplace(func):  # _foreach_copy_([a, b], ...): each one
+            outs = (*outs, *(t for t in args[0] if torch.is_tensor(t)))
         befores = [tags.get(o) for o in outs]
         # an in-place operation on a tensor not from the batch: its values before the write are an operand
         # (``buf.add_(h)``), compared row by row in :meth:`_positional`; ``copy_`` overwrites them
