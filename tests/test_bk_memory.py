@@ -64,3 +64,34 @@ def test_a_spoiling_write_spoils_every_tensor_reading_its_memory():
     memory.holds(h[0], mixed)
     assert memory.spoilt and memory.spoilt_rows(h) is mixed and memory.spoilt_rows(h.detach()) is mixed
     assert memory.spoilt_rows(h[1]) is None  # another row: its memory was not written
+
+
+def test_a_record_lasts_as_long_as_its_memory():
+    """A written scratch buffer is freed when its last user dies (the record holds its storage weakly), and a record
+    of freed memory is never answered: another tensor may take the address."""
+    import weakref
+
+    assert M.WEAK_STORAGES  # torch keeps one Python object per storage (else the records hold their tensors)
+    memory = _memory()
+    scratch = torch.zeros(6, 4)
+    alias = scratch.detach()
+    gone = weakref.ref(scratch.untyped_storage())
+    memory.holds(scratch, P.Rows(0, 1))
+    del scratch
+    assert memory.rows(alias).dim == 0  # an alias keeps the memory, and the record, alive
+    span = M._span(alias)
+    del alias
+    assert gone() is None  # freed as without the record
+    reuse = torch.empty(6, 4)
+    assert M._span(reuse)[1] != span[1] or memory.rows(reuse) is None  # the same address, if taken: no answer
+
+
+def test_a_record_on_foreign_memory_holds_its_tensor():
+    """A tensor made on numpy's memory: its storage object may die before the array that owns the memory, so the
+    record holds the tensor itself."""
+    import numpy as np
+
+    array = np.zeros((6, 4), dtype=np.float32)
+    memory = _memory()
+    memory.holds(torch.from_numpy(array), P.Rows(0, 1))  # the tensor is a temporary
+    assert memory.rows(torch.from_numpy(array)).dim == 0

@@ -687,6 +687,36 @@ def test_batch_rows_written_through_an_alias_are_refused_when_read(how):
     )
 
 
+UNSEEN_ALIASES = {  # aliases made by calls no __torch_function__ receives
+    "set_": lambda x: torch.empty(0, dtype=x.dtype).set_(x.detach()),
+    "make_subclass": lambda x: torch.Tensor._make_subclass(torch.Tensor, x.detach()),  # nn.Parameter(x), wrappers
+    "as_subclass": lambda x: x.detach().as_subclass(torch.Tensor),
+}
+
+
+class SteeredThroughUnseenAlias(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        side = UNSEEN_ALIASES[self.how](x)
+        return self.head(h * 2 if bool((side[:, 0] > 0).any()) else h)  # one example steers every example
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (an audit's, not fixed): an alias made by a call no __torch_function__ receives (Tensor.set_, "
+    "Tensor._make_subclass as nn.Parameter(t) and subclass wrappers do, as_subclass) of a batch tensor that was "
+    "computed, not written, reads as untagged",
+)
+@pytest.mark.parametrize("how", list(UNSEEN_ALIASES))
+def test_a_batch_tensor_aliased_by_a_call_the_mode_does_not_see_is_still_refused_when_read(how):
+    _refused(_model(SteeredThroughUnseenAlias, how), torch.randn(N, D, dtype=torch.float64), r"reads into Python")
+
+
 class MixedThroughAlias(nn.Module):
     """Example rows swapped through an alias of the batch tensor, which its own tag still called one per row."""
 

@@ -10,8 +10,10 @@ an audit found it (``tests/test_bk_provenance.py``).
 
 :class:`WrittenMemory` records every write the mode sees (an in-place operation, ``out=``, ``t[i] = v``,
 ``t.data = v``) whose target holds values of the batch after it: the target's address span, shape, strides and
-rows.  The target is held until the forward ends, so its memory cannot be freed and given to another tensor
-while the record stands (no stale address).  A tensor without a tag of its own then asks here
+rows.  A record lasts as long as the memory: it holds a weak reference to the target's storage, whose Python object
+torch keeps exactly as long as the memory's last user (:data:`WEAK_STORAGES`, checked at import), so a record of
+freed memory, whose address another tensor may take, is never answered, and a scratch buffer is freed as without
+book-keeping; a target on foreign memory (numpy, dlpack) is held until the forward ends.  A tensor without a tag of its own then asks here
 (:meth:`WrittenMemory.rows`): if its elements may lie in written memory, it is of the batch — with the written
 target's rows when it reads exactly the same elements (same address, shape, strides and dtype), else with rows
 of no single example (a conservative answer: its layout is not known to keep each example's rows apart).  A write
@@ -32,6 +34,39 @@ import weakref
 import torch
 
 _no_function = torch._C.DisableTorchFunction
+
+
+def _storages_preserved() -> bool:
+    """Whether a tensor's storage object lives exactly as long as its memory's last user (torch keeps one Python
+    object per storage: a weak reference to it is then a weak reference to the memory)."""
+    t = torch.zeros(1)
+    alias = t.detach()
+    ref = weakref.ref(t.untyped_storage())
+    kept = ref() is not None
+    del t
+    kept = kept and ref() is not None
+    del alias
+    return kept and ref() is None
+
+
+#: weak references to written memory are sound (else every written tensor is held until the forward ends)
+WEAK_STORAGES = _storages_preserved()
+
+
+def _keeper(t):
+    """A callable that returns something while ``t``'s memory lives: a weak reference to its storage where that is
+    the memory's (an allocator's storage, torch keeping its Python object), so a scratch buffer autograd would free
+    is freed; ``t`` itself held (until the forward ends) where the storage is made on foreign memory (numpy,
+    dlpack, a buffer: it may die before the memory's owner) or not preserved."""
+    if WEAK_STORAGES:
+        with _no_function():
+            try:
+                storage = t.untyped_storage()
+                if storage.resizable():
+                    return weakref.ref(storage)
+            except (RuntimeError, NotImplementedError, TypeError):  # no storage object
+                pass
+    return lambda: t
 
 
 def _span(t) -> tuple | None:
@@ -95,7 +130,7 @@ class WrittenMemory:
 
     def __init__(self, alias):
         self._alias = alias
-        self._writes: list = []  # (span, rows, the target: held so that the span stays its memory), in order
+        self._writes: list = []  # (span, rows, alive: None once the span's memory was freed), in order
         self._spoils: list = []  # the writes that left rows of no single example
         self._misses: dict = {}  # id(t) -> (version, weak t): t read no written memory when last asked
         self.version = 0
@@ -106,7 +141,7 @@ class WrittenMemory:
         span = _span(t)
         if span is None:
             return
-        entry = (span, rows, t)
+        entry = (span, rows, _keeper(t))
         self._writes.append(entry)
         if not rows.known:
             self._spoils.append(entry)
@@ -121,8 +156,8 @@ class WrittenMemory:
         """The rows (of no single example) of the latest spoiling write into memory that ``t`` reads, or None."""
         span = _span(t) if torch.is_tensor(t) else None
         if span is not None:
-            for s, rows, _ in reversed(self._spoils):
-                if _overlap(s, span):
+            for s, rows, alive in reversed(self._spoils):
+                if _overlap(s, span) and alive() is not None:
                     return rows
         return None
 
@@ -139,8 +174,8 @@ class WrittenMemory:
         span = _span(t)
         found = None
         if span is not None:
-            for s, rows, _ in self._writes:
-                if not _overlap(s, span):
+            for s, rows, alive in self._writes:
+                if not _overlap(s, span) or alive() is None:  # (memory freed since: its address may be another's)
                     continue
                 got = _read_rows(s, rows, span)
                 if got is None or (found is not None and got.key != found.key):
