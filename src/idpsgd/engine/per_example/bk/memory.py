@@ -9,22 +9,20 @@ and a read of it into Python that steers every example (``if (side > 0).any(): h
 an audit found it (``tests/test_bk_provenance.py``).
 
 :class:`WrittenMemory` records every write the mode sees (an in-place operation, ``out=``, ``t[i] = v``,
-``t.data = v``) whose target holds values of the batch after it: the target's address span, shape, strides and
-rows.  A record lasts as long as the memory: it holds a weak reference to the target's storage, whose Python object
-torch keeps exactly as long as the memory's last user (:data:`WEAK_STORAGES`, checked at import), so a record of
-freed memory, whose address another tensor may take, is never answered, and a scratch buffer is freed as without
-book-keeping; a target on foreign memory (numpy, dlpack) is held until the forward ends.  A tensor without a tag of its own then asks here
-(:meth:`WrittenMemory.rows`): if its elements may lie in written memory, it is of the batch — with the written
-target's rows when it reads exactly the same elements (same address, shape, strides and dtype), else with rows
-of no single example (a conservative answer: its layout is not known to keep each example's rows apart).  A write
-that left rows of no single example *spoils* the memory: every tensor reading any of it, tagged or not, has rows
-of no single example (:meth:`WrittenMemory.spoilt`; ``h[0].copy_(h[1])`` spoils ``h``).
+``t.data = v``, ``_foreach_`` lists) whose target holds values of the batch after it, and every export of a tagged
+tensor's memory (numpy, dlpack, storages): the address span, shape, strides and rows.  A record lasts as long as
+the memory: it holds a weak reference to the target's storage, whose Python object torch keeps exactly as long as
+the memory's last user (:data:`WEAK_STORAGES`, checked at import), so a record of freed memory, whose address
+another tensor may take, is never answered, and a scratch buffer is freed as without book-keeping; a target on
+foreign memory (numpy, dlpack) is held until the forward ends.  A tensor without a tag of its own then asks here
+(:meth:`WrittenMemory.rows`): if its elements may lie in written memory, it is of the batch — with the write's rows
+when it reads exactly the written elements or whole rows of them (:func:`_read_rows`), else with rows of no single
+example (a conservative answer: its layout is not known to keep each example's rows apart).  A write that left
+rows of no single example *spoils* the memory: every tensor reading any of it, tagged or not, has rows of no single
+example (:meth:`WrittenMemory.spoilt_rows`; ``h[0].copy_(h[1])`` spoils ``h``).
 
-Not seen: writes the torch function mode does not intercept (``Tensor.set_``, which no ``__torch_function__``
-receives; writes into numpy arrays or Python buffers after a value was read out), and an alias of a tensor whose
-memory was never written but computed (``torch.from_numpy(h.numpy())`` of a tagged ``h`` reads as untagged: the
-read ``h.numpy()`` is where the value leaves the tags, refused for rows of no single example and allowed for rows
-that are each one example's, as every read into Python is; docs/guarantees.md).
+Not seen: an alias made by a call no ``__torch_function__`` receives (``Tensor.set_``, ``Tensor._make_subclass``,
+``as_subclass``) of a tensor that was computed, not written: it reads as untagged (a known gap, docs/guarantees.md).
 """
 
 from __future__ import annotations
