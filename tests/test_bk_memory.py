@@ -95,3 +95,21 @@ def test_a_record_on_foreign_memory_holds_its_tensor():
     memory = _memory()
     memory.holds(torch.from_numpy(array), P.Rows(0, 1))  # the tensor is a temporary
     assert memory.rows(torch.from_numpy(array)).dim == 0
+
+
+def test_the_page_index_finds_every_overlapping_record():
+    """Records are indexed by 64 KiB page (a loop of fresh buffers asks about its own pages only): a narrow alias of a
+    wide record (over 64 pages), and aliases on either side of a page boundary a record crosses, are all found."""
+    memory = _memory()
+    wide = torch.zeros(16, 2**17)  # 8 MiB: more than _WIDE pages
+    memory.holds(wide, P.Rows(0, 1))
+    assert M._pages(M._span(wide)) is None
+    assert memory.rows(wide.detach()[3:4, 100:200]) is not None
+    flat = torch.zeros(2**15)  # 128 KiB: at least two pages
+    pages = M._pages(M._span(flat))
+    boundary = ((pages[0] + 1) << M._PAGE) - M._span(flat)[1]  # bytes from flat's start to its first page boundary
+    crossing = flat[boundary // 4 - 4 : boundary // 4 + 4].view(2, 4)
+    memory.holds(crossing, P.Rows(0, 1))
+    before, after = flat[boundary // 4 - 2 : boundary // 4], flat[boundary // 4 : boundary // 4 + 2]
+    assert memory.rows(before) is not None and memory.rows(after) is not None  # (mixed: another layout)
+    assert memory.rows(flat[: boundary // 4 - 8]) is None

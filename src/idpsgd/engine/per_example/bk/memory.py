@@ -120,11 +120,21 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return True
 
 
+_PAGE = 16  # log2 of the bytes of a page of the records' index
+_WIDE = 64  # a span over more pages than this is in every page's candidates
+
+
+def _pages(span: tuple) -> range | None:
+    """The index pages a span covers, or None for a wide one."""
+    first, last = span[1] >> _PAGE, (span[2] - 1) >> _PAGE
+    return None if last - first > _WIDE else range(first, last + 1)
+
+
 class WrittenMemory:
     """Address spans written with values of the batch in one forward (module docstring).  ``alias`` is the
     answer for a tensor reading written memory with another layout than the write's (rows of no single example)."""
 
-    __slots__ = ("_alias", "_misses", "_spoils", "_writes", "version")
+    __slots__ = ("_alias", "_by_page", "_misses", "_prune_at", "_spoils", "_wide", "_writes", "version")
 
     def __init__(self, alias):
         self._alias = alias
@@ -132,6 +142,9 @@ class WrittenMemory:
         self._spoils: list = []  # the writes that left rows of no single example
         self._misses: dict = {}  # id(t) -> (version, weak t): t read no written memory when last asked
         self.version = 0
+        self._prune_at = 64  # records of freed memory are dropped when the list reaches this many
+        self._by_page: dict = {}  # (device, page) -> the records whose span covers it (a fresh tensor: a few pages)
+        self._wide: list = []  # records over more than _WIDE pages
 
     def holds(self, t, rows) -> None:
         """``t`` holds values of the batch with ``rows``: it was written, or its memory was exported (numpy, dlpack,
@@ -141,9 +154,38 @@ class WrittenMemory:
             return
         entry = (span, rows, _keeper(t))
         self._writes.append(entry)
+        self._index(entry)
         if not rows.known:
             self._spoils.append(entry)
         self.version += 1
+        if len(self._writes) >= self._prune_at:  # a loop writing fresh scratch buffers
+            self._writes = [e for e in self._writes if e[2]() is not None]
+            self._spoils = [e for e in self._spoils if e[2]() is not None]
+            self._prune_at = max(64, 2 * len(self._writes))
+            self._by_page, self._wide = {}, []
+            for e in self._writes:
+                self._index(e)
+
+    def _index(self, entry) -> None:
+        span = entry[0]
+        pages = _pages(span)
+        if pages is None:
+            self._wide.append(entry)
+        else:
+            for p in pages:
+                self._by_page.setdefault((span[0], p), []).append(entry)
+
+    def _candidates(self, span: tuple) -> list:
+        """The records that may overlap ``span``: those on its pages and the wide ones (every record for a wide
+        span); a loop of fresh buffers asks about its own few pages, not every record of the forward."""
+        pages = _pages(span)
+        if pages is None:
+            return self._writes
+        found: dict = {}
+        for p in pages:
+            for e in self._by_page.get((span[0], p), ()):
+                found[id(e)] = e
+        return [*found.values(), *self._wide]
 
     @property
     def spoilt(self) -> bool:
@@ -172,7 +214,7 @@ class WrittenMemory:
         span = _span(t)
         found = None
         if span is not None:
-            for s, rows, alive in self._writes:
+            for s, rows, alive in self._candidates(span):
                 if not _overlap(s, span) or alive() is None:  # (memory freed since: its address may be another's)
                     continue
                 got = _read_rows(s, rows, span)
