@@ -45,6 +45,10 @@ def test_views_of_written_memory_read_its_rows_or_none():
     assert memory.rows(wide.t()).dim == 1
     assert not memory.rows(wide.view(8, 6)).known  # rows that straddle two examples'
     assert not memory.rows(wide.view(torch.int32)).known  # another dtype: not known to keep the rows apart
+    flat = torch.zeros(6, 4)
+    memory.holds(flat, P.Rows(0, 1))
+    merged = memory.rows(flat.detach().view(-1))  # the same elements, contiguous: a reshape's rows
+    assert (merged.dim, merged.group) == (0, 4)
 
 
 def test_offsets_that_meet_with_a_negative_step_overlap():

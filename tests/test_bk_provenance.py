@@ -767,9 +767,21 @@ class FilledThroughAliases(nn.Module):
             cls = wide[:, :1]
             wide.detach()[:, 1:].copy_(h)
             buf = wide[:, 1:] + cls  # the slot starts before the write's first element, within no other row
+        elif self.how == "out_flat_view_made_before":  # out= into a buffer whose flat view was made first
+            buf = torch.empty_like(h)
+            flat = buf.view(-1)
+            torch.add(h.detach(), 1.0, out=buf)  # (out= is written, not an operand compared row by row)
+            buf = flat.view(h.shape)
+        elif self.how == "mask_in_place":
+            mask = torch.ones_like(h, dtype=torch.bool)
+            mask.logical_and_(h > 0)  # an in-place form of an elementwise operation
+            buf = h.masked_fill(~mask, 0.0)
         return self.head(torch.tanh(self.fc(buf)))
 
 
-@pytest.mark.parametrize("how", ["detach", "view_made_before", "halves", "slot_made_before"])
+FILLINGS = ["detach", "view_made_before", "halves", "slot_made_before", "out_flat_view_made_before", "mask_in_place"]
+
+
+@pytest.mark.parametrize("how", FILLINGS)
 def test_a_buffer_filled_through_an_alias_keeps_its_rows(how):
     _check_equal(_model(FilledThroughAliases, how), *_data((D,)), opacus=False)

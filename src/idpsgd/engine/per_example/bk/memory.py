@@ -231,17 +231,32 @@ def _reach(shape, stride, skip: int | None = None) -> int:
     return 1 + sum((n - 1) * s for k, (n, s) in enumerate(zip(shape, stride, strict=True)) if k != skip)
 
 
+def _contiguous(span: tuple) -> bool:
+    expected = 1
+    for n, stride in reversed(list(zip(span[3], span[4], strict=True))):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True
+
+
 def _read_rows(s: tuple, rows, t: tuple):
     """The rows of a tensor of span ``t`` reading memory that a write of span ``s`` left with ``rows``: the same rows
-    when it reads exactly the write's elements; ``rows`` moved to its dimension k when each of its rows along k lies
-    inside one row of the write — the write's rows are whole blocks of memory (the batch dimension outermost), and
-    ``t`` has that block's stride and count along k, and its row i starts after the write's row i - 1 ends and ends
-    before its row i + 1 starts (a half of a buffer filled row by row, the buffer of a half so filled, a [CLS |
-    tokens] buffer's CLS slot made before its tokens were written); else None."""
+    when it reads exactly the write's elements; as a reshape gives them when both are contiguous over the same
+    elements (a flat view made before the write: (B, d) → (B·d,), rows grouped by d); ``rows`` moved to its
+    dimension k when each of its rows along k lies inside one row of the write — the write's rows are whole blocks
+    of memory (the batch dimension outermost), and ``t`` has that block's stride and count along k, and its row i
+    starts after the write's row i - 1 ends and ends before its row i + 1 starts (a half of a buffer filled row by
+    row, the buffer of a half so filled, a [CLS | tokens] buffer's CLS slot made before its tokens were written);
+    else None."""
     if s == t:
         return rows
     if not rows.known or s[5] != t[5]:
         return None
+    if s[1:3] == t[1:3] and _contiguous(s) and _contiguous(t):  # the same elements, reshaped (a flat view)
+        from .provenance import _reshape_rows
+
+        return _reshape_rows(s[3], rows, t[3])
     d = rows.dim
     block = s[4][d]
     if block <= 0 or _reach(s[3], s[4], d) > block:

@@ -183,7 +183,12 @@ ne_ float double half bfloat16 int long bool to type type_as contiguous clone de
 requires_grad_ cpu cuda fill_ zero_ copy_ dropout dropout_ alpha_dropout feature_alpha_dropout
 dropout1d dropout2d dropout3d atan2 hypot xlogy logaddexp heaviside sinh cosh asin acos atan asinh
 acosh atanh deg2rad rad2deg digamma lgamma exp2 square_
-""".split()  # noqa: SIM905
+abs_ acos_ acosh_ addcdiv_ addcmul_ asin_ asinh_ atan_ atan2_ atanh_ bitwise_and_ bitwise_not_ bitwise_or_
+bitwise_xor_ ceil_ clamp_max_ clamp_min_ clip_ cos_ cosh_ deg2rad_ digamma_ divide_ erf_ erfc_ exp2_ expm1_ floor_
+floor_divide_ fmod_ frac_ ge_ gt_ heaviside_ hypot_ le_ lerp_ lgamma_ log10_ log1p_ log2_ logical_and_ logical_not_
+logical_or_ logical_xor_ lt_ multiply_ nan_to_num_ neg_ negative_ rad2deg_ reciprocal_ remainder_ round_ rsqrt_
+sgn_ sign_ sin_ sinh_ sqrt_ subtract_ tan_ true_divide_ trunc_ xlogy_
+""".split()  # noqa: SIM905  (the in-place forms after the first line's: the same rule, the target's values an operand)
 POINTWISE = _fns(*_POINTWISE_NAMES)
 #: operations along one dimension (``dim``): mixing when it is the batch dimension
 ALONG_DIM = _fns(
@@ -862,7 +867,7 @@ class ProvenanceMode(TorchFunctionMode):
         operands = list(args[0]) if kind == "join" and args and isinstance(args[0], (list, tuple)) else list(args)
         if _inplace(func) and operands and operands[0] is args[0]:  # its values before the write (or none)
             operands[0] = self._before
-        operands += [v for v in kwargs.values() if torch.is_tensor(v)]
+        operands += [v for k, v in kwargs.items() if torch.is_tensor(v) and k != "out"]  # (out=: written, not read)
         n = res.dim()
         size = res.shape[got.dim]
         for t in operands:
