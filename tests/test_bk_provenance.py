@@ -672,12 +672,14 @@ class WrittenThroughAlias(nn.Module):
         self.how = how
         self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
 
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
+    def side(self, x):
         side = torch.zeros(len(x), dtype=x.dtype)
         read = ALIAS_WRITES[self.how](side, x[:, 0].detach()) if self.how != "direct" else side.copy_(x[:, 0])
-        read = side if read is None or read is side or not torch.is_tensor(read) else read
-        return self.head(h * 2 if bool((read > 0).any()) else h)  # one example steers every example
+        return side if read is None or read is side or not torch.is_tensor(read) else read
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(h * 2 if bool((self.side(x) > 0).any()) else h)  # one example steers every example
 
 
 @pytest.mark.parametrize("how", ["direct", *ALIAS_WRITES])
@@ -694,16 +696,9 @@ UNSEEN_ALIASES = {  # aliases made by calls no __torch_function__ receives
 }
 
 
-class SteeredThroughUnseenAlias(nn.Module):
-    def __init__(self, how):
-        super().__init__()
-        self.how = how
-        self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        side = UNSEEN_ALIASES[self.how](x)
-        return self.head(h * 2 if bool((side[:, 0] > 0).any()) else h)  # one example steers every example
+class SteeredThroughUnseenAlias(WrittenThroughAlias):
+    def side(self, x):
+        return UNSEEN_ALIASES[self.how](x)[:, 0]
 
 
 @pytest.mark.xfail(
@@ -717,8 +712,8 @@ def test_a_batch_tensor_aliased_by_a_call_the_mode_does_not_see_is_still_refused
     _refused(_model(SteeredThroughUnseenAlias, how), torch.randn(N, D, dtype=torch.float64), r"reads into Python")
 
 
-class MixedThroughAlias(nn.Module):
-    """Example rows swapped through an alias of the batch tensor, which its own tag still called one per row."""
+class _ThroughAlias(nn.Module):
+    """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 
     def __init__(self, how):
         super().__init__()
@@ -726,10 +721,16 @@ class MixedThroughAlias(nn.Module):
         self.fc0, self.fc, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
 
     def forward(self, x):
-        h = torch.tanh(self.fc0(x))
+        return self.head(torch.tanh(self.fc(self.middle(torch.tanh(self.fc0(x))))))
+
+
+class MixedThroughAlias(_ThroughAlias):
+    """Example rows swapped through an alias of the batch tensor, which its own tag still called one per row."""
+
+    def middle(self, h):
         alias = h.detach() if self.how == "detach" else torch.from_numpy(h.detach().numpy())
         alias.copy_(alias.flip(0).clone())  # example i gets example B-1-i's values
-        return self.head(torch.tanh(self.fc(h)))
+        return h
 
 
 @pytest.mark.parametrize("how", ["detach", "numpy"])
@@ -739,16 +740,10 @@ def test_rows_mixed_through_an_alias_of_a_batch_tensor_are_refused(how):
     _refused(_model(MixedThroughAlias, how), _data((D,))[0], match)
 
 
-class FilledThroughAliases(nn.Module):
+class FilledThroughAliases(_ThroughAlias):
     """A buffer filled with batch rows through aliases, then used: exact (the same elements, the same rows)."""
 
-    def __init__(self, how):
-        super().__init__()
-        self.how = how
-        self.fc0, self.fc, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
-
-    def forward(self, x):
-        h = torch.tanh(self.fc0(x))
+    def middle(self, h):
         buf = torch.zeros_like(h)
         if self.how == "detach":
             buf.detach().copy_(h)
@@ -776,7 +771,7 @@ class FilledThroughAliases(nn.Module):
             mask = torch.ones_like(h, dtype=torch.bool)
             mask.logical_and_(h > 0)  # an in-place form of an elementwise operation
             buf = h.masked_fill(~mask, 0.0)
-        return self.head(torch.tanh(self.fc(buf)))
+        return buf
 
 
 FILLINGS = ["detach", "view_made_before", "halves", "slot_made_before", "out_flat_view_made_before", "mask_in_place"]
