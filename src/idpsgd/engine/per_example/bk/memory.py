@@ -254,9 +254,7 @@ def _read_rows(s: tuple, rows, t: tuple):
     if not rows.known or s[5] != t[5]:
         return None
     if s[1:3] == t[1:3] and _contiguous(s) and _contiguous(t):  # the same elements, reshaped (a flat view)
-        from .provenance import _reshape_rows
-
-        return _reshape_rows(s[3], rows, t[3])
+        return rows.reshaped(s[3], t[3])
     d = rows.dim
     block = s[4][d]
     if block <= 0 or _reach(s[3], s[4], d) > block:

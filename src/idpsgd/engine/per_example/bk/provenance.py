@@ -54,6 +54,10 @@ class Rows:
     def moved(self, dim: int) -> Rows:
         return self if dim == self.dim else Rows(dim, self.group)
 
+    def reshaped(self, shape_in, shape_out) -> Rows | None:
+        """These rows of a tensor of ``shape_in`` after a reshape to ``shape_out`` (None: not one example per row)."""
+        return _reshape_rows(shape_in, self, shape_out)
+
     @property
     def key(self) -> tuple:
         """What the rows say, comparable: (dim, group, mixed)."""
