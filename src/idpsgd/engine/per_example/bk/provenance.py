@@ -537,7 +537,7 @@ class ProvenanceMode(TorchFunctionMode):
         outs = _out_tensors(kwargs) if kwargs else ()
         if args and isinstance(args[0], (list, tuple)) and _inplace(func):  # _foreach_copy_([a, b], ...): each one
             outs = (*outs, *(t for t in args[0] if torch.is_tensor(t)))
-        befores = [tags.get(o) for o in outs]
+        befores = [tags.get(o) for o in outs] if outs else ()  # (most operations write nothing: no list)
         # an in-place operation on a tensor not from the batch: its values before the write are an operand
         # (``buf.add_(h)``), compared row by row in :meth:`_positional`; ``copy_`` overwrites them
         if (
