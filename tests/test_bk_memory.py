@@ -117,3 +117,36 @@ def test_the_page_index_finds_every_overlapping_record():
     before, after = flat[boundary // 4 - 2 : boundary // 4], flat[boundary // 4 : boundary // 4 + 2]
     assert memory.rows(before) is not None and memory.rows(after) is not None  # (mixed: another layout)
     assert memory.rows(flat[: boundary // 4 - 8]) is None
+
+
+def test_tagged_memory_answers_an_alias_the_mode_did_not_see():
+    """:class:`~.memory.TaggedMemory`: a tagged tensor that owns its memory, by storage; a tensor sharing that storage
+    gets its rows where its layout keeps them (the same elements, whole rows of them), else rows of no example."""
+    memory = M.TaggedMemory(P.Rows(None, 1, "alias"))
+    h = torch.randn(6, 8)
+    memory.holds(h, P.Rows(0, 1))
+    alias = torch.Tensor._make_subclass(torch.Tensor, h)  # (outside any mode: no __torch_function__ either way)
+    assert memory.rows(alias).key == P.Rows(0, 1).key
+    assert memory.rows(alias[:, 2:5]).dim == 0  # each row inside one example's row
+    assert memory.rows(alias.t()).dim == 1
+    assert not memory.rows(alias.view(8, 6)).known  # rows that straddle two examples'
+    assert memory.rows(torch.zeros(6, 8)) is None  # other memory
+    constant = torch.zeros(6, 8)
+    memory.holds(constant[:, :4], P.Rows(0, 1))  # a view is not recorded: its base's record covers it, or a constant
+    assert memory.rows(constant) is None
+    memory.holds(constant[:, :4], P.Rows(0, 1), views=True)  # the loader's batch, a view or not
+    assert memory.rows(constant.detach()[:, :4]).dim == 0
+    memory.holds(h, P.Rows(None, 1, "retagged"))  # the same span tagged again: the latest record answers
+    assert not memory.rows(alias).known
+
+
+def test_a_tagged_memory_record_lasts_as_long_as_its_memory_not_its_tensor():
+    memory = M.TaggedMemory(P.Rows(None, 1, "alias"))
+    h = torch.randn(4, 3)
+    memory.holds(h, P.Rows(0, 1))
+    alias = h.detach().as_subclass(torch.Tensor)
+    del h  # the tagged tensor dies; its memory lives in the alias
+    assert memory.rows(alias).dim == 0
+    key = M._storage_key(alias)
+    del alias
+    assert all(alive() is None for _, _, alive in memory._by_storage[key])  # freed: never answered again

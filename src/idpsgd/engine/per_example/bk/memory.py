@@ -21,8 +21,13 @@ example (a conservative answer: its layout is not known to keep each example's r
 rows of no single example *spoils* the memory: every tensor reading any of it, tagged or not, has rows of no single
 example (:meth:`WrittenMemory.spoilt_rows`; ``h[0].copy_(h[1])`` spoils ``h``).
 
-Not seen: an alias made by a call no ``__torch_function__`` receives (``Tensor.set_``, ``Tensor._make_subclass``,
-``as_subclass``) of a tensor that was computed, not written: it reads as untagged (a known gap, docs/guarantees.md).
+A tensor of the batch that was computed, not written, can be aliased too, by a call no ``__torch_function__``
+receives (``Tensor.set_``, ``Tensor._make_subclass`` as ``nn.Parameter(t)`` and tensor-subclass wrappers call it,
+``as_subclass``): the alias reads as untagged.  :class:`TaggedMemory` therefore keeps, by storage, every tagged
+tensor that owns its memory (not a view: a view reads its base's memory, whose record covers it, or a constant's,
+whose values are of no example) and the loader's batch tensors, views or not; a tensor without a tag of its own
+that reads a recorded storage's elements gets their rows by the same rules (:meth:`TaggedMemory.rows`).  A later
+query answers from the span and rows the tensor had when it was tagged, for as long as its memory lives.
 """
 
 from __future__ import annotations
@@ -65,6 +70,21 @@ def _keeper(t):
             except (RuntimeError, NotImplementedError, TypeError):  # no storage object
                 pass
     return lambda: t
+
+
+def _storage_key(t) -> tuple | None:
+    """(device, the first byte of ``t``'s storage): every tensor on the same storage has it, however it was made
+    (``set_``, ``_make_subclass``, ``as_subclass`` share the storage); None for a tensor that reads no memory."""
+    with _no_function():
+        try:
+            if t.layout is not torch.strided:
+                return None
+            start = t.data_ptr()
+            if not start:
+                return None
+            return (t.device, start - t.storage_offset() * t.element_size())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass or backend without storage
+            return None
 
 
 def _span(t) -> tuple | None:
@@ -270,3 +290,51 @@ def _read_rows(s: tuple, rows, t: tuple):
         if stride == block and n == s[3][d] and delta + _reach(t[3], t[4], k) <= block:
             return rows.moved(k)
     return None
+
+
+class TaggedMemory:
+    """The memory of tagged tensors, by storage (module docstring): a tensor without a tag of its own that shares a
+    storage with one (an alias made by a call the mode does not see) reads its rows.  ``alias`` is the answer for a
+    tensor that reads such memory with another layout (rows of no single example)."""
+
+    __slots__ = ("_alias", "_by_storage")
+
+    def __init__(self, alias):
+        self._alias = alias
+        self._by_storage: dict = {}  # storage key -> [(span, rows, alive)], the latest record of each span
+
+    def holds(self, t, rows, views: bool = False) -> None:
+        """``t`` was tagged with ``rows``: recorded where it owns its memory (or ``views``: the loader's batch,
+        which may be a view of a tensor not from the batch)."""
+        with _no_function():
+            if not views and t._base is not None:
+                return
+        key = _storage_key(t)
+        span = _span(t) if key is not None else None
+        if span is None:
+            return
+        entry = (span, rows, _keeper(t) if WEAK_STORAGES else weakref.ref(t))
+        entries = self._by_storage.get(key)
+        if entries is None:
+            self._by_storage[key] = [entry]
+        else:  # a span tagged again (in place) or whose memory was freed and taken again: the latest record
+            entries[:] = [e for e in entries if e[0] != span and e[2]() is not None]
+            entries.append(entry)
+
+    def rows(self, t):
+        """The rows of ``t``, a tensor without a tag, by the tagged tensors whose storage it reads (as
+        :meth:`WrittenMemory.rows`): None when it reads none of their elements."""
+        entries = self._by_storage.get(_storage_key(t)) if torch.is_tensor(t) else None
+        if not entries:
+            return None
+        span = _span(t)
+        found = None
+        if span is not None:
+            for s, rows, alive in entries:
+                if not _overlap(s, span) or alive() is None:
+                    continue
+                got = _read_rows(s, rows, span)
+                if got is None or (found is not None and got.key != found.key):
+                    return self._alias
+                found = got
+        return found

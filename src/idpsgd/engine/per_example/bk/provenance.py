@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .memory import WrittenMemory
+from .memory import TaggedMemory, WrittenMemory
 
 _T = torch.Tensor
 
@@ -420,11 +420,12 @@ class Tags:
     without a tag of its own that reads such memory (an alias made outside the rules) is of the batch, and
     every tensor reading memory a write left with rows of no single example has such rows."""
 
-    __slots__ = ("_d", "memory")
+    __slots__ = ("_d", "memory", "storages")
 
     def __init__(self, memory: bool = True):
         self._d = {}
         self.memory = WrittenMemory(_mixed(_ALIAS)) if memory else None
+        self.storages = TaggedMemory(_mixed(_UNSEEN)) if memory else None
 
     def get(self, t, default=None):
         memory = self.memory
@@ -437,6 +438,8 @@ class Tags:
             return e[1]
         if memory is not None:
             r = memory.rows(t)
+            if r is None:
+                r = self.storages.rows(t)
             if r is not None:
                 return r
         return default
@@ -458,11 +461,23 @@ class Tags:
 
     def __setitem__(self, t, rows):
         self._d[id(t)] = (weakref.ref(t), rows)
+        if self.storages is not None:
+            self.storages.holds(t, rows)
+
+    def batch(self, t, rows) -> None:
+        """``t`` is a tensor of the loader's batch: tagged, and its memory recorded even where it is a view."""
+        self._d[id(t)] = (weakref.ref(t), rows)
+        if self.storages is not None:
+            self.storages.holds(t, rows, views=True)
 
 
 _ALIAS = (
     "a tensor reading memory written with batch values in another layout (an alias made outside the rules: "
     ".detach() or .data of a tensor written later, a view made before the write, numpy or dlpack)"
+)
+_UNSEEN = (
+    "a tensor sharing memory with a tensor of the batch in another layout (an alias made by a call the rules do "
+    "not see: Tensor.set_, Tensor._make_subclass as nn.Parameter(t) calls it, as_subclass)"
 )
 #: ``t.data = v``: ``t`` then reads ``v``'s memory (the mode sees the descriptor's ``__set__``)
 _DATA_SETTER = torch._C.TensorBase.__dict__["data"]
@@ -485,7 +500,7 @@ class ProvenanceMode(TorchFunctionMode):
 
     def tag(self, t, rows: Rows | None) -> None:
         if rows is not None and torch.is_tensor(t):
-            self.tags[t] = rows
+            self.tags.batch(t, rows)
 
     def use_routes(self, routes: dict, sources: dict, make_source) -> None:
         """The book-keeper's interception for this forward (:meth:`.keeper.BookKeeper._enter`): ``routes``
