@@ -87,6 +87,27 @@ def _storage_key(t) -> tuple | None:
             return None
 
 
+def _owned_span(t, views: bool) -> tuple | None:
+    """(storage key, span) of ``t`` where it owns its memory (not a view) or ``views``; None else, or for a tensor
+    that reads no memory (one pass with the torch functions off: :meth:`TaggedMemory.holds` runs at every tag)."""
+    with _no_function():
+        try:
+            if (not views and t._base is not None) or t.numel() == 0 or t.layout is not torch.strided:
+                return None
+            start = t.data_ptr()
+            if not start:
+                return None
+            shape, stride, size = tuple(t.shape), t.stride(), t.element_size()
+            device = t.device
+            key = (device, start - t.storage_offset() * size)
+        except (RuntimeError, NotImplementedError):
+            return None
+    reach = 1
+    for n, s in zip(shape, stride, strict=True):
+        reach += (n - 1) * s
+    return key, (device, start, start + reach * size, shape, stride, t.dtype)
+
+
 def _span(t) -> tuple | None:
     """(device, first byte, end byte, shape, strides, dtype) of the elements ``t`` reads; None for a tensor that
     reads no memory (no elements, a meta or sparse tensor)."""
@@ -306,13 +327,10 @@ class TaggedMemory:
     def holds(self, t, rows, views: bool = False) -> None:
         """``t`` was tagged with ``rows``: recorded where it owns its memory (or ``views``: the loader's batch,
         which may be a view of a tensor not from the batch)."""
-        with _no_function():
-            if not views and t._base is not None:
-                return
-        key = _storage_key(t)
-        span = _span(t) if key is not None else None
-        if span is None:
+        found = _owned_span(t, views)
+        if found is None:
             return
+        key, span = found
         entry = (span, rows, _keeper(t) if WEAK_STORAGES else weakref.ref(t))
         entries = self._by_storage.get(key)
         if entries is None:
