@@ -78,8 +78,9 @@ def _mixed(why) -> Rows:
 
 def op_name(func) -> str:
     name = getattr(func, "__name__", None) or repr(func)
-    if name == "__get__":  # a property (Tensor.T, Tensor.mT)
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name == "__get__":  # a property (Tensor.T, Tensor.mT; a Python property's getter)
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) or getattr(getattr(owner, "fget", None), "__name__", name)
     return name
 
 
@@ -256,6 +257,8 @@ NEW_TENSOR = _fns("new_tensor")
 #: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
 #: (a 0-dim or one-element tensor), the rows as they are (a list, an array, a string), or one answer about every
 #: row; each refused when the rows are mixed or more than one example's (:meth:`ProvenanceMode._host_read`)
+#: a CUDA tensor's address for cupy, numba (``torch.as_tensor`` of their array: a new tensor on the same memory)
+_CUDA_ARRAY_INTERFACE = torch.Tensor.__dict__["__cuda_array_interface__"].__get__
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
 HOST_ROWS = _fns(
     "tolist",
@@ -268,11 +271,13 @@ HOST_ROWS = _fns(
     "_typed_storage",
     "__dlpack__",  # numpy.from_dlpack, torch.from_dlpack: a new tensor on the same memory, untagged
     "__reduce_ex__",  # pickle, torch.save, copy.copy: the values back as a new tensor, untagged
-)
+) | {_CUDA_ARRAY_INTERFACE}
 #: the reads that give Python an alias of the tensor's memory (an array, a capsule, a storage): a tensor made on
 #: it later (``torch.from_numpy``, ``from_dlpack``, ``set_``) reads the same values, so the memory is recorded
 #: with the tensor's rows (:class:`~.memory.WrittenMemory`)
-MEMORY_EXPORTS = _fns("numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage")
+MEMORY_EXPORTS = _fns("numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage") | {
+    _CUDA_ARRAY_INTERFACE
+}
 HOST_WHOLE = _fns("equal", "allclose", "__contains__")
 HOST_READS = HOST_SCALAR | HOST_ROWS | HOST_WHOLE
 #: operations whose result's *size* is a value of their input (the count of nonzero entries, of distinct
