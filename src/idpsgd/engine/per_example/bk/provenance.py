@@ -944,7 +944,8 @@ class ProvenanceMode(TorchFunctionMode):
 
     def _scatter_into_constant(self, func, args, kwargs, x, r, res):
         """``t.scatter_(dim, index, src)`` into a tensor ``t`` not from the batch (Glm4-MoE's router:
-        ``zeros_like(scores).scatter_(1, group_idx, 1)``) along another dimension than the batch's: row by row
+        ``zeros_like(scores).scatter_(1, group_idx, 1)``; ``index_copy``/``index_copy_``/``index_add_`` alike, a
+        preallocated cache filled at public positions) along another dimension than the batch's: row by row
         when ``t`` is the same in every row (its values before the write) and the batch's operands align."""
         target = args[0]
         dim = _arg(args, kwargs, 1, "dim")
@@ -1579,19 +1580,23 @@ def _complex(mode, func, name, args, kwargs, tagged, res):  # elementwise on com
     return r if res.dim() == nd else None
 
 
-@_named("scatter", "scatter_add", "index_add", "index_fill", "masked_scatter")
+@_named("scatter", "scatter_add", "index_add", "index_fill", "index_copy", "masked_scatter")
 def _scatter(mode, func, name, args, kwargs, tagged, res):  # into the batch's tensor, along another dimension
     x, r, nd = _first(tagged)
+    if name == "index_copy" and args[0] is not x and mode.tags.get(args[0]) is None:  # into a constant (a cache)
+        return mode._scatter_into_constant(func, args, kwargs, x, r, res)
     dim = int(_arg(args, kwargs, 1, "dim")) % nd
     if dim == r.dim or args[0] is not x:
         return None
     return mode._aligned(tagged, res.dim(), res)
 
 
-@_named("scatter_", "scatter_add_")
-def _scatter_into(mode, func, name, args, kwargs, tagged, res):  # in place, into a tensor not from the batch
+@_named("scatter_", "scatter_add_", "index_copy_", "index_add_")
+def _scatter_into(mode, func, name, args, kwargs, tagged, res):  # in place: into the batch's tensor, or a constant
     x, r, _ = _first(tagged)
-    if args[0] is not x and mode.tags.get(args[0]) is None:
+    if args[0] is x:
+        return _scatter(mode, func, name, args, kwargs, tagged, res)
+    if mode.tags.get(args[0]) is None:
         return mode._scatter_into_constant(func, args, kwargs, x, r, res)
     return None
 
