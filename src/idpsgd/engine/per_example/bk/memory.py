@@ -79,33 +79,10 @@ def _storage_key(t) -> tuple | None:
         try:
             if t.layout is not torch.strided:
                 return None
-            start = t.data_ptr()
-            if not start:
-                return None
-            return (t.device, start - t.storage_offset() * t.element_size())
-        except (RuntimeError, NotImplementedError):  # a tensor subclass or backend without storage
+            start = t.untyped_storage().data_ptr()
+            return (t.device, start) if start else None
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass or backend without storage
             return None
-
-
-def _owned_span(t, views: bool) -> tuple | None:
-    """(storage key, span) of ``t`` where it owns its memory (not a view) or ``views``; None else, or for a tensor
-    that reads no memory (one pass with the torch functions off: :meth:`TaggedMemory.holds` runs at every tag)."""
-    with _no_function():
-        try:
-            if (not views and t._base is not None) or t.numel() == 0 or t.layout is not torch.strided:
-                return None
-            start = t.data_ptr()
-            if not start:
-                return None
-            shape, stride, size = tuple(t.shape), t.stride(), t.element_size()
-            device = t.device
-            key = (device, start - t.storage_offset() * size)
-        except (RuntimeError, NotImplementedError):
-            return None
-    reach = 1
-    for n, s in zip(shape, stride, strict=True):
-        reach += (n - 1) * s
-    return key, (device, start, start + reach * size, shape, stride, t.dtype)
 
 
 def _span(t) -> tuple | None:
@@ -326,18 +303,37 @@ class TaggedMemory:
 
     def holds(self, t, rows, views: bool = False) -> None:
         """``t`` was tagged with ``rows``: recorded where it owns its memory (or ``views``: the loader's batch,
-        which may be a view of a tensor not from the batch)."""
-        found = _owned_span(t, views)
-        if found is None:
-            return
-        key, span = found
-        entry = (span, rows, _keeper(t) if WEAK_STORAGES else weakref.ref(t))
+        which may be a view of a tensor not from the batch).  One pass with the torch functions off: this runs at
+        every tag of a traced forward."""
+        with _no_function():
+            try:
+                if (not views and t._base is not None) or t.layout is not torch.strided:
+                    return
+                start = t.data_ptr()
+                if not start or not t.numel():
+                    return
+                shape, stride, size = tuple(t.shape), t.stride(), t.element_size()
+                storage = t.untyped_storage()
+                if not WEAK_STORAGES:
+                    alive = weakref.ref(t)  # (an alias that outlives t is then not followed)
+                elif storage.resizable():
+                    alive = weakref.ref(storage)
+                else:  # foreign memory (numpy, dlpack): its storage object may die before it
+                    alive = lambda: t  # noqa: E731
+                device, dtype = t.device, t.dtype
+            except (RuntimeError, NotImplementedError, TypeError):  # a subclass or backend without storage
+                return
+        key = (device, storage.data_ptr())
+        reach = 1
+        for n, s in zip(shape, stride, strict=True):
+            reach += (n - 1) * s
+        span = (device, start, start + reach * size, shape, stride, dtype)
         entries = self._by_storage.get(key)
         if entries is None:
-            self._by_storage[key] = [entry]
+            self._by_storage[key] = [(span, rows, alive)]
         else:  # a span tagged again (in place) or whose memory was freed and taken again: the latest record
             entries[:] = [e for e in entries if e[0] != span and e[2]() is not None]
-            entries.append(entry)
+            entries.append((span, rows, alive))
 
     def rows(self, t):
         """The rows of ``t``, a tensor without a tag, by the tagged tensors whose storage it reads (as
