@@ -724,6 +724,23 @@ def test_a_batch_tensor_aliased_by_a_call_the_mode_does_not_see_is_still_refused
     )
 
 
+class SteeredThroughAMadeView(WrittenThroughAlias):
+    """The alias is of a view whose base the operation made and never returned (einsum's): no operand's memory."""
+
+    def side(self, x):
+        view = torch.einsum("bi,ij->bj", x, torch.eye(D, dtype=x.dtype))
+        with torch._C.DisableTorchFunction():  # (unseen: the mode's rule for _base would tag the base it returns)
+            assert view._base is not None  # (the case: a view of a base no operation of the forward returned)
+        alias = nn.Parameter(view, requires_grad=False) if self.how == "parameter" else view.as_subclass(torch.Tensor)
+        return alias[:, 0]
+
+
+@pytest.mark.parametrize("how", ["parameter", "as_subclass"])
+def test_an_unseen_alias_of_a_view_of_a_base_the_operation_made_is_refused_when_read(how):
+    # (an audit's: such a view was not kept by storage, its base being no operand's, and the branch steered all)
+    _refused(_model(SteeredThroughAMadeView, how), torch.randn(N, D, dtype=torch.float64), r"reads into Python")
+
+
 class UsedThroughUnseenAlias(nn.Module):
     """A computed batch tensor used through an unseen alias row by row (a Parameter wrapper): exact."""
 
@@ -752,6 +769,78 @@ class MixedThroughUnseenAlias(UsedThroughUnseenAlias):
 @pytest.mark.parametrize("how", list(UNSEEN_ALIASES))
 def test_rows_mixed_through_an_unseen_alias_are_refused(how):
     _refused(_model(MixedThroughUnseenAlias, how), torch.randn(N, D, dtype=torch.float64), r"layer 'head' \(Linear\)")
+
+
+class PositionsAsInput(nn.Module):
+    """Positions passed as an input broadcast from the model's buffer (``position_ids.expand(B, T)``), the buffer
+    also used by the model itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos, self.head = nn.Embedding(V, D), nn.Embedding(5, D), nn.Linear(D, C)
+        self.register_buffer("position_ids", torch.arange(5))
+
+    def forward(self, ids, position_ids):
+        h = self.emb(ids) + self.pos(position_ids) + self.pos(self.position_ids)
+        return self.head(torch.tanh(h)).mean(1)
+
+
+def test_an_input_broadcast_from_a_buffer_is_no_example_s_memory():
+    """The loader's batch is kept by storage (an unseen alias of it reads its rows), but not a tensor broadcast
+    over the batch: it holds no example's memory, and the buffer it broadcasts stays a value shared by the batch
+    (it was refused as 'a tensor sharing memory with a tensor of the batch', an audit's)."""
+    model = _model(PositionsAsInput)
+    ids, y = _data((5,), ids=V)
+    want = []
+    for i in range(N):
+        one = copy.deepcopy(model)
+        F.cross_entropy(one(ids[i : i + 1], one.position_ids.expand(1, 5)), y[i : i + 1]).backward()
+        want.append(torch.cat([p.grad.reshape(-1) for p in one.parameters() if p.grad is not None]).norm())
+    keeper = BookKeeper.attach(model)
+    keeper.active = True
+    F.cross_entropy(model(ids, model.position_ids.expand(N, 5)), y).backward()
+    torch.testing.assert_close(keeper.norms(), torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
+def _time_first_index_ops():
+    """(name, op(x)) for index_* operations with a (B,) index computed from the batch x (B, 4) into time-first
+    (T, B) tensors whose column i is example i's: one index places every example's values."""
+    t = 3
+
+    def parts(x):
+        idx = (x[:, 0] > 0).long() + (x[:, 0] > 1).long()  # example j's entry, in {0, 1, 2}
+        src = (x[:, 1:2] * torch.arange(1, N + 1, dtype=x.dtype)).t().contiguous()  # (B, B): column i example i's
+        target = (x[:, 3:4] * torch.ones(1, t, dtype=x.dtype)).t().contiguous()  # (T, B)
+        return idx, src, target, torch.zeros(t, N, dtype=x.dtype)
+
+    return {
+        "index_add": lambda x: (lambda i, s, g, c: g.index_add(0, i, s))(*parts(x)),
+        "index_add_": lambda x: (lambda i, s, g, c: g.clone().index_add_(0, i, s))(*parts(x)),
+        "index_copy": lambda x: (lambda i, s, g, c: g.index_copy(0, i, s))(*parts(x)),
+        "index_copy_": lambda x: (lambda i, s, g, c: g.clone().index_copy_(0, i, s))(*parts(x)),
+        "index_copy into a constant": lambda x: (lambda i, s, g, c: c.index_copy(0, i, s))(*parts(x)),
+        "index_copy_ into a constant": lambda x: (lambda i, s, g, c: c.index_copy_(0, i, s))(*parts(x)),
+        "index_add_ into a constant": lambda x: (lambda i, s, g, c: c.index_add_(0, i, s))(*parts(x)),
+        "index_fill": lambda x: (lambda i, s, g, c: g.index_fill(0, i, 0.0))(*parts(x)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_time_first_index_ops()))
+def test_an_index_of_the_batch_moves_every_example_s_values_so_its_rows_are_mixed(name):
+    """An audit's: the (B,) index was aligned with the time-first target's batch rows, and the result claimed
+    one example per column, though perturbing example 0 changes every column."""
+    op = _time_first_index_ops()[name]
+    x = torch.randn(N, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[:, 0] = 0.5  # every index entry 1 ...
+    x[0, 0] = 2.0  # ... but example 0's, 2
+    mode = P.ProvenanceMode(N)
+    mode.tags[x] = P.BATCH
+    with mode:
+        out = op(x)
+    assert not mode.tags.get(out).known
+    other = x.clone()
+    other[0, 0] = -2.0  # example 0's index entry moves to 0
+    assert (op(x) != op(other))[:, 1:].any()  # (the claim is needed: other examples' columns move)
 
 
 class _ThroughAlias(nn.Module):

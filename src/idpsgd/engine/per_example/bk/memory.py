@@ -309,6 +309,8 @@ class TaggedMemory:
             try:
                 if (not views and t._base is not None) or t.layout is not torch.strided:
                     return
+                if views and rows.known and t.dim() > rows.dim and t.stride(rows.dim) == 0:
+                    return  # broadcast over the batch (a buffer of positions expanded): no example's own memory
                 start = t.data_ptr()
                 if not start or not t.numel():
                     return

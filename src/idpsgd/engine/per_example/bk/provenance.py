@@ -633,11 +633,28 @@ class ProvenanceMode(TorchFunctionMode):
             self._check_parameters(func, args, kwargs, rows)
         if torch.is_tensor(out):
             tags[out] = rows
+            if out._base is not None and tags.storages is not None:
+                self._hold_made_view(out, rows, args, kwargs)
         else:
             for o in out:
                 if torch.is_tensor(o):
                     tags[o] = rows
+                    if o._base is not None and tags.storages is not None:
+                        self._hold_made_view(o, rows, args, kwargs)
         return out
+
+    def _hold_made_view(self, view, rows, args, kwargs) -> None:
+        """``view``, a result of the batch that is a view, is kept by storage (:class:`~.memory.TaggedMemory`) when
+        its base is no operand's: a base the operation made and returned only a view of (``einsum``,
+        ``tensordot``, ``max_pool1d``, ``bilinear``, a batch-first LSTM), which no other record covers; a view of
+        an operand reads that operand's memory, recorded with it (or a constant's, whose values are of no
+        example)."""
+        base = view._base
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if torch.is_tensor(t) and (t is base or t._base is base):
+                    return
+        self.tags.storages.holds(view, rows, views=True)
 
     def result_rows(self, func, args, kwargs, out) -> Rows:
         """The rows of ``out = func(*args, **kwargs)`` by the rules (at least one argument of the batch)."""
@@ -1580,9 +1597,19 @@ def _complex(mode, func, name, args, kwargs, tagged, res):  # elementwise on com
     return r if res.dim() == nd else None
 
 
+def _index_of_the_batch(mode, args, kwargs) -> bool:
+    """Whether ``index_add``/``index_copy``/``index_fill``'s index is of the batch: one index places the values of
+    every row (the same positions for all), so an index computed from the examples lets each one move every
+    other's values (an audit's: a (B,) index into a time-first (T, B) target was aligned with the batch's rows)."""
+    index = _arg(args, kwargs, 2, "index")
+    return torch.is_tensor(index) and mode.tags.get(index) is not None
+
+
 @_named("scatter", "scatter_add", "index_add", "index_fill", "index_copy", "masked_scatter")
 def _scatter(mode, func, name, args, kwargs, tagged, res):  # into the batch's tensor, along another dimension
     x, r, nd = _first(tagged)
+    if name.startswith("index_") and _index_of_the_batch(mode, args, kwargs):
+        return None
     if name == "index_copy" and args[0] is not x and mode.tags.get(args[0]) is None:  # into a constant (a cache)
         return mode._scatter_into_constant(func, args, kwargs, x, r, res)
     dim = int(_arg(args, kwargs, 1, "dim")) % nd
@@ -1594,6 +1621,8 @@ def _scatter(mode, func, name, args, kwargs, tagged, res):  # into the batch's t
 @_named("scatter_", "scatter_add_", "index_copy_", "index_add_")
 def _scatter_into(mode, func, name, args, kwargs, tagged, res):  # in place: into the batch's tensor, or a constant
     x, r, _ = _first(tagged)
+    if name.startswith("index_") and _index_of_the_batch(mode, args, kwargs):
+        return None
     if args[0] is x:
         return _scatter(mode, func, name, args, kwargs, tagged, res)
     if mode.tags.get(args[0]) is None:
