@@ -843,6 +843,32 @@ def test_an_index_of_the_batch_moves_every_example_s_values_so_its_rows_are_mixe
     assert (op(x) != op(other))[:, 1:].any()  # (the claim is needed: other examples' columns move)
 
 
+class DtypeFromTheBatch(nn.Module):
+    """A buffer or a weight cast to the batch's dtype (``type_as``/``to`` of a batch tensor: its dtype and device,
+    none of its values), as models cast tables and weights."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.how == "buffer.type_as":
+            return self.head(self.b(h * self.scale.type_as(h)))
+        if self.how == "buffer.to":
+            return self.head(self.b(h * self.scale.to(h)))
+        w = self.b.weight.type_as(x) if self.how == "weight.type_as" else self.b.weight.to(x)
+        return self.head(self.b(h) + F.linear(h, w))
+
+
+@pytest.mark.parametrize("how", ["buffer.type_as", "buffer.to", "weight.type_as", "weight.to"])
+def test_a_dtype_taken_from_the_batch_is_no_value_of_it(how):
+    # (refused before, an audit's: the cast buffer or weight read as rows of no single example)
+    _check_equal(_model(DtypeFromTheBatch, how), *_data((D,)), opacus=False)
+
+
 class _ThroughAlias(nn.Module):
     """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 

@@ -283,7 +283,13 @@ CALLS = {
     "addcmul": [lambda f, e: f(e.a, e.a2, e.c_same, value=0.5)],
     "clamp": [lambda f, e: f(e.a, -0.5, 0.5), lambda f, e: f(e.a, min=0.1), lambda f, e: f(e.a, min=e.a2)],
     "threshold": [lambda f, e: f(e.a, 0.1, 0.0)],
-    "to": [lambda f, e: f(e.a, torch.float32), lambda f, e: f(e.a, dtype=torch.float32), lambda f, e: f(e.a, "cpu")],
+    "to": [
+        lambda f, e: f(e.a, torch.float32),
+        lambda f, e: f(e.a, dtype=torch.float32),
+        lambda f, e: f(e.a, "cpu"),
+        lambda f, e: f(e.a, e.c_same.float()),  # to(other): the other's dtype and device only
+        lambda f, e: f(e.c_same, e.ai),
+    ],
     "type": [lambda f, e: f(e.a, torch.float32)],
     "copy_": [lambda f, e: f(e.c_same.clone(), e.a), lambda f, e: f(e.a, e.c_row)],
     "fill_": [lambda f, e: f(e.a, 1.0), lambda f, e: f(e.a, e.a.sum())],
@@ -513,7 +519,7 @@ for _alias, _of in {
     "huber_loss": "mse_loss",
 }.items():
     CALLS[_alias] = CALLS[_of]
-CALLS["type_as"] = [lambda f, e: f(e.a, e.ai), lambda f, e: f(e.a, e.c_same.float())]
+CALLS["type_as"] = [lambda f, e: f(e.a, e.ai), lambda f, e: f(e.a, e.c_same.float()), lambda f, e: f(e.c_same, e.ai)]
 
 CALLS["scatter_"] = _dims(  # into a constant (Glm4-MoE's router: zeros_like(scores).scatter_(1, idx, 1))
     lambda f, e, d: f(e.c_same.clone(), d, e.gidx, e.a2),
@@ -683,6 +689,7 @@ def test_the_tables_are_enumerated():
     tables -= {"HOST_READS", "HOST_SCALAR", "HOST_ROWS", "HOST_WHOLE", "HOST_READ_SITES"}  # tested below
     tables -= {"SIZED_BY_VALUES", "SIZE_TAKING"}  # refusals, not rules: test_bk_provenance.py
     tables -= {"MEMORY_EXPORTS"}  # the memory they alias, recorded: test_bk_provenance.py (aliases)
+    tables -= {"DTYPE_OF_OTHER"}  # the operand they take no values from: test_bk_provenance.py (dtype donors)
     covered = set(TABLES) | {"NEW_TENSOR", "ROUTABLE"}
     assert tables <= covered, f"tables without their property check: {sorted(tables - covered)}"
     ruled = _functional_names()

@@ -257,6 +257,9 @@ NEW_TENSOR = _fns("new_tensor")
 #: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
 #: (a 0-dim or one-element tensor), the rows as they are (a list, an array, a string), or one answer about every
 #: row; each refused when the rows are mixed or more than one example's (:meth:`ProvenanceMode._host_read`)
+#: operations whose second tensor argument gives the result its dtype and device only (``type_as(other)``,
+#: ``to(other)``): the result's values, and rows, are the first argument's
+DTYPE_OF_OTHER = {_T.type_as, _T.to}
 #: a CUDA tensor's address for cupy, numba (``torch.as_tensor`` of their array: a new tensor on the same memory)
 _CUDA_ARRAY_INTERFACE = torch.Tensor.__dict__["__cuda_array_interface__"].__get__
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
@@ -589,6 +592,8 @@ class ProvenanceMode(TorchFunctionMode):
         if func in SETITEM:
             self._setitem(args)
             return out
+        if func in DTYPE_OF_OTHER and len(args) > 1 and torch.is_tensor(args[1]):
+            args = args[:1]  # ``buffer.type_as(h)``, ``buffer.to(h)``: ``h`` gives a dtype and a device, no values
         if (
             func in LIKE
             or func in NEW_TENSOR
