@@ -869,6 +869,27 @@ def test_a_dtype_taken_from_the_batch_is_no_value_of_it(how):
     _check_equal(_model(DtypeFromTheBatch, how), *_data((D,)), opacus=False)
 
 
+class Broadcast(nn.Module):
+    """``torch.broadcast_tensors`` of the batch with a buffer the same for every row, or one row per example."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, D) if how == "same" else torch.randn(N, D))
+
+    def forward(self, x):
+        h, s = torch.broadcast_tensors(torch.tanh(self.a(x)), self.scale)
+        return self.head(self.b(h * s))
+
+
+def test_broadcast_tensors_keeps_the_rows_and_refuses_a_constant_whose_rows_differ():
+    # (refused before in both cases: no rule; a buffer of one row per example makes an example's computation
+    # depend on its place in the batch, which the other examples decide)
+    _check_equal(_model(Broadcast, "same"), *_data((D,)), opacus=False)
+    _refused(_model(Broadcast, "per_row"), _data((D,))[0], r"broadcast_tensors with a batch-independent operand")
+
+
 class _ThroughAlias(nn.Module):
     """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 

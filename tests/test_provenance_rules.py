@@ -529,6 +529,12 @@ CALLS["scatter_"] = _dims(  # into a constant (Glm4-MoE's router: zeros_like(sco
 CALLS["scatter_add_"] = _dims(lambda f, e, d: f(e.c_same.clone(), d, e.gidx, e.a2))
 CALLS["scatter_"] += _dims(lambda f, e, d: f(e.a.clone(), d, e.gidx, e.a2))  # into the batch's tensor
 CALLS["scatter_add_"] += _dims(lambda f, e, d: f(e.a.clone(), d, e.gidx, e.a2))
+CALLS["broadcast_tensors"] = [  # the batch with constants (one per row, the same for every row) and itself
+    lambda f, e: f(e.a, e.c_row),
+    lambda f, e: f(e.c_same, e.a),
+    lambda f, e: f(e.a, e.a2),
+    lambda f, e: f(e.a, e.a.sum(0, keepdim=True)),
+]
 CALLS["index_copy"] = _dims(  # into the batch's tensor, or into a constant (a preallocated cache)
     lambda f, e, d: f(e.a, d, e.idx, e.a2.narrow(d, 0, 2)),
     lambda f, e, d: f(e.c_same, d, e.idx, e.a2.narrow(d, 0, 2)),
@@ -562,14 +568,13 @@ def _functional_names() -> set[str]:
 RULED_BY_NAME = frozenset(
     """
     adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool1d adaptive_max_pool2d addmm angle avg_pool1d
-    avg_pool2d avg_pool3d baddbmm batch_norm binary_cross_entropy binary_cross_entropy_with_logits conj
-    conj_physical conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d cross_entropy diagonal
-    einsum embedding fold gather group_norm huber_loss imag index_add index_add_ index_copy index_copy_ index_fill
-    instance_norm interpolate kl_div
-    l1_loss layer_norm linear masked_scatter max_pool1d max_pool2d max_pool3d mse_loss nll_loss one_hot pad
-    pixel_shuffle pixel_unshuffle real repeat repeat_interleave resolve_conj resolve_neg rms_norm
-    scaled_dot_product_attention scatter scatter_ scatter_add scatter_add_ smooth_l1_loss take_along_dim tril
-    tril_ triu triu_ unfold upsample
+    avg_pool2d avg_pool3d baddbmm batch_norm binary_cross_entropy broadcast_tensors binary_cross_entropy_with_logits
+    conj conj_physical conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d cross_entropy
+    diagonal einsum embedding fold gather group_norm huber_loss imag index_add index_add_ index_copy index_copy_
+    index_fill instance_norm interpolate kl_div l1_loss layer_norm linear masked_scatter max_pool1d max_pool2d
+    max_pool3d mse_loss nll_loss one_hot pad pixel_shuffle pixel_unshuffle real repeat repeat_interleave
+    resolve_conj resolve_neg rms_norm scaled_dot_product_attention scatter scatter_ scatter_add scatter_add_
+    smooth_l1_loss take_along_dim tril tril_ triu triu_ unfold upsample
     """.split()  # noqa: SIM905
 )
 

@@ -895,7 +895,7 @@ class ProvenanceMode(TorchFunctionMode):
         every later one); the sensitivity is then not one example's clipped gradient.  A constant the same
         for every row (size 1 or stride 0 there, or equal rows: rotary cos/sin tables made per row) is
         fine; for rows grouped by example (B·T rows) the B blocks must be equal."""
-        if func in POINTWISE or name in ("where", "masked_fill", "lerp", "addcmul", "addcdiv"):
+        if func in POINTWISE or name in ("where", "masked_fill", "lerp", "addcmul", "addcdiv", "broadcast_tensors"):
             kind = "aligned"
         elif name == "scaled_dot_product_attention":  # a constant attn_mask of B rows that differ
             if got.dim >= res.dim() - 2:
@@ -1633,6 +1633,11 @@ def _scatter_into(mode, func, name, args, kwargs, tagged, res):  # in place: int
     if mode.tags.get(args[0]) is None:
         return mode._scatter_into_constant(func, args, kwargs, x, r, res)
     return None
+
+
+@_named("broadcast_tensors")
+def _broadcast_tensors(mode, func, name, args, kwargs, tagged, res):  # every output: the operands' rows, aligned
+    return mode._aligned(tagged, res.dim(), res)  # (a constant whose rows differ: refused by _positional)
 
 
 @_named("repeat_interleave")
