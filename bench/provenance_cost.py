@@ -88,10 +88,11 @@ def _worker(layers: int, d: int, batch: int, seq: int, steps: int, with_mask: bo
 
 def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
     """Microseconds per torch operation under each tree's ``ProvenanceMode`` (its ``provenance.py`` loaded from
-    the tree; the module imports only torch), in one process, interleaved: a GPT-2-like mix of operations on
-    tagged tensors, on untagged ones, and reads of shapes (``size``, ``dim``, ``shape``: the non-tensor
-    results the host-read check looks at)."""
-    import importlib.util
+    the tree; the module imports only torch and its siblings), in one process, interleaved: a GPT-2-like mix of
+    operations on tagged tensors, on untagged ones, and reads of shapes (``size``, ``dim``, ``shape``: the
+    non-tensor results the host-read check looks at)."""
+    import importlib
+    import types
 
     import torch
     import torch.nn.functional as F
@@ -101,10 +102,10 @@ def per_op(srcs: list[str], rounds: int = 21, n: int = 1000) -> dict:
     for i, src in enumerate(srcs):
         homes = [os.path.join(src, "idpsgd", "engine", *d, "provenance.py") for d in (("per_example", "bk"), ("bk",))]
         path = next((h for h in homes if os.path.exists(h)), homes[0])  # after / before the engine's sub-packages
-        spec = importlib.util.spec_from_file_location(f"_prov{i}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        modules.append(mod)
+        package = types.ModuleType(f"_prov{i}")  # its folder as a package of its own: provenance.py imports
+        package.__path__ = [os.path.dirname(path)]  # its siblings (memory.py) relatively, and nothing above
+        sys.modules[package.__name__] = package
+        modules.append(importlib.import_module(f"{package.__name__}.provenance"))
     x, w, c = torch.randn(8, 16, 32), torch.randn(32, 32), torch.randn(16, 32)
 
     def ops(x):
