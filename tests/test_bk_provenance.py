@@ -859,11 +859,18 @@ class DtypeFromTheBatch(nn.Module):
             return self.head(self.b(h * self.scale.type_as(h)))
         if self.how == "buffer.to":
             return self.head(self.b(h * self.scale.to(h)))
+        if self.how == "buffer.to(tensor=)":
+            return self.head(self.b(h * self.scale.to(tensor=h)))
+        if self.how == "buffer.type_as(other=)":
+            return self.head(self.b(h * self.scale.type_as(other=h)))
         w = self.b.weight.type_as(x) if self.how == "weight.type_as" else self.b.weight.to(x)
         return self.head(self.b(h) + F.linear(h, w))
 
 
-@pytest.mark.parametrize("how", ["buffer.type_as", "buffer.to", "weight.type_as", "weight.to"])
+@pytest.mark.parametrize(
+    "how",
+    ["buffer.type_as", "buffer.to", "buffer.to(tensor=)", "buffer.type_as(other=)", "weight.type_as", "weight.to"],
+)
 def test_a_dtype_taken_from_the_batch_is_no_value_of_it(how):
     # (refused before, an audit's: the cast buffer or weight read as rows of no single example)
     _check_equal(_model(DtypeFromTheBatch, how), *_data((D,)), opacus=False)
@@ -879,15 +886,32 @@ class Broadcast(nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, D) if how == "same" else torch.randn(N, D))
 
     def forward(self, x):
-        h, s = torch.broadcast_tensors(torch.tanh(self.a(x)), self.scale)
+        h = torch.tanh(self.a(x))
+        if self.how == "per_row_listed":  # the list-taking form (torch._VF's, aten's)
+            h, s = torch._VF.broadcast_tensors([h, self.scale])
+        else:
+            h, s = torch.broadcast_tensors(h, self.scale)
         return self.head(self.b(h * s))
 
 
 def test_broadcast_tensors_keeps_the_rows_and_refuses_a_constant_whose_rows_differ():
     # (refused before in both cases: no rule; a buffer of one row per example makes an example's computation
-    # depend on its place in the batch, which the other examples decide)
+    # depend on its place in the batch, which the other examples decide; the listed form: an audit's)
     _check_equal(_model(Broadcast, "same"), *_data((D,)), opacus=False)
-    _refused(_model(Broadcast, "per_row"), _data((D,))[0], r"broadcast_tensors with a batch-independent operand")
+    for how in ("per_row", "per_row_listed"):
+        _refused(_model(Broadcast, how), _data((D,))[0], r"broadcast_tensors with a batch-independent operand")
+
+
+def test_tensors_in_a_list_of_the_result_are_tagged():
+    """``histogramdd`` returns (hist, [edges, ...]): the edges span the minimum to the maximum over every example
+    (an audit's: they were untagged, and a branch on them steered every example)."""
+    x = torch.randn(N, 3, dtype=torch.float64)
+    mode = P.ProvenanceMode(N)
+    mode.tags[x] = P.BATCH
+    with mode:
+        _, edges = torch.histogramdd(x[:, :2], bins=3)
+        with pytest.raises(P.RefusedRows, match=r"reads into Python \('__bool__'\)"):
+            bool(edges[0][-1] > 50)
 
 
 class _ThroughAlias(nn.Module):

@@ -260,6 +260,13 @@ NEW_TENSOR = _fns("new_tensor")
 #: operations whose second tensor argument gives the result its dtype and device only (``type_as(other)``,
 #: ``to(other)``): the result's values, and rows, are the first argument's
 DTYPE_OF_OTHER = {_T.type_as, _T.to}
+
+
+def dtype_donor(args, kwargs):
+    """The tensor whose dtype and device ``type_as(other)`` / ``to(other)`` (or ``to(tensor=...)``) take, if any."""
+    return args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("tensor"))
+
+
 #: a CUDA tensor's address for cupy, numba (``torch.as_tensor`` of their array: a new tensor on the same memory)
 _CUDA_ARRAY_INTERFACE = torch.Tensor.__dict__["__cuda_array_interface__"].__get__
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
@@ -592,8 +599,8 @@ class ProvenanceMode(TorchFunctionMode):
         if func in SETITEM:
             self._setitem(args)
             return out
-        if func in DTYPE_OF_OTHER and len(args) > 1 and torch.is_tensor(args[1]):
-            args = args[:1]  # ``buffer.type_as(h)``, ``buffer.to(h)``: ``h`` gives a dtype and a device, no values
+        if func in DTYPE_OF_OTHER and torch.is_tensor(dtype_donor(args, kwargs)):
+            args, kwargs = args[:1], {}  # ``buffer.type_as(h)``, ``buffer.to(h)``: ``h`` gives a dtype and a device
         if (
             func in LIKE
             or func in NEW_TENSOR
@@ -646,6 +653,10 @@ class ProvenanceMode(TorchFunctionMode):
                     tags[o] = rows
                     if o._base is not None and tags.storages is not None:
                         self._hold_made_view(o, rows, args, kwargs)
+                elif isinstance(o, (list, tuple)):  # histogramdd's (hist, [edges, ...]): the edges' range too
+                    for t in o:
+                        if torch.is_tensor(t):
+                            tags[t] = rows
         return out
 
     def _hold_made_view(self, view, rows, args, kwargs) -> None:
@@ -910,7 +921,8 @@ class ProvenanceMode(TorchFunctionMode):
         else:
             return False
         tagged_ids = {id(t) for t, _ in tagged}
-        operands = list(args[0]) if kind == "join" and args and isinstance(args[0], (list, tuple)) else list(args)
+        listed = args and isinstance(args[0], (list, tuple))  # cat([a, b]), broadcast_tensors([a, b]) (_VF, aten)
+        operands = list(args[0]) if listed and (kind == "join" or name == "broadcast_tensors") else list(args)
         if _inplace(func) and operands and operands[0] is args[0]:  # its values before the write (or none)
             operands[0] = self._before
         operands += [v for k, v in kwargs.items() if torch.is_tensor(v) and k != "out"]  # (out=: written, not read)

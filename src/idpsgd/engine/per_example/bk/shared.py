@@ -250,9 +250,10 @@ class SharedTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in provenance.DTYPE_OF_OTHER and len(args) > 1 and torch.is_tensor(args[1]):
-            # ``weight.type_as(x)``, ``weight.to(x)``: x gives a dtype and a device, no values
-            return args[0].to(args[1].device, args[1].dtype, *args[2:], **kwargs)
+        donor = provenance.dtype_donor(args, kwargs) if func in provenance.DTYPE_OF_OTHER else None
+        if torch.is_tensor(donor):  # ``weight.type_as(x)``, ``weight.to(x)``: x gives a dtype and a device, no values
+            rest = {k: v for k, v in kwargs.items() if k not in ("other", "tensor")}
+            return args[0].to(donor.device, donor.dtype, *args[2:], **rest)
         flat, spec = tree_flatten((args, kwargs))
         shared = [x for x in flat if isinstance(x, SharedTensor)]
         plain = [x._plain if isinstance(x, SharedTensor) else x for x in flat]
