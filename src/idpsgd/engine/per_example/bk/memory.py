@@ -24,9 +24,11 @@ example (:meth:`WrittenMemory.spoilt_rows`; ``h[0].copy_(h[1])`` spoils ``h``).
 A tensor of the batch that was computed, not written, can be aliased too, by a call no ``__torch_function__``
 receives (``Tensor.set_``, ``Tensor._make_subclass`` as ``nn.Parameter(t)`` and tensor-subclass wrappers call it,
 ``as_subclass``): the alias reads as untagged.  :class:`TaggedMemory` therefore keeps, by storage, every tagged
-tensor that owns its memory (not a view: a view reads its base's memory, whose record covers it, or a constant's,
-whose values are of no example) and the loader's batch tensors, views or not; a tensor without a tag of its own
-that reads a recorded storage's elements gets their rows by the same rules (:meth:`TaggedMemory.rows`).  A later
+tensor that owns its memory, every tagged view of a base the operation made and returned only a view of
+(``einsum``'s: :meth:`~.provenance.ProvenanceMode._hold_made_view`), and the loader's batch tensors, views or not,
+unless broadcast over the batch (stride 0: no example's memory).  Another view reads its base's memory, whose
+record covers it, or a constant's, whose values are of no example.  A tensor without a tag of its own that reads
+a recorded storage's elements gets their rows by the same rules (:meth:`TaggedMemory.rows`).  A later
 query answers from the span and rows the tensor had when it was tagged, for as long as its memory lives.
 """
 

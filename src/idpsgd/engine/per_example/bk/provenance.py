@@ -254,9 +254,6 @@ ROUTABLE = {F.linear: 1, F.embedding: 1, F.layer_norm: 2}
 LIKE = _fns("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "empty_like", "full_like")
 #: a copy of its ``data`` argument (values, not only the shape): the rows of ``data``
 NEW_TENSOR = _fns("new_tensor")
-#: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
-#: (a 0-dim or one-element tensor), the rows as they are (a list, an array, a string), or one answer about every
-#: row; each refused when the rows are mixed or more than one example's (:meth:`ProvenanceMode._host_read`)
 #: operations whose second tensor argument gives the result its dtype and device only (``type_as(other)``,
 #: ``to(other)``): the result's values, and rows, are the first argument's
 DTYPE_OF_OTHER = {_T.type_as, _T.to}
@@ -269,6 +266,9 @@ def dtype_donor(args, kwargs):
 
 #: a CUDA tensor's address for cupy, numba (``torch.as_tensor`` of their array: a new tensor on the same memory)
 _CUDA_ARRAY_INTERFACE = torch.Tensor.__dict__["__cuda_array_interface__"].__get__
+#: reads of a tensor's values into Python (host values that no tag follows), by what they read: one value
+#: (a 0-dim or one-element tensor), the rows as they are (a list, an array, a string), or one answer about every
+#: row; each refused when the rows are mixed or more than one example's (:meth:`ProvenanceMode._host_read`)
 HOST_SCALAR = _fns("item", "__bool__", "__int__", "__float__", "__complex__", "__index__", "is_nonzero")
 HOST_ROWS = _fns(
     "tolist",
