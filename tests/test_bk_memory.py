@@ -147,6 +147,6 @@ def test_a_tagged_memory_record_lasts_as_long_as_its_memory_not_its_tensor():
     alias = h.detach().as_subclass(torch.Tensor)
     del h  # the tagged tensor dies; its memory lives in the alias
     assert memory.rows(alias).dim == 0
-    key = M._storage_key(alias)
+    key = M.storage_key(alias)
     del alias
     assert all(alive() is None for _, _, alive in memory._by_storage[key])  # freed: never answered again

@@ -914,6 +914,66 @@ def test_tensors_in_a_list_of_the_result_are_tagged():
             bool(edges[0][-1] > 50)
 
 
+_EYE = torch.eye(4, dtype=torch.float64)
+#: operations where a constant operand meets the batch's rows row by row, so that an example would get the row of
+#: its place in the batch (which the other examples decide) were the constant's rows to differ (a fuzzer's)
+ALIGNED_CONSTANTS = {
+    "scatter src": lambda h, c: h.scatter(1, torch.zeros(len(h), 1, 4, dtype=torch.long), c[:, :1]),
+    "scatter_ src": lambda h, c: h.clone().scatter_(1, torch.zeros(len(h), 1, 4, dtype=torch.long), c[:, :1]),
+    "index_add source": lambda h, c: h.index_add(1, torch.tensor([0]), c[:, :1]),
+    "index_copy_ source": lambda h, c: h.clone().index_copy_(1, torch.tensor([0]), c[:, :1]),
+    "setitem into it": lambda h, c: _written(c.clone(), lambda t: t.__setitem__((slice(None), slice(0, 1)), h[:, :1])),
+    "copy_ into it": lambda h, c: _written(c.clone(), lambda t: t[:, :1].copy_(h[:, :1])),
+    # a factory's zeros are read as uniform without a comparison (the plan stays replayable) until written:
+    "setitem into zeros a constant wrote": lambda h, c: _written(
+        torch.zeros_like(c), lambda t: (t.__setitem__((slice(None), slice(1, 3)), c[:, 1:]), _first_row(t, h))
+    ),
+    "copy_ into zeros a view was written": lambda h, c: _written(
+        torch.zeros_like(c), lambda t: (t[:, 1:].copy_(c[:, 1:]), t[:, :1].copy_(h[:, :1]))
+    ),
+    "addmm input": lambda h, c: torch.addmm(c[:, 0], h[:, 0], _EYE),
+    "mse_loss target": lambda h, c: F.mse_loss(h, c, reduction="none"),
+    "bce target": lambda h, c: F.binary_cross_entropy_with_logits(h, c.sigmoid(), reduction="none"),
+}
+
+
+def _written(t, write):
+    write(t)
+    return t
+
+
+def _first_row(t, h):
+    t[:, :1] = h[:, :1]
+
+
+@pytest.mark.parametrize("name", list(ALIGNED_CONSTANTS))
+def test_a_constant_whose_rows_differ_along_the_batch_is_refused_where_it_meets_the_rows(name):
+    """Its rows differ: mixed (an example's computation would depend on its place); the same in every row: the
+    batch's rows, as with ``h * bank`` (the scatter family, setitem and copy_ into a constant, addmm's input and
+    the unreduced losses' target did not look)."""
+    op = ALIGNED_CONSTANTS[name]
+    x = torch.randn(N, 3, 4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    bank = torch.randn(N, 3, 4, dtype=torch.float64, generator=g)
+    same = torch.randn(1, 3, 4, dtype=torch.float64, generator=g).expand(N, 3, 4).contiguous()
+    for constant, known in ((bank, False), (same, True)):
+        mode = P.ProvenanceMode(N)
+        mode.tags[x] = P.BATCH
+        with torch.no_grad(), mode:
+            rows = mode.tags.get(op(x, constant))
+        assert rows.known is known, (name, rows)
+
+
+def test_flip_of_several_dimensions_given_as_arguments_sees_the_batch_s():
+    # (a fuzzer's: h.flip(1, 0) read only its first dimension and kept one example per row, reversing them)
+    x = torch.randn(N, 3, dtype=torch.float64)
+    mode = P.ProvenanceMode(N)
+    mode.tags[x] = P.BATCH
+    with mode:
+        assert not mode.tags.get(x.flip(1, 0)).known
+        assert mode.tags.get(x.unsqueeze(1).flip(2, 1)).key == P.BATCH.key
+
+
 class _ThroughAlias(nn.Module):
     """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 

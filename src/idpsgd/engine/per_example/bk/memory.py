@@ -74,7 +74,7 @@ def _keeper(t):
     return lambda: t
 
 
-def _storage_key(t) -> tuple | None:
+def storage_key(t) -> tuple | None:
     """(device, the first byte of ``t``'s storage): every tensor on the same storage has it, however it was made
     (``set_``, ``_make_subclass``, ``as_subclass`` share the storage); None for a tensor that reads no memory."""
     with _no_function():
@@ -342,7 +342,7 @@ class TaggedMemory:
     def rows(self, t):
         """The rows of ``t``, a tensor without a tag, by the tagged tensors whose storage it reads (as
         :meth:`WrittenMemory.rows`): None when it reads none of their elements."""
-        entries = self._by_storage.get(_storage_key(t)) if torch.is_tensor(t) else None
+        entries = self._by_storage.get(storage_key(t)) if torch.is_tensor(t) else None
         if not entries:
             return None
         span = _span(t)
@@ -351,6 +351,8 @@ class TaggedMemory:
             for s, rows, alive in entries:
                 if not _overlap(s, span) or alive() is None:
                     continue
+                if not rows.known:  # memory of rows of no single example: theirs, with the reason
+                    return rows
                 got = _read_rows(s, rows, span)
                 if got is None or (found is not None and got.key != found.key):
                     return self._alias

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .memory import TaggedMemory, WrittenMemory
+from .memory import TaggedMemory, WrittenMemory, storage_key
 
 _T = torch.Tensor
 
@@ -252,6 +252,9 @@ GETITEM = {_T.__getitem__}
 ROUTABLE = {F.linear: 1, F.embedding: 1, F.layer_norm: 2}
 #: tensors of a tagged tensor's shape but not of its values: not derived from the batch's data
 LIKE = _fns("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "empty_like", "full_like")
+#: factories whose result has the same values in every row (a fill value) or none yet (``empty``): a constant
+#: made by one and written only with batch rows has rows that do not differ, without reading them
+_UNIFORM_FACTORIES = _fns("zeros", "ones", "full", "empty") | (LIKE - _fns("new_tensor"))
 #: a copy of its ``data`` argument (values, not only the shape): the rows of ``data``
 NEW_TENSOR = _fns("new_tensor")
 #: operations whose second tensor argument gives the result its dtype and device only (``type_as(other)``,
@@ -512,6 +515,7 @@ class ProvenanceMode(TorchFunctionMode):
         self.sources: dict = {}  # id(parameter) -> parameter (covered layers')
         self.make_source = None
         self._before = None  # an in-place operation's target before the write (:meth:`_positional`)
+        self._uniform: dict = {}  # storage key -> its storage, weakly: made uniform by a factory, not written since
 
     def tag(self, t, rows: Rows | None) -> None:
         if rows is not None and torch.is_tensor(t):
@@ -587,6 +591,9 @@ class ProvenanceMode(TorchFunctionMode):
                 tags.wrote(target, before)
             for o, b in zip(outs, befores, strict=True):
                 tags.wrote(o, b)
+            if self._uniform:
+                for t in (target, *outs) if target is not None else outs:
+                    self._uniform.pop(storage_key(t), None)
 
     def _tag_result(self, func, args, kwargs, out):
         """Tags ``out = func(*args, **kwargs)`` (the operation has run) and applies the checks of its family."""
@@ -608,11 +615,18 @@ class ProvenanceMode(TorchFunctionMode):
         ):
             if getattr(func, "__self__", None) is _DATA_SETTER and len(args) > 1:
                 self._data_set(args[0], args[1])
+                self._uniform.pop(storage_key(args[0]), None)
             elif func in HOST_READS:
                 self._host_read(func, args, kwargs)
+                if func in MEMORY_EXPORTS and args and torch.is_tensor(args[0]):  # written through the export, maybe
+                    self._uniform.pop(storage_key(args[0]), None)
             elif func in LIKE or func in NEW_TENSOR:
                 self._like(func, args, kwargs, out)
+                if func in _UNIFORM_FACTORIES:
+                    self._made_uniform(out)
             return out
+        if func in _UNIFORM_FACTORIES:
+            self._made_uniform(out)
         tags = self.tags
         found = None
         for a in args:
@@ -745,6 +759,31 @@ class ProvenanceMode(TorchFunctionMode):
                 self._check_parameters(func, args, kwargs, r)
             self.tags[out] = r
 
+    def _made_uniform(self, out) -> None:
+        """``out``, untagged, was made by :data:`_UNIFORM_FACTORIES`: every row the same (or uninitialised), until
+        written (the key leaves at any write the mode sees to its storage, or an export of it)."""
+        if torch.is_tensor(out) and self.tags.get(out) is None:
+            key = storage_key(out)
+            if key is not None:
+                self._uniform[key] = weakref.ref(out.untyped_storage())
+
+    def _uniform_rows(self, t) -> bool:
+        """Whether ``t``'s storage was made uniform by a factory in this forward and not written since: its rows
+        are the same without reading them (a values comparison would keep the plan from being replayed)."""
+        ref = self._uniform.get(storage_key(t)) if self._uniform else None
+        return ref is not None and ref() is t.untyped_storage()
+
+    def _unwritten_rows_differ(self, target, write, d, group) -> bool:
+        """Whether ``target``'s values other than those ``write(clone)`` overwrites differ along ``d`` (by
+        ``group``-row blocks): batch rows written into part of a constant whose other rows differ would give each
+        example the constant's row of its place in the batch (a fuzzer's).  A target a factory made uniform in this
+        forward (BART's and T5's ``new_zeros``) is not read."""
+        if self._uniform_rows(target):
+            return False
+        unwritten = target.detach().clone()
+        write(unwritten)
+        return self._rows_differ(unwritten, d, group)
+
     def _copy_into_constant(self, view, value) -> None:
         """``view.copy_(value)``: batch rows copied into a view of a tensor of no example (a ``new_empty`` being
         filled: ``key[..., :d].copy_(k_nope); key[..., d:].copy_(k_rot)``, Youtu's attention) give the base the
@@ -764,6 +803,11 @@ class ProvenanceMode(TorchFunctionMode):
             return
         offset = view.storage_offset() - base.storage_offset()
         if (offset // base.stride(k)) % base.shape[k] != 0:
+            return
+        if self._unwritten_rows_differ(
+            base, lambda u: u.as_strided(view.shape, view.stride(), offset).zero_(), k, vr.group
+        ):
+            self.tags[base] = _mixed("copy_ of batch rows into a constant whose other rows differ along the batch")
             return
         self.tags[base] = Rows(k, vr.group)
         self.tags.wrote(base, None)  # an alias of the base made outside the rules reads it with these rows
@@ -842,6 +886,8 @@ class ProvenanceMode(TorchFunctionMode):
                 if tr is None and target.shape[d] != value.shape[vr.dim]:
                     continue
                 if tr is None:
+                    if self._unwritten_rows_differ(target, lambda u: u.__setitem__(index, 0), d, group):
+                        break  # the constant's other rows differ: each example would get its place's
                     self.tags[target] = Rows(d, group)
                 return
         if vr is None and tr is not None and self._masked_constant(target, index, value, tr):
@@ -906,7 +952,7 @@ class ProvenanceMode(TorchFunctionMode):
         every later one); the sensitivity is then not one example's clipped gradient.  A constant the same
         for every row (size 1 or stride 0 there, or equal rows: rotary cos/sin tables made per row) is
         fine; for rows grouped by example (B·T rows) the B blocks must be equal."""
-        if func in POINTWISE or name in ("where", "masked_fill", "lerp", "addcmul", "addcdiv", "broadcast_tensors"):
+        if func in POINTWISE or name in _ALIGNED_OPERANDS:
             kind = "aligned"
         elif name == "scaled_dot_product_attention":  # a constant attn_mask of B rows that differ
             if got.dim >= res.dim() - 2:
@@ -925,6 +971,8 @@ class ProvenanceMode(TorchFunctionMode):
         operands = list(args[0]) if listed and (kind == "join" or name == "broadcast_tensors") else list(args)
         if _inplace(func) and operands and operands[0] is args[0]:  # its values before the write (or none)
             operands[0] = self._before
+        if name == "addmm":  # the added input (B, out) only: mat1's rows are the batch's, mat2 is contracted
+            operands = operands[:1]
         operands += [v for k, v in kwargs.items() if torch.is_tensor(v) and k != "out"]  # (out=: written, not read)
         n = res.dim()
         size = res.shape[got.dim]
@@ -1311,6 +1359,8 @@ def _along_dim(mode, func, name, args, kwargs, tagged, res):
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
     if name in ("flip", "roll"):
         dims = _arg(args, kwargs, 2 if name == "roll" else 1, "dims")
+        if name == "flip" and len(args) > 2:  # h.flip(1, 0): the dimensions as arguments (a fuzzer's: only 1 read)
+            dims = list(args[1:])
         dims = _dims(dims, nd) if dims is not None else tuple(range(nd))
     elif name == "normalize":
         dims = _dims(kwargs.get("dim", args[2] if len(args) > 2 else 1), nd)
@@ -1614,6 +1664,15 @@ def _complex(mode, func, name, args, kwargs, tagged, res):  # elementwise on com
     return r if res.dim() == nd else None
 
 
+#: operations (besides the elementwise family) whose constant operands are aligned with the result's batch rows:
+#: a constant whose rows differ there is refused (:meth:`ProvenanceMode._positional`); the scatter family's
+#: ``src``/``index`` and ``addmm``'s added input were not checked (a fuzzer's: example i got the constant's row i)
+_ALIGNED_OPERANDS = frozenset(
+    {"where", "masked_fill", "lerp", "addcmul", "addcdiv", "broadcast_tensors", "addmm", "scatter", "scatter_add"}
+    | {"index_add", "index_copy", "scatter_", "scatter_add_", "index_copy_", "index_add_"}
+)
+
+
 def _index_of_the_batch(mode, args, kwargs) -> bool:
     """Whether ``index_add``/``index_copy``/``index_fill``'s index is of the batch: one index places the values of
     every row (the same positions for all), so an index computed from the examples lets each one move every
@@ -1682,9 +1741,18 @@ def _repeat(mode, func, name, args, kwargs, tagged, res):
     "huber_loss",
 )
 def _loss(mode, func, name, args, kwargs, tagged, res):  # per example only unreduced, the batch first
-    _, r, _ = _first(tagged)
+    x, r, _ = _first(tagged)
     red = kwargs.get("reduction", "mean")
-    return r if red == "none" and r.dim == 0 else None
+    if red != "none" or r.dim != 0:
+        return None
+    # a constant target (or a weight of the input's rank) whose rows differ: example i would get row i (a fuzzer's)
+    target = _arg(args, kwargs, 1, "target")
+    others = [v for k, v in kwargs.items() if k != "target" and torch.is_tensor(v) and v.dim() == x.dim()]
+    for t in [target, *others]:
+        aligned = torch.is_tensor(t) and mode.tags.get(t) is None and t.dim() and t.shape[0] == res.shape[0] > 1
+        if aligned and t.stride(0) != 0 and mode._rows_differ(t, 0, r.group):
+            return None
+    return r
 
 
 #: the families of operations by function, in the order they are tried (a function in two families
