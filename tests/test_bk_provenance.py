@@ -974,6 +974,23 @@ def test_flip_of_several_dimensions_given_as_arguments_sees_the_batch_s():
         assert mode.tags.get(x.unsqueeze(1).flip(2, 1)).key == P.BATCH.key
 
 
+class TiedOnGroupedRows(nn.Module):
+    """An embedding's weight used as an output projection on rows grouped by example, (B·T, d) @ E.T."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(5 * V, C)
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids)).flatten(0, 1)  # (B·T, d): Rows(0, group=T)
+        return self.head((h @ self.emb.weight.T).reshape(len(ids), -1))
+
+
+def test_a_tied_weight_on_rows_grouped_by_example_is_exact():
+    # (a fuzzer's: it crashed on a size error, the B copies of the weight against B·T rows)
+    _check_equal(_model(TiedOnGroupedRows), *_data((5,), ids=V), opacus=False)
+
+
 class _ThroughAlias(nn.Module):
     """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 

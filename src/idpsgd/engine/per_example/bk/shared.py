@@ -283,8 +283,11 @@ class SharedTensor(torch.Tensor):
                     a, k = tree_unflatten(plain, spec)  # sizes that differ in the batch dimension: torch's error
                     return func(*a, **k)
                 if func in MATMUL and rank == 2 and isinstance(flat[1], SharedTensor) and len(shared) == 1:
-                    # (B, d) @ W: as (B, 1, d) @ (B, d, p), each example with its copy of W
-                    return func(plain[0].unsqueeze(1), broadcast(flat[1], 3)).squeeze(1)
+                    # (B, d) @ W: as (B, 1, d) @ (B, d, p), each example with its copy of W; rows grouped by
+                    # example, (B·T, d) @ W: as (B, T, d) @ (B, d, p) (it crashed on a size error: a fuzzer's)
+                    rows = plain[0].unsqueeze(1) if group == 1 else plain[0].unflatten(0, (-1, group))
+                    out = func(rows, broadcast(flat[1], 3))
+                    return out.squeeze(1) if group == 1 else out.flatten(0, 1)
                 met = [broadcast(x, rank, group) if isinstance(x, SharedTensor) else x for x in flat]
                 a, k = tree_unflatten(met, spec)
                 return func(*a, **k)
