@@ -991,6 +991,26 @@ def test_a_tied_weight_on_rows_grouped_by_example_is_exact():
     _check_equal(_model(TiedOnGroupedRows), *_data((5,), ids=V), opacus=False)
 
 
+class MatrixVector(nn.Module):
+    """A matrix-vector product with a buffer vector, ``h @ v`` (B, D) @ (D,), and ``u @ h3`` (T,) @ (B, T, D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
+        self.register_buffer("v", torch.linspace(-1.0, 1.0, D))
+        self.register_buffer("u", torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        pooled = self.u @ h.unsqueeze(1).expand(-1, 3, -1)  # (B, D)
+        return self.head(pooled * (h @ self.v)[:, None])
+
+
+def test_a_matrix_vector_product_keeps_the_rows():
+    # (a fuzzer's most frequent false refusal: matmul with a 1-D operand had no rule)
+    _check_equal(_model(MatrixVector), *_data((D,)), opacus=False)
+
+
 class _ThroughAlias(nn.Module):
     """``fc0``, then :meth:`middle` (an alias's doings, by ``how``), then ``fc`` and ``head``."""
 

@@ -215,6 +215,8 @@ JOINS = [
     lambda f, e: f([e.a, e.a2], 3),
 ]
 MATMULS = [
+    lambda f, e: f(e.a, e.c_row),  # (..., d) @ (d,)
+    lambda f, e: f(e.c_row[: e.n1], e.a),  # (d,) @ (..., d, p)
     lambda f, e: f(e.a, e.W.T),
     lambda f, e: f(e.a, e.a2.transpose(-1, -2)),
     lambda f, e: f(e.a.transpose(-1, -2), e.a2),

@@ -1070,7 +1070,17 @@ class ProvenanceMode(TorchFunctionMode):
 
     def _matmul(self, args, res):
         a, b = args[0], args[1]
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() < 2 or b.dim() < 2:
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return None
+        if a.dim() >= 2 and b.dim() == 1 and self.tags.get(b) is None:  # (..., d) @ (d,): the last dimension goes
+            rr = self.tags.get(a)
+            return None if rr is None or rr.dim == a.dim() - 1 else Rows(rr.dim, rr.group)
+        if a.dim() == 1 and b.dim() >= 2 and self.tags.get(a) is None:  # (d,) @ (..., d, p): b's dim -2 goes
+            rr = self.tags.get(b)
+            if rr is None or rr.dim == b.dim() - 2:
+                return None
+            return Rows(rr.dim - (rr.dim == b.dim() - 1), rr.group)
+        if a.dim() < 2 or b.dim() < 2:
             return None
         ra, rb, n = a.dim(), b.dim(), res.dim()
         got = set()
