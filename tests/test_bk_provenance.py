@@ -933,6 +933,7 @@ ALIGNED_CONSTANTS = {
     ),
     "addmm input": lambda h, c: torch.addmm(c[:, 0], h[:, 0], _EYE),
     "mse_loss target": lambda h, c: F.mse_loss(h, c, reduction="none"),
+    "mse_loss input": lambda h, c: F.mse_loss(c, h, reduction="none"),
     "bce target": lambda h, c: F.binary_cross_entropy_with_logits(h, c.sigmoid(), reduction="none"),
 }
 

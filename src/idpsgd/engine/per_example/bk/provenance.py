@@ -1755,10 +1755,13 @@ def _loss(mode, func, name, args, kwargs, tagged, res):  # per example only unre
     red = kwargs.get("reduction", "mean")
     if red != "none" or r.dim != 0:
         return None
-    # a constant target (or a weight of the input's rank) whose rows differ: example i would get row i (a fuzzer's)
-    target = _arg(args, kwargs, 1, "target")
-    others = [v for k, v in kwargs.items() if k != "target" and torch.is_tensor(v) and v.dim() == x.dim()]
-    for t in [target, *others]:
+    # a constant input or target (or a weight of the input's rank) whose rows differ: example i would get row i
+    # (a fuzzer's)
+    operands = [_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")]
+    operands += [
+        v for k, v in kwargs.items() if k not in ("input", "target") and torch.is_tensor(v) and v.dim() == x.dim()
+    ]
+    for t in operands:
         aligned = torch.is_tensor(t) and mode.tags.get(t) is None and t.dim() and t.shape[0] == res.shape[0] > 1
         if aligned and t.stride(0) != 0 and mode._rows_differ(t, 0, r.group):
             return None
