@@ -657,20 +657,15 @@ class ProvenanceMode(TorchFunctionMode):
             return out
         if not rows.known and torch.is_grad_enabled():
             self._check_parameters(func, args, kwargs, rows)
-        if torch.is_tensor(out):
-            tags[out] = rows
-            if out._base is not None and tags.storages is not None:
-                self._hold_made_view(out, rows, args, kwargs)
-        else:
-            for o in out:
-                if torch.is_tensor(o):
-                    tags[o] = rows
-                    if o._base is not None and tags.storages is not None:
-                        self._hold_made_view(o, rows, args, kwargs)
-                elif isinstance(o, (list, tuple)):  # histogramdd's (hist, [edges, ...]): the edges' range too
-                    for t in o:
-                        if torch.is_tensor(t):
-                            tags[t] = rows
+        for o in (out,) if torch.is_tensor(out) else out:
+            if torch.is_tensor(o):
+                tags[o] = rows
+                if o._base is not None and tags.storages is not None:
+                    self._hold_made_view(o, rows, args, kwargs)
+            elif isinstance(o, (list, tuple)):  # histogramdd's (hist, [edges, ...]): the edges' range too
+                for t in o:
+                    if torch.is_tensor(t):
+                        tags[t] = rows
         return out
 
     def _hold_made_view(self, view, rows, args, kwargs) -> None:
